@@ -1,0 +1,294 @@
+"""Stage configs: one dataclass per stage, loaded from a TOML recipe and overridden by `--key=value`.
+
+A recipe (manifests/*.toml) has one table per stage (`[tokenize]`, `[extract]`, `[train]`, ...). Every field has a
+one-line comment; required fields have no default. `resolve()` is the one place derived values are computed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A config, recipe or command-line value is wrong; the message says which and what to do."""
+
+
+@dataclass
+class TokenizeConfig:
+    corpus: list[str]  # chat JSONL/Parquet or pre-tokenized Arrow/Parquet files; globs allowed
+    tokenizer: str  # directory holding the target's tokenizer (usually the target checkpoint itself)
+    cache_root: str = "cache"  # where caches live; a token cache goes to <cache_root>/tokens-<key12>
+    out: str = ""  # explicit cache directory (overrides the content-addressed default under cache_root)
+    seq_len: int = 4096  # fixed row length in tokens; a multiple of block_size
+    block_size: int = 16  # drafter block size; rows must be a multiple of it
+    rows_per_shard: int = 256  # rows per token shard (the last shard may hold fewer)
+    long_doc: str = "split"  # documents longer than seq_len: "split" into seq_len chunks, "truncate", or "skip"
+    thinking: str = "keep"  # assistant reasoning: "keep" (rendered by the chat template) or "strip"
+    strict: bool = False  # stop at the first malformed record instead of skipping and counting it
+    open_rows: int = 64  # packing window: rows kept open for best-fit placement (more = less padding)
+    workers: int = 0  # tokenizer processes; 0 = one per CPU core
+    chunk_docs: int = 256  # documents per unit of work sent to a tokenizer process
+    max_docs: int = 0  # stop after this many records (0 = all); part of the cache key
+
+    def resolve(self) -> TokenizeConfig:
+        if self.seq_len <= 0 or self.block_size <= 0 or self.seq_len % self.block_size:
+            raise ConfigError(
+                f"tokenize.seq_len={self.seq_len} must be a positive multiple of block_size={self.block_size}"
+            )
+        check_choice("tokenize.long_doc", self.long_doc, ("split", "truncate", "skip"))
+        check_choice("tokenize.thinking", self.thinking, ("keep", "strip"))
+        if not self.corpus:
+            raise ConfigError("tokenize.corpus is empty: give at least one file or glob (CORPUS=...)")
+        for name in ("rows_per_shard", "open_rows", "chunk_docs"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"tokenize.{name} must be > 0, got {getattr(self, name)}")
+        return self
+
+
+@dataclass
+class ExtractConfig:
+    target: str  # target checkpoint: a local directory (or a hub id already in the local HF cache)
+    tokens: str = ""  # token cache directory; empty = run/reuse stage 1a with this recipe's [tokenize] table
+    cache_root: str = "cache"  # a hidden-state cache goes to <cache_root>/hidden-<key12>
+    out: str = ""  # explicit hidden-state cache directory (overrides the content-addressed default)
+    num_draft_layers: int = 5  # drafter depth, for the default tapped-layer formula
+    layer_ids: list[int] = field(default_factory=list)  # tapped 0-based layer outputs; empty = DFlash default
+    quant: str = "bf16"  # stored hidden states: "bf16" or "fp8" (e4m3 with per-token, per-layer scales)
+    dtype: str = "bfloat16"  # compute dtype of the target: "bfloat16" (real runs) or "float32" (exactness tests)
+    mask_token_id: int = -1  # the drafter's mask token, validated here (-1 = read from the target's sidecar)
+    batch_rows: int = 1  # rows per target forward (fixed shape)
+    shards: str = ""  # redo exactly these shards ("3", "0-4,7"), even if committed; empty = every uncommitted one
+    device: str = "auto"  # "auto" (cuda when available), "cuda" or "cpu"
+    mode: str = "auto"  # document isolation: "auto", "packed" (fla varlen kernels, GPU) or "per_doc"
+    lease_s: float = 900.0  # a claimed shard not committed within this many seconds may be taken over
+    dry_run: bool = False  # validate, estimate size and time, check kernels, then stop before loading weights
+    min_free_gb: float = 2.0  # refuse to start unless the cache's filesystem keeps this much room after the run
+
+    def resolve(self) -> ExtractConfig:
+        check_choice("extract.quant", self.quant, ("bf16", "fp8"))
+        check_choice("extract.dtype", self.dtype, ("bfloat16", "float32"))
+        check_choice("extract.device", self.device, ("auto", "cuda", "cpu"))
+        check_choice("extract.mode", self.mode, ("auto", "packed", "per_doc"))
+        if self.batch_rows <= 0:
+            raise ConfigError(f"extract.batch_rows must be > 0, got {self.batch_rows}")
+        if self.layer_ids and len(set(self.layer_ids)) != len(self.layer_ids):
+            raise ConfigError(f"extract.layer_ids {self.layer_ids} has duplicates")
+        parse_shard_list(self.shards)
+        return self
+
+
+@dataclass
+class VerifyConfig:
+    cache: str  # hidden-state cache directory to verify
+    target: str = ""  # target checkpoint; empty = the one the cache was extracted from
+    rows: int = 2  # rows per shard recomputed with the target (0 = hashes only)
+    tol: float = 0.02  # max relative L2 error per layer, bf16 recompute vs stored (FP8 caches: at least 0.06)
+    device: str = "auto"  # "auto", "cuda" or "cpu"
+    mode: str = "auto"  # document isolation for the recompute: "auto", "packed" or "per_doc"
+
+    def resolve(self) -> VerifyConfig:
+        check_choice("verify.device", self.device, ("auto", "cuda", "cpu"))
+        check_choice("verify.mode", self.mode, ("auto", "packed", "per_doc"))
+        return self
+
+
+def parse_shard_list(text: str) -> list[int]:
+    """'0-3,7' → [0, 1, 2, 3, 7] (the SHARD= syntax)."""
+    out: list[int] = []
+    for part in filter(None, (p.strip() for p in str(text).split(","))):
+        try:
+            if "-" in part:
+                a, b = (int(x) for x in part.split("-", 1))
+                if b < a:
+                    raise ValueError
+                out += range(a, b + 1)
+            else:
+                out.append(int(part))
+        except ValueError:
+            raise ConfigError(f"SHARD={text!r}: expected shard numbers and ranges like 3 or 0-4,7") from None
+    return sorted(set(out))
+
+
+def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not one of {', '.join(choices)}")
+
+
+# --- loading -------------------------------------------------------------------------------------------------
+
+
+def _coerce(name: str, text: str, typ) -> object:
+    """Turn a command-line string into the field's type."""
+    origin = typing.get_origin(typ)
+    if origin in (list, tuple):
+        (inner,) = typing.get_args(typ)[:1]
+        if text.strip().startswith("["):
+            items = json.loads(text)
+        else:
+            items = [t for t in text.split(",") if t.strip()]
+        return [_coerce(name, str(t), inner) for t in items]
+    if origin in (types.UnionType, typing.Union):
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        return _coerce(name, text, args[0])
+    try:
+        if typ is bool:
+            low = text.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        if typ in (int, float, str):
+            return typ(text)
+    except ValueError:
+        raise ConfigError(f"--{name}={text!r}: expected a {typ.__name__}") from None
+    raise ConfigError(f"--{name}: unsupported field type {typ}")
+
+
+def _check_type(section: str, name: str, value, typ) -> object:
+    if isinstance(value, str) and typ is not str:
+        return _coerce(name, value, typ)
+    origin = typing.get_origin(typ) or typ
+    if origin is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if origin in (list, tuple):
+        if isinstance(value, str):
+            return [value]
+        if not isinstance(value, list):
+            raise ConfigError(f"[{section}] {name} = {value!r}: expected a list")
+        return list(value)
+    if isinstance(origin, type) and not isinstance(value, origin):
+        raise ConfigError(f"[{section}] {name} = {value!r}: expected {origin.__name__}")
+    return value
+
+
+def parse_overrides(argv: list[str]) -> tuple[str | None, dict[str, str]]:
+    """Split `--recipe=path` and `--key=value` arguments; anything else is an error."""
+    recipe, out = None, {}
+    for arg in argv:
+        if not arg.startswith("--") or "=" not in arg:
+            raise ConfigError(f"argument {arg!r}: expected --key=value (see --help)")
+        key, value = arg[2:].split("=", 1)
+        key = key.replace("-", "_")
+        if key == "recipe":
+            recipe = value
+        else:
+            out[key] = value
+    return recipe, out
+
+
+def load_config(cls, section: str, recipe: str | None, overrides: dict[str, str], base: dict | None = None):
+    """Build `cls` from a recipe's `[section]` table, then `--key=value` overrides; empty override = keep."""
+    values: dict[str, object] = dict(base or {})
+    if recipe:
+        path = Path(recipe)
+        if not path.is_file():
+            raise ConfigError(f"recipe {recipe} not found: pass --recipe=manifests/<name>.toml")
+        try:
+            table = tomllib.loads(path.read_text()).get(section, {})
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"recipe {recipe}: invalid TOML: {e}") from None
+        values.update(table)
+    values.update({k: v for k, v in overrides.items() if v != ""})
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(
+            f"unknown {section} setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
+    kwargs = {k: _check_type(section, k, v, hints[k]) for k, v in values.items()}
+    missing = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"missing required {section} setting(s): {', '.join(missing)} (give --name=value)")
+    return cls(**kwargs).resolve()
+
+
+def configs_from_argv(specs: list[tuple[type, str]], argv: list[str], doc: str, defaults=None) -> list:
+    """Several stage configs from one command line: each `--key=value` goes to every config that has that field.
+
+    `defaults(section, values, earlier)` may fill fields from configs resolved before it (e.g. tokenizer =
+    extract.target); `earlier` maps section → config.
+    """
+    if any(a in ("-h", "--help") for a in argv):
+        print(doc.strip() + "\n\n" + "\n\n".join(f"[{sec}] " + describe(cls) for cls, sec in specs))
+        sys.exit(0)
+    recipe, overrides = parse_overrides(argv)
+    known = {f.name for cls, _ in specs for f in dataclasses.fields(cls)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; see --help")
+    table: dict = {}
+    if recipe:
+        if not Path(recipe).is_file():
+            raise ConfigError(f"recipe {recipe} not found: pass --recipe=manifests/<name>.toml")
+        table = tomllib.loads(Path(recipe).read_text())
+    out, earlier = [], {}
+    for cls, sec in specs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = dict(table.get(sec, {}))
+        values.update({k: v for k, v in overrides.items() if k in names and v != ""})
+        if defaults:
+            defaults(sec, values, earlier)
+        earlier[sec] = load_config(cls, sec, None, {}, values)
+        out.append(earlier[sec])
+    return out
+
+
+def config_from_argv(cls, section: str, argv: list[str], doc: str):
+    """The stage scripts' front door: `--help` prints the fields with their comments."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(doc.strip() + "\n\n" + describe(cls))
+        sys.exit(0)
+    recipe, overrides = parse_overrides(argv)
+    return load_config(cls, section, recipe, overrides)
+
+
+def describe(cls) -> str:
+    """Field list with defaults and the comment next to each field in the source."""
+    import inspect
+
+    comments = {}
+    for line in inspect.getsource(cls).splitlines():
+        line = line.strip()
+        if ":" in line and "#" in line and not line.startswith(("#", "def", "class")):
+            name = line.split(":", 1)[0].strip()
+            comments[name] = line.split("#", 1)[1].strip()
+    rows = ["options (--key=value, or --recipe=manifests/NAME.toml for a recipe):"]
+    for f in dataclasses.fields(cls):
+        default = "REQUIRED" if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING else (
+            f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        )
+        rows.append(f"  --{f.name:<18} {comments.get(f.name, '')}  [{default!r}]")
+    return "\n".join(rows)
+
+
+def as_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+__all__ = [
+    "ConfigError",
+    "ExtractConfig",
+    "TokenizeConfig",
+    "VerifyConfig",
+    "configs_from_argv",
+    "parse_shard_list",
+    "as_dict",
+    "config_from_argv",
+    "describe",
+    "field",
+    "load_config",
+    "parse_overrides",
+]

@@ -1,0 +1,338 @@
+"""Corpus ingestion: stream records from JSONL / Parquet / Arrow files, validate them, tokenize them in worker
+processes, and yield documents (input_ids + assistant-only loss_mask) or skips with a reason and file:line.
+
+Record kinds (per record, so one JSONL may mix them):
+- chat: `{"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str, "reasoning_content": str?}]}`
+  (`reasoning` / `thinking` are accepted as aliases of `reasoning_content`);
+- pre-tokenized: `{"input_ids": [int], "loss_mask": [0|1]}`.
+Nothing is read whole: files are read line by line or batch by batch, and at most `2 × workers` chunks are in
+flight, so a corpus larger than RAM streams through with bounded memory.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import multiprocessing as mp
+import os
+import re
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROLES = ("system", "user", "assistant", "tool")
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+ASSISTANT_OPEN, TURN_CLOSE = "<|im_start|>assistant\n", "<|im_end|>"
+THINK_RE = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
+
+
+class CorpusError(ValueError):
+    """A corpus file or record is malformed; the message names file:line, the reason and what to do."""
+
+
+class RecordError(Exception):
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+@dataclass
+class Record:
+    file: str
+    line: int  # 1-based line (JSONL) or row (Parquet/Arrow)
+    ordinal: int  # position in the whole corpus stream
+    raw: bytes | dict
+
+
+@dataclass
+class Skip:
+    reason: str
+    detail: str
+    file: str
+    line: int
+
+    def message(self) -> str:
+        return f"{self.file}:{self.line}: {self.reason}: {self.detail}"
+
+
+# --- reading -------------------------------------------------------------------------------------------------
+
+
+def expand_paths(patterns: list[str]) -> list[Path]:
+    """Files for the given paths/globs, in a stable order; a pattern matching nothing is an error."""
+    out: list[Path] = []
+    for pat in patterns:
+        hits = sorted(glob.glob(pat, recursive=True)) if any(c in pat for c in "*?[") else [pat]
+        hits = [h for h in hits if not os.path.isdir(h)] or hits
+        if not hits or not all(os.path.isfile(h) for h in hits):
+            raise CorpusError(f"corpus {pat!r} matches no file: check CORPUS= (paths and globs are allowed)")
+        out += [Path(h) for h in hits]
+    return out
+
+
+def file_kind(path: Path) -> str:
+    name = path.name.lower()
+    if name.endswith((".jsonl", ".json", ".jsonl.txt")):
+        return "jsonl"
+    if name.endswith(".parquet"):
+        return "parquet"
+    if name.endswith((".arrow", ".feather", ".ipc")):
+        return "arrow"
+    raise CorpusError(f"{path}: unknown corpus format (expected .jsonl, .parquet or .arrow)")
+
+
+def _table_batches(path: Path, kind: str):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if kind == "parquet":
+        yield from pq.ParquetFile(path).iter_batches(batch_size=1024)
+    else:
+        try:
+            reader = pa.ipc.open_file(pa.memory_map(str(path)))
+            for i in range(reader.num_record_batches):
+                yield reader.get_batch(i)
+        except pa.ArrowInvalid:
+            with pa.ipc.open_stream(pa.memory_map(str(path))) as reader:
+                yield from reader
+
+
+def iter_records(paths: list[Path], max_docs: int = 0) -> Iterator[Record]:
+    """Every record of every file, lazily. Blank JSONL lines are not records."""
+    ordinal = 0
+    for path in paths:
+        kind = file_kind(path)
+        if kind == "jsonl":
+            with open(path, "rb") as f:
+                for line_no, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    yield Record(str(path), line_no, ordinal, line)
+                    ordinal += 1
+                    if max_docs and ordinal >= max_docs:
+                        return
+        else:
+            row = 0
+            for batch in _table_batches(path, kind):
+                for obj in batch.to_pylist():
+                    row += 1
+                    yield Record(str(path), row, ordinal, obj)
+                    ordinal += 1
+                    if max_docs and ordinal >= max_docs:
+                        return
+
+
+def corpus_hash(paths: list[Path]) -> str:
+    """Content hash of the corpus: the bytes of every file, in order (names do not matter, contents do)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(b"\x00file\x00")
+        with open(p, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+# --- validation ----------------------------------------------------------------------------------------------
+
+
+def parse(raw: bytes | dict) -> dict:
+    if isinstance(raw, dict):
+        return raw
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RecordError("invalid_utf8", f"byte {e.start} is not UTF-8; re-encode the file as UTF-8") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RecordError("invalid_json", f"{e.msg} at column {e.colno}; each line must be one JSON object") from None
+    if not isinstance(obj, dict):
+        raise RecordError("not_an_object", f"got a JSON {type(obj).__name__}; expected an object with 'messages'")
+    return obj
+
+
+def validate_messages(obj: dict) -> list[dict]:
+    if "messages" not in obj:
+        raise RecordError("missing_messages", f"keys {sorted(obj)[:6]}; expected 'messages' (or input_ids+loss_mask)")
+    msgs = obj["messages"]
+    if not isinstance(msgs, list):
+        raise RecordError("wrong_type", f"'messages' is a {type(msgs).__name__}; expected a list of messages")
+    if not msgs:
+        raise RecordError("empty_conversation", "'messages' is an empty list")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise RecordError("wrong_type", f"messages[{i}] is a {type(m).__name__}; expected an object")
+        if "role" not in m:
+            raise RecordError("missing_role", f"messages[{i}] has no 'role' (one of {', '.join(ROLES)})")
+        if m["role"] not in ROLES:
+            raise RecordError("unknown_role", f"messages[{i}].role = {m['role']!r}; expected one of {', '.join(ROLES)}")
+        content = m.get("content")
+        if content is None and m.get("tool_calls"):
+            content = ""
+        if not isinstance(content, str):
+            raise RecordError(
+                "non_string_content", f"messages[{i}].content is {type(content).__name__}; expected a string"
+            )
+        msg = {"role": m["role"], "content": content}
+        for key in REASONING_KEYS:
+            if m.get(key) is not None:
+                if not isinstance(m[key], str):
+                    raise RecordError("wrong_type", f"messages[{i}].{key} is {type(m[key]).__name__}; expected a string")
+                msg["reasoning_content"] = m[key]
+                break
+        if m.get("tool_calls"):
+            msg["tool_calls"] = m["tool_calls"]
+        out.append(msg)
+    if not any(m["role"] == "assistant" for m in out):
+        raise RecordError("no_assistant_turn", "nothing to learn from: the conversation has no assistant message")
+    return out
+
+
+def validate_tokens(obj: dict, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    ids, mask = obj.get("input_ids"), obj.get("loss_mask")
+    if not isinstance(ids, list) or not isinstance(mask, list):
+        raise RecordError("wrong_type", "pre-tokenized records need lists 'input_ids' and 'loss_mask'")
+    if len(ids) != len(mask):
+        raise RecordError("length_mismatch", f"input_ids has {len(ids)} tokens, loss_mask {len(mask)}")
+    if not ids:
+        raise RecordError("empty_conversation", "input_ids is empty")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise RecordError("wrong_type", "input_ids must hold integers only")
+    if any(m not in (0, 1) for m in mask):
+        raise RecordError("wrong_type", "loss_mask must hold 0 and 1 only")
+    arr = np.asarray(ids, dtype=np.int64)
+    if arr.min() < 0 or arr.max() >= vocab_size:
+        raise RecordError("token_out_of_range", f"ids must be in [0, {vocab_size}); found {arr.min()}..{arr.max()}")
+    return arr.astype(np.int32), np.asarray(mask, dtype=np.uint8)
+
+
+# --- chat template and loss mask -----------------------------------------------------------------------------
+
+
+def prepare_messages(messages: list[dict], thinking: str) -> list[dict]:
+    if thinking == "keep":
+        return messages
+    out = []
+    for m in messages:
+        m = {k: v for k, v in m.items() if k != "reasoning_content"}
+        if m["role"] == "assistant":
+            m["content"] = THINK_RE.sub("", m["content"])
+        out.append(m)
+    return out
+
+
+def assistant_spans(text: str) -> list[tuple[int, int]]:
+    """Character spans of assistant turns: from after `<|im_start|>assistant\\n` through `<|im_end|>` inclusive."""
+    spans, at = [], 0
+    while (start := text.find(ASSISTANT_OPEN, at)) >= 0:
+        body = start + len(ASSISTANT_OPEN)
+        end = text.find(TURN_CLOSE, body)
+        end = len(text) if end < 0 else end + len(TURN_CLOSE)
+        spans.append((body, end))
+        at = end
+    return spans
+
+
+def mask_from_offsets(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
+    """1 for every token that starts inside an assistant span."""
+    starts = np.asarray([o[0] for o in offsets], dtype=np.int64)
+    if not spans:
+        return np.zeros(len(starts), dtype=np.uint8)
+    s0 = np.asarray([s for s, _ in spans])
+    s1 = np.asarray([e for _, e in spans])
+    idx = np.searchsorted(s0, starts, side="right") - 1
+    ok = (idx >= 0) & (starts < s1[np.maximum(idx, 0)])
+    return ok.astype(np.uint8)
+
+
+def check_tokenizer(tok) -> None:
+    """Fail fast if the tokenizer cannot render Qwen chats with single-token turn markers."""
+    if not getattr(tok, "chat_template", None):
+        raise CorpusError("the tokenizer has no chat template: point TOKENIZER/TARGET at the target checkpoint")
+    for marker in ("<|im_start|>", "<|im_end|>"):
+        ids = tok.convert_tokens_to_ids(marker)
+        if ids is None or ids == tok.unk_token_id:
+            raise CorpusError(f"the tokenizer has no single token {marker}: only Qwen-style chat tokenizers work")
+
+
+# --- worker processes ----------------------------------------------------------------------------------------
+
+_TOK = None
+_OPTS: dict = {}
+
+
+def _init_worker(tokenizer_dir: str, opts: dict) -> None:
+    global _TOK, _OPTS
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from transformers import AutoTokenizer
+
+    _TOK = AutoTokenizer.from_pretrained(tokenizer_dir)
+    _OPTS = opts
+
+
+def process_chunk(chunk: list[Record]) -> list[tuple]:
+    """Records → ("doc", ordinal, ids, mask) or ("skip", Skip). Runs in a worker (or inline when workers == 1)."""
+    results: list = [None] * len(chunk)
+    texts, where = [], []
+    for i, rec in enumerate(chunk):
+        try:
+            obj = parse(rec.raw)
+            if "messages" not in obj and "input_ids" in obj:
+                ids, mask = validate_tokens(obj, _OPTS["vocab_size"])
+                results[i] = ("doc", rec.ordinal, ids, mask)
+                continue
+            msgs = prepare_messages(validate_messages(obj), _OPTS["thinking"])
+            texts.append(_TOK.apply_chat_template(msgs, tokenize=False))
+            where.append(i)
+        except RecordError as e:
+            results[i] = ("skip", Skip(e.reason, e.detail, rec.file, rec.line))
+        except Exception as e:  # the chat template itself rejected the conversation
+            results[i] = ("skip", Skip("template_error", f"{type(e).__name__}: {e}", rec.file, rec.line))
+    if texts:
+        enc = _TOK(texts, add_special_tokens=False, return_offsets_mapping=True)
+        for j, i in enumerate(where):
+            ids = np.asarray(enc["input_ids"][j], dtype=np.int32)
+            mask = mask_from_offsets(enc["offset_mapping"][j], assistant_spans(texts[j]))
+            results[i] = ("doc", chunk[i].ordinal, ids, mask)
+    for i, rec in enumerate(chunk):
+        if results[i][0] == "doc" and not results[i][3].any():
+            results[i] = ("skip", Skip("no_supervised_tokens", "no assistant token to learn from", rec.file, rec.line))
+    return results
+
+
+def _chunks(records: Iterator[Record], size: int) -> Iterator[list[Record]]:
+    chunk = []
+    for rec in records:
+        chunk.append(rec)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def tokenize_stream(
+    records: Iterator[Record], tokenizer_dir: str, opts: dict, workers: int, chunk_docs: int
+) -> Iterator[tuple]:
+    """Results in corpus order, computed by `workers` processes with a bounded number of chunks in flight."""
+    if workers <= 1:
+        _init_worker(tokenizer_dir, opts)
+        for chunk in _chunks(records, chunk_docs):
+            yield from process_chunk(chunk)
+        return
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer_dir, opts)) as pool:
+        pending: deque = deque()
+        for chunk in _chunks(records, chunk_docs):
+            pending.append(pool.apply_async(process_chunk, (chunk,)))
+            if len(pending) >= 2 * workers:
+                yield from pending.popleft().get()
+        while pending:
+            yield from pending.popleft().get()

@@ -1,0 +1,88 @@
+"""Visible progress: an unbuffered progress bar with tokens/s and ETA, plus a status JSON others can read.
+
+`status.json` (in the cache or run directory) is rewritten atomically at most every `every_s` seconds with the
+stage, counts, rates, ETA and reserved GPU memory; `make status` prints it while a job runs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .manifest import write_json_atomic
+
+
+def unbuffered() -> None:
+    """Line-buffer stdout/stderr so logs appear as they happen, also when piped to a file."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(line_buffering=True)
+        except AttributeError:
+            pass
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class Progress:
+    """`update(n, tokens=...)` advances the bar; `status_path` gets a JSON snapshot every `every_s` seconds."""
+
+    def __init__(self, stage: str, total: float | None, unit: str, status_path: Path | None, every_s: float = 2.0,
+                 disable: bool | None = None):
+        self.stage, self.status_path, self.every_s = stage, status_path, every_s
+        if disable is None:
+            disable = os.environ.get("DFLASH_NO_BAR") == "1"
+        self.bar = tqdm(total=total, unit=unit, desc=stage, dynamic_ncols=True, mininterval=1.0, disable=disable,
+                        file=sys.stderr, unit_scale=True)
+        self.t0 = time.time()
+        self.tokens = 0
+        self.extra: dict = {}
+        self.last_write = 0.0
+
+    def update(self, n: float = 1, tokens: int = 0, **extra) -> None:
+        self.tokens += tokens
+        self.extra.update(extra)
+        self.bar.update(n)
+        elapsed = max(time.time() - self.t0, 1e-9)
+        self.bar.set_postfix_str(f"{self.tokens / elapsed:,.0f} tok/s", refresh=False)
+        if self.status_path is not None and time.time() - self.last_write >= self.every_s:
+            self.write_status("running")
+
+    def snapshot(self, state: str) -> dict:
+        elapsed = time.time() - self.t0
+        done, total = self.bar.n, self.bar.total
+        rate = done / elapsed if elapsed > 0 else 0.0
+        eta = (total - done) / rate if total and rate > 0 else None
+        snap = {
+            "stage": self.stage,
+            "state": state,
+            "pid": os.getpid(),
+            "done": done,
+            "total": total,
+            "tokens": self.tokens,
+            "tokens_per_s": self.tokens / elapsed if elapsed > 0 else 0.0,
+            "elapsed_s": elapsed,
+            "eta_s": eta,
+            "updated_at": time.time(),
+        }
+        snap.update(self.extra)
+        return snap
+
+    def write_status(self, state: str) -> None:
+        self.last_write = time.time()
+        try:
+            write_json_atomic(self.status_path, self.snapshot(state))
+        except OSError:
+            pass  # status is best-effort; the manifest is the record
+
+    def close(self, state: str = "done") -> dict:
+        self.bar.close()
+        snap = self.snapshot(state)
+        if self.status_path is not None:
+            self.write_status(state)
+        return snap

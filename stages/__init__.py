@@ -1,0 +1,1 @@
+"""Stage entry points, each run as `python -m stages.<name>`."""

@@ -1,0 +1,320 @@
+"""Stage 1b: run the frozen target once over the packed token shards and commit hidden-state shards.
+
+    python -m stages.extract --recipe=manifests/demo.toml [--target=DIR] [--shards=3,5-7] [--dry_run=1] ...
+    accelerate launch --num_processes N -m stages.extract ...     (one process per GPU; NPROC=N in make)
+
+Order of work: validate the config, read the target's config.json, estimate bytes and refuse if the disk lacks room,
+check the kernels and time one batch on a small random model of the target's real widths — all in seconds, before
+any weight loads (`--dry_run=1` stops there) — then load only the needed layers and extract. Every process claims a
+shard (with a lease) before computing it, so ranks and machines sharing the cache never compute one twice; each
+shard is written temp → fsync → rename and then committed to the manifest. Rerun = every uncommitted shard;
+`--shards=` (make SHARD=) redoes exactly those. Device→host copies and disk writes overlap the next forward.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from dflash_offline.config import ExtractConfig, TokenizeConfig, as_dict, configs_from_argv, parse_shard_list
+from dflash_offline.manifest import (
+    commit_shard,
+    committed,
+    hash_obj,
+    open_cache,
+    read_manifest,
+    release_claim,
+    renew_claim,
+    try_claim,
+)
+from dflash_offline.progress import Progress, log, unbuffered
+
+HIDDEN_FORMAT_VERSION = 1
+
+
+# --- config --------------------------------------------------------------------------------------------------
+
+
+def dist_env() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from accelerate/torchrun's environment; (0, 1, 0) when run alone."""
+    env = os.environ
+    return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
+
+
+def private_compile_caches(rank: int) -> None:
+    """One Triton/Inductor cache directory per process: concurrent autotuning must not race on shared files."""
+    base = Path(os.environ.get("DFLASH_COMPILE_CACHE", Path.home() / ".cache" / "dflash_offline"))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(base / f"triton-rank{rank}"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(base / f"inductor-rank{rank}"))
+
+
+def tokenizer_default(section: str, values: dict, earlier: dict) -> None:
+    """The tokenizer defaults to the target checkpoint."""
+    if section == "tokenize" and not values.get("tokenizer"):
+        values["tokenizer"] = earlier["extract"].target
+
+
+def token_cache(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int) -> Path:
+    """The token cache: given, or made/reused by stage 1a (rank 0 writes it; other ranks wait for it)."""
+    from stages import tokenize
+
+    if cfg.tokens:
+        return Path(cfg.tokens)
+    if rank == 0:
+        return tokenize.run(tok_cfg)
+    from transformers import AutoTokenizer
+
+    from dflash_offline.corpus import expand_paths
+
+    tok = AutoTokenizer.from_pretrained(tok_cfg.tokenizer)
+    key = hash_obj(tokenize.producer_for(tok_cfg, tok, expand_paths(tok_cfg.corpus)))
+    out = tokenize.cache_dir_for(tok_cfg, key)
+    while not ((out / "manifest.json").exists() and read_manifest(out).get("complete")):
+        time.sleep(2)
+    return out
+
+
+# --- plan: everything that can fail, before any weight loads --------------------------------------------------
+
+
+def make_plan(cfg: ExtractConfig, tokens_dir: Path) -> dict:
+    from dflash_offline.shards import ShardError
+    from dflash_offline.target import default_layer_ids, read_target_info
+    from dflash_offline.targetid import resolve_checkpoint, target_fingerprint
+
+    tm = read_manifest(tokens_dir)
+    if tm["kind"] != "tokens" or not tm.get("complete"):
+        raise ShardError(f"{tokens_dir} is not a complete token cache: run `make tokenize` (or extract) again")
+    ckpt = resolve_checkpoint(cfg.target)
+    info = read_target_info(ckpt)
+    layer_ids = list(cfg.layer_ids) or default_layer_ids(info.num_layers, cfg.num_draft_layers)
+    bad = [i for i in layer_ids if not 0 <= i < info.num_layers]
+    if bad:
+        raise ValueError(f"extract.layer_ids {bad} out of range: {ckpt} has layers 0..{info.num_layers - 1}")
+    seq_len = tm["producer"]["seq_len"]
+    vocab = tm["producer"]["tokenizer"]["vocab_size"]
+    mask_id = cfg.mask_token_id if cfg.mask_token_id >= 0 else sidecar_mask_token(ckpt)
+    if mask_id is not None:
+        specials = {info.pad_token_id, info.eos_token_id, tm["producer"]["tokenizer"]["pad_id"]} - {None}
+        if not 0 <= mask_id < info.vocab_size or mask_id in specials:
+            raise ValueError(
+                f"extract.mask_token_id={mask_id} must be a real embedding row in [0, {info.vocab_size}) that is "
+                f"not pad/eos ({sorted(specials)}); Qwen3 uses 151669, Qwen3.5/3.6 use 248070"
+            )
+    if vocab > info.vocab_size:
+        raise ValueError(f"tokenizer has {vocab} tokens but {ckpt} embeds only {info.vocab_size}: wrong tokenizer?")
+    k, hidden = len(layer_ids), info.hidden_size
+    bytes_per_token = k * hidden * 2 if cfg.quant == "bf16" else k * (hidden + 4)
+    num_shards = tm["num_shards"]
+    rows = sum(s["rows"] for s in tm["shards"])
+    producer = {
+        "stage": "extract",
+        "tokens": {"key": tm["key"], "producer": tm["producer"]},
+        "target": {"arch": info.arch, "num_layers": info.num_layers, "hidden_size": hidden,
+                   "vocab_size": info.vocab_size, **target_fingerprint(ckpt)},
+        "layer_ids": sorted(layer_ids),
+        "quant": cfg.quant,
+        "dtype": cfg.dtype,
+        "format_version": HIDDEN_FORMAT_VERSION,
+    }
+    return {
+        "ckpt": ckpt, "info": info, "layer_ids": layer_ids, "seq_len": seq_len, "mask_token_id": mask_id,
+        "num_shards": num_shards, "rows": rows, "bytes_per_token": bytes_per_token,
+        "total_bytes": rows * seq_len * bytes_per_token, "tokens_manifest": tm, "producer": producer,
+        "key": hash_obj(producer),
+    }
+
+
+def sidecar_mask_token(ckpt: Path) -> int | None:
+    import json
+
+    p = ckpt / "dflash_target.json"
+    return json.loads(p.read_text()).get("mask_token_id") if p.is_file() else None
+
+
+def check_disk(cache: Path, need_bytes: int, min_free_gb: float) -> None:
+    free = shutil.disk_usage(cache if cache.exists() else cache.parent).free
+    if free - need_bytes < min_free_gb * 1e9:
+        raise ValueError(
+            f"{cache}: the remaining shards need {need_bytes / 1e9:.1f} GB but the filesystem has {free / 1e9:.1f} GB "
+            f"free (keeping {min_free_gb} GB): free space, use CACHE= elsewhere, quant=fp8, or fewer layers"
+        )
+
+
+def pick_device(cfg: ExtractConfig, local_rank: int):
+    import torch
+
+    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("extract.device=cuda but CUDA is not available (use device=cpu for tiny targets)")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+# --- the run -------------------------------------------------------------------------------------------------
+
+
+def run(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int = 0, world: int = 1, local_rank: int = 0):
+    import torch
+
+    from dflash_offline import target as tgt
+
+    t0 = time.time()
+    tokens_dir = token_cache(cfg, tok_cfg, rank)
+    plan = make_plan(cfg, tokens_dir)
+    cache = Path(cfg.out) if cfg.out else Path(cfg.cache_root) / f"hidden-{plan['key'][:12]}"
+    device = pick_device(cfg, local_rank)
+    dtype = getattr(torch, cfg.dtype)
+    redo = parse_shard_list(cfg.shards)
+    if any(i >= plan["num_shards"] for i in redo):
+        raise ValueError(f"SHARD={cfg.shards}: the cache has shards 0..{plan['num_shards'] - 1}")
+    existing = read_manifest(cache) if (cache / "manifest.json").exists() else None
+    done = committed(existing) if existing and existing["key"] == plan["key"] else {}
+    todo = redo or [i for i in range(plan["num_shards"]) if i not in done]
+    shard_rows = {s["index"]: s["rows"] for s in plan["tokens_manifest"]["shards"]}
+    need = sum(shard_rows[i] for i in todo) * plan["seq_len"] * plan["bytes_per_token"]
+    check_disk(cache, need, cfg.min_free_gb)
+    log(f"[rank {rank}/{world}] {plan['info'].arch} target {plan['ckpt']} taps {plan['layer_ids']} "
+        f"({plan['bytes_per_token']} B/token {cfg.quant}); {len(todo)}/{plan['num_shards']} shards to do, "
+        f"{need / 1e9:.2f} GB; device {device}")
+    probe = tgt.probe(plan["info"], plan["layer_ids"], device, dtype, plan["seq_len"], cfg.batch_rows, cfg.mode)
+    est = probe["seconds_per_row"] * sum(shard_rows[i] for i in todo) / max(world, 1)
+    log(f"[rank {rank}] kernels ok ({probe['mode']}, max rel err {probe['max_rel_err']:.2e} vs per-document); "
+        f"estimated {probe['seconds_per_row']:.3f} s/row → {est / 60:.1f} min for this process "
+        f"(checked in {time.time() - t0:.1f}s, before loading weights)")
+    if cfg.dry_run:
+        return None
+    open_cache(cache, "hidden", plan["key"], plan["producer"],
+               {"extract": as_dict(cfg), "tokens_dir": os.path.relpath(tokens_dir.resolve(), cache.resolve()),
+                "mask_token_id": plan["mask_token_id"], "layer_ids": plan["layer_ids"]},
+               num_shards=plan["num_shards"])
+    if not todo:
+        log(f"{cache}: all {plan['num_shards']} shards already committed; nothing to do")
+        return cache
+    model = tgt.load_target(plan["ckpt"], plan["layer_ids"], device=device, dtype=dtype, mode=cfg.mode)
+    log(f"[rank {rank}] weights loaded in {time.time() - t0:.1f}s")
+    extract_shards(cfg, plan, model, cache, tokens_dir, todo, rank, world, device, bool(redo))
+    return cache
+
+
+def shard_order(todo: list[int], rank: int, world: int) -> list[int]:
+    """Each rank starts on its own stripe, then helps with the rest (claims prevent double work)."""
+    mine = [i for i in todo if i % world == rank]
+    return mine + [i for i in todo if i % world != rank]
+
+
+def extract_shards(cfg, plan, model, cache: Path, tokens_dir: Path, todo, rank, world, device, redo: bool) -> None:
+    import torch
+
+    from dflash_offline.manifest import sha256_file
+    from dflash_offline.shards import (
+        ShardError,
+        encode_layer,
+        hidden_shard_name,
+        read_token_shard,
+        token_shard_name,
+        write_hidden_shard,
+    )
+
+    tm, layer_ids, b = plan["tokens_manifest"], plan["layer_ids"], cfg.batch_rows
+    tok_entries = committed(tm)
+    rows_total = sum(tok_entries[i]["rows"] for i in todo)
+    progress = Progress(f"extract[{rank}]", rows_total, "row", cache / f"status-rank{rank}.json")
+    io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")  # file I/O only, never compute
+    pending = []
+    cuda = device.type == "cuda"
+    reserved = []
+    for index in shard_order(todo, rank, world):
+        if not try_claim(cache, index, cfg.lease_s, redo=redo):
+            continue
+        t_shard = time.time()
+        name = token_shard_name(index)
+        if sha256_file(tokens_dir / name) != tok_entries[index]["files"][name]["sha256"]:
+            raise ShardError(f"{tokens_dir / name} does not match its manifest checksum: the token cache is "
+                             f"corrupt; rebuild it (delete {tokens_dir} and run make tokenize)")
+        rows = read_token_shard(tokens_dir / name)
+        n = rows["input_ids"].shape[0]
+        host = {lid: None for lid in layer_ids}
+        for r0 in range(0, n, b):
+            batch = {k: torch.from_numpy(pad_rows(rows[k][r0:r0 + b], b, fill)).to(device, non_blocking=True)
+                     for k, fill in (("input_ids", 0), ("position_ids", 0), ("doc_ids", -1))}
+            h = model.tapped_hidden_states(batch["input_ids"], batch["position_ids"], batch["doc_ids"])
+            real = min(b, n - r0)
+            hidden = h.shape[-1] // len(layer_ids)
+            for j, lid in enumerate(layer_ids):
+                enc = encode_layer(h[:real, :, j * hidden:(j + 1) * hidden], lid, cfg.quant)
+                if host[lid] is None:
+                    host[lid] = {k: torch.empty((n, *v.shape[1:]), dtype=v.dtype, pin_memory=cuda)
+                                 for k, v in enc.items()}
+                for k, v in enc.items():
+                    host[lid][k][r0:r0 + real].copy_(v, non_blocking=cuda)
+            progress.update(real, tokens=int((rows["doc_ids"][r0:r0 + real] >= 0).sum()))
+            if time.time() - t_shard > cfg.lease_s / 3:
+                renew_claim(cache, index, cfg.lease_s)
+        if cuda:
+            torch.cuda.synchronize(device)
+            reserved.append(torch.cuda.memory_reserved(device))
+        compute_s = time.time() - t_shard
+        tensors = {k: v for d in host.values() for k, v in d.items()}
+        entry = {"index": index, "rows": n, "tokens": tok_entries[index]["tokens"], "compute_seconds": compute_s,
+                 "tokens_sha256": tok_entries[index]["files"][name]["sha256"], "worker": f"rank{rank}",
+                 "reserved_gpu_bytes": reserved[-1] if reserved else 0}
+        # the previous shard's write must finish before this one's (bounded host memory: two shards at most)
+        while pending:
+            pending.pop(0).result()
+        pending.append(io.submit(write_and_commit, cache, index, tensors, cfg.quant, layer_ids, plan["key"], entry,
+                                 redo, write_hidden_shard, hidden_shard_name))
+        progress.extra.update(reserved_gpu_gb=(reserved[-1] / 2**30) if reserved else 0.0, last_shard=index)
+    for f in pending:
+        f.result()
+    io.shutdown()
+    snap = progress.close("done")
+    if reserved:
+        log(f"[rank {rank}] reserved GPU memory per shard (GB): "
+            f"{', '.join(f'{r / 2**30:.2f}' for r in reserved[:8])}{' …' if len(reserved) > 8 else ''}")
+    log(f"[rank {rank}] done: {snap['tokens']:,} tokens in {snap['elapsed_s']:.1f}s "
+        f"({snap['tokens_per_s']:,.0f} tok/s including writes)")
+
+
+def pad_rows(x, b: int, fill: int):
+    import numpy as np
+
+    if x.shape[0] == b:
+        return np.ascontiguousarray(x)
+    out = np.full((b, *x.shape[1:]), fill, dtype=x.dtype)
+    out[: x.shape[0]] = x
+    return out
+
+
+def write_and_commit(cache, index, tensors, quant, layer_ids, key, entry, redo, write_fn, name_fn) -> None:
+    t = time.time()
+    name = name_fn(index)
+    files = {name: write_fn(cache / name, tensors, quant, layer_ids, {"shard": index, "key": key})}
+    commit_shard(cache, dict(entry, files=files, write_seconds=time.time() - t, committed_at=time.time()),
+                 redo=redo)
+    release_claim(cache, index)
+
+
+def main(argv: list[str]) -> None:
+    rank, world, local_rank = dist_env()
+    private_compile_caches(rank)
+    unbuffered()
+    cfg, tok_cfg = configs_from_argv(
+        [(ExtractConfig, "extract"), (TokenizeConfig, "tokenize")], argv, __doc__, defaults=tokenizer_default
+    )
+    out = run(cfg, tok_cfg, rank, world, local_rank)
+    if out is not None and rank == 0:
+        print(out)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except ValueError as e:  # config, target, cache and shard errors carry their own advice
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
