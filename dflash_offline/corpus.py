@@ -327,7 +327,9 @@ def tokenize_stream(
         for chunk in _chunks(records, chunk_docs):
             yield from process_chunk(chunk)
         return
-    ctx = mp.get_context("spawn")
+    # fork: workers inherit the imported libraries (a spawned worker spends seconds importing transformers).
+    # Safe here: the parent has run no torch or tokenizer compute yet, and never touches CUDA before this stage.
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer_dir, opts)) as pool:
         pending: deque = deque()
         for chunk in _chunks(records, chunk_docs):

@@ -1,0 +1,44 @@
+"""Shared fixtures: the tiny Qwen3.5 / Qwen3 targets (built once, reused across runs) and a small chat corpus."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BUILD = Path(os.environ.get("DFLASH_TEST_BUILD", REPO / "build" / "test-targets"))
+
+
+def tiny_target(arch: str) -> Path:
+    """Build (or reuse an identical earlier build of) the embedded tiny target of `arch`."""
+    from dflash_offline import tiny
+
+    out = BUILD / arch
+    sidecar = out / "dflash_target.json"
+    if sidecar.is_file() and json.loads(sidecar.read_text()).get("params") == tiny.build_params(arch):
+        return out
+    tmp = BUILD / f".{arch}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tiny.build_target(tmp, arch, log=lambda m: None)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def qwen35_dir() -> Path:
+    return tiny_target("qwen3_5")
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir() -> Path:
+    return tiny_target("qwen3")
+
+
+@pytest.fixture(scope="session")
+def chat_corpus(tmp_path_factory) -> Path:
+    from dflash_offline import democorpus
+
+    return democorpus.write_jsonl(tmp_path_factory.mktemp("corpus") / "chat.jsonl", 300, seed=1)
