@@ -1,0 +1,255 @@
+"""The DFlash drafter (z-lab `DFlashDraftModel`, Qwen3 decoder layers with KV injection) for training.
+
+    ctx      = hidden_norm(fc(concat of tapped target states))            [B, S, H]
+    block    = target_embed([token at anchor, MASK x (L-1)]) per anchor    [B, Q, H]
+    layer i  : queries = block tokens only; keys/values = [k/v(ctx) | k/v(block)], both from layer i's
+               k_proj/v_proj (k_norm on both), RoPE at document-local context positions and pos(anchor)+k
+    output   = norm(block hidden)                                          [B, Q, H]
+
+Parameter names equal the z-lab export keys (`fc.weight`, `hidden_norm.weight`, `norm.weight`,
+`layers.{i}.self_attn.{q,k,v,o}_proj.weight`, `layers.{i}.self_attn.{q,k}_norm.weight`,
+`layers.{i}.mlp.{gate,up,down}_proj.weight`, `layers.{i}.{input,post_attention}_layernorm.weight`). The target's
+embedding and lm_head are frozen inputs, never parameters: `load_target_embeddings` reads just those two.
+
+Shape legend: B rows, S row length, K = k*H tapped width, A anchors per row, L block length, Q = A*L,
+H hidden, N query heads, G kv heads, D head dim, V vocab.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+from torch.nn.attention.flex_attention import flex_attention
+
+from dflash_offline.anchors import block_input_ids, block_position_ids
+from dflash_offline.masks import dense_mask, flex_block_mask
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int  # H, the target's hidden size
+    intermediate_size: int  # MLP width of each drafter layer
+    vocab_size: int  # the target's vocabulary (rows of embed / lm_head)
+    target_layer_ids: list[int]  # tapped target layers (0-based layer outputs); k = len(...)
+    num_target_layers: int  # N, layers of the target
+    mask_token_id: int  # a real, non-pad/eos row of the target embedding (Qwen3 151669, Qwen3.5 248070)
+    num_layers: int = 5  # drafter decoder layers
+    num_heads: int = 32  # query heads
+    num_kv_heads: int = 8  # key/value heads (GQA)
+    head_dim: int = 128  # per-head width
+    rms_norm_eps: float = 1e-6  # every RMSNorm
+    rope_theta: float = 1e6  # the target's RoPE theta (1e6 Qwen3, 1e7 Qwen3.5/3.6)
+    block_size: int = 16  # L, tokens per draft block (slot 0 = given token)
+    sliding_window: int | None = None  # W of "sliding_attention" layers
+    layer_types: list[str] | None = None  # per layer "full_attention"/"sliding_attention"; None = all full
+    initializer_range: float = 0.02  # std of the normal init of every Linear
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_layers
+        if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+            raise ValueError(f"layer_types must be {self.num_layers} entries of {LAYER_TYPES}, got {self.layer_types}")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+
+
+class RMSNorm(nn.Module):
+    """Qwen3RMSNorm: normalize in fp32, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(pos_BT: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """Qwen3 (non-interleaved, rotate-half) RoPE tables [B, T, D], computed in fp32 and cast to `dtype`."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos_BT.device, dtype=torch.float32) / head_dim))
+    freqs_BTd = pos_BT.float()[..., None] * inv_freq
+    emb_BTD = torch.cat([freqs_BTd, freqs_BTd], dim=-1)
+    return emb_BTD.cos().to(dtype), emb_BTD.sin().to(dtype)
+
+
+def apply_rope(x_BTnD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
+    half = x_BTnD.shape[-1] // 2
+    rot = torch.cat([-x_BTnD[..., half:], x_BTnD[..., :half]], dim=-1)
+    return x_BTnD * cos_BTD[:, :, None] + rot * sin_BTD[:, :, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        H, N, G, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = N, G, D
+        self.q_proj = nn.Linear(H, N * D, bias=False)
+        self.k_proj = nn.Linear(H, G * D, bias=False)
+        self.v_proj = nn.Linear(H, G * D, bias=False)
+        self.o_proj = nn.Linear(N * D, H, bias=False)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+
+    def _kv(self, x_BTH, rope):
+        B, T, _ = x_BTH.shape
+        k = apply_rope(self.k_norm(self.k_proj(x_BTH).view(B, T, self.n_kv, self.head_dim)), *rope)
+        v = self.v_proj(x_BTH).view(B, T, self.n_kv, self.head_dim)
+        return k, v
+
+    def forward(self, x_BQH, ctx_BSH, rope_ctx, rope_blk, mask, attn: str):
+        B, Q, _ = x_BQH.shape
+        q = apply_rope(self.q_norm(self.q_proj(x_BQH).view(B, Q, self.n_heads, self.head_dim)), *rope_blk)
+        k_ctx, v_ctx = self._kv(ctx_BSH, rope_ctx)
+        k_blk, v_blk = self._kv(x_BQH, rope_blk)
+        q_BNQD = q.transpose(1, 2)
+        k_BGKD = torch.cat([k_ctx, k_blk], dim=1).transpose(1, 2)
+        v_BGKD = torch.cat([v_ctx, v_blk], dim=1).transpose(1, 2)
+        scale = self.head_dim**-0.5
+        if attn == "flex":
+            o = flex_attention(q_BNQD, k_BGKD, v_BGKD, block_mask=mask, scale=scale, enable_gqa=True)
+        else:
+            o = F.scaled_dot_product_attention(q_BNQD, k_BGKD, v_BGKD, attn_mask=mask, scale=scale, enable_gqa=True)
+        return self.o_proj(o.transpose(1, 2).reshape(B, Q, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, layer_type: str):
+        super().__init__()
+        self.layer_type = layer_type
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x_BQH, ctx_BSH, rope_ctx, rope_blk, mask, attn: str):
+        # ctx is injected as-is (already hidden_norm-ed); only the block stream gets input_layernorm
+        x_BQH = x_BQH + self.self_attn(self.input_layernorm(x_BQH), ctx_BSH, rope_ctx, rope_blk, mask, attn)
+        return x_BQH + self.mlp(self.post_attention_layernorm(x_BQH))
+
+
+class DFlashDrafter(nn.Module):
+    """Trainable part of a DFlash drafter; `state_dict()` keys are exactly the z-lab export keys."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        k = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(k * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        """Qwen3 init: every Linear ~ N(0, initializer_range), every norm weight = 1."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.normal_(0.0, self.cfg.initializer_range)
+            elif isinstance(m, RMSNorm):
+                m.weight.fill_(1.0)
+
+    def build_masks(self, doc_ids_BS, anchor_pos_BA, keep_BA, attn: str = "flex") -> dict:
+        """One mask per layer type in use: dense bool [B,1,Q,S+Q] (attn="dense") or flex BlockMask."""
+        if attn not in ("dense", "flex"):
+            raise ValueError(f"attn must be 'dense' or 'flex', got {attn!r}")
+        build = flex_block_mask if attn == "flex" else dense_mask
+        L, W = self.cfg.block_size, self.cfg.sliding_window
+        return {
+            t: build(anchor_pos_BA, keep_BA, doc_ids_BS, L, W if t == "sliding_attention" else None)
+            for t in set(self.cfg.layer_types)
+        }
+
+    def forward(
+        self,
+        hidden_BSK: torch.Tensor,
+        input_ids_BS: torch.Tensor,
+        position_ids_BS: torch.Tensor,
+        anchor_pos_BA: torch.Tensor,
+        keep_BA: torch.Tensor,
+        embed_weight_VH: torch.Tensor,
+        masks: dict,
+        attn: str = "flex",
+    ) -> torch.Tensor:
+        """Final-normed block hidden states [B, A*L, H] (query a*L + k = anchor a, slot k).
+
+        `masks` comes from `build_masks` with the same anchors and the same `attn`. The flex path must run
+        under torch.compile (uncompiled flex_attention materializes the score matrix).
+        """
+        L, dtype = self.cfg.block_size, self.fc.weight.dtype
+        ctx_BSH = self.hidden_norm(self.fc(hidden_BSK.to(dtype)))
+        ids_BQ = block_input_ids(input_ids_BS, anchor_pos_BA, keep_BA, L, self.cfg.mask_token_id)
+        x_BQH = F.embedding(ids_BQ, embed_weight_VH).to(dtype)
+        D, theta = self.cfg.head_dim, self.cfg.rope_theta
+        rope_ctx = rope_cos_sin(position_ids_BS, D, theta, dtype)
+        rope_blk = rope_cos_sin(block_position_ids(position_ids_BS, anchor_pos_BA, L), D, theta, dtype)
+        for layer in self.layers:
+            x_BQH = layer(x_BQH, ctx_BSH, rope_ctx, rope_blk, masks[layer.layer_type], attn)
+        return self.norm(x_BQH)
+
+
+# --- target embeddings -------------------------------------------------------------------------------------
+
+EMBED_KEYS = ("model.language_model.embed_tokens.weight", "model.embed_tokens.weight")
+LM_HEAD_KEYS = ("lm_head.weight",)
+
+
+def _tied(cfg: dict) -> bool:
+    text = cfg.get("text_config") or {}
+    return bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+
+
+def load_target_embeddings(target_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embed_weight [V, H], lm_head_weight [V, H]) read from the target's safetensors, nothing else loaded.
+
+    Handles a single `model.safetensors` or a sharded `model.safetensors.index.json`, the Qwen3.5/3.6 VL
+    wrapper (`model.language_model.embed_tokens.weight`) and Qwen3 (`model.embed_tokens.weight`). With
+    `tie_word_embeddings` and no `lm_head.weight`, the lm_head is the embedding.
+    """
+    target_dir = Path(target_dir)
+    index = target_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    elif (target_dir / "model.safetensors").exists():
+        with safe_open(target_dir / "model.safetensors", framework="pt") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+    else:
+        raise ValueError(f"{target_dir}: no model.safetensors or model.safetensors.index.json; pass a target dir")
+
+    def read(key: str) -> torch.Tensor:
+        with safe_open(target_dir / weight_map[key], framework="pt") as f:
+            return f.get_tensor(key)
+
+    embed_key = next((k for k in EMBED_KEYS if k in weight_map), None)
+    if embed_key is None:
+        raise ValueError(f"{target_dir}: none of {EMBED_KEYS} in the checkpoint; is this a Qwen3/Qwen3.5 target?")
+    embed = read(embed_key)
+    head_key = next((k for k in LM_HEAD_KEYS if k in weight_map), None)
+    if head_key is not None:
+        return embed, read(head_key)
+    cfg_path = target_dir / "config.json"
+    if cfg_path.exists() and _tied(json.loads(cfg_path.read_text())):
+        return embed, embed
+    raise ValueError(f"{target_dir}: no lm_head.weight and config.json does not set tie_word_embeddings")

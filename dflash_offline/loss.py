@@ -1,0 +1,216 @@
+"""Block CE loss through the frozen target lm_head, chunked so `[A*L, vocab]` logits never exist in full.
+
+`block_ce_loss` runs one pass over chunks of whole blocks. Per chunk: logits = h @ W^T (low-precision GEMM,
+fp32 output), fp32 softmax, weighted CE, argmax accuracy, and the input gradient
+dh = (w * (softmax - onehot)) @ W (second GEMM). Only dh is kept for backward: no recompute, no grad for W.
+Slot 0 (the given token) is skipped entirely: its logits are never computed.
+
+Weighting (`weighting=`):
+- "decay" (DFlash): w[k] = exp(-(k-1)/gamma) for slot k >= 1, times label validity; loss = sum(w*ce) / sum(w).
+- "dpace": acceptance-aware weights (the D-PACE option of SpecForge's DFlash trainer). With
+  q_k = p_draft(label_k) (detached) and s_k = (1-alpha)*q_k + alpha for valid slots (s_k = 1 for invalid ones),
+  P_j = prod_{i<=j} s_i and w_k = valid_k * sum_{j>=k} valid_j * P_j. This is the gradient weight of the
+  smoothed expected acceptance length sum_j P_j: d/dθ sum_j P_j = sum_k (dlog s_k) * w_k. Weights are
+  detached; loss = sum(w*ce) / (number of blocks with >= 1 label).
+
+Metrics come from the same pass: `correct_BAL` (argmax == label, False where no label).
+
+Shape legend: B rows, A anchors per row, L block length, H hidden, V vocab, X = B*A blocks, n chunk tokens.
+"""
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from dflash_offline.anchors import IGNORE
+
+DEFAULT_GAMMA = {16: 7.0, 8: 4.0}  # DFlash paper / DESIGN: gamma per block size
+
+
+def slot_weights(block_size: int, gamma: float | None = None, device=None) -> torch.Tensor:
+    """fp32 [L]: 0 for slot 0, exp(-(k-1)/gamma) for slot k >= 1 (gamma defaults per DEFAULT_GAMMA)."""
+    if gamma is None:
+        if block_size not in DEFAULT_GAMMA:
+            raise ValueError(f"no default loss gamma for block_size={block_size}; set gamma explicitly")
+        gamma = DEFAULT_GAMMA[block_size]
+    k = torch.arange(block_size, device=device, dtype=torch.float32)
+    return torch.where(k > 0, torch.exp(-(k - 1) / gamma), torch.zeros_like(k))
+
+
+def dpace_weights(q_XL: torch.Tensor, valid_XL: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE weights [X, L] (see module doc) from per-slot label probabilities q (fp32, detached)."""
+    s = torch.where(valid_XL, (1.0 - alpha) * q_XL + alpha, torch.ones_like(q_XL))
+    prefix = torch.cumprod(s, dim=-1) * valid_XL
+    suffix = prefix.flip(-1).cumsum(-1).flip(-1)
+    return suffix * valid_XL
+
+
+def _logits_f32(h_nH: torch.Tensor, w_VH: torch.Tensor) -> torch.Tensor:
+    if h_nH.is_cuda and h_nH.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(h_nH, w_VH.t(), out_dtype=torch.float32)  # bf16 GEMM, fp32 accumulate + output
+    return (h_nH @ w_VH.t()).float()
+
+
+class _ChunkedBlockCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_XLH, w_VH, labels_XL, slot_w_L, norm, chunk_blocks: int, dpace_alpha, need_grad: bool):
+        X, L, H = h_XLH.shape
+        grad_XLH = torch.zeros_like(h_XLH) if need_grad else None
+        valid_XL = labels_XL >= 0
+        safe_XL = labels_XL.clamp(min=0)
+        correct_XL = torch.zeros(X, L, dtype=torch.bool, device=h_XLH.device)
+        loss = torch.zeros((), dtype=torch.float32, device=h_XLH.device)
+        for c0 in range(0, X, chunk_blocks):
+            c1 = min(c0 + chunk_blocks, X)
+            lab_n = safe_XL[c0:c1, 1:].reshape(-1)
+            val_n = valid_XL[c0:c1, 1:].reshape(-1)
+            z_nV = _logits_f32(h_XLH[c0:c1, 1:].reshape(-1, H), w_VH)
+            z_max, pred_n = z_nV.max(-1, keepdim=True)
+            correct_XL[c0:c1, 1:] = ((pred_n.squeeze(1) == lab_n) & val_n).view(c1 - c0, L - 1)
+            z_lab = z_nV.gather(1, lab_n[:, None]).squeeze(1)
+            z_nV.sub_(z_max).exp_()  # in place: exp(z - max)
+            z_sum = z_nV.sum(-1, keepdim=True)
+            ce_n = (z_max + z_sum.log()).squeeze(1) - z_lab
+            if dpace_alpha is None:
+                w_n = (slot_w_L[1:] * val_n.view(c1 - c0, L - 1)).reshape(-1)
+            else:
+                q = torch.exp(-ce_n).view(c1 - c0, L - 1)
+                w_n = dpace_weights(q, val_n.view(c1 - c0, L - 1), dpace_alpha).reshape(-1)
+            loss += (w_n * ce_n).sum()
+            if need_grad:  # dlogits = w * (softmax - onehot), unnormalized; 1/norm is applied in backward
+                z_nV.mul_(w_n[:, None] / z_sum)
+                z_nV.scatter_add_(1, lab_n[:, None], -w_n[:, None])
+                grad_XLH[c0:c1, 1:] = (z_nV.to(w_VH.dtype) @ w_VH).view(c1 - c0, L - 1, H)
+            del z_nV
+        ctx.mark_non_differentiable(correct_XL)
+        if need_grad:
+            ctx.save_for_backward(grad_XLH, norm)
+        return loss / norm, correct_XL
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_correct):
+        grad_XLH, norm = ctx.saved_tensors
+        return grad_XLH * (grad_loss / norm).to(grad_XLH.dtype), None, None, None, None, None, None, None
+
+
+class BlockLoss(NamedTuple):
+    loss: torch.Tensor  # scalar fp32, weighted mean CE
+    correct_BAL: torch.Tensor  # bool, argmax == label (False where no label)
+    valid_BAL: torch.Tensor  # bool, slot has a label
+    norm: torch.Tensor  # scalar fp32, the denominator used
+
+
+def _check(hidden_BQH, labels_BAL):
+    B, A, L = labels_BAL.shape
+    if hidden_BQH.shape[:2] != (B, A * L):
+        raise ValueError(f"hidden {tuple(hidden_BQH.shape)} does not match labels {tuple(labels_BAL.shape)}")
+    return B, A, L
+
+
+def _norm(labels_BAL, slot_w_L, dpace: bool, normalizer):
+    if normalizer is not None:
+        return torch.as_tensor(normalizer, dtype=torch.float32, device=labels_BAL.device)
+    valid = labels_BAL >= 0
+    if dpace:
+        den = valid.any(-1).sum().float()
+    else:
+        den = (valid * slot_w_L).sum()
+    return den.clamp(min=1e-6)
+
+
+def block_ce_loss(
+    hidden_BQH: torch.Tensor,
+    lm_head_VH: torch.Tensor,
+    labels_BAL: torch.Tensor,
+    *,
+    gamma: float | None = None,
+    weighting: str = "decay",
+    dpace_alpha: float = 0.5,
+    chunk_tokens: int = 8192,
+    normalizer: torch.Tensor | float | None = None,
+) -> BlockLoss:
+    """Chunked weighted CE of the drafter's block outputs [B, A*L, H] against labels [B, A, L] (IGNORE = none).
+
+    `chunk_tokens` bounds the query tokens per chunk (rounded down to whole blocks of L-1 scored slots): the
+    fp32 logits buffer is chunk_tokens x V x 4 bytes. `normalizer` overrides the denominator (e.g. a global
+    token weight sum across ranks / micro-batches); by default it is this batch's (see module doc).
+    """
+    B, A, L = _check(hidden_BQH, labels_BAL)
+    if weighting not in ("decay", "dpace"):
+        raise ValueError(f"weighting must be 'decay' or 'dpace', got {weighting!r}")
+    dpace = weighting == "dpace"
+    slot_w_L = slot_weights(L, gamma, labels_BAL.device) if not dpace else torch.ones(L, device=labels_BAL.device)
+    norm = _norm(labels_BAL, slot_w_L, dpace, normalizer)
+    chunk_blocks = max(1, chunk_tokens // (L - 1))
+    loss, correct_XL = _ChunkedBlockCE.apply(
+        hidden_BQH.reshape(B * A, L, -1),
+        lm_head_VH,
+        labels_BAL.reshape(B * A, L),
+        slot_w_L,
+        norm,
+        chunk_blocks,
+        dpace_alpha if dpace else None,
+        torch.is_grad_enabled() and hidden_BQH.requires_grad,
+    )
+    return BlockLoss(loss, correct_XL.view(B, A, L), labels_BAL >= 0, norm)
+
+
+def reference_block_ce_loss(
+    hidden_BQH: torch.Tensor,
+    lm_head_VH: torch.Tensor,
+    labels_BAL: torch.Tensor,
+    *,
+    gamma: float | None = None,
+    weighting: str = "decay",
+    dpace_alpha: float = 0.5,
+    normalizer: torch.Tensor | float | None = None,
+) -> BlockLoss:
+    """Plain version of `block_ce_loss` (full logits, F.cross_entropy, autograd); for tests only."""
+    B, A, L = _check(hidden_BQH, labels_BAL)
+    dpace = weighting == "dpace"
+    slot_w_L = slot_weights(L, gamma, labels_BAL.device) if not dpace else torch.ones(L, device=labels_BAL.device)
+    norm = _norm(labels_BAL, slot_w_L, dpace, normalizer)
+    logits = hidden_BQH.reshape(B * A * L, -1).float() @ lm_head_VH.float().t()  # exact products, fp32 sums
+    flat = labels_BAL.reshape(-1)
+    ce = torch.nn.functional.cross_entropy(logits, flat, ignore_index=IGNORE, reduction="none").view(B, A, L)
+    valid = labels_BAL >= 0
+    if dpace:
+        w = dpace_weights(torch.exp(-ce.detach()), valid, dpace_alpha)
+    else:
+        w = slot_w_L * valid
+    correct = (logits.argmax(-1) == flat).view(B, A, L) & valid
+    return BlockLoss((w * ce).sum() / norm, correct, valid, norm)
+
+
+# --- metrics ---------------------------------------------------------------------------------------------
+
+
+def slot_counts(correct_BAL: torch.Tensor, valid_BAL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(correct [L], labelled [L]) summed over blocks: sum these across steps/ranks, then divide."""
+    return correct_BAL.sum((0, 1)), valid_BAL.sum((0, 1))
+
+
+def slot_accuracy(correct_L: torch.Tensor, total_L: torch.Tensor) -> torch.Tensor:
+    """Per-slot accuracy [L] (fp32); NaN for slot 0 and for slots without labels."""
+    acc_L = correct_L.float() / total_L.clamp(min=1)
+    return torch.where(total_L > 0, acc_L, torch.full_like(acc_L, math.nan))
+
+
+def simulated_acceptance_length(acc_L: torch.Tensor) -> torch.Tensor:
+    """sum_{k>=1} prod_{1<=i<=k} acc_i over slots 1..L-1 (slot 0 ignored; a NaN slot counts as 0)."""
+    return torch.cumprod(torch.nan_to_num(acc_L[1:].float(), nan=0.0), 0).sum()
+
+
+def block_tau(correct_BAL: torch.Tensor) -> torch.Tensor:
+    """Per-block teacher-forced tau [B, A] = 1 + number of leading correct slots from slot 1.
+
+    A slot without a label is not correct, so a block ends its run at a document/row end.
+    """
+    return 1 + torch.cumprod(correct_BAL[..., 1:].long(), -1).sum(-1)
+
+
+def mean_tau(correct_BAL: torch.Tensor, keep_BA: torch.Tensor) -> torch.Tensor:
+    """Mean per-block tau over kept anchors."""
+    tau = block_tau(correct_BAL).float()
+    return (tau * keep_BA).sum() / keep_BA.sum().clamp(min=1)

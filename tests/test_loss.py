@@ -1,0 +1,146 @@
+"""Chunked single-pass lm_head + CE equals the plain full-logits loss, in value, gradient and accuracy."""
+
+import math
+
+import pytest
+import torch
+
+from dflash_offline.anchors import IGNORE
+from dflash_offline.loss import (
+    block_ce_loss,
+    block_tau,
+    dpace_weights,
+    mean_tau,
+    reference_block_ce_loss,
+    simulated_acceptance_length,
+    slot_accuracy,
+    slot_counts,
+    slot_weights,
+)
+
+B, A, L, H, V = 2, 5, 4, 16, 50
+
+
+def make(seed=0, dtype=torch.float32, p_ignore=0.3):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, A * L, H, generator=g).to(dtype)
+    w = (torch.randn(V, H, generator=g) * 0.5).to(dtype)
+    labels = torch.randint(0, V, (B, A, L), generator=g)
+    labels[torch.rand(B, A, L, generator=g) < p_ignore] = IGNORE
+    labels[:, :, 0] = IGNORE
+    labels[1, 2] = IGNORE  # a dropped anchor
+    # make some predictions right so accuracy counts are not all zero
+    logits_argmax = (hidden.float() @ w.float().t()).argmax(-1).view(B, A, L)
+    fix = (torch.rand(B, A, L, generator=g) < 0.4) & (labels >= 0)
+    labels[fix] = logits_argmax[fix]
+    return hidden, w, labels
+
+
+def run(fn, hidden, w, labels, **kw):
+    h = hidden.clone().requires_grad_(True)
+    out = fn(h, w, labels, **kw)
+    out.loss.backward()
+    return out, h.grad
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 3, 7, 9, 1000])  # 1, 1, 2, 3 (10 blocks: not divisible), all
+@pytest.mark.parametrize("weighting", ["decay", "dpace"])
+def test_chunked_equals_reference(chunk_tokens, weighting):
+    hidden, w, labels = make()
+    kw = dict(gamma=2.0, weighting=weighting)
+    ref, g_ref = run(reference_block_ce_loss, hidden, w, labels, **kw)
+    out, g = run(block_ce_loss, hidden, w, labels, chunk_tokens=chunk_tokens, **kw)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-7)
+    assert torch.equal(out.correct_BAL, ref.correct_BAL)
+    assert torch.equal(out.valid_BAL, labels >= 0)
+    assert out.correct_BAL.any()  # the comparison is not vacuous
+
+
+def test_reference_is_weighted_cross_entropy():
+    hidden, w, labels = make(1)
+    out = block_ce_loss(hidden, w, labels, gamma=3.0)
+    logits = hidden.view(-1, H) @ w.t()
+    ce = torch.nn.functional.cross_entropy(logits, labels.view(-1).clamp(min=0), reduction="none").view(B, A, L)
+    k = torch.arange(L)
+    wk = torch.where(k >= 1, torch.exp(-(k - 1) / 3.0), 0.0) * (labels >= 0)
+    torch.testing.assert_close(out.loss, (wk * ce).sum() / wk.sum())
+
+
+def test_slot_weights_values():
+    w16 = slot_weights(16)
+    assert w16[0] == 0 and w16[1] == 1
+    torch.testing.assert_close(w16[2], torch.tensor(math.exp(-1 / 7)))
+    torch.testing.assert_close(w16[15], torch.tensor(math.exp(-14 / 7)))
+    torch.testing.assert_close(slot_weights(8)[3], torch.tensor(math.exp(-2 / 4)))
+    with pytest.raises(ValueError, match="gamma"):
+        slot_weights(12)
+    torch.testing.assert_close(slot_weights(12, gamma=5.0)[6], torch.tensor(math.exp(-1.0)))
+
+
+def test_slot0_is_never_scored():
+    hidden, w, labels = make(2)
+    base = block_ce_loss(hidden, w, labels, gamma=2.0, chunk_tokens=4).loss
+    h = hidden.clone().view(B, A, L, H)
+    h[:, :, 0] = float("nan")  # slot-0 logits are never computed, so NaN there cannot leak
+    lab = labels.clone()
+    lab[:, :, 0] = 3  # even a label at slot 0 carries no loss
+    hq = h.view(B, A * L, H).requires_grad_(True)
+    out = block_ce_loss(hq, w, lab, gamma=2.0, chunk_tokens=4)
+    torch.testing.assert_close(out.loss, base)
+    out.loss.backward()
+    assert torch.all(hq.grad.view(B, A, L, H)[:, :, 0] == 0)
+    assert torch.isfinite(hq.grad).all()
+    assert not out.correct_BAL[:, :, 0].any()
+
+
+def test_normalizer_override_and_no_grad():
+    hidden, w, labels = make(3)
+    out = block_ce_loss(hidden, w, labels, gamma=2.0)
+    scaled = block_ce_loss(hidden, w, labels, gamma=2.0, normalizer=out.norm * 4)
+    torch.testing.assert_close(scaled.loss * 4, out.loss)
+    with torch.no_grad():
+        ng = block_ce_loss(hidden.requires_grad_(True), w, labels, gamma=2.0)
+    torch.testing.assert_close(ng.loss, out.loss)
+
+
+def test_all_ignored_gives_zero_loss_and_grad():
+    hidden, w, labels = make(4)
+    labels[:] = IGNORE
+    out, g = run(block_ce_loss, hidden, w, labels, gamma=2.0)
+    assert out.loss == 0 and torch.all(g == 0)
+
+
+def test_bf16_close_to_fp32_reference():
+    hidden, w, labels = make(5)
+    ref, g_ref = run(reference_block_ce_loss, hidden, w, labels, gamma=2.0)
+    out, g = run(block_ce_loss, hidden.bfloat16(), w.bfloat16(), labels, gamma=2.0, chunk_tokens=5)
+    assert g.dtype == torch.bfloat16
+    torch.testing.assert_close(out.loss, ref.loss, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(g.float(), g_ref, rtol=5e-2, atol=5e-3)
+
+
+def test_dpace_weights_formula():
+    q = torch.tensor([[0.0, 0.5, 0.2, 0.9]])
+    valid = torch.tensor([[False, True, True, True]])
+    alpha = 0.5
+    s1, s2, s3 = 0.75, 0.6, 0.95
+    p1, p2, p3 = s1, s1 * s2, s1 * s2 * s3
+    expect = torch.tensor([[0.0, p1 + p2 + p3, p2 + p3, p3]])
+    torch.testing.assert_close(dpace_weights(q, valid, alpha), expect)
+    valid2 = torch.tensor([[False, True, False, True]])  # an invalid slot: factor 1 in the product, no term
+    expect2 = torch.tensor([[0.0, p1 + s1 * 1 * s3, 0.0, s1 * s3]])
+    torch.testing.assert_close(dpace_weights(q, valid2, alpha), expect2)
+
+
+def test_metrics():
+    correct = torch.tensor([[[False, True, True, False, True], [False, False, True, True, True]]])
+    valid = torch.tensor([[[False, True, True, True, True], [False, True, True, True, False]]])
+    assert block_tau(correct).tolist() == [[3, 1]]
+    torch.testing.assert_close(mean_tau(correct, torch.tensor([[True, False]])), torch.tensor(3.0))
+    c, t = slot_counts(correct & valid, valid)
+    assert c.tolist() == [0, 1, 2, 1, 1] and t.tolist() == [0, 2, 2, 2, 1]
+    acc = slot_accuracy(c, t)
+    assert math.isnan(acc[0]) and acc[1:].tolist() == [0.5, 1.0, 0.5, 1.0]
+    # sum_k prod_{i<=k} acc_i = 0.5 + 0.5 + 0.25 + 0.25
+    torch.testing.assert_close(simulated_acceptance_length(acc), torch.tensor(1.5))
