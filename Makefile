@@ -41,7 +41,7 @@ style: setup  ## rewrite style
 	$(PYTHON) -m ruff format dflash_offline stages tests
 
 tiny: setup  ## build the embedded default target + tokenizer + bundled corpus into $(DEMO_DIR)
-	$(PYTHON) -m stages.build_tiny --out $(DEMO_DIR)
+	$(PYTHON) -m stages.build_tiny --out $(DEMO_DIR)/target
 
 tokenize: setup  ## corpus → packed token shards (CORPUS=, TARGET= for the tokenizer, CACHE= to pin the directory)
 	$(PYTHON) -m stages.tokenize --recipe=$(RECIPE) --corpus=$(CORPUS) --tokenizer=$(TARGET) --out=$(CACHE)
@@ -50,7 +50,7 @@ status: setup  ## shard table and summary of CACHE= (a cache or a directory of c
 	$(PYTHON) -m stages.status $(or $(CACHE),cache) $(if $(JSON),--json)
 
 demo: setup  ## the whole pipeline on the embedded default, on CPU
-	$(PYTHON) -m stages.build_tiny --out $(DEMO_DIR)
+	$(PYTHON) -m stages.build_tiny --out $(DEMO_DIR)/target
 	$(PYTHON) -m stages.tokenize --recipe=manifests/demo.toml --out=$(DEMO_DIR)/cache/tokens
 	$(PYTHON) -m stages.status $(DEMO_DIR)/cache/tokens
 

@@ -1,0 +1,115 @@
+"""Build the embedded default: a tiny Qwen target + tokenizer trained locally, and the bundled demo corpus.
+
+    python -m stages.build_tiny --out build/tiny-qwen3_5 --arch qwen3_5 [--seed 0] [--train-steps N]
+
+Writes into OUT: the model (`config.json`, `model.safetensors`, `generation_config.json`), the tokenizer
+(`tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`), `dflash_target.json` (mask token id and the
+build parameters) and `corpus/train.jsonl` + `corpus/eval.jsonl` (the demo corpus; eval uses another seed).
+Idempotent: when OUT already holds a build with the same parameters it is left alone. The build happens in a
+temporary sibling directory that is renamed onto OUT at the end, so OUT is either complete or absent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dflash_offline import democorpus, tiny
+
+log = functools.partial(print, flush=True)
+EVAL_SEED_OFFSET = 1_000_003  # the eval corpus is drawn with seed + this, disjoint from the training seed
+
+
+@dataclass
+class BuildTinyConfig:
+    out: Path  # directory to create (complete or absent: built elsewhere, then renamed)
+    arch: str = "qwen3_5"  # qwen3_5 (hybrid Gated DeltaNet, VL checkpoint layout) or qwen3 (dense)
+    seed: int = 0  # seeds the corpus, the tokenizer's training text, the init and the training order
+    train_steps: int = 0  # >0: train the target this many steps on the corpus (300 for non-degenerate demos)
+    corpus_docs: int = 4000  # demo documents (tokenizer + target training text, written to corpus/train.jsonl)
+    eval_docs: int = 200  # held-out demo documents (corpus/eval.jsonl)
+    force: bool = False  # replace OUT if it holds a build with other parameters
+
+
+def parse_args(argv: list[str] | None = None) -> BuildTinyConfig:
+    p = argparse.ArgumentParser(prog="python -m stages.build_tiny", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="output directory, e.g. build/tiny-qwen3_5")
+    p.add_argument("--arch", choices=tiny.ARCHS, default="qwen3_5", help="target architecture (default qwen3_5)")
+    p.add_argument("--seed", type=int, default=0, help="seed for corpus, tokenizer, init, training (default 0)")
+    p.add_argument("--train-steps", type=int, default=0,
+                   help="train the tiny target N steps of 8x256 tokens on the demo corpus (default 0: random init)")
+    p.add_argument("--corpus-docs", type=int, default=4000, help="demo corpus documents (default 4000)")
+    p.add_argument("--eval-docs", type=int, default=200, help="held-out demo documents (default 200)")
+    p.add_argument("--force", action="store_true", help="replace OUT when it holds a different build")
+    a = p.parse_args(argv)
+    if a.train_steps < 0 or a.corpus_docs < 1 or a.eval_docs < 0:
+        p.error("--train-steps must be >= 0, --corpus-docs >= 1, --eval-docs >= 0")
+    return BuildTinyConfig(out=a.out, arch=a.arch, seed=a.seed, train_steps=a.train_steps,
+                           corpus_docs=a.corpus_docs, eval_docs=a.eval_docs, force=a.force)
+
+
+def existing_params(out: Path) -> dict | None:
+    """The build parameters recorded in OUT's sidecar, or None when OUT holds no complete build."""
+    try:
+        return tiny.read_sidecar(out).get("params")
+    except ValueError:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    out = cfg.out
+    params = {**tiny.build_params(cfg.arch, cfg.seed, cfg.train_steps, cfg.corpus_docs), "eval_docs": cfg.eval_docs}
+    log(f"build_tiny: {asdict(cfg)}")
+
+    # --- skip, refuse or (re)build
+    if out.exists():
+        have = existing_params(out)
+        if have == params:
+            log(f"{out} already holds this build (params {params}); nothing to do")
+            return 0
+        if not cfg.force:
+            what = f"a build with other parameters {have}" if have is not None else "something that is no tiny build"
+            raise SystemExit(f"error: {out} holds {what}; wanted {params}. Remove it or pass --force.")
+
+    t0 = time.perf_counter()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        # --- corpus
+        democorpus.write_jsonl(tmp / "corpus" / "train.jsonl", cfg.corpus_docs, cfg.seed)
+        democorpus.write_jsonl(tmp / "corpus" / "eval.jsonl", cfg.eval_docs, cfg.seed + EVAL_SEED_OFFSET)
+        log(f"corpus: {cfg.corpus_docs} train + {cfg.eval_docs} eval documents")
+
+        # --- tokenizer + model (+ training)
+        tiny.build_target(tmp, cfg.arch, seed=cfg.seed, train_steps=cfg.train_steps, corpus_docs=cfg.corpus_docs,
+                          log=log)
+        sidecar = tiny.read_sidecar(tmp)
+        sidecar["params"] = params
+        sidecar["corpus"] = {"train": "corpus/train.jsonl", "eval": "corpus/eval.jsonl",
+                             "eval_seed": cfg.seed + EVAL_SEED_OFFSET}
+        tiny.write_json(tmp / tiny.SIDECAR, sidecar)
+
+        # --- publish: rename the finished directory onto OUT
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        if out.exists():
+            out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"done: {out} (mask_token_id {sidecar['mask_token_id']}, vocab {sidecar['vocab_size']}, "
+        f"{time.perf_counter() - t0:.1f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
