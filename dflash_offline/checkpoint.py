@@ -1,0 +1,283 @@
+"""Training checkpoints without pickle: safetensors for tensors, JSON for everything else.
+
+`run_dir/checkpoints/step-{step:08d}/`:
+
+| file | holds |
+| --- | --- |
+| `model.safetensors` | the drafter's state_dict (unwrapped from DDP / torch.compile), as trained (fp32 master weights) |
+| `optimizer.safetensors` | every optimizer state tensor, `state.{param_index}.{name}` |
+| `optimizer.json` | `param_groups` and non-tensor state (`scalars.{param_index}.{name}`) |
+| `scheduler.json` | `scheduler.state_dict()` (LambdaLR with a plain function or lambda: JSON-able) |
+| `rng.safetensors` | torch CPU RNG state (`torch.cpu`), CUDA RNG state per device (`torch.cuda.{i}`), uint8 |
+| `rng.json` | python `random` and numpy global RNG states |
+| `data.json` | the data stream's `state_dict()` |
+| `meta.json` | format, step, time, config, extra, torch version, byte size of every file (written last) |
+
+A checkpoint is written into a temp directory beside it, every file fsynced, then the directory is renamed into place:
+a directory named `step-*` is complete. `latest` (written atomically) names the newest. The last `keep_last`
+checkpoints (by save time) are kept; older ones are deleted only after the new one is complete.
+
+Multi-process runs: call `save_checkpoint` on the main process only (DDP keeps model and optimizer identical on every
+rank) and `load_checkpoint` on every rank. The RNG saved is the saving process's; randomness that must differ per rank
+and survive a resume should come from explicit generators seeded from (seed, rank, step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+import uuid
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .manifest import fsync_dir, publish, temp_path
+
+FORMAT = "dflash-checkpoint"
+FORMAT_VERSION = 1
+LATEST = "latest"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete, corrupt, or does not fit the objects it is loaded into."""
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module under DDP / DataParallel (accelerate's wrappers) and torch.compile."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel | torch.nn.DataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        else:
+            return model
+
+
+def step_dir(run_dir, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step-{step:08d}"
+
+
+# --- save ----------------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(run_dir, step: int, model, optimizer=None, scheduler=None, data_state: dict | None = None,
+                    rng: bool = True, extra: dict | None = None, config: dict | None = None,
+                    keep_last: int | None = 3) -> Path:
+    """Write checkpoint `step` atomically, point `latest` at it, prune to the newest `keep_last`; returns its dir."""
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = step_dir(run_dir, step)
+    tmp = root / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        files = _write_all(tmp, model, optimizer, scheduler, data_state, rng)
+        meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step, "time": time.time(),
+                "config": config, "extra": extra or {}, "torch": torch.__version__,
+                "files": {name: (tmp / name).stat().st_size for name in files}}
+        _write_json(tmp / "meta.json", meta, "meta (config/extra)")
+        fsync_dir(tmp)
+        old = None
+        if final.exists():  # saving a step again (after resuming from an earlier one): replace it
+            old = final.rename(root / f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(tmp, final)
+        fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    latest = root / LATEST
+    t = temp_path(latest)
+    t.write_text(final.name + "\n")
+    publish(t, latest)
+    if keep_last:
+        for _, _, path in list_checkpoints(run_dir)[:-keep_last]:
+            if path != final:
+                shutil.rmtree(path, ignore_errors=True)
+    return final
+
+
+def _write_all(d: Path, model, optimizer, scheduler, data_state, rng: bool) -> list[str]:
+    sd = {k: v.detach().cpu().contiguous() for k, v in unwrap(model).state_dict().items()}
+    _write_tensors(d / "model.safetensors", sd)
+    files = ["model.safetensors"]
+    if optimizer is not None:
+        tensors, blob = optimizer_to_files(optimizer.state_dict())
+        _write_tensors(d / "optimizer.safetensors", tensors)
+        _write_json(d / "optimizer.json", blob, "optimizer param_groups/state")
+        files += ["optimizer.safetensors", "optimizer.json"]
+    if scheduler is not None:
+        _write_json(d / "scheduler.json", scheduler.state_dict(), "scheduler.state_dict() (use a plain lr function)")
+        files.append("scheduler.json")
+    if rng:
+        tensors, blob = rng_state()
+        _write_tensors(d / "rng.safetensors", tensors)
+        _write_json(d / "rng.json", blob, "rng")
+        files += ["rng.safetensors", "rng.json"]
+    _write_json(d / "data.json", data_state, "data_state")
+    return files + ["data.json"]
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    save_file(tensors, str(path), metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
+    _fsync(path)
+
+
+def _write_json(path: Path, obj, what: str) -> None:
+    try:
+        text = json.dumps(obj, sort_keys=True, indent=1, allow_nan=True)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{what} is not JSON-able ({e}); checkpoints hold no pickle") from None
+    path.write_text(text + "\n")
+    _fsync(path)
+
+
+def optimizer_to_files(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """optimizer.state_dict() → (tensors `state.{i}.{name}`, JSON blob of param_groups + non-tensor state)."""
+    tensors, scalars = {}, {}
+    for i, state in sd["state"].items():
+        for name, v in state.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"state.{i}.{name}"] = v.detach().cpu().contiguous()
+            else:
+                scalars.setdefault(str(i), {})[name] = v
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def rng_state() -> tuple[dict[str, torch.Tensor], dict]:
+    tensors = {"torch.cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch.cuda.{i}"] = s
+    version, mt, gauss = random.getstate()
+    kind, key, pos, has_gauss, cached = np.random.get_state()
+    blob = {"python": [version, list(mt), gauss],
+            "numpy": [kind, key.tolist(), int(pos), int(has_gauss), float(cached)]}
+    return tensors, blob
+
+
+# --- load ----------------------------------------------------------------------------------------------------
+
+
+def list_checkpoints(run_dir) -> list[tuple[float, int, Path]]:
+    """Complete checkpoints as (save time, step, dir), oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    out = []
+    for d in root.glob("step-*") if root.is_dir() else []:
+        try:
+            meta = json.loads((d / "meta.json").read_text())
+            out.append((float(meta["time"]), int(meta["step"]), d))
+        except (OSError, ValueError, KeyError):
+            continue  # not a complete checkpoint
+    return sorted(out, key=lambda x: (x[0], x[1]))
+
+
+def find_checkpoint(run_dir, step: int | None = None) -> Path:
+    root = Path(run_dir) / "checkpoints"
+    have = ", ".join(str(s) for _, s, _ in list_checkpoints(run_dir)) or "none"
+    if step is not None:
+        d = step_dir(run_dir, step)
+    elif (root / LATEST).is_file():
+        d = root / (root / LATEST).read_text().strip()
+    elif have != "none":
+        d = list_checkpoints(run_dir)[-1][2]  # crashed between the rename and `latest`: the newest is complete
+    else:
+        raise CheckpointError(f"no checkpoint under {root}: nothing to resume (start the run without resuming)")
+    if not (d / "meta.json").is_file():
+        raise CheckpointError(f"{d} is not a complete checkpoint; steps available: {have}")
+    return d
+
+
+def load_checkpoint(run_dir, model, optimizer=None, scheduler=None, step: int | None = None,
+                    rng: bool = True) -> dict:
+    """Restore model, optimizer, scheduler and (with `rng`) RNG states from `step` or the latest checkpoint.
+
+    Returns {"step", "data_state", "extra", "config", "dir"}.
+    """
+    d = find_checkpoint(run_dir, step)
+    meta = _read_json(d, "meta.json")
+    if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{d}/meta.json: format {meta.get('format')!r} v{meta.get('format_version')!r}, "
+                              f"this code reads {FORMAT!r} v{FORMAT_VERSION}")
+    for name, size in meta["files"].items():
+        if not (d / name).is_file() or (d / name).stat().st_size != size:
+            raise CheckpointError(f"{d}/{name} is missing or truncated (expected {size} bytes); "
+                                  f"load an older step (see {d.parent})")
+    try:
+        unwrap(model).load_state_dict(_read_tensors(d, "model.safetensors"), strict=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"{d}/model.safetensors does not fit this model: {e}") from None
+    if optimizer is not None:
+        load_optimizer(d, optimizer)
+    if scheduler is not None:
+        scheduler.load_state_dict(_read_json(d, "scheduler.json"))
+    if rng:
+        set_rng_state(_read_tensors(d, "rng.safetensors"), _read_json(d, "rng.json"))
+    return {"step": meta["step"], "data_state": _read_json(d, "data.json"), "extra": meta["extra"],
+            "config": meta["config"], "dir": d}
+
+
+def _read_tensors(d: Path, name: str) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(d / name))
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"{d / name}: unreadable ({e}); load an older step") from None
+
+
+def _read_json(d: Path, name: str):
+    try:
+        return json.loads((d / name).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{d / name}: unreadable ({e}); load an older step") from None
+
+
+def load_optimizer(d: Path, optimizer) -> None:
+    blob = _read_json(d, "optimizer.json")
+    state: dict[int, dict] = {}
+    for key, t in _read_tensors(d, "optimizer.safetensors").items():
+        _, i, name = key.split(".", 2)
+        state.setdefault(int(i), {})[name] = t
+    for i, values in blob["scalars"].items():
+        state.setdefault(int(i), {}).update(values)
+    fresh = optimizer.state_dict()["param_groups"]
+    if len(fresh) != len(blob["param_groups"]):
+        raise CheckpointError(f"{d}/optimizer.json has {len(blob['param_groups'])} param groups, "
+                              f"the optimizer {len(fresh)}")
+    groups = [{k: tuple(v) if isinstance(f.get(k), tuple) else v for k, v in g.items()}  # JSON made tuples lists
+              for g, f in zip(blob["param_groups"], fresh, strict=True)]
+    try:
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise CheckpointError(f"{d}/optimizer.* does not fit this optimizer: {e}") from None
+
+
+def set_rng_state(tensors: dict[str, torch.Tensor], blob: dict) -> None:
+    torch.set_rng_state(tensors["torch.cpu"])
+    cuda = [tensors[k] for k in sorted((k for k in tensors if k.startswith("torch.cuda.")),
+                                       key=lambda k: int(k.rsplit(".", 1)[1]))]
+    if cuda and torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        if n != len(cuda):
+            warnings.warn(f"checkpoint holds CUDA RNG states of {len(cuda)} devices, this process sees {n}; "
+                          f"restoring the first {min(n, len(cuda))}", stacklevel=2)
+        for i, s in enumerate(cuda[:n]):
+            torch.cuda.set_rng_state(s, i)
+    version, mt, gauss = blob["python"]
+    random.setstate((version, tuple(mt), gauss))
+    kind, key, pos, has_gauss, cached = blob["numpy"]
+    np.random.set_state((kind, np.asarray(key, dtype=np.uint32), pos, has_gauss, cached))

@@ -1,0 +1,405 @@
+"""Streaming a hidden-state cache into fixed-shape training batches, split across ranks by the stream itself.
+
+Shape legend: B rows per batch on one rank, W ranks, G = B·W rows per global batch, S seq_len, k tapped layers,
+H hidden size.
+
+Order — a pure function of the manifest, the seed and the epoch, so every rank computes it alone, without talking:
+epoch e visits the shards in a permutation drawn from (seed, e) and each shard's rows in a permutation drawn from
+(seed, e, shard). That one sequence of rows is cut into global batches of G rows and rank r takes rows
+[r·B, (r+1)·B) of each: no row twice, none missing across ranks, and 1 process with B·W rows sees exactly the
+concatenation of the W processes' batches. The last, partial global batch of an epoch (< G rows) is dropped to keep
+shapes fixed; the order changes every epoch, so a different tail is dropped each time.
+
+I/O — no DataLoader workers. One background thread reads the next `prefetch` batches — memory-mapped safetensors
+slices of only the requested layers, in their stored dtype (FP8 stays FP8, half the bytes), and the Arrow token rows —
+into pinned host buffers. The calling thread copies them to the device (`non_blocking`) and decodes FP8 there. The
+thread does file reads and memcpy only (no compute, no CUDA kernels). Workers would add process start-up, a second
+copy through shared memory and per-worker resume state, for work that is a few large contiguous reads per batch.
+
+Start-up reads the manifest only (no shard file is opened before the first batch), and the first batch opens only
+the shards it needs. Resume: `state_dict()` is the position of the next batch handed out (not of the prefetch);
+`load_state_dict` restores it so that the next batches are `torch.equal` to an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError, safe_open
+
+from .manifest import ManifestError, committed, read_manifest
+from .shards import ShardError, fp8_decode, hidden_shard_name, read_token_shard, token_shard_name
+
+STATE_VERSION = 1
+TOKEN_KEYS = ("input_ids", "loss_mask", "position_ids", "doc_ids")
+
+
+def shard_list(indices) -> str:
+    """[0, 1, 2, 3, 7] → '0-3,7' (the SHARD= syntax)."""
+    out, run = [], []
+    for i in sorted(indices):
+        if run and i == run[-1] + 1:
+            run.append(i)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [i]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
+# --- the cache, from its manifest alone --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    cache_dir: Path
+    tokens_dir: Path
+    key: str  # the hidden cache's key
+    tokens_key: str  # the token cache's key
+    layer_ids: tuple[int, ...]  # the layers to read, in this order (columns of `hidden`)
+    cache_layer_ids: tuple[int, ...]  # what the cache holds (a superset)
+    quant: str  # "bf16" or "fp8"
+    hidden_size: int
+    seq_len: int
+    shard_rows: tuple[int, ...]  # rows of shard i
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.shard_rows)
+
+
+def open_hidden_cache(cache_dir, layer_ids, hidden_size: int | None = None, seq_len: int | None = None,
+                      require_verified: bool = False) -> CacheInfo:
+    """Check that a hidden cache fits the drafter, reading only `manifest.json`; refusals name the field."""
+    cache = Path(cache_dir)
+    m = read_manifest(cache)
+    where = cache / "manifest.json"
+    if m.get("kind") != "hidden":
+        raise ManifestError(f"{where}: kind {m.get('kind')!r}, expected 'hidden': pass the cache `make extract` made")
+    prod = m["producer"]
+    have, want = [int(i) for i in prod["layer_ids"]], [int(i) for i in layer_ids]
+    if not want or len(set(want)) != len(want):
+        raise ManifestError(f"layer_ids {want}: need one or more distinct target layer ids")
+    if missing := [i for i in want if i not in have]:
+        raise ManifestError(f"{where}: producer.layer_ids {have} lacks {missing} that the drafter taps ({want}); "
+                            f"extract a cache with those layers (make extract with layer_ids covering them)")
+    _check_equal(where, "producer.target.hidden_size", prod["target"]["hidden_size"], hidden_size)
+    _check_equal(where, "producer.tokens.producer.seq_len", prod["tokens"]["producer"]["seq_len"], seq_len)
+    done, n = committed(m), m.get("num_shards")
+    if n is None or (missing := [i for i in range(n) if i not in done]):
+        raise ManifestError(f"{where}: incomplete cache, shards {shard_list(missing) if n else '?'} of {n} "
+                            f"are not committed; finish it with `make extract CACHE={cache}`")
+    _check_verdict(cache, m.get("verified"), require_verified)
+    return CacheInfo(
+        cache_dir=cache, tokens_dir=cache / m["config"]["tokens_dir"], key=m["key"], tokens_key=prod["tokens"]["key"],
+        layer_ids=tuple(want), cache_layer_ids=tuple(have), quant=prod["quant"],
+        hidden_size=int(prod["target"]["hidden_size"]), seq_len=int(prod["tokens"]["producer"]["seq_len"]),
+        shard_rows=tuple(int(done[i]["rows"]) for i in range(n)),
+    )
+
+
+def _check_equal(where, field: str, have, want) -> None:
+    if want is not None and int(have) != int(want):
+        raise ManifestError(f"{where}: {field} is {have} but the drafter expects {want}; use a cache built for it")
+
+
+def _check_verdict(cache: Path, verdict: dict | None, require: bool) -> None:
+    if verdict is None:
+        if require:
+            raise ManifestError(f"{cache}/manifest.json: verified is absent (never verified); "
+                                f"run `make verify CACHE={cache}` first")
+        return
+    if not verdict.get("ok"):
+        bad = verdict.get("bad", [])
+        shards = shard_list({b["shard"] for b in bad if "shard" in b})
+        why = "; ".join(f"shard {b.get('shard')}: {b.get('reason')}" for b in bad[:5])
+        raise ManifestError(f"{cache}/manifest.json: verified.ok is false ({why}{' …' if len(bad) > 5 else ''}); "
+                            f"redo them with `make extract CACHE={cache} SHARD={shards}`, then `make verify`")
+
+
+# --- the order of an epoch (pure functions) ----------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def epoch_plan(shard_rows: tuple[int, ...], seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    """(shard order, start of each visited shard in the epoch's row sequence, with the total appended)."""
+    order = np.random.default_rng([seed, epoch, 1]).permutation(len(shard_rows))
+    starts = np.concatenate([[0], np.cumsum(np.asarray(shard_rows, dtype=np.int64)[order])])
+    return order, starts
+
+
+@functools.lru_cache(maxsize=64)
+def row_order(rows: int, seed: int, epoch: int, shard: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch, 2, shard]).permutation(rows)
+
+
+def locate(shard_rows: tuple[int, ...], seed: int, epoch: int, start: int, stop: int) -> list[tuple[int, int]]:
+    """(shard, row) of the epoch's row sequence positions start..stop-1."""
+    order, starts = epoch_plan(shard_rows, seed, epoch)
+    pos = np.arange(start, stop)
+    visit = np.searchsorted(starts, pos, side="right") - 1
+    out = []
+    for p, v in zip(pos.tolist(), visit.tolist(), strict=True):
+        shard = int(order[v])
+        out.append((shard, int(row_order(shard_rows[shard], seed, epoch, shard)[p - starts[v]])))
+    return out
+
+
+# --- the stream --------------------------------------------------------------------------------------------
+
+
+class HiddenStream:
+    """Endless iterator of fixed-shape batches for one rank (epochs follow each other).
+
+    Each batch: `hidden` [B, S, k·H] bf16 (layers in `info.layer_ids` order), `input_ids`, `position_ids`,
+    `doc_ids` [B, S] int64 and `loss_mask` [B, S] bool, all on `device`. `last_wait_s` is the time the last
+    `next()` blocked for data (reads not hidden by the prefetch, plus queuing the copies); `total_wait_s` sums it.
+    """
+
+    def __init__(self, info: CacheInfo, batch_rows: int, rank: int = 0, world_size: int = 1, seed: int = 0,
+                 device="cpu", prefetch: int = 2):
+        if batch_rows < 1 or world_size < 1 or not 0 <= rank < world_size or prefetch < 0:
+            raise ValueError(f"need batch_rows >= 1, 0 <= rank < world_size, prefetch >= 0; got "
+                             f"batch_rows={batch_rows} rank={rank} world_size={world_size} prefetch={prefetch}")
+        self.info, self.B, self.rank, self.W, self.seed = info, batch_rows, rank, world_size, seed
+        self.G = batch_rows * world_size
+        self.batches_per_epoch = info.num_rows // self.G
+        if self.batches_per_epoch == 0:
+            raise ValueError(f"{info.cache_dir} holds {info.num_rows} rows, fewer than one global batch of "
+                             f"{self.G} (batch_rows {batch_rows} × world_size {world_size})")
+        self.device = torch.device(device)
+        self.pin = self.device.type == "cuda"
+        self.prefetch = prefetch
+        self.epoch, self.batch = 0, 0  # position of the next batch handed out
+        self.last_wait_s, self.total_wait_s = 0.0, 0.0
+        self._pending: deque = deque()  # futures of the batches after the position, in order
+        self._ahead = (0, 0)  # position of the next batch to submit to the reader
+        self._pool: ThreadPoolExecutor | None = None
+        self._tokens: OrderedDict = OrderedDict()  # shard → token arrays (reader thread only)
+        self._checked: set[int] = set()
+
+    # -- iteration --
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        t0 = time.perf_counter()
+        host = self._take()
+        batch = self._to_device(host)
+        self.epoch, self.batch = self._after(self.epoch, self.batch)
+        self.last_wait_s = time.perf_counter() - t0
+        self.total_wait_s += self.last_wait_s
+        return batch
+
+    def _after(self, epoch: int, batch: int) -> tuple[int, int]:
+        return (epoch, batch + 1) if batch + 1 < self.batches_per_epoch else (epoch + 1, 0)
+
+    def _take(self) -> dict[str, torch.Tensor]:
+        if self.prefetch == 0:
+            return self._read(self.epoch, self.batch)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hidden-reader")
+            self._ahead = (self.epoch, self.batch)
+        while len(self._pending) < self.prefetch + 1:
+            self._pending.append(self._pool.submit(self._read, *self._ahead))
+            self._ahead = self._after(*self._ahead)
+        return self._pending.popleft().result()
+
+    def close(self) -> None:
+        """Stop the reader (pending reads are dropped); iterating again restarts it at the current position."""
+        for f in self._pending:
+            f.cancel()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self._pending.clear()
+        self._pool = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- reading (reader thread: file reads and copies into pinned buffers only) --
+
+    def rows_of(self, epoch: int, batch: int) -> list[tuple[int, int]]:
+        """(shard, row) of this rank's batch `batch` of `epoch`."""
+        a = batch * self.G + self.rank * self.B
+        return locate(self.info.shard_rows, self.seed, epoch, a, a + self.B)
+
+    def _read(self, epoch: int, batch: int) -> dict[str, torch.Tensor]:
+        info, B, S = self.info, self.B, self.info.seq_len
+        k, H = len(info.layer_ids), info.hidden_size
+        fp8 = info.quant == "fp8"
+        host = {"hidden": torch.empty((B, S, k, H), dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
+                                      pin_memory=self.pin)}
+        if fp8:
+            host["scale"] = torch.empty((B, S, k, 1), dtype=torch.float32, pin_memory=self.pin)
+        by_shard: dict[int, list[tuple[int, int]]] = {}
+        for slot, (shard, row) in enumerate(self.rows_of(epoch, batch)):
+            by_shard.setdefault(shard, []).append((row, slot))
+        tokens = {name: [None] * B for name in TOKEN_KEYS}
+        for shard, picks in by_shard.items():
+            picks.sort()
+            self._read_hidden_rows(shard, picks, host)
+            arrays = self._token_arrays(shard)
+            for name in TOKEN_KEYS:
+                for row, slot in picks:
+                    tokens[name][slot] = arrays[name][row]
+        for name in TOKEN_KEYS:
+            host[name] = torch.from_numpy(np.stack(tokens[name]))
+            if self.pin:
+                host[name] = host[name].pin_memory()
+        return host
+
+    def _read_hidden_rows(self, shard: int, picks: list[tuple[int, int]], host: dict) -> None:
+        path = self.info.cache_dir / hidden_shard_name(shard)
+        try:
+            f = safe_open(str(path), framework="pt")
+        except (OSError, SafetensorError) as e:
+            raise ShardError(f"{path}: unreadable ({e}); redo it with `make extract SHARD={shard}`") from None
+        with f:
+            self._check_hidden(shard, path, f)
+            for j, lid in enumerate(self.info.layer_ids):
+                names = [("hidden", f"hidden.L{lid}")] + ([("scale", f"scale.L{lid}")] if "scale" in host else [])
+                for dst, name in names:
+                    sl = f.get_slice(name)
+                    for row, slot in picks:
+                        host[dst][slot, :, j].copy_(sl[row:row + 1][0])
+
+    def _check_hidden(self, shard: int, path: Path, f) -> None:
+        if shard in self._checked:
+            return
+        meta = f.metadata() or {}
+        rows = f.get_slice(f"hidden.L{self.info.layer_ids[0]}").get_shape()[0]
+        want = (self.info.key, str(shard), self.info.quant, self.info.shard_rows[shard])
+        have = (meta.get("key"), meta.get("shard"), meta.get("quant"), rows)
+        if have != want or json.loads(meta.get("layer_ids", "[]")) != list(self.info.cache_layer_ids):
+            raise ShardError(f"{path}: (key, shard, quant, rows) = {have} but the manifest says {want}; "
+                             f"run `make verify CACHE={self.info.cache_dir}`")
+        self._checked.add(shard)
+
+    def _token_arrays(self, shard: int) -> dict:
+        if shard not in self._tokens:
+            path = self.info.tokens_dir / token_shard_name(shard)
+            arrays = read_token_shard(path)
+            meta, rows = arrays["metadata"], arrays["input_ids"].shape[0]
+            if (meta.get("key"), meta.get("shard"), rows) != (self.info.tokens_key, str(shard),
+                                                               self.info.shard_rows[shard]):
+                raise ShardError(f"{path}: not token shard {shard} of the cache's token cache "
+                                 f"{self.info.tokens_key[:12]} with {self.info.shard_rows[shard]} rows")
+            self._tokens[shard] = arrays
+            while len(self._tokens) > 2:
+                self._tokens.popitem(last=False)
+        return self._tokens[shard]
+
+    # -- to the device (calling thread) --
+
+    def _to_device(self, host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        dev, nb = self.device, self.pin
+        B, S, k, H = host["hidden"].shape
+        if "scale" in host:
+            q_BSkH, s_BSk1 = host["hidden"].to(dev, non_blocking=nb), host["scale"].to(dev, non_blocking=nb)
+            hidden_BSkH = torch.empty((B, S, k, H), dtype=torch.bfloat16, device=dev)
+            for j in range(k):  # one layer at a time: the float32 temporary stays one layer big
+                hidden_BSkH[:, :, j] = fp8_decode(q_BSkH[:, :, j], s_BSk1[:, :, j], torch.bfloat16)
+        else:
+            hidden_BSkH = host["hidden"].to(dev, non_blocking=nb)
+        out = {"hidden": hidden_BSkH.view(B, S, k * H)}
+        for name in ("input_ids", "position_ids", "doc_ids"):
+            out[name] = host[name].to(dev, non_blocking=nb).long()
+        out["loss_mask"] = host["loss_mask"].to(dev, non_blocking=nb).bool()
+        return out
+
+    # -- resume --
+
+    def state_dict(self) -> dict:
+        """Small JSON-able position: the next batch handed out is batch `batch` of epoch `epoch`."""
+        return {
+            "version": STATE_VERSION, "seed": self.seed, "epoch": self.epoch, "batch": self.batch,
+            "batches_per_epoch": self.batches_per_epoch, "world_size": self.W, "batch_rows": self.B,
+            "global_batch_rows": self.G, "samples": (self.epoch * self.batches_per_epoch + self.batch) * self.G,
+            "cache_key": self.info.key,
+        }
+
+    def load_state_dict(self, d: dict) -> None:
+        """Continue from `d`. Another world_size × batch_rows split of the same global batch is equivalent."""
+        if d.get("version") != STATE_VERSION:
+            raise ValueError(f"data state version {d.get('version')!r}, this code reads {STATE_VERSION}")
+        if d["cache_key"] != self.info.key:
+            raise ValueError(f"data state is for cache {d['cache_key'][:12]}, this stream reads "
+                             f"{self.info.key[:12]}: resume on the same cache")
+        if d["seed"] != self.seed:
+            raise ValueError(f"data state has seed {d['seed']}, this stream {self.seed}: resume with seed={d['seed']}")
+        if d["global_batch_rows"] != self.G:
+            raise ValueError(
+                f"data state has global batches of {d['global_batch_rows']} rows (world_size {d['world_size']} × "
+                f"batch_rows {d['batch_rows']}), this stream {self.G} ({self.W} × {self.B}): the order would "
+                f"differ; resume with world_size × batch_rows = {d['global_batch_rows']}")
+        self.close()
+        self.epoch, self.batch = int(d["epoch"]), int(d["batch"])
+
+
+# --- a fake cache for tests (no target model needed) --------------------------------------------------------
+
+
+def make_fake_cache(cache_dir, num_shards: int, rows, seq_len: int, hidden: int, layer_ids, quant: str = "bf16",
+                    seed: int = 0, files_for=None) -> Path:
+    """Write a complete hidden cache of random states at `cache_dir` (its token cache in `cache_dir/tokens`).
+
+    `rows` is an int or one count per shard. `input_ids[:, 0]` is the row's global id (shard-major) so tests can
+    tell rows apart; each row holds two documents (positions restart) and a padding tail. `files_for` (a set of
+    shard indices) writes only those shards' files while the manifests still list every shard (start-up tests).
+    """
+    from .manifest import hash_obj, open_cache, update_manifest
+    from .shards import encode_layer, write_hidden_shard, write_token_shard
+
+    cache, tokens = Path(cache_dir), Path(cache_dir) / "tokens"
+    rows = [rows] * num_shards if isinstance(rows, int) else list(rows)
+    tprod = {"seq_len": seq_len, "fake": True}
+    hprod = {"stage": "extract", "tokens": {"key": hash_obj(tprod), "producer": tprod}, "quant": quant,
+             "target": {"hidden_size": hidden, "arch": "fake"}, "layer_ids": sorted(layer_ids), "format_version": 1}
+    open_cache(tokens, "tokens", hash_obj(tprod), tprod, {}, num_shards)
+    open_cache(cache, "hidden", hash_obj(hprod), hprod, {"tokens_dir": "tokens", "layer_ids": list(layer_ids)},
+               num_shards)
+    gen = torch.Generator().manual_seed(seed)
+    tentries, hentries, none = [], [], {"bytes": 0, "sha256": "0" * 64}
+    for i, n in enumerate(rows):
+        tfile = hfile = none
+        if files_for is None or i in files_for:
+            arrays = fake_token_rows(sum(rows[:i]), n, seq_len, gen)
+            tfile = write_token_shard(tokens / token_shard_name(i), arrays, [[0, 1]] * n,
+                                      {"shard": i, "key": hash_obj(tprod)})
+            tensors = {}
+            for lid in sorted(layer_ids):
+                tensors.update(encode_layer(torch.randn(n, seq_len, hidden, generator=gen) * (1 + lid), lid, quant))
+            hfile = write_hidden_shard(cache / hidden_shard_name(i), tensors, quant, list(layer_ids),
+                                       {"shard": i, "key": hash_obj(hprod)})
+        entry = {"index": i, "rows": n, "tokens": n * seq_len, "status": "committed"}
+        tentries.append(dict(entry, files={token_shard_name(i): tfile}))
+        hentries.append(dict(entry, files={hidden_shard_name(i): hfile}, tokens_sha256=tfile["sha256"]))
+    update_manifest(tokens, shards=tentries, complete=True)
+    update_manifest(cache, shards=hentries)
+    return cache
+
+
+def fake_token_rows(first_id: int, n: int, seq_len: int, gen: torch.Generator) -> dict[str, np.ndarray]:
+    ids = torch.randint(0, 1000, (n, seq_len), generator=gen, dtype=torch.int32)
+    ids[:, 0] = torch.arange(first_id, first_id + n)
+    cut, pad = seq_len // 3, seq_len - seq_len // 8
+    pos = torch.cat([torch.arange(cut), torch.arange(seq_len - cut)]).int().expand(n, seq_len)
+    doc = torch.cat([torch.zeros(cut), torch.ones(pad - cut), -torch.ones(seq_len - pad)]).int().expand(n, seq_len)
+    mask = (torch.rand(n, seq_len, generator=gen) < 0.7) & (doc >= 0)
+    return {"input_ids": ids.numpy(), "position_ids": pos.contiguous().numpy(), "doc_ids": doc.contiguous().numpy(),
+            "loss_mask": mask.to(torch.uint8).numpy()}

@@ -1,0 +1,194 @@
+"""Checkpoints: exact resume (params, optimizer, scheduler, RNG), keep_last, atomic writes, no pickle, clear errors."""
+
+import functools
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_offline import checkpoint as ck
+
+
+def cosine(step: int, warmup: int, total: int) -> float:
+    return min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step, total) / total)))
+
+
+def make(seed: int, partial: bool = False):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    fn = functools.partial(cosine, warmup=2, total=10) if partial else (lambda s: cosine(s, 2, 10))
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, fn)
+
+
+def train_step(model, opt, sched) -> torch.Tensor:
+    """Uses every RNG a checkpoint restores: torch (data, dropout), python `random` and numpy."""
+    x = torch.randn(8, 4)
+    y = x.sum(1, keepdim=True) * (1 + random.random()) + float(np.random.randn())
+    loss = F.mse_loss(model(x), y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    sched.step()
+    return loss.detach()
+
+
+def scramble_rngs():
+    torch.manual_seed(1234)
+    random.seed(99)
+    np.random.seed(7)
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_resume_reproduces_training_exactly(tmp_path, partial):
+    random.seed(0)
+    np.random.seed(0)
+    model, opt, sched = make(0, partial)
+    for _ in range(3):
+        train_step(model, opt, sched)
+    data = {"epoch": 0, "batch": 3, "samples": 24}
+    ck.save_checkpoint(tmp_path, 3, model, opt, sched, data_state=data, extra={"loss": 0.5}, config={"lr": 1e-2})
+    losses = [train_step(model, opt, sched) for _ in range(2)]
+
+    scramble_rngs()
+    model2, opt2, sched2 = make(42, partial)  # other weights, fresh optimizer and scheduler
+    got = ck.load_checkpoint(tmp_path, model2, opt2, sched2)
+    assert got["step"] == 3 and got["data_state"] == data and got["extra"] == {"loss": 0.5}
+    assert got["config"] == {"lr": 1e-2}
+    losses2 = [train_step(model2, opt2, sched2) for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(losses, losses2, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters(), strict=True))
+    assert sched.get_last_lr() == sched2.get_last_lr()
+    assert opt2.param_groups[0]["betas"] == (0.9, 0.95)
+
+
+def test_without_rng_restore_the_run_differs(tmp_path):
+    """Guards the test above: it fails if RNG restoring does nothing."""
+    model, opt, sched = make(0)
+    ck.save_checkpoint(tmp_path, 1, model, opt, sched)
+    a = train_step(model, opt, sched)
+    scramble_rngs()
+    model2, opt2, sched2 = make(0)
+    ck.load_checkpoint(tmp_path, model2, opt2, sched2, rng=False)
+    assert not torch.equal(a, train_step(model2, opt2, sched2))
+
+
+def test_keep_last_latest_and_no_pickle(tmp_path):
+    model, opt, sched = make(0)
+    for step in range(1, 6):
+        train_step(model, opt, sched)
+        ck.save_checkpoint(tmp_path, step, model, opt, sched, data_state={"batch": step}, keep_last=2)
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000004", "step-00000005"]
+    assert (root / "latest").read_text().strip() == "step-00000005"
+    ck.save_checkpoint(tmp_path, 5, model, opt, sched, data_state={"batch": 55}, keep_last=2)  # same step again
+    assert ck.load_checkpoint(tmp_path, model, opt, sched)["data_state"] == {"batch": 55}
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert {p.suffix for p in files} == {".safetensors", ".json", ""}
+    assert {p.name for p in files if not p.suffix} == {"latest"}
+    assert not any(p.read_bytes()[:1] == b"\x80" for p in files)  # no pickle protocol header anywhere
+    names = {p.name for p in (root / "step-00000005").iterdir()}
+    assert names == {"model.safetensors", "optimizer.safetensors", "optimizer.json", "scheduler.json",
+                     "rng.safetensors", "rng.json", "data.json", "meta.json"}
+
+
+def test_failed_save_leaves_nothing_behind(tmp_path, monkeypatch):
+    model, opt, sched = make(0)
+    ck.save_checkpoint(tmp_path, 1, model, opt, sched)
+    monkeypatch.setattr(ck, "rng_state", lambda: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        ck.save_checkpoint(tmp_path, 2, model, opt, sched)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-00000001"]
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-00000001"
+
+
+class TensorLambda:
+    def __init__(self):
+        self.factor = torch.ones(1)
+
+    def __call__(self, step: int) -> float:
+        return 1.0
+
+
+def test_clear_errors(tmp_path):
+    model, opt, sched = make(0)
+    with pytest.raises(ck.CheckpointError, match="no checkpoint under"):
+        ck.load_checkpoint(tmp_path, model, opt, sched)
+    ck.save_checkpoint(tmp_path, 7, model, opt, sched)
+    with pytest.raises(ck.CheckpointError, match="steps available: 7"):
+        ck.load_checkpoint(tmp_path, model, step=8)
+    with pytest.raises(ck.CheckpointError, match="does not fit this model"):
+        ck.load_checkpoint(tmp_path, nn.Linear(4, 16))
+    bad_sched = torch.optim.lr_scheduler.LambdaLR(opt, TensorLambda())  # LambdaLR saves a callable's __dict__
+    with pytest.raises(ck.CheckpointError, match="scheduler.*not JSON-able"):
+        ck.save_checkpoint(tmp_path, 8, model, opt, bad_sched)
+    model_file = tmp_path / "checkpoints" / "step-00000007" / "model.safetensors"
+    model_file.write_bytes(model_file.read_bytes()[:-4])
+    with pytest.raises(ck.CheckpointError, match="model.safetensors is missing or truncated"):
+        ck.load_checkpoint(tmp_path, model)
+    (tmp_path / "checkpoints" / "latest").unlink()
+    ck.save_checkpoint(tmp_path, 9, model, opt, sched)
+    (tmp_path / "checkpoints" / "latest").unlink()  # crashed before `latest` was written: the newest one is used
+    assert ck.load_checkpoint(tmp_path, model, opt, sched)["step"] == 9
+
+
+def test_wrapped_models_save_plain_keys(tmp_path):
+    model, _, _ = make(0)
+    ck.save_checkpoint(tmp_path, 1, torch.compile(model), rng=False)
+    keys = json.loads((tmp_path / "checkpoints" / "step-00000001" / "meta.json").read_text())["files"]
+    assert "model.safetensors" in keys and "optimizer.json" not in keys
+    plain, _, _ = make(5)
+    ck.load_checkpoint(tmp_path, plain, rng=False)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters(), strict=True))
+
+
+def test_ddp_wrapped_model(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        model, opt, sched = make(0)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        train_step(ddp, opt, sched)
+        ck.save_checkpoint(tmp_path / "run", 1, ddp, opt, sched)
+        plain, opt2, sched2 = make(3)
+        ck.load_checkpoint(tmp_path / "run", nn.parallel.DistributedDataParallel(plain), opt2, sched2)
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters(), strict=True))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_resume_restores_cuda_rng_and_state(tmp_path):
+    def step(model, opt, sched):
+        x = torch.randn(8, 4, device="cuda")  # the CUDA generator
+        loss = F.mse_loss(model(x), x.sum(1, keepdim=True))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        return loss.detach()
+
+    model, opt, sched = make(0)
+    model.cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine(s, 2, 10))
+    for _ in range(2):
+        step(model, opt, sched)
+    ck.save_checkpoint(tmp_path, 2, model, opt, sched)
+    losses = [step(model, opt, sched) for _ in range(2)]
+    torch.cuda.manual_seed_all(77)
+    model2, _, _ = make(5)
+    model2.cuda()
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: cosine(s, 2, 10))
+    ck.load_checkpoint(tmp_path, model2, opt2, sched2)
+    assert all(v.is_cuda for s in opt2.state.values() for k, v in s.items() if k != "step")
+    assert all(torch.equal(a, step(model2, opt2, sched2)) for a in losses)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters(), strict=True))

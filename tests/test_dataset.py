@@ -1,0 +1,289 @@
+"""Hidden-state stream: exact epoch coverage across ranks, 1-vs-W equivalence, layer subsets, FP8, refusals naming
+the field, resume by equality, and a start-up that reads the manifest only."""
+
+import itertools
+import json
+import shutil
+import time
+
+import pytest
+import torch
+
+from dflash_offline import dataset as ds
+from dflash_offline.manifest import ManifestError, update_manifest
+from dflash_offline.shards import (
+    ShardError,
+    hidden_shard_name,
+    read_hidden,
+    read_token_shard,
+    token_shard_name,
+)
+
+ROWS = [7, 5, 8, 6, 4]  # 30 rows in 5 shards of unequal size
+S, H, LAYERS = 16, 8, [0, 2, 4]
+
+
+@pytest.fixture(scope="module")
+def bf16_cache(tmp_path_factory):
+    return ds.make_fake_cache(tmp_path_factory.mktemp("c") / "bf16", len(ROWS), ROWS, S, H, LAYERS, "bf16", seed=3)
+
+
+@pytest.fixture(scope="module")
+def fp8_cache(tmp_path_factory):
+    return ds.make_fake_cache(tmp_path_factory.mktemp("c") / "fp8", len(ROWS), ROWS, S, H, LAYERS, "fp8", seed=3)
+
+
+def stream(cache, batch_rows, rank=0, world_size=1, seed=0, layers=LAYERS, **kw):
+    return ds.HiddenStream(ds.open_hidden_cache(cache, layers), batch_rows, rank, world_size, seed, **kw)
+
+
+def take(s, n):
+    return [next(s) for _ in range(n)]
+
+
+def ids(batches):
+    return [int(i) for b in batches for i in b["input_ids"][:, 0]]
+
+
+@pytest.mark.parametrize("world_size,batch_rows", [(1, 3), (2, 3), (3, 2), (2, 4)])
+def test_every_row_once_per_epoch_across_ranks(bf16_cache, world_size, batch_rows):
+    g = world_size * batch_rows
+    per_epoch = sum(ROWS) // g  # (2, 4): 3 global batches, a tail of 6 rows dropped
+    seen = {0: [], 1: []}
+    for rank in range(world_size):
+        with stream(bf16_cache, batch_rows, rank, world_size, seed=5) as s:
+            assert s.batches_per_epoch == per_epoch
+            for epoch in (0, 1):
+                seen[epoch] += ids(take(s, per_epoch))
+    for epoch in (0, 1):
+        assert len(seen[epoch]) == len(set(seen[epoch])) == per_epoch * g  # none twice, none missing
+        assert set(seen[epoch]) <= set(range(sum(ROWS)))
+    if sum(ROWS) % g == 0:
+        assert set(seen[0]) == set(seen[1]) == set(range(sum(ROWS)))
+
+
+def test_rows_carry_their_own_tokens_and_states(bf16_cache):
+    with stream(bf16_cache, 4, layers=[4, 0]) as s:
+        for batch in take(s, 3):
+            for slot, gid in enumerate(batch["input_ids"][:, 0].tolist()):
+                shard = next(i for i in range(len(ROWS)) if gid < sum(ROWS[: i + 1]))
+                row = gid - sum(ROWS[:shard])
+                tok = read_token_shard(bf16_cache / "tokens" / token_shard_name(shard))
+                assert torch.equal(batch["input_ids"][slot], torch.tensor(tok["input_ids"][row]).long())
+                assert torch.equal(batch["loss_mask"][slot], torch.tensor(tok["loss_mask"][row]).bool())
+                assert torch.equal(batch["doc_ids"][slot], torch.tensor(tok["doc_ids"][row]).long())
+                want = read_hidden(bf16_cache / hidden_shard_name(shard), [4, 0], rows=slice(row, row + 1))[0]
+                assert torch.equal(batch["hidden"][slot], want)
+
+
+def test_order_is_deterministic_and_differs_between_epochs_and_seeds(bf16_cache):
+    n = sum(ROWS)  # B = 2: 15 batches, 30 rows per epoch
+    a, b, c = (ids(take(stream(bf16_cache, 2, seed=seed), n)) for seed in (1, 1, 2))
+    assert a == b
+    assert a[:n] != a[n:] and sorted(a[:n]) == sorted(a[n:]) == list(range(n))
+    assert a[:n] != c[:n] and a[n:] != c[n:]
+    shard_of = [i for i, r in enumerate(ROWS) for _ in range(r)]
+    assert [shard_of[i] for i in a[:n]] != sorted(shard_of[i] for i in a[:n])  # shards are not read in order
+    within = [[i for i in a[:n] if shard_of[i] == sh] for sh in range(len(ROWS))]
+    assert any(w != sorted(w) for w in within)  # nor the rows of a shard
+
+
+
+def test_one_process_equals_concatenation_of_ranks(bf16_cache):
+    single = take(stream(bf16_cache, 6, seed=7), 12)  # 2 epochs of 5 batches, and then some
+    ranks = [take(stream(bf16_cache, 2, r, 3, seed=7), 12) for r in range(3)]
+    for j, batch in enumerate(single):
+        for key, value in batch.items():
+            assert torch.equal(value, torch.cat([ranks[r][j][key] for r in range(3)])), (j, key)
+
+
+def test_layer_subset_equals_slicing_the_superset(bf16_cache):
+    full = take(stream(bf16_cache, 3, seed=2), 4)
+    sub = take(stream(bf16_cache, 3, seed=2, layers=[4, 0]), 4)
+    for f, s in zip(full, sub, strict=True):
+        assert s["hidden"].shape == (3, S, 2 * H)
+        assert torch.equal(s["hidden"], torch.cat([f["hidden"][..., 2 * H:], f["hidden"][..., :H]], dim=-1))
+
+
+def test_fp8_cache_decodes_within_fp8_tolerance(bf16_cache, fp8_cache):
+    for b, q in zip(take(stream(bf16_cache, 3), 5), take(stream(fp8_cache, 3), 5), strict=True):
+        assert torch.equal(b["input_ids"], q["input_ids"]) and q["hidden"].dtype == torch.bfloat16
+        ref, dec = b["hidden"].float().view(3, S, 3, H), q["hidden"].float().view(3, S, 3, H)
+        scale = ref.abs().amax(-1, keepdim=True) / 448
+        assert ((dec - ref).abs() <= ref.abs() * 0.07 + scale * 2**-8).all()  # e4m3: 3 mantissa bits
+        assert (dec - ref).abs().max() > 0  # it really went through FP8
+    first = next(stream(fp8_cache, 1, layers=[2]))
+    shard, row = stream(fp8_cache, 1).rows_of(0, 0)[0]
+    assert torch.equal(first["hidden"][0], read_hidden(fp8_cache / hidden_shard_name(shard), [2],
+                                                       rows=slice(row, row + 1))[0])
+
+
+# --- refusals ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small(tmp_path):
+    return ds.make_fake_cache(tmp_path / "h", 4, 2, S, H, [1, 3])
+
+
+def test_refusals_name_the_field(small):
+    with pytest.raises(ManifestError, match="kind 'tokens'"):
+        ds.open_hidden_cache(small / "tokens", [1])
+    with pytest.raises(ManifestError, match=r"producer.layer_ids \[1, 3\] lacks \[2\]"):
+        ds.open_hidden_cache(small, [1, 2])
+    with pytest.raises(ManifestError, match="producer.target.hidden_size is 8 but the drafter expects 16"):
+        ds.open_hidden_cache(small, [1], hidden_size=16)
+    with pytest.raises(ManifestError, match="producer.tokens.producer.seq_len is 16 but the drafter expects 32"):
+        ds.open_hidden_cache(small, [1], seq_len=32)
+    with pytest.raises(ManifestError, match="never verified.*make verify"):
+        ds.open_hidden_cache(small, [1], require_verified=True)
+    assert ds.open_hidden_cache(small, [3, 1], hidden_size=H, seq_len=S).layer_ids == (3, 1)
+
+
+def test_incomplete_cache_is_refused(small):
+    m = json.loads((small / "manifest.json").read_text())
+    update_manifest(small, shards=[s for s in m["shards"] if s["index"] not in (1, 2)])
+    with pytest.raises(ManifestError, match=r"shards 1-2 of 4 are not committed.*make extract CACHE="):
+        ds.open_hidden_cache(small, [1])
+
+
+def test_failed_or_missing_verdict(small):
+    update_manifest(small, verified={"ok": True, "bad": []})
+    ds.open_hidden_cache(small, [1], require_verified=True)
+    update_manifest(small, verified={"ok": False, "bad": [{"shard": 3, "reason": "checksum"},
+                                                          {"shard": 0, "reason": "rel err"}]})
+    with pytest.raises(ManifestError, match=r"verified.ok is false.*shard 3: checksum.*SHARD=0,3"):
+        ds.open_hidden_cache(small, [1])
+
+
+def test_misplaced_shard_file_is_refused(small):
+    shutil.copy(small / hidden_shard_name(0), small / hidden_shard_name(1))
+    with pytest.raises(ShardError, match=r"hidden-00001.*make verify"):
+        take(stream(small, 8, layers=[1], prefetch=1), 1)  # the whole cache in one batch
+
+
+# --- resume --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [4, 13])  # 13 + 5 crosses the epoch boundary at 15 batches
+def test_resume_continues_exactly(bf16_cache, n):
+    full = take(stream(bf16_cache, 2, seed=9), n + 5)
+    s = stream(bf16_cache, 2, seed=9)
+    take(s, n)  # the reader has prefetched past n: the state must not count that
+    state = json.loads(json.dumps(s.state_dict()))
+    s.close()
+    assert state["samples"] == 2 * n and state["epoch"] == n // 15
+    fresh = stream(bf16_cache, 2, seed=9)
+    fresh.load_state_dict(state)
+    for a, b in zip(full[n:], take(fresh, 5), strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_across_layouts(bf16_cache):
+    s = stream(bf16_cache, 6, seed=4)
+    take(s, 3)
+    state, nxt = s.state_dict(), next(s)
+    parts = []
+    for r in range(2):  # the same global batch split over 2 ranks: equivalent, allowed
+        t = stream(bf16_cache, 3, r, 2, seed=4)
+        t.load_state_dict(state)
+        parts.append(next(t))
+    assert torch.equal(torch.cat([p["hidden"] for p in parts]), nxt["hidden"])
+    with pytest.raises(ValueError, match="world_size × batch_rows = 6"):
+        stream(bf16_cache, 4, 0, 2, seed=4).load_state_dict(state)
+    with pytest.raises(ValueError, match="seed=4"):
+        stream(bf16_cache, 6, seed=5).load_state_dict(state)
+
+
+# --- start-up ------------------------------------------------------------------------------------------------
+
+
+def test_startup_reads_the_manifest_only(tmp_path, monkeypatch):
+    n, rows, seed, batch_rows = 2000, 8, 11, 4
+    first = {shard for shard, _ in ds.locate((rows,) * n, seed, 0, 0, batch_rows)}
+    cache = ds.make_fake_cache(tmp_path / "h", n, rows, S, H, [0, 1], files_for=first)  # no other shard files
+    calls = []
+    real_open, real_tokens = ds.safe_open, ds.read_token_shard
+    monkeypatch.setattr(ds, "safe_open", lambda p, **kw: calls.append(p) or real_open(p, **kw))
+    monkeypatch.setattr(ds, "read_token_shard", lambda p: calls.append(p) or real_tokens(p))
+    t0 = time.perf_counter()
+    s = ds.HiddenStream(ds.open_hidden_cache(cache, [1], H, S), batch_rows, seed=seed, prefetch=0)
+    startup = time.perf_counter() - t0
+    assert calls == [] and s.batches_per_epoch == n * rows // batch_rows
+    batch = next(s)
+    first_batch = time.perf_counter() - t0
+    print(f"2000-shard manifest: start-up {startup * 1e3:.1f} ms, first batch after {first_batch * 1e3:.1f} ms")
+    assert len(calls) == 2 * len(first) and batch["hidden"].shape == (batch_rows, S, H)
+    assert startup < 1.0 and s.last_wait_s > 0 and s.total_wait_s == s.last_wait_s
+
+
+def test_prefetch_hides_read_time(bf16_cache, monkeypatch):
+    read = ds.HiddenStream._read
+    monkeypatch.setattr(ds.HiddenStream, "_read", lambda self, e, b: time.sleep(0.1) or read(self, e, b))
+    waits = {}
+    for prefetch in (0, 2):
+        s = stream(bf16_cache, 2, prefetch=prefetch)
+        waits[prefetch] = []
+        for _ in range(5):
+            next(s)
+            waits[prefetch].append(s.last_wait_s)
+            time.sleep(0.15)  # the step's compute
+        s.close()
+    assert min(waits[0]) >= 0.1 and max(waits[2][1:]) < 0.05, waits
+
+
+def test_locate_matches_a_literal_concatenation():
+    shard_rows = (3, 1, 4, 2)
+    order, _ = ds.epoch_plan(shard_rows, 6, 2)
+    literal = [(int(sh), int(r)) for sh in order for r in ds.row_order(shard_rows[sh], 6, 2, int(sh))]
+    assert ds.locate(shard_rows, 6, 2, 0, 10) == literal
+    assert sorted(literal) == [(sh, r) for sh, n in enumerate(shard_rows) for r in range(n)]
+    assert list(itertools.chain(*(ds.locate(shard_rows, 6, 2, a, a + 2) for a in range(0, 10, 2)))) == literal
+
+
+# --- CUDA (make test-gpu) ------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("quant", ["bf16", "fp8"])
+def test_cuda_stream_equals_cpu_stream(request, quant):
+    cache = request.getfixturevalue(f"{quant}_cache")
+    cpu = take(stream(cache, 3, seed=1, layers=[4, 0]), 12)
+    with stream(cache, 3, seed=1, layers=[4, 0], device="cuda") as s:
+        gpu = take(s, 12)
+    for a, b in zip(cpu, gpu, strict=True):
+        for key in a:
+            assert b[key].is_cuda and b[key].dtype == a[key].dtype and torch.equal(a[key], b[key].cpu()), key
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("quant", ["bf16", "fp8"])
+def test_cuda_feed_rate_at_27b_width(tmp_path, quant):
+    """Rows of Qwen3.5-27B width (S 4096, 5 layers × 5120) through the prefetching reader while the GPU 'trains'
+    150 ms a step; prints read rate and data-wait fraction (files are in the page cache right after writing)."""
+    cache = ds.make_fake_cache(tmp_path / "h", 4, 4, 4096, 5120, [1, 16, 31, 46, 61], quant)
+    info = ds.open_hidden_cache(cache, [1, 16, 31, 46, 61])
+    with ds.HiddenStream(info, 1, device="cuda", prefetch=0) as s:
+        next(s)
+        t0 = time.perf_counter()
+        for _ in range(6):
+            next(s)
+        torch.cuda.synchronize()
+        read_s = (time.perf_counter() - t0) / 6
+    row_gb = 4096 * 5 * (5120 * 2 if quant == "bf16" else 5120 + 4) / 1e9
+    with ds.HiddenStream(info, 1, device="cuda", prefetch=2) as s:
+        next(s)
+        t0, waits = time.perf_counter(), []
+        for _ in range(12):
+            next(s)
+            waits.append(s.last_wait_s)
+            torch.cuda._sleep(int(0.15 * 1.98e9))  # ~150 ms of GPU work at 1.98 GHz
+            torch.cuda.synchronize()  # the trainer's loss.item()
+        total = time.perf_counter() - t0
+    print(f"\n{quant}: {row_gb:.3f} GB/row read+H2D+decode {read_s * 1e3:.0f} ms ({row_gb / read_s:.1f} GB/s); "
+          f"with prefetch, data wait {sum(waits) / total:.1%} of {total:.2f}s for 12 steps")
+    assert sum(waits) / total < 0.25
