@@ -1,0 +1,520 @@
+"""The frozen target: load only the text stack up to the deepest tapped layer, and compute the tapped hidden states
+of packed rows with every document seen alone.
+
+Two paths give the same numbers (within the dtype's rounding):
+- `per_doc`: each document runs alone through transformers' own decoder layers (right-padded to a power-of-two
+  length and batched with others; the layers are causal, so the padding never reaches it). Exact by construction;
+  the CPU path and the reference.
+- `packed`: all rows are flattened into one sequence of T = B*S tokens cut into segments (every document, and each
+  row's padding tail, is a segment). Full attention gets a per-segment causal mask (compiled flex_attention);
+  Gated DeltaNet gets fla's varlen causal conv and chunked delta rule, both taking `cu_seqlens`, so conv and
+  recurrent state restart at every segment. The projections, norms, gates and rotary are the layer's own modules
+  and transformers' own functions; only the three sequence kernels are swapped (`PackedKernels`). CUDA only.
+
+Tapped ids are 0-based layer outputs = transformers' `hidden_states[id + 1]`. As there, the output of the last
+layer of the checkpoint (id N-1) is taken after the final norm; every other tap is the raw residual stream.
+
+Longer than the other modules because both paths, and the kernels that must agree between them, live here.
+
+Shape legend: B rows, S tokens per row, T flattened tokens, L document length, n documents, H hidden size,
+K tapped layers, N heads, D head dim, C conv channels, W conv width.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import logging
+from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+# config.json model_type -> (arch kind, where the text stack's tensors live in the checkpoint, most likely first)
+SUPPORTED = {
+    "qwen3_5": ("qwen3_5", ("model.language_model.", "model.")),  # Qwen3.5 / 3.6 vision-language wrapper
+    "qwen3_5_text": ("qwen3_5", ("model.", "model.language_model.")),  # text-only Qwen3.5 (Qwen3_5ForCausalLM)
+    "qwen3": ("qwen3", ("model.",)),  # dense Qwen3 (Qwen3ForCausalLM)
+}
+MODES = ("auto", "packed", "per_doc")
+
+
+def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Default tapped layers: [N//2] for one draft layer, else n ids spread evenly over 1..N-3."""
+    n, N = num_draft_layers, num_target_layers
+    if n < 1 or N < 4:
+        raise ValueError(f"need num_draft_layers >= 1 and num_target_layers >= 4, got n={n}, N={N}")
+    if n == 1:
+        return [N // 2]
+    return [round(1 + i * (N - 4) / (n - 1)) for i in range(n)]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# config
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    path: str  # checkpoint directory
+    arch: str  # "qwen3_5" (Gated DeltaNet + gated full attention, hybrid) or "qwen3" (dense)
+    model_type: str  # config.json's model_type
+    architectures: tuple[str, ...]  # config.json's architectures
+    num_layers: int  # text decoder layers N
+    hidden_size: int  # H
+    vocab_size: int  # embedding rows
+    layer_types: tuple[str, ...]  # per layer: "linear_attention" / "full_attention" (/ "sliding_attention")
+    rope_theta: float  # rotary base
+    dtype: str | None  # dtype the checkpoint declares, e.g. "bfloat16"
+    eos_token_id: int | list[int] | None  # from the text config, else the top level
+    pad_token_id: int | None  # likewise
+
+
+def _read_config(path: str | Path):
+    """(raw config.json dict, transformers text config) of a local checkpoint; reads no weights."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{cfg_file} does not exist: the target must be a local Hugging Face checkpoint "
+                                f"directory holding config.json and *.safetensors")
+    raw = json.loads(cfg_file.read_text())
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED:
+        raise ValueError(f"{cfg_file}: unsupported target model_type={model_type!r} "
+                         f"(architectures={raw.get('architectures')}); supported model_types: {sorted(SUPPORTED)} "
+                         f"(Qwen3.5/3.6 checkpoints, text-only Qwen3.5, dense Qwen3)")
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    return raw, config.get_text_config()
+
+
+def _info(path: str | Path, raw: dict, text) -> TargetInfo:
+    raw_text = raw.get("text_config") or {}
+
+    def pick(name):
+        value = getattr(text, name, None)
+        return value if value is not None else raw_text.get(name, raw.get(name))
+
+    dtype = getattr(text, "dtype", None) or raw_text.get("dtype") or raw.get("dtype") or raw.get("torch_dtype")
+    return TargetInfo(
+        path=str(path), arch=SUPPORTED[raw["model_type"]][0], model_type=raw["model_type"],
+        architectures=tuple(raw.get("architectures") or ()), num_layers=text.num_hidden_layers,
+        hidden_size=text.hidden_size, vocab_size=text.vocab_size, layer_types=tuple(text.layer_types),
+        rope_theta=float(text.rope_parameters["rope_theta"]),
+        dtype=str(dtype).removeprefix("torch.") if dtype is not None else None,
+        eos_token_id=pick("eos_token_id"), pad_token_id=pick("pad_token_id"),
+    )
+
+
+def read_target_info(path: str | Path) -> TargetInfo:
+    """What the rest of the pipeline needs to know about a target, from its config.json alone (no weights)."""
+    raw, text = _read_config(path)
+    return _info(path, raw, text)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# model: transformers' own decoder layers, truncated after the deepest tapped layer
+
+
+def _hf(arch: str):
+    """transformers' classes and rotary function for `arch`."""
+    if arch == "qwen3_5":
+        from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+        return m.Qwen3_5DecoderLayer, m.Qwen3_5RMSNorm, m.Qwen3_5TextRotaryEmbedding, m.apply_rotary_pos_emb
+    from transformers.models.qwen3 import modeling_qwen3 as m
+
+    return m.Qwen3DecoderLayer, m.Qwen3RMSNorm, m.Qwen3RotaryEmbedding, m.apply_rotary_pos_emb
+
+
+class TextStack(nn.Module):
+    """The text model's embedding and first `depth` decoder layers (+ the final norm when the last layer of the
+    checkpoint is tapped). Parameter names equal the checkpoint's text-model names, minus the prefix."""
+
+    def __init__(self, config, arch: str, depth: int, with_norm: bool):
+        super().__init__()
+        layer_cls, norm_cls, _, _ = _hf(arch)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([layer_cls(config, i) for i in range(depth)])
+        self.norm = norm_cls(config.hidden_size, eps=config.rms_norm_eps) if with_norm else None
+
+
+def _weight_files(path: Path) -> dict[str, Path]:
+    """Checkpoint tensor name -> safetensors file, from the shard index or the single file's header."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    single = path / "model.safetensors"
+    if single.is_file():
+        with safe_open(str(single), framework="pt") as f:
+            return dict.fromkeys(f.keys(), single)
+    raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json found")
+
+
+def _load_tensors(path: Path, model_type: str, names, device, dtype) -> dict[str, torch.Tensor]:
+    """Read exactly the tensors `names` (text-model names) from the checkpoint, cast to `dtype` on `device`."""
+    files = _weight_files(path)
+    prefixes = SUPPORTED[model_type][1]
+    prefix = next((p for p in prefixes if f"{p}embed_tokens.weight" in files), None)
+    if prefix is None:
+        raise ValueError(f"{path}: no '<prefix>embed_tokens.weight' tensor for any prefix in {prefixes}; "
+                         f"first tensor names: {sorted(files)[:5]}. Is this a {model_type} checkpoint?")
+    wanted = {prefix + n: n for n in names}
+    missing = sorted(k for k in wanted if k not in files)
+    if missing:
+        raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensor(s) the target needs, e.g. {missing[:5]}; "
+                         f"the files are incomplete or not a {model_type} checkpoint")
+    by_file: dict[Path, list[str]] = {}
+    for key in wanted:
+        by_file.setdefault(files[key], []).append(key)
+    tensors = {}
+    for file, keys in by_file.items():
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in keys:
+                tensors[wanted[key]] = f.get_tensor(key).to(device=device, dtype=dtype)
+    return tensors
+
+
+@contextmanager
+def torch_gated_deltanet_kernels():
+    """transformers binds its Gated DeltaNet kernels at import: fla's wherever fla imports, even for CPU tensors
+    (Triton then fails). Off CUDA, have its modules call their pure-torch functions for the duration."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    saved = {name: getattr(m, name) for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")}
+    try:
+        for name, fn in saved.items():
+            setattr(m, name, getattr(fn, "__wrapped__", fn))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(m, name, fn)
+
+
+@functools.cache
+def _fla():
+    """fla's (chunk_gated_delta_rule, causal_conv1d), or None where fla or Triton cannot be imported."""
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception:  # ImportError, or Triton failing to initialise on a machine without a GPU
+        return None
+    return chunk_gated_delta_rule, causal_conv1d
+
+
+def _resolve_mode(mode: str, device: torch.device, arch: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    packable = device.type == "cuda" and (arch == "qwen3" or _fla() is not None)
+    if mode == "packed" and not packable:
+        raise ValueError(f"mode='packed' needs a CUDA device and, for {arch}, fla (flash-linear-attention with "
+                         f"Triton) importable; got device={device}, fla importable={_fla() is not None}. "
+                         f"Use mode='per_doc' (or 'auto').")
+    if mode == "auto":
+        mode = "packed" if packable else "per_doc"
+    if device.type == "cuda" and arch == "qwen3_5" and _fla() is None:
+        log.warning("fla is not importable: every document runs alone and transformers' Gated DeltaNet falls back "
+                    "to its pure-torch reference, which is more than 10x slower. Install flash-linear-attention.")
+    return mode
+
+
+def load_target(path: str | Path, layer_ids: list[int], device: str | torch.device,
+                dtype: torch.dtype = torch.bfloat16, mode: str = "auto") -> Target:
+    """Build the text stack up to max(layer_ids) and load only its tensors (no lm_head, no vision tower, no
+    deeper layers). `mode`: "packed" (CUDA, one varlen forward), "per_doc" (documents one by one), or "auto"
+    (packed where possible)."""
+    path, device = Path(path), torch.device(device)
+    raw, text = _read_config(path)
+    info = _info(path, raw, text)
+    layer_ids = [int(i) for i in layer_ids]
+    if not layer_ids or len(set(layer_ids)) != len(layer_ids) or not all(0 <= i < info.num_layers for i in layer_ids):
+        raise ValueError(f"layer_ids must be distinct ids in [0, {info.num_layers}), got {layer_ids}")
+    depth = max(layer_ids) + 1
+    odd = sorted({t for t in info.layer_types[:depth]} - {"full_attention", "linear_attention"})
+    if odd:
+        raise ValueError(f"{path}: layer types {odd} are not supported (only full and linear attention)")
+    mode = _resolve_mode(mode, device, info.arch)
+
+    config = copy.deepcopy(text)
+    config._attn_implementation = "sdpa"  # per_doc path: causal SDPA when no mask is given
+    with torch.device("meta"):
+        stack = TextStack(config, info.arch, depth, with_norm=info.num_layers - 1 in layer_ids)
+    tensors = _load_tensors(path, info.model_type, stack.state_dict().keys(), device, dtype)
+    stack.load_state_dict(tensors, strict=True, assign=True)
+    stack.requires_grad_(False).eval()
+    rotary = _hf(info.arch)[2](config).to(device)  # inv_freq computed in fp32 as transformers does
+    return Target(info, layer_ids, stack, rotary, device, dtype, mode)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# rows -> segments
+
+
+@dataclass(frozen=True)
+class Span:
+    row: int  # row index in the batch
+    start: int  # first token in the row
+    end: int  # one past the last token
+    pad: bool  # the row's padding tail (doc id -1)
+
+
+def row_spans(doc_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor) -> list[Span]:
+    """Cut rows into documents and padding tails; check that positions restart at 0 at every document."""
+    if doc_ids_BS.ndim != 2 or doc_ids_BS.shape != position_ids_BS.shape:
+        raise ValueError(f"doc_ids and position_ids must both be [B, S], got {tuple(doc_ids_BS.shape)} and "
+                         f"{tuple(position_ids_BS.shape)}")
+    doc, pos = doc_ids_BS.cpu(), position_ids_BS.cpu()
+    B, S = doc.shape
+    spans = []
+    for b in range(B):
+        change = torch.ones(S, dtype=torch.bool)
+        change[1:] = doc[b, 1:] != doc[b, :-1]
+        starts = change.nonzero().flatten().tolist()
+        for s, e in zip(starts, starts[1:] + [S], strict=True):
+            pad = bool(doc[b, s] < 0)
+            if pad and e != S:
+                raise ValueError(f"row {b}: padding (doc id -1) at tokens {s}..{e - 1} is followed by a document; "
+                                 f"padding must be the row's tail")
+            if not pad and not bool((pos[b, s:e] == torch.arange(e - s)).all()):
+                raise ValueError(f"row {b}: document {int(doc[b, s])} at tokens {s}..{e - 1} has positions "
+                                 f"{pos[b, s:min(e, s + 8)].tolist()}...; each document must count 0, 1, 2, ...")
+            spans.append(Span(b, s, e, pad))
+    return spans
+
+
+@dataclass
+class Segments:
+    """The flattened batch: T tokens cut into contiguous segments (documents and padding tails)."""
+
+    bounds: list[tuple[int, int]]  # (start, end) of each segment in the flattened sequence
+    cu_seqlens: torch.Tensor  # [n+1] int64 on the device
+    cu_seqlens_cpu: torch.Tensor  # same, on the CPU
+    seg_T: torch.Tensor  # [T] int32 segment index of each token, on the device
+    pos_1T: torch.Tensor  # [1, T] int64 position of each token inside its segment
+    cache: dict = field(default_factory=dict)  # per-batch kernel state (e.g. the flex block mask)
+
+    @classmethod
+    def build(cls, spans: list[Span], S: int, device) -> Segments:
+        bounds = [(sp.row * S + sp.start, sp.row * S + sp.end) for sp in spans]
+        lengths = torch.tensor([e - s for s, e in bounds])
+        cu = torch.zeros(len(bounds) + 1, dtype=torch.int64)
+        cu[1:] = lengths.cumsum(0)
+        seg_T = torch.repeat_interleave(torch.arange(len(bounds), dtype=torch.int32), lengths)
+        pos_T = torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1], lengths)
+        return cls(bounds, cu.to(device), cu, seg_T.to(device), pos_T[None].to(device))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# sequence kernels of the packed path
+
+
+@dataclass(frozen=True)
+class PackedKernels:
+    """The three operations that mix tokens; every one keeps segments apart."""
+
+    attention: Callable  # (q_1NTD, k_1NTD, v_1NTD, seg, scale) -> o_1NTD, causal within each segment
+    conv: Callable | None  # (x_1TC, weight_CW, bias, activation, seg) -> y_1TC, causal depthwise conv per segment
+    delta_rule: Callable | None  # (q_1TND, k_1TND, v_1TND, g_1TN, beta_1TN, seg) -> o_1TND, state reset per segment
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_attention_kernel(q, k, v, seg: Segments, scale: float):
+    """Block-diagonal causal attention with flex_attention: mask and attention compiled on CUDA (uncompiled they
+    materialise T x T scores), eager elsewhere (tests on tiny inputs)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if "block_mask" not in seg.cache:
+        seg_T, T = seg.seg_T, q.shape[2]
+
+        def same_segment_causal(b, h, q_idx, kv_idx):
+            return (seg_T[q_idx] == seg_T[kv_idx]) & (q_idx >= kv_idx)
+
+        seg.cache["block_mask"] = create_block_mask(same_segment_causal, None, None, T, T, device=q.device,
+                                                    _compile=q.is_cuda)
+    flex = _compiled_flex() if q.is_cuda else flex_attention
+    return flex(q, k, v, block_mask=seg.cache["block_mask"], scale=scale, enable_gqa=True)
+
+
+def sdpa_per_segment(q, k, v, seg: Segments, scale: float):
+    """Reference attention: causal SDPA on each segment alone."""
+    o = torch.empty_like(q)
+    for s, e in seg.bounds:
+        o[:, :, s:e] = F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True,
+                                                      scale=scale, enable_gqa=True)
+    return o
+
+
+def conv_per_segment(x, weight, bias, activation, seg: Segments):
+    """Reference conv: transformers' torch causal conv on each segment alone."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_fn
+
+    conv = getattr(causal_conv1d_fn, "__wrapped__", causal_conv1d_fn)  # the torch function, not a hub kernel
+    return torch.cat([conv(x[:, s:e].transpose(1, 2), weight, bias, activation=activation).transpose(1, 2)
+                      for s, e in seg.bounds], dim=1)
+
+
+def delta_rule_per_segment(q, k, v, g, beta, seg: Segments):
+    """Reference delta rule: transformers' torch chunked gated delta rule on each segment alone."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    rule = getattr(torch_chunk_gated_delta_rule, "__wrapped__", torch_chunk_gated_delta_rule)
+    return torch.cat([rule(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
+                           use_qk_l2norm_in_kernel=True)[0] for s, e in seg.bounds], dim=1)
+
+
+def fla_conv(x, weight, bias, activation, seg: Segments):
+    y, _ = _fla()[1](x=x, weight=weight, bias=bias, activation=activation, cu_seqlens=seg.cu_seqlens,
+                     cu_seqlens_cpu=seg.cu_seqlens_cpu)
+    return y
+
+
+def fla_delta_rule(q, k, v, g, beta, seg: Segments):
+    o, _ = _fla()[0](q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True, cu_seqlens=seg.cu_seqlens,
+                     cu_seqlens_cpu=seg.cu_seqlens_cpu)
+    return o
+
+
+# Every kernel per segment in plain torch: slow, but runs the packed code path anywhere (CPU tests).
+REFERENCE_KERNELS = PackedKernels(sdpa_per_segment, conv_per_segment, delta_rule_per_segment)
+# The GPU path.
+GPU_KERNELS = PackedKernels(flex_attention_kernel, fla_conv, fla_delta_rule)
+
+
+def _packed_attention(attn, x_1TH, rope, cos_sin, seg: Segments, kernels: PackedKernels, gated: bool):
+    """transformers' Qwen3Attention / Qwen3_5Attention forward over the flattened batch, segment-masked."""
+    T, D = x_1TH.shape[1], attn.head_dim
+    q = attn.q_proj(x_1TH)
+    if gated:  # Qwen3.5: q_proj yields [query | gate] per head
+        q, gate = torch.chunk(q.view(1, T, -1, 2 * D), 2, dim=-1)
+        gate = gate.reshape(1, T, -1)
+    q_1NTD = attn.q_norm(q.view(1, T, -1, D)).transpose(1, 2)
+    k_1NTD = attn.k_norm(attn.k_proj(x_1TH).view(1, T, -1, D)).transpose(1, 2)
+    v_1NTD = attn.v_proj(x_1TH).view(1, T, -1, D).transpose(1, 2)
+    q_1NTD, k_1NTD = rope(q_1NTD, k_1NTD, *cos_sin)
+    o = kernels.attention(q_1NTD, k_1NTD, v_1NTD, seg, attn.scaling).transpose(1, 2).reshape(1, T, -1)
+    if gated:
+        o = o * torch.sigmoid(gate)
+    return attn.o_proj(o)
+
+
+def _packed_gated_deltanet(gdn, x_1TH, seg: Segments, kernels: PackedKernels):
+    """transformers' Qwen3_5GatedDeltaNet forward over the flattened batch, conv and state reset per segment."""
+    T = x_1TH.shape[1]
+    qkv_1TC = kernels.conv(gdn.in_proj_qkv(x_1TH), gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias, gdn.activation,
+                           seg)
+    q, k, v = torch.split(qkv_1TC, [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
+    q = q.reshape(1, T, -1, gdn.head_k_dim)
+    k = k.reshape(1, T, -1, gdn.head_k_dim)
+    v = v.reshape(1, T, -1, gdn.head_v_dim)
+    beta = gdn.in_proj_b(x_1TH).sigmoid()
+    g = -gdn.A_log.float().exp() * F.softplus(gdn.in_proj_a(x_1TH).float() + gdn.dt_bias)
+    if gdn.num_v_heads // gdn.num_k_heads > 1:
+        q = q.repeat_interleave(gdn.num_v_heads // gdn.num_k_heads, dim=2)
+        k = k.repeat_interleave(gdn.num_v_heads // gdn.num_k_heads, dim=2)
+    o = kernels.delta_rule(q, k, v, g, beta, seg)
+    z = gdn.in_proj_z(x_1TH).reshape(-1, gdn.head_v_dim)
+    o = gdn.norm(o.reshape(-1, gdn.head_v_dim), z).reshape(1, T, -1)
+    return gdn.out_proj(o)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the target
+
+
+class Target:
+    """A loaded, frozen, truncated target. `tapped_hidden_states` is the only thing extraction calls."""
+
+    def __init__(self, info: TargetInfo, layer_ids: list[int], stack: TextStack, rotary: nn.Module,
+                 device: torch.device, dtype: torch.dtype, mode: str):
+        self.info, self.layer_ids, self.stack, self.rotary = info, list(layer_ids), stack, rotary
+        self.device, self.dtype, self.mode = device, dtype, mode
+        self._rope = _hf(info.arch)[3]
+
+    @property
+    def out_dim(self) -> int:
+        return len(self.layer_ids) * self.info.hidden_size
+
+    def tapped_hidden_states(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor,
+                             doc_ids_BS: torch.Tensor) -> torch.Tensor:
+        """[B, S, K*H] in the target dtype: the tapped layers' outputs (in `layer_ids` order) of every token,
+        each document computed alone; padding positions are zero."""
+        if self.mode == "packed":
+            return self.packed_hidden_states(input_ids_BS, position_ids_BS, doc_ids_BS, GPU_KERNELS)
+        spans = row_spans(doc_ids_BS, position_ids_BS)
+        ids_BS = input_ids_BS.to(self.device)
+        B, S = ids_BS.shape
+        # Documents are right-padded to a power-of-two length and batched: every layer is causal, so what follows
+        # a document never reaches it, and few distinct shapes keep kernel autotuning / SDPA dispatch cheap.
+        by_length: dict[int, list[Span]] = {}
+        for sp in spans:
+            if not sp.pad:
+                by_length.setdefault(max(16, 1 << (sp.end - sp.start - 1).bit_length()), []).append(sp)
+        torch_kernels = self.device.type != "cuda" and self.info.arch == "qwen3_5"
+        with torch.inference_mode(), torch_gated_deltanet_kernels() if torch_kernels else nullcontext():
+            out = torch.zeros(B, S, self.out_dim, device=self.device, dtype=self.dtype)
+            for P, group in by_length.items():
+                ids_nP = torch.zeros(len(group), P, dtype=ids_BS.dtype, device=self.device)
+                for j, sp in enumerate(group):
+                    ids_nP[j, :sp.end - sp.start] = ids_BS[sp.row, sp.start:sp.end]
+                taps_nPX = self._documents(ids_nP)
+                for j, sp in enumerate(group):
+                    out[sp.row, sp.start:sp.end] = taps_nPX[j, :sp.end - sp.start]
+        return out
+
+    def _documents(self, ids_nL: torch.Tensor) -> torch.Tensor:
+        """[n, L, K*H] for n documents of length L, each alone: transformers' decoder layers as they are."""
+        n, L = ids_nL.shape
+        h = self.stack.embed_tokens(ids_nL)
+        cos_sin = self._cos_sin(h, torch.arange(L, device=self.device).expand(n, L))
+        taps = {}
+        for i, layer in enumerate(self.stack.layers):
+            h = layer(h, attention_mask=None, position_embeddings=cos_sin)  # no mask: causal SDPA / no padding
+            if i in self.layer_ids:
+                taps[i] = h
+        return self._concat(taps)
+
+    def packed_hidden_states(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor,
+                             doc_ids_BS: torch.Tensor, kernels: PackedKernels) -> torch.Tensor:
+        """The packed path with the given kernels (`GPU_KERNELS`; `REFERENCE_KERNELS` checks it on the CPU)."""
+        spans = row_spans(doc_ids_BS, position_ids_BS)
+        B, S = input_ids_BS.shape
+        seg = Segments.build(spans, S, self.device)
+        pad_BS = (doc_ids_BS < 0).to(self.device)
+        gated = self.info.arch == "qwen3_5"
+        with torch.inference_mode():
+            h = self.stack.embed_tokens(input_ids_BS.to(self.device).masked_fill(pad_BS, 0).reshape(1, B * S))
+            cos_sin = self._cos_sin(h, seg.pos_1T)
+            taps = {}
+            for i, layer in enumerate(self.stack.layers):
+                x = layer.input_layernorm(h)
+                if getattr(layer, "linear_attn", None) is not None:
+                    h = h + _packed_gated_deltanet(layer.linear_attn, x, seg, kernels)
+                else:
+                    h = h + _packed_attention(layer.self_attn, x, self._rope, cos_sin, seg, kernels, gated)
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
+                if i in self.layer_ids:
+                    taps[i] = h
+            return self._concat(taps).reshape(B, S, -1).masked_fill(pad_BS[..., None], 0)
+
+    def _cos_sin(self, h, pos):
+        if self.info.arch == "qwen3_5":  # M-RoPE: for text, the three position streams are equal
+            pos = pos[None].expand(3, -1, -1)
+        return self.rotary(h, pos)
+
+    def _concat(self, taps: dict[int, torch.Tensor]) -> torch.Tensor:
+        last = self.info.num_layers - 1
+        return torch.cat([self.stack.norm(taps[i]) if i == last else taps[i] for i in self.layer_ids], dim=-1)
