@@ -99,6 +99,59 @@ class VerifyConfig:
         return self
 
 
+@dataclass
+class TrainConfig:
+    cache: str  # hidden-state cache directory (the output of make extract)
+    run: str = "runs/default"  # run directory: checkpoints, metrics.jsonl, tensorboard logs, resolved config
+    target: str = ""  # target checkpoint for the frozen embedding + lm_head; empty = the cache's target
+    resume: bool = False  # continue the run in `run` from its latest checkpoint (exact data position and RNG)
+    seed: int = 0  # data order, anchors, noise and init
+    steps: int = 1000  # optimizer steps
+    batch_rows: int = 1  # rows per micro-batch per process (fixed shape)
+    global_batch_tokens: int = 0  # row tokens per optimizer step over all processes; 0 = one micro-batch each
+    num_layers: int = 5  # drafter decoder layers
+    num_heads: int = 32  # drafter query heads
+    num_kv_heads: int = 8  # drafter key/value heads
+    head_dim: int = 128  # drafter head width
+    intermediate_size: int = 0  # drafter MLP width; 0 = the target's
+    block_size: int = 16  # tokens per draft block (slot 0 = the anchor token)
+    num_anchors: int = 512  # anchors per row, resampled every step (padded with a keep mask)
+    layer_ids: list[int] = field(default_factory=list)  # tapped layers to train on; empty = all the cache holds
+    mask_token_id: int = -1  # -1 = the one validated at extraction
+    sliding_window: int = 0  # >0: every layer but the last uses sliding-window attention of this width
+    gamma: float = 0.0  # slot-weight decay exp(-(k-1)/gamma); 0 = 7 for block 16, 4 for block 8
+    weighting: str = "decay"  # "decay" or "dpace"
+    noise_std: float = 0.0  # Gaussian noise on the context hidden states (relative to their RMS); 0 = off
+    lr: float = 6e-4  # peak learning rate (AdamW)
+    warmup_steps: int = -1  # linear warmup; -1 = 4 % of steps
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # max global grad norm (0 = off)
+    precision: str = "auto"  # "bf16" (autocast, fp32 master weights) or "fp32"; auto = bf16 on CUDA
+    attn: str = "auto"  # "flex" (compiled flex_attention) or "dense" (reference); auto = flex on CUDA
+    compile: str = "auto"  # "on" / "off"; auto = on with CUDA. After warm-up a recompile is an error
+    loss_chunk_tokens: int = 4096  # query tokens per lm_head chunk (bounds the fp32 logits buffer)
+    ckpt_every: int = 500  # checkpoint every N steps (and at the end)
+    keep_last: int = 3  # checkpoints kept
+    log_every: int = 10  # metrics line every N steps
+    trackers: str = "tensorboard"  # accelerate trackers ("tensorboard", "wandb", comma list, "" = JSONL only)
+    require_verified: bool = False  # refuse a cache never verified (a cache that failed verify is always refused)
+
+    def resolve(self) -> TrainConfig:
+        check_choice("train.weighting", self.weighting, ("decay", "dpace"))
+        check_choice("train.precision", self.precision, ("auto", "bf16", "fp32"))
+        check_choice("train.attn", self.attn, ("auto", "flex", "dense"))
+        check_choice("train.compile", self.compile, ("auto", "on", "off"))
+        for name in ("steps", "batch_rows", "num_anchors", "num_layers", "ckpt_every", "log_every"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"train.{name} must be > 0, got {getattr(self, name)}")
+        if self.block_size < 2:
+            raise ConfigError(f"train.block_size must be >= 2, got {self.block_size}")
+        if self.gamma == 0 and self.block_size not in (8, 16) and self.weighting == "decay":
+            raise ConfigError(f"train.gamma: no default for block_size {self.block_size}; set gamma explicitly")
+        return self
+
+
 def parse_shard_list(text: str) -> list[int]:
     """'0-3,7' → [0, 1, 2, 3, 7] (the SHARD= syntax)."""
     out: list[int] = []
@@ -282,6 +335,7 @@ __all__ = [
     "ConfigError",
     "ExtractConfig",
     "TokenizeConfig",
+    "TrainConfig",
     "VerifyConfig",
     "configs_from_argv",
     "parse_shard_list",

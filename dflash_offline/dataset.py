@@ -36,7 +36,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .manifest import ManifestError, committed, read_manifest
-from .shards import ShardError, fp8_decode, hidden_shard_name, read_token_shard, token_shard_name
+from .shards import (
+    ShardError,
+    fp8_decode,
+    hidden_shard_name,
+    parse_hidden_metadata,
+    read_token_shard,
+    token_shard_name,
+)
 
 STATE_VERSION = 1
 TOKEN_KEYS = ("input_ids", "loss_mask", "position_ids", "doc_ids")
@@ -281,7 +288,7 @@ class HiddenStream:
     def _check_hidden(self, shard: int, path: Path, f) -> None:
         if shard in self._checked:
             return
-        meta = f.metadata() or {}
+        meta = parse_hidden_metadata(f.metadata())
         rows = f.get_slice(f"hidden.L{self.info.layer_ids[0]}").get_shape()[0]
         want = (self.info.key, str(shard), self.info.quant, self.info.shard_rows[shard])
         have = (meta.get("key"), meta.get("shard"), meta.get("quant"), rows)

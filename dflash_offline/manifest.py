@@ -230,10 +230,24 @@ def try_claim(cache: Path, index: int, lease_s: float, redo: bool = False) -> bo
                 held = json.loads(path.read_text())
             except (json.JSONDecodeError, FileNotFoundError):
                 held = {"expires": 0}
-            if held.get("expires", 0) > time.time() and held.get("worker") != worker_id():
+            if held.get("expires", 0) > time.time() and held.get("worker") != worker_id() and alive(held):
                 return False
         write_json_atomic(path, {"worker": worker_id(), "expires": time.time() + lease_s, "index": index})
         return True
+
+
+def alive(claim: dict) -> bool:
+    """False only when the claim's worker ran on this host and its process is gone (no need to wait for the lease)."""
+    host, _, pid = str(claim.get("worker", "")).rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return True  # another machine: only its lease tells
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def renew_claim(cache: Path, index: int, lease_s: float) -> None:

@@ -3,7 +3,8 @@
 Token shard: one Arrow IPC file, fixed-shape rows, schema below, schema metadata naming the format, version, shard
 index and cache key. Hidden shard: one safetensors file holding one tensor per tapped layer, `hidden.L{id}` of shape
 [rows, seq_len, H] (bf16), or in FP8 mode `hidden.L{id}` float8_e4m3fn plus `scale.L{id}` float32 [rows, seq_len, 1]
-(per-token, per-layer scales); `__metadata__` names the format, version, shard index, cache key and layer ids.
+(per-token, per-layer scales); `__metadata__["dflash"]` is sorted JSON naming the format, version, shard index,
+cache key, quantization and layer ids.
 Storing layers separately lets a trainer read only the layers it needs from a superset cache.
 
 Both are written to a temp file beside the final one, fsynced and renamed; the caller then commits the manifest.
@@ -27,6 +28,7 @@ TOKENS_FORMAT_VERSION = 1
 HIDDEN_FORMAT = "dflash-hidden"
 HIDDEN_FORMAT_VERSION = 1
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+META_KEY = "dflash"  # the one safetensors metadata key; its value is the shard's JSON description
 
 
 class ShardError(ValueError):
@@ -130,16 +132,27 @@ def write_hidden_shard(path: Path, tensors: dict[str, torch.Tensor], quant: str,
         "layer_ids": json.dumps(sorted(layer_ids)),
     }
     meta.update({k: str(v) for k, v in metadata.items()})
+    # One key holding sorted JSON: safetensors writes a metadata map in hash order, which would make the bytes
+    # (and so the checksum) of identical shards differ from one write to the next.
     tmp = temp_path(path)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+              metadata={META_KEY: json.dumps(meta, sort_keys=True)})
     publish(tmp, path)
     return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def parse_hidden_metadata(raw: dict | None) -> dict:
+    """The shard's own description from a safetensors `__metadata__` map ({} when absent or foreign)."""
+    try:
+        return json.loads((raw or {}).get(META_KEY, "{}"))
+    except json.JSONDecodeError:
+        return {}
 
 
 def hidden_metadata(path: Path) -> dict:
     try:
         with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
+            meta = parse_hidden_metadata(f.metadata())
     except Exception as e:  # safetensors raises its own error types
         raise ShardError(f"{path}: not a readable safetensors hidden shard ({e}); redo it with SHARD=<index>") from None
     if meta.get("format") != HIDDEN_FORMAT:

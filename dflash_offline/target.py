@@ -75,6 +75,8 @@ class TargetInfo:
     dtype: str | None  # dtype the checkpoint declares, e.g. "bfloat16"
     eos_token_id: int | list[int] | None  # from the text config, else the top level
     pad_token_id: int | None  # likewise
+    intermediate_size: int = 0  # MLP width (the drafter's default)
+    rms_norm_eps: float = 1e-6  # norm epsilon (the drafter uses the target's)
 
 
 def _read_config(path: str | Path):
@@ -111,6 +113,7 @@ def _info(path: str | Path, raw: dict, text) -> TargetInfo:
         rope_theta=float(text.rope_parameters["rope_theta"]),
         dtype=str(dtype).removeprefix("torch.") if dtype is not None else None,
         eos_token_id=pick("eos_token_id"), pad_token_id=pick("pad_token_id"),
+        intermediate_size=int(text.intermediate_size), rms_norm_eps=float(text.rms_norm_eps),
     )
 
 
@@ -518,3 +521,65 @@ class Target:
     def _concat(self, taps: dict[int, torch.Tensor]) -> torch.Tensor:
         last = self.info.num_layers - 1
         return torch.cat([self.stack.norm(taps[i]) if i == last else taps[i] for i in self.layer_ids], dim=-1)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# probe: check the kernels and time a batch on random weights of the real widths, before any weight loads
+
+
+def probe(info: TargetInfo, layer_ids: list[int], device, dtype: torch.dtype, seq_len: int, batch_rows: int,
+          mode: str = "auto", seed: int = 0) -> dict:
+    """Build the first few layers of the target's real shapes with random weights (one of each layer type), check
+    the chosen mode against per-document on a small packed row, and time one full-shape batch. Loads no weights.
+
+    Returns {"mode", "max_rel_err", "seconds_per_row" (scaled to the real depth), "probe_layers"}.
+    """
+    import time
+
+    device = torch.device(device)
+    mode = _resolve_mode(mode, device, info.arch)
+    _, text = _read_config(info.path)
+    depth = max(layer_ids) + 1
+    n = min(depth, 4 if info.arch == "qwen3_5" else 2)  # Qwen3.5: 3 Gated DeltaNet + 1 full attention
+    config = copy.deepcopy(text)
+    config.num_hidden_layers, config.layer_types = n, list(text.layer_types[:n])
+    config._attn_implementation = "sdpa"
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device(device):
+        stack = TextStack(config, info.arch, n, with_norm=False)
+    stack.to(dtype).requires_grad_(False).eval()
+    rotary = _hf(info.arch)[2](config).to(device)
+    model = Target(info, [n - 1], stack, rotary, device, dtype, mode)
+
+    def rows(B, S, lengths):
+        ids = torch.randint(0, info.vocab_size, (B, S), generator=gen)
+        pos, doc = torch.zeros(B, S, dtype=torch.long), torch.full((B, S), -1, dtype=torch.long)
+        for b in range(B):
+            at = 0
+            for d, length in enumerate(lengths):
+                length = min(length, S - at)
+                if length <= 0:
+                    break
+                pos[b, at:at + length], doc[b, at:at + length] = torch.arange(length), d
+                at += length
+        return ids, pos, doc
+
+    small = rows(1, 128, [40, 1, 57])  # three documents and a padding tail
+    got = model.tapped_hidden_states(*small).float()
+    ref = got if mode == "per_doc" else Target(info, [n - 1], stack, rotary, device, dtype,
+                                               "per_doc").tapped_hidden_states(*small).float()
+    err = ((got - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+    if not err < (0.05 if dtype != torch.float32 else 1e-4):
+        raise RuntimeError(f"kernel check failed: {mode} differs from per-document by {err:.3g} on random "
+                           f"weights; use mode=per_doc and report this")
+    full = rows(batch_rows, seq_len, [seq_len // 3, seq_len // 4, seq_len // 5])
+    model.tapped_hidden_states(*full)  # warm-up: autotuning and compilation stay out of the estimate
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    model.tapped_hidden_states(*full)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    secs = (time.perf_counter() - t0) / batch_rows * depth / n
+    del model, stack
+    return {"mode": mode, "max_rel_err": err, "seconds_per_row": secs, "probe_layers": n}

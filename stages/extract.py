@@ -99,7 +99,8 @@ def make_plan(cfg: ExtractConfig, tokens_dir: Path) -> dict:
     vocab = tm["producer"]["tokenizer"]["vocab_size"]
     mask_id = cfg.mask_token_id if cfg.mask_token_id >= 0 else sidecar_mask_token(ckpt)
     if mask_id is not None:
-        specials = {info.pad_token_id, info.eos_token_id, tm["producer"]["tokenizer"]["pad_id"]} - {None}
+        eos = info.eos_token_id if isinstance(info.eos_token_id, list) else [info.eos_token_id]
+        specials = {info.pad_token_id, *eos, tm["producer"]["tokenizer"]["pad_id"]} - {None}
         if not 0 <= mask_id < info.vocab_size or mask_id in specials:
             raise ValueError(
                 f"extract.mask_token_id={mask_id} must be a real embedding row in [0, {info.vocab_size}) that is "
@@ -285,7 +286,7 @@ def pad_rows(x, b: int, fill: int):
     import numpy as np
 
     if x.shape[0] == b:
-        return np.ascontiguousarray(x)
+        return np.array(x)  # a writable copy of the memory-mapped rows
     out = np.full((b, *x.shape[1:]), fill, dtype=x.dtype)
     out[: x.shape[0]] = x
     return out
@@ -298,6 +299,8 @@ def write_and_commit(cache, index, tensors, quant, layer_ids, key, entry, redo, 
     commit_shard(cache, dict(entry, files=files, write_seconds=time.time() - t, committed_at=time.time()),
                  redo=redo)
     release_claim(cache, index)
+    log(f"[{entry['worker']}] shard {index} committed ({files[name]['bytes'] / 1e6:.1f} MB, "
+        f"{entry['compute_seconds']:.1f}s compute, {time.time() - t:.1f}s write)")
 
 
 def main(argv: list[str]) -> None:

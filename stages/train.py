@@ -1,0 +1,327 @@
+"""Stage 2: train a DFlash drafter on a hidden-state cache.
+
+    python -m stages.train --recipe=manifests/demo.toml --cache=DIR [--run=runs/x] [--resume=1] ...
+    accelerate launch --num_processes N -m stages.train ...        (one process per GPU; NPROC=N in make)
+
+Sections: config → compute → model → optimizer → data → loop. Fixed shapes everywhere: B rows per micro-batch,
+A anchors per row (padded with a keep mask, resampled every step), so the compiled step sees one shape; after the
+warm-up step any recompile is an error. The streaming loader splits rows by rank itself (it never goes through
+accelerator.prepare). Anchors and noise come from a generator seeded by (seed, global micro-batch index), so
+resumed, 1-process and N-process runs see the same anchors for the same rows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+from dflash_offline.config import TrainConfig, as_dict, configs_from_argv
+
+# --- config ----------------------------------------------------------------------------------------------------
+
+
+def cache_defaults(cfg: TrainConfig) -> dict:
+    """What the cache says about the target: its checkpoint, tapped layers, mask token, sizes."""
+    from dflash_offline.manifest import read_manifest
+
+    m = read_manifest(cfg.cache)
+    if m["kind"] != "hidden":
+        raise ValueError(f"{cfg.cache} is a {m['kind']} cache: train on a hidden-state cache (make extract output)")
+    tgt = m["producer"]["target"]
+    return {
+        "target": cfg.target or m["config"]["extract"]["target"],
+        "layer_ids": list(cfg.layer_ids) or list(m["config"]["layer_ids"]),
+        "mask_token_id": cfg.mask_token_id if cfg.mask_token_id >= 0 else m["config"]["mask_token_id"],
+        "hidden_size": tgt["hidden_size"], "num_target_layers": tgt["num_layers"], "vocab_size": tgt["vocab_size"],
+        "seq_len": m["producer"]["tokens"]["producer"]["seq_len"],
+    }
+
+
+def drafter_config(cfg: TrainConfig, c: dict):
+    from dflash_offline.drafter import DrafterConfig
+    from dflash_offline.target import read_target_info
+    from dflash_offline.targetid import resolve_checkpoint
+
+    info = read_target_info(resolve_checkpoint(c["target"]))
+    if c["mask_token_id"] is None:
+        raise ValueError("no mask token: pass mask_token_id= (Qwen3 151669, Qwen3.5/3.6 248070)")
+    if info.hidden_size != c["hidden_size"] or info.num_layers != c["num_target_layers"]:
+        raise ValueError(f"target {c['target']} (hidden {info.hidden_size}, {info.num_layers} layers) is not the "
+                         f"target the cache was extracted from (hidden {c['hidden_size']}, "
+                         f"{c['num_target_layers']} layers): pass target= the right checkpoint")
+    types = None
+    if cfg.sliding_window:
+        types = ["sliding_attention"] * (cfg.num_layers - 1) + ["full_attention"]
+    return DrafterConfig(
+        hidden_size=c["hidden_size"], intermediate_size=cfg.intermediate_size or info.intermediate_size,
+        vocab_size=info.vocab_size, target_layer_ids=c["layer_ids"], num_target_layers=info.num_layers,
+        mask_token_id=int(c["mask_token_id"]), num_layers=cfg.num_layers, num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=info.rms_norm_eps,
+        rope_theta=info.rope_theta, block_size=cfg.block_size, sliding_window=cfg.sliding_window or None,
+        layer_types=types,
+    )
+
+
+def cosine_schedule(step: int, warmup: int, total: int, floor: float) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def flops_per_row(dc, seq_len: int, num_anchors: int) -> float:
+    """Model FLOPs of one training row (forward + backward; lm_head: logits + input gradient only)."""
+    H, L, Q = dc.hidden_size, dc.block_size, num_anchors * dc.block_size
+    k, qd, kvd = len(dc.target_layer_ids), dc.num_heads * dc.head_dim, dc.num_kv_heads * dc.head_dim
+    per_layer = H * (qd + 2 * kvd) + qd * H + 3 * H * dc.intermediate_size
+    layers = 6 * Q * per_layer * dc.num_layers
+    ctx_kv = 6 * seq_len * H * 2 * kvd * dc.num_layers
+    fc = 4 * seq_len * k * H * H
+    attn = 3 * 4 * Q * (seq_len / 2 + L) * qd * dc.num_layers  # ~half the row visible on average
+    head = 4 * num_anchors * (L - 1) * H * dc.vocab_size
+    return layers + ctx_kv + fc + attn + head
+
+
+# --- the run ---------------------------------------------------------------------------------------------------
+
+
+def run(cfg: TrainConfig) -> Path:
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    from dflash_offline import anchors as anc
+    from dflash_offline.checkpoint import load_checkpoint, save_checkpoint
+    from dflash_offline.dataset import HiddenStream, open_hidden_cache
+    from dflash_offline.drafter import DFlashDrafter, load_target_embeddings
+    from dflash_offline.loss import block_ce_loss, simulated_acceptance_length, slot_accuracy
+    from dflash_offline.progress import Progress, log
+
+    t0 = time.time()
+    run_dir = Path(cfg.run)
+    c = cache_defaults(cfg)
+    dc = drafter_config(cfg, c)
+    info = open_hidden_cache(cfg.cache, c["layer_ids"], hidden_size=c["hidden_size"], seq_len=c["seq_len"],
+                             require_verified=cfg.require_verified)
+    if (run_dir / "checkpoints").exists() and not cfg.resume:
+        raise ValueError(f"{run_dir} already holds checkpoints: pass resume=1 (make train RESUME=1) to continue "
+                         f"it, or choose another RUN=")
+
+    # --- compute
+    cuda = torch.cuda.is_available()
+    precision = cfg.precision if cfg.precision != "auto" else ("bf16" if cuda else "fp32")
+    attn = cfg.attn if cfg.attn != "auto" else ("flex" if cuda else "dense")
+    use_compile = cfg.compile == "on" or (cfg.compile == "auto" and cuda)
+    if attn == "flex" and not use_compile:
+        raise ValueError("attn=flex needs compile=on: uncompiled flex_attention materializes the full score matrix")
+    trackers = [t for t in cfg.trackers.split(",") if t and tracker_available(t)]
+    rows_per_micro = cfg.batch_rows * c["seq_len"]
+    acc = Accelerator(mixed_precision="no", cpu=not cuda, log_with=trackers or None, project_dir=str(run_dir))
+    world, rank = acc.num_processes, acc.process_index
+    accum = 1
+    if cfg.global_batch_tokens:
+        accum, rem = divmod(cfg.global_batch_tokens, rows_per_micro * world)
+        if rem or accum < 1:
+            raise ValueError(f"global_batch_tokens={cfg.global_batch_tokens} must be a multiple of batch_rows × "
+                             f"seq_len × processes = {rows_per_micro * world}")
+    device = acc.device
+    set_seed(cfg.seed)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        resolved = {"train": as_dict(cfg), "drafter": as_dict(dc), "derived": {
+            "world_size": world, "grad_accum": accum, "precision": precision, "attn": attn, "compile": use_compile,
+            "global_batch_rows": cfg.batch_rows * world * accum, "cache_key": info.key}}
+        (run_dir / "config.json").write_text(json.dumps(resolved, indent=1, sort_keys=True))
+        log(f"drafter {dc.num_layers}×(H {dc.hidden_size}, {dc.num_heads}/{dc.num_kv_heads} heads × "
+            f"{dc.head_dim}, FFN {dc.intermediate_size}) on taps {dc.target_layer_ids}; {world} process(es) × "
+            f"{cfg.batch_rows} rows × accum {accum}; {precision}, attn {attn}, compile {use_compile}")
+
+    # --- model
+    torch.manual_seed(cfg.seed)
+    model = DFlashDrafter(dc).to(device)
+    embed, head = load_target_embeddings(c["target"])
+    wdtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    embed, head = embed.to(device, wdtype).requires_grad_(False), head.to(device, wdtype).requires_grad_(False)
+
+    # --- optimizer
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                            fused=cuda)
+    warmup = cfg.warmup_steps if cfg.warmup_steps >= 0 else max(1, round(0.04 * cfg.steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_schedule(s, warmup, cfg.steps, cfg.min_lr_ratio))
+    model, opt, sched = acc.prepare(model, opt, sched)
+    raw = acc.unwrap_model(model)
+    step_fn = torch.compile(model, dynamic=False) if use_compile else model
+
+    # --- data
+    stream = HiddenStream(info, cfg.batch_rows, rank=rank, world_size=world, seed=cfg.seed, device=device)
+    step = 0
+    if cfg.resume:
+        state = load_checkpoint(run_dir, raw, opt, sched)
+        stream.load_state_dict(state["data_state"])
+        step = state["step"]
+        log(f"[rank {rank}] resumed {run_dir} at step {step} ({state['dir'].name})")
+    if trackers and rank == 0:
+        acc.init_trackers("dflash", config={k: v for k, v in as_dict(cfg).items() if isinstance(v, int | float | str)})
+
+    # --- loop
+    fpr = flops_per_row(dc, c["seq_len"], cfg.num_anchors)
+    progress = Progress("train", cfg.steps, "step", run_dir / f"status-rank{rank}.json", disable=rank != 0 or None)
+    progress.update(step)
+    metrics_file = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None
+    window = Window()
+    log(f"[rank {rank}] ready in {time.time() - t0:.1f}s; first step compiles" if use_compile else
+        f"[rank {rank}] ready in {time.time() - t0:.1f}s")
+    while step < cfg.steps:
+        t_step = time.time()
+        for micro in range(accum):
+            batch = next(stream)
+            window.wait_s += stream.last_wait_s
+            g = torch.Generator(device=device).manual_seed(micro_seed(cfg.seed, (step * accum + micro) * world + rank))
+            a_BA, keep_BA = anc.sample_anchors(batch["loss_mask"], batch["doc_ids"], cfg.num_anchors, dc.block_size, g)
+            labels_BAL = anc.block_labels(batch["input_ids"], batch["loss_mask"], batch["doc_ids"], a_BA, keep_BA,
+                                          dc.block_size)
+            hidden = batch["hidden"]
+            if cfg.noise_std > 0:
+                rms = hidden.float().pow(2).mean(-1, keepdim=True).sqrt()
+                noise = torch.randn(hidden.shape, generator=g, device=device)
+                hidden = (hidden.float() + cfg.noise_std * rms * noise).to(hidden.dtype)
+            masks = raw.build_masks(batch["doc_ids"], a_BA, keep_BA, attn)
+            with acc.no_sync(model) if micro + 1 < accum else nullcontext():
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+                    h = step_fn(hidden, batch["input_ids"], batch["position_ids"], a_BA, keep_BA, embed, masks, attn)
+                out = block_ce_loss(h.to(head.dtype), head, labels_BAL, gamma=cfg.gamma or None,
+                                    weighting=cfg.weighting, chunk_tokens=cfg.loss_chunk_tokens)
+                acc.backward(out.loss / accum)
+            window.add(out, keep_BA)
+        grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.grad_clip) if cfg.grad_clip > 0 else None
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        if step == 1 and use_compile:
+            torch._dynamo.config.error_on_recompile = True  # warm-up done: a new shape is a bug, not a slowdown
+        window.steps += 1
+        window.seconds += time.time() - t_step
+        window.rows += cfg.batch_rows * accum * world
+        window.grad_norm = float(grad_norm) if grad_norm is not None else 0.0
+        progress.update(1, tokens=cfg.batch_rows * accum * world * c["seq_len"])
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            rec = window.report(acc, step, sched.get_last_lr()[0], c["seq_len"], fpr, device)
+            window = Window()
+            if rank == 0:
+                metrics_file.write(json.dumps(rec) + "\n")
+                metrics_file.flush()
+                acc.log({k: v for k, v in rec.items() if isinstance(v, int | float)}, step=step)
+                progress.extra.update(loss=rec["loss"], tau=rec["sim_tau"])
+                log(f"step {step}: loss {rec['loss']:.4f} acc1 {rec['acc'][0]:.3f} sim τ {rec['sim_tau']:.2f} "
+                    f"{rec['tok_per_s']:,.0f} tok/s mfu {rec['flop_frac']:.3f} wait {rec['data_wait_frac']:.3f}")
+        if step % cfg.ckpt_every == 0 or step == cfg.steps:
+            acc.wait_for_everyone()
+            if rank == 0:
+                save_checkpoint(run_dir, step, raw, opt, sched, data_state=stream.state_dict(),
+                                config={"train": as_dict(cfg), "drafter": as_dict(dc)}, keep_last=cfg.keep_last)
+            acc.wait_for_everyone()
+    stream.close()
+    progress.close("done")
+    if metrics_file:
+        metrics_file.close()
+    acc.end_training()
+    return run_dir
+
+
+def micro_seed(seed: int, index: int) -> int:
+    return (seed * 1_000_003 + index * 7919 + 12345) % (2**63 - 1)
+
+
+class nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def tracker_available(name: str) -> bool:
+    import importlib.util
+
+    module = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(name, name)
+    if importlib.util.find_spec(module) is None:
+        print(f"warning: tracker {name!r} is not installed; metrics go to metrics.jsonl only", file=sys.stderr)
+        return False
+    return True
+
+
+class Window:
+    """Metrics accumulated between two log lines (reduced over processes when reported)."""
+
+    def __init__(self):
+        self.loss_sum, self.n, self.steps, self.rows, self.seconds, self.wait_s, self.grad_norm = 0.0, 0, 0, 0, 0.0, 0.0, 0.0
+        self.correct_L = self.valid_L = None
+        self.tau_sum, self.blocks = 0.0, 0
+
+    def add(self, out, keep_BA) -> None:
+        from dflash_offline.loss import block_tau
+
+        c, v = out.correct_BAL.sum((0, 1)).float(), out.valid_BAL.sum((0, 1)).float()
+        self.correct_L = c if self.correct_L is None else self.correct_L + c
+        self.valid_L = v if self.valid_L is None else self.valid_L + v
+        self.loss_sum += out.loss.detach()
+        self.n += 1
+        self.tau_sum += (block_tau(out.correct_BAL) * keep_BA).sum().float()
+        self.blocks += keep_BA.sum()
+
+    def report(self, acc, step: int, lr: float, seq_len: int, fpr: float, device) -> dict:
+        import torch
+
+        from dflash_offline.loss import simulated_acceptance_length, slot_accuracy
+
+        t = torch.stack([torch.as_tensor(self.loss_sum, device=device, dtype=torch.float32),
+                         torch.tensor(float(self.n), device=device), torch.as_tensor(self.tau_sum, device=device).float(),
+                         torch.as_tensor(self.blocks, device=device).float()])
+        t = acc.reduce(t, "sum")
+        cl, vl = acc.reduce(self.correct_L, "sum"), acc.reduce(self.valid_L, "sum")
+        acc_L = slot_accuracy(cl, vl)[1:]
+        secs = max(self.seconds, 1e-9)
+        rec = {
+            "step": step, "loss": (t[0] / t[1]).item(), "acc": [round(a, 4) for a in acc_L.tolist()],
+            "sim_tau": 1 + simulated_acceptance_length(slot_accuracy(cl, vl)).item(),
+            "block_tau": (t[2] / t[3].clamp_min(1)).item(), "lr": lr, "grad_norm": self.grad_norm,
+            "tok_per_s": self.rows * seq_len / secs, "ms_per_step": 1000 * secs / max(self.steps, 1),
+            "flop_frac": self.rows * fpr / secs / 790e12 if device.type == "cuda" else 0.0,
+            "data_wait_frac": self.wait_s / secs, "recompiles": recompile_count(), "time": time.time(),
+        }
+        if device.type == "cuda":
+            rec["reserved_gb"] = torch.cuda.memory_reserved(device) / 2**30
+            rec["peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        return rec
+
+
+def recompile_count() -> int:
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(sum(counters["recompiles"].values())) if "recompiles" in counters else 0
+    except Exception:
+        return 0
+
+
+def main(argv: list[str]) -> None:
+    from dflash_offline.progress import unbuffered
+
+    unbuffered()
+    (cfg,) = configs_from_argv([(TrainConfig, "train")], argv, __doc__)
+    out = run(cfg)
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(out)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

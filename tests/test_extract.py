@@ -1,0 +1,225 @@
+"""Stage 1b end to end on CPU: exact hidden states, reruns, SHARD= redo, kill -9, concurrent extractors, verify, FP8,
+fail-fast checks."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_offline.config import ExtractConfig, TokenizeConfig, VerifyConfig
+from dflash_offline.manifest import read_manifest
+from dflash_offline.shards import hidden_shard_name, read_hidden, read_token_shard, token_shard_name
+from stages import extract, verify
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def configs(tmp_path, target, corpus, **kw):
+    tok = TokenizeConfig(corpus=[str(corpus)], tokenizer=str(target), cache_root=str(tmp_path / "cache"),
+                         seq_len=128, rows_per_shard=kw.pop("rows_per_shard", 4), workers=1, max_docs=kw.pop("docs", 40))
+    ext = ExtractConfig(target=str(target), cache_root=str(tmp_path / "cache"), num_draft_layers=3, device="cpu",
+                        batch_rows=2, **kw)
+    return ext.resolve(), tok.resolve()
+
+
+def extract_run(tmp_path, target, corpus, **kw):
+    ext, tok = configs(tmp_path, target, corpus, **kw)
+    return extract.run(ext, tok)
+
+
+def shard_files(cache):
+    return {s["index"]: cache / next(iter(s["files"])) for s in read_manifest(cache)["shards"]}
+
+
+def reference_states(target, ids, layer_ids):
+    """Each document alone through the full HF model (an independent path), hidden_states[id + 1]."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hs = model(torch.as_tensor(ids)[None].long(), output_hidden_states=True).hidden_states
+    return torch.cat([hs[i + 1][0] for i in layer_ids], dim=-1)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3"])
+def test_hidden_states_equal_each_document_alone(tmp_path, arch, qwen35_dir, qwen3_dir, chat_corpus):
+    target = qwen35_dir if arch == "qwen3_5" else qwen3_dir
+    cache = extract_run(tmp_path, target, chat_corpus, dtype="float32")
+    m = read_manifest(cache)
+    layer_ids = m["config"]["layer_ids"]
+    n_layers = json.loads((Path(target) / "config.json").read_text())
+    n_layers = (n_layers.get("text_config") or n_layers)["num_hidden_layers"]
+    assert layer_ids == [round(1 + i * (n_layers - 4) / 2) for i in range(3)]
+    assert m["producer"]["target"]["arch"] == arch and len(m["shards"]) == m["num_shards"] > 1
+    tokens_dir = (cache / m["config"]["tokens_dir"]).resolve()
+    toks = read_token_shard(tokens_dir / token_shard_name(1))
+    stored = read_hidden(cache / hidden_shard_name(1), layer_ids, dtype=torch.float32)
+    assert stored.shape == (toks["input_ids"].shape[0], 128, 3 * 64)
+    checked = 0
+    for r in range(2):
+        for d in range(int(toks["doc_ids"][r].max()) + 1):
+            sel = toks["doc_ids"][r] == d
+            ref = reference_states(target, toks["input_ids"][r][sel], layer_ids)
+            got = stored[r][torch.from_numpy(sel)]
+            assert ((got - ref).norm() / ref.norm()).item() < 8e-3  # bf16 storage rounding of fp32 states
+            checked += 1
+        assert stored[r][torch.from_numpy(toks["doc_ids"][r] < 0)].abs().sum() == 0  # padding stored as zeros
+    assert checked >= 3
+
+
+def test_rerun_skips_and_shard_redo_replaces_exactly_that_shard(tmp_path, qwen35_dir, chat_corpus, capsys):
+    cache = extract_run(tmp_path, qwen35_dir, chat_corpus)
+    files = shard_files(cache)
+    stamp = {i: (p.stat().st_mtime_ns, p.stat().st_ino) for i, p in files.items()}
+    assert extract_run(tmp_path, qwen35_dir, chat_corpus) == cache
+    assert "nothing to do" in capsys.readouterr().out
+    assert {i: (p.stat().st_mtime_ns, p.stat().st_ino) for i, p in files.items()} == stamp
+    before = read_manifest(cache)["shards"][2]
+    extract_run(tmp_path, qwen35_dir, chat_corpus, shards="2")
+    after = {i: (p.stat().st_mtime_ns, p.stat().st_ino) for i, p in shard_files(cache).items()}
+    assert [i for i in after if after[i] != stamp[i]] == [2]
+    entry = read_manifest(cache)["shards"][2]
+    assert entry["committed_at"] > before["committed_at"] and entry["files"] == before["files"]  # same bytes
+
+
+def test_flipped_byte_is_caught_by_verify_and_redo_repairs_it(tmp_path, qwen35_dir, chat_corpus):
+    cache = extract_run(tmp_path, qwen35_dir, chat_corpus)
+    vcfg = VerifyConfig(cache=str(cache), rows=1, device="cpu").resolve()
+    v = verify.verify(cache, vcfg)
+    assert v["ok"] and v["max_rel_err"] < 0.02, v
+    path = shard_files(cache)[1]
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x40
+    path.write_bytes(bytes(data))
+    res = subprocess.run([sys.executable, "-m", "stages.verify", f"--cache={cache}", "--rows=1", "--device=cpu"],
+                         capture_output=True, text=True, cwd=REPO)
+    assert res.returncode == 1
+    assert "BAD shard 1" in res.stdout and "SHARD=1" in res.stdout
+    assert read_manifest(cache)["verified"]["ok"] is False
+    extract_run(tmp_path, qwen35_dir, chat_corpus, shards="1")
+    assert verify.verify(cache, vcfg)["ok"]
+
+
+def test_corrupted_values_with_a_valid_checksum_are_caught_by_recompute(tmp_path, qwen35_dir, chat_corpus):
+    """A shard whose bytes match the manifest but whose numbers are wrong (e.g. written from the wrong rows)."""
+    from dflash_offline.manifest import sha256_file
+    from dflash_offline.shards import write_hidden_shard
+
+    cache = extract_run(tmp_path, qwen35_dir, chat_corpus)
+    m = read_manifest(cache)
+    ids, path = m["config"]["layer_ids"], shard_files(cache)[0]
+    x = read_hidden(path, ids)
+    swapped = {f"hidden.L{lid}": x[..., j * 64:(j + 1) * 64].flip(0) for j, lid in enumerate(ids)}
+    write_hidden_shard(path, swapped, "bf16", ids, {"shard": 0, "key": m["key"]})
+    m["shards"][0]["files"][path.name]["sha256"] = sha256_file(path)
+    (cache / "manifest.json").write_text(json.dumps(m))
+    v = verify.verify(cache, VerifyConfig(cache=str(cache), rows=4, device="cpu").resolve())
+    assert not v["ok"] and {b["shard"] for b in v["bad"]} == {0}
+
+
+def test_fp8_round_trip_error_bound(tmp_path, qwen35_dir, chat_corpus):
+    bf16 = extract_run(tmp_path / "a", qwen35_dir, chat_corpus)
+    fp8 = extract_run(tmp_path / "b", qwen35_dir, chat_corpus, quant="fp8")
+    assert read_manifest(fp8)["key"] != read_manifest(bf16)["key"]
+    ids = read_manifest(bf16)["config"]["layer_ids"]
+    a = read_hidden(shard_files(bf16)[0], ids, dtype=torch.float32)
+    b = read_hidden(shard_files(fp8)[0], ids, dtype=torch.float32)
+    real = a.abs().sum(-1) > 0
+    err = ((a[real] - b[real]).norm() / a[real].norm()).item()
+    per_elem = ((a[real] - b[real]).abs() / a[real].abs().amax(-1, keepdim=True)).max().item()
+    print(f"\nFP8 e4m3 round trip: relative L2 error {err:.4f}, max error / token amax {per_elem:.4f}")
+    assert err < 0.04 and per_elem <= 1 / 16 + 1e-3  # 3 mantissa bits: half an ulp at the top binade
+    assert shard_files(fp8)[0].stat().st_size < 0.6 * shard_files(bf16)[0].stat().st_size
+    assert verify.verify(fp8, VerifyConfig(cache=str(fp8), rows=1, device="cpu").resolve())["ok"]
+
+
+def test_dry_run_and_fail_fast_before_weights_load(tmp_path, qwen35_dir, chat_corpus, monkeypatch, capsys):
+    from dflash_offline import target
+
+    monkeypatch.setattr(target, "load_target", lambda *a, **k: pytest.fail("weights loaded"))
+    assert extract_run(tmp_path, qwen35_dir, chat_corpus, dry_run=True) is None
+    out = capsys.readouterr().out
+    assert "kernels ok" in out and "estimated" in out and "GB" in out
+    with pytest.raises(ValueError, match=r"layer_ids \[99\] out of range"):
+        extract_run(tmp_path, qwen35_dir, chat_corpus, layer_ids=[1, 99])
+    with pytest.raises(ValueError, match="mask_token_id=1988 must be a real embedding row"):
+        extract_run(tmp_path, qwen35_dir, chat_corpus, mask_token_id=1988)  # <|im_end|> = eos
+    with pytest.raises(ValueError, match="free"):
+        extract_run(tmp_path, qwen35_dir, chat_corpus, min_free_gb=1e9)
+    assert not list((tmp_path / "cache").glob("hidden-*"))  # nothing was created by the refused runs
+
+
+def test_cache_with_another_key_is_never_overwritten(tmp_path, qwen35_dir, qwen3_dir, chat_corpus):
+    out = tmp_path / "pinned"
+    extract_run(tmp_path, qwen35_dir, chat_corpus, out=str(out))
+    before = (out / "manifest.json").read_text()
+    with pytest.raises(ValueError, match="already holds a different hidden cache"):
+        extract_run(tmp_path, qwen35_dir, chat_corpus, out=str(out), quant="fp8")
+    assert (out / "manifest.json").read_text() == before
+
+
+SCRIPT = """
+import sys
+from stages import extract
+extract.main(sys.argv[1:])
+"""
+
+
+def cli(tmp_path, target, corpus, *extra):
+    return [sys.executable, "-c", SCRIPT, f"--target={target}", f"--corpus={corpus}",
+            f"--cache_root={tmp_path / 'cache'}", "--seq_len=128", "--rows_per_shard=2", "--max_docs=60",
+            "--num_draft_layers=3", "--device=cpu", "--batch_rows=1", "--workers=1", *extra]
+
+
+def test_kill_9_then_rerun_completes_without_partial_shards(tmp_path, qwen35_dir, chat_corpus):
+    env = dict(os.environ, DFLASH_NO_BAR="1", PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(cli(tmp_path, qwen35_dir, chat_corpus), cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    cache = None
+    while time.time() < deadline:
+        hits = list((tmp_path / "cache").glob("hidden-*/manifest.json"))
+        if hits:
+            cache = hits[0].parent
+            m = json.loads(hits[0].read_text())
+            if 1 <= len(m["shards"]) < m["num_shards"] - 2:
+                break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert cache is not None
+    m = read_manifest(cache)
+    assert len(m["shards"]) < m["num_shards"], "the run finished before it could be killed"
+    done = {s["index"] for s in m["shards"]}
+    res = subprocess.run(cli(tmp_path, qwen35_dir, chat_corpus), cwd=REPO, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    redone = {int(x) for x in __import__("re").findall(r"shard (\d+) committed", res.stdout)}
+    assert not redone & done  # committed shards were not computed again
+    m2 = read_manifest(cache)
+    assert len(m2["shards"]) == m2["num_shards"]
+    assert verify.verify(cache, VerifyConfig(cache=str(cache), rows=1, device="cpu").resolve())["ok"]
+
+
+def test_two_concurrent_extractors_split_the_shards(tmp_path, qwen35_dir, chat_corpus):
+    env = dict(os.environ, DFLASH_NO_BAR="1", PYTHONPATH=str(REPO))
+    # stage 1a first, so both workers start on the same token cache (as machines sharing a filesystem would)
+    subprocess.run(cli(tmp_path, qwen35_dir, chat_corpus, "--dry_run=1"), cwd=REPO, env=env, check=True,
+                   capture_output=True)
+    procs = [subprocess.Popen(cli(tmp_path, qwen35_dir, chat_corpus), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    import re
+
+    sets = [{int(x) for x in re.findall(r"shard (\d+) committed", o[0])} for o in outs]
+    cache = next((tmp_path / "cache").glob("hidden-*"))
+    m = read_manifest(cache)
+    assert not sets[0] & sets[1], sets  # never the same shard twice
+    assert sets[0] | sets[1] == set(range(m["num_shards"])) and all(sets)  # both worked, nothing missing
+    assert len(m["shards"]) == m["num_shards"]
