@@ -134,7 +134,7 @@ class TrainConfig:
     ckpt_every: int = 500  # checkpoint every N steps (and at the end)
     keep_last: int = 3  # checkpoints kept
     log_every: int = 10  # metrics line every N steps
-    trackers: str = "tensorboard"  # accelerate trackers ("tensorboard", "wandb", comma list, "" = JSONL only)
+    trackers: str = "tensorboard"  # accelerate trackers ("tensorboard", "wandb", comma list; "none" = JSONL only)
     require_verified: bool = False  # refuse a cache never verified (a cache that failed verify is always refused)
 
     def resolve(self) -> TrainConfig:

@@ -98,7 +98,7 @@ def run(cfg: TrainConfig) -> Path:
     from dflash_offline.checkpoint import load_checkpoint, save_checkpoint
     from dflash_offline.dataset import HiddenStream, open_hidden_cache
     from dflash_offline.drafter import DFlashDrafter, load_target_embeddings
-    from dflash_offline.loss import block_ce_loss, simulated_acceptance_length, slot_accuracy
+    from dflash_offline.loss import block_ce_loss
     from dflash_offline.progress import Progress, log
 
     t0 = time.time()
@@ -118,9 +118,11 @@ def run(cfg: TrainConfig) -> Path:
     use_compile = cfg.compile == "on" or (cfg.compile == "auto" and cuda)
     if attn == "flex" and not use_compile:
         raise ValueError("attn=flex needs compile=on: uncompiled flex_attention materializes the full score matrix")
-    trackers = [t for t in cfg.trackers.split(",") if t and tracker_available(t)]
+    trackers = [t for t in cfg.trackers.split(",") if t and t != "none" and tracker_available(t)]
     rows_per_micro = cfg.batch_rows * c["seq_len"]
-    acc = Accelerator(mixed_precision="no", cpu=not cuda, log_with=trackers or None, project_dir=str(run_dir))
+    # step_scheduler_with_optimizer=False: the schedule is in optimizer steps, whatever the number of processes
+    acc = Accelerator(mixed_precision="no", cpu=not cuda, log_with=trackers or None, project_dir=str(run_dir),
+                      step_scheduler_with_optimizer=False)
     world, rank = acc.num_processes, acc.process_index
     accum = 1
     if cfg.global_batch_tokens:

@@ -42,3 +42,17 @@ def chat_corpus(tmp_path_factory) -> Path:
     from dflash_offline import democorpus
 
     return democorpus.write_jsonl(tmp_path_factory.mktemp("corpus") / "chat.jsonl", 300, seed=1)
+
+
+@pytest.fixture(scope="session")
+def hidden_cache(tmp_path_factory, qwen35_dir, chat_corpus) -> Path:
+    """A small hidden-state cache of the tiny Qwen3.5 target (3 taps), extracted on the CPU."""
+    from dflash_offline.config import ExtractConfig, TokenizeConfig
+    from stages import extract
+
+    root = tmp_path_factory.mktemp("hidden")
+    tok = TokenizeConfig(corpus=[str(chat_corpus)], tokenizer=str(qwen35_dir), cache_root=str(root), seq_len=128,
+                         rows_per_shard=8, workers=1, max_docs=120).resolve()
+    ext = ExtractConfig(target=str(qwen35_dir), cache_root=str(root), num_draft_layers=3, device="cpu",
+                        batch_rows=4).resolve()
+    return extract.run(ext, tok)

@@ -1,0 +1,131 @@
+"""Stage 2 on CPU: exact resume, 2 processes = 1 process with accumulation, refusals, golden losses."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash_offline.config import TrainConfig
+from dflash_offline.manifest import update_manifest
+from stages import train
+
+REPO = Path(__file__).resolve().parents[1]
+GOLDEN = REPO / "tests" / "golden" / "train_tiny.json"
+TINY = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_anchors=8, batch_rows=2, log_every=1,
+            trackers="none", lr=3e-3, warmup_steps=1)
+
+
+def cfg(cache, run, **kw):
+    return TrainConfig(cache=str(cache), run=str(run), **{**TINY, "steps": 6, "ckpt_every": 3, **kw}).resolve()
+
+
+def losses(run):
+    return [json.loads(line)["loss"] for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_weights(run, step):
+    return load_file(str(Path(run) / "checkpoints" / f"step-{step:08d}" / "model.safetensors"))
+
+
+def test_resume_equals_uninterrupted(tmp_path, hidden_cache):
+    train.run(cfg(hidden_cache, tmp_path / "a"))
+    b = tmp_path / "b"
+    train.run(cfg(hidden_cache, b))
+    # interrupt b after step 3: its last checkpoint and metrics are those of step 3
+    shutil.rmtree(b / "checkpoints" / "step-00000006")
+    (b / "checkpoints" / "latest").write_text("step-00000003\n")
+    (b / "metrics.jsonl").write_text("\n".join((b / "metrics.jsonl").read_text().splitlines()[:3]) + "\n")
+    train.run(cfg(hidden_cache, b, resume=True))
+    assert losses(b) == losses(tmp_path / "a")
+    wa, wb = final_weights(tmp_path / "a", 6), final_weights(b, 6)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # and the run really learned something different from its start
+    assert not torch.equal(wa["fc.weight"], load_file(str(b / "checkpoints/step-00000003/model.safetensors"))[
+        "fc.weight"])
+
+
+def test_existing_run_needs_resume(tmp_path, hidden_cache):
+    train.run(cfg(hidden_cache, tmp_path / "r", steps=3))
+    with pytest.raises(ValueError, match="resume=1"):
+        train.run(cfg(hidden_cache, tmp_path / "r", steps=3))
+
+
+WORKER = """
+import sys
+from stages import train
+train.main(sys.argv[1:])
+"""
+
+
+def cli_args(cache, run, **kw):
+    args = {**TINY, "steps": 4, "ckpt_every": 4, **kw}
+    return [f"--cache={cache}", f"--run={run}"] + [f"--{k}={v}" for k, v in args.items()]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_equal_one_with_accumulation(tmp_path, hidden_cache):
+    tokens_per_step = 2 * 2 * 128  # 2 rows × 128 tokens, twice
+    one = tmp_path / "one"
+    train.run(TrainConfig(cache=str(hidden_cache), run=str(one), **{**TINY, "steps": 4, "ckpt_every": 4,
+                                                                    "global_batch_tokens": tokens_per_step}).resolve())
+    two = tmp_path / "two"
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, DFLASH_NO_BAR="1", PYTHONPATH=str(REPO),
+                   OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-c", WORKER,
+                                       *cli_args(hidden_cache, two, global_batch_tokens=tokens_per_step)],
+                                      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-3000:] for o in outs]
+    config = json.loads((two / "config.json").read_text())["derived"]
+    assert config["world_size"] == 2 and config["grad_accum"] == 1
+    assert json.loads((one / "config.json").read_text())["derived"]["grad_accum"] == 2
+    assert losses(one) == pytest.approx(losses(two), rel=1e-5)
+    w1, w2 = final_weights(one, 4), final_weights(two, 4)
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], rtol=1e-4, atol=1e-6)
+
+
+def test_cache_mismatches_are_refused_by_name(tmp_path, hidden_cache, qwen3_dir):
+    with pytest.raises(ValueError, match=r"\[2\]"):
+        train.run(cfg(hidden_cache, tmp_path / "x", layer_ids=[1, 2]))
+    with pytest.raises(ValueError, match="not the target the cache was extracted from"):
+        train.run(cfg(hidden_cache, tmp_path / "y", target=str(qwen3_dir)))
+    bad = tmp_path / "bad"
+    shutil.copytree(hidden_cache, bad)
+    tokens = json.loads((hidden_cache / "manifest.json").read_text())["config"]["tokens_dir"]
+    m = json.loads((bad / "manifest.json").read_text())
+    m["config"]["tokens_dir"] = os.path.relpath((hidden_cache / tokens).resolve(), bad)
+    (bad / "manifest.json").write_text(json.dumps(m))
+    update_manifest(bad, verified={"ok": False, "bad": [{"shard": 1, "reason": "x does not match its checksum"}]})
+    with pytest.raises(ValueError, match="SHARD=1"):
+        train.run(cfg(bad, tmp_path / "z"))
+    with pytest.raises(ValueError, match="verify"):
+        train.run(cfg(hidden_cache, tmp_path / "w", require_verified=True))
+
+
+def test_golden_losses(tmp_path, hidden_cache):
+    """A short deterministic CPU run must reproduce the committed losses (DFLASH_UPDATE_GOLDEN=1 rewrites them)."""
+    train.run(cfg(hidden_cache, tmp_path / "g", steps=5, ckpt_every=5))
+    got = losses(tmp_path / "g")
+    if os.environ.get("DFLASH_UPDATE_GOLDEN") == "1":
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(json.dumps({"losses": got, "torch": torch.__version__}, indent=1) + "\n")
+    want = json.loads(GOLDEN.read_text())["losses"]
+    assert got == pytest.approx(want, rel=2e-4), (got, want)
+    assert got[-1] < got[0]  # and it learns
