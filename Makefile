@@ -9,11 +9,17 @@ TARGET ?=
 CORPUS ?=
 CACHE ?=
 SHARD ?=
+RUN ?=
+RESUME ?=
+DRY_RUN ?=
+ROWS ?=
 NPROC ?= 1
 DEMO_DIR ?= build/demo
+# one process per GPU through accelerate (torchrun underneath) when NPROC > 1
+LAUNCH = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/accelerate launch --num_processes $(NPROC) -m,$(PYTHON) -m)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup test test-gpu lint style demo tiny tokenize status clean help
+.PHONY: setup test test-gpu lint style demo tiny tokenize extract verify train status bench-extract bench-train clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -46,13 +52,31 @@ tiny: setup  ## build the embedded default target + tokenizer + bundled corpus i
 tokenize: setup  ## corpus → packed token shards (CORPUS=, TARGET= for the tokenizer, CACHE= to pin the directory)
 	$(PYTHON) -m stages.tokenize --recipe=$(RECIPE) --corpus=$(CORPUS) --tokenizer=$(TARGET) --out=$(CACHE)
 
+extract: setup  ## token shards → hidden-state shards; runs tokenize first if needed (SHARD=3,5-7 redoes those; DRY_RUN=1 checks only)
+	$(LAUNCH) stages.extract --recipe=$(RECIPE) --target=$(TARGET) --corpus=$(CORPUS) --hidden_out=$(CACHE) --shards=$(SHARD) --dry_run=$(DRY_RUN)
+
+verify: setup  ## re-hash every shard of CACHE= and recompute sampled rows with the target (ROWS= per shard)
+	$(PYTHON) -m stages.verify --cache=$(CACHE) --rows=$(ROWS)
+
+train: setup  ## train a drafter on CACHE= into RUN= (RESUME=1 continues it; NPROC= processes)
+	$(LAUNCH) stages.train --recipe=$(RECIPE) --cache=$(CACHE) --run=$(RUN) --resume=$(RESUME)
+
+bench-extract:  ## extraction throughput at Qwen3.5-27B shapes vs a plain HF forward (GPU)
+	$(PYTHON) -m bench.extract
+
+bench-train:  ## drafter training throughput at 27B drafter shapes vs an eager chunked baseline (GPU)
+	$(PYTHON) -m bench.train
+
 status: setup  ## shard table and summary of CACHE= (a cache or a directory of caches)
 	$(PYTHON) -m stages.status $(or $(CACHE),cache) $(if $(JSON),--json)
 
 demo: setup  ## the whole pipeline on the embedded default, on CPU
 	$(PYTHON) -m stages.build_tiny --out $(DEMO_DIR)/target
-	$(PYTHON) -m stages.tokenize --recipe=manifests/demo.toml --out=$(DEMO_DIR)/cache/tokens
-	$(PYTHON) -m stages.status $(DEMO_DIR)/cache/tokens
+	$(PYTHON) -m stages.extract --recipe=manifests/demo.toml --out=$(DEMO_DIR)/cache/tokens --hidden_out=$(DEMO_DIR)/cache/hidden
+	$(PYTHON) -m stages.verify --cache=$(DEMO_DIR)/cache/hidden --rows=1 --device=cpu
+	$(PYTHON) -m stages.status $(DEMO_DIR)/cache
+	$(PYTHON) -m stages.train --recipe=manifests/demo.toml --cache=$(DEMO_DIR)/cache/hidden --run=$(DEMO_DIR)/run --resume=$(if $(wildcard $(DEMO_DIR)/run/checkpoints/latest),1,0)
+	@echo "demo: trained drafter checkpoints in $(DEMO_DIR)/run/checkpoints; export + real-τ evaluation come next (issue 5)"
 
 clean:  ## remove build outputs and caches made by the demo (never touches CACHE=)
 	rm -rf build/demo .pytest_cache

@@ -527,6 +527,22 @@ class Target:
 # probe: check the kernels and time a batch on random weights of the real widths, before any weight loads
 
 
+def random_target(info: TargetInfo, depth: int, layer_ids: list[int], device, dtype: torch.dtype,
+                  mode: str = "auto") -> Target:
+    """The target's first `depth` layers with its real shapes and random weights (probes and benchmarks)."""
+    device = torch.device(device)
+    mode = _resolve_mode(mode, device, info.arch)
+    _, text = _read_config(info.path)
+    config = copy.deepcopy(text)
+    config.num_hidden_layers, config.layer_types = depth, list(text.layer_types[:depth])
+    config._attn_implementation = "sdpa"
+    with torch.device(device):
+        stack = TextStack(config, info.arch, depth, with_norm=info.num_layers - 1 in layer_ids)
+    stack.to(dtype).requires_grad_(False).eval()
+    rotary = _hf(info.arch)[2](config).to(device)
+    return Target(info, layer_ids, stack, rotary, device, dtype, mode)
+
+
 def probe(info: TargetInfo, layer_ids: list[int], device, dtype: torch.dtype, seq_len: int, batch_rows: int,
           mode: str = "auto", seed: int = 0) -> dict:
     """Build the first few layers of the target's real shapes with random weights (one of each layer type), check
@@ -537,42 +553,21 @@ def probe(info: TargetInfo, layer_ids: list[int], device, dtype: torch.dtype, se
     import time
 
     device = torch.device(device)
-    mode = _resolve_mode(mode, device, info.arch)
-    _, text = _read_config(info.path)
     depth = max(layer_ids) + 1
     n = min(depth, 4 if info.arch == "qwen3_5" else 2)  # Qwen3.5: 3 Gated DeltaNet + 1 full attention
-    config = copy.deepcopy(text)
-    config.num_hidden_layers, config.layer_types = n, list(text.layer_types[:n])
-    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = random_target(info, n, [n - 1], device, dtype, mode)
+    mode = model.mode
     gen = torch.Generator().manual_seed(seed)
-    with torch.device(device):
-        stack = TextStack(config, info.arch, n, with_norm=False)
-    stack.to(dtype).requires_grad_(False).eval()
-    rotary = _hf(info.arch)[2](config).to(device)
-    model = Target(info, [n - 1], stack, rotary, device, dtype, mode)
-
-    def rows(B, S, lengths):
-        ids = torch.randint(0, info.vocab_size, (B, S), generator=gen)
-        pos, doc = torch.zeros(B, S, dtype=torch.long), torch.full((B, S), -1, dtype=torch.long)
-        for b in range(B):
-            at = 0
-            for d, length in enumerate(lengths):
-                length = min(length, S - at)
-                if length <= 0:
-                    break
-                pos[b, at:at + length], doc[b, at:at + length] = torch.arange(length), d
-                at += length
-        return ids, pos, doc
-
-    small = rows(1, 128, [40, 1, 57])  # three documents and a padding tail
+    small = synthetic_rows(1, 128, [40, 1, 57], info.vocab_size, gen)  # three documents and a padding tail
     got = model.tapped_hidden_states(*small).float()
-    ref = got if mode == "per_doc" else Target(info, [n - 1], stack, rotary, device, dtype,
+    ref = got if mode == "per_doc" else Target(info, [n - 1], model.stack, model.rotary, device, dtype,
                                                "per_doc").tapped_hidden_states(*small).float()
     err = ((got - ref).norm() / ref.norm().clamp_min(1e-12)).item()
     if not err < (0.05 if dtype != torch.float32 else 1e-4):
         raise RuntimeError(f"kernel check failed: {mode} differs from per-document by {err:.3g} on random "
                            f"weights; use mode=per_doc and report this")
-    full = rows(batch_rows, seq_len, [seq_len // 3, seq_len // 4, seq_len // 5])
+    full = synthetic_rows(batch_rows, seq_len, [seq_len // 3, seq_len // 4, seq_len // 5], info.vocab_size, gen)
     model.tapped_hidden_states(*full)  # warm-up: autotuning and compilation stay out of the estimate
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -581,5 +576,20 @@ def probe(info: TargetInfo, layer_ids: list[int], device, dtype: torch.dtype, se
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     secs = (time.perf_counter() - t0) / batch_rows * depth / n
-    del model, stack
+    del model
     return {"mode": mode, "max_rel_err": err, "seconds_per_row": secs, "probe_layers": n}
+
+
+def synthetic_rows(B: int, S: int, lengths: list[int], vocab: int, gen: torch.Generator):
+    """(input_ids, position_ids, doc_ids) [B, S]: documents of the given lengths packed from the left, padded tail."""
+    ids = torch.randint(0, vocab, (B, S), generator=gen)
+    pos, doc = torch.zeros(B, S, dtype=torch.long), torch.full((B, S), -1, dtype=torch.long)
+    for b in range(B):
+        at = 0
+        for d, length in enumerate(lengths):
+            length = min(length, S - at)
+            if length <= 0:
+                break
+            pos[b, at:at + length], doc[b, at:at + length] = torch.arange(length), d
+            at += length
+    return ids, pos, doc

@@ -168,7 +168,7 @@ def run(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int = 0, world: int =
     t0 = time.time()
     tokens_dir = token_cache(cfg, tok_cfg, rank)
     plan = make_plan(cfg, tokens_dir)
-    cache = Path(cfg.out) if cfg.out else Path(cfg.cache_root) / f"hidden-{plan['key'][:12]}"
+    cache = Path(cfg.hidden_out) if cfg.hidden_out else Path(cfg.cache_root) / f"hidden-{plan['key'][:12]}"
     device = pick_device(cfg, local_rank)
     dtype = getattr(torch, cfg.dtype)
     redo = parse_shard_list(cfg.shards)
@@ -229,7 +229,7 @@ def extract_shards(cfg, plan, model, cache: Path, tokens_dir: Path, todo, rank, 
     io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")  # file I/O only, never compute
     pending = []
     cuda = device.type == "cuda"
-    reserved = []
+    reserved, io_wait = [], 0.0
     for index in shard_order(todo, rank, world):
         if not try_claim(cache, index, cfg.lease_s, redo=redo):
             continue
@@ -266,20 +266,26 @@ def extract_shards(cfg, plan, model, cache: Path, tokens_dir: Path, todo, rank, 
                  "tokens_sha256": tok_entries[index]["files"][name]["sha256"], "worker": f"rank{rank}",
                  "reserved_gpu_bytes": reserved[-1] if reserved else 0}
         # the previous shard's write must finish before this one's (bounded host memory: two shards at most)
+        t_wait = time.time()
         while pending:
             pending.pop(0).result()
+        io_wait += time.time() - t_wait
         pending.append(io.submit(write_and_commit, cache, index, tensors, cfg.quant, layer_ids, plan["key"], entry,
                                  redo, write_hidden_shard, hidden_shard_name))
         progress.extra.update(reserved_gpu_gb=(reserved[-1] / 2**30) if reserved else 0.0, last_shard=index)
+    t_wait = time.time()
     for f in pending:
         f.result()
     io.shutdown()
+    io_wait += time.time() - t_wait
+    progress.extra.update(io_wait_s=io_wait)
     snap = progress.close("done")
     if reserved:
         log(f"[rank {rank}] reserved GPU memory per shard (GB): "
             f"{', '.join(f'{r / 2**30:.2f}' for r in reserved[:8])}{' …' if len(reserved) > 8 else ''}")
     log(f"[rank {rank}] done: {snap['tokens']:,} tokens in {snap['elapsed_s']:.1f}s "
-        f"({snap['tokens_per_s']:,.0f} tok/s including writes)")
+        f"({snap['tokens_per_s']:,.0f} tok/s including writes; {io_wait:.1f}s waiting on disk writes)")
+    return dict(snap, reserved_bytes=reserved)
 
 
 def pad_rows(x, b: int, fill: int):

@@ -1,0 +1,1 @@
+"""Benchmarks (GPU): python -m bench.extract, python -m bench.train; --tiny runs a CPU smoke version."""

@@ -1,0 +1,179 @@
+"""Benchmark stage 2 at the 27B drafter shapes: H 5120, 5 layers, 32/8 heads × 128, FFN 17408, vocab 248320,
+S = 2048, 512 anchors, block 16 (random weights and random cached states).
+
+    python -m bench.train [--steps=20]        (GPU)
+    python -m bench.train --tiny              (CPU smoke run)
+
+Ours: `stages.train.run` as a user runs it (compiled flex attention, chunked one-pass lm_head + CE, streaming
+loader) on a synthetic hidden cache and a synthetic target holding only embed + lm_head. Baseline, same process:
+a straightforward in-tree step — the eager drafter with the dense-mask SDPA path and full-vocabulary logits
+computed chunk by chunk under activation checkpointing. Reports context tokens/s, ms/step, fraction of the FLOP
+ideal (at 790 TFLOP/s), peak memory, and ours/baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from bench.extract import TEXT_27B, TEXT_TINY, write_config
+from dflash_offline.dataset import make_fake_cache
+from dflash_offline.manifest import update_manifest
+
+DRAFTER_27B = dict(num_layers=5, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=17408)
+DRAFTER_TINY = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128)
+LAYERS = [1, 16, 31, 46, 61]
+
+
+def synthetic_target(path: Path, text: dict, device) -> Path:
+    """config.json + a safetensors file with just the embedding and lm_head (all the trainer reads)."""
+    write_config(path, text)
+    g = torch.Generator(device=device).manual_seed(0)
+    V, H = text["vocab_size"], text["hidden_size"]
+    t = {k: (torch.randn(V, H, generator=g, device=device) * 0.02).to(torch.bfloat16).cpu()
+         for k in ("model.embed_tokens.weight", "lm_head.weight")}
+    save_file(t, str(path / "model.safetensors"))
+    return path
+
+
+def synthetic_cache(root: Path, text: dict, target: Path, rows: int, seq_len: int) -> Path:
+    layers = [1, 2, 3, 4, 5] if text is TEXT_TINY else LAYERS
+    cache = make_fake_cache(root / "hidden", 2, rows // 2, seq_len, text["hidden_size"], layers)
+    m = json.loads((cache / "manifest.json").read_text())
+    producer = dict(m["producer"], target=dict(m["producer"]["target"], num_layers=text["num_hidden_layers"],
+                                               vocab_size=text["vocab_size"]))
+    update_manifest(cache, producer=producer,
+                    config=dict(m["config"], extract={"target": str(target)}, mask_token_id=text["vocab_size"] - 250))
+    return cache
+
+
+def run_ours(args, cache: Path, drafter: dict) -> dict:
+    from dflash_offline.config import TrainConfig
+    from stages import train
+
+    run = args.workdir / "run"
+    shutil.rmtree(run, ignore_errors=True)
+    cfg = TrainConfig(cache=str(cache), run=str(run), steps=args.steps, batch_rows=1, num_anchors=args.anchors,
+                      block_size=16, log_every=args.log_every, ckpt_every=10**9, trackers="none", **drafter).resolve()
+    t0 = time.time()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    train.run(cfg)
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steady = recs[1:] or recs  # the first window holds compilation
+    return {"total_s": time.time() - t0, "tok_per_s": sum(r["tok_per_s"] for r in steady) / len(steady),
+            "ms_per_step": sum(r["ms_per_step"] for r in steady) / len(steady),
+            "flop_frac": sum(r["flop_frac"] for r in steady) / len(steady),
+            "peak_gb": max(r.get("peak_gb", 0) for r in recs), "reserved_gb": [r.get("reserved_gb") for r in recs],
+            "recompiles": recs[-1]["recompiles"], "first_window_ms": recs[0]["ms_per_step"],
+            "loss": [r["loss"] for r in recs]}
+
+
+def run_baseline(args, cache: Path, target: Path, drafter: dict, device) -> dict:
+    """Eager drafter, dense mask, logits chunked under activation checkpointing, plain F.cross_entropy."""
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    from dflash_offline import anchors as anc
+    from dflash_offline.config import TrainConfig
+    from dflash_offline.dataset import HiddenStream, open_hidden_cache
+    from dflash_offline.drafter import DFlashDrafter, load_target_embeddings
+    from dflash_offline.loss import slot_weights
+    from stages.train import cache_defaults, drafter_config
+
+    cfg = TrainConfig(cache=str(cache), batch_rows=1, num_anchors=args.anchors, **drafter).resolve()
+    c = cache_defaults(cfg)
+    dc = drafter_config(cfg, c)
+    model = DFlashDrafter(dc).to(device)
+    embed, head = (w.to(device, torch.bfloat16) for w in load_target_embeddings(target))
+    opt = torch.optim.AdamW(model.parameters(), lr=6e-4, fused=device.type == "cuda")
+    stream = HiddenStream(open_hidden_cache(cache, c["layer_ids"]), 1, device=device)
+    w_L = slot_weights(16, None, device)
+
+    def chunk_loss(h, labels, weights):
+        logits = (h @ head.T).float()
+        return (F.cross_entropy(logits, labels.clamp_min(0), reduction="none") * weights).sum()
+
+    def step():
+        b = next(stream)
+        a, keep = anc.sample_anchors(b["loss_mask"], b["doc_ids"], args.anchors, 16)
+        labels = anc.block_labels(b["input_ids"], b["loss_mask"], b["doc_ids"], a, keep, 16).reshape(-1)
+        masks = model.build_masks(b["doc_ids"], a, keep, "dense")
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            h = model(b["hidden"], b["input_ids"], b["position_ids"], a, keep, embed, masks, "dense")
+        h = h.reshape(-1, h.shape[-1]).to(torch.bfloat16)
+        weights = torch.where(labels >= 0, w_L.repeat(labels.numel() // 16), 0.0)
+        total = sum(checkpoint(chunk_loss, h[i:i + 2048], labels[i:i + 2048], weights[i:i + 2048],
+                               use_reentrant=False) for i in range(0, h.shape[0], 2048))
+        loss = total / weights.sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.time()
+    n = max(3, args.steps // 4)
+    for _ in range(n):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    secs = (time.time() - t0) / n
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+    stream.close()
+    gc.collect()
+    return {"ms_per_step": 1000 * secs, "tok_per_s": c["seq_len"] / secs, "peak_gb": peak}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--log_every", type=int, default=5)
+    p.add_argument("--anchors", type=int, default=512)
+    p.add_argument("--seq_len", type=int, default=2048)
+    p.add_argument("--skip_baseline", action="store_true")
+    p.add_argument("--workdir", type=Path, default=Path("build/bench-train"))
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    shutil.rmtree(args.workdir, ignore_errors=True)
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    text, drafter = (TEXT_TINY, DRAFTER_TINY) if args.tiny else (TEXT_27B, DRAFTER_27B)
+    if args.tiny:
+        args.seq_len, args.anchors = 128, 8
+    target = synthetic_target(args.workdir / "target", text, device)
+    cache = synthetic_cache(args.workdir, text, target, 8, args.seq_len)
+    res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+           "shape": {"hidden": text["hidden_size"], "seq_len": args.seq_len, "anchors": args.anchors, "block": 16,
+                     **drafter}}
+    res["ours"] = run_ours(args, cache, drafter)
+    print(json.dumps(res["ours"]), flush=True)
+    if not args.skip_baseline:
+        res["baseline"] = run_baseline(args, cache, target, drafter, device)
+        print(json.dumps(res["baseline"]), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(res, indent=1))
+    o = res["ours"]
+    print(f"\n| training, {res['device']} | ours | baseline |\n|---|---|---|")
+    b = res.get("baseline", {})
+    print(f"| context tok/s | {o['tok_per_s']:,.0f} | {b.get('tok_per_s', 0):,.0f} |")
+    print(f"| ms/step | {o['ms_per_step']:.1f} | {b.get('ms_per_step', 0):.1f} |")
+    print(f"| peak GB | {o['peak_gb']:.1f} | {b.get('peak_gb', 0):.1f} |")
+    print(f"| FLOP fraction @790T | {o['flop_frac']:.3f} | |")
+    if b:
+        print(f"| ours / baseline | {o['tok_per_s'] / b['tok_per_s']:.2f} | |")
+    print(f"| recompiles after warm-up | {o['recompiles']} | |  first window {o['first_window_ms']:.0f} ms/step")
+
+
+if __name__ == "__main__":
+    main()
