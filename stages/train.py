@@ -178,7 +178,6 @@ def run(cfg: TrainConfig) -> Path:
     log(f"[rank {rank}] ready in {time.time() - t0:.1f}s; first step compiles" if use_compile else
         f"[rank {rank}] ready in {time.time() - t0:.1f}s")
     while step < cfg.steps:
-        t_step = time.time()
         for micro in range(accum):
             batch = next(stream)
             window.wait_s += stream.last_wait_s
@@ -207,13 +206,11 @@ def run(cfg: TrainConfig) -> Path:
         if step == 1 and use_compile:
             torch._dynamo.config.error_on_recompile = True  # warm-up done: a new shape is a bug, not a slowdown
         window.steps += 1
-        window.seconds += time.time() - t_step
         window.rows += cfg.batch_rows * accum * world
-        window.grad_norm = float(grad_norm) if grad_norm is not None else 0.0
+        window.grad_norm = grad_norm.detach() if grad_norm is not None else 0.0  # no host sync per step
         progress.update(1, tokens=cfg.batch_rows * accum * world * c["seq_len"])
         if step % cfg.log_every == 0 or step == cfg.steps:
             rec = window.report(acc, step, sched.get_last_lr()[0], c["seq_len"], fpr, device)
-            window = Window()
             if rank == 0:
                 metrics_file.write(json.dumps(rec) + "\n")
                 metrics_file.flush()
@@ -227,6 +224,8 @@ def run(cfg: TrainConfig) -> Path:
                 save_checkpoint(run_dir, step, raw, opt, sched, data_state=stream.state_dict(),
                                 config={"train": as_dict(cfg), "drafter": as_dict(dc)}, keep_last=cfg.keep_last)
             acc.wait_for_everyone()
+        if step % cfg.log_every == 0:
+            window = Window()  # after the checkpoint: its time is not training throughput
     stream.close()
     progress.close("done")
     if metrics_file:
@@ -261,7 +260,8 @@ class Window:
     """Metrics accumulated between two log lines (reduced over processes when reported)."""
 
     def __init__(self):
-        self.loss_sum, self.n, self.steps, self.rows, self.seconds, self.wait_s, self.grad_norm = 0.0, 0, 0, 0, 0.0, 0.0, 0.0
+        self.t0 = time.time()  # wall clock from here to the device sync in `report`
+        self.loss_sum, self.n, self.steps, self.rows, self.wait_s, self.grad_norm = 0.0, 0, 0, 0, 0.0, 0.0
         self.correct_L = self.valid_L = None
         self.tau_sum, self.blocks = 0.0, 0
 
@@ -287,11 +287,13 @@ class Window:
         t = acc.reduce(t, "sum")
         cl, vl = acc.reduce(self.correct_L, "sum"), acc.reduce(self.valid_L, "sum")
         acc_L = slot_accuracy(cl, vl)[1:]
-        secs = max(self.seconds, 1e-9)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        secs = max(time.time() - self.t0, 1e-9)
         rec = {
             "step": step, "loss": (t[0] / t[1]).item(), "acc": [round(a, 4) for a in acc_L.tolist()],
             "sim_tau": 1 + simulated_acceptance_length(slot_accuracy(cl, vl)).item(),
-            "block_tau": (t[2] / t[3].clamp_min(1)).item(), "lr": lr, "grad_norm": self.grad_norm,
+            "block_tau": (t[2] / t[3].clamp_min(1)).item(), "lr": lr, "grad_norm": float(self.grad_norm),
             "tok_per_s": self.rows * seq_len / secs, "ms_per_step": 1000 * secs / max(self.steps, 1),
             "flop_frac": self.rows * fpr / secs / 790e12 if device.type == "cuda" else 0.0,
             "data_wait_frac": self.wait_s / secs, "recompiles": recompile_count(), "time": time.time(),
