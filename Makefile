@@ -13,13 +13,15 @@ RUN ?=
 RESUME ?=
 DRY_RUN ?=
 ROWS ?=
+OUT ?=
+THINKING ?=
 NPROC ?= 1
 DEMO_DIR ?= build/demo
 # one process per GPU through accelerate (torchrun underneath) when NPROC > 1
 LAUNCH = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/accelerate launch --num_processes $(NPROC) -m,$(PYTHON) -m)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup test test-gpu lint style demo tiny tokenize extract verify train status bench-extract bench-train clean help
+.PHONY: setup test test-gpu lint style demo tiny tokenize extract verify train regen report status bench-extract bench-train clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -60,6 +62,12 @@ verify: setup  ## re-hash every shard of CACHE= and recompute sampled rows with 
 
 train: setup  ## train a drafter on CACHE= into RUN= (RESUME=1 continues it; NPROC= processes)
 	$(LAUNCH) stages.train --recipe=$(RECIPE) --cache=$(CACHE) --run=$(RUN) --resume=$(RESUME)
+
+regen: setup  ## regenerate the corpus's assistant answers with the target (TARGET=, CORPUS=, OUT=, THINKING=on|off)
+	$(PYTHON) -m stages.regen --target=$(TARGET) --corpus=$(CORPUS) --out=$(OUT) --thinking=$(THINKING)
+
+report: setup  ## PNG plots of RUN='s metrics (loss, accuracy per block position, τ, throughput, memory)
+	$(PYTHON) -m stages.report --run=$(RUN)
 
 bench-extract:  ## extraction throughput at Qwen3.5-27B shapes vs a plain HF forward (GPU)
 	$(PYTHON) -m bench.extract
