@@ -15,13 +15,17 @@ DRY_RUN ?=
 ROWS ?=
 OUT ?=
 THINKING ?=
+STEP ?=
+DTYPE ?=
+PROMPTS ?=
+UNTRAINED ?=
 NPROC ?= 1
 DEMO_DIR ?= build/demo
 # one process per GPU through accelerate (torchrun underneath) when NPROC > 1
 LAUNCH = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/accelerate launch --num_processes $(NPROC) -m,$(PYTHON) -m)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup test test-gpu lint style demo tiny tokenize extract verify train regen report status bench-extract bench-train clean help
+.PHONY: setup test test-gpu lint style demo tiny tokenize extract verify train regen report export eval status bench-extract bench-train clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -65,6 +69,12 @@ train: setup  ## train a drafter on CACHE= into RUN= (RESUME=1 continues it; NPR
 
 regen: setup  ## regenerate the corpus's assistant answers with the target (TARGET=, CORPUS=, OUT=, THINKING=on|off)
 	$(PYTHON) -m stages.regen --target=$(TARGET) --corpus=$(CORPUS) --out=$(OUT) --thinking=$(THINKING)
+
+export: setup  ## z-lab-format drafter (config.json, model.safetensors, dflash.py) from RUN= into OUT= (STEP=, DTYPE=)
+	$(PYTHON) -m stages.export --run=$(RUN) --out=$(OUT) --step=$(STEP) --dtype=$(DTYPE)
+
+eval: setup  ## real speculative decoding: τ of RUN= on PROMPTS= vs the target alone (UNTRAINED=1: untrained baseline)
+	$(PYTHON) -m stages.evaluate --run=$(RUN) --prompts=$(PROMPTS) --untrained=$(UNTRAINED) --cache=$(CACHE)
 
 report: setup  ## PNG plots of RUN='s metrics (loss, accuracy per block position, τ, throughput, memory)
 	$(PYTHON) -m stages.report --run=$(RUN)

@@ -1,0 +1,290 @@
+"""Export a trained drafter in the z-lab DFlash checkpoint format (what vLLM, SGLang and transformers load).
+
+`export(run_dir, out_dir)` writes, atomically (temp directory beside `out_dir`, then rename):
+
+| file | holds |
+| --- | --- |
+| `config.json` | a Qwen3Config (`model_type` "qwen3", `architectures` ["DFlashDraftModel"], `auto_map` AutoModel → `dflash.DFlashDraftModel`) with the drafter's shapes, `block_size`, `dflash_config` {mask_token_id, target_layer_ids, block_size}, `num_target_layers`, `layer_types`, sliding window, RoPE (`rope_parameters` and the legacy `rope_theta`) and `max_position_embeddings` of the target |
+| `model.safetensors` | exactly the drafter's tensors under the z-lab names (`fc.weight`, `hidden_norm.weight`, `norm.weight`, `layers.{i}.…`), in `dtype`; never the target's embedding or lm_head |
+| `dflash.py` | the modeling file `auto_map` names (a copy of `dflash_offline/zlab_dflash.py`: torch + transformers only) |
+| `dflash_export.json` | provenance: run, step, checkpoint, dtype, target, sha256 of the weights |
+
+Every file is a pure function of (checkpoint, dtype, target config), so exporting the same step again gives the same
+bytes. An existing `out_dir` is replaced only if it is empty or an earlier export of the same run (its
+`dflash_export.json` names the same run directory); anything else is refused unless `force=True`.
+
+Engines: vLLM `--speculative-config '{"method": "dflash", "model": OUT, "num_speculative_tokens": block_size-1}'`;
+SGLang `--speculative-algorithm DFLASH --speculative-draft-model-path OUT` (`--speculative-dflash-block-size`
+defaults to the config's block_size).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+FORMAT = "dflash-offline-export"
+FORMAT_VERSION = 1
+MODELING_FILE = "dflash.py"
+PROVENANCE = "dflash_export.json"
+DTYPES = ("bfloat16", "float16", "float32")
+FILES = ("config.json", "model.safetensors", MODELING_FILE, PROVENANCE)
+
+
+class ExportError(ValueError):
+    """The run, checkpoint, target or output directory does not allow an export; the message says what to do."""
+
+
+@dataclass
+class ExportConfig:
+    run: str  # training run directory (make train RUN=...)
+    out: str  # output directory of the z-lab-format checkpoint
+    step: int = -1  # checkpoint step to export; -1 = the latest
+    dtype: str = "bfloat16"  # weight dtype: "bfloat16", "float16" or "float32"
+    target: str = ""  # target checkpoint (for max_position_embeddings, token ids); empty = the run's target
+    force: bool = False  # replace `out` even if it is not an earlier export of this run
+
+    def resolve(self) -> ExportConfig:
+        if self.dtype not in DTYPES:
+            raise ExportError(f"export.dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if not self.run or not self.out:
+            raise ExportError("export needs --run=RUN (a training run directory) and --out=OUT")
+        return self
+
+
+def modeling_source() -> str:
+    return (Path(__file__).with_name("zlab_dflash.py")).read_text()
+
+
+# --- reading the run -------------------------------------------------------------------------------------------
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ExportError(f"{path} does not exist: {what}") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise ExportError(f"{path}: unreadable ({e}); {what}") from None
+
+
+def run_target(run_dir: Path, run_cfg: dict, override: str = "") -> str:
+    """The target checkpoint a run trained against: explicit > the run's train.target > its cache's target."""
+    if override:
+        return override
+    train = run_cfg.get("train") or {}
+    if train.get("target"):
+        return train["target"]
+    cache = train.get("cache")
+    if cache:
+        try:
+            return json.loads((Path(cache) / "manifest.json").read_text())["config"]["extract"]["target"]
+        except (OSError, ValueError, KeyError):
+            pass
+    raise ExportError(f"{run_dir}: cannot tell which target the run trained against (its cache {cache!r} is gone "
+                      f"or unreadable); pass --target=/path/to/target/checkpoint")
+
+
+def target_fields(target: str) -> dict:
+    """The target's values the export copies: max_position_embeddings, RoPE theta, bos/eos/pad ids."""
+    from dflash_offline.targetid import resolve_checkpoint
+
+    try:
+        path = resolve_checkpoint(target)
+    except ValueError as e:
+        raise ExportError(f"{e} (the export reads the target's config.json; pass --target=PATH)") from None
+    raw = _read_json(path / "config.json", "the target checkpoint needs its config.json")
+    text = raw.get("text_config") or raw
+
+    def pick(name):
+        return text.get(name, raw.get(name))
+
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", text.get("rope_theta"))
+    if pick("max_position_embeddings") is None:
+        raise ExportError(f"{path}/config.json has no max_position_embeddings")
+    return {"path": str(path), "max_position_embeddings": int(pick("max_position_embeddings")),
+            "rope_theta": None if theta is None else float(theta), "bos_token_id": pick("bos_token_id"),
+            "eos_token_id": pick("eos_token_id"), "pad_token_id": pick("pad_token_id")}
+
+
+# --- the z-lab config ------------------------------------------------------------------------------------------
+
+
+def zlab_config(dc, tgt: dict, dtype: str) -> dict:
+    """config.json of the exported drafter (`dc`: DrafterConfig; `tgt`: `target_fields`)."""
+    import transformers
+
+    sliding = "sliding_attention" in dc.layer_types
+    cfg = {
+        "architectures": ["DFlashDraftModel"],
+        "auto_map": {"AutoModel": f"{Path(MODELING_FILE).stem}.DFlashDraftModel"},
+        "model_type": "qwen3",
+        "block_size": dc.block_size,
+        "dflash_config": {"mask_token_id": dc.mask_token_id, "target_layer_ids": list(dc.target_layer_ids),
+                          "block_size": dc.block_size},
+        "num_target_layers": dc.num_target_layers,
+        "layer_types": list(dc.layer_types),
+        "hidden_size": dc.hidden_size,
+        "intermediate_size": dc.intermediate_size,
+        "num_hidden_layers": dc.num_layers,
+        "num_attention_heads": dc.num_heads,
+        "num_key_value_heads": dc.num_kv_heads,
+        "head_dim": dc.head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "rms_norm_eps": dc.rms_norm_eps,
+        "initializer_range": dc.initializer_range,
+        "vocab_size": dc.vocab_size,
+        "max_position_embeddings": tgt["max_position_embeddings"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(dc.rope_theta)},
+        "rope_theta": float(dc.rope_theta),
+        "use_sliding_window": sliding,
+        "sliding_window": dc.sliding_window if sliding else None,
+        "max_window_layers": dc.num_layers,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "bos_token_id": tgt["bos_token_id"],
+        "eos_token_id": tgt["eos_token_id"],
+        "pad_token_id": tgt["pad_token_id"],
+        "dtype": dtype,
+        "torch_dtype": dtype,
+        "transformers_version": transformers.__version__,
+    }
+    return cfg
+
+
+# --- export ----------------------------------------------------------------------------------------------------
+
+
+def _same_run(out: Path, run_dir: Path) -> bool:
+    try:
+        prov = json.loads((out / PROVENANCE).read_text())
+    except (OSError, ValueError):
+        return False
+    return prov.get("format") == FORMAT and prov.get("run") == str(run_dir)
+
+
+def _check_out(out: Path, run_dir: Path, force: bool) -> None:
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ExportError(f"{out} exists and is not a directory; choose another OUT=")
+    if force or not any(out.iterdir()) or _same_run(out, run_dir):
+        return
+    what = "an export of another run" if (out / PROVENANCE).is_file() else "not an export of this run"
+    raise ExportError(f"{out} already exists and is {what}; choose another OUT= or pass --force=1 to replace it")
+
+
+def export(run_dir, out_dir, step: int | None = None, dtype: str = "bfloat16", target: str = "",
+           force: bool = False) -> Path:
+    """Write the z-lab-format checkpoint of `run_dir`'s checkpoint `step` (default: latest) to `out_dir`."""
+    if dtype not in DTYPES:
+        raise ExportError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+    run_dir, out = Path(run_dir).resolve(), Path(out_dir).resolve()
+    if not run_dir.is_dir():
+        raise ExportError(f"run {run_dir} does not exist: pass RUN= a training run directory (make train RUN=...)")
+    run_cfg = _read_json(run_dir / "config.json", "is RUN= a training run directory (make train RUN=...)?")
+    _check_out(out, run_dir, force)
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from dflash_offline.checkpoint import find_checkpoint
+    from dflash_offline.drafter import DFlashDrafter, DrafterConfig
+
+    ckpt = find_checkpoint(run_dir, None if step is None or step < 0 else step)
+    meta = _read_json(ckpt / "meta.json", "the checkpoint is incomplete; export an older step")
+    drafter = ((meta.get("config") or {}).get("drafter")) or run_cfg.get("drafter")
+    if not drafter:
+        raise ExportError(f"{ckpt}/meta.json and {run_dir}/config.json hold no drafter config")
+    known = {f.name for f in dataclasses.fields(DrafterConfig)}
+    dc = DrafterConfig(**{k: v for k, v in drafter.items() if k in known})
+
+    # weights: exactly the drafter's tensors, checked against the architecture before anything is written
+    with torch.device("meta"):
+        expected = {k: (tuple(v.shape)) for k, v in DFlashDrafter(dc).state_dict().items()}
+    try:
+        sd = load_file(str(ckpt / "model.safetensors"))
+    except Exception as e:  # safetensors raises several types for a bad file
+        raise ExportError(f"{ckpt}/model.safetensors: unreadable ({e}); export an older step") from None
+    missing, extra = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
+    bad = [k for k in expected if k in sd and tuple(sd[k].shape) != expected[k]]
+    if missing or extra or bad:
+        raise ExportError(f"{ckpt}/model.safetensors does not fit the run's drafter config: missing {missing[:5]}, "
+                          f"unexpected {extra[:5]}, wrong shape {bad[:5]}")
+    tdtype = getattr(torch, dtype)
+    tensors = {k: sd[k].to(tdtype).contiguous() for k in sorted(expected)}
+
+    tgt_name = run_target(run_dir, run_cfg, target)
+    tgt = target_fields(tgt_name)
+    if tgt["rope_theta"] is not None and abs(tgt["rope_theta"] - dc.rope_theta) > 1e-6 * tgt["rope_theta"]:
+        raise ExportError(f"the drafter was trained with rope_theta={dc.rope_theta} but target {tgt['path']} has "
+                          f"{tgt['rope_theta']}: wrong --target=?")
+    config = zlab_config(dc, tgt, dtype)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        (tmp / MODELING_FILE).write_text(modeling_source())
+        prov = {"format": FORMAT, "format_version": FORMAT_VERSION, "run": str(run_dir), "step": meta.get("step"),
+                "checkpoint": ckpt.name, "checkpoint_time": meta.get("time"), "dtype": dtype,
+                "target": tgt["path"], "drafter": dataclasses.asdict(dc),
+                "weights_sha256": _sha256(tmp / "model.safetensors")}
+        (tmp / PROVENANCE).write_text(json.dumps(prov, indent=1, sort_keys=True) + "\n")
+        for name in FILES:
+            os.chmod(tmp / name, 0o644)  # safetensors writes 0600; exports are meant to be served and shared
+            _fsync(tmp / name)
+        _fsync(tmp)
+        old = None
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            out.rename(old)
+        os.rename(tmp, out)
+        _fsync(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def usage(out: Path, drafter: dict, target: str = "TARGET") -> list[str]:
+    """How to serve the export (vLLM, SGLang, transformers); `drafter` is the DrafterConfig as a dict."""
+    block = drafter["block_size"]
+    spec = json.dumps({"method": "dflash", "model": str(out), "num_speculative_tokens": block - 1})
+    # vLLM runs drafters mixing sliding and full attention layers only on its V2 model runner
+    v2 = "VLLM_USE_V2_MODEL_RUNNER=1 " if len(set(drafter.get("layer_types") or [])) > 1 else ""
+    return [
+        f"vLLM:    {v2}vllm serve {target} --speculative-config '{spec}'",
+        f"SGLang:  python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
+        f"--speculative-draft-model-path {out} [--speculative-dflash-block-size {block}]",
+        f"HF:      AutoModel.from_pretrained('{out}', trust_remote_code=True)",
+    ]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

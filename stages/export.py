@@ -1,0 +1,43 @@
+"""Export a trained drafter in the z-lab DFlash format (config.json + model.safetensors + dflash.py).
+
+    python -m stages.export --run=RUN --out=OUT [--step=N] [--dtype=bfloat16] [--target=PATH] [--force=1]
+
+Reads the run's checkpoint (the latest, or `--step`), writes OUT atomically and prints how to serve it with vLLM and
+SGLang. OUT may be new, empty, or an earlier export of the same run (replaced); anything else needs `--force=1`.
+The target checkpoint (for max_position_embeddings and token ids) defaults to the one the run trained against.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from dflash_offline.config import configs_from_argv
+from dflash_offline.export import ExportConfig, export, usage
+
+
+def run(cfg: ExportConfig) -> Path:
+    out = export(cfg.run, cfg.out, step=None if cfg.step < 0 else cfg.step, dtype=cfg.dtype, target=cfg.target,
+                 force=cfg.force)
+    prov = json.loads((out / "dflash_export.json").read_text())
+    print(f"exported {Path(cfg.run)} step {prov['step']} ({cfg.dtype}) -> {out}")
+    for line in usage(out, prov["drafter"], prov["target"]):
+        print("  " + line)
+    return out
+
+
+def main(argv: list[str]) -> None:
+    from dflash_offline.progress import unbuffered
+
+    unbuffered()
+    (cfg,) = configs_from_argv([(ExportConfig, "export")], argv, __doc__)
+    run(cfg)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

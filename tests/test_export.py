@@ -1,0 +1,299 @@
+"""z-lab-format export: config fields, exact tensor set, the remote-code model equal to the training drafter,
+inference masks and cache, lossless speculative decoding with the exported model, re-export rules, the CLI."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from dflash_offline.anchors import block_input_ids, block_position_ids
+from dflash_offline.checkpoint import save_checkpoint
+from dflash_offline.config import TrainConfig
+from dflash_offline.drafter import DFlashDrafter, DrafterConfig, load_target_embeddings
+from dflash_offline.export import ExportError, export, usage
+from dflash_offline.target import read_target_info
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_anchors=8, batch_rows=2, log_every=1,
+            trackers="none", lr=3e-3, warmup_steps=1, steps=2, ckpt_every=2)
+LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+              "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+              "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
+              "post_attention_layernorm.weight")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run faster on one intra-op thread (and do not spin against other processes on a busy box)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def zlab_keys(num_layers: int) -> set[str]:
+    return {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
+        f"layers.{i}.{k}" for i in range(num_layers) for k in LAYER_KEYS}
+
+
+def load_hf(out):
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(str(out), trust_remote_code=True, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, hidden_cache) -> Path:
+    from stages import train
+
+    run = tmp_path_factory.mktemp("export") / "run"
+    return train.run(TrainConfig(cache=str(hidden_cache), run=str(run), **TINY).resolve())
+
+
+def fake_run(root: Path, target: Path, std: float = 0.3, **kw) -> tuple[Path, DFlashDrafter]:
+    """A run directory holding one checkpoint of a randomly initialised drafter (no training) for `target`."""
+    info = read_target_info(target)
+    dc = DrafterConfig(hidden_size=info.hidden_size, intermediate_size=info.intermediate_size,
+                       vocab_size=info.vocab_size, target_layer_ids=[1, 3], num_target_layers=info.num_layers,
+                       mask_token_id=1999, rope_theta=info.rope_theta, rms_norm_eps=info.rms_norm_eps,
+                       **{"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, **kw})
+    torch.manual_seed(0)
+    model = DFlashDrafter(dc)
+    with torch.no_grad():  # larger than the init so attention patterns matter in the comparisons
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * std + (1.0 if "norm" in name else 0.0))
+    cfg = {"train": {"target": str(target), "cache": ""}, "drafter": dataclasses.asdict(dc)}
+    root.mkdir(parents=True)
+    (root / "config.json").write_text(json.dumps(cfg))
+    save_checkpoint(root, 7, model, config=cfg, rng=False)
+    return root, model.eval()
+
+
+# --- the trained run -----------------------------------------------------------------------------------------
+
+
+def test_config_has_every_engine_field(trained_run, tmp_path, qwen35_dir):
+    from transformers import AutoConfig
+
+    out = export(trained_run, tmp_path / "out")
+    cfg = json.loads((out / "config.json").read_text())
+    dc = json.loads((trained_run / "config.json").read_text())["drafter"]
+    info = read_target_info(qwen35_dir)
+    assert cfg["architectures"] == ["DFlashDraftModel"]
+    assert cfg["auto_map"] == {"AutoModel": "dflash.DFlashDraftModel"}
+    assert cfg["model_type"] == "qwen3"
+    assert cfg["block_size"] == cfg["dflash_config"]["block_size"] == 16
+    assert cfg["dflash_config"]["mask_token_id"] == dc["mask_token_id"] == 1999
+    assert cfg["dflash_config"]["target_layer_ids"] == dc["target_layer_ids"] == [1, 3, 5]
+    assert cfg["num_target_layers"] == info.num_layers == 8
+    assert cfg["layer_types"] == ["full_attention"] * 2 and cfg["num_hidden_layers"] == 2
+    assert cfg["use_sliding_window"] is False and cfg["sliding_window"] is None
+    assert cfg["rope_theta"] == cfg["rope_parameters"]["rope_theta"] == info.rope_theta == 1e7
+    assert cfg["rope_parameters"]["rope_type"] == "default"
+    assert cfg["max_position_embeddings"] == 32768
+    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (
+        64, 4, 2, 16)
+    assert cfg["intermediate_size"] == info.intermediate_size and cfg["vocab_size"] == info.vocab_size
+    assert cfg["tie_word_embeddings"] is False and cfg["hidden_act"] == "silu" and cfg["attention_bias"] is False
+    assert cfg["dtype"] == cfg["torch_dtype"] == "bfloat16"
+    assert (out / "dflash.py").read_text() == (REPO / "dflash_offline" / "zlab_dflash.py").read_text()
+    hf = AutoConfig.from_pretrained(str(out), trust_remote_code=True)
+    assert hf.model_type == "qwen3" and hf.rope_parameters["rope_theta"] == 1e7 and hf.block_size == 16
+    assert hf.dflash_config["target_layer_ids"] == [1, 3, 5]
+
+
+def test_weights_are_exactly_the_zlab_tensors(trained_run, tmp_path):
+    out = export(trained_run, tmp_path / "out")  # bfloat16 by default
+    ckpt = load_file(str(trained_run / "checkpoints" / "step-00000002" / "model.safetensors"))
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        assert f.metadata() == {"format": "pt"}
+        tensors = {k: f.get_tensor(k) for k in keys}
+    assert keys == zlab_keys(2)
+    assert not any("embed" in k or "lm_head" in k for k in keys)
+    for k, t in tensors.items():
+        assert t.dtype == torch.bfloat16
+        assert torch.equal(t, ckpt[k].to(torch.bfloat16)), k
+
+
+def test_exported_model_equals_training_drafter(trained_run, tmp_path, qwen35_dir):
+    out = export(trained_run, tmp_path / "out", dtype="float32")
+    hf = load_hf(out)
+    dc = DrafterConfig(**json.loads((trained_run / "config.json").read_text())["drafter"])
+    ref = DFlashDrafter(dc).eval()
+    ref.load_state_dict(load_file(str(trained_run / "checkpoints" / "step-00000002" / "model.safetensors")))
+    embed = load_target_embeddings(qwen35_dir)[0].float()
+    g = torch.Generator().manual_seed(0)
+    B, S, L = 2, 64, dc.block_size
+    hidden = torch.randn(B, S, 3 * dc.hidden_size, generator=g)
+    ids = torch.randint(0, 1980, (B, S), generator=g)
+    doc = torch.zeros(B, S, dtype=torch.long)  # row 0: docs [0,30) [30,64); row 1: [0,30) [30,50) [50,64)
+    doc[:, 30:] = 1
+    doc[1, 50:] = 2
+    pos = torch.cat([torch.arange(30), torch.arange(34)]).repeat(B, 1)
+    pos[1, 50:] = torch.arange(14)
+    anchors = torch.tensor([[3, 10, 31, 40], [5, 33, 51, 60]])
+    keep = torch.tensor([[True, True, True, False], [True, True, True, True]])
+    with torch.no_grad():
+        # packed rows with the training masks: every query, every anchor at once
+        masks = ref.build_masks(doc, anchors, keep, attn="dense")
+        want = ref(hidden, ids, pos, anchors, keep, embed, masks, attn="dense")
+        bids = block_input_ids(ids, anchors, keep, L, dc.mask_token_id)
+        got = hf(position_ids=torch.cat([pos, block_position_ids(pos, anchors, L)], dim=1),
+                 noise_embedding=F.embedding(bids, embed), target_hidden=hidden, attention_mask=masks)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        # inference form: one block, the context is its document up to the anchor, default masks, ids + table
+        for b, a in ((0, 1), (1, 2)):
+            p = int(anchors[b, a])
+            start = int((doc[b] == doc[b, p]).nonzero()[0])
+            ctx_pos = pos[b:b + 1, start:p]
+            got1 = hf(position_ids=torch.cat([ctx_pos, pos[b:b + 1, p:p + 1] + torch.arange(L)], dim=1),
+                      input_ids=bids[b:b + 1, a * L:(a + 1) * L], embed_tokens=embed,
+                      target_hidden=hidden[b:b + 1, start:p])
+            torch.testing.assert_close(got1[0], want[b, a * L:(a + 1) * L], rtol=1e-5, atol=1e-5)
+
+
+def test_reexport_is_idempotent_and_foreign_outputs_are_refused(trained_run, tmp_path, qwen35_dir):
+    out = export(trained_run, tmp_path / "out")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert set(before) == {"config.json", "model.safetensors", "dflash.py", "dflash_export.json"}
+    export(trained_run, out)  # an earlier export of the same run: replaced, byte for byte the same
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left behind
+    other, _ = fake_run(tmp_path / "other", qwen35_dir)
+    with pytest.raises(ExportError, match="export of another run"):
+        export(other, out)
+    export(other, out, force=True)
+    assert json.loads((out / "dflash_export.json").read_text())["run"] == str(other.resolve())
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(ExportError, match="not an export of this run"):
+        export(trained_run, foreign)
+    assert (foreign / "notes.txt").read_text() == "mine"
+    (tmp_path / "empty").mkdir()
+    export(trained_run, tmp_path / "empty", step=2)
+    with pytest.raises(ValueError, match="steps available: 2"):
+        export(trained_run, tmp_path / "x", step=5)
+    with pytest.raises(ExportError, match="does not exist"):
+        export(tmp_path / "nope", tmp_path / "y")
+    with pytest.raises(ExportError, match="dtype"):
+        export(trained_run, tmp_path / "z", dtype="int8")
+
+
+# --- synthetic runs (no training): sliding window, cache, speculative decoding, CLI ----------------------------
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_inference_masks_and_cache(tmp_path, qwen3_dir, window):
+    kw = {"sliding_window": window, "layer_types": ["sliding_attention", "full_attention"]} if window else {}
+    run, ref = fake_run(tmp_path / "run", qwen3_dir, **kw)
+    out = export(run, tmp_path / "out", dtype="float32")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["use_sliding_window"] is bool(window) and cfg["sliding_window"] == window
+    assert cfg["rope_theta"] == 1e6 and cfg["dflash_config"]["block_size"] == 16
+    vllm_line = usage(out, json.loads((out / "dflash_export.json").read_text())["drafter"])[0]
+    assert ("VLLM_USE_V2_MODEL_RUNNER=1" in vllm_line) is bool(window)  # mixed sliding/full layers
+    hf = load_hf(out)
+    dc, L = ref.cfg, ref.cfg.block_size
+    embed = load_target_embeddings(qwen3_dir)[0].float()
+    g = torch.Generator().manual_seed(1)
+    S = 48
+    hidden = torch.randn(1, S, 2 * dc.hidden_size, generator=g)
+    ids = torch.randint(0, 1980, (1, S), generator=g)
+    pos = torch.arange(S)[None]
+    anchors, keep = torch.tensor([[20, 33]]), torch.tensor([[True, True]])
+    with torch.no_grad():
+        want = ref(hidden, ids, pos, anchors, keep, embed,
+                   ref.build_masks(torch.zeros(1, S, dtype=torch.long), anchors, keep, attn="dense"), attn="dense")
+        bids = block_input_ids(ids, anchors, keep, L, dc.mask_token_id)
+
+        def block(a):
+            p = int(anchors[0, a])
+            return p, bids[:, a * L:(a + 1) * L], torch.arange(p, p + L)[None]
+
+        # fresh: the whole context before the anchor, default masks (other keys than the training form's masked
+        # ones, so other summation order: atol 1e-5)
+        for a in (0, 1):
+            p, b_ids, b_pos = block(a)
+            got = hf(position_ids=torch.cat([pos[:, :p], b_pos], dim=1), input_ids=b_ids, embed_tokens=embed,
+                     target_hidden=hidden[:, :p])
+            torch.testing.assert_close(got[0], want[0, a * L:(a + 1) * L], rtol=1e-5, atol=1e-5)
+        # incremental: context 0..19 with block 0, crop to the context, then context 20..32 with block 1
+        from dflash_offline.zlab_dflash import DraftKVCache
+
+        cache = DraftKVCache()
+        p0, b_ids, b_pos = block(0)
+        hf(position_ids=torch.cat([pos[:, :p0], b_pos], dim=1), input_ids=b_ids, embed_tokens=embed,
+           target_hidden=hidden[:, :p0], past_key_values=cache, use_cache=True)
+        cache.crop(p0)
+        p1, b_ids, b_pos = block(1)
+        got = hf(position_ids=torch.cat([pos[:, p0:p1], b_pos], dim=1), input_ids=b_ids, embed_tokens=embed,
+                 target_hidden=hidden[:, p0:p1], past_key_values=cache, use_cache=True)
+        torch.testing.assert_close(got[0], want[0, L:], rtol=1e-5, atol=1e-5)
+        assert cache.get_seq_length() == p1 + L
+
+
+def greedy(target, ids, n):
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat([ids, target(input_ids=ids).logits[:, -1:].argmax(-1)], dim=1)
+    return ids
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_spec_generate_is_lossless(tmp_path, qwen3_dir, qwen35_dir, arch):
+    """Speculative decoding with the exported drafter reproduces the target's greedy output, whatever the drafter
+    proposes; with an lm_head that has one live row, drafts often agree, exercising multi-token acceptance."""
+    from transformers import AutoModelForCausalLM, Qwen3_5ForConditionalGeneration
+
+    target_dir = qwen3_dir if arch == "qwen3" else qwen35_dir
+    run, _ = fake_run(tmp_path / "run", target_dir)
+    hf = load_hf(export(run, tmp_path / "out", dtype="float32"))
+    cls = AutoModelForCausalLM if arch == "qwen3" else Qwen3_5ForConditionalGeneration
+    target = cls.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    prompt = torch.randint(0, 1980, (1, 9), generator=torch.Generator().manual_seed(2))
+    n = 24 if arch == "qwen3" else 12
+    out = hf.spec_generate(target, prompt, max_new_tokens=n, return_stats=True)
+    assert torch.equal(out.output_ids, greedy(target, prompt, n))
+    if arch == "qwen3":
+        with torch.no_grad():
+            head = target.get_output_embeddings().weight
+            live = head[7].clone()
+            head.zero_()
+            head[7] = live  # logits are 0 everywhere but token 7: argmax is 7 or 0
+        out = hf.spec_generate(target, prompt, max_new_tokens=n, return_stats=True)
+        assert torch.equal(out.output_ids, greedy(target, prompt, n))
+        assert max(out.acceptance_lengths) > 1
+        stopped = hf.spec_generate(target, prompt, max_new_tokens=n, stop_token_ids=[7])
+        new = stopped[0, prompt.shape[1]:].tolist()
+        assert 7 not in new[:-1] and (new[-1] == 7 or len(new) == n)
+
+
+def test_cli(tmp_path, qwen3_dir, capsys):
+    from stages import export as stage
+
+    run, _ = fake_run(tmp_path / "run", qwen3_dir)
+    stage.main([f"--run={run}", f"--out={tmp_path / 'out'}", "--dtype=float16"])
+    printed = capsys.readouterr().out
+    assert str(tmp_path / "out") in printed
+    assert '"method": "dflash"' in printed and '"num_speculative_tokens": 15' in printed
+    assert "--speculative-algorithm DFLASH --speculative-draft-model-path" in printed
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as f:
+        assert f.get_tensor("fc.weight").dtype == torch.float16
+    # as a module: errors exit 2 with the message (before torch is imported), --help lists the settings
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-m", "stages.export", f"--run={tmp_path / 'nope'}", "--out=x"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 2 and "does not exist" in res.stderr
+    res = subprocess.run([sys.executable, "-m", "stages.export", "--help"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert res.returncode == 0 and "--run" in res.stdout and "--dtype" in res.stdout
