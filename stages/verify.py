@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from dflash_offline.config import VerifyConfig, config_from_argv
 from dflash_offline.manifest import committed, read_manifest, sha256_file, update_manifest
 from dflash_offline.progress import log, unbuffered
@@ -64,7 +66,7 @@ def recompute(cache: Path, m: dict, tokens_dir: Path, cfg: VerifyConfig, skip: s
         n = toks["input_ids"].shape[0]
         for r in sorted(random.Random(f"{m['key']}:{i}").sample(range(n), min(cfg.rows, n))):
             stored = read_hidden(cache / hidden_shard_name(i), layer_ids, rows=slice(r, r + 1), device=device)
-            fresh = model.tapped_hidden_states(*(torch.from_numpy(toks[k][r:r + 1]).to(device)
+            fresh = model.tapped_hidden_states(*(torch.from_numpy(np.array(toks[k][r:r + 1])).to(device)
                                                  for k in ("input_ids", "position_ids", "doc_ids")))
             real = torch.from_numpy(toks["doc_ids"][r] >= 0).to(device)
             for j, err in enumerate(layer_errors(stored[0][real], fresh[0][real], len(layer_ids))):

@@ -5,7 +5,14 @@ import os
 import shutil
 from pathlib import Path
 
-import pytest
+# The tiny models gain nothing from several threads, and on a 2-core machine two processes with 2 threads each
+# (concurrent extractors, 2-rank training) run 10-100x slower from oversubscription. Subprocesses inherit this.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD = Path(os.environ.get("DFLASH_TEST_BUILD", REPO / "build" / "test-targets"))
