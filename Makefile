@@ -21,6 +21,7 @@ PROMPTS ?=
 UNTRAINED ?=
 NPROC ?= 1
 DEMO_DIR ?= build/demo
+DEMO_ENV ?= OMP_NUM_THREADS=1
 # one process per GPU through accelerate (torchrun underneath) when NPROC > 1
 LAUNCH = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/accelerate launch --num_processes $(NPROC) -m,$(PYTHON) -m)
 export PYTHONUNBUFFERED := 1
@@ -88,13 +89,18 @@ bench-train:  ## drafter training throughput at 27B drafter shapes vs an eager c
 status: setup  ## shard table and summary of CACHE= (a cache or a directory of caches)
 	$(PYTHON) -m stages.status $(or $(CACHE),cache) $(if $(JSON),--json)
 
-demo: setup  ## the whole pipeline on the embedded default, on CPU
-	$(PYTHON) -m stages.build_tiny --out $(DEMO_DIR)/target
-	$(PYTHON) -m stages.extract --recipe=manifests/demo.toml --out=$(DEMO_DIR)/cache/tokens --hidden_out=$(DEMO_DIR)/cache/hidden
-	$(PYTHON) -m stages.verify --cache=$(DEMO_DIR)/cache/hidden --rows=1 --device=cpu
-	$(PYTHON) -m stages.status $(DEMO_DIR)/cache
-	$(PYTHON) -m stages.train --recipe=manifests/demo.toml --cache=$(DEMO_DIR)/cache/hidden --run=$(DEMO_DIR)/run --resume=$(if $(wildcard $(DEMO_DIR)/run/checkpoints/latest),1,0)
-	@echo "demo: trained drafter checkpoints in $(DEMO_DIR)/run/checkpoints; export + real-τ evaluation come next (issue 5)"
+demo: setup  ## the whole pipeline on the embedded default, on CPU: build, regen, extract, train, export, eval
+	$(DEMO_ENV) $(PYTHON) -m stages.build_tiny --out $(DEMO_DIR)/target --train-steps 300
+	$(DEMO_ENV) $(PYTHON) -m stages.regen --target=$(DEMO_DIR)/target --corpus=$(DEMO_DIR)/target/corpus/train.jsonl --out=$(DEMO_DIR)/regen.jsonl --num_docs=600 --max_new_tokens=256 --batch_size=32 --thinking=on --device=cpu
+	$(DEMO_ENV) $(PYTHON) -m stages.extract --recipe=manifests/demo.toml --out=$(DEMO_DIR)/cache/tokens --hidden_out=$(DEMO_DIR)/cache/hidden
+	$(DEMO_ENV) $(PYTHON) -m stages.verify --cache=$(DEMO_DIR)/cache/hidden --rows=1 --device=cpu
+	$(DEMO_ENV) $(PYTHON) -m stages.status $(DEMO_DIR)/cache
+	$(DEMO_ENV) $(PYTHON) -m stages.train --recipe=manifests/demo.toml --cache=$(DEMO_DIR)/cache/hidden --run=$(DEMO_DIR)/run --resume=$(if $(wildcard $(DEMO_DIR)/run/checkpoints/latest),1,0)
+	$(DEMO_ENV) $(PYTHON) -m stages.export --run=$(DEMO_DIR)/run --out=$(DEMO_DIR)/export
+	$(DEMO_ENV) $(PYTHON) -m stages.evaluate --run=$(DEMO_DIR)/run --threads=1
+	$(DEMO_ENV) $(PYTHON) -m stages.evaluate --run=$(DEMO_DIR)/run --threads=1 --untrained=1
+	$(DEMO_ENV) $(PYTHON) -m stages.report --run=$(DEMO_DIR)/run
+	@$(PYTHON) -c "import json; t, u = (json.load(open('$(DEMO_DIR)/run/' + f)) for f in ('eval.json', 'eval-untrained.json')); print(f'demo: real tau on {t[\"num_prompts\"]} held-out prompts: trained {t[\"tau_mean\"]:.2f} vs untrained {u[\"tau_mean\"]:.2f} ({t[\"tau_mean\"] / u[\"tau_mean\"]:.1f}x), lossless {t[\"lossless\"] and u[\"lossless\"]}, CPU speed-up x{t[\"speedup\"]:.2f}; export in $(DEMO_DIR)/export, plots in $(DEMO_DIR)/run/report')"
 
 clean:  ## remove build outputs and caches made by the demo (never touches CACHE=)
 	rm -rf build/demo .pytest_cache
