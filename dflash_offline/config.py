@@ -57,7 +57,7 @@ class ExtractConfig:
     target: str  # target checkpoint: a local directory (or a hub id already in the local HF cache)
     tokens: str = ""  # token cache directory; empty = run/reuse stage 1a with this recipe's [tokenize] table
     cache_root: str = "cache"  # a hidden-state cache goes to <cache_root>/hidden-<key12>
-    out: str = ""  # explicit hidden-state cache directory (overrides the content-addressed default)
+    hidden_out: str = ""  # explicit hidden-state cache directory (overrides the content-addressed default)
     num_draft_layers: int = 5  # drafter depth, for the default tapped-layer formula
     layer_ids: list[int] = field(default_factory=list)  # tapped 0-based layer outputs; empty = DFlash default
     quant: str = "bf16"  # stored hidden states: "bf16" or "fp8" (e4m3 with per-token, per-layer scales)

@@ -25,6 +25,17 @@ def unbuffered() -> None:
             pass
 
 
+def run_cli(main) -> None:
+    """A stage's `__main__`: run `main(argv)`; a ValueError (config, corpus, manifest, shard, target errors all carry
+    their own advice) becomes `error: ...` and exit status 2 instead of a traceback; an int result is the exit code."""
+    try:
+        code = main(sys.argv[1:])
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 

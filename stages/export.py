@@ -10,7 +10,6 @@ The target checkpoint (for max_position_embeddings and token ids) defaults to th
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from dflash_offline.config import configs_from_argv
@@ -36,8 +35,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from dflash_offline.progress import run_cli
+
+    run_cli(main)

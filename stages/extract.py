@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,7 +30,7 @@ from dflash_offline.manifest import (
     renew_claim,
     try_claim,
 )
-from dflash_offline.progress import Progress, log, unbuffered
+from dflash_offline.progress import Progress, log, run_cli, unbuffered
 
 HIDDEN_FORMAT_VERSION = 1
 
@@ -322,8 +321,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except ValueError as e:  # config, target, cache and shard errors carry their own advice
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(main)

@@ -82,7 +82,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -90,7 +89,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_offline.corpus import (
-    CorpusError,
     RecordError,
     check_tokenizer,
     expand_paths,
@@ -99,7 +97,7 @@ from dflash_offline.corpus import (
     validate_messages,
 )
 from dflash_offline.manifest import write_json_atomic
-from dflash_offline.progress import Progress, log, unbuffered
+from dflash_offline.progress import Progress, log, run_cli, unbuffered
 
 STATS_VERSION = 1
 MAX_SKIP_EXAMPLES = 20
@@ -573,8 +571,4 @@ def main(argv: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except (ValueError, CorpusError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(main)

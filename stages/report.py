@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 FIGSIZE = (10, 5.5)
@@ -500,8 +499,6 @@ def main(argv: list[str]) -> Path:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from dflash_offline.progress import run_cli
+
+    run_cli(main)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -212,8 +211,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except ValueError as e:  # config, corpus and manifest errors carry their own advice
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from dflash_offline.progress import run_cli
+
+    run_cli(main)

@@ -324,8 +324,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from dflash_offline.progress import run_cli
+
+    run_cli(main)
