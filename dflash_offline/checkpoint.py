@@ -38,7 +38,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .manifest import fsync_dir, publish, temp_path
+from .manifest import fsync_path, publish, temp_path
 
 FORMAT = "dflash-checkpoint"
 FORMAT_VERSION = 1
@@ -82,12 +82,12 @@ def save_checkpoint(run_dir, step: int, model, optimizer=None, scheduler=None, d
                 "config": config, "extra": extra or {}, "torch": torch.__version__,
                 "files": {name: (tmp / name).stat().st_size for name in files}}
         _write_json(tmp / "meta.json", meta, "meta (config/extra)")
-        fsync_dir(tmp)
+        fsync_path(tmp)
         old = None
         if final.exists():  # saving a step again (after resuming from an earlier one): replace it
             old = final.rename(root / f".{final.name}.old-{uuid.uuid4().hex[:8]}")
         os.rename(tmp, final)
-        fsync_dir(root)
+        fsync_path(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -125,17 +125,10 @@ def _write_all(d: Path, model, optimizer, scheduler, data_state, rng: bool) -> l
     return files + ["data.json"]
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     save_file(tensors, str(path), metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
-    _fsync(path)
+    fsync_path(path)
 
 
 def _write_json(path: Path, obj, what: str) -> None:
@@ -144,7 +137,7 @@ def _write_json(path: Path, obj, what: str) -> None:
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{what} is not JSON-able ({e}); checkpoints hold no pickle") from None
     path.write_text(text + "\n")
-    _fsync(path)
+    fsync_path(path)
 
 
 def optimizer_to_files(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:

@@ -21,13 +21,14 @@ defaults to the config's block_size).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+from .manifest import fsync_path, sha256_file
 
 FORMAT = "dflash-offline-export"
 FORMAT_VERSION = 1
@@ -240,18 +241,18 @@ def export(run_dir, out_dir, step: int | None = None, dtype: str = "bfloat16", t
         prov = {"format": FORMAT, "format_version": FORMAT_VERSION, "run": str(run_dir), "step": meta.get("step"),
                 "checkpoint": ckpt.name, "checkpoint_time": meta.get("time"), "dtype": dtype,
                 "target": tgt["path"], "drafter": dataclasses.asdict(dc),
-                "weights_sha256": _sha256(tmp / "model.safetensors")}
+                "weights_sha256": sha256_file(tmp / "model.safetensors")}
         (tmp / PROVENANCE).write_text(json.dumps(prov, indent=1, sort_keys=True) + "\n")
         for name in FILES:
             os.chmod(tmp / name, 0o644)  # safetensors writes 0600; exports are meant to be served and shared
-            _fsync(tmp / name)
-        _fsync(tmp)
+            fsync_path(tmp / name)
+        fsync_path(tmp)
         old = None
         if out.exists():
             old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
             out.rename(old)
         os.rename(tmp, out)
-        _fsync(out.parent)
+        fsync_path(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -274,17 +275,5 @@ def usage(out: Path, drafter: dict, target: str = "TARGET") -> list[str]:
     ]
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -46,7 +46,8 @@ def sha256_file(path: str | Path, bufsize: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory's fsync makes a rename inside it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -61,13 +62,9 @@ def temp_path(final: Path) -> Path:
 
 def publish(tmp: Path, final: Path) -> None:
     """fsync a finished temp file, rename it over `final`, fsync the directory."""
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(tmp)
     os.replace(tmp, final)
-    fsync_dir(final.parent)
+    fsync_path(final.parent)
 
 
 def write_json_atomic(path: Path, obj) -> None:
