@@ -30,15 +30,6 @@ LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v
               "post_attention_layernorm.weight")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run faster on one intra-op thread (and do not spin against other processes on a busy box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def zlab_keys(num_layers: int) -> set[str]:
     return {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
         f"layers.{i}.{k}" for i in range(num_layers) for k in LAYER_KEYS}

@@ -13,15 +13,6 @@ from stages import regen
 NEW = 6  # tokens per answer: the tiny targets are random, so answers hit the budget (finish "length")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny models decode token by token: one intra-op thread is several times faster than two on 2 cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def q35(qwen35_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -16,15 +16,6 @@ L = 8  # block size of the test drafters
 TAPS = [1, 3]  # tapped target layers of the test drafters (both tiny targets have more than 4 layers)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models on a shared 2-core CPU: one thread is ~10x faster than oversubscribed intra-op threads."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def targets(qwen3_dir, qwen35_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer

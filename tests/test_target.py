@@ -33,15 +33,6 @@ BF16_RTOL = 3e-2  # relative Frobenius error of a bf16 run against the fp32 refe
 pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from threads, and on a shared 2-core machine spinning threads cost 10x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # --------------------------------------------------------------------------------------------------------------
 # tiny checkpoints
 
