@@ -300,6 +300,8 @@ class Segments:
     bounds: list[tuple[int, int]]  # (start, end) of each segment in the flattened sequence
     cu_seqlens: torch.Tensor  # [n+1] int64 on the device
     cu_seqlens_cpu: torch.Tensor  # same, on the CPU
+    cu_seqlens_i32: torch.Tensor  # [n+1] int32 on the device (flash attention's varlen API)
+    max_len: int  # longest segment
     seg_T: torch.Tensor  # [T] int32 segment index of each token, on the device
     pos_1T: torch.Tensor  # [1, T] int64 position of each token inside its segment
     cache: dict = field(default_factory=dict)  # per-batch kernel state (e.g. the flex block mask)
@@ -312,7 +314,17 @@ class Segments:
         cu[1:] = lengths.cumsum(0)
         seg_T = torch.repeat_interleave(torch.arange(len(bounds), dtype=torch.int32), lengths)
         pos_T = torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1], lengths)
-        return cls(bounds, cu.to(device), cu, seg_T.to(device), pos_T[None].to(device))
+        return cls(bounds, _to(cu, device), cu, _to(cu.int(), device), int(lengths.max()), _to(seg_T, device),
+                   _to(pos_T[None], device))
+
+
+def _to(x: torch.Tensor, device) -> torch.Tensor:
+    """Host → device without a stream synchronization (pinned + non-blocking), so the host can prepare the next
+    batch while the device still runs the previous one."""
+    device = torch.device(device)
+    if device.type != "cuda" or x.device.type != "cpu":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -323,9 +335,11 @@ class Segments:
 class PackedKernels:
     """The three operations that mix tokens; every one keeps segments apart."""
 
-    attention: Callable  # (q_1NTD, k_1NTD, v_1NTD, seg, scale) -> o_1NTD, causal within each segment
+    attention: Callable  # (q_1TND, k_1TMD, v_1TMD, seg, scale) -> o_1TND, causal within each segment (GQA: M | N)
     conv: Callable | None  # (x_1TC, weight_CW, bias, activation, seg) -> y_1TC, causal depthwise conv per segment
-    delta_rule: Callable | None  # (q_1TND, k_1TND, v_1TND, g_1TN, beta_1TN, seg) -> o_1TND, state reset per segment
+    # (q_1TMK, k_1TMK, v_1TNV, g_1TN, beta_1TN, seg) -> o_1TNV, state reset per segment; value head n reads
+    # query/key head n // (N/M) (transformers' repeat_interleave)
+    delta_rule: Callable | None
 
 
 @functools.cache
@@ -340,6 +354,7 @@ def flex_attention_kernel(q, k, v, seg: Segments, scale: float):
     materialise T x T scores), eager elsewhere (tests on tiny inputs)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # flex takes [1, N, T, D]
     if "block_mask" not in seg.cache:
         seg_T, T = seg.seg_T, q.shape[2]
 
@@ -349,16 +364,32 @@ def flex_attention_kernel(q, k, v, seg: Segments, scale: float):
         seg.cache["block_mask"] = create_block_mask(same_segment_causal, None, None, T, T, device=q.device,
                                                     _compile=q.is_cuda)
     flex = _compiled_flex() if q.is_cuda else flex_attention
-    return flex(q, k, v, block_mask=seg.cache["block_mask"], scale=scale, enable_gqa=True)
+    return flex(q, k, v, block_mask=seg.cache["block_mask"], scale=scale, enable_gqa=True).transpose(1, 2)
+
+
+def flash_varlen_attention(q, k, v, seg: Segments, scale: float):
+    """Block-diagonal causal attention with the flash-attention kernel PyTorch ships, in its variable-length form
+    (the segments' cumulative lengths; GQA native). No mask to build, nothing to compile, no work outside the
+    segments. CUDA, fp16/bf16, head_dim <= 256."""
+    out = torch.ops.aten._flash_attention_forward(q[0], k[0], v[0], seg.cu_seqlens_i32, seg.cu_seqlens_i32,
+                                                  seg.max_len, seg.max_len, 0.0, True, False, scale=scale)
+    return out[0][None]
+
+
+def flash_varlen_usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or head_dim > 256 or head_dim % 8:
+        return False
+    return torch.backends.cuda.is_flash_attention_available() and torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def sdpa_per_segment(q, k, v, seg: Segments, scale: float):
     """Reference attention: causal SDPA on each segment alone."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     o = torch.empty_like(q)
     for s, e in seg.bounds:
         o[:, :, s:e] = F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True,
                                                       scale=scale, enable_gqa=True)
-    return o
+    return o.transpose(1, 2)
 
 
 def conv_per_segment(x, weight, bias, activation, seg: Segments):
@@ -375,6 +406,7 @@ def delta_rule_per_segment(q, k, v, g, beta, seg: Segments):
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
     rule = getattr(torch_chunk_gated_delta_rule, "__wrapped__", torch_chunk_gated_delta_rule)
+    q, k = (x.repeat_interleave(v.shape[2] // x.shape[2], dim=2) for x in (q, k))
     return torch.cat([rule(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
                            use_qk_l2norm_in_kernel=True)[0] for s, e in seg.bounds], dim=1)
 
@@ -386,6 +418,7 @@ def fla_conv(x, weight, bias, activation, seg: Segments):
 
 
 def fla_delta_rule(q, k, v, g, beta, seg: Segments):
+    """fla's chunked gated delta rule, varlen; more value heads than key heads natively (no repeated q/k)."""
     o, _ = _fla()[0](q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True, cu_seqlens=seg.cu_seqlens,
                      cu_seqlens_cpu=seg.cu_seqlens_cpu)
     return o
@@ -393,45 +426,91 @@ def fla_delta_rule(q, k, v, g, beta, seg: Segments):
 
 # Every kernel per segment in plain torch: slow, but runs the packed code path anywhere (CPU tests).
 REFERENCE_KERNELS = PackedKernels(sdpa_per_segment, conv_per_segment, delta_rule_per_segment)
-# The GPU path.
-GPU_KERNELS = PackedKernels(flex_attention_kernel, fla_conv, fla_delta_rule)
+# The GPU path: flash attention's varlen kernel where it applies, else compiled flex attention.
+GPU_KERNELS = PackedKernels(flash_varlen_attention, fla_conv, fla_delta_rule)
+GPU_FLEX_KERNELS = PackedKernels(flex_attention_kernel, fla_conv, fla_delta_rule)
 
 
-def _packed_attention(attn, x_1TH, rope, cos_sin, seg: Segments, kernels: PackedKernels, gated: bool):
-    """transformers' Qwen3Attention / Qwen3_5Attention forward over the flattened batch, segment-masked."""
-    T, D = x_1TH.shape[1], attn.head_dim
+# Each packed layer is: `*_in` (input norm, projections, rotary, gates) → the sequence kernels → `*_out` (output
+# gate/norm, output projection, residual, post-norm, MLP, residual). The in/out pieces are transformers' own
+# modules and functions; on CUDA they run under torch.compile (one graph per piece, shared by all layers of a type:
+# the layer is an argument, not a constant), which fuses the norms, gates and activations between the GEMMs.
+
+
+def _attention_in(layer, h_1TH, cos, sin, rope, gated: bool):
+    """Qwen3Attention / Qwen3_5Attention up to the attention kernel: (q_1TND, k_1TMD, v_1TMD, gate_1TX or None)."""
+    attn, T = layer.self_attn, h_1TH.shape[1]
+    D = attn.head_dim
+    x_1TH = layer.input_layernorm(h_1TH)
     q = attn.q_proj(x_1TH)
+    gate = None
     if gated:  # Qwen3.5: q_proj yields [query | gate] per head
         q, gate = torch.chunk(q.view(1, T, -1, 2 * D), 2, dim=-1)
         gate = gate.reshape(1, T, -1)
-    q_1NTD = attn.q_norm(q.view(1, T, -1, D)).transpose(1, 2)
-    k_1NTD = attn.k_norm(attn.k_proj(x_1TH).view(1, T, -1, D)).transpose(1, 2)
-    v_1NTD = attn.v_proj(x_1TH).view(1, T, -1, D).transpose(1, 2)
-    q_1NTD, k_1NTD = rope(q_1NTD, k_1NTD, *cos_sin)
-    o = kernels.attention(q_1NTD, k_1NTD, v_1NTD, seg, attn.scaling).transpose(1, 2).reshape(1, T, -1)
-    if gated:
+    q_1TND = attn.q_norm(q.reshape(1, T, -1, D))
+    k_1TMD = attn.k_norm(attn.k_proj(x_1TH).view(1, T, -1, D))
+    v_1TMD = attn.v_proj(x_1TH).view(1, T, -1, D)
+    q_1TND, k_1TMD = rope(q_1TND, k_1TMD, cos, sin, unsqueeze_dim=2)
+    return q_1TND, k_1TMD, v_1TMD, gate
+
+
+def _attention_out(layer, h_1TH, o_1TND, gate):
+    T = h_1TH.shape[1]
+    o = o_1TND.reshape(1, T, -1)
+    if gate is not None:
         o = o * torch.sigmoid(gate)
-    return attn.o_proj(o)
+    h_1TH = h_1TH + layer.self_attn.o_proj(o)
+    return h_1TH + layer.mlp(layer.post_attention_layernorm(h_1TH))
 
 
-def _packed_gated_deltanet(gdn, x_1TH, seg: Segments, kernels: PackedKernels):
-    """transformers' Qwen3_5GatedDeltaNet forward over the flattened batch, conv and state reset per segment."""
-    T = x_1TH.shape[1]
-    qkv_1TC = kernels.conv(gdn.in_proj_qkv(x_1TH), gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias, gdn.activation,
-                           seg)
-    q, k, v = torch.split(qkv_1TC, [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
-    q = q.reshape(1, T, -1, gdn.head_k_dim)
-    k = k.reshape(1, T, -1, gdn.head_k_dim)
-    v = v.reshape(1, T, -1, gdn.head_v_dim)
+def _deltanet_in(layer, h_1TH):
+    """Qwen3_5GatedDeltaNet up to the conv: (qkv_1TC before the conv, g_1TN, beta_1TN, z_1TNV)."""
+    gdn, T = layer.linear_attn, h_1TH.shape[1]
+    x_1TH = layer.input_layernorm(h_1TH)
     beta = gdn.in_proj_b(x_1TH).sigmoid()
     g = -gdn.A_log.float().exp() * F.softplus(gdn.in_proj_a(x_1TH).float() + gdn.dt_bias)
-    if gdn.num_v_heads // gdn.num_k_heads > 1:
-        q = q.repeat_interleave(gdn.num_v_heads // gdn.num_k_heads, dim=2)
-        k = k.repeat_interleave(gdn.num_v_heads // gdn.num_k_heads, dim=2)
-    o = kernels.delta_rule(q, k, v, g, beta, seg)
-    z = gdn.in_proj_z(x_1TH).reshape(-1, gdn.head_v_dim)
-    o = gdn.norm(o.reshape(-1, gdn.head_v_dim), z).reshape(1, T, -1)
-    return gdn.out_proj(o)
+    z = gdn.in_proj_z(x_1TH).view(1, T, -1, gdn.head_v_dim)
+    return gdn.in_proj_qkv(x_1TH), g, beta, z
+
+
+def _deltanet_out(layer, h_1TH, o_1TNV, z_1TNV):
+    gdn, T = layer.linear_attn, h_1TH.shape[1]
+    o = gdn.norm(o_1TNV.reshape(-1, gdn.head_v_dim), z_1TNV.reshape(-1, gdn.head_v_dim)).reshape(1, T, -1)
+    h_1TH = h_1TH + gdn.out_proj(o)
+    return h_1TH + layer.mlp(layer.post_attention_layernorm(h_1TH))
+
+
+@dataclass(frozen=True)
+class LayerPieces:
+    attention_in: Callable
+    attention_out: Callable
+    deltanet_in: Callable
+    deltanet_out: Callable
+
+
+EAGER_PIECES = LayerPieces(_attention_in, _attention_out, _deltanet_in, _deltanet_out)
+
+
+@functools.cache
+def compiled_pieces() -> LayerPieces:
+    return LayerPieces(*(torch.compile(f, dynamic=False) for f in (_attention_in, _attention_out, _deltanet_in,
+                                                                  _deltanet_out)))
+
+
+def _packed_layer(layer, h_1TH, seg: Segments, kernels: PackedKernels, pieces: LayerPieces, cos_sin, rope,
+                  gated: bool):
+    """One decoder layer over the flattened batch, every segment alone."""
+    if getattr(layer, "linear_attn", None) is None:
+        q, k, v, gate = pieces.attention_in(layer, h_1TH, *cos_sin, rope, gated)
+        o = kernels.attention(q, k, v, seg, layer.self_attn.scaling)
+        return pieces.attention_out(layer, h_1TH, o, gate)
+    gdn, T = layer.linear_attn, h_1TH.shape[1]
+    qkv_1TC, g, beta, z = pieces.deltanet_in(layer, h_1TH)
+    qkv_1TC = kernels.conv(qkv_1TC, gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias, gdn.activation, seg)
+    q, k, v = torch.split(qkv_1TC, [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
+    o = kernels.delta_rule(q.view(1, T, -1, gdn.head_k_dim), k.view(1, T, -1, gdn.head_k_dim),
+                           v.view(1, T, -1, gdn.head_v_dim), g, beta, seg)
+    return pieces.deltanet_out(layer, h_1TH, o, z)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -446,6 +525,11 @@ class Target:
         self.info, self.layer_ids, self.stack, self.rotary = info, list(layer_ids), stack, rotary
         self.device, self.dtype, self.mode = device, dtype, mode
         self._rope = _hf(info.arch)[3]
+        # packed-path choices (tests and benchmarks may swap them): flash varlen attention where it applies, else
+        # compiled flex; the pieces around the kernels compiled on CUDA
+        head_dim = max([la.self_attn.head_dim for la in stack.layers if hasattr(la, "self_attn")], default=0)
+        self.kernels = GPU_KERNELS if flash_varlen_usable(device, dtype, head_dim) else GPU_FLEX_KERNELS
+        self.pieces = compiled_pieces() if device.type == "cuda" else EAGER_PIECES
 
     @property
     def out_dim(self) -> int:
@@ -456,7 +540,7 @@ class Target:
         """[B, S, K*H] in the target dtype: the tapped layers' outputs (in `layer_ids` order) of every token,
         each document computed alone; padding positions are zero."""
         if self.mode == "packed":
-            return self.packed_hidden_states(input_ids_BS, position_ids_BS, doc_ids_BS, GPU_KERNELS)
+            return self.packed_hidden_states(input_ids_BS, position_ids_BS, doc_ids_BS, self.kernels, self.pieces)
         spans = row_spans(doc_ids_BS, position_ids_BS)
         ids_BS = input_ids_BS.to(self.device)
         B, S = ids_BS.shape
@@ -491,24 +575,22 @@ class Target:
         return self._concat(taps)
 
     def packed_hidden_states(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor,
-                             doc_ids_BS: torch.Tensor, kernels: PackedKernels) -> torch.Tensor:
-        """The packed path with the given kernels (`GPU_KERNELS`; `REFERENCE_KERNELS` checks it on the CPU)."""
+                             doc_ids_BS: torch.Tensor, kernels: PackedKernels,
+                             pieces: LayerPieces = EAGER_PIECES) -> torch.Tensor:
+        """The packed path with the given kernels (`self.kernels` on CUDA; `REFERENCE_KERNELS` checks it on the
+        CPU). Rows given on the CPU cost no device synchronization (the segments are cut on the host)."""
         spans = row_spans(doc_ids_BS, position_ids_BS)
         B, S = input_ids_BS.shape
         seg = Segments.build(spans, S, self.device)
-        pad_BS = (doc_ids_BS < 0).to(self.device)
+        pad_BS = _to(doc_ids_BS < 0, self.device)
         gated = self.info.arch == "qwen3_5"
         with torch.inference_mode():
-            h = self.stack.embed_tokens(input_ids_BS.to(self.device).masked_fill(pad_BS, 0).reshape(1, B * S))
+            ids_1T = _to(input_ids_BS, self.device).masked_fill(pad_BS, 0).reshape(1, B * S)
+            h = self.stack.embed_tokens(ids_1T)
             cos_sin = self._cos_sin(h, seg.pos_1T)
             taps = {}
             for i, layer in enumerate(self.stack.layers):
-                x = layer.input_layernorm(h)
-                if getattr(layer, "linear_attn", None) is not None:
-                    h = h + _packed_gated_deltanet(layer.linear_attn, x, seg, kernels)
-                else:
-                    h = h + _packed_attention(layer.self_attn, x, self._rope, cos_sin, seg, kernels, gated)
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
+                h = _packed_layer(layer, h, seg, kernels, pieces, cos_sin, self._rope, gated)
                 if i in self.layer_ids:
                     taps[i] = h
             return self._concat(taps).reshape(B, S, -1).masked_fill(pad_BS[..., None], 0)

@@ -228,53 +228,65 @@ def extract_shards(cfg, plan, model, cache: Path, tokens_dir: Path, todo, rank, 
     io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")  # file I/O only, never compute
     pending = []
     cuda = device.type == "cuda"
-    reserved, io_wait = [], 0.0
+    reserved, io_wait, timings = [], 0.0, []
+    # two sets of pinned host buffers, reused: shard j fills set j % 2 while set (j - 1) % 2 is being written
+    # (the write of shard j - 2, the last user of set j % 2, finished before shard j - 1 was handed over)
+    buffers: list[dict | None] = [None, None]
+    done_shards = 0
     for index in shard_order(todo, rank, world):
         if not try_claim(cache, index, cfg.lease_s, redo=redo):
             continue
         t_shard = time.time()
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+        if events:
+            events[0].record()
         name = token_shard_name(index)
         if sha256_file(tokens_dir / name) != tok_entries[index]["files"][name]["sha256"]:
             raise ShardError(f"{tokens_dir / name} does not match its manifest checksum: the token cache is "
                              f"corrupt; rebuild it (delete {tokens_dir} and run make tokenize)")
         rows = read_token_shard(tokens_dir / name)
         n = rows["input_ids"].shape[0]
-        host = {lid: None for lid in layer_ids}
+        host = buffers[done_shards % 2]
+        if host is not None and next(iter(host.values())).shape[0] != n:
+            host = None  # a shard of another row count (the last one): fresh buffers
+        fresh = host is None
+        host = host or {}
         for r0 in range(0, n, b):
-            batch = {k: torch.from_numpy(pad_rows(rows[k][r0:r0 + b], b, fill)).to(device, non_blocking=True)
+            # rows stay on the host: the target cuts segments there and copies without a device sync
+            batch = {k: torch.from_numpy(pad_rows(rows[k][r0:r0 + b], b, fill))
                      for k, fill in (("input_ids", 0), ("position_ids", 0), ("doc_ids", -1))}
             h = model.tapped_hidden_states(batch["input_ids"], batch["position_ids"], batch["doc_ids"])
             real = min(b, n - r0)
             hidden = h.shape[-1] // len(layer_ids)
             for j, lid in enumerate(layer_ids):
                 enc = encode_layer(h[:real, :, j * hidden:(j + 1) * hidden], lid, cfg.quant)
-                if host[lid] is None:
-                    host[lid] = {k: torch.empty((n, *v.shape[1:]), dtype=v.dtype, pin_memory=cuda)
-                                 for k, v in enc.items()}
                 for k, v in enc.items():
-                    host[lid][k][r0:r0 + real].copy_(v, non_blocking=cuda)
+                    if fresh and k not in host:
+                        host[k] = torch.empty((n, *v.shape[1:]), dtype=v.dtype, pin_memory=cuda)
+                    host[k][r0:r0 + real].copy_(v, non_blocking=cuda)
             progress.update(real, tokens=int((rows["doc_ids"][r0:r0 + real] >= 0).sum()))
             if time.time() - t_shard > cfg.lease_s / 3:
                 renew_claim(cache, index, cfg.lease_s)
-        if cuda:
-            torch.cuda.synchronize(device)
+        if cuda:  # no synchronization here: the writer waits for this event, the device goes on with the next shard
+            events[1].record()
             reserved.append(torch.cuda.memory_reserved(device))
-        compute_s = time.time() - t_shard
-        tensors = {k: v for d in host.values() for k, v in d.items()}
+        compute_s = time.time() - t_shard  # host time; on CUDA the writer replaces it with the device time
+        buffers[done_shards % 2] = host
+        done_shards += 1
+        tensors = dict(host)
         entry = {"index": index, "rows": n, "tokens": tok_entries[index]["tokens"], "compute_seconds": compute_s,
                  "tokens_sha256": tok_entries[index]["files"][name]["sha256"], "worker": f"rank{rank}",
                  "reserved_gpu_bytes": reserved[-1] if reserved else 0}
         # the previous shard's write must finish before this one's (bounded host memory: two shards at most)
         t_wait = time.time()
         while pending:
-            pending.pop(0).result()
+            timings.append(pending.pop(0).result())
         io_wait += time.time() - t_wait
         pending.append(io.submit(write_and_commit, cache, index, tensors, cfg.quant, layer_ids, plan["key"], entry,
-                                 redo, write_hidden_shard, hidden_shard_name))
+                                 redo, write_hidden_shard, hidden_shard_name, events))
         progress.extra.update(reserved_gpu_gb=(reserved[-1] / 2**30) if reserved else 0.0, last_shard=index)
     t_wait = time.time()
-    for f in pending:
-        f.result()
+    timings += [f.result() for f in pending]
     io.shutdown()
     io_wait += time.time() - t_wait
     progress.extra.update(io_wait_s=io_wait)
@@ -282,9 +294,13 @@ def extract_shards(cfg, plan, model, cache: Path, tokens_dir: Path, todo, rank, 
     if reserved:
         log(f"[rank {rank}] reserved GPU memory per shard (GB): "
             f"{', '.join(f'{r / 2**30:.2f}' for r in reserved[:8])}{' …' if len(reserved) > 8 else ''}")
+    compute_s, write_s = sum(t[0] for t in timings), sum(t[1] for t in timings)
+    busy = compute_s / max(snap["elapsed_s"], 1e-9)
     log(f"[rank {rank}] done: {snap['tokens']:,} tokens in {snap['elapsed_s']:.1f}s "
-        f"({snap['tokens_per_s']:,.0f} tok/s including writes; {io_wait:.1f}s waiting on disk writes)")
-    return dict(snap, reserved_bytes=reserved)
+        f"({snap['tokens_per_s']:,.0f} tok/s including writes); {'device' if cuda else 'compute'} busy "
+        f"{100 * busy:.0f}% of the time; writes {write_s:.1f}s in the background, {io_wait:.1f}s of them waited for")
+    return dict(snap, reserved_bytes=reserved, compute_s=compute_s, write_s=write_s, busy_frac=busy,
+                shard_timings=timings)
 
 
 def pad_rows(x, b: int, fill: int):
@@ -297,15 +313,21 @@ def pad_rows(x, b: int, fill: int):
     return out
 
 
-def write_and_commit(cache, index, tensors, quant, layer_ids, key, entry, redo, write_fn, name_fn) -> None:
+def write_and_commit(cache, index, tensors, quant, layer_ids, key, entry, redo, write_fn, name_fn,
+                     events=None) -> tuple[float, float]:
+    if events is not None:  # the shard's device→host copies are done once its end event is
+        events[1].synchronize()
+        entry = dict(entry, compute_seconds=events[0].elapsed_time(events[1]) / 1000)
     t = time.time()
     name = name_fn(index)
     files = {name: write_fn(cache / name, tensors, quant, layer_ids, {"shard": index, "key": key})}
     commit_shard(cache, dict(entry, files=files, write_seconds=time.time() - t, committed_at=time.time()),
                  redo=redo)
     release_claim(cache, index)
+    write_s = time.time() - t
     log(f"[{entry['worker']}] shard {index} committed ({files[name]['bytes'] / 1e6:.1f} MB, "
-        f"{entry['compute_seconds']:.1f}s compute, {time.time() - t:.1f}s write)")
+        f"{entry['compute_seconds']:.1f}s compute, {write_s:.1f}s write)")
+    return entry["compute_seconds"], write_s
 
 
 def main(argv: list[str]) -> None:

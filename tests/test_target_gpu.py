@@ -1,5 +1,6 @@
-"""dflash_offline.target on CUDA: the packed path (fla varlen conv + chunked delta rule, compiled flex_attention)
-gives every document the hidden states it has alone, within bf16 rounding; prints packed vs per-document timing.
+"""dflash_offline.target on CUDA: the packed path (fla varlen conv + chunked delta rule with native value heads,
+flash varlen attention or compiled flex_attention, compiled or eager pieces around the kernels) gives every document
+the hidden states it has alone, within bf16 rounding; prints packed vs per-document timing.
 
 Run with `make test-gpu` (pytest -m gpu -s). Needs fla (flash-linear-attention) importable for Qwen3.5.
 """
@@ -113,9 +114,18 @@ def _timed(fn, repeats: int = 3) -> tuple[torch.Tensor, float]:
     return out, (time.perf_counter() - t0) / repeats
 
 
-def _check_packed(path: Path, layer_ids: list[int], B: int, S: int, label: str):
+VARIANTS = {  # (attention kernel, pieces): the default first
+    "flash+compiled": (lambda: target_mod.GPU_KERNELS, target_mod.compiled_pieces),
+    "flex+eager": (lambda: target_mod.GPU_FLEX_KERNELS, lambda: target_mod.EAGER_PIECES),
+}
+
+
+def _check_packed(path: Path, layer_ids: list[int], B: int, S: int, label: str, variant: str = "flash+compiled"):
     info = read_target_info(path)
     packed = load_target(path, layer_ids, "cuda", torch.bfloat16, mode="packed")
+    assert packed.kernels is target_mod.GPU_KERNELS and packed.pieces is target_mod.compiled_pieces()  # defaults
+    packed.kernels, packed.pieces = (f() for f in VARIANTS[variant])
+    label = f"{label}, {variant}"
     per_doc = load_target(path, layer_ids, "cuda", torch.bfloat16, mode="per_doc")
     reference = load_target(path, layer_ids, "cuda", torch.float32, mode="per_doc")
     ids, pos, doc, spans = _rows(B, S, min(info.vocab_size, 4096))
@@ -154,10 +164,11 @@ def test_packed_equals_per_doc_tiny_qwen3(tiny):
     _check_packed(tiny("qwen3"), [1, 3, 5], B=4, S=512, label="tiny qwen3")
 
 
-def test_packed_equals_per_doc_big(tmp_path):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_packed_equals_per_doc_big(tmp_path, variant):
     _need_fla()
     path = _save_text_checkpoint(tmp_path, BIG)
-    _check_packed(path, [1, 3, 5, 7], B=4, S=4096, label="hidden 1024 x 8 layers")
+    _check_packed(path, [1, 3, 5, 7], B=4, S=4096, label="hidden 1024 x 8 layers", variant=variant)
 
 
 def test_packed_equals_per_doc_27b_widths(tmp_path):
