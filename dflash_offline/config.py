@@ -130,6 +130,10 @@ class TrainConfig:
     precision: str = "auto"  # "bf16" (autocast, fp32 master weights) or "fp32"; auto = bf16 on CUDA
     attn: str = "auto"  # "flex" (compiled flex_attention) or "dense" (reference); auto = flex on CUDA
     compile: str = "auto"  # "on" / "off"; auto = on with CUDA. After warm-up a recompile is an error
+    # "layers": each decoder layer is one compiled region, shared by all layers (compile time of one layer);
+    # "model": the whole drafter forward as one graph
+    compile_scope: str = "layers"
+    profile_steps: int = 0  # > 0: profile the last that many steps (after warm-up) into RUN/profile.txt (rank 0)
     loss_chunk_tokens: int = 4096  # query tokens per lm_head chunk (bounds the fp32 logits buffer)
     ckpt_every: int = 500  # checkpoint every N steps (and at the end)
     keep_last: int = 3  # checkpoints kept
@@ -142,6 +146,7 @@ class TrainConfig:
         check_choice("train.precision", self.precision, ("auto", "bf16", "fp32"))
         check_choice("train.attn", self.attn, ("auto", "flex", "dense"))
         check_choice("train.compile", self.compile, ("auto", "on", "off"))
+        check_choice("train.compile_scope", self.compile_scope, ("layers", "model"))
         for name in ("steps", "batch_rows", "num_anchors", "num_layers", "ckpt_every", "log_every"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name} must be > 0, got {getattr(self, name)}")

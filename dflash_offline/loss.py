@@ -52,6 +52,34 @@ def _logits_f32(h_nH: torch.Tensor, w_VH: torch.Tensor) -> torch.Tensor:
     return (h_nH @ w_VH.t()).float()
 
 
+def _decay_epilogue(z_nV: torch.Tensor, lab_n: torch.Tensor, w_n: torch.Tensor, need_grad: bool, grad_dtype):
+    """From fp32 logits of one chunk: (ce_n, argmax_n, dlogits_nV = w * (softmax - onehot) in grad_dtype or None).
+    Written for torch.compile to fuse into a few passes over the logits (it runs eager off CUDA)."""
+    z_max, pred_n = z_nV.max(-1, keepdim=True)
+    e_nV = torch.exp(z_nV - z_max)
+    z_sum = e_nV.sum(-1, keepdim=True)
+    z_lab = z_nV.gather(1, lab_n[:, None])
+    ce_n = (z_max + z_sum.log() - z_lab).squeeze(1)
+    if not need_grad:
+        return ce_n, pred_n.squeeze(1), None
+    onehot = torch.arange(z_nV.shape[1], device=z_nV.device)[None, :] == lab_n[:, None]
+    d_nV = (e_nV * (w_n[:, None] / z_sum) - torch.where(onehot, w_n[:, None], 0.0)).to(grad_dtype)
+    return ce_n, pred_n.squeeze(1), d_nV
+
+
+_compiled_epilogue = None
+
+
+def _epilogue(z_nV):
+    """The compiled epilogue on CUDA (one graph per chunk shape), the eager one elsewhere."""
+    global _compiled_epilogue
+    if not z_nV.is_cuda:
+        return _decay_epilogue
+    if _compiled_epilogue is None:
+        _compiled_epilogue = torch.compile(_decay_epilogue, dynamic=False)
+    return _compiled_epilogue
+
+
 class _ChunkedBlockCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_XLH, w_VH, labels_XL, slot_w_L, norm, chunk_blocks: int, dpace_alpha, need_grad: bool):
@@ -66,17 +94,23 @@ class _ChunkedBlockCE(torch.autograd.Function):
             lab_n = safe_XL[c0:c1, 1:].reshape(-1)
             val_n = valid_XL[c0:c1, 1:].reshape(-1)
             z_nV = _logits_f32(h_XLH[c0:c1, 1:].reshape(-1, H), w_VH)
+            if dpace_alpha is None:
+                w_n = (slot_w_L[1:] * val_n.view(c1 - c0, L - 1)).reshape(-1)
+                ce_n, pred_n, d_nV = _epilogue(z_nV)(z_nV, lab_n, w_n, need_grad, w_VH.dtype)
+                del z_nV
+                correct_XL[c0:c1, 1:] = ((pred_n == lab_n) & val_n).view(c1 - c0, L - 1)
+                loss += (w_n * ce_n).sum()
+                if need_grad:
+                    grad_XLH[c0:c1, 1:] = (d_nV @ w_VH).view(c1 - c0, L - 1, H)
+                continue
             z_max, pred_n = z_nV.max(-1, keepdim=True)
             correct_XL[c0:c1, 1:] = ((pred_n.squeeze(1) == lab_n) & val_n).view(c1 - c0, L - 1)
             z_lab = z_nV.gather(1, lab_n[:, None]).squeeze(1)
             z_nV.sub_(z_max).exp_()  # in place: exp(z - max)
             z_sum = z_nV.sum(-1, keepdim=True)
             ce_n = (z_max + z_sum.log()).squeeze(1) - z_lab
-            if dpace_alpha is None:
-                w_n = (slot_w_L[1:] * val_n.view(c1 - c0, L - 1)).reshape(-1)
-            else:
-                q = torch.exp(-ce_n).view(c1 - c0, L - 1)
-                w_n = dpace_weights(q, val_n.view(c1 - c0, L - 1), dpace_alpha).reshape(-1)
+            q = torch.exp(-ce_n).view(c1 - c0, L - 1)
+            w_n = dpace_weights(q, val_n.view(c1 - c0, L - 1), dpace_alpha).reshape(-1)
             loss += (w_n * ce_n).sum()
             if need_grad:  # dlogits = w * (softmax - onehot), unnormalized; 1/norm is applied in backward
                 z_nV.mul_(w_n[:, None] / z_sum)

@@ -12,14 +12,16 @@ Both are written to a temp file beside the final one, fsynced and renamed; the c
 
 from __future__ import annotations
 
+import hashlib
 import json
+import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from .manifest import publish, sha256_file, temp_path
 
@@ -132,13 +134,60 @@ def write_hidden_shard(path: Path, tensors: dict[str, torch.Tensor], quant: str,
         "layer_ids": json.dumps(sorted(layer_ids)),
     }
     meta.update({k: str(v) for k, v in metadata.items()})
-    # One key holding sorted JSON: safetensors writes a metadata map in hash order, which would make the bytes
-    # (and so the checksum) of identical shards differ from one write to the next.
+    # One key holding sorted JSON: a deterministic header, so identical shards have identical bytes.
+    return write_safetensors(path, tensors, {META_KEY: json.dumps(meta, sort_keys=True)})
+
+
+SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
+                      torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64",
+                      torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+WRITE_CHUNK = 64 << 20
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict:
+    """Write CPU tensors as one safetensors file atomically (temp → fsync → rename) and return its manifest record
+    {"bytes", "sha256"}. Streams each tensor's memory straight to the file (no serialized copy of the whole file
+    in memory) and hashes the same bytes on a second thread as they go out (no re-read). Deterministic: tensors
+    in name order, compact header JSON padded to 8 bytes, as the safetensors format specifies."""
+    names = sorted(tensors)
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name in names:
+        t = tensors[name]
+        if t.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{path}: tensor {name} has dtype {t.dtype}, which safetensors cannot store")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    digest = hashlib.sha256()
     tmp = temp_path(path)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
-              metadata={META_KEY: json.dumps(meta, sort_keys=True)})
+    # hashlib and file writes release the GIL on large buffers: hashing chunk i overlaps writing chunk i+1
+    with open(tmp, "wb") as f, ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256") as hasher:
+        pending = []
+        for chunk in _chunks(struct.pack("<Q", len(head)) + head, names, tensors):
+            f.write(chunk)
+            pending.append(hasher.submit(digest.update, chunk))
+            while len(pending) > 4:  # bounded: the hasher keeps up with the disk in practice
+                pending.pop(0).result()
+        for p in pending:
+            p.result()
     publish(tmp, path)
-    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    return {"bytes": 8 + len(head) + offset, "sha256": digest.hexdigest()}
+
+
+def _chunks(head: bytes, names: list[str], tensors: dict[str, torch.Tensor]):
+    yield head
+    for name in names:
+        t = tensors[name].detach()
+        if t.device.type != "cpu":
+            raise ValueError(f"tensor {name} is on {t.device}; copy it to the CPU first")
+        flat = t.contiguous().reshape(-1)
+        buf = memoryview(flat.view(torch.uint8).numpy() if flat.numel() else b"")
+        for i in range(0, len(buf), WRITE_CHUNK):
+            yield buf[i:i + WRITE_CHUNK]
 
 
 def parse_hidden_metadata(raw: dict | None) -> dict:

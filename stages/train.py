@@ -156,7 +156,12 @@ def run(cfg: TrainConfig) -> Path:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_schedule(s, warmup, cfg.steps, cfg.min_lr_ratio))
     model, opt, sched = acc.prepare(model, opt, sched)
     raw = acc.unwrap_model(model)
-    step_fn = torch.compile(model, dynamic=False) if use_compile else model
+    step_fn = model
+    if use_compile and cfg.compile_scope == "layers":
+        for layer in raw.layers:  # one compiled region; layers 1.. reuse layer 0's graph (same code, same shapes)
+            layer.compile(dynamic=False)
+    elif use_compile:
+        step_fn = torch.compile(model, dynamic=False)
 
     # --- data
     stream = HiddenStream(info, cfg.batch_rows, rank=rank, world_size=world, seed=cfg.seed, device=device)
@@ -177,7 +182,10 @@ def run(cfg: TrainConfig) -> Path:
     window = Window()
     log(f"[rank {rank}] ready in {time.time() - t0:.1f}s; first step compiles" if use_compile else
         f"[rank {rank}] ready in {time.time() - t0:.1f}s")
+    profiler = None
     while step < cfg.steps:
+        if cfg.profile_steps and rank == 0 and step == max(2, cfg.steps - cfg.profile_steps) and profiler is None:
+            profiler, profile_end = start_profiler(cuda), step + cfg.profile_steps  # the last steps, after warm-up
         for micro in range(accum):
             batch = next(stream)
             window.wait_s += stream.last_wait_s
@@ -203,6 +211,9 @@ def run(cfg: TrainConfig) -> Path:
         sched.step()
         opt.zero_grad(set_to_none=True)
         step += 1
+        if profiler is not None and step == profile_end:
+            write_profile(profiler, run_dir / "profile.txt", cuda, cfg.profile_steps)
+            profiler = None
         if step == 1 and use_compile:
             torch._dynamo.config.error_on_recompile = True  # warm-up done: a new shape is a bug, not a slowdown
         window.steps += 1
@@ -232,6 +243,31 @@ def run(cfg: TrainConfig) -> Path:
         metrics_file.close()
     acc.end_training()
     return run_dir
+
+
+def start_profiler(cuda: bool):
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    prof.__enter__()
+    return prof
+
+
+def write_profile(prof, path: Path, cuda: bool, steps: int) -> None:
+    import torch
+
+    from dflash_offline.progress import log
+
+    if cuda:
+        torch.cuda.synchronize()
+    prof.__exit__(None, None, None)
+    avg = prof.key_averages()
+    sort = "self_cpu_time_total"
+    if cuda:
+        sort = "self_device_time_total" if hasattr(avg[0], "self_device_time_total") else "self_cuda_time_total"
+    path.write_text(f"# {steps} training steps, sorted by {sort}\n" +
+                    avg.table(sort_by=sort, row_limit=40, max_name_column_width=70) + "\n")
+    log(f"profile of {steps} steps written to {path}")
 
 
 def micro_seed(seed: int, index: int) -> int:
