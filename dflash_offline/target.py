@@ -535,6 +535,14 @@ class Target:
     def out_dim(self) -> int:
         return len(self.layer_ids) * self.info.hidden_size
 
+    def tapped_layers(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor,
+                      doc_ids_BS: torch.Tensor) -> list[torch.Tensor]:
+        """K tensors [B, S, H] (contiguous, in `layer_ids` order): what `tapped_hidden_states` concatenates."""
+        if self.mode == "packed":
+            return self.packed_layers(input_ids_BS, position_ids_BS, doc_ids_BS, self.kernels, self.pieces)
+        return list(self.tapped_hidden_states(input_ids_BS, position_ids_BS, doc_ids_BS).contiguous().chunk(
+            len(self.layer_ids), dim=-1))
+
     def tapped_hidden_states(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor,
                              doc_ids_BS: torch.Tensor) -> torch.Tensor:
         """[B, S, K*H] in the target dtype: the tapped layers' outputs (in `layer_ids` order) of every token,
@@ -579,6 +587,10 @@ class Target:
                              pieces: LayerPieces = EAGER_PIECES) -> torch.Tensor:
         """The packed path with the given kernels (`self.kernels` on CUDA; `REFERENCE_KERNELS` checks it on the
         CPU). Rows given on the CPU cost no device synchronization (the segments are cut on the host)."""
+        return torch.cat(self.packed_layers(input_ids_BS, position_ids_BS, doc_ids_BS, kernels, pieces), dim=-1)
+
+    def packed_layers(self, input_ids_BS, position_ids_BS, doc_ids_BS, kernels: PackedKernels,
+                      pieces: LayerPieces = EAGER_PIECES) -> list[torch.Tensor]:
         spans = row_spans(doc_ids_BS, position_ids_BS)
         B, S = input_ids_BS.shape
         seg = Segments.build(spans, S, self.device)
@@ -593,16 +605,20 @@ class Target:
                 h = _packed_layer(layer, h, seg, kernels, pieces, cos_sin, self._rope, gated)
                 if i in self.layer_ids:
                     taps[i] = h
-            return self._concat(taps).reshape(B, S, -1).masked_fill(pad_BS[..., None], 0)
+            # each tap is a fresh tensor (the residual stream is never updated in place): zero its padding in place
+            return [self._final(taps[i], i).view(B, S, -1).masked_fill_(pad_BS[..., None], 0)
+                    for i in self.layer_ids]
 
     def _cos_sin(self, h, pos):
         if self.info.arch == "qwen3_5":  # M-RoPE: for text, the three position streams are equal
             pos = pos[None].expand(3, -1, -1)
         return self.rotary(h, pos)
 
+    def _final(self, h: torch.Tensor, i: int) -> torch.Tensor:
+        return self.stack.norm(h) if i == self.info.num_layers - 1 else h
+
     def _concat(self, taps: dict[int, torch.Tensor]) -> torch.Tensor:
-        last = self.info.num_layers - 1
-        return torch.cat([self.stack.norm(taps[i]) if i == last else taps[i] for i in self.layer_ids], dim=-1)
+        return torch.cat([self._final(taps[i], i) for i in self.layer_ids], dim=-1)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -618,8 +634,13 @@ def random_target(info: TargetInfo, depth: int, layer_ids: list[int], device, dt
     config = copy.deepcopy(text)
     config.num_hidden_layers, config.layer_types = depth, list(text.layer_types[:depth])
     config._attn_implementation = "sdpa"
-    with torch.device(device):
-        stack = TextStack(config, info.arch, depth, with_norm=info.num_layers - 1 in layer_ids)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in `dtype` directly: no full-precision copy left in the allocator
+    try:
+        with torch.device(device):
+            stack = TextStack(config, info.arch, depth, with_norm=info.num_layers - 1 in layer_ids)
+    finally:
+        torch.set_default_dtype(default)
     stack.to(dtype).requires_grad_(False).eval()
     rotary = _hf(info.arch)[2](config).to(device)
     return Target(info, layer_ids, stack, rotary, device, dtype, mode)

@@ -17,6 +17,7 @@ import os
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 
 from dflash_offline.config import ExtractConfig, TokenizeConfig, as_dict, configs_from_argv, parse_shard_list
@@ -232,6 +233,7 @@ def extract_shards(cfg, plan, model, cache: Path, tokens_dir: Path, todo, rank, 
     # two sets of pinned host buffers, reused: shard j fills set j % 2 while set (j - 1) % 2 is being written
     # (the write of shard j - 2, the last user of set j % 2, finished before shard j - 1 was handed over)
     buffers: list[dict | None] = [None, None]
+    copy_stream = torch.cuda.Stream(device) if cuda else None
     done_shards = 0
     for index in shard_order(todo, rank, world):
         if not try_claim(cache, index, cfg.lease_s, redo=redo):
@@ -255,20 +257,26 @@ def extract_shards(cfg, plan, model, cache: Path, tokens_dir: Path, todo, rank, 
             # rows stay on the host: the target cuts segments there and copies without a device sync
             batch = {k: torch.from_numpy(pad_rows(rows[k][r0:r0 + b], b, fill))
                      for k, fill in (("input_ids", 0), ("position_ids", 0), ("doc_ids", -1))}
-            h = model.tapped_hidden_states(batch["input_ids"], batch["position_ids"], batch["doc_ids"])
+            taps = model.tapped_layers(batch["input_ids"], batch["position_ids"], batch["doc_ids"])
             real = min(b, n - r0)
-            hidden = h.shape[-1] // len(layer_ids)
-            for j, lid in enumerate(layer_ids):
-                enc = encode_layer(h[:real, :, j * hidden:(j + 1) * hidden], lid, cfg.quant)
-                for k, v in enc.items():
-                    if fresh and k not in host:
-                        host[k] = torch.empty((n, *v.shape[1:]), dtype=v.dtype, pin_memory=cuda)
-                    host[k][r0:r0 + real].copy_(v, non_blocking=cuda)
+            if cuda:  # encode + device→host copies on a side stream, overlapping the next batch's forward
+                ready = torch.cuda.Event()
+                ready.record()
+                copy_stream.wait_event(ready)
+            with torch.cuda.stream(copy_stream) if cuda else nullcontext():
+                for lid, x in zip(layer_ids, taps, strict=True):
+                    if cuda:
+                        x.record_stream(copy_stream)  # not reused by the next forward before this stream is done
+                    for k, v in encode_layer(x[:real], lid, cfg.quant).items():
+                        if fresh and k not in host:
+                            host[k] = torch.empty((n, *v.shape[1:]), dtype=v.dtype, pin_memory=cuda)
+                        host[k][r0:r0 + real].copy_(v, non_blocking=cuda)
+            del taps
             progress.update(real, tokens=int((rows["doc_ids"][r0:r0 + real] >= 0).sum()))
             if time.time() - t_shard > cfg.lease_s / 3:
                 renew_claim(cache, index, cfg.lease_s)
         if cuda:  # no synchronization here: the writer waits for this event, the device goes on with the next shard
-            events[1].record()
+            events[1].record(copy_stream)
             reserved.append(torch.cuda.memory_reserved(device))
         compute_s = time.time() - t_shard  # host time; on CUDA the writer replaces it with the device time
         buffers[done_shards % 2] = host
