@@ -26,7 +26,7 @@ DEMO_ENV ?= OMP_NUM_THREADS=1
 LAUNCH = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/accelerate launch --num_processes $(NPROC) -m,$(PYTHON) -m)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup test test-gpu lint style demo tiny tokenize extract verify train regen report export eval status bench-extract bench-train clean help
+.PHONY: setup test test-gpu lint style demo tiny tokenize extract verify train regen report export eval status bench-extract bench-extract-layers bench-train clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -82,6 +82,9 @@ report: setup  ## PNG plots of RUN='s metrics (loss, accuracy per block position
 
 bench-extract:  ## extraction throughput at Qwen3.5-27B shapes vs a plain HF forward (GPU)
 	$(PYTHON) -m bench.extract
+
+bench-extract-layers:  ## where extraction time goes: one layer of each type per kernel variant + a kernel profile (GPU)
+	$(PYTHON) -m bench.extract_layers --profile
 
 bench-train:  ## drafter training throughput at 27B drafter shapes vs an eager chunked baseline (GPU)
 	$(PYTHON) -m bench.train

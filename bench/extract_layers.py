@@ -32,11 +32,13 @@ def packed_rows(B: int, S: int, vocab: int, seed: int = 0):
     """(input_ids, position_ids, doc_ids) [B, S] on the CPU: log-normal documents (median 400) packed best-fit."""
     rng = np.random.default_rng(seed)
     packer, done, ordinal = Packer(S, 64), [], 0
-    while len(done) < B:
+    while len(done) < 8 * B:
         n = int(min(S, max(8, rng.lognormal(np.log(400), 1.0))))
         done += packer.add(Doc(rng.integers(0, vocab, n).astype(np.int32), np.ones(n, dtype=np.uint8), ordinal))
         ordinal += 1
-    arrays, _ = materialize(done[:B], S, 0)
+    # the first rows to complete are the rare single-document ones (a document of S tokens fills a row at once):
+    # take later rows, which hold the typical mix
+    arrays, _ = materialize(done[-B:], S, 0)
     return tuple(torch.from_numpy(np.asarray(arrays[k])).long() for k in ("input_ids", "position_ids", "doc_ids"))
 
 

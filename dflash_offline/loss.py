@@ -1,8 +1,9 @@
 """Block CE loss through the frozen target lm_head, chunked so `[A*L, vocab]` logits never exist in full.
 
 `block_ce_loss` runs one pass over chunks of whole blocks. Per chunk: logits = h @ W^T (low-precision GEMM,
-fp32 output), fp32 softmax, weighted CE, argmax accuracy, and the input gradient
-dh = (w * (softmax - onehot)) @ W (second GEMM). Only dh is kept for backward: no recompute, no grad for W.
+fp32 output), then one epilogue (compiled on CUDA, so it reads the logits a few times instead of once per op):
+fp32 softmax, weighted CE, argmax accuracy and dlogits = w * (softmax - onehot); then the input gradient
+dh = dlogits @ W (second GEMM). Only dh is kept for backward: no recompute, no grad for W.
 Slot 0 (the given token) is skipped entirely: its logits are never computed.
 
 Weighting (`weighting=`):

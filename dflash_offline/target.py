@@ -6,10 +6,11 @@ Two paths give the same numbers (within the dtype's rounding):
   length and batched with others; the layers are causal, so the padding never reaches it). Exact by construction;
   the CPU path and the reference.
 - `packed`: all rows are flattened into one sequence of T = B*S tokens cut into segments (every document, and each
-  row's padding tail, is a segment). Full attention gets a per-segment causal mask (compiled flex_attention);
-  Gated DeltaNet gets fla's varlen causal conv and chunked delta rule, both taking `cu_seqlens`, so conv and
-  recurrent state restart at every segment. The projections, norms, gates and rotary are the layer's own modules
-  and transformers' own functions; only the three sequence kernels are swapped (`PackedKernels`). CUDA only.
+  row's padding tail, is a segment). Full attention is causal within each segment (flash attention's varlen
+  kernel; compiled flex_attention with a block mask where flash does not apply); Gated DeltaNet gets fla's varlen
+  causal conv and chunked delta rule, both taking `cu_seqlens`, so conv and recurrent state restart at every
+  segment. The projections, norms, gates and rotary are the layer's own modules and transformers' own functions,
+  compiled on CUDA (`LayerPieces`); only the three sequence kernels are swapped (`PackedKernels`). CUDA only.
 
 Tapped ids are 0-based layer outputs = transformers' `hidden_states[id + 1]`. As there, the output of the last
 layer of the checkpoint (id N-1) is taken after the final norm; every other tap is the raw residual stream.
