@@ -2,8 +2,9 @@
 processes, and yield documents (input_ids + assistant-only loss_mask) or skips with a reason and file:line.
 
 Record kinds (per record, so one JSONL may mix them):
-- chat: `{"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str, "reasoning_content": str?}]}`
-  (`reasoning` / `thinking` are accepted as aliases of `reasoning_content`);
+- chat: `{"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str, "reasoning_content": str?}],
+  "tools": [JSON schema, ...]?}` (`reasoning` / `thinking` are accepted as aliases of `reasoning_content`; a
+  `tools` list is given to the chat template, which renders it into the system turn as the served model sees it);
 - pre-tokenized: `{"input_ids": [int], "loss_mask": [0|1]}`.
 Nothing is read whole: files are read line by line or batch by batch, and at most `2 × workers` chunks are in
 flight, so a corpus larger than RAM streams through with bounded memory.
@@ -195,6 +196,17 @@ def validate_messages(obj: dict) -> list[dict]:
     return out
 
 
+def validate_tools(obj: dict) -> list[dict] | None:
+    """The record's `tools` list (None when absent or empty)."""
+    tools = obj.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        kind = type(tools).__name__ if not isinstance(tools, list) else "list with a non-object entry"
+        raise RecordError("wrong_type", f"'tools' is a {kind}; expected a list of tool schemas (JSON objects)")
+    return tools or None
+
+
 def validate_tokens(obj: dict, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     ids, mask = obj.get("input_ids"), obj.get("loss_mask")
     if not isinstance(ids, list) or not isinstance(mask, list):
@@ -289,7 +301,8 @@ def process_chunk(chunk: list[Record]) -> list[tuple]:
                 results[i] = ("doc", rec.ordinal, ids, mask)
                 continue
             msgs = prepare_messages(validate_messages(obj), _OPTS["thinking"])
-            texts.append(_TOK.apply_chat_template(msgs, tokenize=False))
+            tools = validate_tools(obj)
+            texts.append(_TOK.apply_chat_template(msgs, tokenize=False, **({"tools": tools} if tools else {})))
             where.append(i)
         except RecordError as e:
             results[i] = ("skip", Skip(e.reason, e.detail, rec.file, rec.line))

@@ -65,6 +65,7 @@ def producer_for(cfg: TokenizeConfig, tok, paths: list[Path]) -> dict:
         "packing": {"rule": PACKING_RULE, "open_rows": cfg.open_rows, "long_doc": cfg.long_doc,
                     "rows_per_shard": cfg.rows_per_shard},
         "thinking": cfg.thinking,
+        "record_tools": True,  # a record's `tools` list reaches the chat template (caches made before differ)
         "max_docs": cfg.max_docs,
         "format_version": TOKENS_FORMAT_VERSION,
     }

@@ -83,6 +83,8 @@ BAD = [
     ({"messages": [{"role": "user", "content": "only a question"}]}, "no_assistant_turn"),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a",
                                                         "reasoning_content": ["x"]}]}, "wrong_type"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "tools": "calc"},
+     "wrong_type"),
     ({"input_ids": [1, 2, 3], "loss_mask": [1, 1]}, "length_mismatch"),
     ({"input_ids": [1, 2, 10**9], "loss_mask": [1, 1, 1]}, "token_out_of_range"),
     ({"input_ids": [1, 2, 3], "loss_mask": [0, 0, 0]}, "no_supervised_tokens"),
@@ -252,3 +254,17 @@ def test_status_prints_table_and_json(tmp_path, qwen35_dir, chat_corpus):
     assert js["complete"] and js["committed"] == len(js["shards"]) > 0 and js["kind"] == "tokens"
     assert np.isclose(js["summary"]["padding_fraction"],
                       js["summary"]["padding_tokens"] / (js["summary"]["tokens"] + js["summary"]["padding_tokens"]))
+
+
+def test_record_tools_are_rendered_unsupervised(tmp_path, qwen35_dir):
+    tools = [{"type": "function", "function": {"name": "weather", "description": "Weather of a city",
+                                               "parameters": {"type": "object", "properties": {"city": {}}}}}]
+    base = {"messages": CHAT["messages"][3:]}
+    corpus = write_jsonl(tmp_path / "t.jsonl", [base, dict(base, tools=tools), dict(base, tools=[])])
+    docs = all_docs(run(tmp_path, [corpus], qwen35_dir))
+    tok = AutoTokenizer.from_pretrained(str(qwen35_dir))
+    (_, plain, plain_mask), (_, with_tools, tools_mask), (_, empty, _) = docs
+    text = tok.decode(with_tools)
+    assert "Weather of a city" in text and "Weather of a city" not in tok.decode(plain)
+    assert np.array_equal(empty, plain)  # an empty list renders like no list
+    assert tok.decode(with_tools[tools_mask.astype(bool)]) == tok.decode(plain[plain_mask.astype(bool)])
