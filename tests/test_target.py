@@ -17,6 +17,7 @@ from dflash_offline import target as target_mod
 from dflash_offline.target import (
     REFERENCE_KERNELS,
     PackedKernels,
+    compiled_pieces,
     conv_per_segment,
     default_layer_ids,
     delta_rule_per_segment,
@@ -240,6 +241,8 @@ def test_packed_rows_equal_documents_alone(ckpt, hf_model, name):
         "per_doc": target.tapped_hidden_states(ids, pos, doc),
         "packed/reference": target.packed_hidden_states(ids, pos, doc, REFERENCE_KERNELS),
         "packed/flex": target.packed_hidden_states(ids, pos, doc, FLEX_ON_CPU),
+        # the pieces between the kernels as torch.compile runs them on CUDA (Inductor's CPU backend here)
+        "packed/compiled": target.packed_hidden_states(ids, pos, doc, REFERENCE_KERNELS, compiled_pieces()),
     }
     model = hf_model(name)
     for b, row in enumerate(lengths):
