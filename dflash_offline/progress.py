@@ -25,6 +25,18 @@ def unbuffered() -> None:
             pass
 
 
+def private_compile_caches(rank: int | None = None) -> dict[str, str]:
+    """One Triton and one Inductor cache directory per process rank, persistent across runs (a re-run on the same
+    machine skips the compilation): concurrent autotuning must not race on shared cache files. Call it before
+    anything compiles; explicit TRITON_CACHE_DIR / TORCHINDUCTOR_CACHE_DIR settings win."""
+    if rank is None:
+        rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
+    base = Path(os.environ.get("DFLASH_COMPILE_CACHE", Path.home() / ".cache" / "dflash_offline"))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(base / f"triton-rank{rank}"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(base / f"inductor-rank{rank}"))
+    return {k: os.environ[k] for k in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
+
+
 def run_cli(main) -> None:
     """A stage's `__main__`: run `main(argv)`; a ValueError (config, corpus, manifest, shard, target errors all carry
     their own advice) becomes `error: ...` and exit status 2 instead of a traceback; an int result is the exit code."""

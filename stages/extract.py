@@ -31,7 +31,7 @@ from dflash_offline.manifest import (
     renew_claim,
     try_claim,
 )
-from dflash_offline.progress import Progress, log, run_cli, unbuffered
+from dflash_offline.progress import Progress, log, private_compile_caches, run_cli, unbuffered
 
 HIDDEN_FORMAT_VERSION = 1
 
@@ -43,13 +43,6 @@ def dist_env() -> tuple[int, int, int]:
     """(rank, world size, local rank) from accelerate/torchrun's environment; (0, 1, 0) when run alone."""
     env = os.environ
     return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
-
-
-def private_compile_caches(rank: int) -> None:
-    """One Triton/Inductor cache directory per process: concurrent autotuning must not race on shared files."""
-    base = Path(os.environ.get("DFLASH_COMPILE_CACHE", Path.home() / ".cache" / "dflash_offline"))
-    os.environ.setdefault("TRITON_CACHE_DIR", str(base / f"triton-rank{rank}"))
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(base / f"inductor-rank{rank}"))
 
 
 def tokenizer_default(section: str, values: dict, earlier: dict) -> None:

@@ -350,8 +350,9 @@ def recompile_count() -> int:
 
 
 def main(argv: list[str]) -> None:
-    from dflash_offline.progress import unbuffered
+    from dflash_offline.progress import private_compile_caches, unbuffered
 
+    private_compile_caches()  # before anything compiles: per-rank caches, no autotuner races between processes
     unbuffered()
     (cfg,) = configs_from_argv([(TrainConfig, "train")], argv, __doc__)
     out = run(cfg)

@@ -129,3 +129,23 @@ def test_golden_losses(tmp_path, hidden_cache):
     want = json.loads(GOLDEN.read_text())["losses"]
     assert got == pytest.approx(want, rel=2e-4), (got, want)
     assert got[-1] < got[0]  # and it learns
+
+
+def test_each_rank_gets_its_own_persistent_compile_cache(monkeypatch, tmp_path):
+    from dflash_offline.progress import private_compile_caches
+
+    monkeypatch.setenv("DFLASH_COMPILE_CACHE", str(tmp_path))
+    dirs = {}
+    for rank in ("0", "1"):
+        for var in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+            monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv("RANK", rank)
+        dirs[rank] = private_compile_caches()
+    assert dirs["0"]["TRITON_CACHE_DIR"] != dirs["1"]["TRITON_CACHE_DIR"]
+    assert dirs["0"]["TORCHINDUCTOR_CACHE_DIR"] != dirs["1"]["TORCHINDUCTOR_CACHE_DIR"]
+    assert all(v.startswith(str(tmp_path)) for d in dirs.values() for v in d.values())
+    for var in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        monkeypatch.delenv(var)
+    assert private_compile_caches() == dirs["1"]  # the same directories on the next run: compilation is reused
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere")
+    assert private_compile_caches()["TRITON_CACHE_DIR"] == "/elsewhere"  # an explicit setting wins
