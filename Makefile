@@ -1,4 +1,4 @@
-# dflash_offline — every user-facing job is one target here. Variables: TARGET CORPUS CACHE RUN SHARD NPROC RECIPE.
+# dflash_offline — every user-facing job is one target here. Variables: TARGET CORPUS CACHE RUN SHARD NPROC RECIPE ARGS (extra --key=value settings).
 SHELL := /bin/bash
 PY_BOOT ?= python3
 VENV ?= .venv
@@ -20,6 +20,7 @@ DTYPE ?=
 PROMPTS ?=
 UNTRAINED ?=
 NPROC ?= 1
+ARGS ?=
 DEMO_DIR ?= build/demo
 DEMO_ENV ?= OMP_NUM_THREADS=1
 # one process per GPU through accelerate (torchrun underneath) when NPROC > 1
@@ -57,16 +58,16 @@ tiny: setup  ## build the embedded default target + tokenizer + bundled corpus i
 	$(PYTHON) -m stages.build_tiny --out $(DEMO_DIR)/target
 
 tokenize: setup  ## corpus → packed token shards (CORPUS=, TARGET= for the tokenizer, CACHE= to pin the directory)
-	$(PYTHON) -m stages.tokenize --recipe=$(RECIPE) --corpus=$(CORPUS) --tokenizer=$(TARGET) --out=$(CACHE)
+	$(PYTHON) -m stages.tokenize --recipe=$(RECIPE) --corpus=$(CORPUS) --tokenizer=$(TARGET) --out=$(CACHE) $(ARGS)
 
 extract: setup  ## token shards → hidden-state shards; runs tokenize first if needed (SHARD=3,5-7 redoes those; DRY_RUN=1 checks only)
-	$(LAUNCH) stages.extract --recipe=$(RECIPE) --target=$(TARGET) --corpus=$(CORPUS) --hidden_out=$(CACHE) --shards=$(SHARD) --dry_run=$(DRY_RUN)
+	$(LAUNCH) stages.extract --recipe=$(RECIPE) --target=$(TARGET) --corpus=$(CORPUS) --hidden_out=$(CACHE) --shards=$(SHARD) --dry_run=$(DRY_RUN) $(ARGS)
 
 verify: setup  ## re-hash every shard of CACHE= and recompute sampled rows with the target (ROWS= per shard)
 	$(PYTHON) -m stages.verify --cache=$(CACHE) --rows=$(ROWS)
 
 train: setup  ## train a drafter on CACHE= into RUN= (RESUME=1 continues it; NPROC= processes)
-	$(LAUNCH) stages.train --recipe=$(RECIPE) --cache=$(CACHE) --run=$(RUN) --resume=$(RESUME)
+	$(LAUNCH) stages.train --recipe=$(RECIPE) --cache=$(CACHE) --run=$(RUN) --resume=$(RESUME) $(ARGS)
 
 regen: setup  ## regenerate the corpus's assistant answers with the target (TARGET=, CORPUS=, OUT=, THINKING=on|off)
 	$(PYTHON) -m stages.regen --target=$(TARGET) --corpus=$(CORPUS) --out=$(OUT) --thinking=$(THINKING)

@@ -18,7 +18,10 @@ a directory named `step-*` is complete. `latest` (written atomically) names the 
 checkpoints (by save time) are kept; older ones are deleted only after the new one is complete.
 
 Multi-process runs: call `save_checkpoint` on the main process only (DDP keeps model and optimizer identical on every
-rank) and `load_checkpoint` on every rank. The RNG saved is the saving process's; randomness that must differ per rank
+rank) and `load_checkpoint` on every rank. FSDP (sharded) runs: every rank calls `gather_full_state` (a collective),
+the main process passes its result to `save_checkpoint(states=...)`; `load_checkpoint(..., sharded=True)` on every
+rank gives each its shard. The files are the same either way (full tensors, optimizer state by parameter index in
+`named_parameters()` order), so a sharded run resumes unsharded and the other way round. The RNG saved is the saving process's; randomness that must differ per rank
 and survive a resume should come from explicit generators seeded from (seed, rank, step).
 """
 
@@ -67,17 +70,31 @@ def step_dir(run_dir, step: int) -> Path:
 # --- save ----------------------------------------------------------------------------------------------------
 
 
+def gather_full_state(model, optimizer) -> tuple[dict, dict]:
+    """(model state, optimizer state by parameter index) as full CPU tensors, from FSDP-sharded (DTensor)
+    parameters: a collective, call it on every rank; the main process gets the tensors."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model = unwrap(model)
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
+    msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    return msd, {"state": {index[k]: v for k, v in osd.get("state", {}).items()},
+                 "param_groups": [dict(g, params=[index[p] for p in g["params"]]) for g in osd.get("param_groups", [])]}
+
+
 def save_checkpoint(run_dir, step: int, model, optimizer=None, scheduler=None, data_state: dict | None = None,
                     rng: bool = True, extra: dict | None = None, config: dict | None = None,
-                    keep_last: int | None = 3) -> Path:
-    """Write checkpoint `step` atomically, point `latest` at it, prune to the newest `keep_last`; returns its dir."""
+                    keep_last: int | None = 3, states: tuple[dict, dict] | None = None) -> Path:
+    """Write checkpoint `step` atomically, point `latest` at it, prune to the newest `keep_last`; returns its dir.
+    `states`: (model, optimizer) state dicts from `gather_full_state` instead of the objects' own (FSDP)."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = step_dir(run_dir, step)
     tmp = root / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        files = _write_all(tmp, model, optimizer, scheduler, data_state, rng)
+        files = _write_all(tmp, model, optimizer, scheduler, data_state, rng, states)
         meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step, "time": time.time(),
                 "config": config, "extra": extra or {}, "torch": torch.__version__,
                 "files": {name: (tmp / name).stat().st_size for name in files}}
@@ -104,12 +121,13 @@ def save_checkpoint(run_dir, step: int, model, optimizer=None, scheduler=None, d
     return final
 
 
-def _write_all(d: Path, model, optimizer, scheduler, data_state, rng: bool) -> list[str]:
-    sd = {k: v.detach().cpu().contiguous() for k, v in unwrap(model).state_dict().items()}
+def _write_all(d: Path, model, optimizer, scheduler, data_state, rng: bool, states=None) -> list[str]:
+    model_sd = states[0] if states else unwrap(model).state_dict()
+    sd = {k: v.detach().cpu().contiguous() for k, v in model_sd.items()}
     _write_tensors(d / "model.safetensors", sd)
     files = ["model.safetensors"]
     if optimizer is not None:
-        tensors, blob = optimizer_to_files(optimizer.state_dict())
+        tensors, blob = optimizer_to_files(states[1] if states else optimizer.state_dict())
         _write_tensors(d / "optimizer.safetensors", tensors)
         _write_json(d / "optimizer.json", blob, "optimizer param_groups/state")
         files += ["optimizer.safetensors", "optimizer.json"]
@@ -197,8 +215,9 @@ def find_checkpoint(run_dir, step: int | None = None) -> Path:
 
 
 def load_checkpoint(run_dir, model, optimizer=None, scheduler=None, step: int | None = None,
-                    rng: bool = True) -> dict:
+                    rng: bool = True, sharded: bool = False) -> dict:
     """Restore model, optimizer, scheduler and (with `rng`) RNG states from `step` or the latest checkpoint.
+    `sharded`: the model is FSDP-sharded; every rank reads the full tensors and keeps its shard.
 
     Returns {"step", "data_state", "extra", "config", "dir"}.
     """
@@ -211,11 +230,14 @@ def load_checkpoint(run_dir, model, optimizer=None, scheduler=None, step: int | 
         if not (d / name).is_file() or (d / name).stat().st_size != size:
             raise CheckpointError(f"{d}/{name} is missing or truncated (expected {size} bytes); "
                                   f"load an older step (see {d.parent})")
-    try:
-        unwrap(model).load_state_dict(_read_tensors(d, "model.safetensors"), strict=True)
-    except RuntimeError as e:
-        raise CheckpointError(f"{d}/model.safetensors does not fit this model: {e}") from None
-    if optimizer is not None:
+    if sharded:
+        _load_sharded(d, unwrap(model), getattr(optimizer, "optimizer", optimizer))
+    else:
+        try:
+            unwrap(model).load_state_dict(_read_tensors(d, "model.safetensors"), strict=True)
+        except RuntimeError as e:
+            raise CheckpointError(f"{d}/model.safetensors does not fit this model: {e}") from None
+    if optimizer is not None and not sharded:
         load_optimizer(d, optimizer)
     if scheduler is not None:
         scheduler.load_state_dict(_read_json(d, "scheduler.json"))
@@ -239,7 +261,33 @@ def _read_json(d: Path, name: str):
         raise CheckpointError(f"{d / name}: unreadable ({e}); load an older step") from None
 
 
-def load_optimizer(d: Path, optimizer) -> None:
+def _load_sharded(d: Path, model, optimizer) -> None:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True)
+    try:
+        set_model_state_dict(model, _read_tensors(d, "model.safetensors"), options=options)
+    except (RuntimeError, KeyError, ValueError) as e:
+        raise CheckpointError(f"{d}/model.safetensors does not fit this model: {e}") from None
+    if optimizer is None:
+        return
+    state, groups = _optimizer_files(d)
+    names = [name for name, _ in model.named_parameters()]
+    try:
+        groups = [{k: tuple(v) if isinstance(f.get(k), tuple) else v for k, v in g.items()}  # JSON made tuples lists
+                  for g, f in zip(groups, optimizer.param_groups, strict=True)]
+        osd = {"state": {names[i]: v for i, v in state.items()},
+               "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in groups]}
+        set_optimizer_state_dict(model, optimizer, osd, options=options)
+    except (RuntimeError, KeyError, ValueError, IndexError) as e:
+        raise CheckpointError(f"{d}/optimizer.* does not fit this optimizer: {e}") from None
+
+
+def _optimizer_files(d: Path) -> tuple[dict[int, dict], list[dict]]:
     blob = _read_json(d, "optimizer.json")
     state: dict[int, dict] = {}
     for key, t in _read_tensors(d, "optimizer.safetensors").items():
@@ -247,12 +295,16 @@ def load_optimizer(d: Path, optimizer) -> None:
         state.setdefault(int(i), {})[name] = t
     for i, values in blob["scalars"].items():
         state.setdefault(int(i), {}).update(values)
+    return state, blob["param_groups"]
+
+
+def load_optimizer(d: Path, optimizer) -> None:
+    state, saved_groups = _optimizer_files(d)
     fresh = optimizer.state_dict()["param_groups"]
-    if len(fresh) != len(blob["param_groups"]):
-        raise CheckpointError(f"{d}/optimizer.json has {len(blob['param_groups'])} param groups, "
-                              f"the optimizer {len(fresh)}")
+    if len(fresh) != len(saved_groups):
+        raise CheckpointError(f"{d}/optimizer.json has {len(saved_groups)} param groups, the optimizer {len(fresh)}")
     groups = [{k: tuple(v) if isinstance(f.get(k), tuple) else v for k, v in g.items()}  # JSON made tuples lists
-              for g, f in zip(blob["param_groups"], fresh, strict=True)]
+              for g, f in zip(saved_groups, fresh, strict=True)]
     try:
         optimizer.load_state_dict({"state": state, "param_groups": groups})
     except (ValueError, KeyError, RuntimeError) as e:

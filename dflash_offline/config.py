@@ -109,6 +109,9 @@ class TrainConfig:
     steps: int = 1000  # optimizer steps
     batch_rows: int = 1  # rows per micro-batch per process (fixed shape)
     global_batch_tokens: int = 0  # row tokens per optimizer step over all processes; 0 = one micro-batch each
+    # shard parameters, gradients and optimizer state over the processes (FSDP2, one unit per decoder layer) instead
+    # of replicating them (DDP): for drafters whose fp32 weights + AdamW state do not fit one GPU several times
+    fsdp: bool = False
     num_layers: int = 5  # drafter decoder layers
     num_heads: int = 32  # drafter query heads
     num_kv_heads: int = 8  # drafter key/value heads

@@ -95,7 +95,7 @@ def run(cfg: TrainConfig) -> Path:
     from accelerate.utils import set_seed
 
     from dflash_offline import anchors as anc
-    from dflash_offline.checkpoint import load_checkpoint, save_checkpoint
+    from dflash_offline.checkpoint import gather_full_state, load_checkpoint, save_checkpoint
     from dflash_offline.dataset import HiddenStream, open_hidden_cache
     from dflash_offline.drafter import DFlashDrafter, load_target_embeddings
     from dflash_offline.loss import block_ce_loss
@@ -135,12 +135,14 @@ def run(cfg: TrainConfig) -> Path:
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         resolved = {"train": as_dict(cfg), "drafter": as_dict(dc), "derived": {
-            "world_size": world, "grad_accum": accum, "precision": precision, "attn": attn, "compile": use_compile,
+            "world_size": world, "grad_accum": accum, "fsdp_sharded": cfg.fsdp and world > 1, "precision": precision,
+            "attn": attn, "compile": use_compile,
             "global_batch_rows": cfg.batch_rows * world * accum, "cache_key": info.key}}
         (run_dir / "config.json").write_text(json.dumps(resolved, indent=1, sort_keys=True))
         log(f"drafter {dc.num_layers}×(H {dc.hidden_size}, {dc.num_heads}/{dc.num_kv_heads} heads × "
             f"{dc.head_dim}, FFN {dc.intermediate_size}) on taps {dc.target_layer_ids}; {world} process(es) × "
-            f"{cfg.batch_rows} rows × accum {accum}; {precision}, attn {attn}, compile {use_compile}")
+            f"{cfg.batch_rows} rows × accum {accum}{', FSDP-sharded' if cfg.fsdp and world > 1 else ''}; {precision}, "
+            f"attn {attn}, compile {use_compile}")
 
     # --- model
     torch.manual_seed(cfg.seed)
@@ -149,12 +151,24 @@ def run(cfg: TrainConfig) -> Path:
     wdtype = torch.bfloat16 if precision == "bf16" else torch.float32
     embed, head = embed.to(device, wdtype).requires_grad_(False), head.to(device, wdtype).requires_grad_(False)
 
-    # --- optimizer
+    # --- optimizer (built after sharding when FSDP is on: it must hold the sharded parameters)
+    sharded = cfg.fsdp and world > 1
+    if cfg.fsdp and not sharded and rank == 0:
+        log("fsdp=1 with one process: nothing to shard, training unsharded")
+    if sharded:  # FSDP2, one unit per decoder layer + the rest
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
                             fused=cuda)
     warmup = cfg.warmup_steps if cfg.warmup_steps >= 0 else max(1, round(0.04 * cfg.steps))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_schedule(s, warmup, cfg.steps, cfg.min_lr_ratio))
-    model, opt, sched = acc.prepare(model, opt, sched)
+    if sharded:  # the sharded model never goes through accelerate (it would wrap it in DDP)
+        opt, sched = acc.prepare(opt, sched)
+    else:
+        model, opt, sched = acc.prepare(model, opt, sched)
     raw = acc.unwrap_model(model)
     step_fn = model
     if use_compile and cfg.compile_scope == "layers":
@@ -167,7 +181,7 @@ def run(cfg: TrainConfig) -> Path:
     stream = HiddenStream(info, cfg.batch_rows, rank=rank, world_size=world, seed=cfg.seed, device=device)
     step = 0
     if cfg.resume:
-        state = load_checkpoint(run_dir, raw, opt, sched)
+        state = load_checkpoint(run_dir, raw, opt, sched, sharded=sharded)
         stream.load_state_dict(state["data_state"])
         step = state["step"]
         log(f"[rank {rank}] resumed {run_dir} at step {step} ({state['dir'].name})")
@@ -199,7 +213,9 @@ def run(cfg: TrainConfig) -> Path:
                 noise = torch.randn(hidden.shape, generator=g, device=device)
                 hidden = (hidden.float() + cfg.noise_std * rms * noise).to(hidden.dtype)
             masks = raw.build_masks(batch["doc_ids"], a_BA, keep_BA, attn)
-            with acc.no_sync(model) if micro + 1 < accum else nullcontext():
+            if sharded:  # reduce-scatter the gradients once, on the last micro-batch
+                model.set_requires_gradient_sync(micro + 1 == accum)
+            with acc.no_sync(model) if micro + 1 < accum and not sharded else nullcontext():
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
                     h = step_fn(hidden, batch["input_ids"], batch["position_ids"], a_BA, keep_BA, embed, masks, attn)
                 out = block_ce_loss(h.to(head.dtype), head, labels_BAL, gamma=cfg.gamma or None,
@@ -218,6 +234,8 @@ def run(cfg: TrainConfig) -> Path:
             torch._dynamo.config.error_on_recompile = True  # warm-up done: a new shape is a bug, not a slowdown
         window.steps += 1
         window.rows += cfg.batch_rows * accum * world
+        if grad_norm is not None and hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
+            grad_norm = grad_norm.full_tensor()
         window.grad_norm = grad_norm.detach() if grad_norm is not None else 0.0  # no host sync per step
         progress.update(1, tokens=cfg.batch_rows * accum * world * c["seq_len"])
         if step % cfg.log_every == 0 or step == cfg.steps:
@@ -231,9 +249,11 @@ def run(cfg: TrainConfig) -> Path:
                     f"{rec['tok_per_s']:,.0f} tok/s mfu {rec['flop_frac']:.3f} wait {rec['data_wait_frac']:.3f}")
         if step % cfg.ckpt_every == 0 or step == cfg.steps:
             acc.wait_for_everyone()
+            states = gather_full_state(raw, opt) if sharded else None  # a collective: every rank
             if rank == 0:
                 save_checkpoint(run_dir, step, raw, opt, sched, data_state=stream.state_dict(),
-                                config={"train": as_dict(cfg), "drafter": as_dict(dc)}, keep_last=cfg.keep_last)
+                                config={"train": as_dict(cfg), "drafter": as_dict(dc)}, keep_last=cfg.keep_last,
+                                states=states)
             acc.wait_for_everyone()
         if step % cfg.log_every == 0:
             window = Window()  # after the checkpoint: its time is not training throughput

@@ -75,23 +75,27 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_two_processes_equal_one_with_accumulation(tmp_path, hidden_cache):
-    tokens_per_step = 2 * 2 * 128  # 2 rows × 128 tokens, twice
-    one = tmp_path / "one"
-    train.run(TrainConfig(cache=str(hidden_cache), run=str(one), **{**TINY, "steps": 4, "ckpt_every": 4,
-                                                                    "global_batch_tokens": tokens_per_step}).resolve())
-    two = tmp_path / "two"
+def launch_two(cache, run, **kw):
+    """Train with 2 gloo processes (as torchrun would start them); returns when both are done."""
     port = str(free_port())
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, DFLASH_NO_BAR="1", PYTHONPATH=str(REPO),
                    OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-c", WORKER,
-                                       *cli_args(hidden_cache, two, global_batch_tokens=tokens_per_step)],
+        procs.append(subprocess.Popen([sys.executable, "-c", WORKER, *cli_args(cache, run, **kw)],
                                       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-3000:] for o in outs]
+
+
+def test_two_processes_equal_one_with_accumulation(tmp_path, hidden_cache):
+    tokens_per_step = 2 * 2 * 128  # 2 rows × 128 tokens, twice
+    one = tmp_path / "one"
+    train.run(TrainConfig(cache=str(hidden_cache), run=str(one), **{**TINY, "steps": 4, "ckpt_every": 4,
+                                                                    "global_batch_tokens": tokens_per_step}).resolve())
+    two = tmp_path / "two"
+    launch_two(hidden_cache, two, global_batch_tokens=tokens_per_step)
     config = json.loads((two / "config.json").read_text())["derived"]
     assert config["world_size"] == 2 and config["grad_accum"] == 1
     assert json.loads((one / "config.json").read_text())["derived"]["grad_accum"] == 2
@@ -149,3 +153,45 @@ def test_each_rank_gets_its_own_persistent_compile_cache(monkeypatch, tmp_path):
     assert private_compile_caches() == dirs["1"]  # the same directories on the next run: compilation is reused
     monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere")
     assert private_compile_caches()["TRITON_CACHE_DIR"] == "/elsewhere"  # an explicit setting wins
+
+
+def test_fsdp_two_processes_equal_one_and_resume_exactly(tmp_path, hidden_cache):
+    """FSDP-sharded (2 gloo processes, accumulation 2) = one unsharded process with accumulation 4; a sharded run
+    resumed from its step-2 checkpoint ends where the uninterrupted one did; its checkpoint loads unsharded."""
+    tokens_per_step = 4 * 2 * 128
+    one = tmp_path / "one"
+    train.run(TrainConfig(cache=str(hidden_cache), run=str(one), **{**TINY, "steps": 4, "ckpt_every": 2,
+                                                                    "global_batch_tokens": tokens_per_step}).resolve())
+    sharded = tmp_path / "fsdp"
+    launch_two(hidden_cache, sharded, global_batch_tokens=tokens_per_step, fsdp=1, ckpt_every=2)
+    derived = json.loads((sharded / "config.json").read_text())["derived"]
+    assert derived["grad_accum"] == 2 and derived["fsdp_sharded"] is True
+    grad_norms = [json.loads(line)["grad_norm"] for line in (sharded / "metrics.jsonl").read_text().splitlines()]
+    one_norms = [json.loads(line)["grad_norm"] for line in (one / "metrics.jsonl").read_text().splitlines()]
+    assert grad_norms == pytest.approx(one_norms, rel=1e-4)  # clipping sees the global norm of the sharded grads
+    assert losses(one) == pytest.approx(losses(sharded), rel=1e-5)
+    w1, w2 = final_weights(one, 4), final_weights(sharded, 4)
+    assert set(w1) == set(w2)
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], rtol=1e-4, atol=1e-6)
+    # interrupt after step 2, resume sharded
+    shutil.rmtree(sharded / "checkpoints" / "step-00000004")
+    (sharded / "checkpoints" / "latest").write_text("step-00000002\n")
+    (sharded / "metrics.jsonl").write_text("\n".join((sharded / "metrics.jsonl").read_text().splitlines()[:2]) + "\n")
+    launch_two(hidden_cache, sharded, global_batch_tokens=tokens_per_step, fsdp=1, ckpt_every=2, resume=1)
+    assert losses(sharded) == pytest.approx(losses(one), rel=1e-5)
+    for k, v in final_weights(sharded, 4).items():
+        torch.testing.assert_close(v, w1[k], rtol=1e-4, atol=1e-6)
+    # the sharded run's checkpoint (full tensors, optimizer by parameter index) loads into an unsharded model + AdamW
+    from dflash_offline.checkpoint import load_checkpoint
+    from dflash_offline.drafter import DFlashDrafter
+
+    c = cfg(hidden_cache, sharded, **TINY)
+    model = DFlashDrafter(train.drafter_config(c, train.cache_defaults(c)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1.0)
+    state = load_checkpoint(sharded, model, opt, step=2, rng=False)
+    assert state["step"] == 2
+    saved = load_file(str(sharded / "checkpoints" / "step-00000002" / "model.safetensors"))
+    assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+    for p_ in model.parameters():  # full-size moments for every parameter, after 2 steps
+        assert opt.state[p_]["exp_avg"].shape == p_.shape and float(opt.state[p_]["step"]) == 2
