@@ -94,6 +94,7 @@ status: setup  ## shard table and summary of CACHE= (a cache or a directory of c
 	$(PYTHON) -m stages.status $(or $(CACHE),cache) $(if $(JSON),--json)
 
 demo: setup  ## the whole pipeline on the embedded default, on CPU: build, regen, extract, train, export, eval
+	$(PYTHON) -m stages.demo_outputs --dir=$(DEMO_DIR)
 	$(DEMO_ENV) $(PYTHON) -m stages.build_tiny --out $(DEMO_DIR)/target --train-steps 300
 	$(DEMO_ENV) $(PYTHON) -m stages.regen --target=$(DEMO_DIR)/target --corpus=$(DEMO_DIR)/target/corpus/train.jsonl --out=$(DEMO_DIR)/regen.jsonl --num_docs=600 --max_new_tokens=256 --batch_size=32 --thinking=on --device=cpu
 	$(DEMO_ENV) $(PYTHON) -m stages.extract --recipe=manifests/demo.toml --out=$(DEMO_DIR)/cache/tokens --hidden_out=$(DEMO_DIR)/cache/hidden
