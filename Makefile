@@ -100,7 +100,7 @@ demo: setup  ## the whole pipeline on the embedded default, on CPU: build, regen
 	$(DEMO_ENV) $(PYTHON) -m stages.extract --recipe=manifests/demo.toml --out=$(DEMO_DIR)/cache/tokens --hidden_out=$(DEMO_DIR)/cache/hidden
 	$(DEMO_ENV) $(PYTHON) -m stages.verify --cache=$(DEMO_DIR)/cache/hidden --rows=1 --device=cpu
 	$(DEMO_ENV) $(PYTHON) -m stages.status $(DEMO_DIR)/cache
-	$(DEMO_ENV) $(PYTHON) -m stages.train --recipe=manifests/demo.toml --cache=$(DEMO_DIR)/cache/hidden --run=$(DEMO_DIR)/run --resume=$(if $(wildcard $(DEMO_DIR)/run/checkpoints/latest),1,0)
+	$(DEMO_ENV) $(PYTHON) -m stages.train --recipe=manifests/demo.toml --cache=$(DEMO_DIR)/cache/hidden --run=$(DEMO_DIR)/run --resume=$$(test -f $(DEMO_DIR)/run/checkpoints/latest && echo 1 || echo 0)
 	$(DEMO_ENV) $(PYTHON) -m stages.export --run=$(DEMO_DIR)/run --out=$(DEMO_DIR)/export
 	$(DEMO_ENV) $(PYTHON) -m stages.evaluate --run=$(DEMO_DIR)/run --threads=1
 	$(DEMO_ENV) $(PYTHON) -m stages.evaluate --run=$(DEMO_DIR)/run --threads=1 --untrained=1
