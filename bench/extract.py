@@ -48,19 +48,25 @@ def write_config(path: Path, text: dict) -> Path:
     return path
 
 
+def lognormal_packed_rows(n_rows: int, seq_len: int, vocab: int, seed: int = 0) -> list:
+    """Rows (packing.Row) of random documents with log-normal lengths (median 400 tokens, like real chat), packed
+    best-fit over 64 open rows, in the order they complete."""
+    rng = np.random.default_rng(seed)
+    packer, done, ordinal = Packer(seq_len, 64), [], 0
+    while len(done) < n_rows:
+        n = int(min(seq_len, max(8, rng.lognormal(np.log(400), 1.0))))
+        done += packer.add(Doc(rng.integers(0, vocab, n).astype(np.int32), np.ones(n, dtype=np.uint8), ordinal))
+        ordinal += 1
+    return done
+
+
 def synthetic_tokens(root: Path, shards: int, rows: int, seq_len: int, vocab: int, seed: int = 0) -> tuple[Path, dict]:
     """A complete token cache of packed documents with log-normal lengths (median 400 tokens), like real chat."""
-    rng = np.random.default_rng(seed)
     producer = {"stage": "bench", "seq_len": seq_len, "seed": seed, "shards": shards, "rows": rows,
                 "tokenizer": {"vocab_size": vocab, "pad_id": 0}}
     out = root / "tokens"
     open_cache(out, "tokens", hash_obj(producer), producer, {}, None)
-    packer, done, ordinal = Packer(seq_len, 64), [], 0
-    while len(done) < shards * rows:
-        n = int(min(seq_len, max(8, rng.lognormal(np.log(400), 1.0))))
-        ids = rng.integers(0, vocab, n).astype(np.int32)
-        done += packer.add(Doc(ids, np.ones(n, dtype=np.uint8), ordinal))
-        ordinal += 1
+    done = lognormal_packed_rows(shards * rows, seq_len, vocab, seed)
     for i in range(shards):
         arrays, sources = materialize(done[i * rows:(i + 1) * rows], seq_len, 0)
         name = token_shard_name(i)

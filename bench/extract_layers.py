@@ -23,19 +23,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.extract import TEXT_27B, TEXT_TINY, write_config
+from bench.extract import TEXT_27B, TEXT_TINY, lognormal_packed_rows, write_config
 from dflash_offline import target as tg
-from dflash_offline.packing import Doc, Packer, materialize
+from dflash_offline.packing import materialize
 
 
 def packed_rows(B: int, S: int, vocab: int, seed: int = 0):
     """(input_ids, position_ids, doc_ids) [B, S] on the CPU: log-normal documents (median 400) packed best-fit."""
-    rng = np.random.default_rng(seed)
-    packer, done, ordinal = Packer(S, 64), [], 0
-    while len(done) < 8 * B:
-        n = int(min(S, max(8, rng.lognormal(np.log(400), 1.0))))
-        done += packer.add(Doc(rng.integers(0, vocab, n).astype(np.int32), np.ones(n, dtype=np.uint8), ordinal))
-        ordinal += 1
+    done = lognormal_packed_rows(8 * B, S, vocab, seed)
     # the first rows to complete are the rare single-document ones (a document of S tokens fills a row at once):
     # take later rows, which hold the typical mix
     arrays, _ = materialize(done[-B:], S, 0)

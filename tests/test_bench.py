@@ -1,0 +1,43 @@
+"""The benchmarks' CPU smoke modes run end to end and report what the GPU runs report (so they do not rot between
+device sessions): ours and the baseline in one invocation, a ratio, JSON output."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_bench(module: str, tmp_path: Path, *args: str) -> tuple[dict, str]:
+    out = tmp_path / "out.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO), DFLASH_NO_BAR="1")
+    p = subprocess.run([sys.executable, "-m", module, "--tiny", f"--workdir={tmp_path / 'w'}", f"--out={out}", *args],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(out.read_text()), p.stdout
+
+
+def test_bench_extract_tiny(tmp_path):
+    res, stdout = run_bench("bench.extract", tmp_path, "--shards=3")
+    assert res["ours"]["row_tok_per_s"] > 0 and res["plain_hf"]["row_tok_per_s"] > 0
+    assert 0 < res["ours"]["busy_frac"] <= 1
+    assert "ratio ours / plain" in stdout
+
+
+def test_bench_train_tiny_with_profile_and_accumulation(tmp_path):
+    res, stdout = run_bench("bench.train", tmp_path, "--steps=8", "--log_every=2", "--profile_steps=2", "--accum=2")
+    ours = res["ours"]
+    assert ours["tok_per_s"] > 0 and res["baseline"]["tok_per_s"] > 0 and ours["recompiles"] == 0
+    assert "ours / baseline" in stdout and ours["profile"] and "training steps" in ours["profile"]
+
+
+@pytest.mark.parametrize("rows", ["2"])
+def test_bench_extract_layers_tiny(tmp_path, rows):
+    res, stdout = run_bench("bench.extract_layers", tmp_path, f"--batch_rows={rows}", "--reps=1")
+    r = res["rows"][rows]
+    assert r["est tok/s hf"] > 0 and r["est tok/s reference/eager"] > 0 and r["segments"] >= int(rows)
+    assert "per layer" in stdout
