@@ -20,7 +20,7 @@ import numpy as np
 
 from dflash_offline.config import VerifyConfig, config_from_argv
 from dflash_offline.manifest import committed, read_manifest, sha256_file, update_manifest
-from dflash_offline.progress import log, unbuffered
+from dflash_offline.progress import log, private_compile_caches, unbuffered
 
 FP8_REL_TOL = 0.06  # e4m3 keeps 3 mantissa bits: per-element rounding ≤ 6.25 %, RMS ≈ 2–3 %
 
@@ -99,6 +99,7 @@ def verify(cache: Path, cfg: VerifyConfig) -> dict:
 
 
 def main(argv: list[str]) -> None:
+    private_compile_caches()  # the packed path compiles on CUDA: reuse (and never race on) the extraction's caches
     unbuffered()
     cfg = config_from_argv(VerifyConfig, "verify", argv, __doc__)
     v = verify(Path(cfg.cache), cfg)
