@@ -541,8 +541,8 @@ class Target:
         """K tensors [B, S, H] (contiguous, in `layer_ids` order): what `tapped_hidden_states` concatenates."""
         if self.mode == "packed":
             return self.packed_layers(input_ids_BS, position_ids_BS, doc_ids_BS, self.kernels, self.pieces)
-        return list(self.tapped_hidden_states(input_ids_BS, position_ids_BS, doc_ids_BS).contiguous().chunk(
-            len(self.layer_ids), dim=-1))
+        return [t.contiguous() for t in self.tapped_hidden_states(input_ids_BS, position_ids_BS, doc_ids_BS).chunk(
+            len(self.layer_ids), dim=-1)]
 
     def tapped_hidden_states(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor,
                              doc_ids_BS: torch.Tensor) -> torch.Tensor:

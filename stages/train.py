@@ -124,6 +124,7 @@ def run(cfg: TrainConfig) -> Path:
     acc = Accelerator(mixed_precision="no", cpu=not cuda, log_with=trackers or None, project_dir=str(run_dir),
                       step_scheduler_with_optimizer=False)
     world, rank = acc.num_processes, acc.process_index
+    sharded = cfg.fsdp and world > 1  # FSDP only shards over more than one process
     accum = 1
     if cfg.global_batch_tokens:
         accum, rem = divmod(cfg.global_batch_tokens, rows_per_micro * world)
@@ -135,13 +136,13 @@ def run(cfg: TrainConfig) -> Path:
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         resolved = {"train": as_dict(cfg), "drafter": as_dict(dc), "derived": {
-            "world_size": world, "grad_accum": accum, "fsdp_sharded": cfg.fsdp and world > 1, "precision": precision,
+            "world_size": world, "grad_accum": accum, "fsdp_sharded": sharded, "precision": precision,
             "attn": attn, "compile": use_compile,
             "global_batch_rows": cfg.batch_rows * world * accum, "cache_key": info.key}}
         (run_dir / "config.json").write_text(json.dumps(resolved, indent=1, sort_keys=True))
         log(f"drafter {dc.num_layers}×(H {dc.hidden_size}, {dc.num_heads}/{dc.num_kv_heads} heads × "
             f"{dc.head_dim}, FFN {dc.intermediate_size}) on taps {dc.target_layer_ids}; {world} process(es) × "
-            f"{cfg.batch_rows} rows × accum {accum}{', FSDP-sharded' if cfg.fsdp and world > 1 else ''}; {precision}, "
+            f"{cfg.batch_rows} rows × accum {accum}{', FSDP-sharded' if sharded else ''}; {precision}, "
             f"attn {attn}, compile {use_compile}")
 
     # --- model
@@ -152,7 +153,6 @@ def run(cfg: TrainConfig) -> Path:
     embed, head = embed.to(device, wdtype).requires_grad_(False), head.to(device, wdtype).requires_grad_(False)
 
     # --- optimizer (built after sharding when FSDP is on: it must hold the sharded parameters)
-    sharded = cfg.fsdp and world > 1
     if cfg.fsdp and not sharded and rank == 0:
         log("fsdp=1 with one process: nothing to shard, training unsharded")
     if sharded:  # FSDP2, one unit per decoder layer + the rest
