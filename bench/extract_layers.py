@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +57,20 @@ def timed(fn, device, reps: int) -> float:
     return float(np.median(out))
 
 
+@contextmanager
+def unfuse(*layers):
+    """Run the layers with one GEMM per projection (as before `target.fuse_projections`), then restore."""
+    owners = [o for la in layers for o in (la.mlp, getattr(la, "linear_attn", None) or la.self_attn)]
+    saved = [o.fused_in for o in owners]
+    for o in owners:
+        o.fused_in = None
+    try:
+        yield
+    finally:
+        for o, w in zip(owners, saved, strict=True):
+            o.fused_in = w
+
+
 def fla_delta_rule_repeated(q, k, v, g, beta, seg):
     """The delta rule as transformers calls it: q and k repeated to the value heads first."""
     r = v.shape[2] // q.shape[2]
@@ -91,6 +106,7 @@ def main() -> None:
             "flex/rep/eager (previous)": (tg.PackedKernels(flex, tg.fla_conv, fla_delta_rule_repeated), tg.EAGER_PIECES),
             "flex/gva/compiled": (tg.PackedKernels(flex, tg.fla_conv, tg.fla_delta_rule), compiled),
             "flash/gva/eager": (tg.PackedKernels(flash, tg.fla_conv, tg.fla_delta_rule), tg.EAGER_PIECES),
+            "flash/gva/compiled/unfused": (tg.PackedKernels(flash, tg.fla_conv, tg.fla_delta_rule), compiled),
             "flash/gva/compiled": (tg.PackedKernels(flash, tg.fla_conv, tg.fla_delta_rule), compiled),
         }
     else:
@@ -109,8 +125,6 @@ def main() -> None:
         r = {"tokens": T, "segments": len(seg.bounds), "host_segments_ms": 1000 * host_s,
              "padding_frac": float((doc < 0).float().mean())}
         g = torch.Generator(device=device).manual_seed(1)
-        from contextlib import nullcontext
-
         cpu_kernels = tg.torch_gated_deltanet_kernels() if not cuda else nullcontext()
         with torch.inference_mode(), cpu_kernels:
             h = (torch.randn(1, T, info.hidden_size, generator=g, device=device) * 0.5).to(dtype)
@@ -121,15 +135,17 @@ def main() -> None:
                 seg.cache.clear()
                 t_start = time.perf_counter()
                 try:
-                    for layer in (gdn_layer, attn_layer):  # warm-up: autotune / compile
-                        tg._packed_layer(layer, h, seg, kern, pieces, cos_sin, rope, gated)
-                    if cuda:
-                        torch.cuda.synchronize()
-                    r[f"warmup_s {name}"] = time.perf_counter() - t_start
-                    for kind, layer in (("gdn", gdn_layer), ("attn", attn_layer)):
-                        r[f"{kind} ms {name}"] = 1000 * timed(
-                            lambda layer=layer, kern=kern, pieces=pieces: tg._packed_layer(
-                                layer, h, seg, kern, pieces, cos_sin, rope, gated), device, args.reps)
+                    stash = unfuse(gdn_layer, attn_layer) if name.endswith("/unfused") else nullcontext()
+                    with stash:
+                        for layer in (gdn_layer, attn_layer):  # warm-up: autotune / compile
+                            tg._packed_layer(layer, h, seg, kern, pieces, cos_sin, rope, gated)
+                        if cuda:
+                            torch.cuda.synchronize()
+                        r[f"warmup_s {name}"] = time.perf_counter() - t_start
+                        for kind, layer in (("gdn", gdn_layer), ("attn", attn_layer)):
+                            r[f"{kind} ms {name}"] = 1000 * timed(
+                                lambda layer=layer, kern=kern, pieces=pieces: tg._packed_layer(
+                                    layer, h, seg, kern, pieces, cos_sin, rope, gated), device, args.reps)
                 except Exception as e:  # report and go on with the other variants
                     import traceback
 

@@ -52,6 +52,33 @@ def dense_mask(
     return full_BQK[:, None]
 
 
+def query_bounds(
+    anchor_pos_BA: torch.Tensor,
+    keep_BA: torch.Tensor,
+    doc_ids_BS: torch.Tensor,
+    block_size: int,
+    sliding_window: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query, the context keys it sees as one interval: int32 (lo_BQ, hi_BQ), key j visible iff lo <= j < hi.
+
+    Documents of a packed row are contiguous runs of one doc id (packing writes them so), so "j < p and j in p's
+    document" is "start of p's document <= j < p"; a sliding window raises lo to p + k - W + 1; a padded anchor
+    gets hi = 0 (no context).
+    """
+    B, S = doc_ids_BS.shape
+    L = block_size
+    pos_S = torch.arange(S, device=doc_ids_BS.device)
+    starts_BS = torch.ones_like(doc_ids_BS, dtype=torch.bool)
+    starts_BS[:, 1:] = doc_ids_BS[:, 1:] != doc_ids_BS[:, :-1]
+    doc_start_BS = torch.where(starts_BS, pos_S, 0).cummax(dim=1).values
+    lo_BQ = doc_start_BS.gather(1, anchor_pos_BA).repeat_interleave(L, dim=1)
+    hi_BQ = torch.where(keep_BA, anchor_pos_BA, 0).repeat_interleave(L, dim=1)
+    if sliding_window is not None:
+        k_Q = torch.arange(hi_BQ.shape[1], device=hi_BQ.device) % L
+        lo_BQ = torch.maximum(lo_BQ, anchor_pos_BA.repeat_interleave(L, dim=1) + k_Q - sliding_window + 1)
+    return lo_BQ.to(torch.int32), hi_BQ.to(torch.int32)
+
+
 def make_mask_mod(
     anchor_pos_BA: torch.Tensor,
     keep_BA: torch.Tensor,
@@ -61,24 +88,21 @@ def make_mask_mod(
 ):
     """flex_attention mask_mod(b, h, q_idx, kv_idx) with the semantics of `dense_mask`.
 
-    Indices are clamped before every gather, so the function is safe on out-of-range indices (flex may
+    Context visibility is one interval per query (`query_bounds`): two loads indexed by the query only, no gather
+    per key. Indices are clamped before every gather, so the function is safe on out-of-range indices (flex may
     evaluate padded tiles) and broadcasts over index tensors of any shape.
     """
     S = doc_ids_BS.shape[1]
-    A, L = anchor_pos_BA.shape[1], block_size
-    anchor_doc_BA = doc_ids_BS.gather(1, anchor_pos_BA)
+    Q, L = anchor_pos_BA.shape[1] * block_size, block_size
+    lo_BQ, hi_BQ = query_bounds(anchor_pos_BA, keep_BA, doc_ids_BS, block_size, sliding_window)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        a = (q_idx // L).clamp(0, A - 1)
-        k = q_idx % L
-        anchor = anchor_pos_BA[b, a]
-        j = kv_idx.clamp(0, S - 1)
-        ctx = (kv_idx < S) & (kv_idx < anchor) & (doc_ids_BS[b, j] == anchor_doc_BA[b, a]) & keep_BA[b, a]
-        kb = (kv_idx - S).clamp(min=0)
-        blk = (kv_idx >= S) & (kb // L == q_idx // L)
+        qi = q_idx.clamp(0, Q - 1)
+        ctx = (kv_idx >= lo_BQ[b, qi]) & (kv_idx < hi_BQ[b, qi])  # hi <= anchor < S: context keys only
+        kb = kv_idx - S
+        blk = (kb >= 0) & (kb // L == q_idx // L)
         if sliding_window is not None:
-            ctx = ctx & ((anchor + k - kv_idx) < sliding_window)
-            dk = k - kb % L
+            dk = q_idx % L - kb % L
             blk = blk & (dk >= 0) & (dk < sliding_window)
         return ctx | blk
 
