@@ -4,7 +4,7 @@
 
 | file | holds |
 | --- | --- |
-| `model.safetensors` | the drafter's state_dict (unwrapped from DDP / torch.compile), as trained (fp32 master weights) |
+| `model.safetensors` | the drafter's state_dict (unwrapped from DDP / torch.compile), as trained (fp32 master weights, also when the model computes with bf16 copies: `full_precision_state_dict`) |
 | `optimizer.safetensors` | every optimizer state tensor, `state.{param_index}.{name}` |
 | `optimizer.json` | `param_groups` and non-tensor state (`scalars.{param_index}.{name}`) |
 | `scheduler.json` | `scheduler.state_dict()` (LambdaLR with a plain function or lambda: JSON-able) |
@@ -122,7 +122,7 @@ def save_checkpoint(run_dir, step: int, model, optimizer=None, scheduler=None, d
 
 
 def _write_all(d: Path, model, optimizer, scheduler, data_state, rng: bool, states=None) -> list[str]:
-    model_sd = states[0] if states else unwrap(model).state_dict()
+    model_sd = states[0] if states else full_precision_state_dict(model, optimizer)
     sd = {k: v.detach().cpu().contiguous() for k, v in model_sd.items()}
     _write_tensors(d / "model.safetensors", sd)
     files = ["model.safetensors"]
@@ -142,6 +142,19 @@ def _write_all(d: Path, model, optimizer, scheduler, data_state, rng: bool, stat
     _write_json(d / "data.json", data_state, "data_state")
     return files + ["data.json"]
 
+
+
+def _inner(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)  # under accelerate's AcceleratedOptimizer
+
+
+def full_precision_state_dict(model, optimizer=None) -> dict[str, torch.Tensor]:
+    """The model's state_dict with the optimizer's fp32 master weights where it keeps them (optim.MasterAdamW):
+    checkpoints always hold the weights as trained, whatever the model computes in."""
+    inner = _inner(optimizer)
+    if hasattr(inner, "master_state_dict"):
+        return inner.master_state_dict(unwrap(model))
+    return unwrap(model).state_dict()
 
 
 def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -239,6 +252,8 @@ def load_checkpoint(run_dir, model, optimizer=None, scheduler=None, step: int | 
             raise CheckpointError(f"{d}/model.safetensors does not fit this model: {e}") from None
     if optimizer is not None and not sharded:
         load_optimizer(d, optimizer)
+        if hasattr(_inner(optimizer), "load_masters"):  # the exact fp32 weights (the model holds bf16 copies)
+            _inner(optimizer).load_masters(unwrap(model), _read_tensors(d, "model.safetensors"))
     if scheduler is not None:
         scheduler.load_state_dict(_read_json(d, "scheduler.json"))
     if rng:

@@ -131,6 +131,10 @@ class TrainConfig:
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # max global grad norm (0 = off)
     precision: str = "auto"  # "bf16" (autocast, fp32 master weights) or "fp32"; auto = bf16 on CUDA
+    # bf16: "on" = bf16 matmul weights in the model, fp32 masters + AdamW + clipping in one fused pass
+    # (dflash_offline.optim.MasterAdamW); "off" = fp32 weights under autocast + torch's fused AdamW.
+    # auto = on unless FSDP, or several processes with gradient accumulation
+    master_weights: str = "auto"
     attn: str = "auto"  # "flex" (compiled flex_attention) or "dense" (reference); auto = flex on CUDA
     compile: str = "auto"  # "on" / "off"; auto = on with CUDA. After warm-up a recompile is an error
     # "layers": each decoder layer is one compiled region, shared by all layers (compile time of one layer);
@@ -147,6 +151,7 @@ class TrainConfig:
     def resolve(self) -> TrainConfig:
         check_choice("train.weighting", self.weighting, ("decay", "dpace"))
         check_choice("train.precision", self.precision, ("auto", "bf16", "fp32"))
+        check_choice("train.master_weights", self.master_weights, ("auto", "on", "off"))
         check_choice("train.attn", self.attn, ("auto", "flex", "dense"))
         check_choice("train.compile", self.compile, ("auto", "on", "off"))
         check_choice("train.compile_scope", self.compile_scope, ("layers", "model"))

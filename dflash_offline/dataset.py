@@ -12,8 +12,9 @@ shapes fixed; the order changes every epoch, so a different tail is dropped each
 
 I/O — no DataLoader workers. One background thread reads the next `prefetch` batches — memory-mapped safetensors
 slices of only the requested layers, in their stored dtype (FP8 stays FP8, half the bytes), and the Arrow token rows —
-into pinned host buffers. The calling thread copies them to the device (`non_blocking`) and decodes FP8 there. The
-thread does file reads and memcpy only (no compute, no CUDA kernels). Workers would add process start-up, a second
+into pinned host buffers. The calling thread copies them to the device (`non_blocking`) and decodes FP8 there; on
+CUDA it does so one batch ahead on a side stream, so the copy of batch n+1 overlaps step n (the step waits on an
+event, not on the copy engine). The reader thread does file reads and memcpy only (no compute, no CUDA kernels). Workers would add process start-up, a second
 copy through shared memory and per-worker resume state, for work that is a few large contiguous reads per batch.
 
 Start-up reads the manifest only (no shard file is opened before the first batch), and the first batch opens only
@@ -194,6 +195,8 @@ class HiddenStream:
         self._pool: ThreadPoolExecutor | None = None
         self._tokens: OrderedDict = OrderedDict()  # shard → token arrays (reader thread only)
         self._checked: set[int] = set()
+        self._staged = None  # CUDA: (next batch on the device, its copy event), copied one step ahead
+        self._copy_stream = None
 
     # -- iteration --
 
@@ -202,8 +205,14 @@ class HiddenStream:
 
     def __next__(self) -> dict[str, torch.Tensor]:
         t0 = time.perf_counter()
-        host = self._take()
-        batch = self._to_device(host)
+        if self.pin and self.prefetch > 0:  # CUDA: this batch was copied during the previous step
+            if self._staged is None:
+                self._staged = self._stage(self._take())
+            batch, ready = self._staged
+            torch.cuda.current_stream(self.device).wait_event(ready)
+            self._staged = self._stage(self._take())  # the next batch's copies overlap this step's compute
+        else:
+            batch = self._to_device(self._take())
         self.epoch, self.batch = self._after(self.epoch, self.batch)
         self.last_wait_s = time.perf_counter() - t0
         self.total_wait_s += self.last_wait_s
@@ -223,8 +232,23 @@ class HiddenStream:
             self._ahead = self._after(*self._ahead)
         return self._pending.popleft().result()
 
+    def _stage(self, host: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.cuda.Event]:
+        """Copy (and decode) a batch on the side stream; (tensors, event the consumer waits on)."""
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        consumer = torch.cuda.current_stream(self.device)
+        self._copy_stream.wait_stream(consumer)  # buffers freed by earlier steps are free for the copy stream too
+        with torch.cuda.stream(self._copy_stream):
+            batch = self._to_device(host)
+            ready = torch.cuda.Event()
+            ready.record()
+        for t in batch.values():
+            t.record_stream(consumer)  # the allocator must not reuse them before the consumer is done
+        return batch, ready
+
     def close(self) -> None:
         """Stop the reader (pending reads are dropped); iterating again restarts it at the current position."""
+        self._staged = None
         for f in self._pending:
             f.cancel()
         if self._pool is not None:

@@ -198,7 +198,8 @@ class DFlashDrafter(nn.Module):
         `masks` comes from `build_masks` with the same anchors and the same `attn`. The flex path must run
         under torch.compile (uncompiled flex_attention materializes the score matrix).
         """
-        L, dtype = self.cfg.block_size, self.fc.weight.dtype
+        # the residual stream's dtype: the norms' (matmul weights may be bf16 copies, see optim.MasterAdamW)
+        L, dtype = self.cfg.block_size, self.norm.weight.dtype
         ctx_BSH = self.hidden_norm(self.fc(hidden_BSK.to(dtype)))
         ids_BQ = block_input_ids(input_ids_BS, anchor_pos_BA, keep_BA, L, self.cfg.mask_token_id)
         x_BQH = F.embedding(ids_BQ, embed_weight_VH).to(dtype)

@@ -99,6 +99,7 @@ def run(cfg: TrainConfig) -> Path:
     from dflash_offline.dataset import HiddenStream, open_hidden_cache
     from dflash_offline.drafter import DFlashDrafter, load_target_embeddings
     from dflash_offline.loss import block_ce_loss
+    from dflash_offline.optim import MasterAdamW, fp32_allreduce_hook
     from dflash_offline.progress import Progress, log
 
     t0 = time.time()
@@ -131,18 +132,26 @@ def run(cfg: TrainConfig) -> Path:
         if rem or accum < 1:
             raise ValueError(f"global_batch_tokens={cfg.global_batch_tokens} must be a multiple of batch_rows × "
                              f"seq_len × processes = {rows_per_micro * world}")
+    master = cfg.master_weights == "on" or (cfg.master_weights == "auto" and precision == "bf16")
+    why_not = ("precision is fp32" if precision != "bf16" else "FSDP shards fp32 weights" if sharded else
+               "several processes with gradient accumulation" if world > 1 and accum > 1 else None)
+    if master and why_not:
+        if cfg.master_weights == "on":
+            raise ValueError(f"master_weights=on is not available here: {why_not}; use master_weights=off/auto")
+        master = False
     device = acc.device
     set_seed(cfg.seed)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         resolved = {"train": as_dict(cfg), "drafter": as_dict(dc), "derived": {
             "world_size": world, "grad_accum": accum, "fsdp_sharded": sharded, "precision": precision,
-            "attn": attn, "compile": use_compile,
+            "attn": attn, "compile": use_compile, "master_weights": master,
             "global_batch_rows": cfg.batch_rows * world * accum, "cache_key": info.key}}
         (run_dir / "config.json").write_text(json.dumps(resolved, indent=1, sort_keys=True))
         log(f"drafter {dc.num_layers}×(H {dc.hidden_size}, {dc.num_heads}/{dc.num_kv_heads} heads × "
             f"{dc.head_dim}, FFN {dc.intermediate_size}) on taps {dc.target_layer_ids}; {world} process(es) × "
-            f"{cfg.batch_rows} rows × accum {accum}{', FSDP-sharded' if sharded else ''}; {precision}, "
+            f"{cfg.batch_rows} rows × accum {accum}{', FSDP-sharded' if sharded else ''}; {precision}"
+            f"{' (bf16 weights, fp32 masters)' if master else ''}, "
             f"attn {attn}, compile {use_compile}")
 
     # --- model
@@ -161,8 +170,14 @@ def run(cfg: TrainConfig) -> Path:
         for layer in model.layers:
             fully_shard(layer)
         fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                            fused=cuda)
+    if master:  # bf16 matmul weights; fp32 masters, clipping and AdamW in one fused pass
+        opt = MasterAdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                          max_grad_norm=cfg.grad_clip, low_dtype=torch.bfloat16)
+        if accum > 1:
+            opt.accumulate_in_fp32()
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                                fused=cuda)
     warmup = cfg.warmup_steps if cfg.warmup_steps >= 0 else max(1, round(0.04 * cfg.steps))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_schedule(s, warmup, cfg.steps, cfg.min_lr_ratio))
     if sharded:  # the sharded model never goes through accelerate (it would wrap it in DDP)
@@ -170,6 +185,8 @@ def run(cfg: TrainConfig) -> Path:
     else:
         model, opt, sched = acc.prepare(model, opt, sched)
     raw = acc.unwrap_model(model)
+    if master and world > 1:  # DDP: reduce the bf16 gradients in fp32 (as the fp32-weight path does)
+        model.register_comm_hook(None, fp32_allreduce_hook)
     step_fn = model
     if use_compile and cfg.compile_scope == "layers":
         for layer in raw.layers:  # one compiled region; layers 1.. reuse layer 0's graph (same code, same shapes)
@@ -222,8 +239,11 @@ def run(cfg: TrainConfig) -> Path:
                                     weighting=cfg.weighting, chunk_tokens=cfg.loss_chunk_tokens)
                 acc.backward(out.loss / accum)
             window.add(out, keep_BA)
-        grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.grad_clip) if cfg.grad_clip > 0 else None
-        opt.step()
+        if master:
+            grad_norm = opt.optimizer.step()  # clips inside; the global norm before clipping
+        else:
+            grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.grad_clip) if cfg.grad_clip > 0 else None
+            opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         step += 1
@@ -240,6 +260,8 @@ def run(cfg: TrainConfig) -> Path:
         progress.update(1, tokens=cfg.batch_rows * accum * world * c["seq_len"])
         if step % cfg.log_every == 0 or step == cfg.steps:
             rec = window.report(acc, step, sched.get_last_lr()[0], c["seq_len"], fpr, device)
+            if master:  # steps whose gradient norm was not finite: skipped, weights untouched
+                rec["skipped_steps"] = int(opt.optimizer.skipped)
             if rank == 0:
                 metrics_file.write(json.dumps(rec) + "\n")
                 metrics_file.flush()

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from dflash_offline.config import ExtractConfig, TokenizeConfig, TrainConfig
 from dflash_offline.manifest import read_manifest
@@ -44,3 +45,25 @@ def test_compiled_flex_trainer_matches_eager_and_holds_memory(tmp_path, hidden_c
     assert c[-1]["recompiles"] == 0
     reserved = [r["reserved_gb"] for r in c[5:]]
     assert max(reserved) - min(reserved) < 0.05, reserved  # flat after warm-up
+
+
+def test_bf16_master_weights_train_like_fp32_weights_on_cuda(tmp_path, hidden_cache):
+    """The CUDA default (bf16 weights + compiled MasterAdamW) against fp32 weights + fused torch AdamW + clip."""
+    tiny = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_anchors=8, batch_rows=2, log_every=1,
+                trackers="none", lr=3e-3, warmup_steps=1, ckpt_every=1000, grad_clip=0.5)
+    runs = {}
+    for mw in ("off", "on"):
+        cfg = TrainConfig(cache=str(hidden_cache), run=str(tmp_path / mw), steps=12, master_weights=mw,
+                          **tiny).resolve()
+        train.run(cfg)
+        runs[mw] = [json.loads(x) for x in (tmp_path / mw / "metrics.jsonl").read_text().splitlines()]
+    assert json.loads((tmp_path / "on" / "config.json").read_text())["derived"]["master_weights"] is True
+    on, off = runs["on"], runs["off"]
+    assert [r["loss"] for r in on] == pytest.approx([r["loss"] for r in off], rel=5e-3)
+    assert [r["grad_norm"] for r in on[:3]] == pytest.approx([r["grad_norm"] for r in off[:3]], rel=1e-3)
+    assert on[-1]["recompiles"] == 0 and on[-1]["skipped_steps"] == 0
+    w_on = load_file(str(tmp_path / "on" / "checkpoints" / "step-00000012" / "model.safetensors"))
+    w_off = load_file(str(tmp_path / "off" / "checkpoints" / "step-00000012" / "model.safetensors"))
+    for k in w_off:
+        assert w_on[k].dtype == torch.float32
+        assert float((w_on[k] - w_off[k]).norm() / w_off[k].norm()) < 2e-3, k

@@ -105,6 +105,58 @@ def test_two_processes_equal_one_with_accumulation(tmp_path, hidden_cache):
         torch.testing.assert_close(w1[k], w2[k], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("accum", [1, 2])
+def test_bf16_master_weights_equal_fp32_weights_under_autocast(tmp_path, hidden_cache, accum):
+    """precision=bf16 (CPU autocast here): bf16 model weights + MasterAdamW train like fp32 weights + AdamW + clip,
+    with gradient accumulation too (fp32 accumulation buffers); checkpoints hold fp32 weights either way."""
+    kw = dict(precision="bf16", steps=4, ckpt_every=4, grad_clip=0.5, global_batch_tokens=accum * 2 * 128)
+    train.run(cfg(hidden_cache, tmp_path / "off", master_weights="off", **kw))
+    train.run(cfg(hidden_cache, tmp_path / "on", master_weights="on", **kw))
+    derived = json.loads((tmp_path / "on" / "config.json").read_text())["derived"]
+    assert derived["master_weights"] is True and derived["grad_accum"] == accum
+    assert losses(tmp_path / "on") == pytest.approx(losses(tmp_path / "off"), rel=2e-3)
+    w_off, w_on = final_weights(tmp_path / "off", 4), final_weights(tmp_path / "on", 4)
+    for k in w_off:  # a bf16 rounding tie can fall the other way, so compare in norm, not element by element
+        assert w_on[k].dtype == torch.float32
+        assert float((w_on[k] - w_off[k]).norm() / w_off[k].norm()) < 1e-3, k
+    recs = [json.loads(x) for x in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]
+    assert recs[-1]["skipped_steps"] == 0 and recs[-1]["grad_norm"] > 0
+
+
+def test_bf16_master_weights_resume_exactly(tmp_path, hidden_cache):
+    kw = dict(precision="bf16", master_weights="on")
+    train.run(cfg(hidden_cache, tmp_path / "a", **kw))
+    b = tmp_path / "b"
+    train.run(cfg(hidden_cache, b, **kw))
+    shutil.rmtree(b / "checkpoints" / "step-00000006")  # interrupted after step 3
+    (b / "checkpoints" / "latest").write_text("step-00000003\n")
+    (b / "metrics.jsonl").write_text("\n".join((b / "metrics.jsonl").read_text().splitlines()[:3]) + "\n")
+    train.run(cfg(hidden_cache, b, resume=True, **kw))
+    assert losses(b) == losses(tmp_path / "a")
+    wa, wb = final_weights(tmp_path / "a", 6), final_weights(b, 6)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_master_weights_on_refuses_where_unavailable(tmp_path, hidden_cache):
+    with pytest.raises(ValueError, match="precision is fp32"):
+        train.run(cfg(hidden_cache, tmp_path / "x", precision="fp32", master_weights="on"))
+
+
+def test_two_processes_bf16_master_weights_equal_one(tmp_path, hidden_cache):
+    """DDP with bf16 gradients reduced in fp32 (the comm hook) = one process accumulating two micro-batches."""
+    kw = dict(precision="bf16", master_weights="on", global_batch_tokens=2 * 2 * 128)
+    one = tmp_path / "one"
+    train.run(TrainConfig(cache=str(hidden_cache), run=str(one), **{**TINY, "steps": 4, "ckpt_every": 4,
+                                                                    **kw}).resolve())
+    two = tmp_path / "two"
+    launch_two(hidden_cache, two, **kw)
+    assert json.loads((two / "config.json").read_text())["derived"]["master_weights"] is True
+    assert losses(one) == pytest.approx(losses(two), rel=2e-3)
+    w1, w2 = final_weights(one, 4), final_weights(two, 4)
+    for k in w1:
+        assert float((w1[k] - w2[k]).norm() / w1[k].norm()) < 1e-3, k
+
+
 def test_cache_mismatches_are_refused_by_name(tmp_path, hidden_cache, qwen3_dir):
     with pytest.raises(ValueError, match=r"\[2\]"):
         train.run(cfg(hidden_cache, tmp_path / "x", layer_ids=[1, 2]))
