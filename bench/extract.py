@@ -1,6 +1,6 @@
 """Benchmark stage 1b at Qwen3.5-27B shapes with RANDOM weights, stopping after layer 61 (taps [1,16,31,46,61]).
 
-    python -m bench.extract [--shards=16 --rows_per_shard=4 --batch_rows=4 --seq_len=4096]   (GPU)
+    python -m bench.extract [--shards=32 --rows_per_shard=4 --batch_rows=4 --seq_len=4096]   (GPU)
     python -m bench.extract --tiny                                                            (CPU smoke run)
 
 Ours: the real extraction loop (`stages.extract.extract_shards`: packed forward with fla varlen kernels, flash
@@ -163,7 +163,7 @@ def run_plain_hf(args, text: dict, depth: int, tokens_dir, device) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="CPU smoke run with a tiny config")
-    p.add_argument("--shards", type=int, default=16)
+    p.add_argument("--shards", type=int, default=32)
     p.add_argument("--rows_per_shard", type=int, default=4)
     p.add_argument("--batch_rows", type=int, default=4)
     p.add_argument("--seq_len", type=int, default=4096)

@@ -467,6 +467,8 @@ def fuse_projections(stack: nn.Module) -> None:
                     m.bias = nn.Parameter(b[at:at + n], requires_grad=False)
                 at, sizes = at + n, [*sizes, n]
             owner.fused_in, owner.fused_in_bias, owner.fused_in_sizes = w, b, tuple(sizes)
+    if any(p.is_cuda for p in stack.parameters()):
+        torch.cuda.empty_cache()  # the separate weights were copied: give their blocks back to the device
 
 
 def _projections(owner: nn.Module, x: torch.Tensor, names: tuple[str, ...]) -> list[torch.Tensor]:

@@ -91,6 +91,16 @@ def flops_per_row(dc, seq_len: int, num_anchors: int) -> float:
 
 def run(cfg: TrainConfig) -> Path:
     import torch
+
+    strict = torch._dynamo.config.error_on_recompile
+    try:
+        return _run(cfg)
+    finally:  # set after the warm-up step; not left on for whatever runs next in this process
+        torch._dynamo.config.error_on_recompile = strict
+
+
+def _run(cfg: TrainConfig) -> Path:
+    import torch
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
