@@ -27,7 +27,7 @@ DEMO_ENV ?= OMP_NUM_THREADS=1
 LAUNCH = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/accelerate launch --num_processes $(NPROC) -m,$(PYTHON) -m)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup test test-gpu lint style demo tiny tokenize extract verify train regen report export eval status bench-extract bench-extract-layers bench-train clean help
+.PHONY: setup test test-gpu lint style demo tiny tokenize extract verify train regen report export eval status bench-extract bench-extract-layers bench-train bench-train-attention clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -89,6 +89,9 @@ bench-extract-layers:  ## where extraction time goes: one layer of each type per
 
 bench-train:  ## drafter training throughput at 27B drafter shapes vs an eager chunked baseline (GPU)
 	$(PYTHON) -m bench.train
+
+bench-train-attention:  ## the drafter's flex attention alone, fwd+bwd, per mask formulation and kernel options (GPU)
+	$(PYTHON) -m bench.train_attention
 
 status: setup  ## shard table and summary of CACHE= (a cache or a directory of caches)
 	$(PYTHON) -m stages.status $(or $(CACHE),cache) $(if $(JSON),--json)

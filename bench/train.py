@@ -63,6 +63,7 @@ def run_ours(args, cache: Path, drafter: dict) -> dict:
     cfg = TrainConfig(cache=str(cache), run=str(run), steps=args.steps, batch_rows=1, num_anchors=args.anchors,
                       block_size=16, log_every=args.log_every, ckpt_every=10**9, trackers="none",
                       compile_scope=args.compile_scope, profile_steps=args.profile_steps,
+                      master_weights=args.master_weights,
                       global_batch_tokens=args.accum * args.seq_len, **drafter).resolve()
     t0 = time.time()
     if torch.cuda.is_available():
@@ -77,6 +78,7 @@ def run_ours(args, cache: Path, drafter: dict) -> dict:
             "flop_frac": sum(r["flop_frac"] for r in steady) / len(steady),
             "peak_gb": max(r.get("peak_gb", 0) for r in recs), "reserved_gb": [r.get("reserved_gb") for r in recs],
             "recompiles": recs[-1]["recompiles"], "first_window_ms": recs[0]["ms_per_step"],
+            "master_weights": json.loads((run / "config.json").read_text())["derived"]["master_weights"],
             "loss": [r["loss"] for r in recs],
             "profile": (run / "profile.txt").read_text() if (run / "profile.txt").exists() else None}
 
@@ -150,6 +152,7 @@ def main() -> None:
     p.add_argument("--skip_baseline", action="store_true")
     p.add_argument("--compile_scope", default="layers", choices=["layers", "model"])
     p.add_argument("--accum", type=int, default=1, help="micro-batches (rows) per optimizer step")
+    p.add_argument("--master_weights", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--profile_steps", type=int, default=0, help="print a kernel table of that many steps")
     p.add_argument("--workdir", type=Path, default=Path("build/bench-train"))
     p.add_argument("--out", type=Path, default=None)
@@ -164,13 +167,18 @@ def main() -> None:
     res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
            "shape": {"hidden": text["hidden_size"], "seq_len": args.seq_len, "anchors": args.anchors, "block": 16,
                      **drafter}}
+    # the baseline first: it needs no compilation, so a run cut short by a time limit still has it (JSON after each)
+    if not args.skip_baseline:
+        res["baseline"] = run_baseline(args, cache, target, drafter, device)
+        print(json.dumps(res["baseline"]), flush=True)
+        if args.out:
+            args.out.write_text(json.dumps(res, indent=1))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     res["ours"] = run_ours(args, cache, drafter)
     print(json.dumps({k: v for k, v in res["ours"].items() if k != "profile"}), flush=True)
     if res["ours"]["profile"]:
         print(res["ours"]["profile"], flush=True)
-    if not args.skip_baseline:
-        res["baseline"] = run_baseline(args, cache, target, drafter, device)
-        print(json.dumps(res["baseline"]), flush=True)
     if args.out:
         args.out.write_text(json.dumps(res, indent=1))
     o = res["ours"]
@@ -184,7 +192,8 @@ def main() -> None:
         print(f"| ours / baseline | {o['tok_per_s'] / b['tok_per_s']:.2f} | |")
     print(f"| recompiles after warm-up | {o['recompiles']} | |")
     print(f"| first window (compilation), s | {o['first_window_ms'] * args.log_every / 1000:.0f} | |")
-    print(f"| compile scope, rows per optimizer step | {args.compile_scope}, {args.accum} | |")
+    print(f"| compile scope, rows per optimizer step, master weights | {args.compile_scope}, {args.accum}, "
+          f"{o['master_weights']} | |")
 
 
 if __name__ == "__main__":

@@ -41,3 +41,15 @@ def test_bench_extract_layers_tiny(tmp_path, rows):
     r = res["rows"][rows]
     assert r["est tok/s hf"] > 0 and r["est tok/s reference/eager"] > 0 and r["segments"] >= int(rows)
     assert "per layer" in stdout
+
+
+def test_bench_train_attention_tiny(tmp_path):
+    out = tmp_path / "attn.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.run([sys.executable, "-m", "bench.train_attention", "--tiny", "--variants=default,rows safe",
+                        "--reps=1", f"--out={out}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())["results"]
+    assert {(r["variant"], r["mask"], r["rows"]) for r in res} == {
+        (v, m, k) for v in ("default", "rows safe") for m in ("bounds", "docs") for k in ("bench", "chat")}
+    assert all(r["ms_fwd"] > 0 and 0 < r["density"] < 1 for r in res)
