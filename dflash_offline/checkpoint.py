@@ -318,7 +318,9 @@ def load_optimizer(d: Path, optimizer) -> None:
     fresh = optimizer.state_dict()["param_groups"]
     if len(fresh) != len(saved_groups):
         raise CheckpointError(f"{d}/optimizer.json has {len(saved_groups)} param groups, the optimizer {len(fresh)}")
-    groups = [{k: tuple(v) if isinstance(f.get(k), tuple) else v for k, v in g.items()}  # JSON made tuples lists
+    # JSON made tuples lists; the fresh group's keys stay where the saved one lacks them (a checkpoint written by
+    # MasterAdamW has no 'fused'/'foreach' for torch's AdamW, and the other way round)
+    groups = [{**f, **{k: tuple(v) if isinstance(f.get(k), tuple) else v for k, v in g.items()}}
               for g, f in zip(saved_groups, fresh, strict=True)]
     try:
         optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -210,7 +210,10 @@ class HiddenStream:
                 self._staged = self._stage(self._take())
             batch, ready = self._staged
             torch.cuda.current_stream(self.device).wait_event(ready)
-            self._staged = self._stage(self._take())  # the next batch's copies overlap this step's compute
+            self._staged = None
+            nxt = self._pending[0] if self._pending else None
+            if nxt is not None and nxt.done() and nxt.exception() is None:  # never wait (or fail) here for batch n+1
+                self._staged = self._stage(self._take())  # its copies overlap this step's compute
         else:
             batch = self._to_device(self._take())
         self.epoch, self.batch = self._after(self.epoch, self.batch)
@@ -237,7 +240,9 @@ class HiddenStream:
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
         consumer = torch.cuda.current_stream(self.device)
-        self._copy_stream.wait_stream(consumer)  # buffers freed by earlier steps are free for the copy stream too
+        # start after the work already queued (the previous step), so the copy overlaps the step about to be queued
+        # instead of competing with the previous one's tail (the allocator needs no such ordering: record_stream)
+        self._copy_stream.wait_stream(consumer)
         with torch.cuda.stream(self._copy_stream):
             batch = self._to_device(host)
             ready = torch.cuda.Event()

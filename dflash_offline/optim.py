@@ -190,6 +190,16 @@ class MasterAdamW(torch.optim.Optimizer):
         for mine, saved in zip(self.param_groups, groups, strict=True):
             mine.update({k: v for k, v in saved.items() if k != "params"})
 
+    @torch.no_grad()
+    def broadcast_masters(self, src: int = 0) -> None:
+        """Every process takes process `src`'s fp32 masters (and their low-precision copies)."""
+        import torch.distributed as dist
+
+        for p in self._params():
+            if self.lowered(p):
+                dist.broadcast(self.state[p]["master"], src)
+                p.copy_(self.state[p]["master"])
+
     def master_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """`model.state_dict()` with every lowered weight replaced by its fp32 master."""
         sd = model.state_dict()

@@ -253,6 +253,7 @@ def load_target(path: str | Path, layer_ids: list[int], device: str | torch.devi
         stack = TextStack(config, info.arch, depth, with_norm=info.num_layers - 1 in layer_ids)
     tensors = _load_tensors(path, info.model_type, stack.state_dict().keys(), device, dtype)
     stack.load_state_dict(tensors, strict=True, assign=True)
+    del tensors  # the stack holds them now; fusing its projections must be able to free the separate copies
     stack.requires_grad_(False).eval()
     rotary = _hf(info.arch)[2](config).to(device)  # inv_freq computed in fp32 as transformers does
     return Target(info, layer_ids, stack, rotary, device, dtype, mode)
@@ -466,7 +467,11 @@ def fuse_projections(stack: nn.Module) -> None:
                 if b is not None:
                     m.bias = nn.Parameter(b[at:at + n], requires_grad=False)
                 at, sizes = at + n, [*sizes, n]
-            owner.fused_in, owner.fused_in_bias, owner.fused_in_sizes = w, b, tuple(sizes)
+            # buffers (not persistent: state_dict() stays the checkpoint's names) so that they follow .to(); the
+            # modules' weights are views of them only until something replaces those weights (the stack is frozen)
+            owner.register_buffer("fused_in", w, persistent=False)
+            owner.register_buffer("fused_in_bias", b, persistent=False)
+            owner.fused_in_sizes = tuple(sizes)
     if any(p.is_cuda for p in stack.parameters()):
         torch.cuda.empty_cache()  # the separate weights were copied: give their blocks back to the device
 

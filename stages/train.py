@@ -195,8 +195,9 @@ def _run(cfg: TrainConfig) -> Path:
     else:
         model, opt, sched = acc.prepare(model, opt, sched)
     raw = acc.unwrap_model(model)
-    if master and world > 1:  # DDP: reduce the bf16 gradients in fp32 (as the fp32-weight path does)
+    if master and world > 1:  # DDP: reduce the bf16 gradients in fp32 (as the fp32-weight path does) ...
         model.register_comm_hook(None, fp32_allreduce_hook)
+        opt.optimizer.broadcast_masters(0)  # ... and start every rank from rank 0's fp32 weights, as DDP does the model
     step_fn = model
     if use_compile and cfg.compile_scope == "layers":
         for layer in raw.layers:  # one compiled region; layers 1.. reuse layer 0's graph (same code, same shapes)

@@ -137,6 +137,23 @@ def test_bf16_master_weights_resume_exactly(tmp_path, hidden_cache):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_resume_switching_master_weights_mode(tmp_path, hidden_cache):
+    """Checkpoints are the same files in both modes: a run checkpointed with fp32 weights resumes with bf16 weights +
+    MasterAdamW (and trains on like the uninterrupted fp32 run)."""
+    train.run(cfg(hidden_cache, tmp_path / "a", precision="bf16", master_weights="off"))
+    b = tmp_path / "b"
+    train.run(cfg(hidden_cache, b, precision="bf16", master_weights="off"))
+    shutil.rmtree(b / "checkpoints" / "step-00000006")
+    (b / "checkpoints" / "latest").write_text("step-00000003\n")
+    (b / "metrics.jsonl").write_text("\n".join((b / "metrics.jsonl").read_text().splitlines()[:3]) + "\n")
+    train.run(cfg(hidden_cache, b, precision="bf16", master_weights="on", resume=True))
+    assert losses(b)[:3] == losses(tmp_path / "a")[:3]
+    assert losses(b)[3:] == pytest.approx(losses(tmp_path / "a")[3:], rel=2e-3)
+    wa, wb = final_weights(tmp_path / "a", 6), final_weights(b, 6)
+    for k in wa:
+        assert wb[k].dtype == torch.float32 and float((wa[k] - wb[k]).norm() / wa[k].norm()) < 1e-3, k
+
+
 def test_master_weights_on_refuses_where_unavailable(tmp_path, hidden_cache):
     with pytest.raises(ValueError, match="precision is fp32"):
         train.run(cfg(hidden_cache, tmp_path / "x", precision="fp32", master_weights="on"))
