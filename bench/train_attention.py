@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from bench.extract_layers import timed
 from dflash_offline import anchors as anc
 from dflash_offline.dataset import fake_token_rows
 from dflash_offline.masks import dense_mask, make_mask_mod
@@ -68,23 +69,6 @@ def rows(kind: str, S: int, vocab: int, device) -> tuple[torch.Tensor, torch.Ten
         a = materialize(lognormal_packed_rows(1, S, vocab, seed=1), S, 0)[0]
     return (torch.as_tensor(np.asarray(a["loss_mask"]), device=device).bool(),
             torch.as_tensor(np.asarray(a["doc_ids"]), device=device).long())
-
-
-def timed(fn, device, reps: int) -> float:
-    fn()
-    if device.type != "cuda":
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - t) / reps * 1e3
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(reps):
-        fn()
-    e1.record()
-    torch.cuda.synchronize()
-    return e0.elapsed_time(e1) / reps
 
 
 def main() -> None:
@@ -142,7 +126,7 @@ def main() -> None:
                 print(f"{name:18s} {m:6s} {kind:5s} FAILED {results[-1]['error']}", flush=True)
                 break
             first_s = time.time() - t0
-            ms_f, ms_fb = timed(fwd, device, args.reps), timed(fwd_bwd, device, args.reps)
+            ms_f, ms_fb = 1000 * timed(fwd, device, args.reps), 1000 * timed(fwd_bwd, device, args.reps)
             fl = visible[kind] * N * D
             r = {"variant": name, "mask": m, "rows": kind, "ms_fwd": ms_f, "ms_fwd_bwd": ms_fb,
                  "ms_bwd": ms_fb - ms_f, "tflops_fwd": 4 * fl / ms_f / 1e9, "tflops_bwd": 6 * fl / max(ms_fb - ms_f, 1e-6) / 1e9,

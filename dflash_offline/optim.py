@@ -98,6 +98,9 @@ class MasterAdamW(torch.optim.Optimizer):
     def lowered(self, p: torch.Tensor) -> bool:
         return "master" in self.state[p]
 
+    def _lowered_ids(self) -> set[int]:
+        return {id(p) for p in self._params() if self.lowered(p)}
+
     # --- gradient accumulation in fp32
 
     def accumulate_in_fp32(self) -> None:
@@ -105,7 +108,7 @@ class MasterAdamW(torch.optim.Optimizer):
         if self._fp32_accum:
             return
         self._fp32_accum = True
-        self._overwrite = {id(p) for p in self._params() if self.lowered(p)}
+        self._overwrite = self._lowered_ids()  # parameters whose next gradient starts a new sum
 
         def hook(p):
             if id(p) in self._overwrite:  # first gradient since the last step: no stale sum, no new allocation
@@ -118,11 +121,6 @@ class MasterAdamW(torch.optim.Optimizer):
         for p in self._params():
             if self.lowered(p):
                 p.register_post_accumulate_grad_hook(hook)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none=set_to_none)
-        if self._fp32_accum:
-            self._overwrite = {id(p) for p in self._params() if self.lowered(p)}
 
     # --- the step
 
@@ -159,7 +157,7 @@ class MasterAdamW(torch.optim.Optimizer):
         norm = fn(p32s, lows, grads, ms, vs, steps, self._lr, self.skipped, float(b1), float(b2),
                   float(group["eps"]), float(group["weight_decay"]), self.max_grad_norm)
         if self._fp32_accum:
-            self._overwrite = {id(p) for p in self._params() if self.lowered(p)}
+            self._overwrite = self._lowered_ids()
         return norm
 
     # --- checkpoints: torch AdamW's state layout; the fp32 weights go with the model
