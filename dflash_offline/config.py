@@ -70,6 +70,7 @@ class ExtractConfig:
     lease_s: float = 900.0  # a claimed shard not committed within this many seconds may be taken over
     dry_run: bool = False  # validate, estimate size and time, check kernels, then stop before loading weights
     min_free_gb: float = 2.0  # refuse to start unless the cache's filesystem keeps this much room after the run
+    write_queue: int = 3  # shards being written in the background at once (pinned host memory: one shard more)
 
     def resolve(self) -> ExtractConfig:
         check_choice("extract.quant", self.quant, ("bf16", "fp8"))
@@ -78,6 +79,8 @@ class ExtractConfig:
         check_choice("extract.mode", self.mode, ("auto", "packed", "per_doc"))
         if self.batch_rows <= 0:
             raise ConfigError(f"extract.batch_rows must be > 0, got {self.batch_rows}")
+        if self.write_queue <= 0:
+            raise ConfigError(f"extract.write_queue must be > 0, got {self.write_queue}")
         if self.layer_ids and len(set(self.layer_ids)) != len(self.layer_ids):
             raise ConfigError(f"extract.layer_ids {self.layer_ids} has duplicates")
         parse_shard_list(self.shards)
@@ -141,7 +144,10 @@ class TrainConfig:
     # "model": the whole drafter forward as one graph
     compile_scope: str = "layers"
     profile_steps: int = 0  # > 0: profile the last that many steps (after warm-up) into RUN/profile.txt (rank 0)
-    loss_chunk_tokens: int = 4096  # query tokens per lm_head chunk (bounds the fp32 logits buffer)
+    # query tokens per lm_head chunk: the fp32 logits buffer is chunk x vocab x 4 bytes (4096 x 248320: 4 GB, plus
+    # half that for their gradient). On an H200 two chunks of 512 anchors x 15 slots beat one (bench.train_loss)
+    loss_chunk_tokens: int = 4096
+    loss_epilogue: str = "auto"  # softmax/CE/dlogits of a chunk: "triton" (CUDA default), "compiled" or "eager"
     ckpt_every: int = 500  # checkpoint every N steps (and at the end)
     keep_last: int = 3  # checkpoints kept
     log_every: int = 10  # metrics line every N steps
@@ -155,6 +161,7 @@ class TrainConfig:
         check_choice("train.attn", self.attn, ("auto", "flex", "dense"))
         check_choice("train.compile", self.compile, ("auto", "on", "off"))
         check_choice("train.compile_scope", self.compile_scope, ("layers", "model"))
+        check_choice("train.loss_epilogue", self.loss_epilogue, ("auto", "triton", "compiled", "eager"))
         for name in ("steps", "batch_rows", "num_anchors", "num_layers", "ckpt_every", "log_every"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name} must be > 0, got {getattr(self, name)}")

@@ -219,73 +219,116 @@ def extract_shards(cfg, plan, model, cache: Path, tokens_dir: Path, todo, rank, 
     tok_entries = committed(tm)
     rows_total = sum(tok_entries[i]["rows"] for i in todo)
     progress = Progress(f"extract[{rank}]", rows_total, "row", cache / f"status-rank{rank}.json")
-    io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")  # file I/O only, never compute
+    # Up to `write_queue` shards are written at once, each by its own thread (file I/O and hashing only, both
+    # release the GIL; never compute): a disk write as slow as a shard's compute, or one slow fsync, does not stall
+    # the device. Sets of pinned host buffers are reused in a ring of write_queue + 1: shard j fills set
+    # j % ring while the sets of shards j - 1 .. j - write_queue may still be going to disk (the write of shard
+    # j - ring, the last user of set j % ring, finished before shard j - 1 was handed over).
+    depth = cfg.write_queue
+    io = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="shard-writer")
     pending = []
     cuda = device.type == "cuda"
     reserved, io_wait, timings = [], 0.0, []
-    # two sets of pinned host buffers, reused: shard j fills set j % 2 while set (j - 1) % 2 is being written
-    # (the write of shard j - 2, the last user of set j % 2, finished before shard j - 1 was handed over)
-    buffers: list[dict | None] = [None, None]
+    buffers: list[dict | None] = [None] * (depth + 1)
     copy_stream = torch.cuda.Stream(device) if cuda else None
     done_shards = 0
-    for index in shard_order(todo, rank, world):
+
+    def prepare(index: int):
+        """(claim time, token rows) of shard `index`, claimed for this worker; None when it is committed or another
+        live worker holds it. Runs one shard ahead on its own thread: a claim is fsynced, and an fsync can wait
+        behind a shard write's flush — the thread that feeds the device must not."""
         if not try_claim(cache, index, cfg.lease_s, redo=redo):
-            continue
-        t_shard = time.time()
-        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
-        if events:
-            events[0].record()
-        name = token_shard_name(index)
-        if sha256_file(tokens_dir / name) != tok_entries[index]["files"][name]["sha256"]:
-            raise ShardError(f"{tokens_dir / name} does not match its manifest checksum: the token cache is "
-                             f"corrupt; rebuild it (delete {tokens_dir} and run make tokenize)")
-        rows = read_token_shard(tokens_dir / name)
-        n = rows["input_ids"].shape[0]
-        host = buffers[done_shards % 2]
-        if host is not None and next(iter(host.values())).shape[0] != n:
-            host = None  # a shard of another row count (the last one): fresh buffers
-        fresh = host is None
-        host = host or {}
-        for r0 in range(0, n, b):
-            # rows stay on the host: the target cuts segments there and copies without a device sync
-            batch = {k: torch.from_numpy(pad_rows(rows[k][r0:r0 + b], b, fill))
-                     for k, fill in (("input_ids", 0), ("position_ids", 0), ("doc_ids", -1))}
-            taps = model.tapped_layers(batch["input_ids"], batch["position_ids"], batch["doc_ids"])
-            real = min(b, n - r0)
-            if cuda:  # encode + device→host copies on a side stream, overlapping the next batch's forward
-                ready = torch.cuda.Event()
-                ready.record()
-                copy_stream.wait_event(ready)
-            with torch.cuda.stream(copy_stream) if cuda else nullcontext():
-                for lid, x in zip(layer_ids, taps, strict=True):
-                    if cuda:
-                        x.record_stream(copy_stream)  # not reused by the next forward before this stream is done
-                    for k, v in encode_layer(x[:real], lid, cfg.quant).items():
-                        if fresh and k not in host:
-                            host[k] = torch.empty((n, *v.shape[1:]), dtype=v.dtype, pin_memory=cuda)
-                        host[k][r0:r0 + real].copy_(v, non_blocking=cuda)
-            del taps
-            progress.update(real, tokens=int((rows["doc_ids"][r0:r0 + real] >= 0).sum()))
-            if time.time() - t_shard > cfg.lease_s / 3:
-                renew_claim(cache, index, cfg.lease_s)
-        if cuda:  # no synchronization here: the writer waits for this event, the device goes on with the next shard
-            events[1].record(copy_stream)
-            reserved.append(torch.cuda.memory_reserved(device))
-        compute_s = time.time() - t_shard  # host time; on CUDA the writer replaces it with the device time
-        buffers[done_shards % 2] = host
-        done_shards += 1
-        tensors = dict(host)
-        entry = {"index": index, "rows": n, "tokens": tok_entries[index]["tokens"], "compute_seconds": compute_s,
-                 "tokens_sha256": tok_entries[index]["files"][name]["sha256"], "worker": f"rank{rank}",
-                 "reserved_gpu_bytes": reserved[-1] if reserved else 0}
-        # the previous shard's write must finish before this one's (bounded host memory: two shards at most)
-        t_wait = time.time()
-        while pending:
-            timings.append(pending.pop(0).result())
-        io_wait += time.time() - t_wait
-        pending.append(io.submit(write_and_commit, cache, index, tensors, cfg.quant, layer_ids, plan["key"], entry,
-                                 redo, write_hidden_shard, hidden_shard_name, events))
-        progress.extra.update(reserved_gpu_gb=(reserved[-1] / 2**30) if reserved else 0.0, last_shard=index)
+            return None
+        claimed_at = time.time()
+        try:
+            name = token_shard_name(index)
+            if sha256_file(tokens_dir / name) != tok_entries[index]["files"][name]["sha256"]:
+                raise ShardError(f"{tokens_dir / name} does not match its manifest checksum: the token cache is "
+                                 f"corrupt; rebuild it (delete {tokens_dir} and run make tokenize)")
+            return claimed_at, read_token_shard(tokens_dir / name)
+        except BaseException:
+            release_claim(cache, index)
+            raise
+
+    def claimed_shards():
+        """(index, claim time, token rows) of each shard this worker gets, prepared one shard ahead."""
+        order = shard_order(todo, rank, world)
+        ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-claim")  # claims and token reads only
+        nxt, pos = (ahead.submit(prepare, order[0]) if order else None), 0
+        try:
+            for pos, index in enumerate(order):
+                got = nxt.result()
+                nxt = ahead.submit(prepare, order[pos + 1]) if pos + 1 < len(order) else None
+                if got is not None:
+                    yield index, *got
+        finally:  # done, or the loop below failed: a shard claimed ahead and never started is released
+            if nxt is not None and nxt.exception() is None and nxt.result() is not None:
+                release_claim(cache, order[pos + 1])
+            ahead.shutdown()
+
+    shards = claimed_shards()
+    try:
+        for index, claimed_at, rows in shards:
+            t_shard = time.time()
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+            if events:
+                events[0].record()
+            name = token_shard_name(index)
+            n = rows["input_ids"].shape[0]
+            host = buffers[done_shards % (depth + 1)]
+            if host is not None and next(iter(host.values())).shape[0] != n:
+                host = None  # a shard of another row count (the last one): fresh buffers
+            fresh = host is None
+            host = host or {}
+            for r0 in range(0, n, b):
+                # rows stay on the host: the target cuts segments there and copies without a device sync
+                batch = {k: torch.from_numpy(pad_rows(rows[k][r0:r0 + b], b, fill))
+                         for k, fill in (("input_ids", 0), ("position_ids", 0), ("doc_ids", -1))}
+                taps = model.tapped_layers(batch["input_ids"], batch["position_ids"], batch["doc_ids"])
+                real = min(b, n - r0)
+                if cuda:  # encode + device→host copies on a side stream, overlapping the next batch's forward
+                    ready = torch.cuda.Event()
+                    ready.record()
+                    copy_stream.wait_event(ready)
+                with torch.cuda.stream(copy_stream) if cuda else nullcontext():
+                    for lid, x in zip(layer_ids, taps, strict=True):
+                        if cuda:
+                            x.record_stream(copy_stream)  # not reused by the next forward before this stream is done
+                        for k, v in encode_layer(x[:real], lid, cfg.quant).items():
+                            if fresh and k not in host:
+                                host[k] = torch.empty((n, *v.shape[1:]), dtype=v.dtype, pin_memory=cuda)
+                            host[k][r0:r0 + real].copy_(v, non_blocking=cuda)
+                del taps
+                progress.update(real, tokens=int((rows["doc_ids"][r0:r0 + real] >= 0).sum()))
+                if time.time() - claimed_at > cfg.lease_s / 3:
+                    renew_claim(cache, index, cfg.lease_s)
+                    claimed_at = time.time()
+            if cuda:  # no synchronization here: the writer waits for this event, the device goes on with the next shard
+                events[1].record(copy_stream)
+                reserved.append(torch.cuda.memory_reserved(device))
+            compute_s = time.time() - t_shard  # host time; on CUDA the writer replaces it with the device time
+            buffers[done_shards % (depth + 1)] = host
+            done_shards += 1
+            tensors = dict(host)
+            entry = {"index": index, "rows": n, "tokens": tok_entries[index]["tokens"], "compute_seconds": compute_s,
+                     "tokens_sha256": tok_entries[index]["files"][name]["sha256"], "worker": f"rank{rank}",
+                     "reserved_gpu_bytes": reserved[-1] if reserved else 0}
+            # at most `depth` writes in flight (bounded host memory: depth + 1 shards of buffers)
+            t_wait = time.time()
+            while len(pending) >= depth:
+                timings.append(pending.pop(0).result())
+            io_wait += time.time() - t_wait
+            pending.append(io.submit(write_and_commit, cache, index, tensors, cfg.quant, layer_ids, plan["key"], entry,
+                                     redo, write_hidden_shard, hidden_shard_name, events))
+            progress.extra.update(reserved_gpu_gb=(reserved[-1] / 2**30) if reserved else 0.0, last_shard=index)
+    except BaseException:  # finished shards still being written are kept: let their writes commit, then fail
+        for f in pending:
+            if f.exception() is not None:
+                log(f"[rank {rank}] a shard write failed too: {f.exception()}")
+        io.shutdown()
+        raise
+    finally:
+        shards.close()
     t_wait = time.time()
     timings += [f.result() for f in pending]
     io.shutdown()

@@ -223,3 +223,59 @@ def test_two_concurrent_extractors_split_the_shards(tmp_path, qwen35_dir, chat_c
     assert not sets[0] & sets[1], sets  # never the same shard twice
     assert sets[0] | sets[1] == set(range(m["num_shards"])) and all(sets)  # both worked, nothing missing
     assert len(m["shards"]) == m["num_shards"]
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_background_writes_overlap_up_to_write_queue_and_change_no_byte(tmp_path, qwen35_dir, chat_corpus,
+                                                                        monkeypatch, depth):
+    """A slow disk: `write_queue` shards go out at once (not more), the compute never waits on more than that,
+    and the shards are the same bytes as with one write at a time (the reused host buffers are never
+    overwritten while a write still reads them)."""
+    import threading
+
+    from dflash_offline import shards
+
+    real, lock, state = shards.write_hidden_shard, threading.Lock(), {"now": 0, "max": 0}
+
+    def slow_write(*a, **kw):
+        with lock:
+            state["now"] += 1
+            state["max"] = max(state["max"], state["now"])
+        time.sleep(0.8)  # the write holds its host buffers while the next shards are computed into the others
+        try:
+            return real(*a, **kw)
+        finally:
+            with lock:
+                state["now"] -= 1
+
+    ref = extract_run(tmp_path / "ref", qwen35_dir, chat_corpus, write_queue=1)
+    monkeypatch.setattr(shards, "write_hidden_shard", slow_write)
+    got = extract_run(tmp_path / "got", qwen35_dir, chat_corpus, write_queue=depth)
+    want, have = read_manifest(ref), read_manifest(got)
+    assert have["num_shards"] == want["num_shards"] >= 2 * depth + 1
+    assert state["max"] == depth
+    files = [{s["index"]: s["files"] for s in m["shards"]} for m in (want, have)]
+    assert files[0] == files[1]  # same bytes, same hashes
+
+
+def test_corrupt_token_shard_stops_the_run_keeping_finished_shards_and_no_stale_claims(tmp_path, qwen35_dir,
+                                                                                       chat_corpus):
+    """Shards are claimed and their tokens read one shard ahead (off the thread that feeds the device): a token
+    shard failing its checksum stops the run with the file named, the shards before it stay committed, and no claim
+    is left behind (neither the bad shard's nor one taken ahead), so a rerun after the fix picks everything up."""
+    import dataclasses
+
+    from dflash_offline.shards import ShardError
+
+    ext, tok = configs(tmp_path, qwen35_dir, chat_corpus)
+    extract.run(dataclasses.replace(ext, dry_run=True), tok)  # builds the token cache; then shard 2 gets corrupted
+    tokens = next((tmp_path / "cache").glob("tokens-*"))
+    bad = tokens / token_shard_name(2)
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ShardError, match=token_shard_name(2)):
+        extract.run(ext, tok)
+    cache = next((tmp_path / "cache").glob("hidden-*"))
+    assert sorted(read_manifest(cache)["shards"][i]["index"] for i in range(2)) == [0, 1]
+    assert not list((cache / "claims").glob("*.json"))
