@@ -27,7 +27,7 @@ DEMO_ENV ?= OMP_NUM_THREADS=1
 LAUNCH = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/accelerate launch --num_processes $(NPROC) -m,$(PYTHON) -m)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup test test-gpu lint style demo tiny tokenize extract verify train regen report export eval status bench-extract bench-extract-layers bench-train bench-train-attention clean help
+.PHONY: setup test test-gpu lint style demo tiny tokenize extract verify train regen report export eval status bench-extract bench-extract-layers bench-train bench-train-attention bench-train-loss clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -92,6 +92,9 @@ bench-train:  ## drafter training throughput at 27B drafter shapes vs an eager c
 
 bench-train-attention:  ## the drafter's flex attention alone, fwd+bwd, per mask formulation and kernel options (GPU)
 	$(PYTHON) -m bench.train_attention
+
+bench-train-loss:  ## lm_head + block CE alone, fwd+bwd, per epilogue (Triton / compiled) and chunk size (GPU)
+	$(PYTHON) -m bench.train_loss
 
 status: setup  ## shard table and summary of CACHE= (a cache or a directory of caches)
 	$(PYTHON) -m stages.status $(or $(CACHE),cache) $(if $(JSON),--json)

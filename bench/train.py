@@ -1,7 +1,7 @@
 """Benchmark stage 2 at the 27B drafter shapes: H 5120, 5 layers, 32/8 heads × 128, FFN 17408, vocab 248320,
 S = 2048, 512 anchors, block 16 (random weights and random cached states).
 
-    python -m bench.train [--steps=20]        (GPU)
+    python -m bench.train [--steps=40]        (GPU)
     python -m bench.train --tiny              (CPU smoke run)
 
 Ours: `stages.train.run` as a user runs it (compiled flex attention, chunked one-pass lm_head + CE, streaming
@@ -145,8 +145,8 @@ def run_baseline(args, cache: Path, target: Path, drafter: dict, device) -> dict
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--log_every", type=int, default=5)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--log_every", type=int, default=10, help="the trainer's default: a window per 10 steps")
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--seq_len", type=int, default=2048)
     p.add_argument("--skip_baseline", action="store_true")

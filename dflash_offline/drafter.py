@@ -143,9 +143,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x_BQH, ctx_BSH, rope_ctx, rope_blk, mask, attn: str):
+    def forward(self, x_BQH, ctx_BSH, rope_ctx, rope_blk, mask, attn: str, drop_slot0_of: int = 0):
+        """`drop_slot0_of=L` (the last layer in training): after attention keep slots 1..L-1 of each block, whose
+        outputs are the only ones scored, so the MLP runs on (L-1)/L of the tokens; returns [B, A*(L-1), H]."""
         # ctx is injected as-is (already hidden_norm-ed); only the block stream gets input_layernorm
         x_BQH = x_BQH + self.self_attn(self.input_layernorm(x_BQH), ctx_BSH, rope_ctx, rope_blk, mask, attn)
+        if drop_slot0_of:
+            B, Q, H = x_BQH.shape
+            x_BQH = x_BQH.view(B, Q // drop_slot0_of, drop_slot0_of, H)[:, :, 1:].reshape(B, -1, H)
         return x_BQH + self.mlp(self.post_attention_layernorm(x_BQH))
 
 
@@ -182,6 +187,16 @@ class DFlashDrafter(nn.Module):
             for t in set(self.cfg.layer_types)
         }
 
+    def encode_context(self, hidden_BSK: torch.Tensor) -> torch.Tensor:
+        """hidden_norm(fc(tapped target states)) [B, S, H]. The states go to the fc weight's dtype (bf16 with bf16
+        weights, no copy; fp32 weights run under autocast or in fp32)."""
+        return self.hidden_norm(self.fc(hidden_BSK.to(self.fc.weight.dtype)))
+
+    def output_norm(self, x_BQH: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The final norm, cast to `out_dtype` (the lm_head's) when given."""
+        h = self.norm(x_BQH)
+        return h if out_dtype is None else h.to(out_dtype)
+
     def forward(
         self,
         hidden_BSK: torch.Tensor,
@@ -192,23 +207,29 @@ class DFlashDrafter(nn.Module):
         embed_weight_VH: torch.Tensor,
         masks: dict,
         attn: str = "flex",
+        scored_only: bool = False,
+        out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         """Final-normed block hidden states [B, A*L, H] (query a*L + k = anchor a, slot k).
 
+        `scored_only=True` returns slots 1..L-1 only, [B, A*(L-1), H] (query a*(L-1) + k-1): slot 0 (the given
+        token) is never scored, so the last layer's MLP skips it (training; `loss.block_ce_loss` takes either).
         `masks` comes from `build_masks` with the same anchors and the same `attn`. The flex path must run
         under torch.compile (uncompiled flex_attention materializes the score matrix).
         """
         # the residual stream's dtype: the norms' (matmul weights may be bf16 copies, see optim.MasterAdamW)
         L, dtype = self.cfg.block_size, self.norm.weight.dtype
-        ctx_BSH = self.hidden_norm(self.fc(hidden_BSK.to(dtype)))
+        ctx_BSH = self.encode_context(hidden_BSK)
         ids_BQ = block_input_ids(input_ids_BS, anchor_pos_BA, keep_BA, L, self.cfg.mask_token_id)
         x_BQH = F.embedding(ids_BQ, embed_weight_VH).to(dtype)
         D, theta = self.cfg.head_dim, self.cfg.rope_theta
         rope_ctx = rope_cos_sin(position_ids_BS, D, theta, dtype)
         rope_blk = rope_cos_sin(block_position_ids(position_ids_BS, anchor_pos_BA, L), D, theta, dtype)
-        for layer in self.layers:
-            x_BQH = layer(x_BQH, ctx_BSH, rope_ctx, rope_blk, masks[layer.layer_type], attn)
-        return self.norm(x_BQH)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x_BQH = layer(x_BQH, ctx_BSH, rope_ctx, rope_blk, masks[layer.layer_type], attn,
+                          L if scored_only and i == last else 0)
+        return self.output_norm(x_BQH, out_dtype)
 
 
 # --- target embeddings -------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Block CE loss through the frozen target lm_head, chunked so `[A*L, vocab]` logits never exist in full.
 
 `block_ce_loss` runs one pass over chunks of whole blocks. Per chunk: logits = h @ W^T (low-precision GEMM,
-fp32 output), then one epilogue (compiled on CUDA, so it reads the logits a few times instead of once per op):
-fp32 softmax, weighted CE, argmax accuracy and dlogits = w * (softmax - onehot); then the input gradient
+fp32 output), then one epilogue: fp32 softmax, weighted CE, argmax accuracy and dlogits = w * (softmax - onehot)
+(on CUDA a two-pass Triton kernel reading the logits twice, `ce_kernel`; eager elsewhere); then the input gradient
 dh = dlogits @ W (second GEMM). Only dh is kept for backward: no recompute, no grad for W.
 Slot 0 (the given token) is skipped entirely: its logits are never computed.
 
@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from dflash_offline import ce_kernel
 from dflash_offline.anchors import IGNORE
 
 DEFAULT_GAMMA = {16: 7.0, 8: 4.0}  # DFlash paper / DESIGN: gamma per block size
@@ -69,64 +70,86 @@ def _decay_epilogue(z_nV: torch.Tensor, lab_n: torch.Tensor, w_n: torch.Tensor, 
 
 
 _compiled_epilogue = None
+EPILOGUES = ("auto", "triton", "compiled", "eager")
 
 
-def _epilogue(z_nV):
-    """The compiled epilogue on CUDA (one graph per chunk shape), the eager one elsewhere."""
+def resolve_epilogue(kind: str, cuda: bool) -> str:
+    """The epilogue implementation for logits on CUDA or not: `ce_kernel`'s two-pass Triton kernel ("triton", the
+    CUDA default where Triton imports), `_decay_epilogue` under torch.compile ("compiled") or eager ("eager", the
+    default off CUDA). All compute the same values (tested against each other on the GPU). A choice this machine
+    cannot run is an error."""
+    if kind not in EPILOGUES:
+        raise ValueError(f"loss epilogue must be one of {EPILOGUES}, got {kind!r}")
+    if kind == "auto":
+        return ("triton" if ce_kernel.available() else "compiled") if cuda else "eager"
+    if kind != "eager" and not cuda:
+        raise ValueError(f"loss epilogue {kind!r} needs a CUDA device; use 'auto' or 'eager' on the CPU")
+    if kind == "triton" and not ce_kernel.available():
+        raise ValueError("loss epilogue 'triton' needs Triton importable; install it or use 'auto'/'compiled'")
+    return kind
+
+
+def _epilogue(z_nV, kind: str = "auto"):
     global _compiled_epilogue
-    if not z_nV.is_cuda:
+    kind = resolve_epilogue(kind, z_nV.is_cuda)
+    if kind == "eager":
         return _decay_epilogue
+    if kind == "triton":
+        return ce_kernel.ce_epilogue
     if _compiled_epilogue is None:
         _compiled_epilogue = torch.compile(_decay_epilogue, dynamic=False)
     return _compiled_epilogue
 
 
 class _ChunkedBlockCE(torch.autograd.Function):
+    """Over the scored slots only: h [X, K, H] and labels [X, K] of slots 1..L-1 (K = L-1), weights w [K]."""
+
     @staticmethod
-    def forward(ctx, h_XLH, w_VH, labels_XL, slot_w_L, norm, chunk_blocks: int, dpace_alpha, need_grad: bool):
-        X, L, H = h_XLH.shape
-        grad_XLH = torch.zeros_like(h_XLH) if need_grad else None
-        valid_XL = labels_XL >= 0
-        safe_XL = labels_XL.clamp(min=0)
-        correct_XL = torch.zeros(X, L, dtype=torch.bool, device=h_XLH.device)
-        loss = torch.zeros((), dtype=torch.float32, device=h_XLH.device)
+    def forward(ctx, h_XKH, w_VH, labels_XK, slot_w_K, norm, chunk_blocks: int, dpace_alpha, need_grad: bool,
+                epilogue: str):
+        X, K, H = h_XKH.shape
+        grad_XKH = torch.empty_like(h_XKH, memory_format=torch.contiguous_format) if need_grad else None
+        valid_XK = labels_XK >= 0
+        safe_XK = labels_XK.clamp(min=0)
+        correct_XK = torch.empty(X, K, dtype=torch.bool, device=h_XKH.device)
+        loss = torch.zeros((), dtype=torch.float32, device=h_XKH.device)
         for c0 in range(0, X, chunk_blocks):
             c1 = min(c0 + chunk_blocks, X)
-            lab_n = safe_XL[c0:c1, 1:].reshape(-1)
-            val_n = valid_XL[c0:c1, 1:].reshape(-1)
-            z_nV = _logits_f32(h_XLH[c0:c1, 1:].reshape(-1, H), w_VH)
+            lab_n = safe_XK[c0:c1].reshape(-1)
+            val_n = valid_XK[c0:c1].reshape(-1)
+            z_nV = _logits_f32(h_XKH[c0:c1].reshape(-1, H), w_VH)
             if dpace_alpha is None:
-                w_n = (slot_w_L[1:] * val_n.view(c1 - c0, L - 1)).reshape(-1)
-                ce_n, pred_n, d_nV = _epilogue(z_nV)(z_nV, lab_n, w_n, need_grad, w_VH.dtype)
+                w_n = (slot_w_K * valid_XK[c0:c1]).reshape(-1)
+                ce_n, pred_n, d_nV = _epilogue(z_nV, epilogue)(z_nV, lab_n, w_n, need_grad, w_VH.dtype)
                 del z_nV
-                correct_XL[c0:c1, 1:] = ((pred_n == lab_n) & val_n).view(c1 - c0, L - 1)
+                correct_XK[c0:c1] = ((pred_n == lab_n) & val_n).view(c1 - c0, K)
                 loss += (w_n * ce_n).sum()
                 if need_grad:
-                    grad_XLH[c0:c1, 1:] = (d_nV @ w_VH).view(c1 - c0, L - 1, H)
+                    torch.mm(d_nV, w_VH, out=grad_XKH[c0:c1].view(-1, H))
                 continue
             z_max, pred_n = z_nV.max(-1, keepdim=True)
-            correct_XL[c0:c1, 1:] = ((pred_n.squeeze(1) == lab_n) & val_n).view(c1 - c0, L - 1)
+            correct_XK[c0:c1] = ((pred_n.squeeze(1) == lab_n) & val_n).view(c1 - c0, K)
             z_lab = z_nV.gather(1, lab_n[:, None]).squeeze(1)
             z_nV.sub_(z_max).exp_()  # in place: exp(z - max)
             z_sum = z_nV.sum(-1, keepdim=True)
             ce_n = (z_max + z_sum.log()).squeeze(1) - z_lab
-            q = torch.exp(-ce_n).view(c1 - c0, L - 1)
-            w_n = dpace_weights(q, val_n.view(c1 - c0, L - 1), dpace_alpha).reshape(-1)
+            q = torch.exp(-ce_n).view(c1 - c0, K)
+            w_n = dpace_weights(q, valid_XK[c0:c1], dpace_alpha).reshape(-1)
             loss += (w_n * ce_n).sum()
             if need_grad:  # dlogits = w * (softmax - onehot), unnormalized; 1/norm is applied in backward
                 z_nV.mul_(w_n[:, None] / z_sum)
                 z_nV.scatter_add_(1, lab_n[:, None], -w_n[:, None])
-                grad_XLH[c0:c1, 1:] = (z_nV.to(w_VH.dtype) @ w_VH).view(c1 - c0, L - 1, H)
+                torch.mm(z_nV.to(w_VH.dtype), w_VH, out=grad_XKH[c0:c1].view(-1, H))
             del z_nV
-        ctx.mark_non_differentiable(correct_XL)
+        ctx.mark_non_differentiable(correct_XK)
         if need_grad:
-            ctx.save_for_backward(grad_XLH, norm)
-        return loss / norm, correct_XL
+            ctx.save_for_backward(grad_XKH, norm)
+        return loss / norm, correct_XK
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_correct):
-        grad_XLH, norm = ctx.saved_tensors
-        return grad_XLH * (grad_loss / norm).to(grad_XLH.dtype), None, None, None, None, None, None, None
+        grad_XKH, norm = ctx.saved_tensors
+        return grad_XKH * (grad_loss / norm).to(grad_XKH.dtype), None, None, None, None, None, None, None, None
 
 
 class BlockLoss(NamedTuple):
@@ -138,8 +161,9 @@ class BlockLoss(NamedTuple):
 
 def _check(hidden_BQH, labels_BAL):
     B, A, L = labels_BAL.shape
-    if hidden_BQH.shape[:2] != (B, A * L):
-        raise ValueError(f"hidden {tuple(hidden_BQH.shape)} does not match labels {tuple(labels_BAL.shape)}")
+    if hidden_BQH.shape[:2] not in ((B, A * L), (B, A * (L - 1))):
+        raise ValueError(f"hidden {tuple(hidden_BQH.shape)} does not match labels {tuple(labels_BAL.shape)}: want "
+                         f"[B, A*L, H] (every slot) or [B, A*(L-1), H] (slots 1.. only)")
     return B, A, L
 
 
@@ -164,31 +188,41 @@ def block_ce_loss(
     dpace_alpha: float = 0.5,
     chunk_tokens: int = 8192,
     normalizer: torch.Tensor | float | None = None,
+    epilogue: str = "auto",
 ) -> BlockLoss:
     """Chunked weighted CE of the drafter's block outputs [B, A*L, H] against labels [B, A, L] (IGNORE = none).
+    The outputs may also be given for the scored slots only, [B, A*(L-1), H] (slots 1..L-1 of each block, as
+    `DFlashDrafter.forward(scored_only=True)` returns them).
 
     `chunk_tokens` bounds the query tokens per chunk (rounded down to whole blocks of L-1 scored slots): the
     fp32 logits buffer is chunk_tokens x V x 4 bytes. `normalizer` overrides the denominator (e.g. a global
-    token weight sum across ranks / micro-batches); by default it is this batch's (see module doc).
+    token weight sum across ranks / micro-batches); by default it is this batch's (see module doc). `epilogue`
+    picks the decay-weighting epilogue's implementation (`resolve_epilogue`; D-PACE has its own).
     """
     B, A, L = _check(hidden_BQH, labels_BAL)
     if weighting not in ("decay", "dpace"):
         raise ValueError(f"weighting must be 'decay' or 'dpace', got {weighting!r}")
+    resolve_epilogue(epilogue, hidden_BQH.is_cuda)
     dpace = weighting == "dpace"
     slot_w_L = slot_weights(L, gamma, labels_BAL.device) if not dpace else torch.ones(L, device=labels_BAL.device)
     norm = _norm(labels_BAL, slot_w_L, dpace, normalizer)
     chunk_blocks = max(1, chunk_tokens // (L - 1))
-    loss, correct_XL = _ChunkedBlockCE.apply(
-        hidden_BQH.reshape(B * A, L, -1),
+    h_XKH = hidden_BQH.reshape(B * A, -1, hidden_BQH.shape[-1])
+    if h_XKH.shape[1] == L:
+        h_XKH = h_XKH[:, 1:]  # slot 0 is never scored
+    loss, correct_XK = _ChunkedBlockCE.apply(
+        h_XKH,
         lm_head_VH,
-        labels_BAL.reshape(B * A, L),
-        slot_w_L,
+        labels_BAL.reshape(B * A, L)[:, 1:],
+        slot_w_L[1:],
         norm,
         chunk_blocks,
         dpace_alpha if dpace else None,
         torch.is_grad_enabled() and hidden_BQH.requires_grad,
+        epilogue,
     )
-    return BlockLoss(loss, correct_XL.view(B, A, L), labels_BAL >= 0, norm)
+    correct_BAL = torch.cat([torch.zeros_like(correct_XK[:, :1]), correct_XK], 1).view(B, A, L)
+    return BlockLoss(loss, correct_BAL, labels_BAL >= 0, norm)
 
 
 def reference_block_ce_loss(
@@ -201,8 +235,10 @@ def reference_block_ce_loss(
     dpace_alpha: float = 0.5,
     normalizer: torch.Tensor | float | None = None,
 ) -> BlockLoss:
-    """Plain version of `block_ce_loss` (full logits, F.cross_entropy, autograd); for tests only."""
+    """Plain version of `block_ce_loss` (full logits, F.cross_entropy, autograd); for tests only. Every slot."""
     B, A, L = _check(hidden_BQH, labels_BAL)
+    if hidden_BQH.shape[1] != A * L:
+        raise ValueError("reference_block_ce_loss wants the outputs of every slot, [B, A*L, H]")
     dpace = weighting == "dpace"
     slot_w_L = slot_weights(L, gamma, labels_BAL.device) if not dpace else torch.ones(L, device=labels_BAL.device)
     norm = _norm(labels_BAL, slot_w_L, dpace, normalizer)

@@ -53,3 +53,29 @@ def test_bench_train_attention_tiny(tmp_path):
     assert {(r["variant"], r["mask"], r["rows"]) for r in res} == {
         (v, m, k) for v in ("default", "rows safe") for m in ("bounds", "docs") for k in ("bench", "chat")}
     assert all(r["ms_fwd"] > 0 and 0 < r["density"] < 1 for r in res)
+
+
+def test_bench_train_loss_tiny(tmp_path):
+    out = tmp_path / "loss.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.run([sys.executable, "-m", "bench.train_loss", "--tiny", f"--out={out}"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert set(res["loss"]) == {"eager chunk 4096", "eager chunk 8192"} and all(v["ms"] > 0 for v in res["loss"].values())
+    assert res["epilogue"]["eager"]["ms"] > 0 and "epilogue alone" in p.stdout
+
+
+def test_trace_gaps_finds_device_idle_and_the_host_work_meanwhile(tmp_path):
+    """Two streams overlapping, one 300 µs hole while the host runs `aten::nonzero`: one gap, the busy time right."""
+    from bench.trace_gaps import device_gaps, host_ops_during
+
+    ev = [{"ph": "X", "cat": "kernel", "name": "a", "ts": 0, "dur": 100},
+          {"ph": "X", "cat": "gpu_memcpy", "name": "copy", "ts": 50, "dur": 100},  # other stream, overlapping
+          {"ph": "X", "cat": "kernel", "name": "b", "ts": 450, "dur": 50},
+          {"ph": "X", "cat": "kernel", "name": "c", "ts": 505, "dur": 10},  # a 5 µs hole: below the threshold
+          {"ph": "X", "cat": "cpu_op", "name": "aten::nonzero", "ts": 140, "dur": 290},
+          {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 20}]
+    gaps, busy, span = device_gaps(ev, 20.0)
+    assert gaps == [(150, 300, "copy", "b")] and busy == 150 + 50 + 10 and span == 515
+    assert host_ops_during(ev, 150, 450) == ["aten::nonzero (280)"]

@@ -299,3 +299,32 @@ def test_load_target_embeddings_on_real_checkpoints(arch, request):
     prefix = "model.language_model." if arch == "qwen3_5" else "model."
     sd = load_file(target_dir / "model.safetensors")
     assert torch.equal(e, sd[prefix + "embed_tokens.weight"]) and torch.equal(h, sd["lm_head.weight"])
+
+
+def test_scored_only_forward_and_loss_equal_the_full_ones():
+    """Training's layout: slots 1..L-1 only (the last MLP skips slot 0) and the lm_head dtype. The outputs, the
+    loss and every parameter gradient equal those of the full forward whose slot 0 the loss ignores."""
+    from dflash_offline.anchors import block_labels
+    from dflash_offline.loss import block_ce_loss
+
+    cfg = config()
+    ids, pos, doc, lm, hidden, anc, keep = packed_batch(3)
+    model, embed = model_and_embed(cfg, 3)
+    masks = model.build_masks(doc, anc, keep, "dense")
+    labels = block_labels(ids, lm, doc, anc, keep, L)
+    head = torch.randn(V, H, generator=torch.Generator().manual_seed(9))
+    runs = []
+    for scored in (False, True):
+        model.zero_grad()
+        h = model(hidden, ids, pos, anc, keep, embed, masks, "dense", scored_only=scored, out_dtype=torch.float64)
+        assert h.dtype == torch.float64 and h.shape == (2, A * (L - 1 if scored else L), H)
+        out = block_ce_loss(h.float(), head, labels, gamma=2.0)
+        out.loss.backward()
+        runs.append((h.detach(), out, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (h_full, full, g_full), (h_scored, scored, g_scored) = runs
+    torch.testing.assert_close(h_scored, h_full.view(2, A, L, H)[:, :, 1:].reshape(2, -1, H), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(scored.loss, full.loss, rtol=1e-5, atol=1e-6)
+    assert torch.equal(scored.correct_BAL, full.correct_BAL)
+    for name in g_full:
+        torch.testing.assert_close(g_scored[name], g_full[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert g_full["layers.1.mlp.down_proj.weight"].abs().sum() > 0

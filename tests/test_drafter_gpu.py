@@ -119,8 +119,8 @@ def test_flex_compiled_equals_dense_forward_and_backward():
         fwd_bwd(compiled, model, batch2, embed.bfloat16(), flex2, "flex", R)
 
 
-@pytest.mark.parametrize("weighting", ["decay", "dpace"])
-def test_chunked_loss_equals_reference_on_gpu(weighting):
+@pytest.mark.parametrize("epilogue,weighting", [("triton", "decay"), ("compiled", "decay"), ("auto", "dpace")])
+def test_chunked_loss_equals_reference_on_gpu(epilogue, weighting):
     Vb, Hb = 151936, 1024
     g = torch.Generator(DEV).manual_seed(0)
     ids, lm, doc, pos = packed(2)
@@ -132,10 +132,38 @@ def test_chunked_loss_equals_reference_on_gpu(weighting):
     ref = reference_block_ce_loss(h1, w, labels, weighting=weighting)
     ref.loss.backward()
     h2 = hidden.clone().requires_grad_(True)
-    out = block_ce_loss(h2, w, labels, weighting=weighting, chunk_tokens=1000)  # 66 blocks a chunk, not divisible
+    out = block_ce_loss(h2, w, labels, weighting=weighting, chunk_tokens=1000,  # 66 blocks a chunk, not divisible
+                        epilogue=epilogue)
     out.loss.backward()
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-4, atol=1e-4)
     assert h2.grad.dtype == torch.bfloat16
     assert rel(h2.grad, h1.grad) < 1e-2
     mismatch = (out.correct_BAL != ref.correct_BAL).float().mean().item()
     assert mismatch < 1e-3  # argmax ties/rounding only
+
+
+@pytest.mark.parametrize("V_", [248320, 1000, 4096 * 3])
+def test_triton_epilogue_equals_eager(V_):
+    """The two-pass kernel == `_decay_epilogue` on fp32 logits: CE to fp32 rounding, the same argmax, dlogits to
+    one bf16 rounding; a vocabulary that is and is not a multiple of the kernel's block; no gradient asked."""
+    from dflash_offline import ce_kernel
+    from dflash_offline.loss import _decay_epilogue
+
+    g = torch.Generator(DEV).manual_seed(V_)
+    n = 300
+    z = torch.randn(n, V_, device=DEV, generator=g) * 4
+    z[:, 7] += 30  # some rows with one dominant logit (softmax ~ onehot), as a trained model has
+    z[::2, 7] -= 30
+    lab = torch.randint(0, V_, (n,), device=DEV, generator=g)
+    lab[::3] = 7
+    w = torch.rand(n, device=DEV, generator=g)
+    w[::5] = 0.0  # unlabelled slots
+    ce, pred, d = ce_kernel.ce_epilogue(z, lab, w, True, torch.bfloat16)
+    ce_r, pred_r, d_r = _decay_epilogue(z, lab, w, True, torch.bfloat16)
+    torch.testing.assert_close(ce, ce_r, rtol=1e-5, atol=1e-4)
+    assert torch.equal(pred, pred_r)
+    torch.testing.assert_close(d.float(), d_r.float(), rtol=2 ** -7, atol=1e-6)
+    assert (d[::5] == 0).all()
+    ce2, pred2, d2 = ce_kernel.ce_epilogue(z, lab, w, False, torch.bfloat16)
+    assert d2 is None and torch.equal(pred2, pred)
+    torch.testing.assert_close(ce2, ce, rtol=1e-5, atol=1e-5)  # another compiled variant: last-bit differences

@@ -64,6 +64,15 @@ def test_bf16_master_weights_train_like_fp32_weights_on_cuda(tmp_path, hidden_ca
     assert on[-1]["recompiles"] == 0 and on[-1]["skipped_steps"] == 0
     w_on = load_file(str(tmp_path / "on" / "checkpoints" / "step-00000012" / "model.safetensors"))
     w_off = load_file(str(tmp_path / "off" / "checkpoints" / "step-00000012" / "model.safetensors"))
+    from dflash_offline.drafter import DFlashDrafter
+
+    torch.manual_seed(cfg.seed)  # the trainer's initial weights (built on the CPU right after this seeding)
+    init = DFlashDrafter(train.drafter_config(cfg, train.cache_defaults(cfg))).state_dict()
     for k in w_off:
         assert w_on[k].dtype == torch.float32
-        assert float((w_on[k] - w_off[k]).norm() / w_off[k].norm()) < 2e-3, k
+        update = (w_off[k] - init[k]).norm()
+        assert update > 0, k
+        # two bf16 runs round differently and the compiled backward is not bitwise deterministic, so their weights
+        # drift apart (0.2-0.4 % of the weight norm after 12 steps on an H200); judged against what the 12 steps
+        # moved the weights, that is small. A wrong update (stale master, lost fp32 accumulation) is of its size.
+        assert float((w_on[k] - w_off[k]).norm() / update) < 0.05, k
