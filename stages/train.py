@@ -90,6 +90,8 @@ def flops_per_row(dc, seq_len: int, num_anchors: int) -> float:
 
 
 def run(cfg: TrainConfig) -> Path:
+    import gc
+
     import torch
 
     strict = torch._dynamo.config.error_on_recompile
@@ -97,9 +99,12 @@ def run(cfg: TrainConfig) -> Path:
         return _run(cfg)
     finally:  # set after the warm-up step; not left on for whatever runs next in this process
         torch._dynamo.config.error_on_recompile = strict
+        gc.unfreeze()
 
 
 def _run(cfg: TrainConfig) -> Path:
+    import gc
+
     import torch
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -108,7 +113,7 @@ def _run(cfg: TrainConfig) -> Path:
     from dflash_offline.checkpoint import gather_full_state, load_checkpoint, save_checkpoint
     from dflash_offline.dataset import HiddenStream, open_hidden_cache
     from dflash_offline.drafter import DFlashDrafter, load_target_embeddings
-    from dflash_offline.loss import block_ce_loss
+    from dflash_offline.loss import block_ce_loss, resolve_epilogue
     from dflash_offline.optim import MasterAdamW, fp32_allreduce_hook
     from dflash_offline.progress import Progress, log
 
@@ -129,6 +134,7 @@ def _run(cfg: TrainConfig) -> Path:
     use_compile = cfg.compile == "on" or (cfg.compile == "auto" and cuda)
     if attn == "flex" and not use_compile:
         raise ValueError("attn=flex needs compile=on: uncompiled flex_attention materializes the full score matrix")
+    epilogue = resolve_epilogue(cfg.loss_epilogue, cuda)  # fails here, at start, if this machine cannot run it
     trackers = [t for t in cfg.trackers.split(",") if t and t != "none" and tracker_available(t)]
     rows_per_micro = cfg.batch_rows * c["seq_len"]
     # step_scheduler_with_optimizer=False: the schedule is in optimizer steps, whatever the number of processes
@@ -155,7 +161,7 @@ def _run(cfg: TrainConfig) -> Path:
         run_dir.mkdir(parents=True, exist_ok=True)
         resolved = {"train": as_dict(cfg), "drafter": as_dict(dc), "derived": {
             "world_size": world, "grad_accum": accum, "fsdp_sharded": sharded, "precision": precision,
-            "attn": attn, "compile": use_compile, "master_weights": master,
+            "attn": attn, "compile": use_compile, "master_weights": master, "loss_epilogue": epilogue,
             "global_batch_rows": cfg.batch_rows * world * accum, "cache_key": info.key}}
         (run_dir / "config.json").write_text(json.dumps(resolved, indent=1, sort_keys=True))
         log(f"drafter {dc.num_layers}×(H {dc.hidden_size}, {dc.num_heads}/{dc.num_kv_heads} heads × "
@@ -201,7 +207,10 @@ def _run(cfg: TrainConfig) -> Path:
     step_fn = model
     if use_compile and cfg.compile_scope == "layers":
         for layer in raw.layers:  # one compiled region; layers 1.. reuse layer 0's graph (same code, same shapes)
-            layer.compile(dynamic=False)
+            layer.compile(dynamic=False)  # (the last layer, which drops slot 0 before its MLP, has its own graph)
+        if not sharded:  # the context projection and the final norm + cast: fused instead of ~10 eager kernels each
+            raw.encode_context = torch.compile(raw.encode_context, dynamic=False)
+            raw.output_norm = torch.compile(raw.output_norm, dynamic=False)
     elif use_compile:
         step_fn = torch.compile(model, dynamic=False)
 
@@ -225,6 +234,8 @@ def _run(cfg: TrainConfig) -> Path:
     log(f"[rank {rank}] ready in {time.time() - t0:.1f}s; first step compiles" if use_compile else
         f"[rank {rank}] ready in {time.time() - t0:.1f}s")
     profiler = None
+    graphs_start, graphs0 = compiled_graphs(), None
+    warm_step, t_loop = step + 1, time.time()  # this process's first step compiles (also when resumed)
     while step < cfg.steps:
         if cfg.profile_steps and rank == 0 and step == max(2, cfg.steps - cfg.profile_steps) and profiler is None:
             profiler, profile_end = start_profiler(cuda), step + cfg.profile_steps  # the last steps, after warm-up
@@ -245,9 +256,11 @@ def _run(cfg: TrainConfig) -> Path:
                 model.set_requires_gradient_sync(micro + 1 == accum)
             with acc.no_sync(model) if micro + 1 < accum and not sharded else nullcontext():
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-                    h = step_fn(hidden, batch["input_ids"], batch["position_ids"], a_BA, keep_BA, embed, masks, attn)
-                out = block_ce_loss(h.to(head.dtype), head, labels_BAL, gamma=cfg.gamma or None,
-                                    weighting=cfg.weighting, chunk_tokens=cfg.loss_chunk_tokens)
+                    h = step_fn(hidden, batch["input_ids"], batch["position_ids"], a_BA, keep_BA, embed, masks, attn,
+                                scored_only=True, out_dtype=head.dtype)  # slots 1..L-1: the scored ones
+                out = block_ce_loss(h, head, labels_BAL, gamma=cfg.gamma or None,
+                                    weighting=cfg.weighting, chunk_tokens=cfg.loss_chunk_tokens,
+                                    epilogue=epilogue)
                 acc.backward(out.loss / accum)
             window.add(out, keep_BA)
         if master:
@@ -261,8 +274,16 @@ def _run(cfg: TrainConfig) -> Path:
         if profiler is not None and step == profile_end:
             write_profile(profiler, run_dir / "profile.txt", cuda, cfg.profile_steps)
             profiler = None
-        if step == 1 and use_compile:
+        if step == warm_step:
+            # everything built so far (modules, compiled graphs, the dynamo/inductor caches: millions of objects)
+            # lives until the end: keep it out of the cyclic GC's full passes, which would otherwise walk it all
+            # every so often on the thread that feeds the GPU
+            gc.freeze()
+        if step == warm_step and use_compile:
             torch._dynamo.config.error_on_recompile = True  # warm-up done: a new shape is a bug, not a slowdown
+            graphs0 = compiled_graphs()
+            log(f"[rank {rank}] warm-up step compiled {graphs0 - graphs_start} graphs in {time.time() - t_loop:.0f}s")
+        window.graphs0 = graphs0
         window.steps += 1
         window.rows += cfg.batch_rows * accum * world
         if grad_norm is not None and hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
@@ -301,7 +322,7 @@ def _run(cfg: TrainConfig) -> Path:
 def start_profiler(cuda: bool):
     from torch.profiler import ProfilerActivity, profile
 
-    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []), record_shapes=True)
     prof.__enter__()
     return prof
 
@@ -318,8 +339,18 @@ def write_profile(prof, path: Path, cuda: bool, steps: int) -> None:
     sort = "self_cpu_time_total"
     if cuda:
         sort = "self_device_time_total" if hasattr(avg[0], "self_device_time_total") else "self_cuda_time_total"
-    path.write_text(f"# {steps} training steps, sorted by {sort}\n" +
-                    avg.table(sort_by=sort, row_limit=40, max_name_column_width=70) + "\n")
+    text = f"# {steps} training steps, sorted by {sort}\n" + avg.table(sort_by=sort, row_limit=40,
+                                                                      max_name_column_width=70) + "\n"
+    try:  # extras: GEMM time per input shape, and the timeline (never worth failing a run for)
+        rows = [(getattr(e, sort, 0), e.count, e.input_shapes)
+                for e in prof.key_averages(group_by_input_shape=True) if e.key == "aten::mm"]
+        text += f"\n# aten::mm by input shapes: {sort} (µs), calls, shapes\n" + "".join(
+            f"{us:12.0f} {n:5d}  {shapes}\n" for us, n, shapes in sorted(rows, key=lambda r: -r[0])[:30])
+        trace = path.with_name(path.stem + "_trace.json")
+        prof.export_chrome_trace(str(trace))  # open in https://ui.perfetto.dev, or: python -m bench.trace_gaps
+    except Exception as e:  # noqa: BLE001
+        text += f"\n# (shape table / timeline not written: {e!r})\n"
+    path.write_text(text)
     log(f"profile of {steps} steps written to {path}")
 
 
@@ -353,6 +384,7 @@ class Window:
         self.loss_sum, self.n, self.steps, self.rows, self.wait_s, self.grad_norm = 0.0, 0, 0, 0, 0.0, 0.0
         self.correct_L = self.valid_L = None
         self.tau_sum, self.blocks = 0.0, 0
+        self.graphs0: int | None = None  # compiled graphs at the end of the warm-up step (None: not compiling)
 
     def add(self, out, keep_BA) -> None:
         from dflash_offline.loss import block_tau
@@ -385,7 +417,9 @@ class Window:
             "block_tau": (t[2] / t[3].clamp_min(1)).item(), "lr": lr, "grad_norm": float(self.grad_norm),
             "tok_per_s": self.rows * seq_len / secs, "ms_per_step": 1000 * secs / max(self.steps, 1),
             "flop_frac": self.rows * fpr / secs / 790e12 if device.type == "cuda" else 0.0,
-            "data_wait_frac": self.wait_s / secs, "recompiles": recompile_count(), "time": time.time(),
+            "data_wait_frac": self.wait_s / secs, "time": time.time(),
+            # graphs compiled after the warm-up step (a recompile after it also raises; 0 in a healthy run)
+            "recompiles": compiled_graphs() - self.graphs0 if self.graphs0 is not None else 0,
         }
         if device.type == "cuda":
             rec["reserved_gb"] = torch.cuda.memory_reserved(device) / 2**30
@@ -393,13 +427,11 @@ class Window:
         return rec
 
 
-def recompile_count() -> int:
-    try:
-        from torch._dynamo.utils import counters
+def compiled_graphs() -> int:
+    """Graphs torch.compile has produced in this process so far (new frames and recompiles alike)."""
+    from torch._dynamo.utils import counters
 
-        return int(sum(counters["recompiles"].values())) if "recompiles" in counters else 0
-    except Exception:
-        return 0
+    return int(counters["stats"]["unique_graphs"])
 
 
 def main(argv: list[str]) -> None:

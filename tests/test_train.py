@@ -264,3 +264,32 @@ def test_fsdp_two_processes_equal_one_and_resume_exactly(tmp_path, hidden_cache)
     assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
     for p_ in model.parameters():  # full-size moments for every parameter, after 2 steps
         assert opt.state[p_]["exp_avg"].shape == p_.shape and float(opt.state[p_]["step"]) == 2
+
+
+def test_compiled_graph_counter_counts_new_graphs():
+    """The trainer's `recompiles` metric is the number of graphs compiled after warm-up: the counter it reads
+    must move when torch.compile makes a graph (a key torch no longer fills would report 0 forever)."""
+    import torch
+
+    from stages.train import compiled_graphs
+
+    f = torch.compile(lambda x: x * 2 + 1, dynamic=False, backend="eager")
+    g0 = compiled_graphs()
+    f(torch.ones(3))
+    f(torch.ones(3))
+    assert compiled_graphs() == g0 + 1
+    f(torch.ones(5))  # a new static shape: a recompile
+    assert compiled_graphs() == g0 + 2
+
+
+def test_long_lived_objects_leave_the_gc_after_warm_up_and_come_back_at_the_end(tmp_path, hidden_cache, monkeypatch):
+    """After the warm-up step the heap built so far is frozen (full GC passes on the feeding thread stay short);
+    when the run ends it is unfrozen, so the process is as it was."""
+    import gc
+
+    calls = []
+    real_freeze = gc.freeze
+    monkeypatch.setattr(gc, "freeze", lambda: (calls.append(len(calls)), real_freeze())[1])
+    train.run(cfg(hidden_cache, tmp_path / "r", steps=3))
+    assert calls == [0]  # once, after the warm-up step
+    assert gc.get_freeze_count() == 0
