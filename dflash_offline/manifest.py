@@ -67,10 +67,15 @@ def publish(tmp: Path, final: Path) -> None:
     fsync_path(final.parent)
 
 
-def write_json_atomic(path: Path, obj) -> None:
+def write_json_atomic(path: Path, obj, durable: bool = True) -> None:
+    """Readers see the old or the new file, never a partial one. `durable=False` skips the fsyncs: for files that
+    only report (a status snapshot), where an fsync can wait behind gigabytes another thread is flushing."""
     tmp = temp_path(path)
     tmp.write_text(json.dumps(obj, sort_keys=True, indent=1, ensure_ascii=False) + "\n")
-    publish(tmp, path)
+    if durable:
+        publish(tmp, path)
+    else:
+        os.replace(tmp, path)
 
 
 # --- the lock ------------------------------------------------------------------------------------------------

@@ -63,12 +63,15 @@ class Progress:
         self.bar = tqdm(total=total, unit=unit, desc=stage, dynamic_ncols=True, mininterval=1.0, disable=disable,
                         file=sys.stderr, unit_scale=True)
         self.t0 = time.time()
+        self.total = total
+        self.done = 0  # counted here: a disabled tqdm bar (DFLASH_NO_BAR, other ranks) does not count
         self.tokens = 0
         self.extra: dict = {}
         self.last_write = 0.0
 
     def update(self, n: float = 1, tokens: int = 0, **extra) -> None:
         self.tokens += tokens
+        self.done += n
         self.extra.update(extra)
         self.bar.update(n)
         elapsed = max(time.time() - self.t0, 1e-9)
@@ -78,7 +81,7 @@ class Progress:
 
     def snapshot(self, state: str) -> dict:
         elapsed = time.time() - self.t0
-        done, total = self.bar.n, self.bar.total
+        done, total = self.done, self.total
         rate = done / elapsed if elapsed > 0 else 0.0
         eta = (total - done) / rate if total and rate > 0 else None
         snap = {
@@ -99,7 +102,9 @@ class Progress:
     def write_status(self, state: str) -> None:
         self.last_write = time.time()
         try:
-            write_json_atomic(self.status_path, self.snapshot(state))
+            # no fsync: this runs on the thread that feeds the device, every few seconds, while shard writes or
+            # checkpoints may be flushing gigabytes (an fsync then waits for them, and the device for it)
+            write_json_atomic(self.status_path, self.snapshot(state), durable=False)
         except OSError:
             pass  # status is best-effort; the manifest is the record
 
