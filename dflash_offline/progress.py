@@ -1,7 +1,9 @@
 """Visible progress: an unbuffered progress bar with tokens/s and ETA, plus a status JSON others can read.
 
 `status.json` (in the cache or run directory) is rewritten atomically at most every `every_s` seconds with the
-stage, counts, rates, ETA and reserved GPU memory; `make status` prints it while a job runs.
+stage, counts, rates, ETA and reserved GPU memory; `make status` prints it while a job runs. The writes happen on
+a background thread: `update` runs on the thread that feeds the GPU, and a file write there can stall for most of a
+second while the disk flushes shards or checkpoints (the kernel throttles writers), long enough to idle the GPU.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from tqdm import tqdm
@@ -68,6 +71,8 @@ class Progress:
         self.tokens = 0
         self.extra: dict = {}
         self.last_write = 0.0
+        self._io: ThreadPoolExecutor | None = None  # the status writer thread (started on the first write)
+        self._pending: Future | None = None
 
     def update(self, n: float = 1, tokens: int = 0, **extra) -> None:
         self.tokens += tokens
@@ -100,17 +105,27 @@ class Progress:
         return snap
 
     def write_status(self, state: str) -> None:
+        """Hand a snapshot to the writer thread; skipped while the previous one is still being written."""
         self.last_write = time.time()
-        try:
-            # no fsync: this runs on the thread that feeds the device, every few seconds, while shard writes or
-            # checkpoints may be flushing gigabytes (an fsync then waits for them, and the device for it)
-            write_json_atomic(self.status_path, self.snapshot(state), durable=False)
+        if self._pending is not None and not self._pending.done():
+            return
+        if self._io is None:
+            self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="status-writer")
+        self._pending = self._io.submit(self._write, self.snapshot(state))
+
+    def _write(self, snap: dict) -> None:
+        try:  # atomic (readers see a whole file), not fsynced: a report, not a record
+            write_json_atomic(self.status_path, snap, durable=False)
         except OSError:
             pass  # status is best-effort; the manifest is the record
 
     def close(self, state: str = "done") -> dict:
+        """Final snapshot, written before returning (after any write still in flight)."""
         self.bar.close()
         snap = self.snapshot(state)
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+            self._io, self._pending = None, None
         if self.status_path is not None:
-            self.write_status(state)
+            self._write(snap)
         return snap
