@@ -202,8 +202,9 @@ def block_ce_loss(
     B, A, L = _check(hidden_BQH, labels_BAL)
     if weighting not in ("decay", "dpace"):
         raise ValueError(f"weighting must be 'decay' or 'dpace', got {weighting!r}")
-    resolve_epilogue(epilogue, hidden_BQH.is_cuda)
     dpace = weighting == "dpace"
+    if not dpace:  # (D-PACE has its own epilogue)
+        resolve_epilogue(epilogue, hidden_BQH.is_cuda)
     slot_w_L = slot_weights(L, gamma, labels_BAL.device) if not dpace else torch.ones(L, device=labels_BAL.device)
     norm = _norm(labels_BAL, slot_w_L, dpace, normalizer)
     chunk_blocks = max(1, chunk_tokens // (L - 1))

@@ -116,8 +116,8 @@ class Progress:
     def _write(self, snap: dict) -> None:
         try:  # atomic (readers see a whole file), not fsynced: a report, not a record
             write_json_atomic(self.status_path, snap, durable=False)
-        except OSError:
-            pass  # status is best-effort; the manifest is the record
+        except (OSError, TypeError, ValueError) as e:  # best-effort: the manifest is the record
+            print(f"warning: status {self.status_path} not written: {e!r}", file=sys.stderr)
 
     def close(self, state: str = "done") -> dict:
         """Final snapshot, written before returning (after any write still in flight)."""

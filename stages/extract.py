@@ -13,6 +13,7 @@ shard is written temp → fsync → rename and then committed to the manifest. R
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import time
@@ -254,21 +255,33 @@ def extract_shards(cfg, plan, model, cache: Path, tokens_dir: Path, todo, rank, 
         """(index, claim time, token rows) of each shard this worker gets, prepared one shard ahead."""
         order = shard_order(todo, rank, world)
         ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-claim")  # claims and token reads only
-        nxt, pos = (ahead.submit(prepare, order[0]) if order else None), 0
+        waiting = (order[0], ahead.submit(prepare, order[0])) if order else None  # (index, future) not handed out
         try:
-            for pos, index in enumerate(order):
-                got = nxt.result()
-                nxt = ahead.submit(prepare, order[pos + 1]) if pos + 1 < len(order) else None
+            for pos in range(len(order)):
+                index, fut = waiting
+                got = fut.result()  # (prepare releases its own claim when it fails)
+                waiting = (order[pos + 1], ahead.submit(prepare, order[pos + 1])) if pos + 1 < len(order) else None
                 if got is not None:
                     yield index, *got
-        finally:  # done, or the loop below failed: a shard claimed ahead and never started is released
-            if nxt is not None and nxt.exception() is None and nxt.result() is not None:
-                release_claim(cache, order[pos + 1])
+        finally:  # done, or stopped (an error, an interrupt): a shard claimed here and never handed out is released
+            if waiting is not None:
+                try:
+                    got = waiting[1].result()
+                except BaseException:  # noqa: BLE001 - its own failure released it
+                    got = None
+                if got is not None:
+                    release_claim(cache, waiting[0])
             ahead.shutdown()
 
     shards = claimed_shards()
+    froze = gc.get_freeze_count() == 0  # (a caller's own frozen objects are left as they are)
+    current = None  # the shard being computed, until it is handed to a writer (which releases its claim)
     try:
         for index, claimed_at, rows in shards:
+            current = index
+            if time.time() - claimed_at > cfg.lease_s / 3:  # claimed ahead a while ago (a slow previous shard)
+                renew_claim(cache, index, cfg.lease_s)
+                claimed_at = time.time()
             t_shard = time.time()
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
             if events:
@@ -309,6 +322,8 @@ def extract_shards(cfg, plan, model, cache: Path, tokens_dir: Path, todo, rank, 
             compute_s = time.time() - t_shard  # host time; on CUDA the writer replaces it with the device time
             buffers[done_shards % (depth + 1)] = host
             done_shards += 1
+            if done_shards == 1 and froze:  # the model and the compiled pieces exist now and live until the end:
+                gc.freeze()  # keep them out of the cyclic GC's full passes, which would walk them on this thread
             tensors = dict(host)
             entry = {"index": index, "rows": n, "tokens": tok_entries[index]["tokens"], "compute_seconds": compute_s,
                      "tokens_sha256": tok_entries[index]["files"][name]["sha256"], "worker": f"rank{rank}",
@@ -320,18 +335,24 @@ def extract_shards(cfg, plan, model, cache: Path, tokens_dir: Path, todo, rank, 
             io_wait += time.time() - t_wait
             pending.append(io.submit(write_and_commit, cache, index, tensors, cfg.quant, layer_ids, plan["key"], entry,
                                      redo, write_hidden_shard, hidden_shard_name, events))
+            current = None
             progress.extra.update(reserved_gpu_gb=(reserved[-1] / 2**30) if reserved else 0.0, last_shard=index)
-    except BaseException:  # finished shards still being written are kept: let their writes commit, then fail
-        for f in pending:
-            if f.exception() is not None:
-                log(f"[rank {rank}] a shard write failed too: {f.exception()}")
-        io.shutdown()
+    except BaseException:
+        if current is not None:  # its compute failed: another run (or worker) may take it at once
+            release_claim(cache, current)
+        try:  # finished shards still being written are kept, then the original error goes on
+            drain_writes(pending, io, rank)
+        except Exception:  # noqa: BLE001 - logged there
+            pass
         raise
     finally:
-        shards.close()
+        try:
+            shards.close()
+        finally:
+            if froze and gc.get_freeze_count():
+                gc.unfreeze()
     t_wait = time.time()
-    timings += [f.result() for f in pending]
-    io.shutdown()
+    timings += drain_writes(pending, io, rank)
     io_wait += time.time() - t_wait
     progress.extra.update(io_wait_s=io_wait)
     snap = progress.close("done")
@@ -345,6 +366,23 @@ def extract_shards(cfg, plan, model, cache: Path, tokens_dir: Path, todo, rank, 
         f"{100 * busy:.0f}% of the time; writes {write_s:.1f}s in the background, {io_wait:.1f}s of them waited for")
     return dict(snap, reserved_bytes=reserved, compute_s=compute_s, write_s=write_s, busy_frac=busy,
                 shard_timings=timings)
+
+
+def drain_writes(pending: list, io, rank: int) -> list:
+    """Wait for every background shard write; their timings. Every failure is logged; the first is raised once all
+    writes are done (a failed write never keeps the others from committing)."""
+    timings, errors = [], []
+    for f in pending:
+        try:
+            timings.append(f.result())
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+            log(f"[rank {rank}] a shard write failed: {e!r}")
+    pending.clear()
+    io.shutdown()
+    if errors:
+        raise errors[0]
+    return timings
 
 
 def pad_rows(x, b: int, fill: int):

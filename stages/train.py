@@ -95,11 +95,13 @@ def run(cfg: TrainConfig) -> Path:
     import torch
 
     strict = torch._dynamo.config.error_on_recompile
+    frozen = gc.get_freeze_count()
     try:
         return _run(cfg)
     finally:  # set after the warm-up step; not left on for whatever runs next in this process
         torch._dynamo.config.error_on_recompile = strict
-        gc.unfreeze()
+        if not frozen and gc.get_freeze_count():  # we froze (a caller's own frozen objects are left as they are)
+            gc.unfreeze()
 
 
 def _run(cfg: TrainConfig) -> Path:
@@ -274,7 +276,7 @@ def _run(cfg: TrainConfig) -> Path:
         if profiler is not None and step == profile_end:
             write_profile(profiler, run_dir / "profile.txt", cuda, cfg.profile_steps)
             profiler = None
-        if step == warm_step:
+        if step == warm_step and gc.get_freeze_count() == 0:
             # everything built so far (modules, compiled graphs, the dynamo/inductor caches: millions of objects)
             # lives until the end: keep it out of the cyclic GC's full passes, which would otherwise walk it all
             # every so often on the thread that feeds the GPU

@@ -279,3 +279,40 @@ def test_corrupt_token_shard_stops_the_run_keeping_finished_shards_and_no_stale_
     cache = next((tmp_path / "cache").glob("hidden-*"))
     assert sorted(read_manifest(cache)["shards"][i]["index"] for i in range(2)) == [0, 1]
     assert not list((cache / "claims").glob("*.json"))
+
+
+def test_the_heap_leaves_the_gc_after_the_first_shard_and_comes_back_at_the_end(tmp_path, qwen35_dir, chat_corpus,
+                                                                                 monkeypatch):
+    import gc
+
+    calls = []
+    real_freeze = gc.freeze
+    monkeypatch.setattr(gc, "freeze", lambda: (calls.append(1), real_freeze())[1])
+    cache = extract_run(tmp_path, qwen35_dir, chat_corpus)
+    assert len(read_manifest(cache)["shards"]) > 1 and calls == [1]  # once, after the first shard
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_failure_mid_shard_keeps_finished_shards_and_releases_both_claims(tmp_path, qwen35_dir, chat_corpus,
+                                                                           monkeypatch):
+    """The compute of shard 1 fails while shard 2 is already claimed ahead and shard 0 may still be writing: shard 0
+    is committed, neither 1 nor 2 stays claimed (a rerun or another worker takes them at once), the error surfaces."""
+    calls = {"n": 0}
+    real = extract.pad_rows
+
+    def failing(x, b, fill):
+        calls["n"] += 1
+        if calls["n"] > 3 * 2:  # shard 0 is 2 batches of 3 arrays; the first batch of shard 1 fails
+            raise RuntimeError("device fell over")
+        return real(x, b, fill)
+
+    monkeypatch.setattr(extract, "pad_rows", failing)
+    with pytest.raises(RuntimeError, match="device fell over"):
+        extract_run(tmp_path, qwen35_dir, chat_corpus)
+    cache = next((tmp_path / "cache").glob("hidden-*"))
+    assert [s["index"] for s in read_manifest(cache)["shards"]] == [0]
+    assert not list((cache / "claims").glob("*.json"))
+    monkeypatch.setattr(extract, "pad_rows", real)
+    extract_run(tmp_path, qwen35_dir, chat_corpus)  # the rerun does the rest
+    m = read_manifest(cache)
+    assert sorted(s["index"] for s in m["shards"]) == list(range(m["num_shards"]))
