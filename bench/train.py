@@ -76,6 +76,8 @@ def run_ours(args, cache: Path, drafter: dict) -> dict:
     return {"total_s": time.time() - t0, "tok_per_s": sum(r["tok_per_s"] for r in steady) / len(steady),
             "ms_per_step": sum(r["ms_per_step"] for r in steady) / len(steady),
             "flop_frac": sum(r["flop_frac"] for r in steady) / len(steady),
+            "data_wait_frac": sum(r["data_wait_frac"] for r in steady) / len(steady),
+            "gc_frac": sum(r.get("gc_frac", 0.0) for r in steady) / len(steady),
             "peak_gb": max(r.get("peak_gb", 0) for r in recs), "reserved_gb": [r.get("reserved_gb") for r in recs],
             "recompiles": recs[-1]["recompiles"], "first_window_ms": recs[0]["ms_per_step"],
             "master_weights": json.loads((run / "config.json").read_text())["derived"]["master_weights"],
@@ -191,6 +193,7 @@ def main() -> None:
     if b:
         print(f"| ours / baseline | {o['tok_per_s'] / b['tok_per_s']:.2f} | |")
     print(f"| recompiles after warm-up | {o['recompiles']} | |")
+    print(f"| host: data wait, GC (fraction of wall time) | {o['data_wait_frac']:.3f}, {o['gc_frac']:.3f} | |")
     print(f"| first window (compilation), s | {o['first_window_ms'] * args.log_every / 1000:.0f} | |")
     print(f"| compile scope, rows per optimizer step, master weights | {args.compile_scope}, {args.accum}, "
           f"{o['master_weights']} | |")

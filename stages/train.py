@@ -96,9 +96,11 @@ def run(cfg: TrainConfig) -> Path:
 
     strict = torch._dynamo.config.error_on_recompile
     frozen = gc.get_freeze_count()
+    gc.callbacks.append(GC_CLOCK)
     try:
         return _run(cfg)
     finally:  # set after the warm-up step; not left on for whatever runs next in this process
+        gc.callbacks.remove(GC_CLOCK)
         torch._dynamo.config.error_on_recompile = strict
         if not frozen and gc.get_freeze_count():  # we froze (a caller's own frozen objects are left as they are)
             gc.unfreeze()
@@ -302,7 +304,8 @@ def _run(cfg: TrainConfig) -> Path:
                 acc.log({k: v for k, v in rec.items() if isinstance(v, int | float)}, step=step)
                 progress.extra.update(loss=rec["loss"], tau=rec["sim_tau"])
                 log(f"step {step}: loss {rec['loss']:.4f} acc1 {rec['acc'][0]:.3f} sim τ {rec['sim_tau']:.2f} "
-                    f"{rec['tok_per_s']:,.0f} tok/s mfu {rec['flop_frac']:.3f} wait {rec['data_wait_frac']:.3f}")
+                    f"{rec['tok_per_s']:,.0f} tok/s mfu {rec['flop_frac']:.3f} wait {rec['data_wait_frac']:.3f} "
+                    f"gc {rec['gc_frac']:.3f}")
         if step % cfg.ckpt_every == 0 or step == cfg.steps:
             acc.wait_for_everyone()
             states = gather_full_state(raw, opt) if sharded else None  # a collective: every rank
@@ -378,11 +381,28 @@ def tracker_available(name: str) -> bool:
     return True
 
 
+class GcClock:
+    """Seconds the process spent in Python's cyclic GC (all generations), counted through `gc.callbacks`."""
+
+    def __init__(self):
+        self.total, self._t0 = 0.0, 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.total += time.perf_counter() - self._t0
+
+
+GC_CLOCK = GcClock()
+
+
 class Window:
     """Metrics accumulated between two log lines (reduced over processes when reported)."""
 
     def __init__(self):
         self.t0 = time.time()  # wall clock from here to the device sync in `report`
+        self.gc0 = GC_CLOCK.total
         self.loss_sum, self.n, self.steps, self.rows, self.wait_s, self.grad_norm = 0.0, 0, 0, 0, 0.0, 0.0
         self.correct_L = self.valid_L = None
         self.tau_sum, self.blocks = 0.0, 0
@@ -420,6 +440,7 @@ class Window:
             "tok_per_s": self.rows * seq_len / secs, "ms_per_step": 1000 * secs / max(self.steps, 1),
             "flop_frac": self.rows * fpr / secs / 790e12 if device.type == "cuda" else 0.0,
             "data_wait_frac": self.wait_s / secs, "time": time.time(),
+            "gc_frac": (GC_CLOCK.total - self.gc0) / secs,  # the feeding thread stopped for garbage collection
             # graphs compiled after the warm-up step (a recompile after it also raises; 0 in a healthy run)
             "recompiles": compiled_graphs() - self.graphs0 if self.graphs0 is not None else 0,
         }

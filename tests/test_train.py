@@ -293,3 +293,13 @@ def test_long_lived_objects_leave_the_gc_after_warm_up_and_come_back_at_the_end(
     train.run(cfg(hidden_cache, tmp_path / "r", steps=3))
     assert calls == [0]  # once, after the warm-up step
     assert gc.get_freeze_count() == 0
+    recs = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 <= r["gc_frac"] < 1 for r in recs)  # time the feeding thread spent in the GC, per window
+    assert train.GC_CLOCK not in gc.callbacks  # removed when the run ends
+    gc.callbacks.append(train.GC_CLOCK)
+    try:
+        before = train.GC_CLOCK.total
+        gc.collect()
+        assert train.GC_CLOCK.total > before
+    finally:
+        gc.callbacks.remove(train.GC_CLOCK)
