@@ -89,9 +89,9 @@ def resolve_epilogue(kind: str, cuda: bool) -> str:
     return kind
 
 
-def _epilogue(z_nV, kind: str = "auto"):
+def _epilogue(kind: str):
+    """The function of a resolved epilogue kind (see `resolve_epilogue`)."""
     global _compiled_epilogue
-    kind = resolve_epilogue(kind, z_nV.is_cuda)
     if kind == "eager":
         return _decay_epilogue
     if kind == "triton":
@@ -120,7 +120,7 @@ class _ChunkedBlockCE(torch.autograd.Function):
             z_nV = _logits_f32(h_XKH[c0:c1].reshape(-1, H), w_VH)
             if dpace_alpha is None:
                 w_n = (slot_w_K * valid_XK[c0:c1]).reshape(-1)
-                ce_n, pred_n, d_nV = _epilogue(z_nV, epilogue)(z_nV, lab_n, w_n, need_grad, w_VH.dtype)
+                ce_n, pred_n, d_nV = _epilogue(epilogue)(z_nV, lab_n, w_n, need_grad, w_VH.dtype)
                 del z_nV
                 correct_XK[c0:c1] = ((pred_n == lab_n) & val_n).view(c1 - c0, K)
                 loss += (w_n * ce_n).sum()
@@ -204,7 +204,7 @@ def block_ce_loss(
         raise ValueError(f"weighting must be 'decay' or 'dpace', got {weighting!r}")
     dpace = weighting == "dpace"
     if not dpace:  # (D-PACE has its own epilogue)
-        resolve_epilogue(epilogue, hidden_BQH.is_cuda)
+        epilogue = resolve_epilogue(epilogue, hidden_BQH.is_cuda)
     slot_w_L = slot_weights(L, gamma, labels_BAL.device) if not dpace else torch.ones(L, device=labels_BAL.device)
     norm = _norm(labels_BAL, slot_w_L, dpace, normalizer)
     chunk_blocks = max(1, chunk_tokens // (L - 1))

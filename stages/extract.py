@@ -279,9 +279,6 @@ def extract_shards(cfg, plan, model, cache: Path, tokens_dir: Path, todo, rank, 
     try:
         for index, claimed_at, rows in shards:
             current = index
-            if time.time() - claimed_at > cfg.lease_s / 3:  # claimed ahead a while ago (a slow previous shard)
-                renew_claim(cache, index, cfg.lease_s)
-                claimed_at = time.time()
             t_shard = time.time()
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
             if events:
@@ -294,6 +291,9 @@ def extract_shards(cfg, plan, model, cache: Path, tokens_dir: Path, todo, rank, 
             fresh = host is None
             host = host or {}
             for r0 in range(0, n, b):
+                if time.time() - claimed_at > cfg.lease_s / 3:  # a long shard, or claimed ahead a while ago
+                    renew_claim(cache, index, cfg.lease_s)
+                    claimed_at = time.time()
                 # rows stay on the host: the target cuts segments there and copies without a device sync
                 batch = {k: torch.from_numpy(pad_rows(rows[k][r0:r0 + b], b, fill))
                          for k, fill in (("input_ids", 0), ("position_ids", 0), ("doc_ids", -1))}
@@ -313,9 +313,6 @@ def extract_shards(cfg, plan, model, cache: Path, tokens_dir: Path, todo, rank, 
                             host[k][r0:r0 + real].copy_(v, non_blocking=cuda)
                 del taps
                 progress.update(real, tokens=int((rows["doc_ids"][r0:r0 + real] >= 0).sum()))
-                if time.time() - claimed_at > cfg.lease_s / 3:
-                    renew_claim(cache, index, cfg.lease_s)
-                    claimed_at = time.time()
             if cuda:  # no synchronization here: the writer waits for this event, the device goes on with the next shard
                 events[1].record(copy_stream)
                 reserved.append(torch.cuda.memory_reserved(device))
