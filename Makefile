@@ -48,11 +48,11 @@ test-gpu:  ## GPU tests (needs CUDA; run on the device machine)
 	$(PYTHON) -m pytest -q -m gpu tests -s
 
 lint: setup  ## check style
-	$(PYTHON) -m ruff check dflash_offline stages tests
+	$(PYTHON) -m ruff check dflash_offline stages tests bench
 
 style: setup  ## rewrite style
-	$(PYTHON) -m ruff check --fix dflash_offline stages tests
-	$(PYTHON) -m ruff format dflash_offline stages tests
+	$(PYTHON) -m ruff check --fix dflash_offline stages tests bench
+	$(PYTHON) -m ruff format dflash_offline stages tests bench
 
 tiny: setup  ## build the embedded default target + tokenizer + bundled corpus into $(DEMO_DIR)
 	$(PYTHON) -m stages.build_tiny --out $(DEMO_DIR)/target

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from bench.extract import TEXT_27B, TEXT_TINY, write_config
+from bench.gpu import GpuSampler
 from dflash_offline.dataset import make_fake_cache
 from dflash_offline.manifest import update_manifest
 
@@ -63,24 +64,34 @@ def run_ours(args, cache: Path, drafter: dict) -> dict:
     cfg = TrainConfig(cache=str(cache), run=str(run), steps=args.steps, batch_rows=1, num_anchors=args.anchors,
                       block_size=16, log_every=args.log_every, ckpt_every=10**9, trackers="none",
                       compile_scope=args.compile_scope, profile_steps=args.profile_steps,
-                      master_weights=args.master_weights,
+                      master_weights=args.master_weights, optimizer_overlap=args.optimizer_overlap,
                       global_batch_tokens=args.accum * args.seq_len, **drafter).resolve()
     t0 = time.time()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    train.run(cfg)
+    sampler = GpuSampler() if torch.cuda.is_available() else None
+    try:
+        train.run(cfg)
+    finally:
+        if sampler:
+            sampler.stop()
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     # the first window holds compilation; windows reaching into the profiled last steps are slowed by the profiler
     last_clean = args.steps - args.profile_steps if args.profile_steps else args.steps
     steady = [r for r in recs[1:] if r["step"] <= last_clean] or recs
+    clocks = {}
+    if sampler and sampler.ok:  # over the steady windows (each window ends at its record's time)
+        first = recs.index(steady[0])
+        clocks = sampler.between(recs[first - 1]["time"] if first else t0, steady[-1]["time"])
     return {"total_s": time.time() - t0, "tok_per_s": sum(r["tok_per_s"] for r in steady) / len(steady),
             "ms_per_step": sum(r["ms_per_step"] for r in steady) / len(steady),
             "flop_frac": sum(r["flop_frac"] for r in steady) / len(steady),
             "data_wait_frac": sum(r["data_wait_frac"] for r in steady) / len(steady),
             "gc_frac": sum(r.get("gc_frac", 0.0) for r in steady) / len(steady),
             "peak_gb": max(r.get("peak_gb", 0) for r in recs), "reserved_gb": [r.get("reserved_gb") for r in recs],
-            "recompiles": recs[-1]["recompiles"], "first_window_ms": recs[0]["ms_per_step"],
+            "recompiles": recs[-1]["recompiles"], "first_window_ms": recs[0]["ms_per_step"], "gpu": clocks,
             "master_weights": json.loads((run / "config.json").read_text())["derived"]["master_weights"],
+            "optimizer_overlap": json.loads((run / "config.json").read_text())["derived"]["optimizer_overlap"],
             "loss": [r["loss"] for r in recs],
             "profile": (run / "profile.txt").read_text() if (run / "profile.txt").exists() else None}
 
@@ -131,17 +142,22 @@ def run_baseline(args, cache: Path, target: Path, drafter: dict, device) -> dict
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    sampler = GpuSampler() if device.type == "cuda" else None
     t0 = time.time()
     n = max(3, args.steps // 4)
     for _ in range(n):
         step()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    secs = (time.time() - t0) / n
+    t1 = time.time()
+    secs = (t1 - t0) / n
+    clocks = sampler.between(t0, t1) if sampler and sampler.ok else {}
+    if sampler:
+        sampler.stop()
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
     stream.close()
     gc.collect()
-    return {"ms_per_step": 1000 * secs, "tok_per_s": c["seq_len"] / secs, "peak_gb": peak}
+    return {"ms_per_step": 1000 * secs, "tok_per_s": c["seq_len"] / secs, "peak_gb": peak, "gpu": clocks}
 
 
 def main() -> None:
@@ -155,6 +171,7 @@ def main() -> None:
     p.add_argument("--compile_scope", default="layers", choices=["layers", "model"])
     p.add_argument("--accum", type=int, default=1, help="micro-batches (rows) per optimizer step")
     p.add_argument("--master_weights", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--optimizer_overlap", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--profile_steps", type=int, default=0, help="print a kernel table of that many steps")
     p.add_argument("--workdir", type=Path, default=Path("build/bench-train"))
     p.add_argument("--out", type=Path, default=None)
@@ -194,9 +211,13 @@ def main() -> None:
         print(f"| ours / baseline | {o['tok_per_s'] / b['tok_per_s']:.2f} | |")
     print(f"| recompiles after warm-up | {o['recompiles']} | |")
     print(f"| host: data wait, GC (fraction of wall time) | {o['data_wait_frac']:.3f}, {o['gc_frac']:.3f} | |")
+    og, bg = o.get("gpu") or {}, b.get("gpu") or {}
+    if og:
+        print(f"| SM clock MHz (min), board power W | {og['sm_mhz']:.0f} ({og['sm_mhz_min']:.0f}), {og['power_w']:.0f} | "
+              + (f"{bg['sm_mhz']:.0f} ({bg['sm_mhz_min']:.0f}), {bg['power_w']:.0f} |" if bg else "|"))
     print(f"| first window (compilation), s | {o['first_window_ms'] * args.log_every / 1000:.0f} | |")
-    print(f"| compile scope, rows per optimizer step, master weights | {args.compile_scope}, {args.accum}, "
-          f"{o['master_weights']} | |")
+    print(f"| compile scope, rows per optimizer step, master weights, optimizer overlap | {args.compile_scope}, "
+          f"{args.accum}, {o['master_weights']}, {o['optimizer_overlap']} | |")
 
 
 if __name__ == "__main__":

@@ -397,7 +397,7 @@ def write_and_commit(cache, index, tensors, quant, layer_ids, key, entry, redo, 
     if events is not None:  # the shard's device→host copies are done once its end event is
         events[1].synchronize()
         entry = dict(entry, compute_seconds=events[0].elapsed_time(events[1]) / 1000)
-    t = time.time()
+    t = computed_at = time.time()
     name = name_fn(index)
     files = {name: write_fn(cache / name, tensors, quant, layer_ids, {"shard": index, "key": key})}
     commit_shard(cache, dict(entry, files=files, write_seconds=time.time() - t, committed_at=time.time()),
@@ -406,7 +406,7 @@ def write_and_commit(cache, index, tensors, quant, layer_ids, key, entry, redo, 
     write_s = time.time() - t
     log(f"[{entry['worker']}] shard {index} committed ({files[name]['bytes'] / 1e6:.1f} MB, "
         f"{entry['compute_seconds']:.1f}s compute, {write_s:.1f}s write)")
-    return entry["compute_seconds"], write_s
+    return entry["compute_seconds"], write_s, computed_at
 
 
 def main(argv: list[str]) -> None:

@@ -25,7 +25,25 @@ def test_bench_extract_tiny(tmp_path):
     res, stdout = run_bench("bench.extract", tmp_path, "--shards=3")
     assert res["ours"]["row_tok_per_s"] > 0 and res["plain_hf"]["row_tok_per_s"] > 0
     assert 0 < res["ours"]["busy_frac"] <= 1
-    assert "ratio ours / plain" in stdout
+    assert res["ours"]["steady_row_tok_per_s"] > 0
+    assert "ratio ours / plain" in stdout and "steady state tok/s" in stdout
+
+
+def test_bench_extract_refuses_a_run_the_disk_cannot_hold(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO), DFLASH_NO_BAR="1")
+    p = subprocess.run([sys.executable, "-m", "bench.extract", "--tiny", f"--workdir={tmp_path / 'w'}",
+                        "--shards=100000000"], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode != 0 and "free" in p.stderr and "need" in p.stderr, p.stderr[-2000:]
+
+
+def test_gpu_sampler_averages_the_samples_of_a_time_range():
+    from bench.gpu import GpuSampler
+
+    s = GpuSampler.__new__(GpuSampler)  # no NVML here: fill in samples by hand
+    s.samples = [(10.0, 1500.0, 600.0), (11.0, 1700.0, 700.0), (12.0, 1980.0, 100.0)]
+    assert s.between(9.5, 11.5) == {"sm_mhz": 1600.0, "sm_mhz_min": 1500.0, "power_w": 650.0}
+    assert s.between(20.0, 30.0) == {}
 
 
 def test_bench_train_tiny_with_profile_and_accumulation(tmp_path):
