@@ -138,6 +138,10 @@ class TrainConfig:
     # (dflash_offline.optim.MasterAdamW); "off" = fp32 weights under autocast + torch's fused AdamW.
     # auto = on unless FSDP, or several processes with gradient accumulation
     master_weights: str = "auto"
+    # with master weights on CUDA: "on" = each step's optimizer update runs on a side stream, layer by layer, while
+    # the next step's forward runs (each layer waits only for its own weights); "off" = between the two steps.
+    # auto = on where it can be (master weights, CUDA, compile_scope=layers or no compilation)
+    optimizer_overlap: str = "auto"
     attn: str = "auto"  # "flex" (compiled flex_attention) or "dense" (reference); auto = flex on CUDA
     compile: str = "auto"  # "on" / "off"; auto = on with CUDA. After warm-up a recompile is an error
     # "layers": each decoder layer is one compiled region, shared by all layers (compile time of one layer);
@@ -158,6 +162,7 @@ class TrainConfig:
         check_choice("train.weighting", self.weighting, ("decay", "dpace"))
         check_choice("train.precision", self.precision, ("auto", "bf16", "fp32"))
         check_choice("train.master_weights", self.master_weights, ("auto", "on", "off"))
+        check_choice("train.optimizer_overlap", self.optimizer_overlap, ("auto", "on", "off"))
         check_choice("train.attn", self.attn, ("auto", "flex", "dense"))
         check_choice("train.compile", self.compile, ("auto", "on", "off"))
         check_choice("train.compile_scope", self.compile_scope, ("layers", "model"))

@@ -165,6 +165,9 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # called with k before the forward uses weight group k (see `weight_groups`); the trainer sets it when the
+        # optimizer's update overlaps the forward (optim.MasterAdamW.overlap_with_forward)
+        self.weight_fence = None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -186,6 +189,15 @@ class DFlashDrafter(nn.Module):
             t: build(anchor_pos_BA, keep_BA, doc_ids_BS, L, W if t == "sliding_attention" else None)
             for t in set(self.cfg.layer_types)
         }
+
+    def weight_groups(self) -> list[list[nn.Parameter]]:
+        """The parameters in the order the forward uses them: [fc + hidden_norm, layer 0, ..., layer N-1, norm]."""
+        return ([[*self.fc.parameters(), *self.hidden_norm.parameters()]] + [list(lay.parameters()) for lay in self.layers]
+                + [list(self.norm.parameters())])
+
+    def _fence(self, k: int) -> None:
+        if self.weight_fence is not None:
+            self.weight_fence(k)
 
     def encode_context(self, hidden_BSK: torch.Tensor) -> torch.Tensor:
         """hidden_norm(fc(tapped target states)) [B, S, H]. The states go to the fc weight's dtype (bf16 with bf16
@@ -219,6 +231,7 @@ class DFlashDrafter(nn.Module):
         """
         # the residual stream's dtype: the norms' (matmul weights may be bf16 copies, see optim.MasterAdamW)
         L, dtype = self.cfg.block_size, self.norm.weight.dtype
+        self._fence(0)
         ctx_BSH = self.encode_context(hidden_BSK)
         ids_BQ = block_input_ids(input_ids_BS, anchor_pos_BA, keep_BA, L, self.cfg.mask_token_id)
         x_BQH = F.embedding(ids_BQ, embed_weight_VH).to(dtype)
@@ -227,8 +240,10 @@ class DFlashDrafter(nn.Module):
         rope_blk = rope_cos_sin(block_position_ids(position_ids_BS, anchor_pos_BA, L), D, theta, dtype)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
+            self._fence(i + 1)
             x_BQH = layer(x_BQH, ctx_BSH, rope_ctx, rope_blk, masks[layer.layer_type], attn,
                           L if scored_only and i == last else 0)
+        self._fence(last + 2)
         return self.output_norm(x_BQH, out_dtype)
 
 

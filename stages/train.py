@@ -159,19 +159,28 @@ def _run(cfg: TrainConfig) -> Path:
         if cfg.master_weights == "on":
             raise ValueError(f"master_weights=on is not available here: {why_not}; use master_weights=off/auto")
         master = False
+    overlap = cfg.optimizer_overlap != "off" and master and cuda
+    why_not = ("it needs master weights (master_weights)" if not master else "it needs CUDA" if not cuda else
+               "compile_scope=model compiles the forward as one graph" if use_compile and cfg.compile_scope == "model"
+               else None)
+    if cfg.optimizer_overlap == "on" and why_not:
+        raise ValueError(f"optimizer_overlap=on is not available here: {why_not}; use optimizer_overlap=off/auto")
+    overlap = overlap and why_not is None
     device = acc.device
     set_seed(cfg.seed)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         resolved = {"train": as_dict(cfg), "drafter": as_dict(dc), "derived": {
             "world_size": world, "grad_accum": accum, "fsdp_sharded": sharded, "precision": precision,
-            "attn": attn, "compile": use_compile, "master_weights": master, "loss_epilogue": epilogue,
+            "attn": attn, "compile": use_compile, "master_weights": master, "optimizer_overlap": overlap,
+            "loss_epilogue": epilogue,
             "global_batch_rows": cfg.batch_rows * world * accum, "cache_key": info.key}}
         (run_dir / "config.json").write_text(json.dumps(resolved, indent=1, sort_keys=True))
         log(f"drafter {dc.num_layers}×(H {dc.hidden_size}, {dc.num_heads}/{dc.num_kv_heads} heads × "
             f"{dc.head_dim}, FFN {dc.intermediate_size}) on taps {dc.target_layer_ids}; {world} process(es) × "
             f"{cfg.batch_rows} rows × accum {accum}{', FSDP-sharded' if sharded else ''}; {precision}"
-            f"{' (bf16 weights, fp32 masters)' if master else ''}, "
+            f"{' (bf16 weights, fp32 masters)' if master else ''}"
+            f"{', optimizer update overlapping the next forward' if overlap else ''}, "
             f"attn {attn}, compile {use_compile}")
 
     # --- model
@@ -208,6 +217,9 @@ def _run(cfg: TrainConfig) -> Path:
     if master and world > 1:  # DDP: reduce the bf16 gradients in fp32 (as the fp32-weight path does) ...
         model.register_comm_hook(None, fp32_allreduce_hook)
         opt.optimizer.broadcast_masters(0)  # ... and start every rank from rank 0's fp32 weights, as DDP does the model
+    if overlap:  # each layer's weights are waited for just before the forward uses them
+        opt.optimizer.overlap_with_forward(raw.weight_groups())
+        raw.weight_fence = opt.optimizer.wait_for
     step_fn = model
     if use_compile and cfg.compile_scope == "layers":
         for layer in raw.layers:  # one compiled region; layers 1.. reuse layer 0's graph (same code, same shapes)
@@ -307,6 +319,8 @@ def _run(cfg: TrainConfig) -> Path:
                     f"{rec['tok_per_s']:,.0f} tok/s mfu {rec['flop_frac']:.3f} wait {rec['data_wait_frac']:.3f} "
                     f"gc {rec['gc_frac']:.3f}")
         if step % cfg.ckpt_every == 0 or step == cfg.steps:
+            if overlap:
+                opt.optimizer.wait_all()  # the weights the checkpoint reads are the updated ones
             acc.wait_for_everyone()
             states = gather_full_state(raw, opt) if sharded else None  # a collective: every rank
             if rank == 0:

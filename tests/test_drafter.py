@@ -171,6 +171,27 @@ def test_gradients_reach_every_parameter_and_dropped_anchors_are_finite():
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
 
 
+def test_weight_fence_is_called_before_each_group_in_forward_order():
+    """The optimizer's overlapped update makes the forward wait for group k just before k's weights are used: the
+    groups must cover every parameter once, in the order of use, and each fence must come before that use."""
+    model, embed = model_and_embed(config())
+    groups = model.weight_groups()
+    ids = [id(p) for g in groups for p in g]
+    assert sorted(ids) == sorted(id(p) for p in model.parameters()) and len(set(ids)) == len(ids)
+    seen = []  # ("fence", k) and ("use", k) events, in call order
+    owner = {id(p): k for k, g in enumerate(groups) for p in g}
+    for mod in model.modules():
+        own = [p for p in mod.parameters(recurse=False)]
+        if own:
+            mod.register_forward_pre_hook(lambda m, a, k=owner[id(own[0])]: seen.append(("use", k)))
+    model.weight_fence = lambda k: seen.append(("fence", k))
+    forward(model, embed, packed_batch(), "dense")
+    fences = [k for e, k in seen if e == "fence"]
+    assert fences == list(range(len(groups)))
+    for k in range(len(groups)):  # every use of group k comes after its fence
+        assert seen.index(("fence", k)) < seen.index(("use", k)), k
+
+
 # --- the mask ----------------------------------------------------------------------------------------------
 
 

@@ -159,6 +159,12 @@ def test_master_weights_on_refuses_where_unavailable(tmp_path, hidden_cache):
         train.run(cfg(hidden_cache, tmp_path / "x", precision="fp32", master_weights="on"))
 
 
+def test_optimizer_overlap_on_refuses_where_unavailable(tmp_path, hidden_cache):
+    with pytest.raises(ValueError, match="optimizer_overlap=on is not available here: it needs master weights"):
+        train.run(cfg(hidden_cache, tmp_path / "x", precision="fp32", optimizer_overlap="on"))
+    assert not (tmp_path / "x" / "checkpoints").exists()
+
+
 def test_two_processes_bf16_master_weights_equal_one(tmp_path, hidden_cache):
     """DDP with bf16 gradients reduced in fp32 (the comm hook) = one process accumulating two micro-batches."""
     kw = dict(precision="bf16", master_weights="on", global_batch_tokens=2 * 2 * 128)
