@@ -74,7 +74,16 @@ def _adamw_clip_step(p32s, lows, grads, exp_avgs, exp_avg_sqs, steps, lr, skippe
 
 @functools.cache
 def _compiled(fn):
-    return torch.compile(fn, dynamic=False, fullgraph=True)
+    compiled = torch.compile(fn, dynamic=False, fullgraph=True)
+
+    def call(*args):
+        # one graph per parameter-group layout and gradient dtype (three per model with overlap_with_forward): a
+        # process that builds several models (a sweep, a test session) would reach dynamo's default of 8 graphs per
+        # function, a hard error under fullgraph
+        with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
+            return compiled(*args)
+
+    return call
 
 
 class MasterAdamW(torch.optim.Optimizer):
@@ -188,7 +197,10 @@ class MasterAdamW(torch.optim.Optimizer):
         norm is computed first (clipping needs all of it), then each group's clip + AdamW + bf16 copy, and
         `wait_for(k)` makes the current stream wait for group k's weights. The forward calls `wait_for(k)` before
         it uses group k; everything else that reads the weights or the optimizer state (checkpoints, export,
-        `state_dict`) waits for all of it (`wait_all`). Same arithmetic as the one-pass step. CUDA only."""
+        `state_dict`) waits for all of it (`wait_all`). Same arithmetic as the one-pass step. CUDA only.
+        Whoever reads the model's weights between `step()` and the next forward (an evaluation, an EMA) calls
+        `wait_all()` first; `zero_grad(set_to_none=False)` does it itself (it writes gradients the update reads)."""
+        self.wait_all()  # called again: the old stream's work is done before it is dropped
         ids = [{id(p) for p in g} for g in groups]
         everything = {id(p) for p in self._params()}
         if set().union(*ids) != everything or sum(len(i) for i in ids) != len(everything):
@@ -199,6 +211,11 @@ class MasterAdamW(torch.optim.Optimizer):
         self._side = torch.cuda.Stream(device)
         self._groups = ids
         self._events = [None] * len(groups)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if not set_to_none:  # zeroing in place: not while the side stream still reads the gradients
+            self.wait_all()
+        super().zero_grad(set_to_none=set_to_none)
 
     def wait_for(self, k: int) -> None:
         """The current stream waits until group k's update of the last step is done (no-op without overlap)."""

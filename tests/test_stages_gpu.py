@@ -78,11 +78,22 @@ def test_bf16_master_weights_train_like_fp32_weights_on_cuda(tmp_path, hidden_ca
         assert float((w_on[k] - w_off[k]).norm() / update) < 0.05, k
 
 
-def test_optimizer_update_overlapping_the_forward_trains_like_the_serial_one(tmp_path, hidden_cache):
+def test_optimizer_update_overlapping_the_forward_trains_like_the_serial_one(tmp_path, hidden_cache, monkeypatch):
     """optimizer_overlap (the CUDA default with master weights): each step's update runs on a side stream while the
     next forward runs. Same losses and weights as the update between steps; a missing wait (a layer reading its
-    weights before their update) or a gradient freed too early would show as a different run."""
-    tiny = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_anchors=8, batch_rows=2, log_every=1,
+    weights before their update) or a gradient freed too early would show as a different run. The side stream is
+    made to lag ~30 ms per step, and metrics sync only every 6 steps, so the forward really runs ahead of it."""
+    from dflash_offline.optim import MasterAdamW
+
+    step = MasterAdamW._overlapped_step
+
+    def lagging(self, *a, **k):
+        with torch.cuda.stream(self._side):
+            torch.cuda._sleep(50_000_000)
+        return step(self, *a, **k)
+
+    monkeypatch.setattr(MasterAdamW, "_overlapped_step", lagging)
+    tiny = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_anchors=8, batch_rows=2, log_every=6,
                 trackers="none", lr=3e-3, warmup_steps=1, ckpt_every=1000, grad_clip=0.5)
     runs = {}
     for ov in ("off", "on"):
