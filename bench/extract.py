@@ -110,11 +110,10 @@ def run_ours(args, info, layer_ids, tokens_dir, tm, device) -> dict:
     key = hash_obj({"bench": tm["key"], "layers": layer_ids})
     open_cache(cache, "hidden", key, {"bench": True}, {}, num_shards=args.shards)
     plan = {"tokens_manifest": tm, "layer_ids": layer_ids, "key": key}
-    sampler = GpuSampler() if device.type == "cuda" else None
+    sampler = GpuSampler()
     t_run = time.time()
     stats = extract_shards(cfg, plan, model, cache, tokens_dir, list(range(args.shards)), 0, 1, device, False)
-    if sampler:
-        sampler.stop()
+    sampler.stop()
     # steady state: from the end of the first shard's device work to the end of the last one's (no start-up, no
     # final write; every write but the last one overlaps it)
     ends = sorted(t[2] for t in stats["shard_timings"])
@@ -126,7 +125,7 @@ def run_ours(args, info, layer_ids, tokens_dir, tm, device) -> dict:
            "bytes_per_s": written / stats["elapsed_s"], "busy_frac": stats["busy_frac"],
            "compute_s_per_shard": stats["compute_s"] / args.shards, "write_s_per_shard": stats["write_s"] / args.shards,
            "main_thread_wait_on_writer_s": stats["io_wait_s"], "steady_row_tok_per_s": steady,
-           "gpu": sampler.between(t_run, time.time()) if sampler and sampler.ok else {},
+           "gpu": sampler.between(t_run, time.time()),
            "reserved_gb": [round(r / 2**30, 2) for r in stats["reserved_bytes"]],
            "layer_params": sum(p.numel() for p in model.stack.layers.parameters())}
     del model
@@ -160,16 +159,15 @@ def run_plain_hf(args, text: dict, depth: int, tokens_dir, device) -> dict:
         model(input_ids=batches[0], output_hidden_states=True)
         sync(device)
         warm_s = time.time() - t0
-        sampler = GpuSampler() if device.type == "cuda" else None
+        sampler = GpuSampler()
         t0 = time.time()
         for b in batches:
             hs = model(input_ids=b, output_hidden_states=True).hidden_states
             del hs
         sync(device)
         secs = time.time() - t0
-        clocks = sampler.between(t0, time.time()) if sampler and sampler.ok else {}
-        if sampler:
-            sampler.stop()
+        clocks = sampler.between(t0, time.time())
+        sampler.stop()
     tokens = sum(b.numel() for b in batches)
     del model
     gc.collect()

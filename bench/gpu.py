@@ -9,7 +9,7 @@ import torch
 
 class GpuSampler:
     """SM clock (MHz) and board power (W) of the current GPU every `every` seconds on a thread, through NVML
-    (`torch.cuda.clock_rate`/`power_draw`; nothing is sampled where NVML is missing). A ratio between two runs is
+    (`torch.cuda.clock_rate`/`power_draw`; without CUDA or NVML it samples nothing and `between` is {}). A ratio between two runs is
     only as good as their clocks: a power-capped GPU runs the same kernels slower."""
 
     def __init__(self, every: float = 0.25):
@@ -19,6 +19,8 @@ class GpuSampler:
         self._stop = threading.Event()
         self.ok = False
         try:
+            if not torch.cuda.is_available():
+                return
             torch.cuda.clock_rate(), torch.cuda.power_draw()
             self.ok = True
         except Exception:  # noqa: BLE001 - no NVML (pynvml) here: no samples

@@ -69,20 +69,18 @@ def run_ours(args, cache: Path, drafter: dict) -> dict:
     t0 = time.time()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    sampler = GpuSampler() if torch.cuda.is_available() else None
+    sampler = GpuSampler()
     try:
         train.run(cfg)
     finally:
-        if sampler:
-            sampler.stop()
+        sampler.stop()
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     # the first window holds compilation; windows reaching into the profiled last steps are slowed by the profiler
     last_clean = args.steps - args.profile_steps if args.profile_steps else args.steps
     steady = [r for r in recs[1:] if r["step"] <= last_clean] or recs
-    clocks = {}
-    if sampler and sampler.ok:  # over the steady windows (each window ends at its record's time)
-        first = recs.index(steady[0])
-        clocks = sampler.between(recs[first - 1]["time"] if first else t0, steady[-1]["time"])
+    first = recs.index(steady[0])  # clocks over the steady windows (each window ends at its record's time)
+    clocks = sampler.between(recs[first - 1]["time"] if first else t0, steady[-1]["time"])
+    derived = json.loads((run / "config.json").read_text())["derived"]
     return {"total_s": time.time() - t0, "tok_per_s": sum(r["tok_per_s"] for r in steady) / len(steady),
             "ms_per_step": sum(r["ms_per_step"] for r in steady) / len(steady),
             "flop_frac": sum(r["flop_frac"] for r in steady) / len(steady),
@@ -90,8 +88,7 @@ def run_ours(args, cache: Path, drafter: dict) -> dict:
             "gc_frac": sum(r.get("gc_frac", 0.0) for r in steady) / len(steady),
             "peak_gb": max(r.get("peak_gb", 0) for r in recs), "reserved_gb": [r.get("reserved_gb") for r in recs],
             "recompiles": recs[-1]["recompiles"], "first_window_ms": recs[0]["ms_per_step"], "gpu": clocks,
-            "master_weights": json.loads((run / "config.json").read_text())["derived"]["master_weights"],
-            "optimizer_overlap": json.loads((run / "config.json").read_text())["derived"]["optimizer_overlap"],
+            "master_weights": derived["master_weights"], "optimizer_overlap": derived["optimizer_overlap"],
             "loss": [r["loss"] for r in recs],
             "profile": (run / "profile.txt").read_text() if (run / "profile.txt").exists() else None}
 
@@ -142,7 +139,7 @@ def run_baseline(args, cache: Path, target: Path, drafter: dict, device) -> dict
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    sampler = GpuSampler() if device.type == "cuda" else None
+    sampler = GpuSampler()
     t0 = time.time()
     n = max(3, args.steps // 4)
     for _ in range(n):
@@ -151,9 +148,8 @@ def run_baseline(args, cache: Path, target: Path, drafter: dict, device) -> dict
         torch.cuda.synchronize()
     t1 = time.time()
     secs = (t1 - t0) / n
-    clocks = sampler.between(t0, t1) if sampler and sampler.ok else {}
-    if sampler:
-        sampler.stop()
+    clocks = sampler.between(t0, t1)
+    sampler.stop()
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
     stream.close()
     gc.collect()

@@ -159,13 +159,12 @@ def _run(cfg: TrainConfig) -> Path:
         if cfg.master_weights == "on":
             raise ValueError(f"master_weights=on is not available here: {why_not}; use master_weights=off/auto")
         master = False
-    overlap = cfg.optimizer_overlap != "off" and master and cuda
     why_not = ("it needs master weights (master_weights)" if not master else "it needs CUDA" if not cuda else
                "compile_scope=model compiles the forward as one graph" if use_compile and cfg.compile_scope == "model"
                else None)
     if cfg.optimizer_overlap == "on" and why_not:
         raise ValueError(f"optimizer_overlap=on is not available here: {why_not}; use optimizer_overlap=off/auto")
-    overlap = overlap and why_not is None
+    overlap = cfg.optimizer_overlap != "off" and why_not is None
     device = acc.device
     set_seed(cfg.seed)
     if rank == 0:

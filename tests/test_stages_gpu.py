@@ -47,16 +47,23 @@ def test_compiled_flex_trainer_matches_eager_and_holds_memory(tmp_path, hidden_c
     assert max(reserved) - min(reserved) < 0.05, reserved  # flat after warm-up
 
 
-def test_bf16_master_weights_train_like_fp32_weights_on_cuda(tmp_path, hidden_cache):
-    """The CUDA default (bf16 weights + compiled MasterAdamW) against fp32 weights + fused torch AdamW + clip."""
-    tiny = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_anchors=8, batch_rows=2, log_every=1,
-                trackers="none", lr=3e-3, warmup_steps=1, ckpt_every=1000, grad_clip=0.5)
+def train_off_and_on(tmp_path, hidden_cache, option: str, log_every: int):
+    """12 steps of a tiny drafter with `option` off, then on (runs in tmp_path/off, tmp_path/on): the metrics of
+    each, and the last config."""
+    tiny = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_anchors=8, batch_rows=2,
+                log_every=log_every, trackers="none", lr=3e-3, warmup_steps=1, ckpt_every=1000, grad_clip=0.5)
     runs = {}
-    for mw in ("off", "on"):
-        cfg = TrainConfig(cache=str(hidden_cache), run=str(tmp_path / mw), steps=12, master_weights=mw,
+    for value in ("off", "on"):
+        cfg = TrainConfig(cache=str(hidden_cache), run=str(tmp_path / value), steps=12, **{option: value},
                           **tiny).resolve()
         train.run(cfg)
-        runs[mw] = [json.loads(x) for x in (tmp_path / mw / "metrics.jsonl").read_text().splitlines()]
+        runs[value] = [json.loads(x) for x in (tmp_path / value / "metrics.jsonl").read_text().splitlines()]
+    return runs, cfg
+
+
+def test_bf16_master_weights_train_like_fp32_weights_on_cuda(tmp_path, hidden_cache):
+    """The CUDA default (bf16 weights + compiled MasterAdamW) against fp32 weights + fused torch AdamW + clip."""
+    runs, cfg = train_off_and_on(tmp_path, hidden_cache, "master_weights", log_every=1)
     assert json.loads((tmp_path / "on" / "config.json").read_text())["derived"]["master_weights"] is True
     on, off = runs["on"], runs["off"]
     assert [r["loss"] for r in on] == pytest.approx([r["loss"] for r in off], rel=5e-3)
@@ -93,14 +100,7 @@ def test_optimizer_update_overlapping_the_forward_trains_like_the_serial_one(tmp
         return step(self, *a, **k)
 
     monkeypatch.setattr(MasterAdamW, "_overlapped_step", lagging)
-    tiny = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_anchors=8, batch_rows=2, log_every=6,
-                trackers="none", lr=3e-3, warmup_steps=1, ckpt_every=1000, grad_clip=0.5)
-    runs = {}
-    for ov in ("off", "on"):
-        cfg = TrainConfig(cache=str(hidden_cache), run=str(tmp_path / ov), steps=12, optimizer_overlap=ov,
-                          **tiny).resolve()
-        train.run(cfg)
-        runs[ov] = [json.loads(x) for x in (tmp_path / ov / "metrics.jsonl").read_text().splitlines()]
+    runs, _ = train_off_and_on(tmp_path, hidden_cache, "optimizer_overlap", log_every=6)
     derived = json.loads((tmp_path / "on" / "config.json").read_text())["derived"]
     assert derived["optimizer_overlap"] is True and derived["master_weights"] is True
     on, off = runs["on"], runs["off"]
