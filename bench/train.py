@@ -81,11 +81,16 @@ def run_ours(args, cache: Path, drafter: dict) -> dict:
     first = recs.index(steady[0])  # clocks over the steady windows (each window ends at its record's time)
     clocks = sampler.between(recs[first - 1]["time"] if first else t0, steady[-1]["time"])
     derived = json.loads((run / "config.json").read_text())["derived"]
-    return {"total_s": time.time() - t0, "tok_per_s": sum(r["tok_per_s"] for r in steady) / len(steady),
-            "ms_per_step": sum(r["ms_per_step"] for r in steady) / len(steady),
-            "flop_frac": sum(r["flop_frac"] for r in steady) / len(steady),
-            "data_wait_frac": sum(r["data_wait_frac"] for r in steady) / len(steady),
-            "gc_frac": sum(r.get("gc_frac", 0.0) for r in steady) / len(steady),
+    # per window: its steps (a last, shorter window counts for its steps only) and seconds
+    n = [r["step"] - (recs[first + i - 1]["step"] if first + i else 0) for i, r in enumerate(steady)]
+    secs = [k * r["ms_per_step"] / 1000 for k, r in zip(n, steady, strict=True)]
+
+    def mean(key):  # time-weighted over the steady windows
+        return sum(s * r.get(key, 0.0) for s, r in zip(secs, steady, strict=True)) / sum(secs)
+
+    return {"total_s": time.time() - t0, "tok_per_s": mean("tok_per_s"), "ms_per_step": 1000 * sum(secs) / sum(n),
+            "flop_frac": mean("flop_frac"), "data_wait_frac": mean("data_wait_frac"), "gc_frac": mean("gc_frac"),
+            "windows_tok_per_s": [round(r["tok_per_s"]) for r in steady],
             "peak_gb": max(r.get("peak_gb", 0) for r in recs), "reserved_gb": [r.get("reserved_gb") for r in recs],
             "recompiles": recs[-1]["recompiles"], "first_window_ms": recs[0]["ms_per_step"], "gpu": clocks,
             "master_weights": derived["master_weights"], "optimizer_overlap": derived["optimizer_overlap"],

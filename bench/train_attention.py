@@ -6,7 +6,8 @@
 Queries are the 512×16 block tokens (32 heads × 128), keys the 2048 context positions plus the block tokens (8 KV
 heads), with the real DFlash mask (`dflash_offline.masks`) on two kinds of rows: the two-document rows the train
 benchmark's synthetic cache holds, and long-tailed packed chat rows. Each variant is one torch.compile'd
-flex_attention (kernel options fixed, so one kernel per variant); reports ms forward, ms forward+backward and
+flex_attention (kernel options fixed, so one kernel per variant), or "split", the trainer's formulation
+(`drafter.split_attention`); reports ms forward, ms forward+backward and
 TFLOP/s counted on the visible (mask-true) scores only: 4·D FLOPs per score forward, 10·D forward+backward.
 """
 
@@ -24,7 +25,8 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from bench.extract_layers import timed
 from dflash_offline import anchors as anc
 from dflash_offline.dataset import fake_token_rows
-from dflash_offline.masks import dense_mask, make_mask_mod
+from dflash_offline.drafter import split_attention
+from dflash_offline.masks import block_allow, dense_mask, make_mask_mod
 
 # (name, kernel_options); bwd_/fwd_ prefixes address one direction (torch's flex lowering strips them)
 VARIANTS = {
@@ -40,6 +42,9 @@ VARIANTS = {
     "bwd 64/64 w8 s3": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
                         "bwd_num_warps": 8, "bwd_num_stages": 3},
     "rows safe": {"ROWS_GUARANTEED_SAFE": True},
+    # what the trainer runs: flex over the context keys only + each block's keys as a dense attention, merged by
+    # log-sum-exp (`drafter.split_attention`); the other variants are one flex call over [context | block] keys
+    "split": None,
 }
 
 
@@ -102,13 +107,29 @@ def main() -> None:
         for m in args.masks.split(","):
             mod = make_mask_mod(a, keep, doc, L) if m == "bounds" else docs_mask_mod(a, keep, doc, L)
             masks[m, kind] = build(mod, 1, None, Q, S + Q, device=device, BLOCK_SIZE=tile)
+        masks["split", kind] = build(make_mask_mod(a, keep, doc, L, context_only=True), 1, None, Q, S,
+                                     device=device, BLOCK_SIZE=tile)
     results = []
     torch._dynamo.config.cache_size_limit = 64  # one compiled entry per variant (same lambda code object)
+    allow = block_allow(L, None, device)
     for name in args.variants.split(","):
         opts = VARIANTS[name]
-        fn = torch.compile(lambda q, k, v, bm, o=opts: flex_attention(q, k, v, block_mask=bm, enable_gqa=True,
-                                                                      kernel_options=o or None), dynamic=False)
+        if name == "split":  # (CPU: eager; inductor's CPU flex has no log-sum-exp output)
+            fn = lambda q, k, v, bm: split_attention(q, k[:, :, :S], v[:, :, :S], k[:, :, S:],  # noqa: E731
+                                                     v[:, :, S:], bm, allow, D**-0.5)
+            fn = torch.compile(fn, dynamic=False) if cuda else fn
+            joint = torch.compile(lambda q, k, v, bm: flex_attention(q, k, v, block_mask=bm, enable_gqa=True),
+                                  dynamic=False)
+            with torch.no_grad():  # same values as one flex call over [context | block] keys
+                err = {kind: (fn(q, k, v, masks["split", kind]).float() - joint(q, k, v, masks["bounds", kind])
+                              .float()).abs().max().item() for kind in ("bench", "chat")} if cuda else {}
+            print(f"split vs one flex call, max |diff| of the output: {err}", flush=True)
+        else:
+            fn = torch.compile(lambda q, k, v, bm, o=opts: flex_attention(q, k, v, block_mask=bm, enable_gqa=True,
+                                                                          kernel_options=o or None), dynamic=False)
         for (m, kind), bm in masks.items():
+            if (m == "split") != (name == "split"):
+                continue
             def fwd(fn=fn, bm=bm):
                 with torch.no_grad():
                     fn(q, k, v, bm)

@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
-from torch.nn.attention.flex_attention import flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
 from dflash_offline.anchors import block_input_ids, block_position_ids
-from dflash_offline.masks import dense_mask, flex_block_mask
+from dflash_offline.masks import block_allow, dense_mask, flex_block_mask
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -89,11 +89,76 @@ def apply_rope(x_BTnD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tenso
     return x_BTnD * cos_BTD[:, :, None] + rot * sin_BTD[:, :, None]
 
 
+class _ScoresF32(torch.autograd.Function):
+    """fp32 scores a @ b^T [X, M, N] of low-precision a [X, M, D] and b [X, N, D] (one GEMM with fp32 output,
+    CUDA only): the precision flex_attention gives its scores. Backward as flash attention does it: dS in a's
+    dtype, fp32-accumulated GEMMs."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return torch.bmm(a, b.transpose(1, 2), out_dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, ds):
+        a, b = ctx.saved_tensors
+        ds = ds.to(a.dtype)
+        return torch.bmm(ds, b), torch.bmm(ds.transpose(1, 2), a)
+
+
+BLOCK_PART = "fp32"  # "fp32": the block part in fp32 throughout; "mixed": bf16 GEMMs, fp32 scores (as flex)
+
+
+def block_part(q_BNQD, k_BGQD, v_BGQD, allow_LL, scale, mode: str | None = None):
+    """Each block's queries against its own L keys: (o [B, N, Q, D], lse [B, N, Q]), fp32."""
+    B, N, Q, D = q_BNQD.shape
+    G, L = k_BGQD.shape[1], allow_LL.shape[0]
+    R, A = N // G, Q // L  # query heads per kv head (head n uses kv head n // R), blocks per row
+    mode = mode or BLOCK_PART
+    with torch.autocast(q_BNQD.device.type, enabled=False):  # fp32 even under autocast
+        # per (row, kv head, block): its R heads x L slots of queries against the block's L keys
+        q6 = q_BNQD.view(B, G, R, A, L, D)
+        k5, v5 = k_BGQD.view(B, G, A, L, D), v_BGQD.view(B, G, A, L, D)
+        if mode == "mixed":
+            qx = q6.permute(0, 1, 3, 2, 4, 5).reshape(B * G * A, R * L, D)
+            s6 = _ScoresF32.apply(qx, k5.reshape(B * G * A, L, D)).view(B, G, A, R, L, L).permute(0, 1, 3, 2, 4, 5)
+        else:
+            s6 = torch.einsum("bgrald,bgamd->bgralm", q6.float(), k5.float())
+        s6 = (s6 * scale).masked_fill(~allow_LL, float("-inf"))
+        lse = torch.logsumexp(s6, dim=-1)  # [B, G, R, A, L]: finite, slot k always sees itself
+        p6 = torch.exp(s6 - lse[..., None])
+        if mode == "mixed":  # P in bf16 for the PV GEMM, as flex does
+            o = torch.einsum("bgralm,bgamd->bgrald", p6.to(v5.dtype), v5).float()
+        else:
+            o = torch.einsum("bgralm,bgamd->bgrald", p6, v5.float())
+    return o.reshape(B, N, Q, D), lse.reshape(B, N, Q)
+
+
+def split_attention(q_BNQD, k_ctx_BGSD, v_ctx_BGSD, k_blk_BGQD, v_blk_BGQD, ctx_mask, allow_LL, scale):
+    """The training attention as two parts merged by their log-sum-exps: flex_attention of the block queries over
+    the S context keys (`ctx_mask`, a context-only BlockMask from `masks.flex_block_mask`), and each block's own
+    keys as a small dense attention (`block_part`, `allow_LL` from `masks.block_allow`). Equal to one flex call
+    over [context | block] keys with the full mask, without flex visiting the block-diagonal tiles (1/8 dense at
+    tile 128, L 16), whose backward costs as much as full context tiles. A query with no context (padded anchor,
+    anchor at a document start) gets lse -inf from flex and weight 0 in the merge. Returns [B, N, Q, D] in q's
+    dtype.
+    """
+    o1, aux = flex_attention(q_BNQD, k_ctx_BGSD, v_ctx_BGSD, block_mask=ctx_mask, scale=scale, enable_gqa=True,
+                             return_aux=AuxRequest(lse=True))
+    o2, lse2 = block_part(q_BNQD, k_blk_BGQD, v_blk_BGQD, allow_LL, scale)
+    with torch.autocast(q_BNQD.device.type, enabled=False):
+        lse1 = aux.lse.float()
+        lse = torch.logaddexp(lse1, lse2)
+        o = o1.float() * torch.exp(lse1 - lse)[..., None] + o2 * torch.exp(lse2 - lse)[..., None]
+    return o.to(q_BNQD.dtype)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterConfig, sliding_window: int | None = None):
         super().__init__()
         H, N, G, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.n_heads, self.n_kv, self.head_dim = N, G, D
+        self.block_size, self.sliding_window = cfg.block_size, sliding_window
         self.q_proj = nn.Linear(H, N * D, bias=False)
         self.k_proj = nn.Linear(H, G * D, bias=False)
         self.v_proj = nn.Linear(H, G * D, bias=False)
@@ -113,12 +178,14 @@ class Attention(nn.Module):
         k_ctx, v_ctx = self._kv(ctx_BSH, rope_ctx)
         k_blk, v_blk = self._kv(x_BQH, rope_blk)
         q_BNQD = q.transpose(1, 2)
-        k_BGKD = torch.cat([k_ctx, k_blk], dim=1).transpose(1, 2)
-        v_BGKD = torch.cat([v_ctx, v_blk], dim=1).transpose(1, 2)
         scale = self.head_dim**-0.5
         if attn == "flex":
-            o = flex_attention(q_BNQD, k_BGKD, v_BGKD, block_mask=mask, scale=scale, enable_gqa=True)
+            allow_LL = block_allow(self.block_size, self.sliding_window, x_BQH.device)
+            o = split_attention(q_BNQD, k_ctx.transpose(1, 2), v_ctx.transpose(1, 2), k_blk.transpose(1, 2),
+                                v_blk.transpose(1, 2), mask, allow_LL, scale)
         else:
+            k_BGKD = torch.cat([k_ctx, k_blk], dim=1).transpose(1, 2)
+            v_BGKD = torch.cat([v_ctx, v_blk], dim=1).transpose(1, 2)
             o = F.scaled_dot_product_attention(q_BNQD, k_BGKD, v_BGKD, attn_mask=mask, scale=scale, enable_gqa=True)
         return self.o_proj(o.transpose(1, 2).reshape(B, Q, self.n_heads * self.head_dim))
 
@@ -138,7 +205,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: DrafterConfig, layer_type: str):
         super().__init__()
         self.layer_type = layer_type
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, cfg.sliding_window if layer_type == "sliding_attention" else None)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -180,7 +247,8 @@ class DFlashDrafter(nn.Module):
                 m.weight.fill_(1.0)
 
     def build_masks(self, doc_ids_BS, anchor_pos_BA, keep_BA, attn: str = "flex") -> dict:
-        """One mask per layer type in use: dense bool [B,1,Q,S+Q] (attn="dense") or flex BlockMask."""
+        """One mask per layer type in use: dense bool [B,1,Q,S+Q] (attn="dense") or a context-only flex BlockMask
+        [B,1,Q,S] (attn="flex"; the block part is dense, see `split_attention`)."""
         if attn not in ("dense", "flex"):
             raise ValueError(f"attn must be 'dense' or 'flex', got {attn!r}")
         build = flex_block_mask if attn == "flex" else dense_mask

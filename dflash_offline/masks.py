@@ -11,6 +11,12 @@ Sliding-window layers (DESIGN: "context limited to the window, block causal"; z-
 minus the key's), and `k' <= k` inside the block. Padded anchors (keep=False) see only their own block, so
 no row of the mask is empty and no NaN appears.
 
+The training flex path splits the two parts (see `drafter.split_attention`): flex_attention over the S context
+keys with a context-only BlockMask (`flex_block_mask`, `context_only=True` in `make_mask_mod`), and the
+block-diagonal part as a small dense attention per block (`block_allow`); the two are merged by their
+log-sum-exps. A query whose context is empty (padded anchor, anchor at its document's start) has an empty
+context row there, which the merge handles.
+
 Shape legend: B rows, S row length, A anchors per row, L block length, Q = A*L queries, KV = S + Q keys.
 """
 
@@ -79,14 +85,25 @@ def query_bounds(
     return lo_BQ.to(torch.int32), hi_BQ.to(torch.int32)
 
 
+def block_allow(block_size: int, sliding_window: int | None = None, device=None) -> torch.Tensor:
+    """Bool [L, L]: slot k may see slot k' of its own block (all of them; sliding layers: k - W < k' <= k)."""
+    k = torch.arange(block_size, device=device)
+    dk = k[:, None] - k[None, :]
+    if sliding_window is None:
+        return torch.ones(block_size, block_size, dtype=torch.bool, device=device)
+    return (dk >= 0) & (dk < sliding_window)
+
+
 def make_mask_mod(
     anchor_pos_BA: torch.Tensor,
     keep_BA: torch.Tensor,
     doc_ids_BS: torch.Tensor,
     block_size: int,
     sliding_window: int | None = None,
+    context_only: bool = False,
 ):
-    """flex_attention mask_mod(b, h, q_idx, kv_idx) with the semantics of `dense_mask`.
+    """flex_attention mask_mod(b, h, q_idx, kv_idx) with the semantics of `dense_mask` (keys: S context + Q
+    block), or with `context_only` of its first S columns (keys: the S context positions only).
 
     Context visibility is one interval per query (`query_bounds`): two loads indexed by the query only, no gather
     per key. Indices are clamped before every gather, so the function is safe on out-of-range indices (flex may
@@ -99,6 +116,8 @@ def make_mask_mod(
     def mask_mod(b, h, q_idx, kv_idx):
         qi = q_idx.clamp(0, Q - 1)
         ctx = (kv_idx >= lo_BQ[b, qi]) & (kv_idx < hi_BQ[b, qi])  # hi <= anchor < S: context keys only
+        if context_only:
+            return ctx
         kb = kv_idx - S
         blk = (kb >= 0) & (kb // L == q_idx // L)
         if sliding_window is not None:
@@ -123,16 +142,18 @@ def flex_block_mask(
     *,
     compiled: bool | None = None,
     tile: int = 128,
+    context_only: bool = True,
 ) -> BlockMask:
-    """BlockMask (B, heads broadcast, Q, S+Q) for flex_attention.
+    """BlockMask (B, heads broadcast, Q, S) over the context keys only (what `drafter.split_attention` takes), or
+    with `context_only=False` (B, heads broadcast, Q, S+Q) over context + block keys (one flex call for both).
 
-    `compiled` defaults to True on CUDA: uncompiled, create_block_mask materializes the full [Q, S+Q] mask
-    per row. Pass compiled=False on CPU (tests, tiny shapes). `tile` is flex's BLOCK_SIZE.
+    `compiled` defaults to True on CUDA: uncompiled, create_block_mask materializes the full mask per row. Pass
+    compiled=False on CPU (tests, tiny shapes). `tile` is flex's BLOCK_SIZE.
     """
     B, S = doc_ids_BS.shape
     Q = anchor_pos_BA.shape[1] * block_size
     if compiled is None:
         compiled = anchor_pos_BA.device.type == "cuda"
-    mask_mod = make_mask_mod(anchor_pos_BA, keep_BA, doc_ids_BS, block_size, sliding_window)
+    mask_mod = make_mask_mod(anchor_pos_BA, keep_BA, doc_ids_BS, block_size, sliding_window, context_only)
     build = _compiled_create_block_mask() if compiled else create_block_mask
-    return build(mask_mod, B, None, Q, S + Q, device=anchor_pos_BA.device, BLOCK_SIZE=tile)
+    return build(mask_mod, B, None, Q, S if context_only else S + Q, device=anchor_pos_BA.device, BLOCK_SIZE=tile)

@@ -245,7 +245,18 @@ def _run(cfg: TrainConfig) -> Path:
     progress = Progress("train", cfg.steps, "step", run_dir / f"status-rank{rank}.json", disable=rank != 0 or None)
     progress.update(step)
     metrics_file = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None
-    window = Window()
+    window, pending = Window().begin(device), None
+
+    def emit(rec: dict) -> None:  # a finished window's record: metrics.jsonl, trackers, progress bar, log line
+        if rank == 0:
+            metrics_file.write(json.dumps(rec) + "\n")
+            metrics_file.flush()
+            acc.log({k: v for k, v in rec.items() if isinstance(v, int | float)}, step=rec["step"])
+            progress.extra.update(loss=rec["loss"], tau=rec["sim_tau"])
+            log(f"step {rec['step']}: loss {rec['loss']:.4f} acc1 {rec['acc'][0]:.3f} sim τ {rec['sim_tau']:.2f} "
+                f"{rec['tok_per_s']:,.0f} tok/s mfu {rec['flop_frac']:.3f} wait {rec['data_wait_frac']:.3f} "
+                f"gc {rec['gc_frac']:.3f}")
+
     log(f"[rank {rank}] ready in {time.time() - t0:.1f}s; first step compiles" if use_compile else
         f"[rank {rank}] ready in {time.time() - t0:.1f}s")
     profiler = None
@@ -305,19 +316,18 @@ def _run(cfg: TrainConfig) -> Path:
             grad_norm = grad_norm.full_tensor()
         window.grad_norm = grad_norm.detach() if grad_norm is not None else 0.0  # no host sync per step
         progress.update(1, tokens=cfg.batch_rows * accum * world * c["seq_len"])
+        if pending is not None:  # last window's report, read now that this step is queued behind it (no idle GPU)
+            emit(pending.result())
+            window.t0, pending = pending.t_end, None  # (wall clock, off CUDA) the next window starts there
         if step % cfg.log_every == 0 or step == cfg.steps:
-            rec = window.report(acc, step, sched.get_last_lr()[0], c["seq_len"], fpr, device)
-            if master:  # steps whose gradient norm was not finite: skipped, weights untouched
-                rec["skipped_steps"] = int(opt.optimizer.skipped)
-            if rank == 0:
-                metrics_file.write(json.dumps(rec) + "\n")
-                metrics_file.flush()
-                acc.log({k: v for k, v in rec.items() if isinstance(v, int | float)}, step=step)
-                progress.extra.update(loss=rec["loss"], tau=rec["sim_tau"])
-                log(f"step {step}: loss {rec['loss']:.4f} acc1 {rec['acc'][0]:.3f} sim τ {rec['sim_tau']:.2f} "
-                    f"{rec['tok_per_s']:,.0f} tok/s mfu {rec['flop_frac']:.3f} wait {rec['data_wait_frac']:.3f} "
-                    f"gc {rec['gc_frac']:.3f}")
-        if step % cfg.ckpt_every == 0 or step == cfg.steps:
+            pending = window.report(acc, step, sched.get_last_lr()[0], c["seq_len"], fpr, device,
+                                    skipped=opt.optimizer.skipped if master else None)
+            window = Window(start=pending.done)
+        checkpoint = step % cfg.ckpt_every == 0 or step == cfg.steps
+        if pending is not None and checkpoint:  # report before the checkpoint: its time is not training time
+            emit(pending.result())
+            pending = None
+        if checkpoint:
             if overlap:
                 opt.optimizer.wait_all()  # the weights the checkpoint reads are the updated ones
             acc.wait_for_everyone()
@@ -327,8 +337,7 @@ def _run(cfg: TrainConfig) -> Path:
                                 config={"train": as_dict(cfg), "drafter": as_dict(dc)}, keep_last=cfg.keep_last,
                                 states=states)
             acc.wait_for_everyone()
-        if step % cfg.log_every == 0:
-            window = Window()  # after the checkpoint: its time is not training throughput
+            window.begin(device)  # the window starts after the checkpoint
     stream.close()
     progress.close("done")
     if metrics_file:
@@ -413,13 +422,26 @@ GC_CLOCK = GcClock()
 class Window:
     """Metrics accumulated between two log lines (reduced over processes when reported)."""
 
-    def __init__(self):
-        self.t0 = time.time()  # wall clock from here to the device sync in `report`
+    def __init__(self, start=None):
+        self.t0 = time.time()  # wall clock from here (or the end of the previous window) to the end of the window
+        # on CUDA, the window's time is device time between two events on the compute stream: from `start` (the
+        # previous window's end, or `begin`) to its report's; it does not depend on when the host looks
+        self.start = start
         self.gc0 = GC_CLOCK.total
         self.loss_sum, self.n, self.steps, self.rows, self.wait_s, self.grad_norm = 0.0, 0, 0, 0, 0.0, 0.0
         self.correct_L = self.valid_L = None
         self.tau_sum, self.blocks = 0.0, 0
         self.graphs0: int | None = None  # compiled graphs at the end of the warm-up step (None: not compiling)
+
+    def begin(self, device) -> Window:
+        """(Re)start the window's clocks now: after a checkpoint, or at the first step."""
+        import torch
+
+        self.t0 = time.time()
+        if device.type == "cuda":
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        return self
 
     def add(self, out, keep_BA) -> None:
         from dflash_offline.loss import block_tau
@@ -432,34 +454,68 @@ class Window:
         self.tau_sum += (block_tau(out.correct_BAL) * keep_BA).sum().float()
         self.blocks += keep_BA.sum()
 
-    def report(self, acc, step: int, lr: float, seq_len: int, fpr: float, device) -> dict:
+    def report(self, acc, step: int, lr: float, seq_len: int, fpr: float, device, skipped=None) -> Report:
+        """Start this window's report: reduce its metrics over the processes and copy them to the host, without
+        waiting for the device. `Report.result()` waits (for the copy only) and builds the record; called after the
+        next step has been queued, the device never idles for it."""
         import torch
-
-        from dflash_offline.loss import simulated_acceptance_length, slot_accuracy
 
         t = torch.stack([torch.as_tensor(self.loss_sum, device=device, dtype=torch.float32),
                          torch.tensor(float(self.n), device=device), torch.as_tensor(self.tau_sum, device=device).float(),
                          torch.as_tensor(self.blocks, device=device).float()])
         t = acc.reduce(t, "sum")
         cl, vl = acc.reduce(self.correct_L, "sum"), acc.reduce(self.valid_L, "sum")
-        acc_L = slot_accuracy(cl, vl)[1:]
+        local = torch.stack([torch.as_tensor(self.grad_norm, device=device, dtype=torch.float32),
+                             torch.as_tensor(0.0 if skipped is None else skipped, device=device, dtype=torch.float32)])
+        vals = torch.cat([t, local, cl.float(), vl.float()])
+        host = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=device.type == "cuda")
+        host.copy_(vals, non_blocking=device.type == "cuda")
+        done = None
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        secs = max(time.time() - self.t0, 1e-9)
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
+        return Report(self, host, done, step=step, lr=lr, seq_len=seq_len, fpr=fpr, device=device,
+                      graphs=compiled_graphs(), skipped=skipped is not None)
+
+
+class Report:
+    """A window's metrics on their way to the host (see `Window.report`)."""
+
+    def __init__(self, window: Window, host, done, **kw):
+        self.w, self.host, self.done, self.kw = window, host, done, kw
+        self.t_end: float | None = None  # when the device finished the window: the next window starts here
+
+    def result(self) -> dict:
+        from dflash_offline.loss import simulated_acceptance_length, slot_accuracy
+
+        if self.done is not None:
+            self.done.synchronize()  # the window's last step has run on the device
+        self.t_end = now = time.time()
+        w, k, v = self.w, self.kw, self.host
+        loss_sum, n, tau_sum, blocks, grad_norm, skipped = v[:6].tolist()
+        L = (v.numel() - 6) // 2
+        cl, vl = v[6 : 6 + L], v[6 + L :]
+        secs = w.start.elapsed_time(self.done) / 1000 if w.start is not None and self.done is not None else now - w.t0
+        secs = max(secs, 1e-9)
+        cuda = k["device"].type == "cuda"
         rec = {
-            "step": step, "loss": (t[0] / t[1]).item(), "acc": [round(a, 4) for a in acc_L.tolist()],
+            "step": k["step"], "loss": loss_sum / n, "acc": [round(a, 4) for a in slot_accuracy(cl, vl)[1:].tolist()],
             "sim_tau": 1 + simulated_acceptance_length(slot_accuracy(cl, vl)).item(),
-            "block_tau": (t[2] / t[3].clamp_min(1)).item(), "lr": lr, "grad_norm": float(self.grad_norm),
-            "tok_per_s": self.rows * seq_len / secs, "ms_per_step": 1000 * secs / max(self.steps, 1),
-            "flop_frac": self.rows * fpr / secs / 790e12 if device.type == "cuda" else 0.0,
-            "data_wait_frac": self.wait_s / secs, "time": time.time(),
-            "gc_frac": (GC_CLOCK.total - self.gc0) / secs,  # the feeding thread stopped for garbage collection
+            "block_tau": tau_sum / max(blocks, 1.0), "lr": k["lr"], "grad_norm": grad_norm,
+            "tok_per_s": w.rows * k["seq_len"] / secs, "ms_per_step": 1000 * secs / max(w.steps, 1),
+            "flop_frac": w.rows * k["fpr"] / secs / 790e12 if cuda else 0.0,
+            "data_wait_frac": w.wait_s / secs, "time": now,
+            "gc_frac": (GC_CLOCK.total - w.gc0) / secs,  # the feeding thread stopped for garbage collection
             # graphs compiled after the warm-up step (a recompile after it also raises; 0 in a healthy run)
-            "recompiles": compiled_graphs() - self.graphs0 if self.graphs0 is not None else 0,
+            "recompiles": k["graphs"] - w.graphs0 if w.graphs0 is not None else 0,
         }
-        if device.type == "cuda":
-            rec["reserved_gb"] = torch.cuda.memory_reserved(device) / 2**30
-            rec["peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        if k["skipped"]:  # steps whose gradient norm was not finite: skipped, weights untouched
+            rec["skipped_steps"] = int(skipped)
+        if cuda:
+            import torch
+
+            rec["reserved_gb"] = torch.cuda.memory_reserved(k["device"]) / 2**30
+            rec["peak_gb"] = torch.cuda.max_memory_allocated(k["device"]) / 2**30
         return rec
 
 

@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 from torch.nn.attention.flex_attention import create_mask
 
 from dflash_offline.drafter import DFlashDrafter, DrafterConfig, load_target_embeddings
-from dflash_offline.masks import dense_mask, flex_block_mask, make_mask_mod
+from dflash_offline.masks import block_allow, dense_mask, flex_block_mask, make_mask_mod
 
 H, S, A, L, V, MASK = 64, 64, 6, 4, 100, 97
 TAPS = [0, 2, 4]
@@ -229,10 +229,17 @@ def test_flex_mask_equals_dense(W):
     Q = A * L
     grid = create_mask(make_mask_mod(anc, keep, doc, L, W), 2, 1, Q, S + Q, device="cpu")
     assert torch.equal(grid, dense)
+    # the split flex path: context-only mask over the first S keys + the same L x L pattern in every block
+    grid = create_mask(make_mask_mod(anc, keep, doc, L, W, context_only=True), 2, 1, Q, S, device="cpu")
+    assert torch.equal(grid, dense[..., :S])
+    blocks = dense[..., S:].view(2, A, L, A, L).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)  # [2, A, L, L]
+    assert torch.equal(blocks, block_allow(L, W).expand(2, A, L, L))
+    assert not dense[..., S:].sum() - blocks.sum()  # nothing outside the own block
     tile = 8
-    bm = flex_block_mask(anc, keep, doc, L, W, compiled=False, tile=tile)
-    tiles = dense.view(2, 1, Q // tile, tile, (S + Q) // tile, tile).any(-1).any(-2)
-    assert torch.equal(bm.to_dense().bool(), tiles)
+    for context_only, K in ((True, S), (False, S + Q)):
+        bm = flex_block_mask(anc, keep, doc, L, W, compiled=False, tile=tile, context_only=context_only)
+        tiles = dense[..., :K].view(2, 1, Q // tile, tile, K // tile, tile).any(-1).any(-2)
+        assert torch.equal(bm.to_dense().bool(), tiles)
 
 
 # --- names, init, target embeddings --------------------------------------------------------------------------

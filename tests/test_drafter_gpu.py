@@ -62,9 +62,10 @@ def test_compiled_block_mask_equals_dense(W):
     Q = A * L
     grid = torch.nn.attention.flex_attention.create_mask(make_mask_mod(anc, keep, doc, L, W), B, 1, Q, S + Q, DEV)
     assert torch.equal(grid, dense)
-    bm = flex_block_mask(anc, keep, doc, L, W)  # compiled on CUDA
-    tiles = dense.view(B, 1, Q // 128, 128, (S + Q) // 128, 128).any(-1).any(-2)
-    assert torch.equal(bm.to_dense().bool(), tiles)
+    for context_only, K in ((True, S), (False, S + Q)):  # the split path's context-only mask, and the full one
+        bm = flex_block_mask(anc, keep, doc, L, W, context_only=context_only)  # compiled on CUDA
+        tiles = dense[..., :K].view(B, 1, Q // 128, 128, K // 128, 128).any(-1).any(-2)
+        assert torch.equal(bm.to_dense().bool(), tiles)
     # new anchors, same shapes: no recompile
     with torch._dynamo.config.patch(error_on_recompile=True):
         for seed in (1, 2):
