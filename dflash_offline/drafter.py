@@ -89,48 +89,19 @@ def apply_rope(x_BTnD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tenso
     return x_BTnD * cos_BTD[:, :, None] + rot * sin_BTD[:, :, None]
 
 
-class _ScoresF32(torch.autograd.Function):
-    """fp32 scores a @ b^T [X, M, N] of low-precision a [X, M, D] and b [X, N, D] (one GEMM with fp32 output,
-    CUDA only): the precision flex_attention gives its scores. Backward as flash attention does it: dS in a's
-    dtype, fp32-accumulated GEMMs."""
-
-    @staticmethod
-    def forward(ctx, a, b):
-        ctx.save_for_backward(a, b)
-        return torch.bmm(a, b.transpose(1, 2), out_dtype=torch.float32)
-
-    @staticmethod
-    def backward(ctx, ds):
-        a, b = ctx.saved_tensors
-        ds = ds.to(a.dtype)
-        return torch.bmm(ds, b), torch.bmm(ds.transpose(1, 2), a)
-
-
-BLOCK_PART = "fp32"  # "fp32": the block part in fp32 throughout; "mixed": bf16 GEMMs, fp32 scores (as flex)
-
-
-def block_part(q_BNQD, k_BGQD, v_BGQD, allow_LL, scale, mode: str | None = None):
-    """Each block's queries against its own L keys: (o [B, N, Q, D], lse [B, N, Q]), fp32."""
+def block_part(q_BNQD, k_BGQD, v_BGQD, allow_LL, scale):
+    """Each block's queries against its own L keys, in fp32: (o [B, N, Q, D], lse [B, N, Q])."""
     B, N, Q, D = q_BNQD.shape
     G, L = k_BGQD.shape[1], allow_LL.shape[0]
     R, A = N // G, Q // L  # query heads per kv head (head n uses kv head n // R), blocks per row
-    mode = mode or BLOCK_PART
     with torch.autocast(q_BNQD.device.type, enabled=False):  # fp32 even under autocast
         # per (row, kv head, block): its R heads x L slots of queries against the block's L keys
-        q6 = q_BNQD.view(B, G, R, A, L, D)
-        k5, v5 = k_BGQD.view(B, G, A, L, D), v_BGQD.view(B, G, A, L, D)
-        if mode == "mixed":
-            qx = q6.permute(0, 1, 3, 2, 4, 5).reshape(B * G * A, R * L, D)
-            s6 = _ScoresF32.apply(qx, k5.reshape(B * G * A, L, D)).view(B, G, A, R, L, L).permute(0, 1, 3, 2, 4, 5)
-        else:
-            s6 = torch.einsum("bgrald,bgamd->bgralm", q6.float(), k5.float())
-        s6 = (s6 * scale).masked_fill(~allow_LL, float("-inf"))
+        q6 = q_BNQD.view(B, G, R, A, L, D).float()
+        k5, v5 = k_BGQD.view(B, G, A, L, D).float(), v_BGQD.view(B, G, A, L, D).float()
+        s6 = torch.einsum("bgrald,bgamd->bgralm", q6, k5) * scale
+        s6 = s6.masked_fill(~allow_LL, float("-inf"))
         lse = torch.logsumexp(s6, dim=-1)  # [B, G, R, A, L]: finite, slot k always sees itself
-        p6 = torch.exp(s6 - lse[..., None])
-        if mode == "mixed":  # P in bf16 for the PV GEMM, as flex does
-            o = torch.einsum("bgralm,bgamd->bgrald", p6.to(v5.dtype), v5).float()
-        else:
-            o = torch.einsum("bgralm,bgamd->bgrald", p6, v5.float())
+        o = torch.einsum("bgralm,bgamd->bgrald", torch.exp(s6 - lse[..., None]), v5)
     return o.reshape(B, N, Q, D), lse.reshape(B, N, Q)
 
 
