@@ -318,12 +318,12 @@ def _run(cfg: TrainConfig) -> Path:
         progress.update(1, tokens=cfg.batch_rows * accum * world * c["seq_len"])
         if pending is not None:  # last window's report, read now that this step is queued behind it (no idle GPU)
             emit(pending.result())
-            window.t0, pending = pending.t_end, None  # (wall clock, off CUDA) the next window starts there
-        if step % cfg.log_every == 0 or step == cfg.steps:
+            pending = None
+        checkpoint = step % cfg.ckpt_every == 0 or step == cfg.steps
+        if step % cfg.log_every == 0 or checkpoint:  # a window also ends at a checkpoint: its time is not training
             pending = window.report(acc, step, sched.get_last_lr()[0], c["seq_len"], fpr, device,
                                     skipped=opt.optimizer.skipped if master else None)
-            window = Window(start=pending.done)
-        checkpoint = step % cfg.ckpt_every == 0 or step == cfg.steps
+            window = Window(start=pending.done, t0=pending.t_end)  # the next window starts where this one ends
         if pending is not None and checkpoint:  # report before the checkpoint: its time is not training time
             emit(pending.result())
             pending = None
@@ -422,8 +422,8 @@ GC_CLOCK = GcClock()
 class Window:
     """Metrics accumulated between two log lines (reduced over processes when reported)."""
 
-    def __init__(self, start=None):
-        self.t0 = time.time()  # wall clock from here (or the end of the previous window) to the end of the window
+    def __init__(self, start=None, t0: float | None = None):
+        self.t0 = time.time() if t0 is None else t0  # (off CUDA) wall clock from here to the end of the window
         # on CUDA, the window's time is device time between two events on the compute stream: from `start` (the
         # previous window's end, or `begin`) to its report's; it does not depend on when the host looks
         self.start = start
@@ -437,7 +437,7 @@ class Window:
         """(Re)start the window's clocks now: after a checkpoint, or at the first step."""
         import torch
 
-        self.t0 = time.time()
+        self.t0, self.gc0 = time.time(), GC_CLOCK.total
         if device.type == "cuda":
             self.start = torch.cuda.Event(enable_timing=True)
             self.start.record()
@@ -483,19 +483,21 @@ class Report:
 
     def __init__(self, window: Window, host, done, **kw):
         self.w, self.host, self.done, self.kw = window, host, done, kw
-        self.t_end: float | None = None  # when the device finished the window: the next window starts here
+        # off CUDA the work is done when the report is made: the window ends now (on CUDA: at the `done` event)
+        self.t_end = time.time()
 
     def result(self) -> dict:
         from dflash_offline.loss import simulated_acceptance_length, slot_accuracy
 
         if self.done is not None:
             self.done.synchronize()  # the window's last step has run on the device
-        self.t_end = now = time.time()
+        now = time.time()
         w, k, v = self.w, self.kw, self.host
         loss_sum, n, tau_sum, blocks, grad_norm, skipped = v[:6].tolist()
         L = (v.numel() - 6) // 2
         cl, vl = v[6 : 6 + L], v[6 + L :]
-        secs = w.start.elapsed_time(self.done) / 1000 if w.start is not None and self.done is not None else now - w.t0
+        secs = (w.start.elapsed_time(self.done) / 1000 if w.start is not None and self.done is not None
+                else self.t_end - w.t0)
         secs = max(secs, 1e-9)
         cuda = k["device"].type == "cuda"
         rec = {
@@ -504,7 +506,7 @@ class Report:
             "block_tau": tau_sum / max(blocks, 1.0), "lr": k["lr"], "grad_norm": grad_norm,
             "tok_per_s": w.rows * k["seq_len"] / secs, "ms_per_step": 1000 * secs / max(w.steps, 1),
             "flop_frac": w.rows * k["fpr"] / secs / 790e12 if cuda else 0.0,
-            "data_wait_frac": w.wait_s / secs, "time": now,
+            "data_wait_frac": w.wait_s / secs, "time": now if self.done is not None else self.t_end,
             "gc_frac": (GC_CLOCK.total - w.gc0) / secs,  # the feeding thread stopped for garbage collection
             # graphs compiled after the warm-up step (a recompile after it also raises; 0 in a healthy run)
             "recompiles": k["graphs"] - w.graphs0 if w.graphs0 is not None else 0,

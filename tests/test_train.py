@@ -6,6 +6,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -314,22 +315,29 @@ def test_long_lived_objects_leave_the_gc_after_warm_up_and_come_back_at_the_end(
 def test_window_reports_are_read_after_the_next_step_is_queued_and_windows_tile_time(tmp_path, hidden_cache,
                                                                                        monkeypatch):
     """A window's metrics are read (on a GPU: the only wait for the device) once the next step has been queued,
-    so the device never idles for a log line, except before a checkpoint or at the end, whose time is not training
-    time; each window's timing runs from the end of the one before, so the windows tile the run."""
+    so the device never idles for a log line, except at a checkpoint or at the end, whose windows are read at once
+    (a checkpoint also ends a window: its time is not training time); each window's timing runs from the end of
+    the one before, so the windows tile the run, and each window is charged its own steps' time."""
     from dflash_offline import dataset
 
     drawn, read_at = [0], []
     real_next, real_result = dataset.HiddenStream.__next__, train.Report.result
-    monkeypatch.setattr(dataset.HiddenStream, "__next__", lambda self: (drawn.__setitem__(0, drawn[0] + 1),
-                                                                        real_next(self))[1])
+
+    def slow_next(self):  # every step takes at least 50 ms, so step times are comparable
+        time.sleep(0.05)
+        drawn[0] += 1
+        return real_next(self)
+
+    monkeypatch.setattr(dataset.HiddenStream, "__next__", slow_next)
     monkeypatch.setattr(train.Report, "result", lambda self: (read_at.append((self.kw["step"], drawn[0])),
                                                               real_result(self))[1])
-    train.run(cfg(hidden_cache, tmp_path / "r", steps=9, log_every=2, ckpt_every=6))
-    # 2 rows a batch, 1 batch a step: step n's record is read after step n+1's batch, except at the checkpoint (6)
-    # and the end (9)
-    assert read_at == [(2, 3), (4, 5), (6, 6), (8, 9), (9, 9)]
+    train.run(cfg(hidden_cache, tmp_path / "r", steps=9, log_every=2, ckpt_every=5))
+    # 1 batch a step: step n's record is read after step n+1's batch, except at the checkpoint (5) and the end (9)
+    assert read_at == [(2, 3), (4, 5), (5, 5), (6, 7), (8, 9), (9, 9)]
     recs = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in recs] == [2, 4, 6, 8, 9]
-    for prev, r, n in zip(recs[:-1], recs[1:], [2, 2, 2, 1], strict=True):
-        if prev["step"] != 6:  # (the window after the checkpoint starts when the checkpoint is written)
+    assert [r["step"] for r in recs] == [2, 4, 5, 6, 8, 9]
+    for prev, r, n in zip(recs[:-1], recs[1:], [2, 1, 1, 2, 1], strict=True):
+        if prev["step"] != 5:  # (the window after the checkpoint starts when the checkpoint is written)
             assert r["time"] - prev["time"] == pytest.approx(r["ms_per_step"] * n / 1000, rel=1e-6, abs=1e-6)
+    # each window holds its own steps' time: >= 50 ms a step, and no window is charged a step of the next one
+    assert all(50 <= r["ms_per_step"] < 3 * min(x["ms_per_step"] for x in recs[1:]) for r in recs[1:])
