@@ -136,6 +136,8 @@ def _run(cfg: TrainConfig) -> Path:
     precision = cfg.precision if cfg.precision != "auto" else ("bf16" if cuda else "fp32")
     attn = cfg.attn if cfg.attn != "auto" else ("flex" if cuda else "dense")
     use_compile = cfg.compile == "on" or (cfg.compile == "auto" and cuda)
+    if attn == "flex" and not cuda:
+        raise ValueError("attn=flex needs CUDA (flex_attention has no CPU backward); use attn=dense or auto on the CPU")
     if attn == "flex" and not use_compile:
         raise ValueError("attn=flex needs compile=on: uncompiled flex_attention materializes the full score matrix")
     epilogue = resolve_epilogue(cfg.loss_epilogue, cuda)  # fails here, at start, if this machine cannot run it

@@ -160,6 +160,15 @@ def test_master_weights_on_refuses_where_unavailable(tmp_path, hidden_cache):
         train.run(cfg(hidden_cache, tmp_path / "x", precision="fp32", master_weights="on"))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_flex_attention_is_refused_at_start_without_cuda(tmp_path, hidden_cache, monkeypatch):
+    from dflash_offline import drafter
+
+    monkeypatch.setattr(drafter, "load_target_embeddings", lambda *a: pytest.fail("weights loaded before refusing"))
+    with pytest.raises(ValueError, match="attn=flex needs CUDA"):
+        train.run(cfg(hidden_cache, tmp_path / "x", attn="flex", compile="on"))
+
+
 def test_optimizer_overlap_on_refuses_where_unavailable(tmp_path, hidden_cache):
     with pytest.raises(ValueError, match="optimizer_overlap=on is not available here: it needs master weights"):
         train.run(cfg(hidden_cache, tmp_path / "x", precision="fp32", optimizer_overlap="on"))
