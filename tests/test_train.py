@@ -77,12 +77,14 @@ def free_port():
 
 
 def launch_two(cache, run, **kw):
-    """Train with 2 gloo processes (as torchrun would start them); returns when both are done."""
+    """Train with 2 processes (as torchrun would start them: gloo on the CPU, NCCL with one GPU each where there
+    are 2 GPUs); returns when both are done."""
     port = str(free_port())
     procs = []
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, DFLASH_NO_BAR="1", PYTHONPATH=str(REPO),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, DFLASH_NO_BAR="1", PYTHONPATH=path,
                    OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen([sys.executable, "-c", WORKER, *cli_args(cache, run, **kw)],
                                       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
