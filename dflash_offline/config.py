@@ -142,7 +142,8 @@ class TrainConfig:
     # the next step's forward runs (each layer waits only for its own weights); "off" = between the two steps.
     # auto = on where it can be (master weights, CUDA, compile_scope=layers or no compilation)
     optimizer_overlap: str = "auto"
-    attn: str = "auto"  # "flex" (compiled flex_attention) or "dense" (reference); auto = flex on CUDA
+    attn: str = "auto"  # "flex" (compiled flex_attention, block part split out), "flex_joint" (one flex call over
+    # context + block keys) or "dense" (reference); auto = flex on CUDA
     compile: str = "auto"  # "on" / "off"; auto = on with CUDA. After warm-up a recompile is an error
     # "layers": each decoder layer is one compiled region, shared by all layers (compile time of one layer);
     # "model": the whole drafter forward as one graph
@@ -163,7 +164,7 @@ class TrainConfig:
         check_choice("train.precision", self.precision, ("auto", "bf16", "fp32"))
         check_choice("train.master_weights", self.master_weights, ("auto", "on", "off"))
         check_choice("train.optimizer_overlap", self.optimizer_overlap, ("auto", "on", "off"))
-        check_choice("train.attn", self.attn, ("auto", "flex", "dense"))
+        check_choice("train.attn", self.attn, ("auto", "flex", "flex_joint", "dense"))
         check_choice("train.compile", self.compile, ("auto", "on", "off"))
         check_choice("train.compile_scope", self.compile_scope, ("layers", "model"))
         check_choice("train.loss_epilogue", self.loss_epilogue, ("auto", "triton", "compiled", "eager"))

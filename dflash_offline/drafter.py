@@ -29,6 +29,9 @@ from dflash_offline.anchors import block_input_ids, block_position_ids
 from dflash_offline.masks import block_allow, dense_mask, flex_block_mask
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# "flex": flex over the context keys + a dense block part (`split_attention`); "flex_joint": one flex call over
+# context + block keys; "dense": SDPA with a dense bool mask (the reference, any device)
+ATTNS = ("flex", "flex_joint", "dense")
 
 
 @dataclass
@@ -154,10 +157,14 @@ class Attention(nn.Module):
             allow_LL = block_allow(self.block_size, self.sliding_window, x_BQH.device)
             o = split_attention(q_BNQD, k_ctx.transpose(1, 2), v_ctx.transpose(1, 2), k_blk.transpose(1, 2),
                                 v_blk.transpose(1, 2), mask, allow_LL, scale)
-        else:
+        else:  # one attention over [context | block] keys: flex with the full BlockMask, or SDPA with a dense mask
             k_BGKD = torch.cat([k_ctx, k_blk], dim=1).transpose(1, 2)
             v_BGKD = torch.cat([v_ctx, v_blk], dim=1).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q_BNQD, k_BGKD, v_BGKD, attn_mask=mask, scale=scale, enable_gqa=True)
+            if attn == "flex_joint":
+                o = flex_attention(q_BNQD, k_BGKD, v_BGKD, block_mask=mask, scale=scale, enable_gqa=True)
+            else:
+                o = F.scaled_dot_product_attention(q_BNQD, k_BGKD, v_BGKD, attn_mask=mask, scale=scale,
+                                                   enable_gqa=True)
         return self.o_proj(o.transpose(1, 2).reshape(B, Q, self.n_heads * self.head_dim))
 
 
@@ -218,16 +225,20 @@ class DFlashDrafter(nn.Module):
                 m.weight.fill_(1.0)
 
     def build_masks(self, doc_ids_BS, anchor_pos_BA, keep_BA, attn: str = "flex") -> dict:
-        """One mask per layer type in use: dense bool [B,1,Q,S+Q] (attn="dense") or a context-only flex BlockMask
-        [B,1,Q,S] (attn="flex"; the block part is dense, see `split_attention`)."""
-        if attn not in ("dense", "flex"):
-            raise ValueError(f"attn must be 'dense' or 'flex', got {attn!r}")
-        build = flex_block_mask if attn == "flex" else dense_mask
+        """One mask per layer type in use: dense bool [B,1,Q,S+Q] (attn="dense"), a context-only flex BlockMask
+        [B,1,Q,S] (attn="flex"; the block part is dense, see `split_attention`), or a flex BlockMask over
+        context + block keys [B,1,Q,S+Q] (attn="flex_joint": one flex call for both)."""
+        if attn not in ATTNS:
+            raise ValueError(f"attn must be one of {ATTNS}, got {attn!r}")
         L, W = self.cfg.block_size, self.cfg.sliding_window
-        return {
-            t: build(anchor_pos_BA, keep_BA, doc_ids_BS, L, W if t == "sliding_attention" else None)
-            for t in set(self.cfg.layer_types)
-        }
+        masks = {}
+        for t in set(self.cfg.layer_types):
+            w = W if t == "sliding_attention" else None
+            if attn == "dense":
+                masks[t] = dense_mask(anchor_pos_BA, keep_BA, doc_ids_BS, L, w)
+            else:
+                masks[t] = flex_block_mask(anchor_pos_BA, keep_BA, doc_ids_BS, L, w, context_only=attn == "flex")
+        return masks
 
     def weight_groups(self) -> list[list[nn.Parameter]]:
         """The parameters in the order the forward uses them: [fc + hidden_norm, layer 0, ..., layer N-1, norm]."""

@@ -136,10 +136,12 @@ def _run(cfg: TrainConfig) -> Path:
     precision = cfg.precision if cfg.precision != "auto" else ("bf16" if cuda else "fp32")
     attn = cfg.attn if cfg.attn != "auto" else ("flex" if cuda else "dense")
     use_compile = cfg.compile == "on" or (cfg.compile == "auto" and cuda)
-    if attn == "flex" and not cuda:
-        raise ValueError("attn=flex needs CUDA (flex_attention has no CPU backward); use attn=dense or auto on the CPU")
-    if attn == "flex" and not use_compile:
-        raise ValueError("attn=flex needs compile=on: uncompiled flex_attention materializes the full score matrix")
+    if attn != "dense" and not cuda:
+        raise ValueError(f"attn={attn} needs CUDA (flex_attention has no CPU backward); use attn=dense or auto on "
+                         f"the CPU")
+    if attn != "dense" and not use_compile:
+        raise ValueError(f"attn={attn} needs compile=on: uncompiled flex_attention materializes the full score "
+                         f"matrix")
     epilogue = resolve_epilogue(cfg.loss_epilogue, cuda)  # fails here, at start, if this machine cannot run it
     trackers = [t for t in cfg.trackers.split(",") if t and t != "none" and tracker_available(t)]
     rows_per_micro = cfg.batch_rows * c["seq_len"]

@@ -242,6 +242,24 @@ def test_flex_mask_equals_dense(W):
         assert torch.equal(bm.to_dense().bool(), tiles)
 
 
+def test_build_masks_per_attention_kind():
+    """flex: context-only BlockMask [B, 1, Q, S]; flex_joint: [B, 1, Q, S+Q]; dense: bool [B, 1, Q, S+Q]; one per
+    layer type; anything else is refused by name."""
+    ids, pos, doc, lm, hidden, anc, keep = packed_batch()
+    model = DFlashDrafter(config(layer_types=["sliding_attention", "full_attention"], sliding_window=7))
+    Q = A * L
+    flex, joint, dense = (model.build_masks(doc, anc, keep, a) for a in ("flex", "flex_joint", "dense"))
+    assert set(flex) == set(joint) == set(dense) == {"sliding_attention", "full_attention"}
+    for t in dense:
+        assert dense[t].shape == (2, 1, Q, S + Q) and dense[t].dtype == torch.bool
+        assert flex[t].shape == (2, 1, Q, S) and joint[t].shape == (2, 1, Q, S + Q)
+        assert torch.equal(joint[t].mask_mod(*torch.meshgrid(torch.arange(2), torch.zeros(1, dtype=torch.long),
+                                                              torch.arange(Q), torch.arange(S + Q), indexing="ij")),
+                           dense[t])
+    with pytest.raises(ValueError, match="attn must be one of"):
+        model.build_masks(doc, anc, keep, "sdpa")
+
+
 # --- names, init, target embeddings --------------------------------------------------------------------------
 
 

@@ -82,7 +82,8 @@ def fwd_bwd(fn, model, batch, embed, masks, attn, R):
     return out.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def test_flex_compiled_equals_dense_forward_and_backward():
+@pytest.mark.parametrize("attn", ["flex", "flex_joint"])
+def test_flex_compiled_equals_dense_forward_and_backward(attn):
     torch.manual_seed(0)
     cfg = config()
     ref_model = DFlashDrafter(cfg).to(DEV)  # fp32 dense: ground truth
@@ -101,8 +102,8 @@ def test_flex_compiled_equals_dense_forward_and_backward():
     out32, g32 = fwd_bwd(ref_model, ref_model, batch32, embed, dense, "dense", R)
     out_d, g_d = fwd_bwd(model, model, batch16, embed.bfloat16(), dense, "dense", R)
     compiled = torch.compile(model, dynamic=False)
-    flex = model.build_masks(doc, anc, keep, "flex")
-    out_f, g_f = fwd_bwd(compiled, model, batch16, embed.bfloat16(), flex, "flex", R)
+    flex = model.build_masks(doc, anc, keep, attn)
+    out_f, g_f = fwd_bwd(compiled, model, batch16, embed.bfloat16(), flex, attn, R)
     assert torch.isfinite(out_f).all()
 
     e_dense, e_flex = rel(out_d, out32), rel(out_f, out32)
@@ -114,10 +115,10 @@ def test_flex_compiled_equals_dense_forward_and_backward():
 
     # resampled anchors (new masks, same shapes) run without recompiling
     anc2, keep2 = sample_anchors(lm, doc, A, L, torch.Generator(DEV).manual_seed(1))
-    flex2 = model.build_masks(doc, anc2, keep2, "flex")
+    flex2 = model.build_masks(doc, anc2, keep2, attn)
     batch2 = [ids, lm, doc, pos, hidden.bfloat16(), anc2, keep2]
     with torch._dynamo.config.patch(error_on_recompile=True):
-        fwd_bwd(compiled, model, batch2, embed.bfloat16(), flex2, "flex", R)
+        fwd_bwd(compiled, model, batch2, embed.bfloat16(), flex2, attn, R)
 
 
 @pytest.mark.parametrize("epilogue,weighting", [("triton", "decay"), ("compiled", "decay"), ("auto", "dpace")])

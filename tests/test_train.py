@@ -163,12 +163,13 @@ def test_master_weights_on_refuses_where_unavailable(tmp_path, hidden_cache):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
-def test_flex_attention_is_refused_at_start_without_cuda(tmp_path, hidden_cache, monkeypatch):
+@pytest.mark.parametrize("attn", ["flex", "flex_joint"])
+def test_flex_attention_is_refused_at_start_without_cuda(tmp_path, hidden_cache, monkeypatch, attn):
     from dflash_offline import drafter
 
     monkeypatch.setattr(drafter, "load_target_embeddings", lambda *a: pytest.fail("weights loaded before refusing"))
-    with pytest.raises(ValueError, match="attn=flex needs CUDA"):
-        train.run(cfg(hidden_cache, tmp_path / "x", attn="flex", compile="on"))
+    with pytest.raises(ValueError, match=f"attn={attn} needs CUDA"):
+        train.run(cfg(hidden_cache, tmp_path / "x", attn=attn, compile="on"))
 
 
 def test_optimizer_overlap_on_refuses_where_unavailable(tmp_path, hidden_cache):
