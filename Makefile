@@ -88,7 +88,7 @@ bench-extract-layers:  ## where extraction time goes: one layer of each type per
 	$(PYTHON) -m bench.extract_layers --profile
 
 bench-train:  ## drafter training throughput at 27B drafter shapes vs an eager chunked baseline (GPU)
-	$(PYTHON) -m bench.train
+	$(PYTHON) -m bench.train $(ARGS)
 
 bench-train-attention:  ## the drafter's flex attention alone, fwd+bwd, per mask formulation and kernel options (GPU)
 	$(PYTHON) -m bench.train_attention

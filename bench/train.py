@@ -14,12 +14,14 @@ ideal (at 790 TFLOP/s), peak memory, and ours/baseline.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import shutil
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -44,9 +46,30 @@ def synthetic_target(path: Path, text: dict, device) -> Path:
     return path
 
 
-def synthetic_cache(root: Path, text: dict, target: Path, rows: int, seq_len: int) -> Path:
+def chat_token_rows(first_id: int, n: int, seq_len: int, gen: torch.Generator, vocab: int) -> dict:
+    """Rows packed from documents of log-normal length (median 400 tokens, as `bench.extract`), each a prompt (its
+    first 30 %, no loss) and an answer (loss): single-turn chat, unlike the default rows (two documents per row,
+    a random 70 % of tokens supervised, so ~27 % of block slots have no label)."""
+    from bench.extract import lognormal_packed_rows
+    from dflash_offline.packing import materialize
+
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+    # the packer completes whole-row documents first: every 16th of 16·n rows is a sample of its steady state
+    a, _ = materialize(lognormal_packed_rows(16 * n, seq_len, vocab, seed=seed)[: 16 * n : 16], seq_len, 0)
+    doc = a["doc_ids"]
+    length = np.stack([np.bincount(r[r >= 0], minlength=int(r.max()) + 1)[np.clip(r, 0, None)] for r in doc])
+    a["loss_mask"] = ((a["position_ids"] >= 0.3 * length) & (doc >= 0)).astype(np.uint8)
+    return a
+
+
+def synthetic_cache(root: Path, text: dict, target: Path, rows: int, seq_len: int, kind: str = "bench"):
+    """A hidden cache of random states over `kind` rows: "bench" (`dataset.fake_token_rows`) or "chat"
+    (`chat_token_rows`)."""
     layers = [1, 2, 3, 4, 5] if text is TEXT_TINY else LAYERS
-    cache = make_fake_cache(root / "hidden", 2, rows // 2, seq_len, text["hidden_size"], layers)
+    token_rows = None
+    if kind == "chat":
+        token_rows = functools.partial(chat_token_rows, vocab=text["vocab_size"] - 300)  # (below the mask token)
+    cache = make_fake_cache(root / "hidden", 2, rows // 2, seq_len, text["hidden_size"], layers, token_rows=token_rows)
     m = json.loads((cache / "manifest.json").read_text())
     producer = dict(m["producer"], target=dict(m["producer"]["target"], num_layers=text["num_hidden_layers"],
                                                vocab_size=text["vocab_size"]))
@@ -62,7 +85,7 @@ def run_ours(args, cache: Path, drafter: dict) -> dict:
     run = args.workdir / "run"
     shutil.rmtree(run, ignore_errors=True)
     cfg = TrainConfig(cache=str(cache), run=str(run), steps=args.steps, batch_rows=1, num_anchors=args.anchors,
-                      block_size=16, log_every=args.log_every, ckpt_every=10**9, trackers="none",
+                      block_size=16, log_every=args.log_every, ckpt_every=10**9, trackers="none", attn=args.attn,
                       compile_scope=args.compile_scope, profile_steps=args.profile_steps,
                       master_weights=args.master_weights, optimizer_overlap=args.optimizer_overlap,
                       global_batch_tokens=args.accum * args.seq_len, **drafter).resolve()
@@ -94,6 +117,7 @@ def run_ours(args, cache: Path, drafter: dict) -> dict:
             "peak_gb": max(r.get("peak_gb", 0) for r in recs), "reserved_gb": [r.get("reserved_gb") for r in recs],
             "recompiles": recs[-1]["recompiles"], "first_window_ms": recs[0]["ms_per_step"], "gpu": clocks,
             "master_weights": derived["master_weights"], "optimizer_overlap": derived["optimizer_overlap"],
+            "attn": derived["attn"],
             "loss": [r["loss"] for r in recs],
             "profile": (run / "profile.txt").read_text() if (run / "profile.txt").exists() else None}
 
@@ -169,6 +193,10 @@ def main() -> None:
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--seq_len", type=int, default=2048)
     p.add_argument("--skip_baseline", action="store_true")
+    p.add_argument("--rows", default="bench", choices=["bench", "chat"],
+                   help="bench: the synthetic two-document rows of every earlier figure; chat: packed single-turn "
+                        "chat documents (log-normal lengths, answers supervised)")
+    p.add_argument("--attn", default="auto", choices=["auto", "flex", "flex_joint"], help="the trainer's attn")
     p.add_argument("--compile_scope", default="layers", choices=["layers", "model"])
     p.add_argument("--accum", type=int, default=1, help="micro-batches (rows) per optimizer step")
     p.add_argument("--master_weights", default="auto", choices=["auto", "on", "off"])
@@ -183,10 +211,10 @@ def main() -> None:
     if args.tiny:
         args.seq_len, args.anchors = 128, 8
     target = synthetic_target(args.workdir / "target", text, device)
-    cache = synthetic_cache(args.workdir, text, target, 8, args.seq_len)
+    cache = synthetic_cache(args.workdir, text, target, 8, args.seq_len, args.rows)
     res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
            "shape": {"hidden": text["hidden_size"], "seq_len": args.seq_len, "anchors": args.anchors, "block": 16,
-                     **drafter}}
+                     **drafter}, "rows": args.rows, "attn": args.attn}
     # the baseline first: it needs no compilation, so a run cut short by a time limit still has it (JSON after each)
     if not args.skip_baseline:
         res["baseline"] = run_baseline(args, cache, target, drafter, device)
@@ -219,6 +247,7 @@ def main() -> None:
     print(f"| first window (compilation), s | {o['first_window_ms'] * args.log_every / 1000:.0f} | |")
     print(f"| compile scope, rows per optimizer step, master weights, optimizer overlap | {args.compile_scope}, "
           f"{args.accum}, {o['master_weights']}, {o['optimizer_overlap']} | |")
+    print(f"| rows, attn | {args.rows}, {o['attn']} | |")
 
 
 if __name__ == "__main__":

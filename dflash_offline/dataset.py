@@ -391,11 +391,12 @@ class HiddenStream:
 
 
 def make_fake_cache(cache_dir, num_shards: int, rows, seq_len: int, hidden: int, layer_ids, quant: str = "bf16",
-                    seed: int = 0, files_for=None) -> Path:
+                    seed: int = 0, files_for=None, token_rows=None) -> Path:
     """Write a complete hidden cache of random states at `cache_dir` (its token cache in `cache_dir/tokens`).
 
-    `rows` is an int or one count per shard. `input_ids[:, 0]` is the row's global id (shard-major) so tests can
-    tell rows apart; each row holds two documents (positions restart) and a padding tail. `files_for` (a set of
+    `rows` is an int or one count per shard. By default (`fake_token_rows`) `input_ids[:, 0]` is the row's global
+    id (shard-major) so tests can tell rows apart; each row holds two documents (positions restart) and a padding
+    tail. `token_rows(first_id, n, seq_len, generator)` replaces those rows (same columns). `files_for` (a set of
     shard indices) writes only those shards' files while the manifests still list every shard (start-up tests).
     """
     from .manifest import hash_obj, open_cache, update_manifest
@@ -414,8 +415,9 @@ def make_fake_cache(cache_dir, num_shards: int, rows, seq_len: int, hidden: int,
     for i, n in enumerate(rows):
         tfile = hfile = none
         if files_for is None or i in files_for:
-            arrays = fake_token_rows(sum(rows[:i]), n, seq_len, gen)
-            tfile = write_token_shard(tokens / token_shard_name(i), arrays, [[0, 1]] * n,
+            arrays = (token_rows or fake_token_rows)(sum(rows[:i]), n, seq_len, gen)
+            sources = [list(range(int(d.max()) + 1)) for d in np.asarray(arrays["doc_ids"])]
+            tfile = write_token_shard(tokens / token_shard_name(i), arrays, sources,
                                       {"shard": i, "key": hash_obj(tprod)})
             tensors = {}
             for lid in sorted(layer_ids):

@@ -47,10 +47,33 @@ def test_gpu_sampler_averages_the_samples_of_a_time_range():
 
 
 def test_bench_train_tiny_with_profile_and_accumulation(tmp_path):
-    res, stdout = run_bench("bench.train", tmp_path, "--steps=8", "--log_every=2", "--profile_steps=2", "--accum=2")
+    res, stdout = run_bench("bench.train", tmp_path, "--steps=8", "--log_every=2", "--profile_steps=2", "--accum=2",
+                            "--rows=chat")
     ours = res["ours"]
+    assert res["rows"] == "chat" and "| rows, attn | chat, dense |" in stdout
     assert ours["tok_per_s"] > 0 and res["baseline"]["tok_per_s"] > 0 and ours["recompiles"] == 0
     assert "ours / baseline" in stdout and ours["profile"] and "training steps" in ours["profile"]
+
+
+def test_bench_train_chat_rows_are_packed_chat():
+    """--rows=chat: several documents per row (positions restart), each a prompt without loss then an answer with
+    loss; rows from the packer's steady state, not only whole-row documents."""
+    import numpy as np
+    import torch
+
+    from bench.train import chat_token_rows
+
+    a = chat_token_rows(0, 8, 2048, torch.Generator().manual_seed(0), vocab=1000)
+    assert a["input_ids"].shape == (8, 2048) and int(a["input_ids"].max()) < 1000
+    docs = [int(d.max()) + 1 for d in a["doc_ids"]]
+    assert max(docs) > 1
+    for i in range(8):
+        for d in range(docs[i]):
+            at = a["doc_ids"][i] == d
+            n, lm, pos = int(at.sum()), a["loss_mask"][i][at], a["position_ids"][i][at]
+            assert (pos == np.arange(n)).all()
+            assert not lm[: int(np.ceil(0.3 * n))].any() and lm[int(np.ceil(0.3 * n)):].all(), (i, d)
+        assert not a["loss_mask"][i][a["doc_ids"][i] < 0].any()
 
 
 @pytest.mark.parametrize("rows", ["2"])
