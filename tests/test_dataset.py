@@ -6,6 +6,7 @@ import json
 import shutil
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -287,3 +288,25 @@ def test_cuda_feed_rate_at_27b_width(tmp_path, quant):
     print(f"\n{quant}: {row_gb:.3f} GB/row read+H2D+decode {read_s * 1e3:.0f} ms ({row_gb / read_s:.1f} GB/s); "
           f"with prefetch, data wait {sum(waits) / total:.1%} of {total:.2f}s for 12 steps")
     assert sum(waits) / total < 0.25
+
+
+def test_fake_cache_takes_other_token_rows_and_refuses_a_wrong_count(tmp_path):
+    """make_fake_cache(token_rows=...) writes those rows (with their documents as sources); a function that
+    returns another number of rows than asked is refused (the manifest would list rows the shard does not hold)."""
+    def rows_of(extra):
+        def token_rows(first_id, n, seq_len, gen):
+            a = ds.fake_token_rows(first_id, n + extra, seq_len, gen)
+            a["loss_mask"][:] = 1  # one supervised document per row, no padding tail
+            a["doc_ids"][:] = 0
+            a["position_ids"][:] = np.arange(seq_len)
+            return a
+        return token_rows
+
+    cache = ds.make_fake_cache(tmp_path / "ok", 2, 3, S, H, [1], token_rows=rows_of(0))
+    info = ds.open_hidden_cache(cache, [1])
+    stream = ds.HiddenStream(info, 2, device=torch.device("cpu"))
+    batch = next(stream)
+    stream.close()
+    assert batch["loss_mask"].bool().all() and info.num_rows == 6
+    with pytest.raises(ValueError, match="expected"):
+        ds.make_fake_cache(tmp_path / "bad", 2, 3, S, H, [1], token_rows=rows_of(1))
