@@ -54,8 +54,10 @@ def chat_token_rows(first_id: int, n: int, seq_len: int, gen: torch.Generator, v
     from dflash_offline.packing import materialize
 
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
-    # the packer completes whole-row documents first: every 16th of 16·n rows is a sample of its steady state
-    a, _ = materialize(lognormal_packed_rows(16 * n, seq_len, vocab, seed=seed)[: 16 * n : 16], seq_len, 0)
+    # the packer completes whole-row documents first: skip its first 64 rows, then every 16th row samples its
+    # steady state
+    a, _ = materialize(lognormal_packed_rows(64 + 16 * n, seq_len, vocab, seed=seed)[64 : 64 + 16 * n : 16],
+                       seq_len, 0)
     doc = a["doc_ids"]
     length = np.stack([np.bincount(r[r >= 0], minlength=int(r.max()) + 1)[np.clip(r, 0, None)] for r in doc])
     a["loss_mask"] = ((a["position_ids"] >= 0.3 * length) & (doc >= 0)).astype(np.uint8)

@@ -142,8 +142,9 @@ class TrainConfig:
     # the next step's forward runs (each layer waits only for its own weights); "off" = between the two steps.
     # auto = on where it can be (master weights, CUDA, compile_scope=layers or no compilation)
     optimizer_overlap: str = "auto"
-    attn: str = "auto"  # "flex" (compiled flex_attention, block part split out), "flex_joint" (one flex call over
-    # context + block keys) or "dense" (reference); auto = flex on CUDA
+    # "flex": compiled flex_attention over the context keys + a dense block part; "flex_joint": one flex call over
+    # context + block keys
+    attn: str = "auto"  # "flex", "flex_joint" or "dense" (SDPA reference); auto = flex on CUDA
     compile: str = "auto"  # "on" / "off"; auto = on with CUDA. After warm-up a recompile is an error
     # "layers": each decoder layer is one compiled region, shared by all layers (compile time of one layer);
     # "model": the whole drafter forward as one graph

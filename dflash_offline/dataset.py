@@ -416,9 +416,10 @@ def make_fake_cache(cache_dir, num_shards: int, rows, seq_len: int, hidden: int,
         tfile = hfile = none
         if files_for is None or i in files_for:
             arrays = (token_rows or fake_token_rows)(sum(rows[:i]), n, seq_len, gen)
-            if np.asarray(arrays["doc_ids"]).shape != (n, seq_len):
-                raise ValueError(f"token_rows gave doc_ids of shape {np.asarray(arrays['doc_ids']).shape} for shard {i}, "
-                                 f"expected ({n}, {seq_len})")
+            for col, v in arrays.items():
+                if np.asarray(v).shape != (n, seq_len):
+                    raise ValueError(f"token_rows gave {col} of shape {np.asarray(v).shape} for shard {i}, "
+                                     f"expected ({n}, {seq_len})")
             sources = [list(range(int(d.max()) + 1)) for d in np.asarray(arrays["doc_ids"])]
             tfile = write_token_shard(tokens / token_shard_name(i), arrays, sources,
                                       {"shard": i, "key": hash_obj(tprod)})

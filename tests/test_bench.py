@@ -46,11 +46,12 @@ def test_gpu_sampler_averages_the_samples_of_a_time_range():
     assert s.between(20.0, 30.0) == {}
 
 
-def test_bench_train_tiny_with_profile_and_accumulation(tmp_path):
+@pytest.mark.parametrize("rows", ["bench", "chat"])
+def test_bench_train_tiny_with_profile_and_accumulation(tmp_path, rows):
     res, stdout = run_bench("bench.train", tmp_path, "--steps=8", "--log_every=2", "--profile_steps=2", "--accum=2",
-                            "--rows=chat")
+                            f"--rows={rows}")
     ours = res["ours"]
-    assert res["rows"] == "chat" and "| rows, attn | chat, dense |" in stdout
+    assert res["rows"] == rows and f"| rows, attn | {rows}, dense |" in stdout
     assert ours["tok_per_s"] > 0 and res["baseline"]["tok_per_s"] > 0 and ours["recompiles"] == 0
     assert "ours / baseline" in stdout and ours["profile"] and "training steps" in ours["profile"]
 
@@ -66,7 +67,7 @@ def test_bench_train_chat_rows_are_packed_chat():
     a = chat_token_rows(0, 8, 2048, torch.Generator().manual_seed(0), vocab=1000)
     assert a["input_ids"].shape == (8, 2048) and int(a["input_ids"].max()) < 1000
     docs = [int(d.max()) + 1 for d in a["doc_ids"]]
-    assert max(docs) > 1
+    assert sum(d > 1 for d in docs) >= 6, docs  # not the packer's first rows (one whole-row document each)
     for i in range(8):
         for d in range(docs[i]):
             at = a["doc_ids"][i] == d

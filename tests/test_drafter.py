@@ -143,7 +143,9 @@ def test_forward_equals_independent_reference(kw):
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
     with torch.no_grad():  # flex_attention has no CPU backward; eager forward only
         out_flex = forward(model, embed, batch, "flex")
+        out_joint = forward(model, embed, batch, "flex_joint")
     torch.testing.assert_close(out_flex, out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out_joint, out, rtol=1e-5, atol=1e-5)
 
 
 def test_block_sees_nothing_after_anchor_or_in_other_docs():
@@ -253,9 +255,10 @@ def test_build_masks_per_attention_kind():
     for t in dense:
         assert dense[t].shape == (2, 1, Q, S + Q) and dense[t].dtype == torch.bool
         assert flex[t].shape == (2, 1, Q, S) and joint[t].shape == (2, 1, Q, S + Q)
-        assert torch.equal(joint[t].mask_mod(*torch.meshgrid(torch.arange(2), torch.zeros(1, dtype=torch.long),
-                                                              torch.arange(Q), torch.arange(S + Q), indexing="ij")),
-                           dense[t])
+        for bm, K in ((joint[t], S + Q), (flex[t], S)):
+            grid = torch.meshgrid(torch.arange(2), torch.zeros(1, dtype=torch.long), torch.arange(Q), torch.arange(K),
+                                  indexing="ij")
+            assert torch.equal(bm.mask_mod(*grid), dense[t][..., :K]), (t, K)
     with pytest.raises(ValueError, match="attn must be one of"):
         model.build_masks(doc, anc, keep, "sdpa")
 
