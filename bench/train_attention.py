@@ -28,23 +28,22 @@ from dflash_offline.dataset import fake_token_rows
 from dflash_offline.drafter import split_attention
 from dflash_offline.masks import block_allow, dense_mask, make_mask_mod
 
-# (name, kernel_options); bwd_/fwd_ prefixes address one direction (torch's flex lowering strips them)
+# name -> (formulation, expand_kv, kernel_options). "joint": one flex call over [context | block] keys (attn=
+# flex_joint); "split": what attn=flex runs, flex over the context keys + each block's keys as a dense attention,
+# merged by log-sum-exp (`drafter.split_attention`). expand_kv: K/V repeated to the query heads instead of GQA.
+# bwd_/fwd_ prefixes address one direction (torch's flex lowering strips them)
+_BWD64 = {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64, "bwd_num_warps": 4,
+          "bwd_num_stages": 3}
 VARIANTS = {
-    "default": {},
-    "bwd 64/128 w8 s2": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
-                         "bwd_num_warps": 8, "bwd_num_stages": 2},
-    "bwd 64/128 w8 s4": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
-                         "bwd_num_warps": 8, "bwd_num_stages": 4},
-    "bwd 32/128 w4 s3": {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 32,
-                         "bwd_num_warps": 4, "bwd_num_stages": 3},
-    "bwd 64/64 w4 s3": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
-                        "bwd_num_warps": 4, "bwd_num_stages": 3},
-    "bwd 64/64 w8 s3": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
-                        "bwd_num_warps": 8, "bwd_num_stages": 3},
-    "rows safe": {"ROWS_GUARANTEED_SAFE": True},
-    # what the trainer runs: flex over the context keys only + each block's keys as a dense attention, merged by
-    # log-sum-exp (`drafter.split_attention`); the other variants are one flex call over [context | block] keys
-    "split": None,
+    "default": ("joint", False, {}),
+    "bwd 64/128 w8 s2": ("joint", False, {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128,
+                                          "bwd_BLOCK_N2": 64, "bwd_num_warps": 8, "bwd_num_stages": 2}),
+    "bwd 64/64 w4 s3": ("joint", False, _BWD64),
+    "rows safe": ("joint", False, {"ROWS_GUARANTEED_SAFE": True}),
+    "joint kv32": ("joint", True, {}),
+    "split": ("split", False, {}),
+    "split kv32": ("split", True, {}),
+    "split kv32 bwd 64/64": ("split", True, _BWD64),
 }
 
 
@@ -64,14 +63,11 @@ def docs_mask_mod(anchor_pos_BA, keep_BA, doc_ids_BS, L):
 
 
 def rows(kind: str, S: int, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss_mask, doc_ids) [1, S] on device."""
-    if kind == "bench":
-        a = fake_token_rows(0, 1, S, torch.Generator().manual_seed(0))
-    else:
-        from bench.extract import lognormal_packed_rows
-        from dflash_offline.packing import materialize
+    """(loss_mask, doc_ids) [1, S] on device: the train benchmark's rows of either kind (`--rows` of bench.train)."""
+    from bench.train import chat_token_rows
 
-        a = materialize(lognormal_packed_rows(1, S, vocab, seed=1), S, 0)[0]
+    gen = torch.Generator().manual_seed(0)
+    a = fake_token_rows(0, 1, S, gen) if kind == "bench" else chat_token_rows(0, 1, S, gen, vocab)
     return (torch.as_tensor(np.asarray(a["loss_mask"]), device=device).bool(),
             torch.as_tensor(np.asarray(a["doc_ids"]), device=device).long())
 
@@ -94,8 +90,8 @@ def main() -> None:
     gen = torch.Generator(device=device).manual_seed(0)
     # flex has no CPU backward: the CPU smoke run times the forward only
     q = torch.randn(1, N, Q, D, device=device, dtype=dt, generator=gen).requires_grad_(cuda)
-    k = torch.randn(1, G, S + Q, D, device=device, dtype=dt, generator=gen).requires_grad_(cuda)
-    v = torch.randn(1, G, S + Q, D, device=device, dtype=dt, generator=gen).requires_grad_(cuda)
+    # context and block K/V are separate tensors, as in the trainer (two projections of two inputs)
+    kv = [torch.randn(1, G, T, D, device=device, dtype=dt, generator=gen).requires_grad_(cuda) for T in (S, S, Q, Q)]
     do = torch.randn(1, N, Q, D, device=device, dtype=dt, generator=gen)
     tile = 128 if cuda else 16
     build = torch.compile(create_block_mask, dynamic=False) if cuda else create_block_mask
@@ -109,33 +105,32 @@ def main() -> None:
             masks[m, kind] = build(mod, 1, None, Q, S + Q, device=device, BLOCK_SIZE=tile)
         masks["split", kind] = build(make_mask_mod(a, keep, doc, L, context_only=True), 1, None, Q, S,
                                      device=device, BLOCK_SIZE=tile)
-    results = []
+    results, reference = [], {}
     torch._dynamo.config.cache_size_limit = 64  # one compiled entry per variant (same lambda code object)
     allow = block_allow(L, None, device)
     for name in args.variants.split(","):
-        opts = VARIANTS[name]
-        if name == "split":  # (CPU: eager; inductor's CPU flex has no log-sum-exp output)
-            fn = lambda q, k, v, bm: split_attention(q, k[:, :, :S], v[:, :, :S], k[:, :, S:],  # noqa: E731
-                                                     v[:, :, S:], bm, allow, D**-0.5)
-            fn = torch.compile(fn, dynamic=False) if cuda else fn
-            joint = torch.compile(lambda q, k, v, bm: flex_attention(q, k, v, block_mask=bm, enable_gqa=True),
-                                  dynamic=False)
-            with torch.no_grad():  # same values as one flex call over [context | block] keys
-                err = {kind: (fn(q, k, v, masks["split", kind]).float() - joint(q, k, v, masks["bounds", kind])
-                              .float()).abs().max().item() for kind in ("bench", "chat")} if cuda else {}
-            print(f"split vs one flex call, max |diff| of the output: {err}", flush=True)
+        form, expand, opts = VARIANTS[name]
+        if form == "split":
+            def fn(q, kc, vc, kb, vb, bm, expand=expand, opts=opts):
+                return split_attention(q, kc, vc, kb, vb, bm, allow, D**-0.5, expand_kv=expand,
+                                       kernel_options=opts or None)
         else:
-            fn = torch.compile(lambda q, k, v, bm, o=opts: flex_attention(q, k, v, block_mask=bm, enable_gqa=True,
-                                                                          kernel_options=o or None), dynamic=False)
+            def fn(q, kc, vc, kb, vb, bm, expand=expand, opts=opts):
+                k, v = torch.cat([kc, kb], 2), torch.cat([vc, vb], 2)
+                if expand:
+                    k, v = k.repeat_interleave(N // G, 1), v.repeat_interleave(N // G, 1)
+                return flex_attention(q, k, v, block_mask=bm, enable_gqa=not expand, kernel_options=opts or None)
+        # (CPU: eager; inductor's CPU flex has no log-sum-exp output)
+        fn = torch.compile(fn, dynamic=False) if cuda else fn
         for (m, kind), bm in masks.items():
-            if (m == "split") != (name == "split"):
+            if (m == "split") != (form == "split"):
                 continue
             def fwd(fn=fn, bm=bm):
                 with torch.no_grad():
-                    fn(q, k, v, bm)
+                    return fn(q, *kv, bm)
 
             def fwd_bwd(fn=fn, bm=bm):
-                o = fn(q, k, v, bm)
+                o = fn(q, *kv, bm)
                 if cuda:
                     o.backward(do)
 
@@ -144,24 +139,27 @@ def main() -> None:
                 fwd_bwd()
             except Exception as e:  # a config that does not fit (shared memory) is a result, not a crash
                 results.append({"variant": name, "mask": m, "rows": kind, "error": f"{type(e).__name__}: {e}"[:200]})
-                print(f"{name:18s} {m:6s} {kind:5s} FAILED {results[-1]['error']}", flush=True)
+                print(f"{name:20s} {m:6s} {kind:5s} FAILED {results[-1]['error']}", flush=True)
                 break
             first_s = time.time() - t0
+            out = fwd().float()  # every variant computes the same attention: max |diff| to the first one
+            err = (out - reference.setdefault(kind, out)).abs().max().item()
             ms_f, ms_fb = 1000 * timed(fwd, device, args.reps), 1000 * timed(fwd_bwd, device, args.reps)
             fl = visible[kind] * N * D
             r = {"variant": name, "mask": m, "rows": kind, "ms_fwd": ms_f, "ms_fwd_bwd": ms_fb,
                  "ms_bwd": ms_fb - ms_f, "tflops_fwd": 4 * fl / ms_f / 1e9, "tflops_bwd": 6 * fl / max(ms_fb - ms_f, 1e-6) / 1e9,
-                 "first_call_s": first_s, "density": visible[kind] / (Q * (S + Q))}
+                 "first_call_s": first_s, "density": visible[kind] / (Q * (S + Q)), "max_abs_diff": err}
             results.append(r)
-            print(f"{name:18s} {m:6s} {kind:5s} fwd {ms_f:7.3f} ms  bwd {ms_fb - ms_f:7.3f} ms  "
-                  f"({r['tflops_fwd']:.0f} / {r['tflops_bwd']:.0f} TFLOP/s)  first call {first_s:.1f}s", flush=True)
+            print(f"{name:20s} {m:6s} {kind:5s} fwd {ms_f:7.3f} ms  bwd {ms_fb - ms_f:7.3f} ms  "
+                  f"({r['tflops_fwd']:.0f} / {r['tflops_bwd']:.0f} TFLOP/s)  |diff| {err:.1e}  first call {first_s:.1f}s",
+                  flush=True)
     if args.out:
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name() if cuda else "cpu",
                                         "torch": torch.__version__, "results": results}, indent=1))
-    print(f"\n{'variant':18s} {'mask':6s} {'rows':5s} {'fwd ms':>8s} {'bwd ms':>8s} {'fwd TF/s':>9s} {'bwd TF/s':>9s}")
+    print(f"\n{'variant':20s} {'mask':6s} {'rows':5s} {'fwd ms':>8s} {'bwd ms':>8s} {'fwd TF/s':>9s} {'bwd TF/s':>9s}")
     for r in results:
         if "error" not in r:
-            print(f"{r['variant']:18s} {r['mask']:6s} {r['rows']:5s} {r['ms_fwd']:8.3f} {r['ms_bwd']:8.3f} "
+            print(f"{r['variant']:20s} {r['mask']:6s} {r['rows']:5s} {r['ms_fwd']:8.3f} {r['ms_bwd']:8.3f} "
                   f"{r['tflops_fwd']:9.0f} {r['tflops_bwd']:9.0f}")
 
 

@@ -108,7 +108,14 @@ def block_part(q_BNQD, k_BGQD, v_BGQD, allow_LL, scale):
     return o.reshape(B, N, Q, D), lse.reshape(B, N, Q)
 
 
-def split_attention(q_BNQD, k_ctx_BGSD, v_ctx_BGSD, k_blk_BGQD, v_blk_BGQD, ctx_mask, allow_LL, scale):
+def expand_heads(k_BGTD, v_BGTD, n_heads: int):
+    """K/V [B, G, T, D] repeated to [B, N, T, D] (kv head g serves query heads g*R .. g*R+R-1, as GQA does)."""
+    R = n_heads // k_BGTD.shape[1]
+    return (k_BGTD, v_BGTD) if R == 1 else (k_BGTD.repeat_interleave(R, 1), v_BGTD.repeat_interleave(R, 1))
+
+
+def split_attention(q_BNQD, k_ctx_BGSD, v_ctx_BGSD, k_blk_BGQD, v_blk_BGQD, ctx_mask, allow_LL, scale,
+                    expand_kv: bool = False, kernel_options: dict | None = None):
     """The training attention as two parts merged by their log-sum-exps: flex_attention of the block queries over
     the S context keys (`ctx_mask`, a context-only BlockMask from `masks.flex_block_mask`), and each block's own
     keys as a small dense attention (`block_part`, `allow_LL` from `masks.block_allow`). Equal to one flex call
@@ -116,8 +123,16 @@ def split_attention(q_BNQD, k_ctx_BGSD, v_ctx_BGSD, k_blk_BGQD, v_blk_BGQD, ctx_
     tile 128, L 16), whose backward costs as much as full context tiles. A query with no context (padded anchor,
     anchor at a document start) gets lse -inf from flex and weight 0 in the merge. Returns [B, N, Q, D] in q's
     dtype.
+
+    `expand_kv` gives flex the context K/V repeated to the N query heads instead of GQA: flex's backward computes
+    dK/dV with one program per (kv head, key tile), each looping over the query tiles that see it, so with 8 kv
+    heads and 2048 keys it has ~128 unequal programs (a key early in a document is seen by every later anchor) for
+    132 SMs; per query head there are 4x as many, each 1/4 of the work (autograd sums the copies' gradients).
     """
-    o1, aux = flex_attention(q_BNQD, k_ctx_BGSD, v_ctx_BGSD, block_mask=ctx_mask, scale=scale, enable_gqa=True,
+    if expand_kv:
+        k_ctx_BGSD, v_ctx_BGSD = expand_heads(k_ctx_BGSD, v_ctx_BGSD, q_BNQD.shape[1])
+    o1, aux = flex_attention(q_BNQD, k_ctx_BGSD, v_ctx_BGSD, block_mask=ctx_mask, scale=scale,
+                             enable_gqa=k_ctx_BGSD.shape[1] != q_BNQD.shape[1], kernel_options=kernel_options,
                              return_aux=AuxRequest(lse=True))
     o2, lse2 = block_part(q_BNQD, k_blk_BGQD, v_blk_BGQD, allow_LL, scale)
     with torch.autocast(q_BNQD.device.type, enabled=False):
@@ -156,12 +171,12 @@ class Attention(nn.Module):
         if attn == "flex":
             allow_LL = block_allow(self.block_size, self.sliding_window, x_BQH.device)
             o = split_attention(q_BNQD, k_ctx.transpose(1, 2), v_ctx.transpose(1, 2), k_blk.transpose(1, 2),
-                                v_blk.transpose(1, 2), mask, allow_LL, scale)
+                                v_blk.transpose(1, 2), mask, allow_LL, scale, expand_kv=True)
         else:  # one attention over [context | block] keys: flex with the full BlockMask, or SDPA with a dense mask
             k_BGKD = torch.cat([k_ctx, k_blk], dim=1).transpose(1, 2)
             v_BGKD = torch.cat([v_ctx, v_blk], dim=1).transpose(1, 2)
-            if attn == "flex_joint":
-                o = flex_attention(q_BNQD, k_BGKD, v_BGKD, block_mask=mask, scale=scale, enable_gqa=True)
+            if attn == "flex_joint":  # K/V repeated per query head: see `split_attention`'s expand_kv
+                o = flex_attention(q_BNQD, *expand_heads(k_BGKD, v_BGKD, self.n_heads), block_mask=mask, scale=scale)
             else:
                 o = F.scaled_dot_product_attention(q_BNQD, k_BGKD, v_BGKD, attn_mask=mask, scale=scale,
                                                    enable_gqa=True)

@@ -88,13 +88,18 @@ def test_bench_extract_layers_tiny(tmp_path, rows):
 def test_bench_train_attention_tiny(tmp_path):
     out = tmp_path / "attn.json"
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    p = subprocess.run([sys.executable, "-m", "bench.train_attention", "--tiny", "--variants=default,rows safe",
-                        "--reps=1", f"--out={out}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable, "-m", "bench.train_attention", "--tiny",
+                        "--variants=default,rows safe,joint kv32,split,split kv32", "--reps=1", f"--out={out}"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())["results"]
     assert {(r["variant"], r["mask"], r["rows"]) for r in res} == {
-        (v, m, k) for v in ("default", "rows safe") for m in ("bounds", "docs") for k in ("bench", "chat")}
+        (v, m, k) for v in ("default", "rows safe", "joint kv32") for m in ("bounds", "docs") for k in ("bench", "chat")
+    } | {(v, "split", k) for v in ("split", "split kv32") for k in ("bench", "chat")}
     assert all(r["ms_fwd"] > 0 and 0 < r["density"] < 1 for r in res)
+    # every formulation computes the same attention (the first variant's output per row kind is the reference)
+    assert all(r["max_abs_diff"] < 1e-4 for r in res)
+    assert any(r["max_abs_diff"] > 0 for r in res)
 
 
 def test_bench_train_loss_tiny(tmp_path):

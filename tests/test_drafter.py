@@ -8,7 +8,13 @@ import torch
 from safetensors.torch import save_file
 from torch.nn.attention.flex_attention import create_mask
 
-from dflash_offline.drafter import DFlashDrafter, DrafterConfig, load_target_embeddings
+from dflash_offline.drafter import (
+    DFlashDrafter,
+    DrafterConfig,
+    expand_heads,
+    load_target_embeddings,
+    split_attention,
+)
 from dflash_offline.masks import block_allow, dense_mask, flex_block_mask, make_mask_mod
 
 H, S, A, L, V, MASK = 64, 64, 6, 4, 100, 97
@@ -222,6 +228,27 @@ def test_dense_mask_semantics(W):
     for b in range(2):
         for a in range(A):
             assert not m[b, 0, a * L : (a + 1) * L, int(anc[b, a])].any()
+
+
+def test_split_attention_with_kv_repeated_per_head_equals_gqa():
+    """`expand_kv` (what the trainer runs: K/V repeated to the query heads, for flex's backward parallelism) and
+    GQA compute the same attention; both equal the dense reference over [context | block] keys."""
+    ids, pos, doc, lm, hidden, anc, keep = packed_batch()
+    N, G, D, Q = 4, 2, 16, A * L
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, N, Q, D, generator=g)
+    kc, vc = torch.randn(2, G, S, D, generator=g), torch.randn(2, G, S, D, generator=g)
+    kb, vb = torch.randn(2, G, Q, D, generator=g), torch.randn(2, G, Q, D, generator=g)
+    bm = flex_block_mask(anc, keep, doc, L, None, compiled=False, tile=8)
+    allow = block_allow(L, None)
+    out = {e: split_attention(q, kc, vc, kb, vb, bm, allow, D**-0.5, expand_kv=e) for e in (False, True)}
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, torch.cat([kc, kb], 2), torch.cat([vc, vb], 2), attn_mask=dense_mask(anc, keep, doc, L), scale=D**-0.5,
+        enable_gqa=True)
+    for e in (False, True):
+        torch.testing.assert_close(out[e], ref, rtol=1e-5, atol=1e-5)
+    k2, v2 = expand_heads(kc, vc, N)
+    assert k2.shape == (2, N, S, D) and torch.equal(k2[:, 3], kc[:, 1]) and torch.equal(v2[:, 2], vc[:, 1])
 
 
 @pytest.mark.parametrize("W", [None, 7])

@@ -33,11 +33,12 @@ def test_cuda_packed_extraction_equals_cpu_per_document(tmp_path, qwen35_dir, ch
         assert ((a - b).norm() / a.norm()).item() < 3e-2, i
 
 
-def test_compiled_flex_trainer_matches_eager_and_holds_memory(tmp_path, hidden_cache):
+@pytest.mark.parametrize("attn", ["flex", "flex_joint"])
+def test_compiled_flex_trainer_matches_eager_and_holds_memory(tmp_path, hidden_cache, attn):
     tiny = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_anchors=8, batch_rows=2, log_every=1,
                 trackers="none", lr=3e-3, warmup_steps=1, ckpt_every=1000)
     runs = {}
-    for name, extra in {"eager": dict(attn="dense", compile="off"), "compiled": dict(attn="flex", compile="on")}.items():
+    for name, extra in {"eager": dict(attn="dense", compile="off"), "compiled": dict(attn=attn, compile="on")}.items():
         cfg = TrainConfig(cache=str(hidden_cache), run=str(tmp_path / name), steps=50, **tiny, **extra).resolve()
         train.run(cfg)
         runs[name] = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
