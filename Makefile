@@ -90,8 +90,8 @@ bench-extract-layers:  ## where extraction time goes: one layer of each type per
 bench-train:  ## drafter training throughput at 27B drafter shapes vs an eager chunked baseline (GPU)
 	$(PYTHON) -m bench.train $(ARGS)
 
-bench-train-attention:  ## the drafter's flex attention alone, fwd+bwd, per mask formulation and kernel options (GPU)
-	$(PYTHON) -m bench.train_attention
+bench-train-attention:  ## the drafter's attention alone, fwd+bwd: split/joint, GQA/K-V per head, kernel options (GPU)
+	$(PYTHON) -m bench.train_attention $(ARGS)
 
 bench-train-loss:  ## lm_head + block CE alone, fwd+bwd, per epilogue (Triton / compiled) and chunk size (GPU)
 	$(PYTHON) -m bench.train_loss

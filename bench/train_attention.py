@@ -4,11 +4,13 @@
     python -m bench.train_attention --tiny             (CPU smoke run)
 
 Queries are the 512×16 block tokens (32 heads × 128), keys the 2048 context positions plus the block tokens (8 KV
-heads), with the real DFlash mask (`dflash_offline.masks`) on two kinds of rows: the two-document rows the train
-benchmark's synthetic cache holds, and long-tailed packed chat rows. Each variant is one torch.compile'd
-flex_attention (kernel options fixed, so one kernel per variant), or "split", the trainer's formulation
-(`drafter.split_attention`); reports ms forward, ms forward+backward and
-TFLOP/s counted on the visible (mask-true) scores only: 4·D FLOPs per score forward, 10·D forward+backward.
+heads; context and block K/V are separate tensors, as in the trainer), with the real DFlash mask
+(`dflash_offline.masks`) on the train benchmark's two kinds of rows (`bench.train --rows`): its synthetic
+two-document rows and packed single-turn chat rows. Each variant (`VARIANTS`) is one torch.compile'd formulation:
+"joint" (one flex call over [context | block] keys, attn=flex_joint) or "split" (`drafter.split_attention`,
+attn=flex), with GQA or with K/V repeated per query head (what the trainer runs), and fixed flex kernel options.
+Reports ms forward, ms forward+backward, max |diff| of the output against the first variant, and TFLOP/s counted
+on the visible (mask-true) scores only: 4·D FLOPs per score forward, 10·D forward+backward.
 """
 
 from __future__ import annotations
