@@ -110,7 +110,10 @@ def block_part(q_BNQD, k_BGQD, v_BGQD, allow_LL, scale):
 
 def expand_heads(k_BGTD, v_BGTD, n_heads: int):
     """K/V [B, G, T, D] repeated to [B, N, T, D] (kv head g serves query heads g*R .. g*R+R-1, as GQA does)."""
-    R = n_heads // k_BGTD.shape[1]
+    G = k_BGTD.shape[1]
+    if n_heads % G:
+        raise ValueError(f"{n_heads} query heads are not a multiple of {G} kv heads")
+    R = n_heads // G
     return (k_BGTD, v_BGTD) if R == 1 else (k_BGTD.repeat_interleave(R, 1), v_BGTD.repeat_interleave(R, 1))
 
 

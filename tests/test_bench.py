@@ -97,9 +97,8 @@ def test_bench_train_attention_tiny(tmp_path):
         (v, m, k) for v in ("default", "rows safe", "joint kv32") for m in ("bounds", "docs") for k in ("bench", "chat")
     } | {(v, "split", k) for v in ("split", "split kv32") for k in ("bench", "chat")}
     assert all(r["ms_fwd"] > 0 and 0 < r["density"] < 1 for r in res)
-    # every formulation computes the same attention (the first variant's output per row kind is the reference)
-    assert all(r["max_abs_diff"] < 1e-4 for r in res)
-    assert any(r["max_abs_diff"] > 0 for r in res)
+    # every formulation computes the attention of the DFlash mask: fp32 SDPA with the dense mask
+    assert all(r["max_abs_diff"] < 1e-4 for r in res), [(r["variant"], r["max_abs_diff"]) for r in res]
 
 
 def test_bench_train_loss_tiny(tmp_path):
