@@ -98,12 +98,32 @@ def run(cfg: TrainConfig) -> Path:
     frozen = gc.get_freeze_count()
     gc.callbacks.append(GC_CLOCK)
     try:
-        return _run(cfg)
+        run_dir = _run(cfg)
     finally:  # set after the warm-up step; not left on for whatever runs next in this process
         gc.callbacks.remove(GC_CLOCK)
         torch._dynamo.config.error_on_recompile = strict
         if not frozen and gc.get_freeze_count():  # we froze (a caller's own frozen objects are left as they are)
             gc.unfreeze()
+    release_process_group()  # after `_run`'s frame is gone
+    return run_dir
+
+
+def release_process_group() -> None:
+    """Destroy the default process group, after `_run`'s frame (and with it the DDP model) is gone.
+
+    The order matters: DDP's C++ reducer holds the process group. If the group is unregistered first (what
+    `Accelerator.end_training` does) and the reducer is freed later, the group's destructor runs inside the
+    reducer's deallocation with the GIL held and joins gloo's worker threads; a worker that is releasing its last
+    tensor needs the GIL, and both wait forever (seen once: a 2-process CPU run that finished all its steps and
+    checkpoints and never exited). Freed here, from Python, the group is destroyed without the GIL.
+    """
+    import gc
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        gc.collect()  # cycles that still hold the DDP model
+        dist.destroy_process_group()
 
 
 def _run(cfg: TrainConfig) -> Path:
@@ -346,7 +366,8 @@ def _run(cfg: TrainConfig) -> Path:
     progress.close("done")
     if metrics_file:
         metrics_file.close()
-    acc.end_training()
+    for tracker in acc.trackers:  # `acc.end_training()` without its process-group destruction: see `run`
+        tracker.finish()
     return run_dir
 
 
@@ -541,6 +562,12 @@ def main(argv: list[str]) -> None:
     out = run(cfg)
     if int(os.environ.get("RANK", 0)) == 0:
         print(out)
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        # everything is written and closed: end now, so that no destructor of a still-live distributed object
+        # (the process group, kept by anything that outlived the run) can hang the exit at interpreter shutdown
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
