@@ -76,9 +76,9 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch_two(cache, run, **kw):
+def launch_two(cache, run, worker=WORKER, **kw):
     """Train with 2 processes (as torchrun would start them: gloo on the CPU, NCCL with one GPU each where there
-    are 2 GPUs); returns when both are done."""
+    are 2 GPUs); returns when both are done, with their (stdout, stderr)."""
     port = str(free_port())
     procs = []
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
@@ -86,10 +86,42 @@ def launch_two(cache, run, **kw):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, DFLASH_NO_BAR="1", PYTHONPATH=path,
                    OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-c", WORKER, *cli_args(cache, run, **kw)],
+        procs.append(subprocess.Popen([sys.executable, "-c", worker, *cli_args(cache, run, **kw)],
                                       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-3000:] for o in outs]
+    return outs
+
+
+# every destruction of the process group reports how many DDP models are still alive at that moment
+WORKER_WATCHING_TEARDOWN = """
+import gc, json, sys
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from stages import train
+
+destroy = dist.destroy_process_group
+
+def watched(*args, **kwargs):
+    gc.unfreeze()  # the trainer freezes what it built after warm-up: frozen objects are not in gc.get_objects()
+    gc.collect()
+    alive = sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects())
+    print(json.dumps({"ddp_alive_at_destroy": alive}), flush=True)
+    return destroy(*args, **kwargs)
+
+dist.destroy_process_group = watched
+train.main(sys.argv[1:])
+"""
+
+
+def test_two_processes_destroy_the_process_group_after_the_ddp_model(tmp_path, hidden_cache):
+    """DDP's C++ reducer holds the process group: destroyed while the reducer lives (Accelerator.end_training in
+    the run), the group's destructor later runs inside the reducer's, holding the GIL, and can hang the exit of a
+    finished run. Each rank destroys the group once, with no DDP model left, and exits 0."""
+    outs = launch_two(hidden_cache, tmp_path / "two", worker=WORKER_WATCHING_TEARDOWN)
+    for out, _ in outs:
+        seen = [json.loads(x) for x in out.splitlines() if x.startswith('{"ddp_alive_at_destroy"')]
+        assert seen == [{"ddp_alive_at_destroy": 0}], out[-2000:]
 
 
 def test_two_processes_equal_one_with_accumulation(tmp_path, hidden_cache):
