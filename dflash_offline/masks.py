@@ -87,10 +87,10 @@ def query_bounds(
 
 def block_allow(block_size: int, sliding_window: int | None = None, device=None) -> torch.Tensor:
     """Bool [L, L]: slot k may see slot k' of its own block (all of them; sliding layers: k - W < k' <= k)."""
-    k = torch.arange(block_size, device=device)
-    dk = k[:, None] - k[None, :]
     if sliding_window is None:
         return torch.ones(block_size, block_size, dtype=torch.bool, device=device)
+    k = torch.arange(block_size, device=device)
+    dk = k[:, None] - k[None, :]
     return (dk >= 0) & (dk < sliding_window)
 
 

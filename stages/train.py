@@ -520,14 +520,14 @@ class Report:
         w, k, v = self.w, self.kw, self.host
         loss_sum, n, tau_sum, blocks, grad_norm, skipped = v[:6].tolist()
         L = (v.numel() - 6) // 2
-        cl, vl = v[6 : 6 + L], v[6 + L :]
+        acc_L = slot_accuracy(v[6 : 6 + L], v[6 + L :])
         secs = (w.start.elapsed_time(self.done) / 1000 if w.start is not None and self.done is not None
                 else self.t_end - w.t0)
         secs = max(secs, 1e-9)
         cuda = k["device"].type == "cuda"
         rec = {
-            "step": k["step"], "loss": loss_sum / n, "acc": [round(a, 4) for a in slot_accuracy(cl, vl)[1:].tolist()],
-            "sim_tau": 1 + simulated_acceptance_length(slot_accuracy(cl, vl)).item(),
+            "step": k["step"], "loss": loss_sum / n, "acc": [round(a, 4) for a in acc_L[1:].tolist()],
+            "sim_tau": 1 + simulated_acceptance_length(acc_L).item(),
             "block_tau": tau_sum / max(blocks, 1.0), "lr": k["lr"], "grad_norm": grad_norm,
             "tok_per_s": w.rows * k["seq_len"] / secs, "ms_per_step": 1000 * secs / max(w.steps, 1),
             "flop_frac": w.rows * k["fpr"] / secs / 790e12 if cuda else 0.0,
