@@ -90,7 +90,8 @@ def run_ours(args, cache: Path, drafter: dict) -> dict:
                       block_size=16, log_every=args.log_every, ckpt_every=10**9, trackers="none", attn=args.attn,
                       compile_scope=args.compile_scope, profile_steps=args.profile_steps,
                       master_weights=args.master_weights, optimizer_overlap=args.optimizer_overlap,
-                      global_batch_tokens=args.accum * args.seq_len, **drafter).resolve()
+                      global_batch_tokens=args.accum * args.seq_len, loss_logits=args.loss_logits, tf32=args.tf32,
+                      **drafter).resolve()
     t0 = time.time()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -119,7 +120,7 @@ def run_ours(args, cache: Path, drafter: dict) -> dict:
             "peak_gb": max(r.get("peak_gb", 0) for r in recs), "reserved_gb": [r.get("reserved_gb") for r in recs],
             "recompiles": recs[-1]["recompiles"], "first_window_ms": recs[0]["ms_per_step"], "gpu": clocks,
             "master_weights": derived["master_weights"], "optimizer_overlap": derived["optimizer_overlap"],
-            "attn": derived["attn"],
+            "attn": derived["attn"], "loss_logits": derived["loss_logits"], "tf32": derived["tf32"],
             "loss": [r["loss"] for r in recs],
             "profile": (run / "profile.txt").read_text() if (run / "profile.txt").exists() else None}
 
@@ -203,6 +204,8 @@ def main() -> None:
     p.add_argument("--accum", type=int, default=1, help="micro-batches (rows) per optimizer step")
     p.add_argument("--master_weights", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--optimizer_overlap", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--loss_logits", default="fp32", choices=["fp32", "bf16"], help="the trainer's loss_logits")
+    p.add_argument("--tf32", default="auto", choices=["auto", "on", "off"], help="the trainer's tf32")
     p.add_argument("--profile_steps", type=int, default=0, help="print a kernel table of that many steps")
     p.add_argument("--workdir", type=Path, default=Path("build/bench-train"))
     p.add_argument("--out", type=Path, default=None)
@@ -249,7 +252,7 @@ def main() -> None:
     print(f"| first window (compilation), s | {o['first_window_ms'] * args.log_every / 1000:.0f} | |")
     print(f"| compile scope, rows per optimizer step, master weights, optimizer overlap | {args.compile_scope}, "
           f"{args.accum}, {o['master_weights']}, {o['optimizer_overlap']} | |")
-    print(f"| rows, attn | {args.rows}, {o['attn']} | |")
+    print(f"| rows, attn, loss logits, TF32 | {args.rows}, {o['attn']}, {o['loss_logits']}, {o['tf32']} | |")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from bench.extract_layers import timed
-from dflash_offline.loss import _decay_epilogue, _logits_f32, block_ce_loss
+from dflash_offline.loss import _decay_epilogue, _logits, block_ce_loss
 
 KERNEL_CONFIGS = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16)]  # (BLOCK, num_warps)
 
@@ -63,7 +63,7 @@ def main() -> None:
             if cuda:
                 torch.cuda.empty_cache()
     n = A * (L - 1)
-    z = _logits_f32(hidden.detach()[0, :n], head)  # as the loss computes them
+    z = _logits(hidden.detach()[0, :n], head)  # as the loss computes them
     lab = labels[0, :, 1:].reshape(-1)
     w = torch.rand(n, device=dev, generator=g)
     moved = n * V * (4 + 4 + 2)  # two fp32 reads, one bf16 write

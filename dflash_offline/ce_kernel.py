@@ -1,6 +1,6 @@
 """The CE epilogue of one lm_head chunk as a two-pass Triton kernel (CUDA; see `loss.py`).
 
-From fp32 logits z [n, V] it gives, per row: ce = logsumexp(z) - z[label], the argmax, and (for the backward)
+From fp32 (or bf16) logits z [n, V] it gives, per row: ce = logsumexp(z) - z[label], the argmax, and (for the backward)
 dlogits = w * (softmax(z) - onehot(label)) in bf16. The logits are the largest tensor of a training step (n x V x 4
 bytes, ~7.6 GB at 27B shapes), so the epilogue is bound by how often it reads them: pass 1 reads each row once with
 an online (running-max) softmax that also tracks the argmax; pass 2 reads it again and writes dlogits. That is two
@@ -47,7 +47,7 @@ def _kernel():
         idx = tl.zeros([BLOCK], tl.int32)  # per-lane first column holding m
         for start in tl.range(0, V, BLOCK):
             cols = start + offs
-            x = tl.load(z_row + cols, mask=cols < V, other=neg_inf)
+            x = tl.load(z_row + cols, mask=cols < V, other=neg_inf).to(tl.float32)
             m_new = tl.maximum(m, x)
             idx = tl.where(x > m, cols, idx)
             seen = m_new != neg_inf  # a lane that has only seen padding keeps s = 0 (no inf - inf)
@@ -57,7 +57,7 @@ def _kernel():
         total = tl.sum(tl.where(m != neg_inf, s * tl.exp(m - mx), 0.0), 0)
         pred = tl.min(tl.where(m == mx, idx, V), 0)
         lab = tl.load(lab_ptr + row)
-        ce = mx + tl.log(total) - tl.load(z_row + lab)
+        ce = mx + tl.log(total) - tl.load(z_row + lab).to(tl.float32)
         tl.store(ce_ptr + row, ce)
         tl.store(pred_ptr + row, pred.to(tl.int64))
         if NEED_GRAD:
@@ -66,7 +66,7 @@ def _kernel():
             d_row = d_ptr + row * stride_d
             for start in tl.range(0, V, BLOCK):
                 cols = start + offs
-                x = tl.load(z_row + cols, mask=cols < V, other=neg_inf)
+                x = tl.load(z_row + cols, mask=cols < V, other=neg_inf).to(tl.float32)
                 d = tl.exp(x - mx) * scale - tl.where(cols == lab, w, 0.0)
                 tl.store(d_row + cols, d.to(d_ptr.dtype.element_ty), mask=cols < V)
 
@@ -75,10 +75,12 @@ def _kernel():
 
 def ce_epilogue(z_nV: torch.Tensor, lab_n: torch.Tensor, w_n: torch.Tensor, need_grad: bool, grad_dtype,
                 block: int = BLOCK, num_warps: int = NUM_WARPS):
-    """(ce_n fp32, argmax_n int64, dlogits_nV in grad_dtype or None) of fp32 logits; see the module doc."""
+    """(ce_n fp32, argmax_n int64, dlogits_nV in grad_dtype or None) of fp32 or bf16 logits (read as fp32); see the
+    module doc."""
     n, V = z_nV.shape
-    if z_nV.dtype != torch.float32 or z_nV.stride(1) != 1:
-        raise ValueError(f"ce_epilogue wants fp32 logits with contiguous rows, got {z_nV.dtype} {z_nV.stride()}")
+    if z_nV.dtype not in (torch.float32, torch.bfloat16) or z_nV.stride(1) != 1:
+        raise ValueError(f"ce_epilogue wants fp32 or bf16 logits with contiguous rows, got {z_nV.dtype} "
+                         f"{z_nV.stride()}")
     lab_n, w_n = lab_n.contiguous(), w_n.float().contiguous()
     ce = torch.empty(n, dtype=torch.float32, device=z_nV.device)
     pred = torch.empty(n, dtype=torch.int64, device=z_nV.device)

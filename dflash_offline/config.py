@@ -154,6 +154,13 @@ class TrainConfig:
     # half that for their gradient). On an H200 two chunks of 512 anchors x 15 slots beat one (bench.train_loss)
     loss_chunk_tokens: int = 4096
     loss_epilogue: str = "auto"  # softmax/CE/dlogits of a chunk: "triton" (CUDA default), "compiled" or "eager"
+    # dtype of the lm_head logits the CE epilogue reads: "fp32" (exact bf16 products, fp32 sums and output) or
+    # "bf16" (the GEMM's fp32 sums rounded to bf16, as an lm_head module in bf16 gives them: half the epilogue's
+    # memory traffic; ~0.06 absolute error on a logit of 20-30)
+    loss_logits: str = "fp32"
+    # TF32 tensor cores for the fp32 matmuls of a bf16 run (the dense block part of attn=flex, whose products of bf16
+    # values TF32 holds exactly): "auto" = on for precision bf16 on CUDA, "on", "off"
+    tf32: str = "auto"
     ckpt_every: int = 500  # checkpoint every N steps (and at the end)
     keep_last: int = 3  # checkpoints kept
     log_every: int = 10  # metrics line every N steps
@@ -169,6 +176,8 @@ class TrainConfig:
         check_choice("train.compile", self.compile, ("auto", "on", "off"))
         check_choice("train.compile_scope", self.compile_scope, ("layers", "model"))
         check_choice("train.loss_epilogue", self.loss_epilogue, ("auto", "triton", "compiled", "eager"))
+        check_choice("train.loss_logits", self.loss_logits, ("fp32", "bf16"))
+        check_choice("train.tf32", self.tf32, ("auto", "on", "off"))
         for name in ("steps", "batch_rows", "num_anchors", "num_layers", "ckpt_every", "log_every"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name} must be > 0, got {getattr(self, name)}")

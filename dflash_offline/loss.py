@@ -1,9 +1,10 @@
 """Block CE loss through the frozen target lm_head, chunked so `[A*L, vocab]` logits never exist in full.
 
 `block_ce_loss` runs one pass over chunks of whole blocks. Per chunk: logits = h @ W^T (low-precision GEMM,
-fp32 output), then one epilogue: fp32 softmax, weighted CE, argmax accuracy and dlogits = w * (softmax - onehot)
-(on CUDA a two-pass Triton kernel reading the logits twice, `ce_kernel`; eager elsewhere); then the input gradient
-dh = dlogits @ W (second GEMM). Only dh is kept for backward: no recompute, no grad for W.
+fp32 output; or bf16 output with `logits="bf16"`), then one epilogue: fp32 softmax, weighted CE, argmax accuracy and
+dlogits = w * (softmax - onehot) (on CUDA a two-pass Triton kernel reading the logits twice, `ce_kernel`; eager
+elsewhere); then the input gradient dh = dlogits @ W (second GEMM). Only dh is kept for backward: no recompute, no
+grad for W.
 Slot 0 (the given token) is skipped entirely: its logits are never computed.
 
 Weighting (`weighting=`):
@@ -48,15 +49,23 @@ def dpace_weights(q_XL: torch.Tensor, valid_XL: torch.Tensor, alpha: float) -> t
     return suffix * valid_XL
 
 
-def _logits_f32(h_nH: torch.Tensor, w_VH: torch.Tensor) -> torch.Tensor:
+LOGITS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _logits(h_nH: torch.Tensor, w_VH: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """h @ W^T with fp32 sums, output in `dtype` (fp32, or bf16: the sums rounded once, as a bf16 lm_head gives)."""
     if h_nH.is_cuda and h_nH.dtype in (torch.bfloat16, torch.float16):
-        return torch.mm(h_nH, w_VH.t(), out_dtype=torch.float32)  # bf16 GEMM, fp32 accumulate + output
-    return (h_nH @ w_VH.t()).float()
+        if dtype == h_nH.dtype:
+            return h_nH @ w_VH.t()  # low-precision GEMM: fp32 accumulate, rounded output
+        return torch.mm(h_nH, w_VH.t(), out_dtype=dtype)  # bf16 GEMM, fp32 accumulate + output
+    return (h_nH.float() @ w_VH.float().t()).to(dtype)
 
 
 def _decay_epilogue(z_nV: torch.Tensor, lab_n: torch.Tensor, w_n: torch.Tensor, need_grad: bool, grad_dtype):
     """From fp32 logits of one chunk: (ce_n, argmax_n, dlogits_nV = w * (softmax - onehot) in grad_dtype or None).
-    Written for torch.compile to fuse into a few passes over the logits (it runs eager off CUDA)."""
+    Written for torch.compile to fuse into a few passes over the logits (it runs eager off CUDA). bf16 logits are
+    read as fp32 (all arithmetic is fp32)."""
+    z_nV = z_nV.float()
     z_max, pred_n = z_nV.max(-1, keepdim=True)
     e_nV = torch.exp(z_nV - z_max)
     z_sum = e_nV.sum(-1, keepdim=True)
@@ -106,7 +115,7 @@ class _ChunkedBlockCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h_XKH, w_VH, labels_XK, slot_w_K, norm, chunk_blocks: int, dpace_alpha, need_grad: bool,
-                epilogue: str):
+                epilogue: str, logits_dtype: torch.dtype):
         X, K, H = h_XKH.shape
         grad_XKH = torch.empty_like(h_XKH, memory_format=torch.contiguous_format) if need_grad else None
         valid_XK = labels_XK >= 0
@@ -117,7 +126,7 @@ class _ChunkedBlockCE(torch.autograd.Function):
             c1 = min(c0 + chunk_blocks, X)
             lab_n = safe_XK[c0:c1].reshape(-1)
             val_n = valid_XK[c0:c1].reshape(-1)
-            z_nV = _logits_f32(h_XKH[c0:c1].reshape(-1, H), w_VH)
+            z_nV = _logits(h_XKH[c0:c1].reshape(-1, H), w_VH, logits_dtype)
             if dpace_alpha is None:
                 w_n = (slot_w_K * valid_XK[c0:c1]).reshape(-1)
                 ce_n, pred_n, d_nV = _epilogue(epilogue)(z_nV, lab_n, w_n, need_grad, w_VH.dtype)
@@ -127,6 +136,7 @@ class _ChunkedBlockCE(torch.autograd.Function):
                 if need_grad:
                     torch.mm(d_nV, w_VH, out=grad_XKH[c0:c1].view(-1, H))
                 continue
+            z_nV = z_nV.float()  # D-PACE works in place on an fp32 chunk
             z_max, pred_n = z_nV.max(-1, keepdim=True)
             correct_XK[c0:c1] = ((pred_n.squeeze(1) == lab_n) & val_n).view(c1 - c0, K)
             z_lab = z_nV.gather(1, lab_n[:, None]).squeeze(1)
@@ -149,7 +159,7 @@ class _ChunkedBlockCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_correct):
         grad_XKH, norm = ctx.saved_tensors
-        return grad_XKH * (grad_loss / norm).to(grad_XKH.dtype), None, None, None, None, None, None, None, None
+        return grad_XKH * (grad_loss / norm).to(grad_XKH.dtype), None, None, None, None, None, None, None, None, None
 
 
 class BlockLoss(NamedTuple):
@@ -189,6 +199,7 @@ def block_ce_loss(
     chunk_tokens: int = 8192,
     normalizer: torch.Tensor | float | None = None,
     epilogue: str = "auto",
+    logits: str = "fp32",
 ) -> BlockLoss:
     """Chunked weighted CE of the drafter's block outputs [B, A*L, H] against labels [B, A, L] (IGNORE = none).
     The outputs may also be given for the scored slots only, [B, A*(L-1), H] (slots 1..L-1 of each block, as
@@ -197,11 +208,15 @@ def block_ce_loss(
     `chunk_tokens` bounds the query tokens per chunk (rounded down to whole blocks of L-1 scored slots): the
     fp32 logits buffer is chunk_tokens x V x 4 bytes. `normalizer` overrides the denominator (e.g. a global
     token weight sum across ranks / micro-batches); by default it is this batch's (see module doc). `epilogue`
-    picks the decay-weighting epilogue's implementation (`resolve_epilogue`; D-PACE has its own).
+    picks the decay-weighting epilogue's implementation (`resolve_epilogue`; D-PACE has its own). `logits` is the
+    dtype the chunk's logits are stored in, "fp32" or "bf16" (`LOGITS_DTYPES`; the epilogue computes in fp32 either
+    way).
     """
     B, A, L = _check(hidden_BQH, labels_BAL)
     if weighting not in ("decay", "dpace"):
         raise ValueError(f"weighting must be 'decay' or 'dpace', got {weighting!r}")
+    if logits not in LOGITS_DTYPES:
+        raise ValueError(f"logits must be one of {tuple(LOGITS_DTYPES)}, got {logits!r}")
     dpace = weighting == "dpace"
     if not dpace:  # (D-PACE has its own epilogue)
         epilogue = resolve_epilogue(epilogue, hidden_BQH.is_cuda)
@@ -221,6 +236,7 @@ def block_ce_loss(
         dpace_alpha if dpace else None,
         torch.is_grad_enabled() and hidden_BQH.requires_grad,
         epilogue,
+        LOGITS_DTYPES[logits],
     )
     correct_BAL = torch.cat([torch.zeros_like(correct_XK[:, :1]), correct_XK], 1).view(B, A, L)
     return BlockLoss(loss, correct_BAL, labels_BAL >= 0, norm)
@@ -235,23 +251,27 @@ def reference_block_ce_loss(
     weighting: str = "decay",
     dpace_alpha: float = 0.5,
     normalizer: torch.Tensor | float | None = None,
+    logits: str = "fp32",
 ) -> BlockLoss:
-    """Plain version of `block_ce_loss` (full logits, F.cross_entropy, autograd); for tests only. Every slot."""
+    """Plain version of `block_ce_loss` (full logits, F.cross_entropy, autograd); for tests only. Every slot.
+    `logits="bf16"` rounds the logits' values to bf16 (their gradient passes through in fp32)."""
     B, A, L = _check(hidden_BQH, labels_BAL)
     if hidden_BQH.shape[1] != A * L:
         raise ValueError("reference_block_ce_loss wants the outputs of every slot, [B, A*L, H]")
     dpace = weighting == "dpace"
     slot_w_L = slot_weights(L, gamma, labels_BAL.device) if not dpace else torch.ones(L, device=labels_BAL.device)
     norm = _norm(labels_BAL, slot_w_L, dpace, normalizer)
-    logits = hidden_BQH.reshape(B * A * L, -1).float() @ lm_head_VH.float().t()  # exact products, fp32 sums
+    z = hidden_BQH.reshape(B * A * L, -1).float() @ lm_head_VH.float().t()  # exact products, fp32 sums
+    if logits != "fp32":
+        z = z + (z.to(LOGITS_DTYPES[logits]).float() - z).detach()
     flat = labels_BAL.reshape(-1)
-    ce = torch.nn.functional.cross_entropy(logits, flat, ignore_index=IGNORE, reduction="none").view(B, A, L)
+    ce = torch.nn.functional.cross_entropy(z, flat, ignore_index=IGNORE, reduction="none").view(B, A, L)
     valid = labels_BAL >= 0
     if dpace:
         w = dpace_weights(torch.exp(-ce.detach()), valid, dpace_alpha)
     else:
         w = slot_w_L * valid
-    correct = (logits.argmax(-1) == flat).view(B, A, L) & valid
+    correct = (z.argmax(-1) == flat).view(B, A, L) & valid
     return BlockLoss((w * ce).sum() / norm, correct, valid, norm)
 
 

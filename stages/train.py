@@ -94,7 +94,7 @@ def run(cfg: TrainConfig) -> Path:
 
     import torch
 
-    strict = torch._dynamo.config.error_on_recompile
+    strict, tf32 = torch._dynamo.config.error_on_recompile, torch.backends.cuda.matmul.allow_tf32
     frozen = gc.get_freeze_count()
     gc.callbacks.append(GC_CLOCK)
     try:
@@ -102,6 +102,7 @@ def run(cfg: TrainConfig) -> Path:
     finally:  # set after the warm-up step; not left on for whatever runs next in this process
         gc.callbacks.remove(GC_CLOCK)
         torch._dynamo.config.error_on_recompile = strict
+        torch.backends.cuda.matmul.allow_tf32 = tf32  # set by `_run` for its own matmuls
         if not frozen and gc.get_freeze_count():  # we froze (a caller's own frozen objects are left as they are)
             gc.unfreeze()
     release_process_group()  # after `_run`'s frame is gone
@@ -163,6 +164,10 @@ def _run(cfg: TrainConfig) -> Path:
         raise ValueError(f"attn={attn} needs compile=on: uncompiled flex_attention materializes the full score "
                          f"matrix")
     epilogue = resolve_epilogue(cfg.loss_epilogue, cuda)  # fails here, at start, if this machine cannot run it
+    if cfg.tf32 == "on" and not cuda:
+        raise ValueError("tf32=on needs CUDA (TF32 tensor cores); use tf32=auto or off on the CPU")
+    tf32 = cfg.tf32 == "on" or (cfg.tf32 == "auto" and cuda and precision == "bf16")
+    torch.backends.cuda.matmul.allow_tf32 = tf32  # (`run` puts the caller's setting back)
     trackers = [t for t in cfg.trackers.split(",") if t and t != "none" and tracker_available(t)]
     rows_per_micro = cfg.batch_rows * c["seq_len"]
     # step_scheduler_with_optimizer=False: the schedule is in optimizer steps, whatever the number of processes
@@ -196,7 +201,7 @@ def _run(cfg: TrainConfig) -> Path:
         resolved = {"train": as_dict(cfg), "drafter": as_dict(dc), "derived": {
             "world_size": world, "grad_accum": accum, "fsdp_sharded": sharded, "precision": precision,
             "attn": attn, "compile": use_compile, "master_weights": master, "optimizer_overlap": overlap,
-            "loss_epilogue": epilogue,
+            "loss_epilogue": epilogue, "loss_logits": cfg.loss_logits, "tf32": tf32,
             "global_batch_rows": cfg.batch_rows * world * accum, "cache_key": info.key}}
         (run_dir / "config.json").write_text(json.dumps(resolved, indent=1, sort_keys=True))
         log(f"drafter {dc.num_layers}×(H {dc.hidden_size}, {dc.num_heads}/{dc.num_kv_heads} heads × "
@@ -310,7 +315,7 @@ def _run(cfg: TrainConfig) -> Path:
                                 scored_only=True, out_dtype=head.dtype)  # slots 1..L-1: the scored ones
                 out = block_ce_loss(h, head, labels_BAL, gamma=cfg.gamma or None,
                                     weighting=cfg.weighting, chunk_tokens=cfg.loss_chunk_tokens,
-                                    epilogue=epilogue)
+                                    epilogue=epilogue, logits=cfg.loss_logits)
                 acc.backward(out.loss / accum)
             window.add(out, keep_BA)
         if master:

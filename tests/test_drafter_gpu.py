@@ -121,8 +121,10 @@ def test_flex_compiled_equals_dense_forward_and_backward(attn):
         fwd_bwd(compiled, model, batch2, embed.bfloat16(), flex2, attn, R)
 
 
-@pytest.mark.parametrize("epilogue,weighting", [("triton", "decay"), ("compiled", "decay"), ("auto", "dpace")])
-def test_chunked_loss_equals_reference_on_gpu(epilogue, weighting):
+@pytest.mark.parametrize("epilogue,weighting,logits", [("triton", "decay", "fp32"), ("compiled", "decay", "fp32"),
+                                                        ("auto", "dpace", "fp32"), ("triton", "decay", "bf16"),
+                                                        ("compiled", "decay", "bf16"), ("auto", "dpace", "bf16")])
+def test_chunked_loss_equals_reference_on_gpu(epilogue, weighting, logits):
     Vb, Hb = 151936, 1024
     g = torch.Generator(DEV).manual_seed(0)
     ids, lm, doc, pos = packed(2)
@@ -131,11 +133,11 @@ def test_chunked_loss_equals_reference_on_gpu(epilogue, weighting):
     hidden = torch.randn(B, A * L, Hb, device=DEV, generator=g).bfloat16()
     w = (torch.randn(Vb, Hb, device=DEV, generator=g) * 0.05).bfloat16()
     h1 = hidden.clone().requires_grad_(True)
-    ref = reference_block_ce_loss(h1, w, labels, weighting=weighting)
+    ref = reference_block_ce_loss(h1, w, labels, weighting=weighting, logits=logits)
     ref.loss.backward()
     h2 = hidden.clone().requires_grad_(True)
     out = block_ce_loss(h2, w, labels, weighting=weighting, chunk_tokens=1000,  # 66 blocks a chunk, not divisible
-                        epilogue=epilogue)
+                        epilogue=epilogue, logits=logits)
     out.loss.backward()
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-4, atol=1e-4)
     assert h2.grad.dtype == torch.bfloat16
@@ -144,10 +146,12 @@ def test_chunked_loss_equals_reference_on_gpu(epilogue, weighting):
     assert mismatch < 1e-3  # argmax ties/rounding only
 
 
-@pytest.mark.parametrize("V_", [248320, 1000, 4096 * 3])
-def test_triton_epilogue_equals_eager(V_):
-    """The two-pass kernel == `_decay_epilogue` on fp32 logits: CE to fp32 rounding, the same argmax, dlogits to
-    one bf16 rounding; a vocabulary that is and is not a multiple of the kernel's block; no gradient asked."""
+@pytest.mark.parametrize("V_,dtype", [(248320, torch.float32), (1000, torch.float32), (4096 * 3, torch.float32),
+                                      (248320, torch.bfloat16), (1000, torch.bfloat16)])
+def test_triton_epilogue_equals_eager(V_, dtype):
+    """The two-pass kernel == `_decay_epilogue` on fp32 or bf16 logits: CE to fp32 rounding, the same argmax (bf16,
+    where ties are common: the kernel's first column of the max, a column of the max for torch's), dlogits to one bf16 rounding; a vocabulary that is and is
+    not a multiple of the kernel's block; no gradient asked."""
     from dflash_offline import ce_kernel
     from dflash_offline.loss import _decay_epilogue
 
@@ -160,10 +164,16 @@ def test_triton_epilogue_equals_eager(V_):
     lab[::3] = 7
     w = torch.rand(n, device=DEV, generator=g)
     w[::5] = 0.0  # unlabelled slots
+    z = z.to(dtype)
     ce, pred, d = ce_kernel.ce_epilogue(z, lab, w, True, torch.bfloat16)
     ce_r, pred_r, d_r = _decay_epilogue(z, lab, w, True, torch.bfloat16)
     torch.testing.assert_close(ce, ce_r, rtol=1e-5, atol=1e-4)
-    assert torch.equal(pred, pred_r)
+    if dtype == torch.float32:
+        assert torch.equal(pred, pred_r)
+    else:
+        top = z == z.max(-1, keepdim=True).values
+        assert torch.equal(pred, top.int().argmax(-1))  # the kernel keeps the first column of the max
+        assert top.gather(1, pred_r[:, None]).all()
     torch.testing.assert_close(d.float(), d_r.float(), rtol=2 ** -7, atol=1e-6)
     assert (d[::5] == 0).all()
     ce2, pred2, d2 = ce_kernel.ce_epilogue(z, lab, w, False, torch.bfloat16)

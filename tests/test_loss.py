@@ -57,6 +57,24 @@ def test_chunked_equals_reference(chunk_tokens, weighting):
     assert out.correct_BAL.any()  # the comparison is not vacuous
 
 
+@pytest.mark.parametrize("weighting", ["decay", "dpace"])
+def test_bf16_logits_equal_reference_on_rounded_logits(weighting):
+    """`logits="bf16"`: the CE, accuracy and input gradient of the logits rounded to bf16, and a visible change from
+    fp32 logits (the option is not a no-op)."""
+    hidden, w, labels = make()
+    kw = dict(gamma=2.0, weighting=weighting)
+    ref, g_ref = run(reference_block_ce_loss, hidden, w, labels, logits="bf16", **kw)
+    out, g = run(block_ce_loss, hidden, w, labels, chunk_tokens=7, logits="bf16", **kw)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-7)
+    assert torch.equal(out.correct_BAL, ref.correct_BAL) and out.correct_BAL.any()
+    full, g_full = run(block_ce_loss, hidden, w, labels, chunk_tokens=7, **kw)
+    assert (out.loss - full.loss).abs() > 1e-5 and (g - g_full).abs().max() > 1e-6
+    torch.testing.assert_close(out.loss, full.loss, rtol=2e-3, atol=0)  # ... and a small one
+    with pytest.raises(ValueError, match="logits must be one of"):
+        block_ce_loss(hidden, w, labels, logits="fp16")
+
+
 def test_reference_is_weighted_cross_entropy():
     hidden, w, labels = make(1)
     out = block_ce_loss(hidden, w, labels, gamma=3.0)

@@ -49,13 +49,13 @@ def test_compiled_flex_trainer_matches_eager_and_holds_memory(tmp_path, hidden_c
     assert max(reserved) - min(reserved) < 0.05, reserved  # flat after warm-up
 
 
-def train_off_and_on(tmp_path, hidden_cache, option: str, log_every: int):
-    """12 steps of a tiny drafter with `option` off, then on (runs in tmp_path/off, tmp_path/on): the metrics of
-    each, and the last config."""
+def train_off_and_on(tmp_path, hidden_cache, option: str, log_every: int, values=("off", "on")):
+    """12 steps of a tiny drafter with `option` off, then on (runs in tmp_path/off, tmp_path/on; or the two
+    `values`): the metrics of each, and the last config."""
     tiny = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_anchors=8, batch_rows=2,
                 log_every=log_every, trackers="none", lr=3e-3, warmup_steps=1, ckpt_every=1000, grad_clip=0.5)
     runs = {}
-    for value in ("off", "on"):
+    for value in values:
         cfg = TrainConfig(cache=str(hidden_cache), run=str(tmp_path / value), steps=12, **{option: value},
                           **tiny).resolve()
         train.run(cfg)
@@ -146,3 +146,19 @@ def test_two_gpus_ddp_and_fsdp_train_like_one_gpu_with_accumulation(tmp_path, hi
         for k in w1:  # full fp32 tensors in both checkpoints; bf16 runs drift apart a little (see above)
             assert w2[k].dtype == torch.float32 and w2[k].shape == w1[k].shape, k
             assert float((w1[k] - w2[k]).norm() / w1[k].norm()) < 1e-2, (name, k)
+
+
+def test_tf32_block_part_and_bf16_logits_train_like_the_defaults(tmp_path, hidden_cache):
+    """tf32 (auto: on for bf16 on CUDA) and loss_logits=bf16 each train like the run without them, are recorded in
+    the run's config, and the process's TF32 setting is put back after the run."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    runs, _ = train_off_and_on(tmp_path / "tf32", hidden_cache, "tf32", log_every=1)
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+    for value, flag in (("off", False), ("on", True)):
+        assert json.loads((tmp_path / "tf32" / value / "config.json").read_text())["derived"]["tf32"] is flag
+    assert [r["loss"] for r in runs["on"]] == pytest.approx([r["loss"] for r in runs["off"]], rel=2e-3)
+    runs, _ = train_off_and_on(tmp_path / "logits", hidden_cache, "loss_logits", log_every=1,
+                               values=("fp32", "bf16"))
+    assert json.loads((tmp_path / "logits" / "bf16" / "config.json").read_text())["derived"]["loss_logits"] == "bf16"
+    assert [r["loss"] for r in runs["bf16"]] == pytest.approx([r["loss"] for r in runs["fp32"]], rel=5e-3)
+    assert runs["bf16"][-1]["recompiles"] == 0

@@ -204,6 +204,25 @@ def test_flex_attention_is_refused_at_start_without_cuda(tmp_path, hidden_cache,
         train.run(cfg(hidden_cache, tmp_path / "x", attn=attn, compile="on"))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_tf32_on_is_refused_at_start_without_cuda(tmp_path, hidden_cache, monkeypatch):
+    from dflash_offline import drafter
+
+    monkeypatch.setattr(drafter, "load_target_embeddings", lambda *a: pytest.fail("weights loaded before refusing"))
+    with pytest.raises(ValueError, match="tf32=on needs CUDA"):
+        train.run(cfg(hidden_cache, tmp_path / "x", tf32="on"))
+    assert torch.backends.cuda.matmul.allow_tf32 is False
+
+
+def test_bf16_logits_reach_the_loss(tmp_path, hidden_cache):
+    """loss_logits=bf16 (the logits rounded to bf16 before the CE): recorded, and the losses move by about that."""
+    train.run(cfg(hidden_cache, tmp_path / "fp32", steps=2, ckpt_every=10))
+    train.run(cfg(hidden_cache, tmp_path / "bf16", steps=2, ckpt_every=10, loss_logits="bf16"))
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["derived"]["loss_logits"] == "bf16"
+    a, b = losses(tmp_path / "fp32"), losses(tmp_path / "bf16")
+    assert a != b and b == pytest.approx(a, rel=1e-2)
+
+
 def test_optimizer_overlap_on_refuses_where_unavailable(tmp_path, hidden_cache):
     with pytest.raises(ValueError, match="optimizer_overlap=on is not available here: it needs master weights"):
         train.run(cfg(hidden_cache, tmp_path / "x", precision="fp32", optimizer_overlap="on"))
