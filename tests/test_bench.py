@@ -51,7 +51,8 @@ def test_bench_train_tiny_with_profile_and_accumulation(tmp_path, rows):
     res, stdout = run_bench("bench.train", tmp_path, "--steps=8", "--log_every=2", "--profile_steps=2", "--accum=2",
                             f"--rows={rows}")
     ours = res["ours"]
-    assert res["rows"] == rows and f"| rows, attn | {rows}, dense |" in stdout
+    assert res["rows"] == rows and f"| rows, attn, loss logits, TF32 | {rows}, dense, fp32, False |" in stdout
+    assert ours["loss_logits"] == "fp32" and ours["tf32"] is False  # (the CPU: no TF32)
     assert ours["tok_per_s"] > 0 and res["baseline"]["tok_per_s"] > 0 and ours["recompiles"] == 0
     assert "ours / baseline" in stdout and ours["profile"] and "training steps" in ours["profile"]
 
