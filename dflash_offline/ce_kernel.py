@@ -1,10 +1,11 @@
 """The CE epilogue of one lm_head chunk as a two-pass Triton kernel (CUDA; see `loss.py`).
 
-From fp32 (or bf16) logits z [n, V] it gives, per row: ce = logsumexp(z) - z[label], the argmax, and (for the backward)
-dlogits = w * (softmax(z) - onehot(label)) in bf16. The logits are the largest tensor of a training step (n x V x 4
-bytes, ~7.6 GB at 27B shapes), so the epilogue is bound by how often it reads them: pass 1 reads each row once with
-an online (running-max) softmax that also tracks the argmax; pass 2 reads it again and writes dlogits. That is two
-reads and one half-size write, where the compiled elementwise version reads the logits three times.
+From fp32 (or bf16) logits z [n, V] it gives, per row: ce = logsumexp(z) - z[label], the argmax, and (for the
+backward) dlogits = w * (softmax(z) - onehot(label)) in bf16. The logits are the largest tensor of a training step
+(n x V x 4 bytes in fp32, ~7.6 GB at 27B shapes), so the epilogue is bound by how often it reads them: pass 1
+reads each row once with an online (running-max) softmax that also tracks the argmax; pass 2 reads it again and
+writes dlogits. That is two reads and one bf16 write, where the compiled elementwise version reads the logits three
+times.
 
 One program per row; each lane keeps its own running max, rescaled sum and first index of its max, and the lanes
 are combined at the end. Same arithmetic as `loss._decay_epilogue` (fp32 throughout; `tl.exp` like inductor's).

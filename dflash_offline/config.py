@@ -150,16 +150,20 @@ class TrainConfig:
     # "model": the whole drafter forward as one graph
     compile_scope: str = "layers"
     profile_steps: int = 0  # > 0: profile the last that many steps (after warm-up) into RUN/profile.txt (rank 0)
-    # query tokens per lm_head chunk: the fp32 logits buffer is chunk x vocab x 4 bytes (4096 x 248320: 4 GB, plus
-    # half that for their gradient). On an H200 two chunks of 512 anchors x 15 slots beat one (bench.train_loss)
+    # query tokens per lm_head chunk: the logits buffer is chunk x vocab x 4 bytes (2 with loss_logits=bf16; 4096 x
+    # 248320: 4 GB, plus half that for their gradient). On an H200 two chunks of 512 anchors x 15 slots beat one
+    # (bench.train_loss)
     loss_chunk_tokens: int = 4096
     loss_epilogue: str = "auto"  # softmax/CE/dlogits of a chunk: "triton" (CUDA default), "compiled" or "eager"
     # dtype of the lm_head logits the CE epilogue reads: "fp32" (exact bf16 products, fp32 sums and output) or
-    # "bf16" (the GEMM's fp32 sums rounded to bf16, as an lm_head module in bf16 gives them: half the epilogue's
-    # memory traffic; ~0.06 absolute error on a logit of 20-30)
+    # "bf16" (the GEMM's fp32 sums rounded to bf16, as an lm_head module in bf16 gives them: the epilogue moves 6
+    # instead of 10 bytes per logit; up to 0.06 error on a logit between 16 and 32). D-PACE upcasts each chunk, so
+    # there it changes only the numerics.
     loss_logits: str = "fp32"
-    # TF32 tensor cores for the fp32 matmuls of a bf16 run (the dense block part of attn=flex, whose products of bf16
-    # values TF32 holds exactly): "auto" = on for precision bf16 on CUDA, "on", "off"
+    # TF32 tensor cores for fp32 matmuls: "auto" = on for precision bf16 on CUDA, where the only fp32 matmuls are
+    # the dense block part of attn=flex (its q.k inputs are bf16 values, exact in TF32; the other products round fp32
+    # inputs to TF32's 10 mantissa bits, where the flex part uses bf16's 8); "on" also with precision fp32, where it
+    # covers every fp32 matmul, the lm_head logits included; "off"
     tf32: str = "auto"
     ckpt_every: int = 500  # checkpoint every N steps (and at the end)
     keep_last: int = 3  # checkpoints kept

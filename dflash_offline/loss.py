@@ -62,8 +62,8 @@ def _logits(h_nH: torch.Tensor, w_VH: torch.Tensor, dtype: torch.dtype = torch.f
 
 
 def _decay_epilogue(z_nV: torch.Tensor, lab_n: torch.Tensor, w_n: torch.Tensor, need_grad: bool, grad_dtype):
-    """From fp32 logits of one chunk: (ce_n, argmax_n, dlogits_nV = w * (softmax - onehot) in grad_dtype or None).
-    Written for torch.compile to fuse into a few passes over the logits (it runs eager off CUDA). bf16 logits are
+    """From fp32 or bf16 logits of one chunk: (ce_n, argmax_n, dlogits_nV = w * (softmax - onehot) in grad_dtype or
+    None). Written for torch.compile to fuse into a few passes over the logits (it runs eager off CUDA). bf16 logits are
     read as fp32 (all arithmetic is fp32)."""
     z_nV = z_nV.float()
     z_max, pred_n = z_nV.max(-1, keepdim=True)
@@ -206,11 +206,11 @@ def block_ce_loss(
     `DFlashDrafter.forward(scored_only=True)` returns them).
 
     `chunk_tokens` bounds the query tokens per chunk (rounded down to whole blocks of L-1 scored slots): the
-    fp32 logits buffer is chunk_tokens x V x 4 bytes. `normalizer` overrides the denominator (e.g. a global
-    token weight sum across ranks / micro-batches); by default it is this batch's (see module doc). `epilogue`
-    picks the decay-weighting epilogue's implementation (`resolve_epilogue`; D-PACE has its own). `logits` is the
-    dtype the chunk's logits are stored in, "fp32" or "bf16" (`LOGITS_DTYPES`; the epilogue computes in fp32 either
-    way).
+    logits buffer is chunk_tokens x V x 4 bytes (2 with `logits="bf16"`). `normalizer` overrides the denominator
+    (e.g. a global token weight sum across ranks / micro-batches); by default it is this batch's (see module doc).
+    `epilogue` picks the decay-weighting epilogue's implementation (`resolve_epilogue`; D-PACE has its own).
+    `logits` is the dtype the chunk's logits are stored in, "fp32" or "bf16" (`LOGITS_DTYPES`; the epilogue computes
+    in fp32 either way).
     """
     B, A, L = _check(hidden_BQH, labels_BAL)
     if weighting not in ("decay", "dpace"):

@@ -94,7 +94,7 @@ def run(cfg: TrainConfig) -> Path:
 
     import torch
 
-    strict, tf32 = torch._dynamo.config.error_on_recompile, torch.backends.cuda.matmul.allow_tf32
+    strict, tf32 = torch._dynamo.config.error_on_recompile, tf32_setting()
     frozen = gc.get_freeze_count()
     gc.callbacks.append(GC_CLOCK)
     try:
@@ -102,11 +102,24 @@ def run(cfg: TrainConfig) -> Path:
     finally:  # set after the warm-up step; not left on for whatever runs next in this process
         gc.callbacks.remove(GC_CLOCK)
         torch._dynamo.config.error_on_recompile = strict
-        torch.backends.cuda.matmul.allow_tf32 = tf32  # set by `_run` for its own matmuls
+        setattr(torch.backends.cuda.matmul, *tf32)  # set by `_run` for its own matmuls
         if not frozen and gc.get_freeze_count():  # we froze (a caller's own frozen objects are left as they are)
             gc.unfreeze()
     release_process_group()  # after `_run`'s frame is gone
     return run_dir
+
+
+def tf32_setting() -> tuple[str, object]:
+    """The process's TF32 setting for CUDA matmuls as (attribute, value) of `torch.backends.cuda.matmul`, to put back
+    with setattr: torch's `allow_tf32` flag, which `_run` sets; or, where a caller has used torch's newer
+    `fp32_precision` setting (the flag then cannot be read: torch refuses a mix of the two), that one."""
+    import torch
+
+    m = torch.backends.cuda.matmul
+    try:
+        return "allow_tf32", m.allow_tf32
+    except RuntimeError:
+        return "fp32_precision", m.fp32_precision
 
 
 def release_process_group() -> None:
@@ -167,12 +180,14 @@ def _run(cfg: TrainConfig) -> Path:
     if cfg.tf32 == "on" and not cuda:
         raise ValueError("tf32=on needs CUDA (TF32 tensor cores); use tf32=auto or off on the CPU")
     tf32 = cfg.tf32 == "on" or (cfg.tf32 == "auto" and cuda and precision == "bf16")
-    torch.backends.cuda.matmul.allow_tf32 = tf32  # (`run` puts the caller's setting back)
     trackers = [t for t in cfg.trackers.split(",") if t and t != "none" and tracker_available(t)]
     rows_per_micro = cfg.batch_rows * c["seq_len"]
     # step_scheduler_with_optimizer=False: the schedule is in optimizer steps, whatever the number of processes
     acc = Accelerator(mixed_precision="no", cpu=not cuda, log_with=trackers or None, project_dir=str(run_dir),
                       step_scheduler_with_optimizer=False)
+    # after the Accelerator, which sets TF32 on itself when a dynamo backend is configured (`run` puts the caller's
+    # setting back)
+    torch.backends.cuda.matmul.allow_tf32 = tf32
     world, rank = acc.num_processes, acc.process_index
     sharded = cfg.fsdp and world > 1  # FSDP only shards over more than one process
     accum = 1

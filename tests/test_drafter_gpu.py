@@ -150,8 +150,8 @@ def test_chunked_loss_equals_reference_on_gpu(epilogue, weighting, logits):
                                       (248320, torch.bfloat16), (1000, torch.bfloat16)])
 def test_triton_epilogue_equals_eager(V_, dtype):
     """The two-pass kernel == `_decay_epilogue` on fp32 or bf16 logits: CE to fp32 rounding, the same argmax (bf16,
-    where ties are common: the kernel's first column of the max, a column of the max for torch's), dlogits to one bf16 rounding; a vocabulary that is and is
-    not a multiple of the kernel's block; no gradient asked."""
+    where ties are common: the kernel's first column of the max, a column of the max for torch's), dlogits to one
+    bf16 rounding; a vocabulary that is and is not a multiple of the kernel's block; no gradient asked."""
     from dflash_offline import ce_kernel
     from dflash_offline.loss import _decay_epilogue
 

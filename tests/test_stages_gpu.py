@@ -148,12 +148,25 @@ def test_two_gpus_ddp_and_fsdp_train_like_one_gpu_with_accumulation(tmp_path, hi
             assert float((w1[k] - w2[k]).norm() / w1[k].norm()) < 1e-2, (name, k)
 
 
-def test_tf32_block_part_and_bf16_logits_train_like_the_defaults(tmp_path, hidden_cache):
+def test_tf32_block_part_and_bf16_logits_train_like_the_defaults(tmp_path, hidden_cache, monkeypatch):
     """tf32 (auto: on for bf16 on CUDA) and loss_logits=bf16 each train like the run without them, are recorded in
-    the run's config, and the process's TF32 setting is put back after the run."""
-    before = torch.backends.cuda.matmul.allow_tf32
-    runs, _ = train_off_and_on(tmp_path / "tf32", hidden_cache, "tf32", log_every=1)
-    assert torch.backends.cuda.matmul.allow_tf32 == before
+    the run's config, TF32 is what the run says while it runs, and the process's setting is put back after it."""
+    from dflash_offline import loss
+
+    m, seen, real = torch.backends.cuda.matmul, [], loss.block_ce_loss
+
+    def spy(*a, **k):
+        seen.append(m.allow_tf32)
+        return real(*a, **k)
+
+    monkeypatch.setattr(loss, "block_ce_loss", spy)
+    before, m.allow_tf32 = m.allow_tf32, False
+    try:
+        runs, _ = train_off_and_on(tmp_path / "tf32", hidden_cache, "tf32", log_every=1)
+        assert m.allow_tf32 is False
+    finally:
+        m.allow_tf32 = before
+    assert seen[:12] == [False] * 12 and seen[12:] == [True] * 12  # the off run's 12 steps, then the on run's
     for value, flag in (("off", False), ("on", True)):
         assert json.loads((tmp_path / "tf32" / value / "config.json").read_text())["derived"]["tf32"] is flag
     assert [r["loss"] for r in runs["on"]] == pytest.approx([r["loss"] for r in runs["off"]], rel=2e-3)

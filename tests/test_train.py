@@ -211,7 +211,31 @@ def test_tf32_on_is_refused_at_start_without_cuda(tmp_path, hidden_cache, monkey
     monkeypatch.setattr(drafter, "load_target_embeddings", lambda *a: pytest.fail("weights loaded before refusing"))
     with pytest.raises(ValueError, match="tf32=on needs CUDA"):
         train.run(cfg(hidden_cache, tmp_path / "x", tf32="on"))
-    assert torch.backends.cuda.matmul.allow_tf32 is False
+
+
+@pytest.mark.parametrize("caller", ["allow_tf32", "fp32_precision"])
+def test_tf32_is_the_runs_during_it_and_the_callers_after(tmp_path, hidden_cache, monkeypatch, caller):
+    """The TF32 flag is set for the run (tf32=auto on the CPU: off) and the caller's setting is back afterwards,
+    whichever of torch's two settings the caller used (with the newer one the older flag does not even read)."""
+    from dflash_offline import loss
+
+    m = torch.backends.cuda.matmul
+    start, seen, real = m.fp32_precision, [], loss.block_ce_loss
+
+    def spy(*a, **k):
+        seen.append(m.allow_tf32)
+        return real(*a, **k)
+
+    monkeypatch.setattr(loss, "block_ce_loss", spy)
+    try:
+        setattr(m, caller, True if caller == "allow_tf32" else "tf32")
+        train.run(cfg(hidden_cache, tmp_path / "x", steps=2, ckpt_every=10))
+        assert seen and not any(seen)
+        assert m.fp32_precision == "tf32"
+        if caller == "allow_tf32":
+            assert m.allow_tf32 is True
+    finally:
+        m.fp32_precision = start
 
 
 def test_bf16_logits_reach_the_loss(tmp_path, hidden_cache):
