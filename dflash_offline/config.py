@@ -136,7 +136,8 @@ class TrainConfig:
     precision: str = "auto"  # "bf16" (autocast, fp32 master weights) or "fp32"; auto = bf16 on CUDA
     # bf16: "on" = bf16 matmul weights in the model, fp32 masters + AdamW + clipping in one fused pass
     # (dflash_offline.optim.MasterAdamW); "off" = fp32 weights under autocast + torch's fused AdamW.
-    # auto = on unless FSDP, or several processes with gradient accumulation
+    # auto = on unless FSDP, or several processes with gradient accumulation (which "on" runs: fp32 sums reduced
+    # by the DDP comm hook; tested on the CPU so far)
     master_weights: str = "auto"
     # with master weights on CUDA: "on" = each step's optimizer update runs on a side stream, layer by layer, while
     # the next step's forward runs (each layer waits only for its own weights); "off" = between the two steps.

@@ -14,7 +14,9 @@ code runs eager elsewhere). Numerically this is `clip_grad_norm_` + `torch.optim
   weights travel as the model's weights (`master_state_dict`, `load_masters`), so checkpoints are the same files as
   with fp32 parameters and a run can resume in either mode.
 - With gradient accumulation, `accumulate_in_fp32()` moves each micro-batch's bf16 gradient into an fp32 buffer
-  as soon as autograd has it (no bf16 summation).
+  as soon as autograd has it (no bf16 summation). Under DDP, the micro-batch that DDP reduces keeps its gradient
+  (`reduce_next_backward(True)`), and `fp32_allreduce_hook` with this optimizer as its state adds the fp32 sum of
+  the earlier micro-batches to it before the fp32 all-reduce, and writes the reduced total into the fp32 buffers.
 
 Shape-free: works on any list of parameters; matmul weights (ndim >= 2) are lowered, the rest (norm weights) stay
 fp32 and are updated in place.
@@ -98,6 +100,7 @@ class MasterAdamW(torch.optim.Optimizer):
         self.low_dtype = low_dtype
         self.compiled = compiled
         self._fp32_accum = False
+        self._reduced_backward = False  # DDP: the next backward's gradients are left for the comm hook
         self._side = None  # overlap_with_forward: the side stream, each group's parameter ids and end event
         self._groups: list[set[int]] = []
         self._events: list = []
@@ -135,6 +138,8 @@ class MasterAdamW(torch.optim.Optimizer):
         self._overwrite = self._lowered_ids()  # parameters whose next gradient starts a new sum
 
         def hook(p):
+            if self._reduced_backward:  # DDP reduces this one: `fp32_allreduce_hook` adds the fp32 sum to it
+                return
             if id(p) in self._overwrite:  # first gradient since the last step: no stale sum, no new allocation
                 p.main_grad = p.grad.float() if getattr(p, "main_grad", None) is None else p.main_grad.copy_(p.grad)
                 self._overwrite.discard(id(p))
@@ -145,6 +150,27 @@ class MasterAdamW(torch.optim.Optimizer):
         for p in self._params():
             if self.lowered(p):
                 p.register_post_accumulate_grad_hook(hook)
+
+    def reduce_next_backward(self, flag: bool) -> None:
+        """With `accumulate_in_fp32` under DDP: True before the backward that DDP reduces (the last micro-batch), False
+        before the others. That backward's gradients stay where DDP reads them; `fp32_allreduce_hook`, registered
+        with this optimizer as its state, adds the fp32 sum of the earlier micro-batches to them, reduces the total in
+        fp32 and writes it into the fp32 buffers the step reads."""
+        self._reduced_backward = flag
+
+    def _take_reduced(self, p: torch.Tensor, total: torch.Tensor) -> None:
+        """`fp32_allreduce_hook`: `total` (fp32, the reduced sum of every micro-batch) is p's gradient for the step."""
+        if id(p) in self._overwrite or getattr(p, "main_grad", None) is None:
+            p.main_grad = total.clone()
+            self._overwrite.discard(id(p))
+        else:
+            p.main_grad.copy_(total)
+
+    def _pending_sum(self, p: torch.Tensor) -> torch.Tensor | None:
+        """`fp32_allreduce_hook`: the fp32 sum of p's earlier micro-batches since the last step, if any."""
+        if not (self._fp32_accum and self.lowered(p)) or id(p) in self._overwrite:
+            return None
+        return p.main_grad
 
     # --- the step
 
@@ -309,15 +335,32 @@ class MasterAdamW(torch.optim.Optimizer):
 def fp32_allreduce_hook(state, bucket):
     """DDP communication hook: average a bucket of low-precision gradients in fp32, write the result back.
     (`model.register_comm_hook(None, fp32_allreduce_hook)`; the gradients stay bf16, their sum is not rounded
-    at every addition.)"""
+    at every addition.) With a `MasterAdamW` accumulating in fp32 as `state`
+    (`model.register_comm_hook(optimizer, fp32_allreduce_hook)`, see `MasterAdamW.reduce_next_backward`), each
+    lowered parameter's fp32 sum of the earlier micro-batches is added first, and the reduced fp32 total goes into
+    its fp32 buffer (what the step reads), not only into the bf16 gradient."""
     import torch.distributed as dist
 
     buf = bucket.buffer()
-    acc = buf.float().div_(dist.get_world_size())
+    acc = buf.float()
+    owners = []  # (parameter, offset in the bucket, shape): lowered parameters, whose fp32 total the step reads
+    if state is not None and state._fp32_accum:
+        for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
+            if not state.lowered(p):
+                continue
+            start = (g.data_ptr() - buf.data_ptr()) // buf.element_size()
+            earlier = state._pending_sum(p)
+            if earlier is not None:
+                acc[start:start + g.numel()].view(g.shape).add_(earlier)
+            owners.append((p, start, g.shape))
+    acc.div_(dist.get_world_size())
     fut = dist.all_reduce(acc, async_op=True).get_future()
 
     def write_back(f):
-        buf.copy_(f.value()[0])
+        total = f.value()[0]
+        for p, start, shape in owners:
+            state._take_reduced(p, total[start:start + shape.numel()].view(shape))
+        buf.copy_(total)
         return buf
 
     return fut.then(write_back)

@@ -197,11 +197,15 @@ def _run(cfg: TrainConfig) -> Path:
             raise ValueError(f"global_batch_tokens={cfg.global_batch_tokens} must be a multiple of batch_rows × "
                              f"seq_len × processes = {rows_per_micro * world}")
     master = cfg.master_weights == "on" or (cfg.master_weights == "auto" and precision == "bf16")
-    why_not = ("precision is fp32" if precision != "bf16" else "FSDP shards fp32 weights" if sharded else
-               "several processes with gradient accumulation" if world > 1 and accum > 1 else None)
+    why_not = "precision is fp32" if precision != "bf16" else "FSDP shards fp32 weights" if sharded else None
     if master and why_not:
         if cfg.master_weights == "on":
             raise ValueError(f"master_weights=on is not available here: {why_not}; use master_weights=off/auto")
+        master = False
+    # several processes with gradient accumulation: fp32 sums reduced by the comm hook (`fp32_allreduce_hook`),
+    # tested on the CPU (gloo) only so far, so `on` asks for it and `auto` keeps fp32 weights there
+    reduced_accum = world > 1 and accum > 1 and not sharded
+    if master and reduced_accum and cfg.master_weights == "auto":
         master = False
     why_not = ("it needs master weights (master_weights)" if not master else "it needs CUDA" if not cuda else
                "compile_scope=model compiles the forward as one graph" if use_compile and cfg.compile_scope == "model"
@@ -258,7 +262,8 @@ def _run(cfg: TrainConfig) -> Path:
         model, opt, sched = acc.prepare(model, opt, sched)
     raw = acc.unwrap_model(model)
     if master and world > 1:  # DDP: reduce the bf16 gradients in fp32 (as the fp32-weight path does) ...
-        model.register_comm_hook(None, fp32_allreduce_hook)
+        # (with accumulation, together with the fp32 sums of the earlier micro-batches)
+        model.register_comm_hook(opt.optimizer if accum > 1 else None, fp32_allreduce_hook)
         opt.optimizer.broadcast_masters(0)  # ... and start every rank from rank 0's fp32 weights, as DDP does the model
     if overlap:  # each layer's weights are waited for just before the forward uses them
         opt.optimizer.overlap_with_forward(raw.weight_groups())
@@ -324,6 +329,8 @@ def _run(cfg: TrainConfig) -> Path:
             masks = raw.build_masks(batch["doc_ids"], a_BA, keep_BA, attn)
             if sharded:  # reduce-scatter the gradients once, on the last micro-batch
                 model.set_requires_gradient_sync(micro + 1 == accum)
+            if master and reduced_accum:  # the last micro-batch's gradients go to the comm hook as they are
+                opt.optimizer.reduce_next_backward(micro + 1 == accum)
             with acc.no_sync(model) if micro + 1 < accum and not sharded else nullcontext():
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
                     h = step_fn(hidden, batch["input_ids"], batch["position_ids"], a_BA, keep_BA, embed, masks, attn,

@@ -136,6 +136,60 @@ def test_fp32_accumulation_equals_summed_gradients():
             torch.testing.assert_close(w, r, rtol=1e-4, atol=1e-5)
 
 
+class FakeBucket:
+    """DDP's GradBucket for `fp32_allreduce_hook`: one flat buffer holding the parameters' gradients."""
+
+    def __init__(self, params, grads):
+        self.params, self.buf = params, torch.cat([g.reshape(-1) for g in grads])
+        starts = torch.tensor([0] + [g.numel() for g in grads]).cumsum(0).tolist()
+        self.views = [self.buf[a:b].view(g.shape) for a, b, g in zip(starts[:-1], starts[1:], grads, strict=True)]
+
+    def buffer(self):
+        return self.buf
+
+    def parameters(self):
+        return self.params
+
+    def gradients(self):
+        return self.views
+
+
+def test_reduced_backward_keeps_its_gradient_and_the_hook_reduces_the_fp32_sum(tmp_path):
+    """DDP with fp32 accumulation: the backward DDP reduces (`reduce_next_backward(True)`) leaves its bf16 gradient
+    where DDP reads it, and `fp32_allreduce_hook` with the optimizer as state reduces it plus the fp32 sum of the
+    earlier micro-batches into the fp32 buffer the step reads (one gloo process: the reduction is the identity)."""
+    import torch.distributed as dist
+
+    from dflash_offline.optim import fp32_allreduce_hook
+
+    m, opt, _ = master_run(0, SCALES, 0.0)
+    opt.accumulate_in_fp32()
+    low = [p for p in m.parameters() if opt.lowered(p)]
+    seen = []
+    for micro in range(3):
+        opt.reduce_next_backward(micro == 2)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(torch.randn(4, 16, generator=torch.Generator().manual_seed(micro))).float().pow(2).mean()
+        loss.backward()
+        seen.append([p.grad.clone() if p.grad is not None else p.main_grad.clone() for p in low])
+        if micro < 2:
+            assert all(p.grad is None for p in low)  # moved into the fp32 sum
+    assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in low)  # kept for DDP
+    earlier = seen[1]  # the fp32 sum after micro-batch 1
+    assert all(torch.equal(p.main_grad, e) for p, e in zip(low, earlier, strict=True))
+    bucket = FakeBucket(low, [p.grad for p in low])
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        fp32_allreduce_hook(opt, bucket).wait()
+    finally:
+        dist.destroy_process_group()
+    for p, e in zip(low, earlier, strict=True):
+        total = e + p.grad.float()
+        assert torch.equal(p.main_grad, total) and p.main_grad.dtype == torch.float32
+    assert torch.equal(bucket.buf, torch.cat([p.main_grad.reshape(-1) for p in low]).to(torch.bfloat16))
+    assert all(opt._pending_sum(p) is p.main_grad for p in low)  # what the step reads
+
+
 def test_compiled_equals_eager():
     pytest.importorskip("torch._inductor")
     try:

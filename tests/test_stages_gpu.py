@@ -1,6 +1,7 @@
 """GPU end-to-end checks of the stages (make test-gpu): CUDA extraction equals the CPU path, and the compiled
 flex trainer equals the eager dense one, with flat reserved memory and no recompiles; bf16 master weights and the
-overlapped optimizer update train like the plain ones; on 2 GPUs, DDP and FSDP train like one GPU."""
+overlapped optimizer update train like the plain ones; on 2 GPUs, DDP (also accumulating with master weights) and
+FSDP train like one GPU."""
 
 import json
 
@@ -146,6 +147,29 @@ def test_two_gpus_ddp_and_fsdp_train_like_one_gpu_with_accumulation(tmp_path, hi
         for k in w1:  # full fp32 tensors in both checkpoints; bf16 runs drift apart a little (see above)
             assert w2[k].dtype == torch.float32 and w2[k].shape == w1[k].shape, k
             assert float((w1[k] - w2[k]).norm() / w1[k].norm()) < 1e-2, (name, k)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_accumulating_with_master_weights_train_like_one_gpu(tmp_path, hidden_cache):
+    """NCCL, master_weights=on with accumulation: each GPU sums its 2 micro-batches' bf16 gradients in fp32 and the
+    comm hook reduces those sums in fp32 = one GPU accumulating all 4. (master_weights=auto keeps fp32 weights for
+    this combination until this test has passed on GPUs; the CPU suite checks the same with gloo.)"""
+    from test_train import TINY, final_weights, launch_two, losses
+
+    kw = dict(steps=6, ckpt_every=6, grad_clip=0.5, global_batch_tokens=4 * 2 * 128, master_weights="on")
+    single = tmp_path / "one"
+    train.run(TrainConfig(cache=str(hidden_cache), run=str(single), **{**TINY, **kw}).resolve())
+    two = tmp_path / "two"
+    launch_two(hidden_cache, two, **kw)
+    d1 = json.loads((single / "config.json").read_text())["derived"]
+    d2 = json.loads((two / "config.json").read_text())["derived"]
+    assert (d1["grad_accum"], d2["world_size"], d2["grad_accum"]) == (4, 2, 2)
+    assert d1["master_weights"] is d2["master_weights"] is True and d2["optimizer_overlap"] is True
+    assert [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()][-1]["recompiles"] == 0
+    assert losses(two) == pytest.approx(losses(single), rel=5e-3)
+    w1, w2 = final_weights(single, 6), final_weights(two, 6)
+    for k in w1:
+        assert float((w1[k] - w2[k]).norm() / w1[k].norm()) < 1e-2, k
 
 
 def test_tf32_block_part_and_bf16_logits_train_like_the_defaults(tmp_path, hidden_cache, monkeypatch):

@@ -268,6 +268,28 @@ def test_two_processes_bf16_master_weights_equal_one(tmp_path, hidden_cache):
         assert float((w1[k] - w2[k]).norm() / w1[k].norm()) < 1e-3, k
 
 
+def test_two_processes_accumulating_with_master_weights_equal_one(tmp_path, hidden_cache):
+    """DDP + gradient accumulation with bf16 weights (master_weights=on): each process sums its micro-batches' bf16
+    gradients in fp32 and the comm hook reduces those sums in fp32, = one process accumulating all four. (auto keeps
+    fp32 weights for this combination.)"""
+    kw = dict(precision="bf16", master_weights="on", global_batch_tokens=4 * 2 * 128)
+    one = tmp_path / "one"
+    train.run(TrainConfig(cache=str(hidden_cache), run=str(one), **{**TINY, "steps": 4, "ckpt_every": 4,
+                                                                    **kw}).resolve())
+    two = tmp_path / "two"
+    launch_two(hidden_cache, two, **kw)
+    derived = json.loads((two / "config.json").read_text())["derived"]
+    assert derived["master_weights"] is True and derived["grad_accum"] == 2
+    assert json.loads((one / "config.json").read_text())["derived"]["grad_accum"] == 4
+    assert losses(one) == pytest.approx(losses(two), rel=2e-3)
+    w1, w2 = final_weights(one, 4), final_weights(two, 4)
+    for k in w1:
+        assert float((w1[k] - w2[k]).norm() / w1[k].norm()) < 1e-3, k
+    auto = tmp_path / "auto"
+    launch_two(hidden_cache, auto, **{**kw, "master_weights": "auto"}, steps=1)
+    assert json.loads((auto / "config.json").read_text())["derived"]["master_weights"] is False
+
+
 def test_cache_mismatches_are_refused_by_name(tmp_path, hidden_cache, qwen3_dir):
     with pytest.raises(ValueError, match=r"\[2\]"):
         train.run(cfg(hidden_cache, tmp_path / "x", layer_ids=[1, 2]))
