@@ -160,11 +160,11 @@ class MasterAdamW(torch.optim.Optimizer):
 
     def _take_reduced(self, p: torch.Tensor, total: torch.Tensor) -> None:
         """`fp32_allreduce_hook`: `total` (fp32, the reduced sum of every micro-batch) is p's gradient for the step."""
-        if id(p) in self._overwrite or getattr(p, "main_grad", None) is None:
+        if getattr(p, "main_grad", None) is None:
             p.main_grad = total.clone()
-            self._overwrite.discard(id(p))
-        else:
+        else:  # in place, into the buffer of the earlier micro-batches or of the last step (no new allocation)
             p.main_grad.copy_(total)
+        self._overwrite.discard(id(p))
 
     def _pending_sum(self, p: torch.Tensor) -> torch.Tensor | None:
         """`fp32_allreduce_hook`: the fp32 sum of p's earlier micro-batches since the last step, if any."""
@@ -341,6 +341,8 @@ def fp32_allreduce_hook(state, bucket):
     its fp32 buffer (what the step reads), not only into the bf16 gradient."""
     import torch.distributed as dist
 
+    if not hasattr(bucket, "buffer"):
+        raise TypeError("fp32_allreduce_hook is a DDP bucket hook (register_comm_hook), not a per-parameter one")
     buf = bucket.buffer()
     acc = buf.float()
     owners = []  # (parameter, offset in the bucket, shape): lowered parameters, whose fp32 total the step reads

@@ -187,7 +187,22 @@ def test_reduced_backward_keeps_its_gradient_and_the_hook_reduces_the_fp32_sum(t
         total = e + p.grad.float()
         assert torch.equal(p.main_grad, total) and p.main_grad.dtype == torch.float32
     assert torch.equal(bucket.buf, torch.cat([p.main_grad.reshape(-1) for p in low]).to(torch.bfloat16))
-    assert all(opt._pending_sum(p) is p.main_grad for p in low)  # what the step reads
+    opt.step()
+    opt.zero_grad()
+    # the next step's only micro-batch is the reduced one: no earlier sum, the total goes into the same buffers
+    buffers = [p.main_grad.data_ptr() for p in low]
+    assert all(opt._pending_sum(p) is None for p in low)
+    opt.reduce_next_backward(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        m(torch.randn(4, 16)).float().pow(2).mean().backward()
+    bucket = FakeBucket(low, [p.grad for p in low])
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg2'}", rank=0, world_size=1)
+    try:
+        fp32_allreduce_hook(opt, bucket).wait()
+    finally:
+        dist.destroy_process_group()
+    assert all(torch.equal(p.main_grad, p.grad.float()) for p in low)
+    assert [p.main_grad.data_ptr() for p in low] == buffers and all(opt._pending_sum(p) is not None for p in low)
 
 
 def test_compiled_equals_eager():

@@ -167,6 +167,9 @@ def test_two_gpus_accumulating_with_master_weights_train_like_one_gpu(tmp_path, 
     assert d1["master_weights"] is d2["master_weights"] is True and d2["optimizer_overlap"] is True
     assert [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()][-1]["recompiles"] == 0
     assert losses(two) == pytest.approx(losses(single), rel=5e-3)
+    norms = [[json.loads(x)["grad_norm"] for x in (r / "metrics.jsonl").read_text().splitlines()]
+             for r in (single, two)]
+    assert norms[0] == pytest.approx(norms[1], rel=2e-2)  # a wrong scale (x2) would hide in the clipping
     w1, w2 = final_weights(single, 6), final_weights(two, 6)
     for k in w1:
         assert float((w1[k] - w2[k]).norm() / w1[k].norm()) < 1e-2, k

@@ -281,10 +281,12 @@ def test_two_processes_accumulating_with_master_weights_equal_one(tmp_path, hidd
     derived = json.loads((two / "config.json").read_text())["derived"]
     assert derived["master_weights"] is True and derived["grad_accum"] == 2
     assert json.loads((one / "config.json").read_text())["derived"]["grad_accum"] == 4
-    assert losses(one) == pytest.approx(losses(two), rel=2e-3)
+    assert losses(one) == pytest.approx(losses(two), rel=1e-5)
+    norms = [[json.loads(x)["grad_norm"] for x in (r / "metrics.jsonl").read_text().splitlines()] for r in (one, two)]
+    assert norms[0] == pytest.approx(norms[1], rel=1e-5)  # (a gradient of the wrong scale would hide in clipping)
     w1, w2 = final_weights(one, 4), final_weights(two, 4)
-    for k in w1:
-        assert float((w1[k] - w2[k]).norm() / w1[k].norm()) < 1e-3, k
+    for k in w1:  # fp32 sums in another order: ~1e-8 apart
+        assert float((w1[k] - w2[k]).norm() / w1[k].norm()) < 1e-5, k
     auto = tmp_path / "auto"
     launch_two(hidden_cache, auto, **{**kw, "master_weights": "auto"}, steps=1)
     assert json.loads((auto / "config.json").read_text())["derived"]["master_weights"] is False
