@@ -154,14 +154,25 @@ class FakeBucket:
         return self.views
 
 
-def test_reduced_backward_keeps_its_gradient_and_the_hook_reduces_the_fp32_sum(tmp_path):
-    """DDP with fp32 accumulation: the backward DDP reduces (`reduce_next_backward(True)`) leaves its bf16 gradient
-    where DDP reads it, and `fp32_allreduce_hook` with the optimizer as state reduces it plus the fp32 sum of the
-    earlier micro-batches into the fp32 buffer the step reads (one gloo process: the reduction is the identity)."""
+def reduce_alone(opt, params, store) -> FakeBucket:
+    """`fp32_allreduce_hook` over the parameters' gradients as one bucket, in a 1-process gloo group."""
     import torch.distributed as dist
 
     from dflash_offline.optim import fp32_allreduce_hook
 
+    bucket = FakeBucket(params, [p.grad for p in params])
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        fp32_allreduce_hook(opt, bucket).wait()
+    finally:
+        dist.destroy_process_group()
+    return bucket
+
+
+def test_reduced_backward_keeps_its_gradient_and_the_hook_reduces_the_fp32_sum(tmp_path):
+    """DDP with fp32 accumulation: the backward DDP reduces (`reduce_next_backward(True)`) leaves its bf16 gradient
+    where DDP reads it, and `fp32_allreduce_hook` with the optimizer as state reduces it plus the fp32 sum of the
+    earlier micro-batches into the fp32 buffer the step reads (one gloo process: the reduction is the identity)."""
     m, opt, _ = master_run(0, SCALES, 0.0)
     opt.accumulate_in_fp32()
     low = [p for p in m.parameters() if opt.lowered(p)]
@@ -177,12 +188,7 @@ def test_reduced_backward_keeps_its_gradient_and_the_hook_reduces_the_fp32_sum(t
     assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in low)  # kept for DDP
     earlier = seen[1]  # the fp32 sum after micro-batch 1
     assert all(torch.equal(p.main_grad, e) for p, e in zip(low, earlier, strict=True))
-    bucket = FakeBucket(low, [p.grad for p in low])
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        fp32_allreduce_hook(opt, bucket).wait()
-    finally:
-        dist.destroy_process_group()
+    bucket = reduce_alone(opt, low, tmp_path / "pg")
     for p, e in zip(low, earlier, strict=True):
         total = e + p.grad.float()
         assert torch.equal(p.main_grad, total) and p.main_grad.dtype == torch.float32
@@ -195,12 +201,7 @@ def test_reduced_backward_keeps_its_gradient_and_the_hook_reduces_the_fp32_sum(t
     opt.reduce_next_backward(True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         m(torch.randn(4, 16)).float().pow(2).mean().backward()
-    bucket = FakeBucket(low, [p.grad for p in low])
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg2'}", rank=0, world_size=1)
-    try:
-        fp32_allreduce_hook(opt, bucket).wait()
-    finally:
-        dist.destroy_process_group()
+    reduce_alone(opt, low, tmp_path / "pg2")
     assert all(torch.equal(p.main_grad, p.grad.float()) for p in low)
     assert [p.main_grad.data_ptr() for p in low] == buffers and all(opt._pending_sum(p) is not None for p in low)
 
