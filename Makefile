@@ -27,7 +27,7 @@ DEMO_ENV ?= OMP_NUM_THREADS=1
 LAUNCH = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/accelerate launch --num_processes $(NPROC) -m,$(PYTHON) -m)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup test test-gpu lint style demo tiny tokenize extract verify train regen report export eval status bench-extract bench-extract-layers bench-train bench-train-attention bench-train-loss clean help
+.PHONY: setup test test-gpu test-gpu-extract test-gpu-train lint style demo tiny tokenize extract verify train regen report export eval status bench-extract bench-extract-layers bench-train bench-train-attention bench-train-loss clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -44,8 +44,16 @@ $(VENV)/.installed: pyproject.toml
 test: setup  ## CPU test suite (a few minutes on 2 cores)
 	$(PYTHON) -m pytest -q -m "not gpu" tests
 
-test-gpu:  ## GPU tests (needs CUDA; run on the device machine)
+test-gpu:  ## GPU tests (needs CUDA): test-gpu-extract and test-gpu-train together
 	$(PYTHON) -m pytest -q -m gpu tests -s
+
+GPU_EXTRACT_TESTS = tests/test_target_gpu.py tests/test_extract_gpu.py
+
+test-gpu-extract:  ## GPU tests of stage 1 only: fla packed exactness (two large cases: ~8 min on an H200), CUDA extraction
+	$(PYTHON) -m pytest -q -m gpu $(GPU_EXTRACT_TESTS) -s
+
+test-gpu-train:  ## GPU tests of stage 2 only: compiled flex, loss kernels, master weights, DDP/FSDP where there are 2 GPUs
+	$(PYTHON) -m pytest -q -m gpu tests $(addprefix --ignore=,$(GPU_EXTRACT_TESTS)) -s
 
 lint: setup  ## check style
 	$(PYTHON) -m ruff check dflash_offline stages tests bench

@@ -91,6 +91,7 @@ def run_ours(args, cache: Path, drafter: dict) -> dict:
                       compile_scope=args.compile_scope, profile_steps=args.profile_steps,
                       master_weights=args.master_weights, optimizer_overlap=args.optimizer_overlap,
                       global_batch_tokens=args.accum * args.seq_len, loss_logits=args.loss_logits, tf32=args.tf32,
+                      **({} if args.loss_chunk_tokens is None else {"loss_chunk_tokens": args.loss_chunk_tokens}),
                       **drafter).resolve()
     t0 = time.time()
     if torch.cuda.is_available():
@@ -121,7 +122,7 @@ def run_ours(args, cache: Path, drafter: dict) -> dict:
             "recompiles": recs[-1]["recompiles"], "first_window_ms": recs[0]["ms_per_step"], "gpu": clocks,
             "master_weights": derived["master_weights"], "optimizer_overlap": derived["optimizer_overlap"],
             "attn": derived["attn"], "loss_logits": derived["loss_logits"], "tf32": derived["tf32"],
-            "loss": [r["loss"] for r in recs],
+            "loss_chunk_tokens": cfg.loss_chunk_tokens, "loss": [r["loss"] for r in recs],
             "profile": (run / "profile.txt").read_text() if (run / "profile.txt").exists() else None}
 
 
@@ -206,6 +207,8 @@ def main() -> None:
     p.add_argument("--optimizer_overlap", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--loss_logits", default="fp32", choices=["fp32", "bf16"], help="the trainer's loss_logits")
     p.add_argument("--tf32", default="auto", choices=["auto", "on", "off"], help="the trainer's tf32")
+    p.add_argument("--loss_chunk_tokens", type=int, default=None,
+                   help="the trainer's loss_chunk_tokens (query tokens per lm_head chunk; default: the trainer's)")
     p.add_argument("--profile_steps", type=int, default=0, help="print a kernel table of that many steps")
     p.add_argument("--workdir", type=Path, default=Path("build/bench-train"))
     p.add_argument("--out", type=Path, default=None)
@@ -252,7 +255,8 @@ def main() -> None:
     print(f"| first window (compilation), s | {o['first_window_ms'] * args.log_every / 1000:.0f} | |")
     print(f"| compile scope, rows per optimizer step, master weights, optimizer overlap | {args.compile_scope}, "
           f"{args.accum}, {o['master_weights']}, {o['optimizer_overlap']} | |")
-    print(f"| rows, attn, loss logits, TF32 | {args.rows}, {o['attn']}, {o['loss_logits']}, {o['tf32']} | |")
+    print(f"| rows, attn, loss logits, TF32, loss chunk tokens | {args.rows}, {o['attn']}, {o['loss_logits']}, "
+          f"{o['tf32']}, {o['loss_chunk_tokens']} | |")
 
 
 if __name__ == "__main__":
