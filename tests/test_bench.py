@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from dflash_offline.config import TrainConfig
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -48,10 +50,13 @@ def test_gpu_sampler_averages_the_samples_of_a_time_range():
 
 @pytest.mark.parametrize("rows", ["bench", "chat"])
 def test_bench_train_tiny_with_profile_and_accumulation(tmp_path, rows):
+    chunk = 60 if rows == "chat" else None  # 4 blocks of 15 scored slots per lm_head chunk: the tiny run has 2
     res, stdout = run_bench("bench.train", tmp_path, "--steps=8", "--log_every=2", "--profile_steps=2", "--accum=2",
-                            f"--rows={rows}")
+                            f"--rows={rows}", *([f"--loss_chunk_tokens={chunk}"] if chunk else []))
     ours = res["ours"]
-    assert res["rows"] == rows and f"| rows, attn, loss logits, TF32 | {rows}, dense, fp32, False |" in stdout
+    chunk = chunk or TrainConfig.__dataclass_fields__["loss_chunk_tokens"].default  # the trainer's default
+    assert res["rows"] == rows and ours["loss_chunk_tokens"] == chunk
+    assert f"| rows, attn, loss logits, TF32, loss chunk tokens | {rows}, dense, fp32, False, {chunk} |" in stdout
     assert ours["loss_logits"] == "fp32" and ours["tf32"] is False  # (the CPU: no TF32)
     assert ours["tok_per_s"] > 0 and res["baseline"]["tok_per_s"] > 0 and ours["recompiles"] == 0
     assert "ours / baseline" in stdout and ours["profile"] and "training steps" in ours["profile"]
