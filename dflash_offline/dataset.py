@@ -17,8 +17,11 @@ CUDA it does so one batch ahead on a side stream, so the copy of batch n+1 overl
 event, not on the copy engine). The reader thread does file reads and memcpy only (no compute, no CUDA kernels). Workers would add process start-up, a second
 copy through shared memory and per-worker resume state, for work that is a few large contiguous reads per batch.
 
-Start-up reads the manifest only (no shard file is opened before the first batch), and the first batch opens only
-the shards it needs. Resume: `state_dict()` is the position of the next batch handed out (not of the prefetch);
+Integrity — every shard the stream opens is checked against the manifest (`shards.HiddenShardFile`): the file's size
+and header checksum on open, then an xxh3 digest of every row as the reader thread reads it; token shards are read
+whole and checked against the SHA-256 the hidden manifest recorded for them. A mismatch stops training with one
+line naming the shard and the command that redoes it. Start-up reads the manifest and stats every shard file (a
+missing or resized one is refused there, in milliseconds); the first batch opens only the shards it needs. Resume: `state_dict()` is the position of the next batch handed out (not of the prefetch);
 `load_state_dict` restores it so that the next batches are `torch.equal` to an uninterrupted run's.
 """
 
@@ -34,14 +37,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
 
 from .manifest import ManifestError, committed, read_manifest
 from .shards import (
+    HiddenShardFile,
     ShardError,
     fp8_decode,
     hidden_shard_name,
-    parse_hidden_metadata,
     read_token_shard,
     token_shard_name,
 )
@@ -80,10 +82,16 @@ class CacheInfo:
     hidden_size: int
     seq_len: int
     shard_rows: tuple[int, ...]  # rows of shard i
+    shard_files: tuple[dict, ...] = ()  # manifest record ({"bytes", "sha256", "header_sha256"}) of shard i's file
+    tokens_sha256: tuple[str, ...] = ()  # SHA-256 of the token shard that shard i was computed from
 
     @property
     def num_rows(self) -> int:
         return sum(self.shard_rows)
+
+    def repair(self, shards) -> str:
+        """The command that redoes these shards of this cache (it reads its inputs from the manifest)."""
+        return f"make extract CACHE={self.cache_dir} SHARD={shard_list(shards)}"
 
 
 def open_hidden_cache(cache_dir, layer_ids, hidden_size: int | None = None, seq_len: int | None = None,
@@ -108,12 +116,35 @@ def open_hidden_cache(cache_dir, layer_ids, hidden_size: int | None = None, seq_
         raise ManifestError(f"{where}: incomplete cache, shards {shard_list(missing) if n else '?'} of {n} "
                             f"are not committed; finish it with `make extract CACHE={cache}`")
     _check_verdict(cache, m.get("verified"), require_verified)
-    return CacheInfo(
+    info = CacheInfo(
         cache_dir=cache, tokens_dir=cache / m["config"]["tokens_dir"], key=m["key"], tokens_key=prod["tokens"]["key"],
         layer_ids=tuple(want), cache_layer_ids=tuple(have), quant=prod["quant"],
         hidden_size=int(prod["target"]["hidden_size"]), seq_len=int(prod["tokens"]["producer"]["seq_len"]),
         shard_rows=tuple(int(done[i]["rows"]) for i in range(n)),
+        shard_files=tuple(done[i]["files"][hidden_shard_name(i)] for i in range(n)),
+        tokens_sha256=tuple(done[i]["tokens_sha256"] for i in range(n)),
     )
+    if bad := missing_files(cache, m):
+        raise ManifestError(f"{where}: {len(bad)} committed shard(s) are damaged on disk ({bad[0]['reason']}"
+                            f"{' …' if len(bad) > 1 else ''}); redo them with "
+                            f"`{info.repair(b['shard'] for b in bad)}`")
+    return info
+
+
+def missing_files(cache: Path, m: dict) -> list[dict]:
+    """Committed shards whose files are missing or not the size the manifest says: [{"shard", "reason"}]. Stats
+    only (milliseconds for thousands of shards); contents are checked as they are read."""
+    bad = []
+    for i, s in sorted(committed(m).items()):
+        for name, rec in s.get("files", {}).items():
+            try:
+                size = (cache / name).stat().st_size
+            except FileNotFoundError:
+                bad.append({"shard": i, "reason": f"{name} is missing"})
+                continue
+            if size != rec["bytes"]:
+                bad.append({"shard": i, "reason": f"{name} is {size} bytes, the manifest says {rec['bytes']}"})
+    return bad
 
 
 def _check_equal(where, field: str, have, want) -> None:
@@ -194,7 +225,7 @@ class HiddenStream:
         self._ahead = (0, 0)  # position of the next batch to submit to the reader
         self._pool: ThreadPoolExecutor | None = None
         self._tokens: OrderedDict = OrderedDict()  # shard → token arrays (reader thread only)
-        self._checked: set[int] = set()
+        self._files: OrderedDict = OrderedDict()  # shard → open HiddenShardFile (reader thread only)
         self._staged = None  # CUDA: (next batch on the device, its copy event), copied one step ahead
         self._copy_stream = None
 
@@ -260,6 +291,8 @@ class HiddenStream:
             self._pool.shutdown(wait=True)
         self._pending.clear()
         self._pool = None
+        while self._files:
+            self._files.popitem()[1].close()
 
     def __enter__(self):
         return self
@@ -300,36 +333,40 @@ class HiddenStream:
         return host
 
     def _read_hidden_rows(self, shard: int, picks: list[tuple[int, int]], host: dict) -> None:
-        path = self.info.cache_dir / hidden_shard_name(shard)
-        try:
-            f = safe_open(str(path), framework="pt")
-        except (OSError, SafetensorError) as e:
-            raise ShardError(f"{path}: unreadable ({e}); redo it with `make extract SHARD={shard}`") from None
-        with f:
-            self._check_hidden(shard, path, f)
-            for j, lid in enumerate(self.info.layer_ids):
-                names = [("hidden", f"hidden.L{lid}")] + ([("scale", f"scale.L{lid}")] if "scale" in host else [])
-                for dst, name in names:
-                    sl = f.get_slice(name)
-                    for row, slot in picks:
-                        host[dst][slot, :, j].copy_(sl[row:row + 1][0])
+        f = self._hidden_file(shard)
+        for j, lid in enumerate(self.info.layer_ids):
+            names = [("hidden", f"hidden.L{lid}")] + ([("scale", f"scale.L{lid}")] if "scale" in host else [])
+            for dst, name in names:
+                for row, slot in picks:
+                    f.read_row(name, row, host[dst][slot, :, j])
 
-    def _check_hidden(self, shard: int, path: Path, f) -> None:
-        if shard in self._checked:
-            return
-        meta = parse_hidden_metadata(f.metadata())
-        rows = f.get_slice(f"hidden.L{self.info.layer_ids[0]}").get_shape()[0]
-        want = (self.info.key, str(shard), self.info.quant, self.info.shard_rows[shard])
-        have = (meta.get("key"), meta.get("shard"), meta.get("quant"), rows)
-        if have != want or json.loads(meta.get("layer_ids", "[]")) != list(self.info.cache_layer_ids):
-            raise ShardError(f"{path}: (key, shard, quant, rows) = {have} but the manifest says {want}; "
-                             f"run `make verify CACHE={self.info.cache_dir}`")
-        self._checked.add(shard)
+    def _hidden_file(self, shard: int) -> HiddenShardFile:
+        """The shard's file, opened and checked against the manifest (the last two stay open)."""
+        if shard in self._files:
+            self._files.move_to_end(shard)
+            return self._files[shard]
+        info = self.info
+        f = HiddenShardFile(info.cache_dir / hidden_shard_name(shard), info.shard_files[shard], info.repair([shard]))
+        try:
+            meta, rows = f.meta, f.rows(f"hidden.L{info.layer_ids[0]}")
+            want = (info.key, str(shard), info.quant, info.shard_rows[shard], list(info.cache_layer_ids))
+            have = (meta.get("key"), meta.get("shard"), meta.get("quant"), rows, json.loads(meta.get("layer_ids", "[]")))
+            if have != want:
+                raise f._bad(f"holds (key, shard, quant, rows, layer_ids) = {have} but the manifest says {want}")
+        except BaseException:
+            f.close()
+            raise
+        self._files[shard] = f
+        while len(self._files) > 2:
+            self._files.popitem(last=False)[1].close()
+        return f
 
     def _token_arrays(self, shard: int) -> dict:
         if shard not in self._tokens:
             path = self.info.tokens_dir / token_shard_name(shard)
-            arrays = read_token_shard(path)
+            redo = (f"it is not the token shard the hidden states were computed from; restore the token cache "
+                    f"{self.info.tokens_dir} (rebuild it with the recipe and corpus it was made from)")
+            arrays = read_token_shard(path, sha256=self.info.tokens_sha256[shard], redo=redo)
             meta, rows = arrays["metadata"], arrays["input_ids"].shape[0]
             if (meta.get("key"), meta.get("shard"), rows) != (self.info.tokens_key, str(shard),
                                                                self.info.shard_rows[shard]):
@@ -397,7 +434,8 @@ def make_fake_cache(cache_dir, num_shards: int, rows, seq_len: int, hidden: int,
     `rows` is an int or one count per shard. By default (`fake_token_rows`) `input_ids[:, 0]` is the row's global
     id (shard-major) so tests can tell rows apart; each row holds two documents (positions restart) and a padding
     tail. `token_rows(first_id, n, seq_len, generator)` replaces those rows (same columns). `files_for` (a set of
-    shard indices) writes only those shards' files while the manifests still list every shard (start-up tests).
+    shard indices) writes only those shards' files (the others are empty files of the size their manifest entries
+    say) while the manifests still list every shard (start-up tests).
     """
     from .manifest import hash_obj, open_cache, update_manifest
     from .shards import encode_layer, write_hidden_shard, write_token_shard
@@ -414,7 +452,10 @@ def make_fake_cache(cache_dir, num_shards: int, rows, seq_len: int, hidden: int,
     tentries, hentries, none = [], [], {"bytes": 0, "sha256": "0" * 64}
     for i, n in enumerate(rows):
         tfile = hfile = none
-        if files_for is None or i in files_for:
+        if files_for is not None and i not in files_for:
+            (tokens / token_shard_name(i)).touch()
+            (cache / hidden_shard_name(i)).touch()
+        else:
             arrays = (token_rows or fake_token_rows)(sum(rows[:i]), n, seq_len, gen)
             for col, v in arrays.items():
                 if np.asarray(v).shape != (n, seq_len):

@@ -159,8 +159,105 @@ def test_failed_or_missing_verdict(small):
 
 def test_misplaced_shard_file_is_refused(small):
     shutil.copy(small / hidden_shard_name(0), small / hidden_shard_name(1))
-    with pytest.raises(ShardError, match=r"hidden-00001.*make verify"):
+    with pytest.raises(ShardError, match=r"hidden-00001.*header that does not match.*SHARD=1`"):
         take(stream(small, 8, layers=[1], prefetch=1), 1)  # the whole cache in one batch
+    # even with its manifest record edited to match, the file says it is another shard
+    m = json.loads((small / "manifest.json").read_text())
+    m["shards"][1]["files"] = {hidden_shard_name(1): m["shards"][0]["files"][hidden_shard_name(0)]}
+    update_manifest(small, shards=m["shards"])
+    with pytest.raises(ShardError, match=r"hidden-00001.*\(key, shard, quant, rows, layer_ids\)"):
+        take(stream(small, 8, layers=[1], prefetch=1), 1)
+
+
+# --- integrity on read: every byte used is checked against the manifest --------------------------------------
+
+
+def flip_byte(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def data_offset(path, name, row=0):
+    """Byte offset of row `row` of tensor `name` in a safetensors file."""
+    import struct
+
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    info = json.loads(raw[8:8 + n])[name]
+    begin, end = info["data_offsets"]
+    return 8 + n + begin + row * (end - begin) // info["shape"][0]
+
+
+def whole_epoch(cache, layers=LAYERS, **kw):
+    with stream(cache, 1, layers=layers, **kw) as s:
+        return take(s, s.batches_per_epoch)
+
+
+@pytest.mark.parametrize("quant,name", [("bf16", "hidden.L2"), ("fp8", "hidden.L4"), ("fp8", "scale.L0")])
+def test_a_flipped_byte_in_any_row_stops_the_stream_naming_the_shard_and_the_fix(tmp_path, quant, name):
+    cache = ds.make_fake_cache(tmp_path / "c", 3, 4, S, H, LAYERS, quant, seed=1)
+    whole_epoch(cache)  # intact: reads cleanly
+    path = cache / hidden_shard_name(2)
+    flip_byte(path, data_offset(path, name, row=3) + 5)
+    with pytest.raises(ShardError, match=rf"hidden-00002.safetensors has row 3 of {name} that does not match its "
+                                         rf"checksum.*`make extract CACHE={cache} SHARD=2`"):
+        whole_epoch(cache, prefetch=2)
+    # a reader of other layers only does not read (nor need) the damaged bytes
+    other = [lid for lid in LAYERS if f"L{lid}" not in name]
+    assert len(whole_epoch(cache, layers=other)) == 12
+
+
+def test_a_flipped_byte_in_the_header_or_a_token_shard_is_refused(tmp_path):
+    cache = ds.make_fake_cache(tmp_path / "c", 2, 4, S, H, LAYERS, seed=1)
+    hidden = cache / hidden_shard_name(1)
+    flip_byte(hidden, 20)  # inside the header JSON
+    with pytest.raises(ShardError, match=r"hidden-00001.*header that does not match its checksum"):
+        whole_epoch(cache)
+    flip_byte(hidden, 20)  # back as it was
+    tokens = cache / "tokens" / token_shard_name(0)
+    flip_byte(tokens, tokens.stat().st_size // 2)
+    with pytest.raises(ShardError, match=r"tokens-00000.arrow does not match its manifest checksum"):
+        whole_epoch(cache)
+
+
+def test_missing_or_resized_shards_are_refused_at_start(tmp_path):
+    cache = ds.make_fake_cache(tmp_path / "c", 4, 4, S, H, LAYERS, seed=1)
+    (cache / hidden_shard_name(1)).unlink()
+    with open(cache / hidden_shard_name(3), "ab") as f:
+        f.write(b"x")
+    t = time.perf_counter()
+    with pytest.raises(ManifestError, match=r"2 committed shard\(s\) are damaged on disk \(hidden-00001.safetensors "
+                                            rf"is missing …\); redo them with `make extract CACHE={cache} SHARD=1,3`"):
+        ds.open_hidden_cache(cache, LAYERS)
+    assert time.perf_counter() - t < 1.0  # stats only
+
+
+def test_shards_written_before_row_digests_are_checked_whole(tmp_path):
+    """A format-1 shard (no row digests, no header checksum in the manifest) is hashed whole when opened."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from dflash_offline.manifest import sha256_file
+
+    cache = ds.make_fake_cache(tmp_path / "c", 2, 4, S, H, LAYERS, seed=1)
+    m = json.loads((cache / "manifest.json").read_text())
+    for i in range(2):
+        path = cache / hidden_shard_name(i)
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads(f.metadata()["dflash"])
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        del meta["row_digests"], meta["row_hash"]
+        save_file(tensors, str(path), metadata={"dflash": json.dumps(dict(meta, format_version="1"), sort_keys=True)})
+        m["shards"][i]["files"] = {path.name: {"bytes": path.stat().st_size, "sha256": sha256_file(path)}}
+    update_manifest(cache, shards=m["shards"])
+    assert len(whole_epoch(cache)) == 8
+    path = cache / hidden_shard_name(0)
+    flip_byte(path, path.stat().st_size - 3)
+    with pytest.raises(ShardError, match=r"hidden-00000.safetensors does not match its checksum.*SHARD=0`"):
+        whole_epoch(cache)
 
 
 # --- resume --------------------------------------------------------------------------------------------------
@@ -202,11 +299,11 @@ def test_resume_across_layouts(bf16_cache):
 def test_startup_reads_the_manifest_only(tmp_path, monkeypatch):
     n, rows, seed, batch_rows = 2000, 8, 11, 4
     first = {shard for shard, _ in ds.locate((rows,) * n, seed, 0, 0, batch_rows)}
-    cache = ds.make_fake_cache(tmp_path / "h", n, rows, S, H, [0, 1], files_for=first)  # no other shard files
+    cache = ds.make_fake_cache(tmp_path / "h", n, rows, S, H, [0, 1], files_for=first)  # others: empty files
     calls = []
-    real_open, real_tokens = ds.safe_open, ds.read_token_shard
-    monkeypatch.setattr(ds, "safe_open", lambda p, **kw: calls.append(p) or real_open(p, **kw))
-    monkeypatch.setattr(ds, "read_token_shard", lambda p: calls.append(p) or real_tokens(p))
+    real_open, real_tokens = ds.HiddenShardFile, ds.read_token_shard
+    monkeypatch.setattr(ds, "HiddenShardFile", lambda p, *a: calls.append(p) or real_open(p, *a))
+    monkeypatch.setattr(ds, "read_token_shard", lambda p, **kw: calls.append(p) or real_tokens(p, **kw))
     t0 = time.perf_counter()
     s = ds.HiddenStream(ds.open_hidden_cache(cache, [1], H, S), batch_rows, seed=seed, prefetch=0)
     startup = time.perf_counter() - t0

@@ -1,12 +1,16 @@
 """The streaming safetensors writer: what it writes is a valid safetensors file (read back by safetensors itself),
 its returned checksum is the file's, and identical inputs give identical bytes."""
 
+import errno
+import hashlib
+import json
+
 import pytest
 import torch
 from safetensors import safe_open
 
 from dflash_offline.manifest import sha256_file
-from dflash_offline.shards import write_safetensors
+from dflash_offline.shards import encode_layer, write_hidden_shard, write_safetensors
 
 
 def test_streamed_safetensors_round_trip_checksum_and_determinism(tmp_path, monkeypatch):
@@ -23,7 +27,10 @@ def test_streamed_safetensors_round_trip_checksum_and_determinism(tmp_path, monk
     }
     meta = {"dflash": '{"a": 1}'}
     rec = write_safetensors(tmp_path / "a.safetensors", tensors, meta)
-    assert rec == {"bytes": (tmp_path / "a.safetensors").stat().st_size, "sha256": sha256_file(tmp_path / "a.safetensors")}
+    raw = (tmp_path / "a.safetensors").read_bytes()
+    head = raw[:8 + int.from_bytes(raw[:8], "little")]
+    assert rec == {"bytes": len(raw), "sha256": sha256_file(tmp_path / "a.safetensors"),
+                   "header_sha256": hashlib.sha256(head).hexdigest()}
     with safe_open(str(tmp_path / "a.safetensors"), framework="pt") as f:
         assert f.metadata() == meta
         assert sorted(f.keys()) == sorted(tensors)
@@ -39,3 +46,33 @@ def test_streamed_safetensors_round_trip_checksum_and_determinism(tmp_path, monk
 def test_streamed_safetensors_refuses_dtypes_it_cannot_store(tmp_path):
     with pytest.raises(ValueError, match="complex64"):
         write_safetensors(tmp_path / "x.safetensors", {"z": torch.zeros(2, dtype=torch.complex64)}, {})
+
+
+def test_hidden_shards_list_a_digest_of_every_row_of_every_tensor(tmp_path):
+    import xxhash
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {**encode_layer(torch.randn(3, 8, 16, generator=g), 1, "fp8"),
+               **encode_layer(torch.randn(3, 8, 16, generator=g), 5, "fp8")}
+    write_hidden_shard(tmp_path / "h.safetensors", tensors, "fp8", [5, 1], {"shard": 0, "key": "k"})
+    with safe_open(str(tmp_path / "h.safetensors"), framework="pt") as f:
+        meta = json.loads(f.metadata()["dflash"])
+        assert meta["row_hash"] == "xxh3_64" and sorted(meta["row_digests"]) == sorted(tensors)
+        for name in tensors:
+            rows = f.get_tensor(name)
+            assert meta["row_digests"][name] == [
+                xxhash.xxh3_64_hexdigest(rows[r].contiguous().view(torch.uint8).numpy()) for r in range(3)]
+
+
+def test_a_failed_write_names_the_file_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    import dflash_offline.shards as shards
+
+    def full_disk(head, names, tensors):
+        yield head
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shards, "_chunks", full_disk)
+    with pytest.raises(OSError, match="No space left on device") as e:
+        write_safetensors(tmp_path / "x.safetensors", {"a": torch.zeros(4)}, {})
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(tmp_path / "x.safetensors")
+    assert list(tmp_path.iterdir()) == []
