@@ -20,8 +20,9 @@ copy through shared memory and per-worker resume state, for work that is a few l
 Integrity — every shard the stream opens is checked against the manifest (`shards.HiddenShardFile`): the file's size
 and header checksum on open, then an xxh3 digest of every row as the reader thread reads it; token shards are read
 whole and checked against the SHA-256 the hidden manifest recorded for them. A mismatch stops training with one
-line naming the shard and the command that redoes it. Start-up reads the manifest and stats every shard file (a
-missing or resized one is refused there, in milliseconds); the first batch opens only the shards it needs. Resume: `state_dict()` is the position of the next batch handed out (not of the prefetch);
+line naming the shard and the command that redoes it. Start-up reads the manifest and checks every shard's size and header (~20 µs a
+shard, no data read): a missing, resized or swapped shard, or a hand-edited manifest that contradicts its shards,
+is refused before anything is written. Resume: `state_dict()` is the position of the next batch handed out (not of the prefetch);
 `load_state_dict` restores it so that the next batches are `torch.equal` to an uninterrupted run's.
 """
 
@@ -38,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .manifest import ManifestError, committed, read_manifest
+from .manifest import ManifestError, committed, missing_files, read_manifest
 from .shards import (
     HiddenShardFile,
     ShardError,
@@ -128,23 +129,30 @@ def open_hidden_cache(cache_dir, layer_ids, hidden_size: int | None = None, seq_
         raise ManifestError(f"{where}: {len(bad)} committed shard(s) are damaged on disk ({bad[0]['reason']}"
                             f"{' …' if len(bad) > 1 else ''}); redo them with "
                             f"`{info.repair(b['shard'] for b in bad)}`")
+    tokens_dir = info.tokens_dir
+    if bad := missing_files(tokens_dir, read_manifest(tokens_dir)):
+        raise ManifestError(f"{tokens_dir}: the token cache this cache was extracted from is damaged on disk "
+                            f"({bad[0]['reason']}); restore it (rebuild it with the recipe and corpus it was made "
+                            f"from)")
+    for i in range(n):  # headers only (~20 µs a shard): a manifest that contradicts its shards stops here
+        open_shard(info, i).close()
     return info
 
 
-def missing_files(cache: Path, m: dict) -> list[dict]:
-    """Committed shards whose files are missing or not the size the manifest says: [{"shard", "reason"}]. Stats
-    only (milliseconds for thousands of shards); contents are checked as they are read."""
-    bad = []
-    for i, s in sorted(committed(m).items()):
-        for name, rec in s.get("files", {}).items():
-            try:
-                size = (cache / name).stat().st_size
-            except FileNotFoundError:
-                bad.append({"shard": i, "reason": f"{name} is missing"})
-                continue
-            if size != rec["bytes"]:
-                bad.append({"shard": i, "reason": f"{name} is {size} bytes, the manifest says {rec['bytes']}"})
-    return bad
+def open_shard(info: CacheInfo, shard: int) -> HiddenShardFile:
+    """Shard `shard`'s file opened and checked against the manifest: size, header checksum, and what the header
+    says it is (cache key, index, quantization, rows, layers)."""
+    f = HiddenShardFile(info.cache_dir / hidden_shard_name(shard), info.shard_files[shard], info.repair([shard]))
+    try:
+        meta, rows = f.meta, f.rows(f"hidden.L{info.layer_ids[0]}")
+        want = (info.key, str(shard), info.quant, info.shard_rows[shard], list(info.cache_layer_ids))
+        have = (meta.get("key"), meta.get("shard"), meta.get("quant"), rows, json.loads(meta.get("layer_ids", "[]")))
+        if have != want:
+            raise f._bad(f"holds (key, shard, quant, rows, layer_ids) = {have} but the manifest says {want}")
+    except BaseException:
+        f.close()
+        raise
+    return f
 
 
 def _check_equal(where, field: str, have, want) -> None:
@@ -345,18 +353,7 @@ class HiddenStream:
         if shard in self._files:
             self._files.move_to_end(shard)
             return self._files[shard]
-        info = self.info
-        f = HiddenShardFile(info.cache_dir / hidden_shard_name(shard), info.shard_files[shard], info.repair([shard]))
-        try:
-            meta, rows = f.meta, f.rows(f"hidden.L{info.layer_ids[0]}")
-            want = (info.key, str(shard), info.quant, info.shard_rows[shard], list(info.cache_layer_ids))
-            have = (meta.get("key"), meta.get("shard"), meta.get("quant"), rows, json.loads(meta.get("layer_ids", "[]")))
-            if have != want:
-                raise f._bad(f"holds (key, shard, quant, rows, layer_ids) = {have} but the manifest says {want}")
-        except BaseException:
-            f.close()
-            raise
-        self._files[shard] = f
+        f = self._files[shard] = open_shard(self.info, shard)
         while len(self._files) > 2:
             self._files.popitem(last=False)[1].close()
         return f
@@ -428,14 +425,12 @@ class HiddenStream:
 
 
 def make_fake_cache(cache_dir, num_shards: int, rows, seq_len: int, hidden: int, layer_ids, quant: str = "bf16",
-                    seed: int = 0, files_for=None, token_rows=None) -> Path:
+                    seed: int = 0, token_rows=None) -> Path:
     """Write a complete hidden cache of random states at `cache_dir` (its token cache in `cache_dir/tokens`).
 
     `rows` is an int or one count per shard. By default (`fake_token_rows`) `input_ids[:, 0]` is the row's global
     id (shard-major) so tests can tell rows apart; each row holds two documents (positions restart) and a padding
-    tail. `token_rows(first_id, n, seq_len, generator)` replaces those rows (same columns). `files_for` (a set of
-    shard indices) writes only those shards' files (the others are empty files of the size their manifest entries
-    say) while the manifests still list every shard (start-up tests).
+    tail. `token_rows(first_id, n, seq_len, generator)` replaces those rows (same columns).
     """
     from .manifest import hash_obj, open_cache, update_manifest
     from .shards import encode_layer, write_hidden_shard, write_token_shard
@@ -449,26 +444,20 @@ def make_fake_cache(cache_dir, num_shards: int, rows, seq_len: int, hidden: int,
     open_cache(cache, "hidden", hash_obj(hprod), hprod, {"tokens_dir": "tokens", "layer_ids": list(layer_ids)},
                num_shards)
     gen = torch.Generator().manual_seed(seed)
-    tentries, hentries, none = [], [], {"bytes": 0, "sha256": "0" * 64}
+    tentries, hentries = [], []
     for i, n in enumerate(rows):
-        tfile = hfile = none
-        if files_for is not None and i not in files_for:
-            (tokens / token_shard_name(i)).touch()
-            (cache / hidden_shard_name(i)).touch()
-        else:
-            arrays = (token_rows or fake_token_rows)(sum(rows[:i]), n, seq_len, gen)
-            for col, v in arrays.items():
-                if np.asarray(v).shape != (n, seq_len):
-                    raise ValueError(f"token_rows gave {col} of shape {np.asarray(v).shape} for shard {i}, "
-                                     f"expected ({n}, {seq_len})")
-            sources = [list(range(int(d.max()) + 1)) for d in np.asarray(arrays["doc_ids"])]
-            tfile = write_token_shard(tokens / token_shard_name(i), arrays, sources,
-                                      {"shard": i, "key": hash_obj(tprod)})
-            tensors = {}
-            for lid in sorted(layer_ids):
-                tensors.update(encode_layer(torch.randn(n, seq_len, hidden, generator=gen) * (1 + lid), lid, quant))
-            hfile = write_hidden_shard(cache / hidden_shard_name(i), tensors, quant, list(layer_ids),
-                                       {"shard": i, "key": hash_obj(hprod)})
+        arrays = (token_rows or fake_token_rows)(sum(rows[:i]), n, seq_len, gen)
+        for col, v in arrays.items():
+            if np.asarray(v).shape != (n, seq_len):
+                raise ValueError(f"token_rows gave {col} of shape {np.asarray(v).shape} for shard {i}, "
+                                 f"expected ({n}, {seq_len})")
+        sources = [list(range(int(d.max()) + 1)) for d in np.asarray(arrays["doc_ids"])]
+        tfile = write_token_shard(tokens / token_shard_name(i), arrays, sources, {"shard": i, "key": hash_obj(tprod)})
+        tensors = {}
+        for lid in sorted(layer_ids):
+            tensors.update(encode_layer(torch.randn(n, seq_len, hidden, generator=gen) * (1 + lid), lid, quant))
+        hfile = write_hidden_shard(cache / hidden_shard_name(i), tensors, quant, list(layer_ids),
+                                   {"shard": i, "key": hash_obj(hprod)})
         entry = {"index": i, "rows": n, "tokens": n * seq_len, "status": "committed"}
         tentries.append(dict(entry, files={token_shard_name(i): tfile}))
         hentries.append(dict(entry, files={hidden_shard_name(i): hfile}, tokens_sha256=tfile["sha256"]))

@@ -6,6 +6,11 @@ every read-modify-write of the manifest happens under a lock file created with O
 shared filesystems where flock does not), so several processes — ranks of one job, or machines sharing a
 filesystem — can commit shards into one cache at once. Claims (`claims/shard-NNNNN.json`) with a lease let workers
 split the shards without computing one twice; a dead worker's claim expires and a successor takes it over.
+
+Crashes leave nothing that blocks or grows: the lock, every temp file and every claim carry their writer's host and
+pid. A lock whose holder is gone (same host) is broken at once, with a message; one from another host when it is
+older than `stale_s`. `sweep()` — run by every writer at start — removes temp files and claims of dead writers (same
+host: the pid is gone; other hosts: the lease has expired, or the temp file has not changed for a day).
 """
 
 from __future__ import annotations
@@ -55,9 +60,18 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+TEMP_MARK = ".tmp~"  # temp names: .<final name>.tmp~<host>~<pid>~<random>
+
+
 def temp_path(final: Path) -> Path:
-    """A unique temp name beside `final` (same directory, so the rename is atomic)."""
-    return final.with_name(f".{final.name}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    """A unique temp name beside `final` (same directory, so the rename is atomic), naming its writer."""
+    return final.with_name(f".{final.name}{TEMP_MARK}{socket.gethostname()}~{os.getpid()}~{uuid.uuid4().hex[:8]}")
+
+
+def temp_writer(path: Path) -> tuple[str, int] | None:
+    """(host, pid) of the process writing temp file `path`; None when `path` is not one of ours."""
+    parts = path.name.split(TEMP_MARK, 1)[-1].split("~") if TEMP_MARK in path.name else []
+    return (parts[0], int(parts[1])) if len(parts) == 3 and parts[1].isdigit() else None
 
 
 def publish(tmp: Path, final: Path) -> None:
@@ -69,13 +83,18 @@ def publish(tmp: Path, final: Path) -> None:
 
 def write_json_atomic(path: Path, obj, durable: bool = True) -> None:
     """Readers see the old or the new file, never a partial one. `durable=False` skips the fsyncs: for files that
-    only report (a status snapshot), where an fsync can wait behind gigabytes another thread is flushing."""
+    only report (a status snapshot), where an fsync can wait behind gigabytes another thread is flushing. A failed
+    write removes its temp file."""
     tmp = temp_path(path)
-    tmp.write_text(json.dumps(obj, sort_keys=True, indent=1, ensure_ascii=False) + "\n")
-    if durable:
-        publish(tmp, path)
-    else:
-        os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, sort_keys=True, indent=1, ensure_ascii=False) + "\n")
+        if durable:
+            publish(tmp, path)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 # --- the lock ------------------------------------------------------------------------------------------------
@@ -83,28 +102,36 @@ def write_json_atomic(path: Path, obj, durable: bool = True) -> None:
 
 @contextlib.contextmanager
 def locked(cache: Path, stale_s: float = 60.0, timeout_s: float = 120.0):
-    """Hold `<cache>/.lock` for a short read-modify-write. A lock older than `stale_s` is broken (its holder died)."""
+    """Hold `<cache>/.lock` for a short read-modify-write. A lock whose holder is gone is broken: at once when the
+    holder ran on this host (its pid is not alive), after `stale_s` when it ran elsewhere; both say so."""
     lock = cache / ".lock"
     deadline = time.monotonic() + timeout_s
-    token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
+    token = f"{worker_id()}:{uuid.uuid4().hex}"
     while True:
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            os.write(fd, token.encode())
-            os.close(fd)
+            try:
+                os.write(fd, token.encode())
+            finally:
+                os.close(fd)
             break
         except FileExistsError:
             try:
-                age = time.time() - lock.stat().st_mtime
+                age, holder = time.time() - lock.stat().st_mtime, lock.read_text()
             except FileNotFoundError:
                 continue
-            if age > stale_s:
+            host, _, rest = holder.partition(":")
+            pid = rest.partition(":")[0]
+            if age > 0.2 and not alive({"worker": f"{host}:{pid}"}) or age > stale_s:
+                why = f"pid {pid} is gone" if age <= stale_s else f"{age:.0f}s old"
+                print(f"breaking the stale lock {lock} left by {host}:{pid} ({why})", flush=True)
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(lock)
                 continue
             if time.monotonic() > deadline:
                 raise ManifestError(
-                    f"{lock} has been held for {age:.0f}s; if no process is writing this cache, delete it"
+                    f"{lock} has been held by {host}:{pid} for {age:.0f}s; if no process is writing this cache, "
+                    f"delete it"
                 ) from None
             time.sleep(0.01)
     try:
@@ -210,6 +237,34 @@ def committed(m: dict) -> dict[int, dict]:
     return {s["index"]: s for s in m["shards"] if s["status"] == "committed"}
 
 
+def missing_files(cache: Path, m: dict) -> list[dict]:
+    """Committed shards whose files are missing or not the size the manifest says: [{"shard", "reason"}]. Stats
+    only (milliseconds for thousands of shards); contents are checked where they are read."""
+    bad = []
+    for i, s in sorted(committed(m).items()):
+        for name, rec in s.get("files", {}).items():
+            try:
+                size = (cache / name).stat().st_size
+            except FileNotFoundError:
+                bad.append({"shard": i, "reason": f"{name} is missing"})
+                continue
+            if size != rec["bytes"]:
+                bad.append({"shard": i, "reason": f"{name} is {size} bytes, the manifest says {rec['bytes']}"})
+    return bad
+
+
+def requeue_missing(cache: Path) -> list[dict]:
+    """Under the lock, mark committed shards whose files are missing or resized as `missing` (to do again)."""
+    with locked(cache):
+        m = read_manifest(cache)
+        bad = missing_files(cache, m)
+        if bad:
+            why = {b["shard"]: b["reason"] for b in bad}
+            shards = [dict(s, status="missing", reason=why[s["index"]]) if s["index"] in why else s for s in m["shards"]]
+            write_json_atomic(cache / MANIFEST, dict(m, shards=shards))
+    return bad
+
+
 # --- claims: split shards between workers without doing one twice --------------------------------------------
 
 
@@ -217,8 +272,39 @@ def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+def worker_info() -> dict:
+    """Who this process is, for claims and status files: host, pid, rank/world of its job (0/1 alone) and the job's
+    id (the launcher's rendezvous; empty alone), so that ranks of one job can tell each other from other jobs."""
+    env = os.environ
+    job = env.get("TORCHELASTIC_RUN_ID", "") + "@" + env.get("MASTER_ADDR", "") + ":" + env.get("MASTER_PORT", "")
+    return {"worker": worker_id(), "host": socket.gethostname(), "pid": os.getpid(), "rank": int(env.get("RANK", 0)),
+            "world": int(env.get("WORLD_SIZE", 1)), "job": job if int(env.get("WORLD_SIZE", 1)) > 1 else ""}
+
+
 def _claim_path(cache: Path, index: int) -> Path:
     return cache / "claims" / f"shard-{index:05d}.json"
+
+
+def read_claim(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, FileNotFoundError):
+        return None
+
+
+def _write_claim(cache: Path, index: int, lease_s: float) -> None:
+    now = time.time()
+    write_json_atomic(_claim_path(cache, index), {**worker_info(), "index": index, "expires": now + lease_s,
+                                                  "lease_s": lease_s, "renewed_at": now})
+
+
+def claim_state(claim: dict | None) -> str:
+    """"live", "dead" (its process is gone: same host) or "expired" (its lease ran out)."""
+    if claim is None:
+        return "expired"
+    if not alive(claim):
+        return "dead"
+    return "live" if claim.get("expires", 0) > time.time() else "expired"
 
 
 def try_claim(cache: Path, index: int, lease_s: float, redo: bool = False) -> bool:
@@ -226,22 +312,32 @@ def try_claim(cache: Path, index: int, lease_s: float, redo: bool = False) -> bo
     with locked(cache):
         if index in committed(read_manifest(cache)) and not redo:
             return False
-        path = _claim_path(cache, index)
-        if path.exists():
-            try:
-                held = json.loads(path.read_text())
-            except (json.JSONDecodeError, FileNotFoundError):
-                held = {"expires": 0}
-            if held.get("expires", 0) > time.time() and held.get("worker") != worker_id() and alive(held):
-                return False
-        write_json_atomic(path, {"worker": worker_id(), "expires": time.time() + lease_s, "index": index})
+        held = read_claim(_claim_path(cache, index))
+        if held is not None and held.get("worker") != worker_id() and claim_state(held) == "live":
+            return False
+        _write_claim(cache, index, lease_s)
         return True
+
+
+def holders(cache: Path, indices) -> dict[int, dict]:
+    """The live claims on these shards by other processes: index → claim."""
+    out = {}
+    for i in indices:
+        c = read_claim(_claim_path(cache, i))
+        if c is not None and c.get("worker") != worker_id() and claim_state(c) == "live":
+            out[i] = c
+    return out
 
 
 def alive(claim: dict) -> bool:
     """False only when the claim's worker ran on this host and its process is gone (no need to wait for the lease)."""
     host, _, pid = str(claim.get("worker", "")).rpartition(":")
-    if host != socket.gethostname() or not pid.isdigit():
+    return pid_alive(host, pid)
+
+
+def pid_alive(host: str, pid) -> bool:
+    """False only when `host` is this host and no process `pid` exists (another host: unknown, so True)."""
+    if host != socket.gethostname() or not str(pid).isdigit():
         return True  # another machine: only its lease tells
     try:
         os.kill(int(pid), 0)
@@ -253,11 +349,42 @@ def alive(claim: dict) -> bool:
 
 
 def renew_claim(cache: Path, index: int, lease_s: float) -> None:
-    path = _claim_path(cache, index)
     with locked(cache):
-        write_json_atomic(path, {"worker": worker_id(), "expires": time.time() + lease_s, "index": index})
+        _write_claim(cache, index, lease_s)
 
 
 def release_claim(cache: Path, index: int) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(_claim_path(cache, index))
+
+
+# --- debris of dead writers ----------------------------------------------------------------------------------
+
+OTHER_HOST_TEMP_AGE_S = 86400.0  # a temp file from another host untouched this long belongs to a dead writer
+
+
+def sweep(cache: Path, log=print) -> dict:
+    """Remove what dead writers left in `cache`: temp files (same host: pid gone; other hosts: untouched for a day),
+    claims whose worker is dead or whose lease expired, and status files of dead same-host processes that never
+    finished. Returns counts; logs one line when it removed anything."""
+    removed = {"temp_files": 0, "temp_bytes": 0, "claims": 0}
+    now = time.time()
+    for d in (cache, cache / "claims"):
+        for p in d.glob(f".*{TEMP_MARK}*") if d.is_dir() else []:
+            host, pid = temp_writer(p) or ("", "")
+            with contextlib.suppress(FileNotFoundError):
+                st = p.stat()
+                if not pid_alive(host, pid) or (host != socket.gethostname()
+                                                 and now - st.st_mtime > OTHER_HOST_TEMP_AGE_S):
+                    p.unlink()
+                    removed["temp_files"] += 1
+                    removed["temp_bytes"] += st.st_size
+    with locked(cache):  # a claim is taken over under the lock: never remove a successor's fresh claim
+        for p in sorted((cache / "claims").glob("shard-*.json")) if (cache / "claims").is_dir() else []:
+            if claim_state(read_claim(p)) != "live":
+                p.unlink(missing_ok=True)
+                removed["claims"] += 1
+    if removed["temp_files"] or removed["claims"]:
+        log(f"{cache}: removed what dead writers left: {removed['temp_files']} temp file(s) "
+            f"({removed['temp_bytes'] / 1e6:.1f} MB), {removed['claims']} expired or dead claim(s)")
+    return removed

@@ -223,6 +223,15 @@ def test_a_flipped_byte_in_the_header_or_a_token_shard_is_refused(tmp_path):
         whole_epoch(cache)
 
 
+def test_a_hand_edited_manifest_that_contradicts_its_shards_is_refused_at_start(tmp_path):
+    cache = ds.make_fake_cache(tmp_path / "c", 3, 4, S, H, LAYERS, seed=1)
+    m = json.loads((cache / "manifest.json").read_text())
+    m["shards"][2]["rows"] = 3
+    update_manifest(cache, shards=m["shards"])
+    with pytest.raises(ShardError, match=r"hidden-00002.*rows, layer_ids\) = .*, 4, .* but the manifest says .*, 3,"):
+        ds.open_hidden_cache(cache, LAYERS)
+
+
 def test_missing_or_resized_shards_are_refused_at_start(tmp_path):
     cache = ds.make_fake_cache(tmp_path / "c", 4, 4, S, H, LAYERS, seed=1)
     (cache / hidden_shard_name(1)).unlink()
@@ -296,22 +305,24 @@ def test_resume_across_layouts(bf16_cache):
 # --- start-up ------------------------------------------------------------------------------------------------
 
 
-def test_startup_reads_the_manifest_only(tmp_path, monkeypatch):
-    n, rows, seed, batch_rows = 2000, 8, 11, 4
+def test_startup_reads_the_manifest_and_the_shard_headers_only(tmp_path, monkeypatch):
+    n, rows, seed, batch_rows = 500, 8, 11, 4
     first = {shard for shard, _ in ds.locate((rows,) * n, seed, 0, 0, batch_rows)}
-    cache = ds.make_fake_cache(tmp_path / "h", n, rows, S, H, [0, 1], files_for=first)  # others: empty files
-    calls = []
-    real_open, real_tokens = ds.HiddenShardFile, ds.read_token_shard
-    monkeypatch.setattr(ds, "HiddenShardFile", lambda p, *a: calls.append(p) or real_open(p, *a))
-    monkeypatch.setattr(ds, "read_token_shard", lambda p, **kw: calls.append(p) or real_tokens(p, **kw))
+    cache = ds.make_fake_cache(tmp_path / "h", n, rows, S, H, [0, 1])
+    opened, reads = [], []
+    real_read, real_tokens = ds.HiddenShardFile.read_row, ds.read_token_shard
+    monkeypatch.setattr(ds.HiddenShardFile, "read_row", lambda f, *a: reads.append(f.path) or real_read(f, *a))
+    monkeypatch.setattr(ds, "read_token_shard", lambda p, **kw: reads.append(p) or real_tokens(p, **kw))
+    real_open = ds.open_shard
+    monkeypatch.setattr(ds, "open_shard", lambda info, i: opened.append(i) or real_open(info, i))
     t0 = time.perf_counter()
     s = ds.HiddenStream(ds.open_hidden_cache(cache, [1], H, S), batch_rows, seed=seed, prefetch=0)
     startup = time.perf_counter() - t0
-    assert calls == [] and s.batches_per_epoch == n * rows // batch_rows
+    assert reads == [] and sorted(opened) == list(range(n)) and s.batches_per_epoch == n * rows // batch_rows
     batch = next(s)
     first_batch = time.perf_counter() - t0
-    print(f"2000-shard manifest: start-up {startup * 1e3:.1f} ms, first batch after {first_batch * 1e3:.1f} ms")
-    assert len(calls) == 2 * len(first) and batch["hidden"].shape == (batch_rows, S, H)
+    print(f"{n}-shard manifest: start-up {startup * 1e3:.1f} ms, first batch after {first_batch * 1e3:.1f} ms")
+    assert len({p.name for p in reads}) == 2 * len(first) and batch["hidden"].shape == (batch_rows, S, H)
     assert startup < 1.0 and s.last_wait_s > 0 and s.total_wait_s == s.last_wait_s
 
 
