@@ -6,12 +6,17 @@ Record kinds (per record, so one JSONL may mix them):
   "tools": [JSON schema, ...]?}` (`reasoning` / `thinking` are accepted as aliases of `reasoning_content`; a
   `tools` list is given to the chat template, which renders it into the system turn as the served model sees it);
 - pre-tokenized: `{"input_ids": [int], "loss_mask": [0|1]}`.
+JSONL files as users have them work: a UTF-8 byte-order mark, CRLF line ends and blank lines are fine. Whatever
+fails for one record (bytes that are not UTF-8, JSON, validation, the chat template, text the tokenizer cannot
+encode, a line longer than `MAX_LINE_BYTES`) makes that record a `Skip` with a reason and file:line, inside the
+worker: no record ever raises out of `process_chunk`.
 Nothing is read whole: files are read line by line or batch by batch, and at most `2 × workers` chunks are in
 flight, so a corpus larger than RAM streams through with bounded memory.
 """
 
 from __future__ import annotations
 
+import codecs
 import glob
 import json
 import multiprocessing as mp
@@ -28,6 +33,7 @@ ROLES = ("system", "user", "assistant", "tool")
 REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 ASSISTANT_OPEN, TURN_CLOSE = "<|im_start|>assistant\n", "<|im_end|>"
 THINK_RE = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
+MAX_LINE_BYTES = 64 << 20  # a longer JSONL line is skipped (line_too_long) without being read into memory
 
 
 class CorpusError(ValueError):
@@ -45,7 +51,7 @@ class Record:
     file: str
     line: int  # 1-based line (JSONL) or row (Parquet/Arrow)
     ordinal: int  # position in the whole corpus stream
-    raw: bytes | dict
+    raw: bytes | dict | None  # None: a JSONL line longer than MAX_LINE_BYTES (not read)
 
 
 @dataclass
@@ -57,6 +63,17 @@ class Skip:
 
     def message(self) -> str:
         return f"{self.file}:{self.line}: {self.reason}: {self.detail}"
+
+
+@dataclass(eq=False)
+class Tokens:
+    """A record that became a document."""
+
+    file: str
+    line: int
+    ordinal: int
+    input_ids: np.ndarray  # [n] int32
+    loss_mask: np.ndarray  # [n] uint8, 1 = supervised
 
 
 # --- reading -------------------------------------------------------------------------------------------------
@@ -101,29 +118,38 @@ def _table_batches(path: Path, kind: str):
                 yield from reader
 
 
+def jsonl_lines(path: Path) -> Iterator[tuple[int, bytes | None]]:
+    """(1-based line number, bytes) of every line that is not blank, with a UTF-8 byte-order mark dropped from its
+    start; the bytes are None for a line longer than MAX_LINE_BYTES, which is skipped without being held whole."""
+    limit = MAX_LINE_BYTES
+    with open(path, "rb") as f:
+        line_no = 0
+        while line := f.readline(limit + 1):
+            line_no += 1
+            if len(line) > limit and not line.endswith(b"\n"):
+                while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
+                    pass
+                yield line_no, None
+                continue
+            line = line.removeprefix(codecs.BOM_UTF8)
+            if line.strip():
+                yield line_no, line
+
+
 def iter_records(paths: list[Path], max_docs: int = 0) -> Iterator[Record]:
     """Every record of every file, lazily. Blank JSONL lines are not records."""
     ordinal = 0
     for path in paths:
         kind = file_kind(path)
         if kind == "jsonl":
-            with open(path, "rb") as f:
-                for line_no, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    yield Record(str(path), line_no, ordinal, line)
-                    ordinal += 1
-                    if max_docs and ordinal >= max_docs:
-                        return
+            rows = jsonl_lines(path)
         else:
-            row = 0
-            for batch in _table_batches(path, kind):
-                for obj in batch.to_pylist():
-                    row += 1
-                    yield Record(str(path), row, ordinal, obj)
-                    ordinal += 1
-                    if max_docs and ordinal >= max_docs:
-                        return
+            rows = enumerate((obj for batch in _table_batches(path, kind) for obj in batch.to_pylist()), 1)
+        for line_no, raw in rows:
+            yield Record(str(path), line_no, ordinal, raw)
+            ordinal += 1
+            if max_docs and ordinal >= max_docs:
+                return
 
 
 def corpus_hash(paths: list[Path]) -> str:
@@ -142,20 +168,32 @@ def corpus_hash(paths: list[Path]) -> str:
 # --- validation ----------------------------------------------------------------------------------------------
 
 
-def parse(raw: bytes | dict) -> dict:
+def parse(raw: bytes | dict | None) -> dict:
     if isinstance(raw, dict):
         return raw
+    if raw is None:
+        raise RecordError("line_too_long", f"the line is longer than {MAX_LINE_BYTES >> 20} MiB and was not read; "
+                                           "each line must be one JSON object: split or drop this record")
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise RecordError("invalid_utf8", f"byte {e.start} is not UTF-8; re-encode the file as UTF-8") from None
-    try:
-        obj = json.loads(text)
+        obj = json.loads(decode_utf8(raw))
     except json.JSONDecodeError as e:
         raise RecordError("invalid_json", f"{e.msg} at column {e.colno}; each line must be one JSON object") from None
+    except (ValueError, RecursionError) as e:  # an integer of > 4300 digits; nesting deeper than the stack
+        raise RecordError("invalid_json", f"{type(e).__name__}: {str(e)[:200]}") from None
     if not isinstance(obj, dict):
         raise RecordError("not_an_object", f"got a JSON {type(obj).__name__}; expected an object with 'messages'")
     return obj
+
+
+def decode_utf8(raw: bytes) -> str:
+    if b"\x00" in raw or raw.startswith((b"\xff\xfe", b"\xfe\xff")):  # never in UTF-8 JSON text
+        raise RecordError("invalid_utf8", "NUL bytes or a UTF-16 byte-order mark: the file looks UTF-16/32 encoded; "
+                                          "re-encode it as UTF-8 (e.g. iconv -f UTF-16 -t UTF-8)")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RecordError("invalid_utf8", f"byte {e.start} ({raw[e.start]:#04x}) is not UTF-8; re-encode the file "
+                                          "as UTF-8 (e.g. iconv -f LATIN1 -t UTF-8)") from None
 
 
 def validate_messages(obj: dict) -> list[dict]:
@@ -219,10 +257,10 @@ def validate_tokens(obj: dict, vocab_size: int) -> tuple[np.ndarray, np.ndarray]
         raise RecordError("wrong_type", "input_ids must hold integers only")
     if any(m not in (0, 1) for m in mask):
         raise RecordError("wrong_type", "loss_mask must hold 0 and 1 only")
-    arr = np.asarray(ids, dtype=np.int64)
-    if arr.min() < 0 or arr.max() >= vocab_size:
-        raise RecordError("token_out_of_range", f"ids must be in [0, {vocab_size}); found {arr.min()}..{arr.max()}")
-    return arr.astype(np.int32), np.asarray(mask, dtype=np.uint8)
+    lo, hi = min(ids), max(ids)  # checked as Python ints: one beyond int64 must not overflow numpy
+    if lo < 0 or hi >= vocab_size:
+        raise RecordError("token_out_of_range", f"ids must be in [0, {vocab_size}); found {lo}..{hi}")
+    return np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
 
 
 # --- chat template and loss mask -----------------------------------------------------------------------------
@@ -289,35 +327,65 @@ def _init_worker(tokenizer_dir: str, opts: dict) -> None:
     _OPTS = opts
 
 
-def process_chunk(chunk: list[Record]) -> list[tuple]:
-    """Records → ("doc", ordinal, ids, mask) or ("skip", Skip). Runs in a worker (or inline when workers == 1)."""
-    results: list = [None] * len(chunk)
-    texts, where = [], []
-    for i, rec in enumerate(chunk):
-        try:
-            obj = parse(rec.raw)
-            if "messages" not in obj and "input_ids" in obj:
-                ids, mask = validate_tokens(obj, _OPTS["vocab_size"])
-                results[i] = ("doc", rec.ordinal, ids, mask)
-                continue
-            msgs = prepare_messages(validate_messages(obj), _OPTS["thinking"])
-            tools = validate_tools(obj)
-            texts.append(_TOK.apply_chat_template(msgs, tokenize=False, **({"tools": tools} if tools else {})))
-            where.append(i)
-        except RecordError as e:
-            results[i] = ("skip", Skip(e.reason, e.detail, rec.file, rec.line))
-        except Exception as e:  # the chat template itself rejected the conversation
-            results[i] = ("skip", Skip("template_error", f"{type(e).__name__}: {e}", rec.file, rec.line))
-    if texts:
+def process_chunk(chunk: list[Record]) -> list[Tokens | Skip]:
+    """Records → Tokens or Skip, one each, in order. Runs in a worker (or inline when workers == 1) and never raises
+    for a record: whatever fails for one (parse, validation, template, encoding) comes back as its Skip."""
+    out = [render(rec) for rec in chunk]
+    chats = [i for i, r in enumerate(out) if isinstance(r, str)]
+    for i, enc in zip(chats, encode([out[i] for i in chats]), strict=True):
+        out[i] = to_tokens(chunk[i], out[i], enc)
+    return [supervised(r) for r in out]
+
+
+def render(rec: Record) -> str | Tokens | Skip:
+    """A chat record's text as the chat template renders it, a pre-tokenized record's tokens, or its Skip."""
+    try:
+        obj = parse(rec.raw)
+        if "messages" not in obj and "input_ids" in obj:
+            return Tokens(rec.file, rec.line, rec.ordinal, *validate_tokens(obj, _OPTS["vocab_size"]))
+        msgs = prepare_messages(validate_messages(obj), _OPTS["thinking"])
+        tools = validate_tools(obj)
+        return _TOK.apply_chat_template(msgs, tokenize=False, **({"tools": tools} if tools else {}))
+    except RecordError as e:
+        return Skip(e.reason, e.detail, rec.file, rec.line)
+    except Exception as e:  # noqa: BLE001 - the chat template (the checkpoint's jinja) rejected the conversation
+        return Skip("template_error", f"{type(e).__name__}: {e}", rec.file, rec.line)
+
+
+def encode(texts: list[str]) -> list:
+    """(input_ids, offsets) of each text, or the exception the tokenizer raised for it. One text the tokenizer
+    cannot encode fails a whole batch call, so a failed batch is encoded again text by text."""
+    if not texts:
+        return []
+    try:
         enc = _TOK(texts, add_special_tokens=False, return_offsets_mapping=True)
-        for j, i in enumerate(where):
-            ids = np.asarray(enc["input_ids"][j], dtype=np.int32)
-            mask = mask_from_offsets(enc["offset_mapping"][j], assistant_spans(texts[j]))
-            results[i] = ("doc", chunk[i].ordinal, ids, mask)
-    for i, rec in enumerate(chunk):
-        if results[i][0] == "doc" and not results[i][3].any():
-            results[i] = ("skip", Skip("no_supervised_tokens", "no assistant token to learn from", rec.file, rec.line))
-    return results
+        return list(zip(enc["input_ids"], enc["offset_mapping"], strict=True))
+    except Exception as e:  # noqa: BLE001 - the tokenizer's own error types (TypeError for a lone surrogate)
+        return [e] if len(texts) == 1 else [encode([t])[0] for t in texts]
+
+
+def to_tokens(rec: Record, text: str, enc) -> Tokens | Skip:
+    if isinstance(enc, Exception):
+        return Skip("encode_error", encode_detail(text, enc), rec.file, rec.line)
+    ids, offsets = enc
+    mask = mask_from_offsets(offsets, assistant_spans(text))
+    return Tokens(rec.file, rec.line, rec.ordinal, np.asarray(ids, dtype=np.int32), mask)
+
+
+def encode_detail(text: str, err: Exception) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        return (f"the text holds a lone surrogate U+{code:04X} (a \\u{code:04x} JSON escape without its pair), "
+                "which is not Unicode text and cannot be tokenized; fix or drop the record")
+    return f"the tokenizer cannot encode the rendered text ({type(err).__name__}: {str(err)[:200]}); fix or drop it"
+
+
+def supervised(r: Tokens | Skip) -> Tokens | Skip:
+    if isinstance(r, Tokens) and not r.loss_mask.any():
+        return Skip("no_supervised_tokens", "no assistant token to learn from", r.file, r.line)
+    return r
 
 
 def _chunks(records: Iterator[Record], size: int) -> Iterator[list[Record]]:
@@ -333,7 +401,7 @@ def _chunks(records: Iterator[Record], size: int) -> Iterator[list[Record]]:
 
 def tokenize_stream(
     records: Iterator[Record], tokenizer_dir: str, opts: dict, workers: int, chunk_docs: int
-) -> Iterator[tuple]:
+) -> Iterator[Tokens | Skip]:
     """Results in corpus order, computed by `workers` processes with a bounded number of chunks in flight."""
     if workers <= 1:
         _init_worker(tokenizer_dir, opts)

@@ -6,12 +6,18 @@ Reads the corpus as a stream, renders chats with the target tokenizer's template
 packs documents into rows of `seq_len` tokens, writes Arrow shards (temp → fsync → rename → manifest commit) into
 `<cache_root>/tokens-<key12>` and prints the cache directory on the last line. Same inputs → same key and
 byte-identical shards; a cache already complete for this key is reused as is.
+
+A bad record is skipped and counted per reason (file:line of each in `skips.jsonl`), or with `--strict=1` stops the
+run with that message; a file none of whose records became a document is reported loudly, and a corpus without a
+single document is an error before the cache is marked complete. `dry_run(cfg)` (what `make extract DRY_RUN=1`
+uses) computes the manifest in memory and writes nothing.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -19,13 +25,26 @@ from pathlib import Path
 from dflash_offline.config import TokenizeConfig, as_dict, config_from_argv
 from dflash_offline.corpus import (
     CorpusError,
+    Skip,
+    Tokens,
     check_tokenizer,
     corpus_hash,
     expand_paths,
     iter_records,
     tokenize_stream,
 )
-from dflash_offline.manifest import commit_shard, committed, hash_obj, open_cache, update_manifest
+from dflash_offline.manifest import (
+    MANIFEST,
+    MANIFEST_VERSION,
+    ManifestError,
+    commit_shard,
+    committed,
+    diff_producers,
+    hash_obj,
+    open_cache,
+    read_manifest,
+    update_manifest,
+)
 from dflash_offline.packing import PACKING_RULE, Doc, Packer, materialize, split_long
 from dflash_offline.progress import Progress, log, unbuffered
 from dflash_offline.shards import TOKENS_FORMAT_VERSION, token_shard_name, write_token_shard
@@ -78,91 +97,134 @@ def cache_dir_for(cfg: TokenizeConfig, key: str) -> Path:
 # --- the run -------------------------------------------------------------------------------------------------
 
 
-def run(cfg: TokenizeConfig) -> Path:
+def identify(cfg: TokenizeConfig) -> tuple[list[Path], object, dict, str, Path]:
+    """(corpus files, tokenizer, producer, key, cache directory): everything known before reading a record."""
     from transformers import AutoTokenizer
 
-    t0 = time.time()
     paths = expand_paths(cfg.corpus)
     tok = AutoTokenizer.from_pretrained(cfg.tokenizer)
     check_tokenizer(tok)
     producer = producer_for(cfg, tok, paths)
     key = hash_obj(producer)
-    out = cache_dir_for(cfg, key)
+    return paths, tok, producer, key, cache_dir_for(cfg, key)
+
+
+def run(cfg: TokenizeConfig) -> Path:
+    paths, tok, producer, key, out = identify(cfg)
     m = open_cache(out, "tokens", key, producer, as_dict(cfg), num_shards=None)
     if m.get("complete"):
         log(f"token cache {out} is complete for this key ({len(m['shards'])} shards): reusing it")
         return out
     done = committed(m)
-    workers = cfg.workers or os.cpu_count() or 1
-    log(f"tokenizing {len(paths)} file(s), {producer['corpus']['bytes'] / 1e6:.1f} MB, {workers} worker(s) → {out}")
-
-    opts = {"thinking": cfg.thinking, "vocab_size": len(tok)}
-    records = iter_records(paths, cfg.max_docs)
-    stream = tokenize_stream(records, cfg.tokenizer, opts, workers, cfg.chunk_docs)
-    packer = Packer(cfg.seq_len, cfg.open_rows)
-    stats = Counter()
-    skips: Counter = Counter()
-    pending_rows: list = []
-    shard_index = 0
+    log(f"tokenizing {len(paths)} file(s), {producer['corpus']['bytes'] / 1e6:.1f} MB, {workers_for(cfg)} worker(s) "
+        f"→ {out}")
     progress = Progress("tokenize", cfg.max_docs or None, "doc", out / "status.json")
-    skip_log = open(out / "skips.jsonl", "w", encoding="utf-8")
+    try:
+        with open(out / "skips.jsonl", "w", encoding="utf-8") as skip_log:
+            summary = tokenize_corpus(cfg, paths, len(tok), progress, skip_log,
+                                      lambda i, rows: write_shard(out, key, i, rows, cfg, pad_id(tok), done))
+    except BaseException:
+        progress.close("failed")
+        raise
+    update_manifest(out, complete=True, num_shards=summary["shards"], summary=summary)
+    progress.extra.update(summary)
+    progress.close("done")
+    return out
+
+
+def dry_run(cfg: TokenizeConfig) -> dict:
+    """The manifest `run` would leave, with nothing written to disk: read from the cache when it is complete for this
+    key, else computed in memory (records tokenized and packed, rows counted, no shard kept)."""
+    paths, tok, producer, key, out = identify(cfg)
+    if (out / MANIFEST).is_file():
+        m = read_manifest(out)
+        if m["key"] != key:
+            raise ManifestError(f"{out} already holds another cache (key {m['key'][:12]} ≠ {key[:12]}; differs in: "
+                                f"{', '.join(diff_producers(m.get('producer', {}), producer)) or 'code format'}): "
+                                "use another cache directory or delete it deliberately")
+        if m.get("complete"):
+            log(f"token cache {out} is complete for this key ({len(m['shards'])} shards)")
+            return m
+    log(f"dry run: tokenizing {len(paths)} file(s) in memory, {producer['corpus']['bytes'] / 1e6:.1f} MB, "
+        f"{workers_for(cfg)} worker(s); nothing is written")
+    shards: list[dict] = []
+
+    def count(index: int, rows) -> dict:
+        shards.append(dict(shard_entry(index, rows, cfg, pad_id(tok))[0], status="committed"))
+        return shards[-1]
+
+    progress = Progress("tokenize (dry run)", cfg.max_docs or None, "doc", None)
+    summary = tokenize_corpus(cfg, paths, len(tok), progress, None, count)
+    progress.close("done")
+    return {"version": MANIFEST_VERSION, "kind": "tokens", "key": key, "producer": producer, "config": as_dict(cfg),
+            "num_shards": len(shards), "shards": shards, "summary": summary, "complete": True, "dry_run": True}
+
+
+def workers_for(cfg: TokenizeConfig) -> int:
+    return cfg.workers or os.cpu_count() or 1
+
+
+def tokenize_corpus(cfg: TokenizeConfig, paths: list[Path], vocab_size: int, progress: Progress, skip_log,
+                    write) -> dict:
+    """Stream the corpus through the tokenizer workers and the packer; `write(index, rows)` takes each shard's rows
+    and returns its manifest entry. The summary, once every record is read. Raises CorpusError — before anything
+    is marked complete — at the first bad record in strict mode, and when no document is left to train on."""
+    t0 = time.time()
+    opts = {"thinking": cfg.thinking, "vocab_size": vocab_size}
+    stream = tokenize_stream(iter_records(paths, cfg.max_docs), cfg.tokenizer, opts, workers_for(cfg), cfg.chunk_docs)
+    packer = Packer(cfg.seq_len, cfg.open_rows)
+    stats, tally, pending, entries = Counter(), Tally(cfg.strict, skip_log), [], []
 
     def emit(rows, final=False):
-        nonlocal shard_index, pending_rows
-        pending_rows += rows
-        while len(pending_rows) >= cfg.rows_per_shard or (final and pending_rows):
-            batch, pending_rows = pending_rows[: cfg.rows_per_shard], pending_rows[cfg.rows_per_shard :]
-            write_shard(out, key, shard_index, batch, cfg, pad_id(tok), done, stats)
-            shard_index += 1
+        nonlocal pending
+        pending += rows
+        while len(pending) >= cfg.rows_per_shard or (final and pending):
+            batch, pending = pending[: cfg.rows_per_shard], pending[cfg.rows_per_shard :]
+            entries.append(write(len(entries), batch))
 
     try:
         for result in stream:
             stats["docs_read"] += 1
-            if result[0] == "skip":
-                skip = result[1]
-                if cfg.strict:
-                    raise CorpusError(
-                        skip.message() + "\n(strict mode stops at the first bad record: fix it, or run without "
-                        "--strict to skip such records and count them in the manifest)"
-                    )
-                skips[skip.reason] += 1
-                skip_log.write(json.dumps(vars(skip), ensure_ascii=False) + "\n")
-                if sum(skips.values()) <= 10:
-                    log(f"skipped {skip.message()}")
-                progress.update(1)
-                continue
-            _, ordinal, ids, mask = result
-            pieces, reason = split_long(Doc(ids, mask, ordinal), cfg.seq_len, cfg.long_doc)
-            if reason:
-                skips[reason] += 1
-                skip_log.write(json.dumps({"reason": reason, "detail": f"{len(ids)} tokens > seq_len",
-                                           "ordinal": ordinal}) + "\n")
-                progress.update(1)
-                continue
-            stats["docs_packed"] += 1
-            stats["pieces"] += len(pieces)
-            stats["truncated_tokens"] += max(0, len(ids) - cfg.seq_len) if cfg.long_doc == "truncate" else 0
+            pieces = accept(result, cfg, tally, stats)
             for piece in pieces:
                 emit(packer.add(piece))
-            progress.update(1, tokens=len(ids))
+            progress.update(1, tokens=len(result.input_ids) if pieces else 0)
         emit(packer.flush(), final=True)
     finally:
-        skip_log.close()
         stream.close()
-    summary = summarize(stats, skips, shard_index, cfg, time.time() - t0)
-    update_manifest(out, complete=True, num_shards=shard_index, summary=summary)
-    progress.extra.update(summary)
-    progress.close("done")
-    log(
-        f"{summary['rows']} rows in {shard_index} shards; {summary['tokens']:,} tokens "
+    tally.warn_about_files()
+    if not stats["docs_packed"]:
+        raise tally.nothing_to_train_on(stats["docs_read"], paths)
+    summary = summarize(stats, tally.skips, entries, time.time() - t0)
+    log(f"{summary['rows']} rows in {summary['shards']} shards; {summary['tokens']:,} tokens "
         f"({summary['supervised_tokens']:,} supervised), padding {100 * summary['padding_fraction']:.2f}%, "
-        f"{summary['docs_skipped_total']} skipped {dict(skips) or ''}; {summary['tokens_per_s']:,.0f} tok/s"
-    )
-    return out
+        f"{summary['docs_skipped_total']} skipped {dict(tally.skips) or ''}; {summary['tokens_per_s']:,.0f} tok/s")
+    return summary
 
 
-def write_shard(out: Path, key: str, index: int, rows, cfg, pad: int, done: dict, stats: Counter) -> None:
-    t = time.time()
+def accept(result: Tokens | Skip, cfg: TokenizeConfig, tally: Tally, stats: Counter) -> list[Doc]:
+    """The pieces of a document to pack; [] for a skipped record (counted, or the error in strict mode)."""
+    if isinstance(result, Skip):
+        tally.skip(result)
+        return []
+    pieces, reason = split_long(Doc(result.input_ids, result.loss_mask, result.ordinal), cfg.seq_len, cfg.long_doc)
+    if reason:  # the long_doc policy, not a fault: counted, also in strict mode
+        n = len(result.input_ids)
+        tally.skip(Skip(reason, f"{n} tokens > seq_len {cfg.seq_len} (long_doc=skip)", result.file, result.line),
+                   policy=True)
+        return []
+    tally.doc(result.file)
+    stats["docs_packed"] += 1
+    stats["pieces"] += len(pieces)
+    stats["truncated_tokens"] += max(0, len(result.input_ids) - cfg.seq_len) if cfg.long_doc == "truncate" else 0
+    return pieces
+
+
+# --- shards --------------------------------------------------------------------------------------------------
+
+
+def shard_entry(index: int, rows, cfg: TokenizeConfig, pad: int) -> tuple[dict, dict, list]:
+    """(manifest entry without files, arrays, doc sources) of one shard's rows."""
     arrays, sources = materialize(rows, cfg.seq_len, pad)
     real = int((arrays["doc_ids"] >= 0).sum())
     entry = {
@@ -173,19 +235,22 @@ def write_shard(out: Path, key: str, index: int, rows, cfg, pad: int, done: dict
         "supervised_tokens": int(arrays["loss_mask"].sum()),
         "padding_tokens": int(arrays["doc_ids"].size - real),
     }
-    stats["rows"] += entry["rows"]
-    stats["tokens"] += entry["tokens"]
-    stats["supervised_tokens"] += entry["supervised_tokens"]
-    stats["padding_tokens"] += entry["padding_tokens"]
+    return entry, arrays, sources
+
+
+def write_shard(out: Path, key: str, index: int, rows, cfg, pad: int, done: dict) -> dict:
+    t = time.time()
+    entry, arrays, sources = shard_entry(index, rows, cfg, pad)
     if index in done:  # committed by an earlier, interrupted run of the same key: same bytes by construction
-        return
+        return entry
     name = token_shard_name(index)
     files = {name: write_token_shard(out / name, arrays, sources, {"shard": index, "key": key})}
     commit_shard(out, dict(entry, files=files, seconds=time.time() - t, committed_at=time.time()))
+    return entry
 
 
-def summarize(stats: Counter, skips: Counter, shards: int, cfg, seconds: float) -> dict:
-    total = stats["tokens"] + stats["padding_tokens"]
+def summarize(stats: Counter, skips: Counter, entries: list[dict], seconds: float) -> dict:
+    tokens, padding = (sum(e[k] for e in entries) for k in ("tokens", "padding_tokens"))
     return {
         "docs_read": stats["docs_read"],
         "docs_packed": stats["docs_packed"],
@@ -193,15 +258,79 @@ def summarize(stats: Counter, skips: Counter, shards: int, cfg, seconds: float) 
         "docs_skipped_total": sum(skips.values()),
         "pieces": stats["pieces"],
         "truncated_tokens": stats["truncated_tokens"],
-        "rows": stats["rows"],
-        "shards": shards,
-        "tokens": stats["tokens"],
-        "supervised_tokens": stats["supervised_tokens"],
-        "padding_tokens": stats["padding_tokens"],
-        "padding_fraction": stats["padding_tokens"] / total if total else 0.0,
+        "rows": sum(e["rows"] for e in entries),
+        "shards": len(entries),
+        "tokens": tokens,
+        "supervised_tokens": sum(e["supervised_tokens"] for e in entries),
+        "padding_tokens": padding,
+        "padding_fraction": padding / (tokens + padding) if tokens + padding else 0.0,
         "seconds": seconds,
-        "tokens_per_s": stats["tokens"] / seconds if seconds > 0 else 0.0,
+        "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
     }
+
+
+# --- skips ---------------------------------------------------------------------------------------------------
+
+
+FILE_HINTS = {  # what to do about a file all of whose records were skipped, by its most common reason
+    "invalid_utf8": "re-encode it as UTF-8",
+    "invalid_json": "each line must be one JSON object (JSONL, not one JSON array)",
+    "missing_messages": "records need 'messages' (chat) or 'input_ids' + 'loss_mask' (pre-tokenized)",
+    "too_long": "raise seq_len or use long_doc=split",
+}
+
+
+class Tally:
+    """Skipped records: counted per reason with their first file:line examples and logged to `skips.jsonl`, or, in
+    strict mode, the error. Per file, records and documents: a file none of whose records became a document is
+    reported loudly, and a corpus without a document is an error that says what was skipped and why."""
+
+    EXAMPLES = 3  # file:line examples kept per reason
+    LOGGED = 10  # skips printed as they happen
+
+    def __init__(self, strict: bool, skip_log):
+        self.strict, self.skip_log = strict, skip_log
+        self.skips: Counter = Counter()
+        self.examples: dict[str, list[str]] = {}
+        self.files: dict[str, Counter] = {}  # file → {"docs": n, <reason>: n}
+
+    def doc(self, file: str) -> None:
+        self.files.setdefault(file, Counter())["docs"] += 1
+
+    def skip(self, skip: Skip, policy: bool = False) -> None:
+        if self.strict and not policy:
+            raise CorpusError(
+                skip.message() + "\n(strict mode stops at the first bad record: fix it, or run without "
+                "--strict to skip such records and count them in the manifest)"
+            )
+        self.skips[skip.reason] += 1
+        self.files.setdefault(skip.file, Counter())[skip.reason] += 1
+        self.examples.setdefault(skip.reason, [])
+        if len(self.examples[skip.reason]) < self.EXAMPLES:
+            self.examples[skip.reason].append(f"{skip.file}:{skip.line}")
+        if self.skip_log is not None:
+            self.skip_log.write(json.dumps(vars(skip), ensure_ascii=False) + "\n")
+        if sum(self.skips.values()) <= self.LOGGED:
+            log(f"skipped {skip.message()}")
+
+    def warn_about_files(self) -> None:
+        for file, counts in self.files.items():
+            if not counts["docs"]:
+                top = counts.most_common(1)[0][0]
+                reasons = ", ".join(f"{r} ×{n}" for r, n in counts.most_common())
+                msg = (f"WARNING: {file}: not one of its {sum(counts.values())} record(s) became a document "
+                       f"({reasons}): {FILE_HINTS.get(top, 'check its records against the corpus format')}")
+                log(msg)
+                print(msg, file=sys.stderr, flush=True)
+
+    def nothing_to_train_on(self, records: int, paths: list[Path]) -> CorpusError:
+        if not records:
+            return CorpusError(f"the corpus has no records ({', '.join(map(str, paths))}: empty or blank lines "
+                               "only): point CORPUS= at chat JSONL/Parquet files")
+        why = "; ".join(f"{r} ×{n} (e.g. {', '.join(self.examples[r])})" for r, n in self.skips.most_common())
+        listed = f" (every skip is listed in {self.skip_log.name})" if self.skip_log is not None else ""
+        return CorpusError(f"no document to train on: every record was skipped ({records} read): {why}. Fix these "
+                           f"records{listed} or point CORPUS= at other files")
 
 
 def main(argv: list[str]) -> None:

@@ -88,6 +88,12 @@ BAD = [
     ({"input_ids": [1, 2, 3], "loss_mask": [1, 1]}, "length_mismatch"),
     ({"input_ids": [1, 2, 10**9], "loss_mask": [1, 1, 1]}, "token_out_of_range"),
     ({"input_ids": [1, 2, 3], "loss_mask": [0, 0, 0]}, "no_supervised_tokens"),
+    ({"input_ids": [1, 2**70], "loss_mask": [1, 1]}, "token_out_of_range"),  # beyond int64
+    ('{"input_ids": [' + "7" * 5000 + '], "loss_mask": [1]}', "invalid_json"),  # past Python's int digit limit
+    ("[" * 100_000 + "]" * 100_000, "invalid_json"),  # nested deeper than the parser's stack
+    # a lone surrogate (a \ud800 JSON escape without its pair): a Python string the tokenizer cannot encode
+    ('{"messages": [{"role": "user", "content": "\\ud800"}, {"role": "assistant", "content": "a"}]}',
+     "encode_error"),
 ]
 
 
@@ -120,13 +126,22 @@ def test_strict_mode_stops_at_first_bad_record_with_file_and_line(tmp_path, qwen
 
 def test_long_document_policies(tmp_path, qwen35_dir):
     long = {"messages": [{"role": "user", "content": "go"}, {"role": "assistant", "content": "word " * 400}]}
-    corpus = write_jsonl(tmp_path / "long.jsonl", [long])
-    skipped = read_manifest(run(tmp_path / "s", [corpus], qwen35_dir, long_doc="skip"))["summary"]
-    assert skipped["docs_skipped"] == {"too_long": 1} and skipped["tokens"] == 0
+    short = {"messages": [{"role": "user", "content": "go"}, {"role": "assistant", "content": "ok"}]}
+    corpus = write_jsonl(tmp_path / "long.jsonl", [long, short])
+    cache = run(tmp_path / "s", [corpus], qwen35_dir, long_doc="skip", strict=True)  # a policy, not a fault
+    skipped = read_manifest(cache)["summary"]
+    assert skipped["docs_skipped"] == {"too_long": 1} and skipped["docs_packed"] == 1
+    [skip] = [json.loads(line) for line in (cache / "skips.jsonl").read_text().splitlines()]
+    assert (skip["file"], skip["line"], skip["reason"]) == (str(corpus), 1, "too_long")
     split = read_manifest(run(tmp_path / "p", [corpus], qwen35_dir, long_doc="split"))["summary"]
     trunc = read_manifest(run(tmp_path / "t", [corpus], qwen35_dir, long_doc="truncate"))["summary"]
-    assert split["pieces"] >= 2 and trunc["pieces"] == 1 and trunc["tokens"] == 256
+    assert split["pieces"] >= 3 and trunc["pieces"] == 2 and trunc["tokens"] == 256 + skipped["tokens"]
     assert split["tokens"] == trunc["tokens"] + trunc["truncated_tokens"]
+    # nothing left to train on: an error naming the reason and the record, before the cache is marked complete
+    only_long = write_jsonl(tmp_path / "only_long.jsonl", [long])
+    with pytest.raises(CorpusError, match=r"no document to train on.*too_long ×1 \(e\.g\. .*only_long\.jsonl:1\)"):
+        run(tmp_path / "o", [only_long], qwen35_dir, long_doc="skip")
+    assert not any(json.loads(m.read_text()).get("complete") for m in (tmp_path / "o").rglob("manifest.json"))
 
 
 def test_same_inputs_same_key_and_bytes_and_workers_do_not_matter(tmp_path, qwen35_dir, chat_corpus):

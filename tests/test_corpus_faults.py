@@ -1,0 +1,149 @@
+"""Stage 1a on corpus files as users have them: byte-order marks, CRLF, blank lines, files that are not UTF-8, text
+the tokenizer cannot encode, huge lines, corpora with no document; and a dry run of stage 1b that writes nothing."""
+
+import json
+
+import pytest
+
+from dflash_offline.config import ExtractConfig, TokenizeConfig
+from dflash_offline.corpus import CorpusError
+from dflash_offline.manifest import read_manifest
+from stages import extract, tokenize
+
+GOOD = [{"messages": [{"role": "user", "content": f"Ça va {i}?"}, {"role": "assistant", "content": f"Oui, {i}, très bien"}]}
+        for i in range(3)]
+
+
+def tok_cfg(tmp_path, files, tokenizer, **kw):
+    return TokenizeConfig(corpus=[str(f) for f in files], tokenizer=str(tokenizer), cache_root=str(tmp_path / "c"),
+                          seq_len=128, rows_per_shard=2, workers=kw.pop("workers", 1), **kw).resolve()
+
+
+def run(tmp_path, files, tokenizer, **kw):
+    return tokenize.run(tok_cfg(tmp_path, files, tokenizer, **kw))
+
+
+def lines(records) -> list[bytes]:
+    return [json.dumps(r, ensure_ascii=False).encode() for r in records]
+
+
+def skips(cache) -> list[tuple[int, str]]:
+    return [(s["line"], s["reason"]) for s in map(json.loads, (cache / "skips.jsonl").read_text().splitlines())]
+
+
+def docs(cache) -> list[list[int]]:
+    from dflash_offline.packing import unpack_row
+    from dflash_offline.shards import read_token_shard
+
+    out = []
+    for s in read_manifest(cache)["shards"]:
+        arrays = read_token_shard(cache / next(iter(s["files"])))
+        out += [ids.tolist() for i in range(arrays["input_ids"].shape[0]) for ids, _ in unpack_row(arrays, i)]
+    return sorted(out)
+
+
+def test_bom_crlf_and_blank_lines_read_like_a_clean_file(tmp_path, qwen35_dir):
+    clean = tmp_path / "clean.jsonl"
+    clean.write_bytes(b"\n".join(lines(GOOD)) + b"\n")
+    windows = tmp_path / "windows.jsonl"  # as a Windows editor saves it: BOM, CRLF, blank and whitespace-only lines
+    a, b, c = lines(GOOD)
+    windows.write_bytes(b"\xef\xbb\xbf" + a + b"\r\n\r\n" + b + b"\r\n \t\r\n" + b'{"text": "x"}\r\n' + c + b"\r\n")
+    want, got = run(tmp_path / "a", [clean], qwen35_dir), run(tmp_path / "b", [windows], qwen35_dir)
+    assert read_manifest(got)["summary"]["docs_packed"] == 3
+    assert docs(got) == docs(want)
+    assert skips(got) == [(5, "missing_messages")]  # line numbers count the blank lines
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_text_the_tokenizer_cannot_encode_is_a_counted_skip_or_a_strict_error(tmp_path, qwen35_dir, workers):
+    # "\ud800" in JSON is a lone UTF-16 surrogate: a Python string, but no Unicode text the tokenizer can encode
+    surrogate = b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x\\ud800"}]}'
+    bad = tmp_path / "bad.jsonl"
+    a, b, c = lines(GOOD)
+    bad.write_bytes(b"\n".join([a, surrogate, b, c]) + b"\n")
+    # chunks of 2: the bad record shares a tokenizer call (in a worker process with workers=2) with a good one
+    cache = run(tmp_path / "d", [bad], qwen35_dir, workers=workers, chunk_docs=2)
+    summary = read_manifest(cache)["summary"]
+    assert summary["docs_skipped"] == {"encode_error": 1} and summary["docs_packed"] == 3
+    assert skips(cache) == [(2, "encode_error")]
+    with pytest.raises(CorpusError, match=r"(?s)bad\.jsonl:2: encode_error: .*surrogate U\+D800.*strict"):
+        run(tmp_path / "s", [bad], qwen35_dir, workers=workers, chunk_docs=2, strict=True)
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "latin-1"])
+def test_file_that_is_not_utf8_names_every_line_and_says_so_loudly(tmp_path, qwen35_dir, capsys, encoding):
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in GOOD)
+    foreign = tmp_path / "foreign.jsonl"
+    foreign.write_bytes(text.encode(encoding))  # every line holds a non-ASCII character
+    fine = tmp_path / "fine.jsonl"
+    fine.write_text(text, encoding="utf-8")
+    cache = run(tmp_path / "d", [foreign, fine], qwen35_dir)
+    summary = read_manifest(cache)["summary"]
+    n = len(skips(cache))
+    assert summary["docs_skipped"] == {"invalid_utf8": n} and summary["docs_packed"] == 3
+    assert skips(cache) == [(i, "invalid_utf8") for i in range(1, n + 1)] and n >= 3
+    err = capsys.readouterr().err
+    assert f"WARNING: {foreign}: not one of its {n} record(s) became a document (invalid_utf8 ×{n})" in err
+    assert "re-encode it as UTF-8" in err
+    with pytest.raises(CorpusError, match=r"(?s)foreign\.jsonl:1: invalid_utf8: .*UTF-8.*strict"):
+        run(tmp_path / "s", [foreign, fine], qwen35_dir, strict=True)
+
+
+def complete_caches(root) -> list:
+    return [m.parent for m in root.rglob("manifest.json") if json.loads(m.read_text()).get("complete")]
+
+
+def test_corpus_without_a_document_is_an_error_before_any_cache_is_complete(tmp_path, qwen35_dir):
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in GOOD[:2]).encode("latin-1"))
+    nothing = tmp_path / "nothing.jsonl"
+    nothing.write_bytes(json.dumps({"text": "hi"}).encode() + b"\n")
+    match = (r"no document to train on: every record was skipped \(3 read\): invalid_utf8 ×2 \(e\.g\. "
+             r".*latin\.jsonl:1, .*latin\.jsonl:2\); missing_messages ×1 \(e\.g\. .*nothing\.jsonl:1\)")
+    with pytest.raises(CorpusError, match=match):
+        run(tmp_path, [latin, nothing], qwen35_dir)
+    blank = tmp_path / "blank.jsonl"
+    blank.write_bytes(b"\n \r\n\n")
+    with pytest.raises(CorpusError, match=r"the corpus has no records \(.*blank\.jsonl: empty or blank lines only"):
+        run(tmp_path, [blank], qwen35_dir)
+    # stage 1b (which runs stage 1a) refuses the same corpus before it builds anything
+    ext = ExtractConfig(target=str(qwen35_dir), cache_root=str(tmp_path / "c"), num_draft_layers=3,
+                        device="cpu").resolve()
+    with pytest.raises(CorpusError, match="no document to train on"):
+        extract.run(ext, tok_cfg(tmp_path, [latin, nothing], qwen35_dir))
+    assert not complete_caches(tmp_path / "c") and not list((tmp_path / "c").glob("hidden-*"))
+
+
+def test_huge_line_is_skipped_unread_with_file_and_line(tmp_path, qwen35_dir):
+    a, b, _ = lines(GOOD)
+    huge = b'{"messages": [{"role": "user", "content": "' + b"x" * (64 << 20) + b'"}]}'  # over the 64 MiB limit
+    big = tmp_path / "big.jsonl"
+    big.write_bytes(b"\n".join([a, huge, b]) + b"\n")
+    cache = run(tmp_path / "d", [big], qwen35_dir)
+    summary = read_manifest(cache)["summary"]
+    assert summary["docs_skipped"] == {"line_too_long": 1} and summary["docs_packed"] == 2
+    assert skips(cache) == [(2, "line_too_long")]
+    with pytest.raises(CorpusError, match=r"(?s)big\.jsonl:2: line_too_long: .*64 MiB.*strict"):
+        run(tmp_path / "s", [big], qwen35_dir, strict=True)
+
+
+def test_extract_dry_run_writes_nothing_and_estimates_like_the_real_run(tmp_path, qwen35_dir, chat_corpus, capsys):
+    root = tmp_path / "cache"  # a fresh cache root: it does not exist yet
+    tok = TokenizeConfig(corpus=[str(chat_corpus)], tokenizer=str(qwen35_dir), cache_root=str(root), seq_len=128,
+                         rows_per_shard=4, workers=1, max_docs=40).resolve()
+    ext = ExtractConfig(target=str(qwen35_dir), cache_root=str(root), num_draft_layers=3, device="cpu",
+                        batch_rows=2, dry_run=True).resolve()
+    assert extract.run(ext, tok) is None
+    assert not root.exists()  # no token cache, no hidden cache, no status or skip files, not even the root
+    out = capsys.readouterr().out
+    assert "kernels ok" in out and "estimated" in out and "GB" in out
+    # the in-memory manifest is the one the real run writes (shards, rows, tokens, skips)
+    dry = tokenize.dry_run(tok)
+    real = read_manifest(tokenize.run(tok))
+    timing = ("seconds", "tokens_per_s")
+    assert {k: v for k, v in dry["summary"].items() if k not in timing} == \
+        {k: v for k, v in real["summary"].items() if k not in timing}
+    fields = ("index", "rows", "docs", "tokens", "supervised_tokens", "padding_tokens", "status")
+    assert [{k: s[k] for k in fields} for s in dry["shards"]] == [{k: s[k] for k in fields} for s in real["shards"]]
+    assert (dry["key"], dry["num_shards"]) == (real["key"], real["num_shards"]) and dry["num_shards"] > 1
+    assert tokenize.dry_run(tok) == real  # a complete cache on disk is read, not recomputed
