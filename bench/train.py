@@ -29,6 +29,7 @@ from bench.extract import TEXT_27B, TEXT_TINY, write_config
 from bench.gpu import GpuSampler
 from dflash_offline.dataset import make_fake_cache
 from dflash_offline.manifest import update_manifest
+from dflash_offline.targetid import target_fingerprint
 
 DRAFTER_27B = dict(num_layers=5, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=17408)
 DRAFTER_TINY = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128)
@@ -74,7 +75,7 @@ def synthetic_cache(root: Path, text: dict, target: Path, rows: int, seq_len: in
     cache = make_fake_cache(root / "hidden", 2, rows // 2, seq_len, text["hidden_size"], layers, token_rows=token_rows)
     m = json.loads((cache / "manifest.json").read_text())
     producer = dict(m["producer"], target=dict(m["producer"]["target"], num_layers=text["num_hidden_layers"],
-                                               vocab_size=text["vocab_size"]))
+                                               vocab_size=text["vocab_size"], **target_fingerprint(target)))
     update_manifest(cache, producer=producer,
                     config=dict(m["config"], extract={"target": str(target)}, mask_token_id=text["vocab_size"] - 250))
     return cache

@@ -5,41 +5,80 @@ the architecture and file layout). The fingerprint is the SHA-256 of `config.jso
 name, size and header (tensor names, dtypes, shapes, offsets), and of 16 evenly spaced 64 KiB samples of each
 file's bytes — a different fine-tune of the same shapes changes the samples. `make verify` recomputes hidden
 states from the weights themselves on sampled rows, which catches anything the fingerprint could miss.
+
+`resolve_checkpoint` is the one place a target or tokenizer path is turned into a directory and checked to hold what
+its caller reads, before any cache or run directory exists; `check_same_target` is the trainer's refusal of a cache
+extracted from other weights.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
 from pathlib import Path
 
 SAMPLES, SAMPLE_BYTES = 16, 1 << 16
 
 
-def resolve_checkpoint(target: str) -> Path:
-    """A local directory, or a hub id already present in the local HF cache (no downloads at run time)."""
-    p = Path(target)
+class TargetError(ValueError):
+    """A target or tokenizer path that cannot be used, or a target that is not the cache's; the message says why."""
+
+
+# what a caller may need from a checkpoint directory: (file patterns, any one of which is enough; how to name them)
+NEEDS = {
+    "config": (("config.json",), "config.json"),
+    "weights": (("*.safetensors",), "*.safetensors weights"),
+    "tokenizer": (("tokenizer.json", "tokenizer_config.json"), "tokenizer.json or tokenizer_config.json"),
+}
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt"]
+FINGERPRINT_KEYS = ("config_sha256", "weights_fingerprint")
+
+
+def resolve_checkpoint(target: str, need: tuple[str, ...] = ("config", "weights"), field: str = "target") -> Path:
+    """The directory `target` names, a local directory or a hub id already in the local HF cache (no downloads at
+    run time), checked to hold what the caller reads (`need`: keys of NEEDS). Cheap: call it before creating
+    anything. Every failure is one TargetError line naming `field`, the path and what is expected."""
+    expected = (f"expected a directory with {' and '.join(NEEDS[n][1] for n in need)}, or a hub id already in the "
+                f"local HF cache")
+    ckpt = _locate(target, field, expected)
+    missing = [NEEDS[n][1] for n in need if not any(any(ckpt.glob(pat)) for pat in NEEDS[n][0])]
+    if missing:
+        raise TargetError(f"{field} {target!r}: {ckpt} has no {' and no '.join(missing)}; {expected}")
+    return ckpt
+
+
+def _locate(target: str, field: str, expected: str) -> Path:
+    if not target:
+        raise TargetError(f"{field} is empty; {expected}")
+    p = Path(target).expanduser()
     if p.is_dir():
         return p
-    if "/" in target and not p.exists():
-        try:
-            from huggingface_hub import snapshot_download
+    if p.exists():
+        raise TargetError(f"{field} {target!r} is a file; {expected}")
+    if not _is_hub_id(target):
+        raise TargetError(f"{field} {target!r}: no such directory; {expected}")
+    try:
+        from huggingface_hub import snapshot_download
 
-            return Path(snapshot_download(target, local_files_only=True, allow_patterns=["*.json", "*.safetensors",
-                                                                                         "*.jinja", "*.txt"]))
-        except Exception as e:
-            raise ValueError(
-                f"target {target!r} is not a local directory and not in the local HF cache ({type(e).__name__}); "
-                "download it first (huggingface-cli download) or pass TARGET=/path/to/checkpoint"
-            ) from None
-    raise ValueError(f"target {target!r} not found: pass TARGET=/path/to/checkpoint")
+        return Path(snapshot_download(target, local_files_only=True, allow_patterns=HUB_PATTERNS))
+    except Exception as e:  # the hub client's many ways of saying "not here" (validation, not cached, offline)
+        raise TargetError(
+            f"{field} {target!r}: no such directory, and not in the local HF cache ({type(e).__name__}); {expected}: "
+            f"download it first (huggingface-cli download {target}) or pass the checkpoint's directory"
+        ) from None
+
+
+def _is_hub_id(target: str) -> bool:
+    """`owner/name` as the hub spells repo ids (a path like `build/demo/target` or `./x` is not one)."""
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", target) is not None and ".." not in target
 
 
 def weight_files(ckpt: Path) -> list[Path]:
     files = sorted(ckpt.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"{ckpt}: no *.safetensors weights (only safetensors checkpoints are supported)")
+        raise TargetError(f"{ckpt}: no *.safetensors weights (only safetensors checkpoints are supported)")
     return files
 
 
@@ -59,7 +98,7 @@ def file_fingerprint(path: Path) -> str:
 def target_fingerprint(ckpt: Path) -> dict:
     cfg = ckpt / "config.json"
     if not cfg.is_file():
-        raise ValueError(f"{ckpt}: no config.json; is this a Hugging Face checkpoint directory?")
+        raise TargetError(f"{ckpt}: no config.json; is this a Hugging Face checkpoint directory?")
     config_text = json.dumps(json.loads(cfg.read_text()), sort_keys=True)
     weights = hashlib.sha256()
     for f in weight_files(ckpt):
@@ -68,3 +107,21 @@ def target_fingerprint(ckpt: Path) -> dict:
         "config_sha256": hashlib.sha256(config_text.encode()).hexdigest(),
         "weights_fingerprint": weights.hexdigest(),
     }
+
+
+def check_same_target(target: str, recorded: dict, cache: str, cache_target: str) -> None:
+    """Refuse `target` unless its fingerprint equals `recorded`, the producer.target of the cache at `cache`, which was
+    extracted from `cache_target`. The whole fingerprint counts: the cache's hidden states came from all weights."""
+    got = target_fingerprint(resolve_checkpoint(target))
+    diff = [f"{k} {got[k][:16]} here, {str(recorded.get(k))[:16]} in the cache" for k in FINGERPRINT_KEYS
+            if got[k] != recorded.get(k)]
+    if not diff:
+        return
+    if target == cache_target or Path(target).resolve() == Path(cache_target).resolve():
+        what = f"target {target} has changed since {cache} was extracted from it"
+        fix = "put back the checkpoint the cache was extracted from"
+    else:
+        what = f"target {target} is not the target {cache} was extracted from ({cache_target})"
+        fix = f"train with the target the cache was extracted from (target={cache_target})"
+    raise TargetError(f"{what}: {'; '.join(diff)}; its hidden states came from other weights. Either {fix}, or "
+                      f"re-extract the cache from this target (make extract TARGET={target})")

@@ -33,7 +33,8 @@ def cache_defaults(cfg: TrainConfig) -> dict:
         raise ValueError(f"{cfg.cache} is a {m['kind']} cache: train on a hidden-state cache (make extract output)")
     tgt = m["producer"]["target"]
     return {
-        "target": cfg.target or m["config"]["extract"]["target"],
+        "target": cfg.target or m["config"]["extract"]["target"], "cache_target": m["config"]["extract"]["target"],
+        "target_id": tgt,
         "layer_ids": list(cfg.layer_ids) or list(m["config"]["layer_ids"]),
         "mask_token_id": cfg.mask_token_id if cfg.mask_token_id >= 0 else m["config"]["mask_token_id"],
         "hidden_size": tgt["hidden_size"], "num_target_layers": tgt["num_layers"], "vocab_size": tgt["vocab_size"],
@@ -46,7 +47,8 @@ def drafter_config(cfg: TrainConfig, c: dict):
     from dflash_offline.target import read_target_info
     from dflash_offline.targetid import resolve_checkpoint
 
-    info = read_target_info(resolve_checkpoint(c["target"]))
+    info = read_target_info(resolve_checkpoint(c["target"], field="train.target" if cfg.target else
+                                               f"train.target (empty: the target {cfg.cache} was extracted from)"))
     if c["mask_token_id"] is None:
         raise ValueError("no mask token: pass mask_token_id= (Qwen3 151669, Qwen3.5/3.6 248070)")
     if info.hidden_size != c["hidden_size"] or info.num_layers != c["num_target_layers"]:
@@ -154,11 +156,13 @@ def _run(cfg: TrainConfig) -> Path:
     from dflash_offline.loss import block_ce_loss, resolve_epilogue
     from dflash_offline.optim import MasterAdamW, fp32_allreduce_hook
     from dflash_offline.progress import Progress, log
+    from dflash_offline.targetid import check_same_target
 
     t0 = time.time()
     run_dir = Path(cfg.run)
     c = cache_defaults(cfg)
     dc = drafter_config(cfg, c)
+    check_same_target(c["target"], c["target_id"], cfg.cache, c["cache_target"])
     info = open_hidden_cache(cfg.cache, c["layer_ids"], hidden_size=c["hidden_size"], seq_len=c["seq_len"],
                              require_verified=cfg.require_verified)
     if (run_dir / "checkpoints").exists() and not cfg.resume:

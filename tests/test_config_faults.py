@@ -1,0 +1,209 @@
+"""Faults a user makes in recipes, on the command line and in TARGET=, refused early in one line that names the fix.
+
+A misspelled recipe section or key is an error naming the nearest valid one (never silently ignored); a target or
+tokenizer path that is missing, empty or without weights is one line naming the path and what is expected; the
+trainer refuses a cache extracted from a target of the same shapes but other weights, before its run directory
+exists.
+"""
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_offline.config import (
+    ConfigError,
+    ExtractConfig,
+    TokenizeConfig,
+    TrainConfig,
+    VerifyConfig,
+    config_from_argv,
+    configs_from_argv,
+)
+from dflash_offline.export import ExportConfig
+from dflash_offline.targetid import TargetError, resolve_checkpoint
+from stages import train
+from stages.evaluate import EvalConfig
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_anchors=8, batch_rows=2, log_every=1,
+            trackers="none", lr=3e-3, warmup_steps=1, steps=1, ckpt_every=1)
+EXTRACT_SPECS = [(ExtractConfig, "extract"), (TokenizeConfig, "tokenize")]
+
+
+def recipe(tmp_path, text: str) -> str:
+    path = tmp_path / "x.toml"
+    path.write_text(text)
+    return f"--recipe={path}"
+
+
+def train_cfg(cache, run, **kw):
+    return TrainConfig(cache=str(cache), run=str(run), **{**TINY, **kw}).resolve()
+
+
+# --- recipes and the command line --------------------------------------------------------------------------------
+
+
+def test_misspelled_recipe_section_is_refused_naming_the_nearest(tmp_path):
+    arg = recipe(tmp_path, "[trian]\nsteps = 3\n")
+    with pytest.raises(ConfigError, match=r"x\.toml: unknown section \[trian\]; did you mean \[train\]\? \(sections: "
+                                          r"\[tokenize\], \[extract\]"):
+        configs_from_argv([(TrainConfig, "train")], [arg, "--cache=c"], "")
+
+
+def test_recipe_key_outside_any_section_is_refused(tmp_path):
+    arg = recipe(tmp_path, "steps = 3\n[train]\nlr = 1e-3\n")
+    with pytest.raises(ConfigError, match=r"steps = 3 is outside any section"):
+        configs_from_argv([(TrainConfig, "train")], [arg, "--cache=c"], "")
+
+
+@pytest.mark.parametrize("entry", ["configs_from_argv", "config_from_argv"])
+def test_misspelled_recipe_key_is_refused_naming_the_nearest(tmp_path, entry):
+    arg = recipe(tmp_path, "[train]\nstesp = 3\n")
+    with pytest.raises(ConfigError, match=r"x\.toml: unknown setting stesp in \[train\]; did you mean steps\?"):
+        if entry == "configs_from_argv":
+            configs_from_argv([(TrainConfig, "train")], [arg, "--cache=c"], "")
+        else:
+            config_from_argv(TrainConfig, "train", [arg, "--cache=c"], "")
+
+
+def test_misspelled_command_line_key_is_refused_naming_the_nearest(tmp_path):
+    with pytest.raises(ConfigError, match=r"--stesp: unknown setting; did you mean --steps\?"):
+        configs_from_argv([(TrainConfig, "train")], ["--cache=c", "--stesp=3"], "")
+    with pytest.raises(ConfigError, match=r"--corpsu: unknown setting; did you mean --corpus\?"):
+        config_from_argv(TokenizeConfig, "tokenize", ["--corpsu=a.jsonl", "--tokenizer=t"], "")
+    with pytest.raises(ConfigError, match=r"--taget: unknown setting; did you mean --target\?"):  # even when empty
+        configs_from_argv(EXTRACT_SPECS, ["--taget=", "--target=t", "--corpus=a"], "")
+
+
+def test_every_stage_reads_its_section_of_one_recipe_and_accepts_the_others(tmp_path):
+    arg = recipe(tmp_path, """
+[tokenize]
+corpus = ["a.jsonl"]
+tokenizer = "tok"
+[extract]
+target = "tgt"
+[verify]
+rows = 3
+[train]
+steps = 7
+[eval]
+num_prompts = 5
+[export]
+dtype = "float32"
+""")
+    ext, tok = configs_from_argv(EXTRACT_SPECS, [arg], "")
+    assert (ext.target, tok.corpus, tok.tokenizer) == ("tgt", ["a.jsonl"], "tok")
+    assert config_from_argv(TokenizeConfig, "tokenize", [arg], "").tokenizer == "tok"
+    assert config_from_argv(VerifyConfig, "verify", [arg, "--cache=c"], "").rows == 3
+    assert configs_from_argv([(TrainConfig, "train")], [arg, "--cache=c"], "")[0].steps == 7
+    assert config_from_argv(EvalConfig, "eval", [arg, "--run=r"], "").num_prompts == 5
+    assert configs_from_argv([(ExportConfig, "export")], [arg, "--run=r", "--out=o"], "")[0].dtype == "float32"
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "manifests").glob("*.toml")), ids=lambda p: p.name)
+def test_committed_recipes_load_in_every_stage(path):
+    arg = f"--recipe={path}"
+    ext, tok = configs_from_argv(EXTRACT_SPECS, [arg], "")
+    assert ext.target and tok.tokenizer and tok.corpus
+    assert configs_from_argv([(TrainConfig, "train")], [arg, "--cache=c"], "")[0].num_layers >= 1
+
+
+# --- target and tokenizer paths ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["missing", "hub_shaped_missing", "empty", "config_only", "file"])
+def test_unusable_target_is_one_line_naming_the_path_and_what_is_expected(tmp_path, qwen35_dir, case):
+    target = {"missing": str(tmp_path / "build" / "no" / "target"), "hub_shaped_missing": "dflash-tests/no-such-model",
+              "empty": str(tmp_path / "empty"), "config_only": str(tmp_path / "cfg"),
+              "file": str(tmp_path / "weights.bin")}[case]
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "cfg").mkdir()
+    shutil.copy(qwen35_dir / "config.json", tmp_path / "cfg")
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    why = {"missing": "no such directory", "hub_shaped_missing": "not in the local HF cache",
+           "empty": r"has no config\.json and no \*\.safetensors weights", "config_only": r"has no \*\.safetensors",
+           "file": "is a file"}[case]
+    with pytest.raises(TargetError) as e:
+        resolve_checkpoint(target, field="extract.target")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"extract.target {target!r}") and re.search(why, msg)
+    assert "expected a directory with config.json and *.safetensors weights, or a hub id already in the local HF " \
+           "cache" in msg
+
+
+def test_tokenizer_path_needs_tokenizer_files_not_weights(tmp_path, qwen35_dir):
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(qwen35_dir / name, tok)
+    assert resolve_checkpoint(str(tok), need=("tokenizer",), field="tokenize.tokenizer") == tok
+    with pytest.raises(TargetError, match=r"^tokenize\.tokenizer '.*nowhere': no such directory; expected a directory "
+                                          r"with tokenizer\.json or tokenizer_config\.json"):
+        resolve_checkpoint(str(tmp_path / "nowhere"), need=("tokenizer",), field="tokenize.tokenizer")
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "no_weights"])
+def test_train_refuses_an_unusable_target_before_the_run_dir_exists(tmp_path, hidden_cache, qwen35_dir, case):
+    target = tmp_path / "target"
+    if case != "missing":
+        target.mkdir()
+    if case == "no_weights":
+        shutil.copy(qwen35_dir / "config.json", target)
+    why = {"missing": "no such directory", "empty": r"no config\.json", "no_weights": r"no \*\.safetensors weights"}
+    with pytest.raises(TargetError, match=rf"^train\.target '{re.escape(str(target))}'.*{why[case]}"):
+        train.run(train_cfg(hidden_cache, tmp_path / "run", target=str(target)))
+    assert not (tmp_path / "run").exists()
+
+
+# --- a target of the same shapes but other weights -----------------------------------------------------------------
+
+
+def retrained_copy(src: Path, dst: Path, change: bool) -> Path:
+    """`src` copied to `dst` with its weights rewritten: every tensor but the embedding and lm_head changed (a
+    fine-tune that kept its embeddings: the trainer's frozen tables are equal, the hidden states are not)."""
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "model.safetensors"))
+    if change:
+        keep = ("embed_tokens", "lm_head")
+        tensors = {k: v if any(s in k for s in keep) else (v.float() * 1.25 + 0.01).to(v.dtype)
+                   for k, v in tensors.items()}
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_train_refuses_a_cache_from_a_same_shape_target_with_other_weights(tmp_path, hidden_cache, qwen35_dir):
+    other = retrained_copy(qwen35_dir, tmp_path / "finetuned", change=True)
+    assert torch.equal(load_file(str(other / "model.safetensors"))["lm_head.weight"],
+                       load_file(str(qwen35_dir / "model.safetensors"))["lm_head.weight"])
+    with pytest.raises(TargetError) as e:
+        train.run(train_cfg(hidden_cache, tmp_path / "run", target=str(other)))
+    msg = str(e.value)
+    assert f"target {other} is not the target {hidden_cache} was extracted from ({qwen35_dir})" in msg
+    assert "weights_fingerprint" in msg and "config_sha256" not in msg  # names what differs, and only that
+    assert "re-extract" in msg and f"TARGET={other}" in msg
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_refuses_a_cache_whose_own_target_changed_since_extraction(tmp_path, hidden_cache, qwen35_dir):
+    other = retrained_copy(qwen35_dir, tmp_path / "finetuned", change=True)
+    cache = tmp_path / "cache"
+    shutil.copytree(hidden_cache, cache)
+    m = json.loads((cache / "manifest.json").read_text())
+    m["config"]["extract"]["target"] = str(other)  # as if the checkpoint at the cache's path had been replaced
+    m["config"]["tokens_dir"] = os.path.relpath((hidden_cache / m["config"]["tokens_dir"]).resolve(), cache)
+    (cache / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(TargetError, match=re.escape(f"target {other} has changed since {cache} was extracted from it: "
+                                                          "weights_fingerprint")):
+        train.run(train_cfg(cache, tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_accepts_a_copy_of_the_cache_target_at_another_path(tmp_path, hidden_cache, qwen35_dir):
+    same = retrained_copy(qwen35_dir, tmp_path / "copy", change=False)
+    assert (train.run(train_cfg(hidden_cache, tmp_path / "run", target=str(same))) / "config.json").is_file()
