@@ -7,6 +7,7 @@ one-line comment; required fields have no default. `resolve()` is the one place 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import sys
 import tomllib
@@ -18,6 +19,11 @@ from pathlib import Path
 
 class ConfigError(ValueError):
     """A config, recipe or command-line value is wrong; the message says which and what to do."""
+
+
+# every recipe table some stage reads (tokenize; extract reads [extract] + [tokenize]; verify; train; evaluate reads
+# [eval]; export): any other section in a recipe is a typo, refused rather than silently ignored
+RECIPE_SECTIONS = ("tokenize", "extract", "verify", "train", "eval", "export")
 
 
 @dataclass
@@ -68,6 +74,7 @@ class ExtractConfig:
     device: str = "auto"  # "auto" (cuda when available), "cuda" or "cpu"
     mode: str = "auto"  # document isolation: "auto", "packed" (fla varlen kernels, GPU) or "per_doc"
     lease_s: float = 900.0  # a claimed shard not committed within this many seconds may be taken over
+    wait_claims: bool = False  # at the end, wait for shards other live processes hold (else exit 2 naming them)
     dry_run: bool = False  # validate, estimate size and time, check kernels, then stop before loading weights
     min_free_gb: float = 2.0  # refuse to start unless the cache's filesystem keeps this much room after the run
     write_queue: int = 3  # shards being written in the background at once (pinned host memory: one shard more)
@@ -278,26 +285,61 @@ def parse_overrides(argv: list[str]) -> tuple[str | None, dict[str, str]]:
     return recipe, out
 
 
-def load_config(cls, section: str, recipe: str | None, overrides: dict[str, str], base: dict | None = None):
-    """Build `cls` from a recipe's `[section]` table, then `--key=value` overrides; empty override = keep."""
-    values: dict[str, object] = dict(base or {})
-    if recipe:
-        path = Path(recipe)
-        if not path.is_file():
-            raise ConfigError(f"recipe {recipe} not found: pass --recipe=manifests/<name>.toml")
-        try:
-            table = tomllib.loads(path.read_text()).get(section, {})
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"recipe {recipe}: invalid TOML: {e}") from None
-        values.update(table)
-    values.update({k: v for k, v in overrides.items() if v != ""})
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
+def did_you_mean(name: str, choices, fmt: str = "{}") -> str:
+    """'; did you mean X?' naming the nearest valid choice, or '' when none is close."""
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f"; did you mean {fmt.format(close[0])}?" if close else ""
+
+
+def read_recipe(recipe: str) -> dict:
+    """A recipe's tables by section; a section no stage reads, or a key outside any section, is an error."""
+    path = Path(recipe)
+    if not path.is_file():
+        raise ConfigError(f"recipe {recipe} not found: pass --recipe=manifests/<name>.toml")
+    try:
+        tables = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"recipe {recipe}: invalid TOML: {e}") from None
+    sections = ", ".join(f"[{s}]" for s in RECIPE_SECTIONS)
+    for name, value in tables.items():
+        if not isinstance(value, dict):
+            raise ConfigError(f"recipe {recipe}: {name} = {value!r} is outside any section: move it under the section "
+                              f"of the stage that reads it ({sections})")
+        if name not in RECIPE_SECTIONS:
+            raise ConfigError(f"recipe {recipe}: unknown section [{name}]{did_you_mean(name, RECIPE_SECTIONS, '[{}]')} "
+                              f"(sections: {sections})")
+    return tables
+
+
+def recipe_values(tables: dict, recipe: str | None, cls, section: str) -> dict:
+    """The recipe's `[section]` table for `cls`; a key that is not one of its fields is an error."""
+    table = dict(tables.get(section, {}))
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(table) - set(known))
     if unknown:
-        raise ConfigError(
-            f"unknown {section} setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
-        )
+        raise ConfigError(f"recipe {recipe}: unknown setting {unknown[0]} in [{section}]"
+                          f"{did_you_mean(unknown[0], known)} (settings of [{section}]: {', '.join(known)})")
+    return table
+
+
+def check_overrides(overrides: dict[str, str], classes: list) -> None:
+    """Every `--key=value` must name a field of one of the stage's configs."""
+    known = [f.name for cls in classes for f in dataclasses.fields(cls)]
+    unknown = sorted(set(overrides) - set(known))
+    if unknown:
+        raise ConfigError(f"--{unknown[0]}: unknown setting{did_you_mean(unknown[0], known, '--{}')} (see --help "
+                          f"for the settings)")
+
+
+def build_config(cls, section: str, values: dict):
+    """`cls` from checked values: types coerced, required fields present, then `resolve()`."""
+    assert section in RECIPE_SECTIONS, f"[{section}] is read by a stage: add it to RECIPE_SECTIONS"
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown {section} setting {unknown[0]}{did_you_mean(unknown[0], known)} (settings: "
+                          f"{', '.join(known)})")
+    hints = typing.get_type_hints(cls)
     kwargs = {k: _check_type(section, k, v, hints[k]) for k, v in values.items()}
     missing = [
         f.name
@@ -307,6 +349,17 @@ def load_config(cls, section: str, recipe: str | None, overrides: dict[str, str]
     if missing:
         raise ConfigError(f"missing required {section} setting(s): {', '.join(missing)} (give --name=value)")
     return cls(**kwargs).resolve()
+
+
+def load_config(cls, section: str, recipe: str | None, overrides: dict[str, str], base: dict | None = None):
+    """Build `cls` from `base` (values from elsewhere, e.g. a cache's manifest), updated by a recipe's `[section]`
+    table, then by `--key=value` overrides; empty override = keep."""
+    tables = read_recipe(recipe) if recipe else {}
+    check_overrides(overrides, [cls])
+    values = dict(base or {})
+    values.update(recipe_values(tables, recipe, cls, section))
+    values.update({k: v for k, v in overrides.items() if v != ""})
+    return build_config(cls, section, values)
 
 
 def configs_from_argv(specs: list[tuple[type, str]], argv: list[str], doc: str, defaults=None) -> list:
@@ -319,23 +372,16 @@ def configs_from_argv(specs: list[tuple[type, str]], argv: list[str], doc: str, 
         print(doc.strip() + "\n\n" + "\n\n".join(f"[{sec}] " + describe(cls) for cls, sec in specs))
         sys.exit(0)
     recipe, overrides = parse_overrides(argv)
-    known = {f.name for cls, _ in specs for f in dataclasses.fields(cls)}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; see --help")
-    table: dict = {}
-    if recipe:
-        if not Path(recipe).is_file():
-            raise ConfigError(f"recipe {recipe} not found: pass --recipe=manifests/<name>.toml")
-        table = tomllib.loads(Path(recipe).read_text())
+    check_overrides(overrides, [cls for cls, _ in specs])
+    tables = read_recipe(recipe) if recipe else {}
     out, earlier = [], {}
     for cls, sec in specs:
         names = {f.name for f in dataclasses.fields(cls)}
-        values = dict(table.get(sec, {}))
+        values = recipe_values(tables, recipe, cls, sec)
         values.update({k: v for k, v in overrides.items() if k in names and v != ""})
         if defaults:
             defaults(sec, values, earlier)
-        earlier[sec] = load_config(cls, sec, None, {}, values)
+        earlier[sec] = build_config(cls, sec, values)
         out.append(earlier[sec])
     return out
 
@@ -375,6 +421,7 @@ def as_dict(cfg) -> dict:
 __all__ = [
     "ConfigError",
     "ExtractConfig",
+    "RECIPE_SECTIONS",
     "TokenizeConfig",
     "TrainConfig",
     "VerifyConfig",
