@@ -1,12 +1,21 @@
 """Verify a hidden-state cache: re-hash every committed file, and recompute sampled rows with the target.
 
-    python -m stages.verify --cache=DIR [--rows=2] [--tol=0.02] [--device=cpu]
+    python -m stages.verify --cache=DIR [--rows=2] [--tol=0.02] [--device=auto|cuda|cpu]
 
 Checks that every shard 0..N-1 is committed, that each file's SHA-256 matches the manifest, that each hidden shard
 still belongs to the token shard it was computed from, and that `rows` sampled rows per shard equal a fresh
 forward of the target within `tol` (relative L2 error over real tokens, per layer; FP8 caches are held to
 the FP8 round-trip bound instead). The verdict goes into the manifest (`verified`), which training reads: a cache
 that failed is refused. Every bad shard is named with the command that redoes it. Exit status 1 if any is bad.
+
+Three phases, each timed in the verdict (`phase_seconds`) and in the last line printed:
+- hash: every file hashed on a bounded pool of threads (hashlib releases the GIL: reads and hashing overlap);
+- load: the target (transformers' modules, then the weights), once;
+- recompute: the sampled rows of all shards are gathered into batches of the extraction's `batch_rows` rows, one
+  forward per batch, the last batch padded as extraction pads it: one shape, the extraction's, so on CUDA the
+  compiled pieces come from the compile caches the extraction left; the next batch's stored rows are read on a side
+  thread while the current one runs.
+`device=cuda` without CUDA is refused before anything is read; `auto` takes CUDA where there is one.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from __future__ import annotations
 import random
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -23,21 +33,37 @@ from dflash_offline.manifest import committed, read_manifest, sha256_file, updat
 from dflash_offline.progress import log, private_compile_caches, unbuffered
 
 FP8_REL_TOL = 0.06  # e4m3 keeps 3 mantissa bits: per-element rounding ≤ 6.25 %, RMS ≈ 2–3 %
+HASH_THREADS = 8  # files hashed at once: enough to keep a disk (or a network filesystem) busy, bounded memory
+ROW_FILL = (("input_ids", 0), ("position_ids", 0), ("doc_ids", -1))  # token columns, value of a padding row
+
+
+def pick_device(name: str):
+    import torch
+
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("verify.device=cuda but CUDA is not available: pass --device=cpu (or auto), or run on a "
+                         "GPU machine")
+    return torch.device("cuda" if name != "cpu" and torch.cuda.is_available() else "cpu")
+
+
+# --- hash ----------------------------------------------------------------------------------------------------
 
 
 def check_files(cache: Path, m: dict, tokens_dir: Path) -> list[dict]:
     bad = []
     done = committed(m)
     tokens = committed(read_manifest(tokens_dir))
+    names = [name for i in range(m["num_shards"]) if i in done for name in done[i]["files"]]
+    with ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="verify-hash") as pool:
+        sha = dict(zip(names, pool.map(lambda name: file_sha256(cache / name), names), strict=True))
     for i in range(m["num_shards"]):
         if i not in done:
             bad.append({"shard": i, "reason": "not committed"})
             continue
         for name, rec in done[i]["files"].items():
-            path = cache / name
-            if not path.is_file():
+            if sha[name] is None:
                 bad.append({"shard": i, "reason": f"{name} is missing"})
-            elif sha256_file(path) != rec["sha256"]:
+            elif sha[name] != rec["sha256"]:
                 bad.append({"shard": i, "reason": f"{name} does not match its checksum"})
         tok = tokens.get(i)
         tok_sha = next(iter(tok["files"].values()))["sha256"] if tok else None
@@ -46,33 +72,63 @@ def check_files(cache: Path, m: dict, tokens_dir: Path) -> list[dict]:
     return bad
 
 
-def recompute(cache: Path, m: dict, tokens_dir: Path, cfg: VerifyConfig, skip: set[int]) -> tuple[list, float]:
-    import torch
+def file_sha256(path: Path) -> str | None:
+    return sha256_file(path) if path.is_file() else None
 
-    from dflash_offline.shards import hidden_shard_name, read_hidden, read_token_shard, token_shard_name
-    from dflash_offline.target import load_target
-    from dflash_offline.targetid import resolve_checkpoint
 
-    layer_ids = m["config"]["layer_ids"]
-    device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
-    model = load_target(resolve_checkpoint(cfg.target or m["config"]["extract"]["target"]), layer_ids,
-                        device=device, dtype=torch.bfloat16, mode=cfg.mode)
-    tol = max(cfg.tol, FP8_REL_TOL) if m["producer"]["quant"] == "fp8" else cfg.tol
-    bad, worst = [], 0.0
+# --- recompute -----------------------------------------------------------------------------------------------
+
+
+def sample_rows(m: dict, rows: int, skip: set[int]) -> list[tuple[int, int]]:
+    """(shard, row) of every row to recompute, in shard order: the same rows for the same cache every time."""
+    done = committed(m)
+    out = []
     for i in range(m["num_shards"]):
         if i in skip:
             continue
-        toks = read_token_shard(tokens_dir / token_shard_name(i))
-        n = toks["input_ids"].shape[0]
-        for r in sorted(random.Random(f"{m['key']}:{i}").sample(range(n), min(cfg.rows, n))):
-            stored = read_hidden(cache / hidden_shard_name(i), layer_ids, rows=slice(r, r + 1), device=device)
-            fresh = model.tapped_hidden_states(*(torch.from_numpy(np.array(toks[k][r:r + 1])).to(device)
-                                                 for k in ("input_ids", "position_ids", "doc_ids")))
-            real = torch.from_numpy(toks["doc_ids"][r] >= 0).to(device)
-            for j, err in enumerate(layer_errors(stored[0][real], fresh[0][real], len(layer_ids))):
-                worst = max(worst, err)
-                if not err <= tol:  # also catches NaN
-                    bad.append({"shard": i, "reason": f"row {r} layer {layer_ids[j]}: rel err {err:.3g} > {tol}"})
+        n = done[i]["rows"]  # = the token shard's rows (its checksum matched the one extraction read)
+        out += [(i, r) for r in sorted(random.Random(f"{m['key']}:{i}").sample(range(n), min(rows, n)))]
+    return out
+
+
+def read_batch(cache: Path, tokens_dir: Path, layer_ids: list[int], picked: list[tuple[int, int]], b: int):
+    """Token rows [b, S] per column (rows past `picked` are padding), and the stored rows [1, S, K*H] on the CPU."""
+    from dflash_offline.shards import hidden_shard_name, read_hidden, read_token_shard, token_shard_name
+
+    toks = {i: read_token_shard(tokens_dir / token_shard_name(i)) for i in dict.fromkeys(i for i, _ in picked)}
+    S = next(iter(toks.values()))["input_ids"].shape[1]
+    rows = {k: np.full((b, S), fill, dtype=toks[picked[0][0]][k].dtype) for k, fill in ROW_FILL}
+    for j, (i, r) in enumerate(picked):
+        for k in rows:
+            rows[k][j] = toks[i][k][r]
+    stored = [read_hidden(cache / hidden_shard_name(i), layer_ids, rows=slice(r, r + 1)) for i, r in picked]
+    return rows, stored
+
+
+def recompute(cache: Path, m: dict, tokens_dir: Path, model, picked: list[tuple[int, int]], tol: float,
+              batch_rows: int) -> tuple[list, float]:
+    """Compare the stored rows `picked` with the target's, `batch_rows` rows per forward: (bad rows, worst error)."""
+    import torch
+
+    layer_ids, device = m["config"]["layer_ids"], model.device
+    batches = [picked[s:s + batch_rows] for s in range(0, len(picked), batch_rows)]
+    bad, worst = [], 0.0
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify-read") as io:  # file reads only, no compute
+        ahead = io.submit(read_batch, cache, tokens_dir, layer_ids, batches[0], batch_rows) if batches else None
+        for n, batch in enumerate(batches):
+            rows, stored = ahead.result()
+            if n + 1 < len(batches):
+                ahead = io.submit(read_batch, cache, tokens_dir, layer_ids, batches[n + 1], batch_rows)
+            taps = model.tapped_layers(*(torch.from_numpy(rows[k]) for k, _ in ROW_FILL))  # rows stay on the host
+            for j, (i, r) in enumerate(batch):
+                real = torch.from_numpy(rows["doc_ids"][j] >= 0).to(device)
+                fresh = torch.cat([t[j] for t in taps], dim=-1)
+                for lid, err in zip(layer_ids, layer_errors(stored[j][0].to(device)[real], fresh[real],
+                                                            len(layer_ids)), strict=True):
+                    worst = max(worst, err)
+                    if not err <= tol:  # also catches NaN
+                        bad.append({"shard": i, "reason": f"row {r} layer {lid}: rel err {err:.3g} > {tol}"})
+            del taps
     return bad, worst
 
 
@@ -81,19 +137,39 @@ def layer_errors(a, b, k: int) -> list[float]:
     return [((x - y).norm() / y.norm().clamp_min(1e-12)).item() for x, y in zip(a, b, strict=True)]
 
 
+# --- the run -------------------------------------------------------------------------------------------------
+
+
 def verify(cache: Path, cfg: VerifyConfig) -> dict:
+    from dflash_offline.targetid import resolve_checkpoint
+
+    device = pick_device(cfg.device)
     m = read_manifest(cache)
     if m["kind"] != "hidden":
         raise ValueError(f"{cache} is a {m['kind']} cache; verify checks hidden-state caches (make extract output)")
     tokens_dir = (cache / m["config"]["tokens_dir"]).resolve()
+    # a missing target fails now, not after hours of hashing
+    ckpt = resolve_checkpoint(cfg.target or m["config"]["extract"]["target"]) if cfg.rows > 0 else None
     t0 = time.time()
     bad = check_files(cache, m, tokens_dir)
+    phases = {"hash": time.time() - t0, "load": 0.0, "recompute": 0.0}
     worst = None
     if cfg.rows > 0:
-        more, worst = recompute(cache, m, tokens_dir, cfg, {b["shard"] for b in bad})
+        import torch
+
+        from dflash_offline.target import load_target
+
+        t = time.time()
+        model = load_target(ckpt, m["config"]["layer_ids"], device=device, dtype=torch.bfloat16, mode=cfg.mode)
+        phases["load"] = time.time() - t
+        t = time.time()
+        picked = sample_rows(m, cfg.rows, {b["shard"] for b in bad})
+        tol = max(cfg.tol, FP8_REL_TOL) if m["producer"]["quant"] == "fp8" else cfg.tol
+        more, worst = recompute(cache, m, tokens_dir, model, picked, tol, m["config"]["extract"]["batch_rows"])
+        phases["recompute"] = time.time() - t
         bad += more
     verdict = {"ok": not bad, "bad": bad, "at": time.time(), "rows_per_shard": cfg.rows,
-               "max_rel_err": worst, "seconds": time.time() - t0}
+               "max_rel_err": worst, "seconds": time.time() - t0, "phase_seconds": phases}
     update_manifest(cache, verified=verdict)
     return verdict
 
@@ -105,12 +181,13 @@ def main(argv: list[str]) -> None:
     v = verify(Path(cfg.cache), cfg)
     for b in v["bad"]:
         print(f"BAD shard {b['shard']}: {b['reason']}")
+    took = f"{v['seconds']:.1f}s: " + ", ".join(f"{k} {s:.1f}s" for k, s in v["phase_seconds"].items())
     if v["bad"]:
         shards = ",".join(str(s) for s in sorted({b["shard"] for b in v["bad"]}))
-        print(f"{len(v['bad'])} problem(s). Redo them with: make extract CACHE={cfg.cache} SHARD={shards}")
+        print(f"{len(v['bad'])} problem(s) ({took}). Redo them with: make extract CACHE={cfg.cache} SHARD={shards}")
         sys.exit(1)
     err = f", max rel err {v['max_rel_err']:.2e}" if v["max_rel_err"] is not None else ""
-    log(f"{cfg.cache}: every shard committed, hashed and matching{err} ({v['seconds']:.1f}s)")
+    log(f"{cfg.cache}: every shard committed, hashed and matching{err} ({took})")
 
 
 if __name__ == "__main__":
