@@ -68,8 +68,11 @@ tiny: setup  ## build the embedded default target + tokenizer + bundled corpus i
 tokenize: setup  ## corpus → packed token shards (CORPUS=, TARGET= for the tokenizer, CACHE= to pin the directory)
 	$(PYTHON) -m stages.tokenize --recipe=$(RECIPE) --corpus=$(CORPUS) --tokenizer=$(TARGET) --out=$(CACHE) $(ARGS)
 
-extract: setup  ## token shards → hidden-state shards; runs tokenize first if needed (SHARD=3,5-7 redoes those; DRY_RUN=1 checks only)
-	$(LAUNCH) stages.extract --recipe=$(RECIPE) --target=$(TARGET) --corpus=$(CORPUS) --hidden_out=$(CACHE) --shards=$(SHARD) --dry_run=$(DRY_RUN) $(ARGS)
+# an existing CACHE= with no RECIPE= given reruns from the inputs its manifest records (the printed repair command)
+EXTRACT_RECIPE = $(if $(and $(CACHE),$(wildcard $(CACHE)/manifest.json),$(filter file,$(origin RECIPE))),,--recipe=$(RECIPE))
+
+extract: setup  ## token shards → hidden-state shards; runs tokenize first if needed (SHARD=3,5-7 redoes those; DRY_RUN=1 checks only, writes nothing)
+	$(LAUNCH) stages.extract $(EXTRACT_RECIPE) --target=$(TARGET) --corpus=$(CORPUS) --hidden_out=$(CACHE) --shards=$(SHARD) --dry_run=$(DRY_RUN) $(ARGS)
 
 verify: setup  ## re-hash every shard of CACHE= and recompute sampled rows with the target (ROWS= per shard)
 	$(PYTHON) -m stages.verify --cache=$(CACHE) --rows=$(ROWS)

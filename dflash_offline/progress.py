@@ -8,6 +8,7 @@ second while the disk flushes shards or checkpoints (the kernel throttles writer
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import time
@@ -40,13 +41,24 @@ def private_compile_caches(rank: int | None = None) -> dict[str, str]:
     return {k: os.environ[k] for k in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
 
 
+DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG}
+
+
 def run_cli(main) -> None:
     """A stage's `__main__`: run `main(argv)`; a ValueError (config, corpus, manifest, shard, target errors all carry
-    their own advice) becomes `error: ...` and exit status 2 instead of a traceback; an int result is the exit code."""
+    their own advice) or a failed write (full disk, I/O error) becomes one line `error: ...` and exit status 2
+    instead of a traceback; an int result is the exit code."""
     try:
         code = main(sys.argv[1:])
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:
+        if e.errno not in DISK_ERRORS:
+            raise
+        print(f"error: writing {e.filename or 'a file'} failed: {e.strerror} (errno {e.errno}). Everything "
+              f"committed before it is kept and nothing half-written is left: fix the disk, then rerun the same "
+              f"command", file=sys.stderr)
         sys.exit(2)
     sys.exit(code if isinstance(code, int) else 0)
 

@@ -9,6 +9,13 @@ any weight loads (`--dry_run=1` stops there) — then load only the needed layer
 shard (with a lease) before computing it, so ranks and machines sharing the cache never compute one twice; each
 shard is written temp → fsync → rename and then committed to the manifest. Rerun = every uncommitted shard;
 `--shards=` (make SHARD=) redoes exactly those. Device→host copies and disk writes overlap the next forward.
+
+The cache is trusted, so a run starts by making it honest: it removes what dead writers left (temp files, claims),
+and a committed shard whose file is missing or resized goes back to "to do". `--hidden_out=DIR` of an existing cache
+without `--recipe` reruns it from the inputs its manifest records (the repair command that training and verify
+print). A run that ends with shards still claimed by another live process says so and exits non-zero, unless
+`--wait_claims=1` (ranks of one job always wait for each other); a dead process's shards are taken over. A failed
+write (full disk, I/O error) stops the run with one line; committed shards stay, and nothing is left behind.
 """
 
 from __future__ import annotations
@@ -21,21 +28,33 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from pathlib import Path
 
-from dflash_offline.config import ExtractConfig, TokenizeConfig, as_dict, configs_from_argv, parse_shard_list
+from dflash_offline.config import (
+    ConfigError,
+    ExtractConfig,
+    TokenizeConfig,
+    as_dict,
+    configs_from_argv,
+    load_config,
+    parse_overrides,
+    parse_shard_list,
+)
 from dflash_offline.manifest import (
+    MANIFEST,
     commit_shard,
     committed,
     hash_obj,
+    holders,
+    missing_files,
     open_cache,
     read_manifest,
     release_claim,
     renew_claim,
+    requeue_missing,
+    sweep,
     try_claim,
+    worker_info,
 )
 from dflash_offline.progress import Progress, log, private_compile_caches, run_cli, unbuffered
-
-HIDDEN_FORMAT_VERSION = 1
-
 
 # --- config --------------------------------------------------------------------------------------------------
 
@@ -52,12 +71,15 @@ def tokenizer_default(section: str, values: dict, earlier: dict) -> None:
         values["tokenizer"] = earlier["extract"].target
 
 
-def token_cache(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int) -> Path:
-    """The token cache: given, or made/reused by stage 1a (rank 0 writes it; other ranks wait for it)."""
+def token_cache(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int) -> Path | dict:
+    """The token cache: given, or made/reused by stage 1a (rank 0 writes it; other ranks wait for it). A dry run
+    writes nothing: it gets the manifest stage 1a would leave (read from disk when that cache is complete)."""
     from stages import tokenize
 
     if cfg.tokens:
         return Path(cfg.tokens)
+    if cfg.dry_run:
+        return tokenize.dry_run(tok_cfg)
     if rank == 0:
         return tokenize.run(tok_cfg)
     from transformers import AutoTokenizer
@@ -75,14 +97,15 @@ def token_cache(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int) -> Path:
 # --- plan: everything that can fail, before any weight loads --------------------------------------------------
 
 
-def make_plan(cfg: ExtractConfig, tokens_dir: Path) -> dict:
-    from dflash_offline.shards import ShardError
+def make_plan(cfg: ExtractConfig, tokens: Path | dict) -> dict:
+    """`tokens`: the token cache's directory, or (dry run) the manifest stage 1a would write."""
+    from dflash_offline.shards import HIDDEN_LAYOUT_VERSION, ShardError
     from dflash_offline.target import default_layer_ids, read_target_info
     from dflash_offline.targetid import resolve_checkpoint, target_fingerprint
 
-    tm = read_manifest(tokens_dir)
+    tm = tokens if isinstance(tokens, dict) else read_manifest(tokens)
     if tm["kind"] != "tokens" or not tm.get("complete"):
-        raise ShardError(f"{tokens_dir} is not a complete token cache: run `make tokenize` (or extract) again")
+        raise ShardError(f"{tokens} is not a complete token cache: run `make tokenize` (or extract) again")
     ckpt = resolve_checkpoint(cfg.target)
     info = read_target_info(ckpt)
     layer_ids = list(cfg.layer_ids) or default_layer_ids(info.num_layers, cfg.num_draft_layers)
@@ -114,7 +137,7 @@ def make_plan(cfg: ExtractConfig, tokens_dir: Path) -> dict:
         "layer_ids": sorted(layer_ids),
         "quant": cfg.quant,
         "dtype": cfg.dtype,
-        "format_version": HIDDEN_FORMAT_VERSION,
+        "format_version": HIDDEN_LAYOUT_VERSION,
     }
     return {
         "ckpt": ckpt, "info": info, "layer_ids": layer_ids, "seq_len": seq_len, "mask_token_id": mask_id,
@@ -132,7 +155,10 @@ def sidecar_mask_token(ckpt: Path) -> int | None:
 
 
 def check_disk(cache: Path, need_bytes: int, min_free_gb: float) -> None:
-    free = shutil.disk_usage(cache if cache.exists() else cache.parent).free
+    where = cache
+    while not where.exists() and where != where.parent:  # a dry run creates nothing: the nearest existing folder
+        where = where.parent
+    free = shutil.disk_usage(where).free
     if free - need_bytes < min_free_gb * 1e9:
         raise ValueError(
             f"{cache}: the remaining shards need {need_bytes / 1e9:.1f} GB but the filesystem has {free / 1e9:.1f} GB "
@@ -170,7 +196,8 @@ def run(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int = 0, world: int =
         raise ValueError(f"SHARD={cfg.shards}: the cache has shards 0..{plan['num_shards'] - 1}")
     existing = read_manifest(cache) if (cache / "manifest.json").exists() else None
     done = committed(existing) if existing and existing["key"] == plan["key"] else {}
-    todo = redo or [i for i in range(plan["num_shards"]) if i not in done]
+    damaged = {b["shard"]: b["reason"] for b in missing_files(cache, existing)} if done else {}
+    todo = redo or [i for i in range(plan["num_shards"]) if i not in done or i in damaged]
     shard_rows = {s["index"]: s["rows"] for s in plan["tokens_manifest"]["shards"]}
     need = sum(shard_rows[i] for i in todo) * plan["seq_len"] * plan["bytes_per_token"]
     check_disk(cache, need, cfg.min_free_gb)
@@ -183,13 +210,17 @@ def run(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int = 0, world: int =
         f"estimated {probe['seconds_per_row']:.3f} s/row → {est / 60:.1f} min for this process "
         f"(checked in {time.time() - t0:.1f}s, before loading weights)")
     if cfg.dry_run:
+        log(f"[rank {rank}] dry run: stopping before the weights load; nothing was written")
         return None
     open_cache(cache, "hidden", plan["key"], plan["producer"],
                {"extract": as_dict(cfg), "tokens_dir": os.path.relpath(tokens_dir.resolve(), cache.resolve()),
                 "mask_token_id": plan["mask_token_id"], "layer_ids": plan["layer_ids"]},
                num_shards=plan["num_shards"])
+    sweep(cache, log=log)
+    for b in requeue_missing(cache):
+        log(f"{cache}: shard {b['shard']} was committed but {b['reason']}: it goes back to to-do")
     if not todo:
-        log(f"{cache}: all {plan['num_shards']} shards already committed; nothing to do")
+        log(f"{cache}: all {plan['num_shards']} shards already committed and on disk; nothing to do")
         return cache
     model = tgt.load_target(plan["ckpt"], plan["layer_ids"], device=device, dtype=dtype, mode=cfg.mode)
     log(f"[rank {rank}] weights loaded in {time.time() - t0:.1f}s")
@@ -219,7 +250,9 @@ def extract_shards(cfg, plan, model, cache: Path, tokens_dir: Path, todo, rank, 
     tm, layer_ids, b = plan["tokens_manifest"], plan["layer_ids"], cfg.batch_rows
     tok_entries = committed(tm)
     rows_total = sum(tok_entries[i]["rows"] for i in todo)
-    progress = Progress(f"extract[{rank}]", rows_total, "row", cache / f"status-rank{rank}.json")
+    who = worker_info()
+    progress = Progress(f"extract[{rank}]", rows_total, "row", cache / f"status-{who['host']}-{who['pid']}.json")
+    progress.extra.update(who, lease_s=cfg.lease_s)
     # Up to `write_queue` shards are written at once, each by its own thread (file I/O and hashing only, both
     # release the GIL; never compute): a disk write as slow as a shard's compute, or one slow fsync, does not stall
     # the device. Sets of pinned host buffers are reused in a ring of write_queue + 1: shard j fills set
@@ -252,17 +285,23 @@ def extract_shards(cfg, plan, model, cache: Path, tokens_dir: Path, todo, rank, 
             raise
 
     def claimed_shards():
-        """(index, claim time, token rows) of each shard this worker gets, prepared one shard ahead."""
+        """(index, claim time, token rows) of each shard this worker gets, prepared one shard ahead; in passes, until
+        every shard of `todo` is committed or (unless waiting) held by another live process."""
         order = shard_order(todo, rank, world)
         ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-claim")  # claims and token reads only
-        waiting = (order[0], ahead.submit(prepare, order[0])) if order else None  # (index, future) not handed out
+        waiting = None  # (index, future) not handed out
+        handed = set()  # shards this worker computed (their writes may still be in flight)
         try:
-            for pos in range(len(order)):
-                index, fut = waiting
-                got = fut.result()  # (prepare releases its own claim when it fails)
-                waiting = (order[pos + 1], ahead.submit(prepare, order[pos + 1])) if pos + 1 < len(order) else None
-                if got is not None:
-                    yield index, *got
+            while order:
+                waiting = (order[0], ahead.submit(prepare, order[0]))
+                for pos in range(len(order)):
+                    index, fut = waiting
+                    got = fut.result()  # (prepare releases its own claim when it fails)
+                    waiting = (order[pos + 1], ahead.submit(prepare, order[pos + 1])) if pos + 1 < len(order) else None
+                    if got is not None:
+                        handed.add(index)
+                        yield index, *got
+                order = unfinished(cache, [i for i in todo if i not in handed], cfg, rank)
         finally:  # done, or stopped (an error, an interrupt): a shard claimed here and never handed out is released
             if waiting is not None:
                 try:
@@ -330,6 +369,9 @@ def extract_shards(cfg, plan, model, cache: Path, tokens_dir: Path, todo, rank, 
             while len(pending) >= depth:
                 timings.append(pending.pop(0).result())
             io_wait += time.time() - t_wait
+            for f in pending:  # a failed write (a full disk) stops the run now, not after every shard is computed
+                if f.done() and f.exception() is not None:
+                    raise f.exception()
             pending.append(io.submit(write_and_commit, cache, index, tensors, cfg.quant, layer_ids, plan["key"], entry,
                                      redo, write_hidden_shard, hidden_shard_name, events))
             current = None
@@ -341,6 +383,7 @@ def extract_shards(cfg, plan, model, cache: Path, tokens_dir: Path, todo, rank, 
             drain_writes(pending, io, rank)
         except Exception:  # noqa: BLE001 - logged there
             pass
+        progress.close("failed")
         raise
     finally:
         try:
@@ -363,6 +406,37 @@ def extract_shards(cfg, plan, model, cache: Path, tokens_dir: Path, todo, rank, 
         f"{100 * busy:.0f}% of the time; writes {write_s:.1f}s in the background, {io_wait:.1f}s of them waited for")
     return dict(snap, reserved_bytes=reserved, compute_s=compute_s, write_s=write_s, busy_frac=busy,
                 shard_timings=timings)
+
+
+def unfinished(cache: Path, todo: list[int], cfg, rank: int) -> list[int]:
+    """The shards of `todo` still not committed that this worker can take now (their holder died or its lease
+    expired). Shards that other live processes hold are waited for when they belong to this job (its ranks) or
+    with `wait_claims`; otherwise the run stops with an error naming them and their holders."""
+    while True:
+        done = committed(read_manifest(cache))
+        left = [i for i in todo if i not in done]
+        held = holders(cache, left)
+        if free := [i for i in left if i not in held]:
+            return free
+        if not held:
+            return []
+        job = worker_info()["job"]
+        if not (cfg.wait_claims or all(job and c.get("job") == job for c in held.values())):
+            from dflash_offline.dataset import shard_list
+
+            who = sorted({f"{c.get('worker')} (rank {c.get('rank', '?')})" for c in held.values()})
+            until = max(c["expires"] for c in held.values())
+            raise IncompleteRun(
+                f"{cache}: this process finished its shards, but {shard_list(held)} are still claimed by "
+                f"{', '.join(who)} (leases until {time.strftime('%H:%M:%S', time.localtime(until))}): the cache "
+                f"is not complete. Rerun `make extract CACHE={cache}` when they end (a dead holder's shards are "
+                f"taken over), or pass --wait_claims=1 to wait for them")
+        log(f"[rank {rank}] waiting for shards {sorted(held)} held by other live processes")
+        time.sleep(min(5.0, cfg.lease_s / 4))
+
+
+class IncompleteRun(ValueError):
+    """The run did its part, but shards that others hold are not committed yet."""
 
 
 def drain_writes(pending: list, io, rank: int) -> list:
@@ -399,23 +473,54 @@ def write_and_commit(cache, index, tensors, quant, layer_ids, key, entry, redo, 
         entry = dict(entry, compute_seconds=events[0].elapsed_time(events[1]) / 1000)
     t = computed_at = time.time()
     name = name_fn(index)
-    files = {name: write_fn(cache / name, tensors, quant, layer_ids, {"shard": index, "key": key})}
-    commit_shard(cache, dict(entry, files=files, write_seconds=time.time() - t, committed_at=time.time()),
-                 redo=redo)
-    release_claim(cache, index)
+    try:
+        files = {name: write_fn(cache / name, tensors, quant, layer_ids, {"shard": index, "key": key})}
+        commit_shard(cache, dict(entry, files=files, write_seconds=time.time() - t, committed_at=time.time()),
+                     redo=redo)
+    finally:  # committed or failed, the shard is no longer this worker's
+        release_claim(cache, index)
     write_s = time.time() - t
     log(f"[{entry['worker']}] shard {index} committed ({files[name]['bytes'] / 1e6:.1f} MB, "
         f"{entry['compute_seconds']:.1f}s compute, {write_s:.1f}s write)")
     return entry["compute_seconds"], write_s, computed_at
 
 
+def recorded_config(argv: list[str]) -> ExtractConfig | None:
+    """For `--hidden_out=DIR` naming an existing hidden cache and no `--recipe`: the ExtractConfig its manifest
+    recorded (reading the token cache it was made from), with the command line's non-empty settings on top, so that
+    `make extract CACHE=DIR SHARD=k` works as printed. None otherwise."""
+    if any(a in ("-h", "--help") for a in argv):
+        return None
+    recipe, overrides = parse_overrides(argv)
+    out = overrides.get("hidden_out", "")
+    if recipe or not out or not (Path(out) / MANIFEST).is_file():
+        return None
+    m = read_manifest(out)
+    if m.get("kind") != "hidden":
+        raise ConfigError(f"{out} holds a {m.get('kind')} cache; hidden_out (CACHE= for make extract) names a "
+                          f"hidden-state cache")
+    unknown = sorted(set(overrides) - set(ExtractConfig.__dataclass_fields__) - set(TokenizeConfig.__dataclass_fields__))
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; see --help")
+    values = {**m["config"]["extract"], "shards": "", "dry_run": False, "hidden_out": out,
+              "tokens": str((Path(out) / m["config"]["tokens_dir"]).resolve())}
+    values.update({k: v for k, v in overrides.items() if k in ExtractConfig.__dataclass_fields__ and v != ""})
+    return load_config(ExtractConfig, "extract", None, {}, values)
+
+
 def main(argv: list[str]) -> None:
     rank, world, local_rank = dist_env()
     private_compile_caches(rank)
     unbuffered()
-    cfg, tok_cfg = configs_from_argv(
-        [(ExtractConfig, "extract"), (TokenizeConfig, "tokenize")], argv, __doc__, defaults=tokenizer_default
-    )
+    recorded = recorded_config(argv)
+    if recorded is not None:
+        cfg, tok_cfg = recorded, None
+        log(f"{cfg.hidden_out}: an existing cache and no recipe: rerunning it with the inputs its manifest records "
+            f"(target {cfg.target}, tokens {cfg.tokens})")
+    else:
+        cfg, tok_cfg = configs_from_argv(
+            [(ExtractConfig, "extract"), (TokenizeConfig, "tokenize")], argv, __doc__, defaults=tokenizer_default
+        )
     out = run(cfg, tok_cfg, rank, world, local_rank)
     if out is not None and rank == 0:
         print(out)

@@ -13,28 +13,47 @@ import sys
 import time
 from pathlib import Path
 
-from dflash_offline.manifest import MANIFEST, ManifestError, committed, read_manifest
+from dflash_offline.manifest import (
+    MANIFEST,
+    ManifestError,
+    claim_state,
+    committed,
+    missing_files,
+    pid_alive,
+    read_claim,
+    read_manifest,
+)
+
+STALE_S = 300.0  # a running writer with no lease of its own that has not updated its status this long is stale
 
 
 def live_status(cache: Path) -> list[dict]:
+    """Every writer's status file, with `liveness`: its final state (done, failed), or running / dead (its process
+    is gone: same host) / stale (no update for longer than its lease: another host, probably dead)."""
     out = []
     for p in sorted(cache.glob("status*.json")):
         try:
-            out.append(json.loads(p.read_text()))
+            st = json.loads(p.read_text())
         except (json.JSONDecodeError, OSError):
-            pass
+            continue
+        if st.get("state") != "running":
+            st["liveness"] = st.get("state", "?")
+        elif not pid_alive(st.get("host", ""), st.get("pid", "")):
+            st["liveness"] = "dead"
+        elif time.time() - st.get("updated_at", 0) > st.get("lease_s", STALE_S):
+            st["liveness"] = "stale"
+        else:
+            st["liveness"] = "running"
+        out.append(st)
     return out
 
 
 def claims(cache: Path) -> list[dict]:
     out = []
     for p in sorted((cache / "claims").glob("shard-*.json")):
-        try:
-            c = json.loads(p.read_text())
-        except (json.JSONDecodeError, OSError):
-            continue
-        c["live"] = c.get("expires", 0) > time.time()
-        out.append(c)
+        c = read_claim(p)
+        if c is not None:
+            out.append(dict(c, state=claim_state(c)))
     return out
 
 
@@ -42,18 +61,20 @@ def report(cache: Path) -> dict:
     m = read_manifest(cache)
     done = committed(m)
     total = m.get("num_shards")
+    damaged = missing_files(cache, m)
     return {
         "cache": str(cache),
         "kind": m["kind"],
         "key": m["key"],
-        "complete": bool(m.get("complete")) or (total is not None and len(done) == total),
+        "complete": not damaged and (bool(m.get("complete")) or (total is not None and len(done) == total)),
         "num_shards": total,
         "committed": len(done),
+        "damaged": damaged,
         "pending": None if total is None else sorted(set(range(total)) - set(done)),
         "summary": m.get("summary", {}),
         "shards": m["shards"],
         "live": live_status(cache),
-        "claims": [c for c in claims(cache) if c["live"]],
+        "claims": claims(cache),
     }
 
 
@@ -67,7 +88,7 @@ def fmt_bytes(n: float) -> str:
 
 def print_report(r: dict, show_all: bool) -> None:
     total = "?" if r["num_shards"] is None else r["num_shards"]
-    state = "complete" if r["complete"] else "incomplete"
+    state = "complete" if r["complete"] else "DAMAGED" if r["damaged"] else "incomplete"
     print(f"{r['cache']}  [{r['kind']} cache, key {r['key'][:12]}, {r['committed']}/{total} shards committed, {state}]")
     rows = r["shards"] if show_all or len(r["shards"]) <= 20 else r["shards"][:10] + r["shards"][-5:]
     print(f"  {'shard':>5} {'status':<10} {'rows':>6} {'tokens':>10} {'bytes':>9} {'sec':>7}  sha256")
@@ -80,14 +101,23 @@ def print_report(r: dict, show_all: bool) -> None:
         print(f"  … {len(r['shards']) - len(rows)} more (use --all)")
     if r["pending"]:
         print(f"  pending shards: {compact(r['pending'])}")
+    if r["damaged"]:
+        bad = sorted({b["shard"] for b in r["damaged"]})
+        print(f"  {len(bad)} committed shard(s) damaged on disk: {compact(bad)} ({r['damaged'][0]['reason']}"
+              f"{' …' if len(r['damaged']) > 1 else ''}); `make extract CACHE={r['cache']}` redoes them")
     for k, v in r["summary"].items():
         print(f"  {k}: {v:.4g}" if isinstance(v, float) else f"  {k}: {v}")
-    for live in r["live"]:
-        age = time.time() - live.get("updated_at", 0)
-        print(f"  live: {live.get('stage')} {live.get('state')} {live.get('done')}/{live.get('total')} "
-              f"{live.get('tokens_per_s', 0):,.0f} tok/s, eta {live.get('eta_s') or 0:.0f}s (updated {age:.0f}s ago)")
+    for st in r["live"]:
+        age = time.time() - st.get("updated_at", 0)
+        who = f"{st.get('host', '?')}:{st.get('pid', '?')} rank {st.get('rank', '?')}"
+        eta = f", eta {st.get('eta_s') or 0:.0f}s" if st["liveness"] == "running" else ""
+        print(f"  {st['liveness']:<8} {st.get('stage')} {who}: {st.get('done')}/{st.get('total')} "
+              f"{st.get('tokens_per_s', 0):,.0f} tok/s{eta} (updated {age:.0f}s ago)")
     for c in r["claims"]:
-        print(f"  claimed: shard {c['index']} by {c['worker']} for {c['expires'] - time.time():.0f}s more")
+        left = c.get("expires", 0) - time.time()
+        what = {"live": f"for {left:.0f}s more", "dead": "but its process is gone: the next run takes it over",
+                "expired": f"lease expired {-left:.0f}s ago: the next run takes it over"}[c["state"]]
+        print(f"  claimed: shard {c['index']} by {c.get('worker')} rank {c.get('rank', '?')} ({c['state']}), {what}")
 
 
 def compact(ids: list[int]) -> str:

@@ -209,10 +209,11 @@ def test_kill_9_then_rerun_completes_without_partial_shards(tmp_path, qwen35_dir
 def test_two_concurrent_extractors_split_the_shards(tmp_path, qwen35_dir, chat_corpus):
     env = dict(os.environ, DFLASH_NO_BAR="1", PYTHONPATH=str(REPO))
     # stage 1a first, so both workers start on the same token cache (as machines sharing a filesystem would)
-    subprocess.run(cli(tmp_path, qwen35_dir, chat_corpus, "--dry_run=1"), cwd=REPO, env=env, check=True,
-                   capture_output=True)
-    procs = [subprocess.Popen(cli(tmp_path, qwen35_dir, chat_corpus), cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    subprocess.run([sys.executable, "-m", "stages.tokenize", f"--corpus={chat_corpus}", f"--tokenizer={qwen35_dir}",
+                    f"--cache_root={tmp_path / 'cache'}", "--seq_len=128", "--rows_per_shard=2", "--max_docs=60",
+                    "--workers=1"], cwd=REPO, env=env, check=True, capture_output=True)
+    procs = [subprocess.Popen(cli(tmp_path, qwen35_dir, chat_corpus, "--wait_claims=1"), cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
     import re
@@ -263,12 +264,11 @@ def test_corrupt_token_shard_stops_the_run_keeping_finished_shards_and_no_stale_
     """Shards are claimed and their tokens read one shard ahead (off the thread that feeds the device): a token
     shard failing its checksum stops the run with the file named, the shards before it stay committed, and no claim
     is left behind (neither the bad shard's nor one taken ahead), so a rerun after the fix picks everything up."""
-    import dataclasses
-
     from dflash_offline.shards import ShardError
+    from stages import tokenize
 
     ext, tok = configs(tmp_path, qwen35_dir, chat_corpus)
-    extract.run(dataclasses.replace(ext, dry_run=True), tok)  # builds the token cache; then shard 2 gets corrupted
+    tokenize.run(tok)  # the token cache first; then shard 2 gets corrupted
     tokens = next((tmp_path / "cache").glob("tokens-*"))
     bad = tokens / token_shard_name(2)
     data = bytearray(bad.read_bytes())

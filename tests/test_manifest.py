@@ -77,3 +77,73 @@ def test_stale_lock_is_broken(tmp_path):
     os.utime(tmp_path / ".lock", (old, old))
     mf.commit_shard(tmp_path, entry(0))
     assert not (tmp_path / ".lock").exists()
+
+
+def dead_pid():
+    """A pid that no process has (a child that has exited and been reaped)."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_a_lock_left_by_a_dead_process_is_broken_at_once_with_a_message(tmp_path, capsys):
+    import socket
+
+    mf.open_cache(tmp_path, "tokens", "k", {}, {}, None)
+    (tmp_path / ".lock").write_text(f"{socket.gethostname()}:{dead_pid()}:abc")
+    old = time.time() - 1
+    import os
+    os.utime(tmp_path / ".lock", (old, old))
+    t = time.perf_counter()
+    mf.commit_shard(tmp_path, entry(0))
+    assert time.perf_counter() - t < 1.0  # not the 60 s a stale-by-age lock waits
+    assert "breaking the stale lock" in capsys.readouterr().out
+    # a lock held by a live process (this one) from another token is waited for, then reported with its holder
+    (tmp_path / ".lock").write_text(f"{socket.gethostname()}:{os.getpid()}:other")
+    with pytest.raises(mf.ManifestError, match=r"held by .*:\d+ for"):
+        with mf.locked(tmp_path, timeout_s=0.2):
+            pass
+
+
+def test_sweep_removes_dead_writers_debris_and_keeps_live_ones(tmp_path):
+    import os
+    import socket
+
+    host = socket.gethostname()
+    mf.open_cache(tmp_path, "hidden", "k", {}, {}, 4)
+    dead, live = dead_pid(), os.getpid()
+    (tmp_path / f".hidden-00001.safetensors.tmp~{host}~{dead}~abcd1234").write_bytes(b"x" * 1000)
+    (tmp_path / f".manifest.json.tmp~{host}~{dead}~abcd1234").write_text("{")
+    (tmp_path / f".hidden-00002.safetensors.tmp~{host}~{live}~abcd1234").write_bytes(b"y")  # being written now
+    (tmp_path / f".hidden-00003.safetensors.tmp~elsewhere~{dead}~abcd1234").write_bytes(b"z")  # another host
+    (tmp_path / "claims" / "shard-00000.json").write_text(json.dumps({"worker": f"{host}:{dead}", "index": 0,
+                                                                       "expires": time.time() + 900}))
+    (tmp_path / "claims" / "shard-00001.json").write_text(json.dumps({"worker": "elsewhere:1", "index": 1,
+                                                                       "expires": time.time() - 1}))
+    assert mf.try_claim(tmp_path, 2, lease_s=60)
+    removed = mf.sweep(tmp_path, log=lambda m: None)
+    assert removed == {"temp_files": 2, "temp_bytes": 1001, "claims": 2}
+    left = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
+    assert left == sorted([f".hidden-00002.safetensors.tmp~{host}~{live}~abcd1234",
+                           f".hidden-00003.safetensors.tmp~elsewhere~{dead}~abcd1234", "manifest.json",
+                           "shard-00002.json"])
+    claim = json.loads((tmp_path / "claims" / "shard-00002.json").read_text())
+    assert (claim["host"], claim["pid"], claim["rank"]) == (host, live, 0)
+
+
+def test_committed_shards_whose_files_are_gone_go_back_to_to_do(tmp_path):
+    mf.open_cache(tmp_path, "hidden", "k", {}, {}, 3)
+    for i in range(3):
+        (tmp_path / f"f{i}").write_bytes(b"x")
+        mf.commit_shard(tmp_path, entry(i))
+    (tmp_path / "f1").unlink()
+    (tmp_path / "f2").write_bytes(b"xx")
+    bad = mf.requeue_missing(tmp_path)
+    assert [b["shard"] for b in bad] == [1, 2] and "f1 is missing" in bad[0]["reason"]
+    assert sorted(mf.committed(mf.read_manifest(tmp_path))) == [0]
+    assert mf.try_claim(tmp_path, 1, lease_s=60)  # claimable again, and a new commit replaces the entry
+    mf.commit_shard(tmp_path, entry(1, sha="c" * 64))
+    assert sorted(mf.committed(mf.read_manifest(tmp_path))) == [0, 1]

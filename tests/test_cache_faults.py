@@ -1,0 +1,201 @@
+"""Faults injected into stage 1b and the cache around it, as a user meets them: a deleted or resized committed shard,
+a full disk mid-run, a lock and claims left by a killed process, a concurrent extractor that dies or outlives this
+one, the repair command as printed, and `make status` telling live from dead."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash_offline.manifest import committed, read_manifest
+from dflash_offline.shards import hidden_shard_name
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, DFLASH_NO_BAR="1", PYTHONPATH=str(REPO))
+
+# a stage's real front door (run_cli: one-line errors, exit 2), optionally with a fault patched in first
+SCRIPT = """
+import sys
+{patch}
+from dflash_offline.progress import run_cli
+from stages import extract
+sys.argv = ["extract"] + sys.argv[1:]
+run_cli(extract.main)
+"""
+
+FULL_DISK_AT_SHARD_2 = """
+import errno
+from dflash_offline import shards
+_publish = shards.publish
+def publish(tmp, final):
+    if final.name == "hidden-00002.safetensors":
+        raise OSError(errno.ENOSPC, "No space left on device")
+    _publish(tmp, final)
+shards.publish = publish
+"""
+
+
+def extract_cli(target, corpus, cache_root, *extra, patch=""):
+    return [sys.executable, "-c", SCRIPT.format(patch=patch), f"--target={target}", f"--corpus={corpus}",
+            f"--cache_root={cache_root}", "--seq_len=128", "--rows_per_shard=2", "--max_docs=40",
+            "--num_draft_layers=3", "--device=cpu", "--batch_rows=2", "--workers=1", "--write_queue=1", *extra]
+
+
+def run(args, **kw):
+    return subprocess.run(args, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300, **kw)
+
+
+def hidden_cache_of(root: Path) -> Path:
+    return next(root.glob("hidden-*"))
+
+
+def debris(cache: Path) -> list[str]:
+    """Anything a crashed or failed writer could leave: temp files, claims, the lock."""
+    left = [p for p in cache.rglob(".*") if "tmp" in p.name] + list((cache / "claims").glob("*"))
+    left += [cache / ".lock"] if (cache / ".lock").exists() else []
+    return sorted(str(p.relative_to(cache)) for p in left)
+
+
+def shard_hashes(cache: Path) -> dict:
+    return {i: s["files"] for i, s in committed(read_manifest(cache)).items()}
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory, qwen35_dir, chat_corpus) -> Path:
+    """The reference: the same extraction, never interrupted."""
+    root = tmp_path_factory.mktemp("clean")
+    res = run(extract_cli(qwen35_dir, chat_corpus, root))
+    assert res.returncode == 0, res.stderr[-2000:]
+    return hidden_cache_of(root)
+
+
+def test_a_full_disk_ends_in_one_line_leaves_no_debris_and_a_rerun_completes_identical(tmp_path, qwen35_dir,
+                                                                                       chat_corpus, clean):
+    res = run(extract_cli(qwen35_dir, chat_corpus, tmp_path, patch=FULL_DISK_AT_SHARD_2))
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: writing ") and "hidden-00002.safetensors failed: No space left on device" in last
+    cache = hidden_cache_of(tmp_path)
+    assert debris(cache) == []
+    kept = shard_hashes(cache)
+    assert {0, 1} <= set(kept) and 2 not in kept
+    assert all(kept[i] == shard_hashes(clean)[i] for i in kept)  # what was committed is intact
+    # a lock left by a killed process (a dead pid on this host) does not make the rerun wait
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (cache / ".lock").write_text(f"{socket.gethostname()}:{dead.pid}:x")
+    t = time.time()
+    res = run(extract_cli(qwen35_dir, chat_corpus, tmp_path))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "breaking the stale lock" in res.stdout and time.time() - t < 60
+    assert shard_hashes(cache) == shard_hashes(clean) and debris(cache) == []
+
+
+def test_a_deleted_shard_is_seen_by_status_and_redone_by_extract_alone(tmp_path, clean):
+    import shutil
+
+    cache = tmp_path / "c"
+    shutil.copytree(clean, cache)
+    m = json.loads((cache / "manifest.json").read_text())
+    m["config"]["tokens_dir"] = os.path.relpath((clean / m["config"]["tokens_dir"]).resolve(), cache)
+    (cache / "manifest.json").write_text(json.dumps(m))
+    (cache / hidden_shard_name(3)).unlink()
+    with open(cache / hidden_shard_name(5), "ab") as f:
+        f.write(b"\0")
+    status = run([sys.executable, "-m", "stages.status", str(cache)])
+    assert "2 committed shard(s) damaged on disk: 3,5" in status.stdout, status.stdout
+    # the printed repair command: make extract CACHE=<cache> (no recipe, corpus or target needed)
+    res = run([sys.executable, "-m", "stages.extract", f"--hidden_out={cache}", "--target=", "--corpus=",
+               "--shards=", "--dry_run="])
+    assert res.returncode == 0, res.stderr[-2000:]
+    redone = sorted(int(x) for x in __import__("re").findall(r"shard (\d+) committed", res.stdout))
+    assert redone == [3, 5] and shard_hashes(cache) == shard_hashes(clean)
+
+
+def test_the_repair_command_redoes_one_shard_as_printed(tmp_path, clean):
+    """`make extract CACHE=<dir> SHARD=k`, as verify and the trainer print it, with the Makefile's empty settings."""
+    import shutil
+
+    cache = tmp_path / "c"
+    shutil.copytree(clean, cache)
+    m = json.loads((cache / "manifest.json").read_text())
+    m["config"]["tokens_dir"] = os.path.relpath((clean / m["config"]["tokens_dir"]).resolve(), cache)
+    (cache / "manifest.json").write_text(json.dumps(m))
+    path = cache / hidden_shard_name(4)
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 1  # altered in place: same size, caught only by reading
+    path.write_bytes(bytes(raw))
+    res = run(["make", "-s", "extract", f"CACHE={cache}", "SHARD=4", f"PYTHON={sys.executable}", "VENV=.venv"])
+    assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-2000:])
+    assert "rerunning it with the inputs its manifest records" in res.stdout
+    assert __import__("re").findall(r"shard (\d+) committed", res.stdout) == ["4"]
+    assert shard_hashes(cache) == shard_hashes(clean)
+
+
+def test_shards_held_by_a_live_process_fail_the_run_unless_waiting_and_a_dead_ones_are_taken_over(
+        tmp_path, qwen35_dir, chat_corpus, clean):
+    from dflash_offline import manifest as mf
+
+    res = run([sys.executable, "-m", "stages.tokenize", f"--corpus={chat_corpus}", f"--tokenizer={qwen35_dir}",
+               f"--cache_root={tmp_path}", "--seq_len=128", "--rows_per_shard=2", "--max_docs=40", "--workers=1"])
+    assert res.returncode == 0, res.stderr[-2000:]
+    cache = tmp_path / clean.name  # the same inputs: the same content-addressed directory
+    # another live process (this test's) holds shard 6; a killed one held shard 2
+    (cache / "claims").mkdir(parents=True)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    for index, pid in ((6, sleeper.pid), (2, dead.pid)):
+        (cache / "claims" / f"shard-{index:05d}.json").write_text(json.dumps(
+            {"worker": f"{host}:{pid}", "host": host, "pid": pid, "rank": 0, "index": index, "job": "",
+             "expires": time.time() + 900}))
+    try:
+        res = run(extract_cli(qwen35_dir, chat_corpus, tmp_path))
+        assert res.returncode == 2, res.stderr[-2000:]
+        last = res.stderr.strip().splitlines()[-1]
+        assert f"6 are still claimed by {host}:{sleeper.pid} (rank 0)" in last and "--wait_claims=1" in last
+        done = committed(read_manifest(cache))
+        assert 2 in done and 6 not in done  # the dead one's shard was taken over
+        # waiting: the holder dies while we wait, and its shard is taken over
+        waiter = subprocess.Popen(extract_cli(qwen35_dir, chat_corpus, tmp_path, "--wait_claims=1", "--lease_s=4"),
+                                  cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(3)
+        sleeper.send_signal(signal.SIGKILL)
+        sleeper.wait()  # (reaped: a zombie still has its pid)
+        out, err = waiter.communicate(timeout=120)
+        assert waiter.returncode == 0, err[-2000:]
+        assert "waiting for shards [6]" in out and shard_hashes(cache) == shard_hashes(clean)
+        assert not list((cache / "claims").glob("*")) and mf.holders(cache, range(20)) == {}
+    finally:
+        sleeper.kill()
+
+
+def test_status_tells_dead_writers_from_live_ones(tmp_path, clean):
+    import shutil
+
+    cache = tmp_path / "c"
+    shutil.copytree(clean, cache)
+    host = socket.gethostname()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    now = time.time()
+    for pid, name in ((dead.pid, "dead"), (os.getpid(), "live")):
+        (cache / f"status-{host}-{pid}.json").write_text(json.dumps(
+            {"stage": f"extract[{name}]", "state": "running", "pid": pid, "host": host, "rank": 0, "done": 3,
+             "total": 10, "tokens_per_s": 5.0, "eta_s": 7, "updated_at": now, "lease_s": 900}))
+    (cache / "claims" / "shard-00001.json").write_text(json.dumps(
+        {"worker": f"{host}:{dead.pid}", "host": host, "pid": dead.pid, "rank": 1, "index": 1,
+         "expires": now + 855}))
+    out = run([sys.executable, "-m", "stages.status", str(cache)]).stdout
+    lines = out.splitlines()
+    assert any(f"{host}:{dead.pid}" in x and "dead" in x and "extract[dead]" in x for x in lines), out
+    assert any(f"{host}:{os.getpid()}" in x and "running" in x for x in lines), out
+    assert any("shard 1" in x and "dead" in x and "rank 1" in x for x in lines), out
+    assert "855s more" not in out
