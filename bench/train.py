@@ -14,11 +14,13 @@ ideal (at 790 TFLOP/s), peak memory, and ours/baseline.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import json
 import shutil
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -99,7 +101,8 @@ def run_ours(args, cache: Path, drafter: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
     sampler = GpuSampler()
     try:
-        train.run(cfg)
+        with read_check(args.read_check) as hashed:
+            train.run(cfg)
     finally:
         sampler.stop()
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -124,7 +127,40 @@ def run_ours(args, cache: Path, drafter: dict) -> dict:
             "master_weights": derived["master_weights"], "optimizer_overlap": derived["optimizer_overlap"],
             "attn": derived["attn"], "loss_logits": derived["loss_logits"], "tf32": derived["tf32"],
             "loss_chunk_tokens": cfg.loss_chunk_tokens, "loss": [r["loss"] for r in recs],
+            "read_check": args.read_check, "read_check_ms_per_step": 1000 * hashed["s"] / args.steps,
+            "read_check_gb_per_step": hashed["bytes"] / 1e9 / args.steps,
             "profile": (run / "profile.txt").read_text() if (run / "profile.txt").exists() else None}
+
+
+@contextlib.contextmanager
+def read_check(mode: str):
+    """The stream's row checks as they are ("on"), timing each digest on the reader thread, or with the shards'
+    row digests dropped ("off", the A/B reference; headers and sizes are still checked). Yields
+    {"s": seconds hashing, "bytes": bytes hashed}."""
+    from dflash_offline import dataset, shards
+
+    hashed = {"s": 0.0, "bytes": 0}
+    real_hash, real_open = shards.xxhash, dataset.open_shard
+
+    def timed(buf):
+        t = time.perf_counter()
+        out = real_hash.xxh3_64_hexdigest(buf)
+        hashed["s"] += time.perf_counter() - t
+        hashed["bytes"] += len(buf)
+        return out
+
+    def unchecked(info, shard):
+        f = real_open(info, shard)
+        f.digests = None
+        return f
+
+    shards.xxhash = types.SimpleNamespace(xxh3_64_hexdigest=timed)
+    if mode == "off":
+        dataset.open_shard = unchecked
+    try:
+        yield hashed
+    finally:
+        shards.xxhash, dataset.open_shard = real_hash, real_open
 
 
 def run_baseline(args, cache: Path, target: Path, drafter: dict, device) -> dict:
@@ -211,6 +247,8 @@ def main() -> None:
     p.add_argument("--loss_chunk_tokens", type=int, default=None,
                    help="the trainer's loss_chunk_tokens (query tokens per lm_head chunk; default: the trainer's)")
     p.add_argument("--profile_steps", type=int, default=0, help="print a kernel table of that many steps")
+    p.add_argument("--read_check", default="on", choices=["on", "off"],
+                   help="off: the stream skips its per-row checksums (the A/B reference for their cost)")
     p.add_argument("--workdir", type=Path, default=Path("build/bench-train"))
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
@@ -249,6 +287,8 @@ def main() -> None:
         print(f"| ours / baseline | {o['tok_per_s'] / b['tok_per_s']:.2f} | |")
     print(f"| recompiles after warm-up | {o['recompiles']} | |")
     print(f"| host: data wait, GC (fraction of wall time) | {o['data_wait_frac']:.3f}, {o['gc_frac']:.3f} | |")
+    print(f"| read check: reader-thread ms/step hashing (GB/step) | {o['read_check']}: "
+          f"{o['read_check_ms_per_step']:.2f} ({o['read_check_gb_per_step']:.3f}) | |")
     og, bg = o.get("gpu") or {}, b.get("gpu") or {}
     if og:
         print(f"| SM clock MHz (min), board power W | {og['sm_mhz']:.0f} ({og['sm_mhz_min']:.0f}), {og['power_w']:.0f} | "

@@ -91,7 +91,7 @@ def save_checkpoint(run_dir, step: int, model, optimizer=None, scheduler=None, d
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = step_dir(run_dir, step)
-    tmp = root / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = temp_path(final)  # names this process: a run that starts after it died removes it (remove_dead_temps)
     tmp.mkdir()
     try:
         files = _write_all(tmp, model, optimizer, scheduler, data_state, rng, states)

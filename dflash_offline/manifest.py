@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import socket
 import time
 import uuid
@@ -363,22 +364,35 @@ def release_claim(cache: Path, index: int) -> None:
 OTHER_HOST_TEMP_AGE_S = 86400.0  # a temp file from another host untouched this long belongs to a dead writer
 
 
+def remove_dead_temps(d: Path) -> tuple[int, int]:
+    """Remove the temp files and directories in `d` (not below) whose writer is dead: same host, its pid is gone;
+    another host, untouched for a day. (count, bytes) removed."""
+    count, nbytes, now = 0, 0, time.time()
+    for p in d.glob(f".*{TEMP_MARK}*") if d.is_dir() else []:
+        host, pid = temp_writer(p) or ("", "")
+        with contextlib.suppress(FileNotFoundError):
+            st = p.stat()
+            if pid_alive(host, pid) and (host == socket.gethostname() or now - st.st_mtime <= OTHER_HOST_TEMP_AGE_S):
+                continue
+            if p.is_dir():
+                nbytes += sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                nbytes += st.st_size
+                p.unlink()
+            count += 1
+    return count, nbytes
+
+
 def sweep(cache: Path, log=print) -> dict:
     """Remove what dead writers left in `cache`: temp files (same host: pid gone; other hosts: untouched for a day),
     claims whose worker is dead or whose lease expired, and status files of dead same-host processes that never
     finished. Returns counts; logs one line when it removed anything."""
     removed = {"temp_files": 0, "temp_bytes": 0, "claims": 0}
-    now = time.time()
     for d in (cache, cache / "claims"):
-        for p in d.glob(f".*{TEMP_MARK}*") if d.is_dir() else []:
-            host, pid = temp_writer(p) or ("", "")
-            with contextlib.suppress(FileNotFoundError):
-                st = p.stat()
-                if not pid_alive(host, pid) or (host != socket.gethostname()
-                                                 and now - st.st_mtime > OTHER_HOST_TEMP_AGE_S):
-                    p.unlink()
-                    removed["temp_files"] += 1
-                    removed["temp_bytes"] += st.st_size
+        n, nbytes = remove_dead_temps(d)
+        removed["temp_files"] += n
+        removed["temp_bytes"] += nbytes
     with locked(cache):  # a claim is taken over under the lock: never remove a successor's fresh claim
         for p in sorted((cache / "claims").glob("shard-*.json")) if (cache / "claims").is_dir() else []:
             if claim_state(read_claim(p)) != "live":

@@ -154,6 +154,7 @@ def _run(cfg: TrainConfig) -> Path:
     from dflash_offline.dataset import HiddenStream, open_hidden_cache
     from dflash_offline.drafter import DFlashDrafter, load_target_embeddings
     from dflash_offline.loss import block_ce_loss, resolve_epilogue
+    from dflash_offline.manifest import remove_dead_temps
     from dflash_offline.optim import MasterAdamW, fp32_allreduce_hook
     from dflash_offline.progress import Progress, log
     from dflash_offline.targetid import check_same_target
@@ -168,6 +169,8 @@ def _run(cfg: TrainConfig) -> Path:
     if (run_dir / "checkpoints").exists() and not cfg.resume:
         raise ValueError(f"{run_dir} already holds checkpoints: pass resume=1 (make train RESUME=1) to continue "
                          f"it, or choose another RUN=")
+    if (n := remove_dead_temps(run_dir / "checkpoints"))[0]:  # a checkpoint half-written by a killed run
+        log(f"{run_dir}/checkpoints: removed {n[0]} unfinished checkpoint(s) of dead runs ({n[1] / 1e6:.1f} MB)")
 
     # --- compute
     cuda = torch.cuda.is_available()

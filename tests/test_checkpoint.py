@@ -192,3 +192,24 @@ def test_cuda_resume_restores_cuda_rng_and_state(tmp_path):
     assert all(v.is_cuda for s in opt2.state.values() for k, v in s.items() if k != "step")
     assert all(torch.equal(a, step(model2, opt2, sched2)) for a in losses)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters(), strict=True))
+
+
+def test_a_checkpoint_half_written_by_a_killed_run_is_removed_by_the_next_run(tmp_path, hidden_cache):
+    """kill -9 during a save leaves a temp directory naming the dead process; resuming removes it."""
+    import socket
+    import subprocess
+    import sys
+
+    from dflash_offline.config import TrainConfig
+    from stages import train
+
+    tiny = dict(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, num_anchors=4, batch_rows=1, trackers="none")
+    run = tmp_path / "run"
+    train.run(TrainConfig(cache=str(hidden_cache), run=str(run), steps=2, ckpt_every=2, **tiny).resolve())
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    half = run / "checkpoints" / f".step-00000004.tmp~{socket.gethostname()}~{dead.pid}~abcd1234"
+    half.mkdir()
+    (half / "model.safetensors").write_bytes(b"\0" * 4096)
+    train.run(TrainConfig(cache=str(hidden_cache), run=str(run), steps=4, ckpt_every=2, resume=True, **tiny).resolve())
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-00000002", "step-00000004"]
