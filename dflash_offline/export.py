@@ -97,7 +97,7 @@ def target_fields(target: str) -> dict:
     from dflash_offline.targetid import resolve_checkpoint
 
     try:
-        path = resolve_checkpoint(target)
+        path = resolve_checkpoint(target, need=("config",))
     except ValueError as e:
         raise ExportError(f"{e} (the export reads the target's config.json; pass --target=PATH)") from None
     raw = _read_json(path / "config.json", "the target checkpoint needs its config.json")

@@ -75,7 +75,7 @@ def run_info(run_dir: Path) -> dict:
     cfg = json.loads(cfg_file.read_text())
     train = cfg["train"]
     target = train.get("target") or read_manifest(train["cache"])["config"]["extract"]["target"]
-    return {"config": cfg, "train": train, "cache": train["cache"], "target": resolve_checkpoint(target)}
+    return {"config": cfg, "train": train, "cache": train["cache"], "target": resolve_checkpoint(target, need=("config", "weights", "tokenizer"), field="eval target")}
 
 
 def render_prompt(messages: list[dict], tokenizer, turn: str = "first", tools=None) -> list[int] | None:

@@ -184,8 +184,10 @@ def run(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int = 0, world: int =
     import torch
 
     from dflash_offline import target as tgt
+    from dflash_offline.targetid import resolve_checkpoint
 
     t0 = time.time()
+    resolve_checkpoint(cfg.target, field="extract.target")  # a wrong path fails here, before stage 1a runs
     tokens_dir = token_cache(cfg, tok_cfg, rank)
     plan = make_plan(cfg, tokens_dir)
     cache = Path(cfg.hidden_out) if cfg.hidden_out else Path(cfg.cache_root) / f"hidden-{plan['key'][:12]}"

@@ -98,6 +98,7 @@ from dflash_offline.corpus import (
 )
 from dflash_offline.manifest import write_json_atomic
 from dflash_offline.progress import Progress, log, run_cli, unbuffered
+from dflash_offline.targetid import resolve_checkpoint
 
 STATS_VERSION = 1
 MAX_SKIP_EXAMPLES = 20
@@ -341,6 +342,8 @@ def run(cfg: RegenConfig, model=None, tokenizer=None) -> dict:
     cfg.resolve()
     # validate everything cheap before any weight loads
     paths = expand_paths(cfg.corpus)
+    if model is None:
+        resolve_checkpoint(cfg.target, need=("config", "weights", "tokenizer"), field="regen --target")
     tok = tokenizer or AutoTokenizer.from_pretrained(cfg.target)
     check_tokenizer(tok)
     device = pick_device(cfg.device) if model is None else next(model.parameters()).device

@@ -43,6 +43,8 @@ from dflash_offline.manifest import (
     hash_obj,
     open_cache,
     read_manifest,
+    requeue_missing,
+    sweep,
     update_manifest,
 )
 from dflash_offline.packing import PACKING_RULE, Doc, Packer, materialize, split_long
@@ -101,8 +103,11 @@ def identify(cfg: TokenizeConfig) -> tuple[list[Path], object, dict, str, Path]:
     """(corpus files, tokenizer, producer, key, cache directory): everything known before reading a record."""
     from transformers import AutoTokenizer
 
+    from dflash_offline.targetid import resolve_checkpoint
+
     paths = expand_paths(cfg.corpus)
-    tok = AutoTokenizer.from_pretrained(cfg.tokenizer)
+    tok = AutoTokenizer.from_pretrained(resolve_checkpoint(cfg.tokenizer, need=("tokenizer",),
+                                                           field="tokenize.tokenizer"))
     check_tokenizer(tok)
     producer = producer_for(cfg, tok, paths)
     key = hash_obj(producer)
@@ -112,6 +117,10 @@ def identify(cfg: TokenizeConfig) -> tuple[list[Path], object, dict, str, Path]:
 def run(cfg: TokenizeConfig) -> Path:
     paths, tok, producer, key, out = identify(cfg)
     m = open_cache(out, "tokens", key, producer, as_dict(cfg), num_shards=None)
+    sweep(out, log=log)
+    if m.get("complete") and (bad := requeue_missing(out)):  # tokenization is deterministic: redo those shards
+        log(f"token cache {out}: {len(bad)} committed shard(s) damaged on disk ({bad[0]['reason']}): redoing them")
+        m = update_manifest(out, complete=False)
     if m.get("complete"):
         log(f"token cache {out} is complete for this key ({len(m['shards'])} shards): reusing it")
         return out

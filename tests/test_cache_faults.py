@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_offline.manifest import committed, read_manifest
+from dflash_offline.manifest import committed, read_manifest, sha256_file
 from dflash_offline.shards import hidden_shard_name
 
 REPO = Path(__file__).resolve().parents[1]
@@ -199,3 +199,22 @@ def test_status_tells_dead_writers_from_live_ones(tmp_path, clean):
     assert any(f"{host}:{os.getpid()}" in x and "running" in x for x in lines), out
     assert any("shard 1" in x and "dead" in x and "rank 1" in x for x in lines), out
     assert "855s more" not in out
+
+
+def test_a_deleted_token_shard_is_redone_identically_by_the_next_run(tmp_path, clean):
+    """A complete token cache with a committed file gone is not 'complete': the next run redoes that shard (tokenizing
+    is deterministic), and the hidden cache extracted from it stays valid."""
+    import shutil
+
+    from dflash_offline.config import TokenizeConfig
+    from stages import tokenize
+
+    src = (clean / read_manifest(clean)["config"]["tokens_dir"]).resolve()
+    tokens = tmp_path / src.name
+    shutil.copytree(src, tokens)
+    before = shard_hashes(tokens)
+    cfg = TokenizeConfig(**{**read_manifest(tokens)["config"], "out": str(tokens)}).resolve()
+    (tokens / "tokens-00002.arrow").unlink()
+    tokenize.run(cfg)
+    assert shard_hashes(tokens) == before and read_manifest(tokens)["complete"]
+    assert sha256_file(tokens / "tokens-00002.arrow") == before[2]["tokens-00002.arrow"]["sha256"]
