@@ -154,9 +154,50 @@ def read_manifest(cache: str | Path) -> dict:
         m = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ManifestError(f"{path}: corrupt JSON ({e}); restore it or rebuild the cache") from None
-    if m.get("version") != MANIFEST_VERSION:
-        raise ManifestError(f"{path}: manifest version {m.get('version')!r}, this code reads {MANIFEST_VERSION}")
+    if not isinstance(m, dict) or m.get("version") != MANIFEST_VERSION:
+        raise ManifestError(f"{path}: manifest version {m.get('version') if isinstance(m, dict) else m!r}, this code "
+                            f"reads {MANIFEST_VERSION}")
+    if bad := schema_error(m):
+        raise ManifestError(f"{path}: {bad}: the manifest was edited or damaged; restore it (or rebuild the cache)")
     return m
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+# field → (check, what it must be); shards[] entries and their files are checked by `schema_error` below
+TOP_FIELDS = {"kind": (lambda v: v in ("tokens", "hidden"), "'tokens' or 'hidden'"),
+              "key": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+              "producer": (lambda v: isinstance(v, dict), "an object"),
+              "config": (lambda v: isinstance(v, dict), "an object"),
+              "num_shards": (lambda v: v is None or _is_int(v), "an integer ≥ 0 or null"),
+              "shards": (lambda v: isinstance(v, list) and all(isinstance(s, dict) for s in v), "a list of objects")}
+SHARD_FIELDS = {"index": (_is_int, "an integer ≥ 0"), "status": (lambda v: isinstance(v, str), "a string"),
+                "rows": (_is_int, "an integer ≥ 0"), "files": (lambda v: isinstance(v, dict), "an object")}
+FILE_FIELDS = {"bytes": (_is_int, "an integer ≥ 0"),
+               "sha256": (lambda v: isinstance(v, str) and len(v) == 64, "a 64-character hex digest")}
+
+
+def schema_error(m: dict) -> str | None:
+    """The first field of a manifest that is missing or of the wrong type, said as `field is X, expected Y`."""
+    def check(where: str, obj: dict, fields: dict) -> str | None:
+        for name, (ok, what) in fields.items():
+            if name not in obj:
+                return f"{where}{name} is missing (expected {what})"
+            if not ok(obj[name]):
+                return f"{where}{name} is {obj[name]!r}, expected {what}"
+        return None
+
+    if bad := check("", m, TOP_FIELDS):
+        return bad
+    for i, s in enumerate(m["shards"]):
+        if s.get("status") == "committed" and (bad := check(f"shards[{i}].", s, SHARD_FIELDS)):
+            return bad
+        for name, rec in s.get("files", {}).items():
+            if not isinstance(rec, dict) or (bad := check(f"shards[{i}].files[{name!r}].", rec, FILE_FIELDS)):
+                return bad or f"shards[{i}].files[{name!r}] is {rec!r}, expected an object"
+    return None
 
 
 def open_cache(cache: Path, kind: str, key: str, producer: dict, config: dict, num_shards: int | None) -> dict:

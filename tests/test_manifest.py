@@ -147,3 +147,20 @@ def test_committed_shards_whose_files_are_gone_go_back_to_to_do(tmp_path):
     assert mf.try_claim(tmp_path, 1, lease_s=60)  # claimable again, and a new commit replaces the entry
     mf.commit_shard(tmp_path, entry(1, sha="c" * 64))
     assert sorted(mf.committed(mf.read_manifest(tmp_path))) == [0, 1]
+
+
+@pytest.mark.parametrize("edit,field", [
+    (lambda m: m["shards"][1].update(rows="12"), "shards[1].rows is '12', expected an integer"),
+    (lambda m: m["shards"][0]["files"]["f0"].pop("sha256"), "shards[0].files['f0'].sha256 is missing"),
+    (lambda m: m.update(shards={}), "shards is {}, expected a list"),
+    (lambda m: m.pop("key"), "key is missing"),
+])
+def test_a_hand_edited_manifest_field_is_named_not_a_traceback(tmp_path, edit, field):
+    mf.open_cache(tmp_path, "hidden", "k", {}, {}, 2)
+    for i in range(2):
+        mf.commit_shard(tmp_path, entry(i))
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    edit(m)
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(mf.ManifestError, match=rf"manifest.json: {__import__('re').escape(field)}.*edited or damaged"):
+        mf.read_manifest(tmp_path)

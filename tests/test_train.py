@@ -476,3 +476,19 @@ def test_training_on_a_shard_altered_after_extraction_stops_with_one_line_naming
     errors = [line for line in out.stderr.splitlines() if line.strip()]
     assert errors[-1].startswith("error: ") and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert f"{path} has row" in errors[-1] and f"`make extract CACHE={bad} SHARD=1`" in errors[-1]
+
+
+def test_a_hand_edited_manifest_is_refused_before_the_run_directory_exists(tmp_path, hidden_cache):
+    bad = tmp_path / "cache"
+    shutil.copytree(hidden_cache, bad)
+    m = json.loads((bad / "manifest.json").read_text())
+    m["config"]["tokens_dir"] = os.path.relpath((hidden_cache / m["config"]["tokens_dir"]).resolve(), bad)
+    m["shards"][2]["rows"] = m["shards"][2]["rows"] + 1  # a plausible value that contradicts the shard
+    (bad / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ValueError, match=r"hidden-00002.safetensors holds .* but the manifest says"):
+        train.run(cfg(bad, tmp_path / "run"))
+    m["shards"][2]["rows"] = "many"
+    (bad / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ValueError, match=r"shards\[2\].rows is 'many'"):
+        train.run(cfg(bad, tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
