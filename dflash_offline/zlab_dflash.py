@@ -352,7 +352,9 @@ class DFlashDraftModel(PreTrainedModel):
                 drop = tcache.get_seq_length() - (n + agree + 1)
                 if drop > 0:
                     tcache.crop(-drop)  # a negative crop removes that many positions (transformers 4.x and 5.x)
-            accepted.append(agree + 1)
+            accepted.append(agree + 1)  # counted before any truncation at a stop token, as the engines count it
+            if stops and not stops.isdisjoint(seq[0, -(agree + 1):].tolist()):
+                break  # a stop token anywhere in the accepted tokens ends the generation (cut below)
         out = seq[:, :prompt_len + max_new_tokens]
         if stops:
             new = out[0, prompt_len:].tolist()

@@ -269,6 +269,32 @@ def test_spec_generate_is_lossless(tmp_path, qwen3_dir, qwen35_dir, arch):
         assert 7 not in new[:-1] and (new[-1] == 7 or len(new) == n)
 
 
+
+def test_spec_generate_stops_at_a_stop_token_accepted_inside_a_block(tmp_path, qwen3_dir):
+    """No drafting after the block that accepted the first stop token, wherever it sits in the block."""
+    from transformers import AutoModelForCausalLM
+
+    run, _ = fake_run(tmp_path / "run", qwen3_dir)
+    hf = load_hf(export(run, tmp_path / "out", dtype="float32"))
+    target = AutoModelForCausalLM.from_pretrained(str(qwen3_dir), dtype=torch.float32).eval()
+    with torch.no_grad():  # two live rows: outputs of 7s and 9s (and 0s) that drafts often agree with
+        head = target.get_output_embeddings().weight
+        live = head[[7, 9]].clone()
+        head.zero_()
+        head[[7, 9]] = live
+    prompt = torch.randint(0, 1980, (1, 9), generator=torch.Generator().manual_seed(6))
+    full = hf.spec_generate(target, prompt, max_new_tokens=48, return_stats=True)
+    new, acc = full.output_ids[0, 9:].tolist(), full.acceptance_lengths
+    hit = new.index(9)
+    start = [1 + sum(acc[:i]) for i in range(len(acc))]  # first new-token index of each block
+    block = max(i for i, s in enumerate(start) if s <= hit)
+    end = start[block] + acc[block] - 1
+    assert hit < end and new[end] != 9, "the fixture no longer puts the stop inside a block that ends otherwise"
+    st = hf.spec_generate(target, prompt, max_new_tokens=48, stop_token_ids=[9], return_stats=True)
+    assert st.output_ids[0, 9:].tolist() == new[:hit + 1]
+    assert st.acceptance_lengths == acc[:block + 1]  # that block was the last
+
+
 def test_cli(tmp_path, qwen3_dir, capsys):
     from stages import export as stage
 
