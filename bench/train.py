@@ -85,24 +85,28 @@ def synthetic_cache(root: Path, text: dict, target: Path, rows: int, seq_len: in
 
 def run_ours(args, cache: Path, drafter: dict) -> dict:
     from dflash_offline.config import TrainConfig
+    from dflash_offline.trainsetup import BenchSwitches
     from stages import train
 
     run = args.workdir / "run"
     shutil.rmtree(run, ignore_errors=True)
     cfg = TrainConfig(cache=str(cache), run=str(run), steps=args.steps, batch_rows=1, num_anchors=args.anchors,
-                      block_size=16, log_every=args.log_every, ckpt_every=10**9, trackers="none", attn=args.attn,
-                      compile_scope=args.compile_scope, profile_steps=args.profile_steps,
-                      master_weights=args.master_weights, optimizer_overlap=args.optimizer_overlap,
-                      global_batch_tokens=args.accum * args.seq_len, loss_logits=args.loss_logits, tf32=args.tf32,
+                      block_size=16, log_every=args.log_every, ckpt_every=10**9, trackers="none",
+                      attn="flex" if args.attn == "flex_joint" else args.attn, profile_steps=args.profile_steps,
+                      master_weights=args.master_weights, global_batch_tokens=args.accum * args.seq_len,
+                      loss_logits=args.loss_logits,
                       **({} if args.loss_chunk_tokens is None else {"loss_chunk_tokens": args.loss_chunk_tokens}),
                       **drafter).resolve()
+    # the A/B switches that are not trainer options (within the run-to-run spread: docs/benchmarks.md)
+    switches = BenchSwitches(joint_attention=args.attn == "flex_joint", tf32=args.tf32 == "on",
+                             optimizer_overlap=args.optimizer_overlap == "on")
     t0 = time.time()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     sampler = GpuSampler()
     try:
         with read_check(args.read_check) as hashed:
-            train.run(cfg)
+            train.run(cfg, switches)
     finally:
         sampler.stop()
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -173,7 +177,7 @@ def run_baseline(args, cache: Path, target: Path, drafter: dict, device) -> dict
     from dflash_offline.dataset import HiddenStream, open_hidden_cache
     from dflash_offline.drafter import DFlashDrafter, load_target_embeddings
     from dflash_offline.loss import slot_weights
-    from stages.train import cache_defaults, drafter_config
+    from dflash_offline.trainsetup import cache_defaults, drafter_config
 
     cfg = TrainConfig(cache=str(cache), batch_rows=1, num_anchors=args.anchors, **drafter).resolve()
     c = cache_defaults(cfg)
@@ -237,13 +241,14 @@ def main() -> None:
     p.add_argument("--rows", default="bench", choices=["bench", "chat"],
                    help="bench: the synthetic two-document rows of every earlier figure; chat: packed single-turn "
                         "chat documents (log-normal lengths, answers supervised)")
-    p.add_argument("--attn", default="auto", choices=["auto", "flex", "flex_joint"], help="the trainer's attn")
-    p.add_argument("--compile_scope", default="layers", choices=["layers", "model"])
+    p.add_argument("--attn", default="auto", choices=["auto", "flex", "flex_joint"],
+                   help="the trainer's attn; flex_joint: attn=flex as one flex call over [context | block] keys")
     p.add_argument("--accum", type=int, default=1, help="micro-batches (rows) per optimizer step")
     p.add_argument("--master_weights", default="auto", choices=["auto", "on", "off"])
-    p.add_argument("--optimizer_overlap", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--optimizer_overlap", default="off", choices=["on", "off"],
+                   help="on: each step's optimizer update on a side stream beside the next forward (master weights)")
     p.add_argument("--loss_logits", default="fp32", choices=["fp32", "bf16"], help="the trainer's loss_logits")
-    p.add_argument("--tf32", default="auto", choices=["auto", "on", "off"], help="the trainer's tf32")
+    p.add_argument("--tf32", default="off", choices=["on", "off"], help="on: TF32 tensor cores for fp32 matmuls")
     p.add_argument("--loss_chunk_tokens", type=int, default=None,
                    help="the trainer's loss_chunk_tokens (query tokens per lm_head chunk; default: the trainer's)")
     p.add_argument("--profile_steps", type=int, default=0, help="print a kernel table of that many steps")
@@ -294,8 +299,8 @@ def main() -> None:
         print(f"| SM clock MHz (min), board power W | {og['sm_mhz']:.0f} ({og['sm_mhz_min']:.0f}), {og['power_w']:.0f} | "
               + (f"{bg['sm_mhz']:.0f} ({bg['sm_mhz_min']:.0f}), {bg['power_w']:.0f} |" if bg else "|"))
     print(f"| first window (compilation), s | {o['first_window_ms'] * args.log_every / 1000:.0f} | |")
-    print(f"| compile scope, rows per optimizer step, master weights, optimizer overlap | {args.compile_scope}, "
-          f"{args.accum}, {o['master_weights']}, {o['optimizer_overlap']} | |")
+    print(f"| rows per optimizer step, master weights, optimizer overlap | {args.accum}, {o['master_weights']}, "
+          f"{o['optimizer_overlap']} | |")
     print(f"| rows, attn, loss logits, TF32, loss chunk tokens | {args.rows}, {o['attn']}, {o['loss_logits']}, "
           f"{o['tf32']}, {o['loss_chunk_tokens']} | |")
 

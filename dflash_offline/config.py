@@ -1,7 +1,8 @@
 """Stage configs: one dataclass per stage, loaded from a TOML recipe and overridden by `--key=value`.
 
 A recipe (manifests/*.toml) has one table per stage (`[tokenize]`, `[extract]`, `[train]`, ...). Every field has a
-one-line comment; required fields have no default. `resolve()` is the one place derived values are computed.
+one-line comment, which `--help` shows (`field_help`); required fields have no default. `resolve()` checks a config;
+the training settings it implies on a given machine are derived in one place, `dflash_offline.trainsetup`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,22 @@ class ConfigError(ValueError):
 # [eval]; export): any other section in a recipe is a typo, refused rather than silently ignored
 RECIPE_SECTIONS = ("tokenize", "extract", "verify", "train", "eval", "export")
 
+# the make variable that sets a field (Makefile): messages about that field name both spellings
+MAKE_VARS = {
+    "tokenize": {"corpus": "CORPUS", "tokenizer": "TARGET", "out": "CACHE"},
+    "extract": {"target": "TARGET", "hidden_out": "CACHE", "shards": "SHARD", "dry_run": "DRY_RUN"},
+    "verify": {"cache": "CACHE", "rows": "ROWS"},
+    "train": {"cache": "CACHE", "run": "RUN", "resume": "RESUME"},
+    "eval": {"run": "RUN", "prompts": "PROMPTS", "untrained": "UNTRAINED", "cache": "CACHE"},
+    "export": {"run": "RUN", "out": "OUT", "step": "STEP", "dtype": "DTYPE"},
+}
+
+
+def flag(section: str, name: str) -> str:
+    """How a user sets a field: '--run (make RUN=)' where make has a variable for it, else '--steps'."""
+    var = MAKE_VARS.get(section, {}).get(name)
+    return f"--{name} (make {var}=)" if var else f"--{name}"
+
 
 @dataclass
 class TokenizeConfig:
@@ -37,6 +54,8 @@ class TokenizeConfig:
     rows_per_shard: int = 256  # rows per token shard (the last shard may hold fewer)
     long_doc: str = "split"  # documents longer than seq_len: "split" into seq_len chunks, "truncate", or "skip"
     thinking: str = "keep"  # assistant reasoning: "keep" (rendered by the chat template) or "strip"
+    turns: str = "last"  # samples per chat: "last" (the whole conversation) or "each" (one per assistant turn)
+    empty_think: str = "prompt"  # an empty think block the template inserts: "prompt" (unsupervised) or "supervise"
     strict: bool = False  # stop at the first malformed record instead of skipping and counting it
     open_rows: int = 64  # packing window: rows kept open for best-fit placement (more = less padding)
     workers: int = 0  # tokenizer processes; 0 = one per CPU core
@@ -50,6 +69,8 @@ class TokenizeConfig:
             )
         check_choice("tokenize.long_doc", self.long_doc, ("split", "truncate", "skip"))
         check_choice("tokenize.thinking", self.thinking, ("keep", "strip"))
+        check_choice("tokenize.turns", self.turns, ("last", "each"))
+        check_choice("tokenize.empty_think", self.empty_think, ("prompt", "supervise"))
         if not self.corpus:
             raise ConfigError("tokenize.corpus is empty: give at least one file or glob (CORPUS=...)")
         for name in ("rows_per_shard", "open_rows", "chunk_docs"):
@@ -119,9 +140,7 @@ class TrainConfig:
     steps: int = 1000  # optimizer steps
     batch_rows: int = 1  # rows per micro-batch per process (fixed shape)
     global_batch_tokens: int = 0  # row tokens per optimizer step over all processes; 0 = one micro-batch each
-    # shard parameters, gradients and optimizer state over the processes (FSDP2, one unit per decoder layer) instead
-    # of replicating them (DDP): for drafters whose fp32 weights + AdamW state do not fit one GPU several times
-    fsdp: bool = False
+    fsdp: bool = False  # 1 = shard weights, gradients and AdamW state over the processes (FSDP2); 0 = replicate (DDP)
     num_layers: int = 5  # drafter decoder layers
     num_heads: int = 32  # drafter query heads
     num_kv_heads: int = 8  # drafter key/value heads
@@ -130,49 +149,24 @@ class TrainConfig:
     block_size: int = 16  # tokens per draft block (slot 0 = the anchor token)
     num_anchors: int = 512  # anchors per row, resampled every step (padded with a keep mask)
     layer_ids: list[int] = field(default_factory=list)  # tapped layers to train on; empty = all the cache holds
-    mask_token_id: int = -1  # -1 = the one validated at extraction
-    sliding_window: int = 0  # >0: every layer but the last uses sliding-window attention of this width
+    mask_token_id: int = -1  # the drafter's mask token; -1 = the one validated at extraction
+    sliding_window: int = 0  # >0: every layer but the last uses sliding-window attention of this width; 0 = off
     gamma: float = 0.0  # slot-weight decay exp(-(k-1)/gamma); 0 = 7 for block 16, 4 for block 8
-    weighting: str = "decay"  # "decay" or "dpace"
+    weighting: str = "decay"  # slot weights: "decay" (exp(-(k-1)/gamma)) or "dpace"
     noise_std: float = 0.0  # Gaussian noise on the context hidden states (relative to their RMS); 0 = off
     lr: float = 6e-4  # peak learning rate (AdamW)
     warmup_steps: int = -1  # linear warmup; -1 = 4 % of steps
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # max global grad norm (0 = off)
-    precision: str = "auto"  # "bf16" (autocast, fp32 master weights) or "fp32"; auto = bf16 on CUDA
-    # bf16: "on" = bf16 matmul weights in the model, fp32 masters + AdamW + clipping in one fused pass
-    # (dflash_offline.optim.MasterAdamW); "off" = fp32 weights under autocast + torch's fused AdamW.
-    # auto = on unless FSDP, or several processes with gradient accumulation (which "on" runs: fp32 sums reduced
-    # by the DDP comm hook; tested on the CPU so far)
-    master_weights: str = "auto"
-    # with master weights on CUDA: "on" = each step's optimizer update runs on a side stream, layer by layer, while
-    # the next step's forward runs (each layer waits only for its own weights); "off" = between the two steps.
-    # auto = on where it can be (master weights, CUDA, compile_scope=layers or no compilation)
-    optimizer_overlap: str = "auto"
-    # "flex": compiled flex_attention over the context keys + a dense block part; "flex_joint": one flex call over
-    # context + block keys
-    attn: str = "auto"  # "flex", "flex_joint" or "dense" (SDPA reference); auto = flex on CUDA
-    compile: str = "auto"  # "on" / "off"; auto = on with CUDA. After warm-up a recompile is an error
-    # "layers": each decoder layer is one compiled region, shared by all layers (compile time of one layer);
-    # "model": the whole drafter forward as one graph
-    compile_scope: str = "layers"
+    precision: str = "auto"  # "bf16" (autocast) or "fp32"; auto = bf16 on CUDA, fp32 elsewhere
+    master_weights: str = "auto"  # bf16: "on" = bf16 weights + fp32 masters, "off" = fp32; auto = on (off: FSDP, DDP+accum)
+    attn: str = "auto"  # "flex" (compiled flex_attention; CUDA) or "dense" (SDPA reference); auto = flex on CUDA
+    compile: str = "auto"  # "on" or "off"; auto = on with CUDA. After warm-up a recompile is an error
     profile_steps: int = 0  # > 0: profile the last that many steps (after warm-up) into RUN/profile.txt (rank 0)
-    # query tokens per lm_head chunk: the logits buffer is chunk x vocab x 4 bytes (2 with loss_logits=bf16; 4096 x
-    # 248320: 4 GB, plus half that for their gradient). On an H200 two chunks of 512 anchors x 15 slots beat one
-    # (bench.train_loss)
-    loss_chunk_tokens: int = 4096
-    loss_epilogue: str = "auto"  # softmax/CE/dlogits of a chunk: "triton" (CUDA default), "compiled" or "eager"
-    # dtype of the lm_head logits the CE epilogue reads: "fp32" (exact bf16 products, fp32 sums and output) or
-    # "bf16" (the GEMM's fp32 sums rounded to bf16, as an lm_head module in bf16 gives them: the epilogue moves 6
-    # instead of 10 bytes per logit; up to 0.06 error on a logit between 16 and 32). D-PACE upcasts each chunk, so
-    # there it changes only the numerics.
-    loss_logits: str = "fp32"
-    # TF32 tensor cores for fp32 matmuls: "auto" = on for precision bf16 on CUDA, where the only fp32 matmuls are
-    # the dense block part of attn=flex (its q.k inputs are bf16 values, exact in TF32; the other products round fp32
-    # inputs to TF32's 10 mantissa bits, where the flex part uses bf16's 8); "on" also with precision fp32, where it
-    # covers every fp32 matmul, the lm_head logits included; "off"
-    tf32: str = "auto"
+    loss_chunk_tokens: int = 4096  # query tokens per lm_head chunk (logits: chunk x vocab x 4 bytes; 2 if bf16)
+    loss_epilogue: str = "auto"  # softmax/CE/dlogits of a chunk: "triton", "compiled" or "eager"; auto = triton on CUDA
+    loss_logits: str = "fp32"  # lm_head logits the CE reads: "fp32" or "bf16" (rounded as a bf16 lm_head; less memory)
     ckpt_every: int = 500  # checkpoint every N steps (and at the end)
     keep_last: int = 3  # checkpoints kept
     log_every: int = 10  # metrics line every N steps
@@ -183,13 +177,10 @@ class TrainConfig:
         check_choice("train.weighting", self.weighting, ("decay", "dpace"))
         check_choice("train.precision", self.precision, ("auto", "bf16", "fp32"))
         check_choice("train.master_weights", self.master_weights, ("auto", "on", "off"))
-        check_choice("train.optimizer_overlap", self.optimizer_overlap, ("auto", "on", "off"))
-        check_choice("train.attn", self.attn, ("auto", "flex", "flex_joint", "dense"))
+        check_choice("train.attn", self.attn, ("auto", "flex", "dense"))
         check_choice("train.compile", self.compile, ("auto", "on", "off"))
-        check_choice("train.compile_scope", self.compile_scope, ("layers", "model"))
         check_choice("train.loss_epilogue", self.loss_epilogue, ("auto", "triton", "compiled", "eager"))
         check_choice("train.loss_logits", self.loss_logits, ("fp32", "bf16"))
-        check_choice("train.tf32", self.tf32, ("auto", "on", "off"))
         for name in ("steps", "batch_rows", "num_anchors", "num_layers", "ckpt_every", "log_every"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name} must be > 0, got {getattr(self, name)}")
@@ -225,7 +216,7 @@ def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 # --- loading -------------------------------------------------------------------------------------------------
 
 
-def _coerce(name: str, text: str, typ) -> object:
+def _coerce(name: str, text: str, typ, section: str = "") -> object:
     """Turn a command-line string into the field's type."""
     origin = typing.get_origin(typ)
     if origin in (list, tuple):
@@ -234,10 +225,10 @@ def _coerce(name: str, text: str, typ) -> object:
             items = json.loads(text)
         else:
             items = [t for t in text.split(",") if t.strip()]
-        return [_coerce(name, str(t), inner) for t in items]
+        return [_coerce(name, str(t), inner, section) for t in items]
     if origin in (types.UnionType, typing.Union):
         args = [a for a in typing.get_args(typ) if a is not type(None)]
-        return _coerce(name, text, args[0])
+        return _coerce(name, text, args[0], section)
     try:
         if typ is bool:
             low = text.lower()
@@ -249,13 +240,14 @@ def _coerce(name: str, text: str, typ) -> object:
         if typ in (int, float, str):
             return typ(text)
     except ValueError:
-        raise ConfigError(f"--{name}={text!r}: expected a {typ.__name__}") from None
+        what = {bool: "0 or 1", int: "an integer", float: "a number"}.get(typ, f"a {typ.__name__}")
+        raise ConfigError(f"{flag(section, name)}: expected {what}, got {text!r}") from None
     raise ConfigError(f"--{name}: unsupported field type {typ}")
 
 
 def _check_type(section: str, name: str, value, typ) -> object:
     if isinstance(value, str) and typ is not str:
-        return _coerce(name, value, typ)
+        return _coerce(name, value, typ, section)
     origin = typing.get_origin(typ) or typ
     if origin is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -347,7 +339,7 @@ def build_config(cls, section: str, values: dict):
         if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     ]
     if missing:
-        raise ConfigError(f"missing required {section} setting(s): {', '.join(missing)} (give --name=value)")
+        raise ConfigError(f"missing required {section} setting(s): {', '.join(flag(section, m) for m in missing)}")
     return cls(**kwargs).resolve()
 
 
@@ -369,7 +361,7 @@ def configs_from_argv(specs: list[tuple[type, str]], argv: list[str], doc: str, 
     extract.target); `earlier` maps section → config.
     """
     if any(a in ("-h", "--help") for a in argv):
-        print(doc.strip() + "\n\n" + "\n\n".join(f"[{sec}] " + describe(cls) for cls, sec in specs))
+        print(doc.strip() + "\n\n" + "\n\n".join(f"[{sec}] " + describe(cls, sec) for cls, sec in specs))
         sys.exit(0)
     recipe, overrides = parse_overrides(argv)
     check_overrides(overrides, [cls for cls, _ in specs])
@@ -389,28 +381,42 @@ def configs_from_argv(specs: list[tuple[type, str]], argv: list[str], doc: str, 
 def config_from_argv(cls, section: str, argv: list[str], doc: str):
     """The stage scripts' front door: `--help` prints the fields with their comments."""
     if any(a in ("-h", "--help") for a in argv):
-        print(doc.strip() + "\n\n" + describe(cls))
+        print(doc.strip() + "\n\n" + describe(cls, section))
         sys.exit(0)
     recipe, overrides = parse_overrides(argv)
     return load_config(cls, section, recipe, overrides)
 
 
-def describe(cls) -> str:
-    """Field list with defaults and the comment next to each field in the source."""
+def field_help(cls) -> dict[str, str]:
+    """Each field's help: the comment at the end of its line in `cls`'s source ('' where there is none)."""
+    import ast
     import inspect
+    import io
+    import textwrap
+    import tokenize as tok
 
-    comments = {}
-    for line in inspect.getsource(cls).splitlines():
-        line = line.strip()
-        if ":" in line and "#" in line and not line.startswith(("#", "def", "class")):
-            name = line.split(":", 1)[0].strip()
-            comments[name] = line.split("#", 1)[1].strip()
+    source = textwrap.dedent(inspect.getsource(cls))
+    comments = {t.start[0]: t.string.lstrip("#").strip()
+                for t in tok.generate_tokens(io.StringIO(source).readline) if t.type == tok.COMMENT}
+    (node,) = ast.parse(source).body
+    return {f.target.id: comments.get(f.end_lineno, "") for f in node.body
+            if isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name)}
+
+
+def describe(cls, section: str = "") -> str:
+    """Field list with each field's help, default (or REQUIRED) and make variable."""
+    helps = field_help(cls)
+    fields = dataclasses.fields(cls)
+    width = max(len(f.name) for f in fields) + 2
     rows = ["options (--key=value, or --recipe=manifests/NAME.toml for a recipe):"]
-    for f in dataclasses.fields(cls):
-        default = "REQUIRED" if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING else (
-            f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        )
-        rows.append(f"  --{f.name:<18} {comments.get(f.name, '')}  [{default!r}]")
+    for f in fields:
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            default = "REQUIRED"
+        else:
+            value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            default = int(value) if isinstance(value, bool) else repr(value)
+        var = MAKE_VARS.get(section, {}).get(f.name)
+        rows.append(f"  {'--' + f.name:<{width}} {helps.get(f.name, '')}  [{default}{f'; make {var}=' if var else ''}]")
     return "\n".join(rows)
 
 
@@ -431,6 +437,8 @@ __all__ = [
     "config_from_argv",
     "describe",
     "field",
+    "field_help",
+    "flag",
     "load_config",
     "parse_overrides",
 ]

@@ -114,6 +114,41 @@ def test_committed_recipes_load_in_every_stage(path):
     assert configs_from_argv([(TrainConfig, "train")], [arg, "--cache=c"], "")[0].num_layers >= 1
 
 
+def test_a_missing_setting_names_the_flag_and_the_make_variable():
+    """A make user who left RUN=, CACHE=, CORPUS= or TARGET= empty reads the variable to set, not only the flag."""
+    with pytest.raises(ConfigError, match=r"^missing required train setting\(s\): --cache \(make CACHE=\)$"):
+        configs_from_argv([(TrainConfig, "train")], ["--cache=", "--run=r"], "")  # (as make passes an empty CACHE=)
+    with pytest.raises(ConfigError, match=r": --corpus \(make CORPUS=\), --tokenizer \(make TARGET=\)$"):
+        config_from_argv(TokenizeConfig, "tokenize", [], "")
+    with pytest.raises(ConfigError, match=r"extract setting\(s\): --target \(make TARGET=\)$"):
+        configs_from_argv(EXTRACT_SPECS, ["--corpus=a"], "")
+    with pytest.raises(ConfigError, match=r"verify setting\(s\): --cache \(make CACHE=\)$"):
+        config_from_argv(VerifyConfig, "verify", [], "")
+    with pytest.raises(ConfigError, match=r"eval setting\(s\): --run \(make RUN=\)$"):
+        config_from_argv(EvalConfig, "eval", [], "")
+    with pytest.raises(ConfigError, match=r"export setting\(s\): --run \(make RUN=\), --out \(make OUT=\)$"):
+        configs_from_argv([(ExportConfig, "export")], [], "")
+
+
+def test_an_unreadable_value_names_the_flag_and_the_make_variable():
+    with pytest.raises(ConfigError, match=r"^--resume \(make RESUME=\): expected 0 or 1, got 'yes please'$"):
+        configs_from_argv([(TrainConfig, "train")], ["--cache=c", "--resume=yes please"], "")
+    with pytest.raises(ConfigError, match=r"^--steps: expected an integer, got '1e3'$"):
+        configs_from_argv([(TrainConfig, "train")], ["--cache=c", "--steps=1e3"], "")
+
+
+@pytest.mark.parametrize("gone", ["optimizer_overlap", "tf32", "compile_scope"])
+def test_removed_train_options_are_refused(tmp_path, gone):
+    """Performance switches that measured within the run-to-run spread are bench.train flags, not options: a recipe
+    or command line that still sets one is told so (unknown setting), not silently ignored."""
+    with pytest.raises(ConfigError, match=rf"--{gone}: unknown setting"):
+        configs_from_argv([(TrainConfig, "train")], ["--cache=c", f"--{gone}=on"], "")
+    with pytest.raises(ConfigError, match=rf"unknown setting {gone} in \[train\]"):
+        configs_from_argv([(TrainConfig, "train")], [recipe(tmp_path, f"[train]\n{gone} = 'on'\n"), "--cache=c"], "")
+    with pytest.raises(ConfigError, match=r"train\.attn='flex_joint' is not one of auto, flex, dense"):
+        configs_from_argv([(TrainConfig, "train")], ["--cache=c", "--attn=flex_joint"], "")
+
+
 # --- target and tokenizer paths ------------------------------------------------------------------------------------
 
 

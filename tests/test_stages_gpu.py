@@ -1,7 +1,7 @@
 """GPU end-to-end checks of the training stage (make test-gpu-train): the compiled
-flex trainer equals the eager dense one, with flat reserved memory and no recompiles; bf16 master weights and the
-overlapped optimizer update train like the plain ones; on 2 GPUs, DDP (also accumulating with master weights) and
-FSDP train like one GPU."""
+flex trainer (and bench.train's joint flex call) equals the eager dense one, with flat reserved memory and no
+recompiles; bf16 master weights, and bench.train's overlapped optimizer update, train like the plain ones; on 2 GPUs,
+DDP (also accumulating with master weights) and FSDP train like one GPU."""
 
 import json
 
@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_offline.config import TrainConfig
+from dflash_offline.trainsetup import BenchSwitches, cache_defaults, drafter_config
 from stages import train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -19,10 +20,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_compiled_flex_trainer_matches_eager_and_holds_memory(tmp_path, hidden_cache, attn):
     tiny = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_anchors=8, batch_rows=2, log_every=1,
                 trackers="none", lr=3e-3, warmup_steps=1, ckpt_every=1000)
-    runs = {}
-    for name, extra in {"eager": dict(attn="dense", compile="off"), "compiled": dict(attn=attn, compile="on")}.items():
+    runs, modes = {}, {"eager": dict(attn="dense", compile="off"), "compiled": dict(attn="flex", compile="on")}
+    for name, extra in modes.items():  # (flex_joint: attn=flex with bench.train's joint-call switch)
         cfg = TrainConfig(cache=str(hidden_cache), run=str(tmp_path / name), steps=50, **tiny, **extra).resolve()
-        train.run(cfg)
+        train.run(cfg, BenchSwitches(joint_attention=name == "compiled" and attn == "flex_joint"))
         runs[name] = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     e, c = runs["eager"], runs["compiled"]
     assert c[0]["loss"] == pytest.approx(e[0]["loss"], rel=2e-2)  # same first step within bf16 tolerance
@@ -33,14 +34,16 @@ def test_compiled_flex_trainer_matches_eager_and_holds_memory(tmp_path, hidden_c
 
 def train_off_and_on(tmp_path, hidden_cache, option: str, log_every: int, values=("off", "on")):
     """12 steps of a tiny drafter with `option` off, then on (runs in tmp_path/off, tmp_path/on; or the two
-    `values`): the metrics of each, and the last config."""
+    `values`): the metrics of each, and the last config. An `option` that is one of bench.train's `BenchSwitches`
+    is set as such."""
     tiny = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_anchors=8, batch_rows=2,
                 log_every=log_every, trackers="none", lr=3e-3, warmup_steps=1, ckpt_every=1000, grad_clip=0.5)
+    switch = option in BenchSwitches.__dataclass_fields__
     runs = {}
     for value in values:
-        cfg = TrainConfig(cache=str(hidden_cache), run=str(tmp_path / value), steps=12, **{option: value},
-                          **tiny).resolve()
-        train.run(cfg)
+        cfg = TrainConfig(cache=str(hidden_cache), run=str(tmp_path / value), steps=12,
+                          **({} if switch else {option: value}), **tiny).resolve()
+        train.run(cfg, BenchSwitches(**{option: value == "on"}) if switch else BenchSwitches())
         runs[value] = [json.loads(x) for x in (tmp_path / value / "metrics.jsonl").read_text().splitlines()]
     return runs, cfg
 
@@ -58,7 +61,7 @@ def test_bf16_master_weights_train_like_fp32_weights_on_cuda(tmp_path, hidden_ca
     from dflash_offline.drafter import DFlashDrafter
 
     torch.manual_seed(cfg.seed)  # the trainer's initial weights (built on the CPU right after this seeding)
-    init = DFlashDrafter(train.drafter_config(cfg, train.cache_defaults(cfg))).state_dict()
+    init = DFlashDrafter(drafter_config(cfg, cache_defaults(cfg))).state_dict()
     for k in w_off:
         assert w_on[k].dtype == torch.float32
         update = (w_off[k] - init[k]).norm()
@@ -70,7 +73,7 @@ def test_bf16_master_weights_train_like_fp32_weights_on_cuda(tmp_path, hidden_ca
 
 
 def test_optimizer_update_overlapping_the_forward_trains_like_the_serial_one(tmp_path, hidden_cache, monkeypatch):
-    """optimizer_overlap (the CUDA default with master weights): each step's update runs on a side stream while the
+    """optimizer_overlap (bench.train's switch, with master weights): each step's update runs on a side stream while the
     next forward runs. Same losses and weights as the update between steps; a missing wait (a layer reading its
     weights before their update) or a gradient freed too early would show as a different run. The side stream is
     made to lag ~30 ms per step, and metrics sync only every 6 steps, so the forward really runs ahead of it."""
@@ -99,7 +102,7 @@ def test_optimizer_update_overlapping_the_forward_trains_like_the_serial_one(tmp
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_gpus_ddp_and_fsdp_train_like_one_gpu_with_accumulation(tmp_path, hidden_cache):
     """NCCL, one process per GPU, the CUDA defaults (compiled flex attention, bf16). DDP with bf16 master weights
-    (gradients reduced in fp32, optimizer update overlapping the forward) = one GPU accumulating the same two
+    (gradients reduced in fp32, the optimizer update between steps) = one GPU accumulating the same two
     micro-batches; FSDP-sharded (fp32 weights under autocast) = one GPU with fp32 weights doing the same; the
     sharded checkpoint holds full tensors. (The CPU suite checks the same with gloo; this is the NCCL/CUDA path.)"""
     from test_train import TINY, final_weights, launch_two, losses
@@ -119,7 +122,7 @@ def test_two_gpus_ddp_and_fsdp_train_like_one_gpu_with_accumulation(tmp_path, hi
         assert (d1["world_size"], d1["grad_accum"], d2["world_size"], d2["grad_accum"]) == (1, 2, 2, 1)
         assert d2["attn"] == "flex" and d2["compile"] is True and d2["fsdp_sharded"] is (name == "fsdp")
         assert d2["master_weights"] is d1["master_weights"] is (name == "ddp")
-        assert d2["optimizer_overlap"] is (name == "ddp")
+        assert d2["optimizer_overlap"] is False  # (a bench.train switch only)
         recs = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
         assert recs[-1]["recompiles"] == 0
         assert losses(two) == pytest.approx(losses(single), rel=5e-3), name
@@ -145,7 +148,7 @@ def test_two_gpus_accumulating_with_master_weights_train_like_one_gpu(tmp_path, 
     d1 = json.loads((single / "config.json").read_text())["derived"]
     d2 = json.loads((two / "config.json").read_text())["derived"]
     assert (d1["grad_accum"], d2["world_size"], d2["grad_accum"]) == (4, 2, 2)
-    assert d1["master_weights"] is d2["master_weights"] is True and d2["optimizer_overlap"] is True
+    assert d1["master_weights"] is d2["master_weights"] is True and d2["optimizer_overlap"] is False
     assert [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()][-1]["recompiles"] == 0
     assert losses(two) == pytest.approx(losses(single), rel=5e-3)
     norms = [[json.loads(x)["grad_norm"] for x in (r / "metrics.jsonl").read_text().splitlines()]
@@ -157,8 +160,9 @@ def test_two_gpus_accumulating_with_master_weights_train_like_one_gpu(tmp_path, 
 
 
 def test_tf32_block_part_and_bf16_logits_train_like_the_defaults(tmp_path, hidden_cache, monkeypatch):
-    """tf32 (auto: on for bf16 on CUDA) and loss_logits=bf16 each train like the run without them, are recorded in
-    the run's config, TF32 is what the run says while it runs, and the process's setting is put back after it."""
+    """TF32 (bench.train's switch; for bf16 runs: the dense block part of attn=flex) and loss_logits=bf16 each train
+    like the run without them, are recorded in the run's config, TF32 is what the run says while it runs, and the
+    process's setting is put back after it."""
     from dflash_offline import loss
 
     m, seen, real = torch.backends.cuda.matmul, [], loss.block_ce_loss

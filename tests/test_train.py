@@ -13,8 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dflash_offline import metrics
 from dflash_offline.config import TrainConfig
 from dflash_offline.manifest import update_manifest
+from dflash_offline.trainsetup import BenchSwitches, cache_defaults, drafter_config, resolve_train
 from stages import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,8 +56,25 @@ def test_resume_equals_uninterrupted(tmp_path, hidden_cache):
 
 def test_existing_run_needs_resume(tmp_path, hidden_cache):
     train.run(cfg(hidden_cache, tmp_path / "r", steps=3))
-    with pytest.raises(ValueError, match="resume=1"):
+    with pytest.raises(ValueError, match=r"resume=1 \(make RESUME=1\) to continue it, or choose another --run "
+                                         r"\(make RUN=\)"):
         train.run(cfg(hidden_cache, tmp_path / "r", steps=3))
+
+
+def test_a_run_ends_with_one_summary_line(tmp_path, hidden_cache, capsys):
+    """The last line says what the run did: steps, tokens, time, steady tok/s, final loss and τ, recompiles, peak
+    memory, and where its checkpoint is; a resumed run counts its own steps."""
+    run = tmp_path / "r"
+    train.run(cfg(hidden_cache, run, steps=4, ckpt_every=2, log_every=1))
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert f"train done: 4 steps (0 → 4), {4 * 2 * 128:,} tokens in " in last
+    assert " tok/s over 3 steady steps; " in last  # the first window (compilation, warm-up) left out
+    assert f"loss {recs[-1]['loss']:.4f}, sim τ {recs[-1]['sim_tau']:.2f}, recompiles 0; peak " in last
+    assert last.endswith(f"; checkpoint {run / 'checkpoints' / 'step-00000004'}")
+    train.run(cfg(hidden_cache, run, steps=6, ckpt_every=2, log_every=1, resume=True))
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "train done: 2 steps (4 → 6), " in last and last.endswith("step-00000006")
 
 
 WORKER = """
@@ -200,17 +219,45 @@ def test_flex_attention_is_refused_at_start_without_cuda(tmp_path, hidden_cache,
     from dflash_offline import drafter
 
     monkeypatch.setattr(drafter, "load_target_embeddings", lambda *a: pytest.fail("weights loaded before refusing"))
-    with pytest.raises(ValueError, match=f"attn={attn} needs CUDA"):
-        train.run(cfg(hidden_cache, tmp_path / "x", attn=attn, compile="on"))
+    with pytest.raises(ValueError, match=f"attn={attn} needs CUDA"):  # (flex_joint: bench.train's joint call)
+        train.run(cfg(hidden_cache, tmp_path / "x", attn="flex", compile="on"),
+                  BenchSwitches(joint_attention=attn == "flex_joint"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
-def test_tf32_on_is_refused_at_start_without_cuda(tmp_path, hidden_cache, monkeypatch):
+def test_bench_tf32_is_refused_at_start_without_cuda(tmp_path, hidden_cache, monkeypatch):
     from dflash_offline import drafter
 
     monkeypatch.setattr(drafter, "load_target_embeddings", lambda *a: pytest.fail("weights loaded before refusing"))
-    with pytest.raises(ValueError, match="tf32=on needs CUDA"):
-        train.run(cfg(hidden_cache, tmp_path / "x", tf32="on"))
+    with pytest.raises(ValueError, match="TF32 needs CUDA"):
+        train.run(cfg(hidden_cache, tmp_path / "x"), BenchSwitches(tf32=True))
+
+
+def test_settings_resolve_for_the_machine_and_the_processes(hidden_cache, tmp_path):
+    """What the config means with CUDA and without, on 1 and 2 processes (no GPU needed to check the CUDA side):
+    the bench-only switches stay off unless asked for."""
+    c = cfg(hidden_cache, tmp_path / "x")
+    cpu = resolve_train(c, cuda=False, world=1, seq_len=128)
+    assert (cpu.precision, cpu.attn, cpu.compile, cpu.master, cpu.tf32, cpu.overlap) == ("fp32", "dense", False,
+                                                                                       False, False, False)
+    gpu = resolve_train(c, cuda=True, world=1, seq_len=128)
+    assert (gpu.precision, gpu.attn, gpu.compile, gpu.master, gpu.tf32, gpu.overlap) == ("bf16", "flex", True,
+                                                                                       True, False, False)
+    assert gpu.warmup == 1 and resolve_train(cfg(hidden_cache, tmp_path / "x", warmup_steps=-1, steps=100),
+                                             cuda=True, world=1, seq_len=128).warmup == 4
+    accum = dict(global_batch_tokens=4 * 2 * 128)
+    ddp = resolve_train(cfg(hidden_cache, tmp_path / "x", **accum), cuda=True, world=2, seq_len=128)
+    assert (ddp.accum, ddp.reduced_accum, ddp.master, ddp.sharded) == (2, True, False, False)  # auto: fp32 weights
+    on = resolve_train(cfg(hidden_cache, tmp_path / "x", master_weights="on", **accum), cuda=True, world=2,
+                       seq_len=128)
+    assert on.master is True
+    sharded = resolve_train(cfg(hidden_cache, tmp_path / "x", fsdp=True, **accum), cuda=True, world=2, seq_len=128)
+    assert (sharded.sharded, sharded.master, sharded.reduced_accum) == (True, False, False)
+    joint = resolve_train(c, cuda=True, world=1, seq_len=128,
+                          switches=BenchSwitches(joint_attention=True, optimizer_overlap=True, tf32=True))
+    assert (joint.attn, joint.overlap, joint.tf32) == ("flex_joint", True, True)
+    with pytest.raises(ValueError, match="must be a multiple of batch_rows × seq_len × processes = 768"):
+        resolve_train(cfg(hidden_cache, tmp_path / "x", **accum), cuda=False, world=3, seq_len=128)
 
 
 @pytest.mark.parametrize("caller", ["allow_tf32", "fp32_precision"])
@@ -247,9 +294,9 @@ def test_bf16_logits_reach_the_loss(tmp_path, hidden_cache):
     assert a != b and b == pytest.approx(a, rel=1e-2)
 
 
-def test_optimizer_overlap_on_refuses_where_unavailable(tmp_path, hidden_cache):
-    with pytest.raises(ValueError, match="optimizer_overlap=on is not available here: it needs master weights"):
-        train.run(cfg(hidden_cache, tmp_path / "x", precision="fp32", optimizer_overlap="on"))
+def test_bench_optimizer_overlap_refuses_where_unavailable(tmp_path, hidden_cache):
+    with pytest.raises(ValueError, match="optimizer_overlap is not available here: it needs master weights"):
+        train.run(cfg(hidden_cache, tmp_path / "x", precision="fp32"), BenchSwitches(optimizer_overlap=True))
     assert not (tmp_path / "x" / "checkpoints").exists()
 
 
@@ -374,7 +421,7 @@ def test_fsdp_two_processes_equal_one_and_resume_exactly(tmp_path, hidden_cache)
     from dflash_offline.drafter import DFlashDrafter
 
     c = cfg(hidden_cache, sharded, **TINY)
-    model = DFlashDrafter(train.drafter_config(c, train.cache_defaults(c)))
+    model = DFlashDrafter(drafter_config(c, cache_defaults(c)))
     opt = torch.optim.AdamW(model.parameters(), lr=1.0)
     state = load_checkpoint(sharded, model, opt, step=2, rng=False)
     assert state["step"] == 2
@@ -389,7 +436,7 @@ def test_compiled_graph_counter_counts_new_graphs():
     must move when torch.compile makes a graph (a key torch no longer fills would report 0 forever)."""
     import torch
 
-    from stages.train import compiled_graphs
+    from dflash_offline.metrics import compiled_graphs
 
     f = torch.compile(lambda x: x * 2 + 1, dynamic=False, backend="eager")
     g0 = compiled_graphs()
@@ -413,14 +460,14 @@ def test_long_lived_objects_leave_the_gc_after_warm_up_and_come_back_at_the_end(
     assert gc.get_freeze_count() == 0
     recs = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert all(0 <= r["gc_frac"] < 1 for r in recs)  # time the feeding thread spent in the GC, per window
-    assert train.GC_CLOCK not in gc.callbacks  # removed when the run ends
-    gc.callbacks.append(train.GC_CLOCK)
+    assert metrics.GC_CLOCK not in gc.callbacks  # removed when the run ends
+    gc.callbacks.append(metrics.GC_CLOCK)
     try:
-        before = train.GC_CLOCK.total
+        before = metrics.GC_CLOCK.total
         gc.collect()
-        assert train.GC_CLOCK.total > before
+        assert metrics.GC_CLOCK.total > before
     finally:
-        gc.callbacks.remove(train.GC_CLOCK)
+        gc.callbacks.remove(metrics.GC_CLOCK)
 
 
 def test_window_reports_are_read_after_the_next_step_is_queued_and_windows_tile_time(tmp_path, hidden_cache,
@@ -432,7 +479,7 @@ def test_window_reports_are_read_after_the_next_step_is_queued_and_windows_tile_
     from dflash_offline import dataset
 
     drawn, read_at = [0], []
-    real_next, real_result = dataset.HiddenStream.__next__, train.Report.result
+    real_next, real_result = dataset.HiddenStream.__next__, metrics.Report.result
 
     def slow_next(self):  # every step takes at least 50 ms, so step times are comparable
         time.sleep(0.05)
@@ -440,8 +487,8 @@ def test_window_reports_are_read_after_the_next_step_is_queued_and_windows_tile_
         return real_next(self)
 
     monkeypatch.setattr(dataset.HiddenStream, "__next__", slow_next)
-    monkeypatch.setattr(train.Report, "result", lambda self: (read_at.append((self.kw["step"], drawn[0])),
-                                                              real_result(self))[1])
+    monkeypatch.setattr(metrics.Report, "result", lambda self: (read_at.append((self.kw["step"], drawn[0])),
+                                                                real_result(self))[1])
     train.run(cfg(hidden_cache, tmp_path / "r", steps=9, log_every=2, ckpt_every=5))
     # 1 batch a step: step n's record is read after step n+1's batch, except at the checkpoint (5) and the end (9)
     assert read_at == [(2, 3), (4, 5), (5, 5), (6, 7), (8, 9), (9, 9)]

@@ -1,0 +1,270 @@
+"""What a TrainConfig means on this machine: the training settings derived from the config and the run's facts.
+
+`TrainConfig.resolve()` checks what the user typed; `resolve_train` turns it into what the run does, given what only
+the run knows (CUDA or not, the number of processes, the cache's row length): precision, attention, compilation, the
+loss epilogue, gradient accumulation, FSDP sharding, master weights, warm-up. A setting this machine cannot honour is
+refused here, at start, before any weights load, naming the setting and what to use instead. The result is logged
+and written into the run's config.json as its "derived" block (`TrainSetup.derived`). Also derived here: what the
+cache says about the target (`cache_defaults`), the drafter's shape (`drafter_config`), the learning-rate schedule;
+and `kept_process_state`, which puts back what a run changes in its process (TF32, the recompile guard, GC state).
+
+`BenchSwitches` hold the performance switches that measured within the run-to-run spread (docs/benchmarks.md): they
+are not options; the trainer runs without them and `bench.train` sets them for its A/B runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+from dflash_offline.config import TrainConfig, flag
+
+
+@dataclass(frozen=True)
+class BenchSwitches:
+    joint_attention: bool = False  # attn=flex as one flex call over [context | block] keys ("flex_joint")
+    optimizer_overlap: bool = False  # master weights on CUDA: each update on a side stream beside the next forward
+    tf32: bool = False  # CUDA: TF32 tensor cores for fp32 matmuls (in bf16 runs: the dense block part of attn=flex)
+
+
+@dataclass(frozen=True)
+class TrainSetup:
+    world: int  # processes
+    precision: str  # "bf16" (autocast) or "fp32"
+    attn: str  # "flex", "flex_joint" (bench only) or "dense"
+    compile: bool  # decoder layers, context projection and output norm compiled
+    epilogue: str  # loss epilogue: "triton", "compiled" or "eager"
+    tf32: bool  # TF32 for fp32 matmuls while the run runs
+    accum: int  # micro-batches per optimizer step on each process
+    sharded: bool  # FSDP-sharded (fsdp=1 and more than one process)
+    master: bool  # bf16 weights with fp32 masters (MasterAdamW)
+    reduced_accum: bool  # several unsharded processes accumulating: fp32 sums reduced by the DDP comm hook
+    overlap: bool  # the optimizer update overlaps the next forward (bench only)
+    warmup: int  # learning-rate warm-up steps
+
+    def derived(self, cfg: TrainConfig, cache_key: str) -> dict:
+        """The run's config.json "derived" block."""
+        return {"world_size": self.world, "grad_accum": self.accum, "fsdp_sharded": self.sharded,
+                "precision": self.precision, "attn": self.attn, "compile": self.compile,
+                "master_weights": self.master, "optimizer_overlap": self.overlap, "loss_epilogue": self.epilogue,
+                "loss_logits": cfg.loss_logits, "tf32": self.tf32,
+                "global_batch_rows": cfg.batch_rows * self.world * self.accum, "cache_key": cache_key}
+
+    def describe(self, cfg: TrainConfig) -> str:
+        """One line for the log: processes, rows, accumulation and the compute path."""
+        return (f"{self.world} process(es) × {cfg.batch_rows} rows × accum {self.accum}"
+                f"{', FSDP-sharded' if self.sharded else ''}; {self.precision}"
+                f"{' (bf16 weights, fp32 masters)' if self.master else ''}"
+                f"{', optimizer update overlapping the next forward' if self.overlap else ''}"
+                f"{', TF32' if self.tf32 else ''}, attn {self.attn}, compile {self.compile}")
+
+
+def resolve_train(cfg: TrainConfig, *, cuda: bool, world: int, seq_len: int,
+                  switches: BenchSwitches = BenchSwitches()) -> TrainSetup:
+    """The run's settings from `cfg` on a machine with(out) CUDA running `world` processes over rows of `seq_len`."""
+    from dflash_offline.loss import resolve_epilogue
+
+    precision = cfg.precision if cfg.precision != "auto" else ("bf16" if cuda else "fp32")
+    attn, use_compile = attention(cfg, cuda, switches.joint_attention)
+    epilogue = resolve_epilogue(cfg.loss_epilogue, cuda)  # fails here, at start, if this machine cannot run it
+    if switches.tf32 and not cuda:
+        raise ValueError("TF32 needs CUDA (TF32 tensor cores)")
+    accum = grad_accum(cfg, world, seq_len)
+    sharded = cfg.fsdp and world > 1  # FSDP only shards over more than one process
+    # several processes with gradient accumulation: fp32 sums reduced by the comm hook (`fp32_allreduce_hook`),
+    # tested on the CPU (gloo) only so far, so `on` asks for it and `auto` keeps fp32 weights there
+    reduced_accum = world > 1 and accum > 1 and not sharded
+    master = master_weights(cfg, precision, sharded, reduced_accum)
+    why_not = "it needs master weights (master_weights)" if not master else "it needs CUDA" if not cuda else None
+    if switches.optimizer_overlap and why_not:
+        raise ValueError(f"optimizer_overlap is not available here: {why_not}")
+    return TrainSetup(world=world, precision=precision, attn=attn, compile=use_compile, epilogue=epilogue,
+                      tf32=switches.tf32, accum=accum, sharded=sharded, master=master, reduced_accum=reduced_accum,
+                      overlap=switches.optimizer_overlap,
+                      warmup=cfg.warmup_steps if cfg.warmup_steps >= 0 else max(1, round(0.04 * cfg.steps)))
+
+
+def attention(cfg: TrainConfig, cuda: bool, joint: bool) -> tuple[str, bool]:
+    """(attention implementation, compile or not); flex needs CUDA and compilation."""
+    attn = cfg.attn if cfg.attn != "auto" else ("flex" if cuda else "dense")
+    use_compile = cfg.compile == "on" or (cfg.compile == "auto" and cuda)
+    if joint:
+        if attn != "flex":
+            raise ValueError(f"the joint flex call is a form of attn=flex, not of attn={attn}")
+        attn = "flex_joint"
+    if attn != "dense" and not cuda:
+        raise ValueError(f"attn={attn} needs CUDA (flex_attention has no CPU backward); use attn=dense or auto on "
+                         f"the CPU")
+    if attn != "dense" and not use_compile:
+        raise ValueError(f"attn={attn} needs compile=on: uncompiled flex_attention materializes the full score "
+                         f"matrix")
+    return attn, use_compile
+
+
+def grad_accum(cfg: TrainConfig, world: int, seq_len: int) -> int:
+    """Micro-batches per optimizer step on each process, from global_batch_tokens (0: one)."""
+    if not cfg.global_batch_tokens:
+        return 1
+    rows_per_micro = cfg.batch_rows * seq_len
+    accum, rem = divmod(cfg.global_batch_tokens, rows_per_micro * world)
+    if rem or accum < 1:
+        raise ValueError(f"global_batch_tokens={cfg.global_batch_tokens} must be a multiple of batch_rows × "
+                         f"seq_len × processes = {rows_per_micro * world}")
+    return accum
+
+
+def master_weights(cfg: TrainConfig, precision: str, sharded: bool, reduced_accum: bool) -> bool:
+    """bf16 weights with fp32 masters: `on` where possible (else refused), `auto` where tested, `off` never."""
+    master = cfg.master_weights == "on" or (cfg.master_weights == "auto" and precision == "bf16")
+    why_not = "precision is fp32" if precision != "bf16" else "FSDP shards fp32 weights" if sharded else None
+    if master and why_not:
+        if cfg.master_weights == "on":
+            raise ValueError(f"master_weights=on is not available here: {why_not}; use master_weights=off/auto")
+        return False
+    return master and not (reduced_accum and cfg.master_weights == "auto")
+
+
+def cosine_schedule(step: int, warmup: int, total: int, floor: float) -> float:
+    """The learning rate at optimizer step `step` as a fraction of the peak: linear warm-up, cosine down to `floor`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+# --- the cache, the target and the drafter -----------------------------------------------------------------------
+
+
+def cache_defaults(cfg: TrainConfig) -> dict:
+    """What the cache says about the target: its checkpoint, tapped layers, mask token, sizes."""
+    from dflash_offline.manifest import read_manifest
+
+    m = read_manifest(cfg.cache)
+    if m["kind"] != "hidden":
+        raise ValueError(f"{cfg.cache} is a {m['kind']} cache: train on a hidden-state cache (make extract output)")
+    tgt = m["producer"]["target"]
+    return {
+        "target": cfg.target or m["config"]["extract"]["target"], "cache_target": m["config"]["extract"]["target"],
+        "target_id": tgt,
+        "layer_ids": list(cfg.layer_ids) or list(m["config"]["layer_ids"]),
+        "mask_token_id": cfg.mask_token_id if cfg.mask_token_id >= 0 else m["config"]["mask_token_id"],
+        "hidden_size": tgt["hidden_size"], "num_target_layers": tgt["num_layers"], "vocab_size": tgt["vocab_size"],
+        "seq_len": m["producer"]["tokens"]["producer"]["seq_len"],
+    }
+
+
+def drafter_config(cfg: TrainConfig, c: dict):
+    """The drafter's `DrafterConfig` from `cfg`, the cache's facts `c` and the target checkpoint's config."""
+    from dflash_offline.drafter import DrafterConfig
+    from dflash_offline.target import read_target_info
+    from dflash_offline.targetid import resolve_checkpoint
+
+    info = read_target_info(resolve_checkpoint(c["target"], field="train.target" if cfg.target else
+                                               f"train.target (empty: the target {cfg.cache} was extracted from)"))
+    if c["mask_token_id"] is None:
+        raise ValueError("no mask token: pass mask_token_id= (Qwen3 151669, Qwen3.5/3.6 248070)")
+    if info.hidden_size != c["hidden_size"] or info.num_layers != c["num_target_layers"]:
+        raise ValueError(f"target {c['target']} (hidden {info.hidden_size}, {info.num_layers} layers) is not the "
+                         f"target the cache was extracted from (hidden {c['hidden_size']}, "
+                         f"{c['num_target_layers']} layers): pass target= the right checkpoint")
+    types = None
+    if cfg.sliding_window:
+        types = ["sliding_attention"] * (cfg.num_layers - 1) + ["full_attention"]
+    return DrafterConfig(
+        hidden_size=c["hidden_size"], intermediate_size=cfg.intermediate_size or info.intermediate_size,
+        vocab_size=info.vocab_size, target_layer_ids=c["layer_ids"], num_target_layers=info.num_layers,
+        mask_token_id=int(c["mask_token_id"]), num_layers=cfg.num_layers, num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=info.rms_norm_eps,
+        rope_theta=info.rope_theta, block_size=cfg.block_size, sliding_window=cfg.sliding_window or None,
+        layer_types=types,
+    )
+
+
+def check_inputs(cfg: TrainConfig, run_dir):
+    """(cache facts, drafter config, opened cache): a cache, target or run directory that does not fit is refused."""
+    from dflash_offline.dataset import open_hidden_cache
+    from dflash_offline.targetid import check_same_target
+
+    c = cache_defaults(cfg)
+    dc = drafter_config(cfg, c)
+    check_same_target(c["target"], c["target_id"], cfg.cache, c["cache_target"])
+    info = open_hidden_cache(cfg.cache, c["layer_ids"], hidden_size=c["hidden_size"], seq_len=c["seq_len"],
+                             require_verified=cfg.require_verified)
+    if (run_dir / "checkpoints").exists() and not cfg.resume:
+        raise ValueError(f"{run_dir} already holds checkpoints: pass --resume=1 (make RESUME=1) to continue it, or "
+                         f"choose another {flag('train', 'run')}")
+    return c, dc, info
+
+
+# --- the process -------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def kept_process_state():
+    """While a run runs, the GC clock counts; afterwards the process is as the run found it: the recompile guard and
+    TF32 (set by the run, for its own matmuls), and the GC unfrozen where the run froze it (a caller's own frozen
+    objects are left as they are)."""
+    import gc
+
+    import torch
+
+    from dflash_offline.metrics import GC_CLOCK
+
+    strict, tf32 = torch._dynamo.config.error_on_recompile, tf32_setting()
+    frozen = gc.get_freeze_count()
+    gc.callbacks.append(GC_CLOCK)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(GC_CLOCK)
+        torch._dynamo.config.error_on_recompile = strict
+        setattr(torch.backends.cuda.matmul, *tf32)
+        if not frozen and gc.get_freeze_count():
+            gc.unfreeze()
+
+
+def tf32_setting() -> tuple[str, object]:
+    """The process's TF32 setting for CUDA matmuls as (attribute, value) of `torch.backends.cuda.matmul`, to put back
+    with setattr: torch's `allow_tf32` flag, which the run sets; or, where a caller has used torch's newer
+    `fp32_precision` setting (the flag then cannot be read: torch refuses a mix of the two), that one."""
+    import torch
+
+    m = torch.backends.cuda.matmul
+    try:
+        return "allow_tf32", m.allow_tf32
+    except RuntimeError:
+        return "fp32_precision", m.fp32_precision
+
+
+def end_warm_up(compiling: bool) -> None:
+    """After the run's first step: everything built so far (modules, compiled graphs, the dynamo/inductor caches:
+    millions of objects) lives until the end, so keep it out of the cyclic GC's full passes, which would otherwise
+    walk it all every so often on the thread that feeds the GPU; with compilation, a recompile from now on is an
+    error (a new shape is a bug, not a slowdown). `kept_process_state` undoes both."""
+    import gc
+
+    import torch
+
+    if gc.get_freeze_count() == 0:
+        gc.freeze()
+    if compiling:
+        torch._dynamo.config.error_on_recompile = True
+
+
+def release_process_group() -> None:
+    """Destroy the default process group, once the run's frame (and with it the DDP model) is gone.
+
+    The order matters: DDP's C++ reducer holds the process group. If the group is unregistered first (what
+    `Accelerator.end_training` does) and the reducer is freed later, the group's destructor runs inside the
+    reducer's deallocation with the GIL held and joins gloo's worker threads; a worker that is releasing its last
+    tensor needs the GIL, and both wait forever (seen once: a 2-process CPU run that finished all its steps and
+    checkpoints and never exited). Freed here, from Python, the group is destroyed without the GIL.
+    """
+    import gc
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        gc.collect()  # cycles that still hold the DDP model
+        dist.destroy_process_group()

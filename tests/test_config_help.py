@@ -1,0 +1,75 @@
+"""`--help` of every stage: each setting has a one-line help (the comment at the end of its line in the config
+dataclass), `--help` shows it, and a setting with a fixed set of values names every one of them."""
+
+import dataclasses
+import re
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+
+from dflash_offline.config import (
+    ExtractConfig,
+    TokenizeConfig,
+    TrainConfig,
+    VerifyConfig,
+    describe,
+    field_help,
+)
+from dflash_offline.export import ExportConfig
+from stages.evaluate import EvalConfig
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = [(TokenizeConfig, "tokenize"), (ExtractConfig, "extract"), (VerifyConfig, "verify"),
+           (TrainConfig, "train"), (EvalConfig, "eval"), (ExportConfig, "export")]
+IDS = [section for _, section in CONFIGS]
+
+
+def required(cls) -> dict:
+    """Placeholder values for the fields without a default."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: ["x"] if typing.get_origin(hints[f.name]) is list else "x" for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+
+
+@pytest.mark.parametrize(("cls", "section"), CONFIGS, ids=IDS)
+def test_every_setting_has_a_one_line_help_that_help_shows(cls, section):
+    helps = field_help(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    assert [n for n in names if not helps.get(n)] == [], f"{cls.__name__}: fields without a help comment"
+    shown = {line.split()[0]: line for line in describe(cls, section).splitlines()[1:]}
+    assert list(shown) == [f"--{n}" for n in names]
+    for n in names:
+        assert helps[n] in shown[f"--{n}"]
+
+
+@pytest.mark.parametrize(("cls", "section"), CONFIGS, ids=IDS)
+def test_the_help_of_a_setting_with_fixed_values_names_them_all(cls, section):
+    """The allowed values are the ones `resolve()` names when it refuses a wrong one."""
+    hints, helps, checked = typing.get_type_hints(cls), field_help(cls), 0
+    for f in dataclasses.fields(cls):
+        if hints[f.name] is not str or f.name in required(cls):
+            continue
+        try:
+            cls(**{**required(cls), f.name: "no-such-value"}).resolve()
+        except ValueError as e:
+            m = re.search(r"(?:is not one of|expected one of) (.+)$", str(e))
+            if m:
+                checked += 1
+                for value in m.group(1).split(", "):
+                    assert re.search(rf"(?<![\w-]){re.escape(value)}(?![\w-])", helps[f.name]), (f.name, value)
+    assert checked > 0  # (every stage has settings with fixed values)
+
+
+def test_help_lists_the_settings_with_defaults_and_make_variables():
+    out = subprocess.run([sys.executable, "-m", "stages.train", "--help"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0
+    lines = {line.split()[0]: line for line in out.stdout.splitlines() if line.startswith("  --")}
+    assert lines["--cache"].endswith("[REQUIRED; make CACHE=]") and lines["--run"].endswith("; make RUN=]")
+    assert lines["--fsdp"].endswith("[0]") and lines["--loss_chunk_tokens"].endswith("[4096]")
+    assert '"flex"' in lines["--attn"] and '"dense"' in lines["--attn"] and "auto" in lines["--attn"]
+    for gone in ("--optimizer_overlap", "--tf32", "--compile_scope"):  # bench.train switches, not options
+        assert gone not in lines
