@@ -32,7 +32,6 @@ import os
 import random
 import shutil
 import time
-import uuid
 import warnings
 from pathlib import Path
 
@@ -102,7 +101,7 @@ def save_checkpoint(run_dir, step: int, model, optimizer=None, scheduler=None, d
         fsync_path(tmp)
         old = None
         if final.exists():  # saving a step again (after resuming from an earlier one): replace it
-            old = final.rename(root / f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+            old = final.rename(temp_path(final))  # a kill before it is removed leaves debris the next run sweeps
         os.rename(tmp, final)
         fsync_path(root)
     except BaseException:
@@ -116,8 +115,9 @@ def save_checkpoint(run_dir, step: int, model, optimizer=None, scheduler=None, d
     publish(t, latest)
     if keep_last:
         for _, _, path in list_checkpoints(run_dir)[:-keep_last]:
-            if path != final:
-                shutil.rmtree(path, ignore_errors=True)
+            if path != final:  # renamed away first: a kill mid-delete never leaves a half checkpoint under its name
+                gone = path.rename(temp_path(path))
+                shutil.rmtree(gone, ignore_errors=True)
     return final
 
 
@@ -205,8 +205,10 @@ def list_checkpoints(run_dir) -> list[tuple[float, int, Path]]:
     for d in root.glob("step-*") if root.is_dir() else []:
         try:
             meta = json.loads((d / "meta.json").read_text())
+            if any((d / name).stat().st_size != size for name, size in meta.get("files", {}).items()):
+                continue  # a file it lists is not there whole
             out.append((float(meta["time"]), int(meta["step"]), d))
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, AttributeError):
             continue  # not a complete checkpoint
     return sorted(out, key=lambda x: (x[0], x[1]))
 
@@ -216,12 +218,12 @@ def find_checkpoint(run_dir, step: int | None = None) -> Path:
     have = ", ".join(str(s) for _, s, _ in list_checkpoints(run_dir)) or "none"
     if step is not None:
         d = step_dir(run_dir, step)
-    elif (root / LATEST).is_file():
-        d = root / (root / LATEST).read_text().strip()
-    elif have != "none":
-        d = list_checkpoints(run_dir)[-1][2]  # crashed between the rename and `latest`: the newest is complete
-    else:
-        raise CheckpointError(f"no checkpoint under {root}: nothing to resume (start the run without resuming)")
+    else:  # `latest`, unless a crash left it naming a checkpoint that is gone (a kill while re-saving it)
+        d = root / (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
+        if (d is None or not (d / "meta.json").is_file()) and have != "none":
+            d = list_checkpoints(run_dir)[-1][2]  # the newest whole one
+        elif d is None:
+            raise CheckpointError(f"no checkpoint under {root}: nothing to resume (start the run without resuming)")
     if not (d / "meta.json").is_file():
         raise CheckpointError(f"{d} is not a complete checkpoint; steps available: {have}")
     return d

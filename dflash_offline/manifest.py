@@ -86,9 +86,14 @@ def write_json_atomic(path: Path, obj, durable: bool = True) -> None:
     """Readers see the old or the new file, never a partial one. `durable=False` skips the fsyncs: for files that
     only report (a status snapshot), where an fsync can wait behind gigabytes another thread is flushing. A failed
     write removes its temp file."""
+    write_text_atomic(path, json.dumps(obj, sort_keys=True, indent=1, ensure_ascii=False) + "\n", durable)
+
+
+def write_text_atomic(path: Path, text: str, durable: bool = True) -> None:
+    """`write_json_atomic` for any text."""
     tmp = temp_path(path)
     try:
-        tmp.write_text(json.dumps(obj, sort_keys=True, indent=1, ensure_ascii=False) + "\n")
+        tmp.write_text(text)
         if durable:
             publish(tmp, path)
         else:

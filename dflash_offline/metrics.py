@@ -177,6 +177,27 @@ def available_trackers(spec: str) -> list[str]:
     return out
 
 
+def open_metrics(run_dir: Path, first_step: int):
+    """metrics.jsonl opened for appending, after cutting it back to the records of steps ≤ `first_step` (the step the
+    run starts from): records a killed run wrote past its last checkpoint are dropped, as that run's steps are done
+    again (rewritten atomically; a torn last line is dropped too)."""
+    import json
+
+    from dflash_offline.manifest import write_text_atomic
+
+    path = run_dir / "metrics.jsonl"
+    if path.exists():
+        keep = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= first_step:
+                    keep.append(line)
+            except (ValueError, KeyError, TypeError):
+                continue
+        write_text_atomic(path, "".join(f"{line}\n" for line in keep))
+    return open(path, "a")
+
+
 class Meter:
     """The run's metrics as it goes: the open window, the report of the last one on its way to the host, and where
     finished records go (rank 0: metrics.jsonl, the trackers, the progress bar and a log line); at the end, the
@@ -186,7 +207,7 @@ class Meter:
     def __init__(self, run_dir: Path, acc, progress, first_step: int, seq_len: int, fpr: float):
         self.acc, self.progress, self.device, self.seq_len, self.fpr = acc, progress, acc.device, seq_len, fpr
         self.rank0 = acc.process_index == 0
-        self.file = open(run_dir / "metrics.jsonl", "a") if self.rank0 else None  # closed by `close`
+        self.file = open_metrics(run_dir, first_step) if self.rank0 else None  # closed by `close`
         self.window, self.pending = Window().begin(self.device), None
         self.graphs0: int | None = None  # compiled graphs at the end of the warm-up step (None: not compiling)
         self.first_step = self.last_step = first_step

@@ -191,7 +191,13 @@ def check_inputs(cfg: TrainConfig, run_dir):
     check_same_target(c["target"], c["target_id"], cfg.cache, c["cache_target"])
     info = open_hidden_cache(cfg.cache, c["layer_ids"], hidden_size=c["hidden_size"], seq_len=c["seq_len"],
                              require_verified=cfg.require_verified)
-    if (run_dir / "checkpoints").exists() and not cfg.resume:
+    from dflash_offline.checkpoint import list_checkpoints
+    from dflash_offline.manifest import remove_dead_temps
+
+    if (n := remove_dead_temps(run_dir / "checkpoints"))[0]:  # a checkpoint half-written by a killed run
+        print(f"{run_dir}/checkpoints: removed {n[0]} unfinished checkpoint(s) of dead runs ({n[1] / 1e6:.1f} MB)",
+              flush=True)
+    if list_checkpoints(run_dir) and not cfg.resume:
         raise ValueError(f"{run_dir} already holds checkpoints: pass --resume=1 (make RESUME=1) to continue it, or "
                          f"choose another {flag('train', 'run')}")
     return c, dc, info

@@ -61,17 +61,14 @@ def _run(cfg: TrainConfig, switches: BenchSwitches) -> Path:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from dflash_offline.checkpoint import load_checkpoint
+    from dflash_offline.checkpoint import list_checkpoints, load_checkpoint
     from dflash_offline.dataset import HiddenStream
-    from dflash_offline.manifest import remove_dead_temps
     from dflash_offline.metrics import available_trackers
     from dflash_offline.progress import log
 
     # --- config: everything checked before any weights load
     t0, run_dir = time.time(), Path(cfg.run)
-    c, dc, info = check_inputs(cfg, run_dir)
-    if (n := remove_dead_temps(run_dir / "checkpoints"))[0]:  # a checkpoint half-written by a killed run
-        log(f"{run_dir}/checkpoints: removed {n[0]} unfinished checkpoint(s) of dead runs ({n[1] / 1e6:.1f} MB)")
+    c, dc, info = check_inputs(cfg, run_dir)  # (also removes what a killed run left half-written)
 
     # --- compute
     cuda, trackers = torch.cuda.is_available(), available_trackers(cfg.trackers)
@@ -105,11 +102,13 @@ def _run(cfg: TrainConfig, switches: BenchSwitches) -> Path:
     # --- data
     stream = HiddenStream(info, cfg.batch_rows, rank=rank, world_size=s.world, seed=cfg.seed, device=device)
     step = 0
-    if cfg.resume:
+    if cfg.resume and list_checkpoints(run_dir):
         state = load_checkpoint(run_dir, p.raw, p.opt, p.sched, sharded=s.sharded)
         stream.load_state_dict(state["data_state"])
         step = state["step"]
         log(f"[rank {rank}] resumed {run_dir} at step {step} ({state['dir'].name})")
+    elif cfg.resume:  # killed before its first checkpoint was whole: nothing to continue, so it starts over
+        log(f"[rank {rank}] {run_dir} holds no complete checkpoint: starting at step 0")
     if trackers and rank == 0:
         acc.init_trackers("dflash", config={k: v for k, v in as_dict(cfg).items() if isinstance(v, int | float | str)})
 

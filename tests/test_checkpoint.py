@@ -4,6 +4,7 @@ import functools
 import json
 import math
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -213,3 +214,59 @@ def test_a_checkpoint_half_written_by_a_killed_run_is_removed_by_the_next_run(tm
     (half / "model.safetensors").write_bytes(b"\0" * 4096)
     train.run(TrainConfig(cache=str(hidden_cache), run=str(run), steps=4, ckpt_every=2, resume=True, **tiny).resolve())
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-00000002", "step-00000004"]
+
+
+def _tiny_train(cache, run, **kw):
+    from dflash_offline.config import TrainConfig
+    from stages import train
+
+    tiny = dict(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, num_anchors=4, batch_rows=1, trackers="none",
+                log_every=1, ckpt_every=2)
+    train.run(TrainConfig(cache=str(cache), run=str(run), **{**tiny, **kw}).resolve())
+    return [json.loads(x) for x in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_run_killed_past_its_last_checkpoint_resumes_without_duplicate_metrics(tmp_path, hidden_cache):
+    """kill -9 after steps 5-6 were logged but before step 6's checkpoint was whole: the resumed run does them again
+    and metrics.jsonl holds each step once, as an uninterrupted run's."""
+    import shutil
+
+    clean = _tiny_train(hidden_cache, tmp_path / "clean", steps=6)
+    run = tmp_path / "killed"
+    _tiny_train(hidden_cache, run, steps=6)
+    shutil.rmtree(run / "checkpoints" / "step-00000006")
+    (run / "checkpoints" / "latest").write_text("step-00000004\n")
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "loss": 1.0')  # a torn last line
+    resumed = _tiny_train(hidden_cache, run, steps=6, resume=True)
+    assert [r["step"] for r in resumed] == [r["step"] for r in clean] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in clean]
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_run_killed_during_its_first_checkpoint_save_can_be_rerun_either_way(tmp_path, hidden_cache, resume):
+    import socket
+    import subprocess
+    import sys
+
+    clean = _tiny_train(hidden_cache, tmp_path / "clean", steps=4)
+    run = tmp_path / "killed"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    half = run / "checkpoints" / f".step-00000002.tmp~{socket.gethostname()}~{dead.pid}~abcd1234"
+    half.mkdir(parents=True)
+    (half / "model.safetensors").write_bytes(b"\0" * 100)
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n{"step": 2, "loss": 9.0}\n')
+    again = _tiny_train(hidden_cache, run, steps=4, resume=resume)
+    assert [(r["step"], r["loss"]) for r in again] == [(r["step"], r["loss"]) for r in clean]
+
+
+def test_a_checkpoint_missing_a_file_it_lists_is_not_complete(tmp_path):
+    """A prune (or a copy) cut short leaves meta.json without every file: it is not offered for resuming."""
+    model, opt, sched = make(0)
+    for step in (1, 2):
+        ck.save_checkpoint(tmp_path, step, model, opt, sched)
+    (tmp_path / "checkpoints" / "step-00000002" / "rng.json").unlink()
+    assert [s for _, s, _ in ck.list_checkpoints(tmp_path)] == [1]
+    (tmp_path / "checkpoints" / "latest").unlink()
+    assert ck.find_checkpoint(tmp_path).name == "step-00000001"
