@@ -27,7 +27,7 @@ DEMO_ENV ?= OMP_NUM_THREADS=1
 LAUNCH = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/accelerate launch --num_processes $(NPROC) -m,$(PYTHON) -m)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup test test-gpu test-gpu-extract test-gpu-train lint style demo tiny tokenize extract verify train regen report export eval status bench-extract bench-extract-layers bench-train bench-train-attention bench-train-loss clean help
+.PHONY: setup test test-gpu test-gpu-extract test-gpu-train faults lint style demo tiny tokenize extract verify train regen report export eval status bench-extract bench-extract-layers bench-train bench-train-attention bench-train-loss clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -54,6 +54,9 @@ test-gpu-extract:  ## GPU tests of stage 1 only: fla packed exactness (two large
 
 test-gpu-train:  ## GPU tests of stage 2 only: compiled flex, loss kernels, master weights, DDP/FSDP where there are 2 GPUs
 	$(PYTHON) -m pytest -q -m gpu tests $(addprefix --ignore=,$(GPU_EXTRACT_TESTS)) -s
+
+faults: setup  ## randomized kill -9 of extraction and training, each followed by a rerun (minutes, CPU): prints kills, shards compared, debris, mismatches
+	OMP_NUM_THREADS=1 $(PYTHON) -m bench.faults $(ARGS)
 
 lint: setup  ## check style
 	$(PYTHON) -m ruff check dflash_offline stages tests bench
