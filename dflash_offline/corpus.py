@@ -1,10 +1,11 @@
 """Corpus ingestion: stream records from JSONL / Parquet / Arrow files, validate them, tokenize them in worker
-processes, and yield documents (input_ids + assistant-only loss_mask) or skips with a reason and file:line.
+processes, and yield each record's documents (input_ids + assistant-only loss_mask) or its skip with a reason and
+file:line.
 
 Record kinds (per record, so one JSONL may mix them):
-- chat: `{"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str, "reasoning_content": str?}],
-  "tools": [JSON schema, ...]?}` (`reasoning` / `thinking` are accepted as aliases of `reasoning_content`; a
-  `tools` list is given to the chat template, which renders it into the system turn as the served model sees it);
+- chat: `{"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str, "reasoning_content": str?,
+  "tool_calls": [...]?}], "tools": [JSON schema, ...]?}`, rendered with the target's chat template into one sample
+  per record or one per assistant turn, supervised from the conversation's structure (see `chat.py`);
 - pre-tokenized: `{"input_ids": [int], "loss_mask": [0|1]}`.
 JSONL files as users have them work: a UTF-8 byte-order mark, CRLF line ends and blank lines are fine. Whatever
 fails for one record (bytes that are not UTF-8, JSON, validation, the chat template, text the tokenizer cannot
@@ -21,29 +22,26 @@ import glob
 import json
 import multiprocessing as mp
 import os
-import re
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-ROLES = ("system", "user", "assistant", "tool")
-REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
-ASSISTANT_OPEN, TURN_CLOSE = "<|im_start|>assistant\n", "<|im_end|>"
-THINK_RE = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
+from dflash_offline.chat import (
+    RecordError,
+    conversation_samples,
+    prepare_messages,
+    validate_messages,
+    validate_tools,
+)
+
 MAX_LINE_BYTES = 64 << 20  # a longer JSONL line is skipped (line_too_long) without being read into memory
 
 
 class CorpusError(ValueError):
     """A corpus file or record is malformed; the message names file:line, the reason and what to do."""
-
-
-class RecordError(Exception):
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason, self.detail = reason, detail
 
 
 @dataclass
@@ -67,13 +65,22 @@ class Skip:
 
 @dataclass(eq=False)
 class Tokens:
-    """A record that became a document."""
+    """A record that became documents: one per sample (`turns=each`: one per assistant turn)."""
 
     file: str
     line: int
     ordinal: int
-    input_ids: np.ndarray  # [n] int32
-    loss_mask: np.ndarray  # [n] uint8, 1 = supervised
+    docs: list[tuple[np.ndarray, np.ndarray]]  # (input_ids [n] int32, loss_mask [n] uint8 with 1 = supervised)
+    counts: Counter  # what rendering did (samples, think blocks, tool calls); summed into the manifest
+
+
+@dataclass(eq=False)
+class Rendered:
+    """A chat record rendered by the template, before tokenization: (text, supervised character spans) per sample."""
+
+    rec: Record
+    samples: list[tuple[str, list[tuple[int, int]]]]
+    counts: Counter
 
 
 # --- reading -------------------------------------------------------------------------------------------------
@@ -196,55 +203,6 @@ def decode_utf8(raw: bytes) -> str:
                                           "as UTF-8 (e.g. iconv -f LATIN1 -t UTF-8)") from None
 
 
-def validate_messages(obj: dict) -> list[dict]:
-    if "messages" not in obj:
-        raise RecordError("missing_messages", f"keys {sorted(obj)[:6]}; expected 'messages' (or input_ids+loss_mask)")
-    msgs = obj["messages"]
-    if not isinstance(msgs, list):
-        raise RecordError("wrong_type", f"'messages' is a {type(msgs).__name__}; expected a list of messages")
-    if not msgs:
-        raise RecordError("empty_conversation", "'messages' is an empty list")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            raise RecordError("wrong_type", f"messages[{i}] is a {type(m).__name__}; expected an object")
-        if "role" not in m:
-            raise RecordError("missing_role", f"messages[{i}] has no 'role' (one of {', '.join(ROLES)})")
-        if m["role"] not in ROLES:
-            raise RecordError("unknown_role", f"messages[{i}].role = {m['role']!r}; expected one of {', '.join(ROLES)}")
-        content = m.get("content")
-        if content is None and m.get("tool_calls"):
-            content = ""
-        if not isinstance(content, str):
-            raise RecordError(
-                "non_string_content", f"messages[{i}].content is {type(content).__name__}; expected a string"
-            )
-        msg = {"role": m["role"], "content": content}
-        for key in REASONING_KEYS:
-            if m.get(key) is not None:
-                if not isinstance(m[key], str):
-                    raise RecordError("wrong_type", f"messages[{i}].{key} is {type(m[key]).__name__}; expected a string")
-                msg["reasoning_content"] = m[key]
-                break
-        if m.get("tool_calls"):
-            msg["tool_calls"] = m["tool_calls"]
-        out.append(msg)
-    if not any(m["role"] == "assistant" for m in out):
-        raise RecordError("no_assistant_turn", "nothing to learn from: the conversation has no assistant message")
-    return out
-
-
-def validate_tools(obj: dict) -> list[dict] | None:
-    """The record's `tools` list (None when absent or empty)."""
-    tools = obj.get("tools")
-    if tools is None:
-        return None
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        kind = type(tools).__name__ if not isinstance(tools, list) else "list with a non-object entry"
-        raise RecordError("wrong_type", f"'tools' is a {kind}; expected a list of tool schemas (JSON objects)")
-    return tools or None
-
-
 def validate_tokens(obj: dict, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     ids, mask = obj.get("input_ids"), obj.get("loss_mask")
     if not isinstance(ids, list) or not isinstance(mask, list):
@@ -263,35 +221,11 @@ def validate_tokens(obj: dict, vocab_size: int) -> tuple[np.ndarray, np.ndarray]
     return np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
 
 
-# --- chat template and loss mask -----------------------------------------------------------------------------
-
-
-def prepare_messages(messages: list[dict], thinking: str) -> list[dict]:
-    if thinking == "keep":
-        return messages
-    out = []
-    for m in messages:
-        m = {k: v for k, v in m.items() if k != "reasoning_content"}
-        if m["role"] == "assistant":
-            m["content"] = THINK_RE.sub("", m["content"])
-        out.append(m)
-    return out
-
-
-def assistant_spans(text: str) -> list[tuple[int, int]]:
-    """Character spans of assistant turns: from after `<|im_start|>assistant\\n` through `<|im_end|>` inclusive."""
-    spans, at = [], 0
-    while (start := text.find(ASSISTANT_OPEN, at)) >= 0:
-        body = start + len(ASSISTANT_OPEN)
-        end = text.find(TURN_CLOSE, body)
-        end = len(text) if end < 0 else end + len(TURN_CLOSE)
-        spans.append((body, end))
-        at = end
-    return spans
+# --- loss mask --------------------------------------------------------------------------------------------
 
 
 def mask_from_offsets(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
-    """1 for every token that starts inside an assistant span."""
+    """1 for every token that starts inside a supervised span (spans sorted, not overlapping)."""
     starts = np.asarray([o[0] for o in offsets], dtype=np.int64)
     if not spans:
         return np.zeros(len(starts), dtype=np.uint8)
@@ -329,23 +263,25 @@ def _init_worker(tokenizer_dir: str, opts: dict) -> None:
 
 def process_chunk(chunk: list[Record]) -> list[Tokens | Skip]:
     """Records → Tokens or Skip, one each, in order. Runs in a worker (or inline when workers == 1) and never raises
-    for a record: whatever fails for one (parse, validation, template, encoding) comes back as its Skip."""
+    for a record: whatever fails for one (parse, validation, template, encoding) comes back as its Skip. The samples
+    of all chat records of the chunk are encoded in one batched tokenizer call."""
     out = [render(rec) for rec in chunk]
-    chats = [i for i, r in enumerate(out) if isinstance(r, str)]
-    for i, enc in zip(chats, encode([out[i] for i in chats]), strict=True):
-        out[i] = to_tokens(chunk[i], out[i], enc)
-    return [supervised(r) for r in out]
+    texts = [text for r in out if isinstance(r, Rendered) for text, _ in r.samples]
+    encoded = iter(encode(texts))
+    return [supervised(to_tokens(r, [next(encoded) for _ in r.samples]) if isinstance(r, Rendered) else r)
+            for r in out]
 
 
-def render(rec: Record) -> str | Tokens | Skip:
-    """A chat record's text as the chat template renders it, a pre-tokenized record's tokens, or its Skip."""
+def render(rec: Record) -> Rendered | Tokens | Skip:
+    """A chat record's samples as the chat template renders them, a pre-tokenized record's tokens, or its Skip."""
     try:
         obj = parse(rec.raw)
         if "messages" not in obj and "input_ids" in obj:
-            return Tokens(rec.file, rec.line, rec.ordinal, *validate_tokens(obj, _OPTS["vocab_size"]))
-        msgs = prepare_messages(validate_messages(obj), _OPTS["thinking"])
-        tools = validate_tools(obj)
-        return _TOK.apply_chat_template(msgs, tokenize=False, **({"tools": tools} if tools else {}))
+            return Tokens(rec.file, rec.line, rec.ordinal, [validate_tokens(obj, _OPTS["vocab_size"])], Counter())
+        counts = Counter()
+        msgs = prepare_messages(validate_messages(obj, counts), _OPTS["thinking"], counts)
+        samples = conversation_samples(_TOK, msgs, validate_tools(obj), _OPTS["turns"], _OPTS["empty_think"], counts)
+        return Rendered(rec, samples, counts)
     except RecordError as e:
         return Skip(e.reason, e.detail, rec.file, rec.line)
     except Exception as e:  # noqa: BLE001 - the chat template (the checkpoint's jinja) rejected the conversation
@@ -364,12 +300,14 @@ def encode(texts: list[str]) -> list:
         return [e] if len(texts) == 1 else [encode([t])[0] for t in texts]
 
 
-def to_tokens(rec: Record, text: str, enc) -> Tokens | Skip:
-    if isinstance(enc, Exception):
-        return Skip("encode_error", encode_detail(text, enc), rec.file, rec.line)
-    ids, offsets = enc
-    mask = mask_from_offsets(offsets, assistant_spans(text))
-    return Tokens(rec.file, rec.line, rec.ordinal, np.asarray(ids, dtype=np.int32), mask)
+def to_tokens(r: Rendered, encs: list) -> Tokens | Skip:
+    rec, docs = r.rec, []
+    for (text, spans), enc in zip(r.samples, encs, strict=True):
+        if isinstance(enc, Exception):
+            return Skip("encode_error", encode_detail(text, enc), rec.file, rec.line)
+        ids, offsets = enc
+        docs.append((np.asarray(ids, dtype=np.int32), mask_from_offsets(offsets, spans)))
+    return Tokens(rec.file, rec.line, rec.ordinal, docs, r.counts)
 
 
 def encode_detail(text: str, err: Exception) -> str:
@@ -383,8 +321,11 @@ def encode_detail(text: str, err: Exception) -> str:
 
 
 def supervised(r: Tokens | Skip) -> Tokens | Skip:
-    if isinstance(r, Tokens) and not r.loss_mask.any():
-        return Skip("no_supervised_tokens", "no assistant token to learn from", r.file, r.line)
+    """The record without samples that supervise nothing; a Skip when none is left."""
+    if isinstance(r, Tokens):
+        r.docs = [(ids, mask) for ids, mask in r.docs if mask.any()]
+        if not r.docs:
+            return Skip("no_supervised_tokens", "no assistant token to learn from", r.file, r.line)
     return r
 
 

@@ -2,8 +2,9 @@
 
     python -m stages.tokenize --recipe=manifests/demo.toml [--corpus=a.jsonl,b/*.parquet] [--tokenizer=DIR] ...
 
-Reads the corpus as a stream, renders chats with the target tokenizer's template (loss on assistant tokens only),
-packs documents into rows of `seq_len` tokens, writes Arrow shards (temp → fsync → rename → manifest commit) into
+Reads the corpus as a stream, renders chats with the target tokenizer's template (loss on assistant tokens only,
+located from the conversation's structure; `turns=each` makes one document per assistant turn), packs documents into
+rows of `seq_len` tokens, writes Arrow shards (temp → fsync → rename → manifest commit) into
 `<cache_root>/tokens-<key12>` and prints the cache directory on the last line. Same inputs → same key and
 byte-identical shards; a cache already complete for this key is reused as is.
 
@@ -22,6 +23,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from dflash_offline import chat
 from dflash_offline.config import TokenizeConfig, as_dict, config_from_argv
 from dflash_offline.corpus import (
     CorpusError,
@@ -86,7 +88,9 @@ def producer_for(cfg: TokenizeConfig, tok, paths: list[Path]) -> dict:
         "packing": {"rule": PACKING_RULE, "open_rows": cfg.open_rows, "long_doc": cfg.long_doc,
                     "rows_per_shard": cfg.rows_per_shard},
         "thinking": cfg.thinking,
-        "record_tools": True,  # a record's `tools` list reaches the chat template (caches made before differ)
+        "turns": cfg.turns,
+        "empty_think": cfg.empty_think,
+        "chat_rules": chat.RULES,
         "max_docs": cfg.max_docs,
         "format_version": TOKENS_FORMAT_VERSION,
     }
@@ -179,7 +183,7 @@ def tokenize_corpus(cfg: TokenizeConfig, paths: list[Path], vocab_size: int, pro
     and returns its manifest entry. The summary, once every record is read. Raises CorpusError — before anything
     is marked complete — at the first bad record in strict mode, and when no document is left to train on."""
     t0 = time.time()
-    opts = {"thinking": cfg.thinking, "vocab_size": vocab_size}
+    opts = {"thinking": cfg.thinking, "turns": cfg.turns, "empty_think": cfg.empty_think, "vocab_size": vocab_size}
     stream = tokenize_stream(iter_records(paths, cfg.max_docs), cfg.tokenizer, opts, workers_for(cfg), cfg.chunk_docs)
     packer = Packer(cfg.seq_len, cfg.open_rows)
     stats, tally, pending, entries = Counter(), Tally(cfg.strict, skip_log), [], []
@@ -197,7 +201,7 @@ def tokenize_corpus(cfg: TokenizeConfig, paths: list[Path], vocab_size: int, pro
             pieces = accept(result, cfg, tally, stats)
             for piece in pieces:
                 emit(packer.add(piece))
-            progress.update(1, tokens=len(result.input_ids) if pieces else 0)
+            progress.update(1, tokens=sum(len(p.input_ids) for p in pieces))
         emit(packer.flush(), final=True)
     finally:
         stream.close()
@@ -212,21 +216,27 @@ def tokenize_corpus(cfg: TokenizeConfig, paths: list[Path], vocab_size: int, pro
 
 
 def accept(result: Tokens | Skip, cfg: TokenizeConfig, tally: Tally, stats: Counter) -> list[Doc]:
-    """The pieces of a document to pack; [] for a skipped record (counted, or the error in strict mode)."""
+    """The pieces of a record's documents to pack; [] for a skipped record (counted, or the error in strict mode).
+    A document longer than seq_len under long_doc=skip is skipped alone (counted as too_long with file:line)."""
     if isinstance(result, Skip):
         tally.skip(result)
         return []
-    pieces, reason = split_long(Doc(result.input_ids, result.loss_mask, result.ordinal), cfg.seq_len, cfg.long_doc)
-    if reason:  # the long_doc policy, not a fault: counted, also in strict mode
-        n = len(result.input_ids)
-        tally.skip(Skip(reason, f"{n} tokens > seq_len {cfg.seq_len} (long_doc=skip)", result.file, result.line),
-                   policy=True)
-        return []
-    tally.doc(result.file)
-    stats["docs_packed"] += 1
-    stats["pieces"] += len(pieces)
-    stats["truncated_tokens"] += max(0, len(result.input_ids) - cfg.seq_len) if cfg.long_doc == "truncate" else 0
-    return pieces
+    out = []
+    for ids, mask in result.docs:
+        pieces, reason = split_long(Doc(ids, mask, result.ordinal), cfg.seq_len, cfg.long_doc)
+        if reason:  # the long_doc policy, not a fault: counted, also in strict mode
+            tally.skip(Skip(reason, f"{len(ids)} tokens > seq_len {cfg.seq_len} (long_doc=skip)", result.file,
+                            result.line), policy=True)
+            continue
+        stats["docs_packed"] += 1
+        stats["pieces"] += len(pieces)
+        stats["truncated_tokens"] += max(0, len(ids) - cfg.seq_len) if cfg.long_doc == "truncate" else 0
+        out += pieces
+    if out:
+        tally.doc(result.file)
+        stats["records_packed"] += 1
+    stats.update(result.counts)
+    return out
 
 
 # --- shards --------------------------------------------------------------------------------------------------
@@ -259,10 +269,14 @@ def write_shard(out: Path, key: str, index: int, rows, cfg, pad: int, done: dict
 
 
 def summarize(stats: Counter, skips: Counter, entries: list[dict], seconds: float) -> dict:
+    """The manifest's summary. docs_* count records read and skipped, and documents packed (one per record, or one
+    per assistant turn with turns=each); `chat` says what rendering did (think blocks count supervised turns)."""
     tokens, padding = (sum(e[k] for e in entries) for k in ("tokens", "padding_tokens"))
     return {
         "docs_read": stats["docs_read"],
         "docs_packed": stats["docs_packed"],
+        "records_packed": stats["records_packed"],
+        "chat": chat_summary(stats),
         "docs_skipped": dict(sorted(skips.items())),
         "docs_skipped_total": sum(skips.values()),
         "pieces": stats["pieces"],
@@ -275,6 +289,18 @@ def summarize(stats: Counter, skips: Counter, entries: list[dict], seconds: floa
         "padding_fraction": padding / (tokens + padding) if tokens + padding else 0.0,
         "seconds": seconds,
         "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+    }
+
+
+def chat_summary(stats: Counter) -> dict:
+    samples = stats["samples"]
+    return {
+        "samples": samples,
+        "samples_per_record": samples / stats["chat_records"] if stats["chat_records"] else 0.0,
+        "turns_expanded": samples - stats["chat_records"],
+        "think_blocks": {k: stats[f"think_{k}"] for k in ("kept", "stripped", "empty", "dropped_by_template")},
+        "tool_calls": stats["tool_calls"],
+        "tool_arguments_parsed": stats["tool_arguments_parsed"],
     }
 
 

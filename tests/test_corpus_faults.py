@@ -147,3 +147,34 @@ def test_extract_dry_run_writes_nothing_and_estimates_like_the_real_run(tmp_path
     assert [{k: s[k] for k in fields} for s in dry["shards"]] == [{k: s[k] for k in fields} for s in real["shards"]]
     assert (dry["key"], dry["num_shards"]) == (real["key"], real["num_shards"]) and dry["num_shards"] > 1
     assert tokenize.dry_run(tok) == real  # a complete cache on disk is read, not recomputed
+
+
+@pytest.mark.parametrize("thinking", ["keep", "strip"])
+def test_reasoning_left_in_content_is_split_or_stripped_never_answer(tmp_path, qwen35_dir, thinking):
+    """Content as servers without a reasoning parser return it: a dangling `R</think>A` (the template opened the
+    block), an unclosed `<think>R` (cut off while thinking), a whole `<think>R</think>A`. keep: R becomes the turn's
+    think block; strip: only A is trained; no tag is ever left inside the answer."""
+    from transformers import AutoTokenizer
+
+    from dflash_offline.packing import unpack_row
+    from dflash_offline.shards import read_token_shard
+
+    contents = ["Check 2+2.\n</think>\n\nIt is 4.", "<think>\nStill thinking about", "<think>Easy.</think>Yes."]
+    recs = [{"messages": [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": c}]} for c in contents]
+    # cut off while thinking, as a server returns it: null content, the reasoning in its own field
+    recs.append({"messages": [{"role": "user", "content": "Q?"},
+                              {"role": "assistant", "content": None, "reasoning_content": "Only thought"}]})
+    path = tmp_path / "leaked.jsonl"
+    path.write_bytes(b"\n".join(lines(recs)) + b"\n")
+    cache = run(tmp_path / "d", [path], qwen35_dir, thinking=thinking)
+    tok = AutoTokenizer.from_pretrained(str(qwen35_dir))
+    [s] = read_manifest(cache)["shards"]
+    arrays = read_token_shard(cache / next(iter(s["files"])))
+    trained = sorted(tok.decode(ids[mask == 1]) for ids, mask in unpack_row(arrays, 0))
+    if thinking == "keep":
+        assert trained == ["<think>\nCheck 2+2.\n</think>\n\nIt is 4.<|im_end|>", "<think>\nEasy.\n</think>\n\nYes.<|im_end|>",
+                           "<think>\nOnly thought\n</think>\n\n<|im_end|>",
+                           "<think>\nStill thinking about\n</think>\n\n<|im_end|>"]
+    else:
+        assert trained == ["<|im_end|>", "<|im_end|>", "It is 4.<|im_end|>", "Yes.<|im_end|>"]
+        assert read_manifest(cache)["summary"]["chat"]["think_blocks"]["stripped"] == 4

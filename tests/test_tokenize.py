@@ -11,8 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
+from dflash_offline.chat import turn_spans
 from dflash_offline.config import TokenizeConfig
-from dflash_offline.corpus import CorpusError, assistant_spans
+from dflash_offline.corpus import CorpusError
 from dflash_offline.manifest import read_manifest
 from dflash_offline.packing import unpack_row
 from dflash_offline.shards import read_token_shard
@@ -61,7 +62,7 @@ def test_loss_mask_covers_exactly_assistant_turns(tmp_path, qwen35_dir, thinking
     text = tok.decode(ids)
     supervised = tok.decode(ids[mask == 1])
     # what is supervised is exactly the assistant spans of the rendered conversation (through <|im_end|>)
-    expected = "".join(text[a:b] for a, b in assistant_spans(text))
+    expected = "".join(text[a:b] for a, b in turn_spans(text))
     assert supervised == expected
     assert supervised.count("<|im_end|>") == 3 and "Bonjour 🌍!" in supervised and "It rains." in supervised
     assert "Héllo" not in supervised and "rain<|im_end|>" not in supervised.replace("It rains.<|im_end|>", "")
@@ -91,6 +92,16 @@ BAD = [
     ({"input_ids": [1, 2**70], "loss_mask": [1, 1]}, "token_out_of_range"),  # beyond int64
     ('{"input_ids": [' + "7" * 5000 + '], "loss_mask": [1]}', "invalid_json"),  # past Python's int digit limit
     ("[" * 100_000 + "]" * 100_000, "invalid_json"),  # nested deeper than the parser's stack
+    # tool calls: arguments that are not a JSON object (string or value), a call without a function name
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{'city': 'Oslo'}"}}]}]},
+     "invalid_tool_call"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"name": "f", "arguments": "[1, 2]"}]}]}, "invalid_tool_call"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"arguments": {}}}]}]}, "invalid_tool_call"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": {"name": "f"}}]},
+     "wrong_type"),
     # a lone surrogate (a \ud800 JSON escape without its pair): a Python string the tokenizer cannot encode
     ('{"messages": [{"role": "user", "content": "\\ud800"}, {"role": "assistant", "content": "a"}]}',
      "encode_error"),
@@ -185,6 +196,8 @@ def test_key_changes_with_every_input(tmp_path, qwen35_dir, chat_corpus):
         "long_doc": read_manifest(run(tmp_path / "4", [chat_corpus], qwen35_dir, long_doc="skip"))["key"],
         "template": read_manifest(run(tmp_path / "5", [chat_corpus], tok2))["key"],
         "thinking": read_manifest(run(tmp_path / "6", [chat_corpus], qwen35_dir, thinking="strip"))["key"],
+        "turns": read_manifest(run(tmp_path / "8", [chat_corpus], qwen35_dir, turns="each"))["key"],
+        "empty_think": read_manifest(run(tmp_path / "9", [chat_corpus], qwen35_dir, empty_think="supervise"))["key"],
     }
     assert base not in keys.values() and len(set(keys.values())) == len(keys)
     # a blank line is not a record and the bytes changed: the key must still change (content-addressed)
@@ -283,3 +296,41 @@ def test_record_tools_are_rendered_unsupervised(tmp_path, qwen35_dir):
     assert "Weather of a city" in text and "Weather of a city" not in tok.decode(plain)
     assert np.array_equal(empty, plain)  # an empty list renders like no list
     assert tok.decode(with_tools[tools_mask.astype(bool)]) == tok.decode(plain[plain_mask.astype(bool)])
+
+
+def test_tool_calls_in_every_shape_render_alike(tmp_path, qwen35_dir):
+    """OpenAI tool calls (JSON-string arguments, id, type, null content), flat calls with object arguments, tool
+    messages with tool_call_id/name: the same tokens; the arguments parsed from strings are counted."""
+    def chat(style):
+        args = {"city": "Zürich", "days": [1, 2]}
+        if style == "openai":
+            calls = [{"id": "c1", "type": "function",
+                      "function": {"name": "weather", "arguments": json.dumps(args, ensure_ascii=False)}}]
+            turn, result = {"content": None, "tool_calls": calls}, {"tool_call_id": "c1", "name": "weather"}
+        else:
+            turn, result = {"content": "", "tool_calls": [{"name": "weather", "arguments": args}]}, {}
+        return {"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", **turn},
+                             {"role": "tool", "content": "sun", **result}, {"role": "assistant", "content": "Sun."}]}
+
+    cache = run(tmp_path, [write_jsonl(tmp_path / "t.jsonl", [chat("openai"), chat("flat")])], qwen35_dir)
+    (_, a, mask_a), (_, b, mask_b) = all_docs(cache)
+    assert a.tolist() == b.tolist() and mask_a.tolist() == mask_b.tolist()
+    tok = AutoTokenizer.from_pretrained(str(qwen35_dir))
+    assert '{"name": "weather", "arguments": {"city": "Zürich", "days": [1, 2]}}' in tok.decode(a[mask_a == 1])
+    chat_summary = read_manifest(cache)["summary"]["chat"]
+    assert chat_summary["tool_calls"] == 2 and chat_summary["tool_arguments_parsed"] == 1
+
+
+def test_turns_each_with_a_template_that_renders_every_turn_alike_is_turns_last(tmp_path, qwen35_dir):
+    """turns=each: one sample per assistant turn (the conversation through it), but a sample whose rendering the next
+    one starts with is carried into it. The embedded template renders every turn alike whatever follows (reasoning
+    included), so the samples of a conversation that ends with an assistant turn collapse into the whole
+    conversation: same bytes as turns=last. (Templates that drop earlier reasoning: tests/test_real_templates.py.)"""
+    corpus = write_jsonl(tmp_path / "c.jsonl", [CHAT, {"messages": CHAT["messages"][:3]}])
+    last, each = run(tmp_path / "l", [corpus], qwen35_dir), run(tmp_path / "e", [corpus], qwen35_dir, turns="each")
+    assert [(s, i.tolist(), m.tolist()) for s, i, m in all_docs(last)] == \
+        [(s, i.tolist(), m.tolist()) for s, i, m in all_docs(each)]
+    summary = read_manifest(each)["summary"]
+    assert (summary["docs_read"], summary["records_packed"], summary["docs_packed"]) == (2, 2, 2)
+    assert summary["chat"]["samples_per_record"] == 1 and summary["chat"]["turns_expanded"] == 0
+    assert read_manifest(each)["key"] != read_manifest(last)["key"]
