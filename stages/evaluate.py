@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_offline.config import ConfigError, as_dict, check_choice, config_from_argv
+from dflash_offline.devices import check_setting
 
 
 @dataclass
@@ -43,15 +44,16 @@ class EvalConfig:
     tf_batches: int = 4  # teacher-forced batches (0 = skip the estimate)
     tf_rows: int = 1  # rows per teacher-forced batch
     num_anchors: int = 0  # anchors per row for the estimate; 0 = the run's num_anchors
-    device: str = "auto"  # "cuda", "cpu", ...; auto = cuda if available
+    device: str = "auto"  # auto (cuda if available) | cpu | cuda | cuda:N
     dtype: str = "auto"  # "bf16" / "fp32" for target and drafter; auto = bf16 on cuda, fp32 on cpu
-    threads: int = 0  # CPU threads for torch (0 = torch's default; 1 is fastest for tiny models on a busy CPU)
+    threads: int = 0  # CPU threads for torch (0 = 1 on a CPU run unless OMP_NUM_THREADS is set, else torch's default)
     out: str = ""  # JSON report path; empty = RUN/eval.json (RUN/eval-untrained.json)
     tie_tol: float = -1.0  # a mismatch counts as a rounding tie if the two tokens' logits differ by <= this; -1 = auto
 
     def resolve(self) -> EvalConfig:
         check_choice("eval.turn", self.turn, ("first", "last"))
         check_choice("eval.dtype", self.dtype, ("auto", "bf16", "fp32"))
+        check_setting(self.device, "eval.device")
         for name in ("num_prompts", "max_new_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"eval.{name} must be > 0, got {getattr(self, name)}")
@@ -175,6 +177,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash_offline.checkpoint import find_checkpoint
+    from dflash_offline.devices import cpu_threads, pick_device
     from dflash_offline.drafter import DrafterConfig
     from dflash_offline.loss import DEFAULT_GAMMA
     from dflash_offline.progress import log
@@ -187,13 +190,10 @@ def evaluate(cfg: EvalConfig) -> dict:
     prompts_file = Path(cfg.prompts) if cfg.prompts else target_dir / "corpus" / "eval.jsonl"
     if not prompts_file.is_file():
         raise ValueError(f"prompts file {prompts_file} does not exist: pass --prompts= a chat JSONL")
-    device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = pick_device(cfg.device, "eval.device")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[
         cfg.dtype if cfg.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")]
-    if cfg.threads > 0:
-        torch.set_num_threads(cfg.threads)
+    cpu_threads(device, cfg.threads, log)  # one thread on a CPU run unless OMP_NUM_THREADS or --threads says
 
     # --- drafter (small; validates the run before the target is loaded)
     if cfg.untrained:

@@ -29,21 +29,13 @@ from pathlib import Path
 import numpy as np
 
 from dflash_offline.config import VerifyConfig, config_from_argv
+from dflash_offline.devices import pick_device
 from dflash_offline.manifest import committed, read_manifest, sha256_file, update_manifest
 from dflash_offline.progress import log, private_compile_caches, unbuffered
 
 FP8_REL_TOL = 0.06  # e4m3 keeps 3 mantissa bits: per-element rounding ≤ 6.25 %, RMS ≈ 2–3 %
 HASH_THREADS = 8  # files hashed at once: enough to keep a disk (or a network filesystem) busy, bounded memory
 ROW_FILL = (("input_ids", 0), ("position_ids", 0), ("doc_ids", -1))  # token columns, value of a padding row
-
-
-def pick_device(name: str):
-    import torch
-
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("verify.device=cuda but CUDA is not available: pass --device=cpu (or auto), or run on a "
-                         "GPU machine")
-    return torch.device("cuda" if name != "cpu" and torch.cuda.is_available() else "cpu")
 
 
 # --- hash ----------------------------------------------------------------------------------------------------
@@ -143,7 +135,7 @@ def layer_errors(a, b, k: int) -> list[float]:
 def verify(cache: Path, cfg: VerifyConfig) -> dict:
     from dflash_offline.targetid import resolve_checkpoint
 
-    device = pick_device(cfg.device)
+    device = pick_device(cfg.device, "verify.device")
     m = read_manifest(cache)
     if m["kind"] != "hidden":
         raise ValueError(f"{cache} is a {m['kind']} cache; verify checks hidden-state caches (make extract output)")

@@ -3,6 +3,7 @@ fail-fast checks."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -82,6 +83,8 @@ def test_rerun_skips_and_shard_redo_replaces_exactly_that_shard(tmp_path, qwen35
     assert {i: (p.stat().st_mtime_ns, p.stat().st_ino) for i, p in files.items()} == stamp
     before = read_manifest(cache)["shards"][2]
     extract_run(tmp_path, qwen35_dir, chat_corpus, shards="2")
+    out = capsys.readouterr().out
+    assert "[rank 0] shard 2 committed" in out and "[rank0]" not in out  # one rank prefix in every log line
     after = {i: (p.stat().st_mtime_ns, p.stat().st_ino) for i, p in shard_files(cache).items()}
     assert [i for i in after if after[i] != stamp[i]] == [2]
     entry = read_manifest(cache)["shards"][2]
@@ -146,6 +149,9 @@ def test_dry_run_and_fail_fast_before_weights_load(tmp_path, qwen35_dir, chat_co
     assert extract_run(tmp_path, qwen35_dir, chat_corpus, dry_run=True) is None
     out = capsys.readouterr().out
     assert "kernels ok" in out and "estimated" in out and "GB" in out
+    last = out.strip().splitlines()[-1]  # the dry run ends with its summary in one line
+    assert re.search(r"\[rank 0\] dry run ok: \d+/\d+ shards to do, [\d.]+ GB, ~[\d.]+ min for this process, "
+                     r"kernels ok \(\w+\)", last), last
     with pytest.raises(ValueError, match=r"layer_ids \[99\] out of range"):
         extract_run(tmp_path, qwen35_dir, chat_corpus, layer_ids=[1, 99])
     with pytest.raises(ValueError, match="mask_token_id=1988 must be a real embedding row"):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dflash_offline.corpus import validate_messages
+from dflash_offline.regen import assistant_message
 from stages import regen
 
 NEW = 6  # tokens per answer: the tiny targets are random, so answers hit the budget (finish "length")
@@ -70,7 +71,7 @@ def test_output_is_the_targets_greedy_answer(q35_out, chat_corpus, q35):
                                   return_dict=True, return_tensors="pt")
     ref = model.generate(**ids, do_sample=False, max_new_tokens=NEW, pad_token_id=tok.pad_token_id)
     text = tok.decode(ref[0, ids["input_ids"].shape[1]:], skip_special_tokens=False)
-    assert out[k]["messages"][-1] == regen.assistant_message(text, False)
+    assert out[k]["messages"][-1] == assistant_message(text, False)
 
 
 def test_batching_does_not_change_answers(tmp_path, qwen35_dir, chat_corpus, q35, q35_out):
@@ -133,7 +134,7 @@ def test_all_turns_regenerates_every_assistant_turn(tmp_path, qwen3_dir, chat_co
 
 
 def test_split_reasoning():
-    msg = regen.assistant_message
+    msg = assistant_message
     assert msg("<think>\nplan\n</think>\n\nanswer", False) == {
         "role": "assistant", "content": "answer", "reasoning_content": "plan"}
     assert msg("plan\n</think>\n\nanswer", True) == {"role": "assistant", "content": "answer",
@@ -153,3 +154,13 @@ def test_cli_checks_before_loading(tmp_path, chat_corpus):
                             "--max_new_tokens=", "--batch_size=3"])
     assert cfg.out == "regen/Qwen3-8B-thinking_on.jsonl" and cfg.batch_size == 3 and cfg.max_new_tokens == 2048
     assert cfg.corpus == [str(chat_corpus)] * 2
+
+
+def test_main_logs_the_counts_once_and_prints_the_output_path_last(tmp_path, qwen3_dir, chat_corpus, capsys):
+    out = tmp_path / "m.jsonl"
+    regen.main([f"--target={qwen3_dir}", f"--corpus={chat_corpus}", f"--out={out}", "--num_docs=2", "--device=cpu",
+                f"--max_new_tokens={NEW}", "--thinking=off", "--progress=0"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1] == str(out)
+    assert sum('"records_read"' in x for x in lines) == 1, lines  # the stats once, not a second time by main
+    assert json.loads(Path(f"{out}.stats.json").read_text())["written"] == len(read(out)) == 2

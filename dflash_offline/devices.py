@@ -1,0 +1,74 @@
+"""Device choice, one owner: every stage turns its `device` setting into a torch device here, the same way.
+
+- `auto`: the CUDA device where there is one, else the CPU;
+- `cuda` / `cuda:N`: that GPU, refused without CUDA (or without GPU N) with a ValueError naming the setting and the
+  fix, before anything is read or loaded: no stage falls back to the CPU on its own;
+- `cpu`: the CPU.
+
+A CUDA device always carries its index (the process's local rank under a launcher, else the current device) and is
+made the current one, so allocations without an explicit device land on it too.
+
+CPU threads: the CPU path exists for the tiny targets (tests, `make demo`), whose small matmuls run fastest on one
+thread; more threads mostly wait on each other, and oversubscribe a small machine shared by several processes.
+`cpu_threads` sets that (unless `OMP_NUM_THREADS` or an explicit thread count says otherwise) and says so.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where a device is picked: `--help` and config errors stay instant
+    import torch
+
+SETTINGS = "auto, cpu, cuda or cuda:N"
+
+
+def dist_env() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from accelerate/torchrun's environment; (0, 1, 0) when run alone. The local
+    rank is the process's GPU: one process per GPU."""
+    env = os.environ
+    return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
+
+
+def check_setting(setting: str, field: str) -> None:
+    """Refuse a device setting that is none of `SETTINGS` (what a config's `resolve` calls)."""
+    index = setting.removeprefix("cuda:")
+    if not (setting in ("auto", "cpu", "cuda") or (setting.startswith("cuda:") and index.isdigit())):
+        raise ValueError(f"{field}={setting!r}: expected {SETTINGS}")
+
+
+def pick_device(setting: str, field: str, local_rank: int | None = None) -> torch.device:
+    """The device `setting` names; `field` (e.g. "extract.device") is how the refusal names the setting.
+    `local_rank`: this process's GPU under a launcher (one process per GPU); None: the current CUDA device."""
+    import torch
+
+    check_setting(setting, field)
+    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"{field}={setting} but CUDA is not available: pass --device=cpu (or auto), or run on a "
+                         f"GPU machine")
+    if setting.startswith("cuda:"):
+        index = int(setting.removeprefix("cuda:"))
+    else:  # auto or cuda
+        index = local_rank if local_rank is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"{field}={setting} needs GPU {index} but {torch.cuda.device_count()} are visible: pass "
+                         f"--device=cuda (or a visible index), or check CUDA_VISIBLE_DEVICES")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def cpu_threads(device: torch.device, threads: int = 0, log: Callable[[str], None] = print) -> int:
+    """Set torch's CPU threads: `threads` when > 0; else one thread on a CPU run when OMP_NUM_THREADS is unset (what
+    `make demo` sets); otherwise torch's own choice. Returns the count in use."""
+    import torch
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    elif device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+        log("device cpu: torch uses 1 thread (fastest for the tiny CPU targets); set OMP_NUM_THREADS=N to choose")
+    return torch.get_num_threads()

@@ -1,0 +1,92 @@
+"""Device choice has one owner and one behaviour: `auto` takes CUDA where there is one, `cuda` without CUDA is refused
+naming the setting and the fix (in every stage, before anything is read or loaded), a CUDA device carries its index
+(the local rank under a launcher); a CPU run uses one thread unless told otherwise."""
+
+import inspect
+
+import pytest
+import torch
+
+from dflash_offline import devices
+from dflash_offline.devices import check_setting, cpu_threads, pick_device
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    """A machine with two (pretend) GPUs; records set_device calls."""
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    return chosen
+
+
+def test_auto_is_the_cpu_without_cuda_and_cuda_is_refused_naming_the_setting(no_cuda):
+    assert pick_device("auto", "x.device") == torch.device("cpu")
+    assert pick_device("cpu", "x.device", local_rank=3) == torch.device("cpu")
+    for setting in ("cuda", "cuda:1"):
+        with pytest.raises(ValueError, match=rf"^extract.device={setting} but CUDA is not available: pass "
+                                             r"--device=cpu \(or auto\)"):
+            pick_device(setting, "extract.device")
+
+
+def test_cuda_devices_carry_their_index_the_local_rank_under_a_launcher(two_gpus):
+    assert pick_device("auto", "x.device") == torch.device("cuda", 0)
+    assert pick_device("cuda", "x.device", local_rank=1) == torch.device("cuda", 1)
+    assert pick_device("cuda:1", "x.device", local_rank=0) == torch.device("cuda", 1)  # an explicit index wins
+    assert two_gpus == [0, 1, 1]  # each made the current device
+    with pytest.raises(ValueError, match=r"x.device=cuda:2 needs GPU 2 but 2 are visible"):
+        pick_device("cuda:2", "x.device")
+
+
+@pytest.mark.parametrize("setting", ["gpu", "cuda:", "cuda:x", "CPU", ""])
+def test_unknown_settings_are_refused_with_the_choices(setting):
+    with pytest.raises(ValueError, match=r"regen.device=.*: expected auto, cpu, cuda or cuda:N"):
+        check_setting(setting, "regen.device")
+
+
+def test_a_cpu_run_takes_one_thread_unless_told_otherwise(monkeypatch):
+    calls, logged = [], []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cpu_threads(torch.device("cpu"), log=logged.append)
+    assert calls == [1] and "OMP_NUM_THREADS" in logged[0]
+    cpu_threads(torch.device("cuda", 0), log=logged.append)  # a GPU run keeps torch's choice
+    cpu_threads(torch.device("cpu"), threads=3, log=logged.append)  # an explicit count wins
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    cpu_threads(torch.device("cpu"), log=logged.append)  # so does the environment
+    assert calls == [1, 3] and len(logged) == 1
+
+
+def test_every_stage_that_picks_a_device_asks_the_owner():
+    from stages import evaluate, extract, regen, verify
+
+    for stage in (extract, regen, verify, evaluate):
+        src = inspect.getsource(stage)
+        assert "pick_device(" in src and "cuda.is_available" not in src and "def pick_device" not in src, stage
+    assert inspect.getsource(devices).count("cuda.is_available()") == 2  # auto, and the refusal
+
+
+def test_stages_refuse_cuda_without_cuda_before_any_work(no_cuda, tmp_path, qwen35_dir, chat_corpus, monkeypatch):
+    from dflash_offline.config import ExtractConfig, TokenizeConfig
+    from stages import evaluate, extract, regen
+
+    tok = TokenizeConfig(corpus=[str(chat_corpus)], tokenizer=str(qwen35_dir), cache_root=str(tmp_path),
+                         seq_len=128, workers=1, max_docs=10).resolve()
+    ext = ExtractConfig(target=str(qwen35_dir), cache_root=str(tmp_path), device="cuda").resolve()
+    with pytest.raises(ValueError, match="extract.device=cuda but CUDA is not available"):
+        extract.run(ext, tok)
+    assert list(tmp_path.iterdir()) == []  # refused before stage 1a ran
+    monkeypatch.setattr(regen, "load_model", lambda *a: pytest.fail("weights loaded"))
+    with pytest.raises(ValueError, match="regen --device=cuda but CUDA is not available"):
+        regen.run(regen.RegenConfig(target=str(qwen35_dir), corpus=[str(chat_corpus)], out=str(tmp_path / "r.jsonl"),
+                                    device="cuda"))
+    assert not (tmp_path / "r.jsonl").exists()
+    with pytest.raises(ValueError, match="eval.device='gpu': expected"):
+        evaluate.EvalConfig(run=str(tmp_path), device="gpu").resolve()
