@@ -4,7 +4,7 @@
 
 | file | holds |
 | --- | --- |
-| `config.json` | a Qwen3Config (`model_type` "qwen3", `architectures` ["DFlashDraftModel"], `auto_map` AutoModel → `dflash.DFlashDraftModel`) with the drafter's shapes, `block_size`, `dflash_config` {mask_token_id, target_layer_ids, block_size}, `num_target_layers`, `layer_types`, sliding window, RoPE (`rope_parameters` and the legacy `rope_theta`) and `max_position_embeddings` of the target |
+| `config.json` | a Qwen3Config (`model_type` "qwen3", `architectures` ["DFlashDraftModel"], `auto_map` AutoModel → `dflash.DFlashDraftModel`) with the drafter's shapes, `block_size`, `dflash_config` {mask_token_id, mask_token (the target tokenizer's string for it, which SGLang checks), target_layer_ids, block_size}, `num_target_layers`, `layer_types`, sliding window, RoPE (`rope_parameters` and the legacy `rope_theta`) and `max_position_embeddings` of the target |
 | `model.safetensors` | exactly the drafter's tensors under the z-lab names (`fc.weight`, `hidden_norm.weight`, `norm.weight`, `layers.{i}.…`), in `dtype`; never the target's embedding or lm_head |
 | `dflash.py` | the modeling file `auto_map` names (a copy of `dflash_offline/zlab_dflash.py`: torch + transformers only) |
 | `dflash_export.json` | provenance: run, step, checkpoint, dtype, target, sha256 of the weights |
@@ -111,8 +111,32 @@ def target_fields(target: str) -> dict:
     if pick("max_position_embeddings") is None:
         raise ExportError(f"{path}/config.json has no max_position_embeddings")
     return {"path": str(path), "max_position_embeddings": int(pick("max_position_embeddings")),
+            "tokenizer": str(path / "tokenizer.json") if (path / "tokenizer.json").is_file() else None,
             "rope_theta": None if theta is None else float(theta), "bos_token_id": pick("bos_token_id"),
             "eos_token_id": pick("eos_token_id"), "pad_token_id": pick("pad_token_id")}
+
+
+SGLANG_MASK_TOKEN = "<|MASK|>"  # what SGLang adds to a tokenizer that has no mask token (at id len(tokenizer))
+
+
+def mask_token_for(tokenizer_json: str | None, mask_id: int) -> str | None:
+    """`dflash_config.mask_token`, the string SGLang maps back to an id and checks against `mask_token_id`: the
+    tokenizer's own token at `mask_id`, or SGLANG_MASK_TOKEN when `mask_id` is the first row past the tokenizer
+    (Qwen3's 151669: SGLang adds that token there). None without a tokenizer.json; an id further past the
+    tokenizer has no string an engine can resolve, which is refused."""
+    if tokenizer_json is None:
+        return None
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer_json)
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if mask_id == size:
+        return SGLANG_MASK_TOKEN
+    if mask_id > size or tok.id_to_token(mask_id) is None:
+        raise ExportError(f"mask_token_id {mask_id} is past the target tokenizer's {size} tokens by more than one: "
+                          f"SGLang cannot resolve it to a token (it adds {SGLANG_MASK_TOKEN} at id {size}); "
+                          f"train with a mask token inside the vocabulary or at {size}")
+    return tok.id_to_token(mask_id)
 
 
 # --- the z-lab config ------------------------------------------------------------------------------------------
@@ -129,7 +153,8 @@ def zlab_config(dc, tgt: dict, dtype: str) -> dict:
         "model_type": "qwen3",
         "block_size": dc.block_size,
         "dflash_config": {"mask_token_id": dc.mask_token_id, "target_layer_ids": list(dc.target_layer_ids),
-                          "block_size": dc.block_size},
+                          "block_size": dc.block_size,
+                          **({"mask_token": tgt["mask_token"]} if tgt.get("mask_token") else {})},
         "num_target_layers": dc.num_target_layers,
         "layer_types": list(dc.layer_types),
         "hidden_size": dc.hidden_size,
@@ -229,6 +254,7 @@ def export(run_dir, out_dir, step: int | None = None, dtype: str = "bfloat16", t
     if tgt["rope_theta"] is not None and abs(tgt["rope_theta"] - dc.rope_theta) > 1e-6 * tgt["rope_theta"]:
         raise ExportError(f"the drafter was trained with rope_theta={dc.rope_theta} but target {tgt['path']} has "
                           f"{tgt['rope_theta']}: wrong --target=?")
+    tgt["mask_token"] = mask_token_for(tgt["tokenizer"], dc.mask_token_id)
     config = zlab_config(dc, tgt, dtype)
 
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -165,12 +165,16 @@ def test_shards_held_by_a_live_process_fail_the_run_unless_waiting_and_a_dead_on
         assert 2 in done and 6 not in done  # the dead one's shard was taken over
         # waiting: the holder dies while we wait, and its shard is taken over
         waiter = subprocess.Popen(extract_cli(qwen35_dir, chat_corpus, tmp_path, "--wait_claims=1", "--lease_s=4"),
-                                  cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(3)
+                                  cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        seen = []
+        for line in waiter.stdout:  # until it waits for the live holder (however slow its start-up is)
+            seen.append(line)
+            if "waiting for shards [6]" in line:
+                break
         sleeper.send_signal(signal.SIGKILL)
         sleeper.wait()  # (reaped: a zombie still has its pid)
-        out, err = waiter.communicate(timeout=120)
-        assert waiter.returncode == 0, err[-2000:]
+        out = "".join(seen) + waiter.communicate(timeout=120)[0]
+        assert waiter.returncode == 0, out[-2000:]
         assert "waiting for shards [6]" in out and shard_hashes(cache) == shard_hashes(clean)
         assert not list((cache / "claims").glob("*")) and mf.holders(cache, range(20)) == {}
     finally:

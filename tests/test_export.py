@@ -314,3 +314,50 @@ def test_cli(tmp_path, qwen3_dir, capsys):
     res = subprocess.run([sys.executable, "-m", "stages.export", "--help"], cwd=REPO, capture_output=True, text=True,
                          timeout=120, env=env)
     assert res.returncode == 0 and "--run" in res.stdout and "--dtype" in res.stdout
+
+
+def sglang_mask_token_id(config: dict, tokenizer_dir) -> int:
+    """The id SGLang (0.5.x DFlash worker) fills draft blocks with, by its rules as read in its code: the string
+    `dflash_config.mask_token` (default "<|MASK|>") looked up in the target tokenizer's vocabulary, else added to it as
+    a special token (the next id); it refuses to start when that id is not `dflash_config.mask_token_id`."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    token = config["dflash_config"].get("mask_token", "<|MASK|>")
+    if token in tok.get_vocab():
+        return tok.get_vocab()[token]
+    tok.add_special_tokens({"mask_token": token})
+    return tok.mask_token_id
+
+
+def test_the_exported_mask_token_resolves_to_the_trained_id_in_sglang(tmp_path, qwen3_dir):
+    """Tiny target (a real <|MASK|> token), and the real Qwen3 (151669: the row past its 151,669 tokens) and
+    Qwen3.5/3.6 (248070: <|audio_start|>) tokenizers: the config's mask_token maps back to mask_token_id."""
+    import os
+
+    from dflash_offline.export import ExportError, mask_token_for
+
+    sys.path.insert(0, str(REPO / "tests"))
+    import real_tokenizers
+
+    run, dc = fake_run(tmp_path / "run", qwen3_dir)
+    cfg = json.loads((export(run, tmp_path / "out") / "config.json").read_text())
+    assert cfg["dflash_config"]["mask_token"] == "<|MASK|>"
+    assert sglang_mask_token_id(cfg, qwen3_dir) == cfg["dflash_config"]["mask_token_id"]
+    try:
+        fixtures = real_tokenizers.build(log=lambda m: None)
+    except real_tokenizers.FixturesUnavailable as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"real tokenizer fixtures unavailable here ({e})")
+    for name, mask_id, token in (("qwen3", 151669, "<|MASK|>"), ("qwen3.6", 248070, "<|audio_start|>"),
+                                 ("qwen3.5", 248070, "<|audio_start|>")):
+        tokenizer_json = str(fixtures / name / "tokenizer.json")
+        assert mask_token_for(tokenizer_json, mask_id) == token
+        real = {**cfg, "dflash_config": {**cfg["dflash_config"], "mask_token_id": mask_id, "mask_token": token}}
+        assert sglang_mask_token_id(real, fixtures / name) == mask_id, name
+        if name == "qwen3.6":  # without the string SGLang would add <|MASK|> at 248077 and refuse to start
+            bare = {**real, "dflash_config": {k: v for k, v in real["dflash_config"].items() if k != "mask_token"}}
+            assert sglang_mask_token_id(bare, fixtures / name) == 248077
+    with pytest.raises(ExportError, match="past the target tokenizer"):
+        mask_token_for(str(fixtures / "qwen3" / "tokenizer.json"), 151700)
