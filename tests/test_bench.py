@@ -1,5 +1,5 @@
 """The benchmarks' CPU smoke modes run end to end and report what the GPU runs report (so they do not rot between
-device sessions): ours and the baseline in one invocation, a ratio, JSON output."""
+GPU runs): ours and the baseline in one invocation, a ratio, JSON output."""
 
 import json
 import os
