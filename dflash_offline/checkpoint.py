@@ -28,7 +28,6 @@ and survive a resume should come from explicit generators seeded from (seed, ran
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import time
@@ -40,7 +39,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .manifest import fsync_path, publish, temp_path
+from .manifest import atomic_dir, publish, temp_path
 
 FORMAT = "dflash-checkpoint"
 FORMAT_VERSION = 1
@@ -90,25 +89,12 @@ def save_checkpoint(run_dir, step: int, model, optimizer=None, scheduler=None, d
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = step_dir(run_dir, step)
-    tmp = temp_path(final)  # names this process: a run that starts after it died removes it (remove_dead_temps)
-    tmp.mkdir()
-    try:
+    with atomic_dir(final) as tmp:  # saving a step again (after resuming from an earlier one) replaces it
         files = _write_all(tmp, model, optimizer, scheduler, data_state, rng, states)
         meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step, "time": time.time(),
                 "config": config, "extra": extra or {}, "torch": torch.__version__,
                 "files": {name: (tmp / name).stat().st_size for name in files}}
         _write_json(tmp / "meta.json", meta, "meta (config/extra)")
-        fsync_path(tmp)
-        old = None
-        if final.exists():  # saving a step again (after resuming from an earlier one): replace it
-            old = final.rename(temp_path(final))  # a kill before it is removed leaves debris the next run sweeps
-        os.rename(tmp, final)
-        fsync_path(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
     latest = root / LATEST
     t = temp_path(latest)
     t.write_text(final.name + "\n")
@@ -159,7 +145,6 @@ def full_precision_state_dict(model, optimizer=None) -> dict[str, torch.Tensor]:
 
 def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     save_file(tensors, str(path), metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
-    fsync_path(path)
 
 
 def _write_json(path: Path, obj, what: str) -> None:
@@ -167,8 +152,7 @@ def _write_json(path: Path, obj, what: str) -> None:
         text = json.dumps(obj, sort_keys=True, indent=1, allow_nan=True)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{what} is not JSON-able ({e}); checkpoints hold no pickle") from None
-    path.write_text(text + "\n")
-    fsync_path(path)
+    path.write_text(text + "\n")  # (fsynced with the directory by atomic_dir)
 
 
 def optimizer_to_files(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:

@@ -109,7 +109,7 @@ def unfinished(cache: Path, todo: list[int], rank: int, lease_s: float, wait_cla
             return []
         job = worker_info()["job"]
         if not (wait_claims or all(job and c.get("job") == job for c in held.values())):
-            from .dataset import shard_list
+            from .config import shard_list
 
             who = sorted({f"{c.get('worker')} (rank {c.get('rank', '?')})" for c in held.values()})
             until = max(c["expires"] for c in held.values())

@@ -208,6 +208,17 @@ def parse_shard_list(text: str) -> list[int]:
     return sorted(set(out))
 
 
+def shard_list(indices) -> str:
+    """[0, 1, 2, 3, 7] → '0-3,7': the SHARD= syntax that `parse_shard_list` reads."""
+    runs: list[list[int]] = []
+    for i in sorted(set(indices)):
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
 def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{name}={value!r} is not one of {', '.join(choices)}")

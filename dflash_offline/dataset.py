@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .config import shard_list
 from .manifest import ManifestError, committed, missing_files, read_manifest
 from .shards import (
     HiddenShardFile,
@@ -52,20 +53,6 @@ from .shards import (
 STATE_VERSION = 1
 TOKEN_KEYS = ("input_ids", "loss_mask", "position_ids", "doc_ids")
 
-
-def shard_list(indices) -> str:
-    """[0, 1, 2, 3, 7] → '0-3,7' (the SHARD= syntax)."""
-    out, run = [], []
-    for i in sorted(indices):
-        if run and i == run[-1] + 1:
-            run.append(i)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [i]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out)
 
 
 # --- the cache, from its manifest alone --------------------------------------------------------------------

@@ -333,18 +333,13 @@ def load_target_embeddings(target_dir: str | Path) -> tuple[torch.Tensor, torch.
     wrapper (`model.language_model.embed_tokens.weight`) and Qwen3 (`model.embed_tokens.weight`). With
     `tie_word_embeddings` and no `lm_head.weight`, the lm_head is the embedding.
     """
+    from dflash_offline.targetid import weight_map as checkpoint_weight_map
+
     target_dir = Path(target_dir)
-    index = target_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-    elif (target_dir / "model.safetensors").exists():
-        with safe_open(target_dir / "model.safetensors", framework="pt") as f:
-            weight_map = {k: "model.safetensors" for k in f.keys()}
-    else:
-        raise ValueError(f"{target_dir}: no model.safetensors or model.safetensors.index.json; pass a target dir")
+    weight_map = checkpoint_weight_map(target_dir)
 
     def read(key: str) -> torch.Tensor:
-        with safe_open(target_dir / weight_map[key], framework="pt") as f:
+        with safe_open(str(weight_map[key]), framework="pt") as f:
             return f.get_tensor(key)
 
     embed_key = next((k for k in EMBED_KEYS if k in weight_map), None)

@@ -23,12 +23,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from .manifest import fsync_path, sha256_file
+from .manifest import atomic_dir, sha256_file
 
 FORMAT = "dflash-offline-export"
 FORMAT_VERSION = 1
@@ -257,10 +255,7 @@ def export(run_dir, out_dir, step: int | None = None, dtype: str = "bfloat16", t
     tgt["mask_token"] = mask_token_for(tgt["tokenizer"], dc.mask_token_id)
     config = zlab_config(dc, tgt, dtype)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with atomic_dir(out) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (tmp / MODELING_FILE).write_text(modeling_source())
@@ -271,19 +266,6 @@ def export(run_dir, out_dir, step: int | None = None, dtype: str = "bfloat16", t
         (tmp / PROVENANCE).write_text(json.dumps(prov, indent=1, sort_keys=True) + "\n")
         for name in FILES:
             os.chmod(tmp / name, 0o644)  # safetensors writes 0600; exports are meant to be served and shared
-            fsync_path(tmp / name)
-        fsync_path(tmp)
-        old = None
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            out.rename(old)
-        os.rename(tmp, out)
-        fsync_path(out.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
     return out
 
 

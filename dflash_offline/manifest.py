@@ -82,6 +82,31 @@ def publish(tmp: Path, final: Path) -> None:
     fsync_path(final.parent)
 
 
+@contextlib.contextmanager
+def atomic_dir(final: Path):
+    """Write a directory atomically (checkpoints, exports): yields a temp directory beside `final`, named for its
+    writer so that a killed writer's is removed by the next run (`remove_dead_temps`); when the body returns, every
+    file in it is fsynced and it is renamed into place, replacing an existing `final` (moved to a temp name first, then
+    deleted); when the body fails, it is removed."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(final)
+    tmp.mkdir()
+    try:
+        yield tmp
+        for f in tmp.iterdir():
+            if f.is_file():
+                fsync_path(f)
+        fsync_path(tmp)
+        old = final.rename(temp_path(final)) if final.exists() else None
+        os.rename(tmp, final)
+        fsync_path(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def write_json_atomic(path: Path, obj, durable: bool = True) -> None:
     """Readers see the old or the new file, never a partial one. `durable=False` skips the fsyncs: for files that
     only report (a status snapshot), where an fsync can wait behind gigabytes another thread is flushing. A failed

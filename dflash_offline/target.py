@@ -152,15 +152,9 @@ class TextStack(nn.Module):
 
 
 def _weight_files(path: Path) -> dict[str, Path]:
-    """Checkpoint tensor name -> safetensors file, from the shard index or the single file's header."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-    single = path / "model.safetensors"
-    if single.is_file():
-        with safe_open(str(single), framework="pt") as f:
-            return dict.fromkeys(f.keys(), single)
-    raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json found")
+    from dflash_offline.targetid import weight_map
+
+    return weight_map(path)
 
 
 def _load_tensors(path: Path, model_type: str, names, device, dtype) -> dict[str, torch.Tensor]:

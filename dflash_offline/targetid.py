@@ -75,6 +75,21 @@ def _is_hub_id(target: str) -> bool:
     return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", target) is not None and ".." not in target
 
 
+def weight_map(ckpt: Path) -> dict[str, Path]:
+    """Checkpoint tensor name → the safetensors file holding it, from the shard index or the single file's header
+    (the one reader of a checkpoint's layout: the target loader and the drafter's frozen tables both use it)."""
+    from safetensors import safe_open
+
+    index = ckpt / "model.safetensors.index.json"
+    if index.is_file():
+        return {k: ckpt / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    single = ckpt / "model.safetensors"
+    if single.is_file():
+        with safe_open(str(single), framework="pt") as f:
+            return dict.fromkeys(f.keys(), single)
+    raise TargetError(f"{ckpt}: no model.safetensors or model.safetensors.index.json; pass a target checkpoint")
+
+
 def weight_files(ckpt: Path) -> list[Path]:
     files = sorted(ckpt.glob("*.safetensors"))
     if not files:

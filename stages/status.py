@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from dflash_offline.config import shard_list
 from dflash_offline.manifest import (
     MANIFEST,
     ManifestError,
@@ -71,11 +72,37 @@ def report(cache: Path) -> dict:
         "committed": len(done),
         "damaged": damaged,
         "pending": None if total is None else sorted(set(range(total)) - set(done)),
-        "summary": m.get("summary", {}),
+        "summary": m.get("summary") or (hidden_summary(m, done) if m["kind"] == "hidden" else {}),
+        "verified": m.get("verified"),
         "shards": m["shards"],
         "live": live_status(cache),
         "claims": claims(cache),
     }
+
+
+def hidden_summary(m: dict, done: dict) -> dict:
+    """What a hidden cache holds, from its shard entries: rows, tokens, bytes, bytes per token, extraction rate."""
+    tokens = sum(s.get("tokens", 0) for s in done.values())
+    size = sum(f["bytes"] for s in done.values() for f in s.get("files", {}).values())
+    compute = sum(s.get("compute_seconds", 0.0) for s in done.values())
+    return {"rows": sum(s.get("rows", 0) for s in done.values()), "tokens": tokens, "bytes": size,
+            "bytes_per_token": size / tokens if tokens else 0.0, "layer_ids": m["producer"].get("layer_ids"),
+            "quant": m["producer"].get("quant"), "compute_tokens_per_s": tokens / compute if compute else 0.0}
+
+
+def shard_seconds(s: dict) -> float:
+    """A shard's time: tokenize writes `seconds`; extract `compute_seconds` + `write_seconds` (overlapping)."""
+    return s.get("seconds") or max(s.get("compute_seconds", 0.0), s.get("write_seconds", 0.0))
+
+
+def fmt_verdict(v: dict | None) -> str:
+    if not v:
+        return "never verified (make verify CACHE=...)"
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(v.get("at", 0)))
+    if v.get("ok"):
+        err = f", max rel err {v['max_rel_err']:.2e}" if v.get("max_rel_err") is not None else ""
+        return f"ok at {when} ({v.get('rows_per_shard')} rows/shard recomputed{err})"
+    return f"FAILED at {when}: shards {shard_list({b['shard'] for b in v.get('bad', []) if 'shard' in b})}"
 
 
 def fmt_bytes(n: float) -> str:
@@ -96,40 +123,33 @@ def print_report(r: dict, show_all: bool) -> None:
         size = sum(f["bytes"] for f in s.get("files", {}).values())
         sha = ",".join(f["sha256"][:10] for f in s.get("files", {}).values())
         print(f"  {s['index']:>5} {s['status']:<10} {s.get('rows', 0):>6} {s.get('tokens', 0):>10,} "
-              f"{fmt_bytes(size):>9} {s.get('seconds', 0):>7.1f}  {sha}")
+              f"{fmt_bytes(size):>9} {shard_seconds(s):>7.3g}  {sha}")
     if len(rows) < len(r["shards"]):
         print(f"  … {len(r['shards']) - len(rows)} more (use --all)")
     if r["pending"]:
-        print(f"  pending shards: {compact(r['pending'])}")
+        print(f"  pending shards: {shard_list(r['pending'])}")
     if r["damaged"]:
         bad = sorted({b["shard"] for b in r["damaged"]})
-        print(f"  {len(bad)} committed shard(s) damaged on disk: {compact(bad)} ({r['damaged'][0]['reason']}"
+        print(f"  {len(bad)} committed shard(s) damaged on disk: {shard_list(bad)} ({r['damaged'][0]['reason']}"
               f"{' …' if len(r['damaged']) > 1 else ''}); `make extract CACHE={r['cache']}` redoes them")
+    if r["kind"] == "hidden":
+        print(f"  verified: {fmt_verdict(r['verified'])}")
     for k, v in r["summary"].items():
         print(f"  {k}: {v:.4g}" if isinstance(v, float) else f"  {k}: {v}")
     for st in r["live"]:
         age = time.time() - st.get("updated_at", 0)
         who = f"{st.get('host', '?')}:{st.get('pid', '?')} rank {st.get('rank', '?')}"
         eta = f", eta {st.get('eta_s') or 0:.0f}s" if st["liveness"] == "running" else ""
-        print(f"  {st['liveness']:<8} {st.get('stage')} {who}: {st.get('done')}/{st.get('total')} "
-              f"{st.get('tokens_per_s', 0):,.0f} tok/s{eta} (updated {age:.0f}s ago)")
+        progress = f"{st.get('done')}/{st['total']}" if st.get("total") else f"{st.get('done')}"
+        print(f"  {st['liveness']:<8} {st.get('stage')} {who}: {progress} "
+              f"{st.get('tokens_per_s', 0):,.0f} tok/s{eta} "
+              f"({'ended' if st['liveness'] in ('done', 'failed') else 'updated'} {age:.0f}s ago)")
     for c in r["claims"]:
         left = c.get("expires", 0) - time.time()
         what = {"live": f"for {left:.0f}s more", "dead": "but its process is gone: the next run takes it over",
                 "expired": f"lease expired {-left:.0f}s ago: the next run takes it over"}[c["state"]]
         print(f"  claimed: shard {c['index']} by {c.get('worker')} rank {c.get('rank', '?')} ({c['state']}), {what}")
 
-
-def compact(ids: list[int]) -> str:
-    """[0,1,2,5,7,8] → '0-2,5,7-8' (the SHARD= syntax)."""
-    parts, start = [], None
-    for i, x in enumerate(ids):
-        if start is None:
-            start = x
-        if i + 1 == len(ids) or ids[i + 1] != x + 1:
-            parts.append(f"{start}-{x}" if x != start else f"{x}")
-            start = None
-    return ",".join(parts)
 
 
 def find_caches(root: Path) -> list[Path]:

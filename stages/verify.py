@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_offline.config import VerifyConfig, config_from_argv
+from dflash_offline.config import VerifyConfig, config_from_argv, shard_list
 from dflash_offline.devices import pick_device
 from dflash_offline.manifest import committed, read_manifest, sha256_file, update_manifest
 from dflash_offline.progress import log, private_compile_caches, unbuffered
@@ -175,7 +175,7 @@ def main(argv: list[str]) -> None:
         print(f"BAD shard {b['shard']}: {b['reason']}")
     took = f"{v['seconds']:.1f}s: " + ", ".join(f"{k} {s:.1f}s" for k, s in v["phase_seconds"].items())
     if v["bad"]:
-        shards = ",".join(str(s) for s in sorted({b["shard"] for b in v["bad"]}))
+        shards = shard_list({b["shard"] for b in v["bad"]})
         print(f"{len(v['bad'])} problem(s) ({took}). Redo them with: make extract CACHE={cfg.cache} SHARD={shards}")
         sys.exit(1)
     err = f", max rel err {v['max_rel_err']:.2e}" if v["max_rel_err"] is not None else ""

@@ -222,3 +222,23 @@ def test_a_deleted_token_shard_is_redone_identically_by_the_next_run(tmp_path, c
     tokenize.run(cfg)
     assert shard_hashes(tokens) == before and read_manifest(tokens)["complete"]
     assert sha256_file(tokens / "tokens-00002.arrow") == before[2]["tokens-00002.arrow"]["sha256"]
+
+
+def test_status_of_a_hidden_cache_shows_times_verdict_and_summary(tmp_path, clean):
+    import shutil
+
+    from dflash_offline.manifest import update_manifest
+
+    cache = tmp_path / "c"
+    shutil.copytree(clean, cache)
+    (cache / "status-elsewhere-1.json").write_text(json.dumps(
+        {"stage": "tokenize", "state": "done", "host": "elsewhere", "pid": 1, "rank": 0, "done": 40, "total": None,
+         "tokens_per_s": 9.0, "updated_at": time.time() - 30}))
+    out = run([sys.executable, "-m", "stages.status", str(cache)]).stdout
+    table = [x.split() for x in out.splitlines() if x.split()[:2][1:] == ["committed"]]
+    assert table and all(float(row[5]) > 0 for row in table), out  # each hidden shard's compute time
+    assert "verified: never verified" in out and "bytes_per_token" in out and "compute_tokens_per_s" in out
+    assert "/None" not in out and "tokenize elsewhere:1 rank 0: 40 " in out and "ended 30s ago" in out
+    update_manifest(cache, verified={"ok": False, "bad": [{"shard": 3, "reason": "x"}, {"shard": 4, "reason": "y"}],
+                                     "at": time.time()})
+    assert "verified: FAILED at" in run([sys.executable, "-m", "stages.status", str(cache)]).stdout

@@ -164,3 +164,12 @@ def test_a_hand_edited_manifest_field_is_named_not_a_traceback(tmp_path, edit, f
     (tmp_path / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(mf.ManifestError, match=rf"manifest.json: {__import__('re').escape(field)}.*edited or damaged"):
         mf.read_manifest(tmp_path)
+
+
+def test_the_shard_list_syntax_round_trips():
+    from dflash_offline.config import parse_shard_list, shard_list
+
+    for ids in ([], [3], [0, 1, 2, 3, 7], [5, 6, 9, 10, 11, 40], list(range(100))):
+        text = shard_list(ids)
+        assert parse_shard_list(text) == ids
+    assert shard_list({7, 0, 2, 1, 3}) == "0-3,7"
