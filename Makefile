@@ -19,6 +19,7 @@ STEP ?=
 DTYPE ?=
 PROMPTS ?=
 UNTRAINED ?=
+EXPORT ?=
 NPROC ?= 1
 ARGS ?=
 DEMO_DIR ?= build/demo
@@ -92,10 +93,10 @@ regen: setup  ## regenerate the corpus's assistant answers with the target (TARG
 export: setup  ## z-lab-format drafter (config.json, model.safetensors, dflash.py) from RUN= into OUT= (STEP=, DTYPE=)
 	$(PYTHON) -m stages.export --run=$(RUN) --out=$(OUT) --step=$(STEP) --dtype=$(DTYPE)
 
-eval: setup  ## real speculative decoding: τ of RUN= on PROMPTS= vs the target alone (UNTRAINED=1: untrained baseline)
-	$(PYTHON) -m stages.evaluate --run=$(RUN) --prompts=$(PROMPTS) --untrained=$(UNTRAINED) --cache=$(CACHE)
+eval: setup  ## real speculative decoding with RUN='s export (EXPORT= or OUT=; else STEP= exported into RUN/eval-export) on PROMPTS= vs the target alone (UNTRAINED=1: untrained baseline)
+	$(PYTHON) -m stages.evaluate --run=$(RUN) --export=$(or $(EXPORT),$(OUT)) --step=$(STEP) --prompts=$(PROMPTS) --untrained=$(UNTRAINED) --cache=$(CACHE) $(ARGS)
 
-report: setup  ## PNG plots of RUN='s metrics (loss, accuracy per block position, τ, throughput, memory)
+report: setup  ## PNG plots of RUN='s metrics (loss, accuracy per block position, τ, throughput, memory) and eval.json (acceptance per position and category)
 	$(PYTHON) -m stages.report --run=$(RUN)
 
 bench-extract:  ## extraction throughput at Qwen3.5-27B shapes vs a plain HF forward (GPU)
@@ -125,7 +126,7 @@ demo: setup  ## the whole pipeline on the embedded default, on CPU: build, regen
 	$(DEMO_ENV) $(PYTHON) -m stages.status $(DEMO_DIR)/cache
 	$(DEMO_ENV) $(PYTHON) -m stages.train --recipe=manifests/demo.toml --cache=$(DEMO_DIR)/cache/hidden --run=$(DEMO_DIR)/run --resume=$$(test -f $(DEMO_DIR)/run/checkpoints/latest && echo 1 || echo 0)
 	$(DEMO_ENV) $(PYTHON) -m stages.export --run=$(DEMO_DIR)/run --out=$(DEMO_DIR)/export
-	$(DEMO_ENV) $(PYTHON) -m stages.evaluate --run=$(DEMO_DIR)/run --threads=1
+	$(DEMO_ENV) $(PYTHON) -m stages.evaluate --run=$(DEMO_DIR)/run --export=$(DEMO_DIR)/export --threads=1
 	$(DEMO_ENV) $(PYTHON) -m stages.evaluate --run=$(DEMO_DIR)/run --threads=1 --untrained=1
 	$(DEMO_ENV) $(PYTHON) -m stages.report --run=$(DEMO_DIR)/run
 	@$(PYTHON) -c "import json; t, u = (json.load(open('$(DEMO_DIR)/run/' + f)) for f in ('eval.json', 'eval-untrained.json')); print(f'demo: real tau on {t[\"num_prompts\"]} held-out prompts: trained {t[\"tau_mean\"]:.2f} vs untrained {u[\"tau_mean\"]:.2f} ({t[\"tau_mean\"] / u[\"tau_mean\"]:.1f}x), lossless {t[\"lossless\"] and u[\"lossless\"]}, CPU speed-up x{t[\"speedup\"]:.2f}; export in $(DEMO_DIR)/export, plots in $(DEMO_DIR)/run/report')"

@@ -1,17 +1,26 @@
-"""Real speculative decoding: a DFlash drafter proposes blocks, the target verifies them; greedy and lossless.
+"""Real speculative decoding with the exported drafter: the shipped `dflash.py` drafts, the target verifies.
 
-    prefill   target(prompt) → tapped states of the prompt (drafter context) and the first greedy token g0 = anchor
-    each step drafts  d_1..d_{L-1} = drafter(context, anchor)             (one drafter forward, block of L)
+    prefill   target(prompt) → tapped states of the prompt (the drafter's first context) and the first greedy token
+              g0 = the anchor
+    each step draft   d_1..d_{L-1} = `DFlashDraftModel.draft_block(new context, anchor)`  (the shipped drafter)
               verify  target([anchor, d_1..d_{L-1}]) with the KV cache    (ONE target forward, L tokens)
                       p_k = argmax of the target's logits after block token k (k = 0..L-1)
               accept  n = longest prefix with d_k == p_{k-1} (k = 1..n);  emit d_1..d_n and the bonus p_n
-              τ = n + 1 tokens for this verify step; the anchor and d_1..d_n join the target cache and the drafter
-              context (their tapped states come from the verify forward); p_n is the next anchor
+              τ = n + 1 tokens for this verify step; the tapped states of [anchor, d_1..d_n] (from the verify
+              forward) are the drafter's next new context; p_n is the next anchor
     stop      after an eos token or max_new_tokens new tokens (the first token, from the prefill, counts)
 
 Every emitted token is the target's own greedy choice given the emitted tokens before it, so the output equals
 `greedy_generate` (the target alone, one token per forward) token for token; the only possible difference is
-floating-point rounding between a block forward and token-by-token forwards flipping a near-tie.
+floating-point rounding between a block forward and token-by-token forwards flipping a near-tie (bf16).
+
+Who owns what: the drafter is the artifact users load. `load_exported` opens an export directory through
+`AutoModel.from_pretrained(..., trust_remote_code=True)` (its `dflash.py`, checked against the weights' SHA-256 in
+the export's provenance) and `ExportedDrafter` calls its `draft_block`, the same drafting step as its own
+`spec_generate`, with the target's embedding and lm_head. This module has no drafter code of its own: it is the
+engine's side — verification, acceptance, cache rollback, timing — which engines implement themselves too.
+(`spec_generate` in dflash.py recomputes a hybrid target over the whole sequence at every block; here the target's
+cache is rolled back instead, which gives the same tokens and τ at an engine's cost per step.)
 
 Cache rollback after a partial acceptance (n < L-1: the verify forward wrote L-1-n rejected tokens):
 - "crop" (every cache layer is a plain `DynamicLayer`, e.g. dense Qwen3): `cache.crop(-(L-1-n))` drops the
@@ -21,162 +30,110 @@ Cache rollback after a partial acceptance (n < L-1: the verify forward wrote L-1
   conv and recurrent state is cloned and every attention layer's length recorded; after a partial acceptance the
   states are copied back, the attention layers cropped to their recorded length, and the accepted tokens
   [anchor, d_1..d_n] are fed again (one more target forward of n+1 tokens). A fully accepted block needs nothing.
+  Engines keep per-token recurrent states instead, so the refeed is timed apart (`rollback_ms`).
 
 Stats (`GenStats`; pooled over prompts by `summarize`):
 - τ of a verify step = accepted drafts + 1 (1..L), counted before any truncation at eos/max_new_tokens;
-  `tau_mean` = mean τ over verify steps (tokens per target verify step); `tau_hist[k-1]` = steps with τ = k.
+  `tau_mean` = mean τ over verify steps (tokens per target verify step); `tau_hist[k-1]` = steps with τ = k;
+  `accept_ge[k-1]` = share of verify steps that accepted at least k drafts (k = 1..L-1; τ = 1 + Σ accept_ge).
 - `emitted` per step = tokens actually appended (τ, or fewer at the very end); 1 + Σ emitted = new tokens.
 - `target_forwards` = prefill + verify steps + refeeds; tok/s = new tokens / wall seconds (prefill included).
+- per step: `draft_ms` (draft_block + argmax), `verify_ms` (the verify forward + argmax + the host sync; for the
+  target alone: one token's forward), `rollback_ms` (snapshot, restore, refeed). CUDA events on a GPU (read once at
+  the end of a generation, no extra syncs), `time.perf_counter` on a CPU.
 
-Shape legend: n context tokens, K = k·H tapped width, L block length, H hidden, V vocab, G kv heads, D head dim.
+Shape legend: S new context tokens, K = k·H tapped width, L block length, V vocab.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from dflash_offline.drafter import (
-    DFlashDrafter,
-    DrafterConfig,
-    apply_rope,
-    load_target_embeddings,
-    rope_cos_sin,
-)
+from dflash_offline.manifest import sha256_file
 
-# --- the drafter at serve time -----------------------------------------------------------------------------
+# --- the drafter: the shipped artifact ------------------------------------------------------------------------
 
 
-class DraftCache:
-    """Per-layer keys/values of the drafter's context (they depend only on the context token and its position)."""
+def read_export(export_dir) -> dict:
+    """The provenance of an export directory (`dflash_export.json`), its weights checked against their SHA-256."""
+    from dflash_offline.export import FILES, PROVENANCE
 
-    def __init__(self, num_layers: int):
-        self.k = [None] * num_layers  # [1, n, G, D] per layer, RoPE applied
-        self.v = [None] * num_layers
-        self.length = 0
+    d = Path(export_dir)
+    missing = [f for f in FILES if not (d / f).is_file()]
+    if missing:
+        raise ValueError(f"{d} is not a z-lab export (no {', '.join(missing)}): pass EXPORT= a directory written by "
+                         f"make export, or leave it empty to export the run first")
+    prov = json.loads((d / PROVENANCE).read_text())
+    sha = sha256_file(d / "model.safetensors")
+    if sha != prov.get("weights_sha256"):
+        raise ValueError(f"{d}/model.safetensors (sha256 {sha[:12]}…) is not the file its {PROVENANCE} records "
+                         f"({str(prov.get('weights_sha256'))[:12]}…): it changed after the export; export again")
+    return prov
 
 
-class Drafter:
-    """A DFlash drafter with the target's frozen embedding and lm_head, drafting one block at a time (greedy)."""
+def load_exported(export_dir, device="cpu", dtype=torch.float32):
+    """(model, artifact): the export's `DFlashDraftModel` loaded as users load it (`AutoModel.from_pretrained(...,
+    trust_remote_code=True)`, i.e. its own dflash.py) in `dtype` on `device`, and what identifies it."""
+    from transformers import AutoModel
 
-    def __init__(self, model: DFlashDrafter, embed_VH: torch.Tensor, lm_head_VH: torch.Tensor):
+    d = Path(export_dir).resolve()
+    prov = read_export(d)
+    model = AutoModel.from_pretrained(str(d), trust_remote_code=True, dtype=dtype).to(device).eval()
+    code = Path(inspect.getfile(type(model)))
+    if code.read_bytes() != (d / "dflash.py").read_bytes():
+        raise ValueError(f"AutoModel loaded {type(model).__name__} from {code}, not from {d}/dflash.py")
+    if not hasattr(model, "draft_block"):
+        raise ValueError(f"{d}/dflash.py has no draft_block (an export of an older version): export the run again")
+    artifact = {"path": str(d), "weights_sha256": prov["weights_sha256"],
+                "modeling_sha256": sha256_file(d / "dflash.py"), "run": prov.get("run"), "step": prov.get("step"),
+                "checkpoint": prov.get("checkpoint"), "export_dtype": prov.get("dtype"), "target": prov.get("target")}
+    return model, artifact
+
+
+def untrained_model(drafter_cfg, target_dir, seed: int, device="cpu", dtype=torch.float32):
+    """(model, artifact): the shipped modeling code (dflash_offline/zlab_dflash.py, exported as dflash.py) holding a
+    fresh drafter's weights, initialised as the trainer's step 0 (`torch.manual_seed(seed)`, then build)."""
+    from transformers import Qwen3Config
+
+    from dflash_offline import zlab_dflash
+    from dflash_offline.drafter import DFlashDrafter
+    from dflash_offline.export import target_fields, zlab_config
+
+    torch.manual_seed(seed)
+    weights = DFlashDrafter(drafter_cfg).state_dict()
+    config = Qwen3Config.from_dict(zlab_config(drafter_cfg, target_fields(str(target_dir)), "float32"))
+    with torch.device("meta"):  # no second initialisation: the weights come next
+        model = zlab_dflash.DFlashDraftModel(config)
+    model.load_state_dict(weights, strict=True, assign=True)
+    code = Path(zlab_dflash.__file__)
+    artifact = {"path": None, "untrained_seed": seed, "modeling_file": str(code), "modeling_sha256": sha256_file(code)}
+    return model.to(device, dtype).eval(), artifact
+
+
+class ExportedDrafter:
+    """Greedy drafting with the shipped model's `draft_block`, using the target's own embedding and lm_head (as the
+    engines do). The interface `speculative_generate` needs: `block_size`, `layer_ids`, `start()` (a new sequence)
+    and `draft(ctx_new_1SK, anchor_11, pos, block_size)` → drafts [block_size-1]."""
+
+    def __init__(self, model, target):
         self.model = model.eval()
-        p = next(model.parameters())
-        self.embed = embed_VH.to(p.device, p.dtype)
-        self.lm_head = lm_head_VH.to(p.device, p.dtype)
+        self.embed, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        self.block_size, self.layer_ids = int(model.block_size), list(model.target_layer_ids)
+        self.cache = None
 
-    @property
-    def cfg(self) -> DrafterConfig:
-        return self.model.cfg
+    def start(self) -> None:
+        self.cache = self.model.draft_cache()
 
-    @property
-    def block_size(self) -> int:
-        return self.cfg.block_size
-
-    @property
-    def layer_ids(self) -> list[int]:
-        return list(self.cfg.target_layer_ids)
-
-    @classmethod
-    def from_checkpoint(cls, ckpt_dir, target_dir, device="cpu", dtype=torch.float32) -> Drafter:
-        """Load `ckpt_dir/model.safetensors` with the DrafterConfig of `ckpt_dir/meta.json` (config.drafter)."""
-        from safetensors.torch import load_file
-
-        ckpt_dir = Path(ckpt_dir)
-        meta = json.loads((ckpt_dir / "meta.json").read_text())
-        cfg = DrafterConfig(**meta["config"]["drafter"])
-        model = DFlashDrafter(cfg)
-        model.load_state_dict(load_file(str(ckpt_dir / "model.safetensors")), strict=True)
-        return cls.from_model(model, target_dir, device, dtype)
-
-    @classmethod
-    def untrained(cls, cfg: DrafterConfig, target_dir, seed: int, device="cpu", dtype=torch.float32) -> Drafter:
-        """A fresh drafter initialised exactly as the trainer's step 0 (`torch.manual_seed(seed)`, then build)."""
-        torch.manual_seed(seed)
-        return cls.from_model(DFlashDrafter(cfg), target_dir, device, dtype)
-
-    @classmethod
-    def from_model(cls, model: DFlashDrafter, target_dir, device="cpu", dtype=torch.float32) -> Drafter:
-        embed, head = load_target_embeddings(target_dir)
-        return cls(model.to(device, dtype), embed, head)
-
-    def new_cache(self) -> DraftCache:
-        return DraftCache(len(self.model.layers))
-
-    @torch.no_grad()
-    def block_hidden(self, context_hidden_1nK: torch.Tensor, ids_1n1: torch.Tensor,
-                     cache: DraftCache | None = None) -> torch.Tensor:
-        """Final-normed block states [L, H] for the anchor ids[-1] at position n, context = positions 0..n-1.
-
-        Without `cache`: `DFlashDrafter.forward` on the single row (the reference). With `cache`: the context's
-        per-layer keys/values are kept in `cache` and only the new context positions are projected; the caller
-        must pass the same growing context every time (as `speculative_generate` does).
-        """
-        n = context_hidden_1nK.shape[1]
-        if ids_1n1.shape != (1, n + 1):
-            raise ValueError(f"ids {tuple(ids_1n1.shape)} must be [1, n+1] for a context of n = {n} positions")
-        m, dev = self.model, self.embed.device
-        ids = ids_1n1.to(dev)
-        anchor_BA, keep_BA = torch.tensor([[n]], device=dev), torch.ones(1, 1, dtype=torch.bool, device=dev)
-        doc_BS = torch.zeros(1, n + 1, dtype=torch.long, device=dev)
-        masks = m.build_masks(doc_BS, anchor_BA, keep_BA, "dense")  # [1, 1, L, (n+1) + L]; column n never visible
-        if cache is None:
-            ctx = context_hidden_1nK.to(dev)
-            hidden = torch.cat([ctx, ctx.new_zeros(1, 1, ctx.shape[2])], 1)  # the anchor's own state: never seen
-            pos = torch.arange(n + 1, device=dev)[None]
-            return m(hidden, ids, pos, anchor_BA, keep_BA, self.embed, masks, "dense")[0]
-        return self._cached_block(context_hidden_1nK.to(dev), ids, masks, cache)
-
-    def _cached_block(self, ctx_hidden_1nK, ids_1n1, masks, cache: DraftCache) -> torch.Tensor:
-        m, cfg = self.model, self.cfg
-        n, L, D = ctx_hidden_1nK.shape[1], cfg.block_size, cfg.head_dim
-        dtype, dev = self.embed.dtype, self.embed.device
-        if n < cache.length:
-            raise ValueError(f"context shrank from {cache.length} to {n} positions: use a new DraftCache")
-        if n > cache.length:  # project the new context positions once, for every layer
-            ctx = m.hidden_norm(m.fc(ctx_hidden_1nK[:, cache.length:].to(dtype)))
-            rope = rope_cos_sin(torch.arange(cache.length, n, device=dev)[None], D, cfg.rope_theta, dtype)
-            for i, layer in enumerate(m.layers):
-                k, v = layer.self_attn._kv(ctx, rope)
-                cache.k[i] = k if cache.k[i] is None else torch.cat([cache.k[i], k], 1)
-                cache.v[i] = v if cache.v[i] is None else torch.cat([cache.v[i], v], 1)
-            cache.length = n
-        keep_cols = torch.arange(n + 1 + L, device=dev) != n  # drop the anchor's own context column
-        x = F.embedding(torch.cat([ids_1n1[:, -1:], torch.full((1, L - 1), cfg.mask_token_id, device=dev)], 1),
-                        self.embed).to(dtype)
-        rope_blk = rope_cos_sin(torch.arange(n, n + L, device=dev)[None], D, cfg.rope_theta, dtype)
-        for i, layer in enumerate(m.layers):
-            a = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = apply_rope(a.q_norm(a.q_proj(h).view(1, L, a.n_heads, D)), *rope_blk)
-            kb, vb = a._kv(h, rope_blk)
-            k = torch.cat([cache.k[i], kb], 1) if n else kb
-            v = torch.cat([cache.v[i], vb], 1) if n else vb
-            mask = masks[layer.layer_type][..., keep_cols]
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               attn_mask=mask, scale=D**-0.5, enable_gqa=True)
-            x = x + a.o_proj(o.transpose(1, 2).reshape(1, L, a.n_heads * D))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return m.norm(x)[0]
-
-    @torch.no_grad()
-    def draft(self, context_hidden_1nK: torch.Tensor, ids_1n1: torch.Tensor, block_size: int | None = None,
-              cache: DraftCache | None = None) -> torch.Tensor:
-        """Greedy drafts [block_size-1] (int64) for slots 1..block_size-1 after the anchor ids[-1].
-
-        The context is the tapped target states of positions 0..n-1 (the anchor's own state is not visible:
-        strictly-before rule); `block_size` may be smaller than the trained block (the first slots are kept).
-        """
-        L = block_size or self.block_size
-        if not 2 <= L <= self.block_size:
-            raise ValueError(f"block_size must be in 2..{self.block_size} (the drafter's block), got {L}")
-        h_LH = self.block_hidden(context_hidden_1nK, ids_1n1, cache)
-        return (h_LH[1:L] @ self.lm_head.t()).argmax(-1)
+    def draft(self, ctx_new_1SK: torch.Tensor, anchor_11: torch.Tensor, pos: int, block_size: int) -> torch.Tensor:
+        assert self.cache.get_seq_length() + ctx_new_1SK.shape[1] == pos, "new context does not end at the anchor"
+        logits = self.model.draft_block(ctx_new_1SK, anchor_11, self.cache, self.embed, self.lm_head, block_size)
+        return logits[0].argmax(-1)
 
 
 # --- the target ------------------------------------------------------------------------------------------------
@@ -256,6 +213,31 @@ def restore(cache, snap: list[dict]) -> None:
 # --- stats -----------------------------------------------------------------------------------------------------
 
 
+class PhaseTimer:
+    """Milliseconds between marks, per step: CUDA events on a GPU (resolved once, after the generation's last sync;
+    the time the stream spends between two marks, launch gaps included), `time.perf_counter` on a CPU."""
+
+    def __init__(self, dev: torch.device):
+        self.cuda, self.steps = dev.type == "cuda", []
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def step(self, *marks) -> None:
+        self.steps.append(marks)
+
+    def spans_ms(self) -> list[list[float]]:
+        """Per step, the spans between consecutive marks."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        span = (lambda a, b: a.elapsed_time(b)) if self.cuda else (lambda a, b: (b - a) * 1e3)
+        return [[span(a, b) for a, b in zip(m, m[1:], strict=False)] for m in self.steps]
+
+
 @dataclass
 class GenStats:
     block_size: int  # L (1 for the target alone)
@@ -263,6 +245,9 @@ class GenStats:
     new_tokens: int = 0  # generated tokens returned (the prefill's first token included)
     accepted: list[int] = field(default_factory=list)  # per verify step: drafts accepted n, τ = n + 1
     emitted: list[int] = field(default_factory=list)  # per verify step: tokens appended (≤ τ at the end)
+    draft_ms: list[float] = field(default_factory=list)  # per verify step: drafting (none for the target alone)
+    verify_ms: list[float] = field(default_factory=list)  # per step: the target forward (L tokens, or 1 alone)
+    rollback_ms: list[float] = field(default_factory=list)  # per verify step: snapshot + restore + refeed
     target_forwards: int = 0  # prefill + verify steps (+ refeeds)
     refeeds: int = 0  # extra target forwards that re-fed accepted tokens after a rollback
     rollback: str = ""  # "crop", "refeed" (speculative) or "" (target alone)
@@ -294,8 +279,13 @@ class GenStats:
                 "tok_per_s": self.tok_per_s}
 
 
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
 def summarize(stats: list[GenStats]) -> dict:
-    """Pooled over generations: τ over all verify steps, summed histogram, tok/s = Σ tokens / Σ seconds."""
+    """Pooled over generations: τ over all verify steps, summed histogram, share of steps accepting ≥ k drafts,
+    mean ms per step of each phase, tok/s = Σ tokens / Σ seconds."""
     L = max((s.block_size for s in stats), default=1)
     steps = sum(s.steps for s in stats)
     hist = [0] * L
@@ -306,8 +296,10 @@ def summarize(stats: list[GenStats]) -> dict:
     return {
         "generations": len(stats), "new_tokens": tokens, "seconds": secs, "steps": steps,
         "tau_mean": sum((k + 1) * c for k, c in enumerate(hist)) / steps if steps else float("nan"),
-        "tau_hist": hist, "tok_per_s": tokens / secs if secs > 0 else float("nan"),
+        "tau_hist": hist, "accept_ge": [sum(hist[k:]) / steps if steps else float("nan") for k in range(1, L)],
+        "tok_per_s": tokens / secs if secs > 0 else float("nan"),
         "target_forwards": sum(s.target_forwards for s in stats), "refeeds": sum(s.refeeds for s in stats),
+        **{k: _mean([x for s in stats for x in getattr(s, k)]) for k in ("draft_ms", "verify_ms", "rollback_ms")},
     }
 
 
@@ -331,7 +323,7 @@ def greedy_generate(target, prompt_ids, max_new_tokens: int, eos_ids=None) -> tu
     dev, eos = _device(target), _eos_set(eos_ids)
     ids = _as_ids(prompt_ids, dev)
     _check_budget(max_new_tokens)
-    st = GenStats(block_size=1, prompt_tokens=ids.shape[1])
+    st, timer = GenStats(block_size=1, prompt_tokens=ids.shape[1]), PhaseTimer(dev)
     _sync(dev)
     t0 = time.perf_counter()
     cache = _new_cache(target)
@@ -342,8 +334,10 @@ def greedy_generate(target, prompt_ids, max_new_tokens: int, eos_ids=None) -> tu
     st.prefill_s = time.perf_counter() - t0
     pos = ids.shape[1]
     while len(out) < max_new_tokens and out[-1] not in eos:
+        m0 = timer.mark()
         logits, _ = _forward(target, torch.tensor([[out[-1]]], device=dev), pos, cache, None, 1)
         out.append(int(logits[-1].argmax()))
+        timer.step(m0, timer.mark())
         pos += 1
         st.target_forwards += 1
         st.accepted.append(0)
@@ -351,6 +345,7 @@ def greedy_generate(target, prompt_ids, max_new_tokens: int, eos_ids=None) -> tu
     _sync(dev)
     st.seconds = time.perf_counter() - t0
     st.new_tokens = len(out)
+    st.verify_ms = [s[0] for s in timer.spans_ms()]
     return out, st
 
 
@@ -359,9 +354,8 @@ def speculative_generate(target, drafter, prompt_ids, max_new_tokens: int, eos_i
                          rollback: str = "auto") -> tuple[list[int], GenStats]:
     """Greedy speculative decoding of `target` with `drafter` (see the module doc); returns (new tokens, stats).
 
-    `drafter` needs `block_size`, `layer_ids` (the tapped target layers, in its context's column order) and
-    `draft(context_hidden_1nK, ids_1n1, block_size, cache)`; `new_cache()` if it keeps one. `rollback`:
-    "auto" (crop when the cache allows it exactly, else refeed), "crop" or "refeed".
+    `drafter`: an `ExportedDrafter` (or anything with its interface). `rollback`: "auto" (crop when the cache allows
+    it exactly, else refeed), "crop" or "refeed".
     """
     if rollback not in ("auto", "crop", "refeed"):
         raise ValueError(f"rollback must be 'auto', 'crop' or 'refeed', got {rollback!r}")
@@ -369,28 +363,33 @@ def speculative_generate(target, drafter, prompt_ids, max_new_tokens: int, eos_i
     ids = _as_ids(prompt_ids, dev)
     _check_budget(max_new_tokens)
     P = ids.shape[1]
-    st = GenStats(block_size=L, prompt_tokens=P)
+    st, timer = GenStats(block_size=L, prompt_tokens=P), PhaseTimer(dev)
     _sync(dev)
     t0 = time.perf_counter()
     cache = _new_cache(target)
-    logits, ctx = _forward(target, ids, 0, cache, layer_ids, 1)
+    logits, ctx = _forward(target, ids, 0, cache, layer_ids, 1)  # ctx: tapped states the drafter has not seen
     out = [int(logits[-1].argmax())]
     st.target_forwards = 1
     kind = rollback_kind(cache) if rollback == "auto" else rollback
     if kind == "crop" and rollback_kind(cache) != "crop":
         raise ValueError("this target's cache has recurrent/sliding layers that cannot be cropped: use rollback=refeed")
     st.rollback = kind
-    dcache = drafter.new_cache() if hasattr(drafter, "new_cache") else None
-    seq = torch.cat([ids, torch.tensor([out], device=dev)], 1)  # prompt + emitted; the last one is the anchor
+    drafter.start()
+    anchor = torch.tensor([out], device=dev)  # [1, 1]
     _sync(dev)
     st.prefill_s = time.perf_counter() - t0
     pos = P  # position of the anchor = tokens in the target cache
     while len(out) < max_new_tokens and out[-1] not in eos:
-        drafts = drafter.draft(ctx, seq, L, cache=dcache).to(dev).long()
-        block = torch.cat([seq[:, -1], drafts])[None]
+        m0 = timer.mark()
+        drafts = drafter.draft(ctx, anchor, pos, L).to(dev).long()
+        m1 = timer.mark()
         snap = snapshot(cache) if kind == "refeed" else None
+        m2 = timer.mark()
+        block = torch.cat([anchor[0], drafts])[None]
         logits, hid = _forward(target, block, pos, cache, layer_ids, 0)
-        both = torch.cat([drafts, logits.argmax(-1)]).tolist()  # the step's one device → host sync
+        pred_dev = logits.argmax(-1)
+        both = torch.cat([drafts, pred_dev]).tolist()  # the step's one device → host sync
+        m3 = timer.mark()
         d, pred = both[: L - 1], both[L - 1:]  # pred[k] = the target's token after block token k
         n = next((k for k in range(L - 1) if d[k] != pred[k]), L - 1)
         if n < L - 1:  # roll the cache back to [.., anchor, d_1..d_n]
@@ -401,20 +400,23 @@ def speculative_generate(target, drafter, prompt_ids, max_new_tokens: int, eos_i
                 _forward(target, block[:, : n + 1], pos, cache, None, 1)
                 st.refeeds += 1
                 st.target_forwards += 1
+        timer.step(m0, m1, m2, m3, timer.mark())
         st.target_forwards += 1
-        ctx = torch.cat([ctx, hid[:, : n + 1]], 1)
-        new = d[:n] + [pred[n]]
+        ctx, anchor = hid[:, : n + 1], pred_dev[n:n + 1][None]
         st.accepted.append(n)
         emitted = 0
-        for t in new:
+        for t in d[:n] + [pred[n]]:
             out.append(t)
             emitted += 1
             if t in eos or len(out) >= max_new_tokens:
                 break
         st.emitted.append(emitted)
-        seq = torch.cat([seq, torch.tensor([new[:emitted]], device=dev)], 1)
         pos += n + 1
     _sync(dev)
     st.seconds = time.perf_counter() - t0
     st.new_tokens = len(out)
+    spans = timer.spans_ms()  # per step: draft, snapshot, verify, rollback
+    st.draft_ms = [s[0] for s in spans]
+    st.verify_ms = [s[2] for s in spans]
+    st.rollback_ms = [s[1] + s[3] for s in spans]
     return out, st

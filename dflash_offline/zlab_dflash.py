@@ -15,6 +15,10 @@ The target's embedding and lm_head are not part of the drafter: block tokens arr
 the output. `forward` follows z-lab's keyword interface (`target_hidden`, `noise_embedding`, `position_ids` over
 context + block, `past_key_values`, `use_cache`), so loops written for z-lab's model drive this one too.
 
+Speculative decoding: `draft_block` is one drafting step (context cache in, draft logits of one block out);
+`spec_generate` is a simple batch-1 loop around it. Serving loops that verify with their own target machinery
+(cache rollback, timing) call `draft_block` too, so every loop drafts with the same code.
+
 Attention, when no `attention_mask` is given (inference: the context is everything before the block's first
 token): `full_attention` layers see every context key and the whole block (bidirectional); `sliding_attention`
 layers see keys at most `sliding_window - 1` positions back and, inside the block, only earlier slots (causal).
@@ -283,6 +287,35 @@ class DFlashDraftModel(PreTrainedModel):
         """Concatenate the tapped layer outputs from a target's `hidden_states` tuple (index 0 = embeddings)."""
         return torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
 
+    def draft_cache(self) -> DraftKVCache:
+        """An empty context cache for `draft_block` (one per sequence)."""
+        return DraftKVCache()
+
+    @torch.no_grad()
+    def draft_block(self, target_hidden: torch.Tensor, anchor_ids: torch.LongTensor, past_key_values,
+                    embed_tokens, lm_head, block_size: int | None = None) -> torch.Tensor:
+        """One drafting step: logits [B, L-1, V] of block slots 1..L-1 (slot k = the token k after the anchor).
+
+        target_hidden    [B, S, k*H]: the target's tapped states of the S tokens before the anchor that
+                         `past_key_values` does not hold yet (first call: the prompt; then the previous anchor and
+                         the drafts the target accepted after it).
+        anchor_ids       [B, 1]: the newest token, at position C + S (C = context positions in the cache).
+        past_key_values  the sequence's context cache (`draft_cache()`); on return it holds the C + S context
+                         positions and nothing of the block.
+        embed_tokens, lm_head  the target's input embedding and lm_head (modules, or their [V, H] weights).
+        """
+        L = block_size or self.block_size
+        if self.mask_token_id is None:
+            raise ValueError("config.dflash_config.mask_token_id is not set")
+        C, S = past_key_values.get_seq_length(), target_hidden.shape[1]
+        block = torch.full((anchor_ids.shape[0], L), self.mask_token_id, dtype=torch.long, device=anchor_ids.device)
+        block[:, :1] = anchor_ids
+        noise = embed_tokens(block) if isinstance(embed_tokens, nn.Module) else F.embedding(block, embed_tokens)
+        h = self(position_ids=torch.arange(C, C + S + L, device=block.device)[None], noise_embedding=noise,
+                 target_hidden=target_hidden, past_key_values=past_key_values, use_cache=True)
+        past_key_values.crop(C + S)
+        return lm_head(h[:, 1:]) if isinstance(lm_head, nn.Module) else h[:, 1:] @ lm_head.t()
+
     @torch.inference_mode()
     def spec_generate(self, target, input_ids: torch.LongTensor, max_new_tokens: int,
                       stop_token_ids: list[int] | None = None, temperature: float = 0.0,
@@ -305,7 +338,6 @@ class DFlashDraftModel(PreTrainedModel):
         embed, head = target.get_input_embeddings(), target.get_output_embeddings()
         text_cfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
         use_target_cache = all(t in (FULL, SLIDING) for t in (getattr(text_cfg, "layer_types", None) or [FULL]))
-        dev = input_ids.device
         stops = set(stop_token_ids or [])
 
         def pick(logits):
@@ -328,17 +360,11 @@ class DFlashDraftModel(PreTrainedModel):
             tcache = DynamicCache()
         logits, ctx = run_target(seq, tcache, 1)
         seq = torch.cat([seq, pick(logits[:, -1:])], dim=1)
-        dcache, accepted = DraftKVCache(), []
+        dcache, accepted = self.draft_cache(), []
         prompt_len = input_ids.shape[1]
         while seq.shape[1] - prompt_len < max_new_tokens and not (stops and int(seq[0, -1]) in stops):
             n = seq.shape[1] - 1  # tokens before the anchor (the newest token)
-            C = dcache.get_seq_length()
-            block = torch.full((1, L), self.mask_token_id, dtype=torch.long, device=dev)
-            block[0, 0] = seq[0, -1]
-            h = self(position_ids=torch.arange(C, n + L, device=dev)[None], noise_embedding=embed(block),
-                     target_hidden=ctx, past_key_values=dcache, use_cache=True)
-            dcache.crop(n)
-            block[:, 1:] = pick(head(h[:, 1:]))
+            block = torch.cat([seq[:, -1:], pick(self.draft_block(ctx, seq[:, -1:], dcache, embed, head, L))], dim=1)
             if tcache is not None:
                 logits, hidden = run_target(block, tcache, L)
             else:

@@ -16,6 +16,9 @@ Reads `RUN/metrics.jsonl` (one JSON object per log step, written by `make train`
 - `throughput.png`  training tokens/s, share of wall time spent waiting for data, model-FLOP utilization and
                     recompiles;
 - `memory.png`      reserved and peak allocated GPU memory (only when the run logged them, i.e. on GPU);
+- `eval.png`        from `eval.json` (and `eval-untrained.json`): the share of verify steps that accepted at least k
+                    drafts, k = 1..B−1 (real speculative decoding; τ = 1 + the sum of the bars), and the mean accepted
+                    length per prompt category when the prompts carried one;
 - `index.md`        the figures with the final numbers.
 
 Noisy curves are drawn raw (faint) and smoothed (an exponential moving average; `--smooth=N` sets its span in log
@@ -372,6 +375,49 @@ def plot_memory(plt, recs, out: Path, run_name: str) -> Path | None:
     return finish(fig, out / "memory.png", f"GPU memory — {run_name}")
 
 
+def finite_list(v) -> list[float] | None:
+    ok = isinstance(v, list) and v and all(isinstance(x, int | float) and math.isfinite(x) for x in v)
+    return [float(x) for x in v] if ok else None
+
+
+def plot_eval(plt, out: Path, run_name: str, ev: dict | None, base: dict | None) -> Path | None:
+    acc, real = finite_list((ev or {}).get("accept_ge")), eval_tau(ev)
+    if acc is None or real is None:
+        return None
+    cats = {c: v for c, v in (ev.get("by_category") or {}).items()
+            if isinstance(v, dict) and isinstance(v.get("tau_mean"), int | float) and math.isfinite(v["tau_mean"])}
+    fig, axes = plt.subplots(1, 2 if cats else 1, figsize=FIGSIZE, squeeze=False,
+                             gridspec_kw={"width_ratios": [3, 2] if cats else [1]})
+    ax, ks = axes[0][0], list(range(1, len(acc) + 1))
+    step = f"step {ev['step']}" if isinstance(ev.get("step"), int) else "the drafter"
+    ax.bar(ks, acc, color=slot_colors(plt, len(acc)), alpha=0.85, label=f"{step}: real τ = {real:.2f}")
+    if (base_acc := finite_list((base or {}).get("accept_ge"))) is not None and eval_tau(base) is not None:
+        ax.plot(list(range(1, len(base_acc) + 1)), base_acc, color="C7", marker="o", lw=1.5,
+                label=f"untrained: real τ = {eval_tau(base):.2f}")
+    ax.set_xticks(ks)
+    ax.set_xlabel("k (drafts after the anchor)")
+    ax.set_ylabel("share of verify steps accepting ≥ k drafts")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"{ev.get('num_prompts', '?')} prompts, {ev.get('verify_steps', '?')} verify steps; "
+                 f"τ = 1 + Σ bars")
+    ax.legend(loc="upper right")
+    if cats:
+        ax = axes[0][1]
+        names = sorted(cats)
+        bars = ax.bar(names, [cats[c]["tau_mean"] for c in names], color="C0", alpha=0.85)
+        for b, c in zip(bars, names, strict=True):
+            ax.annotate(f"{cats[c]['tau_mean']:.2f} ({cats[c].get('prompts', '?')})",
+                        (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8,
+                        xytext=(0, 2), textcoords="offset points")
+        ax.axhline(real, color="C3", ls="--", lw=1.5, label=f"all prompts: {real:.2f}")
+        ax.set_ylabel("mean accepted length τ")
+        ax.set_ylim(bottom=0)
+        ax.set_title("per prompt category (prompts)")
+        ax.tick_params(axis="x", labelrotation=30 if len(names) > 4 else 0)
+        ax.legend(loc="best")
+    return finish(fig, out / "eval.png", f"Acceptance in real speculative decoding — {run_name}")
+
+
 # --- summary page --------------------------------------------------------------------------------------------
 
 
@@ -394,6 +440,11 @@ def final_numbers(recs: list[dict], ev: dict | None) -> list[tuple[str, str]]:
         rows.append(("real τ (eval.json)", fmt(real, ".3f")))
         if isinstance(ev.get("speedup"), int | float):
             rows.append(("speed-up over the target alone (eval.json)", f"×{fmt(ev['speedup'], '.2f')}"))
+        if all(isinstance(ev.get(k), int | float) for k in ("draft_ms", "verify_ms", "speedup_engine_est")):
+            rows.append(("draft / verify ms per step (eval.json)",
+                         f"{fmt(ev['draft_ms'], '.2f')} / {fmt(ev['verify_ms'], '.2f')}"))
+            rows.append(("engine speed-up estimate τ / (1 + draft/verify) (eval.json)",
+                         f"×{fmt(ev['speedup_engine_est'], '.2f')}"))
     if acc:
         rows.append((f"accuracy slot 1 / {len(acc)} ({where})", f"{fmt(acc[0], '.3f')} / {fmt(acc[-1], '.3f')}"))
     rows += [
@@ -435,6 +486,7 @@ CAPTIONS = {
     "tau.png": "Simulated and per-block acceptance length (teacher-forced), and the real τ when evaluated.",
     "throughput.png": "Training tokens/s, data wait, MFU; red lines mark recompiles.",
     "memory.png": "Reserved and peak GPU memory: should be flat after warm-up.",
+    "eval.png": "Real speculative decoding: share of verify steps accepting at least k drafts, τ per prompt category.",
 }
 
 
@@ -468,9 +520,11 @@ def run(run_dir: str | Path, out: str | Path | None = None, smooth: int = 0) -> 
     span = smooth or auto_span(len(recs))
     plt = pyplot()
     name = run_dir.resolve().name
+    base = read_eval(run_dir, "eval-untrained.json")
     figures = [plot_loss(plt, recs, out, span, name), plot_accuracy(plt, recs, out, span, name),
-               plot_accuracy_final(plt, recs, out, name), plot_tau(plt, recs, out, span, name, ev, read_eval(run_dir, "eval-untrained.json")),
-               plot_throughput(plt, recs, out, span, name), plot_memory(plt, recs, out, name)]
+               plot_accuracy_final(plt, recs, out, name), plot_tau(plt, recs, out, span, name, ev, base),
+               plot_throughput(plt, recs, out, span, name), plot_memory(plt, recs, out, name),
+               plot_eval(plt, out, name, ev, base)]
     figures = [f for f in figures if f is not None]
     write_index(out, run_dir, recs, ev, figures, notes)
     return out

@@ -57,13 +57,19 @@ def png_size(path: Path) -> tuple[int, int]:
 def test_report_of_a_gpu_run(tmp_path):
     run = tmp_path / "run"
     fake_metrics(run)
-    ev = {"step": 600, "tau_mean": 6.1, "tau_hist": [3, 9, 20], "speedup": 3.2, "lossless": True, "num_prompts": 80,
+    accept_ge = [0.9 * 0.85 ** k for k in range(15)]
+    ev = {"step": 600, "tau_mean": 1 + sum(accept_ge), "tau_hist": [3, 9, 20], "speedup": 3.2, "lossless": True,
+          "num_prompts": 80, "verify_steps": 2400, "accept_ge": accept_ge, "draft_ms": 2.4, "verify_ms": 21.0,
+          "speedup_engine_est": 4.8, "artifact": {"path": "/x/export", "weights_sha256": "ab" * 32},
+          "by_category": {c: {"prompts": 20, "verify_steps": 600, "tau_mean": t, "accept_ge": accept_ge}
+                          for c, t in (("chat", 4.1), ("code", 6.9), ("math", 7.7), ("tool-use", 5.2))},
           "teacher_forced": {"sim_tau": 3.6, "held_out": True, "acc": [0.8, 0.7]}, "per_prompt": [{"tau_mean": 6}]}
     (run / "eval.json").write_text(json.dumps(ev))
-    (run / "eval-untrained.json").write_text(json.dumps({**ev, "step": 0, "tau_mean": 1.02}))
+    (run / "eval-untrained.json").write_text(json.dumps({**ev, "step": 0, "tau_mean": 1.02,
+                                                         "accept_ge": [0.02] + [0.0] * 14}))
     out = report.main([f"--run={run}"])
     assert out == run / "report"
-    names = ["loss.png", "accuracy.png", "accuracy_final.png", "tau.png", "throughput.png", "memory.png"]
+    names = ["loss.png", "accuracy.png", "accuracy_final.png", "tau.png", "throughput.png", "memory.png", "eval.png"]
     for name in names:
         w, h = png_size(out / name)
         assert 800 <= w <= 2000 and 500 <= h <= 1200, (name, w, h)
@@ -71,8 +77,11 @@ def test_report_of_a_gpu_run(tmp_path):
     index = (out / "index.md").read_text()
     for name in names:
         assert f"]({name})" in index
-    assert "| last logged step | 600 |" in index and "| real τ (eval.json) | 6.100 |" in index
+    assert "| last logged step | 600 |" in index and f"| real τ (eval.json) | {ev['tau_mean']:.3f} |" in index
     assert "| speed-up over the target alone (eval.json) | ×3.20 |" in index
+    assert "| draft / verify ms per step (eval.json) | 2.40 / 21.00 |" in index
+    assert "| engine speed-up estimate τ / (1 + draft/verify) (eval.json) | ×4.80 |" in index
+    assert "| artifact.path | /x/export |" in index and "by_category" not in index
     assert "| lossless | True |" in index and "| teacher_forced.sim_tau | 3.6 |" in index and "per_prompt" not in index
     assert "logged twice" in index and "unreadable line" in index
     assert "| recompiles | 1 |" in index and "GPU memory reserved / peak (GiB) | 96.40 / 88.90" in index
@@ -86,6 +95,12 @@ def test_report_of_a_cpu_run_without_eval(tmp_path):
     for name in ["loss.png", "accuracy.png", "accuracy_final.png", "tau.png", "throughput.png"]:
         png_size(out / name)
     assert "real τ (eval.json)" not in (out / "index.md").read_text()
+    (run / "eval.json").write_text(json.dumps({"tau_mean": 2.5, "speedup": 1.1}))  # an eval.json without acceptance
+    out = report.run(run)  # per position: tau.png shows its τ, there is no eval.png
+    assert not (out / "eval.png").exists() and "| real τ (eval.json) | 2.500 |" in (out / "index.md").read_text()
+    (run / "eval.json").write_text(json.dumps({"tau_mean": 2.5, "accept_ge": [0.8, 0.5, 0.2]}))  # no categories
+    w, h = png_size(report.run(run) / "eval.png")
+    assert 800 <= w <= 2000 and 500 <= h <= 1200
 
 
 def test_reads_dedupes_and_refuses(tmp_path):

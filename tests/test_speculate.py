@@ -1,6 +1,10 @@
 """Speculative decoding is lossless (== the target's greedy output) on both tiny targets, whatever the drafter proposes;
-the serving drafter equals the training forward; `stages.evaluate` runs end to end on a tiny trained run."""
+eval drafts with the exported artifact itself (its dflash.py's `draft_block`), whose τ equals dflash.py's own
+`spec_generate` and whose drafts equal the training forward; `stages.evaluate` measures an export end to end, records
+it, reports acceptance per position / category and timings, and fails on a difference (any in float32; beyond a
+rounding tie in bfloat16)."""
 
+import dataclasses
 import json
 import random
 
@@ -8,8 +12,19 @@ import pytest
 import torch
 
 from dflash_offline import democorpus
+from dflash_offline.checkpoint import save_checkpoint
 from dflash_offline.drafter import DFlashDrafter, DrafterConfig
-from dflash_offline.speculate import Drafter, greedy_generate, speculative_generate
+from dflash_offline.export import export
+from dflash_offline.speculate import (
+    ExportedDrafter,
+    GenStats,
+    greedy_generate,
+    load_exported,
+    speculative_generate,
+    summarize,
+    untrained_model,
+)
+from dflash_offline.target import read_target_info
 from stages.evaluate import render_prompt
 
 L = 8  # block size of the test drafters
@@ -31,25 +46,63 @@ def held_out_prompt(tok, i=0) -> list[int]:
     return render_prompt(list(democorpus.generate(i + 1, seed=1_000_003))[i]["messages"], tok)
 
 
+def drafter_config(target_dir, **kw) -> DrafterConfig:
+    info = read_target_info(target_dir)
+    return DrafterConfig(**{"hidden_size": info.hidden_size, "intermediate_size": 64, "vocab_size": info.vocab_size,
+                            "target_layer_ids": TAPS, "num_target_layers": info.num_layers, "mask_token_id": 1999,
+                            "rope_theta": info.rope_theta, "rms_norm_eps": info.rms_norm_eps, "num_layers": 2,
+                            "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "block_size": L, **kw})
+
+
+def exported(root, target_dir, std: float = 0.3, **kw):
+    """An export (float32) of a run holding one checkpoint of a random drafter for `target_dir` (weights larger than
+    the init, so attention patterns matter)."""
+    dc = drafter_config(target_dir, **kw)
+    torch.manual_seed(0)
+    model = DFlashDrafter(dc)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * std + (1.0 if "norm" in name else 0.0))
+    cfg = {"train": {"target": str(target_dir), "cache": "", "seed": 0}, "drafter": dataclasses.asdict(dc)}
+    run = root / "run"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps(cfg))
+    save_checkpoint(run, 7, model, config=cfg, rng=False)
+    return export(run, root / "export", dtype="float32")
+
+
+def two_token_head(target):
+    """Zero the target's lm_head but rows 7 and 9 = -row 7: every output (the target's, and a drafter's drafts through
+    the same head) is 7 or 9, by the sign of one projection, so drafts are often accepted."""
+    with torch.no_grad():
+        head = target.get_output_embeddings().weight
+        live = head[7].clone()
+        head.zero_()
+        head[7], head[9] = live, -live
+
+
 class ScriptedDrafter:
     """Proposes the reference continuation, each token replaced by a random one with probability 1 - p.
 
-    p = 1: an oracle (τ = L); p = 0: random tokens (τ ≈ 1). Records the contexts it is given.
+    p = 1: an oracle (τ = L); p = 0: random tokens (τ ≈ 1). Checks and records the contexts it is given.
     """
 
     def __init__(self, ref: list[int], p: float, vocab: int, seed: int = 0):
         self.ref, self.p, self.vocab, self.rng = ref, p, vocab, random.Random(seed)
         self.block_size, self.layer_ids = L, TAPS
-        self.calls = []
+        self.contexts = []
 
-    def draft(self, ctx_1nK, ids_1n1, block_size, cache=None):
-        n = ids_1n1.shape[1] - 1
-        assert ctx_1nK.shape[1] == n, "context = every position before the anchor"
-        assert ids_1n1[0].tolist() == self.ref[: n + 1], "ids = the emitted sequence (lossless so far)"
-        self.calls.append(ctx_1nK)
+    def start(self):
+        self.ctx = None
+
+    def draft(self, ctx_new, anchor, pos, block_size):
+        self.ctx = ctx_new if self.ctx is None else torch.cat([self.ctx, ctx_new], 1)
+        assert self.ctx.shape[1] == pos, "context = every position before the anchor, each given once"
+        assert int(anchor) == self.ref[pos], "anchor = the target's token there (lossless so far)"
+        self.contexts.append(self.ctx)
         out = []
         for k in range(1, block_size):
-            t = self.ref[n + k] if n + k < len(self.ref) else 0
+            t = self.ref[pos + k] if pos + k < len(self.ref) else 0
             out.append(t if self.rng.random() < self.p else self.rng.randrange(self.vocab))
         return torch.tensor(out)
 
@@ -60,6 +113,8 @@ def check_stats(out, st, L_):
     assert st.target_forwards == 1 + st.steps + st.refeeds
     assert all(e <= n + 1 for e, n in zip(st.emitted, st.accepted, strict=True))
     assert st.emitted[:-1] == [n + 1 for n in st.accepted[:-1]]  # only the last step may be cut short
+    assert len(st.draft_ms) == len(st.verify_ms) == len(st.rollback_ms) == st.steps
+    assert all(t > 0 for t in st.draft_ms + st.verify_ms) and all(t >= 0 for t in st.rollback_ms)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
@@ -69,7 +124,7 @@ def test_lossless_with_any_drafter(targets, arch):
     prompt = held_out_prompt(tok)
     N = 40
     ref, gst = greedy_generate(model, prompt, N + L, eos_ids=[])  # the oracle knows a block past the end
-    assert gst.target_forwards == len(ref) == N + L and gst.tau_hist == [gst.steps]
+    assert gst.target_forwards == len(ref) == N + L and gst.tau_hist == [gst.steps] == [len(gst.verify_ms)]
     greedy = ref[:N]
     full = prompt + ref
     expected_rollback = "crop" if arch == "qwen3" else "refeed"
@@ -90,7 +145,7 @@ def test_lossless_with_any_drafter(targets, arch):
     assert st.steps == -(-(N - 1) // L)  # ceil((N-1)/L) verify forwards instead of N-1
 
     # the context handed to the drafter = the tapped states of a single forward over the same tokens
-    ctx = drafter.calls[-1]
+    ctx = drafter.contexts[-1]
     with torch.no_grad():
         hs = model(input_ids=torch.tensor([full[: ctx.shape[1]]]), output_hidden_states=True).hidden_states
     torch.testing.assert_close(ctx, torch.cat([hs[i + 1] for i in TAPS], -1), rtol=1e-4, atol=1e-4)
@@ -122,47 +177,90 @@ def test_eos_and_budget(targets, arch):
         check_stats(out, st, L)
 
 
-def tiny_drafter(layer_types=None, sliding_window=None) -> Drafter:
-    cfg = DrafterConfig(hidden_size=32, intermediate_size=64, vocab_size=300, target_layer_ids=[0, 2],
-                        num_target_layers=4, mask_token_id=299, num_layers=2, num_heads=4, num_kv_heads=2,
-                        head_dim=8, block_size=L, layer_types=layer_types, sliding_window=sliding_window)
-    torch.manual_seed(0)
-    model = DFlashDrafter(cfg)
-    return Drafter(model, torch.randn(300, 32), torch.randn(300, 32))
+def test_acceptance_per_position_and_pooling():
+    a = GenStats(block_size=4, accepted=[0, 3, 1], draft_ms=[1.0, 1.0, 4.0], verify_ms=[2.0] * 3)
+    b = GenStats(block_size=4, accepted=[3, 2], draft_ms=[1.0, 3.0], verify_ms=[4.0, 4.0])
+    s = summarize([a, b])
+    assert s["tau_hist"] == [1, 1, 1, 2] and s["steps"] == 5 and s["tau_mean"] == 14 / 5
+    assert s["accept_ge"] == [4 / 5, 3 / 5, 2 / 5]  # steps accepting >= 1, 2, 3 drafts
+    assert s["tau_mean"] == pytest.approx(1 + sum(s["accept_ge"]))
+    assert s["draft_ms"] == 2.0 and s["verify_ms"] == 2.8  # per step, pooled over generations
 
 
 @pytest.mark.parametrize("kind", ["full", "sliding"])
-def test_serving_drafter_equals_training_forward(kind):
-    """The cached single-anchor path == the reference single-anchor path == the training forward over the full row."""
-    d = tiny_drafter(*((["sliding_attention", "full_attention"], 5) if kind == "sliding" else ()))
-    S = 24
+def test_shipped_draft_step_equals_training_forward(qwen3_dir, kind):
+    """dflash.py's `draft_block`, called anchor after anchor with its context cache (as eval and spec_generate call
+    it), gives the training forward's logits for each block."""
+    dc = drafter_config(qwen3_dir, hidden_size=32, vocab_size=300, target_layer_ids=[0, 2], mask_token_id=299,
+                        num_heads=4, head_dim=8, **({"layer_types": ["sliding_attention", "full_attention"],
+                                                     "sliding_window": 5} if kind == "sliding" else {}))
+    model, artifact = untrained_model(dc, qwen3_dir, seed=0)
+    assert artifact["path"] is None and artifact["modeling_file"].endswith("zlab_dflash.py")
+    torch.manual_seed(0)
+    ref = DFlashDrafter(dc).eval()  # the trainer's step 0 with the same seed: the same weights
     g = torch.Generator().manual_seed(1)
+    S = 24
+    embed, head = torch.randn(300, 32, generator=g), torch.randn(300, 32, generator=g)
     hidden, ids = torch.randn(1, S, 64, generator=g), torch.randint(0, 299, (1, S), generator=g)
     anchors = torch.tensor([[3, 4, 9, 10, 17, 23]])
     keep = torch.ones_like(anchors, dtype=torch.bool)
-    masks = d.model.build_masks(torch.zeros(1, S, dtype=torch.long), anchors, keep, "dense")
+    masks = ref.build_masks(torch.zeros(1, S, dtype=torch.long), anchors, keep, "dense")
     with torch.no_grad():
-        train_h = d.model(hidden, ids, torch.arange(S)[None], anchors, keep, d.embed, masks, "dense")[0]
-    cache = d.new_cache()
+        want = ref(hidden, ids, torch.arange(S)[None], anchors, keep, embed, masks, "dense")[0] @ head.t()
+    cache, seen = model.draft_cache(), 0
     for a, p in enumerate(anchors[0].tolist()):
-        want = train_h[a * L:(a + 1) * L]
-        ref = d.block_hidden(hidden[:, :p], ids[:, : p + 1])
-        cached = d.block_hidden(hidden[:, :p], ids[:, : p + 1], cache)
-        torch.testing.assert_close(ref, want, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(cached, want, rtol=1e-5, atol=1e-5)
-        drafts = d.draft(hidden[:, :p], ids[:, : p + 1])
-        assert drafts.shape == (L - 1,) and torch.equal(drafts, (want[1:] @ d.lm_head.t()).argmax(-1))
-    assert cache.length == anchors[0, -1]
+        got = model.draft_block(hidden[:, seen:p], ids[:, p:p + 1], cache, embed, head)
+        torch.testing.assert_close(got[0], want[a * L + 1:(a + 1) * L], rtol=1e-4, atol=1e-4)
+        assert cache.get_seq_length() == p
+        seen = p
 
 
-def test_drafter_lossless_on_hybrid_target(targets, qwen35_dir):
-    """A real (untrained) DFlash drafter with its cache, on the hybrid target."""
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_eval_decoding_is_the_exported_spec_generate(tmp_path, targets, qwen3_dir, qwen35_dir, arch):
+    """The drafter eval measures is the export loaded by AutoModel (its dflash.py), and its outputs and τ per step
+    equal dflash.py's own spec_generate (which recomputes hybrid targets; eval rolls their cache back)."""
+    target, tok = targets[arch]
+    d = exported(tmp_path, qwen3_dir if arch == "qwen3" else qwen35_dir)
+    model, artifact = load_exported(d)
+    prov = json.loads((d / "dflash_export.json").read_text())
+    assert artifact["path"] == str(d) and artifact["weights_sha256"] == prov["weights_sha256"] and artifact["step"] == 7
+    assert type(model).__module__.startswith("transformers_modules")  # the export's own file, not the repo's
+    target = type(target).from_pretrained(str(qwen3_dir if arch == "qwen3" else qwen35_dir),
+                                          dtype=torch.float32).eval()
+    two_token_head(target)
+    drafter, taus = ExportedDrafter(model, target), []
+    for i, n in ((0, 24), (1, 16)):
+        prompt = held_out_prompt(tok, i)
+        greedy, _ = greedy_generate(target, prompt, n, eos_ids=[])
+        out, st = speculative_generate(target, drafter, prompt, n, eos_ids=[])
+        zlab = model.spec_generate(target, torch.tensor([prompt]), max_new_tokens=n, return_stats=True)
+        assert out == greedy == zlab.output_ids[0, len(prompt):].tolist()
+        assert [a + 1 for a in st.accepted] == zlab.acceptance_lengths
+        check_stats(out, st, L)
+        taus += zlab.acceptance_lengths
+    assert len(set(taus)) >= 3 and L in taus  # full and partial acceptances of several lengths (rollbacks)
+
+
+def test_load_exported_refuses_a_changed_or_old_export(tmp_path, qwen3_dir):
+    d = exported(tmp_path, qwen3_dir)
+    code = (d / "dflash.py").read_text()
+    (d / "dflash.py").write_text(code.replace("def draft_block(", "def _old_draft_block("))
+    with pytest.raises(ValueError, match="no draft_block"):
+        load_exported(d)
+    (d / "dflash.py").write_text(code)
+    with open(d / "model.safetensors", "r+b") as f:
+        f.seek(-4, 2)
+        f.write(b"\x00\x01\x02\x03")
+    with pytest.raises(ValueError, match="changed after the export"):
+        load_exported(d)
+    with pytest.raises(ValueError, match="is not a z-lab export"):
+        load_exported(tmp_path / "run")
+
+
+def test_untrained_drafter_lossless_on_hybrid_target(targets, qwen35_dir):
+    """The shipped model with a fresh drafter's weights and its cache, on the hybrid target."""
     model, tok = targets["qwen3_5"]
-    info = model.config
-    cfg = DrafterConfig(hidden_size=info.hidden_size, intermediate_size=64, vocab_size=info.vocab_size,
-                        target_layer_ids=TAPS, num_target_layers=info.num_hidden_layers, mask_token_id=1999,
-                        num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, block_size=L)
-    drafter = Drafter.untrained(cfg, qwen35_dir, seed=0)
+    drafter = ExportedDrafter(untrained_model(drafter_config(qwen35_dir, num_layers=1), qwen35_dir, seed=0)[0], model)
     prompt = held_out_prompt(tok, 2)
     greedy, _ = greedy_generate(model, prompt, 24, eos_ids=[1988])
     out, st = speculative_generate(model, drafter, prompt, 24, eos_ids=[1988])
@@ -170,7 +268,15 @@ def test_drafter_lossless_on_hybrid_target(targets, qwen35_dir):
     check_stats(out, st, L)
 
 
-def test_evaluate_cli(tmp_path, hidden_cache):
+# --- stages.evaluate -------------------------------------------------------------------------------------------
+
+
+def prompts_with_categories(path, n):
+    recs = [{**r, "category": ("math", "words")[i % 2]} for i, r in enumerate(democorpus.generate(n, 1_000_003))]
+    return democorpus.write_jsonl(path, n, records=recs)
+
+
+def test_evaluate_measures_the_export(tmp_path, hidden_cache):
     from dflash_offline.config import TrainConfig
     from stages import evaluate, train
 
@@ -178,24 +284,55 @@ def test_evaluate_cli(tmp_path, hidden_cache):
     train.run(TrainConfig(cache=str(hidden_cache), run=str(run), num_layers=1, num_heads=4, num_kv_heads=2,
                           head_dim=16, num_anchors=8, batch_rows=2, log_every=1, trackers="none", block_size=8,
                           steps=2, ckpt_every=2).resolve())
-    prompts = democorpus.write_jsonl(tmp_path / "eval.jsonl", 3, seed=1_000_003)
-    args = [f"--run={run}", f"--prompts={prompts}", "--num_prompts=2", "--max_new_tokens=12", "--tf_batches=1",
+    prompts = prompts_with_categories(tmp_path / "eval.jsonl", 3)
+    args = [f"--run={run}", f"--prompts={prompts}", "--num_prompts=3", "--max_new_tokens=12", "--tf_batches=1",
             "--tf_rows=2"]
-    assert evaluate.main(args) == 0
+    assert evaluate.main(args) == 0  # no --export: the run's latest checkpoint is exported into RUN/eval-export
     r = json.loads((run / "eval.json").read_text())
-    assert r["lossless"] and r["num_prompts"] == 2 and r["step"] == 2 and not r["untrained"]
-    assert r["block_size"] == 8 and len(r["tau_hist"]) == 8 and sum(r["tau_hist"]) == r["verify_steps"] > 0
-    assert r["rollback"] == "refeed" and r["speedup"] > 0 and 1 <= r["tau_mean"] <= 8
+    prov = json.loads((run / "eval-export" / "dflash_export.json").read_text())
+    art = r["artifact"]
+    assert art["path"] == str((run / "eval-export").resolve()) and art["weights_sha256"] == prov["weights_sha256"]
+    assert r["step"] == art["step"] == prov["step"] == 2 and not r["untrained"]
+    assert r["dtype"] == "float32" and r["mode"] == "exact" and r["lossless"] and r["exact"]
+    assert r["num_prompts"] == 3 and r["block_size"] == 8 and len(r["tau_hist"]) == 8
+    assert sum(r["tau_hist"]) == r["verify_steps"] > 0 and 1 <= r["tau_mean"] <= 8
+    assert len(r["accept_ge"]) == 7 and r["tau_mean"] == pytest.approx(1 + sum(r["accept_ge"]))
+    assert set(r["by_category"]) == {"math", "words"}
+    assert [r["by_category"][c]["prompts"] for c in ("math", "words")] == [2, 1]
+    assert sum(v["verify_steps"] for v in r["by_category"].values()) == r["verify_steps"]
+    assert [p["category"] for p in r["per_prompt"]] == ["math", "words", "math"]
+    assert r["draft_ms"] > 0 and r["verify_ms"] > 0 and r["target_ms_per_token"] > 0
+    assert r["speedup_engine_est"] == pytest.approx(r["tau_mean"] / (1 + r["draft_ms"] / r["verify_ms"]))
+    assert r["rollback"] == "refeed" and r["speedup"] > 0 and r["speedup_step_est"] > 0
     tf = r["teacher_forced"]
     assert tf["batches"] == 1 and not tf["held_out"] and 1 <= tf["sim_tau"] <= 8 and len(tf["acc"]) == 7
     assert all(p["equal"] for p in r["per_prompt"])
+
+    # an existing export is measured as it is; a new directory receives an export first; another run's is refused
+    out = tmp_path / "e.json"
+    before = (run / "eval-export" / "model.safetensors").stat().st_mtime_ns
+    assert evaluate.main(args + [f"--export={run / 'eval-export'}", "--tf_batches=0", f"--out={out}"]) == 0
+    assert (run / "eval-export" / "model.safetensors").stat().st_mtime_ns == before
+    assert json.loads(out.read_text())["tau_hist"] == r["tau_hist"]
+    assert evaluate.main(args + [f"--export={tmp_path / 'new'}", "--tf_batches=0", f"--out={out}"]) == 0
+    assert json.loads(out.read_text())["artifact"]["weights_sha256"] == prov["weights_sha256"]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text((run / "config.json").read_text())
+    with pytest.raises(ValueError, match="is an export of run"):
+        evaluate.main([f"--run={other}", f"--export={run / 'eval-export'}", f"--prompts={prompts}"])
+    with pytest.raises(ValueError, match="holds step 2"):
+        evaluate.main(args + [f"--export={run / 'eval-export'}", "--step=1"])
+
     assert evaluate.main(args + ["--untrained=1", "--tf_batches=0"]) == 0
     u = json.loads((run / "eval-untrained.json").read_text())
     assert u["untrained"] and u["lossless"] and u["exact"] and u["teacher_forced"]["batches"] == 0
+    assert u["artifact"]["path"] is None and u["step"] == 0
 
 
-def test_evaluate_fails_on_a_mismatch(tmp_path, hidden_cache, monkeypatch):
-    """A broken decoder (last token changed) must be caught: exit status 1, lossless false in the JSON."""
+def test_evaluate_fails_on_a_difference_in_float32_and_counts_ties_in_bfloat16(tmp_path, hidden_cache, monkeypatch):
+    """A broken decoder (last token changed) must be caught: in float32 any difference fails (exit 1, lossless false
+    in the JSON); in bfloat16 a difference within `tie_tol` of the target's top logit is a tie, beyond it a failure."""
     from dflash_offline import speculate
     from stages import evaluate
 
@@ -207,21 +344,27 @@ def test_evaluate_fails_on_a_mismatch(tmp_path, hidden_cache, monkeypatch):
 
     monkeypatch.setattr(speculate, "speculative_generate", broken)
     run = tmp_path / "run"
-    (run).mkdir()
+    run.mkdir()
+    dc = {"hidden_size": 64, "intermediate_size": 64, "vocab_size": 2048, "num_target_layers": 8,
+          "target_layer_ids": json.loads((hidden_cache / "manifest.json").read_text())["config"]["layer_ids"],
+          "mask_token_id": 1999, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "block_size": L}
     (run / "config.json").write_text(json.dumps({"train": {"cache": str(hidden_cache), "target": "", "seed": 0},
-                                                 "drafter": tiny_config(hidden_cache)}))
+                                                 "drafter": dc}))
     prompts = democorpus.write_jsonl(tmp_path / "eval.jsonl", 1, seed=1_000_003)
     out = tmp_path / "e.json"
-    assert evaluate.main([f"--run={run}", f"--prompts={prompts}", "--num_prompts=1", "--max_new_tokens=6",
-                          "--tf_batches=0", "--untrained=1", f"--out={out}"]) == 1
+    args = [f"--run={run}", f"--prompts={prompts}", "--num_prompts=1", "--max_new_tokens=6", "--tf_batches=0",
+            "--untrained=1", f"--out={out}"]
+    assert evaluate.main(args + ["--tie_tol=1e9"]) == 1  # float32 (auto on a CPU): tie_tol does not apply
     r = json.loads(out.read_text())
-    assert not r["lossless"] and r["mismatches"] == [0] and r["per_prompt"][0]["divergence"]["at"] == 5
+    assert r["dtype"] == "float32" and r["mode"] == "exact" and r["tie_tol"] is None
+    assert not r["lossless"] and not r["exact"] and r["mismatches"] == [0] and r["rounding_ties"] == []
+    div = r["per_prompt"][0]["divergence"]
+    assert div["at"] == 5 and div["margin"] > 0 and not div["tie"] and sum(r["tie_margin_hist"]["counts"]) == 1
 
-
-def tiny_config(cache) -> dict:
-    from dflash_offline.manifest import read_manifest
-
-    m = read_manifest(cache)
-    return {"hidden_size": 64, "intermediate_size": 64, "vocab_size": 2048, "target_layer_ids": m["config"]["layer_ids"],
-            "num_target_layers": 8, "mask_token_id": 1999, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2,
-            "head_dim": 16, "block_size": L}
+    assert evaluate.main(args + ["--dtype=bfloat16", "--tie_tol=1e9"]) == 0
+    r = json.loads(out.read_text())
+    assert r["dtype"] == "bfloat16" and r["mode"] == "ties allowed" and r["lossless"] and not r["exact"]
+    assert r["rounding_ties"] == [0] and r["per_prompt"][0]["divergence"]["tie"]
+    assert sum(r["tie_margin_hist"]["counts"]) == 1
+    assert evaluate.main(args + ["--dtype=bfloat16", "--tie_tol=0"]) == 1
+    assert json.loads(out.read_text())["mismatches"] == [0]
