@@ -137,7 +137,8 @@ class TrainConfig:
     target: str = ""  # target checkpoint for the frozen embedding + lm_head; empty = the cache's target
     resume: bool = False  # continue the run in `run` from its latest checkpoint (exact data position and RNG)
     seed: int = 0  # data order, anchors, noise and init
-    steps: int = 1000  # optimizer steps
+    steps: int = 1000  # optimizer steps (unused when epochs > 0)
+    epochs: float = 0.0  # > 0: passes over the cache; sets steps = epochs × optimizer steps per epoch
     batch_rows: int = 1  # rows per micro-batch per process (fixed shape)
     global_batch_tokens: int = 0  # row tokens per optimizer step over all processes; 0 = one micro-batch each
     fsdp: bool = False  # 1 = shard weights, gradients and AdamW state over the processes (FSDP2); 0 = replicate (DDP)
@@ -155,7 +156,8 @@ class TrainConfig:
     weighting: str = "decay"  # slot weights: "decay" (exp(-(k-1)/gamma)) or "dpace"
     noise_std: float = 0.0  # Gaussian noise on the context hidden states (relative to their RMS); 0 = off
     lr: float = 6e-4  # peak learning rate (AdamW)
-    warmup_steps: int = -1  # linear warmup; -1 = 4 % of steps
+    warmup_steps: int = -1  # linear warmup steps; -1 = warmup_ratio × the run's steps
+    warmup_ratio: float = 0.04  # linear warmup as a fraction of the run's steps (when warmup_steps = -1)
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # max global grad norm (0 = off)
@@ -184,6 +186,13 @@ class TrainConfig:
         for name in ("steps", "batch_rows", "num_anchors", "num_layers", "ckpt_every", "log_every"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name} must be > 0, got {getattr(self, name)}")
+        if self.epochs < 0:
+            raise ConfigError(f"train.epochs must be >= 0 (0 = run `steps` steps), got {self.epochs}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ConfigError(f"train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.warmup_steps < -1:
+            raise ConfigError(f"train.warmup_steps must be >= 0 (or -1: warmup_ratio × steps), got "
+                              f"{self.warmup_steps}")
         if self.block_size < 2:
             raise ConfigError(f"train.block_size must be >= 2, got {self.block_size}")
         if self.gamma == 0 and self.block_size not in (8, 16) and self.weighting == "decay":

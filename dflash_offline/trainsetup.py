@@ -1,12 +1,13 @@
 """What a TrainConfig means on this machine: the training settings derived from the config and the run's facts.
 
 `TrainConfig.resolve()` checks what the user typed; `resolve_train` turns it into what the run does, given what only
-the run knows (CUDA or not, the number of processes, the cache's row length): precision, attention, compilation, the
-loss epilogue, gradient accumulation, FSDP sharding, master weights, warm-up. A setting this machine cannot honour is
-refused here, at start, before any weights load, naming the setting and what to use instead. The result is logged
-and written into the run's config.json as its "derived" block (`TrainSetup.derived`). Also derived here: what the
-cache says about the target (`cache_defaults`), the drafter's shape (`drafter_config`), the learning-rate schedule;
-and `kept_process_state`, which puts back what a run changes in its process (TF32, the recompile guard, GC state).
+the run knows (CUDA or not, the number of processes, the cache's rows and their length): precision, attention,
+compilation, the loss epilogue, gradient accumulation, FSDP sharding, master weights, the run's length (epochs →
+steps) and warm-up. A setting this machine cannot honour is refused here, at start, before any weights load, naming
+the setting and what to use instead. The result is logged and written into the run's config.json as its "derived"
+block (`TrainSetup.derived`). Also derived here: what the cache says about the target (`cache_defaults`), the
+drafter's shape (`drafter_config`), the learning-rate schedule; and `kept_process_state`, which puts back what a run
+changes in its process (TF32, the recompile guard, GC state).
 
 `BenchSwitches` hold the performance switches that measured within the run-to-run spread (docs/benchmarks.md): they
 are not options; the trainer runs without them and `bench.train` sets them for its A/B runs.
@@ -15,10 +16,13 @@ are not options; the trainer runs without them and `bench.train` sets them for i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from dflash_offline.config import TrainConfig, flag
+
+STEPS_DEFAULT = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == "steps")
 
 
 @dataclass(frozen=True)
@@ -41,7 +45,9 @@ class TrainSetup:
     master: bool  # bf16 weights with fp32 masters (MasterAdamW)
     reduced_accum: bool  # several unsharded processes accumulating: fp32 sums reduced by the DDP comm hook
     overlap: bool  # the optimizer update overlaps the next forward (bench only)
+    steps: int  # optimizer steps of the whole run (`steps`, or `epochs` × steps_per_epoch)
     warmup: int  # learning-rate warm-up steps
+    steps_per_epoch: float  # optimizer steps in one pass over the cache (0: the cache's rows were not given)
 
     def derived(self, cfg: TrainConfig, cache_key: str) -> dict:
         """The run's config.json "derived" block."""
@@ -49,7 +55,9 @@ class TrainSetup:
                 "precision": self.precision, "attn": self.attn, "compile": self.compile,
                 "master_weights": self.master, "optimizer_overlap": self.overlap, "loss_epilogue": self.epilogue,
                 "loss_logits": cfg.loss_logits, "tf32": self.tf32,
-                "global_batch_rows": cfg.batch_rows * self.world * self.accum, "cache_key": cache_key}
+                "global_batch_rows": cfg.batch_rows * self.world * self.accum, "cache_key": cache_key,
+                "steps": self.steps, "warmup_steps": self.warmup, "steps_per_epoch": self.steps_per_epoch,
+                "epochs": self.steps / self.steps_per_epoch if self.steps_per_epoch else None}
 
     def describe(self, cfg: TrainConfig) -> str:
         """One line for the log: processes, rows, accumulation and the compute path."""
@@ -59,10 +67,26 @@ class TrainSetup:
                 f"{', optimizer update overlapping the next forward' if self.overlap else ''}"
                 f"{', TF32' if self.tf32 else ''}, attn {self.attn}, compile {self.compile}")
 
+    def describe_schedule(self, cfg: TrainConfig, seq_len: int) -> str:
+        """One line for the log: the run's length in epochs and steps, the global batch, the warm-up; e.g.
+        'schedule: 6 epochs × 1,234 steps = 7,404 steps (global batch 8 rows × 4096), warmup 296 (4 %)'."""
+        per = f"{self.steps_per_epoch:,.1f}".removesuffix(".0")
+        if cfg.epochs:
+            length = f"{cfg.epochs:g} epochs × {per} steps = {self.steps:,} steps"
+        elif self.steps_per_epoch:
+            length = f"{self.steps:,} steps = {self.steps / self.steps_per_epoch:.3g} epochs of {per} steps"
+        else:
+            length = f"{self.steps:,} steps"
+        ignored = cfg.epochs and cfg.steps != STEPS_DEFAULT
+        return (f"schedule: {length} (global batch {cfg.batch_rows * self.world * self.accum} rows × {seq_len}), "
+                f"warmup {self.warmup:,} ({100 * self.warmup / self.steps:.3g} %)"
+                f"{f'; steps={cfg.steps} ignored: epochs sets the length' if ignored else ''}")
 
-def resolve_train(cfg: TrainConfig, *, cuda: bool, world: int, seq_len: int,
+
+def resolve_train(cfg: TrainConfig, *, cuda: bool, world: int, seq_len: int, rows: int = 0,
                   switches: BenchSwitches = BenchSwitches()) -> TrainSetup:
-    """The run's settings from `cfg` on a machine with(out) CUDA running `world` processes over rows of `seq_len`."""
+    """The run's settings from `cfg` on a machine with(out) CUDA running `world` processes over a cache of `rows`
+    rows of `seq_len` tokens (`rows` is needed for `epochs`)."""
     from dflash_offline.loss import resolve_epilogue
 
     precision = cfg.precision if cfg.precision != "auto" else ("bf16" if cuda else "fp32")
@@ -79,10 +103,30 @@ def resolve_train(cfg: TrainConfig, *, cuda: bool, world: int, seq_len: int,
     why_not = "it needs master weights (master_weights)" if not master else "it needs CUDA" if not cuda else None
     if switches.optimizer_overlap and why_not:
         raise ValueError(f"optimizer_overlap is not available here: {why_not}")
+    steps, warmup, per_epoch = schedule(cfg, world, accum, rows)
     return TrainSetup(world=world, precision=precision, attn=attn, compile=use_compile, epilogue=epilogue,
                       tf32=switches.tf32, accum=accum, sharded=sharded, master=master, reduced_accum=reduced_accum,
-                      overlap=switches.optimizer_overlap,
-                      warmup=cfg.warmup_steps if cfg.warmup_steps >= 0 else max(1, round(0.04 * cfg.steps)))
+                      overlap=switches.optimizer_overlap, steps=steps, warmup=warmup, steps_per_epoch=per_epoch)
+
+
+def schedule(cfg: TrainConfig, world: int, accum: int, rows: int) -> tuple[int, int, float]:
+    """(optimizer steps, warm-up steps, optimizer steps per epoch) of a run over a cache of `rows` rows.
+
+    An epoch is what the stream (`dataset.HiddenStream`) makes of the cache: rows // (batch_rows × processes)
+    micro-batches (the last, partial global batch is dropped), `accum` of them per optimizer step. `epochs` > 0
+    rounds its steps up (the last may reach into the next epoch); the warm-up is warmup_ratio × steps rounded
+    down (SpecForge's rule), at least 1 when the ratio is > 0."""
+    micro_per_epoch = rows // (cfg.batch_rows * world)
+    per_epoch = micro_per_epoch / accum
+    if cfg.epochs and not micro_per_epoch:
+        raise ValueError(f"epochs={cfg.epochs:g}: the cache holds {rows} rows, fewer than one global batch of "
+                         f"{cfg.batch_rows * world} (batch_rows {cfg.batch_rows} × {world} processes)")
+    steps = max(1, math.ceil(cfg.epochs * per_epoch - 1e-9)) if cfg.epochs else cfg.steps
+    if cfg.warmup_steps >= 0:
+        warmup = cfg.warmup_steps
+    else:
+        warmup = max(1, int(cfg.warmup_ratio * steps)) if cfg.warmup_ratio > 0 else 0
+    return steps, warmup, per_epoch
 
 
 def attention(cfg: TrainConfig, cuda: bool, joint: bool) -> tuple[str, bool]:

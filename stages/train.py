@@ -75,7 +75,8 @@ def _run(cfg: TrainConfig, switches: BenchSwitches) -> Path:
     # step_scheduler_with_optimizer=False: the schedule is in optimizer steps, whatever the number of processes
     acc = Accelerator(mixed_precision="no", cpu=not cuda, log_with=trackers or None, project_dir=str(run_dir),
                       step_scheduler_with_optimizer=False)
-    s = resolve_train(cfg, cuda=cuda, world=acc.num_processes, seq_len=c["seq_len"], switches=switches)
+    s = resolve_train(cfg, cuda=cuda, world=acc.num_processes, seq_len=c["seq_len"], rows=info.num_rows,
+                      switches=switches)
     torch.backends.cuda.matmul.allow_tf32 = s.tf32  # after the Accelerator, which may set it (`run` puts it back)
     rank, device = acc.process_index, acc.device
     set_seed(cfg.seed)
@@ -85,6 +86,7 @@ def _run(cfg: TrainConfig, switches: BenchSwitches) -> Path:
         (run_dir / "config.json").write_text(json.dumps(resolved, indent=1, sort_keys=True))
         log(f"drafter {dc.num_layers}×(H {dc.hidden_size}, {dc.num_heads}/{dc.num_kv_heads} heads × "
             f"{dc.head_dim}, FFN {dc.intermediate_size}) on taps {dc.target_layer_ids}; {s.describe(cfg)}")
+        log(s.describe_schedule(cfg, c["seq_len"]))
 
     # --- model
     from dflash_offline.drafter import DFlashDrafter, load_target_embeddings
@@ -143,7 +145,7 @@ def build_optimizer(cfg: TrainConfig, s: TrainSetup, acc, model, embed, head) ->
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
                                 fused=acc.device.type == "cuda")
-    lr_at = lambda step: cosine_schedule(step, s.warmup, cfg.steps, cfg.min_lr_ratio)  # noqa: E731
+    lr_at = lambda step: cosine_schedule(step, s.warmup, s.steps, cfg.min_lr_ratio)  # noqa: E731
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     if s.sharded:  # the sharded model never goes through accelerate (it would wrap it in DDP)
         opt, sched = acc.prepare(opt, sched)
@@ -184,13 +186,13 @@ def train_loop(cfg: TrainConfig, s: TrainSetup, acc, p: Parts, stream, step: int
     from dflash_offline.progress import Progress, log
 
     rank, cuda, rows_per_step = acc.process_index, acc.device.type == "cuda", cfg.batch_rows * s.accum * s.world
-    progress = Progress("train", cfg.steps, "step", run_dir / f"status-rank{rank}.json", disable=rank != 0 or None)
+    progress = Progress("train", s.steps, "step", run_dir / f"status-rank{rank}.json", disable=rank != 0 or None)
     progress.update(step)
     meter, profiler = Meter(run_dir, acc, progress, step, seq_len, flops_per_row(dc, seq_len, cfg.num_anchors)), None
     log(f"[rank {rank}] ready in {time.time() - t0:.1f}s{'; first step compiles' if s.compile else ''}")
     warm_step = step + 1  # this process's first step compiles (also when resumed)
-    while step < cfg.steps:
-        if cfg.profile_steps and rank == 0 and step == max(2, cfg.steps - cfg.profile_steps) and profiler is None:
+    while step < s.steps:
+        if cfg.profile_steps and rank == 0 and step == max(2, s.steps - cfg.profile_steps) and profiler is None:
             profiler, profile_end = start_profiler(cuda), step + cfg.profile_steps  # the last steps, after warm-up
         for micro in range(s.accum):
             out, keep_BA = micro_batch(cfg, s, acc, p, next(stream), step * s.accum + micro, dc)
@@ -204,7 +206,7 @@ def train_loop(cfg: TrainConfig, s: TrainSetup, acc, p: Parts, stream, step: int
             end_warm_up(s.compile)  # freeze the heap built so far; with compilation, a recompile is now an error
             meter.warmed_up(s.compile)
         meter.step(rows_per_step, grad_norm)  # (reads the last window's report, now that this step is queued)
-        checkpoint = step % cfg.ckpt_every == 0 or step == cfg.steps
+        checkpoint = step % cfg.ckpt_every == 0 or step == s.steps
         if step % cfg.log_every == 0 or checkpoint:  # a window also ends at a checkpoint: its time is not training
             meter.end_window(step, p.sched.get_last_lr()[0], p.opt.optimizer.skipped if s.master else None,
                              read_now=checkpoint)
