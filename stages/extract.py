@@ -22,26 +22,14 @@ write (full disk, I/O error) stops the run with one line; committed shards stay,
 from __future__ import annotations
 
 import gc
-import json
 import os
-import shutil
 import time
 from pathlib import Path
 
 from dflash_offline.claims import claimed_shards
-from dflash_offline.config import (
-    ConfigError,
-    ExtractConfig,
-    TokenizeConfig,
-    as_dict,
-    configs_from_argv,
-    load_config,
-    parse_overrides,
-    parse_shard_list,
-)
+from dflash_offline.config import ExtractConfig, TokenizeConfig, as_dict, configs_from_argv, parse_shard_list
 from dflash_offline.devices import cpu_threads, dist_env, pick_device
 from dflash_offline.manifest import (
-    MANIFEST,
     committed,
     hash_obj,
     missing_files,
@@ -51,6 +39,7 @@ from dflash_offline.manifest import (
     sweep,
     worker_info,
 )
+from dflash_offline.plan import check_disk, make_plan, recorded_config
 from dflash_offline.progress import Progress, log, private_compile_caches, run_cli, unbuffered
 
 ROW_FILL = (("input_ids", 0), ("position_ids", 0), ("doc_ids", -1))  # token columns, value of a padding row
@@ -62,29 +51,6 @@ def tokenizer_default(section: str, values: dict, earlier: dict) -> None:
     """The tokenizer defaults to the target checkpoint."""
     if section == "tokenize" and not values.get("tokenizer"):
         values["tokenizer"] = earlier["extract"].target
-
-
-def recorded_config(argv: list[str]) -> ExtractConfig | None:
-    """For `--hidden_out=DIR` naming an existing hidden cache and no `--recipe`: the ExtractConfig its manifest
-    recorded (reading the token cache it was made from), with the command line's non-empty settings on top, so that
-    `make extract CACHE=DIR SHARD=k` works as printed. None otherwise."""
-    if any(a in ("-h", "--help") for a in argv):
-        return None
-    recipe, overrides = parse_overrides(argv)
-    out = overrides.get("hidden_out", "")
-    if recipe or not out or not (Path(out) / MANIFEST).is_file():
-        return None
-    m = read_manifest(out)
-    if m.get("kind") != "hidden":
-        raise ConfigError(f"{out} holds a {m.get('kind')} cache; hidden_out (CACHE= for make extract) names a "
-                          f"hidden-state cache")
-    unknown = sorted(set(overrides) - set(ExtractConfig.__dataclass_fields__) - set(TokenizeConfig.__dataclass_fields__))
-    if unknown:
-        raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; see --help")
-    values = {**m["config"]["extract"], "shards": "", "dry_run": False, "hidden_out": out,
-              "tokens": str((Path(out) / m["config"]["tokens_dir"]).resolve())}
-    values.update({k: v for k, v in overrides.items() if k in ExtractConfig.__dataclass_fields__ and v != ""})
-    return load_config(ExtractConfig, "extract", None, {}, values)
 
 
 # --- plan: everything that can fail, before any weight loads --------------------------------------------------
@@ -111,59 +77,6 @@ def token_cache(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int) -> Path 
     while not ((out / "manifest.json").exists() and read_manifest(out).get("complete")):
         time.sleep(2)
     return out
-
-
-def make_plan(cfg: ExtractConfig, tokens: Path | dict) -> dict:
-    """`tokens`: the token cache's directory, or (dry run) the manifest stage 1a would write."""
-    from dflash_offline.shards import HIDDEN_LAYOUT_VERSION, ShardError
-    from dflash_offline.target import default_layer_ids, read_target_info
-    from dflash_offline.targetid import resolve_checkpoint, target_fingerprint
-
-    tm = tokens if isinstance(tokens, dict) else read_manifest(tokens)
-    if tm["kind"] != "tokens" or not tm.get("complete"):
-        raise ShardError(f"{tokens} is not a complete token cache: run `make tokenize` (or extract) again")
-    ckpt = resolve_checkpoint(cfg.target)
-    info = read_target_info(ckpt)
-    layer_ids = list(cfg.layer_ids) or default_layer_ids(info.num_layers, cfg.num_draft_layers)
-    bad = [i for i in layer_ids if not 0 <= i < info.num_layers]
-    if bad:
-        raise ValueError(f"extract.layer_ids {bad} out of range: {ckpt} has layers 0..{info.num_layers - 1}")
-    seq_len = tm["producer"]["seq_len"]
-    vocab = tm["producer"]["tokenizer"]["vocab_size"]
-    sidecar = ckpt / "dflash_target.json"  # the tiny targets name their mask token there
-    mask_id = cfg.mask_token_id if cfg.mask_token_id >= 0 else (
-        json.loads(sidecar.read_text()).get("mask_token_id") if sidecar.is_file() else None)
-    if mask_id is not None:
-        eos = info.eos_token_id if isinstance(info.eos_token_id, list) else [info.eos_token_id]
-        specials = {info.pad_token_id, *eos, tm["producer"]["tokenizer"]["pad_id"]} - {None}
-        if not 0 <= mask_id < info.vocab_size or mask_id in specials:
-            raise ValueError(f"extract.mask_token_id={mask_id} must be a real embedding row in [0, {info.vocab_size}) "
-                             f"that is not pad/eos ({sorted(specials)}); Qwen3 uses 151669, Qwen3.5/3.6 use 248070")
-    if vocab > info.vocab_size:
-        raise ValueError(f"tokenizer has {vocab} tokens but {ckpt} embeds only {info.vocab_size}: wrong tokenizer?")
-    k, hidden = len(layer_ids), info.hidden_size
-    bytes_per_token = k * hidden * 2 if cfg.quant == "bf16" else k * (hidden + 4)
-    rows = sum(s["rows"] for s in tm["shards"])
-    producer = {"stage": "extract", "tokens": {"key": tm["key"], "producer": tm["producer"]},
-                "target": {"arch": info.arch, "num_layers": info.num_layers, "hidden_size": hidden,
-                           "vocab_size": info.vocab_size, **target_fingerprint(ckpt)},
-                "layer_ids": sorted(layer_ids), "quant": cfg.quant, "dtype": cfg.dtype,
-                "format_version": HIDDEN_LAYOUT_VERSION}  # everything that changes a stored byte: the cache key
-    return {"ckpt": ckpt, "info": info, "layer_ids": layer_ids, "seq_len": seq_len, "mask_token_id": mask_id,
-            "num_shards": tm["num_shards"], "rows": rows, "bytes_per_token": bytes_per_token,
-            "total_bytes": rows * seq_len * bytes_per_token, "tokens_manifest": tm, "producer": producer,
-            "key": hash_obj(producer)}
-
-
-def check_disk(cache: Path, need_bytes: int, min_free_gb: float) -> None:
-    where = cache
-    while not where.exists() and where != where.parent:  # a dry run creates nothing: the nearest existing folder
-        where = where.parent
-    free = shutil.disk_usage(where).free
-    if free - need_bytes < min_free_gb * 1e9:
-        raise ValueError(f"{cache}: the remaining shards need {need_bytes / 1e9:.1f} GB but the filesystem has "
-                         f"{free / 1e9:.1f} GB free (keeping {min_free_gb} GB): free space, use CACHE= elsewhere, "
-                         f"quant=fp8, or fewer layers")
 
 
 def plan_run(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int, world: int, local_rank: int) -> dict:

@@ -16,9 +16,7 @@ uses) computes the manifest in memory and writes nothing.
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -26,7 +24,6 @@ from pathlib import Path
 from dflash_offline import chat
 from dflash_offline.config import TokenizeConfig, as_dict, config_from_argv
 from dflash_offline.corpus import (
-    CorpusError,
     Skip,
     Tokens,
     check_tokenizer,
@@ -37,7 +34,6 @@ from dflash_offline.corpus import (
 )
 from dflash_offline.manifest import (
     MANIFEST,
-    MANIFEST_VERSION,
     ManifestError,
     commit_shard,
     committed,
@@ -49,9 +45,10 @@ from dflash_offline.manifest import (
     sweep,
     update_manifest,
 )
-from dflash_offline.packing import PACKING_RULE, Doc, Packer, materialize, split_long
+from dflash_offline.packing import PACKING_RULE, Doc, Packer, split_long
 from dflash_offline.progress import Progress, log, unbuffered
 from dflash_offline.shards import TOKENS_FORMAT_VERSION, token_shard_name, write_token_shard
+from dflash_offline.tokens import Tally, dry_manifest, shard_entry, summarize
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "vocab.json", "merges.txt")
@@ -163,14 +160,13 @@ def dry_run(cfg: TokenizeConfig) -> dict:
     shards: list[dict] = []
 
     def count(index: int, rows) -> dict:
-        shards.append(dict(shard_entry(index, rows, cfg, pad_id(tok))[0], status="committed"))
+        shards.append(dict(shard_entry(index, rows, cfg.seq_len, pad_id(tok))[0], status="committed"))
         return shards[-1]
 
     progress = Progress("tokenize (dry run)", cfg.max_docs or None, "doc", None)
     summary = tokenize_corpus(cfg, paths, len(tok), progress, None, count)
     progress.close("done")
-    return {"version": MANIFEST_VERSION, "kind": "tokens", "key": key, "producer": producer, "config": as_dict(cfg),
-            "num_shards": len(shards), "shards": shards, "summary": summary, "complete": True, "dry_run": True}
+    return dry_manifest(key, producer, as_dict(cfg), shards, summary)
 
 
 def workers_for(cfg: TokenizeConfig) -> int:
@@ -242,130 +238,15 @@ def accept(result: Tokens | Skip, cfg: TokenizeConfig, tally: Tally, stats: Coun
 # --- shards --------------------------------------------------------------------------------------------------
 
 
-def shard_entry(index: int, rows, cfg: TokenizeConfig, pad: int) -> tuple[dict, dict, list]:
-    """(manifest entry without files, arrays, doc sources) of one shard's rows."""
-    arrays, sources = materialize(rows, cfg.seq_len, pad)
-    real = int((arrays["doc_ids"] >= 0).sum())
-    entry = {
-        "index": index,
-        "rows": len(rows),
-        "docs": sum(len(s) for s in sources),
-        "tokens": real,
-        "supervised_tokens": int(arrays["loss_mask"].sum()),
-        "padding_tokens": int(arrays["doc_ids"].size - real),
-    }
-    return entry, arrays, sources
-
-
 def write_shard(out: Path, key: str, index: int, rows, cfg, pad: int, done: dict) -> dict:
     t = time.time()
-    entry, arrays, sources = shard_entry(index, rows, cfg, pad)
+    entry, arrays, sources = shard_entry(index, rows, cfg.seq_len, pad)
     if index in done:  # committed by an earlier, interrupted run of the same key: same bytes by construction
         return entry
     name = token_shard_name(index)
     files = {name: write_token_shard(out / name, arrays, sources, {"shard": index, "key": key})}
     commit_shard(out, dict(entry, files=files, seconds=time.time() - t, committed_at=time.time()))
     return entry
-
-
-def summarize(stats: Counter, skips: Counter, entries: list[dict], seconds: float) -> dict:
-    """The manifest's summary. docs_* count records read and skipped, and documents packed (one per record, or one
-    per assistant turn with turns=each); `chat` says what rendering did (think blocks count supervised turns)."""
-    tokens, padding = (sum(e[k] for e in entries) for k in ("tokens", "padding_tokens"))
-    return {
-        "docs_read": stats["docs_read"],
-        "docs_packed": stats["docs_packed"],
-        "records_packed": stats["records_packed"],
-        "chat": chat_summary(stats),
-        "docs_skipped": dict(sorted(skips.items())),
-        "docs_skipped_total": sum(skips.values()),
-        "pieces": stats["pieces"],
-        "truncated_tokens": stats["truncated_tokens"],
-        "rows": sum(e["rows"] for e in entries),
-        "shards": len(entries),
-        "tokens": tokens,
-        "supervised_tokens": sum(e["supervised_tokens"] for e in entries),
-        "padding_tokens": padding,
-        "padding_fraction": padding / (tokens + padding) if tokens + padding else 0.0,
-        "seconds": seconds,
-        "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
-    }
-
-
-def chat_summary(stats: Counter) -> dict:
-    samples = stats["samples"]
-    return {
-        "samples": samples,
-        "samples_per_record": samples / stats["chat_records"] if stats["chat_records"] else 0.0,
-        "turns_expanded": samples - stats["chat_records"],
-        "think_blocks": {k: stats[f"think_{k}"] for k in ("kept", "stripped", "empty", "dropped_by_template")},
-        "tool_calls": stats["tool_calls"],
-        "tool_arguments_parsed": stats["tool_arguments_parsed"],
-    }
-
-
-# --- skips ---------------------------------------------------------------------------------------------------
-
-
-FILE_HINTS = {  # what to do about a file all of whose records were skipped, by its most common reason
-    "invalid_utf8": "re-encode it as UTF-8",
-    "invalid_json": "each line must be one JSON object (JSONL, not one JSON array)",
-    "missing_messages": "records need 'messages' (chat) or 'input_ids' + 'loss_mask' (pre-tokenized)",
-    "too_long": "raise seq_len or use long_doc=split",
-}
-
-
-class Tally:
-    """Skipped records: counted per reason with their first file:line examples and logged to `skips.jsonl`, or, in
-    strict mode, the error. Per file, records and documents: a file none of whose records became a document is
-    reported loudly, and a corpus without a document is an error that says what was skipped and why."""
-
-    EXAMPLES = 3  # file:line examples kept per reason
-    LOGGED = 10  # skips printed as they happen
-
-    def __init__(self, strict: bool, skip_log):
-        self.strict, self.skip_log = strict, skip_log
-        self.skips: Counter = Counter()
-        self.examples: dict[str, list[str]] = {}
-        self.files: dict[str, Counter] = {}  # file → {"docs": n, <reason>: n}
-
-    def doc(self, file: str) -> None:
-        self.files.setdefault(file, Counter())["docs"] += 1
-
-    def skip(self, skip: Skip, policy: bool = False) -> None:
-        if self.strict and not policy:
-            raise CorpusError(
-                skip.message() + "\n(strict mode stops at the first bad record: fix it, or run without "
-                "--strict to skip such records and count them in the manifest)"
-            )
-        self.skips[skip.reason] += 1
-        self.files.setdefault(skip.file, Counter())[skip.reason] += 1
-        self.examples.setdefault(skip.reason, [])
-        if len(self.examples[skip.reason]) < self.EXAMPLES:
-            self.examples[skip.reason].append(f"{skip.file}:{skip.line}")
-        if self.skip_log is not None:
-            self.skip_log.write(json.dumps(vars(skip), ensure_ascii=False) + "\n")
-        if sum(self.skips.values()) <= self.LOGGED:
-            log(f"skipped {skip.message()}")
-
-    def warn_about_files(self) -> None:
-        for file, counts in self.files.items():
-            if not counts["docs"]:
-                top = counts.most_common(1)[0][0]
-                reasons = ", ".join(f"{r} ×{n}" for r, n in counts.most_common())
-                msg = (f"WARNING: {file}: not one of its {sum(counts.values())} record(s) became a document "
-                       f"({reasons}): {FILE_HINTS.get(top, 'check its records against the corpus format')}")
-                log(msg)
-                print(msg, file=sys.stderr, flush=True)
-
-    def nothing_to_train_on(self, records: int, paths: list[Path]) -> CorpusError:
-        if not records:
-            return CorpusError(f"the corpus has no records ({', '.join(map(str, paths))}: empty or blank lines "
-                               "only): point CORPUS= at chat JSONL/Parquet files")
-        why = "; ".join(f"{r} ×{n} (e.g. {', '.join(self.examples[r])})" for r, n in self.skips.most_common())
-        listed = f" (every skip is listed in {self.skip_log.name})" if self.skip_log is not None else ""
-        return CorpusError(f"no document to train on: every record was skipped ({records} read): {why}. Fix these "
-                           f"records{listed} or point CORPUS= at other files")
 
 
 def main(argv: list[str]) -> None:

@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
+from dflash_offline import runlog  # noqa: E402
 from stages import report  # noqa: E402
 
 
@@ -107,11 +108,11 @@ def test_reads_dedupes_and_refuses(tmp_path):
     path = fake_metrics(tmp_path / "r", steps=310, log_every=5)
     with open(path, "a") as f:  # a diverged step and a slot without labels
         f.write('\n{"step": 315, "loss": NaN, "acc": [NaN, 0.5], "sim_tau": 1.0}\n')
-    recs, notes = report.read_metrics(path)
+    recs, notes = runlog.read_metrics(path)
     steps = [r["step"] for r in recs]
     assert steps == sorted(set(steps)) and steps[-1] == 315 and len(notes) == 3 and "non-finite" in notes[2]
-    assert math.isnan(report.ema([1.0, math.nan, 3.0], 3)[1]) and report.ema([1.0, math.nan, 3.0], 3)[2] == 2.0
-    assert report.tail_median(recs, "tok_per_s") > 150_000  # the compile step does not count
+    assert math.isnan(runlog.ema([1.0, math.nan, 3.0], 3)[1]) and runlog.ema([1.0, math.nan, 3.0], 3)[2] == 2.0
+    assert runlog.tail_median(recs, "tok_per_s") > 150_000  # the compile step does not count
     with pytest.raises(ValueError, match="does not exist"):
         report.run(tmp_path / "nothing")
     (tmp_path / "empty").mkdir()

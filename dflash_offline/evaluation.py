@@ -1,0 +1,298 @@
+"""What `stages/evaluate.py` measures, as pieces that take plain values: the run and the artifact, the prompts,
+the lossless check, the estimates, and the report.
+
+The artifact is what users ship: `export_for_eval` takes an export directory as it is when it holds an export of
+this run (and of the step asked for), else writes a fresh one; the decoding loops themselves live in `speculate.py`
+(the engine's side). Prompts are chat records cut after their first or last user turn and rendered with the
+target's chat template and the generation prompt (`render_prompt`). Where a speculative output parts from the
+target's greedy output, `divergence` runs one full forward of the target to the parting token and measures its
+logit margin there: in bfloat16 a small margin is a rounding tie between a block forward and token-by-token
+forwards, not a fault (`lossless` counts both and bins the margins by `MARGIN_EDGES`). `teacher_forced` runs the
+same weights in the training forward on a hidden cache (per-slot accuracy → simulated τ, per-block τ), and
+`speedups` turns measured times into speed-up estimates. `decode_summary` and `lossless` build the JSON
+report's measured fields; `table` is its printed summary. torch and transformers are imported where used, so
+`--help` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+MARGIN_EDGES = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0, 2.0)  # bf16 logits of 8..64 step 1/16..1/4
+
+
+# --- the run, the artifact, the prompts ------------------------------------------------------------------------
+
+
+def run_info(run_dir: Path) -> dict:
+    """The run's resolved config, its training cache and its target checkpoint."""
+    from .manifest import read_manifest
+    from .targetid import resolve_checkpoint
+
+    cfg_file = run_dir / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"{cfg_file} does not exist: pass --run= a run directory written by make train")
+    cfg = json.loads(cfg_file.read_text())
+    train = cfg["train"]
+    target = train.get("target") or read_manifest(train["cache"])["config"]["extract"]["target"]
+    return {"config": cfg, "train": train, "cache": train["cache"],
+            "target": resolve_checkpoint(target, need=("config", "weights", "tokenizer"), field="eval target")}
+
+
+def export_for_eval(export_dir: str, step: int, run_dir: Path, log) -> Path:
+    """The export directory to measure: `export_dir` (`--export`) as it is when it holds an export of this run, else a
+    fresh export of the run's checkpoint `step` (`--step`, -1 = the latest) into `export_dir` or RUN/eval-export."""
+    from .export import PROVENANCE, export
+
+    d = Path(export_dir) if export_dir else run_dir / "eval-export"
+    if export_dir and (d / PROVENANCE).is_file():
+        prov = json.loads((d / PROVENANCE).read_text())
+        if Path(prov.get("run", "")).resolve() != run_dir.resolve():
+            raise ValueError(f"{d} is an export of run {prov.get('run')}, not of RUN={run_dir}: pass that RUN=")
+        if step >= 0 and prov.get("step") != step:
+            raise ValueError(f"{d} holds step {prov.get('step')}, not --step={step} (make STEP=): leave EXPORT= "
+                             f"empty to export step {step}, or drop STEP=")
+        return d
+    if export_dir and d.exists() and (not d.is_dir() or any(d.iterdir())):
+        raise ValueError(f"{d} is not an export (no {PROVENANCE}): pass EXPORT= a directory written by make export, "
+                         f"a new directory, or nothing")
+    out = export(run_dir, d, step=None if step < 0 else step)
+    log(f"exported {run_dir} step {json.loads((out / PROVENANCE).read_text())['step']} to {out}")
+    return out
+
+
+def render_prompt(messages: list[dict], tokenizer, turn: str = "first", tools=None) -> list[int] | None:
+    """Token ids of `messages` up to the first/last user turn + the generation prompt; None without a user turn."""
+    users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+    if not users:
+        return None
+    cut = users[0] if turn == "first" else users[-1]
+    kw = {"tools": tools} if tools else {}
+    text = tokenizer.apply_chat_template(messages[: cut + 1], add_generation_prompt=True, tokenize=False, **kw)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def read_prompts(path: Path, n: int, turn: str, tokenizer) -> list[dict]:
+    """The first `n` usable chats as {"ids": messages up to the first/last user turn + the generation prompt,
+    "category": the record's `category` or None}."""
+    out = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if len(out) >= n:
+                break
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            msgs = rec.get("messages")
+            if not isinstance(msgs, list):
+                raise ValueError(f"{path}:{lineno}: no 'messages' list (prompts must be chat records)")
+            ids = render_prompt(msgs, tokenizer, turn, rec.get("tools"))
+            if ids is not None:
+                cat = rec.get("category")
+                out.append({"ids": ids, "category": None if cat is None else str(cat)})
+    if not out:
+        raise ValueError(f"{path}: no chat with a user turn")
+    return out
+
+
+def eos_ids(target, tokenizer) -> list[int]:
+    ids: set[int] = set()
+    for v in (getattr(target.generation_config, "eos_token_id", None), target.config.eos_token_id,
+              tokenizer.eos_token_id):
+        if v is not None:
+            ids.update([v] if isinstance(v, int) else v)
+    return sorted(ids)
+
+
+def compute_dtype(setting: str, device, target_dir: Path) -> str:
+    """float32 / bfloat16; auto = float32 on a CPU or when 4 bytes per target parameter fit in half the GPU."""
+    import torch
+    from safetensors import safe_open
+
+    if setting != "auto":
+        return setting
+    if device.type == "cpu":
+        return "float32"
+    params = 0
+    for f in target_dir.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as st:
+            params += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys() if "visual" not in k)
+    return "float32" if 4 * params <= 0.5 * torch.cuda.get_device_properties(device).total_memory else "bfloat16"
+
+
+# --- the lossless check ----------------------------------------------------------------------------------------
+
+
+def divergence(target, prompt: list[int], out: list[int], ref: list[int]) -> dict:
+    """Where two generations part, and the target's margin there (one full forward over the prompt and the common
+    prefix): the top logit minus the lower of the two tokens' logits — the top-2 margin when they are its top two."""
+    import torch
+
+    j = next((j for j, (a, b) in enumerate(zip(out, ref, strict=False)) if a != b), min(len(out), len(ref)))
+    ids = torch.tensor([prompt + ref[:j]], device=next(target.parameters()).device)
+    with torch.no_grad():
+        z = target(input_ids=ids, logits_to_keep=1).logits[0, -1].float()
+    if j >= len(out) or j >= len(ref):  # one stopped early: no pair of tokens to compare, never a tie
+        return {"at": j, "spec_token": None, "target_token": None, "margin": None, "top2_margin": None,
+                "full_forward_token": int(z.argmax())}
+    top2 = z.topk(2).values
+    return {"at": j, "spec_token": out[j], "target_token": ref[j],
+            "margin": float(z.max() - torch.minimum(z[out[j]], z[ref[j]])), "top2_margin": float(top2[0] - top2[1]),
+            "full_forward_token": int(z.argmax())}
+
+
+def margin_hist(margins: list[float]) -> dict:
+    """Counts of margins in (0, e_0], (e_0, e_1], ..., (e_last, ∞) for e = MARGIN_EDGES."""
+    counts = [0] * (len(MARGIN_EDGES) + 1)
+    for m in margins:
+        counts[next((i for i, e in enumerate(MARGIN_EDGES) if m <= e), len(MARGIN_EDGES))] += 1
+    return {"edges": list(MARGIN_EDGES), "counts": counts}
+
+
+def exact_float32(device) -> None:
+    """Exact mode on CUDA: no TF32 in matmuls or convolutions (torch's defaults allow it in cuDNN convolutions)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+def lossless(mismatches: list[int], ties: list[int], margins: list[float], exact: bool, tie_tol: float) -> dict:
+    """The report's lossless check: prompts whose outputs differ beyond a tie (`mismatches`) or at a rounding tie
+    (`ties`), and the histogram of the target's margins at every difference."""
+    return {"lossless": not mismatches, "mismatches": mismatches, "exact": not mismatches and not ties,
+            "rounding_ties": ties, "tie_tol": None if exact else tie_tol, "tie_margin_hist": margin_hist(margins)}
+
+
+# --- estimates -------------------------------------------------------------------------------------------------
+
+
+def teacher_forced(model, embed_VH, lm_head_VH, cache_dir, gamma, batches: int, rows: int, num_anchors: int,
+                   seed: int = 0) -> dict:
+    """Per-slot accuracy, simulated τ and mean per-block τ of the training forward `model` (a DFlashDrafter) on
+    `batches` batches of a hidden cache."""
+    import torch
+
+    from . import anchors as anc
+    from .dataset import HiddenStream, open_hidden_cache
+    from .loss import block_ce_loss, block_tau, simulated_acceptance_length, slot_accuracy
+
+    cfg, dev = model.cfg, embed_VH.device
+    info = open_hidden_cache(cache_dir, cfg.target_layer_ids, hidden_size=cfg.hidden_size)
+    stream = HiddenStream(info, rows, seed=seed, device=dev, prefetch=0)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    correct = valid = None
+    loss_sum, tau_sum, blocks, n = 0.0, 0.0, 0, 0
+    with torch.no_grad():
+        for _ in range(min(batches, stream.batches_per_epoch)):
+            b = next(stream)
+            a_BA, keep_BA = anc.sample_anchors(b["loss_mask"], b["doc_ids"], min(num_anchors, info.seq_len),
+                                               cfg.block_size, g)
+            labels = anc.block_labels(b["input_ids"], b["loss_mask"], b["doc_ids"], a_BA, keep_BA, cfg.block_size)
+            masks = model.build_masks(b["doc_ids"], a_BA, keep_BA, "dense")
+            h = model(b["hidden"], b["input_ids"], b["position_ids"], a_BA, keep_BA, embed_VH, masks, "dense")
+            out = block_ce_loss(h, lm_head_VH, labels, gamma=gamma)
+            c, v = out.correct_BAL.sum((0, 1)), out.valid_BAL.sum((0, 1))
+            correct, valid = (c, v) if correct is None else (correct + c, valid + v)
+            loss_sum += float(out.loss)
+            tau_sum += float((block_tau(out.correct_BAL) * keep_BA).sum())
+            blocks += int(keep_BA.sum())
+            n += 1
+    stream.close()
+    if n == 0:
+        return {"batches": 0}
+    acc = slot_accuracy(correct, valid)
+    return {"batches": n, "rows": n * rows, "blocks": blocks, "loss": loss_sum / n,
+            "sim_tau": 1 + float(simulated_acceptance_length(acc)), "block_tau": tau_sum / max(blocks, 1),
+            "acc": [round(float(x), 4) for x in acc[1:]]}
+
+
+def speedups(s: dict, a: dict) -> dict:
+    """Speed-up estimates beside the measured wall-clock ratio `speedup` (s, a: `summarize` of the speculative and
+    the target-alone decodes), each relative to the target alone at one forward per token:
+    - `speedup_engine_est` = τ / (1 + draft_ms / verify_ms): an engine where a verify forward of B tokens costs what
+      a one-token decode step costs (batch-1 decoding of a large target on a GPU is bound by reading its weights),
+      rollback is free (engines keep per-token recurrent states) and nothing runs on the host between kernels;
+    - `speedup_step_est` = τ · target_ms_per_token / (draft_ms + verify_ms): the same with this machine's measured
+      forward times (a verify forward against a one-token forward), rollback and host work between steps left out.
+    """
+    tau, draft, verify, one = s["tau_mean"], s["draft_ms"], s["verify_ms"], a["verify_ms"]
+    ok = all(map(math.isfinite, (tau, draft, verify, one))) and verify > 0
+    return {"target_ms_per_token": one,
+            "speedup_engine_est": tau / (1 + draft / verify) if ok else math.nan,
+            "speedup_step_est": tau * one / (draft + verify) if ok else math.nan}
+
+
+# --- the report ------------------------------------------------------------------------------------------------
+
+
+def decode_summary(spec: list, alone: list, prompts: list[dict]) -> dict:
+    """The report's fields of both decodes (spec, alone: `GenStats` per prompt, with and without the drafter):
+    pooled τ and its histogram, τ per prompt category, ms per phase, tok/s, speed-ups, target forwards."""
+    from .speculate import summarize
+
+    s, a = summarize(spec), summarize(alone)
+    return {
+        "rollback": spec[0].rollback, "tau_mean": s["tau_mean"], "tau_hist": s["tau_hist"],
+        "accept_ge": s["accept_ge"], "by_category": by_category(spec, prompts), "verify_steps": s["steps"],
+        "new_tokens": s["new_tokens"], "draft_ms": s["draft_ms"], "verify_ms": s["verify_ms"],
+        "rollback_ms": s["rollback_ms"], "spec_tok_per_s": s["tok_per_s"], "target_tok_per_s": a["tok_per_s"],
+        "speedup": a["seconds"] / s["seconds"] if s["seconds"] > 0 else math.nan, **speedups(s, a),
+        "spec_target_forwards": s["target_forwards"], "refeeds": s["refeeds"],
+        "target_forwards_alone": a["target_forwards"],
+    }
+
+
+def by_category(spec: list, prompts: list[dict]) -> dict:
+    """τ and acceptance shares of the speculative decodes pooled per prompt category (prompts without one left out)."""
+    from .speculate import summarize
+
+    cats = sorted({p["category"] for p in prompts if p["category"] is not None})
+    out = {}
+    for c in cats:
+        sc = summarize([st for st, p in zip(spec, prompts, strict=True) if p["category"] == c])
+        out[c] = {"prompts": sc["generations"], "verify_steps": sc["steps"], "tau_mean": sc["tau_mean"],
+                  "accept_ge": sc["accept_ge"]}
+    return out
+
+
+def table(r: dict) -> str:
+    tf, art = r["teacher_forced"], r["artifact"]
+    which = (f"untrained (seed {art['untrained_seed']}, modeling code {art['modeling_file']})" if r["untrained"]
+             else f"{art['path']} (step {r['step']}, weights sha256 {art['weights_sha256'][:12]})")
+    hist = " ".join(f"{k + 1}:{c}" for k, c in enumerate(r["tau_hist"]) if c)
+    lines = [
+        f"drafter {which} · target {r['target']} ({r['arch']}) · block {r['block_size']} · "
+        f"{r['num_prompts']} prompts × ≤{r['max_new_tokens']} tokens · {r['device']} {r['dtype']} ({r['mode']})",
+        f"  real τ (tokens per verify step)  {r['tau_mean']:.3f}   over {r['verify_steps']} steps   "
+        f"histogram τ:count  {hist}",
+        "  steps accepting ≥ k drafts  " + " ".join(f"{k + 1}:{x:.2f}" for k, x in enumerate(r["accept_ge"][:8]))
+        + (" …" if len(r["accept_ge"]) > 8 else ""),
+    ]
+    if r["by_category"]:
+        lines.append("  τ by category  " + " · ".join(f"{c} {v['tau_mean']:.2f} ({v['prompts']})"
+                                                      for c, v in r["by_category"].items()))
+    lines += [
+        f"  per step: draft {r['draft_ms']:.2f} ms · verify {r['verify_ms']:.2f} ms · rollback "
+        f"{r['rollback_ms']:.2f} ms · target alone {r['target_ms_per_token']:.2f} ms/token",
+        f"  speculative {r['spec_tok_per_s']:.1f} tok/s · target alone {r['target_tok_per_s']:.1f} tok/s · "
+        f"speed-up ×{r['speedup']:.2f} (wall clock) · engine estimate ×{r['speedup_engine_est']:.2f} "
+        f"(τ/(1+draft/verify)) · step estimate ×{r['speedup_step_est']:.2f}",
+        f"  target forwards {r['spec_target_forwards']} (rollback {r['rollback']}: {r['refeeds']} refeeds) vs "
+        f"{r['target_forwards_alone']} alone",
+    ]
+    if tf.get("batches"):
+        lines.append(f"  teacher-forced ({'held-out' if tf['held_out'] else 'training, NOT held out'} cache "
+                     f"{tf['cache']}, {tf['blocks']} blocks): sim τ {tf['sim_tau']:.3f} · block τ "
+                     f"{tf['block_tau']:.3f} · acc slots 1-4 {tf['acc'][:4]}")
+    n_eq = r["num_prompts"] - len(r["mismatches"]) - len(r["rounding_ties"])
+    h = r["tie_margin_hist"]
+    lines.append(f"  lossless: {n_eq}/{r['num_prompts']} speculative outputs equal the target's greedy output"
+                 + (f"; {len(r['rounding_ties'])} part at a rounding tie (logit margin <= {r['tie_tol']:g})"
+                    if r["rounding_ties"] else "")
+                 + ("" if r["lossless"] else f"; MISMATCH in prompts {r['mismatches']}")
+                 + ("" if r["exact"] else "; margins " + " ".join(
+                     f"≤{e:g}:{c}" for e, c in zip([*h["edges"], math.inf], h["counts"], strict=True) if c)))
+    return "\n".join(lines)
