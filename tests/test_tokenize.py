@@ -244,7 +244,9 @@ from stages import tokenize
 cfg = TokenizeConfig(corpus=[sys.argv[1]], tokenizer=sys.argv[2], cache_root=sys.argv[3], seq_len=512,
                      rows_per_shard=64, workers=2, chunk_docs=512).resolve()
 out = tokenize.run(cfg)
-rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# this process's own peak (VmHWM resets at exec; ru_maxrss does not: it would report the parent test process's peak)
+hwm = [line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")]
+rss = int(hwm[0]) * 1024 if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
 print("RESULT", json.dumps({"rss": rss, "kids": kids, "summary": json.load(open(out / "manifest.json"))["summary"]}))
 """
