@@ -49,8 +49,7 @@ class TokenizeConfig:
     tokenizer: str  # directory holding the target's tokenizer (usually the target checkpoint itself)
     cache_root: str = "cache"  # where caches live; a token cache goes to <cache_root>/tokens-<key12>
     out: str = ""  # explicit cache directory (overrides the content-addressed default under cache_root)
-    seq_len: int = 4096  # fixed row length in tokens; a multiple of block_size
-    block_size: int = 16  # drafter block size; rows must be a multiple of it
+    seq_len: int = 4096  # fixed row length in tokens
     rows_per_shard: int = 256  # rows per token shard (the last shard may hold fewer)
     long_doc: str = "split"  # documents longer than seq_len: "split" into seq_len chunks, "truncate", or "skip"
     thinking: str = "keep"  # assistant reasoning: "keep" (rendered by the chat template) or "strip"
@@ -63,10 +62,8 @@ class TokenizeConfig:
     max_docs: int = 0  # stop after this many records (0 = all); part of the cache key
 
     def resolve(self) -> TokenizeConfig:
-        if self.seq_len <= 0 or self.block_size <= 0 or self.seq_len % self.block_size:
-            raise ConfigError(
-                f"tokenize.seq_len={self.seq_len} must be a positive multiple of block_size={self.block_size}"
-            )
+        if self.seq_len <= 0:
+            raise ConfigError(f"tokenize.seq_len must be > 0, got {self.seq_len}")
         check_choice("tokenize.long_doc", self.long_doc, ("split", "truncate", "skip"))
         check_choice("tokenize.thinking", self.thinking, ("keep", "strip"))
         check_choice("tokenize.turns", self.turns, ("last", "each"))

@@ -242,3 +242,11 @@ def test_train_refuses_a_cache_whose_own_target_changed_since_extraction(tmp_pat
 def test_train_accepts_a_copy_of_the_cache_target_at_another_path(tmp_path, hidden_cache, qwen35_dir):
     same = retrained_copy(qwen35_dir, tmp_path / "copy", change=False)
     assert (train.run(train_cfg(hidden_cache, tmp_path / "run", target=str(same))) / "config.json").is_file()
+
+
+def test_the_dead_tokenize_block_size_knob_is_gone():
+    """[tokenize].block_size was checked but never used (not in the key): a recipe that still sets it is told so."""
+    from dflash_offline.config import ConfigError, TokenizeConfig, build_config
+
+    with pytest.raises(ConfigError, match="block_size"):
+        build_config(TokenizeConfig, "tokenize", {"corpus": ["x.jsonl"], "tokenizer": "t", "block_size": 16})
