@@ -96,7 +96,7 @@ export: setup  ## z-lab-format drafter (config.json, model.safetensors, dflash.p
 eval: setup  ## real speculative decoding with RUN='s export (EXPORT= or OUT=; else STEP= exported into RUN/eval-export) on PROMPTS= vs the target alone (UNTRAINED=1: untrained baseline)
 	$(PYTHON) -m stages.evaluate --run=$(RUN) --export=$(or $(EXPORT),$(OUT)) --step=$(STEP) --prompts=$(PROMPTS) --untrained=$(UNTRAINED) --cache=$(CACHE) $(ARGS)
 
-report: setup  ## PNG plots of RUN='s metrics (loss, accuracy per block position, τ, throughput, memory) and eval.json (acceptance per position and category)
+report: setup  ## PNG plots of RUN='s metrics (loss, accuracy per block position, τ, throughput, GPU memory when the run was on a GPU) and eval.json (acceptance per position and category)
 	$(PYTHON) -m stages.report --run=$(RUN)
 
 bench-extract:  ## extraction throughput at Qwen3.5-27B shapes vs a plain HF forward (GPU)
