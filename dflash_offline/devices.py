@@ -11,6 +11,10 @@ made the current one, so allocations without an explicit device land on it too.
 CPU threads: the CPU path exists for the tiny targets (tests, `make demo`), whose small matmuls run fastest on one
 thread; more threads mostly wait on each other, and oversubscribe a small machine shared by several processes.
 `cpu_threads` sets that (unless `OMP_NUM_THREADS` or an explicit thread count says otherwise) and says so.
+
+On the CPU, transformers runs its reference PyTorch kernels for the Gated DeltaNet layers (fla's are Triton kernels
+for GPUs) and warns, once per kernel, to install flash-linear-attention — which is installed. `quiet_cpu_kernel_notes`
+replaces those notes with one accurate line.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ def pick_device(setting: str, field: str, local_rank: int | None = None) -> torc
 
     check_setting(setting, field)
     if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+        quiet_cpu_kernel_notes()
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ValueError(f"{field}={setting} but CUDA is not available: pass --device=cpu (or auto), or run on a "
@@ -72,3 +77,31 @@ def cpu_threads(device: torch.device, threads: int = 0, log: Callable[[str], Non
         torch.set_num_threads(1)
         log("device cpu: torch uses 1 thread (fastest for the tiny CPU targets); set OMP_NUM_THREADS=N to choose")
     return torch.get_num_threads()
+
+
+FALLBACK_NOTE = "is falling back to its reference PyTorch implementation"
+
+
+class _CpuKernelNotes:
+    """A logging filter: transformers' 'install flash-linear-attention' notes become one line of ours."""
+
+    def __init__(self, log: Callable[[str], None]):
+        self.log, self.said = log, False
+
+    def filter(self, record) -> bool:
+        if FALLBACK_NOTE not in record.getMessage():
+            return True
+        if not self.said:
+            self.said = True
+            self.log("device cpu: transformers runs its reference PyTorch kernels for the Gated DeltaNet layers "
+                     "(flash-linear-attention's kernels need a GPU); correct, and fast enough for the tiny targets")
+        return False
+
+
+def quiet_cpu_kernel_notes(log: Callable[[str], None] = print) -> None:
+    """Install `_CpuKernelNotes` on transformers' kernel logger (once per process)."""
+    import logging
+
+    logger = logging.getLogger("transformers.integrations.hub_kernels")
+    if not any(isinstance(f, _CpuKernelNotes) for f in logger.filters):
+        logger.addFilter(_CpuKernelNotes(log))

@@ -64,7 +64,10 @@ def existing_params(out: Path) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dflash_offline.devices import quiet_cpu_kernel_notes
+
     cfg = parse_args(argv)
+    quiet_cpu_kernel_notes(log)  # (the tiny build runs on the CPU)
     out = cfg.out
     params = {**tiny.build_params(cfg.arch, cfg.seed, cfg.train_steps, cfg.corpus_docs), "eval_docs": cfg.eval_docs}
     log(f"build_tiny: {asdict(cfg)}")

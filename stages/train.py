@@ -72,6 +72,10 @@ def _run(cfg: TrainConfig, switches: BenchSwitches) -> Path:
 
     # --- compute
     cuda, trackers = torch.cuda.is_available(), available_trackers(cfg.trackers)
+    if not cuda:
+        from dflash_offline.devices import quiet_cpu_kernel_notes
+
+        quiet_cpu_kernel_notes(log)
     # step_scheduler_with_optimizer=False: the schedule is in optimizer steps, whatever the number of processes
     acc = Accelerator(mixed_precision="no", cpu=not cuda, log_with=trackers or None, project_dir=str(run_dir),
                       step_scheduler_with_optimizer=False)

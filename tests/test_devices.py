@@ -90,3 +90,30 @@ def test_stages_refuse_cuda_without_cuda_before_any_work(no_cuda, tmp_path, qwen
     assert not (tmp_path / "r.jsonl").exists()
     with pytest.raises(ValueError, match="eval.device='gpu': expected"):
         evaluate.EvalConfig(run=str(tmp_path), device="gpu").resolve()
+
+
+def test_a_cpu_device_turns_transformers_install_fla_notes_into_one_accurate_line(capsys):
+    """On the CPU transformers says, once per kernel, to install flash-linear-attention (installed: its kernels need a
+    GPU); after a CPU device is picked the user sees one line saying what really happens, and other warnings pass."""
+    import logging
+
+    from dflash_offline import devices
+
+    logger = logging.getLogger("transformers.integrations.hub_kernels")
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        devices.pick_device("cpu", "x.device")
+        devices.pick_device("cpu", "x.device")  # (one filter per process)
+        for name in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal_conv1d_fn"):
+            logger.warning(f"`{name}` is falling back to its reference PyTorch implementation because "
+                           f"`flash-linear-attention` is not installed.")
+        logger.warning("something else")
+    finally:
+        logger.removeHandler(handler)
+        logger.filters.clear()
+    assert seen == ["something else"]
+    out = capsys.readouterr().out
+    assert out.count("reference PyTorch kernels") == 1 and "need a GPU" in out
