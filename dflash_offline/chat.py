@@ -14,9 +14,10 @@ Messages (validated here, normalized before the template sees them):
 
 Reasoning (`thinking`): content may hold the thinking as text — `<think>R</think>A`, a dangling `R</think>A` (the
 template opened the block: the model's reasoning leaked into `content`), or an unclosed `<think>R` (generation
-stopped while thinking). "keep" moves R into `reasoning_content` unless the record has one already (so the template
-renders one well-formed think block), "strip" drops R and `reasoning_content`. Either way the template's own rules
-decide where a think block is rendered; an *empty* block the template inserts (`<think>\\n\\n</think>\\n\\n`: Qwen3
+stopped while thinking). "keep" moves R into `reasoning_content` when the record has none (so the template renders
+one well-formed think block); a record that has one keeps its content verbatim, think tags and all — it is what the
+target generated after its reasoning, and the real Qwen templates render it so; "strip" drops R and
+`reasoning_content`. Either way the template's own rules decide where a think block is rendered; an *empty* block the template inserts (`<think>\\n\\n</think>\\n\\n`: Qwen3
 in its final turn, Qwen3.5/3.6 in every turn after the last user message) is prompt at serving time (the non-thinking
 generation prompt ends with it), so it is not supervised unless `empty_think="supervise"`.
 
@@ -54,7 +55,7 @@ THINK_RE = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 # same-length stand-ins for the turn markers inside record strings (Unicode private-use characters)
 PLACEHOLDERS = {IM_START: "\ue000" * len(IM_START), IM_END: "\ue001" * len(IM_END)}
 # identity of the rendering and masking rules below; part of the token cache key (change it with the rules)
-RULES = "chat/v2: tool calls normalized, think tags split, structural spans, empty think block masked by option"
+RULES = "chat/v3: content kept verbatim beside given reasoning, tool calls normalized, think tags split, structural spans, empty think block masked by option"
 
 
 class RecordError(Exception):
@@ -182,9 +183,11 @@ def prepare_messages(messages: list[dict], thinking: str, counts: Counter) -> li
             answer = strip_think(m["content"])
             counts["think_stripped"] += bool((given or "").strip() or answer != m["content"])
             m["content"] = answer
+        elif (given or "").strip():  # its reasoning is given: the content is the target's own text after it, kept as
+            m["reasoning_content"] = given  # it is (the real Qwen templates split a content only without one)
         else:
             found, m["content"] = split_think(m["content"])
-            m["reasoning_content"] = given if (given or "").strip() or found is None else found
+            m["reasoning_content"] = given if found is None else found
         out.append(m)
     return out
 

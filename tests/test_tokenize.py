@@ -336,3 +336,20 @@ def test_turns_each_with_a_template_that_renders_every_turn_alike_is_turns_last(
     assert (summary["docs_read"], summary["records_packed"], summary["docs_packed"]) == (2, 2, 2)
     assert summary["chat"]["samples_per_record"] == 1 and summary["chat"]["turns_expanded"] == 0
     assert read_manifest(each)["key"] != read_manifest(last)["key"]
+
+
+def test_content_beside_given_reasoning_is_kept_as_the_target_wrote_it():
+    """A regenerated record whose target wrote `</think>` twice: the reasoning field holds the first block and the
+    content starts with the second `</think>`. With thinking=keep that content is what the target generated (and what
+    the real Qwen templates render), so it stays verbatim; without a reasoning field the leaked reasoning is split."""
+    from collections import Counter
+
+    from dflash_offline.chat import prepare_messages
+
+    twice = {"role": "assistant", "reasoning_content": "dog → rain", "content": "</think>\n\npizza"}
+    leaked = {"role": "assistant", "content": "dog → rain\n</think>\n\npizza"}
+    (kept,) = prepare_messages([twice], "keep", Counter())
+    assert kept["content"] == "</think>\n\npizza" and kept["reasoning_content"] == "dog → rain"
+    (split,) = prepare_messages([leaked], "keep", Counter())
+    assert split["content"] == "pizza" and split["reasoning_content"] == "dog → rain"
+    assert [m["content"] for m in prepare_messages([twice, leaked], "strip", Counter())] == ["pizza", "pizza"]
