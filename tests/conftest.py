@@ -63,3 +63,18 @@ def hidden_cache(tmp_path_factory, qwen35_dir, chat_corpus) -> Path:
     ext = ExtractConfig(target=str(qwen35_dir), cache_root=str(root), num_draft_layers=3, device="cpu",
                         batch_rows=4).resolve()
     return extract.run(ext, tok)
+
+
+def _copy_cache(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    m = json.loads((dst / "manifest.json").read_text())
+    m["config"]["tokens_dir"] = os.path.relpath((src / m["config"]["tokens_dir"]).resolve(), dst)
+    (dst / "manifest.json").write_text(json.dumps(m))
+    return dst
+
+
+@pytest.fixture
+def copy_cache():
+    """copy_cache(src, dst): a copy of hidden cache `src` at `dst` that still reads `src`'s token cache (the relative
+    `tokens_dir` re-pointed), to damage or edit without touching a shared fixture."""
+    return _copy_cache

@@ -97,14 +97,8 @@ def test_a_full_disk_ends_in_one_line_leaves_no_debris_and_a_rerun_completes_ide
     assert shard_hashes(cache) == shard_hashes(clean) and debris(cache) == []
 
 
-def test_a_deleted_shard_is_seen_by_status_and_redone_by_extract_alone(tmp_path, clean):
-    import shutil
-
-    cache = tmp_path / "c"
-    shutil.copytree(clean, cache)
-    m = json.loads((cache / "manifest.json").read_text())
-    m["config"]["tokens_dir"] = os.path.relpath((clean / m["config"]["tokens_dir"]).resolve(), cache)
-    (cache / "manifest.json").write_text(json.dumps(m))
+def test_a_deleted_shard_is_seen_by_status_and_redone_by_extract_alone(tmp_path, clean, copy_cache):
+    cache = copy_cache(clean, tmp_path / "c")
     (cache / hidden_shard_name(3)).unlink()
     with open(cache / hidden_shard_name(5), "ab") as f:
         f.write(b"\0")
@@ -118,15 +112,9 @@ def test_a_deleted_shard_is_seen_by_status_and_redone_by_extract_alone(tmp_path,
     assert redone == [3, 5] and shard_hashes(cache) == shard_hashes(clean)
 
 
-def test_the_repair_command_redoes_one_shard_as_printed(tmp_path, clean):
+def test_the_repair_command_redoes_one_shard_as_printed(tmp_path, clean, copy_cache):
     """`make extract CACHE=<dir> SHARD=k`, as verify and the trainer print it, with the Makefile's empty settings."""
-    import shutil
-
-    cache = tmp_path / "c"
-    shutil.copytree(clean, cache)
-    m = json.loads((cache / "manifest.json").read_text())
-    m["config"]["tokens_dir"] = os.path.relpath((clean / m["config"]["tokens_dir"]).resolve(), cache)
-    (cache / "manifest.json").write_text(json.dumps(m))
+    cache = copy_cache(clean, tmp_path / "c")
     path = cache / hidden_shard_name(4)
     raw = bytearray(path.read_bytes())
     raw[-5] ^= 1  # altered in place: same size, caught only by reading

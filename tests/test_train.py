@@ -339,17 +339,12 @@ def test_two_processes_accumulating_with_master_weights_equal_one(tmp_path, hidd
     assert json.loads((auto / "config.json").read_text())["derived"]["master_weights"] is False
 
 
-def test_cache_mismatches_are_refused_by_name(tmp_path, hidden_cache, qwen3_dir):
+def test_cache_mismatches_are_refused_by_name(tmp_path, hidden_cache, qwen3_dir, copy_cache):
     with pytest.raises(ValueError, match=r"\[2\]"):
         train.run(cfg(hidden_cache, tmp_path / "x", layer_ids=[1, 2]))
     with pytest.raises(ValueError, match="not the target the cache was extracted from"):
         train.run(cfg(hidden_cache, tmp_path / "y", target=str(qwen3_dir)))
-    bad = tmp_path / "bad"
-    shutil.copytree(hidden_cache, bad)
-    tokens = json.loads((hidden_cache / "manifest.json").read_text())["config"]["tokens_dir"]
-    m = json.loads((bad / "manifest.json").read_text())
-    m["config"]["tokens_dir"] = os.path.relpath((hidden_cache / tokens).resolve(), bad)
-    (bad / "manifest.json").write_text(json.dumps(m))
+    bad = copy_cache(hidden_cache, tmp_path / "bad")
     update_manifest(bad, verified={"ok": False, "bad": [{"shard": 1, "reason": "x does not match its checksum"}]})
     with pytest.raises(ValueError, match="SHARD=1"):
         train.run(cfg(bad, tmp_path / "z"))
@@ -501,15 +496,12 @@ def test_window_reports_are_read_after_the_next_step_is_queued_and_windows_tile_
     assert all(50 <= r["ms_per_step"] < 3 * min(x["ms_per_step"] for x in recs[1:]) for r in recs[1:])
 
 
-def test_training_on_a_shard_altered_after_extraction_stops_with_one_line_naming_the_fix(tmp_path, hidden_cache):
+def test_training_on_a_shard_altered_after_extraction_stops_with_one_line_naming_the_fix(tmp_path, hidden_cache,
+                                                                                        copy_cache):
     """The read check is the guarantee: no verify verdict needed, and a past 'ok' verdict is no substitute."""
     from dflash_offline.shards import hidden_shard_name
 
-    bad = tmp_path / "cache"
-    shutil.copytree(hidden_cache, bad)
-    m = json.loads((bad / "manifest.json").read_text())
-    m["config"]["tokens_dir"] = os.path.relpath((hidden_cache / m["config"]["tokens_dir"]).resolve(), bad)
-    (bad / "manifest.json").write_text(json.dumps(m))
+    bad = copy_cache(hidden_cache, tmp_path / "cache")
     update_manifest(bad, verified={"ok": True, "bad": []})
     path = bad / hidden_shard_name(1)
     raw = bytearray(path.read_bytes())
@@ -525,11 +517,9 @@ def test_training_on_a_shard_altered_after_extraction_stops_with_one_line_naming
     assert f"{path} has row" in errors[-1] and f"`make extract CACHE={bad} SHARD=1`" in errors[-1]
 
 
-def test_a_hand_edited_manifest_is_refused_before_the_run_directory_exists(tmp_path, hidden_cache):
-    bad = tmp_path / "cache"
-    shutil.copytree(hidden_cache, bad)
+def test_a_hand_edited_manifest_is_refused_before_the_run_directory_exists(tmp_path, hidden_cache, copy_cache):
+    bad = copy_cache(hidden_cache, tmp_path / "cache")
     m = json.loads((bad / "manifest.json").read_text())
-    m["config"]["tokens_dir"] = os.path.relpath((hidden_cache / m["config"]["tokens_dir"]).resolve(), bad)
     m["shards"][2]["rows"] = m["shards"][2]["rows"] + 1  # a plausible value that contradicts the shard
     (bad / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(ValueError, match=r"hidden-00002.safetensors holds .* but the manifest says"):
