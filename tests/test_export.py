@@ -330,26 +330,16 @@ def sglang_mask_token_id(config: dict, tokenizer_dir) -> int:
     return tok.mask_token_id
 
 
-def test_the_exported_mask_token_resolves_to_the_trained_id_in_sglang(tmp_path, qwen3_dir):
+def test_the_exported_mask_token_resolves_to_the_trained_id_in_sglang(tmp_path, qwen3_dir, real_fixtures):
     """Tiny target (a real <|MASK|> token), and the real Qwen3 (151669: the row past its 151,669 tokens) and
     Qwen3.5/3.6 (248070: <|audio_start|>) tokenizers: the config's mask_token maps back to mask_token_id."""
-    import os
-
     from dflash_offline.export import ExportError, mask_token_for
-
-    sys.path.insert(0, str(REPO / "tests"))
-    import real_tokenizers
 
     run, dc = fake_run(tmp_path / "run", qwen3_dir)
     cfg = json.loads((export(run, tmp_path / "out") / "config.json").read_text())
     assert cfg["dflash_config"]["mask_token"] == "<|MASK|>"
     assert sglang_mask_token_id(cfg, qwen3_dir) == cfg["dflash_config"]["mask_token_id"]
-    try:
-        fixtures = real_tokenizers.build(log=lambda m: None)
-    except real_tokenizers.FixturesUnavailable as e:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"real tokenizer fixtures unavailable here ({e})")
+    fixtures = real_fixtures
     for name, mask_id, token in (("qwen3", 151669, "<|MASK|>"), ("qwen3.6", 248070, "<|audio_start|>"),
                                  ("qwen3.5", 248070, "<|audio_start|>")):
         tokenizer_json = str(fixtures / name / "tokenizer.json")

