@@ -59,6 +59,16 @@ def sample_anchors(
     return pos_BA, keep_BA
 
 
+def sample_blocks(batch: dict, num_anchors: int, block_size: int,
+                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A training batch's blocks from its `loss_mask`, `doc_ids` and `input_ids` [B, S]: (anchor_pos_BA, keep_BA,
+    labels_BAL), `sample_anchors` drawing from `generator`, then `block_labels`."""
+    mask_BS, doc_BS = batch["loss_mask"], batch["doc_ids"]
+    anchor_pos_BA, keep_BA = sample_anchors(mask_BS, doc_BS, num_anchors, block_size, generator)
+    labels_BAL = block_labels(batch["input_ids"], mask_BS, doc_BS, anchor_pos_BA, keep_BA, block_size)
+    return anchor_pos_BA, keep_BA, labels_BAL
+
+
 def block_positions(anchor_pos_BA: torch.Tensor, block_size: int) -> torch.Tensor:
     """Row indices [B, A, L] of the tokens each block slot stands for: anchor + k (may run past the row)."""
     offs = torch.arange(block_size, device=anchor_pos_BA.device)

@@ -14,6 +14,8 @@ Weighting (`weighting=`):
   P_j = prod_{i<=j} s_i and w_k = valid_k * sum_{j>=k} valid_j * P_j. This is the gradient weight of the
   smoothed expected acceptance length sum_j P_j: d/dθ sum_j P_j = sum_k (dlog s_k) * w_k. Weights are
   detached; loss = sum(w*ce) / (number of blocks with >= 1 label).
+The denominator (`loss_weight`) is the batch's by default; training divides every micro-batch by its optimizer
+step's, over all its micro-batches and processes (`step_normalizer`).
 
 Metrics come from the same pass: `correct_BAL` (argmax == label, False where no label).
 
@@ -177,15 +179,33 @@ def _check(hidden_BQH, labels_BAL):
     return B, A, L
 
 
-def _norm(labels_BAL, slot_w_L, dpace: bool, normalizer):
+def loss_weight(labels_BAL: torch.Tensor, gamma: float | None = None, weighting: str = "decay") -> torch.Tensor:
+    """The loss weight of these labels (fp32, 0-dim): the sum of the slot weights of the labelled slots ("decay"),
+    or the number of blocks with a label ("dpace"). `block_ce_loss` divides by it by default (floored at 1e-6);
+    summed over an optimizer step, it gives the step's normalizer (`step_normalizer`)."""
+    valid = labels_BAL >= 0
+    if weighting == "dpace":
+        return valid.any(-1).sum().float()
+    return (valid * slot_weights(labels_BAL.shape[-1], gamma, labels_BAL.device)).sum()
+
+
+def step_normalizer(weights: list[torch.Tensor], world: int) -> torch.Tensor:
+    """The `normalizer` of every micro-batch of an optimizer step from the `loss_weight`s of this process's ones: the
+    step's total over the `world` processes (all-reduced) / world, as their gradients are averaged (DDP, FSDP,
+    `optim.fp32_allreduce_hook`): the averaged gradient is that of the step's weighted CE / its total weight, however
+    its rows are split (SpecForge's rule). Floored at 1e-6: a step without a label has loss 0."""
+    total = torch.stack(list(weights)).sum()
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(total)  # (sum)
+    return (total / world).clamp(min=1e-6)
+
+
+def _norm(labels_BAL, gamma, weighting: str, normalizer):
     if normalizer is not None:
         return torch.as_tensor(normalizer, dtype=torch.float32, device=labels_BAL.device)
-    valid = labels_BAL >= 0
-    if dpace:
-        den = valid.any(-1).sum().float()
-    else:
-        den = (valid * slot_w_L).sum()
-    return den.clamp(min=1e-6)
+    return loss_weight(labels_BAL, gamma, weighting).clamp(min=1e-6)
 
 
 def block_ce_loss(
@@ -207,7 +227,7 @@ def block_ce_loss(
 
     `chunk_tokens` bounds the query tokens per chunk (rounded down to whole blocks of L-1 scored slots): the
     logits buffer is chunk_tokens x V x 4 bytes (2 with `logits="bf16"`). `normalizer` overrides the denominator
-    (e.g. a global token weight sum across ranks / micro-batches); by default it is this batch's (see module doc).
+    (training passes its optimizer step's, `step_normalizer`); by default it is this batch's `loss_weight`.
     `epilogue` picks the decay-weighting epilogue's implementation (`resolve_epilogue`; D-PACE has its own).
     `logits` is the dtype the chunk's logits are stored in, "fp32" or "bf16" (`LOGITS_DTYPES`; the epilogue computes
     in fp32 either way).
@@ -221,7 +241,7 @@ def block_ce_loss(
     if not dpace:  # (D-PACE has its own epilogue)
         epilogue = resolve_epilogue(epilogue, hidden_BQH.is_cuda)
     slot_w_L = slot_weights(L, gamma, labels_BAL.device) if not dpace else torch.ones(L, device=labels_BAL.device)
-    norm = _norm(labels_BAL, slot_w_L, dpace, normalizer)
+    norm = _norm(labels_BAL, gamma, weighting, normalizer)
     chunk_blocks = max(1, chunk_tokens // (L - 1))
     h_XKH = hidden_BQH.reshape(B * A, -1, hidden_BQH.shape[-1])
     if h_XKH.shape[1] == L:
@@ -260,7 +280,7 @@ def reference_block_ce_loss(
         raise ValueError("reference_block_ce_loss wants the outputs of every slot, [B, A*L, H]")
     dpace = weighting == "dpace"
     slot_w_L = slot_weights(L, gamma, labels_BAL.device) if not dpace else torch.ones(L, device=labels_BAL.device)
-    norm = _norm(labels_BAL, slot_w_L, dpace, normalizer)
+    norm = _norm(labels_BAL, gamma, weighting, normalizer)
     z = hidden_BQH.reshape(B * A * L, -1).float() @ lm_head_VH.float().t()  # exact products, fp32 sums
     if logits != "fp32":
         z = z + (z.to(LOGITS_DTYPES[logits]).float() - z).detach()

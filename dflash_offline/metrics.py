@@ -70,7 +70,7 @@ class Window:
         # previous window's end, or `begin`) to its report's; it does not depend on when the host looks
         self.start = start
         self.gc0 = GC_CLOCK.total
-        self.loss_sum, self.n, self.steps, self.rows, self.wait_s, self.grad_norm = 0.0, 0, 0, 0, 0.0, 0.0
+        self.loss_sum, self.steps, self.rows, self.wait_s, self.grad_norm = 0.0, 0, 0, 0.0, 0.0
         self.correct_L = self.valid_L = None
         self.tau_sum, self.blocks = 0.0, 0
         self.graphs0: int | None = None  # compiled graphs at the end of the warm-up step (None: not compiling)
@@ -86,13 +86,13 @@ class Window:
         return self
 
     def add(self, out, keep_BA) -> None:
+        """A micro-batch's loss output (its `loss`: its share of its step's loss, see `Meter.add`) and keep mask."""
         from dflash_offline.loss import block_tau
 
         c, v = out.correct_BAL.sum((0, 1)).float(), out.valid_BAL.sum((0, 1)).float()
         self.correct_L = c if self.correct_L is None else self.correct_L + c
         self.valid_L = v if self.valid_L is None else self.valid_L + v
         self.loss_sum += out.loss.detach()
-        self.n += 1
         self.tau_sum += (block_tau(out.correct_BAL) * keep_BA).sum().float()
         self.blocks += keep_BA.sum()
 
@@ -103,7 +103,7 @@ class Window:
         import torch
 
         t = torch.stack([torch.as_tensor(self.loss_sum, device=device, dtype=torch.float32),
-                         torch.tensor(float(self.n), device=device), torch.as_tensor(self.tau_sum, device=device).float(),
+                         torch.tensor(float(self.steps), device=device), torch.as_tensor(self.tau_sum, device=device).float(),
                          torch.as_tensor(self.blocks, device=device).float()])
         t = acc.reduce(t, "sum")
         cl, vl = acc.reduce(self.correct_L, "sum"), acc.reduce(self.valid_L, "sum")
@@ -135,7 +135,7 @@ class Report:
             self.done.synchronize()  # the window's last step has run on the device
         now = time.time()
         w, k, v = self.w, self.kw, self.host
-        loss_sum, n, tau_sum, blocks, grad_norm, skipped = v[:6].tolist()
+        loss_sum, rank_steps, tau_sum, blocks, grad_norm, skipped = v[:6].tolist()
         L = (v.numel() - 6) // 2
         acc_L = slot_accuracy(v[6 : 6 + L], v[6 + L :])
         secs = (w.start.elapsed_time(self.done) / 1000 if w.start is not None and self.done is not None
@@ -143,7 +143,7 @@ class Report:
         secs = max(secs, 1e-9)
         cuda = k["device"].type == "cuda"
         rec = {
-            "step": k["step"], "loss": loss_sum / n, "acc": [round(a, 4) for a in acc_L[1:].tolist()],
+            "step": k["step"], "loss": loss_sum / rank_steps, "acc": [round(a, 4) for a in acc_L[1:].tolist()],
             "sim_tau": 1 + simulated_acceptance_length(acc_L).item(),
             "block_tau": tau_sum / max(blocks, 1.0), "lr": k["lr"], "grad_norm": grad_norm,
             "tok_per_s": w.rows * k["seq_len"] / secs, "ms_per_step": 1000 * secs / max(w.steps, 1),
@@ -215,7 +215,10 @@ class Meter:
         self.windows, self.last = [], None  # windows: (steps, seconds, tokens); the last record
 
     def add(self, out, keep_BA, wait_s: float) -> None:
-        """A micro-batch's loss output, its keep mask, and the time its batch kept the host waiting."""
+        """A micro-batch's loss output, its keep mask, and the time its batch kept the host waiting. Its loss is its
+        share of the step's loss: the shares of a step's micro-batches on all processes sum to the step's loss times
+        the number of processes (`loss.step_normalizer`), so the record's `loss` is the mean over the window's steps
+        of each step's loss: its weighted CE over all its micro-batches and processes / their total loss weight."""
         self.window.add(out, keep_BA)
         self.window.wait_s += wait_s
 

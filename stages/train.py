@@ -7,8 +7,10 @@ Sections: config → compute → model → optimizer → data → loop. Fixed sh
 A anchors per row (padded with a keep mask, resampled every step), so the compiled step sees one shape; after the
 warm-up step any recompile is an error. The streaming loader splits rows by rank itself (it never goes through
 accelerator.prepare). Anchors and noise come from a generator seeded by (seed, global micro-batch index), so
-resumed, 1-process and N-process runs see the same anchors for the same rows. What the settings mean on this
-machine: `dflash_offline.trainsetup`; the metrics windows and the run's last line: `dflash_offline.metrics`.
+resumed, 1-process and N-process runs see the same anchors for the same rows. A step draws the blocks of all its
+micro-batches first, and divides each one's loss by the step's loss weight over all its micro-batches and processes
+(`loss.step_normalizer`). What the settings mean on this machine: `dflash_offline.trainsetup`; the metrics windows
+and the run's last line: `dflash_offline.metrics`.
 """
 
 from __future__ import annotations
@@ -186,6 +188,7 @@ def compile_model(raw, s: TrainSetup) -> None:
 def train_loop(cfg: TrainConfig, s: TrainSetup, acc, p: Parts, stream, step: int, dc, seq_len: int, run_dir: Path,
                t0: float) -> None:
     from dflash_offline.checkpoint import find_checkpoint
+    from dflash_offline.loss import loss_weight, step_normalizer
     from dflash_offline.metrics import Meter, flops_per_row, start_profiler, write_profile
     from dflash_offline.progress import Progress, log
 
@@ -198,9 +201,10 @@ def train_loop(cfg: TrainConfig, s: TrainSetup, acc, p: Parts, stream, step: int
     while step < s.steps:
         if cfg.profile_steps and rank == 0 and step == max(2, s.steps - cfg.profile_steps) and profiler is None:
             profiler, profile_end = start_profiler(cuda), step + cfg.profile_steps  # the last steps, after warm-up
-        for micro in range(s.accum):
-            out, keep_BA = micro_batch(cfg, s, acc, p, next(stream), step * s.accum + micro, dc)
-            meter.add(out, keep_BA, stream.last_wait_s)
+        micros = [next_micro(cfg, s, acc, stream, step * s.accum + m, dc) for m in range(s.accum)]
+        norm = step_normalizer([loss_weight(b["labels"], cfg.gamma or None, cfg.weighting) for b, _ in micros], s.world)
+        for m, (batch, wait_s) in enumerate(micros):
+            meter.add(micro_batch(cfg, s, acc, p, batch, norm, last=m == s.accum - 1), batch["keep"], wait_s)
         grad_norm = optimizer_step(cfg, s, acc, p)
         step += 1
         if profiler is not None and step == profile_end:
@@ -226,36 +230,47 @@ def train_loop(cfg: TrainConfig, s: TrainSetup, acc, p: Parts, stream, step: int
         tracker.finish()
 
 
-def micro_batch(cfg: TrainConfig, s: TrainSetup, acc, p: Parts, batch: dict, index: int, dc):
-    """Forward and backward of `batch`, micro-batch `index` of this process's run: (loss output, keep mask)."""
+def next_micro(cfg: TrainConfig, s: TrainSetup, acc, stream, index: int, dc) -> tuple[dict, float]:
+    """Micro-batch `index` of this process's run: the stream's next batch with its blocks (`anchors`, `keep`,
+    `labels`) and its noise (noise_std > 0), drawn in this order from a generator seeded by the global micro-batch
+    index; and the time the stream kept the host waiting for it."""
     import torch
 
-    from dflash_offline import anchors as anc
+    from dflash_offline.anchors import sample_blocks
+
+    batch, wait_s = next(stream), stream.last_wait_s
+    g = torch.Generator(device=acc.device).manual_seed(micro_seed(cfg.seed, index * s.world + acc.process_index))
+    batch["anchors"], batch["keep"], batch["labels"] = sample_blocks(batch, cfg.num_anchors, dc.block_size, g)
+    if cfg.noise_std > 0:
+        hidden = batch["hidden"]
+        rms = hidden.float().pow(2).mean(-1, keepdim=True).sqrt()
+        noise = torch.randn(hidden.shape, generator=g, device=acc.device)
+        batch["hidden"] = (hidden.float() + cfg.noise_std * rms * noise).to(hidden.dtype)
+    return batch, wait_s
+
+
+def micro_batch(cfg: TrainConfig, s: TrainSetup, acc, p: Parts, batch: dict, norm, last: bool):
+    """Forward and backward of a `next_micro` batch (`last`: the step's last), its loss divided by `norm`, the step's
+    (`loss.step_normalizer`): the loss returned is its share of the step's loss (see `metrics.Meter.add`)."""
+    import torch
+
     from dflash_offline.loss import block_ce_loss
 
-    device, last = acc.device, (index + 1) % s.accum == 0  # the optimizer step's last micro-batch
-    g = torch.Generator(device=device).manual_seed(micro_seed(cfg.seed, index * s.world + acc.process_index))
-    a_BA, keep_BA = anc.sample_anchors(batch["loss_mask"], batch["doc_ids"], cfg.num_anchors, dc.block_size, g)
-    labels_BAL = anc.block_labels(batch["input_ids"], batch["loss_mask"], batch["doc_ids"], a_BA, keep_BA,
-                                  dc.block_size)
-    hidden = batch["hidden"]
-    if cfg.noise_std > 0:
-        rms = hidden.float().pow(2).mean(-1, keepdim=True).sqrt()
-        noise = torch.randn(hidden.shape, generator=g, device=device)
-        hidden = (hidden.float() + cfg.noise_std * rms * noise).to(hidden.dtype)
+    a_BA, keep_BA = batch["anchors"], batch["keep"]
     masks = p.raw.build_masks(batch["doc_ids"], a_BA, keep_BA, s.attn)
     if s.sharded:  # reduce-scatter the gradients once, on the last micro-batch
         p.model.set_requires_gradient_sync(last)
     if s.master and s.reduced_accum:  # the last micro-batch's gradients go to the comm hook as they are
         p.opt.optimizer.reduce_next_backward(last)
     with acc.no_sync(p.model) if not last and not s.sharded else nullcontext():
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=s.precision == "bf16"):
-            h = p.model(hidden, batch["input_ids"], batch["position_ids"], a_BA, keep_BA, p.embed, masks, s.attn,
-                        scored_only=True, out_dtype=p.head.dtype)  # slots 1..L-1: the scored ones
-        out = block_ce_loss(h, p.head, labels_BAL, gamma=cfg.gamma or None, weighting=cfg.weighting,
-                            chunk_tokens=cfg.loss_chunk_tokens, epilogue=s.epilogue, logits=cfg.loss_logits)
-        acc.backward(out.loss / s.accum)
-    return out, keep_BA
+        with torch.autocast(acc.device.type, dtype=torch.bfloat16, enabled=s.precision == "bf16"):
+            h = p.model(batch["hidden"], batch["input_ids"], batch["position_ids"], a_BA, keep_BA, p.embed, masks,
+                        s.attn, scored_only=True, out_dtype=p.head.dtype)  # slots 1..L-1: the scored ones
+        out = block_ce_loss(h, p.head, batch["labels"], gamma=cfg.gamma or None, weighting=cfg.weighting,
+                            chunk_tokens=cfg.loss_chunk_tokens, normalizer=norm, epilogue=s.epilogue,
+                            logits=cfg.loss_logits)
+        acc.backward(out.loss)
+    return out
 
 
 def micro_seed(seed: int, index: int) -> int:

@@ -1,7 +1,8 @@
 """GPU end-to-end checks of the training stage (make test-gpu-train): the compiled
 flex trainer (and bench.train's joint flex call) equals the eager dense one, with flat reserved memory and no
-recompiles; bf16 master weights, and bench.train's overlapped optimizer update, train like the plain ones; on 2 GPUs,
-DDP (also accumulating with master weights) and FSDP train like one GPU."""
+recompiles; a step of 4 accumulated micro-batches is that of one batch of their rows; bf16 master weights, and
+bench.train's overlapped optimizer update, train like the plain ones; on 2 GPUs, DDP (also accumulating with master
+weights) and FSDP train like one GPU."""
 
 import json
 
@@ -30,6 +31,26 @@ def test_compiled_flex_trainer_matches_eager_and_holds_memory(tmp_path, hidden_c
     assert c[-1]["recompiles"] == 0
     reserved = [r["reserved_gb"] for r in c[5:]]
     assert max(reserved) - min(reserved) < 0.05, reserved  # flat after warm-up
+
+
+def test_a_step_of_four_micro_batches_is_that_of_one_batch_of_their_rows(tmp_path, hidden_cache):
+    """The CUDA defaults (compiled flex attention, bf16 weights + fp32 masters summing the micro-batches' gradients
+    in fp32), 1 GPU × 4 micro-batches of one row: the first step's logged loss and gradient norm are those of one
+    batch of the same 4 rows with the same blocks, in fp32 with dense attention (bf16 tolerance: a micro-batch
+    divided by the wrong weight, or a gradient of the wrong scale, is far outside it). The CPU suite checks the
+    same exactly, and 2 processes (tests/test_accum_norm.py)."""
+    from test_accum_norm import reference_step, trainer_blocks
+    from test_train import TINY
+
+    kw = {**TINY, "batch_rows": 1, "steps": 1, "ckpt_every": 1, "global_batch_tokens": 4 * 128}
+    cfg = TrainConfig(cache=str(hidden_cache), run=str(tmp_path / "r"), **kw).resolve()
+    train.run(cfg)
+    d = json.loads((tmp_path / "r" / "config.json").read_text())["derived"]
+    assert (d["grad_accum"], d["master_weights"], d["attn"], d["compile"]) == (4, True, "flex", True)
+    logged = json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[0])
+    grad_norm, loss = reference_step(*trainer_blocks(cfg, torch.device("cuda")))
+    assert logged["loss"] == pytest.approx(loss, rel=2e-2)
+    assert logged["grad_norm"] == pytest.approx(grad_norm, rel=3e-2)
 
 
 def train_off_and_on(tmp_path, hidden_cache, option: str, log_every: int, values=("off", "on")):

@@ -401,8 +401,8 @@ def test_fsdp_two_processes_equal_one_and_resume_exactly(tmp_path, hidden_cache)
     assert losses(one) == pytest.approx(losses(sharded), rel=1e-5)
     w1, w2 = final_weights(one, 4), final_weights(sharded, 4)
     assert set(w1) == set(w2)
-    for k in w1:
-        torch.testing.assert_close(w1[k], w2[k], rtol=1e-4, atol=1e-6)
+    for k in w1:  # fp32 sums in another order, through 4 AdamW steps: ~1e-7..1e-6 apart
+        assert float((w1[k] - w2[k]).norm() / w1[k].norm()) < 1e-5, k
     # interrupt after step 2, resume sharded
     shutil.rmtree(sharded / "checkpoints" / "step-00000004")
     (sharded / "checkpoints" / "latest").write_text("step-00000002\n")
@@ -410,7 +410,7 @@ def test_fsdp_two_processes_equal_one_and_resume_exactly(tmp_path, hidden_cache)
     launch_two(hidden_cache, sharded, global_batch_tokens=tokens_per_step, fsdp=1, ckpt_every=2, resume=1)
     assert losses(sharded) == pytest.approx(losses(one), rel=1e-5)
     for k, v in final_weights(sharded, 4).items():
-        torch.testing.assert_close(v, w1[k], rtol=1e-4, atol=1e-6)
+        assert float((v - w1[k]).norm() / w1[k].norm()) < 1e-5, k
     # the sharded run's checkpoint (full tensors, optimizer by parameter index) loads into an unsharded model + AdamW
     from dflash_offline.checkpoint import load_checkpoint
     from dflash_offline.drafter import DFlashDrafter
