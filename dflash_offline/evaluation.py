@@ -152,10 +152,14 @@ def margin_hist(margins: list[float]) -> dict:
 
 
 def exact_float32(device) -> None:
-    """Exact mode on CUDA: no TF32 in matmuls or convolutions (torch's defaults allow it in cuDNN convolutions)."""
+    """Exact mode on CUDA: no TF32 in matmuls or convolutions (torch's defaults allow it in cuDNN convolutions), nor
+    in Triton kernels' fp32 dot products (fla's Gated DeltaNet kernels leave the precision to Triton's default)."""
+    import os
+
     import torch
 
     if device.type == "cuda":
+        os.environ["TRITON_F32_DEFAULT"] = "ieee"
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
 
@@ -207,6 +211,50 @@ def teacher_forced(model, embed_VH, lm_head_VH, cache_dir, gamma, batches: int, 
     return {"batches": n, "rows": n * rows, "blocks": blocks, "loss": loss_sum / n,
             "sim_tau": 1 + float(simulated_acceptance_length(acc)), "block_tau": tau_sum / max(blocks, 1),
             "acc": [round(float(x), 4) for x in acc[1:]]}
+
+
+def baseline_key(cfg, target_dir: Path, prompts: list[dict], eos: list[int], dtype: str, device) -> dict:
+    """What the target-alone decodes depend on: the target's weights and config, the prompts' tokens, eos, the
+    budget, the dtype and the device type (and the library versions that compute them)."""
+    import hashlib
+
+    import torch
+    import transformers
+
+    from .targetid import target_fingerprint
+
+    ids = hashlib.sha256(json.dumps([p["ids"] for p in prompts]).encode()).hexdigest()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"target": target_fingerprint(target_dir), "prompt_ids_sha256": ids, "eos": list(eos),
+            "max_new_tokens": cfg.max_new_tokens, "dtype": dtype, "device": name, "torch": torch.__version__,
+            "transformers": transformers.__version__}
+
+
+def read_baseline(path: Path, key: dict, log) -> list | None:
+    """[(ids, GenStats)] per prompt from `path` when it was made with `key`, else None (and why, logged)."""
+    from dataclasses import fields
+
+    from .speculate import GenStats
+
+    if not path.is_file():
+        log(f"baseline {path}: not there yet; the target-alone decodes run and are written there")
+        return None
+    data = json.loads(path.read_text())
+    if data.get("key") != key:
+        diff = sorted(k for k in key if data.get("key", {}).get(k) != key[k])
+        log(f"baseline {path} was made for another {', '.join(diff)}: the target-alone decodes run again")
+        return None
+    names = {f.name for f in fields(GenStats)}
+    log(f"baseline {path}: reusing the target-alone decodes of {len(data['decodes'])} prompts")
+    return [(d["ids"], GenStats(**{k: v for k, v in d["stats"].items() if k in names})) for d in data["decodes"]]
+
+
+def write_baseline(path: Path, key: dict, refs: list[list[int]], alone: list) -> None:
+    from .manifest import write_json_atomic
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, {"key": key, "decodes": [{"ids": r, "stats": s.to_dict()} for r, s in zip(refs, alone,
+                                                                                                    strict=True)]})
 
 
 def speedups(s: dict, a: dict) -> dict:

@@ -42,6 +42,7 @@ from pathlib import Path
 from dflash_offline.config import ConfigError, as_dict, check_choice, config_from_argv
 from dflash_offline.devices import check_setting
 from dflash_offline.evaluation import (
+    baseline_key,
     compute_dtype,
     decode_summary,
     divergence,
@@ -49,10 +50,12 @@ from dflash_offline.evaluation import (
     exact_float32,
     export_for_eval,
     lossless,
+    read_baseline,
     read_prompts,
     run_info,
     table,
     teacher_forced,
+    write_baseline,
 )
 
 
@@ -75,6 +78,7 @@ class EvalConfig:
     threads: int = 0  # CPU threads for torch (0 = 1 on a CPU run unless OMP_NUM_THREADS is set, else torch's default)
     out: str = ""  # JSON report path; empty = RUN/eval.json (RUN/eval-untrained.json)
     tie_tol: float = 0.25  # bfloat16: a difference where the target's top-2 logit margin is <= this is a rounding tie
+    baseline: str = ""  # JSON file of the target-alone decodes: reused when made for the same target/prompts/dtype/device, else (re)written
 
     def resolve(self) -> EvalConfig:
         check_choice("eval.turn", self.turn, ("first", "last"))
@@ -153,17 +157,19 @@ def estimate(cfg: EvalConfig, ri: dict, model, dc, target) -> dict:
 # --- the decodes -----------------------------------------------------------------------------------------------
 
 
-def decode(cfg: EvalConfig, target, drafter, prompts: list[dict], eos: list[int], exact: bool):
+def decode(cfg: EvalConfig, target, drafter, prompts: list[dict], eos: list[int], exact: bool, reuse=None):
     """Each prompt decoded by the target alone and with the drafter (one untimed warm-up of each path first):
-    (spec, alone: GenStats per prompt, per_prompt records, the lossless check)."""
+    (spec, alone: GenStats per prompt, per_prompt records, the lossless check). `reuse`: the target-alone decodes
+    [(ids, GenStats)] of a matching `--baseline` file, decoded again only where absent."""
     from dflash_offline.progress import log
     from dflash_offline.speculate import greedy_generate, speculative_generate
 
     greedy_generate(target, prompts[0]["ids"], 2, eos)
     speculative_generate(target, drafter, prompts[0]["ids"], 2, eos)
-    spec, alone, per_prompt, mismatches, ties, margins = [], [], [], [], [], []
+    spec, alone, refs, per_prompt, mismatches, ties, margins = [], [], [], [], [], [], []
     for i, p in enumerate(prompts):
-        ref, rs = greedy_generate(target, p["ids"], cfg.max_new_tokens, eos)
+        ref, rs = reuse[i] if reuse else greedy_generate(target, p["ids"], cfg.max_new_tokens, eos)
+        refs.append(ref)
         out, ss = speculative_generate(target, drafter, p["ids"], cfg.max_new_tokens, eos)
         equal = out == ref
         div = None if equal else divergence(target, p["ids"], out, ref)
@@ -181,7 +187,7 @@ def decode(cfg: EvalConfig, target, drafter, prompts: list[dict], eos: list[int]
                                  f"{'rounding tie' if div['tie'] else 'MISMATCH'})")
         log(f"prompt {i + 1}/{len(prompts)}: {len(out)} tokens, τ {ss.tau_mean:.2f}, "
             f"{ss.tok_per_s:.1f} vs {rs.tok_per_s:.1f} tok/s{what}")
-    return spec, alone, per_prompt, lossless(mismatches, ties, margins, exact, cfg.tie_tol)
+    return spec, alone, refs, per_prompt, lossless(mismatches, ties, margins, exact, cfg.tie_tol)
 
 
 # --- the stage -------------------------------------------------------------------------------------------------
@@ -229,12 +235,17 @@ def evaluate(cfg: EvalConfig) -> dict:
         f"tokens), ≤ {cfg.max_new_tokens} new tokens, block {dc.block_size}, eos {eos}, drafter "
         f"{artifact['path'] or 'untrained'}")
 
-    spec, alone, per_prompt, check = decode(cfg, target, drafter, prompts, eos, exact)
+    key = baseline_key(cfg, target_dir, prompts, eos, dtype_name, device) if cfg.baseline else None
+    reuse = read_baseline(Path(cfg.baseline), key, log) if cfg.baseline else None
+    spec, alone, refs, per_prompt, check = decode(cfg, target, drafter, prompts, eos, exact, reuse)
+    if cfg.baseline and reuse is None:
+        write_baseline(Path(cfg.baseline), key, refs, alone)
     return {
         "run": str(run_dir), "artifact": artifact, "checkpoint": artifact.get("checkpoint"),
         "step": 0 if cfg.untrained else artifact["step"], "untrained": cfg.untrained,
         "target": str(target_dir), "arch": info.arch, "prompts": str(prompts_file), "num_prompts": len(prompts),
         "max_new_tokens": cfg.max_new_tokens, "block_size": dc.block_size, "device": str(device),
+        "baseline": {"file": cfg.baseline, "reused": reuse is not None} if cfg.baseline else None,
         "dtype": dtype_name, "mode": "exact" if exact else "ties allowed", **decode_summary(spec, alone, prompts),
         **check, "teacher_forced": tf, "per_prompt": per_prompt, "config": as_dict(cfg), "time": time.time(),
     }
