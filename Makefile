@@ -20,6 +20,11 @@ DTYPE ?=
 PROMPTS ?=
 UNTRAINED ?=
 EXPORT ?=
+TESTBED_DIR ?= build/testbed
+TESTBED_FROM ?=
+ARGS_A ?=
+ARGS_B ?=
+SEEDS ?= 2
 NPROC ?= 1
 ARGS ?=
 DEMO_DIR ?= build/demo
@@ -28,7 +33,7 @@ DEMO_ENV ?= OMP_NUM_THREADS=1
 LAUNCH = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/accelerate launch --num_processes $(NPROC) -m,$(PYTHON) -m)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup fixtures test test-gpu test-gpu-extract test-gpu-train faults lint style demo tiny tokenize extract verify train regen report export eval status bench-extract bench-extract-layers bench-train bench-train-attention bench-train-loss clean help
+.PHONY: setup fixtures test test-gpu test-gpu-extract test-gpu-train faults lint style demo tiny tokenize extract verify train regen report export eval status bench-extract bench-extract-layers bench-train bench-train-attention bench-train-loss testbed testbed-ab testbed-sweep clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -130,6 +135,15 @@ demo: setup  ## the whole pipeline on the embedded default, on CPU: build, regen
 	$(DEMO_ENV) $(PYTHON) -m stages.evaluate --run=$(DEMO_DIR)/run --threads=1 --untrained=1
 	$(DEMO_ENV) $(PYTHON) -m stages.report --run=$(DEMO_DIR)/run
 	@$(PYTHON) -c "import json; t, u = (json.load(open('$(DEMO_DIR)/run/' + f)) for f in ('eval.json', 'eval-untrained.json')); print(f'demo: real tau on {t[\"num_prompts\"]} held-out prompts: trained {t[\"tau_mean\"]:.2f} vs untrained {u[\"tau_mean\"]:.2f} ({t[\"tau_mean\"] / u[\"tau_mean\"]:.1f}x), lossless {t[\"lossless\"] and u[\"lossless\"]}, CPU speed-up x{t[\"speedup\"]:.2f}; export in $(DEMO_DIR)/export, plots in $(DEMO_DIR)/run/report')"
+
+testbed: setup  ## GPU quality yardstick: ~120M Qwen3.5-style target trained on Python sources, regen, extract, train, eval (≤ 8 min on an H200; TESTBED_FROM=extract|train redoes from there)
+	$(PYTHON) -m stages.testbed --dir=$(TESTBED_DIR) --from_phase=$(TESTBED_FROM) $(ARGS)
+
+testbed-ab: setup  ## A/B on the testbed: drafters with ARGS_A vs ARGS_B (key=value settings), SEEDS= seeds each; τ mean and spread
+	$(PYTHON) -m stages.testbed --dir=$(TESTBED_DIR) --arms="$(ARGS_A);$(ARGS_B)" --seeds=$(SEEDS) $(ARGS)
+
+testbed-sweep: setup  ## the testbed A/B of the existing options (γ, anchors per row, noise, D-PACE, fp8 cache), SEEDS= seeds each
+	$(PYTHON) -m stages.testbed --dir=$(TESTBED_DIR) --sweep=options --seeds=$(SEEDS) $(ARGS)
 
 clean:  ## remove build outputs and caches made by the demo (never touches CACHE=)
 	rm -rf build/demo .pytest_cache

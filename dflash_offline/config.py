@@ -24,7 +24,7 @@ class ConfigError(ValueError):
 
 # every recipe table some stage reads (tokenize; extract reads [extract] + [tokenize]; verify; train; evaluate reads
 # [eval]; export): any other section in a recipe is a typo, refused rather than silently ignored
-RECIPE_SECTIONS = ("tokenize", "extract", "verify", "train", "eval", "export")
+RECIPE_SECTIONS = ("tokenize", "extract", "verify", "train", "eval", "export", "testbed")
 
 # the make variable that sets a field (Makefile): messages about that field name both spellings
 MAKE_VARS = {
@@ -34,6 +34,7 @@ MAKE_VARS = {
     "train": {"cache": "CACHE", "run": "RUN", "resume": "RESUME"},
     "eval": {"run": "RUN", "prompts": "PROMPTS", "untrained": "UNTRAINED", "cache": "CACHE"},
     "export": {"run": "RUN", "out": "OUT", "step": "STEP", "dtype": "DTYPE"},
+    "testbed": {"dir": "TESTBED_DIR", "from_phase": "TESTBED_FROM", "seeds": "SEEDS"},
 }
 
 

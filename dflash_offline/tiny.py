@@ -141,14 +141,22 @@ def padded_vocab(tokenizer) -> int:
     return math.ceil(len(tokenizer) / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
-def make_config(arch: str, tokenizer):
-    """The tiny config for `arch`, its vocab and token ids taken from `tokenizer`."""
+TINY_DIMS = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 16, "num_hidden_layers": 8, "linear_num_key_heads": 4, "linear_num_value_heads": 4,
+             "linear_key_head_dim": 16, "linear_value_head_dim": 16}
+
+
+def make_config(arch: str, tokenizer, dims: dict | None = None):
+    """The tiny config for `arch`, its vocab and token ids taken from `tokenizer`; `dims` overrides TINY_DIMS
+    (qwen3_5 only; the testbed's larger target)."""
     from transformers import Qwen3_5Config, Qwen3Config
 
+    d = {**TINY_DIMS, **(dims or {})}
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     common = dict(
-        vocab_size=padded_vocab(tokenizer), hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=32768, tie_word_embeddings=False,
+        vocab_size=padded_vocab(tokenizer), hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+        num_attention_heads=d["num_attention_heads"], num_key_value_heads=d["num_key_value_heads"],
+        head_dim=d["head_dim"], max_position_embeddings=32768, tie_word_embeddings=False,
         pad_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], bos_token_id=None,
     )
     if arch == "qwen3":
@@ -156,19 +164,22 @@ def make_config(arch: str, tokenizer):
                            dtype="bfloat16", **common)
     if arch != "qwen3_5":
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
-    n_layers = 8
+    n_layers = d["num_hidden_layers"]
+    # as the real config: theta 1e7, a quarter of each head rotated, interleaved M-RoPE over T/H/W sections (for
+    # text all three position streams are equal anyway); the tiny head (16) has 2 frequencies: T 1, H 1, W none
+    freqs = d["head_dim"] // 8
+    section = [freqs - 2 * (freqs // 3), freqs // 3, freqs // 3] if freqs > 2 else [1, 1, 0]
     text = dict(
         common, num_hidden_layers=n_layers,
         layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n_layers)],
-        linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        **{k: d[k] for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                             "linear_value_head_dim")},
         linear_conv_kernel_dim=4, dtype="bfloat16",
-        # as the real config: theta 1e7, a quarter of each head rotated, interleaved M-RoPE (here 2 frequencies:
-        # T gets 1, H gets 1, W none — for text all three position streams are equal anyway)
         rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                         "mrope_section": [1, 1, 0], "mrope_interleaved": True},
+                         "mrope_section": section, "mrope_interleaved": True},
     )
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, temporal_patch_size=2,
-                  spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=16)
+                  spatial_merge_size=2, out_hidden_size=d["hidden_size"], num_position_embeddings=16)
     return Qwen3_5Config(
         text_config=text, vision_config=vision, tie_word_embeddings=False, dtype="bfloat16",
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],

@@ -1,0 +1,485 @@
+"""The GPU quality yardstick: a realistic target trained from real text, the whole pipeline, real τ as the measure.
+
+    python -m stages.testbed [--dir=build/testbed] [--from_phase=train]          (make testbed [TESTBED_FROM=train])
+    python -m stages.testbed --arms="gamma=5;num_anchors=256" --seeds=2           (make testbed-ab ARGS_A= ARGS_B=)
+    python -m stages.testbed --sweep=options                                       (make testbed-sweep)
+
+Phases, each skipped when already done (a rerun resumes; `--from_phase` redoes that phase and every later one):
+1. `target`: the Python sources of this interpreter and its packages (`dflash_offline.pysource`: deterministic
+   selection, held-out files disjoint by name hash, the file list's digest part of the testbed's identity), a BPE
+   tokenizer trained on them and a ~120M-parameter Qwen3.5-architecture target trained from scratch for
+   `target_s` seconds (`dflash_offline.testbed`), written to DIR/target like a real checkpoint.
+2. `regen`: "continue this file" prompts (a training file's first lines) answered by the target (make regen:
+   greedy, batched).
+3. `extract`: token cache + hidden cache of the regenerated corpus (manifests/testbed.toml).
+4. `train` → `export` → `eval`: the drafter (the recipe's [train], compiled flex on CUDA), its z-lab export, and
+   real speculative decoding on `eval_prompts` held-out prompts in exact mode (float32: any difference from the
+   target's greedy output fails), then an untrained drafter of the same shape on the same prompts.
+The target-alone decodes are made once (DIR/baseline-<tokens>.json) and reused by every evaluation against the same
+target; the untrained drafter (τ ≈ 1, a verify step per token) decodes `untrained_tokens` per prompt.
+Result: DIR/testbed.json and a table (target loss, regen tokens, extraction tok/s, drafter steps and tok/s, τ
+trained and untrained, acceptance per position, lossless, wall time per phase).
+
+A/B (`--arms`, `;`-separated arms of space-separated `key=value` settings, "" = the recipe as it is): each arm's
+drafter is trained with `--seeds` seeds on the testbed's cache (a setting of [extract], e.g. `quant=fp8`, gives the
+arm its own cache extracted from the same target and corpus), exported and evaluated on the same prompts;
+reported: τ per seed, mean, spread (max − min), final loss, each arm's difference to the first arm. `--sweep=options`
+runs the arms for the existing options (γ, anchors per row, noise, D-PACE, fp8 cache). Jobs run `--parallel` at
+a time (their timings then overlap; τ does not depend on it). Results in DIR/ab/<label>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from dflash_offline.config import ConfigError, as_dict, check_choice, config_from_argv, did_you_mean
+
+PHASES = ("target", "regen", "extract", "train", "export", "eval")
+SWEEPS = {"options": ["", "gamma=5", "gamma=inf", "num_anchors=256", "num_anchors=1024", "noise_std=0.05",
+                      "weighting=dpace", "quant=fp8"]}
+PRESETS = {  # sizes: full (make testbed), short (the GPU test, ≤ 2 min), micro (the CPU test: the pipeline's logic)
+    "full": {},
+    "short": {"source_mb": 16, "tokenizer_mb": 4, "target_s": 25, "regen_docs": 512, "train_steps": 80, "eval_prompts": 16, "eval_tokens": 48},
+    "micro": {"packages": [], "source_mb": 2, "tokenizer_mb": 1, "vocab": 1024, "dims": "tiny", "target_rows": 128,
+              "target_batch": 4, "target_s": 5, "target_steps": 8, "regen_docs": 12, "regen_tokens": 24,
+              "regen_batch": 12, "train_steps": 6, "eval_prompts": 3, "eval_tokens": 12, "untrained_tokens": 6,
+              "recipe_seq_len": 256,
+              "train_args": "num_layers=2 num_heads=4 num_kv_heads=2 head_dim=16 num_anchors=16 batch_rows=2 "
+                            "log_every=2"},
+}
+
+
+@dataclass
+class TestbedConfig:
+    dir: str = "build/testbed"  # everything goes here (target, corpora, caches, runs, results)
+    from_phase: str = ""  # redo this phase and the later ones: target | regen | extract | train | export | eval
+    preset: str = "full"  # full (make testbed) | short (GPU test, ≤ 2 min) | micro (CPU test of the logic)
+    drafter_recipe: str = "manifests/testbed.toml"  # tokenize/extract/train settings of the drafter part
+    train_args: str = ""  # extra train settings for every drafter (space-separated key=value)
+    packages: list[str] = field(default_factory=lambda: ["torch", "transformers", "numpy", "huggingface_hub",
+                                                         "accelerate", "pyarrow", "jinja2", "safetensors", "triton"])  # packages whose sources join the standard library's
+    source_mb: int = 96  # training source text taken (MB, in name-hash order)
+    heldout_every: int = 32  # one file in this many is held out (by name hash)
+    tokenizer_mb: int = 24  # source text the BPE is trained on
+    vocab: int = 16384  # tokenizer size (BPE + added tokens)
+    dims: str = "testbed"  # target shape: testbed (hidden 768, 12 layers) | tiny (the embedded demo's)
+    target_rows: int = 1024  # target training row length (tokens)
+    target_batch: int = 64  # target training rows per step
+    target_lr: float = 1e-3  # target peak learning rate
+    target_s: float = 150.0  # target training time budget (seconds; the step count is fitted to it)
+    target_steps: int = 4000  # target training steps at most
+    regen_docs: int = 4000  # prompts the target answers (the drafter's corpus)
+    regen_tokens: int = 192  # new tokens per answer
+    regen_batch: int = 512  # prompts per generate call
+    train_steps: int = 0  # drafter steps; 0 = the recipe's
+    eval_prompts: int = 64  # held-out prompts evaluated
+    eval_tokens: int = 64  # new tokens per prompt
+    untrained_tokens: int = 16  # new tokens per prompt for the untrained drafter (τ ≈ 1: one step per token)
+    recipe_seq_len: int = 0  # token row length for the drafter's cache; 0 = the recipe's
+    device: str = "auto"  # auto | cuda | cpu
+    seed: int = 0  # target build and the first drafter seed
+    arms: str = ""  # A/B: arms separated by ';', each space-separated key=value settings ('' = the recipe)
+    sweep: str = ""  # A/B preset: options (γ, anchors, noise, D-PACE, fp8 cache)
+    seeds: int = 2  # A/B: drafter seeds per arm
+    parallel: int = 0  # A/B: jobs at once; 0 = 4 on a GPU, 1 on a CPU
+    label: str = ""  # A/B: result name (DIR/ab/<label>.json); empty = sweep name or 'ab'
+
+    def resolve(self) -> TestbedConfig:
+        check_choice("testbed.preset", self.preset, tuple(PRESETS))
+        if self.from_phase:
+            check_choice("testbed.from_phase", self.from_phase, PHASES)
+        check_choice("testbed.dims", self.dims, ("testbed", "tiny"))
+        if self.sweep:
+            check_choice("testbed.sweep", self.sweep, tuple(SWEEPS))
+        if self.seeds < 1 or self.eval_prompts < 1 or self.regen_docs < 1:
+            raise ConfigError("testbed.seeds, eval_prompts and regen_docs must be >= 1")
+        return self
+
+
+def apply_preset(cfg: TestbedConfig, argv: list[str]) -> TestbedConfig:
+    """The preset's values for every field the command line did not set."""
+    given = {a[2:].split("=", 1)[0] for a in argv if a.startswith("--")}
+    for k, v in PRESETS[cfg.preset].items():
+        if k not in given:
+            setattr(cfg, k, v)
+    return cfg
+
+
+# --- running the stages ----------------------------------------------------------------------------------------
+
+
+def log(msg: str) -> None:
+    print(f"[testbed {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def stage(module: str, *args: str, log_file: Path | None = None, ok=(0,)) -> float:
+    """Run `python -m module args` (its output streamed, or into `log_file`); returns seconds; an exit status not in
+    `ok` stops here (evaluation exits 1 when the lossless check fails: recorded in its JSON, not fatal here)."""
+    cmd = [sys.executable, "-m", module, *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    t0 = time.perf_counter()
+    if log_file is None:
+        log(" ".join(cmd[2:]))
+        rc = subprocess.call(cmd, env=env)
+    else:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_file, "w") as f:
+            rc = subprocess.call(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+    if rc not in ok:
+        where = f" (log: {log_file})" if log_file else ""
+        raise RuntimeError(f"{' '.join(cmd[2:4])} ... failed with exit status {rc}{where}")
+    return time.perf_counter() - t0
+
+
+class Paths:
+    def __init__(self, root: str):
+        self.root = Path(root)
+        self.target = self.root / "target"
+        self.train_prompts = self.root / "corpus" / "regen-prompts.jsonl"
+        self.eval_prompts = self.root / "corpus" / "eval.jsonl"
+        self.regen = self.root / "regen.jsonl"
+        self.tokens = self.root / "cache" / "tokens"
+        self.state = self.root / "state.json"
+
+    def baseline(self, tokens: int) -> Path:
+        return self.root / f"baseline-{tokens}.json"
+
+    def hidden(self, slug: str = "") -> Path:
+        return self.root / "cache" / (f"hidden-{slug}" if slug else "hidden")
+
+    def run(self, arm: str, seed: int) -> Path:
+        return self.root / "runs" / (arm or "base") / f"seed{seed}"
+
+
+def read_state(p: Paths) -> dict:
+    return json.loads(p.state.read_text()) if p.state.is_file() else {"phases": {}}
+
+
+def write_state(p: Paths, st: dict) -> None:
+    from dflash_offline.manifest import write_json_atomic
+
+    write_json_atomic(p.state, st)
+
+
+def forget_from(p: Paths, st: dict, phase: str) -> None:
+    """Remove what `phase` and the later phases made (the target stays unless phase is 'target')."""
+    later = PHASES[PHASES.index(phase):]
+    for ph in later:
+        st["phases"].pop(ph, None)
+    doomed = {"target": [p.target, p.root / "corpus"], "regen": [p.regen, Path(str(p.regen) + ".stats.json")],
+              "extract": [p.root / "cache"], "train": [p.root / "runs", p.root / "ab"]}
+    for ph in later:
+        for path in doomed.get(ph, []):
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+    for run in (p.root / "runs").glob("*/seed*") if phase in ("export", "eval") else []:
+        if phase == "export":
+            shutil.rmtree(run / "export", ignore_errors=True)
+        for name in ("eval.json", "eval-untrained.json"):
+            (run / name).unlink(missing_ok=True)
+    write_state(p, st)
+
+
+# --- the phases ------------------------------------------------------------------------------------------------
+
+
+def build(cfg: TestbedConfig, p: Paths, device) -> dict:
+    """Phase 1: sources → corpora, tokenizer, trained target (into a temporary sibling, renamed when complete)."""
+    from dflash_offline import pysource, testbed, tiny
+
+    files = pysource.select(cfg.packages, cfg.source_mb << 20, cfg.heldout_every)
+    s = files.summary()
+    log(f"sources: {s['train_files']} training files ({s['train_bytes'] / 1e6:.1f} MB), {s['heldout_files']} "
+        f"held out; file list {files.digest[:12]}")
+    by_hash = sorted(files.train, key=lambda f: pysource.name_hash(f.name))
+    n = pysource.write_jsonl(p.train_prompts, pysource.records(by_hash[: cfg.regen_docs * 2], first_only=True))
+    held = sorted(files.heldout, key=lambda f: pysource.name_hash(f.name))
+    m = pysource.write_jsonl(p.eval_prompts, pysource.records(held, first_only=True))
+    if m < cfg.eval_prompts:
+        raise ValueError(f"only {m} held-out prompts for eval_prompts={cfg.eval_prompts}: lower heldout_every")
+    tmp = p.target.with_name(".target.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    dims = tiny.TINY_DIMS if cfg.dims == "tiny" else testbed.DIMS
+    rec = testbed.build_target(tmp, files, dims=dims, vocab=cfg.vocab, tokenizer_bytes=cfg.tokenizer_mb << 20,
+                               seq_len=cfg.target_rows, batch=cfg.target_batch, lr=cfg.target_lr,
+                               budget_s=cfg.target_s, max_steps=cfg.target_steps, seed=cfg.seed, device=device,
+                               log=log)
+    (tmp / "files.json").write_text(json.dumps({**s, "files": [[f.name, f.sha256] for f in files.train + files.heldout]}))
+    shutil.rmtree(p.target, ignore_errors=True)
+    tmp.rename(p.target)
+    return {**rec, "sources": {k: v for k, v in s.items() if k != "roots"}, "regen_prompts": n, "eval_prompts": m}
+
+
+def extract(cfg: TestbedConfig, p: Paths, settings: dict, slug: str, dev: str) -> float:
+    args = [f"--recipe={cfg.drafter_recipe}", f"--corpus={p.regen}", f"--tokenizer={p.target}", f"--target={p.target}",
+            f"--out={p.tokens}",
+            f"--hidden_out={p.hidden(slug)}", f"--device={dev}"]
+    if cfg.recipe_seq_len:
+        args.append(f"--seq_len={cfg.recipe_seq_len}")
+    return stage("stages.extract", *args, *(f"--{k}={v}" for k, v in settings.items()))
+
+
+def train_export_eval(cfg: TestbedConfig, p: Paths, run: Path, cache: Path, seed: int, settings: dict,
+                      dev: str, log_dir: Path | None = None, untrained: bool = True) -> dict:
+    """Phases 4–6 for one drafter; returns seconds per phase."""
+    times = {}
+    logf = (lambda name: log_dir / f"{name}.log") if log_dir else (lambda name: None)
+    args = [f"--recipe={cfg.drafter_recipe}", f"--cache={cache}", f"--run={run}", f"--seed={seed}",
+            f"--resume={int((run / 'checkpoints').is_dir())}"]
+    if cfg.train_steps:
+        args.append(f"--steps={cfg.train_steps}")
+    args += [f"--{kv}" for kv in cfg.train_args.split()]
+    times["train"] = stage("stages.train", *args, *(f"--{k}={v}" for k, v in settings.items()), log_file=logf("train"))
+    times["export"] = stage("stages.export", f"--run={run}", f"--out={run / 'export'}", "--force=1",
+                            log_file=logf("export"))
+    ev = [f"--run={run}", f"--prompts={p.eval_prompts}", f"--num_prompts={cfg.eval_prompts}", "--dtype=float32",
+          f"--device={dev}", "--tf_batches=2"]
+    times["eval"] = stage("stages.evaluate", *ev, f"--max_new_tokens={cfg.eval_tokens}",
+                          f"--baseline={p.baseline(cfg.eval_tokens)}", f"--export={run / 'export'}",
+                          log_file=logf("eval"), ok=(0, 1))
+    if untrained:
+        times["eval_untrained"] = stage("stages.evaluate", *ev, f"--max_new_tokens={cfg.untrained_tokens}",
+                                        f"--baseline={p.baseline(cfg.untrained_tokens)}", "--untrained=1",
+                                        log_file=logf("eval-untrained"), ok=(0, 1))
+    return times
+
+
+def looping_share(path: Path) -> float:
+    """Share of the regenerated answers that end in a loop (`pysource.looping`)."""
+    from dflash_offline.pysource import looping
+
+    answers = [json.loads(x)["messages"][-1]["content"] for x in path.read_text().splitlines() if x.strip()]
+    return round(sum(map(looping, answers)) / max(len(answers), 1), 4)
+
+
+def run_metrics(run: Path) -> dict:
+    """The run's last metrics record (loss, accuracy, tok/s) and its step."""
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    last = [r for r in lines if "loss" in r]
+    return last[-1] if last else {}
+
+
+def eval_summary(path: Path) -> dict:
+    r = json.loads(path.read_text())
+    return {k: r[k] for k in ("tau_mean", "accept_ge", "by_category", "lossless", "mismatches", "num_prompts",
+                              "new_tokens", "verify_steps", "draft_ms", "verify_ms", "speedup_engine_est") if k in r}
+
+
+def testbed(cfg: TestbedConfig, p: Paths, dev: str, device) -> dict:
+    """Phases 1–6, each skipped when state.json says it is done; returns the result record."""
+    st = read_state(p)
+    if cfg.from_phase:
+        forget_from(p, st, cfg.from_phase)
+    ph = st["phases"]
+    run = p.run("", cfg.seed)
+
+    def done(name: str, record: dict) -> None:
+        ph[name] = record
+        write_state(p, st)
+        log(f"phase {name} done in {record.get('seconds', 0):.0f}s")
+
+    if "target" not in ph:
+        t0 = time.perf_counter()
+        rec = build(cfg, p, device)
+        done("target", {**rec, "seconds": time.perf_counter() - t0})
+    if "regen" not in ph:
+        secs = stage("stages.regen", f"--target={p.target}", f"--corpus={p.train_prompts}", f"--out={p.regen}",
+                     f"--num_docs={cfg.regen_docs}", f"--max_new_tokens={cfg.regen_tokens}",
+                     f"--batch_size={cfg.regen_batch}", "--thinking=on", f"--device={dev}")
+        stats = json.loads(Path(str(p.regen) + ".stats.json").read_text())
+        done("regen", {"seconds": secs, **{k: stats.get(k) for k in ("written", "new_tokens", "truncated")},
+                       "looping_frac": looping_share(p.regen)})
+    if "extract" not in ph:
+        secs = extract(cfg, p, {}, "", dev)
+        m = json.loads((p.hidden() / "manifest.json").read_text())
+        rows = sum(s["rows"] for s in m["shards"])
+        seq = m["producer"]["tokens"]["producer"]["seq_len"]
+        done("extract", {"seconds": secs, "rows": rows, "tokens": rows * seq, "tok_per_s_wall": rows * seq / secs,
+                         "layer_ids": m["config"].get("layer_ids")})
+    if "eval" not in ph:  # train (resumed where it stopped), export, evaluate trained and untrained
+        times = train_export_eval(cfg, p, run, p.hidden(), cfg.seed, {}, dev)
+        m = run_metrics(run)
+        ph["train"] = {"seconds": times["train"], "steps": m.get("step"), "loss": m.get("loss"),
+                       "tok_per_s": m.get("tok_per_s"), "acc": m.get("acc")}
+        ph["export"] = {"seconds": times["export"]}
+        done("eval", {"seconds": times["eval"] + times["eval_untrained"], "trained": eval_summary(run / "eval.json"),
+                      "untrained": eval_summary(run / "eval-untrained.json")})
+    return result(cfg, p, st)
+
+
+def result(cfg: TestbedConfig, p: Paths, st: dict) -> dict:
+    ph = st["phases"]
+    target = json.loads((p.target / "dflash_target.json").read_text())
+    ev = ph.get("eval", {})
+    tr, un = ev.get("trained", {}), ev.get("untrained", {})
+    return {
+        "testbed": str(p.root), "files_digest": target["files"], "target_parameters": target.get("parameters"),
+        "target": {k: ph["target"].get(k) for k in ("steps", "tokens", "tok_per_s", "heldout_loss_before",
+                                                    "heldout_loss_after", "train_loss_last")},
+        "regen": ph.get("regen"), "extract": ph.get("extract"), "train": ph.get("train"),
+        "tau_trained": tr.get("tau_mean"), "tau_untrained": un.get("tau_mean"),
+        "tau_ratio": tr["tau_mean"] / un["tau_mean"] if tr and un else None,
+        "accept_ge": tr.get("accept_ge"), "by_category": tr.get("by_category"),
+        "lossless": bool(tr.get("lossless")) and bool(un.get("lossless")),
+        "seconds": {k: round(v.get("seconds", 0), 1) for k, v in ph.items()},
+        "wall_s": round(sum(v.get("seconds", 0) for v in ph.values()), 1),
+        "config": as_dict(cfg), "time": time.time(),
+    }
+
+
+def table(r: dict) -> str:
+    t, g, x, d = r["target"], r["regen"] or {}, r["extract"] or {}, r["train"] or {}
+    rows = [
+        ("target", f"{(r['target_parameters'] or 0) / 1e6:.0f}M params, {t['steps']} steps, {(t['tokens'] or 0) / 1e6:.0f}M "
+                   f"tokens at {(t['tok_per_s'] or 0) / 1e3:.0f}K tok/s; held-out loss {t['heldout_loss_before']} → "
+                   f"{t['heldout_loss_after']}"),
+        ("regen", f"{g.get('written')} answers, {g.get('new_tokens')} tokens, {100 * (g.get('looping_frac') or 0):.0f} % "
+                  f"ending in a loop"),
+        ("extract", f"{x.get('tokens')} row tokens, {x.get('tok_per_s_wall', 0):,.0f} tok/s (wall, load included)"),
+        ("drafter", f"{d.get('steps')} steps, loss {d.get('loss') or 0:.3f}, {d.get('tok_per_s') or 0:,.0f} ctx tok/s"),
+        ("real τ", f"trained {r['tau_trained'] or 0:.2f} vs untrained {r['tau_untrained'] or 0:.2f} "
+                   f"(×{r['tau_ratio'] or 0:.1f}); lossless {r['lossless']}"),
+        ("by prompt", " · ".join(f"{k} {v['tau_mean']:.2f} ({v['prompts']})" for k, v in (r["by_category"] or {}).items())),
+        ("accept ≥k", " ".join(f"{a:.2f}" for a in (r["accept_ge"] or [])[:8]) + " …"),
+        ("wall s", ", ".join(f"{k} {v:.0f}" for k, v in r["seconds"].items()) + f"; total {r['wall_s']:.0f}"),
+    ]
+    return "\n".join(f"{k:>10}  {v}" for k, v in rows)
+
+
+# --- A/B -------------------------------------------------------------------------------------------------------
+
+
+def parse_arm(text: str) -> tuple[dict, dict]:
+    """'key=value key=value' → (extract settings, train settings); a key of neither stage is an error."""
+    from dflash_offline.config import ExtractConfig, TrainConfig
+
+    ext_keys = {f for f in ExtractConfig.__dataclass_fields__} - {"target", "tokens", "hidden_out", "cache_root",
+                                                                   "shards", "device", "dry_run"}
+    train_keys = {f for f in TrainConfig.__dataclass_fields__} - {"cache", "run", "resume", "seed", "target"}
+    ext, train = {}, {}
+    for item in text.split():
+        key, sep, value = item.partition("=")
+        if not sep or not value:
+            raise ConfigError(f"testbed arm {text!r}: {item!r} is not key=value")
+        if key in ext_keys:
+            ext[key] = value
+        elif key in train_keys:
+            train[key] = value
+        else:
+            raise ConfigError(f"testbed arm {text!r}: {key!r} is no extract or train setting"
+                              f"{did_you_mean(key, sorted(ext_keys | train_keys))}")
+    return ext, train
+
+
+def slug(text: str) -> str:
+    return "-".join(x.replace("=", "").replace(".", "p").replace(",", "_") for x in text.split()) or "base"
+
+
+def cache_complete(cache: Path) -> bool:
+    if not (cache / "manifest.json").is_file():
+        return False
+    m = json.loads((cache / "manifest.json").read_text())
+    return all(s["status"] == "committed" for s in m["shards"]) and len(m["shards"]) == m["num_shards"]
+
+
+def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> dict:
+    """Every arm × seed trained, exported and evaluated on the testbed's target and prompts (see the module doc)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    arms = SWEEPS[cfg.sweep] if cfg.sweep else [a.strip() for a in cfg.arms.split(";")]
+    parsed = [parse_arm(a) for a in arms]  # every arm checked before anything runs
+    testbed(cfg, p, dev, device)  # the target, corpus, base cache and base run (done already: skipped)
+    caches = {}
+    for ext, _ in parsed:
+        key = " ".join(f"{k}={v}" for k, v in sorted(ext.items()))
+        if key and key not in caches:
+            caches[key] = p.hidden(slug(key))
+            if not cache_complete(caches[key]):
+                log(f"extracting the cache for {key}")
+                extract(cfg, p, ext, slug(key), dev)
+    jobs = [(arm, seed) for arm in arms for seed in range(cfg.seed, cfg.seed + cfg.seeds)]
+    parallel = cfg.parallel or (4 if device.type == "cuda" else 1)
+    log(f"{len(arms)} arms × {cfg.seeds} seeds = {len(jobs)} drafters, {parallel} at a time")
+
+    def job(arm_seed):
+        arm, seed = arm_seed
+        ext, train = parsed[arms.index(arm)]
+        run = p.run(slug(arm) if arm else "", seed)
+        cache = caches[" ".join(f"{k}={v}" for k, v in sorted(ext.items()))] if ext else p.hidden()
+        if not (run / "eval.json").is_file():
+            t0 = time.perf_counter()
+            train_export_eval(cfg, p, run, cache, seed, train, dev, log_dir=run / "logs", untrained=False)
+            log(f"{arm or '(recipe)'} seed {seed}: τ {eval_summary(run / 'eval.json')['tau_mean']:.3f} "
+                f"({time.perf_counter() - t0:.0f}s)")
+        return run
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(parallel) as pool:
+        runs = dict(zip(jobs, pool.map(job, jobs), strict=True))
+    rows = []
+    for arm in arms:
+        taus, losses = [], []
+        for seed in range(cfg.seed, cfg.seed + cfg.seeds):
+            run = runs[(arm, seed)]
+            taus.append(eval_summary(run / "eval.json")["tau_mean"])
+            losses.append(run_metrics(run).get("loss"))
+        mean = sum(taus) / len(taus)
+        sd = (sum((t - mean) ** 2 for t in taus) / max(len(taus) - 1, 1)) ** 0.5
+        rows.append({"arm": arm or "(recipe)", "taus": taus, "tau_mean": mean, "spread": max(taus) - min(taus),
+                     "std": sd, "loss": losses})
+    for r in rows:
+        r["delta_vs_first"] = r["tau_mean"] - rows[0]["tau_mean"]
+        r["delta_pct"] = 100 * r["delta_vs_first"] / rows[0]["tau_mean"]
+    return {"testbed": str(p.root), "seeds": cfg.seeds, "arms": rows, "recipe": cfg.drafter_recipe,
+            "seconds": round(time.perf_counter() - t0, 1), "config": as_dict(cfg), "time": time.time()}
+
+
+def ab_table(r: dict) -> str:
+    head = "| arm | τ per seed | mean | spread | Δ vs first | final loss |\n|---|---|---|---|---|---|"
+    body = [f"| {a['arm']} | {' / '.join(f'{t:.3f}' for t in a['taus'])} | {a['tau_mean']:.3f} | {a['spread']:.3f} | "
+            f"{a['delta_vs_first']:+.3f} ({a['delta_pct']:+.1f} %) | "
+            f"{' / '.join(f'{x:.3f}' for x in a['loss'] if x is not None)} |" for a in r["arms"]]
+    return "\n".join([head, *body])
+
+
+# --- the stage -------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str]) -> int:
+    from dflash_offline.devices import pick_device
+    from dflash_offline.manifest import write_json_atomic
+
+    cfg = apply_preset(config_from_argv(TestbedConfig, "testbed", argv, __doc__), argv).resolve()
+    device = pick_device(cfg.device, "testbed.device")
+    dev = device.type
+    p = Paths(cfg.dir)
+    p.root.mkdir(parents=True, exist_ok=True)
+    log(f"testbed {p.root} on {device} (preset {cfg.preset}): {json.dumps(asdict(cfg))}")
+    if cfg.arms or cfg.sweep:
+        r = ab(cfg, p, dev, device)
+        out = p.root / "ab" / f"{cfg.label or cfg.sweep or 'ab'}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(out, r)
+        print(ab_table(r))
+    else:
+        r = testbed(cfg, p, dev, device)
+        out = p.root / "testbed.json"
+        write_json_atomic(out, r)
+        print(table(r))
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    from dflash_offline.progress import run_cli
+
+    run_cli(main)

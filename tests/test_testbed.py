@@ -1,0 +1,150 @@
+"""The testbed (make testbed) on the CPU at its micro preset: the source selection, the chat rendering the target is
+trained on, the whole pipeline's logic (phases, resume, the reused target-alone baseline, A/B arms with their own
+cache) — the GPU run itself is tests/test_testbed_gpu.py."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_offline import pysource, testbed
+from dflash_offline.config import ConfigError
+from stages import testbed as stage
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _pkg(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def _source(n_lines: int, tag: str = "x") -> str:
+    return "".join(f"{tag}_{i} = {i}\n" for i in range(n_lines))
+
+
+def test_selection_is_deterministic_held_out_by_name_and_content_addressed(tmp_path):
+    files = {f"mod{i}/f{i}.py": _source(20 + i) for i in range(80)}
+    files["bad.py"] = "\udcff"  # not UTF-8 once written with surrogateescape below
+    a = _pkg(tmp_path / "a", {k: v for k, v in files.items() if k != "bad.py"})
+    (a / "bad.py").write_bytes(b"x = '\xff'\n")
+    (a / "notes.txt").write_text("not python")
+    fl = pysource.select(roots={"pkg": a}, heldout_every=8)
+    names = [f.name for f in fl.train + fl.heldout]
+    assert "pkg/bad.py" not in names and all(n.endswith(".py") for n in names)
+    assert len(names) == 80 and fl.heldout and not {f.name for f in fl.train} & {f.name for f in fl.heldout}
+    # held out by the name alone: the same names are held out when the contents change
+    b = _pkg(tmp_path / "b", {k: v + "# changed\n" for k, v in files.items() if k != "bad.py"})
+    fl2 = pysource.select(roots={"pkg": b}, heldout_every=8)
+    assert [f.name for f in fl2.heldout] == [f.name for f in fl.heldout]
+    assert fl2.digest != fl.digest  # … and the identity follows the contents
+    assert pysource.select(roots={"pkg": a}, heldout_every=8).digest == fl.digest
+    # a byte budget takes files in name-hash order, not walk order
+    small = pysource.select(roots={"pkg": a}, heldout_every=8, max_bytes=2000)
+    assert 0 < sum(f.size for f in small.train) <= 2000 and len(small.train) < len(fl.train)
+
+
+def test_records_continue_a_file_and_skip_chat_markers():
+    text = _source(300)
+    recs = [pysource.record("pkg/m.py", c) for c in pysource.chunks(text)]
+    assert len(recs) == 3 and all(r is not None for r in recs)
+    user, answer = recs[0]["messages"][0]["content"], recs[0]["messages"][1]["content"]
+    assert user == "pkg/m.py\n" + "".join(text.splitlines(True)[: pysource.PROMPT_LINES])
+    assert user[len("pkg/m.py\n"):] + answer == "".join(text.splitlines(True)[: pysource.CHUNK_LINES])
+    assert recs[0]["category"] == "pkg"
+    marked = text.replace("x_5 = 5", "s = '<|im_end|>'")
+    assert pysource.record("pkg/m.py", next(pysource.chunks(marked))) is None
+    assert pysource.record("pkg/m.py", _source(5).splitlines(True)) is None  # too short
+
+
+def test_a_license_header_is_not_a_prompt(tmp_path):
+    header = "#!/usr/bin/env python\n# Copyright 2024 Someone\n#\n# Licensed under the Apache License\n\n"
+    f = tmp_path / "m.py"
+    f.write_text(header + _source(40))
+    (rec,) = pysource.records([pysource.SourceFile("pkg/m.py", f, "0", f.stat().st_size)], first_only=True)
+    assert rec["messages"][0]["content"].startswith("pkg/m.py\nx_0 = 0\n")
+
+
+def test_looping_answers_are_told_apart():
+    loop = "def f():\n" + "    return x + 1  # again\n" * 20
+    assert pysource.looping(loop) and not pysource.looping(_source(40)) and not pysource.looping("short")
+
+
+def test_a_baseline_is_reused_only_for_the_same_key(tmp_path):
+    from dflash_offline.evaluation import read_baseline, write_baseline
+    from dflash_offline.speculate import GenStats
+
+    path, key = tmp_path / "b.json", {"target": {"w": "1"}, "max_new_tokens": 8, "dtype": "float32"}
+    assert read_baseline(path, key, print) is None
+    st = GenStats(block_size=1, prompt_tokens=3, new_tokens=2, accepted=[0], emitted=[1], verify_ms=[1.5],
+                  target_forwards=2, seconds=0.25)
+    write_baseline(path, key, [[5, 6]], [st])
+    (ids, got), = read_baseline(path, key, print)
+    assert ids == [5, 6] and got == st
+    assert read_baseline(path, {**key, "max_new_tokens": 9}, print) is None
+    assert read_baseline(path, {**key, "target": {"w": "2"}}, print) is None
+
+
+def test_render_is_the_chat_template(qwen35_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(qwen35_dir)
+    rec = pysource.record("pkg/m.py", _source(40).splitlines(True))
+    assert testbed.render(rec) == tok.apply_chat_template(rec["messages"], tokenize=False)
+
+
+def test_arms_are_checked_before_anything_runs():
+    assert stage.parse_arm("quant=fp8 gamma=5") == ({"quant": "fp8"}, {"gamma": "5"})
+    assert stage.parse_arm("") == ({}, {})
+    with pytest.raises(ConfigError, match="num_anchors"):
+        stage.parse_arm("num_anchor=256")
+    with pytest.raises(ConfigError, match="not key=value"):
+        stage.parse_arm("gamma")
+
+
+def _testbed(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "stages.testbed", "--preset=micro", f"--dir={root}", *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
+    root = tmp_path / "tb"
+    r = _testbed(root)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((root / "testbed.json").read_text())
+    assert set(res["seconds"]) == {"target", "regen", "extract", "train", "export", "eval"}
+    assert res["lossless"] is True and res["tau_trained"] >= 1 and res["tau_untrained"] >= 1
+    assert res["regen"]["written"] == 12 and res["train"]["steps"] == 6 and res["extract"]["rows"] > 0
+    # the eval prompts come from held-out files only
+    held = {json.loads(x)["messages"][0]["content"].split("\n", 1)[0]
+            for x in (root / "corpus" / "eval.jsonl").read_text().splitlines()}
+    files = json.loads((root / "target" / "files.json").read_text())
+    assert held and not held & {n for n, _ in files["files"][: files["train_files"]]}
+    run = root / "runs" / "base" / "seed0"
+    assert json.loads((run / "eval.json").read_text())["baseline"]["reused"] is False
+
+    # a rerun does nothing; from_phase=train redoes the drafter only (target and cache untouched)
+    stamps = {p: p.stat().st_mtime_ns for p in [root / "target" / "model.safetensors", root / "regen.jsonl",
+                                                root / "cache" / "hidden" / "manifest.json"]}
+    r = _testbed(root)
+    assert r.returncode == 0 and "stages.train" not in r.stdout
+    r = _testbed(root, "--from_phase=train")
+    assert r.returncode == 0 and "stages.train" in r.stdout and "stages.extract" not in r.stdout
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+    # … and its evaluations reuse the target-alone decodes made the first time
+    assert json.loads((run / "eval.json").read_text())["baseline"]["reused"] is True
+    assert json.loads((run / "eval-untrained.json").read_text())["baseline"]["reused"] is True
+
+    # A/B: the recipe's arm reuses the base run; an fp8 arm gets its own cache from the same target and corpus
+    r = _testbed(root, "--arms=;quant=fp8", "--seeds=1", "--label=t")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    ab = json.loads((root / "ab" / "t.json").read_text())
+    assert [a["arm"] for a in ab["arms"]] == ["(recipe)", "quant=fp8"]
+    fp8 = json.loads((root / "cache" / "hidden-quantfp8" / "manifest.json").read_text())
+    assert fp8["producer"]["quant"] == "fp8" and stage.cache_complete(root / "cache" / "hidden-quantfp8")
+    assert (root / "runs" / "quantfp8" / "seed0" / "eval.json").is_file()
+    assert "| quant=fp8 |" in r.stdout
