@@ -140,10 +140,28 @@ def mask_token_for(tokenizer_json: str | None, mask_id: int) -> str | None:
 # --- the z-lab config ------------------------------------------------------------------------------------------
 
 
+def check_servable_taps(dc) -> None:
+    """Refuse taps that vLLM and SGLang cannot feed the drafter as it was trained. Both capture the target's states
+    walking its layers in order, each once, so `target_layer_ids` must be ascending; neither has the last layer's
+    *normed* output, which a tap of layer N-1 holds here (as transformers' hidden_states[N]): vLLM takes that layer's
+    output before the final norm, SGLang captures only before a layer (tests/test_engine_rules.py)."""
+    ids, last = list(dc.target_layer_ids), dc.num_target_layers - 1
+    if ids != sorted(set(ids)):
+        raise ExportError(f"target_layer_ids {ids} are not ascending: vLLM and SGLang feed the tapped states to the "
+                          f"drafter in ascending layer order, not in the order it was trained on; train with "
+                          f"train.layer_ids={sorted(set(ids))}")
+    if max(ids) >= last:
+        raise ExportError(f"target_layer_ids {ids} tap the target's last layer {last}: vLLM feeds it before the "
+                          f"final norm and SGLang cannot capture it, so no engine serves this drafter as trained; "
+                          f"train on taps below {last} (train.layer_ids=...)")
+
+
 def zlab_config(dc, tgt: dict, dtype: str) -> dict:
-    """config.json of the exported drafter (`dc`: DrafterConfig; `tgt`: `target_fields`)."""
+    """config.json of the exported drafter (`dc`: DrafterConfig; `tgt`: `target_fields`); taps no engine serves as
+    trained are refused (`check_servable_taps`)."""
     import transformers
 
+    check_servable_taps(dc)
     sliding = "sliding_attention" in dc.layer_types
     cfg = {
         "architectures": ["DFlashDraftModel"],
