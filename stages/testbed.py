@@ -461,6 +461,9 @@ def main(argv: list[str]) -> int:
     cfg = apply_preset(config_from_argv(TestbedConfig, "testbed", argv, __doc__), argv).resolve()
     device = pick_device(cfg.device, "testbed.device")
     dev = device.type
+    if dev == "cpu" and cfg.preset != "micro":
+        raise ConfigError(f"the {cfg.preset} testbed trains a 124M-parameter target and runs every phase on a GPU; "
+                          "this machine has none (--preset=micro runs the phases' logic at toy sizes on a CPU)")
     p = Paths(cfg.dir)
     p.root.mkdir(parents=True, exist_ok=True)
     log(f"testbed {p.root} on {device} (preset {cfg.preset}): {json.dumps(asdict(cfg))}")

@@ -106,6 +106,15 @@ def test_arms_are_checked_before_anything_runs():
         stage.parse_arm("gamma")
 
 
+def test_the_full_testbed_is_refused_at_once_without_a_gpu(tmp_path, monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="preset=micro"):
+        stage.main([f"--dir={tmp_path / 'tb'}"])
+    assert not (tmp_path / "tb" / "state.json").exists()
+
+
 def _testbed(root: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "stages.testbed", "--preset=micro", f"--dir={root}", *args],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
