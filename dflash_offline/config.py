@@ -96,7 +96,11 @@ class ExtractConfig:
     wait_claims: bool = False  # at the end, wait for shards other live processes hold (else exit 2 naming them)
     dry_run: bool = False  # validate, estimate size and time, check kernels, then stop before loading weights
     min_free_gb: float = 2.0  # refuse to start unless the cache's filesystem keeps this much room after the run
+    allow_overfill: bool = False  # start even when the shards to do do not fit in free space (less min_free_gb)
     write_queue: int = 3  # shards being written in the background at once (pinned host memory: one shard more)
+    plan_gpus: int = 8  # GPUs the dry run's storage plan sizes training's read bandwidth and wall time for
+    plan_extract_tok_s: float = 0.0  # plan: extraction tok/s per GPU; 0 = measured on an H200, scaled to the target
+    plan_train_tok_s: float = 0.0  # plan: training context tok/s per GPU; 0 = measured on an H200, scaled to the drafter
 
     def resolve(self) -> ExtractConfig:
         check_choice("extract.quant", self.quant, ("bf16", "fp8"))
@@ -107,6 +111,10 @@ class ExtractConfig:
             raise ConfigError(f"extract.batch_rows must be > 0, got {self.batch_rows}")
         if self.write_queue <= 0:
             raise ConfigError(f"extract.write_queue must be > 0, got {self.write_queue}")
+        if self.plan_gpus <= 0:
+            raise ConfigError(f"extract.plan_gpus must be > 0, got {self.plan_gpus}")
+        if self.plan_extract_tok_s < 0 or self.plan_train_tok_s < 0:
+            raise ConfigError("extract.plan_extract_tok_s and plan_train_tok_s must be >= 0 (0 = the measured rate)")
         if self.layer_ids and len(set(self.layer_ids)) != len(self.layer_ids):
             raise ConfigError(f"extract.layer_ids {self.layer_ids} has duplicates")
         parse_shard_list(self.shards)

@@ -3,10 +3,12 @@
 `make_plan` reads the token cache's manifest and the target's config.json (plus a fast fingerprint of its
 weights): the layers to tap (checked against the target's depth), the mask token (a real embedding row that is not
 pad or eos), the bytes per token of the chosen storage, and the producer — everything that changes a stored byte —
-whose hash is the hidden cache's key. `check_disk` refuses a run the filesystem has no room for. `recorded_config`
-is the rerun of an existing hidden cache: with `--hidden_out=DIR` and no recipe, the ExtractConfig its manifest
-recorded, so the repair command that training and verify print works as printed. `stages/extract.py` runs these
-first, in seconds, so that every refusal comes before the weights load.
+whose hash is the hidden cache's key. `disk_refusal` says why a run the filesystem has no room for does not start
+(`allow_overfill=1` starts it anyway; `check_disk` raises it); the storage plan the dry run prints around these
+numbers is `storage.py`. `recorded_config` is the rerun of an existing hidden cache: with `--hidden_out=DIR` and no
+recipe, the ExtractConfig its manifest recorded (less a one-off `allow_overfill`), so the repair command that
+training and verify print works as printed. `stages/extract.py` runs these first, in seconds, so that every refusal
+comes before the weights load.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import shutil
 from pathlib import Path
 
+from . import storage
 from .config import ConfigError, ExtractConfig, TokenizeConfig, load_config, parse_overrides
 from .manifest import MANIFEST, hash_obj, read_manifest
 
@@ -36,7 +39,7 @@ def recorded_config(argv: list[str]) -> ExtractConfig | None:
     unknown = sorted(set(overrides) - set(ExtractConfig.__dataclass_fields__) - set(TokenizeConfig.__dataclass_fields__))
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; see --help")
-    values = {**m["config"]["extract"], "shards": "", "dry_run": False, "hidden_out": out,
+    values = {**m["config"]["extract"], "shards": "", "dry_run": False, "allow_overfill": False, "hidden_out": out,
               "tokens": str((Path(out) / m["config"]["tokens_dir"]).resolve())}
     values.update({k: v for k, v in overrides.items() if k in ExtractConfig.__dataclass_fields__ and v != ""})
     return load_config(ExtractConfig, "extract", None, {}, values)
@@ -70,7 +73,7 @@ def make_plan(cfg: ExtractConfig, tokens: Path | dict) -> dict:
     if vocab > info.vocab_size:
         raise ValueError(f"tokenizer has {vocab} tokens but {ckpt} embeds only {info.vocab_size}: wrong tokenizer?")
     k, hidden = len(layer_ids), info.hidden_size
-    bytes_per_token = k * hidden * 2 if cfg.quant == "bf16" else k * (hidden + 4)
+    bytes_per_token = storage.bytes_per_token(cfg.quant, k, hidden)
     rows = sum(s["rows"] for s in tm["shards"])
     producer = {"stage": "extract", "tokens": {"key": tm["key"], "producer": tm["producer"]},
                 "target": {"arch": info.arch, "num_layers": info.num_layers, "hidden_size": hidden,
@@ -83,13 +86,26 @@ def make_plan(cfg: ExtractConfig, tokens: Path | dict) -> dict:
             "key": hash_obj(producer)}
 
 
-def check_disk(cache: Path, need_bytes: int, min_free_gb: float) -> None:
-    where = cache
-    while not where.exists() and where != where.parent:  # a dry run creates nothing: the nearest existing folder
-        where = where.parent
-    free = shutil.disk_usage(where).free
-    if free - need_bytes < min_free_gb * 1e9:
-        raise ValueError(f"{cache}: the remaining shards need {need_bytes / 1e9:.1f} GB but the filesystem has "
-                         f"{free / 1e9:.1f} GB free (keeping {min_free_gb} GB): free space, use CACHE= elsewhere, "
-                         f"quant=fp8, or fewer layers")
+OVERFILL = "--allow_overfill=1 (make ARGS=--allow_overfill=1) starts it anyway"  # the override a refusal names
 
+
+def free_space(cache: Path) -> int:
+    """Free bytes on the filesystem `cache` goes to (a dry run creates nothing: the nearest existing folder's)."""
+    where = cache
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    return shutil.disk_usage(where).free
+
+
+def disk_refusal(cache: Path, need_bytes: int, free_bytes: int, min_free_gb: float) -> str:
+    """Why a run that writes `need_bytes` into `cache` does not start ('' when it fits, keeping min_free_gb)."""
+    if free_bytes - need_bytes >= min_free_gb * 1e9:
+        return ""
+    return (f"{cache}: the remaining shards need {storage.size(need_bytes)} but the filesystem has "
+            f"{storage.size(free_bytes)} free (keeping min_free_gb={min_free_gb:g}): free space, use CACHE= elsewhere, "
+            f"quant=fp8, or fewer layers")
+
+
+def check_disk(cache: Path, need_bytes: int, min_free_gb: float) -> None:
+    if refusal := disk_refusal(cache, need_bytes, free_space(cache), min_free_gb):
+        raise ValueError(refusal)

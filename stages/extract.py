@@ -4,12 +4,13 @@
     accelerate launch --num_processes N -m stages.extract ...     (one process per GPU; NPROC=N in make)
 
 Order of work: validate the config and the device, read the target's config.json, estimate bytes and refuse if the
-disk lacks room, check the kernels and time one batch on a small random model of the target's real widths — all in
-seconds, before any weight loads (`--dry_run=1` stops there, with a one-line summary) — then load only the needed
-layers and extract. Every process claims a shard (with a lease) before computing it, so ranks and machines sharing
-the cache never compute one twice (`claims.py`); each shard is written temp → fsync → rename and committed to the
-manifest in the background while the next one computes (`writer.py`). Rerun = every uncommitted shard; `--shards=`
-(make SHARD=) redoes exactly those.
+disk lacks room (`--allow_overfill=1` starts anyway), check the kernels and time one batch on a small random model of
+the target's real widths — all in seconds, before any weight loads (`--dry_run=1` stops there: it prints the storage
+plan of `storage.py` — size per encoding, free space, training's read bandwidth, GPU-hours — and a one-line
+summary, or the refusal a real run would meet) — then load only the needed layers and extract. Every process
+claims a shard (with a lease) before computing it, so ranks and machines sharing the cache never compute one twice
+(`claims.py`); each shard is written temp → fsync → rename and committed to the manifest in the background while the
+next one computes (`writer.py`). Rerun = every uncommitted shard; `--shards=` (make SHARD=) redoes exactly those.
 
 The cache is trusted, so a run starts by making it honest: it removes what dead writers left (temp files, claims),
 and a committed shard whose file is missing or resized goes back to "to do". `--hidden_out=DIR` of an existing cache
@@ -27,7 +28,14 @@ import time
 from pathlib import Path
 
 from dflash_offline.claims import claimed_shards
-from dflash_offline.config import ExtractConfig, TokenizeConfig, as_dict, configs_from_argv, parse_shard_list
+from dflash_offline.config import (
+    ExtractConfig,
+    TokenizeConfig,
+    as_dict,
+    configs_from_argv,
+    parse_overrides,
+    parse_shard_list,
+)
 from dflash_offline.devices import cpu_threads, dist_env, pick_device
 from dflash_offline.manifest import (
     committed,
@@ -39,8 +47,9 @@ from dflash_offline.manifest import (
     sweep,
     worker_info,
 )
-from dflash_offline.plan import check_disk, make_plan, recorded_config
+from dflash_offline.plan import OVERFILL, disk_refusal, free_space, make_plan, recorded_config
 from dflash_offline.progress import Progress, log, private_compile_caches, run_cli, unbuffered
+from dflash_offline.storage import plan_lines, recipe_train
 
 ROW_FILL = (("input_ids", 0), ("position_ids", 0), ("doc_ids", -1))  # token columns, value of a padding row
 
@@ -102,7 +111,12 @@ def plan_run(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int, world: int,
     todo = redo or [i for i in range(plan["num_shards"]) if i not in done or i in damaged]
     shard_rows = {s["index"]: s["rows"] for s in plan["tokens_manifest"]["shards"]}
     need = sum(shard_rows[i] for i in todo) * plan["seq_len"] * plan["bytes_per_token"]
-    check_disk(cache, need, cfg.min_free_gb)
+    free = free_space(cache)
+    refusal = disk_refusal(cache, need, free, cfg.min_free_gb)  # a dry run says so at its end, after its plan
+    if refusal and not cfg.dry_run:
+        if not cfg.allow_overfill:
+            raise ValueError(f"{refusal}; {OVERFILL}")
+        log(f"[rank {rank}] warning: {refusal}; starting anyway (allow_overfill=1)")
     log(f"[rank {rank}/{world}] {plan['info'].arch} target {plan['ckpt']} taps {plan['layer_ids']} "
         f"({plan['bytes_per_token']} B/token {cfg.quant}); {len(todo)}/{plan['num_shards']} shards to do, "
         f"{need / 1e9:.2f} GB; device {device}")
@@ -113,14 +127,16 @@ def plan_run(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int, world: int,
         f"estimated {probe['seconds_per_row']:.3f} s/row → {est / 60:.1f} min for this process "
         f"(checked in {time.time() - t0:.1f}s, before loading weights)")
     return dict(plan, cache=cache, device=device, tokens_dir=tokens_dir, todo=todo, redo=bool(redo), need=need,
-                minutes=est / 60, kernels=probe["mode"], t0=t0)
+                free=free, refusal=refusal, minutes=est / 60, kernels=probe["mode"], t0=t0)
 
 
 # --- the run -------------------------------------------------------------------------------------------------
 
 
-def run(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int = 0, world: int = 1, local_rank: int = 0):
-    """Extract every shard to do into the cache; returns its directory (None for a dry run)."""
+def run(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int = 0, world: int = 1, local_rank: int = 0,
+        train=None):
+    """Extract every shard to do into the cache; returns its directory (None for a dry run). `train`: the recipe's
+    [train] table (a TrainConfig), for the dry run's storage plan (epochs, drafter shape)."""
     import torch
 
     from dflash_offline import target as tgt
@@ -128,6 +144,10 @@ def run(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int = 0, world: int =
     p = plan_run(cfg, tok_cfg, rank, world, local_rank)
     cache, todo = p["cache"], p["todo"]
     if cfg.dry_run:
+        for line in plan_lines(cfg, p, train) if rank == 0 else []:
+            log(line)
+        if p["refusal"] and not cfg.allow_overfill:
+            raise ValueError(f"dry run: a real run would be refused: {p['refusal']}; {OVERFILL}")
         log(f"[rank {rank}] dry run ok: {len(todo)}/{p['num_shards']} shards to do, {p['need'] / 1e9:.2f} GB, "
             f"~{p['minutes']:.1f} min for this process, kernels ok ({p['kernels']}); no weights loaded, nothing "
             f"written")
@@ -235,7 +255,7 @@ def main(argv: list[str]) -> None:
     rank, world, local_rank = dist_env()
     private_compile_caches(rank)
     unbuffered()
-    recorded = recorded_config(argv)
+    recorded, train = recorded_config(argv), None
     if recorded is not None:
         cfg, tok_cfg = recorded, None
         log(f"{cfg.hidden_out}: an existing cache and no recipe: rerunning it with the inputs its manifest records "
@@ -244,8 +264,9 @@ def main(argv: list[str]) -> None:
         cfg, tok_cfg = configs_from_argv(
             [(ExtractConfig, "extract"), (TokenizeConfig, "tokenize")], argv, __doc__, defaults=tokenizer_default
         )
+        train = recipe_train(parse_overrides(argv)[0]) if cfg.dry_run else None
     cpu_threads(pick_device(cfg.device, "extract.device", local_rank), log=log)
-    out = run(cfg, tok_cfg, rank, world, local_rank)
+    out = run(cfg, tok_cfg, rank, world, local_rank, train)
     if out is not None and rank == 0:
         print(out)
 

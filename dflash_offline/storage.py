@@ -1,0 +1,219 @@
+"""The storage plan of an extraction: what the hidden cache will weigh in every encoding, what training will read,
+and what both stages cost in GPU-hours — printed by `make extract DRY_RUN=1` before anything runs.
+
+Every number is a product of a few inputs: the rows and tokens stage 1a packs (its real counts, from the dry run's
+in-memory manifest), the bytes per token of an encoding (`ENCODINGS`: one entry per stored layout; a new encoding is
+one more entry), and two rates measured on one H200 (`EXTRACT_TOK_S`, `TRAIN_TOK_S`, sources beside them). A target
+or drafter of other shapes gets those rates scaled by work per token — the extraction by the parameters of the
+target layers it runs, the training by the drafter's FLOPs per context token (`metrics.flops_per_row`) — and the
+plan says so; `plan_extract_tok_s=` / `plan_train_tok_s=` replace them with your own. The read bandwidth is bytes per
+token × training tokens/s per GPU × GPUs. `storage_plan` takes plain values and `render` prints them, so both are
+tested without a checkpoint; `stages/extract.py` composes them with `plan.make_plan` and `plan.free_space`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+# Stored bytes per token of `k` tapped layers of hidden size `h`, per encoding (dflash_offline/shards.py writes them;
+# tests/test_storage_plan.py checks bf16 against real shard files). A future encoding — projected taps, 4-bit values
+# with block scales — is one more entry here.
+ENCODINGS = {
+    "bf16": ("bfloat16 values", lambda k, h: k * h * 2),
+    "fp8": ("float8 e4m3 values + a float32 scale per token and layer", lambda k, h: k * (h + 4)),
+}
+
+# Measured rates, one NVIDIA H200 at the Qwen3.5/3.6-27B shapes, random weights (docs/benchmarks.md):
+# stage 1b, row tok/s per GPU including shard writes (bf16), 4 rows of 4096 a forward, taps [1, 16, 31, 46, 61]:
+# `make bench-extract`, 2026-11-30, commit f18a350, bench/results/bench-extract-h200.json ("row_tok_per_s")
+EXTRACT_TOK_S = 12_045
+EXTRACT_LAYER_PARAMS = 23_597_668_128  # parameters of the decoder layers it ran (layers 0..61; "layer_params")
+# stage 2, context tok/s per GPU, read check on (what every run does), 1 row of 2048 a step, 512 anchors:
+# `bench.train --read_check on`, 2026-12-01, commit 0b164d3, bench/results/train-read-check-h200.json (10,053 and
+# 10,014 in one call; 9,633-10,088 over GPUs, which hold different clocks at the power limit)
+TRAIN_TOK_S = 10_053
+TRAIN_SEQ_LEN = 2048
+TRAIN_DRAFTER = SimpleNamespace(hidden_size=5120, intermediate_size=17408, vocab_size=248320, num_layers=5,
+                                num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, num_anchors=512,
+                                target_layer_ids=[1, 16, 31, 46, 61])  # the drafter that rate was measured at
+
+
+def bytes_per_token(quant: str, k: int, hidden: int) -> int:
+    return ENCODINGS[quant][1](k, hidden)
+
+
+def target_layer_params(ckpt: Path, depth: int) -> int:
+    """Parameters of the target's first `depth` decoder layers, from its config alone (built on the meta device)."""
+    import torch
+    from transformers import AutoConfig
+
+    from .target import TextStack, read_target_info
+
+    text = AutoConfig.from_pretrained(str(ckpt), local_files_only=True).get_text_config()
+    with torch.device("meta"):
+        stack = TextStack(text, read_target_info(ckpt).arch, depth, False)
+    return sum(p.numel() for p in stack.layers.parameters())
+
+
+def drafter_shape(train, hidden: int, intermediate: int, vocab: int, layer_ids: list[int]) -> SimpleNamespace:
+    """What `metrics.flops_per_row` reads of a drafter, from a TrainConfig (or None: its defaults) and the target."""
+    from .config import TrainConfig
+
+    t = train or TrainConfig(cache="")
+    return SimpleNamespace(hidden_size=hidden, intermediate_size=t.intermediate_size or intermediate,
+                           vocab_size=vocab, num_layers=t.num_layers, num_heads=t.num_heads,
+                           num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, block_size=t.block_size,
+                           num_anchors=t.num_anchors, target_layer_ids=list(t.layer_ids) or layer_ids)
+
+
+def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.0, train_tok_s: float = 0.0) -> dict:
+    """Tokens/s per GPU for both stages, each with where it comes from: given (> 0), or the measured H200 rate
+    scaled by work per token (`factor` 1.0: the measured shapes themselves)."""
+    from .metrics import flops_per_row
+
+    per_tok = flops_per_row(drafter, seq_len, drafter.num_anchors) / seq_len
+    ref_per_tok = flops_per_row(TRAIN_DRAFTER, TRAIN_SEQ_LEN, TRAIN_DRAFTER.num_anchors) / TRAIN_SEQ_LEN
+    out, work = {}, {"extract": EXTRACT_LAYER_PARAMS / layer_params, "train": ref_per_tok / per_tok}
+    for stage, given, measured in (("extract", extract_tok_s, EXTRACT_TOK_S), ("train", train_tok_s, TRAIN_TOK_S)):
+        factor = work[stage]
+        out[stage] = {"tok_s": given, "source": "given"} if given else \
+            {"tok_s": measured * factor, "source": "measured" if abs(factor - 1) < 0.01 else "scaled",
+             "factor": factor, "measured_tok_s": measured}
+    return out
+
+
+def plan_epochs(train, rows: int, seq_len: int, gpus: int) -> float | None:
+    """Passes over the cache a [train] table asks for: `epochs`, or steps × global batch rows / rows (the global
+    batch: global_batch_tokens, else batch_rows on each of `gpus` processes). None without a [train] table."""
+    if train is None or not rows:
+        return None
+    if train.epochs:
+        return train.epochs
+    step_rows = train.global_batch_tokens / seq_len if train.global_batch_tokens else train.batch_rows * gpus
+    return train.steps * step_rows / rows
+
+
+def storage_plan(*, rows: int, seq_len: int, doc_tokens: int, k: int, hidden: int, quant: str, need: int,
+                 shards: str, free: int, fits: bool, min_free_gb: float, allow_overfill: bool, gpus: int,
+                 epochs: float | None, rate: dict, gpu: bool) -> dict:
+    """The plan's numbers. `need`: bytes the shards still to do take in the chosen encoding (`shards`: '3/4', to do
+    of all); `free`: free bytes where the cache goes; `fits`: `plan.disk_refusal` found room; `gpu`: False on a CPU
+    run (device=cpu), where the H200 rates (not given ones) are left out."""
+    tokens = rows * seq_len
+    enc = {name: {"what": what, "bytes_per_token": f(k, hidden), "total_bytes": tokens * f(k, hidden)}
+           for name, (what, f) in ENCODINGS.items()}
+    shown = {s: r for s, r in rate.items() if gpu or r["source"] == "given"}
+    train = shown.get("train")
+    for e in enc.values():
+        e["read_gb_s"] = e["bytes_per_token"] * train["tok_s"] * gpus / 1e9 if train else None
+    gpu_h = {}
+    if "extract" in shown:
+        gpu_h["extract"] = tokens / shown["extract"]["tok_s"] / 3600
+    if train:
+        gpu_h["train_epoch"] = tokens / train["tok_s"] / 3600
+        if epochs is not None:
+            gpu_h["train"] = epochs * gpu_h["train_epoch"]
+    return {"rows": rows, "seq_len": seq_len, "tokens": tokens, "doc_tokens": doc_tokens, "k": k, "hidden": hidden,
+            "quant": quant, "encodings": enc, "need_bytes": need, "shards": shards, "free_bytes": free, "fits": fits,
+            "min_free_gb": min_free_gb, "allow_overfill": allow_overfill, "gpus": gpus, "epochs": epochs,
+            "rates": shown, "gpu": gpu, "gpu_hours": gpu_h}
+
+
+def size(n: float) -> str:
+    """Bytes in decimal units: '81.9 TB', '3.40 GB', '512 kB'."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            v = n / scale
+            return f"{v:.{1 if v >= 10 else 2}f} {unit}"
+    return f"{n:.0f} B"
+
+
+def hours(h: float) -> str:
+    return f"{h:.1f} h" if h >= 1 else f"{h * 60:.0f} min" if h >= 1 / 60 else f"{h * 3600:.0f} s"
+
+
+MEASURED_AT = {"extract": ("Qwen3.5-27B shapes", "the parameters of the target layers it runs"),
+               "train": ("the 27B drafter, rows of 2048", "the drafter's FLOPs per context token")}
+
+
+def describe_rate(stage: str, r: dict) -> str:
+    """'train 19,499 context tok/s per H200 (estimate: … scaled ×1.94 by …)'."""
+    unit = "row tok/s" if stage == "extract" else "context tok/s"
+    if r["source"] == "given":
+        return f"{stage} {r['tok_s']:,.0f} {unit} per GPU (given)"
+    at, by = MEASURED_AT[stage]
+    how = f"measured at {at}, docs/benchmarks.md" if r["source"] == "measured" else \
+        f"estimate: {r['measured_tok_s']:,} measured at {at}, scaled ×{r['factor']:.3g} by {by}"
+    return f"{stage} {r['tok_s']:,.0f} {unit} per H200 ({how})"
+
+
+def render(p: dict, cache: Path, cpu_estimate_min: float | None = None) -> list[str]:
+    """The plan as lines for the log: tokens, a table of encodings, free space and verdict, rates, GPU-hours."""
+    n, pad = p["gpus"], 1 - p["doc_tokens"] / max(p["tokens"], 1)
+    lines = [f"storage plan: {p['rows']:,} rows × {p['seq_len']:,} = {p['tokens']:,} tokens "
+             f"({100 * pad:.1f} % padding); {p['k']} taps × hidden {p['hidden']:,}"]
+    read = any(e["read_gb_s"] is not None for e in p["encodings"].values())
+    lines.append(f"  {'encoding':<16}{'bytes/token':>12}{'cache size':>12}"
+                 + (f"{f'training reads at {n} GPUs':>28}" if read else ""))
+    for name, e in p["encodings"].items():
+        label = f"{name} (chosen)" if name == p["quant"] else name
+        lines.append(f"  {label:<16}{e['bytes_per_token']:>12,}{size(e['total_bytes']):>12}"
+                     + (f"{size(e['read_gb_s'] * 1e9) + '/s':>28}" if read else ""))
+    keep = f"keeping min_free_gb={p['min_free_gb']:g}"
+    verdict = f"fits, {keep} ({size(p['free_bytes'] - p['need_bytes'])} left after it)" if p["fits"] else \
+        f"does not fit, {keep}: " + ("allow_overfill=1 starts a real run anyway" if p["allow_overfill"] else
+                                     "a real run is refused (--allow_overfill=1 starts it anyway)")
+    lines.append(f"  free where the cache goes ({cache}): {size(p['free_bytes'])}; this run writes "
+                 f"{size(p['need_bytes'])} ({p['shards']} shards) → {verdict}")
+    lines += [f"  rate: {describe_rate(stage, r)}" for stage, r in p["rates"].items()]
+    lines.append("  " + gpu_hours_line(p, cpu_estimate_min))
+    return lines
+
+
+def gpu_hours_line(p: dict, cpu_minutes: float | None) -> str:
+    """'GPU-hours: extract 36.9 (4.6 h on 8), train 6 epochs 141.4 (17.7 h on 8); total …', or n/a on a CPU run."""
+    h, n = p["gpu_hours"], p["gpus"]
+    if "extract" in h:
+        parts = [f"extract {h['extract']:,.1f} ({hours(h['extract'] / n)} on {n})"]
+    else:
+        parts = ["extract n/a on CPU" + (f" (≈ {hours(cpu_minutes / 60)} on this CPU, from the timed batch)"
+                                         if cpu_minutes is not None else "")]
+    if "train" in h:
+        parts.append(f"train {p['epochs']:.3g} epochs {h['train']:,.1f} ({hours(h['train'] / n)} on {n})")
+    elif "train_epoch" in h:
+        parts.append(f"train {h['train_epoch']:,.1f} per epoch (no [train] table: epochs unknown)")
+    else:
+        parts.append("train n/a on CPU")
+    line = "GPU-hours: " + ", ".join(parts)
+    if "extract" in h and "train" in h:
+        total = h["extract"] + h["train"]
+        line += f"; total {total:,.1f} GPU-h, {hours(total / n)} on {n} GPUs"
+    if len(p["rates"]) < 2:
+        line += " (device=cpu: the rates are H200 figures; --plan_extract_tok_s= / --plan_train_tok_s= give yours)"
+    return line
+
+
+def plan_lines(cfg, p: dict, train) -> list[str]:
+    """The storage plan of an extraction as log lines: `cfg` its ExtractConfig, `p` what `stages.extract.plan_run`
+    returns (make_plan's facts + need, free, refusal, the probe's minutes), `train` the recipe's [train] (or None)."""
+    info, ids, seq_len, rows = p["info"], p["layer_ids"], p["seq_len"], p["rows"]
+    drafter = drafter_shape(train, info.hidden_size, info.intermediate_size, info.vocab_size, ids)
+    rate = rates(layer_params=target_layer_params(p["ckpt"], max(ids) + 1), drafter=drafter, seq_len=seq_len,
+                 extract_tok_s=cfg.plan_extract_tok_s, train_tok_s=cfg.plan_train_tok_s)
+    sp = storage_plan(rows=rows, seq_len=seq_len, doc_tokens=sum(s["tokens"] for s in p["tokens_manifest"]["shards"]),
+                      k=len(ids), hidden=info.hidden_size, quant=cfg.quant, need=p["need"],
+                      shards=f"{len(p['todo']):,}/{p['num_shards']:,}", free=p["free"],
+                      fits=not p["refusal"], min_free_gb=cfg.min_free_gb, allow_overfill=cfg.allow_overfill,
+                      gpus=cfg.plan_gpus, epochs=plan_epochs(train, rows, seq_len, cfg.plan_gpus), rate=rate,
+                      gpu=cfg.device != "cpu")
+    return render(sp, p["cache"], p["minutes"])
+
+
+def recipe_train(recipe: str | None):
+    """A recipe's [train] table as a TrainConfig (its cache left empty), or None: what the plan's epochs and drafter
+    come from."""
+    from .config import TrainConfig, build_config, read_recipe
+
+    table = read_recipe(recipe).get("train") if recipe else None
+    return None if table is None else build_config(TrainConfig, "train", {"cache": "", **table})

@@ -1,0 +1,196 @@
+"""The storage plan `make extract DRY_RUN=1` prints: bytes per encoding equal to what the shards hold, read bandwidth
+and GPU-hours from the measured rates (scaled for other shapes), and a run the disk cannot hold refused before any
+weight loads — with the override it names — while a dry run still writes nothing."""
+
+import json
+import re
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+from dflash_offline import storage
+from dflash_offline.config import ExtractConfig, TokenizeConfig
+from dflash_offline.manifest import read_manifest
+from stages import extract
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def small_plan(gpus=8, quant="bf16", rows=10, seq_len=128, free=10**12, fits=True, epochs=2.0, gpu=True):
+    rate = storage.rates(layer_params=storage.EXTRACT_LAYER_PARAMS, drafter=storage.TRAIN_DRAFTER,
+                         seq_len=storage.TRAIN_SEQ_LEN)
+    return storage.storage_plan(rows=rows, seq_len=seq_len, doc_tokens=rows * seq_len - 7, k=3, hidden=64,
+                                quant=quant, need=rows * seq_len * 384, shards="2/2", free=free, fits=fits,
+                                min_free_gb=2.0, allow_overfill=False, gpus=gpus, epochs=epochs, rate=rate, gpu=gpu)
+
+
+def test_bytes_per_token_at_the_27b_shapes():
+    assert storage.bytes_per_token("bf16", 5, 5120) == 51_200  # 5 taps × 5120 × 2 B
+    assert storage.bytes_per_token("fp8", 5, 5120) == 25_620  # 5 × (5120 e4m3 + a 4-byte scale)
+    assert set(storage.ENCODINGS) >= {"bf16", "fp8"}  # every quant= value has its entry
+
+
+def test_each_encodings_total_is_tokens_times_its_bytes_per_token():
+    p = small_plan(quant="fp8")
+    assert p["tokens"] == 10 * 128
+    assert list(p["encodings"]) == list(storage.ENCODINGS)
+    for name, e in p["encodings"].items():
+        assert e["total_bytes"] == p["tokens"] * e["bytes_per_token"] == p["tokens"] * storage.bytes_per_token(name, 3, 64)
+    lines = storage.render(p, Path("cache/x"))
+    assert any(re.match(r"\s+fp8 \(chosen\)\s+204\s", line) for line in lines), lines
+    assert any(re.match(r"\s+bf16\s+384\s", line) for line in lines), lines
+
+
+def test_read_bandwidth_scales_with_the_gpus_and_gpu_hours_do_not():
+    one, eight = small_plan(gpus=1), small_plan(gpus=8)
+    for name in storage.ENCODINGS:
+        r1, r8 = one["encodings"][name]["read_gb_s"], eight["encodings"][name]["read_gb_s"]
+        assert r8 == pytest.approx(8 * r1)
+        assert r1 == pytest.approx(one["encodings"][name]["bytes_per_token"] * storage.TRAIN_TOK_S / 1e9)
+    assert one["gpu_hours"] == eight["gpu_hours"]
+    assert eight["gpu_hours"]["train"] == pytest.approx(2 * 1280 / storage.TRAIN_TOK_S / 3600)  # 2 epochs
+
+
+def test_rates_are_the_measured_ones_at_their_shapes_scaled_elsewhere_and_given_ones_win():
+    at = storage.rates(layer_params=storage.EXTRACT_LAYER_PARAMS, drafter=storage.TRAIN_DRAFTER,
+                       seq_len=storage.TRAIN_SEQ_LEN)
+    assert {s: (r["source"], r["tok_s"]) for s, r in at.items()} == {"extract": ("measured", storage.EXTRACT_TOK_S), "train": ("measured", storage.TRAIN_TOK_S)}
+    half = storage.rates(layer_params=storage.EXTRACT_LAYER_PARAMS // 2, drafter=storage.TRAIN_DRAFTER,
+                         seq_len=2 * storage.TRAIN_SEQ_LEN)  # half the layers; longer rows: less work per token
+    assert half["extract"]["source"] == "scaled" and half["extract"]["tok_s"] == pytest.approx(2 * storage.EXTRACT_TOK_S, rel=1e-6)
+    assert half["train"]["source"] == "scaled" and half["train"]["tok_s"] > 1.5 * storage.TRAIN_TOK_S
+    given = storage.rates(layer_params=1, drafter=storage.TRAIN_DRAFTER, seq_len=512, extract_tok_s=5e3,
+                          train_tok_s=7e3)
+    assert {s: (r["source"], r["tok_s"]) for s, r in given.items()} == {"extract": ("given", 5e3), "train": ("given", 7e3)}
+    line = storage.describe_rate("train", half["train"])
+    assert "estimate" in line and f"{storage.TRAIN_TOK_S:,}" in line
+
+
+def test_epochs_come_from_the_recipes_train_table():
+    from dflash_offline.config import TrainConfig
+
+    assert storage.plan_epochs(storage.recipe_train(str(REPO / "manifests/qwen3.6-27b.toml")), 1000, 4096, 8) == 6
+    steps = TrainConfig(cache="", steps=300, batch_rows=4).resolve()
+    assert storage.plan_epochs(steps, 121, 512, 1) == pytest.approx(300 * 4 / 121)  # steps × global batch / rows
+    assert storage.plan_epochs(steps, 121, 512, 8) == pytest.approx(300 * 32 / 121)
+    tokens = TrainConfig(cache="", steps=100, global_batch_tokens=8 * 4096).resolve()
+    assert storage.plan_epochs(tokens, 800, 4096, 8) == pytest.approx(1.0)
+    assert storage.plan_epochs(None, 800, 4096, 8) is None and storage.recipe_train(None) is None
+
+
+def test_on_cpu_the_plan_prints_no_gpu_figures():
+    text = "\n".join(storage.render(small_plan(gpu=False), Path("c"), cpu_estimate_min=0.5))
+    assert "n/a on CPU" in text and "30 s on this CPU" in text
+    assert "GB/s" not in text and "H200 (" not in text and "GPU-h," not in text
+
+
+def test_a_27b_plan_from_shapes_alone(tmp_path, capsys):
+    """Qwen3.6-27B config (no weights), the qwen3.6-27b recipe, z-lab's scale (1.6B tokens): the numbers
+    docs/full-run.md works out by hand."""
+    from bench.extract import TEXT_27B, write_config
+
+    ckpt = write_config(tmp_path / "q27", TEXT_27B)
+    params = storage.target_layer_params(ckpt, 62)  # taps up to 61: the layers bench-extract ran
+    assert params == storage.EXTRACT_LAYER_PARAMS
+    train = storage.recipe_train(str(REPO / "manifests/qwen3.6-27b.toml"))
+    drafter = storage.drafter_shape(train, 5120, 17408, 248320, [1, 16, 31, 46, 61])
+    rate = storage.rates(layer_params=params, drafter=drafter, seq_len=4096)
+    assert rate["extract"]["source"] == "measured" and rate["train"]["source"] == "scaled"
+    assert 18_000 < rate["train"]["tok_s"] < 20_000  # rows of 4096: ≈ half the FLOPs per token of rows of 2048
+    rows = 390_625  # × 4096 = 1.6B tokens
+    p = storage.storage_plan(rows=rows, seq_len=4096, doc_tokens=rows * 4000, k=5, hidden=5120, quant="bf16",
+                             need=rows * 4096 * 51_200, shards="24,415/24,415", free=50 * 10**12, fits=False,
+                             min_free_gb=2.0, allow_overfill=False, gpus=8,
+                             epochs=storage.plan_epochs(train, rows, 4096, 8), rate=rate, gpu=True)
+    assert p["encodings"]["bf16"]["total_bytes"] == 81_920_000_000_000
+    assert p["encodings"]["fp8"]["total_bytes"] == 40_992_000_000_000
+    assert p["gpu_hours"]["extract"] == pytest.approx(1.6e9 / 12_045 / 3600)  # 36.9, as docs/full-run.md
+    assert p["encodings"]["bf16"]["read_gb_s"] == pytest.approx(51_200 * rate["train"]["tok_s"] * 8 / 1e9)
+    lines = storage.render(p, Path("/data/cache/hidden-0123456789ab"))
+    print("\n".join(lines))
+    text = "\n".join(lines)
+    assert "81.9 TB" in text and "41.0 TB" in text and "a real run is refused (--allow_overfill=1" in text
+    assert "GPU-hours: extract 36.9 (4.6 h on 8), train 6 epochs" in text
+    assert "extract 12,045 row tok/s per H200 (measured at Qwen3.5-27B shapes" in text
+    assert re.search(r"train 1[89],\d{3} context tok/s per H200 \(estimate: 10,053 measured at the 27B drafter", text)
+
+
+# --- the stage: real shard bytes, refusals, dry runs -----------------------------------------------------------
+
+
+def configs(root, target, corpus, **kw):
+    tok = TokenizeConfig(corpus=[str(corpus)], tokenizer=str(target), cache_root=str(root), seq_len=128,
+                         rows_per_shard=4, workers=1, max_docs=12).resolve()
+    ext = ExtractConfig(target=str(target), cache_root=str(root), num_draft_layers=3, device="cpu", batch_rows=2,
+                        **kw).resolve()
+    return ext, tok
+
+
+def tensor_bytes(path: Path) -> int:
+    """Bytes of the tensors of a safetensors file (its header's data offsets)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return sum(t["data_offsets"][1] - t["data_offsets"][0] for name, t in header.items() if name != "__metadata__")
+
+
+@pytest.mark.parametrize("quant", ["bf16", "fp8"])
+def test_the_planned_bytes_are_the_bytes_the_shards_hold(tmp_path, qwen35_dir, chat_corpus, quant):
+    cache = extract.run(*configs(tmp_path / "c", qwen35_dir, chat_corpus, quant=quant))
+    m = read_manifest(cache)
+    per_token = storage.bytes_per_token(quant, len(m["config"]["layer_ids"]), m["producer"]["target"]["hidden_size"])
+    seq_len = m["producer"]["tokens"]["producer"]["seq_len"]
+    for s in m["shards"]:
+        (name,) = s["files"]
+        assert tensor_bytes(cache / name) == s["rows"] * seq_len * per_token
+
+
+def fake_free(monkeypatch, free_bytes: int) -> None:
+    usage = shutil.disk_usage("/")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=free_bytes))
+
+
+def test_a_run_the_disk_cannot_hold_is_refused_naming_the_numbers_and_the_override(
+        tmp_path, qwen35_dir, chat_corpus, monkeypatch, capsys):
+    from dflash_offline import target
+
+    monkeypatch.setattr(target, "load_target", lambda *a, **k: pytest.fail("weights loaded"))
+    fake_free(monkeypatch, 2 * 10**9 + 1000)  # min_free_gb 2 kept: room for 1000 bytes
+    root = tmp_path / "dry"
+    ext, tok = configs(root, qwen35_dir, chat_corpus, dry_run=True)
+    with pytest.raises(ValueError, match=r"^dry run: a real run would be refused: .*need [\d.]+ [kM]B but the filesystem "
+                                         r"has 2.00 GB free \(keeping min_free_gb=2\).*--allow_overfill=1"):
+        extract.run(ext, tok)
+    out = capsys.readouterr().out
+    assert "storage plan:" in out and "does not fit" in out and "bf16 (chosen)" in out and "fp8" in out
+    ext, tok = configs(root, qwen35_dir, chat_corpus, dry_run=True, allow_overfill=True)
+    assert extract.run(ext, tok) is None
+    out = capsys.readouterr().out
+    assert "allow_overfill=1 starts a real run anyway" in out and out.strip().splitlines()[-1].endswith("nothing written")
+    assert not root.exists()  # dry runs, refused or not, write nothing
+
+    ext, tok = configs(tmp_path / "real", qwen35_dir, chat_corpus)
+    with pytest.raises(ValueError, match=r"filesystem has 2.00 GB free.*--allow_overfill=1 \(make "
+                                         r"ARGS=--allow_overfill=1\) starts it anyway$"):
+        extract.run(ext, tok)
+    assert not list((tmp_path / "real").glob("hidden-*"))
+    ext, tok = configs(tmp_path / "real", qwen35_dir, chat_corpus, allow_overfill=True)
+    with pytest.raises(pytest.fail.Exception, match="weights loaded"):  # past the disk check, to the weights
+        extract.run(ext, tok)
+    assert "starting anyway (allow_overfill=1)" in capsys.readouterr().out
+
+
+def test_the_dry_run_plan_on_cpu_uses_the_real_token_counts(tmp_path, qwen35_dir, chat_corpus, capsys):
+    from stages import tokenize
+
+    root = tmp_path / "c"
+    ext, tok = configs(root, qwen35_dir, chat_corpus, dry_run=True)
+    assert extract.run(ext, tok) is None
+    out = capsys.readouterr().out
+    m = tokenize.dry_run(tok)
+    rows = sum(s["rows"] for s in m["shards"])
+    assert f"storage plan: {rows:,} rows × 128 = {rows * 128:,} tokens" in out
+    assert "GPU-hours: extract n/a on CPU" in out and "GB/s" not in out
+    assert not root.exists()
