@@ -33,7 +33,7 @@ DEMO_ENV ?= OMP_NUM_THREADS=1
 LAUNCH = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/accelerate launch --num_processes $(NPROC) -m,$(PYTHON) -m)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup fixtures test test-gpu test-gpu-extract test-gpu-train faults lint style demo tiny tokenize extract verify train regen report export eval status bench-extract bench-extract-layers bench-train bench-train-attention bench-train-loss testbed testbed-ab testbed-sweep clean help
+.PHONY: setup fixtures test test-gpu test-gpu-extract test-gpu-train faults lint style demo tiny tokenize extract verify train regen report export eval status bench-extract bench-extract-layers bench-train bench-train-attention bench-train-loss bench-projection testbed testbed-ab testbed-sweep clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -118,6 +118,9 @@ bench-train-attention:  ## the drafter's attention alone, fwd+bwd: split/joint, 
 
 bench-train-loss:  ## lm_head + block CE alone, fwd+bwd, per epilogue (Triton / compiled) and chunk size (GPU)
 	$(PYTHON) -m bench.train_loss
+
+bench-projection: setup  ## per tapped layer of CACHE=: energy kept and held-out loss of a top-k projection, bytes/token per k (the projected-taps encoding's starting point)
+	$(PYTHON) -m bench.projection --cache=$(CACHE) $(ARGS)
 
 status: setup  ## shard table and summary of CACHE= (a cache or a directory of caches)
 	$(PYTHON) -m stages.status $(or $(CACHE),cache) $(if $(JSON),--json)
