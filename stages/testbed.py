@@ -253,6 +253,17 @@ def train_export_eval(cfg: TestbedConfig, p: Paths, run: Path, cache: Path, seed
     return times
 
 
+def projection_summary(cache: Path) -> dict:
+    """Per k: the least energy a top-k projection keeps, and the most it loses on held-out rows, over the taps
+    (`bench.projection`, two calibration shards, the last shard held out)."""
+    from bench import projection
+
+    r = projection.main([f"--cache={cache}", "--ks=16,32,64,128,256", "--calib_shards=2", "--max_rows=64"])
+    layers = list(r["layers"].values())
+    return {k: {"kept_min": min(x["retained"][k] for x in layers),
+                "heldout_lost_max": max(x["heldout_loss"].get(k, 0.0) for x in layers)} for k in layers[0]["retained"]}
+
+
 def looping_share(path: Path) -> float:
     """Share of the regenerated answers that end in a loop (`pysource.looping`)."""
     from dflash_offline.pysource import looping
@@ -304,7 +315,7 @@ def testbed(cfg: TestbedConfig, p: Paths, dev: str, device) -> dict:
         rows = sum(s["rows"] for s in m["shards"])
         seq = m["producer"]["tokens"]["producer"]["seq_len"]
         done("extract", {"seconds": secs, "rows": rows, "tokens": rows * seq, "tok_per_s_wall": rows * seq / secs,
-                         "layer_ids": m["config"].get("layer_ids")})
+                         "layer_ids": m["config"].get("layer_ids"), "projection": projection_summary(p.hidden())})
     if "eval" not in ph:  # train (resumed where it stopped), export, evaluate trained and untrained
         times = train_export_eval(cfg, p, run, p.hidden(), cfg.seed, {}, dev)
         m = run_metrics(run)
