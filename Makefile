@@ -29,8 +29,10 @@ NPROC ?= 1
 ARGS ?=
 DEMO_DIR ?= build/demo
 DEMO_ENV ?= OMP_NUM_THREADS=1
-# one process per GPU through accelerate (torchrun underneath) when NPROC > 1
-LAUNCH = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/accelerate launch --num_processes $(NPROC) -m,$(PYTHON) -m)
+LAUNCH_ARGS ?=
+# NPROC > 1: that many processes through accelerate (torchrun underneath), --multi_gpu also on a machine with one GPU
+# or none; several machines: LAUNCH_ARGS="--num_machines N --machine_rank i --main_process_ip HOST --main_process_port P"
+LAUNCH = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/accelerate launch --multi_gpu --num_processes $(NPROC) $(LAUNCH_ARGS) -m,$(PYTHON) -m)
 export PYTHONUNBUFFERED := 1
 
 .PHONY: setup fixtures test test-gpu test-gpu-extract test-gpu-train faults lint style demo tiny tokenize extract verify train regen report export eval status bench-extract bench-extract-layers bench-train bench-train-attention bench-train-loss bench-projection testbed testbed-ab testbed-sweep clean help
@@ -110,7 +112,7 @@ bench-extract:  ## extraction throughput at Qwen3.5-27B shapes vs a plain HF for
 bench-extract-layers:  ## where extraction time goes: one layer of each type per kernel variant + a kernel profile (GPU)
 	$(PYTHON) -m bench.extract_layers --profile
 
-bench-train:  ## drafter training throughput at 27B drafter shapes vs an eager chunked baseline (GPU)
+bench-train:  ## drafter training throughput at 27B drafter shapes vs an eager chunked baseline; ARGS=--precision=fp8 adds an fp8 run and the fp8/bf16 ratio (GPU)
 	$(PYTHON) -m bench.train $(ARGS)
 
 bench-train-attention:  ## the drafter's attention alone, fwd+bwd: split/joint, GQA/K-V per head, kernel options (GPU)

@@ -247,6 +247,30 @@ def check_inputs(cfg: TrainConfig, run_dir):
     return c, dc, info
 
 
+def same_start_on_every_rank(acc, resume: bool, run_dir) -> None:
+    """Refuse a run whose processes would start from different steps, before any of them loads a checkpoint. Each
+    process reads the run's checkpoint itself: on machines that do not see the same run directory, a resume would
+    start rank 0 at its checkpoint and the others from scratch, and DDP would average gradients of different
+    weights until a collective hangs."""
+    if acc.num_processes == 1:
+        return
+    import json
+
+    import torch
+
+    from dflash_offline.checkpoint import find_checkpoint, list_checkpoints
+
+    step = json.loads((find_checkpoint(run_dir) / "meta.json").read_text())["step"] if (
+        resume and list_checkpoints(run_dir)) else 0
+    steps = acc.gather(torch.tensor([step], device=acc.device)).tolist()
+    if len(set(steps)) > 1:
+        where = "; ".join(f"step {s} on rank(s) {', '.join(str(r) for r, x in enumerate(steps) if x == s)}"
+                          for s in sorted(set(steps), reverse=True))
+        raise ValueError(f"{run_dir}: the processes would start from different steps ({where}): every machine must "
+                         f"see the run directory ({flag('train', 'run')}) at the same path, with its checkpoints: a "
+                         f"shared filesystem, or the checkpoint copied to each machine before resuming")
+
+
 # --- the process -------------------------------------------------------------------------------------------------
 
 

@@ -33,6 +33,7 @@ from dflash_offline.trainsetup import (
     kept_process_state,
     release_process_group,
     resolve_train,
+    same_start_on_every_rank,
 )
 
 # --- the run ---------------------------------------------------------------------------------------------------
@@ -86,8 +87,8 @@ def _run(cfg: TrainConfig, switches: BenchSwitches) -> Path:
     torch.backends.cuda.matmul.allow_tf32 = s.tf32  # after the Accelerator, which may set it (`run` puts it back)
     rank, device = acc.process_index, acc.device
     set_seed(cfg.seed)
+    run_dir.mkdir(parents=True, exist_ok=True)  # every rank: its status file goes there (RUN= local to a machine too)
     if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
         resolved = {"train": as_dict(cfg), "drafter": as_dict(dc), "derived": s.derived(cfg, info.key)}
         (run_dir / "config.json").write_text(json.dumps(resolved, indent=1, sort_keys=True))
         log(f"drafter {dc.num_layers}×(H {dc.hidden_size}, {dc.num_heads}/{dc.num_kv_heads} heads × "
@@ -110,6 +111,7 @@ def _run(cfg: TrainConfig, switches: BenchSwitches) -> Path:
     # --- data
     stream = HiddenStream(info, cfg.batch_rows, rank=rank, world_size=s.world, seed=cfg.seed, device=device)
     step = 0
+    same_start_on_every_rank(acc, cfg.resume, run_dir)  # machines that do not share RUN= would resume apart
     if cfg.resume and list_checkpoints(run_dir):
         state = load_checkpoint(run_dir, p.raw, p.opt, p.sched, sharded=s.sharded)
         stream.load_state_dict(state["data_state"])
