@@ -2,13 +2,15 @@
 S = 2048, 512 anchors, block 16 (random weights and random cached states).
 
     python -m bench.train [--steps=40]        (GPU)
-    python -m bench.train --tiny              (CPU smoke run)
+    python -m bench.train --precision=fp8     (GPU: ours in bf16, then in fp8; fp8 / bf16 rates)
+    python -m bench.train --tiny              (CPU smoke run; with --precision=fp8, float8 emulated)
 
 Ours: `stages.train.run` as a user runs it (compiled flex attention, chunked one-pass lm_head + CE, streaming
 loader) on a synthetic hidden cache and a synthetic target holding only embed + lm_head. Baseline, same process:
 a straightforward in-tree step — the eager drafter with the dense-mask SDPA path and full-vocabulary logits
 computed chunk by chunk under activation checkpointing. Reports context tokens/s, ms/step, fraction of the FLOP
-ideal (at 790 TFLOP/s), peak memory, and ours/baseline.
+ideal (at 790 TFLOP/s, the bf16 dense peak, also for fp8), peak memory, SM clock and board power, and
+ours/baseline; `--precision=fp8` adds ours with float8 linears (`precision=fp8`) and the fp8 / bf16 ratios.
 """
 
 from __future__ import annotations
@@ -83,23 +85,24 @@ def synthetic_cache(root: Path, text: dict, target: Path, rows: int, seq_len: in
     return cache
 
 
-def run_ours(args, cache: Path, drafter: dict) -> dict:
+def run_ours(args, cache: Path, drafter: dict, precision: str = "auto", name: str = "run") -> dict:
     from dflash_offline.config import TrainConfig
     from dflash_offline.trainsetup import BenchSwitches
     from stages import train
 
-    run = args.workdir / "run"
+    run = args.workdir / name
     shutil.rmtree(run, ignore_errors=True)
     cfg = TrainConfig(cache=str(cache), run=str(run), steps=args.steps, batch_rows=1, num_anchors=args.anchors,
                       block_size=16, log_every=args.log_every, ckpt_every=10**9, trackers="none",
                       attn="flex" if args.attn == "flex_joint" else args.attn, profile_steps=args.profile_steps,
                       master_weights=args.master_weights, global_batch_tokens=args.accum * args.seq_len,
-                      loss_logits=args.loss_logits,
+                      loss_logits=args.loss_logits, precision=precision, fp8_recipe=args.fp8_recipe,
                       **({} if args.loss_chunk_tokens is None else {"loss_chunk_tokens": args.loss_chunk_tokens}),
                       **drafter).resolve()
     # the A/B switches that are not trainer options (within the run-to-run spread: docs/benchmarks.md)
     switches = BenchSwitches(joint_attention=args.attn == "flex_joint", tf32=args.tf32 == "on",
-                             optimizer_overlap=args.optimizer_overlap == "on")
+                             optimizer_overlap=args.optimizer_overlap == "on",
+                             fp8_emulate=args.tiny and not torch.cuda.is_available())  # (the CPU smoke run)
     t0 = time.time()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -130,6 +133,7 @@ def run_ours(args, cache: Path, drafter: dict) -> dict:
             "recompiles": recs[-1]["recompiles"], "first_window_ms": recs[0]["ms_per_step"], "gpu": clocks,
             "master_weights": derived["master_weights"], "optimizer_overlap": derived["optimizer_overlap"],
             "attn": derived["attn"], "loss_logits": derived["loss_logits"], "tf32": derived["tf32"],
+            "precision": derived["precision"], "fp8_recipe": derived["fp8_recipe"],
             "loss_chunk_tokens": cfg.loss_chunk_tokens, "loss": [r["loss"] for r in recs],
             "read_check": args.read_check, "read_check_ms_per_step": 1000 * hashed["s"] / args.steps,
             "read_check_gb_per_step": hashed["bytes"] / 1e9 / args.steps,
@@ -249,6 +253,10 @@ def main() -> None:
                    help="on: each step's optimizer update on a side stream beside the next forward (master weights)")
     p.add_argument("--loss_logits", default="fp32", choices=["fp32", "bf16"], help="the trainer's loss_logits")
     p.add_argument("--tf32", default="off", choices=["on", "off"], help="on: TF32 tensor cores for fp32 matmuls")
+    p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp8"],
+                   help="the trainer's precision; fp8: ours in bf16, then ours in fp8 (float8 linears), one call")
+    p.add_argument("--fp8_recipe", default="tensorwise", choices=["tensorwise", "rowwise"],
+                   help="the trainer's fp8_recipe (with --precision=fp8)")
     p.add_argument("--loss_chunk_tokens", type=int, default=None,
                    help="the trainer's loss_chunk_tokens (query tokens per lm_head chunk; default: the trainer's)")
     p.add_argument("--profile_steps", type=int, default=0, help="print a kernel table of that many steps")
@@ -260,8 +268,8 @@ def main() -> None:
     shutil.rmtree(args.workdir, ignore_errors=True)
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     text, drafter = (TEXT_TINY, DRAFTER_TINY) if args.tiny else (TEXT_27B, DRAFTER_27B)
-    if args.tiny:
-        args.seq_len, args.anchors = 128, 8
+    if args.tiny:  # (fp8: 16 anchors, so that the token counts are multiples of 16, as float8 GEMMs need)
+        args.seq_len, args.anchors = 128, 16 if args.precision == "fp8" else 8
     target = synthetic_target(args.workdir / "target", text, device)
     cache = synthetic_cache(args.workdir, text, target, 8, args.seq_len, args.rows)
     res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
@@ -275,34 +283,60 @@ def main() -> None:
             args.out.write_text(json.dumps(res, indent=1))
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    res["ours"] = run_ours(args, cache, drafter)
-    print(json.dumps({k: v for k, v in res["ours"].items() if k != "profile"}), flush=True)
-    if res["ours"]["profile"]:
-        print(res["ours"]["profile"], flush=True)
-    if args.out:
-        args.out.write_text(json.dumps(res, indent=1))
-    o = res["ours"]
-    print(f"\n| training, {res['device']} | ours | baseline |\n|---|---|---|")
+    runs = [("ours", "bf16" if args.precision == "fp8" else args.precision, "run")]
+    if args.precision == "fp8":
+        runs.append(("ours_fp8", "fp8", "run-fp8"))
+    for key, precision, name in runs:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        res[key] = run_ours(args, cache, drafter, precision, name)
+        print(json.dumps({k: v for k, v in res[key].items() if k != "profile"}), flush=True)
+        if res[key]["profile"]:
+            print(res[key]["profile"], flush=True)
+        if args.out:
+            args.out.write_text(json.dumps(res, indent=1))
+    print_table(res, args)
+
+
+def print_table(res: dict, args) -> None:
+    """One column per run of ours (bf16, and fp8 with --precision=fp8), then the baseline's."""
+    ours = [res[k] for k in ("ours", "ours_fp8") if k in res]
     b = res.get("baseline", {})
-    print(f"| context tok/s | {o['tok_per_s']:,.0f} | {b.get('tok_per_s', 0):,.0f} |")
-    print(f"| ms/step | {o['ms_per_step']:.1f} | {b.get('ms_per_step', 0):.1f} |")
-    print(f"| peak GB | {o['peak_gb']:.1f} | {b.get('peak_gb', 0):.1f} |")
-    print(f"| FLOP fraction @790T | {o['flop_frac']:.3f} | |")
+    names = ["ours"] if len(ours) == 1 else [f"ours {x['precision']}" + (f" ({x['fp8_recipe']})" if x["fp8_recipe"]
+                                                                          else "") for x in ours]
+
+    def row(label: str, cells: list[str], base: str = "") -> None:
+        print("|" + "".join(f" {c} |" if c else " |" for c in (label, *cells, base)))
+
+    print(f"\n| training, {res['device']} | {' | '.join(names)} | baseline |\n|---|{'---|' * len(ours)}---|")
+    row("context tok/s", [f"{x['tok_per_s']:,.0f}" for x in ours], f"{b.get('tok_per_s', 0):,.0f}")
+    row("ms/step", [f"{x['ms_per_step']:.1f}" for x in ours], f"{b.get('ms_per_step', 0):.1f}")
+    row("peak GB", [f"{x['peak_gb']:.1f}" for x in ours], f"{b.get('peak_gb', 0):.1f}")
+    row("FLOP fraction @790T", [f"{x['flop_frac']:.3f}" for x in ours])
     if b:
-        print(f"| ours / baseline | {o['tok_per_s'] / b['tok_per_s']:.2f} | |")
-    print(f"| recompiles after warm-up | {o['recompiles']} | |")
-    print(f"| host: data wait, GC (fraction of wall time) | {o['data_wait_frac']:.3f}, {o['gc_frac']:.3f} | |")
-    print(f"| read check: reader-thread ms/step hashing (GB/step) | {o['read_check']}: "
-          f"{o['read_check_ms_per_step']:.2f} ({o['read_check_gb_per_step']:.3f}) | |")
-    og, bg = o.get("gpu") or {}, b.get("gpu") or {}
-    if og:
-        print(f"| SM clock MHz (min), board power W | {og['sm_mhz']:.0f} ({og['sm_mhz_min']:.0f}), {og['power_w']:.0f} | "
-              + (f"{bg['sm_mhz']:.0f} ({bg['sm_mhz_min']:.0f}), {bg['power_w']:.0f} |" if bg else "|"))
-    print(f"| first window (compilation), s | {o['first_window_ms'] * args.log_every / 1000:.0f} | |")
-    print(f"| rows per optimizer step, master weights, optimizer overlap | {args.accum}, {o['master_weights']}, "
-          f"{o['optimizer_overlap']} | |")
-    print(f"| rows, attn, loss logits, TF32, loss chunk tokens | {args.rows}, {o['attn']}, {o['loss_logits']}, "
-          f"{o['tf32']}, {o['loss_chunk_tokens']} | |")
+        row("ours / baseline", [f"{x['tok_per_s'] / b['tok_per_s']:.2f}" for x in ours])
+    if len(ours) == 2:  # the fp8 column: fp8 / bf16 rates (per clock: ms × MHz, where the clocks differ)
+        ref, f = ours
+        per_clock = ""
+        if ref["gpu"] and f["gpu"]:
+            cost = [x["ms_per_step"] * x["gpu"]["sm_mhz"] for x in ours]
+            per_clock = f" ({cost[0] / cost[1]:.3f} per clock)"
+        peak = f["peak_gb"] / ref["peak_gb"] if ref["peak_gb"] else 0.0
+        row("fp8 / bf16: tok/s, peak GB", ["", f"{f['tok_per_s'] / ref['tok_per_s']:.3f}{per_clock}, {peak:.3f}"])
+    row("recompiles after warm-up", [str(x["recompiles"]) for x in ours])
+    row("host: data wait, GC (fraction of wall time)", [f"{x['data_wait_frac']:.3f}, {x['gc_frac']:.3f}" for x in ours])
+    row("read check: reader-thread ms/step hashing (GB/step)",
+        [f"{x['read_check']}: {x['read_check_ms_per_step']:.2f} ({x['read_check_gb_per_step']:.3f})" for x in ours])
+    bg = b.get("gpu") or {}
+    if any(x.get("gpu") for x in ours):
+        row("SM clock MHz (min), board power W",
+            [f"{g['sm_mhz']:.0f} ({g['sm_mhz_min']:.0f}), {g['power_w']:.0f}" if (g := x.get("gpu")) else ""
+             for x in ours], f"{bg['sm_mhz']:.0f} ({bg['sm_mhz_min']:.0f}), {bg['power_w']:.0f}" if bg else "")
+    row("first window (compilation), s", [f"{x['first_window_ms'] * args.log_every / 1000:.0f}" for x in ours])
+    row("rows per optimizer step, master weights, optimizer overlap",
+        [f"{args.accum}, {x['master_weights']}, {x['optimizer_overlap']}" for x in ours])
+    row("rows, attn, loss logits, TF32, loss chunk tokens",
+        [f"{args.rows}, {x['attn']}, {x['loss_logits']}, {x['tf32']}, {x['loss_chunk_tokens']}" for x in ours])
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ drafter's shape (`drafter_config`), the learning-rate schedule; and `kept_proces
 changes in its process (TF32, the recompile guard, GC state).
 
 `BenchSwitches` hold the performance switches that measured within the run-to-run spread (docs/benchmarks.md): they
-are not options; the trainer runs without them and `bench.train` sets them for its A/B runs.
+are not options; the trainer runs without them and `bench.train` sets them for its A/B runs. One more is no
+performance switch: `fp8_emulate` lets precision=fp8 run on the CPU (float8 casts, fp32 matmuls) for the tests and
+`bench.train --tiny`; the trainer refuses fp8 without CUDA.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ class BenchSwitches:
     joint_attention: bool = False  # attn=flex as one flex call over [context | block] keys ("flex_joint")
     optimizer_overlap: bool = False  # master weights on CUDA: each update on a side stream beside the next forward
     tf32: bool = False  # CUDA: TF32 tensor cores for fp32 matmuls (in bf16 runs: the dense block part of attn=flex)
+    fp8_emulate: bool = False  # precision=fp8 without CUDA: float8 casts with fp32 matmuls (tests, CPU smoke runs)
 
 
 @dataclass(frozen=True)
 class TrainSetup:
     world: int  # processes
-    precision: str  # "bf16" (autocast) or "fp32"
+    precision: str  # "bf16" (autocast), "fp32" or "fp8" (a bf16 run whose linears compute in float8: `fp8.convert`)
     attn: str  # "flex", "flex_joint" (bench only) or "dense"
     compile: bool  # decoder layers, context projection and output norm compiled
     epilogue: str  # loss epilogue: "triton", "compiled" or "eager"
@@ -48,6 +51,12 @@ class TrainSetup:
     steps: int  # optimizer steps of the whole run (`steps`, or `epochs` × steps_per_epoch)
     warmup: int  # learning-rate warm-up steps
     steps_per_epoch: float  # optimizer steps in one pass over the cache (0: the cache's rows were not given)
+    fp8_emulate: bool = False  # precision=fp8 emulated (no CUDA; tests only)
+
+    @property
+    def bf16(self) -> bool:
+        """bf16 autocast and a bf16 embedding and lm_head: bf16 runs and fp8 runs (whose linears are float8)."""
+        return self.precision in ("bf16", "fp8")
 
     def derived(self, cfg: TrainConfig, cache_key: str) -> dict:
         """The run's config.json "derived" block."""
@@ -55,6 +64,7 @@ class TrainSetup:
                 "precision": self.precision, "attn": self.attn, "compile": self.compile,
                 "master_weights": self.master, "optimizer_overlap": self.overlap, "loss_epilogue": self.epilogue,
                 "loss_logits": cfg.loss_logits, "tf32": self.tf32,
+                "fp8_recipe": cfg.fp8_recipe if self.precision == "fp8" else None,
                 "global_batch_rows": cfg.batch_rows * self.world * self.accum, "cache_key": cache_key,
                 "steps": self.steps, "warmup_steps": self.warmup, "steps_per_epoch": self.steps_per_epoch,
                 "epochs": self.steps / self.steps_per_epoch if self.steps_per_epoch else None}
@@ -63,6 +73,7 @@ class TrainSetup:
         """One line for the log: processes, rows, accumulation and the compute path."""
         return (f"{self.world} process(es) × {cfg.batch_rows} rows × accum {self.accum}"
                 f"{', FSDP-sharded' if self.sharded else ''}; {self.precision}"
+                f"{f' ({cfg.fp8_recipe}, bf16 elsewhere)' if self.precision == 'fp8' else ''}"
                 f"{' (bf16 weights, fp32 masters)' if self.master else ''}"
                 f"{', optimizer update overlapping the next forward' if self.overlap else ''}"
                 f"{', TF32' if self.tf32 else ''}, attn {self.attn}, compile {self.compile}")
@@ -90,6 +101,11 @@ def resolve_train(cfg: TrainConfig, *, cuda: bool, world: int, seq_len: int, row
     from dflash_offline.loss import resolve_epilogue
 
     precision = cfg.precision if cfg.precision != "auto" else ("bf16" if cuda else "fp32")
+    if precision == "fp8":
+        from dflash_offline.fp8 import check_available, check_token_counts
+
+        check_available(cuda, switches.fp8_emulate)
+        check_token_counts(cfg.batch_rows, seq_len, cfg.num_anchors, cfg.block_size)
     attn, use_compile = attention(cfg, cuda, switches.joint_attention)
     epilogue = resolve_epilogue(cfg.loss_epilogue, cuda)  # fails here, at start, if this machine cannot run it
     if switches.tf32 and not cuda:
@@ -106,7 +122,8 @@ def resolve_train(cfg: TrainConfig, *, cuda: bool, world: int, seq_len: int, row
     steps, warmup, per_epoch = schedule(cfg, world, accum, rows)
     return TrainSetup(world=world, precision=precision, attn=attn, compile=use_compile, epilogue=epilogue,
                       tf32=switches.tf32, accum=accum, sharded=sharded, master=master, reduced_accum=reduced_accum,
-                      overlap=switches.optimizer_overlap, steps=steps, warmup=warmup, steps_per_epoch=per_epoch)
+                      overlap=switches.optimizer_overlap, steps=steps, warmup=warmup, steps_per_epoch=per_epoch,
+                      fp8_emulate=precision == "fp8" and switches.fp8_emulate)
 
 
 def schedule(cfg: TrainConfig, world: int, accum: int, rows: int) -> tuple[int, int, float]:
@@ -159,9 +176,11 @@ def grad_accum(cfg: TrainConfig, world: int, seq_len: int) -> int:
 
 
 def master_weights(cfg: TrainConfig, precision: str, sharded: bool, reduced_accum: bool) -> bool:
-    """bf16 weights with fp32 masters: `on` where possible (else refused), `auto` where tested, `off` never."""
-    master = cfg.master_weights == "on" or (cfg.master_weights == "auto" and precision == "bf16")
-    why_not = "precision is fp32" if precision != "bf16" else "FSDP shards fp32 weights" if sharded else None
+    """bf16 weights with fp32 masters: `on` where possible (else refused), `auto` where tested, `off` never. An fp8
+    run is a bf16 run here (its float8 linears cast the bf16 weights)."""
+    bf16 = precision in ("bf16", "fp8")
+    master = cfg.master_weights == "on" or (cfg.master_weights == "auto" and bf16)
+    why_not = "precision is fp32" if not bf16 else "FSDP shards fp32 weights" if sharded else None
     if master and why_not:
         if cfg.master_weights == "on":
             raise ValueError(f"master_weights=on is not available here: {why_not}; use master_weights=off/auto")

@@ -100,8 +100,12 @@ def _run(cfg: TrainConfig, switches: BenchSwitches) -> Path:
 
     torch.manual_seed(cfg.seed)
     model = DFlashDrafter(dc).to(device)
+    if s.precision == "fp8":  # float8 linears, before sharding, the optimizer and compilation (torchao's order)
+        from dflash_offline.fp8 import convert
+
+        convert(model, cfg.fp8_recipe, emulate=s.fp8_emulate, log=log if rank == 0 else None)
     embed, head = load_target_embeddings(c["target"])
-    wdtype = torch.bfloat16 if s.precision == "bf16" else torch.float32
+    wdtype = torch.bfloat16 if s.bf16 else torch.float32
     embed, head = embed.to(device, wdtype).requires_grad_(False), head.to(device, wdtype).requires_grad_(False)
 
     # --- optimizer (built after sharding when FSDP is on: it must hold the sharded parameters)
@@ -265,7 +269,7 @@ def micro_batch(cfg: TrainConfig, s: TrainSetup, acc, p: Parts, batch: dict, nor
     if s.master and s.reduced_accum:  # the last micro-batch's gradients go to the comm hook as they are
         p.opt.optimizer.reduce_next_backward(last)
     with acc.no_sync(p.model) if not last and not s.sharded else nullcontext():
-        with torch.autocast(acc.device.type, dtype=torch.bfloat16, enabled=s.precision == "bf16"):
+        with torch.autocast(acc.device.type, dtype=torch.bfloat16, enabled=s.bf16):
             h = p.model(batch["hidden"], batch["input_ids"], batch["position_ids"], a_BA, keep_BA, p.embed, masks,
                         s.attn, scored_only=True, out_dtype=p.head.dtype)  # slots 1..L-1: the scored ones
         out = block_ce_loss(h, p.head, batch["labels"], gamma=cfg.gamma or None, weighting=cfg.weighting,
