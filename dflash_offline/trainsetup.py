@@ -247,10 +247,12 @@ def drafter_config(cfg: TrainConfig, c: dict):
 def check_inputs(cfg: TrainConfig, run_dir):
     """(cache facts, drafter config, opened cache): a cache, target or run directory that does not fit is refused."""
     from dflash_offline.dataset import open_hidden_cache
+    from dflash_offline.export import check_servable_taps
     from dflash_offline.targetid import check_same_target
 
     c = cache_defaults(cfg)
     dc = drafter_config(cfg, c)
+    check_servable_taps(dc)  # taps vLLM and SGLang could not serve as trained: refused now, not after training
     check_same_target(c["target"], c["target_id"], cfg.cache, c["cache_target"])
     info = open_hidden_cache(cfg.cache, c["layer_ids"], hidden_size=c["hidden_size"], seq_len=c["seq_len"],
                              require_verified=cfg.require_verified)

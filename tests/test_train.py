@@ -339,6 +339,13 @@ def test_two_processes_accumulating_with_master_weights_equal_one(tmp_path, hidd
     assert json.loads((auto / "config.json").read_text())["derived"]["master_weights"] is False
 
 
+def test_taps_no_engine_serves_as_trained_are_refused_before_training(tmp_path, hidden_cache):
+    taps = json.loads((hidden_cache / "manifest.json").read_text())["producer"]["layer_ids"]
+    with pytest.raises(ValueError, match="not ascending"):
+        train.run(cfg(hidden_cache, tmp_path / "x", layer_ids=taps[::-1]))
+    assert not (tmp_path / "x").exists()
+
+
 def test_cache_mismatches_are_refused_by_name(tmp_path, hidden_cache, qwen3_dir, copy_cache):
     with pytest.raises(ValueError, match=r"\[2\]"):
         train.run(cfg(hidden_cache, tmp_path / "x", layer_ids=[1, 2]))
