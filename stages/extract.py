@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -201,7 +202,7 @@ def extract_shards(cfg, plan, model, cache: Path, tokens_dir: Path, todo, rank, 
                 progress.update(real, tokens=int((rows["doc_ids"][r0:r0 + real] >= 0).sum()))
             reserved += [torch.cuda.memory_reserved(device)] if cuda else []
             writer.submit(index, shard, {"index": index, "rows": shard.rows, "tokens": tok_entries[index]["tokens"],
-                                         "tokens_sha256": tok_sha[index], "worker": f"rank{rank}",
+                                         "tokens_sha256": tok_sha[index], "worker": f"{socket.gethostname()} rank {rank}",
                                          "reserved_gpu_bytes": reserved[-1] if reserved else 0})
             current = None
             if n == 0 and froze:  # the model and the compiled pieces exist now and live until the end: keep them
