@@ -39,9 +39,25 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dflash_offline.config import ConfigError, as_dict, check_choice, config_from_argv, did_you_mean
+from dflash_offline.config import ConfigError, as_dict, check_choice, config_from_argv
+from dflash_offline.testbed_runs import (
+    PHASES,
+    Paths,
+    ab_table,
+    arm_rows,
+    cache_complete,
+    eval_summary,
+    forget_from,
+    looping_share,
+    parse_arm,
+    read_state,
+    result,
+    run_metrics,
+    slug,
+    table,
+    write_state,
+)
 
-PHASES = ("target", "regen", "extract", "train", "export", "eval")
 SWEEPS = {"options": ["", "gamma=5", "gamma=inf", "num_anchors=256", "num_anchors=1024", "noise_std=0.05",
                       "weighting=dpace", "quant=fp8"]}
 PRESETS = {  # sizes: full (make testbed), short (the GPU test, ≤ 2 min), micro (the CPU test: the pipeline's logic)
@@ -138,57 +154,6 @@ def stage(module: str, *args: str, log_file: Path | None = None, ok=(0,)) -> flo
     return time.perf_counter() - t0
 
 
-class Paths:
-    def __init__(self, root: str):
-        self.root = Path(root)
-        self.target = self.root / "target"
-        self.train_prompts = self.root / "corpus" / "regen-prompts.jsonl"
-        self.eval_prompts = self.root / "corpus" / "eval.jsonl"
-        self.regen = self.root / "regen.jsonl"
-        self.tokens = self.root / "cache" / "tokens"
-        self.state = self.root / "state.json"
-
-    def baseline(self, tokens: int) -> Path:
-        return self.root / f"baseline-{tokens}.json"
-
-    def hidden(self, slug: str = "") -> Path:
-        return self.root / "cache" / (f"hidden-{slug}" if slug else "hidden")
-
-    def run(self, arm: str, seed: int) -> Path:
-        return self.root / "runs" / (arm or "base") / f"seed{seed}"
-
-
-def read_state(p: Paths) -> dict:
-    return json.loads(p.state.read_text()) if p.state.is_file() else {"phases": {}}
-
-
-def write_state(p: Paths, st: dict) -> None:
-    from dflash_offline.manifest import write_json_atomic
-
-    write_json_atomic(p.state, st)
-
-
-def forget_from(p: Paths, st: dict, phase: str) -> None:
-    """Remove what `phase` and the later phases made (the target stays unless phase is 'target')."""
-    later = PHASES[PHASES.index(phase):]
-    for ph in later:
-        st["phases"].pop(ph, None)
-    doomed = {"target": [p.target, p.root / "corpus"], "regen": [p.regen, Path(str(p.regen) + ".stats.json")],
-              "extract": [p.root / "cache"], "train": [p.root / "runs", p.root / "ab"]}
-    for ph in later:
-        for path in doomed.get(ph, []):
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
-    for run in (p.root / "runs").glob("*/seed*") if phase in ("export", "eval") else []:
-        if phase == "export":
-            shutil.rmtree(run / "export", ignore_errors=True)
-        for name in ("eval.json", "eval-untrained.json"):
-            (run / name).unlink(missing_ok=True)
-    write_state(p, st)
-
-
 # --- the phases ------------------------------------------------------------------------------------------------
 
 
@@ -264,27 +229,6 @@ def projection_summary(cache: Path) -> dict:
                 "heldout_lost_max": max(x["heldout_loss"].get(k, 0.0) for x in layers)} for k in layers[0]["retained"]}
 
 
-def looping_share(path: Path) -> float:
-    """Share of the regenerated answers that end in a loop (`pysource.looping`)."""
-    from dflash_offline.pysource import looping
-
-    answers = [json.loads(x)["messages"][-1]["content"] for x in path.read_text().splitlines() if x.strip()]
-    return round(sum(map(looping, answers)) / max(len(answers), 1), 4)
-
-
-def run_metrics(run: Path) -> dict:
-    """The run's last metrics record (loss, accuracy, tok/s) and its step."""
-    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    last = [r for r in lines if "loss" in r]
-    return last[-1] if last else {}
-
-
-def eval_summary(path: Path) -> dict:
-    r = json.loads(path.read_text())
-    return {k: r[k] for k in ("tau_mean", "accept_ge", "by_category", "lossless", "mismatches", "num_prompts",
-                              "new_tokens", "verify_steps", "draft_ms", "verify_ms", "speedup_engine_est") if k in r}
-
-
 def testbed(cfg: TestbedConfig, p: Paths, dev: str, device) -> dict:
     """Phases 1–6, each skipped when state.json says it is done; returns the result record."""
     st = read_state(p)
@@ -327,79 +271,7 @@ def testbed(cfg: TestbedConfig, p: Paths, dev: str, device) -> dict:
     return result(cfg, p, st)
 
 
-def result(cfg: TestbedConfig, p: Paths, st: dict) -> dict:
-    ph = st["phases"]
-    target = json.loads((p.target / "dflash_target.json").read_text())
-    ev = ph.get("eval", {})
-    tr, un = ev.get("trained", {}), ev.get("untrained", {})
-    return {
-        "testbed": str(p.root), "files_digest": target["files"], "target_parameters": target.get("parameters"),
-        "target": {k: ph["target"].get(k) for k in ("steps", "tokens", "tok_per_s", "heldout_loss_before",
-                                                    "heldout_loss_after", "train_loss_last")},
-        "regen": ph.get("regen"), "extract": ph.get("extract"), "train": ph.get("train"),
-        "tau_trained": tr.get("tau_mean"), "tau_untrained": un.get("tau_mean"),
-        "tau_ratio": tr["tau_mean"] / un["tau_mean"] if tr and un else None,
-        "accept_ge": tr.get("accept_ge"), "by_category": tr.get("by_category"),
-        "lossless": bool(tr.get("lossless")) and bool(un.get("lossless")),
-        "seconds": {k: round(v.get("seconds", 0), 1) for k, v in ph.items()},
-        "wall_s": round(sum(v.get("seconds", 0) for v in ph.values()), 1),
-        "config": as_dict(cfg), "time": time.time(),
-    }
-
-
-def table(r: dict) -> str:
-    t, g, x, d = r["target"], r["regen"] or {}, r["extract"] or {}, r["train"] or {}
-    rows = [
-        ("target", f"{(r['target_parameters'] or 0) / 1e6:.0f}M params, {t['steps']} steps, {(t['tokens'] or 0) / 1e6:.0f}M "
-                   f"tokens at {(t['tok_per_s'] or 0) / 1e3:.0f}K tok/s; held-out loss {t['heldout_loss_before']} → "
-                   f"{t['heldout_loss_after']}"),
-        ("regen", f"{g.get('written')} answers, {g.get('new_tokens')} tokens, {100 * (g.get('looping_frac') or 0):.0f} % "
-                  f"ending in a loop"),
-        ("extract", f"{x.get('tokens')} row tokens, {x.get('tok_per_s_wall', 0):,.0f} tok/s (wall, load included)"),
-        ("drafter", f"{d.get('steps')} steps, loss {d.get('loss') or 0:.3f}, {d.get('tok_per_s') or 0:,.0f} ctx tok/s"),
-        ("real τ", f"trained {r['tau_trained'] or 0:.2f} vs untrained {r['tau_untrained'] or 0:.2f} "
-                   f"(×{r['tau_ratio'] or 0:.1f}); lossless {r['lossless']}"),
-        ("by prompt", " · ".join(f"{k} {v['tau_mean']:.2f} ({v['prompts']})" for k, v in (r["by_category"] or {}).items())),
-        ("accept ≥k", " ".join(f"{a:.2f}" for a in (r["accept_ge"] or [])[:8]) + " …"),
-        ("wall s", ", ".join(f"{k} {v:.0f}" for k, v in r["seconds"].items()) + f"; total {r['wall_s']:.0f}"),
-    ]
-    return "\n".join(f"{k:>10}  {v}" for k, v in rows)
-
-
 # --- A/B -------------------------------------------------------------------------------------------------------
-
-
-def parse_arm(text: str) -> tuple[dict, dict]:
-    """'key=value key=value' → (extract settings, train settings); a key of neither stage is an error."""
-    from dflash_offline.config import ExtractConfig, TrainConfig
-
-    ext_keys = {f for f in ExtractConfig.__dataclass_fields__} - {"target", "tokens", "hidden_out", "cache_root",
-                                                                   "shards", "device", "dry_run"}
-    train_keys = {f for f in TrainConfig.__dataclass_fields__} - {"cache", "run", "resume", "seed", "target"}
-    ext, train = {}, {}
-    for item in text.split():
-        key, sep, value = item.partition("=")
-        if not sep or not value:
-            raise ConfigError(f"testbed arm {text!r}: {item!r} is not key=value")
-        if key in ext_keys:
-            ext[key] = value
-        elif key in train_keys:
-            train[key] = value
-        else:
-            raise ConfigError(f"testbed arm {text!r}: {key!r} is no extract or train setting"
-                              f"{did_you_mean(key, sorted(ext_keys | train_keys))}")
-    return ext, train
-
-
-def slug(text: str) -> str:
-    return "-".join(x.replace("=", "").replace(".", "p").replace(",", "_") for x in text.split()) or "base"
-
-
-def cache_complete(cache: Path) -> bool:
-    if not (cache / "manifest.json").is_file():
-        return False
-    m = json.loads((cache / "manifest.json").read_text())
-    return all(s["status"] == "committed" for s in m["shards"]) and len(m["shards"]) == m["num_shards"]
 
 
 def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> dict:
@@ -436,30 +308,10 @@ def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> dict:
     t0 = time.perf_counter()
     with ThreadPoolExecutor(parallel) as pool:
         runs = dict(zip(jobs, pool.map(job, jobs), strict=True))
-    rows = []
-    for arm in arms:
-        taus, losses = [], []
-        for seed in range(cfg.seed, cfg.seed + cfg.seeds):
-            run = runs[(arm, seed)]
-            taus.append(eval_summary(run / "eval.json")["tau_mean"])
-            losses.append(run_metrics(run).get("loss"))
-        mean = sum(taus) / len(taus)
-        sd = (sum((t - mean) ** 2 for t in taus) / max(len(taus) - 1, 1)) ** 0.5
-        rows.append({"arm": arm or "(recipe)", "taus": taus, "tau_mean": mean, "spread": max(taus) - min(taus),
-                     "std": sd, "loss": losses})
-    for r in rows:
-        r["delta_vs_first"] = r["tau_mean"] - rows[0]["tau_mean"]
-        r["delta_pct"] = 100 * r["delta_vs_first"] / rows[0]["tau_mean"]
+    rows = arm_rows(arms, {k: (eval_summary(r / "eval.json")["tau_mean"], run_metrics(r).get("loss"))
+                           for k, r in runs.items()}, range(cfg.seed, cfg.seed + cfg.seeds))
     return {"testbed": str(p.root), "seeds": cfg.seeds, "arms": rows, "recipe": cfg.drafter_recipe,
             "seconds": round(time.perf_counter() - t0, 1), "config": as_dict(cfg), "time": time.time()}
-
-
-def ab_table(r: dict) -> str:
-    head = "| arm | τ per seed | mean | spread | Δ vs first | final loss |\n|---|---|---|---|---|---|"
-    body = [f"| {a['arm']} | {' / '.join(f'{t:.3f}' for t in a['taus'])} | {a['tau_mean']:.3f} | {a['spread']:.3f} | "
-            f"{a['delta_vs_first']:+.3f} ({a['delta_pct']:+.1f} %) | "
-            f"{' / '.join(f'{x:.3f}' for x in a['loss'] if x is not None)} |" for a in r["arms"]]
-    return "\n".join([head, *body])
 
 
 # --- the stage -------------------------------------------------------------------------------------------------
