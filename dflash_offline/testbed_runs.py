@@ -159,24 +159,52 @@ def cache_complete(cache: Path) -> bool:
 
 
 def ab_table(r: dict) -> str:
-    head = "| arm | τ per seed | mean | spread | Δ vs first | final loss |\n|---|---|---|---|---|---|"
+    head = ("| arm | τ per seed | mean | spread | Δ vs first | Δ 95 % CI (prompts) | final loss |\n"
+            "|---|---|---|---|---|---|---|")
     body = [f"| {a['arm']} | {' / '.join(f'{t:.3f}' for t in a['taus'])} | {a['tau_mean']:.3f} | {a['spread']:.3f} | "
             f"{a['delta_vs_first']:+.3f} ({a['delta_pct']:+.1f} %) | "
+            f"{'—' if a['delta_ci95'] is None else '[{:+.3f}, {:+.3f}]'.format(*a['delta_ci95'])} | "
             f"{' / '.join(f'{x:.3f}' for x in a['loss'] if x is not None)} |" for a in r["arms"]]
     return "\n".join([head, *body])
 
 
+def prompt_counts(eval_json: Path) -> list[tuple[float, int]]:
+    """Per prompt of an evaluation: (tokens over its verify steps, verify steps)."""
+    return [(p["tau_mean"] * p["steps"], p["steps"]) if p["steps"] else (0.0, 0)
+            for p in json.loads(eval_json.read_text())["per_prompt"]]
+
+
+def paired_delta_ci(a: list[list[tuple]], b: list[list[tuple]], draws: int = 2000, seed: int = 0):
+    """95 % interval of τ(a) − τ(b) over prompts (paired bootstrap): a, b are per seed the `prompt_counts` of the
+    same prompts; each draw resamples the prompts and pools every seed's tokens and steps on them."""
+    import random
+
+    n = len(a[0])
+    pool = [[sum(x[i][k] for x in arm) for i in range(n)] for arm in (a, b) for k in (0, 1)]
+    rng, deltas = random.Random(seed), []
+    for _ in range(draws):
+        idx = [rng.randrange(n) for _ in range(n)]
+        ta, sa, tb, sb = (sum(v[i] for i in idx) for v in pool)
+        if sa and sb:
+            deltas.append(ta / sa - tb / sb)
+    deltas.sort()
+    return (deltas[int(0.025 * len(deltas))], deltas[int(0.975 * len(deltas)) - 1]) if deltas else None
+
+
 def arm_rows(arms: list[str], results: dict, seeds) -> list[dict]:
-    """Per arm: τ per seed, mean, spread (max − min), sample std, final losses, difference to the first arm.
-    `results[(arm, seed)] = (τ, final loss)`."""
+    """Per arm: τ per seed, mean, spread (max − min), sample std, final losses, difference to the first arm and its
+    paired-bootstrap 95 % interval over the prompts. `results[(arm, seed)] = (τ, final loss, prompt_counts)`."""
     rows = []
     for arm in arms:
-        taus, losses = zip(*(results[(arm, seed)] for seed in seeds), strict=True)
+        taus, losses, _ = zip(*(results[(arm, seed)] for seed in seeds), strict=True)
         mean = sum(taus) / len(taus)
         sd = (sum((t - mean) ** 2 for t in taus) / max(len(taus) - 1, 1)) ** 0.5
         rows.append({"arm": arm or "(recipe)", "taus": list(taus), "tau_mean": mean, "spread": max(taus) - min(taus),
                      "std": sd, "loss": list(losses)})
-    for r in rows:
+    first = [results[(arms[0], seed)][2] for seed in seeds]
+    for arm, r in zip(arms, rows, strict=True):
         r["delta_vs_first"] = r["tau_mean"] - rows[0]["tau_mean"]
         r["delta_pct"] = 100 * r["delta_vs_first"] / rows[0]["tau_mean"]
+        r["delta_ci95"] = None if arm == arms[0] else paired_delta_ci(
+            [results[(arm, seed)][2] for seed in seeds], first)
     return rows

@@ -23,7 +23,8 @@ trained and untrained, acceptance per position, lossless, wall time per phase).
 A/B (`--arms`, `;`-separated arms of space-separated `key=value` settings, "" = the recipe as it is): each arm's
 drafter is trained with `--seeds` seeds on the testbed's cache (a setting of [extract], e.g. `quant=fp8`, gives the
 arm its own cache extracted from the same target and corpus), exported and evaluated on the same prompts;
-reported: τ per seed, mean, spread (max − min), final loss, each arm's difference to the first arm. `--sweep=options`
+reported: τ per seed, mean, spread (max − min), final loss, each arm's difference to the first arm and its 95 %
+interval by a paired bootstrap over the prompts (every seed's tokens and steps pooled per prompt). `--sweep=options`
 runs the arms for the existing options (γ, anchors per row, noise, D-PACE, fp8 cache). Jobs run `--parallel` at
 a time (their timings then overlap; τ does not depend on it). Results in DIR/ab/<label>.json.
 """
@@ -50,6 +51,7 @@ from dflash_offline.testbed_runs import (
     forget_from,
     looping_share,
     parse_arm,
+    prompt_counts,
     read_state,
     result,
     run_metrics,
@@ -308,8 +310,9 @@ def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> dict:
     t0 = time.perf_counter()
     with ThreadPoolExecutor(parallel) as pool:
         runs = dict(zip(jobs, pool.map(job, jobs), strict=True))
-    rows = arm_rows(arms, {k: (eval_summary(r / "eval.json")["tau_mean"], run_metrics(r).get("loss"))
-                           for k, r in runs.items()}, range(cfg.seed, cfg.seed + cfg.seeds))
+    rows = arm_rows(arms, {k: (eval_summary(r / "eval.json")["tau_mean"], run_metrics(r).get("loss"),
+                               prompt_counts(r / "eval.json")) for k, r in runs.items()},
+                    range(cfg.seed, cfg.seed + cfg.seeds))
     return {"testbed": str(p.root), "seeds": cfg.seeds, "arms": rows, "recipe": cfg.drafter_recipe,
             "seconds": round(time.perf_counter() - t0, 1), "config": as_dict(cfg), "time": time.time()}
 

@@ -97,6 +97,27 @@ def test_render_is_the_chat_template(qwen35_dir):
     assert testbed.render(rec) == tok.apply_chat_template(rec["messages"], tokenize=False)
 
 
+def test_the_ab_interval_is_paired_over_prompts():
+    from dflash_offline.testbed_runs import arm_rows, paired_delta_ci
+
+    steps = [5, 9, 13, 7, 11, 6, 8, 10] * 4
+    base = [2.0 + 6 * (i % 4) for i in range(len(steps))]  # prompts differ far more than the arms do
+    counts = lambda taus: [(t * s, s) for t, s in zip(taus, steps, strict=True)]  # noqa: E731
+    b = [counts(base), counts(base)]
+    a = [counts([t + 0.2 for t in base]), counts([t + 0.2 for t in base])]
+    lo, hi = paired_delta_ci(a, b)
+    assert 0.19 < lo <= hi < 0.21  # paired: the per-prompt shift is all that varies
+    lo, hi = paired_delta_ci(b, b)
+    assert lo == hi == 0
+    noisy = [counts([t + (0.5 if i % 2 else -0.5) for i, t in enumerate(base)])] * 2
+    lo, hi = paired_delta_ci(noisy, b)
+    assert lo < 0 < hi
+    rows = arm_rows(["", "x=1"], {("", 0): (3.0, 0.5, b[0]), ("", 1): (3.2, 0.4, b[1]),
+                                  ("x=1", 0): (3.3, 0.5, a[0]), ("x=1", 1): (3.3, 0.5, a[1])}, range(2))
+    assert rows[0]["delta_ci95"] is None and rows[1]["delta_ci95"][0] > 0
+    assert rows[1]["delta_vs_first"] == pytest.approx(0.2) and rows[0]["spread"] == pytest.approx(0.2)
+
+
 def test_arms_are_checked_before_anything_runs():
     assert stage.parse_arm("quant=fp8 gamma=5") == ({"quant": "fp8"}, {"gamma": "5"})
     assert stage.parse_arm("") == ({}, {})
