@@ -17,10 +17,8 @@ is named in the log. torchao's order: convert before `fully_shard` and before `t
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
-import logging
 from collections.abc import Callable
 
 RECIPES = ("tensorwise", "rowwise")
@@ -73,8 +71,10 @@ def convert(model, recipe: str, emulate: bool = False, log: Callable[[str], None
     converted. Call it before sharding and compiling the model."""
     if recipe not in RECIPES:
         raise ValueError(f"fp8_recipe={recipe!r} is not one of {', '.join(RECIPES)}")
-    with quiet_import():
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8 import (  # (its import notes: dflash_offline)
+        Float8LinearConfig,
+        convert_to_float8_training,
+    )
     modules = dict(model.named_modules())
     names = [n for n in candidates(model) if fits(modules[n])]
     skipped = [n for n in candidates(model) if not fits(modules[n])]
@@ -86,19 +86,3 @@ def convert(model, recipe: str, emulate: bool = False, log: Callable[[str], None
             f"in float8 (fc, the layers' q/k/v/o and gate/up/down)"
             + (f"; left in bf16 (dimensions not multiples of 16): {', '.join(skipped)}" if skipped else ""))
     return names
-
-
-@contextlib.contextmanager
-def quiet_import():
-    """torchao's import logs a warning for each of its compiled extensions this machine cannot load (CUDA-only or
-    other-architecture kernels; float8 training does not use them), and torch 2.13 one for a deprecated pytree
-    registration: keep them out of the run's log."""
-    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)

@@ -311,3 +311,16 @@ def test_emulated_fp8_fsdp_two_processes_equal_one(tmp_path, hidden_cache):
     assert w1.keys() == w2.keys()
     for k in w1:  # fp32 sums in another order through 4 AdamW steps (as tests/test_train.py's FSDP test)
         assert w2[k].dtype == torch.float32 and float((w1[k] - w2[k]).norm() / w1[k].norm()) < 1e-5, k
+
+
+def test_loading_a_model_prints_no_torchao_import_notes(qwen35_dir):
+    """transformers imports torchao (installed for fp8) when it loads any model; its notes about extensions this
+    machine cannot load, and torch's pytree deprecation notes, stay out of every stage's log."""
+    import subprocess
+    import sys
+
+    code = ("import dflash_offline\nfrom transformers import AutoModelForCausalLM\n"
+            f"AutoModelForCausalLM.from_pretrained({str(qwen35_dir)!r})\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Failed to load" not in r.stderr and "opaque value type" not in r.stderr, r.stderr[-2000:]
