@@ -238,6 +238,8 @@ def testbed(cfg: TestbedConfig, p: Paths, dev: str, device) -> dict:
         forget_from(p, st, cfg.from_phase)
     ph = st["phases"]
     run = p.run("", cfg.seed)
+    if earlier := [n for n in PHASES if n in ph]:
+        log(f"done earlier ({p.state}): {', '.join(earlier)}; --from_phase= (TESTBED_FROM=) redoes one and the later")
 
     def done(name: str, record: dict) -> None:
         ph[name] = record
