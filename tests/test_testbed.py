@@ -149,6 +149,8 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     assert set(res["seconds"]) == {"target", "regen", "extract", "train", "export", "eval"}
     assert res["lossless"] is True and res["tau_trained"] >= 1 and res["tau_untrained"] >= 1
     assert res["regen"]["written"] == 12 and res["train"]["steps"] == 6 and res["extract"]["rows"] > 0
+    kept = [v["kept_min"] for _, v in sorted(res["extract"]["projection"].items(), key=lambda kv: int(kv[0]))]
+    assert kept == sorted(kept) and kept[-1] > 1 - 1e-9 and len(kept) >= 2  # the full width keeps everything
     # the eval prompts come from held-out files only
     held = {json.loads(x)["messages"][0]["content"].split("\n", 1)[0]
             for x in (root / "corpus" / "eval.jsonl").read_text().splitlines()}
