@@ -186,10 +186,11 @@ def build(cfg: TestbedConfig, p: Paths, device) -> dict:
     return {**rec, "sources": {k: v for k, v in s.items() if k != "roots"}, "regen_prompts": n, "eval_prompts": m}
 
 
-def extract(cfg: TestbedConfig, p: Paths, settings: dict, slug: str, dev: str) -> float:
+def extract(cfg: TestbedConfig, p: Paths, settings: dict, name: str, dev: str) -> float:
+    """Token cache (shared) + hidden cache DIR/cache/hidden[-name] with the recipe and `settings` ([extract])."""
     args = [f"--recipe={cfg.drafter_recipe}", f"--corpus={p.regen}", f"--tokenizer={p.target}", f"--target={p.target}",
             f"--out={p.tokens}",
-            f"--hidden_out={p.hidden(slug)}", f"--device={dev}"]
+            f"--hidden_out={p.hidden(name)}", f"--device={dev}"]
     if cfg.recipe_seq_len:
         args.append(f"--seq_len={cfg.recipe_seq_len}")
     return stage("stages.extract", *args, *(f"--{k}={v}" for k, v in settings.items()))
