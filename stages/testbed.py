@@ -14,19 +14,21 @@ Phases, each skipped when already done (a rerun resumes; `--from_phase` redoes t
 3. `extract`: token cache + hidden cache of the regenerated corpus (manifests/testbed.toml).
 4. `train` → `export` → `eval`: the drafter (the recipe's [train], compiled flex on CUDA), its z-lab export, and
    real speculative decoding on `eval_prompts` held-out prompts in exact mode (float32: any difference from the
-   target's greedy output fails), then an untrained drafter of the same shape on the same prompts.
-The target-alone decodes are made once (DIR/baseline-<tokens>.json) and reused by every evaluation against the same
-target; the untrained drafter (τ ≈ 1, a verify step per token) decodes `untrained_tokens` per prompt.
+   target's greedy output fails); an untrained drafter of the same shape is evaluated on the same prompts while
+   the drafter trains (it needs only the run's config).
+The target-alone decodes are made once, by that untrained evaluation (DIR/baseline-<tokens>.json), and reused by
+every evaluation against the same target.
 Result: DIR/testbed.json and a table (target loss, regen tokens, extraction tok/s, drafter steps and tok/s, τ
 trained and untrained, acceptance per position, lossless, wall time per phase).
 
-A/B (`--arms`, `;`-separated arms of space-separated `key=value` settings, "" = the recipe as it is): each arm's
-drafter is trained with `--seeds` seeds on the testbed's cache (a setting of [extract], e.g. `quant=fp8`, gives the
+A/B (`--arms`, `;`-separated arms of space-separated `key=value` settings, "" = the recipe as it is): the phases
+above run first where not done yet, then each arm's drafter is trained with `--seeds` seeds on the testbed's cache (a setting of [extract], e.g. `quant=fp8`, gives the
 arm its own cache extracted from the same target and corpus), exported and evaluated on the same prompts;
 reported: τ per seed, mean, spread (max − min), final loss, each arm's difference to the first arm and its 95 %
 interval by a paired bootstrap over the prompts (every seed's tokens and steps pooled per prompt). `--sweep=options`
-runs the arms for the existing options (γ, anchors per row, noise, D-PACE, fp8 cache). Jobs run `--parallel` at
-a time (their timings then overlap; τ does not depend on it). Results in DIR/ab/<label>.json.
+runs the arms for the existing options (γ, anchors per row, noise, D-PACE, fp8 and fp4 caches, fp8 training: on a
+GPU only). Jobs run `--parallel` at a time, each compiling with its share of the CPUs (their timings then overlap;
+τ does not depend on it). Results in DIR/ab/<label>.json (with each job's seconds per phase) and DIR/testbed.json.
 """
 
 from __future__ import annotations
@@ -61,13 +63,13 @@ from dflash_offline.testbed_runs import (
 )
 
 SWEEPS = {"options": ["", "gamma=5", "gamma=inf", "num_anchors=256", "num_anchors=1024", "noise_std=0.05",
-                      "weighting=dpace", "quant=fp8"]}
+                      "weighting=dpace", "quant=fp8", "quant=fp4", "precision=fp8"]}
 PRESETS = {  # sizes: full (make testbed), short (the GPU test, ≤ 2 min), micro (the CPU test: the pipeline's logic)
     "full": {},
     "short": {"source_mb": 16, "tokenizer_mb": 4, "target_s": 25, "regen_docs": 512, "train_steps": 80, "eval_prompts": 16, "eval_tokens": 48},
     "micro": {"packages": [], "source_mb": 2, "tokenizer_mb": 1, "vocab": 1024, "dims": "tiny", "target_rows": 128,
               "target_batch": 4, "target_s": 5, "target_steps": 8, "regen_docs": 12, "regen_tokens": 24,
-              "regen_batch": 12, "train_steps": 6, "eval_prompts": 3, "eval_tokens": 12, "untrained_tokens": 6,
+              "regen_batch": 12, "train_steps": 6, "eval_prompts": 3, "eval_tokens": 12,
               "recipe_seq_len": 256,
               "train_args": "num_layers=2 num_heads=4 num_kv_heads=2 head_dim=16 num_anchors=16 batch_rows=2 "
                             "log_every=2"},
@@ -99,12 +101,11 @@ class TestbedConfig:
     train_steps: int = 0  # drafter steps; 0 = the recipe's
     eval_prompts: int = 64  # held-out prompts evaluated
     eval_tokens: int = 64  # new tokens per prompt
-    untrained_tokens: int = 16  # new tokens per prompt for the untrained drafter (τ ≈ 1: one step per token)
     recipe_seq_len: int = 0  # token row length for the drafter's cache; 0 = the recipe's
     device: str = "auto"  # auto | cuda | cpu
     seed: int = 0  # target build and the first drafter seed
     arms: str = ""  # A/B: arms separated by ';', each space-separated key=value settings ('' = the recipe)
-    sweep: str = ""  # A/B preset: options (γ, anchors, noise, D-PACE, fp8 cache)
+    sweep: str = ""  # A/B preset: options (γ, anchors, noise, D-PACE, fp8/fp4 cache, fp8 training)
     seeds: int = 2  # A/B: drafter seeds per arm
     parallel: int = 0  # A/B: jobs at once; 0 = 4 on a GPU, 1 on a CPU
     label: str = ""  # A/B: result name (DIR/ab/<label>.json); empty = sweep name or 'ab'
@@ -137,11 +138,12 @@ def log(msg: str) -> None:
     print(f"[testbed {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def stage(module: str, *args: str, log_file: Path | None = None, ok=(0,)) -> float:
-    """Run `python -m module args` (its output streamed, or into `log_file`); returns seconds; an exit status not in
-    `ok` stops here (evaluation exits 1 when the lossless check fails: recorded in its JSON, not fatal here)."""
+def stage(module: str, *args: str, log_file: Path | None = None, ok=(0,), env: dict | None = None) -> float:
+    """Run `python -m module args` (its output streamed, or into `log_file`; `env` added to this environment);
+    returns seconds; an exit status not in `ok` stops here (evaluation exits 1 when the lossless check fails:
+    recorded in its JSON, not fatal here)."""
     cmd = [sys.executable, "-m", module, *args]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     t0 = time.perf_counter()
     if log_file is None:
         log(" ".join(cmd[2:]))
@@ -186,38 +188,150 @@ def build(cfg: TestbedConfig, p: Paths, device) -> dict:
     return {**rec, "sources": {k: v for k, v in s.items() if k != "roots"}, "regen_prompts": n, "eval_prompts": m}
 
 
-def extract(cfg: TestbedConfig, p: Paths, settings: dict, name: str, dev: str) -> float:
+def extract(cfg: TestbedConfig, p: Paths, settings: dict, name: str, dev: str, log_file: Path | None = None) -> float:
     """Token cache (shared) + hidden cache DIR/cache/hidden[-name] with the recipe and `settings` ([extract])."""
     args = [f"--recipe={cfg.drafter_recipe}", f"--corpus={p.regen}", f"--tokenizer={p.target}", f"--target={p.target}",
             f"--out={p.tokens}",
             f"--hidden_out={p.hidden(name)}", f"--device={dev}"]
     if cfg.recipe_seq_len:
         args.append(f"--seq_len={cfg.recipe_seq_len}")
-    return stage("stages.extract", *args, *(f"--{k}={v}" for k, v in settings.items()))
+    return stage("stages.extract", *args, *(f"--{k}={v}" for k, v in settings.items()), log_file=log_file)
 
 
-def train_export_eval(cfg: TestbedConfig, p: Paths, run: Path, cache: Path, seed: int, settings: dict,
-                      dev: str, log_dir: Path | None = None, untrained: bool = True) -> dict:
-    """Phases 4–6 for one drafter; returns seconds per phase."""
-    times = {}
+def train_export(cfg: TestbedConfig, run: Path, cache: Path, seed: int, settings: dict, env: dict,
+                 log_dir: Path | None) -> dict:
+    """Train (resumed where it stopped) and export one drafter; returns seconds per phase."""
     logf = (lambda name: log_dir / f"{name}.log") if log_dir else (lambda name: None)
     args = [f"--recipe={cfg.drafter_recipe}", f"--cache={cache}", f"--run={run}", f"--seed={seed}",
             f"--resume={int((run / 'checkpoints').is_dir())}"]
     if cfg.train_steps:
         args.append(f"--steps={cfg.train_steps}")
     args += [f"--{kv}" for kv in cfg.train_args.split()]
-    times["train"] = stage("stages.train", *args, *(f"--{k}={v}" for k, v in settings.items()), log_file=logf("train"))
-    times["export"] = stage("stages.export", f"--run={run}", f"--out={run / 'export'}", "--force=1",
-                            log_file=logf("export"))
-    ev = [f"--run={run}", f"--prompts={p.eval_prompts}", f"--num_prompts={cfg.eval_prompts}", "--dtype=float32",
-          f"--device={dev}", "--tf_batches=2"]
-    times["eval"] = stage("stages.evaluate", *ev, f"--max_new_tokens={cfg.eval_tokens}",
-                          f"--baseline={p.baseline(cfg.eval_tokens)}", f"--export={run / 'export'}",
-                          log_file=logf("eval"), ok=(0, 1))
-    if untrained:
-        times["eval_untrained"] = stage("stages.evaluate", *ev, f"--max_new_tokens={cfg.untrained_tokens}",
-                                        f"--baseline={p.baseline(cfg.untrained_tokens)}", "--untrained=1",
-                                        log_file=logf("eval-untrained"), ok=(0, 1))
+    train = stage("stages.train", *args, *(f"--{k}={v}" for k, v in settings.items()), log_file=logf("train"),
+                  env=env)
+    export = stage("stages.export", f"--run={run}", f"--out={run / 'export'}", "--force=1", log_file=logf("export"),
+                   env=env)
+    return {"train": train, "export": export}
+
+
+def evaluate(cfg: TestbedConfig, p: Paths, run: Path, dev: str, untrained: bool, log_file: Path | None,
+             env: dict) -> float:
+    """Real speculative decoding of `eval_prompts` held-out prompts in exact mode (exit 1 = not lossless: recorded in
+    the run's eval JSON, not fatal here)."""
+    args = [f"--run={run}", f"--prompts={p.eval_prompts}", f"--num_prompts={cfg.eval_prompts}", "--dtype=float32",
+            f"--device={dev}", "--tf_batches=2", f"--max_new_tokens={cfg.eval_tokens}",
+            f"--baseline={p.baseline(cfg.eval_tokens)}"]
+    args += ["--untrained=1"] if untrained else [f"--export={run / 'export'}"]
+    return stage("stages.evaluate", *args, log_file=log_file, env=env, ok=(0, 1))
+
+
+@dataclass
+class Job:
+    arm: str  # its settings as given ('' = the recipe as it is)
+    run: Path
+    cache: Path
+    seed: int
+    settings: dict  # its [train] settings
+
+
+def run_drafters(cfg: TestbedConfig, p: Paths, dev: str, jobs: list[Job], parallel: int, base: Path | None,
+                 stream: bool = False, caches: dict | None = None) -> dict:
+    """Train, export and evaluate `jobs` (each skipped when its eval.json exists), `parallel` at a time, while the
+    untrained drafter of run `base` (one of them, or None) is evaluated alongside: it waits only for that run's
+    config.json, and its
+    decodes of the target alone (DIR/baseline-<tokens>.json) are reused by every trained drafter's evaluation, which
+    waits for them. `stream`: the first job's training prints here (else every stage logs into RUN/logs/). On a GPU
+    shared by several jobs, each compiles with its share of the CPUs (TORCHINDUCTOR_COMPILE_THREADS, unless set).
+    `caches` ({path: [extract] settings}) are extracted one after another beside the drafters, each job on one of
+    them waiting for it. A drafter that fails (or whose cache does) is logged and recorded (`error`) while the others
+    go on; the base run's failure raises.
+    Returns {run: seconds per phase (train, export, eval, and untrained for `base`), or its error}."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    env = {}
+    if parallel > 1 and "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, (os.cpu_count() or 1) // parallel))
+    ready, failed, times, errors = threading.Event(), threading.Event(), {job.run: {} for job in jobs}, {}
+    untrained_log = base / "logs" / "eval-untrained.log" if base else None
+
+    def untrained() -> None:
+        try:
+            if base is None or (base / "eval-untrained.json").is_file() and p.baseline(cfg.eval_tokens).is_file():
+                return
+            while not (base / "config.json").is_file():  # written when the base run's training starts
+                if failed.is_set():
+                    return
+                time.sleep(1)
+            log(f"untrained drafter: evaluating (log: {untrained_log})")
+            times[base]["untrained"] = evaluate(cfg, p, base, dev, True, untrained_log, env)
+            log(f"untrained drafter: τ {eval_summary(base / 'eval-untrained.json')['tau_mean']:.3f} "
+                f"({times[base]['untrained']:.0f}s)")
+        except BaseException:
+            failed.set()
+            raise
+        finally:
+            ready.set()
+
+    made = {c: threading.Event() for c in caches or {}}
+    broken = {}
+
+    def extractor() -> None:
+        for c, settings in (caches or {}).items():
+            try:
+                if not cache_complete(c):
+                    logf = p.root / "logs" / f"extract-{c.name}.log"
+                    log(f"extracting the cache {c.name} ({' '.join(f'{k}={v}' for k, v in settings.items())}; "
+                        f"log: {logf})")
+                    secs = extract(cfg, p, settings, c.name.removeprefix("hidden-"), dev, logf)
+                    log(f"cache {c.name} extracted ({secs:.0f}s)")
+            except Exception as e:  # noqa: BLE001
+                broken[c] = f"its cache {c} could not be extracted: {e}"
+            finally:
+                made[c].set()
+
+    def job(j: Job) -> None:
+        if (j.run / "eval.json").is_file():
+            return
+        if j.cache in made:
+            made[j.cache].wait()
+            if j.cache in broken:
+                raise RuntimeError(broken[j.cache])
+        logs = None if stream and j.run == base else j.run / "logs"
+        log(f"{j.arm or '(recipe)'} seed {j.seed}: training on {j.cache.name}" + (f" (logs: {logs})" if logs else ""))
+        try:
+            times[j.run].update(train_export(cfg, j.run, j.cache, j.seed, j.settings, env, logs))
+        except BaseException:
+            if j.run == base:
+                failed.set()
+            raise
+        t0 = time.perf_counter()
+        ready.wait()
+        if failed.is_set():
+            raise RuntimeError(f"the untrained drafter's evaluation, which makes the target-alone decodes, failed "
+                               f"(log: {untrained_log})")
+        times[j.run]["eval"] = evaluate(cfg, p, j.run, dev, False, (logs or j.run / "logs") / "eval.log", env)
+        times[j.run]["eval_wall"] = time.perf_counter() - t0  # waiting for the baseline included
+        log(f"{j.arm or '(recipe)'} seed {j.seed}: τ {eval_summary(j.run / 'eval.json')['tau_mean']:.3f} ("
+            + ", ".join(f"{k} {v:.0f}s" for k, v in times[j.run].items()) + ")")
+
+    def guarded(j: Job) -> None:  # one drafter's failure is reported and the others go on
+        try:
+            job(j)
+        except Exception as e:  # noqa: BLE001
+            errors[j.run] = str(e)
+            log(f"{j.arm or '(recipe)'} seed {j.seed}: FAILED: {e}")
+
+    side = threading.Thread(target=untrained, daemon=True)
+    side.start()
+    threading.Thread(target=extractor, daemon=True).start()
+    with ThreadPoolExecutor(parallel) as pool:
+        list(pool.map(guarded, jobs))
+    side.join()
+    if failed.is_set() or base in errors:
+        raise RuntimeError(errors.get(base) or f"the untrained drafter's evaluation failed (log: {untrained_log})")
+    for run, e in errors.items():
+        times[run]["error"] = e
     return times
 
 
@@ -232,8 +346,11 @@ def projection_summary(cache: Path) -> dict:
                 "heldout_lost_max": max(x["heldout_loss"].get(k, 0.0) for x in layers)} for k in layers[0]["retained"]}
 
 
-def testbed(cfg: TestbedConfig, p: Paths, dev: str, device) -> dict:
-    """Phases 1–6, each skipped when state.json says it is done; returns the result record."""
+def testbed(cfg: TestbedConfig, p: Paths, dev: str, device, more: list[Job] = (), parallel: int = 1,
+            caches: dict | None = None) -> tuple[dict, dict]:
+    """Phases 1–6, each skipped when state.json says it is done; `more` drafters (A/B arms, on caches extracted
+    first: `caches` = {name: [extract] settings}) train beside the base one. Returns (result record, {run: seconds
+    per phase})."""
     st = read_state(p)
     if cfg.from_phase:
         forget_from(p, st, cfg.from_phase)
@@ -265,59 +382,55 @@ def testbed(cfg: TestbedConfig, p: Paths, dev: str, device) -> dict:
         seq = m["producer"]["tokens"]["producer"]["seq_len"]
         done("extract", {"seconds": secs, "rows": rows, "tokens": rows * seq, "tok_per_s_wall": rows * seq / secs,
                          "layer_ids": m["config"].get("layer_ids"), "projection": projection_summary(p.hidden())})
-    if "eval" not in ph:  # train (resumed where it stopped), export, evaluate trained and untrained
-        times = train_export_eval(cfg, p, run, p.hidden(), cfg.seed, {}, dev)
-        m = run_metrics(run)
-        ph["train"] = {"seconds": times["train"], "steps": m.get("step"), "loss": m.get("loss"),
-                       "tok_per_s": m.get("tok_per_s"), "acc": m.get("acc")}
-        ph["export"] = {"seconds": times["export"]}
-        done("eval", {"seconds": times["eval"] + times["eval_untrained"], "trained": eval_summary(run / "eval.json"),
-                      "untrained": eval_summary(run / "eval-untrained.json")})
-    return result(cfg, p, st)
+    jobs = ([] if "eval" in ph else [Job("", run, p.hidden(), cfg.seed, {})]) + \
+        [j for j in more if j.run != run or "eval" in ph]
+    times = {}
+    if jobs:
+        times = run_drafters(cfg, p, dev, jobs, parallel, None if "eval" in ph else run, stream=not more,
+                             caches={p.hidden(name): settings for name, settings in (caches or {}).items()})
+        if "eval" not in ph:
+            t, m = times[run], run_metrics(run)
+            ph["train"] = {"seconds": t["train"], "steps": m.get("step"), "loss": m.get("loss"),
+                           "tok_per_s": m.get("tok_per_s"), "acc": m.get("acc")}
+            ph["export"] = {"seconds": t["export"]}
+            done("eval", {"seconds": t["eval_wall"],
+                          "untrained_seconds": t.get("untrained"), "trained": eval_summary(run / "eval.json"),
+                          "untrained": eval_summary(run / "eval-untrained.json")})
+    return result(cfg, p, st), times
 
 
 # --- A/B -------------------------------------------------------------------------------------------------------
 
 
-def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> dict:
-    """Every arm × seed trained, exported and evaluated on the testbed's target and prompts (see the module doc)."""
-    from concurrent.futures import ThreadPoolExecutor
-
+def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> tuple[dict, dict]:
+    """Every arm × seed trained, exported and evaluated on the testbed's target and prompts, beside the testbed's own
+    phases where they are not done yet (see the module doc). Returns (A/B record, testbed record)."""
     arms = SWEEPS[cfg.sweep] if cfg.sweep else [a.strip() for a in cfg.arms.split(";")]
+    if cfg.sweep and device.type != "cuda":  # (float8 training needs CUDA)
+        arms = [a for a in arms if "precision=fp8" not in a]
     parsed = [parse_arm(a) for a in arms]  # every arm checked before anything runs
-    testbed(cfg, p, dev, device)  # the target, corpus, base cache and base run (done already: skipped)
-    caches = {}
-    for ext, _ in parsed:
-        key = " ".join(f"{k}={v}" for k, v in sorted(ext.items()))
-        if key and key not in caches:
-            caches[key] = p.hidden(slug(key))
-            if not cache_complete(caches[key]):
-                log(f"extracting the cache for {key}")
-                extract(cfg, p, ext, slug(key), dev)
-    jobs = [(arm, seed) for arm in arms for seed in range(cfg.seed, cfg.seed + cfg.seeds)]
+    key = lambda ext: " ".join(f"{k}={v}" for k, v in sorted(ext.items()))  # noqa: E731
+    caches = {slug(key(ext)): ext for ext, _ in parsed if ext}
+    seeds = range(cfg.seed, cfg.seed + cfg.seeds)
+    jobs = [Job(arm, p.run(slug(arm) if arm else "", seed), p.hidden(slug(key(ext))) if ext else p.hidden(), seed,
+                train) for seed in seeds for arm, (ext, train) in zip(arms, parsed, strict=True)]  # seed-major
     parallel = cfg.parallel or (4 if device.type == "cuda" else 1)
     log(f"{len(arms)} arms × {cfg.seeds} seeds = {len(jobs)} drafters, {parallel} at a time")
-
-    def job(arm_seed):
-        arm, seed = arm_seed
-        ext, train = parsed[arms.index(arm)]
-        run = p.run(slug(arm) if arm else "", seed)
-        cache = caches[" ".join(f"{k}={v}" for k, v in sorted(ext.items()))] if ext else p.hidden()
-        if not (run / "eval.json").is_file():
-            t0 = time.perf_counter()
-            train_export_eval(cfg, p, run, cache, seed, train, dev, log_dir=run / "logs", untrained=False)
-            log(f"{arm or '(recipe)'} seed {seed}: τ {eval_summary(run / 'eval.json')['tau_mean']:.3f} "
-                f"({time.perf_counter() - t0:.0f}s)")
-        return run
-
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(parallel) as pool:
-        runs = dict(zip(jobs, pool.map(job, jobs), strict=True))
-    rows = arm_rows(arms, {k: (eval_summary(r / "eval.json")["tau_mean"], run_metrics(r).get("loss"),
-                               prompt_counts(r / "eval.json")) for k, r in runs.items()},
-                    range(cfg.seed, cfg.seed + cfg.seeds))
-    return {"testbed": str(p.root), "seeds": cfg.seeds, "arms": rows, "recipe": cfg.drafter_recipe,
-            "seconds": round(time.perf_counter() - t0, 1), "config": as_dict(cfg), "time": time.time()}
+    tb, times = testbed(cfg, p, dev, device, jobs, parallel, caches)
+    complete = [a for a in arms if all((j.run / "eval.json").is_file() for j in jobs if j.arm == a)]
+    if arms[0] not in complete:
+        raise RuntimeError(f"the first arm ({arms[0] or '(recipe)'}) has no evaluation for every seed: nothing to "
+                           f"compare with; see the logs under {p.root / 'runs'}")
+    rows = arm_rows(complete, {(j.arm, j.seed): (eval_summary(j.run / "eval.json")["tau_mean"],
+                                                 run_metrics(j.run).get("loss"), prompt_counts(j.run / "eval.json"))
+                               for j in jobs if j.arm in complete}, seeds)
+    failed = {str(r.relative_to(p.root)): t["error"] for r, t in times.items() if "error" in t}
+    return {"testbed": str(p.root), "seeds": cfg.seeds, "arms": rows, "failed": failed, "recipe": cfg.drafter_recipe,
+            "seconds": round(time.perf_counter() - t0, 1), "parallel": parallel,
+            "job_seconds": {str(r.relative_to(p.root)): {k: v if isinstance(v, str) else round(v, 1)
+                                                          for k, v in t.items()} for r, t in times.items()},
+            "config": as_dict(cfg), "time": time.time()}, tb
 
 
 # --- the stage -------------------------------------------------------------------------------------------------
@@ -337,18 +450,21 @@ def main(argv: list[str]) -> int:
     p.root.mkdir(parents=True, exist_ok=True)
     log(f"testbed {p.root} on {device} (preset {cfg.preset}): {json.dumps(asdict(cfg))}")
     if cfg.arms or cfg.sweep:
-        r = ab(cfg, p, dev, device)
+        r, tb = ab(cfg, p, dev, device)
         out = p.root / "ab" / f"{cfg.label or cfg.sweep or 'ab'}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(out, r)
-        print(ab_table(r))
     else:
-        r = testbed(cfg, p, dev, device)
-        out = p.root / "testbed.json"
-        write_json_atomic(out, r)
-        print(table(r))
-    print(out)
-    return 0
+        tb, _ = testbed(cfg, p, dev, device)
+    write_json_atomic(p.root / "testbed.json", tb)
+    print(table(tb))
+    if cfg.arms or cfg.sweep:
+        print(ab_table(r))
+        for run, e in r["failed"].items():
+            print(f"FAILED {run}: {e}")
+        print(out)
+    print(p.root / "testbed.json")
+    return 1 if (cfg.arms or cfg.sweep) and r["failed"] else 0
 
 
 if __name__ == "__main__":

@@ -156,8 +156,9 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
             for x in (root / "corpus" / "eval.jsonl").read_text().splitlines()}
     files = json.loads((root / "target" / "files.json").read_text())
     assert held and not held & {n for n, _ in files["files"][: files["train_files"]]}
-    run = root / "runs" / "base" / "seed0"
-    assert json.loads((run / "eval.json").read_text())["baseline"]["reused"] is False
+    run = root / "runs" / "base" / "seed0"  # the untrained evaluation (beside training) made the target-alone decodes
+    assert json.loads((run / "eval-untrained.json").read_text())["baseline"]["reused"] is False
+    assert json.loads((run / "eval.json").read_text())["baseline"]["reused"] is True
 
     # a rerun does nothing; from_phase=train redoes the drafter only (target and cache untouched)
     stamps = {p: p.stat().st_mtime_ns for p in [root / "target" / "model.safetensors", root / "regen.jsonl",
@@ -171,11 +172,15 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     assert json.loads((run / "eval.json").read_text())["baseline"]["reused"] is True
     assert json.loads((run / "eval-untrained.json").read_text())["baseline"]["reused"] is True
 
-    # A/B: the recipe's arm reuses the base run; an fp8 arm gets its own cache from the same target and corpus
-    r = _testbed(root, "--arms=;quant=fp8", "--seeds=1", "--label=t")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    # A/B: the recipe's arm reuses the base run; an fp8 arm gets its own cache from the same target and corpus; an
+    # arm whose drafter or cache fails is reported (exit 1) and the others are not lost
+    r = _testbed(root, "--arms=;quant=fp8;weighting=bogus;quant=bogus", "--seeds=1", "--label=t", "--parallel=2")
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     ab = json.loads((root / "ab" / "t.json").read_text())
     assert [a["arm"] for a in ab["arms"]] == ["(recipe)", "quant=fp8"]
+    assert sorted(ab["failed"]) == ["runs/quantbogus/seed0", "runs/weightingbogus/seed0"]
+    assert "could not be extracted" in ab["failed"]["runs/quantbogus/seed0"]
+    assert "FAILED runs/weightingbogus/seed0" in r.stdout
     fp8 = json.loads((root / "cache" / "hidden-quantfp8" / "manifest.json").read_text())
     assert fp8["producer"]["quant"] == "fp8" and stage.cache_complete(root / "cache" / "hidden-quantfp8")
     assert (root / "runs" / "quantfp8" / "seed0" / "eval.json").is_file()
