@@ -4,6 +4,7 @@ S = 2048, 512 anchors, block 16 (random weights and random cached states).
     python -m bench.train [--steps=40]        (GPU)
     python -m bench.train --precision=fp8     (GPU: ours in bf16, then in fp8; fp8 / bf16 rates)
     python -m bench.train --tiny              (CPU smoke run; with --precision=fp8, float8 emulated)
+    python -m bench.train --quant=fp4         (GPU: the cached states stored as fp4, decoded by the trainer's reader)
 
 Ours: `stages.train.run` as a user runs it (compiled flex attention, chunked one-pass lm_head + CE, streaming
 loader) on a synthetic hidden cache and a synthetic target holding only embed + lm_head. Baseline, same process:
@@ -69,14 +70,16 @@ def chat_token_rows(first_id: int, n: int, seq_len: int, gen: torch.Generator, v
     return a
 
 
-def synthetic_cache(root: Path, text: dict, target: Path, rows: int, seq_len: int, kind: str = "bench"):
-    """A hidden cache of random states over `kind` rows: "bench" (`dataset.fake_token_rows`) or "chat"
-    (`chat_token_rows`)."""
+def synthetic_cache(root: Path, text: dict, target: Path, rows: int, seq_len: int, kind: str = "bench",
+                    quant: str = "bf16"):
+    """A hidden cache of random states in encoding `quant` over `kind` rows: "bench" (`dataset.fake_token_rows`) or
+    "chat" (`chat_token_rows`)."""
     layers = [1, 2, 3, 4, 5] if text is TEXT_TINY else LAYERS
     token_rows = None
     if kind == "chat":
         token_rows = functools.partial(chat_token_rows, vocab=text["vocab_size"] - 300)  # (below the mask token)
-    cache = make_fake_cache(root / "hidden", 2, rows // 2, seq_len, text["hidden_size"], layers, token_rows=token_rows)
+    cache = make_fake_cache(root / "hidden", 2, rows // 2, seq_len, text["hidden_size"], layers, quant=quant,
+                            token_rows=token_rows)
     m = json.loads((cache / "manifest.json").read_text())
     producer = dict(m["producer"], target=dict(m["producer"]["target"], num_layers=text["num_hidden_layers"],
                                                vocab_size=text["vocab_size"], **target_fingerprint(target)))
@@ -261,6 +264,8 @@ def main() -> None:
                    help="the trainer's loss_chunk_tokens (query tokens per lm_head chunk; default: the trainer's)")
     p.add_argument("--profile_steps", type=int, default=0, help="print a kernel table of that many steps")
     p.add_argument("--read_check", default="on", choices=["on", "off"],
+    p.add_argument("--quant", default="bf16", choices=["bf16", "fp8", "fp4"],
+                   help="encoding of the synthetic hidden cache (extract.quant): the trainer's reader decodes it")
                    help="off: the stream skips its per-row checksums (the A/B reference for their cost)")
     p.add_argument("--workdir", type=Path, default=Path("build/bench-train"))
     p.add_argument("--out", type=Path, default=None)
@@ -271,10 +276,10 @@ def main() -> None:
     if args.tiny:  # (fp8: 16 anchors, so that the token counts are multiples of 16, as float8 GEMMs need)
         args.seq_len, args.anchors = 128, 16 if args.precision == "fp8" else 8
     target = synthetic_target(args.workdir / "target", text, device)
-    cache = synthetic_cache(args.workdir, text, target, 8, args.seq_len, args.rows)
+    cache = synthetic_cache(args.workdir, text, target, 8, args.seq_len, args.rows, args.quant)
     res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
            "shape": {"hidden": text["hidden_size"], "seq_len": args.seq_len, "anchors": args.anchors, "block": 16,
-                     **drafter}, "rows": args.rows, "attn": args.attn}
+                     **drafter}, "rows": args.rows, "attn": args.attn, "quant": args.quant}
     # the baseline first: it needs no compilation, so a run cut short by a time limit still has it (JSON after each)
     if not args.skip_baseline:
         res["baseline"] = run_baseline(args, cache, target, drafter, device)
@@ -326,6 +331,7 @@ def print_table(res: dict, args) -> None:
     row("recompiles after warm-up", [str(x["recompiles"]) for x in ours])
     row("host: data wait, GC (fraction of wall time)", [f"{x['data_wait_frac']:.3f}, {x['gc_frac']:.3f}" for x in ours])
     row("read check: reader-thread ms/step hashing (GB/step)",
+    row("hidden cache encoding (decoded by the reader)", [args.quant for _ in ours])
         [f"{x['read_check']}: {x['read_check_ms_per_step']:.2f} ({x['read_check_gb_per_step']:.3f})" for x in ours])
     bg = b.get("gpu") or {}
     if any(x.get("gpu") for x in ours):

@@ -85,7 +85,7 @@ class ExtractConfig:
     hidden_out: str = ""  # explicit hidden-state cache directory (overrides the content-addressed default)
     num_draft_layers: int = 5  # drafter depth, for the default tapped-layer formula
     layer_ids: list[int] = field(default_factory=list)  # tapped 0-based layer outputs; empty = DFlash default
-    quant: str = "bf16"  # stored hidden states: "bf16" or "fp8" (e4m3 with per-token, per-layer scales)
+    quant: str = "bf16"  # stored hidden states: "bf16", "fp8" (e4m3 with per-token, per-layer scales) or "fp4" (4-bit e2m1 + e4m3 scale per 16 values + float32 per token and layer)
     dtype: str = "bfloat16"  # compute dtype of the target: "bfloat16" (real runs) or "float32" (exactness tests)
     mask_token_id: int = -1  # the drafter's mask token, validated here (-1 = read from the target's sidecar)
     batch_rows: int = 1  # rows per target forward (fixed shape)
@@ -103,7 +103,7 @@ class ExtractConfig:
     plan_train_tok_s: float = 0.0  # plan: training context tok/s per GPU; 0 = measured on an H200, scaled to the drafter
 
     def resolve(self) -> ExtractConfig:
-        check_choice("extract.quant", self.quant, ("bf16", "fp8"))
+        check_choice("extract.quant", self.quant, ("bf16", "fp8", "fp4"))
         check_choice("extract.dtype", self.dtype, ("bfloat16", "float32"))
         check_choice("extract.device", self.device, ("auto", "cuda", "cpu"))
         check_choice("extract.mode", self.mode, ("auto", "packed", "per_doc"))
@@ -126,7 +126,7 @@ class VerifyConfig:
     cache: str  # hidden-state cache directory to verify
     target: str = ""  # target checkpoint; empty = the one the cache was extracted from
     rows: int = 2  # rows per shard recomputed with the target (0 = hashes only)
-    tol: float = 0.02  # max relative L2 error per layer, bf16 recompute vs stored (FP8 caches: at least 0.06)
+    tol: float = 0.02  # max relative L2 error per layer, bf16 recompute vs stored (FP8 caches: at least 0.06, FP4: 0.15)
     device: str = "auto"  # "auto", "cuda" or "cpu"
     mode: str = "auto"  # document isolation for the recompute: "auto", "packed" or "per_doc"
 

@@ -11,10 +11,11 @@ concatenation of the W processes' batches. The last, partial global batch of an 
 shapes fixed; the order changes every epoch, so a different tail is dropped each time.
 
 I/O — no DataLoader workers. One background thread reads the next `prefetch` batches — memory-mapped safetensors
-slices of only the requested layers, in their stored dtype (FP8 stays FP8, half the bytes), and the Arrow token rows —
-into pinned host buffers. The calling thread copies them to the device (`non_blocking`) and decodes FP8 there; on
-CUDA it does so one batch ahead on a side stream, so the copy of batch n+1 overlaps step n (the step waits on an
-event, not on the copy engine). The reader thread does file reads and memcpy only (no compute, no CUDA kernels). Workers would add process start-up, a second
+slices of only the requested layers, in their stored encoding (FP8 and FP4 stay encoded: a half and ~0.28 of bf16's
+bytes), and the Arrow token rows — into pinned host buffers. The calling thread copies them to the device
+(`non_blocking`) and decodes FP8 / FP4 there, one layer at a time; on CUDA it does so one batch ahead on a side
+stream, so the copy of batch n+1 overlaps step n (the step waits on an event, not on the copy engine). The reader
+thread does file reads and memcpy only (no compute, no CUDA kernels). Workers would add process start-up, a second
 copy through shared memory and per-worker resume state, for work that is a few large contiguous reads per batch.
 
 Integrity — every shard the stream opens is checked against the manifest (`shards.HiddenShardFile`): the file's size
@@ -42,9 +43,10 @@ import torch
 from .config import shard_list
 from .manifest import ManifestError, committed, missing_files, read_manifest
 from .shards import (
+    LAYER_TENSORS,
     HiddenShardFile,
     ShardError,
-    fp8_decode,
+    decode_layer,
     hidden_shard_name,
     read_token_shard,
     token_shard_name,
@@ -66,7 +68,7 @@ class CacheInfo:
     tokens_key: str  # the token cache's key
     layer_ids: tuple[int, ...]  # the layers to read, in this order (columns of `hidden`)
     cache_layer_ids: tuple[int, ...]  # what the cache holds (a superset)
-    quant: str  # "bf16" or "fp8"
+    quant: str  # "bf16", "fp8" or "fp4" (`shards.LAYER_TENSORS`)
     hidden_size: int
     seq_len: int
     shard_rows: tuple[int, ...]  # rows of shard i
@@ -305,11 +307,10 @@ class HiddenStream:
     def _read(self, epoch: int, batch: int) -> dict[str, torch.Tensor]:
         info, B, S = self.info, self.B, self.info.seq_len
         k, H = len(info.layer_ids), info.hidden_size
-        fp8 = info.quant == "fp8"
-        host = {"hidden": torch.empty((B, S, k, H), dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
-                                      pin_memory=self.pin)}
-        if fp8:
-            host["scale"] = torch.empty((B, S, k, 1), dtype=torch.float32, pin_memory=self.pin)
+        # one buffer per stored tensor of a layer: bf16 [B, S, k, H]; fp8 + float32 scale [B, S, k, 1]; fp4 uint8
+        # [B, S, k, H/2] + e4m3 block scales [B, S, k, H/16] + float32 scale [B, S, k, 1]
+        host = {name: torch.empty((B, S, k, width(H)), dtype=dtype, pin_memory=self.pin)
+                for name, (dtype, width) in LAYER_TENSORS[info.quant].items()}
         by_shard: dict[int, list[tuple[int, int]]] = {}
         for slot, (shard, row) in enumerate(self.rows_of(epoch, batch)):
             by_shard.setdefault(shard, []).append((row, slot))
@@ -330,10 +331,9 @@ class HiddenStream:
     def _read_hidden_rows(self, shard: int, picks: list[tuple[int, int]], host: dict) -> None:
         f = self._hidden_file(shard)
         for j, lid in enumerate(self.info.layer_ids):
-            names = [("hidden", f"hidden.L{lid}")] + ([("scale", f"scale.L{lid}")] if "scale" in host else [])
-            for dst, name in names:
+            for dst in LAYER_TENSORS[self.info.quant]:
                 for row, slot in picks:
-                    f.read_row(name, row, host[dst][slot, :, j])
+                    f.read_row(f"{dst}.L{lid}", row, host[dst][slot, :, j])
 
     def _hidden_file(self, shard: int) -> HiddenShardFile:
         """The shard's file, opened and checked against the manifest (the last two stay open)."""
@@ -364,15 +364,15 @@ class HiddenStream:
     # -- to the device (calling thread) --
 
     def _to_device(self, host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        dev, nb = self.device, self.pin
-        B, S, k, H = host["hidden"].shape
-        if "scale" in host:
-            q_BSkH, s_BSk1 = host["hidden"].to(dev, non_blocking=nb), host["scale"].to(dev, non_blocking=nb)
-            hidden_BSkH = torch.empty((B, S, k, H), dtype=torch.bfloat16, device=dev)
-            for j in range(k):  # one layer at a time: the float32 temporary stays one layer big
-                hidden_BSkH[:, :, j] = fp8_decode(q_BSkH[:, :, j], s_BSk1[:, :, j], torch.bfloat16)
-        else:
+        dev, nb, quant = self.device, self.pin, self.info.quant
+        (B, S, k, _), H = host["hidden"].shape, self.info.hidden_size
+        if quant == "bf16":
             hidden_BSkH = host["hidden"].to(dev, non_blocking=nb)
+        else:
+            stored = {name: host[name].to(dev, non_blocking=nb) for name in LAYER_TENSORS[quant]}
+            hidden_BSkH = torch.empty((B, S, k, H), dtype=torch.bfloat16, device=dev)
+            for j in range(k):  # one layer at a time: the float32 temporaries stay one layer big
+                hidden_BSkH[:, :, j] = decode_layer({name: t[:, :, j] for name, t in stored.items()}, quant)
         out = {"hidden": hidden_BSkH.view(B, S, k * H)}
         for name in ("input_ids", "position_ids", "doc_ids"):
             out[name] = host[name].to(dev, non_blocking=nb).long()

@@ -17,11 +17,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 # Stored bytes per token of `k` tapped layers of hidden size `h`, per encoding (dflash_offline/shards.py writes them;
-# tests/test_storage_plan.py checks bf16 against real shard files). A future encoding — projected taps, 4-bit values
-# with block scales — is one more entry here.
+# tests/test_storage_plan.py and tests/test_fp4_cache.py check them against real shard files). A future encoding —
+# projected taps — is one more entry here.
 ENCODINGS = {
     "bf16": ("bfloat16 values", lambda k, h: k * h * 2),
     "fp8": ("float8 e4m3 values + a float32 scale per token and layer", lambda k, h: k * (h + 4)),
+    "fp4": ("4-bit e2m1 values + an e4m3 scale per 16 values + a float32 scale per token and layer",
+            lambda k, h: k * (h // 2 + h // 16 + 4)),
 }
 
 # Measured rates, one NVIDIA H200 at the Qwen3.5/3.6-27B shapes, random weights (docs/benchmarks.md):
@@ -40,6 +42,11 @@ TRAIN_DRAFTER = SimpleNamespace(hidden_size=5120, intermediate_size=17408, vocab
 
 
 def bytes_per_token(quant: str, k: int, hidden: int) -> int:
+    """Stored bytes per token in encoding `quant`; refuses fp4 for a hidden size it cannot store."""
+    if quant == "fp4":
+        from .shards import check_fp4_width
+
+        check_fp4_width(hidden)
     return ENCODINGS[quant][1](k, hidden)
 
 

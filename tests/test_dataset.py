@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dflash_offline import dataset as ds
+from dflash_offline import storage
 from dflash_offline.manifest import ManifestError, update_manifest
 from dflash_offline.shards import (
     ShardError,
@@ -370,7 +371,7 @@ def test_cuda_stream_equals_cpu_stream(request, quant):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("quant", ["bf16", "fp8"])
+@pytest.mark.parametrize("quant", ["bf16", "fp8", "fp4"])
 def test_cuda_feed_rate_at_27b_width(tmp_path, quant):
     """Rows of Qwen3.5-27B width (S 4096, 5 layers × 5120) through the prefetching reader while the GPU 'trains'
     150 ms a step; prints read rate and data-wait fraction (files are in the page cache right after writing)."""
@@ -383,7 +384,7 @@ def test_cuda_feed_rate_at_27b_width(tmp_path, quant):
             next(s)
         torch.cuda.synchronize()
         read_s = (time.perf_counter() - t0) / 6
-    row_gb = 4096 * 5 * (5120 * 2 if quant == "bf16" else 5120 + 4) / 1e9
+    row_gb = 4096 * storage.bytes_per_token(quant, 5, 5120) / 1e9
     with ds.HiddenStream(info, 1, device="cuda", prefetch=2) as s:
         next(s)
         t0, waits = time.perf_counter(), []

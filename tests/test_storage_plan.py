@@ -29,7 +29,8 @@ def small_plan(gpus=8, quant="bf16", rows=10, seq_len=128, free=10**12, fits=Tru
 def test_bytes_per_token_at_the_27b_shapes():
     assert storage.bytes_per_token("bf16", 5, 5120) == 51_200  # 5 taps × 5120 × 2 B
     assert storage.bytes_per_token("fp8", 5, 5120) == 25_620  # 5 × (5120 e4m3 + a 4-byte scale)
-    assert set(storage.ENCODINGS) >= {"bf16", "fp8"}  # every quant= value has its entry
+    assert storage.bytes_per_token("fp4", 5, 5120) == 14_420  # 5 × (2560 B of codes + 320 e4m3 scales + 4 B)
+    assert set(storage.ENCODINGS) >= {"bf16", "fp8", "fp4"}  # every quant= value has its entry
 
 
 def test_each_encodings_total_is_tokens_times_its_bytes_per_token():
@@ -136,7 +137,7 @@ def tensor_bytes(path: Path) -> int:
     return sum(t["data_offsets"][1] - t["data_offsets"][0] for name, t in header.items() if name != "__metadata__")
 
 
-@pytest.mark.parametrize("quant", ["bf16", "fp8"])
+@pytest.mark.parametrize("quant", ["bf16", "fp8", "fp4"])
 def test_the_planned_bytes_are_the_bytes_the_shards_hold(tmp_path, qwen35_dir, chat_corpus, quant):
     cache = extract.run(*configs(tmp_path / "c", qwen35_dir, chat_corpus, quant=quant))
     m = read_manifest(cache)
