@@ -254,7 +254,8 @@ def main() -> None:
     p.add_argument("--master_weights", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--optimizer_overlap", default="off", choices=["on", "off"],
                    help="on: each step's optimizer update on a side stream beside the next forward (master weights)")
-    p.add_argument("--loss_logits", default="fp32", choices=["fp32", "bf16"], help="the trainer's loss_logits")
+    p.add_argument("--loss_logits", default="fp32", choices=["fp32", "bf16", "fp8"],
+                   help="the trainer's loss_logits (fp8: both lm_head GEMMs in float8)")
     p.add_argument("--tf32", default="off", choices=["on", "off"], help="on: TF32 tensor cores for fp32 matmuls")
     p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp8"],
                    help="the trainer's precision; fp8: ours in bf16, then ours in fp8 (float8 linears), one call")
@@ -263,9 +264,9 @@ def main() -> None:
     p.add_argument("--loss_chunk_tokens", type=int, default=None,
                    help="the trainer's loss_chunk_tokens (query tokens per lm_head chunk; default: the trainer's)")
     p.add_argument("--profile_steps", type=int, default=0, help="print a kernel table of that many steps")
-    p.add_argument("--read_check", default="on", choices=["on", "off"],
     p.add_argument("--quant", default="bf16", choices=["bf16", "fp8", "fp4"],
                    help="encoding of the synthetic hidden cache (extract.quant): the trainer's reader decodes it")
+    p.add_argument("--read_check", default="on", choices=["on", "off"],
                    help="off: the stream skips its per-row checksums (the A/B reference for their cost)")
     p.add_argument("--workdir", type=Path, default=Path("build/bench-train"))
     p.add_argument("--out", type=Path, default=None)
@@ -330,8 +331,8 @@ def print_table(res: dict, args) -> None:
         row("fp8 / bf16: tok/s, peak GB", ["", f"{f['tok_per_s'] / ref['tok_per_s']:.3f}{per_clock}, {peak:.3f}"])
     row("recompiles after warm-up", [str(x["recompiles"]) for x in ours])
     row("host: data wait, GC (fraction of wall time)", [f"{x['data_wait_frac']:.3f}, {x['gc_frac']:.3f}" for x in ours])
-    row("read check: reader-thread ms/step hashing (GB/step)",
     row("hidden cache encoding (decoded by the reader)", [args.quant for _ in ours])
+    row("read check: reader-thread ms/step hashing (GB/step)",
         [f"{x['read_check']}: {x['read_check_ms_per_step']:.2f} ({x['read_check_gb_per_step']:.3f})" for x in ours])
     bg = b.get("gpu") or {}
     if any(x.get("gpu") for x in ours):

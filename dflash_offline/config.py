@@ -175,7 +175,7 @@ class TrainConfig:
     profile_steps: int = 0  # > 0: profile the last that many steps (after warm-up) into RUN/profile.txt (rank 0)
     loss_chunk_tokens: int = 4096  # query tokens per lm_head chunk (logits: chunk x vocab x 4 bytes; 2 if bf16)
     loss_epilogue: str = "auto"  # softmax/CE/dlogits of a chunk: "triton", "compiled" or "eager"; auto = triton on CUDA
-    loss_logits: str = "fp32"  # lm_head logits the CE reads: "fp32" or "bf16" (rounded as a bf16 lm_head; less memory)
+    loss_logits: str = "fp32"  # lm_head logits the CE reads: "fp32", "bf16" (rounded as a bf16 lm_head; less memory) or "fp8" (both lm_head GEMMs in float8, bf16 logits)
     ckpt_every: int = 500  # checkpoint every N steps (and at the end)
     keep_last: int = 3  # checkpoints kept
     log_every: int = 10  # metrics line every N steps
@@ -190,7 +190,7 @@ class TrainConfig:
         check_choice("train.attn", self.attn, ("auto", "flex", "dense"))
         check_choice("train.compile", self.compile, ("auto", "on", "off"))
         check_choice("train.loss_epilogue", self.loss_epilogue, ("auto", "triton", "compiled", "eager"))
-        check_choice("train.loss_logits", self.loss_logits, ("fp32", "bf16"))
+        check_choice("train.loss_logits", self.loss_logits, ("fp32", "bf16", "fp8"))
         for name in ("steps", "batch_rows", "num_anchors", "num_layers", "ckpt_every", "log_every"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name} must be > 0, got {getattr(self, name)}")

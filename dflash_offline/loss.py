@@ -51,7 +51,46 @@ def dpace_weights(q_XL: torch.Tensor, valid_XL: torch.Tensor, alpha: float) -> t
     return suffix * valid_XL
 
 
-LOGITS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+LOGITS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}  # fp8: bf16 GEMM output
+E4M3_MAX, E5M2_MAX = torch.finfo(torch.float8_e4m3fn).max, torch.finfo(torch.float8_e5m2).max
+
+
+def _rowwise_e4m3(x_nK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of x in float8 e4m3 with one float32 scale per row (x ≈ q · s): (q [n, K], s [n, 1])."""
+    s = x_nK.float().abs().amax(1, keepdim=True).clamp(min=1e-12) / E4M3_MAX
+    return (x_nK.float() / s).to(torch.float8_e4m3fn), s
+
+
+class Fp8Head:
+    """The frozen lm_head W [V, H] in float8 e4m3, quantized once per weight (`of`): rows scaled one by one for the
+    logits GEMM (W8_VH, s_V), and the whole matrix, transposed, with one scale for the input-gradient GEMM (W8_HV,
+    s_w). Both GEMMs are `torch._scaled_mm` with bf16 output: logits = (h8 · s_h) (W8 · s_V)ᵀ with h scaled per row
+    (e4m3), and dh = (d8 · s_d) (W8 · s_w) with dlogits scaled per chunk in e5m2 (its range keeps the softmax's
+    small probabilities, which e4m3 would flush to zero)."""
+
+    _cache: tuple | None = None
+
+    def __init__(self, w_VH: torch.Tensor):
+        self.w8_VH, s_V1 = _rowwise_e4m3(w_VH)
+        self.s_1V = s_V1.t().contiguous()
+        self.s_w = w_VH.float().abs().amax().clamp(min=1e-12) / E4M3_MAX
+        self.w8_HV = (w_VH.float().t() / self.s_w).to(torch.float8_e4m3fn).contiguous()
+
+    @classmethod
+    def of(cls, w_VH: torch.Tensor) -> "Fp8Head":
+        key = (w_VH.data_ptr(), w_VH._version, tuple(w_VH.shape), w_VH.device)
+        if cls._cache is None or cls._cache[0] != key:
+            cls._cache = (key, cls(w_VH))
+        return cls._cache[1]
+
+    def logits(self, h_nH: torch.Tensor) -> torch.Tensor:
+        h8, s_n1 = _rowwise_e4m3(h_nH)
+        return torch._scaled_mm(h8, self.w8_VH.t(), scale_a=s_n1, scale_b=self.s_1V, out_dtype=torch.bfloat16)
+
+    def grad_input(self, d_nV: torch.Tensor) -> torch.Tensor:
+        s_d = d_nV.float().abs().amax().clamp(min=1e-30) / E5M2_MAX
+        d8 = (d_nV.float() / s_d).to(torch.float8_e5m2)
+        return torch._scaled_mm(d8, self.w8_HV.t(), scale_a=s_d, scale_b=self.s_w, out_dtype=torch.bfloat16)
 
 
 def _logits(h_nH: torch.Tensor, w_VH: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -117,8 +156,16 @@ class _ChunkedBlockCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h_XKH, w_VH, labels_XK, slot_w_K, norm, chunk_blocks: int, dpace_alpha, need_grad: bool,
-                epilogue: str, logits_dtype: torch.dtype):
+                epilogue: str, logits_dtype: torch.dtype, fp8_head: bool):
         X, K, H = h_XKH.shape
+        head = Fp8Head.of(w_VH) if fp8_head else None
+
+        def grad_into(d_nV, out_nH):  # dh = dlogits @ W
+            if head is None:
+                torch.mm(d_nV, w_VH, out=out_nH)
+            else:
+                out_nH.copy_(head.grad_input(d_nV))
+
         grad_XKH = torch.empty_like(h_XKH, memory_format=torch.contiguous_format) if need_grad else None
         valid_XK = labels_XK >= 0
         safe_XK = labels_XK.clamp(min=0)
@@ -128,7 +175,8 @@ class _ChunkedBlockCE(torch.autograd.Function):
             c1 = min(c0 + chunk_blocks, X)
             lab_n = safe_XK[c0:c1].reshape(-1)
             val_n = valid_XK[c0:c1].reshape(-1)
-            z_nV = _logits(h_XKH[c0:c1].reshape(-1, H), w_VH, logits_dtype)
+            h_nH = h_XKH[c0:c1].reshape(-1, H)
+            z_nV = head.logits(h_nH) if head is not None else _logits(h_nH, w_VH, logits_dtype)
             if dpace_alpha is None:
                 w_n = (slot_w_K * valid_XK[c0:c1]).reshape(-1)
                 ce_n, pred_n, d_nV = _epilogue(epilogue)(z_nV, lab_n, w_n, need_grad, w_VH.dtype)
@@ -136,7 +184,7 @@ class _ChunkedBlockCE(torch.autograd.Function):
                 correct_XK[c0:c1] = ((pred_n == lab_n) & val_n).view(c1 - c0, K)
                 loss += (w_n * ce_n).sum()
                 if need_grad:
-                    torch.mm(d_nV, w_VH, out=grad_XKH[c0:c1].view(-1, H))
+                    grad_into(d_nV, grad_XKH[c0:c1].view(-1, H))
                 continue
             z_nV = z_nV.float()  # D-PACE works in place on an fp32 chunk
             z_max, pred_n = z_nV.max(-1, keepdim=True)
@@ -151,7 +199,7 @@ class _ChunkedBlockCE(torch.autograd.Function):
             if need_grad:  # dlogits = w * (softmax - onehot), unnormalized; 1/norm is applied in backward
                 z_nV.mul_(w_n[:, None] / z_sum)
                 z_nV.scatter_add_(1, lab_n[:, None], -w_n[:, None])
-                torch.mm(z_nV.to(w_VH.dtype), w_VH, out=grad_XKH[c0:c1].view(-1, H))
+                grad_into(z_nV.to(w_VH.dtype), grad_XKH[c0:c1].view(-1, H))
             del z_nV
         ctx.mark_non_differentiable(correct_XK)
         if need_grad:
@@ -161,7 +209,7 @@ class _ChunkedBlockCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_correct):
         grad_XKH, norm = ctx.saved_tensors
-        return grad_XKH * (grad_loss / norm).to(grad_XKH.dtype), None, None, None, None, None, None, None, None, None
+        return grad_XKH * (grad_loss / norm).to(grad_XKH.dtype), None, None, None, None, None, None, None, None, None, None
 
 
 class BlockLoss(NamedTuple):
@@ -230,7 +278,7 @@ def block_ce_loss(
     (training passes its optimizer step's, `step_normalizer`); by default it is this batch's `loss_weight`.
     `epilogue` picks the decay-weighting epilogue's implementation (`resolve_epilogue`; D-PACE has its own).
     `logits` is the dtype the chunk's logits are stored in, "fp32" or "bf16" (`LOGITS_DTYPES`; the epilogue computes
-    in fp32 either way).
+    in fp32 either way), or "fp8": both lm_head GEMMs in float8 (`Fp8Head`), bf16 logits.
     """
     B, A, L = _check(hidden_BQH, labels_BAL)
     if weighting not in ("decay", "dpace"):
@@ -257,6 +305,7 @@ def block_ce_loss(
         torch.is_grad_enabled() and hidden_BQH.requires_grad,
         epilogue,
         LOGITS_DTYPES[logits],
+        logits == "fp8",
     )
     correct_BAL = torch.cat([torch.zeros_like(correct_XK[:, :1]), correct_XK], 1).view(B, A, L)
     return BlockLoss(loss, correct_BAL, labels_BAL >= 0, norm)

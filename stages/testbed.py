@@ -63,7 +63,7 @@ from dflash_offline.testbed_runs import (
 )
 
 SWEEPS = {"options": ["", "gamma=5", "gamma=inf", "num_anchors=256", "num_anchors=1024", "noise_std=0.05",
-                      "weighting=dpace", "quant=fp8", "quant=fp4", "precision=fp8"]}
+                      "weighting=dpace", "quant=fp8", "quant=fp4", "precision=fp8", "loss_logits=fp8"]}
 PRESETS = {  # sizes: full (make testbed), short (the GPU test, ≤ 2 min), micro (the CPU test: the pipeline's logic)
     "full": {},
     "short": {"source_mb": 16, "tokenizer_mb": 4, "target_s": 25, "regen_docs": 512, "train_steps": 80, "eval_prompts": 16, "eval_tokens": 48},
@@ -105,7 +105,7 @@ class TestbedConfig:
     device: str = "auto"  # auto | cuda | cpu
     seed: int = 0  # target build and the first drafter seed
     arms: str = ""  # A/B: arms separated by ';', each space-separated key=value settings ('' = the recipe)
-    sweep: str = ""  # A/B preset: options (γ, anchors, noise, D-PACE, fp8/fp4 cache, fp8 training)
+    sweep: str = ""  # A/B preset: options (γ, anchors, noise, D-PACE, fp8/fp4 cache, fp8 training, fp8 lm_head)
     seeds: int = 2  # A/B: drafter seeds per arm
     parallel: int = 0  # A/B: jobs at once; 0 = 4 on a GPU, 1 on a CPU
     label: str = ""  # A/B: result name (DIR/ab/<label>.json); empty = sweep name or 'ab'

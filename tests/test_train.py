@@ -294,6 +294,16 @@ def test_bf16_logits_reach_the_loss(tmp_path, hidden_cache):
     assert a != b and b == pytest.approx(a, rel=1e-2)
 
 
+def test_fp8_logits_reach_the_loss(tmp_path, hidden_cache):
+    """loss_logits=fp8 (both lm_head GEMMs in float8, `loss.Fp8Head`): recorded, and the losses stay within 2 % of
+    the fp32 logits' while not equal to them."""
+    train.run(cfg(hidden_cache, tmp_path / "fp32", steps=3, ckpt_every=10))
+    train.run(cfg(hidden_cache, tmp_path / "fp8", steps=3, ckpt_every=10, loss_logits="fp8"))
+    assert json.loads((tmp_path / "fp8" / "config.json").read_text())["derived"]["loss_logits"] == "fp8"
+    a, b = losses(tmp_path / "fp32"), losses(tmp_path / "fp8")
+    assert a != b and b == pytest.approx(a, rel=2e-2)
+
+
 def test_bench_optimizer_overlap_refuses_where_unavailable(tmp_path, hidden_cache):
     with pytest.raises(ValueError, match="optimizer_overlap is not available here: it needs master weights"):
         train.run(cfg(hidden_cache, tmp_path / "x", precision="fp32"), BenchSwitches(optimizer_overlap=True))
