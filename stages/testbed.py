@@ -64,6 +64,7 @@ from dflash_offline.testbed_runs import (
 
 SWEEPS = {"options": ["", "gamma=5", "gamma=inf", "num_anchors=256", "num_anchors=1024", "noise_std=0.05",
                       "weighting=dpace", "quant=fp8", "quant=fp4", "precision=fp8", "loss_logits=fp8"]}
+JOB_GB = 12  # GPU memory one drafter job of the testbed recipe may take (training, then evaluation)
 PRESETS = {  # sizes: full (make testbed), short (the GPU test, ≤ 2 min), micro (the CPU test: the pipeline's logic)
     "full": {},
     "short": {"source_mb": 16, "tokenizer_mb": 4, "target_s": 25, "regen_docs": 512, "train_steps": 80, "eval_prompts": 16, "eval_tokens": 48},
@@ -107,7 +108,7 @@ class TestbedConfig:
     arms: str = ""  # A/B: arms separated by ';', each space-separated key=value settings ('' = the recipe)
     sweep: str = ""  # A/B preset: options (γ, anchors, noise, D-PACE, fp8/fp4 cache, fp8 training, fp8 lm_head)
     seeds: int = 2  # A/B: drafter seeds per arm
-    parallel: int = 0  # A/B: jobs at once; 0 = 4 on a GPU, 1 on a CPU
+    parallel: int = 0  # A/B: drafter jobs at once; 0 = half the CPUs, at most one per 12 GB of GPU memory (1 on a CPU)
     label: str = ""  # A/B: result name (DIR/ab/<label>.json); empty = sweep name or 'ab'
 
     def resolve(self) -> TestbedConfig:
@@ -156,6 +157,16 @@ def stage(module: str, *args: str, log_file: Path | None = None, ok=(0,), env: d
         where = f" (log: {log_file})" if log_file else ""
         raise RuntimeError(f"{' '.join(cmd[2:4])} ... failed with exit status {rc}{where}")
     return time.perf_counter() - t0
+
+
+def free_device_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # --- the phases ------------------------------------------------------------------------------------------------
@@ -244,7 +255,8 @@ def run_drafters(cfg: TestbedConfig, p: Paths, dev: str, jobs: list[Job], parall
     shared by several jobs, each compiles with its share of the CPUs (TORCHINDUCTOR_COMPILE_THREADS, unless set).
     `caches` ({path: [extract] settings}) are extracted one after another beside the drafters, each job on one of
     them waiting for it. A drafter that fails (or whose cache does) is logged and recorded (`error`) while the others
-    go on; the base run's failure raises.
+    go on, except that one which ran out of GPU memory is tried once more after the others, half as many at a time;
+    when the base run or the untrained evaluation fails, no further job starts and that failure raises.
     Returns {run: seconds per phase (train, export, eval, and untrained for `base`), or its error}."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
@@ -293,6 +305,8 @@ def run_drafters(cfg: TestbedConfig, p: Paths, dev: str, jobs: list[Job], parall
     def job(j: Job) -> None:
         if (j.run / "eval.json").is_file():
             return
+        if failed.is_set():
+            raise RuntimeError("not started: the base drafter or the untrained evaluation failed")
         if j.cache in made:
             made[j.cache].wait()
             if j.cache in broken:
@@ -315,24 +329,50 @@ def run_drafters(cfg: TestbedConfig, p: Paths, dev: str, jobs: list[Job], parall
         log(f"{j.arm or '(recipe)'} seed {j.seed}: τ {eval_summary(j.run / 'eval.json')['tau_mean']:.3f} ("
             + ", ".join(f"{k} {v:.0f}s" for k, v in times[j.run].items()) + ")")
 
-    def guarded(j: Job) -> None:  # one drafter's failure is reported and the others go on
+    retry = []
+
+    def guarded(j: Job, last: bool = False) -> None:  # one drafter's failure is reported and the others go on
         try:
             job(j)
+            errors.pop(j.run, None)
         except Exception as e:  # noqa: BLE001
             errors[j.run] = str(e)
-            log(f"{j.arm or '(recipe)'} seed {j.seed}: FAILED: {e}")
+            oom = not last and not failed.is_set() and out_of_memory(j.run / "logs")
+            if oom:
+                retry.append(j)
+            log(f"{j.arm or '(recipe)'} seed {j.seed}: {'out of GPU memory, tried again later' if oom else 'FAILED'}: {e}")
 
     side = threading.Thread(target=untrained, daemon=True)
     side.start()
     threading.Thread(target=extractor, daemon=True).start()
     with ThreadPoolExecutor(parallel) as pool:
         list(pool.map(guarded, jobs))
+    if retry and not failed.is_set():
+        log(f"trying again {len(retry)} drafter(s) that ran out of GPU memory, {max(1, parallel // 2)} at a time")
+        with ThreadPoolExecutor(max(1, parallel // 2)) as pool:
+            list(pool.map(lambda j: guarded(j, last=True), retry))
     side.join()
     if failed.is_set() or base in errors:
         raise RuntimeError(errors.get(base) or f"the untrained drafter's evaluation failed (log: {untrained_log})")
     for run, e in errors.items():
         times[run]["error"] = e
     return times
+
+
+def out_of_memory(logs: Path) -> bool:
+    """Whether a stage's log in `logs` ends in a GPU out-of-memory error."""
+    return any("out of memory" in f.read_text(errors="replace")[-20000:].lower() for f in logs.glob("*.log"))
+
+
+def default_parallel(device) -> int:
+    """Drafter jobs at once on this machine: half its CPUs (each job compiles, then decodes one prompt at a time), at
+    most one per `JOB_GB` of GPU memory (the recipe's drafter peaks at 7.2 GB allocated on an H200)."""
+    if device.type != "cuda":
+        return 1
+    import torch
+
+    return max(1, min((os.cpu_count() or 2) // 2, int(torch.cuda.get_device_properties(device).total_memory / 2**30
+                                                         // JOB_GB)))
 
 
 def projection_summary(cache: Path) -> dict:
@@ -367,6 +407,7 @@ def testbed(cfg: TestbedConfig, p: Paths, dev: str, device, more: list[Job] = ()
     if "target" not in ph:
         t0 = time.perf_counter()
         rec = build(cfg, p, device)
+        free_device_memory()  # (the drafters' processes need what the target's training held in this one)
         done("target", {**rec, "seconds": time.perf_counter() - t0})
     if "regen" not in ph:
         secs = stage("stages.regen", f"--target={p.target}", f"--corpus={p.train_prompts}", f"--out={p.regen}",
@@ -382,6 +423,7 @@ def testbed(cfg: TestbedConfig, p: Paths, dev: str, device, more: list[Job] = ()
         seq = m["producer"]["tokens"]["producer"]["seq_len"]
         done("extract", {"seconds": secs, "rows": rows, "tokens": rows * seq, "tok_per_s_wall": rows * seq / secs,
                          "layer_ids": m["config"].get("layer_ids"), "projection": projection_summary(p.hidden())})
+        free_device_memory()
     jobs = ([] if "eval" in ph else [Job("", run, p.hidden(), cfg.seed, {})]) + \
         [j for j in more if j.run != run or "eval" in ph]
     times = {}
@@ -414,7 +456,7 @@ def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> tuple[dict, dict]:
     seeds = range(cfg.seed, cfg.seed + cfg.seeds)
     jobs = [Job(arm, p.run(slug(arm) if arm else "", seed), p.hidden(slug(key(ext))) if ext else p.hidden(), seed,
                 train) for seed in seeds for arm, (ext, train) in zip(arms, parsed, strict=True)]  # seed-major
-    parallel = cfg.parallel or (4 if device.type == "cuda" else 1)
+    parallel = cfg.parallel or default_parallel(device)
     log(f"{len(arms)} arms × {cfg.seeds} seeds = {len(jobs)} drafters, {parallel} at a time")
     t0 = time.perf_counter()
     tb, times = testbed(cfg, p, dev, device, jobs, parallel, caches)

@@ -185,3 +185,55 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     assert fp8["producer"]["quant"] == "fp8" and stage.cache_complete(root / "cache" / "hidden-quantfp8")
     assert (root / "runs" / "quantfp8" / "seed0" / "eval.json").is_file()
     assert "| quant=fp8 |" in r.stdout
+
+
+def _fake_stages(monkeypatch, fail: dict):
+    """stages.testbed's train/export and evaluate replaced: `fail[run name]` = a list of errors its successive
+    trainings raise ("oom": out of GPU memory in its log; "bad": any other failure); evaluations write eval JSONs."""
+    calls = []
+
+    def train_export(cfg, run, cache, seed, settings, env, log_dir):
+        calls.append(run.parent.name + "/" + run.name)
+        (run / "logs").mkdir(parents=True, exist_ok=True)
+        (run / "config.json").write_text("{}")
+        kind = (fail.get(run.parent.name) or [None]).pop(0) if fail.get(run.parent.name) else None
+        if kind:
+            (run / "logs" / "train.log").write_text("torch.OutOfMemoryError: CUDA out of memory." if kind == "oom"
+                                                     else "ValueError: something else")
+            raise RuntimeError(f"stages.train ... failed with exit status 1 (log: {run / 'logs' / 'train.log'})")
+        (run / "logs" / "train.log").write_text("done")
+        return {"train": 0.0, "export": 0.0}
+
+    def evaluate(cfg, p, run, dev, untrained, log_file, env):
+        name = "eval-untrained.json" if untrained else "eval.json"
+        (run / name).write_text(json.dumps({"tau_mean": 1.0 if untrained else 2.0, "per_prompt": []}))
+        p.baseline(cfg.eval_tokens).write_text("{}")
+        return 0.0
+
+    monkeypatch.setattr(stage, "train_export", train_export)
+    monkeypatch.setattr(stage, "evaluate", evaluate)
+    return calls
+
+
+def _jobs(p, names):
+    return [stage.Job(n, p.run("" if n == "base" else n, 0), p.hidden(), 0, {}) for n in names]
+
+
+def test_a_drafter_out_of_gpu_memory_is_tried_again_after_the_others(tmp_path, monkeypatch):
+    calls = _fake_stages(monkeypatch, {"b": ["oom"], "c": ["bad"]})
+    cfg, p = stage.TestbedConfig(dir=str(tmp_path)), stage.Paths(str(tmp_path))
+    jobs = _jobs(p, ["base", "a", "b", "c"])
+    times = stage.run_drafters(cfg, p, "cpu", jobs, 2, jobs[0].run)
+    assert calls.count("b/seed0") == 2 and calls.count("c/seed0") == 1 and calls[-1] == "b/seed0"
+    assert "error" not in times[p.run("b", 0)] and (p.run("b", 0) / "eval.json").is_file()
+    assert "something" not in times[p.run("c", 0)]["error"] and "exit status 1" in times[p.run("c", 0)]["error"]
+    assert (p.run("", 0) / "eval-untrained.json").is_file()
+
+
+def test_a_failing_base_drafter_stops_the_jobs_not_yet_started(tmp_path, monkeypatch):
+    calls = _fake_stages(monkeypatch, {"base": ["bad"]})
+    cfg, p = stage.TestbedConfig(dir=str(tmp_path)), stage.Paths(str(tmp_path))
+    jobs = _jobs(p, ["base", "a", "b", "c"])
+    with pytest.raises(RuntimeError, match="exit status 1"):
+        stage.run_drafters(cfg, p, "cpu", jobs, 1, jobs[0].run)
+    assert calls == ["base/seed0"]  # nothing else started (one at a time: the others were queued)
