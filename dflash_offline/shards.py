@@ -47,6 +47,7 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP4_MAX = 6.0  # largest e2m1 magnitude
 FP4_BLOCK = 16  # values per e4m3 block scale (along H)
 FP4_ALIGN = 32  # quant=fp4 needs H % 32 == 0 (whole blocks, whole bytes)
+FP4_TOKEN_STEP = float(torch.tensor(1 / (FP4_MAX * FP8_MAX), dtype=torch.float32))  # token scale = amax · this
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of e2m1 codes 0..7; code bit 3 is the sign
 # round to nearest e2m1, ties to the even code (as the hardware's cvt.rn does): between codes i and i+1 the midpoint
 # goes down when i is even (`>`), up when i is odd (`>=`)
@@ -158,7 +159,7 @@ def fp4_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     """[..., H] → (uint8 [..., H/2] e2m1 codes, float8_e4m3fn [..., H/16] block scales, float32 [..., 1] token
     scale), on x's device.
 
-    Token scale = amax / (6 · 448), so that block scales span e4m3's range; block scale = block amax / 6 / token
+    Token scale = amax · fl32(1 / (6 · 448)), so that block scales span e4m3's range; block scale = block amax / 6 / token
     scale, rounded to the nearest e4m3 (a block whose scale rounds down saturates its largest values at ±6, by at most
     1/16 of them: less than e2m1's own rounding there); codes = x / (block scale · token scale) rounded to the nearest
     e2m1, ties to even. A block whose scale underflows e4m3 (all-zero blocks and tokens included) stores zeros. Value
@@ -166,10 +167,12 @@ def fp4_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     *lead, H = x.shape
     check_fp4_width(H)
     x_NBb = x.float().reshape(*lead, H // FP4_BLOCK, FP4_BLOCK)  # N… leading dims, B blocks, b = 16 values
-    scale_N1 = x_NBb.abs().amax(dim=(-2, -1)).clamp_min(1e-12).unsqueeze(-1) / (FP4_MAX * FP8_MAX)
-    bscale_NB = (x_NBb.abs().amax(dim=-1) / FP4_MAX / scale_N1).clamp_max(FP8_MAX).to(torch.float8_e4m3fn)
+    # (only correctly rounded tensor ops, no division by a Python number, which CUDA turns into a multiplication by
+    # its rounded reciprocal: the same bytes on every device)
+    scale_N1 = x_NBb.abs().amax(dim=(-2, -1)).clamp_min(1e-12).unsqueeze(-1) * FP4_TOKEN_STEP
+    bscale_NB = (x_NBb.abs().amax(dim=-1) / (scale_N1 * FP4_MAX)).clamp_max(FP8_MAX).to(torch.float8_e4m3fn)
     step_NB = bscale_NB.float() * scale_N1
-    a_NBb = x_NBb * torch.where(step_NB > 0, 1 / step_NB, 0.0).unsqueeze(-1)
+    a_NBb = torch.where(step_NB.unsqueeze(-1) > 0, x_NBb / step_NB.clamp_min(1e-38).unsqueeze(-1), 0.0)
     mag_NBb = a_NBb.abs()
     code_NBb = torch.zeros(mag_NBb.shape, dtype=torch.uint8, device=x.device)
     for t in E2M1_UP_GT:  # (7 thresholds: a code is the count of those its magnitude passes; 6 and above → 7)
