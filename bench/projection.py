@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
     calib = list(range(min(args.calib_shards, max(n - args.heldout_shards, 1))))
     held = [i for i in range(max(n - args.heldout_shards, 0), n) if i not in calib]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    H = info.hidden_size
+    H = info.width  # the hidden size (a projected cache: its stored k, measured in that space)
     ks = sorted({k for k in (int(x) for x in args.ks.split(",")) if 0 < k <= H} | {H})
     result = {"cache": str(args.cache), "hidden_size": H, "layers": {}, "calib_shards": calib, "heldout_shards": held,
               "quant": info.quant, "device": str(device)}

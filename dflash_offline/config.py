@@ -87,6 +87,8 @@ class ExtractConfig:
     layer_ids: list[int] = field(default_factory=list)  # tapped 0-based layer outputs; empty = DFlash default
     quant: str = "bf16"  # stored hidden states: "bf16", "fp8" (e4m3 with per-token, per-layer scales) or "fp4" (4-bit e2m1 + e4m3 scale per 16 values + float32 per token and layer)
     dtype: str = "bfloat16"  # compute dtype of the target: "bfloat16" (real runs) or "float32" (exactness tests)
+    project_dims: int = 0  # projected taps: store z = Pᵀh, k values per tapped layer (multiple of 32, ≤ hidden); 0 = full states
+    project_rows: int = 64  # projected taps: rows (the token cache's first) whose E[h hᵀ] gives P, its top-k eigenvectors
     mask_token_id: int = -1  # the drafter's mask token, validated here (-1 = read from the target's sidecar)
     batch_rows: int = 1  # rows per target forward (fixed shape)
     shards: str = ""  # redo exactly these shards ("3", "0-4,7"), even if committed; empty = every uncommitted one
@@ -117,6 +119,11 @@ class ExtractConfig:
             raise ConfigError("extract.plan_extract_tok_s and plan_train_tok_s must be >= 0 (0 = the measured rate)")
         if self.layer_ids and len(set(self.layer_ids)) != len(self.layer_ids):
             raise ConfigError(f"extract.layer_ids {self.layer_ids} has duplicates")
+        if self.project_dims < 0 or self.project_dims % 32:
+            raise ConfigError(f"extract.project_dims={self.project_dims}: give a multiple of 32 (whole fp4 blocks and "
+                              f"bytes, for every quant), e.g. 256 or 512, or 0 to store full states")
+        if self.project_dims and self.project_rows <= 0:
+            raise ConfigError(f"extract.project_rows must be > 0 with project_dims set, got {self.project_rows}")
         parse_shard_list(self.shards)
         return self
 

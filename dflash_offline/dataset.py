@@ -1,7 +1,7 @@
 """Streaming a hidden-state cache into fixed-shape training batches, split across ranks by the stream itself.
 
 Shape legend: B rows per batch on one rank, W ranks, G = B·W rows per global batch, S seq_len, k tapped layers,
-H hidden size.
+H values stored per token and tap (the hidden size; project_dims for a projected cache, `projection.py`).
 
 Order — a pure function of the manifest, the seed and the epoch, so every rank computes it alone, without talking:
 epoch e visits the shards in a permutation drawn from (seed, e) and each shard's rows in a permutation drawn from
@@ -69,11 +69,13 @@ class CacheInfo:
     layer_ids: tuple[int, ...]  # the layers to read, in this order (columns of `hidden`)
     cache_layer_ids: tuple[int, ...]  # what the cache holds (a superset)
     quant: str  # "bf16", "fp8" or "fp4" (`shards.LAYER_TENSORS`)
-    hidden_size: int
+    hidden_size: int  # the target's
     seq_len: int
     shard_rows: tuple[int, ...]  # rows of shard i
     shard_files: tuple[dict, ...] = ()  # manifest record ({"bytes", "sha256", "header_sha256"}) of shard i's file
     tokens_sha256: tuple[str, ...] = ()  # SHA-256 of the token shard that shard i was computed from
+    width: int = 0  # values stored per token and tap: hidden_size, or project_dims (a projected cache)
+    projection: dict | None = None  # a projected cache: the manifest's `projection` record (dims, file sha256, ...)
 
     @property
     def num_rows(self) -> int:
@@ -106,6 +108,11 @@ def open_hidden_cache(cache_dir, layer_ids, hidden_size: int | None = None, seq_
         raise ManifestError(f"{where}: incomplete cache, shards {shard_list(missing) if n else '?'} of {n} "
                             f"are not committed; finish it with `make extract CACHE={cache}`")
     _check_verdict(cache, m.get("verified"), require_verified)
+    projection = m.get("projection") if prod.get("projection") else None
+    if prod.get("projection"):  # a projection file that is not the one the shards were computed with: refused now
+        from .projection import read_projection
+
+        read_projection(cache, want, projection)
     info = CacheInfo(
         cache_dir=cache, tokens_dir=cache / m["config"]["tokens_dir"], key=m["key"], tokens_key=prod["tokens"]["key"],
         layer_ids=tuple(want), cache_layer_ids=tuple(have), quant=prod["quant"],
@@ -113,6 +120,8 @@ def open_hidden_cache(cache_dir, layer_ids, hidden_size: int | None = None, seq_
         shard_rows=tuple(int(done[i]["rows"]) for i in range(n)),
         shard_files=tuple(done[i]["files"][hidden_shard_name(i)] for i in range(n)),
         tokens_sha256=tuple(done[i]["tokens_sha256"] for i in range(n)),
+        width=int(prod["projection"]["dims"]) if prod.get("projection") else int(prod["target"]["hidden_size"]),
+        projection=projection,
     )
     if bad := missing_files(cache, m):
         raise ManifestError(f"{where}: {len(bad)} committed shard(s) are damaged on disk ({bad[0]['reason']}"
@@ -306,7 +315,7 @@ class HiddenStream:
 
     def _read(self, epoch: int, batch: int) -> dict[str, torch.Tensor]:
         info, B, S = self.info, self.B, self.info.seq_len
-        k, H = len(info.layer_ids), info.hidden_size
+        k, H = len(info.layer_ids), info.width
         # one buffer per stored tensor of a layer: bf16 [B, S, k, H]; fp8 + float32 scale [B, S, k, 1]; fp4 uint8
         # [B, S, k, H/2] + e4m3 block scales [B, S, k, H/16] + float32 scale [B, S, k, 1]
         host = {name: torch.empty((B, S, k, width(H)), dtype=dtype, pin_memory=self.pin)
@@ -365,7 +374,7 @@ class HiddenStream:
 
     def _to_device(self, host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         dev, nb, quant = self.device, self.pin, self.info.quant
-        (B, S, k, _), H = host["hidden"].shape, self.info.hidden_size
+        (B, S, k, _), H = host["hidden"].shape, self.info.width
         if quant == "bf16":
             hidden_BSkH = host["hidden"].to(dev, non_blocking=nb)
         else:

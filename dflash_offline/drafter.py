@@ -11,8 +11,8 @@ Parameter names equal the z-lab export keys (`fc.weight`, `hidden_norm.weight`, 
 `layers.{i}.mlp.{gate,up,down}_proj.weight`, `layers.{i}.{input,post_attention}_layernorm.weight`). The target's
 embedding and lm_head are frozen inputs, never parameters: `load_target_embeddings` reads just those two.
 
-Shape legend: B rows, S row length, K = k*H tapped width, A anchors per row, L block length, Q = A*L,
-H hidden, N query heads, G kv heads, D head dim, V vocab.
+Shape legend: B rows, S row length, K = k*H tapped width (k*tap_width on a projected cache), A anchors per row,
+L block length, Q = A*L, H hidden, N query heads, G kv heads, D head dim, V vocab.
 """
 
 import json
@@ -52,6 +52,7 @@ class DrafterConfig:
     sliding_window: int | None = None  # W of "sliding_attention" layers
     layer_types: list[str] | None = None  # per layer "full_attention"/"sliding_attention"; None = all full
     initializer_range: float = 0.02  # std of the normal init of every Linear
+    tap_width: int = 0  # values per tapped layer the fc reads: 0 = hidden_size; k for a projected cache (projection.py)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -224,7 +225,7 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         self.cfg = cfg
         k = len(cfg.target_layer_ids)
-        self.fc = nn.Linear(k * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.fc = nn.Linear(k * (cfg.tap_width or cfg.hidden_size), cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

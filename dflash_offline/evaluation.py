@@ -176,7 +176,8 @@ def lossless(mismatches: list[int], ties: list[int], margins: list[float], exact
 def teacher_forced(model, embed_VH, lm_head_VH, cache_dir, gamma, batches: int, rows: int, num_anchors: int,
                    seed: int = 0) -> dict:
     """Per-slot accuracy, simulated τ and mean per-block τ of the training forward `model` (a DFlashDrafter) on
-    `batches` batches of a hidden cache."""
+    `batches` batches of a hidden cache; a projected cache's taps are lifted to P z (`projection.lift`) for a
+    full-width drafter (an exported or folded one), and read as they are by a drafter of projected taps."""
     import torch
 
     from . import anchors as anc
@@ -186,6 +187,11 @@ def teacher_forced(model, embed_VH, lm_head_VH, cache_dir, gamma, batches: int, 
     cfg, dev = model.cfg, embed_VH.device
     info = open_hidden_cache(cache_dir, cfg.target_layer_ids, hidden_size=cfg.hidden_size)
     stream = HiddenStream(info, rows, seed=seed, device=dev, prefetch=0)
+    lift = None
+    if info.projection and not cfg.tap_width:
+        from .projection import lift, read_projection
+
+        Ps = read_projection(cache_dir, cfg.target_layer_ids, info.projection)
     g = torch.Generator(device=dev).manual_seed(seed)
     correct = valid = None
     loss_sum, tau_sum, blocks, n = 0.0, 0.0, 0, 0
@@ -196,7 +202,8 @@ def teacher_forced(model, embed_VH, lm_head_VH, cache_dir, gamma, batches: int, 
                                                cfg.block_size, g)
             labels = anc.block_labels(b["input_ids"], b["loss_mask"], b["doc_ids"], a_BA, keep_BA, cfg.block_size)
             masks = model.build_masks(b["doc_ids"], a_BA, keep_BA, "dense")
-            h = model(b["hidden"], b["input_ids"], b["position_ids"], a_BA, keep_BA, embed_VH, masks, "dense")
+            hidden = b["hidden"] if lift is None else lift(b["hidden"], Ps)
+            h = model(hidden, b["input_ids"], b["position_ids"], a_BA, keep_BA, embed_VH, masks, "dense")
             out = block_ce_loss(h, lm_head_VH, labels, gamma=gamma)
             c, v = out.correct_BAL.sum((0, 1)), out.valid_BAL.sum((0, 1))
             correct, valid = (c, v) if correct is None else (correct + c, valid + v)

@@ -7,10 +7,14 @@
 | `config.json` | a Qwen3Config (`model_type` "qwen3", `architectures` ["DFlashDraftModel"], `auto_map` AutoModel → `dflash.DFlashDraftModel`) with the drafter's shapes, `block_size`, `dflash_config` {mask_token_id, mask_token (the target tokenizer's string for it, which SGLang checks), target_layer_ids, block_size}, `num_target_layers`, `layer_types`, sliding window, RoPE (`rope_parameters` and the legacy `rope_theta`) and `max_position_embeddings` of the target |
 | `model.safetensors` | exactly the drafter's tensors under the z-lab names (`fc.weight`, `hidden_norm.weight`, `norm.weight`, `layers.{i}.…`), in `dtype`; never the target's embedding or lm_head |
 | `dflash.py` | the modeling file `auto_map` names (a copy of `dflash_offline/zlab_dflash.py`: torch + transformers only) |
-| `dflash_export.json` | provenance: run, step, checkpoint, dtype, target, sha256 of the weights |
+| `dflash_export.json` | provenance: run, step, checkpoint, dtype, target, sha256 of the weights (and the projection a run on projected taps was folded with) |
 
-Every file is a pure function of (checkpoint, dtype, target config), so exporting the same step again gives the same
-bytes. An existing `out_dir` is replaced only if it is empty or an earlier export of the same run (its
+A run trained on a projected cache (`[extract] project_dims`, `projection.py`) has an fc' of k inputs a tap: its
+export folds it with the cache's P (the file checked against the manifest and against the SHA-256 the run recorded)
+into the full-width fc, fc_t = fc'_t P_tᵀ, so its tensors and config.json are those of any other export.
+
+Every file is a pure function of (checkpoint, dtype, target config[, projection]), so exporting the same step again
+gives the same bytes. An existing `out_dir` is replaced only if it is empty or an earlier export of the same run (its
 `dflash_export.json` names the same run directory); anything else is refused unless `force=True`.
 
 Engines: vLLM `--speculative-config '{"method": "dflash", "model": OUT, "num_speculative_tokens": block_size-1}'`;
@@ -262,6 +266,18 @@ def export(run_dir, out_dir, step: int | None = None, dtype: str = "bfloat16", t
     if missing or extra or bad:
         raise ExportError(f"{ckpt}/model.safetensors does not fit the run's drafter config: missing {missing[:5]}, "
                           f"unexpected {extra[:5]}, wrong shape {bad[:5]}")
+    projection = (meta.get("config") or {}).get("projection") or run_cfg.get("projection")
+    if dc.tap_width:  # trained on projected taps: fc' folded into the full-width fc (in fp64)
+        from dflash_offline.projection import ProjectionError, fold_state, run_projections
+
+        if not projection:
+            raise ExportError(f"{ckpt}: the drafter reads {dc.tap_width} values a tap (projected taps) but neither its "
+                              f"meta.json nor {run_dir}/config.json records the projection to fold it with")
+        try:
+            sd = fold_state(sd, run_projections(projection, dc.target_layer_ids))
+        except ProjectionError as e:
+            raise ExportError(str(e)) from None
+        dc = dataclasses.replace(dc, tap_width=0)
     tdtype = getattr(torch, dtype)
     tensors = {k: sd[k].to(tdtype).contiguous() for k in sorted(expected)}
 
@@ -280,7 +296,8 @@ def export(run_dir, out_dir, step: int | None = None, dtype: str = "bfloat16", t
         prov = {"format": FORMAT, "format_version": FORMAT_VERSION, "run": str(run_dir), "step": meta.get("step"),
                 "checkpoint": ckpt.name, "checkpoint_time": meta.get("time"), "dtype": dtype,
                 "target": tgt["path"], "drafter": dataclasses.asdict(dc),
-                "weights_sha256": sha256_file(tmp / "model.safetensors")}
+                "weights_sha256": sha256_file(tmp / "model.safetensors"),
+                **({"projection": projection} if projection else {})}
         (tmp / PROVENANCE).write_text(json.dumps(prov, indent=1, sort_keys=True) + "\n")
         for name in FILES:
             os.chmod(tmp / name, 0o644)  # safetensors writes 0600; exports are meant to be served and shared

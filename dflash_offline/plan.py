@@ -73,15 +73,21 @@ def make_plan(cfg: ExtractConfig, tokens: Path | dict) -> dict:
     if vocab > info.vocab_size:
         raise ValueError(f"tokenizer has {vocab} tokens but {ckpt} embeds only {info.vocab_size}: wrong tokenizer?")
     k, hidden = len(layer_ids), info.hidden_size
-    bytes_per_token = storage.bytes_per_token(cfg.quant, k, hidden)
+    if cfg.project_dims > hidden:
+        raise ConfigError(f"extract.project_dims={cfg.project_dims} is larger than {ckpt}'s hidden size {hidden}: "
+                          f"give at most {hidden} (0 stores full states)")
+    width = cfg.project_dims or hidden  # values stored per token and tapped layer
+    bytes_per_token = storage.bytes_per_token(cfg.quant, k, width)
     rows = sum(s["rows"] for s in tm["shards"])
     producer = {"stage": "extract", "tokens": {"key": tm["key"], "producer": tm["producer"]},
                 "target": {"arch": info.arch, "num_layers": info.num_layers, "hidden_size": hidden,
                            "vocab_size": info.vocab_size, **target_fingerprint(ckpt)},
                 "layer_ids": sorted(layer_ids), "quant": cfg.quant, "dtype": cfg.dtype,
                 "format_version": HIDDEN_LAYOUT_VERSION}  # everything that changes a stored byte: the cache key
+    if cfg.project_dims:  # (absent when off: the keys of full-state caches stay what they were)
+        producer["projection"] = {"dims": cfg.project_dims, "rows": cfg.project_rows}
     return {"ckpt": ckpt, "info": info, "layer_ids": layer_ids, "seq_len": seq_len, "mask_token_id": mask_id,
-            "num_shards": tm["num_shards"], "rows": rows, "bytes_per_token": bytes_per_token,
+            "width": width, "num_shards": tm["num_shards"], "rows": rows, "bytes_per_token": bytes_per_token,
             "total_bytes": rows * seq_len * bytes_per_token, "tokens_manifest": tm, "producer": producer,
             "key": hash_obj(producer)}
 

@@ -12,11 +12,30 @@ is a direction like any other.
 (descending) and eigenvectors; `retained(eigenvalues, k)` is the share of E‖h‖² the top-k directions hold (on the
 calibration rows), `residual(P, x)` the share lost on other rows (held out). `bench/projection.py` reports both per
 layer and k for a cache, with the bytes per token each k would take.
+
+The cache side (`[extract] project_dims=k`): extraction estimates P_t on its first `project_rows` rows (`top_k`:
+the top-k eigenvectors, each column's sign fixed so that its largest-magnitude component is positive, so the same
+moment gives the same bytes), writes them to CACHE/projection.safetensors (`write_projection`: `P.L{id}` float32
+[H, k], metadata k, rows, tokens and the energy each layer keeps) and records the file's SHA-256 in the manifest
+(`projection`); every reader (`read_projection`) checks the file against that record. Training reads z, export and
+the untrained drafter fold fc' with P (`fold`, `fold_state`), and the teacher-forced estimate of a full-width drafter
+on a projected cache lifts z back to P z (`lift`: fc(P z) = fc' Pᵀ P z = fc' z).
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
+
+PROJECTION_FILE = "projection.safetensors"
+PROJECTION_FORMAT = "dflash-projection"
+PROJECTION_ALIGN = 32  # project_dims must be a multiple of it: whole fp4 blocks and bytes, as for the hidden size
+
+
+class ProjectionError(ValueError):
+    """A cache's projection file is missing or is not the one its manifest records; the message says what to do."""
 
 
 class SecondMoment:
@@ -70,3 +89,84 @@ def fold(fc_prime: torch.Tensor, projections: list[torch.Tensor]) -> torch.Tenso
 def bytes_per_token(k: int, taps: int, value_bytes: float = 2.0, scale_bytes: int = 0) -> float:
     """Stored bytes per token for k dims per tap: values (2 B bf16, 1 B fp8) plus a per-tap scale (fp8: 4 B)."""
     return taps * (k * value_bytes + scale_bytes)
+
+
+def top_k(mom: SecondMoment, k: int) -> tuple[torch.Tensor, float]:
+    """(P [H, k] float32, the share of E‖x‖² it keeps): the top-k eigenvectors of the accumulated moment, each column's
+    sign fixed deterministically (its largest-magnitude component positive, the first of ties)."""
+    evals, evecs = mom.spectrum()
+    P = evecs[:, :k]
+    pivot = P.abs().argmax(dim=0)
+    sign = torch.sign(P[pivot, torch.arange(k, device=P.device)])
+    P = P * torch.where(sign == 0, 1.0, sign).to(P.dtype)
+    return P.to(torch.float32).cpu().contiguous(), retained(evals, k)
+
+
+def write_projection(cache: Path, projections: dict[int, torch.Tensor], meta: dict) -> dict:
+    """Write CACHE/projection.safetensors atomically: `P.L{id}` float32 [H, k] per tapped layer, `meta` (sorted JSON)
+    in its header; returns its record {"bytes", "sha256", "header_sha256"}."""
+    from .shards import META_KEY, write_safetensors
+
+    tensors = {f"P.L{lid}": P.to(torch.float32).contiguous() for lid, P in projections.items()}
+    head = {META_KEY: json.dumps(dict(meta, format=PROJECTION_FORMAT), sort_keys=True)}
+    return write_safetensors(Path(cache) / PROJECTION_FILE, tensors, head)
+
+
+def read_projection(cache, layer_ids, record: dict | None = None) -> list[torch.Tensor]:
+    """P [H, k] float32 of each layer of `layer_ids` (in that order) from a projected cache, after checking the file's
+    SHA-256 against the manifest's record (`record`: the manifest's `projection` block, read when not given)."""
+    from safetensors import safe_open
+
+    from .manifest import read_manifest, sha256_file
+
+    cache = Path(cache)
+    rec = record if record is not None else read_manifest(cache).get("projection")
+    path = cache / PROJECTION_FILE
+    fix = (f"restore it from a copy, or extract the cache again (delete {cache}; a new projection changes every "
+           f"stored value, so the shards cannot be kept)")
+    if not rec:
+        raise ProjectionError(f"{cache}/manifest.json records no projection file, yet the cache stores projected taps; "
+                              f"{fix}")
+    if not path.is_file():
+        raise ProjectionError(f"{path} is missing: the cache's projected taps cannot be unfolded without it; {fix}")
+    if (got := sha256_file(path)) != rec["sha256"]:
+        raise ProjectionError(f"{path} has SHA-256 {got[:12]}…, the manifest records {rec['sha256'][:12]}…: it is not "
+                              f"the projection the cache's shards were computed with; {fix}")
+    with safe_open(str(path), framework="pt") as f:
+        have = {name for name in f.keys()}
+        if missing := [lid for lid in layer_ids if f"P.L{lid}" not in have]:
+            raise ProjectionError(f"{path} holds no projection for layers {missing}; {fix}")
+        return [f.get_tensor(f"P.L{lid}") for lid in layer_ids]
+
+
+def run_projections(rec: dict, layer_ids) -> list[torch.Tensor]:
+    """P of each of `layer_ids` for a run trained on a projected cache: `rec` is what the run recorded (its cache,
+    the projection file's SHA-256); the cache's file must still be that one."""
+    from .manifest import MANIFEST, read_manifest
+
+    cache = Path(rec["cache"])
+    have = read_manifest(cache).get("projection") if (cache / MANIFEST).is_file() else None
+    if have is None:
+        raise ProjectionError(f"the run trained on projected taps of {cache}, which is gone or records no projection: "
+                              f"folding its fc needs that cache's {PROJECTION_FILE} (SHA-256 {rec['sha256'][:12]}…); "
+                              f"restore the cache at that path")
+    if have["sha256"] != rec["sha256"]:
+        raise ProjectionError(f"{cache}/{PROJECTION_FILE} is {have['sha256'][:12]}…, the run trained on "
+                              f"{rec['sha256'][:12]}…: the cache was extracted again since; restore the run's cache")
+    return read_projection(cache, layer_ids, have)
+
+
+def fold_state(state: dict[str, torch.Tensor], projections: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A drafter state dict trained on projected taps → the same drafter on full taps: `fc.weight` folded, the rest
+    as they are."""
+    return dict(state, **{"fc.weight": fold(state["fc.weight"], projections)})
+
+
+def lift(z_BSK: torch.Tensor, projections: list[torch.Tensor]) -> torch.Tensor:
+    """Projected taps [..., Σk_t] → [..., T·H]: P_t z_t per tap (in fp32), so a full-width fc sees fc'(z)."""
+    parts, start = [], 0
+    for P in projections:
+        k = P.shape[1]
+        parts.append(z_BSK[..., start:start + k].float() @ P.to(z_BSK.device, torch.float32).t())
+        start += k
+    return torch.cat(parts, dim=-1)

@@ -96,9 +96,13 @@ def load_exported(export_dir, device="cpu", dtype=torch.float32):
     return model, artifact
 
 
-def untrained_model(drafter_cfg, target_dir, seed: int, device="cpu", dtype=torch.float32):
+def untrained_model(drafter_cfg, target_dir, seed: int, device="cpu", dtype=torch.float32, projections=None):
     """(model, artifact): the shipped modeling code (dflash_offline/zlab_dflash.py, exported as dflash.py) holding a
-    fresh drafter's weights, initialised as the trainer's step 0 (`torch.manual_seed(seed)`, then build)."""
+    fresh drafter's weights, initialised as the trainer's step 0 (`torch.manual_seed(seed)`, then build). A drafter
+    of projected taps (`tap_width`) is folded with `projections` (P of each tap) into the full-width one, as export
+    folds a trained one."""
+    import dataclasses
+
     from transformers import Qwen3Config
 
     from dflash_offline import zlab_dflash
@@ -107,6 +111,13 @@ def untrained_model(drafter_cfg, target_dir, seed: int, device="cpu", dtype=torc
 
     torch.manual_seed(seed)
     weights = DFlashDrafter(drafter_cfg).state_dict()
+    if drafter_cfg.tap_width:
+        from dflash_offline.projection import fold_state
+
+        if projections is None:
+            raise ValueError(f"the drafter reads {drafter_cfg.tap_width} values a tap (projected taps): pass the "
+                             f"cache's projections to fold it")
+        weights, drafter_cfg = fold_state(weights, projections), dataclasses.replace(drafter_cfg, tap_width=0)
     config = Qwen3Config.from_dict(zlab_config(drafter_cfg, target_fields(str(target_dir)), "float32"))
     with torch.device("meta"):  # no second initialisation: the weights come next
         model = zlab_dflash.DFlashDraftModel(config)

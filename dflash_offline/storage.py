@@ -16,9 +16,9 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-# Stored bytes per token of `k` tapped layers of hidden size `h`, per encoding (dflash_offline/shards.py writes them;
-# tests/test_storage_plan.py and tests/test_fp4_cache.py check them against real shard files). A future encoding —
-# projected taps — is one more entry here.
+# Stored bytes per token of `k` tapped layers of `h` values each, per encoding (dflash_offline/shards.py writes them;
+# tests/test_storage_plan.py, tests/test_fp4_cache.py and tests/test_projected_cache.py check them against real shard
+# files). `h` is the hidden size, or project_dims for a projected cache (`projection.py`): any encoding stores either.
 ENCODINGS = {
     "bf16": ("bfloat16 values", lambda k, h: k * h * 2),
     "fp8": ("float8 e4m3 values + a float32 scale per token and layer", lambda k, h: k * (h + 4)),
@@ -103,10 +103,11 @@ def plan_epochs(train, rows: int, seq_len: int, gpus: int) -> float | None:
 
 def storage_plan(*, rows: int, seq_len: int, doc_tokens: int, k: int, hidden: int, quant: str, need: int,
                  shards: str, free: int, fits: bool, min_free_gb: float, allow_overfill: bool, gpus: int,
-                 epochs: float | None, rate: dict, gpu: bool) -> dict:
-    """The plan's numbers. `need`: bytes the shards still to do take in the chosen encoding (`shards`: '3/4', to do
-    of all); `free`: free bytes where the cache goes; `fits`: `plan.disk_refusal` found room; `gpu`: False on a CPU
-    run (device=cpu), where the H200 rates (not given ones) are left out."""
+                 epochs: float | None, rate: dict, gpu: bool, projected_from: int = 0) -> dict:
+    """The plan's numbers. `hidden`: values stored per token and tap (project_dims for a projected cache, whose
+    target's hidden size is `projected_from`); `need`: bytes the shards still to do take in the chosen encoding
+    (`shards`: '3/4', to do of all); `free`: free bytes where the cache goes; `fits`: `plan.disk_refusal` found room;
+    `gpu`: False on a CPU run (device=cpu), where the H200 rates (not given ones) are left out."""
     tokens = rows * seq_len
     enc = {name: {"what": what, "bytes_per_token": f(k, hidden), "total_bytes": tokens * f(k, hidden)}
            for name, (what, f) in ENCODINGS.items()}
@@ -122,7 +123,7 @@ def storage_plan(*, rows: int, seq_len: int, doc_tokens: int, k: int, hidden: in
         if epochs is not None:
             gpu_h["train"] = epochs * gpu_h["train_epoch"]
     return {"rows": rows, "seq_len": seq_len, "tokens": tokens, "doc_tokens": doc_tokens, "k": k, "hidden": hidden,
-            "quant": quant, "encodings": enc, "need_bytes": need, "shards": shards, "free_bytes": free, "fits": fits,
+            "projected_from": projected_from, "quant": quant, "encodings": enc, "need_bytes": need, "shards": shards, "free_bytes": free, "fits": fits,
             "min_free_gb": min_free_gb, "allow_overfill": allow_overfill, "gpus": gpus, "epochs": epochs,
             "rates": shown, "gpu": gpu, "gpu_hours": gpu_h}
 
@@ -158,8 +159,10 @@ def describe_rate(stage: str, r: dict) -> str:
 def render(p: dict, cache: Path, cpu_estimate_min: float | None = None) -> list[str]:
     """The plan as lines for the log: tokens, a table of encodings, free space and verdict, rates, GPU-hours."""
     n, pad = p["gpus"], 1 - p["doc_tokens"] / max(p["tokens"], 1)
+    width = f"{p['hidden']:,} projected dims (of hidden {p['projected_from']:,})" if p.get("projected_from") else \
+        f"hidden {p['hidden']:,}"
     lines = [f"storage plan: {p['rows']:,} rows × {p['seq_len']:,} = {p['tokens']:,} tokens "
-             f"({100 * pad:.1f} % padding); {p['k']} taps × hidden {p['hidden']:,}"]
+             f"({100 * pad:.1f} % padding); {p['k']} taps × {width}"]
     read = any(e["read_gb_s"] is not None for e in p["encodings"].values())
     lines.append(f"  {'encoding':<16}{'bytes/token':>12}{'cache size':>12}"
                  + (f"{f'training reads at {n} GPUs':>28}" if read else ""))
@@ -209,7 +212,8 @@ def plan_lines(cfg, p: dict, train) -> list[str]:
     rate = rates(layer_params=target_layer_params(p["ckpt"], max(ids) + 1), drafter=drafter, seq_len=seq_len,
                  extract_tok_s=cfg.plan_extract_tok_s, train_tok_s=cfg.plan_train_tok_s)
     sp = storage_plan(rows=rows, seq_len=seq_len, doc_tokens=sum(s["tokens"] for s in p["tokens_manifest"]["shards"]),
-                      k=len(ids), hidden=info.hidden_size, quant=cfg.quant, need=p["need"],
+                      k=len(ids), hidden=p["width"], quant=cfg.quant, need=p["need"],
+                      projected_from=info.hidden_size if cfg.project_dims else 0,
                       shards=f"{len(p['todo']):,}/{p['num_shards']:,}", free=p["free"],
                       fits=not p["refusal"], min_free_gb=cfg.min_free_gb, allow_overfill=cfg.allow_overfill,
                       gpus=cfg.plan_gpus, epochs=plan_epochs(train, rows, seq_len, cfg.plan_gpus), rate=rate,

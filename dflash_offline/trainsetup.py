@@ -214,7 +214,19 @@ def cache_defaults(cfg: TrainConfig) -> dict:
         "mask_token_id": cfg.mask_token_id if cfg.mask_token_id >= 0 else m["config"]["mask_token_id"],
         "hidden_size": tgt["hidden_size"], "num_target_layers": tgt["num_layers"], "vocab_size": tgt["vocab_size"],
         "seq_len": m["producer"]["tokens"]["producer"]["seq_len"],
+        # a projected cache: the fc reads k values a tap, and the run records the projection it trained on
+        "tap_width": int((m["producer"].get("projection") or {}).get("dims", 0)),
+        "projection": run_projection(m, cfg.cache) if m["producer"].get("projection") else None,
     }
+
+
+def run_projection(m: dict, cache) -> dict:
+    """What a run on a projected cache records of it (config.json, checkpoints): what export needs to fold fc'."""
+    rec = m.get("projection") or {}
+    from pathlib import Path
+
+    return {"cache": str(Path(cache).resolve()), "dims": m["producer"]["projection"]["dims"], "file": rec.get("file"),
+            "sha256": rec.get("sha256")}
 
 
 def drafter_config(cfg: TrainConfig, c: dict):
@@ -240,7 +252,7 @@ def drafter_config(cfg: TrainConfig, c: dict):
         mask_token_id=int(c["mask_token_id"]), num_layers=cfg.num_layers, num_heads=cfg.num_heads,
         num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=info.rms_norm_eps,
         rope_theta=info.rope_theta, block_size=cfg.block_size, sliding_window=cfg.sliding_window or None,
-        layer_types=types,
+        layer_types=types, tap_width=c.get("tap_width", 0),
     )
 
 

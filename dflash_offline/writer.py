@@ -34,10 +34,12 @@ class ShardCopy:
     """One shard on its way from the device to the host: each batch's tapped layers are encoded (`shards.encode_layer`)
     and copied into host buffers, [rows, ...] per tensor (pinned on CUDA), allocated on first use or reused from the
     writer's ring. On CUDA the encode and the copies run on a side stream that overlaps the next batch's forward, and
-    nothing synchronizes: the write waits for the shard's end event."""
+    nothing synchronizes: the write waits for the shard's end event. `projection` (a projected cache): layer id → P
+    [H, k] float32 on the device; each layer's states are stored as h @ P, computed in fp32, then encoded."""
 
-    def __init__(self, rows: int, quant: str, layer_ids: list[int], stream):
+    def __init__(self, rows: int, quant: str, layer_ids: list[int], stream, projection: dict | None = None):
         self.rows, self.quant, self.layer_ids, self.stream = rows, quant, layer_ids, stream
+        self.projection = projection
         self.tensors: dict[str, torch.Tensor] = {}
         self.events = None  # (start, end) CUDA events of the shard's device work
         self.t0 = 0.0
@@ -60,7 +62,8 @@ class ShardCopy:
             for lid, x in zip(self.layer_ids, taps, strict=True):
                 if cuda:
                     x.record_stream(self.stream)  # not reused by the next forward before this stream is done
-                for name, v in shards.encode_layer(x[:real], lid, self.quant).items():
+                x = x[:real] if self.projection is None else x[:real].float() @ self.projection[lid]
+                for name, v in shards.encode_layer(x, lid, self.quant).items():
                     if name not in self.tensors:
                         self.tensors[name] = torch.empty((self.rows, *v.shape[1:]), dtype=v.dtype, pin_memory=cuda)
                     self.tensors[name][r0:r0 + real].copy_(v, non_blocking=cuda)
@@ -77,8 +80,9 @@ class HiddenShardWriter:
     """Writes and commits the shards of one cache, `depth` at once, on background threads."""
 
     def __init__(self, cache: Path, key: str, quant: str, layer_ids: list[int], depth: int, redo: bool, rank: int,
-                 device: torch.device):
+                 device: torch.device, projection: dict | None = None):
         self.cache, self.key, self.quant, self.layer_ids = cache, key, quant, layer_ids
+        self.projection = projection  # layer id → P [H, k] on the device (a projected cache), else None
         self.depth, self.redo, self.rank = depth, redo, rank
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # device→host copies
         self.io = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="shard-writer")
@@ -91,7 +95,7 @@ class HiddenShardWriter:
     def start(self, rows: int) -> ShardCopy:
         """The next shard's copy, started; its host buffers are the ring's set unless that holds another row count
         (the last shard)."""
-        shard = ShardCopy(rows, self.quant, self.layer_ids, self.stream)
+        shard = ShardCopy(rows, self.quant, self.layer_ids, self.stream, self.projection)
         used = self.ring[self.submitted % len(self.ring)]
         if used is not None and used.rows == rows:
             shard.tensors = used.tensors

@@ -10,7 +10,8 @@ SHA-256 in its provenance), drafting with its `draft_block`. `--export=DIR` name
 that does not exist yet receives a fresh export of the run); without it the run's checkpoint (`--step`, default the
 latest) is exported into RUN/eval-export first. The JSON records the artifact (path, weights and modeling-file
 SHA-256, run, step). `--untrained=1` measures a fresh drafter (the run's config and seed, the trainer's step 0) in
-the same modeling code, the baseline a trained drafter must beat.
+the same modeling code, the baseline a trained drafter must beat (a run on projected taps: that drafter folded with
+its cache's projection, as export folds a trained one).
 
 For each prompt (a chat record `{"messages": [...]}`, optionally with a `category`, cut after its first —
 `--turn=last`: last — user turn and rendered with the target's chat template and `add_generation_prompt=True`) the
@@ -110,8 +111,17 @@ def load_drafter(cfg: EvalConfig, ri: dict, run_dir: Path, device, dtype, log):
         if cfg.export:
             log(f"--untrained=1: --export={cfg.export} is ignored (the drafter is built from the run's config)")
         dc = DrafterConfig(**{k: v for k, v in ri["config"]["drafter"].items() if k in known})
-        model, artifact = untrained_model(dc, ri["target"], int(ri["train"].get("seed", 0)), device, dtype)
-        return model, artifact, dc
+        projections = None
+        if dc.tap_width:  # trained on projected taps: the fresh drafter is folded with the run's projection
+            from dflash_offline.projection import run_projections
+
+            if not ri["config"].get("projection"):
+                raise ValueError(f"{run_dir}/config.json: the drafter reads {dc.tap_width} values a tap but the run "
+                                 f"records no projection to fold it with")
+            projections = run_projections(ri["config"]["projection"], dc.target_layer_ids)
+        model, artifact = untrained_model(dc, ri["target"], int(ri["train"].get("seed", 0)), device, dtype,
+                                          projections)
+        return model, artifact, dataclasses.replace(dc, tap_width=0)
     model, artifact = load_exported(export_for_eval(cfg.export, cfg.step, run_dir, log), device, dtype)
     prov = json.loads((Path(artifact["path"]) / "dflash_export.json").read_text())
     return model, artifact, DrafterConfig(**{k: v for k, v in prov["drafter"].items() if k in known})

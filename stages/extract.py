@@ -18,6 +18,13 @@ without `--recipe` reruns it from the inputs its manifest records (the repair co
 print). A run that ends with shards still claimed by another live process says so and exits non-zero, unless
 `--wait_claims=1` (ranks of one job always wait for each other); a dead process's shards are taken over. A failed
 write (full disk, I/O error) stops the run with one line; committed shards stay, and nothing is left behind.
+
+Projected taps (`--project_dims=k`, `dflash_offline/projection.py`): once the weights are loaded and before any
+shard, a calibration pass runs the same forward on the token cache's first `project_rows` rows, accumulates
+E[h hᵀ] of each tapped layer over their real tokens in fp64, and writes its top-k eigenvectors P to
+CACHE/projection.safetensors, recorded (SHA-256, retained energy) in the manifest's `projection` block under the
+cache's lock: the first process to record one makes it the cache's, and every later run, rank and machine reads that
+file (checked) instead of computing its own; other ranks of a job wait for rank 0's. Shards then store h @ P.
 """
 
 from __future__ import annotations
@@ -39,20 +46,24 @@ from dflash_offline.config import (
 )
 from dflash_offline.devices import cpu_threads, dist_env, pick_device
 from dflash_offline.manifest import (
+    MANIFEST,
     committed,
     hash_obj,
+    locked,
     missing_files,
     open_cache,
     read_manifest,
     requeue_missing,
     sweep,
     worker_info,
+    write_json_atomic,
 )
 from dflash_offline.plan import OVERFILL, disk_refusal, free_space, make_plan, recorded_config
 from dflash_offline.progress import Progress, log, private_compile_caches, run_cli, unbuffered
 from dflash_offline.storage import plan_lines, recipe_train
 
 ROW_FILL = (("input_ids", 0), ("position_ids", 0), ("doc_ids", -1))  # token columns, value of a padding row
+PROJECTION_WAIT_S = 1800.0  # how long ranks > 0 wait for rank 0 to record the cache's projection
 
 # --- config --------------------------------------------------------------------------------------------------
 
@@ -119,7 +130,9 @@ def plan_run(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int, world: int,
             raise ValueError(f"{refusal}; {OVERFILL}")
         log(f"[rank {rank}] warning: {refusal}; starting anyway (allow_overfill=1)")
     log(f"[rank {rank}/{world}] {plan['info'].arch} target {plan['ckpt']} taps {plan['layer_ids']} "
-        f"({plan['bytes_per_token']} B/token {cfg.quant}); {len(todo)}/{plan['num_shards']} shards to do, "
+        f"({plan['bytes_per_token']} B/token {cfg.quant}"
+        f"{f', projected to {cfg.project_dims} dims a tap' if cfg.project_dims else ''}); "
+        f"{len(todo)}/{plan['num_shards']} shards to do, "
         f"{need / 1e9:.2f} GB; device {device}")
     probe = tgt.probe(plan["info"], plan["layer_ids"], device, getattr(torch, cfg.dtype), plan["seq_len"],
                       cfg.batch_rows, cfg.mode)
@@ -166,13 +179,95 @@ def run(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int = 0, world: int =
     model = tgt.load_target(p["ckpt"], p["layer_ids"], device=p["device"], dtype=getattr(torch, cfg.dtype),
                             mode=cfg.mode)
     log(f"[rank {rank}] weights loaded in {time.time() - p['t0']:.1f}s")
-    extract_shards(cfg, p, model, cache, p["tokens_dir"], todo, rank, world, p["device"], p["redo"])
+    projection = projection_for(cfg, p, model, cache, rank, world) if cfg.project_dims else None
+    extract_shards(cfg, p, model, cache, p["tokens_dir"], todo, rank, world, p["device"], p["redo"], projection)
     return cache
 
 
-def extract_shards(cfg, plan, model, cache: Path, tokens_dir: Path, todo, rank, world, device, redo: bool) -> dict:
+# --- projected taps: the calibration pass ---------------------------------------------------------------------
+
+
+def projection_for(cfg, plan, model, cache: Path, rank: int, world: int) -> dict:
+    """Layer id → P [H, k] float32 on the device: the projection the manifest records (its file checked), else the
+    calibration's, recorded first (rank 0 of a job calibrates, the other ranks wait for its record)."""
+    from dflash_offline.projection import read_projection
+
+    rec = read_manifest(cache).get("projection")
+    if rec is None and rank == 0:
+        rec = calibrate(cfg, plan, model, cache)
+    t = time.time()
+    while rec is None:
+        if time.time() - t > PROJECTION_WAIT_S:
+            raise ValueError(f"[rank {rank}] waited {PROJECTION_WAIT_S:.0f}s for rank 0 to record {cache}/"
+                             f"projection.safetensors in the manifest: rank 0 failed or is stuck (see its log); "
+                             f"run the extraction again")
+        time.sleep(1)
+        rec = read_manifest(cache).get("projection")
+    Ps = read_projection(cache, plan["layer_ids"], rec)
+    log(f"[rank {rank}] projection {rec['sha256'][:12]}: {rec['dims']} of {plan['info'].hidden_size} dims a tap, "
+        f"retained energy " + ", ".join(f"L{lid} {rec['retained'][str(lid)]:.4f}" for lid in plan["layer_ids"]))
+    return {lid: P.to(plan["device"]) for lid, P in zip(plan["layer_ids"], Ps, strict=True)}
+
+
+def calibration_batches(cfg, plan):
+    """The token cache's first `project_rows` rows (shard order, row order), as (padded batch, real rows) of the
+    extraction's `batch_rows`."""
+    import numpy as np
+    import torch
+
+    from dflash_offline.shards import read_token_shard, token_shard_name
+
+    entries, want, taken = committed(plan["tokens_manifest"]), cfg.project_rows, []
+    for i in sorted(entries):
+        if sum(len(t["doc_ids"]) for t in taken) >= want:
+            break
+        sha = entries[i]["files"][token_shard_name(i)]["sha256"]
+        rows = read_token_shard(plan["tokens_dir"] / token_shard_name(i), sha, "the token cache is corrupt: rebuild it")
+        taken.append({k: rows[k] for k, _ in ROW_FILL})
+    rows = {k: np.concatenate([t[k] for t in taken])[:want] for k, _ in ROW_FILL}
+    n = len(rows["doc_ids"])
+    for r0 in range(0, n, cfg.batch_rows):
+        real = min(cfg.batch_rows, n - r0)
+        yield [torch.from_numpy(pad_rows(rows[k][r0:r0 + real], cfg.batch_rows, f)) for k, f in ROW_FILL], real
+
+
+def calibrate(cfg, plan, model, cache: Path) -> dict:
+    """Estimate E[h hᵀ] of each tapped layer over the real tokens of the calibration rows (fp64), write its top-k
+    eigenvectors to CACHE/projection.safetensors and record them in the manifest; returns the record (another
+    process's, when one recorded first)."""
+    import torch
+
+    from dflash_offline.projection import PROJECTION_FILE, SecondMoment, top_k, write_projection
+
+    t0, ids, H, k = time.time(), plan["layer_ids"], plan["info"].hidden_size, cfg.project_dims
+    moments, rows = {lid: SecondMoment(H, plan["device"]) for lid in ids}, 0
+    with torch.inference_mode():
+        for batch, real in calibration_batches(cfg, plan):
+            keep = (batch[2][:real] >= 0).to(plan["device"])  # doc_ids: the real tokens
+            for lid, x in zip(ids, model.tapped_layers(*batch), strict=True):
+                moments[lid].add(x[:real][keep])
+            rows += real
+    if not moments[ids[0]].n:
+        raise ValueError(f"extract.project_rows={cfg.project_rows}: the calibration rows hold no real token")
+    tops = {lid: top_k(moments[lid], k) for lid in ids}
+    meta = {"dims": k, "rows": rows, "tokens": moments[ids[0]].n, "layer_ids": sorted(ids),
+            "retained": {str(lid): tops[lid][1] for lid in ids}}
+    with locked(cache):
+        m = read_manifest(cache)
+        if m.get("projection"):  # another process recorded the cache's projection first: that one it is
+            return m["projection"]
+        rec = write_projection(cache, {lid: tops[lid][0] for lid in ids}, meta)
+        m["projection"] = dict(meta, file=PROJECTION_FILE, bytes=rec["bytes"], sha256=rec["sha256"])
+        write_json_atomic(cache / MANIFEST, m)
+    log(f"projection: {k} of {H} dims a tap from {rows} rows ({meta['tokens']:,} tokens) in {time.time() - t0:.1f}s")
+    return m["projection"]
+
+
+def extract_shards(cfg, plan, model, cache: Path, tokens_dir: Path, todo, rank, world, device, redo: bool,
+                   projection: dict | None = None) -> dict:
     """Compute the shards of `todo` this worker claims; each is written and committed in the background while the
-    next one computes. The run's stats (bench.extract reads them)."""
+    next one computes (`projection`: layer id → P on the device, for a projected cache). The run's stats
+    (bench.extract reads them)."""
     import torch
 
     from dflash_offline.shards import read_token_shard, token_shard_name
@@ -185,7 +280,8 @@ def extract_shards(cfg, plan, model, cache: Path, tokens_dir: Path, todo, rank, 
     progress = Progress(f"extract[{rank}]", sum(tok_entries[i]["rows"] for i in todo), "row",
                         cache / f"status-{who['host']}-{who['pid']}.json")
     progress.extra.update(who, lease_s=cfg.lease_s)
-    writer = HiddenShardWriter(cache, plan["key"], cfg.quant, plan["layer_ids"], cfg.write_queue, redo, rank, device)
+    writer = HiddenShardWriter(cache, plan["key"], cfg.quant, plan["layer_ids"], cfg.write_queue, redo, rank, device,
+                               projection)
     shards = claimed_shards(cache, todo, lambda i: read_token_shard(tokens_dir / token_shard_name(i), tok_sha[i], fix),
                             rank=rank, world=world, lease_s=cfg.lease_s, redo=redo, wait_claims=cfg.wait_claims)
     froze = gc.get_freeze_count() == 0  # (a caller's own frozen objects are left as they are)

@@ -89,7 +89,8 @@ def _run(cfg: TrainConfig, switches: BenchSwitches) -> Path:
     set_seed(cfg.seed)
     run_dir.mkdir(parents=True, exist_ok=True)  # every rank: its status file goes there (RUN= local to a machine too)
     if rank == 0:
-        resolved = {"train": as_dict(cfg), "drafter": as_dict(dc), "derived": s.derived(cfg, info.key)}
+        resolved = {"train": as_dict(cfg), "drafter": as_dict(dc), "derived": s.derived(cfg, info.key),
+                    **({"projection": c["projection"]} if c.get("projection") else {})}
         (run_dir / "config.json").write_text(json.dumps(resolved, indent=1, sort_keys=True))
         log(f"drafter {dc.num_layers}×(H {dc.hidden_size}, {dc.num_heads}/{dc.num_kv_heads} heads × "
             f"{dc.head_dim}, FFN {dc.intermediate_size}) on taps {dc.target_layer_ids}; {s.describe(cfg)}")
@@ -127,7 +128,7 @@ def _run(cfg: TrainConfig, switches: BenchSwitches) -> Path:
         acc.init_trackers("dflash", config={k: v for k, v in as_dict(cfg).items() if isinstance(v, int | float | str)})
 
     # --- loop
-    train_loop(cfg, s, acc, p, stream, step, dc, c["seq_len"], run_dir, t0)
+    train_loop(cfg, s, acc, p, stream, step, dc, c["seq_len"], run_dir, t0, c.get("projection"))
     return run_dir
 
 
@@ -192,7 +193,7 @@ def compile_model(raw, s: TrainSetup) -> None:
 
 
 def train_loop(cfg: TrainConfig, s: TrainSetup, acc, p: Parts, stream, step: int, dc, seq_len: int, run_dir: Path,
-               t0: float) -> None:
+               t0: float, projection: dict | None = None) -> None:
     from dflash_offline.checkpoint import find_checkpoint
     from dflash_offline.loss import loss_weight, step_normalizer
     from dflash_offline.metrics import Meter, flops_per_row, start_profiler, write_profile
@@ -225,7 +226,7 @@ def train_loop(cfg: TrainConfig, s: TrainSetup, acc, p: Parts, stream, step: int
             meter.end_window(step, p.sched.get_last_lr()[0], p.opt.optimizer.skipped if s.master else None,
                              read_now=checkpoint)
         if checkpoint:
-            save(cfg, s, acc, p, run_dir, step, stream)
+            save(cfg, s, acc, p, run_dir, step, stream, projection)
             meter.restart()  # the window starts after the checkpoint
     stream.close()
     progress.close("done")
@@ -297,7 +298,8 @@ def optimizer_step(cfg: TrainConfig, s: TrainSetup, acc, p: Parts):
     return grad_norm
 
 
-def save(cfg: TrainConfig, s: TrainSetup, acc, p: Parts, run_dir: Path, step: int, stream) -> None:
+def save(cfg: TrainConfig, s: TrainSetup, acc, p: Parts, run_dir: Path, step: int, stream,
+         projection: dict | None = None) -> None:
     from dflash_offline.checkpoint import gather_full_state, save_checkpoint
 
     if s.overlap:
@@ -306,7 +308,8 @@ def save(cfg: TrainConfig, s: TrainSetup, acc, p: Parts, run_dir: Path, step: in
     states = gather_full_state(p.raw, p.opt) if s.sharded else None  # a collective: every rank
     if acc.process_index == 0:
         save_checkpoint(run_dir, step, p.raw, p.opt, p.sched, data_state=stream.state_dict(),
-                        config={"train": as_dict(cfg), "drafter": as_dict(p.raw.cfg)}, keep_last=cfg.keep_last,
+                        config={"train": as_dict(cfg), "drafter": as_dict(p.raw.cfg),
+                                **({"projection": projection} if projection else {})}, keep_last=cfg.keep_last,
                         states=states)
     acc.wait_for_everyone()
 

@@ -5,7 +5,9 @@
 Checks that every shard 0..N-1 is committed, that each file's SHA-256 matches the manifest, that each hidden shard
 still belongs to the token shard it was computed from, and that `rows` sampled rows per shard equal a fresh
 forward of the target within `tol` (relative L2 error over real tokens, per layer; FP8 and FP4 caches are held to
-their round-trip bound, `QUANT_REL_TOL`, where it is larger). The verdict goes into the manifest (`verified`), which
+their round-trip bound, `QUANT_REL_TOL`, where it is larger). A projected cache (`[extract] project_dims`) is compared
+in its stored width: the fresh states are projected with the cache's P (its file checked against the manifest
+first), z = h @ P in fp32 as extraction computes it, so the same tolerances hold. The verdict goes into the manifest (`verified`), which
 training reads: a cache that failed is refused. Every bad shard is named with the command that redoes it. Exit status 1 if any is bad.
 
 Three phases, each timed in the verdict (`phase_seconds`) and in the last line printed:
@@ -104,8 +106,9 @@ def read_batch(cache: Path, tokens_dir: Path, layer_ids: list[int], picked: list
 
 
 def recompute(cache: Path, m: dict, tokens_dir: Path, model, picked: list[tuple[int, int]], tol: float,
-              batch_rows: int) -> tuple[list, float]:
-    """Compare the stored rows `picked` with the target's, `batch_rows` rows per forward: (bad rows, worst error)."""
+              batch_rows: int, projection: list | None = None) -> tuple[list, float]:
+    """Compare the stored rows `picked` with the target's, `batch_rows` rows per forward: (bad rows, worst error).
+    `projection`: P of each tapped layer on the model's device (a projected cache), applied to the fresh states."""
     import torch
 
     layer_ids, device = m["config"]["layer_ids"], model.device
@@ -120,7 +123,8 @@ def recompute(cache: Path, m: dict, tokens_dir: Path, model, picked: list[tuple[
             taps = model.tapped_layers(*(torch.from_numpy(rows[k]) for k, _ in ROW_FILL))  # rows stay on the host
             for j, (i, r) in enumerate(batch):
                 real = torch.from_numpy(rows["doc_ids"][j] >= 0).to(device)
-                fresh = torch.cat([t[j] for t in taps], dim=-1)
+                fresh = torch.cat([t[j] if projection is None else t[j].float() @ P
+                                   for t, P in zip(taps, projection or [None] * len(taps), strict=True)], dim=-1)
                 for lid, err in zip(layer_ids, layer_errors(stored[j][0].to(device)[real], fresh[real],
                                                             len(layer_ids)), strict=True):
                     worst = max(worst, err)
@@ -148,6 +152,11 @@ def verify(cache: Path, cfg: VerifyConfig) -> dict:
     tokens_dir = (cache / m["config"]["tokens_dir"]).resolve()
     # a missing target fails now, not after hours of hashing
     ckpt = resolve_checkpoint(cfg.target or m["config"]["extract"]["target"]) if cfg.rows > 0 else None
+    Ps = None  # a projected cache: its P per tapped layer (the file checked against the manifest), before any hashing
+    if m["producer"].get("projection"):
+        from dflash_offline.projection import read_projection
+
+        Ps = read_projection(cache, m["config"]["layer_ids"], m.get("projection"))
     t0 = time.time()
     bad = check_files(cache, m, tokens_dir)
     phases = {"hash": time.time() - t0, "load": 0.0, "recompute": 0.0}
@@ -163,7 +172,9 @@ def verify(cache: Path, cfg: VerifyConfig) -> dict:
         t = time.time()
         picked = sample_rows(m, cfg.rows, {b["shard"] for b in bad})
         tol = max(cfg.tol, QUANT_REL_TOL[m["producer"]["quant"]])
-        more, worst = recompute(cache, m, tokens_dir, model, picked, tol, m["config"]["extract"]["batch_rows"])
+        projection = [P.to(model.device) for P in Ps] if Ps is not None else None
+        more, worst = recompute(cache, m, tokens_dir, model, picked, tol, m["config"]["extract"]["batch_rows"],
+                                projection)
         phases["recompute"] = time.time() - t
         bad += more
     verdict = {"ok": not bad, "bad": bad, "at": time.time(), "rows_per_shard": cfg.rows,
