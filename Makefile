@@ -21,6 +21,7 @@ PROMPTS ?=
 UNTRAINED ?=
 EXPORT ?=
 TESTBED_DIR ?= build/testbed
+SWEEP ?= options
 TESTBED_FROM ?=
 ARGS_A ?=
 ARGS_B ?=
@@ -147,8 +148,8 @@ testbed:  ## GPU quality yardstick: 124M Qwen3.5-style target trained on Python 
 testbed-ab:  ## A/B on the testbed: drafters with ARGS_A vs ARGS_B (key=value settings), SEEDS= seeds each; τ mean and spread
 	$(PYTHON) -m stages.testbed --dir=$(TESTBED_DIR) --arms="$(ARGS_A);$(ARGS_B)" --seeds=$(SEEDS) $(ARGS)
 
-testbed-sweep:  ## the testbed A/B of the existing options (γ, anchors per row, noise, D-PACE, fp8/fp4 cache, fp8 linears, fp8 lm_head), SEEDS= seeds each
-	$(PYTHON) -m stages.testbed --dir=$(TESTBED_DIR) --sweep=options --seeds=$(SEEDS) $(ARGS)
+testbed-sweep:  ## testbed A/B presets, SWEEP=options (γ, anchors, noise, D-PACE, fp8 cache),encodings (fp8/fp4/projected caches),fp8 (float8 training); SEEDS= seeds each
+	$(PYTHON) -m stages.testbed --dir=$(TESTBED_DIR) --sweep=$(SWEEP) --seeds=$(SEEDS) $(ARGS)
 
 clean:  ## remove build outputs and caches made by the demo (never touches CACHE=)
 	rm -rf build/demo .pytest_cache

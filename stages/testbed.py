@@ -2,7 +2,7 @@
 
     python -m stages.testbed [--dir=build/testbed] [--from_phase=train]          (make testbed [TESTBED_FROM=train])
     python -m stages.testbed --arms="gamma=5;num_anchors=256" --seeds=2           (make testbed-ab ARGS_A= ARGS_B=)
-    python -m stages.testbed --sweep=options                                       (make testbed-sweep)
+    python -m stages.testbed --sweep=options[,encodings,fp8]                      (make testbed-sweep [SWEEP=])
 
 Phases, each skipped when already done (a rerun resumes; `--from_phase` redoes that phase and every later one):
 1. `target`: the Python sources of this interpreter and its packages (`dflash_offline.pysource`: deterministic
@@ -25,9 +25,10 @@ A/B (`--arms`, `;`-separated arms of space-separated `key=value` settings, "" = 
 above run first where not done yet, then each arm's drafter is trained with `--seeds` seeds on the testbed's cache (a setting of [extract], e.g. `quant=fp8`, gives the
 arm its own cache extracted from the same target and corpus), exported and evaluated on the same prompts;
 reported: τ per seed, mean, spread (max − min), final loss, each arm's difference to the first arm and its 95 %
-interval by a paired bootstrap over the prompts (every seed's tokens and steps pooled per prompt). `--sweep=options`
-runs the arms for the existing options (γ, anchors per row, noise, D-PACE, fp8 and fp4 caches, fp8 training: on a
-GPU only). Jobs run `--parallel` at a time, each compiling with its share of the CPUs (their timings then overlap;
+interval by a paired bootstrap over the prompts (every seed's tokens and steps pooled per prompt). `--sweep=` runs
+the arms of one or more presets (`SWEEPS`): `options`, the existing options (γ, anchors per row, noise, D-PACE, fp8
+cache); `encodings`, the cache encodings (fp8, fp4, projected taps alone and with fp8); `fp8`, float8 training
+(linears, lm_head, both; the float8 linears on a GPU only). Jobs run `--parallel` at a time, each compiling with its share of the CPUs (their timings then overlap;
 τ does not depend on it). Results in DIR/ab/<label>.json (with each job's seconds per phase) and DIR/testbed.json.
 """
 
@@ -62,8 +63,13 @@ from dflash_offline.testbed_runs import (
     write_state,
 )
 
-SWEEPS = {"options": ["", "gamma=5", "gamma=inf", "num_anchors=256", "num_anchors=1024", "noise_std=0.05",
-                      "weighting=dpace", "quant=fp8", "quant=fp4", "precision=fp8", "loss_logits=fp8"]}
+SWEEPS = {  # --sweep=NAME[,NAME…]: the union of their arms, the recipe first
+    "options": ["", "gamma=5", "gamma=inf", "num_anchors=256", "num_anchors=1024", "noise_std=0.05",
+                "weighting=dpace", "quant=fp8"],
+    "encodings": ["", "quant=fp8", "quant=fp4", "project_dims=384", "project_dims=384 quant=fp8",
+                  "project_dims=192 quant=fp8"],
+    "fp8": ["", "precision=fp8", "loss_logits=fp8", "precision=fp8 loss_logits=fp8"],
+}
 JOB_GB = 12  # GPU memory one drafter job of the testbed recipe may take (training, then evaluation)
 PRESETS = {  # sizes: full (make testbed), short (the GPU test, ≤ 2 min), micro (the CPU test: the pipeline's logic)
     "full": {},
@@ -106,7 +112,7 @@ class TestbedConfig:
     device: str = "auto"  # auto | cuda | cpu
     seed: int = 0  # target build and the first drafter seed
     arms: str = ""  # A/B: arms separated by ';', each space-separated key=value settings ('' = the recipe)
-    sweep: str = ""  # A/B preset: options (γ, anchors, noise, D-PACE, fp8/fp4 cache, fp8 training, fp8 lm_head)
+    sweep: str = ""  # A/B presets, comma-separated: options (γ, anchors, noise, D-PACE, fp8 cache) | encodings | fp8
     seeds: int = 2  # A/B: drafter seeds per arm
     parallel: int = 0  # A/B: drafter jobs at once; 0 = half the CPUs, at most one per 12 GB of GPU memory (1 on a CPU)
     label: str = ""  # A/B: result name (DIR/ab/<label>.json); empty = sweep name or 'ab'
@@ -117,7 +123,8 @@ class TestbedConfig:
             check_choice("testbed.from_phase", self.from_phase, PHASES)
         check_choice("testbed.dims", self.dims, ("testbed", "tiny"))
         if self.sweep:
-            check_choice("testbed.sweep", self.sweep, tuple(SWEEPS))
+            for name in self.sweep.split(","):
+                check_choice("testbed.sweep", name, tuple(SWEEPS))
         if self.seeds < 1 or self.eval_prompts < 1 or self.regen_docs < 1:
             raise ConfigError("testbed.seeds, eval_prompts and regen_docs must be >= 1")
         return self
@@ -444,12 +451,17 @@ def testbed(cfg: TestbedConfig, p: Paths, dev: str, device, more: list[Job] = ()
 # --- A/B -------------------------------------------------------------------------------------------------------
 
 
+def sweep_arms(names: str, cuda: bool) -> list[str]:
+    """The arms of the comma-separated presets `names`, each once, in order (the recipe first); without CUDA, not the
+    float8 linears (torchao's float8 training needs CUDA)."""
+    arms = list(dict.fromkeys(a for name in names.split(",") for a in SWEEPS[name]))
+    return arms if cuda else [a for a in arms if "precision=fp8" not in a]
+
+
 def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> tuple[dict, dict]:
     """Every arm × seed trained, exported and evaluated on the testbed's target and prompts, beside the testbed's own
     phases where they are not done yet (see the module doc). Returns (A/B record, testbed record)."""
-    arms = SWEEPS[cfg.sweep] if cfg.sweep else [a.strip() for a in cfg.arms.split(";")]
-    if cfg.sweep and device.type != "cuda":  # (float8 training needs CUDA)
-        arms = [a for a in arms if "precision=fp8" not in a]
+    arms = sweep_arms(cfg.sweep, device.type == "cuda") if cfg.sweep else [a.strip() for a in cfg.arms.split(";")]
     parsed = [parse_arm(a) for a in arms]  # every arm checked before anything runs
     key = lambda ext: " ".join(f"{k}={v}" for k, v in sorted(ext.items()))  # noqa: E731
     caches = {slug(key(ext)): ext for ext, _ in parsed if ext}
@@ -493,7 +505,7 @@ def main(argv: list[str]) -> int:
     log(f"testbed {p.root} on {device} (preset {cfg.preset}): {json.dumps(asdict(cfg))}")
     if cfg.arms or cfg.sweep:
         r, tb = ab(cfg, p, dev, device)
-        out = p.root / "ab" / f"{cfg.label or cfg.sweep or 'ab'}.json"
+        out = p.root / "ab" / f"{cfg.label or cfg.sweep.replace(',', '+') or 'ab'}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(out, r)
     else:

@@ -237,3 +237,17 @@ def test_a_failing_base_drafter_stops_the_jobs_not_yet_started(tmp_path, monkeyp
     with pytest.raises(RuntimeError, match="exit status 1"):
         stage.run_drafters(cfg, p, "cpu", jobs, 1, jobs[0].run)
     assert calls == ["base/seed0"]  # nothing else started (one at a time: the others were queued)
+
+
+def test_sweep_presets_combine_without_repeating_an_arm():
+    arms = stage.sweep_arms("options,encodings,fp8", cuda=True)
+    assert arms[0] == "" and len(arms) == len(set(arms))
+    assert {"gamma=5", "quant=fp4", "project_dims=384 quant=fp8", "precision=fp8 loss_logits=fp8"} <= set(arms)
+    assert arms.count("quant=fp8") == 1
+    assert not any("precision=fp8" in a for a in stage.sweep_arms("fp8", cuda=False))
+    for a in arms:
+        testbed_runs_parse = stage.parse_arm(a)  # every preset arm is a valid setting
+        assert isinstance(testbed_runs_parse, tuple)
+    assert stage.TestbedConfig(sweep="options,fp8").resolve().sweep == "options,fp8"
+    with pytest.raises(ConfigError, match="testbed.sweep"):
+        stage.TestbedConfig(sweep="options,bogus").resolve()
