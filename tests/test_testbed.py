@@ -174,10 +174,14 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
 
     # A/B: the recipe's arm reuses the base run; an fp8 arm gets its own cache from the same target and corpus; an
     # arm whose drafter or cache fails is reported (exit 1) and the others are not lost
-    r = _testbed(root, "--arms=;quant=fp8;weighting=bogus;quant=bogus", "--seeds=1", "--label=t", "--parallel=2")
+    r = _testbed(root, "--arms=;quant=fp8;weighting=bogus;quant=bogus;project_dims=32 quant=fp4", "--seeds=1",
+                 "--label=t", "--parallel=2")
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     ab = json.loads((root / "ab" / "t.json").read_text())
-    assert [a["arm"] for a in ab["arms"]] == ["(recipe)", "quant=fp8"]
+    assert [a["arm"] for a in ab["arms"]] == ["(recipe)", "quant=fp8", "project_dims=32 quant=fp4"]
+    # the projected fp4 cache's drafter, folded at export, decodes losslessly through the served modeling code
+    proj = json.loads((root / "runs" / "project_dims32-quantfp4" / "seed0" / "eval.json").read_text())
+    assert proj["lossless"] is True and proj["num_prompts"] == 3
     assert sorted(ab["failed"]) == ["runs/quantbogus/seed0", "runs/weightingbogus/seed0"]
     assert "could not be extracted" in ab["failed"]["runs/quantbogus/seed0"]
     assert "FAILED runs/weightingbogus/seed0" in r.stdout
