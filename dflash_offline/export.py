@@ -274,7 +274,7 @@ def export(run_dir, out_dir, step: int | None = None, dtype: str = "bfloat16", t
             raise ExportError(f"{ckpt}: the drafter reads {dc.tap_width} values a tap (projected taps) but neither its "
                               f"meta.json nor {run_dir}/config.json records the projection to fold it with")
         try:
-            sd = fold_state(sd, run_projections(projection, dc.target_layer_ids))
+            sd = fold_state(sd, run_projections(projection, dc.target_layer_ids, run_dir))
         except ProjectionError as e:
             raise ExportError(str(e)) from None
         dc = dataclasses.replace(dc, tap_width=0)

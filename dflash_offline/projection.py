@@ -139,21 +139,47 @@ def read_projection(cache, layer_ids, record: dict | None = None) -> list[torch.
         return [f.get_tensor(f"P.L{lid}") for lid in layer_ids]
 
 
-def run_projections(rec: dict, layer_ids) -> list[torch.Tensor]:
+def run_projections(rec: dict, layer_ids, run_dir=None) -> list[torch.Tensor]:
     """P of each of `layer_ids` for a run trained on a projected cache: `rec` is what the run recorded (its cache,
-    the projection file's SHA-256); the cache's file must still be that one."""
-    from .manifest import MANIFEST, read_manifest
+    the projection file's SHA-256). The run's own copy (RUN/projection.safetensors, made when training started) is
+    used when it is that file, so export and evaluation do not need the cache; else the cache's file must still be
+    that one."""
+    from .manifest import MANIFEST, read_manifest, sha256_file
 
+    if run_dir is not None and (copy := Path(run_dir) / PROJECTION_FILE).is_file() and sha256_file(copy) == rec["sha256"]:
+        return read_projection(Path(run_dir), layer_ids, {"sha256": rec["sha256"]})
     cache = Path(rec["cache"])
     have = read_manifest(cache).get("projection") if (cache / MANIFEST).is_file() else None
     if have is None:
         raise ProjectionError(f"the run trained on projected taps of {cache}, which is gone or records no projection: "
-                              f"folding its fc needs that cache's {PROJECTION_FILE} (SHA-256 {rec['sha256'][:12]}…); "
-                              f"restore the cache at that path")
+                              f"folding its fc needs that cache's {PROJECTION_FILE} (SHA-256 {rec['sha256'][:12]}…), "
+                              f"or the run's copy of it; restore either")
     if have["sha256"] != rec["sha256"]:
         raise ProjectionError(f"{cache}/{PROJECTION_FILE} is {have['sha256'][:12]}…, the run trained on "
                               f"{rec['sha256'][:12]}…: the cache was extracted again since; restore the run's cache")
     return read_projection(cache, layer_ids, have)
+
+
+def copy_to_run(rec: dict, run_dir) -> Path:
+    """RUN/projection.safetensors: the cache's projection file the run trains on (atomic copy, checked against `rec`;
+    kept when already there), so that the run can be exported and evaluated without its cache."""
+    import os
+    import shutil
+
+    from .manifest import sha256_file
+
+    dst = Path(run_dir) / PROJECTION_FILE
+    if dst.is_file() and sha256_file(dst) == rec["sha256"]:
+        return dst
+    src = Path(rec["cache"]) / PROJECTION_FILE
+    tmp = dst.with_name(f".{PROJECTION_FILE}.tmp")
+    shutil.copyfile(src, tmp)
+    if (got := sha256_file(tmp)) != rec["sha256"]:
+        tmp.unlink()
+        raise ProjectionError(f"{src} has SHA-256 {got[:12]}…, the cache's manifest records {rec['sha256'][:12]}…; "
+                              f"restore it or extract the cache again")
+    os.replace(tmp, dst)
+    return dst
 
 
 def fold_state(state: dict[str, torch.Tensor], projections: list[torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -118,7 +118,7 @@ def load_drafter(cfg: EvalConfig, ri: dict, run_dir: Path, device, dtype, log):
             if not ri["config"].get("projection"):
                 raise ValueError(f"{run_dir}/config.json: the drafter reads {dc.tap_width} values a tap but the run "
                                  f"records no projection to fold it with")
-            projections = run_projections(ri["config"]["projection"], dc.target_layer_ids)
+            projections = run_projections(ri["config"]["projection"], dc.target_layer_ids, run_dir)
         model, artifact = untrained_model(dc, ri["target"], int(ri["train"].get("seed", 0)), device, dtype,
                                           projections)
         return model, artifact, dataclasses.replace(dc, tap_width=0)

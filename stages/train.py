@@ -92,6 +92,10 @@ def _run(cfg: TrainConfig, switches: BenchSwitches) -> Path:
         resolved = {"train": as_dict(cfg), "drafter": as_dict(dc), "derived": s.derived(cfg, info.key),
                     **({"projection": c["projection"]} if c.get("projection") else {})}
         (run_dir / "config.json").write_text(json.dumps(resolved, indent=1, sort_keys=True))
+        if c.get("projection"):  # the run keeps the P it trains on: export and eval then need no cache
+            from dflash_offline.projection import copy_to_run
+
+            copy_to_run(c["projection"], run_dir)
         log(f"drafter {dc.num_layers}×(H {dc.hidden_size}, {dc.num_heads}/{dc.num_kv_heads} heads × "
             f"{dc.head_dim}, FFN {dc.intermediate_size}) on taps {dc.target_layer_ids}; {s.describe(cfg)}")
         log(s.describe_schedule(cfg, c["seq_len"]))

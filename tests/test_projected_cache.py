@@ -212,6 +212,29 @@ def test_the_export_of_a_projected_run_has_the_tensors_and_config_of_an_unprojec
     assert (outs["proj"] / "dflash.py").read_bytes() == (outs["full"] / "dflash.py").read_bytes()
 
 
+def test_a_projected_run_keeps_its_projection_and_exports_without_its_cache(runs, caches, qwen35_dir, tmp_path):
+    """Training copies the cache's P into RUN/projection.safetensors; with the cache gone (the run's records point at
+    a path that does not exist), export folds with that copy: the same bytes as with the cache."""
+    run = runs["proj"]
+    assert (run / PROJECTION_FILE).read_bytes() == (caches["proj"] / PROJECTION_FILE).read_bytes()
+    moved = tmp_path / "run"
+    shutil.copytree(run, moved)
+    gone = str(tmp_path / "no-such-cache")
+    cfg = json.loads((moved / "config.json").read_text())
+    cfg["projection"]["cache"] = cfg["train"]["cache"] = gone
+    (moved / "config.json").write_text(json.dumps(cfg))
+    for meta_file in (moved / "checkpoints").glob("step-*/meta.json"):
+        meta = json.loads(meta_file.read_text())
+        meta["config"]["projection"]["cache"] = gone
+        meta_file.write_text(json.dumps(meta))
+    a = export(run, tmp_path / "a")
+    b = export(moved, tmp_path / "b", target=str(qwen35_dir))
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    (moved / PROJECTION_FILE).unlink()  # … and without either, the error says what to restore
+    with pytest.raises(ExportError, match=r"no-such-cache, which is gone .* or the run's copy of it; restore either"):
+        export(moved, tmp_path / "c", target=str(qwen35_dir))
+
+
 # --- (e) the cache key, and a projection file that is not the manifest's ----------------------------------------
 
 
