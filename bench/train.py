@@ -5,6 +5,7 @@ S = 2048, 512 anchors, block 16 (random weights and random cached states).
     python -m bench.train --precision=fp8     (GPU: ours in bf16, then in fp8; fp8 / bf16 rates)
     python -m bench.train --tiny              (CPU smoke run; with --precision=fp8, float8 emulated)
     python -m bench.train --quant=fp4         (GPU: the cached states stored as fp4, decoded by the trainer's reader)
+    python -m bench.train --project_dims=2560 --quant=fp8   (GPU: projected taps, k a tap; no baseline)
 
 Ours: `stages.train.run` as a user runs it (compiled flex attention, chunked one-pass lm_head + CE, streaming
 loader) on a synthetic hidden cache and a synthetic target holding only embed + lm_head. Baseline, same process:
@@ -71,15 +72,15 @@ def chat_token_rows(first_id: int, n: int, seq_len: int, gen: torch.Generator, v
 
 
 def synthetic_cache(root: Path, text: dict, target: Path, rows: int, seq_len: int, kind: str = "bench",
-                    quant: str = "bf16"):
-    """A hidden cache of random states in encoding `quant` over `kind` rows: "bench" (`dataset.fake_token_rows`) or
-    "chat" (`chat_token_rows`)."""
+                    quant: str = "bf16", project_dims: int = 0):
+    """A hidden cache of random states in encoding `quant` (projected to `project_dims` a tap when set) over `kind`
+    rows: "bench" (`dataset.fake_token_rows`) or "chat" (`chat_token_rows`)."""
     layers = [1, 2, 3, 4, 5] if text is TEXT_TINY else LAYERS
     token_rows = None
     if kind == "chat":
         token_rows = functools.partial(chat_token_rows, vocab=text["vocab_size"] - 300)  # (below the mask token)
     cache = make_fake_cache(root / "hidden", 2, rows // 2, seq_len, text["hidden_size"], layers, quant=quant,
-                            token_rows=token_rows)
+                            token_rows=token_rows, project_dims=project_dims)
     m = json.loads((cache / "manifest.json").read_text())
     producer = dict(m["producer"], target=dict(m["producer"]["target"], num_layers=text["num_hidden_layers"],
                                                vocab_size=text["vocab_size"], **target_fingerprint(target)))
@@ -266,21 +267,26 @@ def main() -> None:
     p.add_argument("--profile_steps", type=int, default=0, help="print a kernel table of that many steps")
     p.add_argument("--quant", default="bf16", choices=["bf16", "fp8", "fp4"],
                    help="encoding of the synthetic hidden cache (extract.quant): the trainer's reader decodes it")
+    p.add_argument("--project_dims", type=int, default=0,
+                   help="projected taps: the synthetic cache stores k values a tap (extract.project_dims); 0 = full")
     p.add_argument("--read_check", default="on", choices=["on", "off"],
                    help="off: the stream skips its per-row checksums (the A/B reference for their cost)")
     p.add_argument("--workdir", type=Path, default=Path("build/bench-train"))
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    if args.project_dims:  # (the baselines read full-width taps)
+        args.skip_baseline = True
     shutil.rmtree(args.workdir, ignore_errors=True)
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     text, drafter = (TEXT_TINY, DRAFTER_TINY) if args.tiny else (TEXT_27B, DRAFTER_27B)
     if args.tiny:  # (fp8: 16 anchors, so that the token counts are multiples of 16, as float8 GEMMs need)
         args.seq_len, args.anchors = 128, 16 if args.precision == "fp8" else 8
     target = synthetic_target(args.workdir / "target", text, device)
-    cache = synthetic_cache(args.workdir, text, target, 8, args.seq_len, args.rows, args.quant)
+    cache = synthetic_cache(args.workdir, text, target, 8, args.seq_len, args.rows, args.quant, args.project_dims)
     res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
            "shape": {"hidden": text["hidden_size"], "seq_len": args.seq_len, "anchors": args.anchors, "block": 16,
-                     **drafter}, "rows": args.rows, "attn": args.attn, "quant": args.quant}
+                     **drafter}, "rows": args.rows, "attn": args.attn, "quant": args.quant,
+           "project_dims": args.project_dims}
     # the baseline first: it needs no compilation, so a run cut short by a time limit still has it (JSON after each)
     if not args.skip_baseline:
         res["baseline"] = run_baseline(args, cache, target, drafter, device)

@@ -421,25 +421,34 @@ class HiddenStream:
 
 
 def make_fake_cache(cache_dir, num_shards: int, rows, seq_len: int, hidden: int, layer_ids, quant: str = "bf16",
-                    seed: int = 0, token_rows=None) -> Path:
+                    seed: int = 0, token_rows=None, project_dims: int = 0) -> Path:
     """Write a complete hidden cache of random states at `cache_dir` (its token cache in `cache_dir/tokens`).
 
     `rows` is an int or one count per shard. By default (`fake_token_rows`) `input_ids[:, 0]` is the row's global
     id (shard-major) so tests can tell rows apart; each row holds two documents (positions restart) and a padding
-    tail. `token_rows(first_id, n, seq_len, generator)` replaces those rows (same columns).
+    tail. `token_rows(first_id, n, seq_len, generator)` replaces those rows (same columns). `project_dims=k`: a
+    projected cache (`projection.py`) of random orthonormal P [hidden, k] per layer, storing z = Pᵀh.
     """
     from .manifest import hash_obj, open_cache, update_manifest
+    from .projection import PROJECTION_FILE, write_projection
     from .shards import encode_layer, write_hidden_shard, write_token_shard
 
     cache, tokens = Path(cache_dir), Path(cache_dir) / "tokens"
     rows = [rows] * num_shards if isinstance(rows, int) else list(rows)
     tprod = {"seq_len": seq_len, "fake": True}
     hprod = {"stage": "extract", "tokens": {"key": hash_obj(tprod), "producer": tprod}, "quant": quant,
-             "target": {"hidden_size": hidden, "arch": "fake"}, "layer_ids": sorted(layer_ids), "format_version": 1}
+             "target": {"hidden_size": hidden, "arch": "fake"}, "layer_ids": sorted(layer_ids), "format_version": 1,
+             **({"projection": {"dims": project_dims, "rows": 0}} if project_dims else {})}
     open_cache(tokens, "tokens", hash_obj(tprod), tprod, {}, num_shards)
     open_cache(cache, "hidden", hash_obj(hprod), hprod, {"tokens_dir": "tokens", "layer_ids": list(layer_ids)},
                num_shards)
     gen = torch.Generator().manual_seed(seed)
+    Ps = {}
+    if project_dims:
+        Ps = {lid: torch.linalg.qr(torch.randn(hidden, project_dims, generator=gen))[0] for lid in sorted(layer_ids)}
+        meta = {"dims": project_dims, "rows": 0, "tokens": 0, "layer_ids": sorted(layer_ids), "fake": True}
+        rec = write_projection(cache, Ps, meta)
+        update_manifest(cache, projection=dict(meta, file=PROJECTION_FILE, bytes=rec["bytes"], sha256=rec["sha256"]))
     tentries, hentries = [], []
     for i, n in enumerate(rows):
         arrays = (token_rows or fake_token_rows)(sum(rows[:i]), n, seq_len, gen)
@@ -451,7 +460,8 @@ def make_fake_cache(cache_dir, num_shards: int, rows, seq_len: int, hidden: int,
         tfile = write_token_shard(tokens / token_shard_name(i), arrays, sources, {"shard": i, "key": hash_obj(tprod)})
         tensors = {}
         for lid in sorted(layer_ids):
-            tensors.update(encode_layer(torch.randn(n, seq_len, hidden, generator=gen) * (1 + lid), lid, quant))
+            h = torch.randn(n, seq_len, hidden, generator=gen) * (1 + lid)
+            tensors.update(encode_layer(h @ Ps[lid] if project_dims else h, lid, quant))
         hfile = write_hidden_shard(cache / hidden_shard_name(i), tensors, quant, list(layer_ids),
                                    {"shard": i, "key": hash_obj(hprod)})
         entry = {"index": i, "rows": n, "tokens": n * seq_len, "status": "committed"}

@@ -131,3 +131,12 @@ def test_trace_gaps_finds_device_idle_and_the_host_work_meanwhile(tmp_path):
     gaps, busy, span = device_gaps(ev, 20.0)
     assert gaps == [(150, 300, "copy", "b")] and busy == 150 + 50 + 10 and span == 515
     assert host_ops_during(ev, 150, 450) == ["aten::nonzero (280)"]
+
+
+def test_bench_train_tiny_on_a_projected_fp8_cache(tmp_path):
+    """`--project_dims=k --quant=fp8`: the trainer reads k values a tap from the synthetic cache (its fc reads k × taps)."""
+    res, _ = run_bench("bench.train", tmp_path, "--steps=4", "--log_every=2", "--project_dims=32", "--quant=fp8")
+    assert res["project_dims"] == 32 and res["quant"] == "fp8" and "baseline" not in res
+    assert res["ours"]["tok_per_s"] > 0 and res["ours"]["recompiles"] == 0
+    cfg = json.loads((tmp_path / "w" / "run" / "config.json").read_text())
+    assert cfg["drafter"]["tap_width"] == 32 and cfg["projection"]["dims"] == 32
