@@ -255,3 +255,28 @@ def test_sweep_presets_combine_without_repeating_an_arm():
     assert stage.TestbedConfig(sweep="options,fp8").resolve().sweep == "options,fp8"
     with pytest.raises(ConfigError, match="testbed.sweep"):
         stage.TestbedConfig(sweep="options,bogus").resolve()
+
+
+def test_every_preset_arm_resolves_against_the_testbed_recipe():
+    """Each sweep arm's settings, applied to manifests/testbed.toml as the stages apply them, make a valid [extract] /
+    [train] config (a typo or a bad value in a preset fails here, not after the testbed's phases on a GPU)."""
+    from dflash_offline.config import ExtractConfig, TrainConfig, config_from_argv
+    from dflash_offline.testbed import DIMS
+
+    recipe = str(REPO / "manifests" / "testbed.toml")
+
+    def configs(ext, train):
+        return (config_from_argv(ExtractConfig, "extract", [f"--recipe={recipe}", *(f"--{k}={v}" for k, v in
+                                                                                  ext.items())], ""),
+                config_from_argv(TrainConfig, "train", [f"--recipe={recipe}", "--cache=x", *(f"--{k}={v}" for k, v in
+                                                                                           train.items())], ""))
+
+    base = configs({}, {})
+    for arm in stage.sweep_arms(",".join(stage.SWEEPS), cuda=True):
+        ext, train = stage.parse_arm(arm)
+        e, t = configs(ext, train)
+        assert e.project_dims <= DIMS["hidden_size"], arm
+        for k in ext:  # each setting took effect: the arm is not the recipe under another name
+            assert getattr(e, k) != getattr(base[0], k), (arm, k)
+        for k in train:
+            assert getattr(t, k) != getattr(base[1], k), (arm, k)
