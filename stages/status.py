@@ -85,9 +85,16 @@ def hidden_summary(m: dict, done: dict) -> dict:
     tokens = sum(s.get("tokens", 0) for s in done.values())
     size = sum(f["bytes"] for s in done.values() for f in s.get("files", {}).values())
     compute = sum(s.get("compute_seconds", 0.0) for s in done.values())
-    return {"rows": sum(s.get("rows", 0) for s in done.values()), "tokens": tokens, "bytes": size,
-            "bytes_per_token": size / tokens if tokens else 0.0, "layer_ids": m["producer"].get("layer_ids"),
-            "quant": m["producer"].get("quant"), "compute_tokens_per_s": tokens / compute if compute else 0.0}
+    out = {"rows": sum(s.get("rows", 0) for s in done.values()), "tokens": tokens, "bytes": size,
+           "bytes_per_token": size / tokens if tokens else 0.0, "layer_ids": m["producer"].get("layer_ids"),
+           "quant": m["producer"].get("quant"), "compute_tokens_per_s": tokens / compute if compute else 0.0}
+    if p := m.get("projection"):  # projected taps (docs/cache.md): k a tap, and what the calibration kept
+        kept = list((p.get("retained") or {}).values())
+        out["projection"] = (f"{p['dims']} of {m['producer']['target'].get('hidden_size')} dims a tap from "
+                             f"{p.get('rows')} calibration rows" + (f", energy kept {min(kept):.3f}–{max(kept):.3f}"
+                                                                    if kept else "")
+                             + f"; {p.get('file')} {p['sha256'][:12]}")
+    return out
 
 
 def shard_seconds(s: dict) -> float:

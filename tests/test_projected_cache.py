@@ -235,6 +235,16 @@ def test_a_projected_run_keeps_its_projection_and_exports_without_its_cache(runs
         export(moved, tmp_path / "c", target=str(qwen35_dir))
 
 
+def test_status_shows_the_projection(caches):
+    from stages import status
+
+    line = status.report(caches["proj"])["summary"]["projection"]
+    rec = read_manifest(caches["proj"])["projection"]
+    assert line.startswith(f"{K} of 64 dims a tap from {ROWS} calibration rows, energy kept ")
+    assert line.endswith(f"{PROJECTION_FILE} {rec['sha256'][:12]}")
+    assert "projection" not in status.report(caches["full"])["summary"]
+
+
 # --- (e) the cache key, and a projection file that is not the manifest's ----------------------------------------
 
 
