@@ -55,10 +55,23 @@ LOGITS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfl
 E4M3_MAX, E5M2_MAX = torch.finfo(torch.float8_e4m3fn).max, torch.finfo(torch.float8_e5m2).max
 
 
+ROWS_AT_ONCE = 16384  # rows quantized at a time: the float32 temporaries stay ≤ this × H × 4 bytes
+
+
 def _rowwise_e4m3(x_nK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of x in float8 e4m3 with one float32 scale per row (x ≈ q · s): (q [n, K], s [n, 1])."""
-    s = x_nK.float().abs().amax(1, keepdim=True).clamp(min=1e-12) / E4M3_MAX
-    return (x_nK.float() / s).to(torch.float8_e4m3fn), s
+    q = torch.empty(x_nK.shape, dtype=torch.float8_e4m3fn, device=x_nK.device)
+    s = torch.empty((x_nK.shape[0], 1), dtype=torch.float32, device=x_nK.device)
+    for r0 in range(0, x_nK.shape[0], ROWS_AT_ONCE):
+        x = x_nK[r0:r0 + ROWS_AT_ONCE].float()
+        s[r0:r0 + ROWS_AT_ONCE] = x.abs().amax(1, keepdim=True).clamp(min=1e-12) / E4M3_MAX
+        q[r0:r0 + ROWS_AT_ONCE] = (x / s[r0:r0 + ROWS_AT_ONCE]).to(torch.float8_e4m3fn)
+    return q, s
+
+
+def _absmax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a float32 scalar, without a temporary the size of x."""
+    return torch.maximum(x.amax(), -x.amin()).float()
 
 
 class Fp8Head:
@@ -66,30 +79,40 @@ class Fp8Head:
     logits GEMM (W8_VH, s_V), and the whole matrix, transposed, with one scale for the input-gradient GEMM (W8_HV,
     s_w). Both GEMMs are `torch._scaled_mm` with bf16 output: logits = (h8 · s_h) (W8 · s_V)ᵀ with h scaled per row
     (e4m3), and dh = (d8 · s_d) (W8 · s_w) with dlogits scaled per chunk in e5m2 (its range keeps the softmax's
-    small probabilities, which e4m3 would flush to zero)."""
+    small probabilities, which e4m3 would flush to zero). Quantizing W takes ROWS_AT_ONCE rows at a time."""
 
-    _cache: tuple | None = None
+    _cache: tuple | None = None  # (weak reference to the weight, its version, its Fp8Head)
 
     def __init__(self, w_VH: torch.Tensor):
         self.w8_VH, s_V1 = _rowwise_e4m3(w_VH)
         self.s_1V = s_V1.t().contiguous()
-        self.s_w = w_VH.float().abs().amax().clamp(min=1e-12) / E4M3_MAX
-        self.w8_HV = (w_VH.float().t() / self.s_w).to(torch.float8_e4m3fn).contiguous()
+        self.s_w = _absmax(w_VH).clamp(min=1e-12) / E4M3_MAX
+        V, H = w_VH.shape
+        self.w8_HV = torch.empty((H, V), dtype=torch.float8_e4m3fn, device=w_VH.device)
+        for r0 in range(0, V, ROWS_AT_ONCE):
+            self.w8_HV[:, r0:r0 + ROWS_AT_ONCE] = (w_VH[r0:r0 + ROWS_AT_ONCE].float().t() / self.s_w).to(
+                torch.float8_e4m3fn)
 
     @classmethod
     def of(cls, w_VH: torch.Tensor) -> "Fp8Head":
-        key = (w_VH.data_ptr(), w_VH._version, tuple(w_VH.shape), w_VH.device)
-        if cls._cache is None or cls._cache[0] != key:
-            cls._cache = (key, cls(w_VH))
-        return cls._cache[1]
+        """The head of this weight tensor as it is now (another tensor, even at the same address, or the same one
+        changed in place, is quantized anew); the cache lets go when the weight is freed."""
+        import weakref
+
+        c = cls._cache
+        if c is None or c[0]() is not w_VH or c[1] != w_VH._version:
+            cls._cache = None  # (the old head's memory first)
+            cls._cache = (weakref.ref(w_VH, lambda _: setattr(cls, "_cache", None)), w_VH._version, cls(w_VH))
+        return cls._cache[2]
 
     def logits(self, h_nH: torch.Tensor) -> torch.Tensor:
         h8, s_n1 = _rowwise_e4m3(h_nH)
         return torch._scaled_mm(h8, self.w8_VH.t(), scale_a=s_n1, scale_b=self.s_1V, out_dtype=torch.bfloat16)
 
     def grad_input(self, d_nV: torch.Tensor) -> torch.Tensor:
-        s_d = d_nV.float().abs().amax().clamp(min=1e-30) / E5M2_MAX
-        d8 = (d_nV.float() / s_d).to(torch.float8_e5m2)
+        """dlogits @ W; `d_nV` is consumed (scaled in place, then cast: no float32 copy of a chunk's logits)."""
+        s_d = _absmax(d_nV).clamp(min=1e-30) / E5M2_MAX
+        d8 = d_nV.mul_(1 / s_d).to(torch.float8_e5m2)
         return torch._scaled_mm(d8, self.w8_HV.t(), scale_a=s_d, scale_b=self.s_w, out_dtype=torch.bfloat16)
 
 

@@ -52,7 +52,7 @@ def flops_per_row(dc, seq_len: int, num_anchors: int) -> float:
     per_layer = H * (qd + 2 * kvd) + qd * H + 3 * H * dc.intermediate_size
     layers = 6 * Q * per_layer * dc.num_layers
     ctx_kv = 6 * seq_len * H * 2 * kvd * dc.num_layers
-    fc = 4 * seq_len * k * H * H
+    fc = 4 * seq_len * k * (getattr(dc, "tap_width", 0) or H) * H  # (a projected cache: k × tap_width inputs)
     attn = 3 * 4 * Q * (seq_len / 2 + L) * qd * dc.num_layers  # ~half the row visible on average
     head = 4 * num_anchors * (L - 1) * H * dc.vocab_size
     return layers + ctx_kv + fc + attn + head

@@ -142,8 +142,8 @@ def read_projection(cache, layer_ids, record: dict | None = None) -> list[torch.
 def run_projections(rec: dict, layer_ids, run_dir=None) -> list[torch.Tensor]:
     """P of each of `layer_ids` for a run trained on a projected cache: `rec` is what the run recorded (its cache,
     the projection file's SHA-256). The run's own copy (RUN/projection.safetensors, made when training started) is
-    used when it is that file, so export and evaluation do not need the cache; else the cache's file must still be
-    that one."""
+    used when it is that file, so folding needs no cache (export, the untrained drafter; evaluation's teacher-forced
+    estimate still reads the cache); else the cache's file must still be that one."""
     from .manifest import MANIFEST, read_manifest, sha256_file
 
     if run_dir is not None and (copy := Path(run_dir) / PROJECTION_FILE).is_file() and sha256_file(copy) == rec["sha256"]:
@@ -162,7 +162,7 @@ def run_projections(rec: dict, layer_ids, run_dir=None) -> list[torch.Tensor]:
 
 def copy_to_run(rec: dict, run_dir) -> Path:
     """RUN/projection.safetensors: the cache's projection file the run trains on (atomic copy, checked against `rec`;
-    kept when already there), so that the run can be exported and evaluated without its cache."""
+    kept when already there), so that the run's fc can be folded without its cache."""
     import os
     import shutil
 

@@ -265,6 +265,10 @@ def check_inputs(cfg: TrainConfig, run_dir):
     c = cache_defaults(cfg)
     dc = drafter_config(cfg, c)
     check_servable_taps(dc)  # taps vLLM and SGLang could not serve as trained: refused now, not after training
+    if cfg.loss_logits == "fp8" and (dc.hidden_size % 16 or dc.vocab_size % 16):
+        raise ValueError(f"train.loss_logits=fp8 runs the lm_head GEMMs in float8, which need the hidden size and the "
+                         f"vocabulary to be multiples of 16: the target has {dc.hidden_size} and {dc.vocab_size}; use "
+                         f"loss_logits=bf16 or fp32")
     check_same_target(c["target"], c["target_id"], cfg.cache, c["cache_target"])
     info = open_hidden_cache(cfg.cache, c["layer_ids"], hidden_size=c["hidden_size"], seq_len=c["seq_len"],
                              require_verified=cfg.require_verified)

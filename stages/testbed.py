@@ -240,7 +240,12 @@ def evaluate(cfg: TestbedConfig, p: Paths, run: Path, dev: str, untrained: bool,
             f"--device={dev}", "--tf_batches=2", f"--max_new_tokens={cfg.eval_tokens}",
             f"--baseline={p.baseline(cfg.eval_tokens)}"]
     args += ["--untrained=1"] if untrained else [f"--export={run / 'export'}"]
-    return stage("stages.evaluate", *args, log_file=log_file, env=env, ok=(0, 1))
+    out = run / ("eval-untrained.json" if untrained else "eval.json")
+    out.unlink(missing_ok=True)  # exit status 1 is "not lossless" and also an uncaught error: the JSON tells them apart
+    secs = stage("stages.evaluate", *args, log_file=log_file, env=env, ok=(0, 1))
+    if not out.is_file():
+        raise RuntimeError(f"stages.evaluate ... failed without writing {out}" + (f" (log: {log_file})" if log_file else ""))
+    return secs
 
 
 @dataclass
@@ -437,12 +442,12 @@ def testbed(cfg: TestbedConfig, p: Paths, dev: str, device, more: list[Job] = ()
     if jobs:
         times = run_drafters(cfg, p, dev, jobs, parallel, None if "eval" in ph else run, stream=not more,
                              caches={p.hidden(name): settings for name, settings in (caches or {}).items()})
-        if "eval" not in ph:
+        if "eval" not in ph:  # (a rerun after an interruption finds the base drafter done: its seconds unknown)
             t, m = times[run], run_metrics(run)
-            ph["train"] = {"seconds": t["train"], "steps": m.get("step"), "loss": m.get("loss"),
+            ph["train"] = {"seconds": t.get("train", 0.0), "steps": m.get("step"), "loss": m.get("loss"),
                            "tok_per_s": m.get("tok_per_s"), "acc": m.get("acc")}
-            ph["export"] = {"seconds": t["export"]}
-            done("eval", {"seconds": t["eval_wall"],
+            ph["export"] = {"seconds": t.get("export", 0.0)}
+            done("eval", {"seconds": t.get("eval_wall", 0.0),
                           "untrained_seconds": t.get("untrained"), "trained": eval_summary(run / "eval.json"),
                           "untrained": eval_summary(run / "eval-untrained.json")})
     return result(cfg, p, st), times

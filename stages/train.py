@@ -88,6 +88,8 @@ def _run(cfg: TrainConfig, switches: BenchSwitches) -> Path:
     rank, device = acc.process_index, acc.device
     set_seed(cfg.seed)
     run_dir.mkdir(parents=True, exist_ok=True)  # every rank: its status file goes there (RUN= local to a machine too)
+    if cfg.resume and list_checkpoints(run_dir):
+        check_same_projection(run_dir, c.get("projection"))
     if rank == 0:
         resolved = {"train": as_dict(cfg), "drafter": as_dict(dc), "derived": s.derived(cfg, info.key),
                     **({"projection": c["projection"]} if c.get("projection") else {})}
@@ -282,6 +284,20 @@ def micro_batch(cfg: TrainConfig, s: TrainSetup, acc, p: Parts, batch: dict, nor
                             logits=cfg.loss_logits)
         acc.backward(out.loss)
     return out
+
+
+def check_same_projection(run_dir: Path, now: dict | None) -> None:
+    """A resumed run must read the projected taps it started on: its cache's P is recorded when it starts, and a cache
+    extracted again in place keeps its key (dims, rows) but not its P."""
+    before = json.loads((run_dir / "config.json").read_text()).get("projection") if (
+        run_dir / "config.json").is_file() else None
+    if (before or {}).get("sha256") != (now or {}).get("sha256"):
+        def what(p):
+            return f"projection {p['sha256'][:12]}…" if p else "full states"
+
+        raise ValueError(f"{run_dir} trained on {what(before)} and its cache now holds {what(now)} (extracted again "
+                         f"since?): resuming would continue fc' on another basis; restore the cache the run started "
+                         f"on (RUN/projection.safetensors holds its P), or start a new RUN=")
 
 
 def micro_seed(seed: int, index: int) -> int:

@@ -190,7 +190,7 @@ def test_fp8_head_gemms_are_the_dequantized_products():
     want = (h8.float() * s_h) @ (head.w8_VH.float() * head.s_1V.t()).t()
     torch.testing.assert_close(head.logits(h).float(), want, rtol=1e-2, atol=1e-2)
     d = torch.softmax(h @ w.t(), -1) - torch.nn.functional.one_hot(torch.arange(h.shape[0]) % w.shape[0], w.shape[0])
-    got = head.grad_input(d).float()
+    got = head.grad_input(d.clone()).float()  # (it consumes its argument)
     s_d = d.abs().amax() / torch.finfo(torch.float8_e5m2).max
     want = ((d / s_d).to(torch.float8_e5m2).float() * s_d) @ (head.w8_HV.float() * head.s_w).t()
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)
@@ -224,4 +224,22 @@ def test_fp8_head_is_quantized_once_per_weight():
     a = Fp8Head.of(w)
     assert Fp8Head.of(w) is a
     w.mul_(2)  # an in-place change (a new version) is seen
-    assert Fp8Head.of(w) is not a
+    b = Fp8Head.of(w)
+    assert b is not a and torch.equal(b.w8_VH, Fp8Head(w).w8_VH)
+    # the cache lets go when the weight is freed (a new tensor at its address is another weight)
+    del w
+    assert Fp8Head._cache is None
+    w2 = torch.randn(512, 64) * 3
+    c = Fp8Head.of(w2)
+    assert c is not b and torch.equal(c.w8_VH, Fp8Head(w2).w8_VH)
+
+
+def test_fp8_head_quantized_in_row_blocks_equals_at_once(monkeypatch):
+    from dflash_offline import loss
+
+    _, w, _ = _fp8_case()
+    whole = loss.Fp8Head(w)
+    monkeypatch.setattr(loss, "ROWS_AT_ONCE", 100)  # 512 rows: 6 blocks, the last one short
+    parts = loss.Fp8Head(w)
+    for name in ("w8_VH", "s_1V", "s_w", "w8_HV"):
+        assert torch.equal(getattr(parts, name).float(), getattr(whole, name).float()), name

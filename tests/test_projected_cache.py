@@ -235,6 +235,22 @@ def test_a_projected_run_keeps_its_projection_and_exports_without_its_cache(runs
         export(moved, tmp_path / "c", target=str(qwen35_dir))
 
 
+def test_resuming_after_the_cache_got_another_projection_is_refused(runs, caches, tmp_path):
+    """The cache re-extracted in place keeps its key (dims, rows) but not its P: a resume would continue fc' on
+    another basis, so it is refused, and the run's copy of the P it started on is left as it was."""
+    run = tmp_path / "run"
+    shutil.copytree(runs["proj"], run)
+    cfg = json.loads((run / "config.json").read_text())
+    cfg["projection"]["sha256"] = "0" * 64  # as if it had started on another P
+    (run / "config.json").write_text(json.dumps(cfg))
+    copy = (run / PROJECTION_FILE).read_bytes()
+    with pytest.raises(ValueError, match=r"trained on projection 000000000000… and its cache now holds projection "
+                                         r"[0-9a-f]{12}… .*restore the cache the run started on"):
+        train.run(TrainConfig(cache=str(caches["proj"]), run=str(run), resume=True, **{**TINY, "steps": 4}).resolve())
+    assert (run / PROJECTION_FILE).read_bytes() == copy
+    assert json.loads((run / "config.json").read_text())["projection"]["sha256"] == "0" * 64
+
+
 def test_status_shows_the_projection(caches):
     from stages import status
 

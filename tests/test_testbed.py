@@ -165,6 +165,14 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
                                                 root / "cache" / "hidden" / "manifest.json"]}
     r = _testbed(root)
     assert r.returncode == 0 and "stages.train" not in r.stdout
+    # interrupted after the drafters finished but before the phases were recorded: a rerun records them, trains nothing
+    st = json.loads((root / "state.json").read_text())
+    for name in ("train", "export", "eval"):
+        st["phases"].pop(name)
+    (root / "state.json").write_text(json.dumps(st))
+    r = _testbed(root)
+    assert r.returncode == 0 and "stages.train" not in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    assert json.loads((root / "state.json").read_text())["phases"]["eval"]["trained"]["tau_mean"] >= 1
     r = _testbed(root, "--from_phase=train")
     assert r.returncode == 0 and "stages.train" in r.stdout and "stages.extract" not in r.stdout
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
@@ -280,3 +288,16 @@ def test_every_preset_arm_resolves_against_the_testbed_recipe():
             assert getattr(e, k) != getattr(base[0], k), (arm, k)
         for k in train:
             assert getattr(t, k) != getattr(base[1], k), (arm, k)
+
+
+def test_an_evaluation_that_exits_1_without_its_json_is_a_failure_not_a_result(tmp_path, monkeypatch):
+    """stages.evaluate exits 1 both when the output is not lossless (its JSON says so) and on an uncaught error:
+    a JSON left from an earlier evaluation must not pass for this one's."""
+    cfg, p = stage.TestbedConfig(dir=str(tmp_path)), stage.Paths(str(tmp_path))
+    run = p.run("", 0)
+    run.mkdir(parents=True)
+    (run / "eval.json").write_text("{}")  # an earlier evaluation's
+    monkeypatch.setattr(stage, "stage", lambda *a, **k: 1.0)  # exits 1 (accepted) and writes nothing
+    with pytest.raises(RuntimeError, match=r"failed without writing .*eval.json \(log: .*eval.log\)"):
+        stage.evaluate(cfg, p, run, "cpu", False, run / "logs" / "eval.log", {})
+    assert not (run / "eval.json").exists()

@@ -304,6 +304,18 @@ def test_fp8_logits_reach_the_loss(tmp_path, hidden_cache):
     assert a != b and b == pytest.approx(a, rel=2e-2)
 
 
+def test_fp8_logits_refuse_a_vocabulary_off_multiples_of_16_at_start(tmp_path, hidden_cache, monkeypatch):
+    import dataclasses
+
+    from dflash_offline import trainsetup
+
+    real = trainsetup.drafter_config
+    monkeypatch.setattr(trainsetup, "drafter_config", lambda *a: dataclasses.replace(real(*a), vocab_size=2050))
+    with pytest.raises(ValueError, match=r"loss_logits=fp8 .* multiples of 16: the target has 64 and 2050"):
+        train.run(cfg(hidden_cache, tmp_path / "x", steps=2, loss_logits="fp8"))
+    assert not (tmp_path / "x" / "checkpoints").exists()
+
+
 def test_bench_optimizer_overlap_refuses_where_unavailable(tmp_path, hidden_cache):
     with pytest.raises(ValueError, match="optimizer_overlap is not available here: it needs master weights"):
         train.run(cfg(hidden_cache, tmp_path / "x", precision="fp32"), BenchSwitches(optimizer_overlap=True))
