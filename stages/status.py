@@ -109,6 +109,8 @@ def fmt_verdict(v: dict | None) -> str:
     if v.get("ok"):
         err = f", max rel err {v['max_rel_err']:.2e}" if v.get("max_rel_err") is not None else ""
         return f"ok at {when} ({v.get('rows_per_shard')} rows/shard recomputed{err})"
+    if v.get("projection"):
+        return f"FAILED at {when}: {v['projection']}"
     return f"FAILED at {when}: shards {shard_list({b['shard'] for b in v.get('bad', []) if 'shard' in b})}"
 
 

@@ -154,9 +154,15 @@ def verify(cache: Path, cfg: VerifyConfig) -> dict:
     ckpt = resolve_checkpoint(cfg.target or m["config"]["extract"]["target"]) if cfg.rows > 0 else None
     Ps = None  # a projected cache: its P per tapped layer (the file checked against the manifest), before any hashing
     if m["producer"].get("projection"):
-        from dflash_offline.projection import read_projection
+        from dflash_offline.projection import ProjectionError, read_projection
 
-        Ps = read_projection(cache, m["config"]["layer_ids"], m.get("projection"))
+        try:
+            Ps = read_projection(cache, m["config"]["layer_ids"], m.get("projection"))
+        except ProjectionError as e:  # every shard depends on it: the verdict is recorded, no shard is worth redoing
+            verdict = {"ok": False, "bad": [], "projection": str(e), "at": time.time(), "rows_per_shard": cfg.rows,
+                       "max_rel_err": None, "seconds": 0.0, "phase_seconds": {}}
+            update_manifest(cache, verified=verdict)
+            return verdict
     t0 = time.time()
     bad = check_files(cache, m, tokens_dir)
     phases = {"hash": time.time() - t0, "load": 0.0, "recompute": 0.0}
@@ -188,6 +194,9 @@ def main(argv: list[str]) -> None:
     unbuffered()
     cfg = config_from_argv(VerifyConfig, "verify", argv, __doc__)
     v = verify(Path(cfg.cache), cfg)
+    if v.get("projection"):
+        print(f"BAD projection: {v['projection']}")
+        sys.exit(1)
     for b in v["bad"]:
         print(f"BAD shard {b['shard']}: {b['reason']}")
     took = f"{v['seconds']:.1f}s: " + ", ".join(f"{k} {s:.1f}s" for k, s in v["phase_seconds"].items())

@@ -327,6 +327,25 @@ def test_verify_passes_on_a_projected_cache_and_catches_a_changed_row(caches, co
     assert v["bad"][0]["shard"] == shard and v["bad"][0]["reason"].startswith(f"row {row} layer {ids[2]}: rel err")
 
 
+def test_verify_records_a_damaged_projection_file_as_a_failed_verdict(caches, copy_cache, tmp_path):
+    """Hashes only (rows=0) too: a projection file that is not the manifest's fails the whole cache — recorded, shown
+    by make status, and refused by training like any failed verdict."""
+    from stages import status
+
+    cache = copy_cache(caches["proj"], tmp_path / "cache")
+    path = cache / PROJECTION_FILE
+    path.write_bytes(path.read_bytes()[:-4] + b"\0\0\0\1")
+    v = verify.verify(cache, VerifyConfig(cache=str(cache), rows=0, device="cpu").resolve())
+    assert not v["ok"] and "has SHA-256" in v["projection"]
+    assert read_manifest(cache)["verified"]["ok"] is False
+    assert status.fmt_verdict(read_manifest(cache)["verified"]).endswith("extract the cache again (delete "
+                                                                         f"{cache}; a new projection changes every "
+                                                                         "stored value, so the shards cannot be kept)")
+    with pytest.raises(ValueError):
+        train.run(TrainConfig(cache=str(cache), run=str(tmp_path / "run"), **TINY).resolve())
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 # --- (g) the storage plan ------------------------------------------------------------------------------------------
 
 
