@@ -126,14 +126,20 @@ def test_corrupted_values_with_a_valid_checksum_are_caught_by_recompute(tmp_path
     assert not v["ok"] and {b["shard"] for b in v["bad"]} == {0}
 
 
-def test_fp8_round_trip_error_bound(tmp_path, qwen35_dir, chat_corpus):
-    bf16 = extract_run(tmp_path / "a", qwen35_dir, chat_corpus)
-    fp8 = extract_run(tmp_path / "b", qwen35_dir, chat_corpus, quant="fp8")
-    assert read_manifest(fp8)["key"] != read_manifest(bf16)["key"]
+def encoded_extraction(tmp_path, target, corpus, quant: str):
+    """The same corpus extracted in bf16 and in `quant`: (bf16 cache, `quant` cache, shard 0's states of each in
+    float32, the real (non-padding) positions), after checking that the two caches have different keys."""
+    bf16 = extract_run(tmp_path / "a", target, corpus)
+    enc = extract_run(tmp_path / "b", target, corpus, quant=quant)
+    assert read_manifest(enc)["key"] != read_manifest(bf16)["key"]
     ids = read_manifest(bf16)["config"]["layer_ids"]
     a = read_hidden(shard_files(bf16)[0], ids, dtype=torch.float32)
-    b = read_hidden(shard_files(fp8)[0], ids, dtype=torch.float32)
-    real = a.abs().sum(-1) > 0
+    b = read_hidden(shard_files(enc)[0], ids, dtype=torch.float32)
+    return bf16, enc, a, b, a.abs().sum(-1) > 0
+
+
+def test_fp8_round_trip_error_bound(tmp_path, qwen35_dir, chat_corpus):
+    bf16, fp8, a, b, real = encoded_extraction(tmp_path, qwen35_dir, chat_corpus, "fp8")
     err = ((a[real] - b[real]).norm() / a[real].norm()).item()
     per_elem = ((a[real] - b[real]).abs() / a[real].abs().amax(-1, keepdim=True)).max().item()
     print(f"\nFP8 e4m3 round trip: relative L2 error {err:.4f}, max error / token amax {per_elem:.4f}")

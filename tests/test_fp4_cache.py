@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from test_dataset import data_offset, flip_byte
-from test_extract import extract_run, shard_files
+from test_extract import encoded_extraction, shard_files
 
 from dflash_offline import dataset as ds
 from dflash_offline import storage
@@ -192,13 +192,7 @@ def rewrite(cache, shard: int, change) -> None:
 
 
 def test_verify_passes_an_fp4_extraction_and_catches_altered_values(tmp_path, qwen35_dir, chat_corpus):
-    bf16 = extract_run(tmp_path / "a", qwen35_dir, chat_corpus)
-    fp4 = extract_run(tmp_path / "b", qwen35_dir, chat_corpus, quant="fp4")
-    assert read_manifest(fp4)["key"] != read_manifest(bf16)["key"]
-    ids = read_manifest(fp4)["config"]["layer_ids"]
-    a = read_hidden(shard_files(bf16)[0], ids, dtype=torch.float32)
-    b = read_hidden(shard_files(fp4)[0], ids, dtype=torch.float32)
-    real = a.abs().sum(-1) > 0
+    _, fp4, a, b, real = encoded_extraction(tmp_path, qwen35_dir, chat_corpus, "fp4")
     err = rel(b[real], a[real])
     print(f"\nFP4 round trip of the tiny target's states: relative L2 error {err:.4f}")
     assert 0.05 < err < FP4_REL_TOL and (b[~real] == 0).all()  # padding stays exactly 0
