@@ -167,13 +167,16 @@ def stage(module: str, *args: str, log_file: Path | None = None, ok=(0,), env: d
 
 
 def free_device_memory() -> None:
+    """Give back what this process's in-process phases cached on the GPU (the drafters' processes need it), and say
+    what stays held here."""
     import gc
 
     import torch
 
     gc.collect()
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+        log(f"GPU memory this process still holds: {torch.cuda.memory_reserved() / 2**30:.2f} GB reserved")
 
 
 # --- the phases ------------------------------------------------------------------------------------------------
