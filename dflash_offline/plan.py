@@ -109,7 +109,7 @@ def disk_refusal(cache: Path, need_bytes: int, free_bytes: int, min_free_gb: flo
         return ""
     return (f"{cache}: the remaining shards need {storage.size(need_bytes)} but the filesystem has "
             f"{storage.size(free_bytes)} free (keeping min_free_gb={min_free_gb:g}): free space, use CACHE= elsewhere, "
-            f"quant=fp8, or fewer layers")
+            f"a smaller encoding (quant=fp8 or fp4, project_dims=k: the plan sizes each), or fewer layers")
 
 
 def check_disk(cache: Path, need_bytes: int, min_free_gb: float) -> None:

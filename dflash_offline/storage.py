@@ -41,6 +41,11 @@ TRAIN_DRAFTER = SimpleNamespace(hidden_size=5120, intermediate_size=17408, vocab
                                 target_layer_ids=[1, 16, 31, 46, 61])  # the drafter that rate was measured at
 
 
+def projected_widths(hidden: int) -> list[int]:
+    """The projected widths a full-width plan also sizes: half and a quarter of `hidden`, where a multiple of 32."""
+    return [w for w in (hidden // 2, hidden // 4) if w and w % 32 == 0]
+
+
 def bytes_per_token(quant: str, k: int, hidden: int) -> int:
     """Stored bytes per token in encoding `quant`; refuses fp4 for a hidden size it cannot store."""
     if quant == "fp4":
@@ -111,6 +116,11 @@ def storage_plan(*, rows: int, seq_len: int, doc_tokens: int, k: int, hidden: in
     tokens = rows * seq_len
     enc = {name: {"what": what, "bytes_per_token": f(k, hidden), "total_bytes": tokens * f(k, hidden)}
            for name, (what, f) in ENCODINGS.items()}
+    if not projected_from:  # the same encodings of taps projected to half and a quarter of the width (project_dims)
+        for kk in projected_widths(hidden):
+            enc.update({f"{name} k={kk}": {"what": f"{what}, {kk} projected dims a tap (project_dims={kk})",
+                                           "bytes_per_token": f(k, kk), "total_bytes": tokens * f(k, kk)}
+                        for name, (what, f) in ENCODINGS.items()})
     shown = {s: r for s, r in rate.items() if gpu or r["source"] == "given"}
     train = shown.get("train")
     for e in enc.values():
@@ -170,6 +180,8 @@ def render(p: dict, cache: Path, cpu_estimate_min: float | None = None) -> list[
         label = f"{name} (chosen)" if name == p["quant"] else name
         lines.append(f"  {label:<16}{e['bytes_per_token']:>12,}{size(e['total_bytes']):>12}"
                      + (f"{size(e['read_gb_s'] * 1e9) + '/s':>28}" if read else ""))
+    if any(" k=" in name for name in p["encodings"]):
+        lines.append("  (k=…: taps projected to k dims, project_dims=k; what that costs in τ is the testbed's to measure)")
     keep = f"keeping min_free_gb={p['min_free_gb']:g}"
     verdict = f"fits, {keep} ({size(p['free_bytes'] - p['need_bytes'])} left after it)" if p["fits"] else \
         f"does not fit, {keep}: " + ("allow_overfill=1 starts a real run anyway" if p["allow_overfill"] else

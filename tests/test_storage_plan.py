@@ -18,12 +18,14 @@ from stages import extract
 REPO = Path(__file__).resolve().parents[1]
 
 
-def small_plan(gpus=8, quant="bf16", rows=10, seq_len=128, free=10**12, fits=True, epochs=2.0, gpu=True):
+def small_plan(gpus=8, quant="bf16", rows=10, seq_len=128, free=10**12, fits=True, epochs=2.0, gpu=True,
+               projected_from=0):
     rate = storage.rates(layer_params=storage.EXTRACT_LAYER_PARAMS, drafter=storage.TRAIN_DRAFTER,
                          seq_len=storage.TRAIN_SEQ_LEN)
     return storage.storage_plan(rows=rows, seq_len=seq_len, doc_tokens=rows * seq_len - 7, k=3, hidden=64,
                                 quant=quant, need=rows * seq_len * 384, shards="2/2", free=free, fits=fits,
-                                min_free_gb=2.0, allow_overfill=False, gpus=gpus, epochs=epochs, rate=rate, gpu=gpu)
+                                min_free_gb=2.0, allow_overfill=False, gpus=gpus, epochs=epochs, rate=rate, gpu=gpu,
+                                projected_from=projected_from)
 
 
 def test_bytes_per_token_at_the_27b_shapes():
@@ -36,12 +38,20 @@ def test_bytes_per_token_at_the_27b_shapes():
 def test_each_encodings_total_is_tokens_times_its_bytes_per_token():
     p = small_plan(quant="fp8")
     assert p["tokens"] == 10 * 128
-    assert list(p["encodings"]) == list(storage.ENCODINGS)
+    # every encoding at full width, then at the projected widths (half of 64; a quarter, 16, is no multiple of 32)
+    assert list(p["encodings"]) == list(storage.ENCODINGS) + [f"{name} k=32" for name in storage.ENCODINGS]
     for name, e in p["encodings"].items():
-        assert e["total_bytes"] == p["tokens"] * e["bytes_per_token"] == p["tokens"] * storage.bytes_per_token(name, 3, 64)
+        quant, _, width = name.partition(" k=")
+        assert e["total_bytes"] == p["tokens"] * e["bytes_per_token"] == p["tokens"] * storage.bytes_per_token(
+            quant, 3, int(width or 64))
     lines = storage.render(p, Path("cache/x"))
     assert any(re.match(r"\s+fp8 \(chosen\)\s+204\s", line) for line in lines), lines
     assert any(re.match(r"\s+bf16\s+384\s", line) for line in lines), lines
+    assert any(re.match(r"\s+fp8 k=32\s+108\s", line) for line in lines), lines  # 3 × (32 + 4)
+    assert any(line.startswith("  (k=…: taps projected to k dims, project_dims=k") for line in lines)
+    # a projected plan sizes its own width only
+    proj = small_plan(quant="fp8", projected_from=128)
+    assert list(proj["encodings"]) == list(storage.ENCODINGS)
 
 
 def test_read_bandwidth_scales_with_the_gpus_and_gpu_hours_do_not():
@@ -107,6 +117,8 @@ def test_a_27b_plan_from_shapes_alone(tmp_path, capsys):
                              epochs=storage.plan_epochs(train, rows, 4096, 8), rate=rate, gpu=True)
     assert p["encodings"]["bf16"]["total_bytes"] == 81_920_000_000_000
     assert p["encodings"]["fp8"]["total_bytes"] == 40_992_000_000_000
+    assert p["encodings"]["fp8 k=2560"]["bytes_per_token"] == 12_820  # a quarter of bf16's, + the scales
+    assert p["encodings"]["fp4 k=1280"]["bytes_per_token"] == 5 * (640 + 80 + 4)
     assert p["gpu_hours"]["extract"] == pytest.approx(1.6e9 / 12_045 / 3600)  # 36.9, as docs/full-run.md
     assert p["encodings"]["bf16"]["read_gb_s"] == pytest.approx(51_200 * rate["train"]["tok_s"] * 8 / 1e9)
     lines = storage.render(p, Path("/data/cache/hidden-0123456789ab"))
