@@ -260,118 +260,135 @@ class Job:
     settings: dict  # its [train] settings
 
 
+class Drafters:
+    """What `run_drafters` shares between its threads: the settings, the events (the untrained evaluation done or
+    failed, each arm cache made), and per run its seconds per phase or its error."""
+
+    def __init__(self, cfg: TestbedConfig, p: Paths, dev: str, jobs: list[Job], parallel: int, base: Path | None,
+                 stream: bool, caches: dict | None):
+        import threading
+
+        self.cfg, self.p, self.dev, self.base, self.stream, self.caches = cfg, p, dev, base, stream, caches or {}
+        self.env = {}
+        if parallel > 1 and "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+            self.env["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, (os.cpu_count() or 1) // parallel))
+        self.ready, self.failed = threading.Event(), threading.Event()
+        self.times, self.errors, self.retry = {job.run: {} for job in jobs}, {}, []
+        self.untrained_log = base / "logs" / "eval-untrained.log" if base else None
+        self.made, self.broken = {c: threading.Event() for c in self.caches}, {}
+
+    def untrained(self) -> None:
+        """The base run's untrained drafter, evaluated as soon as that run's config.json exists (it makes the
+        target-alone decodes every trained evaluation waits for)."""
+        base = self.base
+        try:
+            if base is None or (base / "eval-untrained.json").is_file() and self.p.baseline(
+                    self.cfg.eval_tokens).is_file():
+                return
+            while not (base / "config.json").is_file():  # written when the base run's training starts
+                if self.failed.is_set():
+                    return
+                time.sleep(1)
+            log(f"untrained drafter: evaluating (log: {self.untrained_log})")
+            self.times[base]["untrained"] = evaluate(self.cfg, self.p, base, self.dev, True, self.untrained_log,
+                                                     self.env)
+            log(f"untrained drafter: τ {eval_summary(base / 'eval-untrained.json')['tau_mean']:.3f} "
+                f"({self.times[base]['untrained']:.0f}s)")
+        except BaseException:
+            self.failed.set()
+            raise
+        finally:
+            self.ready.set()
+
+    def extract_caches(self) -> None:
+        """The arms' caches, one after another; a cache that cannot be made is recorded for its jobs."""
+        for c, settings in self.caches.items():
+            try:
+                if not cache_complete(c):
+                    logf = self.p.root / "logs" / f"extract-{c.name}.log"
+                    log(f"extracting the cache {c.name} ({' '.join(f'{k}={v}' for k, v in settings.items())}; "
+                        f"log: {logf})")
+                    secs = extract(self.cfg, self.p, settings, c.name.removeprefix("hidden-"), self.dev, logf)
+                    log(f"cache {c.name} extracted ({secs:.0f}s)")
+            except Exception as e:  # noqa: BLE001
+                self.broken[c] = f"its cache {c} could not be extracted: {e}"
+            finally:
+                self.made[c].set()
+
+    def job(self, j: Job) -> None:
+        """One drafter: wait for its cache, train and export it, wait for the target-alone decodes, evaluate it."""
+        if (j.run / "eval.json").is_file():
+            return
+        if self.failed.is_set():
+            raise RuntimeError("not started: the base drafter or the untrained evaluation failed")
+        if j.cache in self.made:
+            self.made[j.cache].wait()
+            if j.cache in self.broken:
+                raise RuntimeError(self.broken[j.cache])
+        logs = None if self.stream and j.run == self.base else j.run / "logs"
+        log(f"{j.arm or '(recipe)'} seed {j.seed}: training on {j.cache.name}" + (f" (logs: {logs})" if logs else ""))
+        try:
+            self.times[j.run].update(train_export(self.cfg, j.run, j.cache, j.seed, j.settings, self.env, logs))
+        except BaseException:
+            if j.run == self.base:
+                self.failed.set()
+            raise
+        t0 = time.perf_counter()
+        self.ready.wait()
+        if self.failed.is_set():
+            raise RuntimeError(f"the untrained drafter's evaluation, which makes the target-alone decodes, failed "
+                               f"(log: {self.untrained_log})")
+        t = self.times[j.run]
+        t["eval"] = evaluate(self.cfg, self.p, j.run, self.dev, False, (logs or j.run / "logs") / "eval.log", self.env)
+        t["eval_wall"] = time.perf_counter() - t0  # waiting for the baseline included
+        log(f"{j.arm or '(recipe)'} seed {j.seed}: τ {eval_summary(j.run / 'eval.json')['tau_mean']:.3f} ("
+            + ", ".join(f"{k} {v:.0f}s" for k, v in t.items()) + ")")
+
+    def guarded(self, j: Job, last: bool = False) -> None:
+        """`job`, its failure reported while the others go on (one out of GPU memory queued for `retry`)."""
+        try:
+            self.job(j)
+            self.errors.pop(j.run, None)
+        except Exception as e:  # noqa: BLE001
+            self.errors[j.run] = str(e)
+            oom = not last and not self.failed.is_set() and out_of_memory(j.run / "logs")
+            if oom:
+                self.retry.append(j)
+            log(f"{j.arm or '(recipe)'} seed {j.seed}: {'out of GPU memory, tried again later' if oom else 'FAILED'}: {e}")
+
+
 def run_drafters(cfg: TestbedConfig, p: Paths, dev: str, jobs: list[Job], parallel: int, base: Path | None,
                  stream: bool = False, caches: dict | None = None) -> dict:
     """Train, export and evaluate `jobs` (each skipped when its eval.json exists), `parallel` at a time, while the
     untrained drafter of run `base` (one of them, or None) is evaluated alongside: it waits only for that run's
-    config.json, and its
-    decodes of the target alone (DIR/baseline-<tokens>.json) are reused by every trained drafter's evaluation, which
-    waits for them. `stream`: the first job's training prints here (else every stage logs into RUN/logs/). On a GPU
-    shared by several jobs, each compiles with its share of the CPUs (TORCHINDUCTOR_COMPILE_THREADS, unless set).
-    `caches` ({path: [extract] settings}) are extracted one after another beside the drafters, each job on one of
-    them waiting for it. A drafter that fails (or whose cache does) is logged and recorded (`error`) while the others
-    go on, except that one which ran out of GPU memory is tried once more after the others, half as many at a time;
-    when the base run or the untrained evaluation fails, no further job starts and that failure raises.
+    config.json, and its decodes of the target alone (DIR/baseline-<tokens>.json) are reused by every trained
+    drafter's evaluation, which waits for them. `stream`: the first job's training prints here (else every stage logs
+    into RUN/logs/). On a GPU shared by several jobs, each compiles with its share of the CPUs
+    (TORCHINDUCTOR_COMPILE_THREADS, unless set). `caches` ({path: [extract] settings}) are extracted one after
+    another beside the drafters, each job on one of them waiting for it. A drafter that fails (or whose cache does)
+    is logged and recorded (`error`) while the others go on, except that one which ran out of GPU memory is tried
+    once more after the others, half as many at a time; when the base run or the untrained evaluation fails, no
+    further job starts and that failure raises.
     Returns {run: seconds per phase (train, export, eval, and untrained for `base`), or its error}."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    env = {}
-    if parallel > 1 and "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
-        env["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, (os.cpu_count() or 1) // parallel))
-    ready, failed, times, errors = threading.Event(), threading.Event(), {job.run: {} for job in jobs}, {}
-    untrained_log = base / "logs" / "eval-untrained.log" if base else None
-
-    def untrained() -> None:
-        try:
-            if base is None or (base / "eval-untrained.json").is_file() and p.baseline(cfg.eval_tokens).is_file():
-                return
-            while not (base / "config.json").is_file():  # written when the base run's training starts
-                if failed.is_set():
-                    return
-                time.sleep(1)
-            log(f"untrained drafter: evaluating (log: {untrained_log})")
-            times[base]["untrained"] = evaluate(cfg, p, base, dev, True, untrained_log, env)
-            log(f"untrained drafter: τ {eval_summary(base / 'eval-untrained.json')['tau_mean']:.3f} "
-                f"({times[base]['untrained']:.0f}s)")
-        except BaseException:
-            failed.set()
-            raise
-        finally:
-            ready.set()
-
-    made = {c: threading.Event() for c in caches or {}}
-    broken = {}
-
-    def extractor() -> None:
-        for c, settings in (caches or {}).items():
-            try:
-                if not cache_complete(c):
-                    logf = p.root / "logs" / f"extract-{c.name}.log"
-                    log(f"extracting the cache {c.name} ({' '.join(f'{k}={v}' for k, v in settings.items())}; "
-                        f"log: {logf})")
-                    secs = extract(cfg, p, settings, c.name.removeprefix("hidden-"), dev, logf)
-                    log(f"cache {c.name} extracted ({secs:.0f}s)")
-            except Exception as e:  # noqa: BLE001
-                broken[c] = f"its cache {c} could not be extracted: {e}"
-            finally:
-                made[c].set()
-
-    def job(j: Job) -> None:
-        if (j.run / "eval.json").is_file():
-            return
-        if failed.is_set():
-            raise RuntimeError("not started: the base drafter or the untrained evaluation failed")
-        if j.cache in made:
-            made[j.cache].wait()
-            if j.cache in broken:
-                raise RuntimeError(broken[j.cache])
-        logs = None if stream and j.run == base else j.run / "logs"
-        log(f"{j.arm or '(recipe)'} seed {j.seed}: training on {j.cache.name}" + (f" (logs: {logs})" if logs else ""))
-        try:
-            times[j.run].update(train_export(cfg, j.run, j.cache, j.seed, j.settings, env, logs))
-        except BaseException:
-            if j.run == base:
-                failed.set()
-            raise
-        t0 = time.perf_counter()
-        ready.wait()
-        if failed.is_set():
-            raise RuntimeError(f"the untrained drafter's evaluation, which makes the target-alone decodes, failed "
-                               f"(log: {untrained_log})")
-        times[j.run]["eval"] = evaluate(cfg, p, j.run, dev, False, (logs or j.run / "logs") / "eval.log", env)
-        times[j.run]["eval_wall"] = time.perf_counter() - t0  # waiting for the baseline included
-        log(f"{j.arm or '(recipe)'} seed {j.seed}: τ {eval_summary(j.run / 'eval.json')['tau_mean']:.3f} ("
-            + ", ".join(f"{k} {v:.0f}s" for k, v in times[j.run].items()) + ")")
-
-    retry = []
-
-    def guarded(j: Job, last: bool = False) -> None:  # one drafter's failure is reported and the others go on
-        try:
-            job(j)
-            errors.pop(j.run, None)
-        except Exception as e:  # noqa: BLE001
-            errors[j.run] = str(e)
-            oom = not last and not failed.is_set() and out_of_memory(j.run / "logs")
-            if oom:
-                retry.append(j)
-            log(f"{j.arm or '(recipe)'} seed {j.seed}: {'out of GPU memory, tried again later' if oom else 'FAILED'}: {e}")
-
-    side = threading.Thread(target=untrained, daemon=True)
+    d = Drafters(cfg, p, dev, jobs, parallel, base, stream, caches)
+    side = threading.Thread(target=d.untrained, daemon=True)
     side.start()
-    threading.Thread(target=extractor, daemon=True).start()
+    threading.Thread(target=d.extract_caches, daemon=True).start()
     with ThreadPoolExecutor(parallel) as pool:
-        list(pool.map(guarded, jobs))
-    if retry and not failed.is_set():
-        log(f"trying again {len(retry)} drafter(s) that ran out of GPU memory, {max(1, parallel // 2)} at a time")
+        list(pool.map(d.guarded, jobs))
+    if d.retry and not d.failed.is_set():
+        log(f"trying again {len(d.retry)} drafter(s) that ran out of GPU memory, {max(1, parallel // 2)} at a time")
         with ThreadPoolExecutor(max(1, parallel // 2)) as pool:
-            list(pool.map(lambda j: guarded(j, last=True), retry))
+            list(pool.map(lambda j: d.guarded(j, last=True), d.retry))
     side.join()
-    if failed.is_set() or base in errors:
-        raise RuntimeError(errors.get(base) or f"the untrained drafter's evaluation failed (log: {untrained_log})")
-    for run, e in errors.items():
-        times[run]["error"] = e
-    return times
+    if d.failed.is_set() or base in d.errors:
+        raise RuntimeError(d.errors.get(base) or f"the untrained drafter's evaluation failed (log: {d.untrained_log})")
+    for run, e in d.errors.items():
+        d.times[run]["error"] = e
+    return d.times
 
 
 def out_of_memory(logs: Path) -> bool:
