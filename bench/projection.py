@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
+from dflash_offline import storage
 from dflash_offline.dataset import open_hidden_cache
 from dflash_offline.manifest import read_manifest
-from dflash_offline.projection import SecondMoment, bytes_per_token, residual, retained
+from dflash_offline.projection import SecondMoment, residual, retained
 from dflash_offline.shards import hidden_shard_name, read_hidden, read_token_shard, token_shard_name
 
 
@@ -69,9 +70,9 @@ def main(argv: list[str] | None = None) -> dict:
             "top_eigenvalue_share": retained(evals, 1),
         }
     taps = len(layers)
-    stored = bytes_per_token(H, taps, 2.0) if info.quant == "bf16" else bytes_per_token(H, taps, 1.0, 4)
+    stored = storage.bytes_per_token(info.quant, taps, H)  # (the cache's own encoding and width)
     result["bytes_per_token"] = {"cache": stored, **{
-        k: {"bf16": bytes_per_token(k, taps, 2.0), "fp8": bytes_per_token(k, taps, 1.0, 4)} for k in ks}}
+        k: {q: storage.bytes_per_token(q, taps, k) for q in ("bf16", "fp8")} for k in ks}}
     result["seconds"] = round(time.perf_counter() - t0, 1)
     print(f"{args.cache}: {taps} taps × hidden {H}, {info.quant} ({stored:,.0f} B/token); calibration shards {calib}, "
           f"held out {held}")

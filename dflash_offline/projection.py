@@ -86,11 +86,6 @@ def fold(fc_prime: torch.Tensor, projections: list[torch.Tensor]) -> torch.Tenso
     return torch.cat(blocks, dim=1).to(fc_prime.dtype)
 
 
-def bytes_per_token(k: int, taps: int, value_bytes: float = 2.0, scale_bytes: int = 0) -> float:
-    """Stored bytes per token for k dims per tap: values (2 B bf16, 1 B fp8) plus a per-tap scale (fp8: 4 B)."""
-    return taps * (k * value_bytes + scale_bytes)
-
-
 def top_k(mom: SecondMoment, k: int) -> tuple[torch.Tensor, float]:
     """(P [H, k] float32, the share of E‖x‖² it keeps): the top-k eigenvectors of the accumulated moment, each column's
     sign fixed deterministically (its largest-magnitude component positive, the first of ties)."""
