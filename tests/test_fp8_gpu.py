@@ -163,20 +163,11 @@ def test_two_gpus_fp8_ddp_and_fsdp_train_like_one_gpu(tmp_path, hidden_cache):
     """NCCL, one process per GPU, precision=fp8 (tensorwise): DDP with bf16 master weights = one GPU accumulating
     the same two micro-batches; FSDP (converted before sharding; fp32 weights) = one GPU with fp32 weights. Each
     micro-batch has the same float8 scales in both, so the runs differ only by reduction order."""
-    from test_train import TINY as CPU_TINY
-    from test_train import final_weights, launch_two, losses
+    from test_stages_gpu import one_and_two_gpus
+    from test_train import final_weights, losses
 
     kw = dict(steps=6, ckpt_every=6, grad_clip=0.5, global_batch_tokens=2 * 2 * 128, precision="fp8")
-
-    def one(name, **extra):
-        train.run(TrainConfig(cache=str(hidden_cache), run=str(tmp_path / name),
-                              **{**CPU_TINY, **kw, **extra}).resolve())
-        return tmp_path / name
-
-    pairs = {"ddp": (one("one_master"), tmp_path / "ddp", {}),
-             "fsdp": (one("one_fp32", master_weights="off"), tmp_path / "fsdp", {"fsdp": 1})}
-    for name, (single, two, extra) in pairs.items():
-        launch_two(hidden_cache, two, **kw, **extra)
+    for name, single, two in one_and_two_gpus(tmp_path, hidden_cache, kw):
         d = json.loads((two / "config.json").read_text())["derived"]
         assert (d["precision"], d["world_size"], d["fsdp_sharded"]) == ("fp8", 2, name == "fsdp")
         assert records(two)[-1]["recompiles"] == 0

@@ -120,15 +120,11 @@ def test_optimizer_update_overlapping_the_forward_trains_like_the_serial_one(tmp
         assert float((w_on[k] - w_off[k]).norm() / w_off[k].norm()) < 1e-2, k
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_two_gpus_ddp_and_fsdp_train_like_one_gpu_with_accumulation(tmp_path, hidden_cache):
-    """NCCL, one process per GPU, the CUDA defaults (compiled flex attention, bf16). DDP with bf16 master weights
-    (gradients reduced in fp32, the optimizer update between steps) = one GPU accumulating the same two
-    micro-batches; FSDP-sharded (fp32 weights under autocast) = one GPU with fp32 weights doing the same; the
-    sharded checkpoint holds full tensors. (The CPU suite checks the same with gloo; this is the NCCL/CUDA path.)"""
-    from test_train import TINY, final_weights, launch_two, losses
-
-    kw = dict(steps=6, ckpt_every=6, grad_clip=0.5, global_batch_tokens=2 * 2 * 128)  # 2 micro-batches of 2 rows
+def one_and_two_gpus(tmp_path, hidden_cache, kw: dict):
+    """For DDP and FSDP: (name, a one-GPU run, the same steps on 2 GPUs) of test_train's tiny drafter with `kw`; DDP
+    against one GPU with master weights, FSDP (fp32 weights) against one GPU with fp32 weights. The one-GPU runs come
+    first."""
+    from test_train import TINY, launch_two
 
     def one(name, **extra):
         train.run(TrainConfig(cache=str(hidden_cache), run=str(tmp_path / name), **{**TINY, **kw, **extra}).resolve())
@@ -138,6 +134,19 @@ def test_two_gpus_ddp_and_fsdp_train_like_one_gpu_with_accumulation(tmp_path, hi
              "fsdp": (one("one_fp32", master_weights="off"), tmp_path / "fsdp", {"fsdp": 1})}
     for name, (single, two, extra) in pairs.items():
         launch_two(hidden_cache, two, **kw, **extra)
+        yield name, single, two
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_ddp_and_fsdp_train_like_one_gpu_with_accumulation(tmp_path, hidden_cache):
+    """NCCL, one process per GPU, the CUDA defaults (compiled flex attention, bf16). DDP with bf16 master weights
+    (gradients reduced in fp32, the optimizer update between steps) = one GPU accumulating the same two
+    micro-batches; FSDP-sharded (fp32 weights under autocast) = one GPU with fp32 weights doing the same; the
+    sharded checkpoint holds full tensors. (The CPU suite checks the same with gloo; this is the NCCL/CUDA path.)"""
+    from test_train import final_weights, losses
+
+    kw = dict(steps=6, ckpt_every=6, grad_clip=0.5, global_batch_tokens=2 * 2 * 128)  # 2 micro-batches of 2 rows
+    for name, single, two in one_and_two_gpus(tmp_path, hidden_cache, kw):
         d1 = json.loads((single / "config.json").read_text())["derived"]
         d2 = json.loads((two / "config.json").read_text())["derived"]
         assert (d1["world_size"], d1["grad_accum"], d2["world_size"], d2["grad_accum"]) == (1, 2, 2, 1)
