@@ -139,7 +139,7 @@ def open_hidden_cache(cache_dir, layer_ids, hidden_size: int | None = None, seq_
 
 def open_shard(info: CacheInfo, shard: int) -> HiddenShardFile:
     """Shard `shard`'s file opened and checked against the manifest: size, header checksum, and what the header
-    says it is (cache key, index, quantization, rows, layers)."""
+    says it is (cache key, index, quantization, rows, layers and, projected, the projection's SHA-256)."""
     f = HiddenShardFile(info.cache_dir / hidden_shard_name(shard), info.shard_files[shard], info.repair([shard]))
     try:
         meta, rows = f.meta, f.rows(f"hidden.L{info.layer_ids[0]}")
@@ -147,6 +147,10 @@ def open_shard(info: CacheInfo, shard: int) -> HiddenShardFile:
         have = (meta.get("key"), meta.get("shard"), meta.get("quant"), rows, json.loads(meta.get("layer_ids", "[]")))
         if have != want:
             raise f._bad(f"holds (key, shard, quant, rows, layer_ids) = {have} but the manifest says {want}")
+        if info.projection and meta.get("projection") != info.projection["sha256"]:
+            raise f._bad(f"was projected with projection {str(meta.get('projection'))[:12]}…, the cache records "
+                         f"{info.projection['sha256'][:12]}… (a shard of another extraction with the same key: each "
+                         f"calibrates its own P)")
     except BaseException:
         f.close()
         raise
@@ -164,6 +168,8 @@ def _check_verdict(cache: Path, verdict: dict | None, require: bool) -> None:
             raise ManifestError(f"{cache}/manifest.json: verified is absent (never verified); "
                                 f"run `make verify CACHE={cache}` first")
         return
+    if not verdict.get("ok") and verdict.get("projection"):  # every shard depends on it: none to redo alone
+        raise ManifestError(f"{cache}/manifest.json: verified.ok is false: {verdict['projection']}")
     if not verdict.get("ok"):
         bad = verdict.get("bad", [])
         shards = shard_list({b["shard"] for b in bad if "shard" in b})
@@ -431,7 +437,7 @@ def make_fake_cache(cache_dir, num_shards: int, rows, seq_len: int, hidden: int,
     """
     from .manifest import hash_obj, open_cache, update_manifest
     from .projection import PROJECTION_FILE, write_projection
-    from .shards import encode_layer, write_hidden_shard, write_token_shard
+    from .shards import encode_layer, hidden_shard_metadata, write_hidden_shard, write_token_shard
 
     cache, tokens = Path(cache_dir), Path(cache_dir) / "tokens"
     rows = [rows] * num_shards if isinstance(rows, int) else list(rows)
@@ -463,7 +469,7 @@ def make_fake_cache(cache_dir, num_shards: int, rows, seq_len: int, hidden: int,
             h = torch.randn(n, seq_len, hidden, generator=gen) * (1 + lid)
             tensors.update(encode_layer(h @ Ps[lid] if project_dims else h, lid, quant))
         hfile = write_hidden_shard(cache / hidden_shard_name(i), tensors, quant, list(layer_ids),
-                                   {"shard": i, "key": hash_obj(hprod)})
+                                   hidden_shard_metadata(i, hash_obj(hprod), rec["sha256"] if project_dims else None))
         entry = {"index": i, "rows": n, "tokens": n * seq_len, "status": "committed"}
         tentries.append(dict(entry, files={token_shard_name(i): tfile}))
         hentries.append(dict(entry, files={hidden_shard_name(i): hfile}, tokens_sha256=tfile["sha256"]))

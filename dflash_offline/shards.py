@@ -233,6 +233,12 @@ def decode_layer(parts: dict[str, torch.Tensor], quant: str, dtype=torch.bfloat1
     return parts["hidden"].to(dtype)
 
 
+def hidden_shard_metadata(index: int, key: str, projection_sha256: str | None = None) -> dict:
+    """What a hidden shard's header says it is, beyond its format: shard index, cache key and, for a projected cache,
+    the SHA-256 of the projection file its states were projected with (same key, other P: `open_shard` refuses it)."""
+    return {"shard": index, "key": key, **({"projection": projection_sha256} if projection_sha256 else {})}
+
+
 def write_hidden_shard(path: Path, tensors: dict[str, torch.Tensor], quant: str, layer_ids: list[int],
                        metadata: dict) -> dict:
     """Write encoded per-layer tensors atomically (temp → fsync → rename); returns the file's manifest record."""

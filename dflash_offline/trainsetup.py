@@ -284,13 +284,16 @@ def check_inputs(cfg: TrainConfig, run_dir):
     return c, dc, info
 
 
-def same_start_on_every_rank(acc, resume: bool, run_dir) -> None:
-    """Refuse a run whose processes would start from different steps, before any of them loads a checkpoint. Each
-    process reads the run's checkpoint itself: on machines that do not see the same run directory, a resume would
-    start rank 0 at its checkpoint and the others from scratch, and DDP would average gradients of different
-    weights until a collective hangs."""
+def same_start_on_every_rank(acc, resume: bool, run_dir, info) -> None:
+    """Refuse a run whose processes would read different caches or start from different steps, before any weight
+    loads. Each process opens its cache and reads the run's checkpoint itself. Machines with their own copy of a cache
+    must hold the same one: the same key, and for a projected cache the same P (two extractions with one key each
+    calibrate their own, `projection.py`), else ranks would train one fc' on different bases. On machines that do not
+    see the same run directory, a resume would start rank 0 at its checkpoint and the others from scratch, and DDP
+    would average gradients of different weights until a collective hangs."""
     if acc.num_processes == 1:
         return
+    import hashlib
     import json
 
     import torch
@@ -299,7 +302,17 @@ def same_start_on_every_rank(acc, resume: bool, run_dir) -> None:
 
     step = json.loads((find_checkpoint(run_dir) / "meta.json").read_text())["step"] if (
         resume and list_checkpoints(run_dir)) else 0
-    steps = acc.gather(torch.tensor([step], device=acc.device)).tolist()
+    projection = (info.projection or {}).get("sha256", "")
+    cache = int(hashlib.sha256(f"{info.key}:{projection}".encode()).hexdigest()[:15], 16)
+    both = acc.gather(torch.tensor([[step, cache]], device=acc.device)).tolist()
+    steps, caches = [s for s, _ in both], [c for _, c in both]
+    if len(set(caches)) > 1:
+        where = "; ".join(f"rank(s) {', '.join(str(r) for r, x in enumerate(caches) if x == c)}"
+                          for c in dict.fromkeys(caches))
+        raise ValueError(f"{info.cache_dir}: the processes read different caches ({where}; this one's key "
+                         f"{info.key[:12]}{f', projection {projection[:12]}' if projection else ''}): every machine "
+                         f"must read one cache, shared or copied from one extraction (two extractions with the same "
+                         f"key calibrate different projections)")
     if len(set(steps)) > 1:
         where = "; ".join(f"step {s} on rank(s) {', '.join(str(r) for r, x in enumerate(steps) if x == s)}"
                           for s in sorted(set(steps), reverse=True))

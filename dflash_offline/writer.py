@@ -62,7 +62,7 @@ class ShardCopy:
             for lid, x in zip(self.layer_ids, taps, strict=True):
                 if cuda:
                     x.record_stream(self.stream)  # not reused by the next forward before this stream is done
-                x = x[:real] if self.projection is None else x[:real].float() @ self.projection[lid]
+                x = x[:real] if self.projection is None else x[:real].float() @ self.projection["P"][lid]
                 for name, v in shards.encode_layer(x, lid, self.quant).items():
                     if name not in self.tensors:
                         self.tensors[name] = torch.empty((self.rows, *v.shape[1:]), dtype=v.dtype, pin_memory=cuda)
@@ -82,7 +82,8 @@ class HiddenShardWriter:
     def __init__(self, cache: Path, key: str, quant: str, layer_ids: list[int], depth: int, redo: bool, rank: int,
                  device: torch.device, projection: dict | None = None):
         self.cache, self.key, self.quant, self.layer_ids = cache, key, quant, layer_ids
-        self.projection = projection  # layer id → P [H, k] on the device (a projected cache), else None
+        # a projected cache: {"P": layer id → P [H, k] on the device, "sha256": its file's}, recorded in every shard
+        self.projection = projection
         self.depth, self.redo, self.rank = depth, redo, rank
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # device→host copies
         self.io = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="shard-writer")
@@ -141,6 +142,9 @@ class HiddenShardWriter:
         except Exception:  # noqa: BLE001 - logged there
             pass
 
+    def shard_metadata(self, index: int) -> dict:
+        return shards.hidden_shard_metadata(index, self.key, self.projection and self.projection["sha256"])
+
     def _write(self, index: int, tensors: dict, entry: dict, events) -> tuple[float, float, float]:
         if events is not None:  # the shard's device→host copies are done once its end event is
             events[1].synchronize()
@@ -149,7 +153,7 @@ class HiddenShardWriter:
         name = shards.hidden_shard_name(index)
         try:
             files = {name: shards.write_hidden_shard(self.cache / name, tensors, self.quant, self.layer_ids,
-                                                     {"shard": index, "key": self.key})}
+                                                     self.shard_metadata(index))}
             commit_shard(self.cache, dict(entry, files=files, write_seconds=time.time() - t, committed_at=time.time()),
                          redo=self.redo)
         finally:  # committed or failed, the shard is no longer this worker's

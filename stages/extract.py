@@ -188,8 +188,9 @@ def run(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int = 0, world: int =
 
 
 def projection_for(cfg, plan, model, cache: Path, rank: int, world: int) -> dict:
-    """Layer id → P [H, k] float32 on the device: the projection the manifest records (its file checked), else the
-    calibration's, recorded first (rank 0 of a job calibrates, the other ranks wait for its record)."""
+    """{"P": layer id → P [H, k] float32 on the device, "sha256": its file's}: the projection the manifest records (its
+    file checked), else the calibration's, recorded first (rank 0 of a job calibrates, the other ranks wait for its
+    record)."""
     from dflash_offline.projection import read_projection
 
     rec = read_manifest(cache).get("projection")
@@ -206,7 +207,8 @@ def projection_for(cfg, plan, model, cache: Path, rank: int, world: int) -> dict
     Ps = read_projection(cache, plan["layer_ids"], rec)
     log(f"[rank {rank}] projection {rec['sha256'][:12]}: {rec['dims']} of {plan['info'].hidden_size} dims a tap, "
         f"retained energy " + ", ".join(f"L{lid} {rec['retained'][str(lid)]:.4f}" for lid in plan["layer_ids"]))
-    return {lid: P.to(plan["device"]) for lid, P in zip(plan["layer_ids"], Ps, strict=True)}
+    return {"P": {lid: P.to(plan["device"]) for lid, P in zip(plan["layer_ids"], Ps, strict=True)},
+            "sha256": rec["sha256"]}
 
 
 def calibration_batches(cfg, plan):
@@ -266,7 +268,7 @@ def calibrate(cfg, plan, model, cache: Path) -> dict:
 def extract_shards(cfg, plan, model, cache: Path, tokens_dir: Path, todo, rank, world, device, redo: bool,
                    projection: dict | None = None) -> dict:
     """Compute the shards of `todo` this worker claims; each is written and committed in the background while the
-    next one computes (`projection`: layer id → P on the device, for a projected cache). The run's stats
+    next one computes (`projection`: `projection_for`'s, for a projected cache). The run's stats
     (bench.extract reads them)."""
     import torch
 

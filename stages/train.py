@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_offline.config import TrainConfig, as_dict, configs_from_argv
+from dflash_offline.manifest import write_json_atomic
 from dflash_offline.trainsetup import (
     BenchSwitches,
     TrainSetup,
@@ -88,12 +89,13 @@ def _run(cfg: TrainConfig, switches: BenchSwitches) -> Path:
     rank, device = acc.process_index, acc.device
     set_seed(cfg.seed)
     run_dir.mkdir(parents=True, exist_ok=True)  # every rank: its status file goes there (RUN= local to a machine too)
+    same_start_on_every_rank(acc, cfg.resume, run_dir, info)  # machines that do not share RUN= or CACHE= would differ
     if cfg.resume and list_checkpoints(run_dir):
         check_same_projection(run_dir, c.get("projection"))
     if rank == 0:
         resolved = {"train": as_dict(cfg), "drafter": as_dict(dc), "derived": s.derived(cfg, info.key),
                     **({"projection": c["projection"]} if c.get("projection") else {})}
-        (run_dir / "config.json").write_text(json.dumps(resolved, indent=1, sort_keys=True))
+        write_json_atomic(run_dir / "config.json", resolved)  # a reader never sees half of it
         if c.get("projection"):  # the run keeps the P it trains on: export and eval then need no cache
             from dflash_offline.projection import copy_to_run
 
@@ -122,7 +124,6 @@ def _run(cfg: TrainConfig, switches: BenchSwitches) -> Path:
     # --- data
     stream = HiddenStream(info, cfg.batch_rows, rank=rank, world_size=s.world, seed=cfg.seed, device=device)
     step = 0
-    same_start_on_every_rank(acc, cfg.resume, run_dir)  # machines that do not share RUN= would resume apart
     if cfg.resume and list_checkpoints(run_dir):
         state = load_checkpoint(run_dir, p.raw, p.opt, p.sched, sharded=s.sharded)
         stream.load_state_dict(state["data_state"])
@@ -287,10 +288,12 @@ def micro_batch(cfg: TrainConfig, s: TrainSetup, acc, p: Parts, batch: dict, nor
 
 
 def check_same_projection(run_dir: Path, now: dict | None) -> None:
-    """A resumed run must read the projected taps it started on: its cache's P is recorded when it starts, and a cache
-    extracted again in place keeps its key (dims, rows) but not its P."""
-    before = json.loads((run_dir / "config.json").read_text()).get("projection") if (
-        run_dir / "config.json").is_file() else None
+    """A resumed run must read the projected taps it started on: the checkpoint it resumes from records its cache's
+    P, and a cache extracted again in place keeps its key (dims, rows) but not its P. (The checkpoint, not
+    RUN/config.json: rank 0 rewrites that one as the run starts, and a machine may hold only the checkpoints.)"""
+    from dflash_offline.checkpoint import find_checkpoint
+
+    before = json.loads((find_checkpoint(run_dir) / "meta.json").read_text())["config"].get("projection")
     if (before or {}).get("sha256") != (now or {}).get("sha256"):
         def what(p):
             return f"projection {p['sha256'][:12]}…" if p else "full states"

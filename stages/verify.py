@@ -2,8 +2,9 @@
 
     python -m stages.verify --cache=DIR [--rows=2] [--tol=0.02] [--device=auto|cuda|cpu]
 
-Checks that every shard 0..N-1 is committed, that each file's SHA-256 matches the manifest, that each hidden shard
-still belongs to the token shard it was computed from, and that `rows` sampled rows per shard equal a fresh
+Checks that every shard 0..N-1 is committed, that each file's SHA-256 matches the manifest and its header says it is
+that shard of this cache (key, encoding, projection), that each hidden shard still belongs to the token shard it was
+computed from, and that `rows` sampled rows per shard equal a fresh
 forward of the target within `tol` (relative L2 error over real tokens, per layer; FP8 and FP4 caches are held to
 their round-trip bound, `QUANT_REL_TOL`, where it is larger). A projected cache (`[extract] project_dims`) is compared
 in its stored width: the fresh states are projected with the cache's P (its file checked against the manifest
@@ -65,11 +66,29 @@ def check_files(cache: Path, m: dict, tokens_dir: Path) -> list[dict]:
                 bad.append({"shard": i, "reason": f"{name} is missing"})
             elif sha[name] != rec["sha256"]:
                 bad.append({"shard": i, "reason": f"{name} does not match its checksum"})
+            elif why := header_mismatch(cache / name, i, m):
+                bad.append({"shard": i, "reason": f"{name} {why}"})
         tok = tokens.get(i)
         tok_sha = next(iter(tok["files"].values()))["sha256"] if tok else None
         if tok_sha != done[i].get("tokens_sha256"):
             bad.append({"shard": i, "reason": "computed from other tokens than the token cache now holds"})
     return bad
+
+
+def header_mismatch(path: Path, index: int, m: dict) -> str | None:
+    """What a hidden shard's header says it is (index, cache key, encoding and, projected, the projection's SHA-256)
+    where the manifest says otherwise: a file moved in from another cache, or computed with another P."""
+    from dflash_offline.shards import ShardError, hidden_metadata, hidden_shard_metadata
+
+    try:
+        meta = hidden_metadata(path)
+    except ShardError as e:
+        return f"is not a hidden shard of this code's format ({e})"
+    projection = (m.get("projection") or {}).get("sha256") if m["producer"].get("projection") else None
+    want = {k: str(v) for k, v in hidden_shard_metadata(index, m["key"], projection).items()}
+    want["quant"] = m["producer"]["quant"]
+    have = {k: meta.get(k) for k in want}
+    return None if have == want else f"says it is {have}, the manifest {want}"
 
 
 def file_sha256(path: Path) -> str | None:

@@ -240,15 +240,16 @@ def test_resuming_after_the_cache_got_another_projection_is_refused(runs, caches
     another basis, so it is refused, and the run's copy of the P it started on is left as it was."""
     run = tmp_path / "run"
     shutil.copytree(runs["proj"], run)
-    cfg = json.loads((run / "config.json").read_text())
-    cfg["projection"]["sha256"] = "0" * 64  # as if it had started on another P
-    (run / "config.json").write_text(json.dumps(cfg))
+    meta_file = run / "checkpoints" / "step-00000002" / "meta.json"  # what the resume starts from records its P
+    meta = json.loads(meta_file.read_text())
+    meta["config"]["projection"]["sha256"] = "0" * 64  # as if it had started on another P
+    meta_file.write_text(json.dumps(meta))
+    (run / "config.json").unlink()  # not needed: a machine may hold only the checkpoints
     copy = (run / PROJECTION_FILE).read_bytes()
     with pytest.raises(ValueError, match=r"trained on projection 000000000000… and its cache now holds projection "
                                          r"[0-9a-f]{12}… .*restore the cache the run started on"):
         train.run(TrainConfig(cache=str(caches["proj"]), run=str(run), resume=True, **{**TINY, "steps": 4}).resolve())
-    assert (run / PROJECTION_FILE).read_bytes() == copy
-    assert json.loads((run / "config.json").read_text())["projection"]["sha256"] == "0" * 64
+    assert (run / PROJECTION_FILE).read_bytes() == copy and not (run / "config.json").exists()
 
 
 def test_status_shows_the_projection(caches):
@@ -307,7 +308,7 @@ def test_a_projection_file_not_the_manifests_is_refused_by_the_trainer_and_expor
 
 
 def test_verify_passes_on_a_projected_cache_and_catches_a_changed_row(caches, copy_cache, tmp_path):
-    from dflash_offline.shards import write_hidden_shard
+    from dflash_offline.shards import hidden_shard_metadata, write_hidden_shard
 
     v = verify.verify(caches["proj"], VerifyConfig(cache=str(caches["proj"]), rows=2, device="cpu").resolve())
     assert v["ok"] and v["max_rel_err"] < 5e-3  # the bf16 tolerance (0.02) holds with room
@@ -320,11 +321,26 @@ def test_verify_passes_on_a_projected_cache_and_catches_a_changed_row(caches, co
                                                                                  strict=True)}
     tensors[f"hidden.L{ids[2]}"][row] *= 1.1
     entry = next(s for s in m["shards"] if s["index"] == shard)
-    entry["files"][path.name] = write_hidden_shard(path, tensors, "bf16", ids, {"shard": shard, "key": m["key"]})
+    meta = hidden_shard_metadata(shard, m["key"], m["projection"]["sha256"])
+    entry["files"][path.name] = write_hidden_shard(path, tensors, "bf16", ids, meta)
     (cache / "manifest.json").write_text(json.dumps(m, sort_keys=True))
     v = verify.verify(cache, VerifyConfig(cache=str(cache), rows=2, device="cpu").resolve())
     assert not v["ok"] and len(v["bad"]) == 1
     assert v["bad"][0]["shard"] == shard and v["bad"][0]["reason"].startswith(f"row {row} layer {ids[2]}: rel err")
+    # the same shard as another extraction with the same key wrote it (its own P): its checksum is the manifest's,
+    # its header names the other projection — verify says so, training refuses the cache
+    other = hidden_shard_metadata(shard, m["key"], "f" * 64)
+    entry["files"][path.name] = write_hidden_shard(path, tensors, "bf16", ids, other)
+    (cache / "manifest.json").write_text(json.dumps(m, sort_keys=True))
+    v = verify.verify(cache, VerifyConfig(cache=str(cache), rows=0, device="cpu").resolve())
+    assert not v["ok"] and [b["shard"] for b in v["bad"]] == [shard]
+    assert f"'projection': '{'f' * 64}'" in v["bad"][0]["reason"]
+    m = read_manifest(cache)
+    del m["verified"]
+    (cache / "manifest.json").write_text(json.dumps(m, sort_keys=True))
+    with pytest.raises(ValueError, match=rf"{path.name} was projected with projection ffffffffffff…, the cache "
+                                         rf"records {m['projection']['sha256'][:12]}…"):
+        open_hidden_cache(cache, ids)
 
 
 def test_verify_records_a_damaged_projection_file_as_a_failed_verdict(caches, copy_cache, tmp_path):
@@ -341,7 +357,8 @@ def test_verify_records_a_damaged_projection_file_as_a_failed_verdict(caches, co
     assert status.fmt_verdict(read_manifest(cache)["verified"]).endswith("extract the cache again (delete "
                                                                          f"{cache}; a new projection changes every "
                                                                          "stored value, so the shards cannot be kept)")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"verified.ok is false: .*projection.safetensors has SHA-256 .* extract the "
+                                         r"cache again"):
         train.run(TrainConfig(cache=str(cache), run=str(tmp_path / "run"), **TINY).resolve())
     assert not (tmp_path / "run" / "checkpoints").exists()
 
@@ -400,3 +417,39 @@ def test_bad_project_dims_are_refused_naming_the_field_before_weights_load(tmp_p
     with pytest.raises(ConfigError, match=r"^extract.project_dims=96 is larger than .* hidden size 64"):
         extract.run(*configs(tmp_path, qwen35_dir, chat_corpus, project_dims=96))
     assert not list(tmp_path.glob("hidden-*"))
+
+
+# --- (h) several processes --------------------------------------------------------------------------------------
+
+
+class TwoRanks:
+    """An accelerator of two processes whose other rank sends `other` (this rank's own tensor when None)."""
+
+    num_processes, device = 2, torch.device("cpu")
+
+    def __init__(self, other=None):
+        self.other, self.sent = other, None
+
+    def gather(self, t):
+        self.sent = t
+        return torch.cat([t, t if self.other is None else self.other])
+
+
+def test_processes_reading_different_projections_under_one_key_are_refused(caches, tmp_path):
+    """Two machines, each with its own extraction of the same cache key, hold different P: ranks would train one fc'
+    on different bases. Copies of one extraction (same key, same P, another path) are fine."""
+    from dflash_offline.trainsetup import same_start_on_every_rank
+
+    info = open_hidden_cache(caches["proj"], read_manifest(caches["proj"])["config"]["layer_ids"])
+    here = TwoRanks()
+    same_start_on_every_rank(here, False, tmp_path / "run", info)  # both ranks read this cache: no error
+    copy = dataclasses.replace(info, cache_dir=tmp_path / "copy")
+    same_start_on_every_rank(TwoRanks(here.sent), False, tmp_path / "run", copy)
+    other = dataclasses.replace(info, projection=dict(info.projection, sha256="f" * 64))
+    with pytest.raises(ValueError, match=r"the processes read different caches \(rank\(s\) 0; rank\(s\) 1; this "
+                                         rf"one's key {info.key[:12]}, projection ffffffffffff\): every machine must "
+                                         r"read one cache"):
+        same_start_on_every_rank(TwoRanks(here.sent), False, tmp_path / "run", other)
+    full = dataclasses.replace(info, projection=None)
+    with pytest.raises(ValueError, match="the processes read different caches"):
+        same_start_on_every_rank(TwoRanks(here.sent), False, tmp_path / "run", full)
