@@ -41,6 +41,8 @@ class ShardCopy:
         self.rows, self.quant, self.layer_ids, self.stream = rows, quant, layer_ids, stream
         self.projection = projection
         self.tensors: dict[str, torch.Tensor] = {}
+        # per row and tapped layer, the tokens whose state holds an inf or NaN (checked before the shard is written)
+        self.nonfinite = torch.zeros((rows, len(layer_ids)), dtype=torch.int32, pin_memory=stream is not None)
         self.events = None  # (start, end) CUDA events of the shard's device work
         self.t0 = 0.0
 
@@ -59,9 +61,11 @@ class ShardCopy:
             ready.record()
             self.stream.wait_event(ready)
         with torch.cuda.stream(self.stream) if cuda else nullcontext():
-            for lid, x in zip(self.layer_ids, taps, strict=True):
+            for j, (lid, x) in enumerate(zip(self.layer_ids, taps, strict=True)):
                 if cuda:
                     x.record_stream(self.stream)  # not reused by the next forward before this stream is done
+                bad = (~torch.isfinite(x[:real])).any(dim=-1).sum(dim=-1, dtype=torch.int32)
+                self.nonfinite[r0:r0 + real, j].copy_(bad, non_blocking=cuda)
                 x = x[:real] if self.projection is None else x[:real].float() @ self.projection["P"][lid]
                 for name, v in shards.encode_layer(x, lid, self.quant).items():
                     if name not in self.tensors:
@@ -117,7 +121,7 @@ class HiddenShardWriter:
         for f in self.pending:  # a failed write (a full disk) stops the run now
             if f.done() and f.exception() is not None:
                 raise f.exception()
-        self.pending.append(self.io.submit(self._write, index, tensors, entry, shard.events))
+        self.pending.append(self.io.submit(self._write, index, tensors, entry, shard.events, shard.nonfinite))
 
     def drain(self) -> list[tuple[float, float, float]]:
         """Wait for every write; the timings of all. Every failure is logged; the first is raised once all are done."""
@@ -142,16 +146,28 @@ class HiddenShardWriter:
         except Exception:  # noqa: BLE001 - logged there
             pass
 
+    def nonfinite_error(self, index: int, nonfinite: torch.Tensor) -> shards.ShardError:
+        rows, layers = (nonfinite > 0).nonzero(as_tuple=True)
+        where = ", ".join(f"row {r} layer {self.layer_ids[j]}" for r, j in zip(rows[:4].tolist(), layers[:4].tolist(),
+                                                                                strict=True))
+        return shards.ShardError(
+            f"shard {index}: the target's tapped states hold inf or NaN ({int(nonfinite.sum())} token-layers; "
+            f"{where}{' …' if len(rows) > 4 else ''}); the shard was not written (a cache must not train on them): the "
+            f"target overflows in its dtype or its weights are damaged — check it with a plain forward on that row, "
+            f"extract with --dtype=float32, or drop those records from the corpus; shards already committed are kept")
+
     def shard_metadata(self, index: int) -> dict:
         return shards.hidden_shard_metadata(index, self.key, self.projection and self.projection["sha256"])
 
-    def _write(self, index: int, tensors: dict, entry: dict, events) -> tuple[float, float, float]:
+    def _write(self, index: int, tensors: dict, entry: dict, events, nonfinite) -> tuple[float, float, float]:
         if events is not None:  # the shard's device→host copies are done once its end event is
             events[1].synchronize()
             entry = dict(entry, compute_seconds=events[0].elapsed_time(events[1]) / 1000)
         t = computed_at = time.time()
         name = shards.hidden_shard_name(index)
         try:
+            if nonfinite.any():
+                raise self.nonfinite_error(index, nonfinite)
             files = {name: shards.write_hidden_shard(self.cache / name, tensors, self.quant, self.layer_ids,
                                                      self.shard_metadata(index))}
             commit_shard(self.cache, dict(entry, files=files, write_seconds=time.time() - t, committed_at=time.time()),

@@ -328,3 +328,36 @@ def test_a_failure_mid_shard_keeps_finished_shards_and_releases_both_claims(tmp_
     extract_run(tmp_path, qwen35_dir, chat_corpus)  # the rerun does the rest
     m = read_manifest(cache)
     assert sorted(s["index"] for s in m["shards"]) == list(range(m["num_shards"]))
+
+
+@pytest.mark.parametrize("quant", ["bf16", "fp4"])
+def test_a_shard_whose_states_hold_inf_or_nan_is_refused_naming_row_and_layer(tmp_path, qwen35_dir, chat_corpus,
+                                                                              monkeypatch, quant):
+    """A target that overflows gives inf/NaN states: the shard is not written (in fp8/fp4 one inf would turn the
+    token's every value into NaN, with valid checksums, and training would skip every step that reads it), the error
+    names the shard, row and layer, the shards before it stay committed, and a rerun does the rest."""
+    from dflash_offline import target
+    from dflash_offline.shards import ShardError
+
+    real, calls = target.Target.tapped_layers, {"n": 0}
+
+    def overflowing(self, *batch):
+        taps = real(self, *batch)
+        calls["n"] += 1
+        if calls["n"] == 4:  # shard 1 (2 batches of 2 rows a shard), its second batch: shard row 2 + 1
+            taps = [t.clone() for t in taps]
+            taps[1][1, 5, 3] = float("inf")
+            taps[1][1, 6, 0] = float("nan")
+        return taps
+
+    monkeypatch.setattr(target.Target, "tapped_layers", overflowing)
+    with pytest.raises(ShardError, match=r"shard 1: the target's tapped states hold inf or NaN \(2 token-layers; "
+                                         r"row 3 layer \d+\); the shard was not written"):
+        extract_run(tmp_path, qwen35_dir, chat_corpus, quant=quant)
+    cache = next((tmp_path / "cache").glob("hidden-*"))
+    assert [s["index"] for s in read_manifest(cache)["shards"]] == [0]
+    assert not list((cache / "claims").glob("*.json")) and not (cache / hidden_shard_name(1)).exists()
+    monkeypatch.setattr(target.Target, "tapped_layers", real)
+    extract_run(tmp_path, qwen35_dir, chat_corpus, quant=quant)
+    m = read_manifest(cache)
+    assert sorted(s["index"] for s in m["shards"]) == list(range(m["num_shards"]))
