@@ -82,7 +82,7 @@ class Fp8Head:
     (e4m3), and dh = (d8 · s_d) (W8 · s_w) with dlogits scaled per chunk in e5m2 (its range keeps the softmax's
     small probabilities, which e4m3 would flush to zero). Quantizing W takes ROWS_AT_ONCE rows at a time."""
 
-    _cache: tuple | None = None  # (weak reference to the weight, its version, its Fp8Head)
+    _cache: tuple | None = None  # (weak reference to the weight, its (version, address), its Fp8Head)
 
     def __init__(self, w_VH: torch.Tensor):
         self.w8_VH, s_V1 = _rowwise_e4m3(w_VH)
@@ -96,14 +96,15 @@ class Fp8Head:
 
     @classmethod
     def of(cls, w_VH: torch.Tensor) -> "Fp8Head":
-        """The head of this weight tensor as it is now (another tensor, even at the same address, or the same one
-        changed in place, is quantized anew); the cache lets go when the weight is freed."""
+        """The head of this weight tensor as it is now (another tensor, even at the same address, the same one
+        changed in place, or given other storage through `.data =`, is quantized anew; a change through `w.data`'s
+        in-place ops is not seen: autograd does not count it either); the cache lets go when the weight is freed."""
         import weakref
 
-        c = cls._cache
-        if c is None or c[0]() is not w_VH or c[1] != w_VH._version:
+        c, now = cls._cache, (w_VH._version, w_VH.data_ptr())
+        if c is None or c[0]() is not w_VH or c[1] != now:
             cls._cache = None  # (the old head's memory first)
-            cls._cache = (weakref.ref(w_VH, lambda _: setattr(cls, "_cache", None)), w_VH._version, cls(w_VH))
+            cls._cache = (weakref.ref(w_VH, lambda _: setattr(cls, "_cache", None)), now, cls(w_VH))
         return cls._cache[2]
 
     def logits(self, h_nH: torch.Tensor) -> torch.Tensor:

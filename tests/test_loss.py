@@ -178,25 +178,31 @@ def _fp8_case(seed=0):
     return hidden, w, labels
 
 
-def test_fp8_head_gemms_are_the_dequantized_products():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_fp8_head_gemms_are_the_dequantized_products(device):
     """`Fp8Head`: the logits are (h8·s_h)(W8·s_V)ᵀ with per-row scales and the input gradient (d8·s_d)(W8·s_w) with one
-    scale each, up to the bf16 output's rounding: a wrong scale orientation or a transposed operand fails here."""
+    scale each, up to the bf16 output's rounding: a wrong scale orientation or a transposed operand fails here. On
+    CUDA as training runs it: a bf16 head, bf16 hidden states and dlogits, cuBLAS's float8 GEMMs."""
     from dflash_offline.loss import Fp8Head, _rowwise_e4m3
 
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     hidden, w, _ = _fp8_case()
-    h = hidden.reshape(-1, hidden.shape[-1])
+    h, w = hidden.reshape(-1, hidden.shape[-1]).to(device, dtype), w.to(device, dtype)
     head = Fp8Head(w)
     h8, s_h = _rowwise_e4m3(h)
     want = (h8.float() * s_h) @ (head.w8_VH.float() * head.s_1V.t()).t()
     torch.testing.assert_close(head.logits(h).float(), want, rtol=1e-2, atol=1e-2)
-    d = torch.softmax(h @ w.t(), -1) - torch.nn.functional.one_hot(torch.arange(h.shape[0]) % w.shape[0], w.shape[0])
+    exact = h.float() @ w.float().t()
+    d = (torch.softmax(exact, -1) - torch.nn.functional.one_hot(torch.arange(h.shape[0], device=device) % w.shape[0],
+                                                                w.shape[0])).to(dtype)
     got = head.grad_input(d.clone()).float()  # (it consumes its argument)
-    s_d = d.abs().amax() / torch.finfo(torch.float8_e5m2).max
-    want = ((d / s_d).to(torch.float8_e5m2).float() * s_d) @ (head.w8_HV.float() * head.s_w).t()
+    s_d = d.float().abs().amax() / torch.finfo(torch.float8_e5m2).max
+    want = ((d.float() / s_d).to(torch.float8_e5m2).float() * s_d) @ (head.w8_HV.float() * head.s_w).t()
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)
     # … and close to the exact products, not equal to them (it is float8)
-    assert 0 < (head.logits(h).float() - h @ w.t()).abs().max() < 0.1 * (h @ w.t()).abs().max()
-    assert torch.nn.functional.cosine_similarity(got.flatten(), (d @ w).flatten(), dim=0) > 0.999
+    assert 0 < (head.logits(h).float() - exact).abs().max() < 0.1 * exact.abs().max()
+    assert torch.nn.functional.cosine_similarity(got.flatten(), (d.float() @ w.float()).flatten(), dim=0) > 0.999
 
 
 @pytest.mark.parametrize("weighting", ["decay", "dpace"])
@@ -226,6 +232,10 @@ def test_fp8_head_is_quantized_once_per_weight():
     w.mul_(2)  # an in-place change (a new version) is seen
     b = Fp8Head.of(w)
     assert b is not a and torch.equal(b.w8_VH, Fp8Head(w).w8_VH)
+    w.data = w.data * 3  # other storage, same tensor and version: seen by its address
+    b3 = Fp8Head.of(w)
+    assert b3 is not b and torch.equal(b3.w8_VH, Fp8Head(w).w8_VH)
+    b = b3
     # the cache lets go when the weight is freed (a new tensor at its address is another weight)
     del w
     assert Fp8Head._cache is None
