@@ -43,6 +43,7 @@ import torch
 from .config import shard_list
 from .manifest import ManifestError, committed, missing_files, read_manifest
 from .shards import (
+    FP4_ALIGN,
     LAYER_TENSORS,
     HiddenShardFile,
     ShardError,
@@ -108,6 +109,11 @@ def open_hidden_cache(cache_dir, layer_ids, hidden_size: int | None = None, seq_
         raise ManifestError(f"{where}: incomplete cache, shards {shard_list(missing) if n else '?'} of {n} "
                             f"are not committed; finish it with `make extract CACHE={cache}`")
     _check_verdict(cache, m.get("verified"), require_verified)
+    width = int(prod["projection"]["dims"]) if prod.get("projection") else int(prod["target"]["hidden_size"])
+    if prod.get("quant") not in LAYER_TENSORS or (prod["quant"] == "fp4" and width % FP4_ALIGN):
+        raise ManifestError(f"{where}: producer.quant {prod.get('quant')!r} at width {width} is not an encoding this "
+                            f"code reads ({', '.join(LAYER_TENSORS)}; fp4 at a width that is a multiple of {FP4_ALIGN}): "
+                            f"extract the cache again with this code")
     projection = m.get("projection") if prod.get("projection") else None
     if prod.get("projection"):  # a projection file that is not the one the shards were computed with: refused now
         from .projection import read_projection
@@ -120,8 +126,7 @@ def open_hidden_cache(cache_dir, layer_ids, hidden_size: int | None = None, seq_
         shard_rows=tuple(int(done[i]["rows"]) for i in range(n)),
         shard_files=tuple(done[i]["files"][hidden_shard_name(i)] for i in range(n)),
         tokens_sha256=tuple(done[i]["tokens_sha256"] for i in range(n)),
-        width=int(prod["projection"]["dims"]) if prod.get("projection") else int(prod["target"]["hidden_size"]),
-        projection=projection,
+        width=width, projection=projection,
     )
     if bad := missing_files(cache, m):
         raise ManifestError(f"{where}: {len(bad)} committed shard(s) are damaged on disk ({bad[0]['reason']}"

@@ -160,10 +160,12 @@ def fp4_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     scale), on x's device.
 
     Token scale = amax · fl32(1 / (6 · 448)), so that block scales span e4m3's range; block scale = block amax / 6 / token
-    scale, rounded to the nearest e4m3 (a block whose scale rounds down saturates its largest values at ±6, by at most
-    1/16 of them: less than e2m1's own rounding there); codes = x / (block scale · token scale) rounded to the nearest
-    e2m1, ties to even. A block whose scale underflows e4m3 (all-zero blocks and tokens included) stores zeros. Value
-    2i of a token is the low nibble of its byte i, value 2i + 1 the high nibble."""
+    scale = 448 · block amax / token amax, rounded to the nearest e4m3 (a block whose scale rounds down saturates its
+    largest values at ±6, by at most 1/16 of them — less than e2m1's own rounding there — while the scale is a normal
+    e4m3, i.e. the block's amax is at least 2⁻⁶/448 ≈ 3.5e-5 of the token's; further below, the scale is subnormal,
+    with fewer bits, and saturation grows); codes = x / (block scale · token scale) rounded to the nearest e2m1, ties
+    to even. A block whose scale underflows e4m3 (all-zero blocks and tokens included) stores zeros. Value 2i of a
+    token is the low nibble of its byte i, value 2i + 1 the high nibble."""
     *lead, H = x.shape
     check_fp4_width(H)
     x_NBb = x.float().reshape(*lead, H // FP4_BLOCK, FP4_BLOCK)  # N… leading dims, B blocks, b = 16 values

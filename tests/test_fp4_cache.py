@@ -15,7 +15,7 @@ from test_extract import encoded_extraction, shard_files
 from dflash_offline import dataset as ds
 from dflash_offline import storage
 from dflash_offline.config import ExtractConfig, VerifyConfig
-from dflash_offline.manifest import read_manifest, update_manifest
+from dflash_offline.manifest import ManifestError, read_manifest, update_manifest
 from dflash_offline.shards import (
     ShardError,
     encode_layer,
@@ -174,6 +174,12 @@ def test_a_manifest_that_names_another_encoding_is_refused(tmp_path):
     with pytest.raises(ShardError, match=r"hidden-00000.*quant, rows, layer_ids\) = \(.*'fp4'.* but the manifest "
                                          r"says \(.*'fp8'"):
         ds.open_hidden_cache(cache, LAYERS)
+    # a manifest no extraction of this code writes: an fp4 width not whole blocks and bytes, an unknown encoding
+    for change in ({"quant": "fp4", "target": dict(m["producer"]["target"], hidden_size=48)}, {"quant": "fp2"}):
+        update_manifest(cache, producer=dict(m["producer"], **change))
+        with pytest.raises(ManifestError, match=r"producer.quant '(fp4' at width 48|fp2' at width 64) is not an "
+                                                r"encoding this code reads .*extract the cache again"):
+            ds.open_hidden_cache(cache, LAYERS)
 
 
 # --- a real extraction -----------------------------------------------------------------------------------------
