@@ -249,8 +249,9 @@ def calibrate(cfg, plan, model, cache: Path) -> dict:
             for lid, x in zip(ids, model.tapped_layers(*batch), strict=True):
                 moments[lid].add(x[:real][keep])
             rows += real
-    if not moments[ids[0]].n:
-        raise ValueError(f"extract.project_rows={cfg.project_rows}: the calibration rows hold no real token")
+    if moments[ids[0]].n < k:  # fewer samples than directions: P's last columns would be arbitrary
+        raise ValueError(f"extract.project_rows={cfg.project_rows}: the calibration rows hold {moments[ids[0]].n} real "
+                         f"tokens, fewer than project_dims={k}: raise project_rows (nothing was written)")
     tops = {lid: top_k(moments[lid], k) for lid in ids}
     meta = {"dims": k, "rows": rows, "tokens": moments[ids[0]].n, "layer_ids": sorted(ids),
             "retained": {str(lid): tops[lid][1] for lid in ids}}

@@ -419,6 +419,25 @@ def test_bad_project_dims_are_refused_naming_the_field_before_weights_load(tmp_p
     assert not list(tmp_path.glob("hidden-*"))
 
 
+def test_calibration_rows_with_fewer_real_tokens_than_dims_are_refused(tmp_path, qwen35_dir, chat_corpus,
+                                                                       monkeypatch):
+    """Fewer samples than k: the top-k eigenvectors past the moment's rank would be arbitrary directions (and the
+    retained energy 1.0): refused, nothing recorded."""
+    real_batches = extract.calibration_batches
+
+    def mostly_padding(cfg, plan):
+        for batch, real in real_batches(cfg, plan):
+            batch[2][:, 10:] = -1  # doc_ids: 10 real tokens a row
+            yield batch, real
+
+    monkeypatch.setattr(extract, "calibration_batches", mostly_padding)
+    with pytest.raises(ValueError, match=rf"^extract.project_rows=2: the calibration rows hold 20 real tokens, fewer "
+                                         rf"than project_dims={K}: raise project_rows"):
+        extract.run(*configs(tmp_path, qwen35_dir, chat_corpus, project_dims=K, project_rows=2))
+    cache = next(tmp_path.glob("hidden-*"))
+    assert "projection" not in read_manifest(cache) and not (cache / PROJECTION_FILE).exists()
+
+
 # --- (h) several processes --------------------------------------------------------------------------------------
 
 
