@@ -220,19 +220,23 @@ def teacher_forced(model, embed_VH, lm_head_VH, cache_dir, gamma, batches: int, 
             "acc": [round(float(x), 4) for x in acc[1:]]}
 
 
+def prompt_ids_digest(prompts: list[dict]) -> str:
+    """SHA-256 of the prompts' token ids, in order: two evaluations decoded the same prompts iff theirs are equal."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps([p["ids"] for p in prompts]).encode()).hexdigest()
+
+
 def baseline_key(cfg, target_dir: Path, prompts: list[dict], eos: list[int], dtype: str, device) -> dict:
     """What the target-alone decodes depend on: the target's weights and config, the prompts' tokens, eos, the
     budget, the dtype and the device type (and the library versions that compute them)."""
-    import hashlib
-
     import torch
     import transformers
 
     from .targetid import target_fingerprint
 
-    ids = hashlib.sha256(json.dumps([p["ids"] for p in prompts]).encode()).hexdigest()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return {"target": target_fingerprint(target_dir), "prompt_ids_sha256": ids, "eos": list(eos),
+    return {"target": target_fingerprint(target_dir), "prompt_ids_sha256": prompt_ids_digest(prompts), "eos": list(eos),
             "max_new_tokens": cfg.max_new_tokens, "dtype": dtype, "device": name, "torch": torch.__version__,
             "transformers": transformers.__version__}
 

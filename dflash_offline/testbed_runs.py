@@ -5,6 +5,8 @@ anything runs), naming (`slug`), and the per-arm statistics over seeds (`arm_row
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import shutil
 import time
@@ -147,6 +149,41 @@ def parse_arm(text: str) -> tuple[dict, dict]:
     return ext, train
 
 
+JOB_FILE = "testbed-job.json"  # in a drafter's run: what it was made from (`job_identity`)
+# what a drafter's training, export and evaluation run: the code whose change makes an earlier drafter stale (not
+# the testbed's orchestration, nor the target's build, which the cache key covers)
+DRAFTER_CODE = ("dflash_offline/*.py", "stages/train.py", "stages/export.py", "stages/evaluate.py")
+NOT_DRAFTER_CODE = ("testbed.py", "testbed_runs.py", "pysource.py")
+
+
+@functools.cache
+def drafter_code_digest() -> str:
+    """SHA-256 over the sources a drafter's training, export and evaluation run (`DRAFTER_CODE`)."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in sorted({f for pattern in DRAFTER_CODE for f in root.glob(pattern)} - {
+            root / "dflash_offline" / name for name in NOT_DRAFTER_CODE}):
+        h.update(f"{f.relative_to(root)}\0".encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def stale_job(run: Path, identity: dict) -> str | None:
+    """Why the drafter in `run` was made from something else than `identity` (its settings, cache, prompts, code),
+    or None when it was not (or there is none yet)."""
+    if not run.exists():
+        return None
+    f = run / JOB_FILE
+    if not f.is_file():
+        return f"{f.name} is missing (made by older code)"
+    before = json.loads(f.read_text())
+    changed = [k for k in sorted(set(before) | set(identity)) if before.get(k) != identity.get(k)]
+    return f"made with another {', '.join(changed)}" if changed else None
+
+
 def slug(text: str) -> str:
     return "-".join(x.replace("=", "").replace(".", "p").replace(",", "_") for x in text.split()) or "base"
 
@@ -159,11 +196,12 @@ def cache_complete(cache: Path) -> bool:
 
 
 def ab_table(r: dict) -> str:
-    head = ("| arm | τ per seed | mean | spread | Δ vs first | Δ 95 % CI (prompts) | final loss |\n"
-            "|---|---|---|---|---|---|---|")
-    body = [f"| {a['arm']} | {' / '.join(f'{t:.3f}' for t in a['taus'])} | {a['tau_mean']:.3f} | {a['spread']:.3f} | "
+    head = ("| arm | τ per seed | τ (seeds pooled) | spread | Δ vs first | Δ 95 % CI (prompts) | lossless | final loss |\n"
+            "|---|---|---|---|---|---|---|---|")
+    body = [f"| {a['arm']} | {' / '.join(f'{t:.3f}' for t in a['taus'])} | {a['tau_pooled']:.3f} | {a['spread']:.3f} | "
             f"{a['delta_vs_first']:+.3f} ({a['delta_pct']:+.1f} %) | "
             f"{'—' if a['delta_ci95'] is None else '[{:+.3f}, {:+.3f}]'.format(*a['delta_ci95'])} | "
+            f"{'yes' if all(a['lossless']) else 'NO: prompts ' + str(a['mismatches'])} | "
             f"{' / '.join(f'{x:.3f}' for x in a['loss'] if x is not None)} |" for a in r["arms"]]
     return "\n".join([head, *body])
 
@@ -174,12 +212,28 @@ def prompt_counts(eval_json: Path) -> list[tuple[float, int]]:
             for p in json.loads(eval_json.read_text())["per_prompt"]]
 
 
+def eval_record(eval_json: Path) -> dict:
+    """What the A/B table takes from an evaluation: τ, per-prompt counts, the lossless check, what was decoded."""
+    r = json.loads(eval_json.read_text())
+    return {"tau": r["tau_mean"], "counts": prompt_counts(eval_json), "lossless": bool(r.get("lossless", True)),
+            "mismatches": r.get("mismatches", []), "prompts": r.get("prompt_ids_sha256"),
+            "tokens": r.get("max_new_tokens")}
+
+
+def pooled_tau(seeds: list[list[tuple]]) -> float:
+    """τ of every seed's prompts together: their tokens over their verify steps (`prompt_counts` per seed)."""
+    tokens, steps = (sum(c[k] for counts in seeds for c in counts) for k in (0, 1))
+    return tokens / steps if steps else float("nan")
+
+
 def paired_delta_ci(a: list[list[tuple]], b: list[list[tuple]], draws: int = 2000, seed: int = 0):
     """95 % interval of τ(a) − τ(b) over prompts (paired bootstrap): a, b are per seed the `prompt_counts` of the
     same prompts; each draw resamples the prompts and pools every seed's tokens and steps on them."""
     import random
 
     n = len(a[0])
+    if any(len(x) != n for x in (*a, *b)):
+        raise ValueError("paired_delta_ci: every seed of both arms must hold the same prompts")
     pool = [[sum(x[i][k] for x in arm) for i in range(n)] for arm in (a, b) for k in (0, 1)]
     rng, deltas = random.Random(seed), []
     for _ in range(draws):
@@ -191,20 +245,39 @@ def paired_delta_ci(a: list[list[tuple]], b: list[list[tuple]], draws: int = 200
     return (deltas[int(0.025 * len(deltas))], deltas[int(0.975 * len(deltas)) - 1]) if deltas else None
 
 
+def failed_runs(root: Path, times: dict, evaluated: list[Path]) -> dict:
+    """{run relative to `root`: why} for the runs whose job failed (`times[run]["error"]`) and the `evaluated` runs
+    whose speculative output differs from the target's greedy output (exact mode: a bug, whatever the drafter)."""
+    failed = {str(r.relative_to(root)): t["error"] for r, t in times.items() if "error" in t}
+    for run in evaluated:
+        if not (e := eval_record(run / "eval.json"))["lossless"]:
+            failed[str(run.relative_to(root))] = f"not lossless: prompts {e['mismatches']} differ from the target's"
+    return failed
+
+
 def arm_rows(arms: list[str], results: dict, seeds) -> list[dict]:
-    """Per arm: τ per seed, mean, spread (max − min), sample std, final losses, difference to the first arm and its
-    paired-bootstrap 95 % interval over the prompts. `results[(arm, seed)] = (τ, final loss, prompt_counts)`."""
+    """Per arm: τ per seed, τ pooled over its seeds (every seed's prompts' tokens over their verify steps: the
+    statistic the interval is about), the mean of the seeds' τ, spread (max − min), sample std, final losses, the
+    lossless check per seed, the difference of pooled τ to the first arm's and its paired-bootstrap 95 % interval over
+    the prompts. `results[(arm, seed)] = (eval_record, final loss)`; evaluations of other prompts or token budgets
+    than the others' are refused (their prompts cannot be paired)."""
+    decoded = {(e["prompts"], e["tokens"], len(e["counts"])) for e, _ in results.values()}
+    if len(decoded) > 1:
+        raise ValueError(f"the evaluations to compare decoded different prompts or token budgets {sorted(decoded, key=str)}"
+                         f": their prompts cannot be paired; evaluate every arm on the same prompts")
     rows = []
     for arm in arms:
-        taus, losses, _ = zip(*(results[(arm, seed)] for seed in seeds), strict=True)
+        evals, losses = zip(*(results[(arm, seed)] for seed in seeds), strict=True)
+        taus = [e["tau"] for e in evals]
         mean = sum(taus) / len(taus)
         sd = (sum((t - mean) ** 2 for t in taus) / max(len(taus) - 1, 1)) ** 0.5
-        rows.append({"arm": arm or "(recipe)", "taus": list(taus), "tau_mean": mean, "spread": max(taus) - min(taus),
-                     "std": sd, "loss": list(losses)})
-    first = [results[(arms[0], seed)][2] for seed in seeds]
+        rows.append({"arm": arm or "(recipe)", "taus": taus, "tau_pooled": pooled_tau([e["counts"] for e in evals]),
+                     "tau_mean_of_seeds": mean, "spread": max(taus) - min(taus), "std": sd, "loss": list(losses),
+                     "lossless": [e["lossless"] for e in evals], "mismatches": [e["mismatches"] for e in evals]})
+    first = [results[(arms[0], seed)][0]["counts"] for seed in seeds]
     for arm, r in zip(arms, rows, strict=True):
-        r["delta_vs_first"] = r["tau_mean"] - rows[0]["tau_mean"]
-        r["delta_pct"] = 100 * r["delta_vs_first"] / rows[0]["tau_mean"]
+        r["delta_vs_first"] = r["tau_pooled"] - rows[0]["tau_pooled"]
+        r["delta_pct"] = 100 * r["delta_vs_first"] / rows[0]["tau_pooled"]
         r["delta_ci95"] = None if arm == arms[0] else paired_delta_ci(
-            [results[(arm, seed)][2] for seed in seeds], first)
+            [results[(arm, seed)][0]["counts"] for seed in seeds], first)
     return rows

@@ -24,8 +24,9 @@ trained and untrained, acceptance per position, lossless, wall time per phase).
 A/B (`--arms`, `;`-separated arms of space-separated `key=value` settings, "" = the recipe as it is): the phases
 above run first where not done yet, then each arm's drafter is trained with `--seeds` seeds on the testbed's cache (a setting of [extract], e.g. `quant=fp8`, gives the
 arm its own cache extracted from the same target and corpus), exported and evaluated on the same prompts;
-reported: τ per seed, mean, spread (max − min), final loss, each arm's difference to the first arm and its 95 %
-interval by a paired bootstrap over the prompts (every seed's tokens and steps pooled per prompt). `--sweep=` runs
+reported: τ per seed, τ with the seeds pooled, spread (max − min), final loss, lossless, each arm's difference of
+pooled τ to the first arm's and its 95 % interval by a paired bootstrap over the prompts (every seed's tokens and steps
+pooled per prompt). A run made from other settings, cache, prompts or drafter code than asked is made again. `--sweep=` runs
 the arms of one or more presets (`SWEEPS`): `options`, the existing options (γ, anchors per row, noise, D-PACE, fp8
 cache); `encodings`, the cache encodings (fp8, fp4, projected taps alone and with fp8); `fp8`, float8 training
 (linears, lm_head, both; the float8 linears on a GPU only). Jobs run `--parallel` at a time, each compiling with its share of the CPUs (their timings then overlap;
@@ -44,21 +45,27 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dflash_offline.config import ConfigError, as_dict, check_choice, config_from_argv
+from dflash_offline.manifest import write_json_atomic
 from dflash_offline.testbed_runs import (
+    JOB_FILE,
     PHASES,
     Paths,
     ab_table,
     arm_rows,
     cache_complete,
+    drafter_code_digest,
+    eval_record,
     eval_summary,
+    failed_runs,
+    file_sha256,
     forget_from,
     looping_share,
     parse_arm,
-    prompt_counts,
     read_state,
     result,
     run_metrics,
     slug,
+    stale_job,
     table,
     write_state,
 )
@@ -219,17 +226,42 @@ def extract(cfg: TestbedConfig, p: Paths, settings: dict, name: str, dev: str, l
     return stage("stages.extract", *args, *(f"--{k}={v}" for k, v in settings.items()), log_file=log_file)
 
 
+def train_args(cfg: TestbedConfig, run: Path, cache: Path, seed: int, settings: dict) -> list[str]:
+    """stages.train's arguments for one drafter (but --resume)."""
+    args = [f"--recipe={cfg.drafter_recipe}", f"--cache={cache}", f"--run={run}", f"--seed={seed}"]
+    if cfg.train_steps:
+        args.append(f"--steps={cfg.train_steps}")
+    return args + [f"--{kv}" for kv in cfg.train_args.split()] + [f"--{k}={v}" for k, v in settings.items()]
+
+
+def job_identity(cfg: TestbedConfig, p: Paths, j: Job) -> dict:
+    """What a drafter is made from: its training arguments and recipe, its cache (key), the evaluation's prompts and
+    budget, the drafter code (`RUN/testbed-job.json`; a run made from anything else is stale)."""
+    manifest = j.cache / "manifest.json"
+    return {"train": train_args(cfg, j.run, j.cache, j.seed, j.settings),
+            "recipe_sha256": file_sha256(cfg.drafter_recipe),
+            "cache_key": json.loads(manifest.read_text())["key"] if manifest.is_file() else None,
+            "eval": {"prompts_sha256": file_sha256(p.eval_prompts) if p.eval_prompts.is_file() else None,
+                     "num_prompts": cfg.eval_prompts, "max_new_tokens": cfg.eval_tokens},
+            "code_sha256": drafter_code_digest()}
+
+
+def fresh_run(cfg: TestbedConfig, p: Paths, j: Job) -> bool:
+    """Whether `j.run` holds a drafter made from what `j` asks (True also when it holds none yet); a run made from
+    anything else is removed (it is the testbed's own output, under DIR/runs) and said so."""
+    why = stale_job(j.run, job_identity(cfg, p, j))
+    if why:
+        log(f"{j.run}: {why}; made again")
+        shutil.rmtree(j.run)
+    return not why
+
+
 def train_export(cfg: TestbedConfig, run: Path, cache: Path, seed: int, settings: dict, env: dict,
                  log_dir: Path | None) -> dict:
     """Train (resumed where it stopped) and export one drafter; returns seconds per phase."""
     logf = (lambda name: log_dir / f"{name}.log") if log_dir else (lambda name: None)
-    args = [f"--recipe={cfg.drafter_recipe}", f"--cache={cache}", f"--run={run}", f"--seed={seed}",
-            f"--resume={int((run / 'checkpoints').is_dir())}"]
-    if cfg.train_steps:
-        args.append(f"--steps={cfg.train_steps}")
-    args += [f"--{kv}" for kv in cfg.train_args.split()]
-    train = stage("stages.train", *args, *(f"--{k}={v}" for k, v in settings.items()), log_file=logf("train"),
-                  env=env)
+    args = train_args(cfg, run, cache, seed, settings) + [f"--resume={int((run / 'checkpoints').is_dir())}"]
+    train = stage("stages.train", *args, log_file=logf("train"), env=env)
     export = stage("stages.export", f"--run={run}", f"--out={run / 'export'}", "--force=1", log_file=logf("export"),
                    env=env)
     return {"train": train, "export": export}
@@ -316,15 +348,20 @@ class Drafters:
                 self.made[c].set()
 
     def job(self, j: Job) -> None:
-        """One drafter: wait for its cache, train and export it, wait for the target-alone decodes, evaluate it."""
-        if (j.run / "eval.json").is_file():
-            return
-        if self.failed.is_set():
-            raise RuntimeError("not started: the base drafter or the untrained evaluation failed")
+        """One drafter: wait for its cache, train and export it, wait for the target-alone decodes, evaluate it —
+        unless its run already holds an evaluated drafter made from the same settings, cache, prompts and code."""
         if j.cache in self.made:
             self.made[j.cache].wait()
             if j.cache in self.broken:
                 raise RuntimeError(self.broken[j.cache])
+        fresh_run(self.cfg, self.p, j)
+        if (j.run / "eval.json").is_file():
+            self.times[j.run]["reused"] = 1.0
+            return
+        if self.failed.is_set():
+            raise RuntimeError("not started: the base drafter or the untrained evaluation failed")
+        j.run.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(j.run / JOB_FILE, job_identity(self.cfg, self.p, j))
         logs = None if self.stream and j.run == self.base else j.run / "logs"
         log(f"{j.arm or '(recipe)'} seed {j.seed}: training on {j.cache.name}" + (f" (logs: {logs})" if logs else ""))
         try:
@@ -373,6 +410,9 @@ def run_drafters(cfg: TestbedConfig, p: Paths, dev: str, jobs: list[Job], parall
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
+    for j in jobs:  # runs made from other settings or code go before anything reads them (the untrained evaluation)
+        if cache_complete(j.cache):
+            fresh_run(cfg, p, j)
     d = Drafters(cfg, p, dev, jobs, parallel, base, stream, caches)
     side = threading.Thread(target=d.untrained, daemon=True)
     side.start()
@@ -456,7 +496,13 @@ def testbed(cfg: TestbedConfig, p: Paths, dev: str, device, more: list[Job] = ()
         done("extract", {"seconds": secs, "rows": rows, "tokens": rows * seq, "tok_per_s_wall": rows * seq / secs,
                          "layer_ids": m["config"].get("layer_ids"), "projection": projection_summary(p.hidden())})
         free_device_memory()
-    jobs = ([] if "eval" in ph else [Job("", run, p.hidden(), cfg.seed, {})]) + \
+    base = Job("", run, p.hidden(), cfg.seed, {})
+    if "eval" in ph and (why := stale_job(run, job_identity(cfg, p, base))):  # other settings or code since
+        log(f"the testbed's drafter {run}: {why}: trained again")
+        for name in ("train", "export", "eval"):
+            ph.pop(name, None)
+        write_state(p, st)
+    jobs = ([] if "eval" in ph else [base]) + \
         [j for j in more if j.run != run or "eval" in ph]
     times = {}
     if jobs:
@@ -488,6 +534,11 @@ def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> tuple[dict, dict]:
     phases where they are not done yet (see the module doc). Returns (A/B record, testbed record)."""
     arms = sweep_arms(cfg.sweep, device.type == "cuda") if cfg.sweep else [a.strip() for a in cfg.arms.split(";")]
     parsed = [parse_arm(a) for a in arms]  # every arm checked before anything runs
+    if len({slug(a) for a in arms}) < len(arms):
+        same = [a or '""' for a in arms if [slug(b) for b in arms].count(slug(a)) > 1]
+        raise ConfigError(f"testbed.arms: {', '.join(dict.fromkeys(same))} given twice (the same settings train the "
+                          f"same drafters: they would share their runs); to see the noise of one arm, give it more "
+                          f"--seeds (SEEDS=) and read its spread")
     key = lambda ext: " ".join(f"{k}={v}" for k, v in sorted(ext.items()))  # noqa: E731
     caches = {slug(key(ext)): ext for ext, _ in parsed if ext}
     seeds = range(cfg.seed, cfg.seed + cfg.seeds)
@@ -501,10 +552,9 @@ def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> tuple[dict, dict]:
     if arms[0] not in complete:
         raise RuntimeError(f"the first arm ({arms[0] or '(recipe)'}) has no evaluation for every seed: nothing to "
                            f"compare with; see the logs under {p.root / 'runs'}")
-    rows = arm_rows(complete, {(j.arm, j.seed): (eval_summary(j.run / "eval.json")["tau_mean"],
-                                                 run_metrics(j.run).get("loss"), prompt_counts(j.run / "eval.json"))
+    rows = arm_rows(complete, {(j.arm, j.seed): (eval_record(j.run / "eval.json"), run_metrics(j.run).get("loss"))
                                for j in jobs if j.arm in complete}, seeds)
-    failed = {str(r.relative_to(p.root)): t["error"] for r, t in times.items() if "error" in t}
+    failed = failed_runs(p.root, times, [j.run for j in jobs if j.arm in complete])
     return {"testbed": str(p.root), "seeds": cfg.seeds, "arms": rows, "failed": failed, "recipe": cfg.drafter_recipe,
             "seconds": round(time.perf_counter() - t0, 1), "parallel": parallel,
             "job_seconds": {str(r.relative_to(p.root)): {k: v if isinstance(v, str) else round(v, 1)
@@ -517,7 +567,6 @@ def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> tuple[dict, dict]:
 
 def main(argv: list[str]) -> int:
     from dflash_offline.devices import pick_device
-    from dflash_offline.manifest import write_json_atomic
 
     cfg = apply_preset(config_from_argv(TestbedConfig, "testbed", argv, __doc__), argv).resolve()
     device = pick_device(cfg.device, "testbed.device")

@@ -98,7 +98,7 @@ def test_render_is_the_chat_template(qwen35_dir):
 
 
 def test_the_ab_interval_is_paired_over_prompts():
-    from dflash_offline.testbed_runs import arm_rows, paired_delta_ci
+    from dflash_offline.testbed_runs import ab_table, arm_rows, paired_delta_ci
 
     steps = [5, 9, 13, 7, 11, 6, 8, 10] * 4
     base = [2.0 + 6 * (i % 4) for i in range(len(steps))]  # prompts differ far more than the arms do
@@ -112,10 +112,24 @@ def test_the_ab_interval_is_paired_over_prompts():
     noisy = [counts([t + (0.5 if i % 2 else -0.5) for i, t in enumerate(base)])] * 2
     lo, hi = paired_delta_ci(noisy, b)
     assert lo < 0 < hi
-    rows = arm_rows(["", "x=1"], {("", 0): (3.0, 0.5, b[0]), ("", 1): (3.2, 0.4, b[1]),
-                                  ("x=1", 0): (3.3, 0.5, a[0]), ("x=1", 1): (3.3, 0.5, a[1])}, range(2))
+    ev = lambda counts, tau, ok=True: {"tau": tau, "counts": counts, "lossless": ok, "mismatches": [] if ok else [3],  # noqa: E731
+                                       "prompts": "p", "tokens": 64}
+    rows = arm_rows(["", "x=1"], {("", 0): (ev(b[0], 3.0), 0.5), ("", 1): (ev(b[1], 3.2), 0.4),
+                                  ("x=1", 0): (ev(a[0], 3.3), 0.5), ("x=1", 1): (ev(a[1], 3.3, False), 0.5)}, range(2))
     assert rows[0]["delta_ci95"] is None and rows[1]["delta_ci95"][0] > 0
-    assert rows[1]["delta_vs_first"] == pytest.approx(0.2) and rows[0]["spread"] == pytest.approx(0.2)
+    assert rows[0]["spread"] == pytest.approx(0.2) and rows[0]["tau_mean_of_seeds"] == pytest.approx(3.1)
+    # τ of an arm pools its seeds' tokens and steps, as the interval does: Δ is that difference, inside the interval
+    pooled = sum(t * s for t, s in zip(base, steps, strict=True)) / sum(steps)
+    assert rows[0]["tau_pooled"] == pytest.approx(pooled) and rows[1]["tau_pooled"] == pytest.approx(pooled + 0.2)
+    assert rows[1]["delta_vs_first"] == pytest.approx(0.2)
+    assert rows[1]["delta_ci95"][0] <= rows[1]["delta_vs_first"] <= rows[1]["delta_ci95"][1]
+    assert rows[1]["lossless"] == [True, False] and "| NO: prompts [[], [3]] |" in ab_table({"arms": rows})
+    # evaluations of other prompts (or budgets) cannot be paired: refused, not truncated
+    other = {**ev(a[0][:16], 3.3), "prompts": "q"}
+    with pytest.raises(ValueError, match="decoded different prompts or token budgets"):
+        arm_rows(["", "x=1"], {("", 0): (ev(b[0], 3.0), 0.5), ("x=1", 0): (other, 0.5)}, range(1))
+    with pytest.raises(ValueError, match="same prompts"):
+        paired_delta_ci([a[0][:16]], b[:1])
 
 
 def test_arms_are_checked_before_anything_runs():
@@ -218,7 +232,9 @@ def _fake_stages(monkeypatch, fail: dict):
 
     def evaluate(cfg, p, run, dev, untrained, log_file, env):
         name = "eval-untrained.json" if untrained else "eval.json"
-        (run / name).write_text(json.dumps({"tau_mean": 1.0 if untrained else 2.0, "per_prompt": []}))
+        ok = "lossy" not in str(run)
+        (run / name).write_text(json.dumps({"tau_mean": 1.0 if untrained else 2.0, "per_prompt": [], "lossless": ok,
+                                            "mismatches": [] if ok else [1]}))
         p.baseline(cfg.eval_tokens).write_text("{}")
         return 0.0
 
@@ -301,3 +317,47 @@ def test_an_evaluation_that_exits_1_without_its_json_is_a_failure_not_a_result(t
     with pytest.raises(RuntimeError, match=r"failed without writing .*eval.json \(log: .*eval.log\)"):
         stage.evaluate(cfg, p, run, "cpu", False, run / "logs" / "eval.log", {})
     assert not (run / "eval.json").exists()
+
+
+def test_a_run_made_from_other_settings_or_code_is_made_again_and_an_equal_one_reused(tmp_path, monkeypatch):
+    """A drafter's run records what it was made from (training arguments, recipe, cache key, prompts, code): a later
+    A/B with other settings (here fewer steps) or code trains it again instead of reporting the old evaluation; the
+    same settings reuse it and say so."""
+    from dflash_offline import testbed_runs
+
+    calls = _fake_stages(monkeypatch, {})
+    p = stage.Paths(str(tmp_path))
+    jobs = _jobs(p, ["base", "a"])
+    stage.run_drafters(stage.TestbedConfig(dir=str(tmp_path)), p, "cpu", jobs, 1, jobs[0].run)
+    assert calls == ["base/seed0", "a/seed0"]
+    times = stage.run_drafters(stage.TestbedConfig(dir=str(tmp_path)), p, "cpu", jobs, 1, jobs[0].run)
+    assert calls == ["base/seed0", "a/seed0"] and times[jobs[1].run] == {"reused": 1.0}
+    (jobs[1].run / "checkpoints").mkdir()  # (a stale run's files go with it)
+    stage.run_drafters(stage.TestbedConfig(dir=str(tmp_path), train_steps=300), p, "cpu", jobs, 1, jobs[0].run)
+    assert calls[2:] == ["base/seed0", "a/seed0"] and not (jobs[1].run / "checkpoints").exists()
+    assert "--steps=300" in json.loads((jobs[1].run / testbed_runs.JOB_FILE).read_text())["train"]
+    monkeypatch.setattr(testbed_runs, "drafter_code_digest", lambda: "other code")
+    monkeypatch.setattr(stage, "drafter_code_digest", lambda: "other code")
+    stage.run_drafters(stage.TestbedConfig(dir=str(tmp_path), train_steps=300), p, "cpu", jobs, 1, jobs[0].run)
+    assert calls[4:] == ["base/seed0", "a/seed0"]
+    assert testbed_runs.stale_job(jobs[1].run, {"x": 1}) .startswith("made with another ")
+
+
+def test_a_drafter_that_is_not_lossless_is_reported_failed(tmp_path, monkeypatch):
+    from dflash_offline.testbed_runs import failed_runs
+
+    _fake_stages(monkeypatch, {})
+    p = stage.Paths(str(tmp_path))
+    jobs = _jobs(p, ["base", "lossy"])
+    times = stage.run_drafters(stage.TestbedConfig(dir=str(tmp_path)), p, "cpu", jobs, 1, jobs[0].run)
+    assert failed_runs(tmp_path, times, [j.run for j in jobs]) == {
+        "runs/lossy/seed0": "not lossless: prompts [1] differ from the target's"}
+
+
+def test_the_same_arm_twice_is_refused_before_anything_runs(tmp_path):
+    import torch
+
+    cfg = stage.TestbedConfig(dir=str(tmp_path), arms=";gamma=5; gamma=5", preset="micro")
+    with pytest.raises(ConfigError, match=r"testbed.arms: gamma=5 given twice .*--seeds"):
+        stage.ab(cfg, stage.Paths(str(tmp_path)), "cpu", torch.device("cpu"))
+    assert not (tmp_path / "state.json").exists()
