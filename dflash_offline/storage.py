@@ -31,10 +31,11 @@ ENCODINGS = {
 # `make bench-extract`, 2026-11-30, commit f18a350, bench/results/bench-extract-h200.json ("row_tok_per_s")
 EXTRACT_TOK_S = 12_045
 EXTRACT_LAYER_PARAMS = 23_597_668_128  # parameters of the decoder layers it ran (layers 0..61; "layer_params")
-# stage 2, context tok/s per GPU, read check on (what every run does), 1 row of 2048 a step, 512 anchors:
-# `bench.train --read_check on`, 2026-12-01, commit 0b164d3, bench/results/train-read-check-h200.json (10,053 and
-# 10,014 in one call; 9,633-10,088 over GPUs, which hold different clocks at the power limit)
-TRAIN_TOK_S = 10_053
+# stage 2, context tok/s per GPU, 1 row of 2048 a step, 512 anchors: `make bench-train`, 2026-12-01 (docs/benchmarks.md):
+# 9,633-10,088 over four calls on as many H200s, which hold different clocks at the power limit (1509-1578 MHz); the
+# read check every run does costs ≤ 0.5 % (bench/results/train-read-check-h200.json: 10,053 and 10,014 with it,
+# 10,088 without, one call). A plan takes the slowest: a GPU-hour budget should not assume the fastest GPU.
+TRAIN_TOK_S = 9_633
 TRAIN_SEQ_LEN = 2048
 TRAIN_DRAFTER = SimpleNamespace(hidden_size=5120, intermediate_size=17408, vocab_size=248320, num_layers=5,
                                 num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, num_anchors=512,
@@ -53,6 +54,16 @@ def bytes_per_token(quant: str, k: int, hidden: int) -> int:
 
         check_fp4_width(hidden)
     return ENCODINGS[quant][1](k, hidden)
+
+
+def token_bytes_per_token() -> int:
+    """Bytes a token takes in the token cache: stage 1a's Arrow columns (`shards.TOKEN_COLUMNS`; 13), headers and
+    each row's document sources aside."""
+    import numpy as np
+
+    from .shards import TOKEN_COLUMNS
+
+    return sum(np.dtype(d).itemsize for _, d in TOKEN_COLUMNS.values())
 
 
 def target_layer_params(ckpt: Path, depth: int) -> int:
@@ -108,12 +119,16 @@ def plan_epochs(train, rows: int, seq_len: int, gpus: int) -> float | None:
 
 def storage_plan(*, rows: int, seq_len: int, doc_tokens: int, k: int, hidden: int, quant: str, need: int,
                  shards: str, free: int, fits: bool, min_free_gb: float, allow_overfill: bool, gpus: int,
-                 epochs: float | None, rate: dict, gpu: bool, projected_from: int = 0) -> dict:
+                 epochs: float | None, rate: dict, gpu: bool, projected_from: int = 0, todo_rows: int | None = None,
+                 token_bytes: int = 0) -> dict:
     """The plan's numbers. `hidden`: values stored per token and tap (project_dims for a projected cache, whose
-    target's hidden size is `projected_from`); `need`: bytes the shards still to do take in the chosen encoding
-    (`shards`: '3/4', to do of all); `free`: free bytes where the cache goes; `fits`: `plan.disk_refusal` found room;
-    `gpu`: False on a CPU run (device=cpu), where the H200 rates (not given ones) are left out."""
+    target's hidden size is `projected_from`); `need`: bytes the run writes — the shards still to do in the chosen
+    encoding (`shards`: '3/4', to do of all; `todo_rows` their rows, default all: what extraction's GPU-hours are
+    for), plus `token_bytes` when stage 1a has not written the token cache yet; `free`: free bytes where the cache
+    goes; `fits`: `plan.disk_refusal` found room; `gpu`: False on a CPU run (device=cpu), where the H200 rates (not
+    given ones) are left out."""
     tokens = rows * seq_len
+    todo_tokens = tokens if todo_rows is None else todo_rows * seq_len
     enc = {name: {"what": what, "bytes_per_token": f(k, hidden), "total_bytes": tokens * f(k, hidden)}
            for name, (what, f) in ENCODINGS.items()}
     if not projected_from:  # the same encodings of taps projected to half and a quarter of the width (project_dims)
@@ -127,13 +142,14 @@ def storage_plan(*, rows: int, seq_len: int, doc_tokens: int, k: int, hidden: in
         e["read_gb_s"] = e["bytes_per_token"] * train["tok_s"] * gpus / 1e9 if train else None
     gpu_h = {}
     if "extract" in shown:
-        gpu_h["extract"] = tokens / shown["extract"]["tok_s"] / 3600
+        gpu_h["extract"] = todo_tokens / shown["extract"]["tok_s"] / 3600
     if train:
         gpu_h["train_epoch"] = tokens / train["tok_s"] / 3600
         if epochs is not None:
             gpu_h["train"] = epochs * gpu_h["train_epoch"]
     return {"rows": rows, "seq_len": seq_len, "tokens": tokens, "doc_tokens": doc_tokens, "k": k, "hidden": hidden,
-            "projected_from": projected_from, "quant": quant, "encodings": enc, "need_bytes": need, "shards": shards, "free_bytes": free, "fits": fits,
+            "projected_from": projected_from, "quant": quant, "encodings": enc, "need_bytes": need, "shards": shards,
+            "token_bytes": token_bytes, "free_bytes": free, "fits": fits,
             "min_free_gb": min_free_gb, "allow_overfill": allow_overfill, "gpus": gpus, "epochs": epochs,
             "rates": shown, "gpu": gpu, "gpu_hours": gpu_h}
 
@@ -156,7 +172,7 @@ MEASURED_AT = {"extract": ("Qwen3.5-27B shapes", "the parameters of the target l
 
 
 def describe_rate(stage: str, r: dict) -> str:
-    """'train 19,499 context tok/s per H200 (estimate: … scaled ×1.94 by …)'."""
+    """'train 18,685 context tok/s per H200 (estimate: … scaled ×1.94 by …)'."""
     unit = "row tok/s" if stage == "extract" else "context tok/s"
     if r["source"] == "given":
         return f"{stage} {r['tok_s']:,.0f} {unit} per GPU (given)"
@@ -186,18 +202,22 @@ def render(p: dict, cache: Path, cpu_estimate_min: float | None = None) -> list[
     verdict = f"fits, {keep} ({size(p['free_bytes'] - p['need_bytes'])} left after it)" if p["fits"] else \
         f"does not fit, {keep}: " + ("allow_overfill=1 starts a real run anyway" if p["allow_overfill"] else
                                      "a real run is refused (--allow_overfill=1 starts it anyway)")
+    tokens = f" and the token cache ({size(p['token_bytes'])})" if p.get("token_bytes") else ""
     lines.append(f"  free where the cache goes ({cache}): {size(p['free_bytes'])}; this run writes "
-                 f"{size(p['need_bytes'])} ({p['shards']} shards) → {verdict}")
+                 f"{size(p['need_bytes'])} ({p['shards']} shards{tokens}) → {verdict}")
     lines += [f"  rate: {describe_rate(stage, r)}" for stage, r in p["rates"].items()]
     lines.append("  " + gpu_hours_line(p, cpu_estimate_min))
     return lines
 
 
 def gpu_hours_line(p: dict, cpu_minutes: float | None) -> str:
-    """'GPU-hours: extract 36.9 (4.6 h on 8), train 6 epochs 141.4 (17.7 h on 8); total …', or n/a on a CPU run."""
+    """'GPU-hours: extract 36.9 (4.6 h on 8), train 6 epochs 142.7 (17.8 h on 8); total …', or n/a on a CPU run.
+    Extraction counts the shards still to do ('extract 1.2 for 3/24,415 shards' when not all)."""
     h, n = p["gpu_hours"], p["gpus"]
+    todo, total = p["shards"].split("/")
     if "extract" in h:
-        parts = [f"extract {h['extract']:,.1f} ({hours(h['extract'] / n)} on {n})"]
+        part = f" for {p['shards']} shards" if todo != total else ""
+        parts = [f"extract {h['extract']:,.1f}{part} ({hours(h['extract'] / n)} on {n})"]
     else:
         parts = ["extract n/a on CPU" + (f" (≈ {hours(cpu_minutes / 60)} on this CPU, from the timed batch)"
                                          if cpu_minutes is not None else "")]
@@ -227,6 +247,7 @@ def plan_lines(cfg, p: dict, train) -> list[str]:
                       k=len(ids), hidden=p["width"], quant=cfg.quant, need=p["need"],
                       projected_from=info.hidden_size if cfg.project_dims else 0,
                       shards=f"{len(p['todo']):,}/{p['num_shards']:,}", free=p["free"],
+                      todo_rows=p["todo_rows"], token_bytes=p["token_bytes"],
                       fits=not p["refusal"], min_free_gb=cfg.min_free_gb, allow_overfill=cfg.allow_overfill,
                       gpus=cfg.plan_gpus, epochs=plan_epochs(train, rows, seq_len, cfg.plan_gpus), rate=rate,
                       gpu=cfg.device != "cpu")

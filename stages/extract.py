@@ -60,7 +60,7 @@ from dflash_offline.manifest import (
 )
 from dflash_offline.plan import OVERFILL, disk_refusal, free_space, make_plan, recorded_config
 from dflash_offline.progress import Progress, log, private_compile_caches, run_cli, unbuffered
-from dflash_offline.storage import plan_lines, recipe_train
+from dflash_offline.storage import plan_lines, recipe_train, token_bytes_per_token
 
 ROW_FILL = (("input_ids", 0), ("position_ids", 0), ("doc_ids", -1))  # token columns, value of a padding row
 PROJECTION_WAIT_S = 1800.0  # how long ranks > 0 wait for rank 0 to record the cache's projection
@@ -122,7 +122,12 @@ def plan_run(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int, world: int,
     damaged = {b["shard"]: b["reason"] for b in missing_files(cache, existing)} if done else {}
     todo = redo or [i for i in range(plan["num_shards"]) if i not in done or i in damaged]
     shard_rows = {s["index"]: s["rows"] for s in plan["tokens_manifest"]["shards"]}
-    need = sum(shard_rows[i] for i in todo) * plan["seq_len"] * plan["bytes_per_token"]
+    todo_rows = sum(shard_rows[i] for i in todo)
+    need = todo_rows * plan["seq_len"] * plan["bytes_per_token"]
+    # a dry run's token cache is in memory: the real run writes it first, mostly on the same filesystem
+    token_bytes = sum(shard_rows.values()) * plan["seq_len"] * token_bytes_per_token() if plan[
+        "tokens_manifest"].get("dry_run") else 0
+    need += token_bytes
     free = free_space(cache)
     refusal = disk_refusal(cache, need, free, cfg.min_free_gb)  # a dry run says so at its end, after its plan
     if refusal and not cfg.dry_run:
@@ -141,7 +146,7 @@ def plan_run(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int, world: int,
         f"estimated {probe['seconds_per_row']:.3f} s/row → {est / 60:.1f} min for this process "
         f"(checked in {time.time() - t0:.1f}s, before loading weights)")
     return dict(plan, cache=cache, device=device, tokens_dir=tokens_dir, todo=todo, redo=bool(redo), need=need,
-                free=free, refusal=refusal, minutes=est / 60, kernels=probe["mode"], t0=t0)
+                todo_rows=todo_rows, token_bytes=token_bytes, free=free, refusal=refusal, minutes=est / 60, kernels=probe["mode"], t0=t0)
 
 
 # --- the run -------------------------------------------------------------------------------------------------

@@ -19,13 +19,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def small_plan(gpus=8, quant="bf16", rows=10, seq_len=128, free=10**12, fits=True, epochs=2.0, gpu=True,
-               projected_from=0):
+               projected_from=0, shards="2/2", **kw):
     rate = storage.rates(layer_params=storage.EXTRACT_LAYER_PARAMS, drafter=storage.TRAIN_DRAFTER,
                          seq_len=storage.TRAIN_SEQ_LEN)
     return storage.storage_plan(rows=rows, seq_len=seq_len, doc_tokens=rows * seq_len - 7, k=3, hidden=64,
-                                quant=quant, need=rows * seq_len * 384, shards="2/2", free=free, fits=fits,
+                                quant=quant, need=rows * seq_len * 384, shards=shards, free=free, fits=fits,
                                 min_free_gb=2.0, allow_overfill=False, gpus=gpus, epochs=epochs, rate=rate, gpu=gpu,
-                                projected_from=projected_from)
+                                projected_from=projected_from, **kw)
 
 
 def test_bytes_per_token_at_the_27b_shapes():
@@ -33,6 +33,14 @@ def test_bytes_per_token_at_the_27b_shapes():
     assert storage.bytes_per_token("fp8", 5, 5120) == 25_620  # 5 × (5120 e4m3 + a 4-byte scale)
     assert storage.bytes_per_token("fp4", 5, 5120) == 14_420  # 5 × (2560 B of codes + 320 e4m3 scales + 4 B)
     assert set(storage.ENCODINGS) >= {"bf16", "fp8", "fp4"}  # every quant= value has its entry
+
+
+def test_extraction_gpu_hours_are_for_the_shards_still_to_do():
+    every, some = small_plan(), small_plan(todo_rows=3, shards="1/2")
+    assert some["gpu_hours"]["extract"] == pytest.approx(every["gpu_hours"]["extract"] * 3 / 10)
+    assert some["gpu_hours"]["train"] == every["gpu_hours"]["train"]  # training reads the whole cache
+    assert "GPU-hours: extract 0.0 for 1/2 shards (" in storage.gpu_hours_line(some, None)
+    assert "GPU-hours: extract 0.0 (" in storage.gpu_hours_line(every, None)
 
 
 def test_each_encodings_total_is_tokens_times_its_bytes_per_token():
@@ -127,7 +135,7 @@ def test_a_27b_plan_from_shapes_alone(tmp_path, capsys):
     assert "81.9 TB" in text and "41.0 TB" in text and "a real run is refused (--allow_overfill=1" in text
     assert "GPU-hours: extract 36.9 (4.6 h on 8), train 6 epochs" in text
     assert "extract 12,045 row tok/s per H200 (measured at Qwen3.5-27B shapes" in text
-    assert re.search(r"train 1[89],\d{3} context tok/s per H200 \(estimate: 10,053 measured at the 27B drafter", text)
+    assert re.search(rf"train 1[89],\d{{3}} context tok/s per H200 \(estimate: {storage.TRAIN_TOK_S:,} measured at the 27B drafter", text)
 
 
 # --- the stage: real shard bytes, refusals, dry runs -----------------------------------------------------------
@@ -206,4 +214,11 @@ def test_the_dry_run_plan_on_cpu_uses_the_real_token_counts(tmp_path, qwen35_dir
     rows = sum(s["rows"] for s in m["shards"])
     assert f"storage plan: {rows:,} rows × 128 = {rows * 128:,} tokens" in out
     assert "GPU-hours: extract n/a on CPU" in out and "GB/s" not in out
+    # the token cache is not on disk yet: what its 13 bytes a token will take counts in what the run writes
+    token_bytes = rows * 128 * storage.token_bytes_per_token()
+    assert storage.token_bytes_per_token() == 13
+    assert f"shards and the token cache ({storage.size(token_bytes)})) →" in out
     assert not root.exists()
+    tokenize.run(tok)  # once it is there, the plan does not count it again
+    assert extract.run(ext, tok) is None
+    assert "and the token cache" not in capsys.readouterr().out
