@@ -30,6 +30,7 @@ ENCODINGS = {
 # stage 1b, row tok/s per GPU including shard writes (bf16), 4 rows of 4096 a forward, taps [1, 16, 31, 46, 61]:
 # `make bench-extract`, 2026-11-30, commit f18a350, bench/results/bench-extract-h200.json ("row_tok_per_s")
 EXTRACT_TOK_S = 12_045
+EXTRACT_SEQ_LEN = 4096  # the rows it was measured on (attention's share of the work grows with them)
 EXTRACT_LAYER_PARAMS = 23_597_668_128  # parameters of the decoder layers it ran (layers 0..61; "layer_params")
 # stage 2, context tok/s per GPU, 1 row of 2048 a step, 512 anchors: `make bench-train`, 2026-12-01 (docs/benchmarks.md):
 # 9,633-10,088 over four calls on as many H200s, which hold different clocks at the power limit (1509-1578 MHz); the
@@ -92,16 +93,18 @@ def drafter_shape(train, hidden: int, intermediate: int, vocab: int, layer_ids: 
 
 def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.0, train_tok_s: float = 0.0) -> dict:
     """Tokens/s per GPU for both stages, each with where it comes from: given (> 0), or the measured H200 rate
-    scaled by work per token (`factor` 1.0: the measured shapes themselves)."""
+    scaled by work per token (`factor` 1.0 at the measured shapes: "measured" only there, extraction also at its row
+    length)."""
     from .metrics import flops_per_row
 
     per_tok = flops_per_row(drafter, seq_len, drafter.num_anchors) / seq_len
     ref_per_tok = flops_per_row(TRAIN_DRAFTER, TRAIN_SEQ_LEN, TRAIN_DRAFTER.num_anchors) / TRAIN_SEQ_LEN
     out, work = {}, {"extract": EXTRACT_LAYER_PARAMS / layer_params, "train": ref_per_tok / per_tok}
+    same = {"extract": seq_len == EXTRACT_SEQ_LEN, "train": True}  # (training's row length is in its FLOPs)
     for stage, given, measured in (("extract", extract_tok_s, EXTRACT_TOK_S), ("train", train_tok_s, TRAIN_TOK_S)):
         factor = work[stage]
         out[stage] = {"tok_s": given, "source": "given"} if given else \
-            {"tok_s": measured * factor, "source": "measured" if abs(factor - 1) < 0.01 else "scaled",
+            {"tok_s": measured * factor, "source": "measured" if abs(factor - 1) < 0.01 and same[stage] else "scaled",
              "factor": factor, "measured_tok_s": measured}
     return out
 
@@ -167,7 +170,7 @@ def hours(h: float) -> str:
     return f"{h:.1f} h" if h >= 1 else f"{h * 60:.0f} min" if h >= 1 / 60 else f"{h * 3600:.0f} s"
 
 
-MEASURED_AT = {"extract": ("Qwen3.5-27B shapes", "the parameters of the target layers it runs"),
+MEASURED_AT = {"extract": ("Qwen3.5-27B shapes, rows of 4096", "the parameters of the target layers it runs"),
                "train": ("the 27B drafter, rows of 2048", "the drafter's FLOPs per context token")}
 
 
