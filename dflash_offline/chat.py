@@ -37,6 +37,11 @@ template writes. It must equal the real rendering once the placeholders are put 
 offsets), and the template must have written exactly one `<|im_start|>assistant\\n` … `<|im_end|>` turn per
 assistant message; otherwise the record is a `template_error`. The k-th such turn is the k-th assistant message; its
 supervised span runs from after the header through `<|im_end|>` inclusive.
+
+A turn the target did not finish (`make regen` records `regen.finish_reason`, one per regenerated assistant turn:
+"length" = stopped at max_new_tokens) is supervised only up to its last generated character: the template closes it
+(`\n</think>\n\n` after a cut reasoning, `<|im_end|>` after a cut answer) with tokens the target never wrote there,
+and a drafter must not learn to end a turn mid-sentence (counted as `truncated_turns`).
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ THINK_RE = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 # same-length stand-ins for the turn markers inside record strings (Unicode private-use characters)
 PLACEHOLDERS = {IM_START: "\ue000" * len(IM_START), IM_END: "\ue001" * len(IM_END)}
 # identity of the rendering and masking rules below; part of the token cache key (change it with the rules)
-RULES = "chat/v3: content kept verbatim beside given reasoning, tool calls normalized, think tags split, structural spans, empty think block masked by option"
+RULES = "chat/v4: content kept verbatim beside given reasoning, tool calls normalized, think tags split, structural spans, empty think block masked by option, truncated regen turns end at their last generated character"
 
 
 class RecordError(Exception):
@@ -195,9 +200,20 @@ def prepare_messages(messages: list[dict], thinking: str, counts: Counter) -> li
 # --- rendering and spans -------------------------------------------------------------------------------------
 
 
+def truncated_turns(obj: dict, messages: list[dict]) -> set[int]:
+    """Indices in `messages` of the assistant turns `make regen` stopped at max_new_tokens (the record's
+    `regen.finish_reason`, one per assistant turn in order; none when it does not match the turns)."""
+    reasons = (obj.get("regen") or {}).get("finish_reason") if isinstance(obj.get("regen"), dict) else None
+    assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not isinstance(reasons, list) or len(reasons) != len(assistant):
+        return set()
+    return {i for i, why in zip(assistant, reasons, strict=True) if why == "length"}
+
+
 def conversation_samples(tok, messages: list[dict], tools: list | None, turns: str, empty_think: str,
-                         counts: Counter) -> list[tuple[str, list[tuple[int, int]]]]:
-    """(rendered text, supervised character spans) of each sample of a prepared conversation (`turns` last|each)."""
+                         counts: Counter, truncated: set[int] = frozenset()) -> list[tuple[str, list[tuple[int, int]]]]:
+    """(rendered text, supervised character spans) of each sample of a prepared conversation (`turns` last|each;
+    `truncated`: indices of assistant turns cut at max_new_tokens, `truncated_turns`)."""
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     marked = holds_marker(messages, tools)
     if turns == "last":
@@ -207,8 +223,8 @@ def conversation_samples(tok, messages: list[dict], tools: list | None, turns: s
         samples = turn_samples(tok, messages, tools, assistant, marked)
     counts["chat_records"] += 1
     counts["samples"] += len(samples)
-    return [(text, [supervised_span(text, span, messages[i], empty_think, counts) for i, span in chosen])
-            for text, chosen in samples]
+    return [(text, [supervised_span(text, span, messages[i], empty_think, counts, i in truncated)
+                     for i, span in chosen]) for text, chosen in samples]
 
 
 def turn_samples(tok, messages, tools, assistant: list[int], marked: bool) -> list[tuple[str, list]]:
@@ -266,17 +282,35 @@ def turn_spans(text: str) -> list[tuple[int, int]]:
 
 
 def supervised_span(text: str, span: tuple[int, int], message: dict, empty_think: str,
-                    counts: Counter) -> tuple[int, int]:
-    """The turn's span, without a leading empty think block unless `empty_think="supervise"`; counts think blocks."""
+                    counts: Counter, truncated: bool = False) -> tuple[int, int]:
+    """The turn's span, without a leading empty think block unless `empty_think="supervise"`, and for a `truncated`
+    turn ending at its last generated character (`generated_end`); counts think blocks."""
     body, end = span
     if text.startswith(EMPTY_THINK, body):
         counts["think_empty"] += 1
-        return (body + len(EMPTY_THINK), end) if empty_think == "prompt" else span
-    if text.startswith(THINK_OPEN, body):
+        if empty_think == "prompt":
+            body += len(EMPTY_THINK)
+    elif text.startswith(THINK_OPEN, body):
         counts["think_kept"] += 1
     elif (message.get("reasoning_content") or "").strip():
         counts["think_dropped_by_template"] += 1
-    return span
+    if truncated:
+        counts["truncated_turns"] += 1
+        end = generated_end(text, (body, end), message)
+    return body, end
+
+
+def generated_end(text: str, span: tuple[int, int], message: dict) -> int:
+    """Where a cut turn's generated text ends in its rendering: after the last characters of its answer, else of its
+    reasoning (as the template rendered them), else at the span's start (nothing of it was kept); before the closing
+    `<|im_end|>` at least when the template changed them past recognition."""
+    body, end = span
+    last = (message.get("content") or "").rstrip() or (message.get("reasoning_content") or "").rstrip()
+    if not last:
+        return body
+    needle = last[-256:]
+    at = text.rfind(needle, body, end)
+    return at + len(needle) if at >= 0 else end - len(IM_END)
 
 
 def holds_marker(messages: list[dict], tools: list | None) -> bool:

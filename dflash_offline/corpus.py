@@ -33,6 +33,7 @@ from dflash_offline.chat import (
     RecordError,
     conversation_samples,
     prepare_messages,
+    truncated_turns,
     validate_messages,
     validate_tools,
 )
@@ -280,7 +281,8 @@ def render(rec: Record) -> Rendered | Tokens | Skip:
             return Tokens(rec.file, rec.line, rec.ordinal, [validate_tokens(obj, _OPTS["vocab_size"])], Counter())
         counts = Counter()
         msgs = prepare_messages(validate_messages(obj, counts), _OPTS["thinking"], counts)
-        samples = conversation_samples(_TOK, msgs, validate_tools(obj), _OPTS["turns"], _OPTS["empty_think"], counts)
+        samples = conversation_samples(_TOK, msgs, validate_tools(obj), _OPTS["turns"], _OPTS["empty_think"], counts,
+                                       truncated_turns(obj, msgs))
         return Rendered(rec, samples, counts)
     except RecordError as e:
         return Skip(e.reason, e.detail, rec.file, rec.line)

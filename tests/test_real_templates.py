@@ -318,6 +318,31 @@ def test_thinking_strip_keep_dangling_tags_and_the_empty_think_block(tmp_path, f
     assert supervised_text(tok, sup[0][1], sup[0][2]) == EMPTY + "Hi!<|im_end|>"
 
 
+@pytest.mark.parametrize("name", ["qwen3", "qwen3.5", "qwen3.6"])
+def test_a_turn_regen_cut_at_max_new_tokens_is_supervised_up_to_its_last_generated_token(tmp_path, fixtures, toks,
+                                                                                         name):
+    """`make regen` stopped these turns at max_new_tokens (`regen.finish_reason` "length"): the template closes them
+    (`</think>` after a cut reasoning, `<|im_end|>` after a cut answer) with tokens the target never wrote there,
+    which the drafter must not learn; a finished turn keeps its `<|im_end|>`."""
+    tok = toks[name]
+    prompt = [{"role": "user", "content": "Count to 10."}]
+    cut_thinking = {"messages": prompt + [{"role": "assistant", "content": "", "reasoning_content": "One, two, thr"}],
+                    "regen": {"finish_reason": ["length"]}}
+    cut_answer = {"messages": prompt + [{"role": "assistant", "content": "1, 2, 3, 4",
+                                         "reasoning_content": "Just count."}], "regen": {"finish_reason": ["length"]}}
+    done = {"messages": prompt + [{"role": "assistant", "content": "1, 2, 3."}], "regen": {"finish_reason": ["stop"]}}
+    summary, docs = run(tmp_path / "t", fixtures / name, [cut_thinking, cut_answer, done], turns="each")
+    texts = [supervised_text(tok, ids, mask) for _, ids, mask in docs]
+    assert texts[0].endswith("One, two, thr") and "</think>" not in texts[0] and END not in texts[0]
+    assert texts[1].endswith("1, 2, 3, 4") and END not in texts[1]
+    assert texts[2].endswith("1, 2, 3." + END)
+    assert summary["chat"]["truncated_turns"] == 2
+    # the same records without the regen field: every turn closed and supervised through <|im_end|> (as before)
+    plain = [{k: v for k, v in r.items() if k != "regen"} for r in (cut_thinking, cut_answer)]
+    _, docs = run(tmp_path / "p", fixtures / name, plain, turns="each")
+    assert all(supervised_text(tok, ids, mask).endswith(END) for _, ids, mask in docs)
+
+
 def test_bench_tokenize_runs_with_a_real_tokenizer(tmp_path, fixtures):
     out = tmp_path / "bench.json"
     env = dict(os.environ, PYTHONPATH=str(REPO))
