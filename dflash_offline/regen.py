@@ -52,15 +52,25 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .chat import RecordError, validate_messages
+from .chat import RecordError, validate_messages, validate_tools
 from .corpus import iter_records, parse
 from .manifest import write_json_atomic
 from .progress import log
 
 STATS_VERSION = 1
 MAX_SKIP_EXAMPLES = 20
-# settings that change the output bytes: a resume must use the same ones
-RESUME_FIELDS = ("target", "corpus", "thinking", "max_new_tokens", "keep", "on_truncated", "on_empty")
+# settings that change the output bytes: a resume must use the same ones (the corpus files' sizes: one edited in place
+# would be resumed by record position; the dtype the target decodes in: bf16 and fp32 give other greedy answers)
+RESUME_FIELDS = ("target", "corpus", "corpus_bytes", "thinking", "max_new_tokens", "keep", "on_truncated", "on_empty",
+                 "dtype")
+
+
+def settings_digest(conf: dict) -> str:
+    """A short digest of the resume settings, written into every output record (`regen.settings`): what a resume
+    without its stats file checks the output against."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps([conf.get(k) for k in RESUME_FIELDS]).encode()).hexdigest()[:16]
 
 
 # --- the generated text → an assistant message ---------------------------------------------------------------
@@ -120,6 +130,7 @@ class Job:
 def make_job(rec, keep: str) -> Job:
     obj = parse(rec.raw)
     msgs = validate_messages(obj)
+    validate_tools(obj)  # a `tools` that is not a list of schemas: stage 1a would skip the record after its GPU time
     turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
     if turns[0] == 0:
         raise RecordError("no_prompt", "the conversation starts with an assistant turn: there is nothing to answer")
@@ -194,7 +205,7 @@ def resume_state(out: Path, conf: dict) -> dict:
     if not out.exists() or out.stat().st_size == 0:
         return fresh_stats()
     n, ends = complete_lines(out)
-    state = committed_state(out, conf, n) if stats_path(out).is_file() else state_from_output(out, n)
+    state = committed_state(out, conf, n) if stats_path(out).is_file() else state_from_output(out, conf, n)
     cut = ends[state["written"] - 1] if state["written"] else 0
     if out.stat().st_size != cut:
         log(f"{out}: cutting {out.stat().st_size - cut} bytes past the last committed record (an interrupted batch)")
@@ -208,27 +219,36 @@ def committed_state(out: Path, conf: dict, lines: int) -> dict:
     sp, fresh = stats_path(out), fresh_stats()
     st = json.loads(sp.read_text())
     for name in RESUME_FIELDS:
-        if st.get("config", {}).get(name) != conf[name]:
-            raise ValueError(f"{out} was generated with {name}={st.get('config', {}).get(name)!r}, not "
-                             f"{conf[name]!r}: pass the same settings to resume it, or another --out")
+        before = st.get("config", {}).get(name)
+        if before is None:  # stats of older code, which did not record it
+            log(f"warning: {sp} does not record {name}: resuming without checking it")
+        elif before != conf[name]:
+            raise ValueError(f"{out} was generated with {name}={before!r}, not {conf[name]!r}: pass the same "
+                             f"settings to resume it (the same corpus files, unchanged), or another --out")
     if lines < st["written"]:
         raise ValueError(f"{out} has {lines} complete lines but {sp} says {st['written']} were written: the file "
                          f"was cut; delete both to start over")
     return {k: st.get(k, v) for k, v in fresh.items()}
 
 
-def state_from_output(out: Path, lines: int) -> dict:
-    """No commit point (the stats were deleted): trust the output itself, up to its last complete record."""
+def state_from_output(out: Path, conf: dict, lines: int) -> dict:
+    """No commit point (the stats were deleted, or a kill came between the first records and their commit): trust the
+    output itself, up to its last complete record, if it was made with these settings (its `regen.settings`)."""
     sp, last = stats_path(out), None
     with open(out, "rb") as f:
         for line in f:
             if line.endswith(b"\n"):
                 last = line
     try:
-        index = json.loads(last)["regen"]["index"] if last else -1
+        meta = json.loads(last)["regen"] if last else {"index": -1}
+        index = meta["index"]
     except (ValueError, KeyError, TypeError):
         raise ValueError(f"{out} exists but was not written by stages.regen (no {sp.name} and no 'regen' key): "
                          f"pass another --out or delete it") from None
+    if meta.get("settings") not in (None, settings_digest(conf)):
+        raise ValueError(f"{out} was generated with other settings than these ({', '.join(RESUME_FIELDS)}: its "
+                         f"records say {meta['settings']}, these are {settings_digest(conf)}) and {sp} is missing: "
+                         f"pass the same settings to resume it, or another --out")
     log(f"warning: {sp} is missing; resuming after record {index} from {out} alone (earlier counts are lost)")
     return {**fresh_stats(), "records_read": index + 1, "written": lines}
 
@@ -284,10 +304,10 @@ class Regenerator:
     generation config. `thinking`: `enable_thinking` of the chat template. Counts go to `tally`."""
 
     def __init__(self, model, tok, tally: Tally, max_new_tokens: int, thinking: bool, keep: str, on_truncated: str,
-                 on_empty: str):
+                 on_empty: str, settings: str = ""):
         from transformers import GenerationConfig
 
-        self.model, self.tok, self.tally = model, tok, tally
+        self.model, self.tok, self.tally, self.settings = model, tok, tally, settings
         self.max_new_tokens, self.thinking, self.keep = max_new_tokens, thinking, keep
         self.on_truncated, self.on_empty = on_truncated, on_empty
         self.eos = eos_ids(tok, model)
@@ -325,7 +345,8 @@ class Regenerator:
         if self.keep == "all_turns":  # the turns after the last assistant one (e.g. a final tool result)
             last = job.turns[-1]
             job.out_msgs += [m for m in job.raw_msgs[last + 1:] if m.get("role") != "assistant"]
-        meta = {"source": job.source, "index": job.index, "finish_reason": job.finish, "new_tokens": job.new_tokens}
+        meta = {"source": job.source, "index": job.index, "finish_reason": job.finish, "new_tokens": job.new_tokens,
+                "settings": self.settings}
         return {**{k: v for k, v in job.obj.items() if k != "regen"}, "messages": job.out_msgs, "regen": meta}
 
     def render(self, job: Job) -> str:

@@ -66,7 +66,9 @@ from dflash_offline.regen import (
     commit,
     count_records,
     load_model,
+    pick_dtype,
     resume_state,
+    settings_digest,
     summary,
 )
 from dflash_offline.targetid import resolve_checkpoint
@@ -110,11 +112,13 @@ class RegenConfig:
         return self
 
 
-def config_record(cfg: RegenConfig, paths: list[Path]) -> dict:
+def config_record(cfg: RegenConfig, paths: list[Path], dtype: str) -> dict:
+    """The run's settings, as the stats record them (`RESUME_FIELDS` of them are checked on a resume); `dtype`: the
+    one the target decodes in."""
     return {"target": str(Path(cfg.target).resolve()), "corpus": [str(p.resolve()) for p in paths],
-            "thinking": cfg.thinking, "max_new_tokens": cfg.max_new_tokens, "keep": cfg.keep,
-            "on_truncated": cfg.on_truncated, "on_empty": cfg.on_empty, "num_docs": cfg.num_docs,
-            "batch_size": cfg.batch_size}
+            "corpus_bytes": [p.stat().st_size for p in paths], "thinking": cfg.thinking,
+            "max_new_tokens": cfg.max_new_tokens, "keep": cfg.keep, "on_truncated": cfg.on_truncated,
+            "on_empty": cfg.on_empty, "num_docs": cfg.num_docs, "batch_size": cfg.batch_size, "dtype": dtype}
 
 
 # --- the run -------------------------------------------------------------------------------------------------
@@ -135,7 +139,8 @@ def run(cfg: RegenConfig, model=None, tokenizer=None) -> dict:
     device = pick_device(cfg.device, "regen --device") if model is None else next(model.parameters()).device
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    conf = config_record(cfg, paths)
+    dtype = next(model.parameters()).dtype if model is not None else pick_dtype(cfg.dtype, device)
+    conf = config_record(cfg, paths, str(dtype).removeprefix("torch."))
     state = resume_state(out, conf)
     n = count_records(paths)
     total = min(cfg.num_docs, n) if cfg.num_docs and n is not None else (cfg.num_docs or n)
@@ -148,7 +153,7 @@ def run(cfg: RegenConfig, model=None, tokenizer=None) -> dict:
         model = load_model(cfg.target, device, cfg.dtype)
     tally = Tally(state)
     target = Regenerator(model, tok, tally, cfg.max_new_tokens, cfg.thinking == "on", cfg.keep, cfg.on_truncated,
-                         cfg.on_empty)
+                         cfg.on_empty, settings_digest(conf))
     log(f"regenerating with {type(model).__name__} on {device}, thinking={cfg.thinking}, keep={cfg.keep}, "
         f"batch {cfg.batch_size}, max_new_tokens {cfg.max_new_tokens} → {out}")
     progress = Progress("regen", total, "doc", None, disable=None if cfg.progress else True)

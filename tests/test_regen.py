@@ -1,6 +1,7 @@
 """stages.regen on the tiny targets: valid chats, prompts kept, the target's own greedy decode, batch invariance,
 resume without duplicates, malformed lines counted with file:line."""
 
+import copy
 import json
 from pathlib import Path
 
@@ -97,6 +98,31 @@ def test_resume_appends_without_duplicates(tmp_path, qwen3_dir, chat_corpus, q3)
     # other generation settings: refused, naming the field
     with pytest.raises(ValueError, match="max_new_tokens"):
         go(qwen3_dir, chat_corpus, part, q3, max_new_tokens=NEW + 1, num_docs=4)
+    # the target decoding in another dtype (greedy answers differ): refused too
+    with pytest.raises(ValueError, match="generated with dtype='float32', not 'float64'"):
+        go(qwen3_dir, chat_corpus, part, (copy.deepcopy(q3[0]).double(), q3[1]), num_docs=4)
+
+
+def test_a_resume_checks_the_settings_even_without_the_stats_file_and_sees_an_edited_corpus(tmp_path, qwen3_dir,
+                                                                                            chat_corpus, q3):
+    """The stats file is the commit point; without it (deleted, or a kill before the first commit) the output's own
+    records carry the settings' digest: a resume with others is refused. A corpus edited in place (another size) is
+    refused too: the resume continues by record position."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(Path(chat_corpus).read_text())
+    out = tmp_path / "o.jsonl"
+    go(qwen3_dir, corpus, out, q3, batch_size=2, num_docs=2)
+    assert {r["regen"]["settings"] for r in read(out)} == {
+        regen.settings_digest(json.loads(Path(f"{out}.stats.json").read_text())["config"])}
+    Path(f"{out}.stats.json").unlink()
+    with pytest.raises(ValueError, match=r"generated with other settings than these .* is missing"):
+        go(qwen3_dir, corpus, out, q3, batch_size=2, num_docs=4, thinking="on")
+    st = go(qwen3_dir, corpus, out, q3, batch_size=2, num_docs=4)  # the same settings: resumed from the output
+    assert st["records_read"] == 4 and len(read(out)) == 4
+    with open(corpus, "a") as f:
+        f.write(Path(chat_corpus).read_text().splitlines()[0] + "\n")
+    with pytest.raises(ValueError, match=r"generated with corpus_bytes=\[\d+\], not \[\d+\]"):
+        go(qwen3_dir, corpus, out, q3, batch_size=2, num_docs=6)
 
 
 def test_malformed_lines_are_counted_with_file_line(tmp_path, qwen3_dir, chat_corpus, q3):
@@ -109,13 +135,15 @@ def test_malformed_lines_are_counted_with_file_line(tmp_path, qwen3_dir, chat_co
         json.dumps({"messages": [{"role": "assistant", "content": "who asked?"}]}),  # line 4: no prompt
         "",
         json.dumps({"id": 7, "messages": [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "x"}]}),
+        # line 7: tools as a JSON string (as some Parquet exports have it): stage 1a would skip it after generating
+        json.dumps({"tools": "[]", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"}]}),
     ]) + "\n")
     out = tmp_path / "o.jsonl"
     st = go(qwen3_dir, bad, out, q3, num_docs=0, on_truncated="drop")
-    assert st["skipped"] == {"invalid_json": 1, "no_assistant_turn": 1, "no_prompt": 1}
-    assert [e.split(": ")[0] for e in st["skip_examples"]] == [f"{bad}:2", f"{bad}:3", f"{bad}:4"]
+    assert st["skipped"] == {"invalid_json": 1, "no_assistant_turn": 1, "no_prompt": 1, "wrong_type": 1}
+    assert [e.split(": ")[0] for e in st["skip_examples"]] == [f"{bad}:2", f"{bad}:3", f"{bad}:4", f"{bad}:7"]
     # both good records hit max_new_tokens: counted as truncated and, with on_truncated=drop, not written
-    assert st["records_read"] == 5 and st["truncated"] == st["truncated_dropped"] == 2 and st["written"] == 0
+    assert st["records_read"] == 6 and st["truncated"] == st["truncated_dropped"] == 2 and st["written"] == 0
     st = go(qwen3_dir, bad, tmp_path / "k.jsonl", q3, num_docs=0)
     kept = read(tmp_path / "k.jsonl")
     assert [r["regen"]["source"] for r in kept] == [f"{bad}:1", f"{bad}:6"]
