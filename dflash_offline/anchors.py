@@ -30,7 +30,7 @@ def sample_anchors(
     doc_ids_BS: torch.Tensor,
     num_anchors: int,
     block_size: int,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw up to `num_anchors` distinct valid anchors per row, uniformly without replacement.
 
@@ -38,7 +38,8 @@ def sample_anchors(
     A row with fewer than A valid positions is padded with keep=False anchors at position 0.
     `block_size` does not restrict anchors: a block that runs past its document end (or the row end) keeps
     its anchor and loses only the labels past the end (see `block_labels`). `generator` must live on the
-    tensors' device; each call draws fresh anchors from it.
+    tensors' device; each call draws fresh anchors from it. A list of B generators draws each row's from its own (a
+    row's anchors then depend on its generator alone, not on which rows share its batch).
     """
     if block_size < 2:
         raise ValueError(f"block_size must be >= 2 (slot 0 is the given token), got {block_size}")
@@ -47,7 +48,7 @@ def sample_anchors(
         raise ValueError(f"num_anchors must be in 1..{S} (the row length), got {num_anchors}")
     ok_BS = valid_anchor_mask(loss_mask_BS, doc_ids_BS)
     # random keys in [0, 1) for valid positions, -1 for invalid ones: top-A keys = uniform sample w/o replacement
-    keys_BS = torch.rand(B, S, generator=generator, device=loss_mask_BS.device)
+    keys_BS = random_rows(torch.rand, (B, S), generator, loss_mask_BS.device)
     keys_BS = torch.where(ok_BS, keys_BS, torch.full_like(keys_BS, -1.0))
     top_BA, pos_BA = keys_BS.topk(num_anchors, dim=1)
     keep_BA = top_BA >= 0
@@ -59,8 +60,16 @@ def sample_anchors(
     return pos_BA, keep_BA
 
 
+def random_rows(draw, shape: tuple, generator, device) -> torch.Tensor:
+    """`draw(shape)` (torch.rand, torch.randn) from `generator`, or with a list of generators one row of `shape` from
+    each."""
+    if isinstance(generator, list | tuple):
+        return torch.cat([draw((1, *shape[1:]), generator=g, device=device) for g in generator])
+    return draw(shape, generator=generator, device=device)
+
+
 def sample_blocks(batch: dict, num_anchors: int, block_size: int,
-                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  generator: torch.Generator | list[torch.Generator] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A training batch's blocks from its `loss_mask`, `doc_ids` and `input_ids` [B, S]: (anchor_pos_BA, keep_BA,
     labels_BAL), `sample_anchors` drawing from `generator`, then `block_labels`."""
     mask_BS, doc_BS = batch["loss_mask"], batch["doc_ids"]

@@ -6,8 +6,9 @@
 Sections: config → compute → model → optimizer → data → loop. Fixed shapes everywhere: B rows per micro-batch,
 A anchors per row (padded with a keep mask, resampled every step), so the compiled step sees one shape; after the
 warm-up step any recompile is an error. The streaming loader splits rows by rank itself (it never goes through
-accelerator.prepare). Anchors and noise come from a generator seeded by (seed, global micro-batch index), so
-resumed, 1-process and N-process runs see the same anchors for the same rows. A step draws the blocks of all its
+accelerator.prepare). Each row's anchors and noise come from a generator seeded by (seed, the row's place in the
+run's sequence of rows), so resumed, 1-process and N-process runs — also a resume on another processes × batch_rows
+split of the same global batch — see the same anchors for the same rows. A step draws the blocks of all its
 micro-batches first, and divides each one's loss by the step's loss weight over all its micro-batches and processes
 (`loss.step_normalizer`). What the settings mean on this machine: `dflash_offline.trainsetup`; the metrics windows
 and the run's last line: `dflash_offline.metrics`.
@@ -246,19 +247,23 @@ def train_loop(cfg: TrainConfig, s: TrainSetup, acc, p: Parts, stream, step: int
 
 def next_micro(cfg: TrainConfig, s: TrainSetup, acc, stream, index: int, dc) -> tuple[dict, float]:
     """Micro-batch `index` of this process's run: the stream's next batch with its blocks (`anchors`, `keep`,
-    `labels`) and its noise (noise_std > 0), drawn in this order from a generator seeded by the global micro-batch
-    index; and the time the stream kept the host waiting for it."""
+    `labels`) and its noise (noise_std > 0), each row's drawn in this order from a generator seeded by the row's
+    place in the run's sequence of rows — (global micro-batch index × rows per micro-batch) + its row, which is the
+    same for any split of the global batch into processes × micro-batches × rows; and the time the stream kept the
+    host waiting for it."""
     import torch
 
-    from dflash_offline.anchors import sample_blocks
+    from dflash_offline.anchors import random_rows, sample_blocks
 
     batch, wait_s = next(stream), stream.last_wait_s
-    g = torch.Generator(device=acc.device).manual_seed(micro_seed(cfg.seed, index * s.world + acc.process_index))
+    B = batch["input_ids"].shape[0]
+    first = (index * s.world + acc.process_index) * B
+    g = [torch.Generator(device=acc.device).manual_seed(micro_seed(cfg.seed, first + r)) for r in range(B)]
     batch["anchors"], batch["keep"], batch["labels"] = sample_blocks(batch, cfg.num_anchors, dc.block_size, g)
     if cfg.noise_std > 0:
         hidden = batch["hidden"]
         rms = hidden.float().pow(2).mean(-1, keepdim=True).sqrt()
-        noise = torch.randn(hidden.shape, generator=g, device=acc.device)
+        noise = random_rows(torch.randn, hidden.shape, g, acc.device)
         batch["hidden"] = (hidden.float() + cfg.noise_std * rms * noise).to(hidden.dtype)
     return batch, wait_s
 

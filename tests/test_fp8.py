@@ -309,8 +309,11 @@ def test_emulated_fp8_fsdp_two_processes_equal_one(tmp_path, hidden_cache):
     assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
     w1, w2 = final_weights(tmp_path / "one", 4), final_weights(tmp_path / "two", 4)
     assert w1.keys() == w2.keys()
-    for k in w1:  # fp32 sums in another order through 4 AdamW steps (as tests/test_train.py's FSDP test)
-        assert w2[k].dtype == torch.float32 and float((w1[k] - w2[k]).norm() / w1[k].norm()) < 1e-5, k
+    for k in w1:  # fp32 sums in another order through 4 AdamW steps (as tests/test_train.py's FSDP test), which
+        # float8 rounding amplifies: a value ~1e-7 off on a boundary between two e4m3 codes moves by 1/16 (measured
+        # 2-4e-4 on the float8 linears, 2-9e-6 on the norms; the losses above agree to 1e-5)
+        tol = 2e-3 if k.endswith("proj.weight") or k == "fc.weight" else 2e-5
+        assert w2[k].dtype == torch.float32 and float((w1[k] - w2[k]).norm() / w1[k].norm()) < tol, k
 
 
 def test_loading_a_model_prints_no_torchao_import_notes(qwen35_dir):

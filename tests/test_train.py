@@ -159,6 +159,26 @@ def test_two_processes_equal_one_with_accumulation(tmp_path, hidden_cache):
         torch.testing.assert_close(w1[k], w2[k], rtol=1e-4, atol=1e-6)
 
 
+def test_a_resume_on_another_split_of_the_global_batch_continues_the_run(tmp_path, hidden_cache):
+    """2 processes × 1 row train like 1 process × 2 rows (each row's anchors come from its place in the run, not
+    from which rows share its micro-batch), and a run started on 2 × 1 and resumed on 1 × 2 equals the 1 × 2 run."""
+    one = tmp_path / "one"
+    train.run(TrainConfig(cache=str(hidden_cache), run=str(one), **{**TINY, "steps": 4, "ckpt_every": 2}).resolve())
+    split = tmp_path / "split"
+    launch_two(hidden_cache, split, batch_rows=1, steps=4, ckpt_every=2)
+    assert losses(split) == pytest.approx(losses(one), rel=1e-5)
+    # interrupted after step 2, resumed on 1 process × 2 rows
+    shutil.rmtree(split / "checkpoints" / "step-00000004")
+    (split / "checkpoints" / "latest").write_text("step-00000002\n")
+    (split / "metrics.jsonl").write_text("\n".join((split / "metrics.jsonl").read_text().splitlines()[:2]) + "\n")
+    train.run(TrainConfig(cache=str(hidden_cache), run=str(split), resume=True,
+                          **{**TINY, "steps": 4, "ckpt_every": 2}).resolve())
+    assert losses(split) == pytest.approx(losses(one), rel=1e-5)
+    w1, w2 = final_weights(one, 4), final_weights(split, 4)
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("accum", [1, 2])
 def test_bf16_master_weights_equal_fp32_weights_under_autocast(tmp_path, hidden_cache, accum):
     """precision=bf16 (CPU autocast here): bf16 model weights + MasterAdamW train like fp32 weights + AdamW + clip,
