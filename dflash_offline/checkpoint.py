@@ -183,7 +183,8 @@ def rng_state() -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def list_checkpoints(run_dir) -> list[tuple[float, int, Path]]:
-    """Complete checkpoints as (save time, step, dir), oldest first."""
+    """Complete checkpoints as (save time, step, dir), by step (not by save time: a machine's clock may run behind
+    the one that saved the earlier steps)."""
     root = Path(run_dir) / "checkpoints"
     out = []
     for d in root.glob("step-*") if root.is_dir() else []:
@@ -194,18 +195,19 @@ def list_checkpoints(run_dir) -> list[tuple[float, int, Path]]:
             out.append((float(meta["time"]), int(meta["step"]), d))
         except (OSError, ValueError, KeyError, AttributeError):
             continue  # not a complete checkpoint
-    return sorted(out, key=lambda x: (x[0], x[1]))
+    return sorted(out, key=lambda x: (x[1], x[0]))
 
 
 def find_checkpoint(run_dir, step: int | None = None) -> Path:
     root = Path(run_dir) / "checkpoints"
-    have = ", ".join(str(s) for _, s, _ in list_checkpoints(run_dir)) or "none"
+    complete = list_checkpoints(run_dir)
+    have = ", ".join(str(s) for _, s, _ in complete) or "none"
     if step is not None:
         d = step_dir(run_dir, step)
-    else:  # `latest`, unless a crash left it naming a checkpoint that is gone (a kill while re-saving it)
+    else:  # `latest`, unless it names a checkpoint that is gone or not whole (a kill while re-saving it, a damaged file)
         d = root / (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
-        if (d is None or not (d / "meta.json").is_file()) and have != "none":
-            d = list_checkpoints(run_dir)[-1][2]  # the newest whole one
+        if (d is None or d not in {c for _, _, c in complete}) and complete:
+            d = complete[-1][2]  # the newest whole one
         elif d is None:
             raise CheckpointError(f"no checkpoint under {root}: nothing to resume (start the run without resuming)")
     if not (d / "meta.json").is_file():

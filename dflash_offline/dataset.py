@@ -244,6 +244,7 @@ class HiddenStream:
         self._tokens: OrderedDict = OrderedDict()  # shard → token arrays (reader thread only)
         self._files: OrderedDict = OrderedDict()  # shard → open HiddenShardFile (reader thread only)
         self._staged = None  # CUDA: (next batch on the device, its copy event), copied one step ahead
+        self._unstaged = None  # CUDA: the next batch's host tensors, when copying it ahead failed (done in its turn)
         self._copy_stream = None
 
     # -- iteration --
@@ -255,13 +256,18 @@ class HiddenStream:
         t0 = time.perf_counter()
         if self.pin and self.prefetch > 0:  # CUDA: this batch was copied during the previous step
             if self._staged is None:
-                self._staged = self._stage(self._take())
+                host, self._unstaged = self._unstaged if self._unstaged is not None else self._take(), None
+                self._staged = self._stage(host)
             batch, ready = self._staged
             torch.cuda.current_stream(self.device).wait_event(ready)
             self._staged = None
             nxt = self._pending[0] if self._pending else None
             if nxt is not None and nxt.done() and nxt.exception() is None:  # never wait (or fail) here for batch n+1
-                self._staged = self._stage(self._take())  # its copies overlap this step's compute
+                host = self._take()
+                try:
+                    self._staged = self._stage(host)  # its copies overlap this step's compute
+                except Exception:  # noqa: BLE001 - (out of memory while decoding, …) raised in its own turn, not now
+                    self._unstaged = host
         else:
             batch = self._to_device(self._take())
         self.epoch, self.batch = self._after(self.epoch, self.batch)
@@ -281,7 +287,9 @@ class HiddenStream:
         while len(self._pending) < self.prefetch + 1:
             self._pending.append(self._pool.submit(self._read, *self._ahead))
             self._ahead = self._after(*self._ahead)
-        return self._pending.popleft().result()
+        host = self._pending[0].result()  # (a failed read stays first: `next` raises again rather than skip it)
+        self._pending.popleft()
+        return host
 
     def _stage(self, host: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.cuda.Event]:
         """Copy (and decode) a batch on the side stream; (tensors, event the consumer waits on)."""
@@ -301,7 +309,7 @@ class HiddenStream:
 
     def close(self) -> None:
         """Stop the reader (pending reads are dropped); iterating again restarts it at the current position."""
-        self._staged = None
+        self._staged = self._unstaged = None
         for f in self._pending:
             f.cancel()
         if self._pool is not None:

@@ -136,7 +136,10 @@ def _run(cfg: TrainConfig, switches: BenchSwitches) -> Path:
         acc.init_trackers("dflash", config={k: v for k, v in as_dict(cfg).items() if isinstance(v, int | float | str)})
 
     # --- loop
-    train_loop(cfg, s, acc, p, stream, step, dc, c["seq_len"], run_dir, t0, c.get("projection"))
+    try:
+        train_loop(cfg, s, acc, p, stream, step, dc, c["seq_len"], run_dir, t0, c.get("projection"))
+    finally:  # a failed step too: the reader's queued reads are dropped, its files closed, before the error surfaces
+        stream.close()
     return run_dir
 
 

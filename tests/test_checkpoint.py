@@ -268,5 +268,23 @@ def test_a_checkpoint_missing_a_file_it_lists_is_not_complete(tmp_path):
         ck.save_checkpoint(tmp_path, step, model, opt, sched)
     (tmp_path / "checkpoints" / "step-00000002" / "rng.json").unlink()
     assert [s for _, s, _ in ck.list_checkpoints(tmp_path)] == [1]
+    # `latest` still names it: the resume takes the newest whole checkpoint instead of failing on it
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-00000002"
+    assert ck.find_checkpoint(tmp_path).name == "step-00000001"
     (tmp_path / "checkpoints" / "latest").unlink()
     assert ck.find_checkpoint(tmp_path).name == "step-00000001"
+
+
+def test_keep_last_keeps_the_latest_steps_whatever_the_clock(tmp_path, monkeypatch):
+    """A resume on a machine whose clock runs behind the one that saved steps 1-3: pruning keeps the newest steps."""
+    import time
+
+    model, opt, sched = make(0)
+    for step in (1, 2, 3):
+        ck.save_checkpoint(tmp_path, step, model, opt, sched, keep_last=3)
+    behind = time.time() - 3600
+    monkeypatch.setattr(time, "time", lambda: behind)
+    for step in (4, 5):
+        ck.save_checkpoint(tmp_path, step, model, opt, sched, keep_last=3)
+    assert [s for _, s, _ in ck.list_checkpoints(tmp_path)] == [3, 4, 5]
+    assert ck.find_checkpoint(tmp_path).name == "step-00000005"

@@ -287,6 +287,32 @@ def test_resume_continues_exactly(bf16_cache, n):
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_failed_read_is_raised_again_not_skipped(bf16_cache, monkeypatch):
+    """A read that fails (a transient I/O error) raises from `next`; called again, `next` gives that batch — never the
+    one after it — and the position counts only the batches handed out."""
+    full = take(stream(bf16_cache, 2, seed=3), 4)
+    read, failed = ds.HiddenStream._read, []
+
+    def flaky(self, epoch, batch):
+        if batch == 1 and not failed:
+            failed.append(batch)
+            raise OSError("the disk hiccupped")
+        return read(self, epoch, batch)
+
+    monkeypatch.setattr(ds.HiddenStream, "_read", flaky)
+    s = stream(bf16_cache, 2, seed=3)
+    assert torch.equal(next(s)["hidden"], full[0]["hidden"])
+    with pytest.raises(OSError, match="hiccupped"):
+        next(s)
+    with pytest.raises(OSError, match="hiccupped"):  # the same read, still first: the stream does not move past it
+        next(s)
+    assert s.state_dict()["batch"] == 1
+    s.close()
+    s = stream(bf16_cache, 2, seed=3)
+    s.load_state_dict({**stream(bf16_cache, 2, seed=3).state_dict(), "batch": 1})
+    assert torch.equal(next(s)["hidden"], full[1]["hidden"]) and torch.equal(next(s)["hidden"], full[2]["hidden"])
+
+
 def test_resume_across_layouts(bf16_cache):
     s = stream(bf16_cache, 6, seed=4)
     take(s, 3)
