@@ -13,8 +13,9 @@ A run trained on a projected cache (`[extract] project_dims`, `projection.py`) h
 export folds it with the cache's P (the file checked against the manifest and against the SHA-256 the run recorded)
 into the full-width fc, fc_t = fc'_t P_tᵀ, so its tensors and config.json are those of any other export.
 
-Every file is a pure function of (checkpoint, dtype, target config[, projection]), so exporting the same step again
-gives the same bytes. An existing `out_dir` is replaced only if it is empty or an earlier export of the same run (its
+Every file is a pure function of (checkpoint, dtype, target config[, projection]) and, for config.json, the
+transformers version it records and the target tokenizer's mask token: exporting the same step again in the same
+environment gives the same bytes (the weights' bytes in any). An existing `out_dir` is replaced only if it is empty or an earlier export of the same run (its
 `dflash_export.json` names the same run directory); anything else is refused unless `force=True`.
 
 Engines: vLLM `--speculative-config '{"method": "dflash", "model": OUT, "num_speculative_tokens": block_size-1}'`;
@@ -115,7 +116,9 @@ def target_fields(target: str) -> dict:
     return {"path": str(path), "max_position_embeddings": int(pick("max_position_embeddings")),
             "tokenizer": str(path / "tokenizer.json") if (path / "tokenizer.json").is_file() else None,
             "rope_theta": None if theta is None else float(theta), "bos_token_id": pick("bos_token_id"),
-            "eos_token_id": pick("eos_token_id"), "pad_token_id": pick("pad_token_id")}
+            "eos_token_id": pick("eos_token_id"), "pad_token_id": pick("pad_token_id"),
+            "shape": {"hidden_size": pick("hidden_size"), "vocab_size": pick("vocab_size"),
+                      "num_target_layers": pick("num_hidden_layers")}}
 
 
 SGLANG_MASK_TOKEN = "<|MASK|>"  # what SGLang adds to a tokenizer that has no mask token (at id len(tokenizer))
@@ -286,6 +289,10 @@ def export(run_dir, out_dir, step: int | None = None, dtype: str = "bfloat16", t
     if tgt["rope_theta"] is not None and abs(tgt["rope_theta"] - dc.rope_theta) > 1e-6 * tgt["rope_theta"]:
         raise ExportError(f"the drafter was trained with rope_theta={dc.rope_theta} but target {tgt['path']} has "
                           f"{tgt['rope_theta']}: wrong --target=?")
+    if other := [f"{k} {v} (the drafter's {getattr(dc, k)})" for k, v in tgt.pop("shape").items()
+                 if v is not None and int(v) != getattr(dc, k)]:
+        raise ExportError(f"target {tgt['path']} is not the one the drafter was trained on: {', '.join(other)}; "
+                          f"wrong --target=?")
     tgt["mask_token"] = mask_token_for(tgt["tokenizer"], dc.mask_token_id)
     config = zlab_config(dc, tgt, dtype)
 

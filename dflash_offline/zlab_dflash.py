@@ -13,7 +13,8 @@ and parameter names are those of z-lab's `DFlashDraftModel` (model_type "qwen3")
 The target's embedding and lm_head are not part of the drafter: block tokens arrive as embeddings
 (`noise_embedding`) or as ids plus the target's embedding table, and logits are the target's lm_head applied to
 the output. `forward` follows z-lab's keyword interface (`target_hidden`, `noise_embedding`, `position_ids` over
-context + block, `past_key_values`, `use_cache`), so loops written for z-lab's model drive this one too.
+context + block, `past_key_values`, `use_cache`), so code calling z-lab's `forward` calls this one alike (not
+z-lab's generation loops, which call other methods and argument orders: `spec_generate` below is this file's own).
 
 Speculative decoding: `draft_block` is one drafting step (context cache in, draft logits of one block out);
 `spec_generate` is a simple batch-1 loop around it. Serving loops that verify with their own target machinery

@@ -316,6 +316,25 @@ def test_cli(tmp_path, qwen3_dir, capsys):
     assert res.returncode == 0 and "--run" in res.stdout and "--dtype" in res.stdout
 
 
+def test_a_target_of_other_shapes_is_refused(tmp_path, qwen3_dir):
+    """--target= names the checkpoint whose ids and limits config.json copies: one of another depth, width or
+    vocabulary (same RoPE) is not the target the drafter was trained on."""
+    import shutil
+
+    run, _ = fake_run(tmp_path / "run", qwen3_dir)
+    other = tmp_path / "other"
+    shutil.copytree(qwen3_dir, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["num_hidden_layers"] += 2
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ExportError, match=rf"target {other} is not the one the drafter was trained on: "
+                                          rf"num_target_layers {cfg['num_hidden_layers']} \(the drafter's "
+                                          rf"{cfg['num_hidden_layers'] - 2}\); wrong --target="):
+        export(run, tmp_path / "out", target=str(other))
+    assert not (tmp_path / "out").exists()
+    export(run, tmp_path / "out", target=str(qwen3_dir))  # the right one
+
+
 def sglang_mask_token_id(config: dict, tokenizer_dir) -> int:
     """The id the string `dflash_config.mask_token` (default "<|MASK|>") stands for in the target tokenizer: looked up
     in its vocabulary, else the id adding it as a special token gives (the next id). SGLang 0.5.23 checks a string the
