@@ -33,19 +33,24 @@ class Row:
     opened: int = 0  # order in which rows were opened (tie-break and final flush order)
 
 
-def split_long(doc: Doc, seq_len: int, policy: str) -> tuple[list[Doc], str | None]:
-    """Apply the long-document policy: returns the pieces to pack and a skip reason (or None)."""
+def split_long(doc: Doc, seq_len: int, policy: str) -> tuple[list[Doc], str | None, int]:
+    """Apply the long-document policy: the pieces to pack, a skip reason (or None), and the tokens left out —
+    `truncate`: past seq_len (a kept start with no supervised token skips the document, `truncated_unsupervised`);
+    `split`: the pieces with no supervised token (each piece is a document of its own: its positions restart)."""
     n = len(doc.input_ids)
     if n <= seq_len:
-        return [doc], None
+        return [doc], None, 0
     if policy == "skip":
-        return [], "too_long"
+        return [], "too_long", n
     if policy == "truncate":
-        return [Doc(doc.input_ids[:seq_len], doc.loss_mask[:seq_len], doc.source)], None
+        if not doc.loss_mask[:seq_len].any():
+            return [], "truncated_unsupervised", n
+        return [Doc(doc.input_ids[:seq_len], doc.loss_mask[:seq_len], doc.source)], None, n - seq_len
     pieces = [
         Doc(doc.input_ids[i : i + seq_len], doc.loss_mask[i : i + seq_len], doc.source) for i in range(0, n, seq_len)
     ]
-    return [p for p in pieces if p.loss_mask.any()], None
+    kept = [p for p in pieces if p.loss_mask.any()]
+    return kept, None, n - sum(len(p.input_ids) for p in kept)
 
 
 class Packer:

@@ -66,7 +66,13 @@ class Tally:
         if sum(self.skips.values()) <= self.LOGGED:
             log(f"skipped {skip.message()}")
 
-    def warn_about_files(self) -> None:
+    def warn_about_files(self, read_whole: list[Path] = ()) -> None:
+        """Warn about each file none of whose records became a document, and each of `read_whole` (files read to
+        their end) that held no record at all."""
+        for file in [str(p) for p in read_whole if str(p) not in self.files]:
+            msg = f"WARNING: {file}: holds no record (empty, or blank lines only)"
+            log(msg)
+            print(msg, file=sys.stderr, flush=True)
         for file, counts in self.files.items():
             if not counts["docs"]:
                 top = counts.most_common(1)[0][0]
@@ -116,6 +122,7 @@ def summarize(stats: Counter, skips: Counter, entries: list[dict], seconds: floa
         "docs_skipped_total": sum(skips.values()),
         "pieces": stats["pieces"],
         "truncated_tokens": stats["truncated_tokens"],
+        "split_unsupervised_tokens": stats["split_unsupervised_tokens"],  # long_doc=split: pieces with nothing to learn
         "rows": sum(e["rows"] for e in entries),
         "shards": len(entries),
         "tokens": tokens,

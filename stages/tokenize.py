@@ -201,7 +201,7 @@ def tokenize_corpus(cfg: TokenizeConfig, paths: list[Path], vocab_size: int, pro
         emit(packer.flush(), final=True)
     finally:
         stream.close()
-    tally.warn_about_files()
+    tally.warn_about_files(paths if not cfg.max_docs or stats["docs_read"] < cfg.max_docs else [])
     if not stats["docs_packed"]:
         raise tally.nothing_to_train_on(stats["docs_read"], paths)
     summary = summarize(stats, tally.skips, entries, time.time() - t0)
@@ -219,14 +219,15 @@ def accept(result: Tokens | Skip, cfg: TokenizeConfig, tally: Tally, stats: Coun
         return []
     out = []
     for ids, mask in result.docs:
-        pieces, reason = split_long(Doc(ids, mask, result.ordinal), cfg.seq_len, cfg.long_doc)
+        pieces, reason, left_out = split_long(Doc(ids, mask, result.ordinal), cfg.seq_len, cfg.long_doc)
         if reason:  # the long_doc policy, not a fault: counted, also in strict mode
-            tally.skip(Skip(reason, f"{len(ids)} tokens > seq_len {cfg.seq_len} (long_doc=skip)", result.file,
-                            result.line), policy=True)
+            why = "its first seq_len tokens hold no supervised token" if reason == "truncated_unsupervised" else ""
+            tally.skip(Skip(reason, f"{len(ids)} tokens > seq_len {cfg.seq_len} (long_doc={cfg.long_doc}"
+                                    f"{': ' + why if why else ''})", result.file, result.line), policy=True)
             continue
         stats["docs_packed"] += 1
         stats["pieces"] += len(pieces)
-        stats["truncated_tokens"] += max(0, len(ids) - cfg.seq_len) if cfg.long_doc == "truncate" else 0
+        stats["truncated_tokens" if cfg.long_doc == "truncate" else "split_unsupervised_tokens"] += left_out
         out += pieces
     if out:
         tally.doc(result.file)

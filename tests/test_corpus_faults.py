@@ -89,6 +89,18 @@ def test_file_that_is_not_utf8_names_every_line_and_says_so_loudly(tmp_path, qwe
         run(tmp_path / "s", [foreign, fine], qwen35_dir, strict=True)
 
 
+def test_a_file_holding_no_record_is_said_so(tmp_path, qwen35_dir, capsys):
+    """A glob that also matches an empty (or blank-lines-only) file: the run goes on with the others, saying so."""
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in GOOD)
+    fine, empty = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    fine.write_text(text)
+    empty.write_text("\n  \n")
+    cache = run(tmp_path / "d", [fine, empty], qwen35_dir)
+    assert read_manifest(cache)["summary"]["docs_packed"] == 3
+    err = capsys.readouterr().err
+    assert f"WARNING: {empty}: holds no record (empty, or blank lines only)" in err and str(fine) not in err
+
+
 def complete_caches(root) -> list:
     return [m.parent for m in root.rglob("manifest.json") if json.loads(m.read_text()).get("complete")]
 

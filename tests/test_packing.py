@@ -18,7 +18,7 @@ def make_docs(lengths, seed=0):
 def pack_all(docs, seq_len, open_rows, policy="split"):
     packer, rows = Packer(seq_len, open_rows), []
     for doc in docs:
-        pieces, reason = split_long(doc, seq_len, policy)
+        pieces, reason, _ = split_long(doc, seq_len, policy)
         for p in pieces:
             rows += packer.add(p)
     return rows + packer.flush()
@@ -59,11 +59,24 @@ def test_every_token_exactly_once_in_order(lengths, seq_len, open_rows):
 
 def test_split_policy_keeps_all_supervised_tokens():
     doc = Doc(np.arange(100, dtype=np.int32), np.ones(100, dtype=np.uint8), 0)
-    pieces, reason = split_long(doc, 32, "split")
-    assert reason is None and [len(p.input_ids) for p in pieces] == [32, 32, 32, 4]
+    pieces, reason, left_out = split_long(doc, 32, "split")
+    assert reason is None and left_out == 0 and [len(p.input_ids) for p in pieces] == [32, 32, 32, 4]
     assert np.concatenate([p.input_ids for p in pieces]).tolist() == list(range(100))
-    assert split_long(doc, 32, "skip") == ([], "too_long")
-    assert len(split_long(doc, 32, "truncate")[0][0].input_ids) == 32
+    assert split_long(doc, 32, "skip") == ([], "too_long", 100)
+    pieces, reason, left_out = split_long(doc, 32, "truncate")
+    assert len(pieces[0].input_ids) == 32 and left_out == 68
+
+
+def test_long_document_policies_say_what_they_leave_out():
+    """A long prompt with its answer at the end: `split` keeps the answer's piece and counts the unsupervised pieces'
+    tokens it drops; `truncate` would keep only prompt tokens: the document is skipped (counted), not packed."""
+    mask = np.zeros(100, dtype=np.uint8)
+    mask[90:] = 1
+    doc = Doc(np.arange(100, dtype=np.int32), mask, 0)
+    pieces, reason, left_out = split_long(doc, 32, "split")
+    assert reason is None and [p.input_ids[0] for p in pieces] == [64, 96] and left_out == 64
+    pieces, reason, left_out = split_long(doc, 32, "truncate")
+    assert (pieces, reason, left_out) == ([], "truncated_unsupervised", 100)
 
 
 def test_deterministic():
