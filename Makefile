@@ -113,7 +113,7 @@ bench-extract:  ## extraction throughput at Qwen3.5-27B shapes vs a plain HF for
 bench-extract-layers:  ## where extraction time goes: one layer of each type per kernel variant + a kernel profile (GPU)
 	$(PYTHON) -m bench.extract_layers --profile
 
-bench-train:  ## drafter training throughput at 27B drafter shapes vs an eager chunked baseline; ARGS=--precision=fp8 adds an fp8 run and the fp8/bf16 ratio (GPU)
+bench-train:  ## drafter training throughput at 27B drafter shapes vs an eager chunked baseline; ARGS=--precision=fp8 adds an fp8 run and the fp8/bf16 ratio, ARGS=--quant=fp4 (or --project_dims=k) a run on that cache and its ratio to the bf16 cache (GPU)
 	$(PYTHON) -m bench.train $(ARGS)
 
 bench-train-attention:  ## the drafter's attention alone, fwd+bwd: split/joint, GQA/K-V per head, kernel options (GPU)

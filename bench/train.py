@@ -4,15 +4,18 @@ S = 2048, 512 anchors, block 16 (random weights and random cached states).
     python -m bench.train [--steps=40]        (GPU)
     python -m bench.train --precision=fp8     (GPU: ours in bf16, then in fp8; fp8 / bf16 rates)
     python -m bench.train --tiny              (CPU smoke run; with --precision=fp8, float8 emulated)
-    python -m bench.train --quant=fp4         (GPU: the cached states stored as fp4, decoded by the trainer's reader)
-    python -m bench.train --project_dims=2560 --quant=fp8   (GPU: projected taps, k a tap; no baseline)
+    python -m bench.train --quant=fp4         (GPU: ours on a bf16 cache, then on the same states stored as fp4 and
+                                               decoded by the trainer's reader: the encoded / bf16-cache rates)
+    python -m bench.train --project_dims=2560 --quant=fp8   (GPU: the same with projected taps, k a tap; no baseline)
 
 Ours: `stages.train.run` as a user runs it (compiled flex attention, chunked one-pass lm_head + CE, streaming
 loader) on a synthetic hidden cache and a synthetic target holding only embed + lm_head. Baseline, same process:
 a straightforward in-tree step — the eager drafter with the dense-mask SDPA path and full-vocabulary logits
 computed chunk by chunk under activation checkpointing. Reports context tokens/s, ms/step, fraction of the FLOP
 ideal (at 790 TFLOP/s, the bf16 dense peak, also for fp8), peak memory, SM clock and board power, and
-ours/baseline; `--precision=fp8` adds ours with float8 linears (`precision=fp8`) and the fp8 / bf16 ratios.
+ours/baseline; `--precision=fp8` adds ours with float8 linears (`precision=fp8`) and the fp8 / bf16 ratios; a cache
+encoding other than bf16 (`--quant`, `--project_dims`) runs ours on a bf16 cache first, then on the encoded one, and
+gives the encoded / bf16-cache ratios (what decoding on the reader's side stream costs the step).
 """
 
 from __future__ import annotations
@@ -274,8 +277,6 @@ def main() -> None:
     p.add_argument("--workdir", type=Path, default=Path("build/bench-train"))
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    if args.project_dims:  # (the baselines read full-width taps)
-        args.skip_baseline = True
     shutil.rmtree(args.workdir, ignore_errors=True)
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     text, drafter = (TEXT_TINY, DRAFTER_TINY) if args.tiny else (TEXT_27B, DRAFTER_27B)
@@ -283,25 +284,30 @@ def main() -> None:
         args.seq_len, args.anchors = 128, 16 if args.precision == "fp8" else 8
     target = synthetic_target(args.workdir / "target", text, device)
     cache = synthetic_cache(args.workdir, text, target, 8, args.seq_len, args.rows, args.quant, args.project_dims)
+    encoded = args.quant != "bf16" or args.project_dims > 0
+    bf16_cache = synthetic_cache(args.workdir / "bf16", text, target, 8, args.seq_len, args.rows) if encoded else cache
     res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
            "shape": {"hidden": text["hidden_size"], "seq_len": args.seq_len, "anchors": args.anchors, "block": 16,
                      **drafter}, "rows": args.rows, "attn": args.attn, "quant": args.quant,
            "project_dims": args.project_dims}
     # the baseline first: it needs no compilation, so a run cut short by a time limit still has it (JSON after each)
     if not args.skip_baseline:
-        res["baseline"] = run_baseline(args, cache, target, drafter, device)
+        res["baseline"] = run_baseline(args, bf16_cache, target, drafter, device)
         print(json.dumps(res["baseline"]), flush=True)
         if args.out:
             args.out.write_text(json.dumps(res, indent=1))
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    runs = [("ours", "bf16" if args.precision == "fp8" else args.precision, "run")]
+    precision = "bf16" if args.precision == "fp8" else args.precision
+    runs = [("ours", precision, "run", bf16_cache)]
     if args.precision == "fp8":
-        runs.append(("ours_fp8", "fp8", "run-fp8"))
-    for key, precision, name in runs:
+        runs.append(("ours_fp8", "fp8", "run-fp8", bf16_cache))
+    if encoded:
+        runs.append(("ours_encoded", precision, "run-encoded", cache))
+    for key, precision, name, on in runs:
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        res[key] = run_ours(args, cache, drafter, precision, name)
+        res[key] = run_ours(args, on, drafter, precision, name)
         print(json.dumps({k: v for k, v in res[key].items() if k != "profile"}), flush=True)
         if res[key]["profile"]:
             print(res[key]["profile"], flush=True)
@@ -310,12 +316,26 @@ def main() -> None:
     print_table(res, args)
 
 
+def ratio(x: dict, ref: dict) -> str:
+    """x's rate over ref's, and per clock (ms × MHz) where both sampled the GPU (GPUs differ in clock at the power
+    limit, and so does one GPU as it warms)."""
+    per_clock = ""
+    if ref["gpu"] and x["gpu"]:
+        per_clock = f" ({ref['ms_per_step'] * ref['gpu']['sm_mhz'] / (x['ms_per_step'] * x['gpu']['sm_mhz']):.3f} per clock)"
+    return f"{x['tok_per_s'] / ref['tok_per_s']:.3f}{per_clock}"
+
+
 def print_table(res: dict, args) -> None:
-    """One column per run of ours (bf16, and fp8 with --precision=fp8), then the baseline's."""
-    ours = [res[k] for k in ("ours", "ours_fp8") if k in res]
+    """One column per run of ours (bf16; fp8 with --precision=fp8; on the encoded cache with --quant/--project_dims),
+    then the baseline's."""
+    keys = [k for k in ("ours", "ours_fp8", "ours_encoded") if k in res]
+    ours = [res[k] for k in keys]
     b = res.get("baseline", {})
-    names = ["ours"] if len(ours) == 1 else [f"ours {x['precision']}" + (f" ({x['fp8_recipe']})" if x["fp8_recipe"]
-                                                                          else "") for x in ours]
+    cache = f"{args.quant}" + (f" k={args.project_dims}" if args.project_dims else "")
+    label = {"ours": f"ours {res['ours']['precision']}" if "ours_fp8" in res else "ours, bf16 cache",
+             "ours_fp8": "ours fp8", "ours_encoded": f"ours, {cache} cache"}
+    names = ["ours"] if len(ours) == 1 else [label[k] + (f" ({res[k]['fp8_recipe']})" if res[k]["fp8_recipe"] else "")
+                                             for k in keys]
 
     def row(label: str, cells: list[str], base: str = "") -> None:
         print("|" + "".join(f" {c} |" if c else " |" for c in (label, *cells, base)))
@@ -327,17 +347,16 @@ def print_table(res: dict, args) -> None:
     row("FLOP fraction @790T", [f"{x['flop_frac']:.3f}" for x in ours])
     if b:
         row("ours / baseline", [f"{x['tok_per_s'] / b['tok_per_s']:.2f}" for x in ours])
-    if len(ours) == 2:  # the fp8 column: fp8 / bf16 rates (per clock: ms × MHz, where the clocks differ)
-        ref, f = ours
-        per_clock = ""
-        if ref["gpu"] and f["gpu"]:
-            cost = [x["ms_per_step"] * x["gpu"]["sm_mhz"] for x in ours]
-            per_clock = f" ({cost[0] / cost[1]:.3f} per clock)"
+    if "ours_fp8" in res:  # fp8 / bf16 rates
+        ref, f = res["ours"], res["ours_fp8"]
         peak = f["peak_gb"] / ref["peak_gb"] if ref["peak_gb"] else 0.0
-        row("fp8 / bf16: tok/s, peak GB", ["", f"{f['tok_per_s'] / ref['tok_per_s']:.3f}{per_clock}, {peak:.3f}"])
+        row("fp8 / bf16: tok/s, peak GB", [f"{ratio(f, ref)}, {peak:.3f}" if k == "ours_fp8" else "" for k in keys])
+    if "ours_encoded" in res:  # the same training on the encoded cache / on the bf16 cache
+        row(f"{cache} cache / bf16 cache: tok/s", [ratio(res["ours_encoded"], res["ours"]) if k == "ours_encoded"
+                                                   else "" for k in keys])
     row("recompiles after warm-up", [str(x["recompiles"]) for x in ours])
     row("host: data wait, GC (fraction of wall time)", [f"{x['data_wait_frac']:.3f}, {x['gc_frac']:.3f}" for x in ours])
-    row("hidden cache encoding (decoded by the reader)", [args.quant for _ in ours])
+    row("hidden cache encoding (decoded by the reader)", [cache if k == "ours_encoded" else "bf16" for k in keys])
     row("read check: reader-thread ms/step hashing (GB/step)",
         [f"{x['read_check']}: {x['read_check_ms_per_step']:.2f} ({x['read_check_gb_per_step']:.3f})" for x in ours])
     bg = b.get("gpu") or {}

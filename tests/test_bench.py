@@ -134,9 +134,16 @@ def test_trace_gaps_finds_device_idle_and_the_host_work_meanwhile(tmp_path):
 
 
 def test_bench_train_tiny_on_a_projected_fp8_cache(tmp_path):
-    """`--project_dims=k --quant=fp8`: the trainer reads k values a tap from the synthetic cache (its fc reads k × taps)."""
-    res, _ = run_bench("bench.train", tmp_path, "--steps=4", "--log_every=2", "--project_dims=32", "--quant=fp8")
+    """`--project_dims=k --quant=fp8`: ours on a bf16 cache of the same shapes, then on the encoded one, whose trainer
+    reads k values a tap (its fc reads k × taps); the table gives the encoded / bf16-cache rate."""
+    res, stdout = run_bench("bench.train", tmp_path, "--steps=4", "--log_every=2", "--project_dims=32", "--quant=fp8",
+                            "--skip_baseline")
     assert res["project_dims"] == 32 and res["quant"] == "fp8" and "baseline" not in res
-    assert res["ours"]["tok_per_s"] > 0 and res["ours"]["recompiles"] == 0
-    cfg = json.loads((tmp_path / "w" / "run" / "config.json").read_text())
+    for key in ("ours", "ours_encoded"):
+        assert res[key]["tok_per_s"] > 0 and res[key]["recompiles"] == 0
+    cfg = json.loads((tmp_path / "w" / "run-encoded" / "config.json").read_text())
     assert cfg["drafter"]["tap_width"] == 32 and cfg["projection"]["dims"] == 32
+    ref = json.loads((tmp_path / "w" / "run" / "config.json").read_text())
+    assert ref["drafter"]["tap_width"] == 0 and "projection" not in ref
+    want = res["ours_encoded"]["tok_per_s"] / res["ours"]["tok_per_s"]
+    assert f"| fp8 k=32 cache / bf16 cache: tok/s | | {want:.3f} |" in stdout
