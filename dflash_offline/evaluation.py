@@ -294,7 +294,7 @@ def decode_summary(spec: list, alone: list, prompts: list[dict]) -> dict:
 
     s, a = summarize(spec), summarize(alone)
     return {
-        "rollback": spec[0].rollback, "tau_mean": s["tau_mean"], "tau_hist": s["tau_hist"],
+        "rollback": spec[0].rollback, "tau_mean": s["tau_mean"], "tau_emitted": s["tau_emitted"], "tau_hist": s["tau_hist"],
         "accept_ge": s["accept_ge"], "by_category": by_category(spec, prompts), "verify_steps": s["steps"],
         "new_tokens": s["new_tokens"], "draft_ms": s["draft_ms"], "verify_ms": s["verify_ms"],
         "rollback_ms": s["rollback_ms"], "spec_tok_per_s": s["tok_per_s"], "target_tok_per_s": a["tok_per_s"],
@@ -313,7 +313,7 @@ def by_category(spec: list, prompts: list[dict]) -> dict:
     for c in cats:
         sc = summarize([st for st, p in zip(spec, prompts, strict=True) if p["category"] == c])
         out[c] = {"prompts": sc["generations"], "verify_steps": sc["steps"], "tau_mean": sc["tau_mean"],
-                  "accept_ge": sc["accept_ge"]}
+                  "tau_emitted": sc["tau_emitted"], "accept_ge": sc["accept_ge"]}
     return out
 
 
@@ -325,8 +325,10 @@ def table(r: dict) -> str:
     lines = [
         f"drafter {which} · target {r['target']} ({r['arch']}) · block {r['block_size']} · "
         f"{r['num_prompts']} prompts × ≤{r['max_new_tokens']} tokens · {r['device']} {r['dtype']} ({r['mode']})",
-        f"  real τ (tokens per verify step)  {r['tau_mean']:.3f}   over {r['verify_steps']} steps   "
+        f"  real τ (drafts accepted + 1 per verify step)  {r['tau_mean']:.3f}   over {r['verify_steps']} steps   "
         f"histogram τ:count  {hist}",
+        f"  tokens emitted per verify step  {r.get('tau_emitted', math.nan):.3f}   (τ without what a last step accepted "
+        f"past eos or the budget)",
         "  steps accepting ≥ k drafts  " + " ".join(f"{k + 1}:{x:.2f}" for k, x in enumerate(r["accept_ge"][:8]))
         + (" …" if len(r["accept_ge"]) > 8 else ""),
     ]

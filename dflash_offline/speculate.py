@@ -36,7 +36,10 @@ Stats (`GenStats`; pooled over prompts by `summarize`):
 - τ of a verify step = accepted drafts + 1 (1..L), counted before any truncation at eos/max_new_tokens;
   `tau_mean` = mean τ over verify steps (tokens per target verify step); `tau_hist[k-1]` = steps with τ = k;
   `accept_ge[k-1]` = share of verify steps that accepted at least k drafts (k = 1..L-1; τ = 1 + Σ accept_ge).
-- `emitted` per step = tokens actually appended (τ, or fewer at the very end); 1 + Σ emitted = new tokens.
+- `emitted` per step = tokens actually appended (τ, or fewer at the very end); 1 + Σ emitted = new tokens;
+  `tau_emitted` = Σ emitted / verify steps: the tokens the verify steps gave (τ without the credit of the drafts a
+  last step accepted past eos or max_new_tokens: τ as z-lab reports it overstates short budgets, e.g. by ~10 % with
+  blocks of 16, 40 new tokens and 85 % per-slot acceptance).
 - `target_forwards` = prefill + verify steps + refeeds; tok/s = new tokens / wall seconds (prefill included).
 - per step: `draft_ms` (draft_block + argmax), `verify_ms` (the verify forward + argmax + the host sync; for the
   target alone: one token's forward), `rollback_ms` (snapshot, restore, refeed). CUDA events on a GPU (read once at
@@ -274,6 +277,10 @@ class GenStats:
         return (sum(self.accepted) + self.steps) / self.steps if self.steps else float("nan")
 
     @property
+    def tau_emitted(self) -> float:
+        return sum(self.emitted) / self.steps if self.steps else float("nan")
+
+    @property
     def tau_hist(self) -> list[int]:
         """tau_hist[k-1] = verify steps with τ = k, k = 1..L."""
         h = [0] * self.block_size
@@ -286,8 +293,8 @@ class GenStats:
         return self.new_tokens / self.seconds if self.seconds > 0 else float("nan")
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "steps": self.steps, "tau_mean": self.tau_mean, "tau_hist": self.tau_hist,
-                "tok_per_s": self.tok_per_s}
+        return {**asdict(self), "steps": self.steps, "tau_mean": self.tau_mean, "tau_emitted": self.tau_emitted,
+                "tau_hist": self.tau_hist, "tok_per_s": self.tok_per_s}
 
 
 def _mean(xs: list[float]) -> float:
@@ -307,6 +314,7 @@ def summarize(stats: list[GenStats]) -> dict:
     return {
         "generations": len(stats), "new_tokens": tokens, "seconds": secs, "steps": steps,
         "tau_mean": sum((k + 1) * c for k, c in enumerate(hist)) / steps if steps else float("nan"),
+        "tau_emitted": sum(sum(s.emitted) for s in stats) / steps if steps else float("nan"),
         "tau_hist": hist, "accept_ge": [sum(hist[k:]) / steps if steps else float("nan") for k in range(1, L)],
         "tok_per_s": tokens / secs if secs > 0 else float("nan"),
         "target_forwards": sum(s.target_forwards for s in stats), "refeeds": sum(s.refeeds for s in stats),

@@ -84,7 +84,8 @@ def run_metrics(run: Path) -> dict:
 
 def eval_summary(path: Path) -> dict:
     r = json.loads(path.read_text())
-    return {k: r[k] for k in ("tau_mean", "accept_ge", "by_category", "lossless", "mismatches", "num_prompts",
+    return {k: r[k] for k in ("tau_mean", "tau_emitted", "accept_ge", "by_category", "lossless", "mismatches",
+                              "num_prompts",
                               "new_tokens", "verify_steps", "draft_ms", "verify_ms", "speedup_engine_est") if k in r}
 
 
@@ -99,6 +100,7 @@ def result(cfg, p: Paths, st: dict) -> dict:
                                                     "heldout_loss_after", "train_loss_last")},
         "regen": ph.get("regen"), "extract": ph.get("extract"), "train": ph.get("train"),
         "tau_trained": tr.get("tau_mean"), "tau_untrained": un.get("tau_mean"),
+        "tau_emitted_trained": tr.get("tau_emitted"), "tau_emitted_untrained": un.get("tau_emitted"),
         "tau_ratio": tr["tau_mean"] / un["tau_mean"] if tr and un else None,
         "accept_ge": tr.get("accept_ge"), "by_category": tr.get("by_category"),
         "lossless": bool(tr.get("lossless")) and bool(un.get("lossless")),
@@ -119,7 +121,8 @@ def table(r: dict) -> str:
         ("extract", f"{x.get('tokens')} row tokens, {x.get('tok_per_s_wall', 0):,.0f} tok/s (wall, load included)"),
         ("drafter", f"{d.get('steps')} steps, loss {d.get('loss') or 0:.3f}, {d.get('tok_per_s') or 0:,.0f} ctx tok/s"),
         ("real τ", f"trained {r['tau_trained'] or 0:.2f} vs untrained {r['tau_untrained'] or 0:.2f} "
-                   f"(×{r['tau_ratio'] or 0:.1f}); lossless {r['lossless']}"),
+                   f"(×{r['tau_ratio'] or 0:.1f}); lossless {r['lossless']}; tokens emitted per verify step "
+                   f"{r.get('tau_emitted_trained') or 0:.2f} vs {r.get('tau_emitted_untrained') or 0:.2f}"),
         ("by prompt", " · ".join(f"{k} {v['tau_mean']:.2f} ({v['prompts']})" for k, v in (r["by_category"] or {}).items())),
         ("accept ≥k", " ".join(f"{a:.2f}" for a in (r["accept_ge"] or [])[:8]) + " …"),
         ("wall s", ", ".join(f"{k} {v:.0f}" for k, v in r["seconds"].items()) + f"; total {r['wall_s']:.0f}"),
@@ -196,7 +199,8 @@ def cache_complete(cache: Path) -> bool:
 
 
 def ab_table(r: dict) -> str:
-    head = ("| arm | τ per seed | τ (seeds pooled) | spread | Δ vs first | Δ 95 % CI (prompts) | lossless | final loss |\n"
+    head = ("| arm | tokens per verify step, per seed | seeds pooled | spread | Δ vs first | Δ 95 % CI (prompts) | lossless "
+            "| final loss |\n"
             "|---|---|---|---|---|---|---|---|")
     body = [f"| {a['arm']} | {' / '.join(f'{t:.3f}' for t in a['taus'])} | {a['tau_pooled']:.3f} | {a['spread']:.3f} | "
             f"{a['delta_vs_first']:+.3f} ({a['delta_pct']:+.1f} %) | "
@@ -207,15 +211,17 @@ def ab_table(r: dict) -> str:
 
 
 def prompt_counts(eval_json: Path) -> list[tuple[float, int]]:
-    """Per prompt of an evaluation: (tokens over its verify steps, verify steps)."""
-    return [(p["tau_mean"] * p["steps"], p["steps"]) if p["steps"] else (0.0, 0)
+    """Per prompt of an evaluation: (tokens its verify steps emitted, verify steps) — the tokens as decoded, not the
+    drafts a last step accepted past eos or the budget (evaluations of older code: τ × steps)."""
+    return [(p.get("emitted", p["tau_mean"] * p["steps"]), p["steps"]) if p["steps"] else (0.0, 0)
             for p in json.loads(eval_json.read_text())["per_prompt"]]
 
 
 def eval_record(eval_json: Path) -> dict:
     """What the A/B table takes from an evaluation: τ, per-prompt counts, the lossless check, what was decoded."""
     r = json.loads(eval_json.read_text())
-    return {"tau": r["tau_mean"], "counts": prompt_counts(eval_json), "lossless": bool(r.get("lossless", True)),
+    return {"tau": r.get("tau_emitted", r["tau_mean"]), "counts": prompt_counts(eval_json),
+            "lossless": bool(r.get("lossless", True)),
             "mismatches": r.get("mismatches", []), "prompts": r.get("prompt_ids_sha256"),
             "tokens": r.get("max_new_tokens")}
 

@@ -191,7 +191,9 @@ def decode(cfg: EvalConfig, target, drafter, prompts: list[dict], eos: list[int]
         spec.append(ss)
         alone.append(rs)
         per_prompt.append({"prompt_tokens": len(p["ids"]), "category": p["category"], "new_tokens": len(out),
-                           "tau_mean": ss.tau_mean, "steps": ss.steps, "spec_s": ss.seconds, "target_s": rs.seconds,
+                           "tau_mean": ss.tau_mean if ss.steps else None,  # (strict JSON has no NaN)
+                           "steps": ss.steps, "emitted": sum(ss.emitted),
+                           "spec_s": ss.seconds, "target_s": rs.seconds,
                            "equal": equal, "divergence": div})
         what = "" if equal else (f", differs at token {div['at']} (logit margin "
                                  f"{math.inf if div['margin'] is None else div['margin']:.3g}: "

@@ -175,7 +175,12 @@ def test_eos_and_budget(targets, arch):
         out, st = speculative_generate(model, ScriptedDrafter(prompt + ref, 1.0, 2000), prompt, budget, eos_ids=[])
         assert out == ref[:budget]
         check_stats(out, st, L)
-
+    # a perfect drafter cut by the budget: its last step accepted the whole block (τ as z-lab counts it) but emitted
+    # only what the budget left; tau_emitted counts the tokens the verify steps gave
+    budget = L + 3  # the prefill token, one full block, then 2 of the next block's L
+    out, st = speculative_generate(model, ScriptedDrafter(prompt + ref, 1.0, 2000), prompt, budget, eos_ids=[])
+    assert out == ref[:budget] and st.accepted == [L - 1, L - 1] and st.emitted == [L, 2]
+    assert st.tau_mean == L and st.tau_emitted == (budget - 1) / 2 == summarize([st])["tau_emitted"]
 
 def test_acceptance_per_position_and_pooling():
     a = GenStats(block_size=4, accepted=[0, 3, 1], draft_ms=[1.0, 1.0, 4.0], verify_ms=[2.0] * 3)
