@@ -15,7 +15,8 @@ computed chunk by chunk under activation checkpointing. Reports context tokens/s
 ideal (at 790 TFLOP/s, the bf16 dense peak, also for fp8), peak memory, SM clock and board power, and
 ours/baseline; `--precision=fp8` adds ours with float8 linears (`precision=fp8`) and the fp8 / bf16 ratios; a cache
 encoding other than bf16 (`--quant`, `--project_dims`) runs ours on a bf16 cache first, then on the encoded one, and
-gives the encoded / bf16-cache ratios (what decoding on the reader's side stream costs the step).
+gives the encoded / bf16-cache ratios (what decoding on the reader's side stream costs the step). Compared runs go
+A, B, A: the bf16 run again last, the ratios against the mean of its two runs, and their own ratio as the drift.
 """
 
 from __future__ import annotations
@@ -110,8 +111,10 @@ def run_ours(args, cache: Path, drafter: dict, precision: str = "auto", name: st
     switches = BenchSwitches(joint_attention=args.attn == "flex_joint", tf32=args.tf32 == "on",
                              optimizer_overlap=args.optimizer_overlap == "on",
                              fp8_emulate=args.tiny and not torch.cuda.is_available())  # (the CPU smoke run)
+    gc.collect()  # an earlier run's drafter (a reference cycle through its compiled method) goes before the peak resets
     t0 = time.time()
     if torch.cuda.is_available():
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     sampler = GpuSampler()
     try:
@@ -122,7 +125,10 @@ def run_ours(args, cache: Path, drafter: dict, precision: str = "auto", name: st
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     # the first window holds compilation; windows reaching into the profiled last steps are slowed by the profiler
     last_clean = args.steps - args.profile_steps if args.profile_steps else args.steps
-    steady = [r for r in recs[1:] if r["step"] <= last_clean] or recs
+    steady = [r for r in recs[1:] if r["step"] <= last_clean]
+    if not steady:
+        raise SystemExit(f"bench.train: {len(recs)} window(s) of {args.log_every} steps, none after the first "
+                         f"(compilation) and before the profiled steps: raise --steps or lower --log_every")
     first = recs.index(steady[0])  # clocks over the steady windows (each window ends at its record's time)
     clocks = sampler.between(recs[first - 1]["time"] if first else t0, steady[-1]["time"])
     derived = json.loads((run / "config.json").read_text())["derived"]
@@ -304,6 +310,8 @@ def main() -> None:
         runs.append(("ours_fp8", "fp8", "run-fp8", bf16_cache))
     if encoded:
         runs.append(("ours_encoded", precision, "run-encoded", cache))
+    if len(runs) > 1:  # the reference again, last: the ratios take both (A, B, A), the pair bounds the drift
+        runs.append(("ours_again", precision, "run-again", bf16_cache))
     for key, precision, name, on in runs:
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -314,6 +322,17 @@ def main() -> None:
         if args.out:
             args.out.write_text(json.dumps(res, indent=1))
     print_table(res, args)
+
+
+def reference(res: dict) -> dict:
+    """The bf16 run on the bf16 cache the others are compared with: the mean of its two runs (before and after them)
+    where it ran twice, so that a GPU warming up over the call biases no ratio."""
+    if "ours_again" not in res:
+        return res["ours"]
+    a, b = res["ours"], res["ours_again"]
+    gpu = {"sm_mhz": (a["gpu"]["sm_mhz"] + b["gpu"]["sm_mhz"]) / 2} if a["gpu"] and b["gpu"] else None
+    return {"tok_per_s": (a["tok_per_s"] + b["tok_per_s"]) / 2, "ms_per_step": (a["ms_per_step"] + b["ms_per_step"]) / 2,
+            "gpu": gpu, "peak_gb": max(a["peak_gb"], b["peak_gb"])}
 
 
 def ratio(x: dict, ref: dict) -> str:
@@ -328,12 +347,12 @@ def ratio(x: dict, ref: dict) -> str:
 def print_table(res: dict, args) -> None:
     """One column per run of ours (bf16; fp8 with --precision=fp8; on the encoded cache with --quant/--project_dims),
     then the baseline's."""
-    keys = [k for k in ("ours", "ours_fp8", "ours_encoded") if k in res]
+    keys = [k for k in ("ours", "ours_fp8", "ours_encoded", "ours_again") if k in res]
     ours = [res[k] for k in keys]
     b = res.get("baseline", {})
     cache = f"{args.quant}" + (f" k={args.project_dims}" if args.project_dims else "")
     label = {"ours": f"ours {res['ours']['precision']}" if "ours_fp8" in res else "ours, bf16 cache",
-             "ours_fp8": "ours fp8", "ours_encoded": f"ours, {cache} cache"}
+             "ours_fp8": "ours fp8", "ours_encoded": f"ours, {cache} cache", "ours_again": "the first again"}
     names = ["ours"] if len(ours) == 1 else [label[k] + (f" ({res[k]['fp8_recipe']})" if res[k]["fp8_recipe"] else "")
                                              for k in keys]
 
@@ -347,13 +366,18 @@ def print_table(res: dict, args) -> None:
     row("FLOP fraction @790T", [f"{x['flop_frac']:.3f}" for x in ours])
     if b:
         row("ours / baseline", [f"{x['tok_per_s'] / b['tok_per_s']:.2f}" for x in ours])
+    ref = reference(res)
     if "ours_fp8" in res:  # fp8 / bf16 rates
-        ref, f = res["ours"], res["ours_fp8"]
+        f = res["ours_fp8"]
         peak = f["peak_gb"] / ref["peak_gb"] if ref["peak_gb"] else 0.0
-        row("fp8 / bf16: tok/s, peak GB", [f"{ratio(f, ref)}, {peak:.3f}" if k == "ours_fp8" else "" for k in keys])
+        row("fp8 / bf16 (its two runs): tok/s, peak GB", [f"{ratio(f, ref)}, {peak:.3f}" if k == "ours_fp8" else ""
+                                                         for k in keys])
     if "ours_encoded" in res:  # the same training on the encoded cache / on the bf16 cache
-        row(f"{cache} cache / bf16 cache: tok/s", [ratio(res["ours_encoded"], res["ours"]) if k == "ours_encoded"
-                                                   else "" for k in keys])
+        row(f"{cache} cache / bf16 cache (its two runs): tok/s", [ratio(res["ours_encoded"], ref)
+                                                                  if k == "ours_encoded" else "" for k in keys])
+    if "ours_again" in res:  # how far the same run moved over the call: a ratio inside it is no difference
+        row("the first run again / the first: tok/s (drift over the call)",
+            [ratio(res["ours_again"], res["ours"]) if k == "ours_again" else "" for k in keys])
     row("recompiles after warm-up", [str(x["recompiles"]) for x in ours])
     row("host: data wait, GC (fraction of wall time)", [f"{x['data_wait_frac']:.3f}, {x['gc_frac']:.3f}" for x in ours])
     row("hidden cache encoding (decoded by the reader)", [cache if k == "ours_encoded" else "bf16" for k in keys])

@@ -463,8 +463,9 @@ def make_fake_cache(cache_dir, num_shards: int, rows, seq_len: int, hidden: int,
                num_shards)
     gen = torch.Generator().manual_seed(seed)
     Ps = {}
-    if project_dims:
-        Ps = {lid: torch.linalg.qr(torch.randn(hidden, project_dims, generator=gen))[0] for lid in sorted(layer_ids)}
+    if project_dims:  # (from a generator of their own: the rows and states are those of the unprojected cache)
+        pgen = torch.Generator().manual_seed(seed + 1)
+        Ps = {lid: torch.linalg.qr(torch.randn(hidden, project_dims, generator=pgen))[0] for lid in sorted(layer_ids)}
         meta = {"dims": project_dims, "rows": 0, "tokens": 0, "layer_ids": sorted(layer_ids), "fake": True}
         rec = write_projection(cache, Ps, meta)
         update_manifest(cache, projection=dict(meta, file=PROJECTION_FILE, bytes=rec["bytes"], sha256=rec["sha256"]))

@@ -127,6 +127,7 @@ class Report:
         self.w, self.host, self.done, self.kw = window, host, done, kw
         # off CUDA the work is done when the report is made: the window ends now (on CUDA: at the `done` event)
         self.t_end = time.time()
+        self.gc_end = GC_CLOCK.total  # (the next window counts the GC from here on: not both)
 
     def result(self) -> dict:
         from dflash_offline.loss import simulated_acceptance_length, slot_accuracy
@@ -149,7 +150,7 @@ class Report:
             "tok_per_s": w.rows * k["seq_len"] / secs, "ms_per_step": 1000 * secs / max(w.steps, 1),
             "flop_frac": w.rows * k["fpr"] / secs / H200_DENSE_BF16 if cuda else 0.0,
             "data_wait_frac": w.wait_s / secs, "time": now if self.done is not None else self.t_end,
-            "gc_frac": (GC_CLOCK.total - w.gc0) / secs,  # the feeding thread stopped for garbage collection
+            "gc_frac": (self.gc_end - w.gc0) / secs,  # the feeding thread stopped for garbage collection
             # graphs compiled after the warm-up step (a recompile after it also raises; 0 in a healthy run)
             "recompiles": k["graphs"] - w.graphs0 if w.graphs0 is not None else 0,
         }

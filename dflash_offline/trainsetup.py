@@ -328,7 +328,8 @@ def same_start_on_every_rank(acc, resume: bool, run_dir, info) -> None:
 def kept_process_state():
     """While a run runs, the GC clock counts; afterwards the process is as the run found it: the recompile guard and
     TF32 (set by the run, for its own matmuls), and the GC unfrozen where the run froze it (a caller's own frozen
-    objects are left as they are)."""
+    objects are left as they are), then collected: the run's model is a reference cycle (its compiled method), which
+    only the cycle collector frees — before a next run in the process (a benchmark's) counts it in its memory."""
     import gc
 
     import torch
@@ -346,6 +347,7 @@ def kept_process_state():
         setattr(torch.backends.cuda.matmul, *tf32)
         if not frozen and gc.get_freeze_count():
             gc.unfreeze()
+        gc.collect()
 
 
 def tf32_setting() -> tuple[str, object]:

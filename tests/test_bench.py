@@ -139,11 +139,13 @@ def test_bench_train_tiny_on_a_projected_fp8_cache(tmp_path):
     res, stdout = run_bench("bench.train", tmp_path, "--steps=4", "--log_every=2", "--project_dims=32", "--quant=fp8",
                             "--skip_baseline")
     assert res["project_dims"] == 32 and res["quant"] == "fp8" and "baseline" not in res
-    for key in ("ours", "ours_encoded"):
+    for key in ("ours", "ours_encoded", "ours_again"):  # bf16 cache, encoded, bf16 cache again (A, B, A)
         assert res[key]["tok_per_s"] > 0 and res[key]["recompiles"] == 0
     cfg = json.loads((tmp_path / "w" / "run-encoded" / "config.json").read_text())
     assert cfg["drafter"]["tap_width"] == 32 and cfg["projection"]["dims"] == 32
     ref = json.loads((tmp_path / "w" / "run" / "config.json").read_text())
     assert ref["drafter"]["tap_width"] == 0 and "projection" not in ref
-    want = res["ours_encoded"]["tok_per_s"] / res["ours"]["tok_per_s"]
-    assert f"| fp8 k=32 cache / bf16 cache: tok/s | | {want:.3f} |" in stdout
+    want = res["ours_encoded"]["tok_per_s"] / ((res["ours"]["tok_per_s"] + res["ours_again"]["tok_per_s"]) / 2)
+    assert f"| fp8 k=32 cache / bf16 cache (its two runs): tok/s | | {want:.3f} | |" in stdout
+    drift = res["ours_again"]["tok_per_s"] / res["ours"]["tok_per_s"]
+    assert f"| the first run again / the first: tok/s (drift over the call) | | | {drift:.3f} |" in stdout

@@ -282,8 +282,8 @@ def test_bench_train_fp8_runs_bf16_and_fp8_in_one_call(tmp_path):
     assert (res["ours"]["precision"], res["ours_fp8"]["precision"]) == ("bf16", "fp8")
     assert res["ours_fp8"]["fp8_recipe"] == "tensorwise" and res["ours_fp8"]["recompiles"] == 0
     assert res["ours"]["tok_per_s"] > 0 and res["ours_fp8"]["tok_per_s"] > 0
-    assert "| training, cpu | ours bf16 | ours fp8 (tensorwise) | baseline |" in p.stdout
-    assert "| fp8 / bf16: tok/s, peak GB | | " in p.stdout
+    assert "| training, cpu | ours bf16 | ours fp8 (tensorwise) | the first again | baseline |" in p.stdout
+    assert "| fp8 / bf16 (its two runs): tok/s, peak GB | | " in p.stdout and res["ours_again"]["precision"] == "bf16"
 
 
 FP8_WORKER = """

@@ -578,3 +578,26 @@ def test_a_hand_edited_manifest_is_refused_before_the_run_directory_exists(tmp_p
     with pytest.raises(ValueError, match=r"shards\[2\].rows is 'many'"):
         train.run(cfg(bad, tmp_path / "run"))
     assert not (tmp_path / "run").exists()
+
+
+def test_a_finished_run_leaves_no_model_behind(tmp_path, hidden_cache):
+    """The compiled drafter is a reference cycle (its compiled method): once `train.run` returns, nothing of it is
+    alive — a second run in the process (bench.train's fp8 or encoded-cache run) does not carry the first one's
+    weights in its memory figures."""
+    import gc
+    import weakref
+
+    from dflash_offline import drafter
+
+    live, init = weakref.WeakSet(), drafter.DFlashDrafter.__init__
+
+    def tracked(self, *a, **k):
+        init(self, *a, **k)
+        live.add(self)
+
+    drafter.DFlashDrafter.__init__ = tracked
+    try:
+        train.run(cfg(hidden_cache, tmp_path / "r", steps=2, ckpt_every=2, compile="on"))
+    finally:
+        drafter.DFlashDrafter.__init__ = init
+    assert gc.get_freeze_count() == 0 and len(live) == 0
