@@ -410,8 +410,8 @@ def run_drafters(cfg: TestbedConfig, p: Paths, dev: str, jobs: list[Job], parall
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    for j in jobs:  # runs made from other settings or code go before anything reads them (the untrained evaluation)
-        if cache_complete(j.cache):
+    for j in jobs:  # runs made from other settings or code go before anything reads them (the untrained evaluation
+        if j.run == base or cache_complete(j.cache):  # reads the base run's): the others' caches may come later
             fresh_run(cfg, p, j)
     d = Drafters(cfg, p, dev, jobs, parallel, base, stream, caches)
     side = threading.Thread(target=d.untrained, daemon=True)
