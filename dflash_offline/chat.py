@@ -19,7 +19,9 @@ one well-formed think block); a record that has one keeps its content verbatim, 
 target generated after its reasoning, and the real Qwen templates render it so; "strip" drops R and
 `reasoning_content`. Either way the template's own rules decide where a think block is rendered; an *empty* block the template inserts (`<think>\\n\\n</think>\\n\\n`: Qwen3
 in its final turn, Qwen3.5/3.6 in every turn after the last user message) is prompt at serving time (the non-thinking
-generation prompt ends with it), so it is not supervised unless `empty_think="supervise"`.
+generation prompt ends with it), so it is not supervised unless `empty_think="supervise"`. Likewise the `<think>\n`
+that opens a non-empty block where the template's thinking generation prompt ends with it (Qwen3.5/3.6: the served
+model never writes it; Qwen3 writes its own and keeps it supervised).
 
 Samples (`turns`): "last" renders the whole conversation once and supervises every assistant turn in it. The real
 templates drop `reasoning_content` from turns before the last user message, so with "last" those turns are trained
@@ -60,7 +62,19 @@ THINK_RE = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 # same-length stand-ins for the turn markers inside record strings (Unicode private-use characters)
 PLACEHOLDERS = {IM_START: "\ue000" * len(IM_START), IM_END: "\ue001" * len(IM_END)}
 # identity of the rendering and masking rules below; part of the token cache key (change it with the rules)
-RULES = "chat/v4: content kept verbatim beside given reasoning, tool calls normalized, think tags split, structural spans, empty think block masked by option, truncated regen turns end at their last generated character"
+RULES = "chat/v5: content kept verbatim beside given reasoning, tool calls normalized, think tags split, structural spans, empty think block masked by option, truncated regen turns end at their last generated character, <think> opened by the generation prompt masked"
+THINK_OPEN_LINE = THINK_OPEN + "\n"
+
+
+def template_opens_think(tok) -> bool:
+    """Whether the chat template's generation prompt with thinking on ends with an opened `<think>` (Qwen3.5/3.6; not
+    Qwen3): the served model then starts inside the block, and the `<think>\n` of a rendered turn is prompt."""
+    try:
+        text = tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False, add_generation_prompt=True,
+                                       enable_thinking=True)
+    except Exception:  # noqa: BLE001 - a template that cannot render this: nothing to mask
+        return False
+    return text.endswith(THINK_OPEN_LINE)
 
 
 class RecordError(Exception):
@@ -211,9 +225,11 @@ def truncated_turns(obj: dict, messages: list[dict]) -> set[int]:
 
 
 def conversation_samples(tok, messages: list[dict], tools: list | None, turns: str, empty_think: str,
-                         counts: Counter, truncated: set[int] = frozenset()) -> list[tuple[str, list[tuple[int, int]]]]:
+                         counts: Counter, truncated: set[int] = frozenset(),
+                         opens_think: bool = False) -> list[tuple[str, list[tuple[int, int]]]]:
     """(rendered text, supervised character spans) of each sample of a prepared conversation (`turns` last|each;
-    `truncated`: indices of assistant turns cut at max_new_tokens, `truncated_turns`)."""
+    `truncated`: indices of assistant turns cut at max_new_tokens, `truncated_turns`; `opens_think`:
+    `template_opens_think`)."""
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     marked = holds_marker(messages, tools)
     if turns == "last":
@@ -223,7 +239,7 @@ def conversation_samples(tok, messages: list[dict], tools: list | None, turns: s
         samples = turn_samples(tok, messages, tools, assistant, marked)
     counts["chat_records"] += 1
     counts["samples"] += len(samples)
-    return [(text, [supervised_span(text, span, messages[i], empty_think, counts, i in truncated)
+    return [(text, [supervised_span(text, span, messages[i], empty_think, counts, i in truncated, opens_think)
                      for i, span in chosen]) for text, chosen in samples]
 
 
@@ -282,9 +298,10 @@ def turn_spans(text: str) -> list[tuple[int, int]]:
 
 
 def supervised_span(text: str, span: tuple[int, int], message: dict, empty_think: str,
-                    counts: Counter, truncated: bool = False) -> tuple[int, int]:
-    """The turn's span, without a leading empty think block unless `empty_think="supervise"`, and for a `truncated`
-    turn ending at its last generated character (`generated_end`); counts think blocks."""
+                    counts: Counter, truncated: bool = False, opens_think: bool = False) -> tuple[int, int]:
+    """The turn's span, without a leading empty think block unless `empty_think="supervise"`, without the opening
+    `<think>\n` of a block where the generation prompt opens it (`opens_think`), and for a `truncated` turn ending at
+    its last generated character (`generated_end`); counts think blocks."""
     body, end = span
     if text.startswith(EMPTY_THINK, body):
         counts["think_empty"] += 1
@@ -292,6 +309,8 @@ def supervised_span(text: str, span: tuple[int, int], message: dict, empty_think
             body += len(EMPTY_THINK)
     elif text.startswith(THINK_OPEN, body):
         counts["think_kept"] += 1
+        if opens_think and text.startswith(THINK_OPEN_LINE, body):
+            body += len(THINK_OPEN_LINE)
     elif (message.get("reasoning_content") or "").strip():
         counts["think_dropped_by_template"] += 1
     if truncated:

@@ -33,6 +33,7 @@ from dflash_offline.chat import (
     RecordError,
     conversation_samples,
     prepare_messages,
+    template_opens_think,
     truncated_turns,
     validate_messages,
     validate_tools,
@@ -259,7 +260,7 @@ def _init_worker(tokenizer_dir: str, opts: dict) -> None:
     from transformers import AutoTokenizer
 
     _TOK = AutoTokenizer.from_pretrained(tokenizer_dir)
-    _OPTS = opts
+    _OPTS = dict(opts, opens_think=template_opens_think(_TOK))
 
 
 def process_chunk(chunk: list[Record]) -> list[Tokens | Skip]:
@@ -282,7 +283,7 @@ def render(rec: Record) -> Rendered | Tokens | Skip:
         counts = Counter()
         msgs = prepare_messages(validate_messages(obj, counts), _OPTS["thinking"], counts)
         samples = conversation_samples(_TOK, msgs, validate_tools(obj), _OPTS["turns"], _OPTS["empty_think"], counts,
-                                       truncated_turns(obj, msgs))
+                                       truncated_turns(obj, msgs), _OPTS["opens_think"])
         return Rendered(rec, samples, counts)
     except RecordError as e:
         return Skip(e.reason, e.detail, rec.file, rec.line)

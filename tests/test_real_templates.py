@@ -143,8 +143,9 @@ def render(tok, msgs, tools):
 def reference_samples(tok, record, empty_think="prompt"):
     """turns=each by prefix diff: the sample of assistant turn i is the rendering of the messages through it; the
     rendering of the messages before it is a prefix of it, and what follows that prefix is the turn: header, body,
-    <|im_end|>, newline. Supervised: the body through <|im_end|> (without a leading empty think block by default).
-    A sample that the next one starts with is carried into it."""
+    <|im_end|>, newline. Supervised: the body through <|im_end|> (without a leading empty think block by default,
+    and without a `<think>\n` that the template's thinking generation prompt for that turn ends with: the served
+    model starts after it). A sample that the next one starts with is carried into it."""
     msgs, tools = reference_messages(record), record.get("tools")
     samples = []
     for i, m in enumerate(msgs):
@@ -155,6 +156,11 @@ def reference_samples(tok, record, empty_think="prompt"):
         a, b = len(prompt) + len(HEADER), len(full) - 1
         if empty_think == "prompt" and full.startswith(EMPTY, a):
             a += len(EMPTY)
+        elif full.startswith("<think>\n", a):
+            gen = tok.apply_chat_template(msgs[:i], tools=tools, tokenize=False, add_generation_prompt=True,
+                                          enable_thinking=True)
+            if gen.endswith(HEADER + "<think>\n") and full.startswith(gen):
+                a = len(gen)
         spans = [(a, b)]
         if samples and full.startswith(samples[-1][0]):
             spans = samples.pop()[1] + spans
@@ -169,11 +175,17 @@ def tokens_and_mask(tok, text, spans):
 
 
 def text_search_mask(tok, text):
-    """The earlier masks: every `<|im_start|>assistant\\n` … `<|im_end|>` found by searching the rendered text."""
-    spans, at = [], 0
+    """The earlier masks: every `<|im_start|>assistant\\n` … `<|im_end|>` found by searching the rendered text
+    (but a non-empty think block's `<think>\\n` where the thinking generation prompt opens it)."""
+    from dflash_offline.chat import template_opens_think
+
+    spans, at, opens = [], 0, template_opens_think(tok)
     while (start := text.find(HEADER, at)) >= 0:
         end = text.find(END, start + len(HEADER)) + len(END)
-        spans.append((start + len(HEADER), end))
+        body = start + len(HEADER)
+        if opens and text.startswith("<think>\n", body) and not text.startswith(EMPTY, body):
+            body += len("<think>\n")
+        spans.append((body, end))
         at = end
     return tokens_and_mask(tok, text, spans)
 
@@ -251,7 +263,9 @@ def test_every_turn_of_every_record_against_the_prefix_reference(tmp_path, fixtu
         assert ids.tolist() == ref_ids and mask.tolist() == ref_mask
     supervised = [supervised_text(tok, ids, mask) for _, ids, mask in docs]
     reasoning = [m.get("reasoning_content") or m.get("reasoning") for r in RECORDS for m in r["messages"]]
-    assert all(any(f"<think>\n{r}\n</think>" in s for s in supervised) for r in reasoning if r)
+    assert all(any(f"{r}\n</think>" in s for s in supervised) for r in reasoning if r)
+    # the `<think>\n` the thinking generation prompt ends with (Qwen3.5/3.6) is prompt; Qwen3's model writes its own
+    assert any(s.startswith("<think>") for s in supervised) == (name == "qwen3")
     assert not any("FAKE" in s for s in supervised) and not any(EMPTY in s for s in supervised)
     chat = summary["chat"]
     assert chat["turns_expanded"] == samples - len(RECORDS) and chat["tool_arguments_parsed"] == 4
@@ -305,8 +319,9 @@ def test_thinking_strip_keep_dangling_tags_and_the_empty_think_block(tmp_path, f
     records = [LEAKED, unclosed, REASONING, PLAIN]
     keep, kept = run(tmp_path / "keep", fixtures / name, records, turns="each")
     texts = [supervised_text(tok, ids, mask) for _, ids, mask in kept]
-    assert texts[0] == "<think>\nNot Sydney; it is Canberra.\n</think>\n\nCanberra.<|im_end|>"
-    assert texts[1] == "<think>\nOne, two, thr\n</think>\n\n<|im_end|>"  # the cut-off reasoning, closed
+    opened = "<think>\n" if name == "qwen3" else ""  # (Qwen3.6's thinking generation prompt ends with it)
+    assert texts[0] == opened + "Not Sydney; it is Canberra.\n</think>\n\nCanberra.<|im_end|>"
+    assert texts[1] == opened + "One, two, thr\n</think>\n\n<|im_end|>"  # the cut-off reasoning, closed
     assert texts[-2:] == ["Hi!<|im_end|>", "Salut !<|im_end|>"]  # the empty blocks the template inserts: prompt
     assert keep["chat"]["think_blocks"]["empty"] == 2
     strip, stripped = run(tmp_path / "strip", fixtures / name, records, thinking="strip", turns="each")
