@@ -229,16 +229,27 @@ def prompt_ids_digest(prompts: list[dict]) -> str:
 
 def baseline_key(cfg, target_dir: Path, prompts: list[dict], eos: list[int], dtype: str, device) -> dict:
     """What the target-alone decodes depend on: the target's weights and config, the prompts' tokens, eos, the
-    budget, the dtype and the device type (and the library versions that compute them)."""
+    budget, the dtype and the device type (and the library versions that compute them: torch, transformers and the
+    kernel packages transformers picks up when installed — fla, causal_conv1d, flash_attn —, and on a CPU the thread
+    count, which can change float32 sums)."""
+    from importlib import metadata
+
     import torch
     import transformers
 
     from .targetid import target_fingerprint
 
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     return {"target": target_fingerprint(target_dir), "prompt_ids_sha256": prompt_ids_digest(prompts), "eos": list(eos),
             "max_new_tokens": cfg.max_new_tokens, "dtype": dtype, "device": name, "torch": torch.__version__,
-            "transformers": transformers.__version__}
+            "transformers": transformers.__version__,
+            "kernels": {d: version(d) for d in ("flash-linear-attention", "fla-core", "causal-conv1d", "flash-attn")}}
 
 
 def read_baseline(path: Path, key: dict, log) -> list | None:

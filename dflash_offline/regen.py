@@ -78,10 +78,11 @@ def settings_digest(conf: dict) -> str:
 
 def split_reasoning(text: str, think_open_in_prompt: bool) -> tuple[str, str | None]:
     """(content, reasoning) of a generation. `<think>R</think>C` → (C, R); the template may have opened the block
-    in the prompt (then the generation is `R</think>C`, or only `R` when cut off inside the thinking)."""
+    in the prompt (then the generation is `R</think>C`, or only `R` when cut off inside the thinking). An answer that
+    opened no block keeps a `</think>` it mentions as text."""
     stripped = text.lstrip()
     opened = think_open_in_prompt or stripped.startswith("<think>")
-    if "</think>" in text:
+    if opened and "</think>" in text:
         pre, post = text.split("</think>", 1)
         pre = pre.lstrip()
         if pre.startswith("<think>"):

@@ -171,6 +171,9 @@ def test_split_reasoning():
     assert msg("<think>\n\n</think>\n\nplain", False) == {"role": "assistant", "content": "plain"}
     assert msg("plain <tool_call>x</tool_call>", False) == {"role": "assistant",
                                                             "content": "plain <tool_call>x</tool_call>"}
+    # no block opened (thinking off): a `</think>` the answer talks about is text, not the end of a reasoning
+    assert msg("Close the block with </think> then answer.", False) == {
+        "role": "assistant", "content": "Close the block with </think> then answer."}
 
 
 def test_cli_checks_before_loading(tmp_path, chat_corpus):

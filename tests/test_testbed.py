@@ -89,6 +89,27 @@ def test_a_baseline_is_reused_only_for_the_same_key(tmp_path):
     assert read_baseline(path, {**key, "target": {"w": "2"}}, print) is None
 
 
+def test_the_baseline_key_names_the_cpu_threads_and_the_kernel_packages(qwen35_dir):
+    """What changes the target's greedy numbers is in the key: the CPU thread count (float32 sums) and the kernel
+    packages transformers picks up when installed (fla, causal_conv1d, flash_attn)."""
+    import types
+
+    import torch
+
+    from dflash_offline.evaluation import baseline_key
+
+    cfg, threads = types.SimpleNamespace(max_new_tokens=8), torch.get_num_threads()
+    try:
+        keys = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            keys.append(baseline_key(cfg, qwen35_dir, [{"ids": [1, 2]}], [0], "float32", torch.device("cpu")))
+    finally:
+        torch.set_num_threads(threads)
+    assert keys[0] != keys[1] and keys[0]["device"] == "cpu (1 threads)"
+    assert set(keys[0]["kernels"]) == {"flash-linear-attention", "fla-core", "causal-conv1d", "flash-attn"}
+
+
 def test_render_is_the_chat_template(qwen35_dir):
     from transformers import AutoTokenizer
 
