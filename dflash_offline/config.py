@@ -165,7 +165,7 @@ class TrainConfig:
     layer_ids: list[int] = field(default_factory=list)  # tapped layers to train on; empty = all the cache holds
     mask_token_id: int = -1  # the drafter's mask token; -1 = the one validated at extraction
     sliding_window: int = 0  # >0: every layer but the last uses sliding-window attention of this width; 0 = off
-    gamma: float = 0.0  # slot-weight decay exp(-(k-1)/gamma); 0 = 7 for block 16, 4 for block 8
+    gamma: float = 0.0  # slot-weight decay exp(-(k-1)/gamma); 0 = 7 for block 16, 4 for block 8; inf = no decay
     weighting: str = "decay"  # slot weights: "decay" (exp(-(k-1)/gamma)) or "dpace"
     noise_std: float = 0.0  # Gaussian noise on the context hidden states (relative to their RMS); 0 = off
     lr: float = 6e-4  # peak learning rate (AdamW)
@@ -210,6 +210,9 @@ class TrainConfig:
                               f"{self.warmup_steps}")
         if self.block_size < 2:
             raise ConfigError(f"train.block_size must be >= 2, got {self.block_size}")
+        if not self.gamma >= 0:  # (NaN too)
+            raise ConfigError(f"train.gamma={self.gamma}: give a decay length > 0, inf for no decay, or 0 for the "
+                              f"default (7 for block 16, 4 for block 8)")
         if self.gamma == 0 and self.block_size not in (8, 16) and self.weighting == "decay":
             raise ConfigError(f"train.gamma: no default for block_size {self.block_size}; set gamma explicitly")
         return self

@@ -9,11 +9,13 @@ Slot 0 (the given token) is skipped entirely: its logits are never computed.
 
 Weighting (`weighting=`):
 - "decay" (DFlash): w[k] = exp(-(k-1)/gamma) for slot k >= 1, times label validity; loss = sum(w*ce) / sum(w).
-- "dpace": acceptance-aware weights (the D-PACE option of SpecForge's DFlash trainer). With
+- "dpace": acceptance-aware weights (the D-PACE option of SpecForge's DFlash trainer, the same weights). With
   q_k = p_draft(label_k) (detached) and s_k = (1-alpha)*q_k + alpha for valid slots (s_k = 1 for invalid ones),
-  P_j = prod_{i<=j} s_i and w_k = valid_k * sum_{j>=k} valid_j * P_j. This is the gradient weight of the
-  smoothed expected acceptance length sum_j P_j: d/dθ sum_j P_j = sum_k (dlog s_k) * w_k. Weights are
-  detached; loss = sum(w*ce) / (number of blocks with >= 1 label).
+  P_j = prod_{i<=j} s_i and w_k = valid_k * sum_{j>=k} valid_j * P_j: a surrogate of the smoothed expected acceptance
+  length sum_j P_j (whose gradient is sum_k w_k * dlog s_k, and dlog s_k = (1-alpha) q_k / s_k * dlog q_k: the CE
+  weights here leave out that factor, as SpecForge does). Weights are detached; loss = sum(w*ce) / (number of blocks
+  with >= 1 label) — a mean over blocks, where SpecForge divides by rows (its loss and gradient are ~blocks per row
+  larger, e.g. ~512x: with grad_clip=1.0 it clips nearly every step, this one seldom; Adam is otherwise blind to it).
 The denominator (`loss_weight`) is the batch's by default; training divides every micro-batch by its optimizer
 step's, over all its micro-batches and processes (`step_normalizer`).
 
@@ -234,7 +236,8 @@ class _ChunkedBlockCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_correct):
         grad_XKH, norm = ctx.saved_tensors
-        return grad_XKH * (grad_loss / norm).to(grad_XKH.dtype), None, None, None, None, None, None, None, None, None, None
+        return (grad_XKH.float() * (grad_loss / norm)).to(grad_XKH.dtype), None, None, None, None, None, None, None, None, \
+            None, None
 
 
 class BlockLoss(NamedTuple):

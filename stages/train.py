@@ -17,6 +17,7 @@ and the run's last line: `dflash_offline.metrics`.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -59,6 +60,7 @@ class Parts:
     sched: object  # accelerate-wrapped LambdaLR
     embed: object  # the target's frozen embedding
     head: object  # the target's frozen lm_head
+    skipped: object = None  # steps skipped for a non-finite gradient norm (a device tensor; MasterAdamW keeps its own)
 
 
 def _run(cfg: TrainConfig, switches: BenchSwitches) -> Path:
@@ -183,7 +185,8 @@ def build_optimizer(cfg: TrainConfig, s: TrainSetup, acc, model, embed, head) ->
     if s.overlap:  # each layer's weights are waited for just before the forward uses them
         opt.optimizer.overlap_with_forward(raw.weight_groups())
         raw.weight_fence = opt.optimizer.wait_for
-    return Parts(model=model, raw=raw, opt=opt, sched=sched, embed=embed, head=head)
+    skipped = None if s.master else torch.zeros((), dtype=torch.float32, device=acc.device)
+    return Parts(model=model, raw=raw, opt=opt, sched=sched, embed=embed, head=head, skipped=skipped)
 
 
 def compile_model(raw, s: TrainSetup) -> None:
@@ -234,7 +237,7 @@ def train_loop(cfg: TrainConfig, s: TrainSetup, acc, p: Parts, stream, step: int
         meter.step(rows_per_step, grad_norm)  # (reads the last window's report, now that this step is queued)
         checkpoint = step % cfg.ckpt_every == 0 or step == s.steps
         if step % cfg.log_every == 0 or checkpoint:  # a window also ends at a checkpoint: its time is not training
-            meter.end_window(step, p.sched.get_last_lr()[0], p.opt.optimizer.skipped if s.master else None,
+            meter.end_window(step, p.sched.get_last_lr()[0], p.opt.optimizer.skipped if s.master else p.skipped,
                              read_now=checkpoint)
         if checkpoint:
             save(cfg, s, acc, p, run_dir, step, stream, projection)
@@ -316,16 +319,36 @@ def micro_seed(seed: int, index: int) -> int:
 
 
 def optimizer_step(cfg: TrainConfig, s: TrainSetup, acc, p: Parts):
-    """Clip, update, schedule, zero; returns the global gradient norm before clipping (None: not clipped)."""
+    """Clip, update, schedule, zero; returns the global gradient norm before clipping. A step whose norm is not
+    finite is skipped (weights, moments and step counts unchanged) and counted, as MasterAdamW does: on CUDA by the
+    fused AdamW's `found_inf` (no host sync), on a CPU by looking."""
     if s.master:
-        grad_norm = p.opt.optimizer.step()  # clips inside; the global norm before clipping
+        grad_norm = p.opt.optimizer.step()  # clips and skips inside; the global norm before clipping
     else:
-        grad_norm = acc.clip_grad_norm_(p.model.parameters(), cfg.grad_clip) if cfg.grad_clip > 0 else None
-        p.opt.step()
+        grad_norm = plain_step(cfg, s, acc, p)
     p.sched.step()
     p.opt.zero_grad(set_to_none=True)
-    if grad_norm is not None and hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
+    return grad_norm
+
+
+def plain_step(cfg: TrainConfig, s: TrainSetup, acc, p: Parts):
+    """torch's AdamW after clipping (the norm computed also without clipping), skipping a non-finite step."""
+    import torch
+
+    grad_norm = acc.clip_grad_norm_(p.model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+    if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
         grad_norm = grad_norm.full_tensor()
+    bad = (~torch.isfinite(grad_norm)).float()
+    p.skipped.add_(bad)
+    inner = p.opt.optimizer
+    if inner.defaults.get("fused") and not s.sharded:  # (FSDP's DTensor parameters: not tried with found_inf)
+        inner.found_inf = bad
+        try:
+            p.opt.step()
+        finally:
+            del inner.found_inf
+    elif grad_norm.device.type == "cuda" or not bad.item():  # FSDP on CUDA: counted, not skipped (a host sync)
+        p.opt.step()
     return grad_norm
 
 

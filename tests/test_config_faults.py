@@ -248,3 +248,13 @@ def test_the_dead_tokenize_block_size_knob_is_gone():
 
     with pytest.raises(ConfigError, match="block_size"):
         build_config(TokenizeConfig, "tokenize", {"corpus": ["x.jsonl"], "tokenizer": "t", "block_size": 16})
+
+
+@pytest.mark.parametrize("gamma", [-7.0, float("nan")])
+def test_a_negative_or_nan_gamma_is_refused(gamma):
+    """A negative decay length would make the weights grow along the block (SpecForge reads ≤ 0 as "no decay"; here
+    that is gamma=inf, and 0 is the default)."""
+    with pytest.raises(ConfigError, match=r"train.gamma=.*: give a decay length > 0, inf for no decay, or 0 for the "
+                                          r"default"):
+        TrainConfig(cache="c", gamma=gamma).resolve()
+    assert TrainConfig(cache="c", gamma=float("inf")).resolve().gamma == float("inf")

@@ -227,3 +227,25 @@ def test_fp8_lm_head_trains_like_fp32_logits_on_cuda(tmp_path, hidden_cache):
     a, b = [r["loss"] for r in runs["fp32"]], [r["loss"] for r in runs["fp8"]]
     assert a != b and b == pytest.approx(a, rel=3e-2)
     assert runs["fp8"][-1]["recompiles"] == 0
+
+
+def test_a_non_finite_step_is_skipped_by_the_fused_adamw_on_cuda(tmp_path, hidden_cache, monkeypatch):
+    """fp32 weights and torch's fused AdamW on CUDA: a step whose gradient is NaN is skipped through the optimizer's
+    `found_inf` (no host sync), counted, and the weights stay finite."""
+    real, calls = train.micro_batch, {"n": 0}
+
+    def poisoned(cfg, s, acc, p, batch, norm, last):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            batch = dict(batch, hidden=batch["hidden"] * float("nan"))
+        return real(cfg, s, acc, p, batch, norm, last)
+
+    monkeypatch.setattr(train, "micro_batch", poisoned)
+    run = tmp_path / "r"
+    train.run(TrainConfig(cache=str(hidden_cache), run=str(run), steps=4, ckpt_every=4, log_every=1, trackers="none",
+                          num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_anchors=8, batch_rows=2,
+                          precision="fp32", master_weights="off", compile="off").resolve())
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped_steps"] for r in recs] == [0, 0, 1, 1]
+    weights = load_file(str(run / "checkpoints" / "step-00000004" / "model.safetensors"))
+    assert all(torch.isfinite(w).all() for w in weights.values())

@@ -1,6 +1,7 @@
 """Stage 2 on CPU: exact resume, 2 processes = 1 process with accumulation, refusals, golden losses."""
 
 import json
+import math
 import os
 import shutil
 import socket
@@ -601,3 +602,26 @@ def test_a_finished_run_leaves_no_model_behind(tmp_path, hidden_cache):
     finally:
         drafter.DFlashDrafter.__init__ = init
     assert gc.get_freeze_count() == 0 and len(live) == 0
+
+
+@pytest.mark.parametrize("master", ["off", "on"])
+def test_a_step_with_a_non_finite_gradient_is_skipped_and_counted(tmp_path, hidden_cache, monkeypatch, master):
+    """One micro-batch's loss turns NaN (a bad row, an overflow): that step changes nothing — with fp32 weights and
+    torch's AdamW as with MasterAdamW — the run goes on with finite weights, and the metrics count the skipped step."""
+    real = train.micro_batch
+    calls = {"n": 0}
+
+    def poisoned(cfg, s, acc, p, batch, norm, last):
+        calls["n"] += 1
+        if calls["n"] == 3:  # step 3's only micro-batch
+            batch = dict(batch, hidden=batch["hidden"] * float("nan"))
+        return real(cfg, s, acc, p, batch, norm, last)
+
+    monkeypatch.setattr(train, "micro_batch", poisoned)
+    kw = dict(steps=4, ckpt_every=4, precision="bf16" if master == "on" else "fp32", master_weights=master)
+    train.run(cfg(hidden_cache, tmp_path / "r", **kw))
+    recs = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("skipped_steps") for r in recs] == [0, 0, 1, 1]
+    weights = final_weights(tmp_path / "r", 4)
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    assert math.isfinite(recs[-1]["loss"])
