@@ -242,6 +242,8 @@ class MasterAdamW(torch.optim.Optimizer):
         if not set_to_none:  # zeroing in place: not while the side stream still reads the gradients
             self.wait_all()
         super().zero_grad(set_to_none=set_to_none)
+        if self._fp32_accum:  # the fp32 sums too: the next gradient starts a new one
+            self._overwrite = self._lowered_ids()
 
     def wait_for(self, k: int) -> None:
         """The current stream waits until group k's update of the last step is done (no-op without overlap)."""

@@ -360,3 +360,20 @@ def test_cuda_overlapped_update_equals_one_pass_and_is_stream_safe():
     for k in w1:
         assert torch.isfinite(w2[k]).all()
         torch.testing.assert_close(w1[k], w2[k], rtol=1e-6, atol=1e-7)
+
+
+def test_zero_grad_also_clears_the_fp32_accumulation():
+    """With fp32 accumulation, a backward, `zero_grad()`, then another backward: the sum holds the second gradient
+    alone (a discarded micro-batch or an evaluation's backward does not leak into the next step)."""
+    from dflash_offline.optim import MasterAdamW
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 3, bias=False)
+    opt = MasterAdamW(m.parameters(), lr=1e-2, compiled=False)
+    opt.accumulate_in_fp32()
+    x = torch.randn(2, 4, dtype=torch.bfloat16)
+    m(x).sum().backward()
+    opt.zero_grad()
+    m(x).sum().backward()
+    p = next(m.parameters())
+    torch.testing.assert_close(p.main_grad, torch.ones(3, 1) * x.float().sum(0), rtol=1e-2, atol=1e-2)
