@@ -122,6 +122,7 @@ def run_ours(args, cache: Path, drafter: dict, precision: str = "auto", name: st
             train.run(cfg, switches)
     finally:
         sampler.stop()
+    shutil.rmtree(run / "checkpoints", ignore_errors=True)  # (its last step's: ~25 GB at the 27B shapes, a disk per run)
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     # the first window holds compilation; windows reaching into the profiled last steps are slowed by the profiler
     last_clean = args.steps - args.profile_steps if args.profile_steps else args.steps

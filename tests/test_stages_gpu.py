@@ -244,7 +244,7 @@ def test_a_non_finite_step_is_skipped_by_the_fused_adamw_on_cuda(tmp_path, hidde
     run = tmp_path / "r"
     train.run(TrainConfig(cache=str(hidden_cache), run=str(run), steps=4, ckpt_every=4, log_every=1, trackers="none",
                           num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_anchors=8, batch_rows=2,
-                          precision="fp32", master_weights="off", compile="off").resolve())
+                          precision="fp32", master_weights="off", attn="dense", compile="off").resolve())
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped_steps"] for r in recs] == [0, 0, 1, 1]
     weights = load_file(str(run / "checkpoints" / "step-00000004" / "model.safetensors"))
