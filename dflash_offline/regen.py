@@ -62,7 +62,14 @@ MAX_SKIP_EXAMPLES = 20
 # settings that change the output bytes: a resume must use the same ones (the corpus files' sizes: one edited in place
 # would be resumed by record position; the dtype the target decodes in: bf16 and fp32 give other greedy answers)
 RESUME_FIELDS = ("target", "corpus", "corpus_bytes", "thinking", "max_new_tokens", "keep", "on_truncated", "on_empty",
-                 "dtype")
+                 "dtype", "sampling")
+
+
+def hash_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (the same on every machine and Python)."""
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") >> 1
 
 
 def settings_digest(conf: dict) -> str:
@@ -70,7 +77,8 @@ def settings_digest(conf: dict) -> str:
     without its stats file checks the output against."""
     import hashlib
 
-    return hashlib.sha256(json.dumps([conf.get(k) for k in RESUME_FIELDS]).encode()).hexdigest()[:16]
+    fields = [k for k in RESUME_FIELDS if k != "sampling" or conf.get(k)]  # (greedy runs' digest as before sampling)
+    return hashlib.sha256(json.dumps([conf.get(k) for k in fields]).encode()).hexdigest()[:16]
 
 
 # --- the generated text → an assistant message ---------------------------------------------------------------
@@ -221,7 +229,12 @@ def committed_state(out: Path, conf: dict, lines: int) -> dict:
     st = json.loads(sp.read_text())
     for name in RESUME_FIELDS:
         before = st.get("config", {}).get(name)
-        if before is None:  # stats of older code, which did not record it
+        if name == "sampling":  # recorded only when sampling: absent is greedy
+            if before != conf.get(name):
+                raise ValueError(f"{out} was generated with sampling {before or 'off (greedy)'}, not "
+                                 f"{conf.get(name) or 'off (greedy)'}: pass the same settings to resume it, or "
+                                 f"another --out")
+        elif before is None:  # stats of older code, which did not record it
             log(f"warning: {sp} does not record {name}: resuming without checking it")
         elif before != conf[name]:
             raise ValueError(f"{out} was generated with {name}={before!r}, not {conf[name]!r}: pass the same "
@@ -301,11 +314,13 @@ class Tally:
 
 
 class Regenerator:
-    """The target answering batches of jobs: greedy, left padded, stopping at `<|im_end|>` or any eos of the target's
-    generation config. `thinking`: `enable_thinking` of the chat template. Counts go to `tally`."""
+    """The target answering batches of jobs: greedy (`temperature` 0) or sampled, left padded, stopping at
+    `<|im_end|>` or any eos of the target's generation config. `thinking`: `enable_thinking` of the chat template.
+    Counts go to `tally`. Sampling draws from a generator seeded by (`seed`, the batch's first input record, the
+    round), so a resumed run writes the bytes an uninterrupted one would (for the same batch size)."""
 
     def __init__(self, model, tok, tally: Tally, max_new_tokens: int, thinking: bool, keep: str, on_truncated: str,
-                 on_empty: str, settings: str = ""):
+                 on_empty: str, settings: str = "", temperature: float = 0.0, top_p: float = 1.0, seed: int = 0):
         from transformers import GenerationConfig
 
         self.model, self.tok, self.tally, self.settings = model, tok, tally, settings
@@ -313,7 +328,10 @@ class Regenerator:
         self.on_truncated, self.on_empty = on_truncated, on_empty
         self.eos = eos_ids(tok, model)
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else self.eos[0]
-        self.gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=self.eos,
+        sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0} if temperature > 0 \
+            else {"do_sample": False}
+        self.seed = seed
+        self.gen_cfg = GenerationConfig(**sampling, max_new_tokens=max_new_tokens, eos_token_id=self.eos,
                                         pad_token_id=self.pad, num_beams=1)
         self.max_ctx = context_length(model)
 
@@ -334,7 +352,7 @@ class Regenerator:
                 cursors[id(job)] = t + 1
                 round_jobs.append(job)
             if round_jobs:
-                self.generate(round_jobs)
+                self.generate(round_jobs, k)
         return [r for r in map(self.record, jobs) if r is not None]
 
     def record(self, job: Job) -> dict | None:
@@ -375,7 +393,7 @@ class Regenerator:
                 ok.append((job, ids, text))
         return ok
 
-    def generate(self, jobs: list[Job]) -> None:
+    def generate(self, jobs: list[Job], round_: int = 0) -> None:
         """One assistant turn for each job (its `history` ends just before that turn)."""
         import torch
 
@@ -389,6 +407,8 @@ class Regenerator:
             input_ids[r, width - len(ids):] = torch.tensor(ids)
             attn[r, width - len(ids):] = 1
         device = next(self.model.parameters()).device
+        if self.gen_cfg.do_sample:  # (generate draws from the default generator of the device)
+            torch.manual_seed(hash_seed(self.seed, min(job.index for job in jobs), round_))
         with torch.inference_mode():
             gen = self.model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device),
                                       generation_config=self.gen_cfg)

@@ -2,12 +2,12 @@
 
     python -m stages.regen --target=DIR --corpus=a.jsonl,b/*.parquet [--out=FILE.jsonl] [--max_new_tokens=2048]
         [--batch_size=16] [--thinking=on|off] [--num_docs=N] [--device=auto|cpu|cuda|cuda:N] [--dtype=auto|...]
-        [--keep=first_turn|all_turns] [--on_truncated=keep|drop] [--on_empty=drop|keep]
+        [--keep=first_turn|all_turns] [--on_truncated=keep|drop] [--on_empty=drop|keep] [--temperature=0 --top_p=1]
     make regen TARGET=DIR CORPUS='data/*.jsonl' [OUT=regen/x.jsonl]
 
 A DFlash drafter learns to predict what *the target* would write next, so it should be trained on the target's own
 answers rather than on the corpus's (written by people or other models). This stage keeps every prompt and replaces
-the answer with the target's greedy decode:
+the answer with the target's greedy decode (or, with `--temperature` > 0, a sample):
 
 - For each chat record, the prompt is the conversation up to (not including) the first assistant turn. It is
   rendered with the target tokenizer's chat template (`add_generation_prompt=True`, `enable_thinking` set explicitly
@@ -90,6 +90,9 @@ class RegenConfig:
     keep: str = "first_turn"  # first_turn | all_turns
     on_truncated: str = "keep"  # keep | drop a record whose generation hit max_new_tokens without an eos
     on_empty: str = "drop"  # drop | keep a record whose generation is empty
+    temperature: float = 0.0  # 0 = greedy; > 0 samples at this temperature (seeded per batch: a resume is exact)
+    top_p: float = 1.0  # nucleus sampling mass (with temperature > 0)
+    seed: int = 0  # sampling seed
     progress: bool = True  # show the progress bar
 
     def resolve(self) -> RegenConfig:
@@ -105,6 +108,9 @@ class RegenConfig:
             raise ValueError("no corpus: pass --corpus=FILES (CORPUS= in make; paths and globs, comma separated)")
         if self.max_new_tokens < 1 or self.batch_size < 1 or self.num_docs < 0:
             raise ValueError("max_new_tokens and batch_size must be >= 1, num_docs >= 0")
+        if not (self.temperature >= 0 and 0 < self.top_p <= 1):
+            raise ValueError(f"temperature={self.temperature}, top_p={self.top_p}: expected temperature >= 0 (0 = "
+                             f"greedy) and 0 < top_p <= 1")
         check_setting(self.device, "device")
         if not self.out:
             name = Path(self.target.rstrip("/")).name or "target"
@@ -118,7 +124,17 @@ def config_record(cfg: RegenConfig, paths: list[Path], dtype: str) -> dict:
     return {"target": str(Path(cfg.target).resolve()), "corpus": [str(p.resolve()) for p in paths],
             "corpus_bytes": [p.stat().st_size for p in paths], "thinking": cfg.thinking,
             "max_new_tokens": cfg.max_new_tokens, "keep": cfg.keep, "on_truncated": cfg.on_truncated,
-            "on_empty": cfg.on_empty, "num_docs": cfg.num_docs, "batch_size": cfg.batch_size, "dtype": dtype}
+            "on_empty": cfg.on_empty, "num_docs": cfg.num_docs, "batch_size": cfg.batch_size, "dtype": dtype,
+            **sampling_record(cfg)}
+
+
+def sampling_record(cfg: RegenConfig) -> dict:
+    """The sampling settings (none for greedy decoding, whose records and resume checks stay as they were); a
+    sampled run also fixes its batch size (the seed of a batch is its first record's)."""
+    if cfg.temperature <= 0:
+        return {}
+    return {"sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed,
+                         "batch_size": cfg.batch_size}}
 
 
 # --- the run -------------------------------------------------------------------------------------------------
@@ -153,8 +169,10 @@ def run(cfg: RegenConfig, model=None, tokenizer=None) -> dict:
         model = load_model(cfg.target, device, cfg.dtype)
     tally = Tally(state)
     target = Regenerator(model, tok, tally, cfg.max_new_tokens, cfg.thinking == "on", cfg.keep, cfg.on_truncated,
-                         cfg.on_empty, settings_digest(conf))
-    log(f"regenerating with {type(model).__name__} on {device}, thinking={cfg.thinking}, keep={cfg.keep}, "
+                         cfg.on_empty, settings_digest(conf), cfg.temperature, cfg.top_p, cfg.seed)
+    how = f"sampling at temperature {cfg.temperature:g}, top_p {cfg.top_p:g}, seed {cfg.seed}" if cfg.temperature > 0 \
+        else "greedy"
+    log(f"regenerating with {type(model).__name__} on {device} ({how}), thinking={cfg.thinking}, keep={cfg.keep}, "
         f"batch {cfg.batch_size}, max_new_tokens {cfg.max_new_tokens} → {out}")
     progress = Progress("regen", total, "doc", None, disable=None if cfg.progress else True)
     progress.update(state["records_read"])
@@ -187,6 +205,9 @@ def parse_args(argv: list[str]) -> RegenConfig:
     p.add_argument("--out", default="", help="output JSONL (default regen/<target>-thinking_<on|off>.jsonl)")
     for name in ("max_new_tokens", "batch_size", "num_docs"):
         p.add_argument(f"--{name}", default="", help=f"default {getattr(defaults, name)}")
+    p.add_argument("--temperature", default="", help="0 = greedy (default); > 0 samples (seeded per batch)")
+    p.add_argument("--top_p", default="", help="nucleus mass when sampling (default 1)")
+    p.add_argument("--seed", default="", help="sampling seed (default 0)")
     p.add_argument("--thinking", default="", help="on | off (enable_thinking of the chat template; default on)")
     p.add_argument("--device", default="", help="auto | cpu | cuda | cuda:N (default auto)")
     p.add_argument("--dtype", default="", help="auto | bfloat16 | float16 | float32 (default auto)")
@@ -200,12 +221,13 @@ def parse_args(argv: list[str]) -> RegenConfig:
     for name in ("out", "thinking", "device", "dtype", "keep", "on_truncated", "on_empty"):
         if getattr(a, name):
             setattr(cfg, name, getattr(a, name))
-    for name in ("max_new_tokens", "batch_size", "num_docs"):
+    for name, kind in (("max_new_tokens", int), ("batch_size", int), ("num_docs", int), ("temperature", float),
+                       ("top_p", float), ("seed", int)):
         if getattr(a, name):
             try:
-                setattr(cfg, name, int(getattr(a, name)))
+                setattr(cfg, name, kind(getattr(a, name)))
             except ValueError:
-                raise ValueError(f"--{name}={getattr(a, name)!r}: expected an integer") from None
+                raise ValueError(f"--{name}={getattr(a, name)!r}: expected {'an integer' if kind is int else 'a number'}") from None
     if a.progress:
         cfg.progress = a.progress.lower() not in ("0", "false", "no", "off")
     return cfg.resolve()

@@ -103,6 +103,30 @@ def test_resume_appends_without_duplicates(tmp_path, qwen3_dir, chat_corpus, q3)
         go(qwen3_dir, chat_corpus, part, (copy.deepcopy(q3[0]).double(), q3[1]), num_docs=4)
 
 
+def test_sampled_regeneration_is_seeded_so_a_resume_writes_what_an_uninterrupted_run_does(tmp_path, qwen3_dir,
+                                                                                           chat_corpus, q3):
+    """--temperature > 0 samples (the testbed's corpus: a small target's greedy answers loop); each batch draws from a
+    generator seeded by its first record, so a run resumed after a batch equals one made in one go, another seed
+    gives other answers, and a resume with other sampling settings (or greedy) is refused."""
+    kw = {"temperature": 1.0, "top_p": 0.95, "seed": 3, "batch_size": 2, "max_new_tokens": 12}
+    full, part, other, greedy = (tmp_path / f"{n}.jsonl" for n in ("full", "part", "other", "greedy"))
+    go(qwen3_dir, chat_corpus, full, q3, num_docs=4, **kw)
+    go(qwen3_dir, chat_corpus, part, q3, num_docs=2, **kw)
+    st = go(qwen3_dir, chat_corpus, part, q3, num_docs=4, **kw)
+    assert read(part) == read(full) and st["config"]["sampling"]["temperature"] == 1.0
+    go(qwen3_dir, chat_corpus, other, q3, num_docs=4, **{**kw, "seed": 4})
+    go(qwen3_dir, chat_corpus, greedy, q3, num_docs=4, batch_size=2, max_new_tokens=12)
+    answers = lambda f: [r["messages"][-1]["content"] for r in read(f)]  # noqa: E731
+    assert answers(other) != answers(full) and answers(greedy) != answers(full)
+    assert "sampling" not in json.loads(Path(f"{greedy}.stats.json").read_text())["config"]
+    with pytest.raises(ValueError, match="sampling"):
+        go(qwen3_dir, chat_corpus, part, q3, num_docs=5, **{**kw, "temperature": 0.7})
+    with pytest.raises(ValueError, match="sampling"):
+        go(qwen3_dir, chat_corpus, part, q3, num_docs=5, batch_size=2, max_new_tokens=12)
+    with pytest.raises(ValueError, match="temperature"):
+        regen.RegenConfig(target="t", corpus=["c"], temperature=-1.0).resolve()
+
+
 def test_a_resume_checks_the_settings_even_without_the_stats_file_and_sees_an_edited_corpus(tmp_path, qwen3_dir,
                                                                                             chat_corpus, q3):
     """The stats file is the commit point; without it (deleted, or a kill before the first commit) the output's own
