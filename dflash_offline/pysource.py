@@ -180,6 +180,8 @@ def write_jsonl(path: Path, recs) -> int:
 
 
 def looping(text: str, tail: int = 128) -> bool:
-    """Whether `text` ends in a loop: its last `tail` characters occur earlier in it (greedy decoding of a small
-    model repeats itself; such answers are easy to draft and inflate τ)."""
-    return len(text) >= 2 * tail and text[-tail:] in text[:-1]
+    """Whether `text` ends in a loop: its last `tail` characters (a quarter of a text shorter than 4 × `tail`, at
+    least 32) occur earlier in it (greedy decoding of a small model repeats itself; such answers are easy to draft
+    and inflate τ)."""
+    tail = min(tail, len(text) // 4)
+    return tail >= 32 and text[-tail:] in text[:-1]

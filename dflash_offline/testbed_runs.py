@@ -23,7 +23,10 @@ class Paths:
         self.root = Path(root)
         self.target = self.root / "target"
         self.train_prompts = self.root / "corpus" / "regen-prompts.jsonl"
-        self.eval_prompts = self.root / "corpus" / "eval.jsonl"
+        self.eval_prompts = self.root / "corpus" / "eval.jsonl"  # the prompts evaluation decodes (chosen at regen)
+        self.eval_candidates = self.root / "corpus" / "eval-candidates.jsonl"  # every held-out file's opening
+        self.eval_greedy = self.root / "corpus" / "eval-candidates-greedy.jsonl"  # the target's greedy answers to them
+        self.wall = self.root / "wall.json"  # wall seconds of every invocation (a heartbeat)
         self.regen = self.root / "regen.jsonl"
         self.tokens = self.root / "cache" / "tokens"
         self.state = self.root / "state.json"
@@ -51,7 +54,8 @@ def forget_from(p: Paths, st: dict, phase: str) -> None:
     later = PHASES[PHASES.index(phase):]
     for ph in later:
         st["phases"].pop(ph, None)
-    doomed = {"target": [p.target, p.root / "corpus"], "regen": [p.regen, Path(str(p.regen) + ".stats.json")],
+    doomed = {"target": [p.target, p.root / "corpus"], "regen": [p.regen, Path(str(p.regen) + ".stats.json"), p.eval_prompts, p.eval_greedy,
+                                                    Path(str(p.eval_greedy) + ".stats.json")],
               "extract": [p.root / "cache"], "train": [p.root / "runs", p.root / "ab"]}
     for ph in later:
         for path in doomed.get(ph, []):
@@ -67,12 +71,52 @@ def forget_from(p: Paths, st: dict, phase: str) -> None:
     write_state(p, st)
 
 
+def answer_text(rec: dict) -> str:
+    """A regenerated record's last answer as the target wrote it (its reasoning, if any, then its content)."""
+    m = rec["messages"][-1]
+    return (m.get("reasoning_content") or "") + m.get("content", "")
+
+
 def looping_share(path: Path) -> float:
     """Share of the regenerated answers that end in a loop (`pysource.looping`)."""
     from .pysource import looping
 
-    answers = [json.loads(x)["messages"][-1]["content"] for x in path.read_text().splitlines() if x.strip()]
+    answers = [answer_text(json.loads(x)) for x in path.read_text().splitlines() if x.strip()]
     return round(sum(map(looping, answers)) / max(len(answers), 1), 4)
+
+
+def choose_eval_prompts(candidates: Path, greedy: Path, out: Path, n: int) -> dict:
+    """Write to `out` the `n` evaluation prompts: the candidates (held-out files' openings, in name-hash order) whose
+    greedy answer by the target (`greedy`, regenerated records in the candidates' order) does not loop, in order;
+    where fewer than `n` do, the looping ones after them (counted). A reference that loops is easy to draft for any
+    drafter and hides the differences the A/B is after. Returns the counts."""
+    from .pysource import looping
+
+    cands = [json.loads(x) for x in candidates.read_text().splitlines() if x.strip()]
+    answers = [json.loads(x) for x in greedy.read_text().splitlines() if x.strip()]
+    loops = [looping(answer_text(r)) for r in answers]
+    order = [i for i, bad in enumerate(loops) if not bad] + [i for i, bad in enumerate(loops) if bad]
+    picked = [answers[i]["regen"]["index"] for i in order[:n]]
+    if len(picked) < n:
+        raise ValueError(f"only {len(picked)} held-out prompts were answered for eval_prompts={n}: lower "
+                         f"heldout_every or eval_prompts")
+    out.write_text("".join(json.dumps(cands[i]) + "\n" for i in sorted(picked)))
+    return {"candidates": len(answers), "candidates_looping": round(sum(loops) / max(len(loops), 1), 4),
+            "chosen": n, "chosen_looping": sum(loops[i] for i in order[:n])}
+
+
+def eval_looping_share(baseline: Path, tokenizer_dir: Path) -> float | None:
+    """Share of the target's greedy decodes of the evaluation prompts (the baseline every evaluation compares with,
+    in exact mode) that end in a loop; None before the baseline exists."""
+    if not baseline.is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    from .pysource import looping
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    decodes = json.loads(baseline.read_text())["decodes"]
+    return round(sum(looping(tok.decode(d["ids"], skip_special_tokens=True)) for d in decodes) / len(decodes), 4)
 
 
 def run_metrics(run: Path) -> dict:
@@ -102,6 +146,7 @@ def result(cfg, p: Paths, st: dict) -> dict:
         "tau_trained": tr.get("tau_mean"), "tau_untrained": un.get("tau_mean"),
         "tau_emitted_trained": tr.get("tau_emitted"), "tau_emitted_untrained": un.get("tau_emitted"),
         "tau_ratio": tr["tau_mean"] / un["tau_mean"] if tr and un else None,
+        "looping_frac_eval": eval_looping_share(p.baseline(cfg.eval_tokens), p.target),
         "accept_ge": tr.get("accept_ge"), "by_category": tr.get("by_category"),
         "lossless": bool(tr.get("lossless")) and bool(un.get("lossless")),
         "seconds": {k: round(v.get("seconds", 0), 1) for k, v in ph.items()},
@@ -117,7 +162,8 @@ def table(r: dict) -> str:
                    f"tokens at {(t['tok_per_s'] or 0) / 1e3:.0f}K tok/s; held-out loss {t['heldout_loss_before']} → "
                    f"{t['heldout_loss_after']}"),
         ("regen", f"{g.get('written')} answers, {g.get('new_tokens')} tokens, {100 * (g.get('looping_frac') or 0):.0f} % "
-                  f"ending in a loop"),
+                  f"ending in a loop; the target's greedy answers to the evaluation prompts: "
+                  f"{100 * (r.get('looping_frac_eval') or 0):.0f} % looping"),
         ("extract", f"{x.get('tokens')} row tokens, {x.get('tok_per_s_wall', 0):,.0f} tok/s (wall, load included)"),
         ("drafter", f"{d.get('steps')} steps, loss {d.get('loss') or 0:.3f}, {d.get('tok_per_s') or 0:,.0f} ctx tok/s"),
         ("real τ", f"trained {r['tau_trained'] or 0:.2f} vs untrained {r['tau_untrained'] or 0:.2f} "
@@ -199,15 +245,20 @@ def cache_complete(cache: Path) -> bool:
 
 
 def ab_table(r: dict) -> str:
-    head = ("| arm | tokens per verify step, per seed | seeds pooled | spread | Δ vs first | Δ 95 % CI (prompts) | lossless "
-            "| final loss |\n"
-            "|---|---|---|---|---|---|---|---|")
+    head = ("| arm | tokens per verify step, per seed | seeds pooled | spread | Δ vs first | Δ 95 % CI (seeds × prompts) "
+            "| verdict | lossless | final loss |\n"
+            "|---|---|---|---|---|---|---|---|---|")
     body = [f"| {a['arm']} | {' / '.join(f'{t:.3f}' for t in a['taus'])} | {a['tau_pooled']:.3f} | {a['spread']:.3f} | "
             f"{a['delta_vs_first']:+.3f} ({a['delta_pct']:+.1f} %) | "
             f"{'—' if a['delta_ci95'] is None else '[{:+.3f}, {:+.3f}]'.format(*a['delta_ci95'])} | "
+            f"{a.get('verdict', '—')} | "
             f"{'yes' if all(a['lossless']) else 'NO: prompts ' + str(a['mismatches'])} | "
             f"{' / '.join(f'{x:.3f}' for x in a['loss'] if x is not None)} |" for a in r["arms"]]
-    return "\n".join([head, *body])
+    judged = r.get("judgement")
+    tail = [] if judged is None else ["the yardstick discriminates (null arm's interval holds 0, the known-bad arm's "
+                                      "lies below 0): arms ranked" if judged["discriminating"] else
+                                      "NOT DISCRIMINATING, arms not ranked: " + "; ".join(judged["why_not"])]
+    return "\n".join([head, *body, *tail])
 
 
 def prompt_counts(eval_json: Path) -> list[tuple[float, int]]:
@@ -232,21 +283,30 @@ def pooled_tau(seeds: list[list[tuple]]) -> float:
     return tokens / steps if steps else float("nan")
 
 
-def paired_delta_ci(a: list[list[tuple]], b: list[list[tuple]], draws: int = 2000, seed: int = 0):
-    """95 % interval of τ(a) − τ(b) over prompts (paired bootstrap): a, b are per seed the `prompt_counts` of the
-    same prompts; each draw resamples the prompts and pools every seed's tokens and steps on them."""
+def delta_ci(a: list[list[tuple]], b: list[list[tuple]], draws: int = 2000, seed: int = 0):
+    """95 % interval of τ(a) − τ(b) by a bootstrap over seeds and prompts: `a`, `b` are per seed the `prompt_counts`
+    of the same prompts. Each draw resamples the prompts (the same draw for both arms: paired, since prompts differ
+    far more than arms do) and, within each arm, its seeds (with replacement), and pools the drawn seeds' tokens and
+    steps on the drawn prompts. The interval so holds the training noise (seed to seed) as well as the sampling of
+    prompts; with one seed per arm only the prompts vary. Few seeds understate the seed term: the null arm
+    (`checks`) tells whether the interval is wide enough."""
     import random
 
     n = len(a[0])
     if any(len(x) != n for x in (*a, *b)):
-        raise ValueError("paired_delta_ci: every seed of both arms must hold the same prompts")
-    pool = [[sum(x[i][k] for x in arm) for i in range(n)] for arm in (a, b) for k in (0, 1)]
+        raise ValueError("delta_ci: every seed of both arms must hold the same prompts")
+    tok = [[[c[k] for c in counts] for counts in arm] for arm in (a, b) for k in (0, 1)]  # [a tok, a st, b tok, b st]
     rng, deltas = random.Random(seed), []
     for _ in range(draws):
-        idx = [rng.randrange(n) for _ in range(n)]
-        ta, sa, tb, sb = (sum(v[i] for i in idx) for v in pool)
-        if sa and sb:
-            deltas.append(ta / sa - tb / sb)
+        w = [0] * n
+        for _ in range(n):
+            w[rng.randrange(n)] += 1
+        sa = [rng.randrange(len(a)) for _ in a]
+        sb = [rng.randrange(len(b)) for _ in b]
+        ta, st_a, tb, st_b = (sum(sum(wi * v for wi, v in zip(w, tok[k][s], strict=True)) for s in drawn)
+                              for k, drawn in ((0, sa), (1, sa), (2, sb), (3, sb)))
+        if st_a and st_b:
+            deltas.append(ta / st_a - tb / st_b)
     deltas.sort()
     return (deltas[int(0.025 * len(deltas))], deltas[int(0.975 * len(deltas)) - 1]) if deltas else None
 
@@ -261,29 +321,62 @@ def failed_runs(root: Path, times: dict, evaluated: list[Path]) -> dict:
     return failed
 
 
-def arm_rows(arms: list[str], results: dict, seeds) -> list[dict]:
+def arm_rows(arms: list[str], results: dict) -> list[dict]:
     """Per arm: τ per seed, τ pooled over its seeds (every seed's prompts' tokens over their verify steps: the
     statistic the interval is about), the mean of the seeds' τ, spread (max − min), sample std, final losses, the
-    lossless check per seed, the difference of pooled τ to the first arm's and its paired-bootstrap 95 % interval over
-    the prompts. `results[(arm, seed)] = (eval_record, final loss)`; evaluations of other prompts or token budgets
+    lossless check per seed, the difference of pooled τ to the first arm's and its 95 % interval (`delta_ci`: a
+    bootstrap over seeds and prompts). `results[arm] = [(eval_record, final loss) per seed]` (arms may have other
+    seeds than the first: the null arm is the recipe under other seeds); evaluations of other prompts or token budgets
     than the others' are refused (their prompts cannot be paired)."""
-    decoded = {(e["prompts"], e["tokens"], len(e["counts"])) for e, _ in results.values()}
+    decoded = {(e["prompts"], e["tokens"], len(e["counts"])) for per_seed in results.values() for e, _ in per_seed}
     if len(decoded) > 1:
         raise ValueError(f"the evaluations to compare decoded different prompts or token budgets {sorted(decoded, key=str)}"
                          f": their prompts cannot be paired; evaluate every arm on the same prompts")
     rows = []
     for arm in arms:
-        evals, losses = zip(*(results[(arm, seed)] for seed in seeds), strict=True)
+        evals, losses = zip(*results[arm], strict=True)
         taus = [e["tau"] for e in evals]
         mean = sum(taus) / len(taus)
         sd = (sum((t - mean) ** 2 for t in taus) / max(len(taus) - 1, 1)) ** 0.5
         rows.append({"arm": arm or "(recipe)", "taus": taus, "tau_pooled": pooled_tau([e["counts"] for e in evals]),
                      "tau_mean_of_seeds": mean, "spread": max(taus) - min(taus), "std": sd, "loss": list(losses),
                      "lossless": [e["lossless"] for e in evals], "mismatches": [e["mismatches"] for e in evals]})
-    first = [results[(arms[0], seed)][0]["counts"] for seed in seeds]
+    first = [e["counts"] for e, _ in results[arms[0]]]
     for arm, r in zip(arms, rows, strict=True):
         r["delta_vs_first"] = r["tau_pooled"] - rows[0]["tau_pooled"]
         r["delta_pct"] = 100 * r["delta_vs_first"] / rows[0]["tau_pooled"]
-        r["delta_ci95"] = None if arm == arms[0] else paired_delta_ci(
-            [results[(arm, seed)][0]["counts"] for seed in seeds], first)
+        r["delta_ci95"] = None if arm == arms[0] else delta_ci([e["counts"] for e, _ in results[arm]], first)
     return rows
+
+
+NULL_ARM = "(recipe, other seeds)"  # the null arm's label: the recipe again under seeds no other arm uses
+
+
+def judge(rows: list[dict], null: str | None, bad: str | None) -> dict:
+    """The yardstick's two checks and, when both pass, a verdict per arm (in place: `verdict`). The null arm (the
+    recipe under other seeds) must have an interval that contains 0, the known-bad arm one that lies below 0; if
+    either fails (or is missing) the yardstick is not discriminating and no arm is ranked (`unranked`). Otherwise an
+    arm is `worse` (interval below 0), `better` (above 0) or at `parity` (its interval contains 0), and
+    `within_null` says whether its Δ lies inside the null arm's interval (the seed-and-prompt noise of the recipe
+    itself)."""
+    by = {r["arm"]: r for r in rows}
+    checks, why = {}, []
+    for name, label, ok in (("null", null, lambda lo, hi: lo <= 0 <= hi), ("bad", bad, lambda lo, hi: hi < 0)):
+        r = by.get(label) if label else None
+        ci = r and r["delta_ci95"]
+        checks[name] = {"arm": label, "ci95": ci, "passed": bool(ci) and ok(*ci)}
+        if not checks[name]["passed"]:
+            what = "not run" if not ci else f"interval [{ci[0]:+.3f}, {ci[1]:+.3f}]"
+            want = "contains 0" if name == "null" else "lies below 0"
+            why.append(f"the {name} arm ({label}): {what}, where its interval must be one that {want}")
+    ranked = not why
+    null_ci = checks["null"]["ci95"]
+    for r in rows[1:]:
+        if r["arm"] in (null, bad):
+            r["verdict"] = f"{'null' if r['arm'] == null else 'known-bad'} check: " + (
+                "passed" if checks['null' if r['arm'] == null else 'bad']["passed"] else "FAILED")
+            continue
+        lo, hi = r["delta_ci95"]
+        r["verdict"] = ("worse" if hi < 0 else "better" if lo > 0 else "parity") if ranked else "unranked"
+        r["within_null"] = bool(null_ci) and null_ci[0] <= r["delta_vs_first"] <= null_ci[1]
+    return {"discriminating": ranked, "checks": checks, "why_not": why}

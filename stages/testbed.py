@@ -48,17 +48,20 @@ from dflash_offline.config import ConfigError, as_dict, check_choice, config_fro
 from dflash_offline.manifest import write_json_atomic
 from dflash_offline.testbed_runs import (
     JOB_FILE,
+    NULL_ARM,
     PHASES,
     Paths,
     ab_table,
     arm_rows,
     cache_complete,
+    choose_eval_prompts,
     drafter_code_digest,
     eval_record,
     eval_summary,
     failed_runs,
     file_sha256,
     forget_from,
+    judge,
     looping_share,
     parse_arm,
     read_state,
@@ -78,6 +81,7 @@ SWEEPS = {  # --sweep=NAME[,NAME…]: the union of their arms, the recipe first
     "fp8": ["", "precision=fp8", "loss_logits=fp8", "precision=fp8 loss_logits=fp8"],
 }
 JOB_GB = 12  # GPU memory one drafter job of the testbed recipe may take (training, then evaluation)
+WARM_WAIT_S = 900  # how long the other drafters wait for the first one's compiled first step at most
 PRESETS = {  # sizes: full (make testbed), short (the GPU test, ≤ 2 min), micro (the CPU test: the pipeline's logic)
     "full": {},
     "short": {"source_mb": 16, "tokenizer_mb": 4, "target_s": 25, "regen_docs": 512, "train_steps": 80, "eval_prompts": 16, "eval_tokens": 48},
@@ -112,6 +116,9 @@ class TestbedConfig:
     regen_docs: int = 4000  # prompts the target answers (the drafter's corpus)
     regen_tokens: int = 192  # new tokens per answer
     regen_batch: int = 512  # prompts per generate call
+    regen_temperature: float = 0.8  # the corpus's answers are sampled at this temperature (0 = greedy: a small target's greedy answers loop)
+    regen_top_p: float = 0.95  # nucleus mass of that sampling
+    eval_candidates: int = 4  # held-out prompts answered greedily per evaluation prompt; the non-looping ones are chosen
     train_steps: int = 0  # drafter steps; 0 = the recipe's
     eval_prompts: int = 64  # held-out prompts evaluated
     eval_tokens: int = 64  # new tokens per prompt
@@ -123,6 +130,8 @@ class TestbedConfig:
     seeds: int = 2  # A/B: drafter seeds per arm
     parallel: int = 0  # A/B: drafter jobs at once; 0 = half the CPUs, at most one per 12 GB of GPU memory (1 on a CPU)
     label: str = ""  # A/B: result name (DIR/ab/<label>.json); empty = sweep name or 'ab'
+    checks: bool = True  # A/B: add the null arm (the recipe under other seeds) and the known-bad arm (¼ of the steps); rank arms only when both behave
+    results: str = ""  # A/B: also write the sweep's verdicts here (e.g. bench/results/testbed-sweep-h200.json)
 
     def resolve(self) -> TestbedConfig:
         check_choice("testbed.preset", self.preset, tuple(PRESETS))
@@ -132,8 +141,8 @@ class TestbedConfig:
         if self.sweep:
             for name in self.sweep.split(","):
                 check_choice("testbed.sweep", name, tuple(SWEEPS))
-        if self.seeds < 1 or self.eval_prompts < 1 or self.regen_docs < 1:
-            raise ConfigError("testbed.seeds, eval_prompts and regen_docs must be >= 1")
+        if self.seeds < 1 or self.eval_prompts < 1 or self.regen_docs < 1 or self.eval_candidates < 1:
+            raise ConfigError("testbed.seeds, eval_prompts, eval_candidates and regen_docs must be >= 1")
         return self
 
 
@@ -200,7 +209,7 @@ def build(cfg: TestbedConfig, p: Paths, device) -> dict:
     by_hash = sorted(files.train, key=lambda f: pysource.name_hash(f.name))
     n = pysource.write_jsonl(p.train_prompts, pysource.records(by_hash[: cfg.regen_docs * 2], first_only=True))
     held = sorted(files.heldout, key=lambda f: pysource.name_hash(f.name))
-    m = pysource.write_jsonl(p.eval_prompts, pysource.records(held, first_only=True))
+    m = pysource.write_jsonl(p.eval_candidates, pysource.records(held, first_only=True))
     if m < cfg.eval_prompts:
         raise ValueError(f"only {m} held-out prompts for eval_prompts={cfg.eval_prompts}: lower heldout_every")
     tmp = p.target.with_name(".target.tmp")
@@ -214,6 +223,20 @@ def build(cfg: TestbedConfig, p: Paths, device) -> dict:
     shutil.rmtree(p.target, ignore_errors=True)
     tmp.rename(p.target)
     return {**rec, "sources": {k: v for k, v in s.items() if k != "roots"}, "regen_prompts": n, "eval_prompts": m}
+
+
+def choose_prompts(cfg: TestbedConfig, p: Paths, dev: str) -> dict:
+    """The evaluation prompts: the first `eval_candidates` × `eval_prompts` held-out openings answered greedily by
+    the target (the evaluation's budget of new tokens), the first `eval_prompts` whose answer does not loop taken
+    (`choose_eval_prompts`)."""
+    n = cfg.eval_candidates * cfg.eval_prompts
+    stage("stages.regen", f"--target={p.target}", f"--corpus={p.eval_candidates}", f"--out={p.eval_greedy}",
+          f"--num_docs={n}", f"--max_new_tokens={cfg.eval_tokens}", f"--batch_size={cfg.regen_batch}",
+          "--thinking=on", "--on_empty=keep", f"--device={dev}", "--progress=0")
+    chosen = choose_eval_prompts(p.eval_candidates, p.eval_greedy, p.eval_prompts, cfg.eval_prompts)
+    log(f"evaluation prompts: {chosen['chosen']} of {chosen['candidates']} held-out openings, whose greedy answers "
+        f"loop in {100 * chosen['candidates_looping']:.0f} % ({chosen['chosen_looping']} looping among those chosen)")
+    return chosen
 
 
 def extract(cfg: TestbedConfig, p: Paths, settings: dict, name: str, dev: str, log_file: Path | None = None) -> float:
@@ -304,7 +327,12 @@ class Drafters:
         self.env = {}
         if parallel > 1 and "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
             self.env["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, (os.cpu_count() or 1) // parallel))
-        self.ready, self.failed = threading.Event(), threading.Event()
+        self.ready, self.failed, self.warm = threading.Event(), threading.Event(), threading.Event()
+        # the first job compiles alone (all the CPUs), the others start once its first step ran: the same graphs then
+        # load from the compile caches it filled instead of 8 processes compiling them at once
+        self.leader = jobs[0].run if parallel > 1 and len(jobs) > 1 else None
+        if self.leader is None:
+            self.warm.set()
         self.times, self.errors, self.retry = {job.run: {} for job in jobs}, {}, []
         self.untrained_log = base / "logs" / "eval-untrained.log" if base else None
         self.made, self.broken = {c: threading.Event() for c in self.caches}, {}
@@ -357,19 +385,33 @@ class Drafters:
         fresh_run(self.cfg, self.p, j)
         if (j.run / "eval.json").is_file():
             self.times[j.run]["reused"] = 1.0
+            if j.run == self.leader:
+                self.warm.set()
             return
+        if j.run != self.leader and not self.warm.is_set():
+            t0 = time.perf_counter()
+            self.warm.wait(WARM_WAIT_S)
+            self.times[j.run]["wait_warm"] = time.perf_counter() - t0
         if self.failed.is_set():
             raise RuntimeError("not started: the base drafter or the untrained evaluation failed")
         j.run.mkdir(parents=True, exist_ok=True)
         write_json_atomic(j.run / JOB_FILE, job_identity(self.cfg, self.p, j))
         logs = None if self.stream and j.run == self.base else j.run / "logs"
         log(f"{j.arm or '(recipe)'} seed {j.seed}: training on {j.cache.name}" + (f" (logs: {logs})" if logs else ""))
+        env = self.env
+        if j.run == self.leader:
+            self.watch_warm_up(j.run)
+            env = {**env, **({} if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ else
+                             {"TORCHINDUCTOR_COMPILE_THREADS": str(os.cpu_count() or 1)})}
         try:
-            self.times[j.run].update(train_export(self.cfg, j.run, j.cache, j.seed, j.settings, self.env, logs))
+            self.times[j.run].update(train_export(self.cfg, j.run, j.cache, j.seed, j.settings, env, logs))
         except BaseException:
             if j.run == self.base:
                 self.failed.set()
             raise
+        finally:
+            if j.run == self.leader:
+                self.warm.set()
         t0 = time.perf_counter()
         self.ready.wait()
         if self.failed.is_set():
@@ -380,6 +422,22 @@ class Drafters:
         t["eval_wall"] = time.perf_counter() - t0  # waiting for the baseline included
         log(f"{j.arm or '(recipe)'} seed {j.seed}: τ {eval_summary(j.run / 'eval.json')['tau_mean']:.3f} ("
             + ", ".join(f"{k} {v:.0f}s" for k, v in t.items()) + ")")
+
+    def watch_warm_up(self, run: Path) -> None:
+        """Set `warm` once the leading job's training has taken its first step (its status file says so)."""
+        import threading
+
+        def watch():
+            while not self.warm.is_set():
+                try:
+                    if json.loads((run / "status-rank0.json").read_text()).get("done", 0) >= 1:
+                        log(f"{run}: first step compiled; the other drafters start")
+                        self.warm.set()
+                except (OSError, ValueError):
+                    pass
+                time.sleep(1)
+
+        threading.Thread(target=watch, daemon=True).start()
 
     def guarded(self, j: Job, last: bool = False) -> None:
         """`job`, its failure reported while the others go on (one out of GPU memory queued for `retry`)."""
@@ -484,10 +542,15 @@ def testbed(cfg: TestbedConfig, p: Paths, dev: str, device, more: list[Job] = ()
     if "regen" not in ph:
         secs = stage("stages.regen", f"--target={p.target}", f"--corpus={p.train_prompts}", f"--out={p.regen}",
                      f"--num_docs={cfg.regen_docs}", f"--max_new_tokens={cfg.regen_tokens}",
-                     f"--batch_size={cfg.regen_batch}", "--thinking=on", f"--device={dev}")
+                     f"--batch_size={cfg.regen_batch}", "--thinking=on", f"--device={dev}",
+                     f"--temperature={cfg.regen_temperature}", f"--top_p={cfg.regen_top_p}", f"--seed={cfg.seed}")
         stats = json.loads(Path(str(p.regen) + ".stats.json").read_text())
-        done("regen", {"seconds": secs, **{k: stats.get(k) for k in ("written", "new_tokens", "truncated")},
-                       "looping_frac": looping_share(p.regen)})
+        t0 = time.perf_counter()
+        chosen = choose_prompts(cfg, p, dev)
+        done("regen", {"seconds": secs + time.perf_counter() - t0, "corpus_seconds": secs,
+                       **{k: stats.get(k) for k in ("written", "new_tokens", "truncated")},
+                       "looping_frac": looping_share(p.regen), "sampling": stats["config"].get("sampling"),
+                       "eval_prompts": chosen})
     if "extract" not in ph:
         secs = extract(cfg, p, {}, "", dev)
         m = json.loads((p.hidden() / "manifest.json").read_text())
@@ -529,10 +592,25 @@ def sweep_arms(names: str, cuda: bool) -> list[str]:
     return arms if cuda else [a for a in arms if "precision=fp8" not in a]
 
 
+def recipe_steps(cfg: TestbedConfig) -> int:
+    """The drafters' training steps: `train_steps`, else the recipe's (the `train_args` override both)."""
+    from dflash_offline.config import read_recipe
+
+    for kv in cfg.train_args.split():
+        if kv.startswith("steps="):
+            return int(kv.split("=", 1)[1])
+    return cfg.train_steps or int(read_recipe(cfg.drafter_recipe).get("train", {}).get("steps", 0))
+
+
 def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> tuple[dict, dict]:
     """Every arm × seed trained, exported and evaluated on the testbed's target and prompts, beside the testbed's own
-    phases where they are not done yet (see the module doc). Returns (A/B record, testbed record)."""
+    phases where they are not done yet (see the module doc); with `checks`, also the null arm (the recipe under the
+    next `seeds` seeds) and the known-bad arm (a quarter of the steps), which decide whether the arms are ranked
+    (`judge`). Returns (A/B record, testbed record)."""
     arms = sweep_arms(cfg.sweep, device.type == "cuda") if cfg.sweep else [a.strip() for a in cfg.arms.split(";")]
+    bad = f"steps={max(1, recipe_steps(cfg) // 4)}" if cfg.checks else None
+    if bad and bad not in arms:
+        arms.append(bad)
     parsed = [parse_arm(a) for a in arms]  # every arm checked before anything runs
     if len({slug(a) for a in arms}) < len(arms):
         same = [a or '""' for a in arms if [slug(b) for b in arms].count(slug(a)) > 1]
@@ -544,22 +622,81 @@ def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> tuple[dict, dict]:
     seeds = range(cfg.seed, cfg.seed + cfg.seeds)
     jobs = [Job(arm, p.run(slug(arm) if arm else "", seed), p.hidden(slug(key(ext))) if ext else p.hidden(), seed,
                 train) for seed in seeds for arm, (ext, train) in zip(arms, parsed, strict=True)]  # seed-major
+    if cfg.checks:  # the recipe again, under seeds no arm uses: its runs sit beside the recipe's
+        jobs += [Job(NULL_ARM, p.run("", seed), p.hidden(), seed, {})
+                 for seed in range(cfg.seed + cfg.seeds, cfg.seed + 2 * cfg.seeds)]
+        arms.append(NULL_ARM)
     parallel = cfg.parallel or default_parallel(device)
-    log(f"{len(arms)} arms × {cfg.seeds} seeds = {len(jobs)} drafters, {parallel} at a time")
+    log(f"{len(arms)} arms × {cfg.seeds} seeds = {len(jobs)} drafters, {parallel} at a time"
+        + (f" (checks: the null arm {NULL_ARM}, the known-bad arm {bad})" if cfg.checks else ""))
     t0 = time.perf_counter()
     tb, times = testbed(cfg, p, dev, device, jobs, parallel, caches)
     complete = [a for a in arms if all((j.run / "eval.json").is_file() for j in jobs if j.arm == a)]
     if arms[0] not in complete:
         raise RuntimeError(f"the first arm ({arms[0] or '(recipe)'}) has no evaluation for every seed: nothing to "
                            f"compare with; see the logs under {p.root / 'runs'}")
-    rows = arm_rows(complete, {(j.arm, j.seed): (eval_record(j.run / "eval.json"), run_metrics(j.run).get("loss"))
-                               for j in jobs if j.arm in complete}, seeds)
+    rows = arm_rows(complete, {a: [(eval_record(j.run / "eval.json"), run_metrics(j.run).get("loss"))
+                                   for j in jobs if j.arm == a] for a in complete})
+    judgement = judge(rows, NULL_ARM if cfg.checks else None, bad) if cfg.checks else None
     failed = failed_runs(p.root, times, [j.run for j in jobs if j.arm in complete])
-    return {"testbed": str(p.root), "seeds": cfg.seeds, "arms": rows, "failed": failed, "recipe": cfg.drafter_recipe,
-            "seconds": round(time.perf_counter() - t0, 1), "parallel": parallel,
+    return {"testbed": str(p.root), "seeds": cfg.seeds, "arms": rows, "judgement": judgement, "failed": failed,
+            "recipe": cfg.drafter_recipe, "seconds": round(time.perf_counter() - t0, 1), "parallel": parallel,
             "job_seconds": {str(r.relative_to(p.root)): {k: v if isinstance(v, str) else round(v, 1)
                                                           for k, v in t.items()} for r, t in times.items()},
             "config": as_dict(cfg), "time": time.time()}, tb
+
+
+def sweep_results(r: dict, tb: dict, p: Paths) -> dict:
+    """The sweep's verdicts in the results-file form (`--results=`): commit, the wall seconds of every invocation
+    summed (cold when the first started on a bare machine), the looping shares, and per arm its τ, spread, Δ, interval,
+    lossless check and verdict; the null and known-bad arms apart."""
+    import torch
+
+    def arm(a: dict) -> dict:
+        lo, hi = a["delta_ci95"] or (None, None)
+        return {"label": a["arm"], "tau_pooled": round(a["tau_pooled"], 4), "taus": [round(t, 4) for t in a["taus"]],
+                "spread": round(a["spread"], 4), "delta": round(a["delta_vs_first"], 4), "ci_low": lo, "ci_high": hi,
+                "lossless": all(a["lossless"]), "verdict": a.get("verdict"), "within_null": a.get("within_null")}
+
+    judged = r.get("judgement") or {"checks": {}}
+    special = {c["arm"]: name for name, c in judged["checks"].items()}
+    arms = [arm(a) for a in r["arms"]]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+    return {"commit": commit, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "device_seconds": wall_seconds(p), "invocations": read_wall(p),
+            "looping_frac_eval": tb.get("looping_frac_eval"), "looping_frac_regen": (tb.get("regen") or {}).get("looping_frac"),
+            "arms": [a for a in arms if a["label"] not in special],
+            **{f"{name}_arm": next((a for a in arms if a["label"] == label), None) for label, name in special.items()},
+            "discriminating": judged.get("discriminating"), "why_not": judged.get("why_not"), "seeds": r["seeds"],
+            "phase_seconds": tb.get("seconds"), "tau_trained": tb.get("tau_trained"),
+            "tau_untrained": tb.get("tau_untrained"), "failed": r["failed"], "parallel": r["parallel"]}
+
+
+def read_wall(p: Paths) -> list:
+    return json.loads(p.wall.read_text()) if p.wall.is_file() else []
+
+
+def wall_seconds(p: Paths) -> float:
+    """Wall seconds of every invocation of the testbed on this directory, summed (a heartbeat keeps them current, so
+    a call killed at its time limit still counts to its last beat)."""
+    return round(sum(w["seconds"] for w in read_wall(p)), 1)
+
+
+def heartbeat(p: Paths, every_s: float = 5.0) -> None:
+    """Record this invocation's wall seconds in DIR/wall.json every `every_s` (a daemon thread)."""
+    import threading
+
+    runs, t0 = read_wall(p), time.time()
+    runs.append({"start": t0, "seconds": 0.0})
+
+    def beat():
+        while True:
+            runs[-1]["seconds"] = round(time.time() - t0, 1)
+            write_json_atomic(p.wall, runs)
+            time.sleep(every_s)
+
+    threading.Thread(target=beat, daemon=True).start()
 
 
 # --- the stage -------------------------------------------------------------------------------------------------
@@ -576,6 +713,7 @@ def main(argv: list[str]) -> int:
                           "this machine has none (--preset=micro runs the phases' logic at toy sizes on a CPU)")
     p = Paths(cfg.dir)
     p.root.mkdir(parents=True, exist_ok=True)
+    heartbeat(p)
     log(f"testbed {p.root} on {device} (preset {cfg.preset}): {json.dumps(asdict(cfg))}")
     if cfg.arms or cfg.sweep:
         r, tb = ab(cfg, p, dev, device)
@@ -587,12 +725,18 @@ def main(argv: list[str]) -> int:
     write_json_atomic(p.root / "testbed.json", tb)
     print(table(tb))
     if cfg.arms or cfg.sweep:
+        if cfg.results:
+            Path(cfg.results).parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(Path(cfg.results), sweep_results(r, tb, p))
         print(ab_table(r))
         for run, e in r["failed"].items():
             print(f"FAILED {run}: {e}")
         print(out)
+        if cfg.results:
+            print(cfg.results)
     print(p.root / "testbed.json")
-    return 1 if (cfg.arms or cfg.sweep) and r["failed"] else 0
+    unranked = (cfg.arms or cfg.sweep) and r["judgement"] is not None and not r["judgement"]["discriminating"]
+    return 1 if (cfg.arms or cfg.sweep) and r["failed"] or unranked else 0
 
 
 if __name__ == "__main__":

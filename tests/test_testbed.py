@@ -72,6 +72,29 @@ def test_a_license_header_is_not_a_prompt(tmp_path):
 def test_looping_answers_are_told_apart():
     loop = "def f():\n" + "    return x + 1  # again\n" * 20
     assert pysource.looping(loop) and not pysource.looping(_source(40)) and not pysource.looping("short")
+    # a short answer (an evaluation's 64 tokens) is judged on its last quarter, not on 128 characters it lacks
+    short_loop = "def g(a):\n" + "    a = a + 1\n" * 12
+    assert len(short_loop) < 256 and pysource.looping(short_loop) and not pysource.looping(_source(12))
+
+
+def test_the_evaluation_prompts_are_the_first_whose_greedy_answer_does_not_loop(tmp_path):
+    from dflash_offline.testbed_runs import choose_eval_prompts
+
+    cands = [{"messages": [{"role": "user", "content": f"f{i}.py\n"}, {"role": "assistant", "content": "x"}]}
+             for i in range(6)]
+    loop, fine = "    y = y * 2\n" * 12, _source(12)
+    answers = [{"messages": [cands[i]["messages"][0], {"role": "assistant", "content": loop if i in (0, 2) else fine}],
+                "regen": {"index": i}} for i in range(6)]
+    c, g, out = tmp_path / "c.jsonl", tmp_path / "g.jsonl", tmp_path / "e.jsonl"
+    c.write_text("".join(json.dumps(x) + "\n" for x in cands))
+    g.write_text("".join(json.dumps(x) + "\n" for x in answers))
+    got = choose_eval_prompts(c, g, out, 3)
+    assert [json.loads(x)["messages"][0]["content"] for x in out.read_text().splitlines()] == ["f1.py\n", "f3.py\n",
+                                                                                              "f4.py\n"]
+    assert got == {"candidates": 6, "candidates_looping": round(2 / 6, 4), "chosen": 3, "chosen_looping": 0}
+    assert choose_eval_prompts(c, g, out, 5)["chosen_looping"] == 1  # too few: the looping ones fill in, counted
+    with pytest.raises(ValueError, match="eval_prompts"):
+        choose_eval_prompts(c, g, out, 7)
 
 
 def test_a_baseline_is_reused_only_for_the_same_key(tmp_path):
@@ -118,25 +141,30 @@ def test_render_is_the_chat_template(qwen35_dir):
     assert testbed.render(rec) == tok.apply_chat_template(rec["messages"], tokenize=False)
 
 
-def test_the_ab_interval_is_paired_over_prompts():
-    from dflash_offline.testbed_runs import ab_table, arm_rows, paired_delta_ci
+def test_the_ab_interval_is_paired_over_prompts_and_holds_the_seeds_noise():
+    from dflash_offline.testbed_runs import ab_table, arm_rows, delta_ci
 
     steps = [5, 9, 13, 7, 11, 6, 8, 10] * 4
     base = [2.0 + 6 * (i % 4) for i in range(len(steps))]  # prompts differ far more than the arms do
     counts = lambda taus: [(t * s, s) for t, s in zip(taus, steps, strict=True)]  # noqa: E731
     b = [counts(base), counts(base)]
     a = [counts([t + 0.2 for t in base]), counts([t + 0.2 for t in base])]
-    lo, hi = paired_delta_ci(a, b)
+    lo, hi = delta_ci(a, b)
     assert 0.19 < lo <= hi < 0.21  # paired: the per-prompt shift is all that varies
-    lo, hi = paired_delta_ci(b, b)
+    lo, hi = delta_ci(b, b)
     assert lo == hi == 0
     noisy = [counts([t + (0.5 if i % 2 else -0.5) for i, t in enumerate(base)])] * 2
-    lo, hi = paired_delta_ci(noisy, b)
+    lo, hi = delta_ci(noisy, b)
     assert lo < 0 < hi
+    # two seeds of one arm that differ by ±1 everywhere (training noise): pooled, they cancel, and an interval over
+    # the prompts alone would be a narrow band around 0; resampling the seeds too gives the band the noise has
+    seedy = [counts([t + 1 for t in base]), counts([t - 1 for t in base])]
+    lo, hi = delta_ci(seedy, b)
+    assert lo < -0.5 and hi > 0.5
     ev = lambda counts, tau, ok=True: {"tau": tau, "counts": counts, "lossless": ok, "mismatches": [] if ok else [3],  # noqa: E731
                                        "prompts": "p", "tokens": 64}
-    rows = arm_rows(["", "x=1"], {("", 0): (ev(b[0], 3.0), 0.5), ("", 1): (ev(b[1], 3.2), 0.4),
-                                  ("x=1", 0): (ev(a[0], 3.3), 0.5), ("x=1", 1): (ev(a[1], 3.3, False), 0.5)}, range(2))
+    rows = arm_rows(["", "x=1"], {"": [(ev(b[0], 3.0), 0.5), (ev(b[1], 3.2), 0.4)],
+                                  "x=1": [(ev(a[0], 3.3), 0.5), (ev(a[1], 3.3, False), 0.5)]})
     assert rows[0]["delta_ci95"] is None and rows[1]["delta_ci95"][0] > 0
     assert rows[0]["spread"] == pytest.approx(0.2) and rows[0]["tau_mean_of_seeds"] == pytest.approx(3.1)
     # τ of an arm pools its seeds' tokens and steps, as the interval does: Δ is that difference, inside the interval
@@ -148,9 +176,38 @@ def test_the_ab_interval_is_paired_over_prompts():
     # evaluations of other prompts (or budgets) cannot be paired: refused, not truncated
     other = {**ev(a[0][:16], 3.3), "prompts": "q"}
     with pytest.raises(ValueError, match="decoded different prompts or token budgets"):
-        arm_rows(["", "x=1"], {("", 0): (ev(b[0], 3.0), 0.5), ("x=1", 0): (other, 0.5)}, range(1))
+        arm_rows(["", "x=1"], {"": [(ev(b[0], 3.0), 0.5)], "x=1": [(other, 0.5)]})
     with pytest.raises(ValueError, match="same prompts"):
-        paired_delta_ci([a[0][:16]], b[:1])
+        delta_ci([a[0][:16]], b[:1])
+
+
+def test_arms_are_ranked_only_when_the_null_arm_holds_0_and_the_known_bad_arm_lies_below():
+    from dflash_offline.testbed_runs import NULL_ARM, ab_table, judge
+
+    def rows(null_ci, bad_ci):
+        r = [{"arm": "(recipe)", "delta_ci95": None, "delta_vs_first": 0.0},
+             {"arm": "quant=fp4", "delta_ci95": (-0.1, 0.2), "delta_vs_first": 0.05},
+             {"arm": "gamma=inf", "delta_ci95": (-0.6, -0.2), "delta_vs_first": -0.4},
+             {"arm": "steps=150", "delta_ci95": bad_ci, "delta_vs_first": -1.0},
+             {"arm": NULL_ARM, "delta_ci95": null_ci, "delta_vs_first": 0.02}]
+        return [{**x, "taus": [1.0], "tau_pooled": 1.0, "spread": 0.0, "delta_pct": 0.0, "lossless": [True],
+                 "mismatches": [[]], "loss": [0.1]} for x in r]
+
+    ok = rows((-0.15, 0.15), (-1.4, -0.6))
+    j = judge(ok, NULL_ARM, "steps=150")
+    assert j["discriminating"] and [r.get("verdict") for r in ok[1:3]] == ["parity", "worse"]
+    assert ok[1]["within_null"] and not ok[2]["within_null"]
+    assert ok[3]["verdict"] == "known-bad check: passed" and ok[4]["verdict"] == "null check: passed"
+    assert "arms ranked" in ab_table({"arms": ok, "judgement": j})
+    for null_ci, bad_ci, culprit in (((0.05, 0.3), (-1.4, -0.6), "null"), ((-0.15, 0.15), (-1.2, 0.1), "bad"),
+                                     ((-0.15, 0.15), None, "bad")):
+        r = rows(null_ci, bad_ci)
+        if bad_ci is None:
+            r = [x for x in r if x["arm"] != "steps=150"]  # (its drafters failed: no row)
+        j = judge(r, NULL_ARM, "steps=150")
+        assert not j["discriminating"] and j["why_not"][0].startswith(f"the {culprit} arm")
+        assert {x.get("verdict") for x in r[1:3]} == {"unranked"}
+        assert "NOT DISCRIMINATING, arms not ranked" in ab_table({"arms": r, "judgement": j})
 
 
 def test_arms_are_checked_before_anything_runs():
@@ -186,9 +243,11 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     assert res["regen"]["written"] == 12 and res["train"]["steps"] == 6 and res["extract"]["rows"] > 0
     kept = [v["kept_min"] for _, v in sorted(res["extract"]["projection"].items(), key=lambda kv: int(kv[0]))]
     assert kept == sorted(kept) and kept[-1] > 1 - 1e-9 and len(kept) >= 2  # the full width keeps everything
-    # the eval prompts come from held-out files only
+    # the eval prompts come from held-out files only: the first ones whose greedy answer does not loop
     held = {json.loads(x)["messages"][0]["content"].split("\n", 1)[0]
             for x in (root / "corpus" / "eval.jsonl").read_text().splitlines()}
+    assert len(held) == 3 and res["regen"]["eval_prompts"]["candidates"] == 12
+    assert res["regen"]["sampling"]["temperature"] == 0.8 and 0 <= res["looping_frac_eval"] <= 1
     files = json.loads((root / "target" / "files.json").read_text())
     assert held and not held & {n for n, _ in files["files"][: files["train_files"]]}
     run = root / "runs" / "base" / "seed0"  # the untrained evaluation (beside training) made the target-alone decodes
@@ -218,10 +277,20 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     # A/B: the recipe's arm reuses the base run; an fp8 arm gets its own cache from the same target and corpus; an
     # arm whose drafter or cache fails is reported (exit 1) and the others are not lost
     r = _testbed(root, "--arms=;quant=fp8;weighting=bogus;quant=bogus;project_dims=32 quant=fp4", "--seeds=1",
-                 "--label=t", "--parallel=2")
+                 "--label=t", "--parallel=2", f"--results={root / 'sweep.json'}")
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     ab = json.loads((root / "ab" / "t.json").read_text())
-    assert [a["arm"] for a in ab["arms"]] == ["(recipe)", "quant=fp8", "project_dims=32 quant=fp4"]
+    # the checks ride along: the known-bad arm (a quarter of the 6 steps) and the null arm (the recipe under seed 1)
+    assert [a["arm"] for a in ab["arms"]] == ["(recipe)", "quant=fp8", "project_dims=32 quant=fp4", "steps=1",
+                                              "(recipe, other seeds)"]
+    assert (root / "runs" / "base" / "seed1" / "eval.json").is_file()
+    assert json.loads((root / "runs" / "steps1" / "seed0" / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 1
+    assert set(ab["judgement"]["checks"]) == {"null", "bad"}
+    res = json.loads((root / "sweep.json").read_text())
+    assert [a["label"] for a in res["arms"]] == ["(recipe)", "quant=fp8", "project_dims=32 quant=fp4"]
+    assert res["null_arm"]["label"] == "(recipe, other seeds)" and res["bad_arm"]["label"] == "steps=1"
+    assert res["device_seconds"] > 0 and res["looping_frac_eval"] is not None and res["commit"]
+    assert {"ci_low", "ci_high", "delta", "spread", "lossless", "tau_pooled"} <= set(res["arms"][1])
     # the projected fp4 cache's drafter, folded at export, decodes losslessly through the served modeling code
     proj = json.loads((root / "runs" / "project_dims32-quantfp4" / "seed0" / "eval.json").read_text())
     assert proj["lossless"] is True and proj["num_prompts"] == 3
