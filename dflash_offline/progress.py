@@ -47,7 +47,11 @@ DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG}
 def run_cli(main) -> None:
     """A stage's `__main__`: run `main(argv)`; a ValueError (config, corpus, manifest, shard, target errors all carry
     their own advice) or a failed write (full disk, I/O error) becomes one line `error: ...` and exit status 2
-    instead of a traceback; an int result is the exit code."""
+    instead of a traceback; an int result is the exit code. Triton autotuner choices are recorded or pinned first when
+    the environment asks (`dflash_offline.autotune`)."""
+    from .autotune import from_env
+
+    from_env()
     try:
         code = main(sys.argv[1:])
     except ValueError as e:

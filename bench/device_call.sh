@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (docs/testbed.md, "On a lent GPU"): install the carried wheels (.whl/: fla, torchao)
+# into /tmp/site, run the command given for at most LIMIT seconds in its own process group (then the whole group is
+# stopped: a rerun of the testbed resumes), record fla's autotuner choices, and copy what the testbed left into $OUT.
+#   LIMIT=540 bash bench/device_call.sh python3 -m stages.testbed --sweep=encodings,fp8 --results=...
+set -uo pipefail
+LIMIT=${LIMIT:-540}
+DIR=${TESTBED_DIR:-build/testbed}
+OUT=${OUT:-build/out}
+mkdir -p "$OUT" build
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONUNBUFFERED=1 DFLASH_AUTOTUNE_RECORD=$PWD/build/autotune
+nvidia-smi --query-gpu=name,clocks.sm,power.draw,memory.used --format=csv,noheader
+log=build/call-$(date +%s).log
+setsid "$@" >"$log" 2>&1 &
+pid=$!
+t0=$SECONDS
+while kill -0 "$pid" 2>/dev/null && ((SECONDS - t0 < LIMIT)); do sleep 2; done
+if kill -0 "$pid" 2>/dev/null; then
+  echo "[device_call] stopping the run after ${LIMIT}s (a rerun resumes)"
+  kill -TERM -- "-$pid" 2>/dev/null; sleep 5; kill -KILL -- "-$pid" 2>/dev/null
+  rc=124
+else
+  wait "$pid"; rc=$?
+fi
+echo "[device_call] exit status $rc after $((SECONDS - t0))s"
+cp "$log" "$OUT/call.log"
+for f in testbed.json state.json wall.json; do [ -f "$DIR/$f" ] && cp "$DIR/$f" "$OUT/"; done
+[ -d "$DIR/ab" ] && tar czf "$OUT/ab.tgz" -C "$DIR" ab $(cd "$DIR" && ls -d runs/*/seed*/eval.json runs/*/seed*/logs 2>/dev/null)
+compgen -G "build/autotune/*.json" >/dev/null && tar czf "$OUT/autotune.tgz" build/autotune
+compgen -G "bench/results/testbed-sweep-*.json" >/dev/null && cp bench/results/testbed-sweep-*.json "$OUT/"
+grep -E "^\[testbed|phase|FAILED|τ|error|Error" "$log" | tail -60
+exit $rc

@@ -1,0 +1,130 @@
+"""Triton autotuner choices: recorded from one run, pinned for the next.
+
+On a cold machine, fla's Triton kernels autotune every shape they meet: each candidate config of each kernel is
+compiled and timed (extraction's first kernel check spent 111 s of 129 there on an H200, the exact-mode evaluation's
+float32 kernels ≈ 160 s). The choice depends on the GPU, the Triton and fla versions and the shape, not on the data,
+so it can be made once and kept:
+
+- `DFLASH_AUTOTUNE_RECORD=DIR`: at exit, every autotuner of the process that chose a config writes its choices to
+  `DIR/<pid>.json` (`record`); `merge` folds such files into one table.
+- `DFLASH_AUTOTUNE_PIN=FILE`: such a table is loaded before the first kernel runs; an autotuner meeting a key the
+  table holds takes its config without timing the candidates (`pin`); any other key autotunes as before. A table
+  made with other Triton or fla versions, or on another GPU, is ignored with a warning.
+
+Both hook `triton.runtime.autotuner.Autotuner.run` (fla's caching autotuner derives from it), so they work whatever
+imports the kernels and whenever. Nothing here runs unless one of the two variables is set (`from_env`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+CONFIG_FIELDS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+
+
+def tuner_name(tuner) -> str:
+    fn = getattr(tuner, "base_fn", None) or getattr(tuner, "fn", None)
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__name__', type(fn).__name__)}"
+
+
+def versions() -> dict:
+    from importlib import metadata
+
+    import torch
+    import triton
+
+    try:
+        fla = metadata.version("fla-core")
+    except metadata.PackageNotFoundError:
+        fla = None
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"triton": triton.__version__, "fla": fla, "gpu": gpu}
+
+
+def config_record(cfg) -> dict:
+    return {"kwargs": dict(cfg.kwargs), **{k: getattr(cfg, k, None) for k in CONFIG_FIELDS}}
+
+
+def choices() -> dict:
+    """{kernel: [[key, config], …]} of every autotuner of this process that has chosen (its cache)."""
+    import gc
+
+    from triton.runtime.autotuner import Autotuner
+
+    out: dict[str, list] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, Autotuner) and getattr(obj, "cache", None):
+            rows = out.setdefault(tuner_name(obj), [])
+            rows += [[list(k), config_record(c)] for k, c in obj.cache.items() if [list(k), config_record(c)] not in rows]
+    return out
+
+
+def record(directory: str) -> None:
+    """Write this process's choices to `directory/<pid>.json` (at exit; nothing when none was made)."""
+    try:
+        table = choices()
+    except ImportError:
+        return
+    if table:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        Path(directory, f"{os.getpid()}.json").write_text(json.dumps({**versions(), "kernels": table}, sort_keys=True))
+
+
+def merge(files: list[Path]) -> dict:
+    """One table from the `record` files of one machine (their versions must agree)."""
+    out: dict = {}
+    for f in files:
+        t = json.loads(Path(f).read_text())
+        head = {k: t[k] for k in ("triton", "fla", "gpu")}
+        if out and {k: out[k] for k in head} != head:
+            raise ValueError(f"{f}: recorded with {head}, the others with {({k: out[k] for k in head})}")
+        out.update(head)
+        for name, rows in t["kernels"].items():
+            have = out.setdefault("kernels", {}).setdefault(name, [])
+            have += [r for r in rows if r not in have]
+    return out
+
+
+def pin(table_file: str) -> int:
+    """Make every autotuner take the recorded config for a key the table holds; returns the number of keys (0 when
+    the table was made with other versions or on another GPU: then it is ignored, and said so)."""
+    import inspect
+
+    import triton
+    from triton.runtime.autotuner import Autotuner
+
+    table = json.loads(Path(table_file).read_text())
+    here = versions()
+    if {k: table.get(k) for k in here} != here:
+        print(f"warning: {table_file} was recorded with {({k: table.get(k) for k in here})}, this is {here}: not "
+              f"pinned, the kernels autotune", file=sys.stderr)
+        return 0
+    accepted = set(inspect.signature(triton.Config).parameters)
+    pinned = {name: [(tuple(k), c) for k, c in rows] for name, rows in table["kernels"].items()}
+    original = Autotuner.run
+
+    def run(self, *args, **kwargs):
+        if not getattr(self, "_dflash_pinned", False):
+            self._dflash_pinned = True
+            for key, c in pinned.get(tuner_name(self), []):
+                extra = {k: c[k] for k in CONFIG_FIELDS if k in accepted and c.get(k) is not None}
+                self.cache.setdefault(key, triton.Config(c["kwargs"], **extra))
+        return original(self, *args, **kwargs)
+
+    Autotuner.run = run
+    return sum(len(rows) for rows in pinned.values())
+
+
+def from_env() -> None:
+    """What `DFLASH_AUTOTUNE_RECORD` / `DFLASH_AUTOTUNE_PIN` ask for (every stage's `run_cli` calls this)."""
+    if path := os.environ.get("DFLASH_AUTOTUNE_PIN"):
+        n = pin(path)
+        if n:
+            print(f"[autotune] {n} kernel configs pinned from {path}", file=sys.stderr, flush=True)
+    if directory := os.environ.get("DFLASH_AUTOTUNE_RECORD"):
+        import atexit
+
+        atexit.register(record, directory)
