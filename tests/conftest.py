@@ -14,6 +14,19 @@ import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+
+def pytest_addoption(parser):
+    parser.addoption("--no-mkldnn", action="store_true",
+                     help="run with oneDNN off (torch.backends.mkldnn.enabled = False, also in the training processes "
+                          "tests/test_train.py's launch_two starts): other CPU kernels, so other float32 rounding, as "
+                          "on another CPU; the equivalence tests' tolerances must hold either way")
+
+
+def pytest_configure(config):
+    if config.getoption("--no-mkldnn"):
+        torch.backends.mkldnn.enabled = False
+        os.environ["DFLASH_TEST_MKLDNN"] = "0"  # read by the worker processes the tests start (test_train.WORKER)
+
 REPO = Path(__file__).resolve().parents[1]
 BUILD = Path(os.environ.get("DFLASH_TEST_BUILD", REPO / "build" / "test-targets"))
 

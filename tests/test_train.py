@@ -12,6 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from equivalence import (
+    BF16_U,
+    adamw_rtol,
+    check,
+    drafter_start,
+    rel_diffs,
+    scalar_rtol,
+    step_terms,
+    update_distance,
+)
 from safetensors.torch import load_file
 
 from dflash_offline import metrics
@@ -24,6 +34,10 @@ REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden" / "train_tiny.json"
 TINY = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_anchors=8, batch_rows=2, log_every=1,
             trackers="none", lr=3e-3, warmup_steps=1)
+# the terms of a step's longest float32 sums (tests/equivalence.py): 2 rows × (128 tokens + 8 anchors × 16), and
+# 4 micro-batches of 2 rows
+N_TINY = step_terms(rows=TINY["batch_rows"], seq_len=128, anchors=TINY["num_anchors"], block=16)
+N_FSDP = 4 * N_TINY
 
 
 def cfg(cache, run, **kw):
@@ -36,6 +50,40 @@ def losses(run):
 
 def final_weights(run, step):
     return load_file(str(Path(run) / "checkpoints" / f"step-{step:08d}" / "model.safetensors"))
+
+
+def grad_norms(run):
+    return [json.loads(line)["grad_norm"] for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+
+
+def data_state(run, step):
+    return json.loads((Path(run) / "checkpoints" / f"step-{step:08d}" / "data.json").read_text())
+
+
+def run_on_one_thread(cfg):
+    """train.run here with the one thread `launch_two`'s workers have (OMP_NUM_THREADS=1): a kernel may split its
+    sums by thread, so a bitwise comparison with them needs the same count, whatever OMP_NUM_THREADS the tests run
+    with."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train.run(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def assert_same_training(one, other, start, steps, n, bf16=False, first=0):
+    """Two runs of the same rows, blocks and `start` weights whose float32 sums ran in another order: each logged
+    step's loss and gradient norm within `scalar_rtol(n)` of each other, the training's update (to the final step
+    `steps`, over the steps after `first`) within `adamw_rtol(n, steps - first)` (tests/equivalence.py derives
+    both). `bf16`: bf16 weights or operands, which round alike where their fp32 values do unless those lie on either
+    side of a bf16 rounding boundary, and then differ by one rounding, 2⁻⁹ relative: the bound of the scalars, and
+    an update's elements' share of it that adds to the update distance (a relative rounding turns no sign)."""
+    scalars = BF16_U if bf16 else scalar_rtol(n)
+    check("losses", max(rel_diffs(losses(other), losses(one))), scalars)
+    check("gradient norms", max(rel_diffs(grad_norms(other), grad_norms(one))), scalars)
+    check("update distance", update_distance(start, final_weights(one, steps), final_weights(other, steps)),
+          adamw_rtol(n, steps - first) + (BF16_U if bf16 else 0.0))
 
 
 def test_resume_equals_uninterrupted(tmp_path, hidden_cache):
@@ -83,6 +131,11 @@ import sys
 from stages import train
 train.main(sys.argv[1:])
 """
+# every worker's first lines: oneDNN off where the test session has it off (pytest --no-mkldnn, tests/conftest.py)
+MKLDNN_AS_THE_SESSION = """
+import os, torch
+torch.backends.mkldnn.enabled = os.environ.get("DFLASH_TEST_MKLDNN") != "0"
+"""
 
 
 def cli_args(cache, run, **kw):
@@ -106,7 +159,8 @@ def launch_two(cache, run, worker=WORKER, **kw):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, DFLASH_NO_BAR="1", PYTHONPATH=path,
                    OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-c", worker, *cli_args(cache, run, **kw)],
+        procs.append(subprocess.Popen([sys.executable, "-c", MKLDNN_AS_THE_SESSION + worker,
+                                       *cli_args(cache, run, **kw)],
                                       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-3000:] for o in outs]
@@ -145,55 +199,65 @@ def test_two_processes_destroy_the_process_group_after_the_ddp_model(tmp_path, h
 
 
 def test_two_processes_equal_one_with_accumulation(tmp_path, hidden_cache):
+    """2 processes × 1 micro-batch of 2 rows = 1 process accumulating the same 2 micro-batches, bit for bit: each
+    micro-batch is the same 2-row computation either way, and DDP's mean of the two gradients ((a + b) / 2, the loss
+    divided by half the step's weight) rounds as the accumulated a + b divided by the whole weight (a halving is
+    exact), on one thread both (`run_on_one_thread`)."""
     tokens_per_step = 2 * 2 * 128  # 2 rows × 128 tokens, twice
     one = tmp_path / "one"
-    train.run(TrainConfig(cache=str(hidden_cache), run=str(one), **{**TINY, "steps": 4, "ckpt_every": 4,
-                                                                    "global_batch_tokens": tokens_per_step}).resolve())
+    run_on_one_thread(TrainConfig(cache=str(hidden_cache), run=str(one),
+                                  **{**TINY, "steps": 4, "ckpt_every": 4, "global_batch_tokens": tokens_per_step}
+                                  ).resolve())
     two = tmp_path / "two"
     launch_two(hidden_cache, two, global_batch_tokens=tokens_per_step)
     config = json.loads((two / "config.json").read_text())["derived"]
     assert config["world_size"] == 2 and config["grad_accum"] == 1
     assert json.loads((one / "config.json").read_text())["derived"]["grad_accum"] == 2
-    assert losses(one) == pytest.approx(losses(two), rel=1e-5)
+    assert losses(one) == losses(two) and grad_norms(one) == grad_norms(two)
     w1, w2 = final_weights(one, 4), final_weights(two, 4)
-    for k in w1:
-        torch.testing.assert_close(w1[k], w2[k], rtol=1e-4, atol=1e-6)
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)
 
 
 def test_a_resume_on_another_split_of_the_global_batch_continues_the_run(tmp_path, hidden_cache):
     """2 processes × 1 row train like 1 process × 2 rows (each row's anchors come from its place in the run, not
-    from which rows share its micro-batch), and a run started on 2 × 1 and resumed on 1 × 2 equals the 1 × 2 run."""
+    from which rows share its micro-batch), and a run started on 2 × 1 and resumed on 1 × 2 continues the 1 × 2 run:
+    at the same place in the data (exactly), and to the rounding of float32 sums in another order (a 2-row GEMM vs
+    two 1-row GEMMs and an all-reduce) in its losses, gradient norms and update (`assert_same_training`; with n =
+    2 rows × (128 + 8 × 16) = 512 terms: λ·n·u = 1.5e-4 and 2·√(4·n·u·4) = 0.044; measured on an AMD EPYC (Zen 5),
+    torch 2.13: 1.3e-7, 8e-8 and 2.4e-7). A dropped or doubled micro-batch, anchors drawn for the wrong row and a
+    resume that loses its data position, each planted in stages/train.py, fail it: update distance 0.76, 0.53,
+    0.52, 0.21; the first step's gradient norm 29 %, 27 %, 8 %, and 8 % at step 3."""
     one = tmp_path / "one"
     train.run(TrainConfig(cache=str(hidden_cache), run=str(one), **{**TINY, "steps": 4, "ckpt_every": 2}).resolve())
     split = tmp_path / "split"
     launch_two(hidden_cache, split, batch_rows=1, steps=4, ckpt_every=2)
-    assert losses(split) == pytest.approx(losses(one), rel=1e-5)
+    assert_same_training(one, split, drafter_start(cfg(hidden_cache, one)), 4, N_TINY)
     # interrupted after step 2, resumed on 1 process × 2 rows
     shutil.rmtree(split / "checkpoints" / "step-00000004")
     (split / "checkpoints" / "latest").write_text("step-00000002\n")
     (split / "metrics.jsonl").write_text("\n".join((split / "metrics.jsonl").read_text().splitlines()[:2]) + "\n")
     train.run(TrainConfig(cache=str(hidden_cache), run=str(split), resume=True,
                           **{**TINY, "steps": 4, "ckpt_every": 2}).resolve())
-    assert losses(split) == pytest.approx(losses(one), rel=1e-5)
-    w1, w2 = final_weights(one, 4), final_weights(split, 4)
-    for k in w1:
-        torch.testing.assert_close(w1[k], w2[k], rtol=1e-4, atol=1e-6)
+    assert data_state(split, 4) == data_state(one, 4)  # the same rows read, counted alike
+    assert_same_training(one, split, drafter_start(cfg(hidden_cache, one)), 4, N_TINY)
 
 
 @pytest.mark.parametrize("accum", [1, 2])
 def test_bf16_master_weights_equal_fp32_weights_under_autocast(tmp_path, hidden_cache, accum):
     """precision=bf16 (CPU autocast here): bf16 model weights + MasterAdamW train like fp32 weights + AdamW + clip,
-    with gradient accumulation too (fp32 accumulation buffers); checkpoints hold fp32 weights either way."""
+    with gradient accumulation too (fp32 accumulation buffers); checkpoints hold fp32 weights either way. The same
+    bf16 GEMMs on the same values; the two optimizers' fp32 arithmetic in another order, and a bf16 weight that
+    rounds the other way from there on: `assert_same_training` with bf16 rounding, n = accum × 512 terms (2⁻⁹ =
+    2e-3, 2·√(4·n·u·4) + 2⁻⁹ = 0.046 / 0.064; measured on an AMD EPYC, torch 2.13: losses 1.2e-5 / 4e-6,
+    gradient norms 6e-5 / 7e-5, update distance 1.3e-3 / 1.5e-4)."""
     kw = dict(precision="bf16", steps=4, ckpt_every=4, grad_clip=0.5, global_batch_tokens=accum * 2 * 128)
     train.run(cfg(hidden_cache, tmp_path / "off", master_weights="off", **kw))
     train.run(cfg(hidden_cache, tmp_path / "on", master_weights="on", **kw))
     derived = json.loads((tmp_path / "on" / "config.json").read_text())["derived"]
     assert derived["master_weights"] is True and derived["grad_accum"] == accum
-    assert losses(tmp_path / "on") == pytest.approx(losses(tmp_path / "off"), rel=2e-3)
-    w_off, w_on = final_weights(tmp_path / "off", 4), final_weights(tmp_path / "on", 4)
-    for k in w_off:  # a bf16 rounding tie can fall the other way, so compare in norm, not element by element
-        assert w_on[k].dtype == torch.float32
-        assert float((w_on[k] - w_off[k]).norm() / w_off[k].norm()) < 1e-3, k
+    assert all(w.dtype == torch.float32 for w in final_weights(tmp_path / "on", 4).values())
+    assert_same_training(tmp_path / "off", tmp_path / "on", drafter_start(cfg(hidden_cache, tmp_path / "on")), 4,
+                         accum * N_TINY, bf16=True)
     recs = [json.loads(x) for x in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]
     assert recs[-1]["skipped_steps"] == 0 and recs[-1]["grad_norm"] > 0
 
@@ -214,7 +278,8 @@ def test_bf16_master_weights_resume_exactly(tmp_path, hidden_cache):
 
 def test_resume_switching_master_weights_mode(tmp_path, hidden_cache):
     """Checkpoints are the same files in both modes: a run checkpointed with fp32 weights resumes with bf16 weights +
-    MasterAdamW (and trains on like the uninterrupted fp32 run)."""
+    MasterAdamW (and trains on like the uninterrupted fp32 run: from their common step-3 checkpoint, as in the test
+    above, 2⁻⁹ and 2·√(4·n·u·3) + 2⁻⁹ = 0.040 with n = 512; measured 0, 5.6e-7 and 3.9e-7 on an AMD EPYC, torch 2.13)."""
     train.run(cfg(hidden_cache, tmp_path / "a", precision="bf16", master_weights="off"))
     b = tmp_path / "b"
     train.run(cfg(hidden_cache, b, precision="bf16", master_weights="off"))
@@ -222,11 +287,9 @@ def test_resume_switching_master_weights_mode(tmp_path, hidden_cache):
     (b / "checkpoints" / "latest").write_text("step-00000003\n")
     (b / "metrics.jsonl").write_text("\n".join((b / "metrics.jsonl").read_text().splitlines()[:3]) + "\n")
     train.run(cfg(hidden_cache, b, precision="bf16", master_weights="on", resume=True))
-    assert losses(b)[:3] == losses(tmp_path / "a")[:3]
-    assert losses(b)[3:] == pytest.approx(losses(tmp_path / "a")[3:], rel=2e-3)
-    wa, wb = final_weights(tmp_path / "a", 6), final_weights(b, 6)
-    for k in wa:
-        assert wb[k].dtype == torch.float32 and float((wa[k] - wb[k]).norm() / wa[k].norm()) < 1e-3, k
+    assert losses(b)[:3] == losses(tmp_path / "a")[:3] and grad_norms(b)[:3] == grad_norms(tmp_path / "a")[:3]
+    assert all(w.dtype == torch.float32 for w in final_weights(b, 6).values())
+    assert_same_training(tmp_path / "a", b, final_weights(b, 3), 6, N_TINY, bf16=True, first=3)
 
 
 def test_master_weights_on_refuses_where_unavailable(tmp_path, hidden_cache):
@@ -344,7 +407,9 @@ def test_bench_optimizer_overlap_refuses_where_unavailable(tmp_path, hidden_cach
 
 
 def test_two_processes_bf16_master_weights_equal_one(tmp_path, hidden_cache):
-    """DDP with bf16 gradients reduced in fp32 (the comm hook) = one process accumulating two micro-batches."""
+    """DDP with bf16 gradients reduced in fp32 (the comm hook) = one process accumulating two micro-batches, to bf16
+    rounding: `assert_same_training` with bf16 rounding, n = 1024 terms (2⁻⁹ = 2e-3 and 2·√(4·n·u·4) + 2⁻⁹ = 0.064;
+    measured 5e-6, 1.4e-4 and 1.5e-3 on an AMD EPYC, torch 2.13)."""
     kw = dict(precision="bf16", master_weights="on", global_batch_tokens=2 * 2 * 128)
     one = tmp_path / "one"
     train.run(TrainConfig(cache=str(hidden_cache), run=str(one), **{**TINY, "steps": 4, "ckpt_every": 4,
@@ -352,16 +417,15 @@ def test_two_processes_bf16_master_weights_equal_one(tmp_path, hidden_cache):
     two = tmp_path / "two"
     launch_two(hidden_cache, two, **kw)
     assert json.loads((two / "config.json").read_text())["derived"]["master_weights"] is True
-    assert losses(one) == pytest.approx(losses(two), rel=2e-3)
-    w1, w2 = final_weights(one, 4), final_weights(two, 4)
-    for k in w1:
-        assert float((w1[k] - w2[k]).norm() / w1[k].norm()) < 1e-3, k
+    assert_same_training(one, two, drafter_start(cfg(hidden_cache, one)), 4, 2 * N_TINY, bf16=True)
 
 
 def test_two_processes_accumulating_with_master_weights_equal_one(tmp_path, hidden_cache):
     """DDP + gradient accumulation with bf16 weights (master_weights=on): each process sums its micro-batches' bf16
-    gradients in fp32 and the comm hook reduces those sums in fp32, = one process accumulating all four. (auto keeps
-    fp32 weights for this combination.)"""
+    gradients in fp32 and the comm hook reduces those sums in fp32, = one process accumulating all four, to the
+    rounding of those fp32 sums in another order (the bf16 gradients of each micro-batch are the same): as the FSDP
+    test, n = 2048 terms; measured 6e-8, 0 and 3e-8 (an AMD EPYC, torch 2.13). (auto keeps fp32 weights for this
+    combination.)"""
     kw = dict(precision="bf16", master_weights="on", global_batch_tokens=4 * 2 * 128)
     one = tmp_path / "one"
     train.run(TrainConfig(cache=str(hidden_cache), run=str(one), **{**TINY, "steps": 4, "ckpt_every": 4,
@@ -371,12 +435,8 @@ def test_two_processes_accumulating_with_master_weights_equal_one(tmp_path, hidd
     derived = json.loads((two / "config.json").read_text())["derived"]
     assert derived["master_weights"] is True and derived["grad_accum"] == 2
     assert json.loads((one / "config.json").read_text())["derived"]["grad_accum"] == 4
-    assert losses(one) == pytest.approx(losses(two), rel=1e-5)
-    norms = [[json.loads(x)["grad_norm"] for x in (r / "metrics.jsonl").read_text().splitlines()] for r in (one, two)]
-    assert norms[0] == pytest.approx(norms[1], rel=1e-5)  # (a gradient of the wrong scale would hide in clipping)
-    w1, w2 = final_weights(one, 4), final_weights(two, 4)
-    for k in w1:  # fp32 sums in another order: ~1e-8 apart
-        assert float((w1[k] - w2[k]).norm() / w1[k].norm()) < 1e-5, k
+    # (the gradient norms too: a gradient of the wrong scale would hide in the clipping)
+    assert_same_training(one, two, drafter_start(cfg(hidden_cache, one)), 4, N_FSDP)
     auto = tmp_path / "auto"
     launch_two(hidden_cache, auto, **{**kw, "master_weights": "auto"}, steps=1)
     assert json.loads((auto / "config.json").read_text())["derived"]["master_weights"] is False
@@ -403,14 +463,16 @@ def test_cache_mismatches_are_refused_by_name(tmp_path, hidden_cache, qwen3_dir,
 
 
 def test_golden_losses(tmp_path, hidden_cache):
-    """A short deterministic CPU run must reproduce the committed losses (DFLASH_UPDATE_GOLDEN=1 rewrites them)."""
+    """A short deterministic CPU run must reproduce the committed losses (DFLASH_UPDATE_GOLDEN=1 rewrites them), to
+    the rounding of another CPU's kernels, which sum in another order: λ·n·u = 1.5e-4 for n = 512 terms
+    (tests/equivalence.py; from step 2 the weights differ by that rounding too, which moves a loss by ~1e-7 here)."""
     train.run(cfg(hidden_cache, tmp_path / "g", steps=5, ckpt_every=5))
     got = losses(tmp_path / "g")
     if os.environ.get("DFLASH_UPDATE_GOLDEN") == "1":
         GOLDEN.parent.mkdir(exist_ok=True)
         GOLDEN.write_text(json.dumps({"losses": got, "torch": torch.__version__}, indent=1) + "\n")
     want = json.loads(GOLDEN.read_text())["losses"]
-    assert got == pytest.approx(want, rel=2e-4), (got, want)
+    check("losses against the golden ones", max(rel_diffs(got, want)), scalar_rtol(N_TINY))
     assert got[-1] < got[0]  # and it learns
 
 
@@ -435,8 +497,11 @@ def test_each_rank_gets_its_own_persistent_compile_cache(monkeypatch, tmp_path):
 
 
 def test_fsdp_two_processes_equal_one_and_resume_exactly(tmp_path, hidden_cache):
-    """FSDP-sharded (2 gloo processes, accumulation 2) = one unsharded process with accumulation 4; a sharded run
-    resumed from its step-2 checkpoint ends where the uninterrupted one did; its checkpoint loads unsharded."""
+    """FSDP-sharded (2 gloo processes, accumulation 2) = one unsharded process with accumulation 4, to the rounding
+    of the step's sums in another order (rank r sums micro-batches r and r + 2, then the reduce-scatter adds the two
+    ranks'): `assert_same_training` with n = 8 rows × 256 = 2048 terms (λ·n·u = 6.1e-4, 2·√(4·n·u·4) = 0.088;
+    measured on an AMD EPYC (Zen 5), torch 2.13: 1.3e-7, 8e-8, 3.3e-7); a sharded run resumed from its step-2 checkpoint ends
+    where the uninterrupted one did, bit for bit; its checkpoint loads unsharded."""
     tokens_per_step = 4 * 2 * 128
     one = tmp_path / "one"
     train.run(TrainConfig(cache=str(hidden_cache), run=str(one), **{**TINY, "steps": 4, "ckpt_every": 2,
@@ -445,22 +510,18 @@ def test_fsdp_two_processes_equal_one_and_resume_exactly(tmp_path, hidden_cache)
     launch_two(hidden_cache, sharded, global_batch_tokens=tokens_per_step, fsdp=1, ckpt_every=2)
     derived = json.loads((sharded / "config.json").read_text())["derived"]
     assert derived["grad_accum"] == 2 and derived["fsdp_sharded"] is True
-    grad_norms = [json.loads(line)["grad_norm"] for line in (sharded / "metrics.jsonl").read_text().splitlines()]
-    one_norms = [json.loads(line)["grad_norm"] for line in (one / "metrics.jsonl").read_text().splitlines()]
-    assert grad_norms == pytest.approx(one_norms, rel=1e-4)  # clipping sees the global norm of the sharded grads
-    assert losses(one) == pytest.approx(losses(sharded), rel=1e-5)
-    w1, w2 = final_weights(one, 4), final_weights(sharded, 4)
-    assert set(w1) == set(w2)
-    for k in w1:  # fp32 sums in another order, through 4 AdamW steps: ~1e-7..1e-6 apart
-        assert float((w1[k] - w2[k]).norm() / w1[k].norm()) < 1e-5, k
-    # interrupt after step 2, resume sharded
+    assert set(final_weights(one, 4)) == set(final_weights(sharded, 4))
+    # (the gradient norms: clipping sees the global norm of the sharded gradients)
+    assert_same_training(one, sharded, drafter_start(cfg(hidden_cache, one)), 4, N_FSDP)
+    uninterrupted = final_weights(sharded, 4), losses(sharded), grad_norms(sharded)
+    # interrupt after step 2, resume sharded: the same arithmetic as the uninterrupted sharded run, bit for bit
     shutil.rmtree(sharded / "checkpoints" / "step-00000004")
     (sharded / "checkpoints" / "latest").write_text("step-00000002\n")
     (sharded / "metrics.jsonl").write_text("\n".join((sharded / "metrics.jsonl").read_text().splitlines()[:2]) + "\n")
     launch_two(hidden_cache, sharded, global_batch_tokens=tokens_per_step, fsdp=1, ckpt_every=2, resume=1)
-    assert losses(sharded) == pytest.approx(losses(one), rel=1e-5)
-    for k, v in final_weights(sharded, 4).items():
-        assert float((v - w1[k]).norm() / w1[k].norm()) < 1e-5, k
+    w, resumed_losses, resumed_norms = uninterrupted
+    assert losses(sharded) == resumed_losses and grad_norms(sharded) == resumed_norms
+    assert all(torch.equal(v, w[k]) for k, v in final_weights(sharded, 4).items())
     # the sharded run's checkpoint (full tensors, optimizer by parameter index) loads into an unsharded model + AdamW
     from dflash_offline.checkpoint import load_checkpoint
     from dflash_offline.drafter import DFlashDrafter
