@@ -33,6 +33,7 @@ import torch
 U32 = 2.0**-24  # float32's unit roundoff (half of torch.finfo(torch.float32).eps)
 LAMBDA = 5.0  # the probabilistic bound's λ: it fails with probability ≤ 2n·exp(−λ²/2) ≈ n·7e-6
 BF16_U = 2.0**-9  # bfloat16's unit roundoff: one rounding of a bf16 value, relative
+K_ADAMW, A_ADAMW = 12, 1.2  # roundings of one AdamW update of an element; max |m̂|/√v̂ (`adamw_elementwise`)
 
 
 def scalar_rtol(n: int) -> float:
@@ -50,6 +51,23 @@ def loss_rtol(positions: int, vocab: int) -> float:
 def adamw_rtol(n: int, steps: int) -> float:
     """Tolerance of `update_distance` after `steps` AdamW steps whose gradients are n-term sums in another order."""
     return 2 * math.sqrt(4 * n * U32 * steps)
+
+
+def sum_rtol(n: int) -> float:
+    """Relative tolerance of a sum of n terms of one sign (a norm², a mean of losses) in another order: λ·√n·u."""
+    return LAMBDA * math.sqrt(n) * U32
+
+
+def adamw_elementwise(steps: int, lr: float) -> dict:
+    """rtol / atol for the weights of two AdamW implementations (fused or not, compiled or not, clipping apart or
+    inside) fed the same gradients, `steps` steps at most `lr`. Nothing cancels into a sign here, so element by
+    element: each side's update m̂/(√v̂ + eps) is a chain of K ≈ 12 roundings (moments, bias corrections, root,
+    quotient, the clip's product) in its own order, so the two are ≤ 2·K·u·A apart, A = max |m̂|/√v̂ ≤ 1.2 for
+    β = (0.9, 0.95) (Cauchy-Schwarz over the moments' weights: ≤ (1 − β1)/(1 − β1ᵗ)·√(Σₖ (β1²/β2)ᵏ)·
+    √((1 − β2ᵗ)/(1 − β2))); times lr, plus the weight's own two roundings on each side (decay, subtraction): per
+    step |δw| ≤ 4u·|w| + 2·K·A·u·lr. A clip coefficient another order of the norm's sum moves scales m by c and v by
+    c², which leaves m̂/√v̂ as it was but for eps."""
+    return dict(rtol=4 * steps * U32, atol=2 * steps * K_ADAMW * A_ADAMW * U32 * lr)
 
 
 def step_terms(rows: int, seq_len: int, anchors: int, block: int) -> int:
