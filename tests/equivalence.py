@@ -18,6 +18,10 @@ and by how much depends on what the sum feeds:
   step, each ≤ 2·lr off where a typical one moves lr, so over `steps` steps the updates differ in norm by
   ‖Δw₁ − Δw₂‖ / ‖Δw₁‖ ≤ 2·√(4·n·u·steps) = `adamw_rtol(n, steps)` (the worst case for independent steps; Adam's
   eps shields the smallest gradients, so a run lands far below it: ~1e-7 on the tiny drafter).
+- A forward pass of the same weights in another order (packed rows vs documents alone, flex vs dense attention, a
+  compiled piece vs eager, an export vs the training module, a float64 reference) is a chain of sums, each of one
+  layer's width, whose roundings add rather than amplify (no sign decides a step): about λ·u·√(width·sums) of the
+  activations' scale, element by element (`forward_rtol`; sums in quadrature, as one sum of width·sums terms).
 - A bug is not rounding: a dropped or doubled micro-batch, anchors drawn for the wrong row or a resume that loses its
   data position move the updates by 0.5-0.8 of their norm and the first step's gradient norm by 8-80 % (measured
   on tests/test_train.py's split test by planting each), a whole step's gradient doubled moves that norm by 50 %.
@@ -58,6 +62,12 @@ def sum_rtol(n: int) -> float:
     return LAMBDA * math.sqrt(n) * U32
 
 
+def forward_rtol(width: int, sums: int) -> float:
+    """Element-wise tolerance, relative to the activations' scale, of a forward pass through `sums` sums of at most
+    `width` terms each, computed in another order: λ·u·√(width·sums) (see the module)."""
+    return LAMBDA * U32 * math.sqrt(width * sums)
+
+
 def adamw_elementwise(steps: int, lr: float) -> dict:
     """rtol / atol for the weights of two AdamW implementations (fused or not, compiled or not, clipping apart or
     inside) fed the same gradients, `steps` steps at most `lr`. Nothing cancels into a sign here, so element by
@@ -82,6 +92,12 @@ def update_distance(w0: dict, w1: dict, w2: dict) -> float:
     diff = sum(float((w1[k].double() - w2[k].double()).pow(2).sum()) for k in w1)
     moved = sum(float((w1[k].double() - w0[k].double()).pow(2).sum()) for k in w1)
     return math.sqrt(diff / moved)
+
+
+def rel_distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖ (0 where both are zero)."""
+    diff, ref = float((a.double() - b.double()).norm()), float(b.double().norm())
+    return diff / ref if ref else diff
 
 
 def rel_diffs(a: list[float], b: list[float]) -> list[float]:

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from equivalence import check, loss_rtol, rel_distance, scalar_rtol
 
 from dflash_offline.anchors import IGNORE
 from dflash_offline.loss import (
@@ -22,9 +23,12 @@ B, A, L, H, V = 2, 5, 4, 16, 50
 
 
 def make(seed=0, dtype=torch.float32, p_ignore=0.3):
+    """Hidden states, lm_head and block labels. The values are multiples of 1/8 (and exact in bf16), so every logit
+    is exact in fp32 whatever order a GEMM sums in: the chunked and the full loss see the same logits (bf16-rounded
+    alike, too, where a rounding boundary would otherwise split them) and differ only by their own sums."""
     g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(B, A * L, H, generator=g).to(dtype)
-    w = (torch.randn(V, H, generator=g) * 0.5).to(dtype)
+    hidden = (torch.randn(B, A * L, H, generator=g) * 8).round().div(8).to(dtype)
+    w = (torch.randn(V, H, generator=g) * 4).round().div(8).to(dtype)
     labels = torch.randint(0, V, (B, A, L), generator=g)
     labels[torch.rand(B, A, L, generator=g) < p_ignore] = IGNORE
     labels[:, :, 0] = IGNORE
@@ -43,6 +47,14 @@ def run(fn, hidden, w, labels, **kw):
     return out, h.grad
 
 
+def assert_same_loss(out, g, ref, g_ref):
+    """The same logits, CE and weights summed in chunks or at once: the loss within λ·u·(√slots + √V) and the input
+    gradient (each element a sum over V whose terms cancel) in norm within λ·V·u (tests/equivalence.py): 3.7e-6 and
+    1.5e-5; measured ≤ 2.3e-7 and 2.3e-7 on an AMD EPYC, torch 2.13."""
+    check("loss", abs(float(out.loss) / float(ref.loss) - 1), loss_rtol(B * A * (L - 1), V))
+    check("input gradient", rel_distance(g, g_ref), scalar_rtol(V))
+
+
 @pytest.mark.parametrize("chunk_tokens", [1, 3, 7, 9, 1000])  # 1, 1, 2, 3 (10 blocks: not divisible), all
 @pytest.mark.parametrize("weighting", ["decay", "dpace"])
 def test_chunked_equals_reference(chunk_tokens, weighting):
@@ -50,8 +62,7 @@ def test_chunked_equals_reference(chunk_tokens, weighting):
     kw = dict(gamma=2.0, weighting=weighting)
     ref, g_ref = run(reference_block_ce_loss, hidden, w, labels, **kw)
     out, g = run(block_ce_loss, hidden, w, labels, chunk_tokens=chunk_tokens, **kw)
-    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-7)
+    assert_same_loss(out, g, ref, g_ref)
     assert torch.equal(out.correct_BAL, ref.correct_BAL)
     assert torch.equal(out.valid_BAL, labels >= 0)
     assert out.correct_BAL.any()  # the comparison is not vacuous
@@ -65,8 +76,7 @@ def test_bf16_logits_equal_reference_on_rounded_logits(weighting):
     kw = dict(gamma=2.0, weighting=weighting)
     ref, g_ref = run(reference_block_ce_loss, hidden, w, labels, logits="bf16", **kw)
     out, g = run(block_ce_loss, hidden, w, labels, chunk_tokens=7, logits="bf16", **kw)
-    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-7)
+    assert_same_loss(out, g, ref, g_ref)
     assert torch.equal(out.correct_BAL, ref.correct_BAL) and out.correct_BAL.any()
     full, g_full = run(block_ce_loss, hidden, w, labels, chunk_tokens=7, **kw)
     assert (out.loss - full.loss).abs() > 1e-5 and (g - g_full).abs().max() > 1e-6

@@ -27,7 +27,11 @@ from dflash_offline.target import (
     torch_gated_deltanet_kernels,
 )
 
-FP32_ATOL = 2e-5  # fp32, same math in another order
+# fp32, the same math in another order (packed paths, per-segment kernels, compiled pieces): the tapped states of the
+# tiny targets are ≤ 0.1 (RMS 0.02), and ≤ 8 layers × ~8 sums of ≤ 128 terms round them by λ·u·√(128·64) = 2.7e-5 of
+# that (tests/equivalence.py, `forward_rtol`), ~3e-6; the chunked delta rule's longer chains and a margin: 2e-5
+# (measured on an AMD EPYC, torch 2.13: ≤ 8.3e-7 truncated vs the full model, ≤ 6e-8 packed vs alone)
+FP32_ATOL = 2e-5
 BF16_RTOL = 3e-2  # relative Frobenius error of a bf16 run against the fp32 reference
 
 # eager flex_attention on CPU warns that it is not compiled; that is intended for these tiny inputs
