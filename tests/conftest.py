@@ -17,15 +17,38 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 def pytest_addoption(parser):
     parser.addoption("--no-mkldnn", action="store_true",
-                     help="run with oneDNN off (torch.backends.mkldnn.enabled = False, also in the training processes "
-                          "tests/test_train.py's launch_two starts): other CPU kernels, so other float32 rounding, as "
-                          "on another CPU; the equivalence tests' tolerances must hold either way")
+                     help="run with oneDNN off (torch.backends.mkldnn.enabled = False), here and in every Python "
+                          "process the tests start: other CPU kernels, so other float32 rounding, as on another CPU; "
+                          "the equivalence tests' tolerances must hold either way")
 
 
 def pytest_configure(config):
     if config.getoption("--no-mkldnn"):
-        torch.backends.mkldnn.enabled = False
-        os.environ["DFLASH_TEST_MKLDNN"] = "0"  # read by the worker processes the tests start (test_train.WORKER)
+        no_mkldnn_anywhere()
+
+
+def no_mkldnn_anywhere():
+    """oneDNN off in this process and in every Python process the tests start (trainers, extractors, `accelerate
+    launch`, with or without an env of their own): a sitecustomize.py that turns it off goes first on their
+    PYTHONPATH."""
+    import subprocess
+    import tempfile
+
+    torch.backends.mkldnn.enabled = False
+    site = Path(tempfile.mkdtemp(prefix="dflash-no-mkldnn-"))
+    (site / "sitecustomize.py").write_text("import torch\ntorch.backends.mkldnn.enabled = False\n")
+
+    def with_site(env):
+        return {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH", "")) if p)}
+
+    os.environ["PYTHONPATH"] = with_site(os.environ)["PYTHONPATH"]
+    popen_init = subprocess.Popen.__init__
+
+    def init(self, *args, env=None, **kwargs):
+        popen_init(self, *args, env=None if env is None else with_site(env), **kwargs)
+
+    subprocess.Popen.__init__ = init
+
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD = Path(os.environ.get("DFLASH_TEST_BUILD", REPO / "build" / "test-targets"))

@@ -131,11 +131,6 @@ import sys
 from stages import train
 train.main(sys.argv[1:])
 """
-# every worker's first lines: oneDNN off where the test session has it off (pytest --no-mkldnn, tests/conftest.py)
-MKLDNN_AS_THE_SESSION = """
-import os, torch
-torch.backends.mkldnn.enabled = os.environ.get("DFLASH_TEST_MKLDNN") != "0"
-"""
 
 
 def cli_args(cache, run, **kw):
@@ -159,8 +154,7 @@ def launch_two(cache, run, worker=WORKER, **kw):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, DFLASH_NO_BAR="1", PYTHONPATH=path,
                    OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-c", MKLDNN_AS_THE_SESSION + worker,
-                                       *cli_args(cache, run, **kw)],
+        procs.append(subprocess.Popen([sys.executable, "-c", worker, *cli_args(cache, run, **kw)],
                                       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-3000:] for o in outs]
