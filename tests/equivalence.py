@@ -39,7 +39,7 @@ import torch
 
 U32 = 2.0**-24  # float32's unit roundoff (half of torch.finfo(torch.float32).eps)
 LAMBDA = 5.0  # the probabilistic bound's λ: it fails with probability ≤ 2n·exp(−λ²/2) ≈ n·7e-6
-BF16_U = 2.0**-9  # bfloat16's unit roundoff: one rounding of a bf16 value, relative
+BF16_ULP = 2.0**-7  # bfloat16's spacing relative to a value (8 significant bits): at most, per rounding apart
 K_ADAMW, A_ADAMW = 12, 1.2  # roundings of one AdamW update of an element; max |m̂|/√v̂ (`adamw_elementwise`)
 
 
