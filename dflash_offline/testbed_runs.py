@@ -85,24 +85,28 @@ def looping_share(path: Path) -> float:
     return round(sum(map(looping, answers)) / max(len(answers), 1), 4)
 
 
-def choose_eval_prompts(candidates: Path, greedy: Path, out: Path, n: int) -> dict:
+def choose_eval_prompts(candidates: Path, greedy: Path, out: Path, n: int, budget: int) -> dict:
     """Write to `out` the `n` evaluation prompts: the candidates (held-out files' openings, in name-hash order) whose
-    greedy answer by the target (`greedy`, regenerated records in the candidates' order) does not loop, in order;
-    where fewer than `n` do, the looping ones after them (counted). A reference that loops is easy to draft for any
-    drafter and hides the differences the A/B is after. Returns the counts."""
+    greedy answer by the target (`greedy`: regenerated records, `budget` new tokens at most) neither loops nor stops
+    before half the budget, in order; where fewer than `n` do, the others after them (counted). A reference that loops
+    is easy to draft for any drafter and hides the differences the A/B is after; one that stops at once has no verify
+    step to measure. Returns the counts."""
     from .pysource import looping
 
     cands = [json.loads(x) for x in candidates.read_text().splitlines() if x.strip()]
     answers = [json.loads(x) for x in greedy.read_text().splitlines() if x.strip()]
     loops = [looping(answer_text(r)) for r in answers]
-    order = [i for i, bad in enumerate(loops) if not bad] + [i for i, bad in enumerate(loops) if bad]
-    picked = [answers[i]["regen"]["index"] for i in order[:n]]
-    if len(picked) < n:
-        raise ValueError(f"only {len(picked)} held-out prompts were answered for eval_prompts={n}: lower "
+    short = [sum(r["regen"]["new_tokens"]) < max(1, budget // 2) for r in answers]
+    usable = [not (a or b) for a, b in zip(loops, short, strict=True)]
+    order = [i for i, ok in enumerate(usable) if ok] + [i for i, ok in enumerate(usable) if not ok]
+    if len(order) < n:
+        raise ValueError(f"only {len(order)} held-out prompts were answered for eval_prompts={n}: lower "
                          f"heldout_every or eval_prompts")
-    out.write_text("".join(json.dumps(cands[i]) + "\n" for i in sorted(picked)))
+    picked = order[:n]
+    out.write_text("".join(json.dumps(cands[answers[i]["regen"]["index"]]) + "\n" for i in sorted(picked)))
     return {"candidates": len(answers), "candidates_looping": round(sum(loops) / max(len(loops), 1), 4),
-            "chosen": n, "chosen_looping": sum(loops[i] for i in order[:n])}
+            "candidates_short": round(sum(short) / max(len(short), 1), 4), "chosen": n,
+            "chosen_looping": sum(loops[i] for i in picked), "chosen_short": sum(short[i] for i in picked)}
 
 
 def eval_looping_share(baseline: Path, tokenizer_dir: Path) -> float | None:

@@ -77,24 +77,26 @@ def test_looping_answers_are_told_apart():
     assert len(short_loop) < 256 and pysource.looping(short_loop) and not pysource.looping(_source(12))
 
 
-def test_the_evaluation_prompts_are_the_first_whose_greedy_answer_does_not_loop(tmp_path):
+def test_the_evaluation_prompts_are_the_first_whose_greedy_answer_neither_loops_nor_stops_short(tmp_path):
     from dflash_offline.testbed_runs import choose_eval_prompts
 
     cands = [{"messages": [{"role": "user", "content": f"f{i}.py\n"}, {"role": "assistant", "content": "x"}]}
-             for i in range(6)]
+             for i in range(7)]
     loop, fine = "    y = y * 2\n" * 12, _source(12)
     answers = [{"messages": [cands[i]["messages"][0], {"role": "assistant", "content": loop if i in (0, 2) else fine}],
-                "regen": {"index": i}} for i in range(6)]
+                "regen": {"index": i, "new_tokens": [1 if i == 3 else 40]}} for i in range(7)]
     c, g, out = tmp_path / "c.jsonl", tmp_path / "g.jsonl", tmp_path / "e.jsonl"
     c.write_text("".join(json.dumps(x) + "\n" for x in cands))
     g.write_text("".join(json.dumps(x) + "\n" for x in answers))
-    got = choose_eval_prompts(c, g, out, 3)
-    assert [json.loads(x)["messages"][0]["content"] for x in out.read_text().splitlines()] == ["f1.py\n", "f3.py\n",
-                                                                                              "f4.py\n"]
-    assert got == {"candidates": 6, "candidates_looping": round(2 / 6, 4), "chosen": 3, "chosen_looping": 0}
-    assert choose_eval_prompts(c, g, out, 5)["chosen_looping"] == 1  # too few: the looping ones fill in, counted
+    got = choose_eval_prompts(c, g, out, 3, budget=48)
+    assert [json.loads(x)["messages"][0]["content"] for x in out.read_text().splitlines()] == ["f1.py\n", "f4.py\n",
+                                                                                              "f5.py\n"]
+    assert got == {"candidates": 7, "candidates_looping": round(2 / 7, 4), "candidates_short": round(1 / 7, 4),
+                   "chosen": 3, "chosen_looping": 0, "chosen_short": 0}
+    got = choose_eval_prompts(c, g, out, 7, budget=48)  # too few: the others fill in, counted
+    assert (got["chosen_looping"], got["chosen_short"]) == (2, 1)
     with pytest.raises(ValueError, match="eval_prompts"):
-        choose_eval_prompts(c, g, out, 7)
+        choose_eval_prompts(c, g, out, 8, budget=48)
 
 
 def test_a_baseline_is_reused_only_for_the_same_key(tmp_path):
@@ -346,6 +348,36 @@ def test_a_drafter_out_of_gpu_memory_is_tried_again_after_the_others(tmp_path, m
     assert "error" not in times[p.run("b", 0)] and (p.run("b", 0) / "eval.json").is_file()
     assert "something" not in times[p.run("c", 0)]["error"] and "exit status 1" in times[p.run("c", 0)]["error"]
     assert (p.run("", 0) / "eval-untrained.json").is_file()
+
+
+def test_the_other_drafters_start_once_the_first_has_compiled_its_first_step(tmp_path, monkeypatch):
+    """The first job compiles alone (the others would compile the same graphs at once, each with a share of the CPUs);
+    its first step is read from its status file, never from one a killed earlier run left there."""
+    import time
+
+    _fake_stages(monkeypatch, {})
+    started, stepped = {}, {}
+    fake = stage.train_export
+
+    def train_export(cfg, run, cache, seed, settings, env, log_dir):
+        started[run.parent.name] = time.time()
+        if run.parent.name == "base":
+            time.sleep(1.5)  # compiling
+            stepped["base"] = time.time()
+            (run / "status-rank0.json").write_text(json.dumps({"done": 1, "updated_at": time.time()}))
+            time.sleep(1.0)
+        return fake(cfg, run, cache, seed, settings, env, log_dir)
+
+    monkeypatch.setattr(stage, "train_export", train_export)
+    cfg, p = stage.TestbedConfig(dir=str(tmp_path)), stage.Paths(str(tmp_path))
+    jobs = _jobs(p, ["base", "a", "b"])
+    jobs[0].run.mkdir(parents=True)  # a run killed after its training: same settings (kept), its status says 600
+    (jobs[0].run / stage.JOB_FILE).write_text(json.dumps(stage.job_identity(cfg, p, jobs[0])))
+    (jobs[0].run / "status-rank0.json").write_text(json.dumps({"done": 600, "updated_at": time.time() - 60}))
+    times = stage.run_drafters(cfg, p, "cpu", jobs, 3, jobs[0].run)
+    assert min(started["a"], started["b"]) >= stepped["base"]
+    assert started["a"] < stepped["base"] + 0.9  # … and not only once it finished
+    assert times[jobs[1].run]["wait_warm"] > 1.0
 
 
 def test_a_failing_base_drafter_stops_the_jobs_not_yet_started(tmp_path, monkeypatch):
