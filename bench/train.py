@@ -7,6 +7,8 @@ S = 2048, 512 anchors, block 16 (random weights and random cached states).
     python -m bench.train --quant=fp4         (GPU: ours on a bf16 cache, then on the same states stored as fp4 and
                                                decoded by the trainer's reader: the encoded / bf16-cache rates)
     python -m bench.train --project_dims=2560 --quant=fp8   (GPU: the same with projected taps, k a tap; no baseline)
+    python -m bench.train --precision=fp8 --alone --skip_baseline   (ours in fp8 only: one run a process, as
+                                               `bench.train_compare` runs each variant)
 
 Ours: `stages.train.run` as a user runs it (compiled flex attention, chunked one-pass lm_head + CE, streaming
 loader) on a synthetic hidden cache and a synthetic target holding only embed + lm_head. Baseline, same process:
@@ -17,6 +19,7 @@ ours/baseline; `--precision=fp8` adds ours with float8 linears (`precision=fp8`)
 encoding other than bf16 (`--quant`, `--project_dims`) runs ours on a bf16 cache first, then on the encoded one, and
 gives the encoded / bf16-cache ratios (what decoding on the reader's side stream costs the step). Compared runs go
 A, B, A: the bf16 run again last, the ratios against the mean of its two runs, and their own ratio as the drift.
+All in one process: `bench.train_compare` runs each precision variant in a process of its own (`--alone`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import contextlib
 import functools
 import gc
 import json
+import os
 import shutil
 import time
 import types
@@ -148,7 +152,7 @@ def run_ours(args, cache: Path, drafter: dict, precision: str = "auto", name: st
             "master_weights": derived["master_weights"], "optimizer_overlap": derived["optimizer_overlap"],
             "attn": derived["attn"], "loss_logits": derived["loss_logits"], "tf32": derived["tf32"],
             "precision": derived["precision"], "fp8_recipe": derived["fp8_recipe"],
-            "loss_chunk_tokens": cfg.loss_chunk_tokens, "loss": [r["loss"] for r in recs],
+            "loss_chunk_tokens": cfg.loss_chunk_tokens, "loss": [r["loss"] for r in recs], "pid": os.getpid(),
             "read_check": args.read_check, "read_check_ms_per_step": 1000 * hashed["s"] / args.steps,
             "read_check_gb_per_step": hashed["bytes"] / 1e9 / args.steps,
             "profile": (run / "profile.txt").read_text() if (run / "profile.txt").exists() else None}
@@ -253,9 +257,11 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--log_every", type=int, default=10, help="the trainer's default: a window per 10 steps")
-    p.add_argument("--anchors", type=int, default=512)
+    p.add_argument("--anchors", type=int, default=None, help="default 512; --tiny: 8, 16 with --precision=fp8")
     p.add_argument("--seq_len", type=int, default=2048)
     p.add_argument("--skip_baseline", action="store_true")
+    p.add_argument("--alone", action="store_true",
+                   help="ours at --precision on the --quant cache only: no bf16 or bf16-cache run to compare with")
     p.add_argument("--rows", default="bench", choices=["bench", "chat"],
                    help="bench: the synthetic two-document rows of every earlier figure; chat: packed single-turn "
                         "chat documents (log-normal lengths, answers supervised)")
@@ -288,10 +294,11 @@ def main() -> None:
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     text, drafter = (TEXT_TINY, DRAFTER_TINY) if args.tiny else (TEXT_27B, DRAFTER_27B)
     if args.tiny:  # (fp8: 16 anchors, so that the token counts are multiples of 16, as float8 GEMMs need)
-        args.seq_len, args.anchors = 128, 16 if args.precision == "fp8" else 8
+        args.seq_len, args.anchors = 128, args.anchors or (16 if args.precision == "fp8" else 8)
+    args.anchors = args.anchors or 512
     target = synthetic_target(args.workdir / "target", text, device)
     cache = synthetic_cache(args.workdir, text, target, 8, args.seq_len, args.rows, args.quant, args.project_dims)
-    encoded = args.quant != "bf16" or args.project_dims > 0
+    encoded = (args.quant != "bf16" or args.project_dims > 0) and not args.alone  # (alone: "ours" runs on `cache`)
     bf16_cache = synthetic_cache(args.workdir / "bf16", text, target, 8, args.seq_len, args.rows) if encoded else cache
     res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
            "shape": {"hidden": text["hidden_size"], "seq_len": args.seq_len, "anchors": args.anchors, "block": 16,
@@ -305,9 +312,9 @@ def main() -> None:
             args.out.write_text(json.dumps(res, indent=1))
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    precision = "bf16" if args.precision == "fp8" else args.precision
+    precision = "bf16" if args.precision == "fp8" and not args.alone else args.precision
     runs = [("ours", precision, "run", bf16_cache)]
-    if args.precision == "fp8":
+    if args.precision == "fp8" and not args.alone:
         runs.append(("ours_fp8", "fp8", "run-fp8", bf16_cache))
     if encoded:
         runs.append(("ours_encoded", precision, "run-encoded", cache))
@@ -381,7 +388,7 @@ def print_table(res: dict, args) -> None:
             [ratio(res["ours_again"], res["ours"]) if k == "ours_again" else "" for k in keys])
     row("recompiles after warm-up", [str(x["recompiles"]) for x in ours])
     row("host: data wait, GC (fraction of wall time)", [f"{x['data_wait_frac']:.3f}, {x['gc_frac']:.3f}" for x in ours])
-    row("hidden cache encoding (decoded by the reader)", [cache if k == "ours_encoded" else "bf16" for k in keys])
+    row("hidden cache encoding (decoded by the reader)", [cache if k == "ours_encoded" or args.alone else "bf16" for k in keys])
     row("read check: reader-thread ms/step hashing (GB/step)",
         [f"{x['read_check']}: {x['read_check_ms_per_step']:.2f} ({x['read_check_gb_per_step']:.3f})" for x in ours])
     bg = b.get("gpu") or {}

@@ -1,0 +1,75 @@
+"""`bench.train_compare` on the CPU (float8 emulated): each variant in a process of its own, bf16 first and last,
+every ratio against the mean of the two bf16 runs, and a drift above 3 % called untrustworthy."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.train_compare import drift, ratios, run_order, summary
+
+REPO = Path(__file__).resolve().parents[1]
+FIELDS = {"variant", "precision", "loss_logits", "fp8_recipe", "tok_per_s", "ms_per_step", "sm_mhz", "power_w",
+          "peak_gb", "recompiles", "pid"}
+
+
+def test_compare_runs_each_variant_in_its_own_process_between_two_bf16_runs(tmp_path):
+    out = tmp_path / "precision.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+               DFLASH_NO_BAR="1")
+    p = subprocess.run([sys.executable, "-m", "bench.train_compare", "--variants=fp8,bf16", "--tiny", "--steps=2",
+                        "--log_every=1", f"--workdir={tmp_path / 'w'}", f"--out={out}"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    runs = res["runs"]
+    assert [r["variant"] for r in runs] == res["order"] == ["bf16", "fp8", "bf16"]
+    assert [(r["precision"], r["loss_logits"], r["fp8_recipe"]) for r in runs] == [
+        ("bf16", "fp32", None), ("fp8", "fp32", "tensorwise"), ("bf16", "fp32", None)]
+    assert len({r["pid"] for r in runs}) == 3  # three processes
+    assert all(FIELDS <= set(r) and r["tok_per_s"] > 0 and r["recompiles"] == 0 for r in runs)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    assert res["commit"] == head.stdout.strip() and res["device"] == "cpu" and res["torch"] == torch.__version__
+    assert res["shape"]["anchors"] == 16 and res["failed"] == []
+    a, f, b = (r["tok_per_s"] for r in runs)
+    assert res["ratios"] == {"fp8": {"tok_per_s": pytest.approx(f / ((a + b) / 2), rel=1e-12), "per_clock": None,
+                                     "peak_gb": None}}  # (the CPU: no clock, no peak)
+    assert res["drift"] == pytest.approx(abs(a - b) / ((a + b) / 2), rel=1e-12)
+    assert res["drift_ok"] == (res["drift"] <= 0.03)
+    assert "| fp8 | " in p.stdout and "bf16 drift over the call" in p.stdout
+    assert ("NOT TRUSTWORTHY" in p.stdout) == (not res["drift_ok"])
+
+
+def test_drift_over_three_percent_is_not_trustworthy():
+    assert drift(100.0, 102.9) == (pytest.approx(2.9 / 101.45), True)
+    assert drift(102.9, 100.0)[1] and drift(100.0, 100.0) == (0.0, True)
+    assert drift(100.0, 103.1) == (pytest.approx(3.1 / 101.55), False)
+    assert not drift(103.1, 100.0)[1] and not drift(10_053.0, 8_239.0)[1]  # (bench.train's A, B, A in one process)
+
+
+def test_ratios_are_against_the_mean_of_the_two_bf16_runs_also_per_clock():
+    def run(variant, tok, mhz, peak):
+        return {"variant": variant, "tok_per_s": tok, "sm_mhz": mhz, "peak_gb": peak}
+
+    runs = [run("bf16", 10_000.0, 1600.0, 40.0), run("fp8", 13_000.0, 1500.0, 38.0),
+            run("fp8+fp8head", 14_000.0, None, 36.0), run("bf16", 9_000.0, 1400.0, 42.0)]
+    got = ratios(runs)
+    assert got["fp8"]["tok_per_s"] == pytest.approx(13_000 / 9_500)
+    assert got["fp8"]["per_clock"] == pytest.approx((13_000 / 1500) / ((10_000 / 1600 + 9_000 / 1400) / 2))
+    assert got["fp8"]["peak_gb"] == pytest.approx(38 / 41)
+    assert got["fp8+fp8head"]["per_clock"] is None  # (a run without GPU samples)
+    assert summary(runs)["drift"] == pytest.approx(1_000 / 9_500) and summary(runs)["drift_ok"] is False
+    assert summary(runs[:3]) == {"ratios": None, "drift": None, "drift_ok": None}  # the last bf16 run failed
+
+
+def test_run_order_puts_bf16_first_and_last():
+    assert run_order(["bf16", "fp8", "fp8+fp8head"]) == ["bf16", "fp8", "fp8+fp8head", "bf16"]
+    assert run_order(["fp8-rowwise", "fp8", "fp8"]) == ["bf16", "fp8-rowwise", "fp8", "bf16"]
+    with pytest.raises(ValueError, match="unknown fp4; known: bf16, fp8"):
+        run_order(["fp4"])
+    with pytest.raises(ValueError, match="besides bf16"):
+        run_order(["bf16"])
