@@ -36,7 +36,7 @@ LAUNCH_ARGS ?=
 LAUNCH = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/accelerate launch --multi_gpu --num_processes $(NPROC) $(LAUNCH_ARGS) -m,$(PYTHON) -m)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup fixtures test test-gpu test-gpu-extract test-gpu-train faults lint style demo tiny tokenize extract verify train regen report export eval status bench-extract bench-extract-layers bench-train bench-train-attention bench-train-loss bench-projection testbed testbed-ab testbed-sweep clean help
+.PHONY: setup fixtures test test-gpu test-gpu-extract test-gpu-train faults lint style demo tiny tokenize extract verify train regen report export eval status bench-extract bench-extract-layers bench-train bench-train-compare bench-train-attention bench-train-loss bench-projection testbed testbed-ab testbed-sweep clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -115,6 +115,9 @@ bench-extract-layers:  ## where extraction time goes: one layer of each type per
 
 bench-train:  ## drafter training throughput at 27B drafter shapes vs an eager chunked baseline; ARGS=--precision=fp8 adds an fp8 run and the fp8/bf16 ratio, ARGS=--quant=fp4 (or --project_dims=k) a run on that cache and its ratio to the bf16 cache (GPU)
 	$(PYTHON) -m bench.train $(ARGS)
+
+bench-train-compare:  ## precision variants of the training step, each in its own process, bf16 first and last: ratios to the bf16 mean, drift (ARGS=--variants=bf16,fp8,fp8+fp8head,fp8-rowwise --out=...; GPU, --tiny on CPU)
+	$(PYTHON) -m bench.train_compare $(ARGS)
 
 bench-train-attention:  ## the drafter's attention alone, fwd+bwd: split/joint, GQA/K-V per head, kernel options (GPU)
 	$(PYTHON) -m bench.train_attention $(ARGS)
