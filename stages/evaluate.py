@@ -81,6 +81,7 @@ class EvalConfig:
     out: str = ""  # JSON report path; empty = RUN/eval.json (RUN/eval-untrained.json)
     tie_tol: float = 0.25  # bfloat16: a difference where the target's top-2 logit margin is <= this is a rounding tie
     baseline: str = ""  # JSON file of the target-alone decodes: reused when made for the same target/prompts/dtype/device, else (re)written
+    spec_prompts: int = 0  # prompts also decoded with the drafter (0 = all); the rest by the target alone, for --baseline
 
     def resolve(self) -> EvalConfig:
         check_choice("eval.turn", self.turn, ("first", "last"))
@@ -89,6 +90,8 @@ class EvalConfig:
         for name in ("num_prompts", "max_new_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"eval.{name} must be > 0, got {getattr(self, name)}")
+        if self.spec_prompts < 0:
+            raise ConfigError(f"eval.spec_prompts must be >= 0, got {self.spec_prompts}")
         if self.tf_batches < 0 or self.tf_rows < 1:
             raise ConfigError(f"eval.tf_batches must be >= 0 and eval.tf_rows >= 1, got {self.tf_batches}, "
                               f"{self.tf_rows}")
@@ -178,9 +181,13 @@ def decode(cfg: EvalConfig, target, drafter, prompts: list[dict], eos: list[int]
     greedy_generate(target, prompts[0]["ids"], 2, eos)
     speculative_generate(target, drafter, prompts[0]["ids"], 2, eos)
     spec, alone, refs, per_prompt, mismatches, ties, margins = [], [], [], [], [], [], []
+    n_spec = min(cfg.spec_prompts or len(prompts), len(prompts))
     for i, p in enumerate(prompts):
         ref, rs = reuse[i] if reuse else greedy_generate(target, p["ids"], cfg.max_new_tokens, eos)
         refs.append(ref)
+        alone.append(rs)
+        if i >= n_spec:  # (decoded for the baseline file only)
+            continue
         out, ss = speculative_generate(target, drafter, p["ids"], cfg.max_new_tokens, eos)
         equal = out == ref
         div = None if equal else divergence(target, p["ids"], out, ref)
@@ -189,7 +196,6 @@ def decode(cfg: EvalConfig, target, drafter, prompts: list[dict], eos: list[int]
             (ties if div["tie"] else mismatches).append(i)
             margins.append(math.inf if div["margin"] is None else div["margin"])
         spec.append(ss)
-        alone.append(rs)
         per_prompt.append({"prompt_tokens": len(p["ids"]), "category": p["category"], "new_tokens": len(out),
                            "tau_mean": ss.tau_mean if ss.steps else None,  # (strict JSON has no NaN)
                            "steps": ss.steps, "emitted": sum(ss.emitted),
@@ -253,13 +259,16 @@ def evaluate(cfg: EvalConfig) -> dict:
     spec, alone, refs, per_prompt, check = decode(cfg, target, drafter, prompts, eos, exact, reuse)
     if cfg.baseline and reuse is None:
         write_baseline(Path(cfg.baseline), key, refs, alone)
+    baseline_prompts = len(prompts)
+    alone, prompts = alone[: len(spec)], prompts[: len(spec)]  # what both decoded
     return {
         "run": str(run_dir), "artifact": artifact, "checkpoint": artifact.get("checkpoint"),
         "step": 0 if cfg.untrained else artifact["step"], "untrained": cfg.untrained,
         "target": str(target_dir), "arch": info.arch, "prompts": str(prompts_file), "num_prompts": len(prompts),
         "prompt_ids_sha256": prompt_ids_digest(prompts),
         "max_new_tokens": cfg.max_new_tokens, "block_size": dc.block_size, "device": str(device),
-        "baseline": {"file": cfg.baseline, "reused": reuse is not None} if cfg.baseline else None,
+        "baseline": {"file": cfg.baseline, "reused": reuse is not None, "prompts": baseline_prompts}
+        if cfg.baseline else None,
         "dtype": dtype_name, "mode": "exact" if exact else "ties allowed", **decode_summary(spec, alone, prompts),
         **check, "teacher_forced": tf, "per_prompt": per_prompt, "config": as_dict(cfg), "time": time.time(),
     }

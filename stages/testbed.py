@@ -87,7 +87,7 @@ PRESETS = {  # sizes: full (make testbed), short (the GPU test, ≤ 2 min), micr
     "short": {"source_mb": 16, "tokenizer_mb": 4, "target_s": 25, "regen_docs": 512, "train_steps": 80, "eval_prompts": 16, "eval_tokens": 48},
     "micro": {"packages": [], "source_mb": 2, "tokenizer_mb": 1, "vocab": 1024, "dims": "tiny", "target_rows": 128,
               "target_batch": 4, "target_s": 5, "target_steps": 8, "regen_docs": 12, "regen_tokens": 24,
-              "regen_batch": 12, "train_steps": 6, "eval_prompts": 3, "eval_tokens": 12,
+              "regen_batch": 12, "train_steps": 6, "eval_prompts": 3, "untrained_prompts": 2, "eval_tokens": 12,
               "recipe_seq_len": 256,
               "train_args": "num_layers=2 num_heads=4 num_kv_heads=2 head_dim=16 num_anchors=16 batch_rows=2 "
                             "log_every=2"},
@@ -122,6 +122,7 @@ class TestbedConfig:
     train_steps: int = 0  # drafter steps; 0 = the recipe's
     eval_prompts: int = 64  # held-out prompts evaluated
     eval_tokens: int = 64  # new tokens per prompt
+    untrained_prompts: int = 16  # prompts the untrained drafter decodes (τ ≈ 1: every token a verify step); all of them make the baseline
     recipe_seq_len: int = 0  # token row length for the drafter's cache; 0 = the recipe's
     device: str = "auto"  # auto | cuda | cpu
     seed: int = 0  # target build and the first drafter seed
@@ -298,7 +299,7 @@ def evaluate(cfg: TestbedConfig, p: Paths, run: Path, dev: str, untrained: bool,
     args = [f"--run={run}", f"--prompts={p.eval_prompts}", f"--num_prompts={cfg.eval_prompts}", "--dtype=float32",
             f"--device={dev}", "--tf_batches=2", f"--max_new_tokens={cfg.eval_tokens}",
             f"--baseline={p.baseline(cfg.eval_tokens)}"]
-    args += ["--untrained=1"] if untrained else [f"--export={run / 'export'}"]
+    args += ["--untrained=1", f"--spec_prompts={cfg.untrained_prompts}"] if untrained else [f"--export={run / 'export'}"]
     out = run / ("eval-untrained.json" if untrained else "eval.json")
     out.unlink(missing_ok=True)  # exit status 1 is "not lossless" and also an uncaught error: the JSON tells them apart
     secs = stage("stages.evaluate", *args, log_file=log_file, env=env, ok=(0, 1))

@@ -329,10 +329,20 @@ def test_evaluate_measures_the_export(tmp_path, hidden_cache):
     with pytest.raises(ValueError, match="holds step 2"):
         evaluate.main(args + [f"--export={run / 'eval-export'}", "--step=1"])
 
-    assert evaluate.main(args + ["--untrained=1", "--tf_batches=0"]) == 0
+    # the untrained drafter on one prompt only (--spec_prompts=1): the baseline file still holds all three target-alone
+    # decodes, and a trained evaluation reuses them
+    base = tmp_path / "baseline.json"
+    assert evaluate.main(args + ["--untrained=1", "--tf_batches=0", "--spec_prompts=1", f"--baseline={base}"]) == 0
     u = json.loads((run / "eval-untrained.json").read_text())
     assert u["untrained"] and u["lossless"] and u["exact"] and u["teacher_forced"]["batches"] == 0
     assert u["artifact"]["path"] is None and u["step"] == 0
+    assert u["num_prompts"] == len(u["per_prompt"]) == 1 and u["baseline"] == {"file": str(base), "reused": False,
+                                                                             "prompts": 3}
+    assert len(json.loads(base.read_text())["decodes"]) == 3
+    assert evaluate.main(args + [f"--export={run / 'eval-export'}", "--tf_batches=0", f"--out={out}",
+                                 f"--baseline={base}"]) == 0
+    again = json.loads(out.read_text())
+    assert again["baseline"]["reused"] and again["num_prompts"] == 3 and again["tau_hist"] == r["tau_hist"]
 
 
 def test_evaluate_fails_on_a_difference_in_float32_and_counts_ties_in_bfloat16(tmp_path, hidden_cache, monkeypatch):

@@ -253,7 +253,9 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     files = json.loads((root / "target" / "files.json").read_text())
     assert held and not held & {n for n, _ in files["files"][: files["train_files"]]}
     run = root / "runs" / "base" / "seed0"  # the untrained evaluation (beside training) made the target-alone decodes
-    assert json.loads((run / "eval-untrained.json").read_text())["baseline"]["reused"] is False
+    untrained = json.loads((run / "eval-untrained.json").read_text())  # (2 prompts with the drafter, 3 alone)
+    assert untrained["baseline"] == {"file": str(root / "baseline-12.json"), "reused": False, "prompts": 3}
+    assert untrained["num_prompts"] == 2 and json.loads((run / "eval.json").read_text())["num_prompts"] == 3
     assert json.loads((run / "eval.json").read_text())["baseline"]["reused"] is True
 
     # a rerun does nothing; from_phase=train redoes the drafter only (target and cache untouched)
