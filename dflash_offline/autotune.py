@@ -55,8 +55,8 @@ def choices() -> dict:
     from triton.runtime.autotuner import Autotuner
 
     out: dict[str, list] = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, Autotuner) and getattr(obj, "cache", None):
+    for obj in gc.get_objects():  # (type(), not isinstance: a dead weak proxy raises on __class__)
+        if issubclass(type(obj), Autotuner) and getattr(obj, "cache", None):
             rows = out.setdefault(tuner_name(obj), [])
             rows += [[list(k), config_record(c)] for k, c in obj.cache.items() if [list(k), config_record(c)] not in rows]
     return out
