@@ -388,7 +388,8 @@ def print_table(res: dict, args) -> None:
             [ratio(res["ours_again"], res["ours"]) if k == "ours_again" else "" for k in keys])
     row("recompiles after warm-up", [str(x["recompiles"]) for x in ours])
     row("host: data wait, GC (fraction of wall time)", [f"{x['data_wait_frac']:.3f}, {x['gc_frac']:.3f}" for x in ours])
-    row("hidden cache encoding (decoded by the reader)", [cache if k == "ours_encoded" or args.alone else "bf16" for k in keys])
+    row("hidden cache encoding (decoded by the reader)",
+        [cache if k == "ours_encoded" or args.alone else "bf16" for k in keys])
     row("read check: reader-thread ms/step hashing (GB/step)",
         [f"{x['read_check']}: {x['read_check_ms_per_step']:.2f} ({x['read_check_gb_per_step']:.3f})" for x in ours])
     bg = b.get("gpu") or {}

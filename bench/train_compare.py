@@ -107,8 +107,9 @@ def fmt(x: float | None, spec: str) -> str:
 
 
 def print_table(res: dict) -> None:
-    print(f"\nbench.train_compare, commit {res['commit']}, {res.get('device')}, torch {res.get('torch')}: one process a "
-          f"run, in this order\n\n| variant | tok/s | ms/step | SM MHz | board W | peak GB | recompiles | pid |\n"
+    print(f"\nbench.train_compare, commit {res['commit']}, {res.get('device')}, torch {res.get('torch')}: "
+          f"one process a run, in this order\n\n"
+          f"| variant | tok/s | ms/step | SM MHz | board W | peak GB | recompiles | pid |\n"
           f"|---|---|---|---|---|---|---|---|")
     for r in res["runs"]:
         print(f"| {r['variant']} | {r['tok_per_s']:,.0f} | {r['ms_per_step']:.1f} | {fmt(r['sm_mhz'], '.0f')} | "
