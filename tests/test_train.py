@@ -218,9 +218,11 @@ def test_a_resume_on_another_split_of_the_global_batch_continues_the_run(tmp_pat
     at the same place in the data (exactly), and to the rounding of float32 sums in another order (a 2-row GEMM vs
     two 1-row GEMMs and an all-reduce) in its losses, gradient norms and update (`assert_same_training`; with n =
     2 rows × (128 + 8 × 16) = 512 terms: λ·n·u = 1.5e-4 and 2·√(4·n·u·4) = 0.044; measured on an AMD EPYC (Zen 5),
-    torch 2.13: 1.3e-7, 8e-8 and 2.4e-7). A dropped or doubled micro-batch, anchors drawn for the wrong row and a
-    resume that loses its data position, each planted in stages/train.py, fail it: update distance 0.76, 0.53,
-    0.52, 0.21; the first step's gradient norm 29 %, 27 %, 8 %, and 8 % at step 3."""
+    torch 2.13: 1.3e-7, 8e-8 and 2.4e-7; with oneDNN off or other ATen/MKL kernels ≤ 1.3e-7, 1.3e-7 and 1.9e-6).
+    A dropped or doubled micro-batch, anchors drawn for the wrong row and a resume that loses its data position,
+    each planted in stages/train.py, fail it: update distance 0.76, 0.53, 0.52, 0.21; the first step's gradient
+    norm 29 %, 27 %, 8 %, and 8 % at step 3; a whole step's gradient doubled (invisible in the weights: Adam, the
+    clipping) doubles the gradient norm."""
     one = tmp_path / "one"
     train.run(TrainConfig(cache=str(hidden_cache), run=str(one), **{**TINY, "steps": 4, "ckpt_every": 2}).resolve())
     split = tmp_path / "split"
@@ -459,7 +461,8 @@ def test_cache_mismatches_are_refused_by_name(tmp_path, hidden_cache, qwen3_dir,
 def test_golden_losses(tmp_path, hidden_cache):
     """A short deterministic CPU run must reproduce the committed losses (DFLASH_UPDATE_GOLDEN=1 rewrites them), to
     the rounding of another CPU's kernels, which sum in another order: λ·n·u = 1.5e-4 for n = 512 terms
-    (tests/equivalence.py; from step 2 the weights differ by that rounding too, which moves a loss by ~1e-7 here)."""
+    (tests/equivalence.py). Measured: 0 on the AMD EPYC (Zen 5) that wrote them, 9e-6 to 1.1e-5 there with oneDNN
+    off (pytest --no-mkldnn) or ATen's and MKL's other kernels (ATEN_CPU_CAPABILITY, MKL_CBWR)."""
     train.run(cfg(hidden_cache, tmp_path / "g", steps=5, ckpt_every=5))
     got = losses(tmp_path / "g")
     if os.environ.get("DFLASH_UPDATE_GOLDEN") == "1":
@@ -494,8 +497,9 @@ def test_fsdp_two_processes_equal_one_and_resume_exactly(tmp_path, hidden_cache)
     """FSDP-sharded (2 gloo processes, accumulation 2) = one unsharded process with accumulation 4, to the rounding
     of the step's sums in another order (rank r sums micro-batches r and r + 2, then the reduce-scatter adds the two
     ranks'): `assert_same_training` with n = 8 rows × 256 = 2048 terms (λ·n·u = 6.1e-4, 2·√(4·n·u·4) = 0.088;
-    measured on an AMD EPYC (Zen 5), torch 2.13: 1.3e-7, 8e-8, 3.3e-7); a sharded run resumed from its step-2 checkpoint ends
-    where the uninterrupted one did, bit for bit; its checkpoint loads unsharded."""
+    measured on an AMD EPYC (Zen 5), torch 2.13: 1.3e-7, 8e-8, 3.3e-7, ≤ 1.5e-7, 1.5e-7, 4.2e-7 with oneDNN off or
+    other ATen/MKL kernels); a sharded run resumed from its step-2 checkpoint ends where the uninterrupted one did,
+    bit for bit; its checkpoint loads unsharded."""
     tokens_per_step = 4 * 2 * 128
     one = tmp_path / "one"
     train.run(TrainConfig(cache=str(hidden_cache), run=str(one), **{**TINY, "steps": 4, "ckpt_every": 2,
