@@ -72,7 +72,12 @@ def make_config(family: str, tok, depth: int):
 def build(out: str | Path, family: str = "qwen3.6", depth: int = 8, seed: int = 0) -> Path:
     """The stand-in of `family` in `out` (a plain directory), from the fixture tokenizer (`make fixtures` first)."""
     import torch
-    from transformers import AutoTokenizer, GenerationConfig, Qwen3_5ForConditionalGeneration, Qwen3ForCausalLM
+    from transformers import (
+        AutoTokenizer,
+        GenerationConfig,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3ForCausalLM,
+    )
 
     if family not in REPOS:
         raise ValueError(f"family {family!r}: expected one of {', '.join(REPOS)}")
