@@ -84,7 +84,13 @@ def merge(files: list[Path]) -> dict:
         out.update(head)
         for name, rows in t["kernels"].items():
             have = out.setdefault("kernels", {}).setdefault(name, [])
-            have += [r for r in rows if r not in have]
+            for key, cfg in rows:
+                other = next((c for k, c in have if k == key), None)
+                if other is None:
+                    have.append([key, cfg])
+                elif other != cfg:
+                    raise ValueError(f"{f}: {name} chose {cfg} for {key}, another record {other}: autotuning is "
+                                     f"not settled there; keep one record of that kernel")
     return out
 
 
@@ -116,6 +122,15 @@ def pin(table_file: str) -> int:
 
     Autotuner.run = run
     return sum(len(rows) for rows in pinned.values())
+
+
+def pinned_table() -> str | None:
+    """SHA-256 of the table `DFLASH_AUTOTUNE_PIN` names (None when none): a kernel config can change float rounding,
+    so what keys results on the numerics (the evaluation's reused baseline) names it."""
+    import hashlib
+
+    path = os.environ.get("DFLASH_AUTOTUNE_PIN")
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path else None
 
 
 def from_env() -> None:

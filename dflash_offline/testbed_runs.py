@@ -287,32 +287,88 @@ def pooled_tau(seeds: list[list[tuple]]) -> float:
     return tokens / steps if steps else float("nan")
 
 
-def delta_ci(a: list[list[tuple]], b: list[list[tuple]], draws: int = 2000, seed: int = 0):
-    """95 % interval of τ(a) − τ(b) by a bootstrap over seeds and prompts: `a`, `b` are per seed the `prompt_counts`
-    of the same prompts. Each draw resamples the prompts (the same draw for both arms: paired, since prompts differ
-    far more than arms do) and, within each arm, its seeds (with replacement), and pools the drawn seeds' tokens and
-    steps on the drawn prompts. The interval so holds the training noise (seed to seed) as well as the sampling of
-    prompts; with one seed per arm only the prompts vary. Few seeds understate the seed term: the null arm
-    (`checks`) tells whether the interval is wide enough."""
+T975 = ((1, 12.706), (2, 4.303), (3, 3.182), (4, 2.776), (5, 2.571), (6, 2.447), (7, 2.365), (8, 2.306), (10, 2.228),
+        (12, 2.179), (15, 2.131), (20, 2.086), (30, 2.042), (60, 2.000), (120, 1.980), (10**9, 1.960))
+
+
+def t975(df: float) -> float:
+    """Student's t 97.5 % quantile at `df` degrees of freedom (table, linear in 1/df between its rows)."""
+    df = max(df, 1.0)
+    for (d0, t0), (d1, t1) in zip(T975, T975[1:], strict=False):
+        if df <= d1:
+            w = (1 / d0 - 1 / df) / (1 / d0 - 1 / d1)
+            return t0 + w * (t1 - t0)
+    return 1.960
+
+
+def seed_taus(arm: list[list[tuple]]) -> list[float]:
+    """Each seed's τ over the prompts (its tokens over its verify steps)."""
+    return [sum(c[0] for c in counts) / max(sum(c[1] for c in counts), 1) for counts in arm]
+
+
+def sample_var(xs: list[float]) -> float:
+    m = sum(xs) / len(xs)
+    return sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
+
+
+def pooled_seed_var(arms: list[list[list[tuple]]]) -> tuple[float, int] | None:
+    """One estimate of the variance of a seed's τ from every arm with two seeds or more (each arm's squared deviations
+    from its own mean, over Σ (seeds − 1)): training noise, assumed alike across arms (the null arm checks the
+    yardstick that rests on it). None when no arm has two seeds."""
+    ss = df = 0
+    for arm in arms:
+        if len(arm) > 1:
+            taus = seed_taus(arm)
+            ss += sample_var(taus) * (len(taus) - 1)
+            df += len(taus) - 1
+    return (ss / df, df) if df else None
+
+
+def delta_ci(a: list[list[tuple]], b: list[list[tuple]], draws: int = 2000, seed: int = 0,
+             seed_var: tuple[float, int] | None = None):
+    """95 % interval of τ(a) − τ(b), the arms' seeds pooled; `a`, `b` are per seed the `prompt_counts` of the same
+    prompts. Two sources of noise, added as variances:
+    - prompts: a paired bootstrap (each draw resamples the prompts, the same draw for both arms, every seed's tokens
+      and steps pooled on them; prompts differ far more than arms do, so pairing is what makes a difference visible);
+    - seeds (training noise): the variance of one seed's τ over the number of seeds, for each arm — `seed_var`
+      (variance, degrees of freedom) when given (`pooled_seed_var`: every arm's seeds, one estimate), else each
+      arm's own sample variance of its seeds' τ (n − 1).
+    The interval is Δ ± t · √(sum), t at the Welch–Satterthwaite degrees of freedom. With two seeds an arm's own
+    estimate has one degree of freedom (t = 12.7): the pooled one is what makes two seeds usable. (Resampling the
+    seeds instead, as a bootstrap would, cannot be wider than two seeds' range: in simulation 23 % of null
+    differences came out significant that way.) With one seed per arm and no `seed_var` the seed term is unknown and
+    left out: only the prompts vary."""
     import random
 
     n = len(a[0])
     if any(len(x) != n for x in (*a, *b)):
         raise ValueError("delta_ci: every seed of both arms must hold the same prompts")
-    tok = [[[c[k] for c in counts] for counts in arm] for arm in (a, b) for k in (0, 1)]  # [a tok, a st, b tok, b st]
-    rng, deltas = random.Random(seed), []
+    pool = [[sum(x[i][k] for x in arm) for i in range(n)] for arm in (a, b) for k in (0, 1)]
+    ta, sa, tb, sb = (sum(v) for v in pool)
+    if not (sa and sb):
+        return None
+    delta = ta / sa - tb / sb
+    rng, boot = random.Random(seed), []
     for _ in range(draws):
-        w = [0] * n
-        for _ in range(n):
-            w[rng.randrange(n)] += 1
-        sa = [rng.randrange(len(a)) for _ in a]
-        sb = [rng.randrange(len(b)) for _ in b]
-        ta, st_a, tb, st_b = (sum(sum(wi * v for wi, v in zip(w, tok[k][s], strict=True)) for s in drawn)
-                              for k, drawn in ((0, sa), (1, sa), (2, sb), (3, sb)))
-        if st_a and st_b:
-            deltas.append(ta / st_a - tb / st_b)
-    deltas.sort()
-    return (deltas[int(0.025 * len(deltas))], deltas[int(0.975 * len(deltas)) - 1]) if deltas else None
+        idx = [rng.randrange(n) for _ in range(n)]
+        xa, ya, xb, yb = (sum(v[i] for i in idx) for v in pool)
+        if ya and yb:
+            boot.append(xa / ya - xb / yb)
+    mean = sum(boot) / len(boot)
+    var_p = sum((d - mean) ** 2 for d in boot) / max(len(boot) - 1, 1)
+    terms = [(var_p, n - 1)]
+    if seed_var is not None:
+        terms.append((seed_var[0] * (1 / len(a) + 1 / len(b)), seed_var[1]))
+    else:
+        for arm in (a, b):
+            if len(arm) > 1:
+                terms.append((sample_var(seed_taus(arm)) / len(arm), len(arm) - 1))
+    var = sum(v for v, _ in terms)
+    if var <= 0:
+        return (delta, delta)
+    df = var ** 2 / sum(v ** 2 / d for v, d in terms if d > 0)
+    half = t975(df) * var ** 0.5
+    return (delta - half, delta + half)
 
 
 def failed_runs(root: Path, times: dict, evaluated: list[Path]) -> dict:
@@ -328,8 +384,8 @@ def failed_runs(root: Path, times: dict, evaluated: list[Path]) -> dict:
 def arm_rows(arms: list[str], results: dict) -> list[dict]:
     """Per arm: τ per seed, τ pooled over its seeds (every seed's prompts' tokens over their verify steps: the
     statistic the interval is about), the mean of the seeds' τ, spread (max − min), sample std, final losses, the
-    lossless check per seed, the difference of pooled τ to the first arm's and its 95 % interval (`delta_ci`: a
-    bootstrap over seeds and prompts). `results[arm] = [(eval_record, final loss) per seed]` (arms may have other
+    lossless check per seed, the difference of pooled τ to the first arm's and its 95 % interval (`delta_ci`:
+    prompts bootstrapped, seeds' variance pooled over all the arms). `results[arm] = [(eval_record, final loss) per seed]` (arms may have other
     seeds than the first: the null arm is the recipe under other seeds); evaluations of other prompts or token budgets
     than the others' are refused (their prompts cannot be paired)."""
     decoded = {(e["prompts"], e["tokens"], len(e["counts"])) for per_seed in results.values() for e, _ in per_seed}
@@ -345,11 +401,13 @@ def arm_rows(arms: list[str], results: dict) -> list[dict]:
         rows.append({"arm": arm or "(recipe)", "taus": taus, "tau_pooled": pooled_tau([e["counts"] for e in evals]),
                      "tau_mean_of_seeds": mean, "spread": max(taus) - min(taus), "std": sd, "loss": list(losses),
                      "lossless": [e["lossless"] for e in evals], "mismatches": [e["mismatches"] for e in evals]})
-    first = [e["counts"] for e, _ in results[arms[0]]]
+    counts = {arm: [e["counts"] for e, _ in results[arm]] for arm in arms}
+    seed_var = pooled_seed_var(list(counts.values()))
     for arm, r in zip(arms, rows, strict=True):
         r["delta_vs_first"] = r["tau_pooled"] - rows[0]["tau_pooled"]
         r["delta_pct"] = 100 * r["delta_vs_first"] / rows[0]["tau_pooled"]
-        r["delta_ci95"] = None if arm == arms[0] else delta_ci([e["counts"] for e, _ in results[arm]], first)
+        r["delta_ci95"] = None if arm == arms[0] else delta_ci(counts[arm], counts[arms[0]], seed_var=seed_var)
+        r["seed_sd_pooled"] = None if seed_var is None else seed_var[0] ** 0.5
     return rows
 
 
@@ -358,11 +416,12 @@ NULL_ARM = "(recipe, other seeds)"  # the null arm's label: the recipe again und
 
 def judge(rows: list[dict], null: str | None, bad: str | None) -> dict:
     """The yardstick's two checks and, when both pass, a verdict per arm (in place: `verdict`). The null arm (the
-    recipe under other seeds) must have an interval that contains 0, the known-bad arm one that lies below 0; if
-    either fails (or is missing) the yardstick is not discriminating and no arm is ranked (`unranked`). Otherwise an
-    arm is `worse` (interval below 0), `better` (above 0) or at `parity` (its interval contains 0), and
-    `within_null` says whether its Δ lies inside the null arm's interval (the seed-and-prompt noise of the recipe
-    itself)."""
+    first arm's settings under other seeds) must have an interval that contains 0, the known-bad arm (the first arm at
+    a quarter of its steps) one that lies below 0; if either fails (or is missing) the yardstick is not
+    discriminating and no arm is ranked (`unranked`). Otherwise an arm is `worse` (interval below 0), `better` (above
+    0), at `parity` (its interval contains 0 and its Δ lies within the null arm's interval: no larger than the first
+    arm shows against itself) or `inconclusive` (its interval contains 0 but its Δ is larger than that: too noisy to
+    call; more seeds)."""
     by = {r["arm"]: r for r in rows}
     checks, why = {}, []
     for name, label, ok in (("null", null, lambda lo, hi: lo <= 0 <= hi), ("bad", bad, lambda lo, hi: hi < 0)):
@@ -377,10 +436,15 @@ def judge(rows: list[dict], null: str | None, bad: str | None) -> dict:
     null_ci = checks["null"]["ci95"]
     for r in rows[1:]:
         if r["arm"] in (null, bad):
-            r["verdict"] = f"{'null' if r['arm'] == null else 'known-bad'} check: " + (
-                "passed" if checks['null' if r['arm'] == null else 'bad']["passed"] else "FAILED")
+            kind = "null" if r["arm"] == null else "bad"
+            r["verdict"] = f"{'null' if kind == 'null' else 'known-bad'} check: " + (
+                "passed" if checks[kind]["passed"] else "FAILED")
+            continue
+        if not ranked:
+            r["verdict"] = "unranked"
             continue
         lo, hi = r["delta_ci95"]
-        r["verdict"] = ("worse" if hi < 0 else "better" if lo > 0 else "parity") if ranked else "unranked"
-        r["within_null"] = bool(null_ci) and null_ci[0] <= r["delta_vs_first"] <= null_ci[1]
+        r["within_null"] = null_ci[0] <= r["delta_vs_first"] <= null_ci[1]
+        r["verdict"] = ("worse" if hi < 0 else "better" if lo > 0 else "parity" if r["within_null"] else
+                        "inconclusive")
     return {"discriminating": ranked, "checks": checks, "why_not": why}

@@ -378,6 +378,14 @@ class Drafters:
                 self.made[c].set()
 
     def job(self, j: Job) -> None:
+        """`run_job`; the leading job opens the gate for the others however it ends."""
+        try:
+            self.run_job(j)
+        finally:
+            if j.run == self.leader:
+                self.warm.set()
+
+    def run_job(self, j: Job) -> None:
         """One drafter: wait for its cache, train and export it, wait for the target-alone decodes, evaluate it —
         unless its run already holds an evaluated drafter made from the same settings, cache, prompts and code."""
         if j.cache in self.made:
@@ -387,12 +395,12 @@ class Drafters:
         fresh_run(self.cfg, self.p, j)
         if (j.run / "eval.json").is_file():
             self.times[j.run]["reused"] = 1.0
-            if j.run == self.leader:
-                self.warm.set()
             return
         if j.run != self.leader and not self.warm.is_set():
             t0 = time.perf_counter()
-            self.warm.wait(WARM_WAIT_S)
+            while not self.warm.wait(1) and not self.failed.is_set() and time.perf_counter() - t0 < WARM_WAIT_S:
+                pass
+            self.warm.set()  # (after a time-out, the others do not wait again)
             self.times[j.run]["wait_warm"] = time.perf_counter() - t0
         if self.failed.is_set():
             raise RuntimeError("not started: the base drafter or the untrained evaluation failed")
@@ -414,7 +422,7 @@ class Drafters:
             raise
         finally:
             if j.run == self.leader:
-                self.warm.set()
+                self.warm.set()  # (the first step never ran, or the training is over)
         t0 = time.perf_counter()
         self.ready.wait()
         if self.failed.is_set():
@@ -604,14 +612,27 @@ def sweep_arms(names: str, cuda: bool) -> list[str]:
     return arms if cuda else [a for a in arms if "precision=fp8" not in a]
 
 
-def recipe_steps(cfg: TestbedConfig) -> int:
-    """The drafters' training steps: `train_steps`, else the recipe's (the `train_args` override both)."""
-    from dflash_offline.config import read_recipe
+def recipe_steps(cfg: TestbedConfig, settings: dict) -> int:
+    """The steps a drafter of these [train] `settings` trains: theirs, else `train_args`', else `train_steps`, else
+    the recipe's, else TrainConfig's default."""
+    from dflash_offline.config import TrainConfig, read_recipe
 
+    if "steps" in settings:
+        return int(settings["steps"])
     for kv in cfg.train_args.split():
         if kv.startswith("steps="):
             return int(kv.split("=", 1)[1])
-    return cfg.train_steps or int(read_recipe(cfg.drafter_recipe).get("train", {}).get("steps", 0))
+    return cfg.train_steps or int(read_recipe(cfg.drafter_recipe).get("train", {}).get(
+        "steps", TrainConfig.__dataclass_fields__["steps"].default))
+
+
+def check_arms(cfg: TestbedConfig, first: str) -> tuple[str, str]:
+    """(null arm label, known-bad arm settings) for a sweep whose first arm is `first`: the null arm is that arm
+    under other seeds; the known-bad arm is that arm at a quarter of its steps."""
+    ext, train = parse_arm(first)
+    bad = {**ext, **train, "steps": max(1, recipe_steps(cfg, train) // 4)}
+    null = NULL_ARM if not first else f"({first}, other seeds)"
+    return null, " ".join(f"{k}={v}" for k, v in bad.items())
 
 
 def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> tuple[dict, dict]:
@@ -620,7 +641,7 @@ def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> tuple[dict, dict]:
     next `seeds` seeds) and the known-bad arm (a quarter of the steps), which decide whether the arms are ranked
     (`judge`). Returns (A/B record, testbed record)."""
     arms = sweep_arms(cfg.sweep, device.type == "cuda") if cfg.sweep else [a.strip() for a in cfg.arms.split(";")]
-    bad = f"steps={max(1, recipe_steps(cfg) // 4)}" if cfg.checks else None
+    null, bad = check_arms(cfg, arms[0]) if cfg.checks else (None, None)
     if bad and bad not in arms:
         arms.append(bad)
     parsed = [parse_arm(a) for a in arms]  # every arm checked before anything runs
@@ -634,13 +655,14 @@ def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> tuple[dict, dict]:
     seeds = range(cfg.seed, cfg.seed + cfg.seeds)
     jobs = [Job(arm, p.run(slug(arm) if arm else "", seed), p.hidden(slug(key(ext))) if ext else p.hidden(), seed,
                 train) for seed in seeds for arm, (ext, train) in zip(arms, parsed, strict=True)]  # seed-major
-    if cfg.checks:  # the recipe again, under seeds no arm uses: its runs sit beside the recipe's
-        jobs += [Job(NULL_ARM, p.run("", seed), p.hidden(), seed, {})
+    if cfg.checks:  # the first arm again, under seeds no arm uses: its runs sit beside that arm's
+        first = jobs[0]
+        jobs += [Job(null, p.run(slug(arms[0]) if arms[0] else "", seed), first.cache, seed, first.settings)
                  for seed in range(cfg.seed + cfg.seeds, cfg.seed + 2 * cfg.seeds)]
-        arms.append(NULL_ARM)
+        arms.append(null)
     parallel = cfg.parallel or default_parallel(device)
     log(f"{len(arms)} arms × {cfg.seeds} seeds = {len(jobs)} drafters, {parallel} at a time"
-        + (f" (checks: the null arm {NULL_ARM}, the known-bad arm {bad})" if cfg.checks else ""))
+        + (f" (checks: the null arm {null}, the known-bad arm {bad})" if cfg.checks else ""))
     t0 = time.perf_counter()
     tb, times = testbed(cfg, p, dev, device, jobs, parallel, caches)
     complete = [a for a in arms if all((j.run / "eval.json").is_file() for j in jobs if j.arm == a)]
@@ -649,7 +671,7 @@ def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> tuple[dict, dict]:
                            f"compare with; see the logs under {p.root / 'runs'}")
     rows = arm_rows(complete, {a: [(eval_record(j.run / "eval.json"), run_metrics(j.run).get("loss"))
                                    for j in jobs if j.arm == a] for a in complete})
-    judgement = judge(rows, NULL_ARM if cfg.checks else None, bad) if cfg.checks else None
+    judgement = judge(rows, null, bad) if cfg.checks else None
     failed = failed_runs(p.root, times, [j.run for j in jobs if j.arm in complete])
     return {"testbed": str(p.root), "seeds": cfg.seeds, "arms": rows, "judgement": judgement, "failed": failed,
             "recipe": cfg.drafter_recipe, "seconds": round(time.perf_counter() - t0, 1), "parallel": parallel,
@@ -673,9 +695,7 @@ def sweep_results(r: dict, tb: dict, p: Paths) -> dict:
     judged = r.get("judgement") or {"checks": {}}
     special = {c["arm"]: name for name, c in judged["checks"].items()}
     arms = [arm(a) for a in r["arms"]]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parents[1]).stdout.strip()
-    return {"commit": commit, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    return {**provenance(), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "device_seconds": wall_seconds(p), "invocations": read_wall(p),
             "looping_frac_eval": tb.get("looping_frac_eval"), "looping_frac_regen": (tb.get("regen") or {}).get("looping_frac"),
             "arms": [a for a in arms if a["label"] not in special],
@@ -685,13 +705,31 @@ def sweep_results(r: dict, tb: dict, p: Paths) -> dict:
             "tau_untrained": tb.get("tau_untrained"), "failed": r["failed"], "parallel": r["parallel"]}
 
 
+def provenance() -> dict:
+    """The code a result was made with: the commit (`git`, else `DFLASH_COMMIT` where the tree travelled without its
+    repository), whether the tree differed from it, and the drafter code's digest (what `testbed-job.json` keys on)."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str | None:
+        try:
+            r = subprocess.run(["git", *args], capture_output=True, text=True, cwd=root, timeout=30)
+        except OSError:
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    commit = git("rev-parse", "--short", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {"commit": commit or os.environ.get("DFLASH_COMMIT"), "dirty": None if status is None else bool(status),
+            "code_sha256": drafter_code_digest()}
+
+
 def read_wall(p: Paths) -> list:
     return json.loads(p.wall.read_text()) if p.wall.is_file() else []
 
 
 def wall_seconds(p: Paths) -> float:
-    """Wall seconds of every invocation of the testbed on this directory, summed (a heartbeat keeps them current, so
-    a call killed at its time limit still counts to its last beat)."""
+    """Wall seconds of every invocation of the testbed on this directory since its target phase started, summed (a
+    heartbeat keeps them current, so a call killed at its time limit still counts to its last beat)."""
     return round(sum(w["seconds"] for w in read_wall(p)), 1)
 
 
@@ -699,7 +737,8 @@ def heartbeat(p: Paths, every_s: float = 5.0) -> None:
     """Record this invocation's wall seconds in DIR/wall.json every `every_s` (a daemon thread)."""
     import threading
 
-    runs, t0 = read_wall(p), time.time()
+    fresh = not read_state(p)["phases"]  # (a testbed started anew: earlier invocations' seconds are not its own)
+    runs, t0 = [] if fresh else read_wall(p), time.time()
     runs.append({"start": t0, "seconds": 0.0})
 
     def beat():
@@ -725,6 +764,8 @@ def main(argv: list[str]) -> int:
                           "this machine has none (--preset=micro runs the phases' logic at toy sizes on a CPU)")
     p = Paths(cfg.dir)
     p.root.mkdir(parents=True, exist_ok=True)
+    if cfg.from_phase == "target":
+        p.wall.unlink(missing_ok=True)
     heartbeat(p)
     log(f"testbed {p.root} on {device} (preset {cfg.preset}): {json.dumps(asdict(cfg))}")
     if cfg.arms or cfg.sweep:
