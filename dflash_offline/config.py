@@ -103,6 +103,8 @@ class ExtractConfig:
     plan_gpus: int = 8  # GPUs the dry run's storage plan sizes training's read bandwidth and wall time for
     plan_extract_tok_s: float = 0.0  # plan: extraction tok/s per GPU; 0 = measured on an H200, scaled to the target
     plan_train_tok_s: float = 0.0  # plan: training context tok/s per GPU; 0 = measured on an H200, scaled to the drafter
+    plan_regen_tok_s: float = 0.0  # plan: the engine's generated tok/s per GPU for regen; 0 = not measured (no GPU-hours)
+    plan_read_gb_s: float = 0.0  # plan: verify's re-hash rate, GB/s (the filesystem's read rate); 0 = SHA-256 × 8 threads
 
     def resolve(self) -> ExtractConfig:
         check_choice("extract.quant", self.quant, ("bf16", "fp8", "fp4"))
@@ -115,8 +117,9 @@ class ExtractConfig:
             raise ConfigError(f"extract.write_queue must be > 0, got {self.write_queue}")
         if self.plan_gpus <= 0:
             raise ConfigError(f"extract.plan_gpus must be > 0, got {self.plan_gpus}")
-        if self.plan_extract_tok_s < 0 or self.plan_train_tok_s < 0:
-            raise ConfigError("extract.plan_extract_tok_s and plan_train_tok_s must be >= 0 (0 = the measured rate)")
+        if min(self.plan_extract_tok_s, self.plan_train_tok_s, self.plan_regen_tok_s, self.plan_read_gb_s) < 0:
+            raise ConfigError("extract.plan_extract_tok_s, plan_train_tok_s, plan_regen_tok_s and plan_read_gb_s must "
+                              "be >= 0 (0 = the measured or estimated rate)")
         if self.layer_ids and len(set(self.layer_ids)) != len(self.layer_ids):
             raise ConfigError(f"extract.layer_ids {self.layer_ids} has duplicates")
         if self.project_dims < 0 or self.project_dims % 32:

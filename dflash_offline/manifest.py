@@ -44,6 +44,9 @@ def hash_obj(obj) -> str:
     return hashlib.sha256(canonical_json(obj).encode()).hexdigest()
 
 
+HASH_THREADS = 8  # files make verify hashes at once: enough to keep a disk (or a network filesystem) busy, bounded memory
+
+
 def sha256_file(path: str | Path, bufsize: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

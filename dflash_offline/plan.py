@@ -1,9 +1,9 @@
 """An extraction's plan: what a run of stage 1b will compute and where, decided before any weight loads.
 
 `make_plan` reads the token cache's manifest and the target's config.json (plus a fast fingerprint of its
-weights): the layers to tap (checked against the target's depth), the mask token (a real embedding row that is not
-pad or eos), the bytes per token of the chosen storage, and the producer — everything that changes a stored byte —
-whose hash is the hidden cache's key. `disk_refusal` says why a run the filesystem has no room for does not start
+weights; a dry run needs none, and its key then leaves them out): the layers to tap (checked against the target's
+depth), the mask token (a real embedding row that is not pad or eos), the bytes per token of the chosen storage, and
+the producer — everything that changes a stored byte — whose hash is the hidden cache's key. `disk_refusal` says why a run the filesystem has no room for does not start
 (`allow_overfill=1` starts it anyway; `check_disk` raises it); the storage plan the dry run prints around these
 numbers is `storage.py`. `recorded_config` is the rerun of an existing hidden cache: with `--hidden_out=DIR` and no
 recipe, the ExtractConfig its manifest recorded (less a one-off `allow_overfill`), so the repair command that
@@ -44,6 +44,13 @@ def recorded_config(argv: list[str]) -> ExtractConfig | None:
     values.update({k: v for k, v in overrides.items() if k in ExtractConfig.__dataclass_fields__ and v != ""})
     return load_config(ExtractConfig, "extract", None, {}, values)
 
+
+def target_needs(cfg: ExtractConfig) -> tuple[str, ...]:
+    """What the target's directory must hold (keys of `targetid.NEEDS`): config.json for a dry run (a storage plan
+    from a login node), the weights too for a real run."""
+    return ("config",) if cfg.dry_run else ("config", "weights")
+
+
 def make_plan(cfg: ExtractConfig, tokens: Path | dict) -> dict:
     """`tokens`: the token cache's directory, or (dry run) the manifest stage 1a would write."""
     from .shards import HIDDEN_LAYOUT_VERSION, ShardError
@@ -53,7 +60,8 @@ def make_plan(cfg: ExtractConfig, tokens: Path | dict) -> dict:
     tm = tokens if isinstance(tokens, dict) else read_manifest(tokens)
     if tm["kind"] != "tokens" or not tm.get("complete"):
         raise ShardError(f"{tokens} is not a complete token cache: run `make tokenize` (or extract) again")
-    ckpt = resolve_checkpoint(cfg.target)
+    ckpt = resolve_checkpoint(cfg.target, target_needs(cfg), "extract.target")
+    weights = any(ckpt.glob("*.safetensors"))  # a dry run plans from config.json alone; its key then lacks them
     info = read_target_info(ckpt)
     layer_ids = list(cfg.layer_ids) or default_layer_ids(info.num_layers, cfg.num_draft_layers)
     bad = [i for i in layer_ids if not 0 <= i < info.num_layers]
@@ -81,13 +89,13 @@ def make_plan(cfg: ExtractConfig, tokens: Path | dict) -> dict:
     rows = sum(s["rows"] for s in tm["shards"])
     producer = {"stage": "extract", "tokens": {"key": tm["key"], "producer": tm["producer"]},
                 "target": {"arch": info.arch, "num_layers": info.num_layers, "hidden_size": hidden,
-                           "vocab_size": info.vocab_size, **target_fingerprint(ckpt)},
+                           "vocab_size": info.vocab_size, **target_fingerprint(ckpt, weights)},
                 "layer_ids": sorted(layer_ids), "quant": cfg.quant, "dtype": cfg.dtype,
                 "format_version": HIDDEN_LAYOUT_VERSION}  # everything that changes a stored byte: the cache key
     if cfg.project_dims:  # (absent when off: the keys of full-state caches stay what they were)
         producer["projection"] = {"dims": cfg.project_dims, "rows": cfg.project_rows}
-    return {"ckpt": ckpt, "info": info, "layer_ids": layer_ids, "seq_len": seq_len, "mask_token_id": mask_id,
-            "width": width, "num_shards": tm["num_shards"], "rows": rows, "bytes_per_token": bytes_per_token,
+    return {"ckpt": ckpt, "weights": weights, "info": info, "layer_ids": layer_ids, "seq_len": seq_len,
+            "mask_token_id": mask_id, "width": width, "num_shards": tm["num_shards"], "rows": rows, "bytes_per_token": bytes_per_token,
             "total_bytes": rows * seq_len * bytes_per_token, "tokens_manifest": tm, "producer": producer,
             "key": hash_obj(producer)}
 

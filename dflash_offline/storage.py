@@ -1,5 +1,6 @@
 """The storage plan of an extraction: what the hidden cache will weigh in every encoding, what training will read,
-and what both stages cost in GPU-hours — printed by `make extract DRY_RUN=1` before anything runs.
+and what regeneration, extraction, verification and training cost in GPU-hours — printed by `make extract DRY_RUN=1`
+before anything runs, from the target's config.json and tokenizer alone (weights optional).
 
 Every number is a product of a few inputs: the rows and tokens stage 1a packs (its real counts, from the dry run's
 in-memory manifest), the bytes per token of an encoding (`ENCODINGS`: one entry per stored layout; a new encoding is
@@ -7,7 +8,9 @@ one more entry), and two rates measured on one H200 (`EXTRACT_TOK_S`, `TRAIN_TOK
 or drafter of other shapes gets those rates scaled by work per token — the extraction by the parameters of the
 target layers it runs, the training by the drafter's FLOPs per context token (`metrics.flops_per_row`) — and the
 plan says so; `plan_extract_tok_s=` / `plan_train_tok_s=` replace them with your own. The read bandwidth is bytes per
-token × training tokens/s per GPU × GPUs. `storage_plan` takes plain values and `render` prints them, so both are
+token × training tokens/s per GPU × GPUs. Regeneration is the corpus's answer tokens (its supervised tokens) at an
+engine rate this repository has not measured (`plan_regen_tok_s=` gives it); verification re-hashes the whole cache
+(`HASH_GB_S_PER_THREAD`, or `plan_read_gb_s=`) and recomputes `make verify`'s sampled rows at the extraction rate. `storage_plan` takes plain values and `render` prints them, so both are
 tested without a checkpoint; `stages/extract.py` composes them with `plan.make_plan` and `plan.free_space`.
 """
 
@@ -41,6 +44,11 @@ TRAIN_SEQ_LEN = 2048
 TRAIN_DRAFTER = SimpleNamespace(hidden_size=5120, intermediate_size=17408, vocab_size=248320, num_layers=5,
                                 num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, num_anchors=512,
                                 target_layer_ids=[1, 16, 31, 46, 61])  # the drafter that rate was measured at
+# make verify re-hashes every shard file: SHA-256 (hashlib, 4 MiB reads, manifest.sha256_file) on HASH_THREADS
+# threads. 1.0 GB/s a thread: one core of a shared 2-vCPU AMD EPYC with SHA-NI, files in the page cache (2026-12-02;
+# 0.99-1.07 GB/s over four runs). Not measured on a GPU host: a plan takes that × the threads, which the filesystem's
+# read rate caps (`plan_read_gb_s=` gives that rate).
+HASH_GB_S_PER_THREAD = 1.0
 
 
 def projected_widths(hidden: int) -> list[int]:
@@ -91,10 +99,11 @@ def drafter_shape(train, hidden: int, intermediate: int, vocab: int, layer_ids: 
                            num_anchors=t.num_anchors, target_layer_ids=list(t.layer_ids) or layer_ids)
 
 
-def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.0, train_tok_s: float = 0.0) -> dict:
+def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.0, train_tok_s: float = 0.0,
+          regen_tok_s: float = 0.0) -> dict:
     """Tokens/s per GPU for both stages, each with where it comes from: given (> 0), or the measured H200 rate
     scaled by work per token (`factor` 1.0 at the measured shapes: "measured" only there, extraction also at its row
-    length)."""
+    length); and regeneration's generated tokens/s when given (no measured rate: no entry otherwise)."""
     from .metrics import flops_per_row
 
     per_tok = flops_per_row(drafter, seq_len, drafter.num_anchors) / seq_len
@@ -106,7 +115,19 @@ def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.
         out[stage] = {"tok_s": given, "source": "given"} if given else \
             {"tok_s": measured * factor, "source": "measured" if abs(factor - 1) < 0.01 and same[stage] else "scaled",
              "factor": factor, "measured_tok_s": measured}
+    if regen_tok_s:
+        out["regen"] = {"tok_s": regen_tok_s, "source": "given"}
     return out
+
+
+def hash_rate(read_gb_s: float = 0.0) -> dict:
+    """The rate `make verify` re-hashes the cache at, GB/s: given (the filesystem's read rate), or SHA-256's a
+    thread × the threads verify uses (what the CPU allows)."""
+    from .manifest import HASH_THREADS
+
+    if read_gb_s:
+        return {"gb_s": read_gb_s, "source": "given"}
+    return {"gb_s": HASH_GB_S_PER_THREAD * HASH_THREADS, "source": "estimate", "threads": HASH_THREADS}
 
 
 def plan_epochs(train, rows: int, seq_len: int, gpus: int) -> float | None:
@@ -123,13 +144,15 @@ def plan_epochs(train, rows: int, seq_len: int, gpus: int) -> float | None:
 def storage_plan(*, rows: int, seq_len: int, doc_tokens: int, k: int, hidden: int, quant: str, need: int,
                  shards: str, free: int, fits: bool, min_free_gb: float, allow_overfill: bool, gpus: int,
                  epochs: float | None, rate: dict, gpu: bool, projected_from: int = 0, todo_rows: int | None = None,
-                 token_bytes: int = 0) -> dict:
+                 token_bytes: int = 0, answer_tokens: int = 0, verify_rows: int = 0, verify_per_shard: int = 2,
+                 hashing: dict | None = None) -> dict:
     """The plan's numbers. `hidden`: values stored per token and tap (project_dims for a projected cache, whose
     target's hidden size is `projected_from`); `need`: bytes the run writes — the shards still to do in the chosen
     encoding (`shards`: '3/4', to do of all; `todo_rows` their rows, default all: what extraction's GPU-hours are
     for), plus `token_bytes` when stage 1a has not written the token cache yet; `free`: free bytes where the cache
     goes; `fits`: `plan.disk_refusal` found room; `gpu`: False on a CPU run (device=cpu), where the H200 rates (not
-    given ones) are left out."""
+    given ones) are left out. `answer_tokens`: the corpus's supervised tokens (what regeneration generates);
+    `verify_rows`: the rows `make verify` recomputes (`verify_per_shard` a shard); `hashing`: `hash_rate`'s."""
     tokens = rows * seq_len
     todo_tokens = tokens if todo_rows is None else todo_rows * seq_len
     enc = {name: {"what": what, "bytes_per_token": f(k, hidden), "total_bytes": tokens * f(k, hidden)}
@@ -144,17 +167,24 @@ def storage_plan(*, rows: int, seq_len: int, doc_tokens: int, k: int, hidden: in
     for e in enc.values():
         e["read_gb_s"] = e["bytes_per_token"] * train["tok_s"] * gpus / 1e9 if train else None
     gpu_h = {}
+    if "regen" in shown:
+        gpu_h["regen"] = answer_tokens / shown["regen"]["tok_s"] / 3600
     if "extract" in shown:
         gpu_h["extract"] = todo_tokens / shown["extract"]["tok_s"] / 3600
+        gpu_h["verify"] = verify_rows * seq_len / shown["extract"]["tok_s"] / 3600
     if train:
         gpu_h["train_epoch"] = tokens / train["tok_s"] / 3600
         if epochs is not None:
             gpu_h["train"] = epochs * gpu_h["train_epoch"]
+    hashing = hashing or hash_rate()
+    verify = {"rows": verify_rows, "per_shard": verify_per_shard, "bytes": enc[quant]["total_bytes"],
+              "hashing": hashing, "hash_h": enc[quant]["total_bytes"] / (hashing["gb_s"] * 1e9) / 3600}
     return {"rows": rows, "seq_len": seq_len, "tokens": tokens, "doc_tokens": doc_tokens, "k": k, "hidden": hidden,
+            "todo_rows": rows if todo_rows is None else todo_rows,
             "projected_from": projected_from, "quant": quant, "encodings": enc, "need_bytes": need, "shards": shards,
             "token_bytes": token_bytes, "free_bytes": free, "fits": fits,
             "min_free_gb": min_free_gb, "allow_overfill": allow_overfill, "gpus": gpus, "epochs": epochs,
-            "rates": shown, "gpu": gpu, "gpu_hours": gpu_h}
+            "rates": shown, "gpu": gpu, "gpu_hours": gpu_h, "answer_tokens": answer_tokens, "verify": verify}
 
 
 def size(n: float) -> str:
@@ -209,21 +239,53 @@ def render(p: dict, cache: Path, cpu_estimate_min: float | None = None) -> list[
     lines.append(f"  free where the cache goes ({cache}): {size(p['free_bytes'])}; this run writes "
                  f"{size(p['need_bytes'])} ({p['shards']} shards{tokens}) → {verdict}")
     lines += [f"  rate: {describe_rate(stage, r)}" for stage, r in p["rates"].items()]
+    lines += ["  " + regen_line(p), "  " + verify_line(p, cpu_estimate_min)]
     lines.append("  " + gpu_hours_line(p, cpu_estimate_min))
     return lines
 
 
+def regen_line(p: dict) -> str:
+    """'regen: 1,560,000,000 answer tokens …: 21.7 GPU-h …', or why there are no GPU-hours."""
+    line = (f"regen: {p['answer_tokens']:,} answer tokens in this corpus (its supervised tokens: ≈ what the target "
+            f"generates, cut at rows of {p['seq_len']:,})")
+    if "regen" in p["gpu_hours"]:
+        h = p["gpu_hours"]["regen"]
+        return f"{line}: {h:,.1f} GPU-h ({hours(h / p['gpus'])} on {p['gpus']})"
+    return (f"{line}; no engine rate is measured here: --plan_regen_tok_s=R (the generated tok/s per GPU your vLLM or "
+            f"SGLang logs) gives its GPU-hours")
+
+
+def verify_line(p: dict, cpu_minutes: float | None) -> str:
+    """'verify: re-hashes 81.9 TB (2.8 h at …) and recomputes 48,830 rows (…): 4.6 GPU-h …'."""
+    v, h = p["verify"], p["gpu_hours"]
+    rate = v["hashing"]
+    at = f"{rate['gb_s']:g} GB/s (given)" if rate["source"] == "given" else (
+        f"{rate['gb_s']:g} GB/s = {rate['threads']} threads × SHA-256's {HASH_GB_S_PER_THREAD:g} GB/s a CPU core, if "
+        f"the filesystem reads that fast: --plan_read_gb_s= gives its rate")
+    line = (f"verify: re-hashes {size(v['bytes'])} ({hours(v['hash_h'])} at {at}) and recomputes {v['rows']:,} rows "
+            f"(ROWS={v['per_shard']} a shard)")
+    if "verify" in h:
+        return f"{line}: {h['verify']:,.1f} GPU-h at the extraction rate, on one GPU (verify is one process)"
+    if cpu_minutes is not None and p["todo_rows"]:
+        return f"{line}: ≈ {hours(cpu_minutes / 60 * v['rows'] / p['todo_rows'])} on this CPU, from the timed batch"
+    return f"{line}: n/a on CPU"
+
+
 def gpu_hours_line(p: dict, cpu_minutes: float | None) -> str:
-    """'GPU-hours: extract 36.9 (4.6 h on 8), train 6 epochs 142.7 (17.8 h on 8); total …', or n/a on a CPU run.
-    Extraction counts the shards still to do ('extract 1.2 for 3/24,415 shards' when not all)."""
+    """'GPU-hours: extract 36.9 (4.6 h on 8), verify 4.6 (on 1), train 6 epochs 142.7 (17.8 h on 8); total …', or
+    n/a on a CPU run. Extraction counts the shards still to do ('extract 1.2 for 3/24,415 shards' when not all);
+    regeneration comes first when its rate is given, else the total says it is left out. The wall time adds the
+    phases: N GPUs for regen, extract and train, one for verify, plus verify's hashing."""
     h, n = p["gpu_hours"], p["gpus"]
     todo, total = p["shards"].split("/")
+    parts = [f"regen {h['regen']:,.1f} ({hours(h['regen'] / n)} on {n})"] if "regen" in h else []
     if "extract" in h:
         part = f" for {p['shards']} shards" if todo != total else ""
-        parts = [f"extract {h['extract']:,.1f}{part} ({hours(h['extract'] / n)} on {n})"]
+        parts += [f"extract {h['extract']:,.1f}{part} ({hours(h['extract'] / n)} on {n})",
+                  f"verify {h['verify']:,.1f} (on 1)"]
     else:
-        parts = ["extract n/a on CPU" + (f" (≈ {hours(cpu_minutes / 60)} on this CPU, from the timed batch)"
-                                         if cpu_minutes is not None else "")]
+        parts += ["extract n/a on CPU" + (f" (≈ {hours(cpu_minutes / 60)} on this CPU, from the timed batch)"
+                                          if cpu_minutes is not None else "")]
     if "train" in h:
         parts.append(f"train {p['epochs']:.3g} epochs {h['train']:,.1f} ({hours(h['train'] / n)} on {n})")
     elif "train_epoch" in h:
@@ -232,9 +294,11 @@ def gpu_hours_line(p: dict, cpu_minutes: float | None) -> str:
         parts.append("train n/a on CPU")
     line = "GPU-hours: " + ", ".join(parts)
     if "extract" in h and "train" in h:
-        total = h["extract"] + h["train"]
-        line += f"; total {total:,.1f} GPU-h, {hours(total / n)} on {n} GPUs"
-    if len(p["rates"]) < 2:
+        total = sum(h[k] for k in ("regen", "extract", "verify", "train") if k in h)
+        wall = (total - h["verify"]) / n + h["verify"] + p["verify"]["hash_h"]
+        line += (f"; total {total:,.1f} GPU-h{'' if 'regen' in h else ' without regen'}, {hours(wall)} end to end on "
+                 f"{n} GPUs (verify on one, its hashing included)")
+    if "extract" not in p["rates"] or "train" not in p["rates"]:
         line += " (device=cpu: the rates are H200 figures; --plan_extract_tok_s= / --plan_train_tok_s= give yours)"
     return line
 
@@ -243,10 +307,17 @@ def plan_lines(cfg, p: dict, train) -> list[str]:
     """The storage plan of an extraction as log lines: `cfg` its ExtractConfig, `p` what `stages.extract.plan_run`
     returns (make_plan's facts + need, free, refusal, the probe's minutes), `train` the recipe's [train] (or None)."""
     info, ids, seq_len, rows = p["info"], p["layer_ids"], p["seq_len"], p["rows"]
+    from .config import VerifyConfig
+
     drafter = drafter_shape(train, info.hidden_size, info.intermediate_size, info.vocab_size, ids)
     rate = rates(layer_params=target_layer_params(p["ckpt"], max(ids) + 1), drafter=drafter, seq_len=seq_len,
-                 extract_tok_s=cfg.plan_extract_tok_s, train_tok_s=cfg.plan_train_tok_s)
-    sp = storage_plan(rows=rows, seq_len=seq_len, doc_tokens=sum(s["tokens"] for s in p["tokens_manifest"]["shards"]),
+                 extract_tok_s=cfg.plan_extract_tok_s, train_tok_s=cfg.plan_train_tok_s,
+                 regen_tok_s=cfg.plan_regen_tok_s)
+    shards, per_shard = p["tokens_manifest"]["shards"], VerifyConfig(cache="").rows  # verify's default ROWS=
+    sp = storage_plan(rows=rows, seq_len=seq_len, doc_tokens=sum(s["tokens"] for s in shards),
+                      answer_tokens=sum(s["supervised_tokens"] for s in shards),
+                      verify_rows=sum(min(per_shard, s["rows"]) for s in shards), verify_per_shard=per_shard,
+                      hashing=hash_rate(cfg.plan_read_gb_s),
                       k=len(ids), hidden=p["width"], quant=cfg.quant, need=p["need"],
                       projected_from=info.hidden_size if cfg.project_dims else 0,
                       shards=f"{len(p['todo']):,}/{p['num_shards']:,}", free=p["free"],

@@ -7,8 +7,10 @@ file's bytes — a different fine-tune of the same shapes changes the samples. `
 states from the weights themselves on sampled rows, which catches anything the fingerprint could miss.
 
 `resolve_checkpoint` is the one place a target or tokenizer path is turned into a directory and checked to hold what
-its caller reads, before any cache or run directory exists; `check_same_target` is the trainer's refusal of a cache
-extracted from other weights.
+its caller reads, before any cache or run directory exists: a local directory, or a hub id (`Qwen/Qwen3.6-27B`)
+found in the local HF cache (`HF_HUB_CACHE`, else `HF_HOME/hub`; `models--Qwen--Qwen3.6-27B/snapshots/<rev>/` with
+`refs/main` naming the revision), offline: nothing is downloaded at run time. `tokenizer_for` is the rule by which the
+tokenizer follows the target; `check_same_target` is the trainer's refusal of a cache extracted from other weights.
 """
 
 from __future__ import annotations
@@ -57,20 +59,44 @@ def _locate(target: str, field: str, expected: str) -> Path:
         return p
     if p.exists():
         raise TargetError(f"{field} {target!r} is a file; {expected}")
-    if not _is_hub_id(target):
+    if not is_hub_id(target):
         raise TargetError(f"{field} {target!r}: no such directory; {expected}")
-    try:
-        from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
 
+    try:
         return Path(snapshot_download(target, local_files_only=True, allow_patterns=HUB_PATTERNS))
     except Exception as e:  # the hub client's many ways of saying "not here" (validation, not cached, offline)
         raise TargetError(
-            f"{field} {target!r}: no such directory, and not in the local HF cache ({type(e).__name__}); {expected}: "
-            f"download it first (huggingface-cli download {target}) or pass the checkpoint's directory"
+            f"{field} {target!r}: no such directory, and not in the local HF cache {constants.HF_HUB_CACHE} "
+            f"({type(e).__name__}; HF_HUB_CACHE or HF_HOME point elsewhere); {expected}: download it first "
+            f"(huggingface-cli download {target}) or pass the checkpoint's directory"
         ) from None
 
 
-def _is_hub_id(target: str) -> bool:
+def tokenizer_for(target: str, recipe_tokenizer: str = "", target_given: bool = True) -> tuple[str, str]:
+    """Stage 1a's tokenizer when the command line names none (`--tokenizer=` always wins), and why: the target's own
+    when its directory (or hub snapshot) holds tokenizer files, unless the target is the recipe's and the recipe
+    pairs it with a tokenizer of its own (`target_given` False); else the recipe's `[tokenize] tokenizer`; else the
+    target, whose check then says what is missing."""
+    if recipe_tokenizer and not target_given:
+        return recipe_tokenizer, "the recipe's [tokenize] tokenizer"
+    if holds(target, "tokenizer"):
+        return target, "the target's own"
+    if recipe_tokenizer:
+        return recipe_tokenizer, "the recipe's [tokenize] tokenizer: the target holds no tokenizer files"
+    return target, "the target's"
+
+
+def holds(target: str, need: str) -> bool:
+    """Whether `target` resolves (locally, offline) to a directory holding NEEDS[need]; never raises."""
+    try:
+        resolve_checkpoint(target, need=(need,))
+    except TargetError:
+        return False
+    return True
+
+
+def is_hub_id(target: str) -> bool:
     """`owner/name` as the hub spells repo ids (a path like `build/demo/target` or `./x` is not one)."""
     return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", target) is not None and ".." not in target
 
@@ -110,17 +136,19 @@ def file_fingerprint(path: Path) -> str:
     return h.hexdigest()
 
 
-def target_fingerprint(ckpt: Path) -> dict:
+def target_fingerprint(ckpt: Path, weights: bool = True) -> dict:
+    """{"config_sha256", "weights_fingerprint"}; `weights` False (a storage plan from config.json alone): the
+    weights' fingerprint is None."""
     cfg = ckpt / "config.json"
     if not cfg.is_file():
         raise TargetError(f"{ckpt}: no config.json; is this a Hugging Face checkpoint directory?")
     config_text = json.dumps(json.loads(cfg.read_text()), sort_keys=True)
-    weights = hashlib.sha256()
-    for f in weight_files(ckpt):
-        weights.update(file_fingerprint(f).encode())
+    fingerprint = hashlib.sha256()
+    for f in weight_files(ckpt) if weights else []:
+        fingerprint.update(file_fingerprint(f).encode())
     return {
         "config_sha256": hashlib.sha256(config_text.encode()).hexdigest(),
-        "weights_fingerprint": weights.hexdigest(),
+        "weights_fingerprint": fingerprint.hexdigest() if weights else None,
     }
 
 

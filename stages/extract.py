@@ -48,7 +48,6 @@ from dflash_offline.devices import cpu_threads, dist_env, pick_device
 from dflash_offline.manifest import (
     MANIFEST,
     committed,
-    hash_obj,
     locked,
     missing_files,
     open_cache,
@@ -58,7 +57,7 @@ from dflash_offline.manifest import (
     worker_info,
     write_json_atomic,
 )
-from dflash_offline.plan import OVERFILL, disk_refusal, free_space, make_plan, recorded_config
+from dflash_offline.plan import OVERFILL, disk_refusal, free_space, make_plan, recorded_config, target_needs
 from dflash_offline.progress import Progress, log, private_compile_caches, run_cli, unbuffered
 from dflash_offline.storage import plan_lines, recipe_train, token_bytes_per_token
 
@@ -68,10 +67,19 @@ PROJECTION_WAIT_S = 1800.0  # how long ranks > 0 wait for rank 0 to record the c
 # --- config --------------------------------------------------------------------------------------------------
 
 
-def tokenizer_default(section: str, values: dict, earlier: dict) -> None:
-    """The tokenizer defaults to the target checkpoint."""
-    if section == "tokenize" and not values.get("tokenizer"):
-        values["tokenizer"] = earlier["extract"].target
+def tokenizer_default(argv: list[str], why: dict):
+    """The configs' hook by which the tokenizer follows the target (`targetid.tokenizer_for`): `--tokenizer=` on the
+    command line (make ARGS=--tokenizer=DIR) wins; else the target's own, when it holds one; else the recipe's. Why
+    goes into `why["tokenizer"]`."""
+    given = parse_overrides(argv)[1]
+
+    def fill(section: str, values: dict, earlier: dict) -> None:
+        from dflash_offline.targetid import tokenizer_for
+
+        if section == "tokenize" and not given.get("tokenizer"):
+            values["tokenizer"], why["tokenizer"] = tokenizer_for(earlier["extract"].target, values.get("tokenizer", ""),
+                                                                  bool(given.get("target")))
+    return fill
 
 
 # --- plan: everything that can fail, before any weight loads --------------------------------------------------
@@ -88,13 +96,7 @@ def token_cache(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int) -> Path 
         return tokenize.dry_run(tok_cfg)
     if rank == 0:
         return tokenize.run(tok_cfg)
-    from transformers import AutoTokenizer
-
-    from dflash_offline.corpus import expand_paths
-
-    tok = AutoTokenizer.from_pretrained(tok_cfg.tokenizer)
-    key = hash_obj(tokenize.producer_for(tok_cfg, tok, expand_paths(tok_cfg.corpus)))
-    out = tokenize.cache_dir_for(tok_cfg, key)
+    out = tokenize.identify(tok_cfg)[-1]
     while not ((out / "manifest.json").exists() and read_manifest(out).get("complete")):
         time.sleep(2)
     return out
@@ -109,7 +111,7 @@ def plan_run(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int, world: int,
     from dflash_offline.targetid import resolve_checkpoint
 
     t0 = time.time()
-    resolve_checkpoint(cfg.target, field="extract.target")  # a wrong path fails here, before stage 1a runs
+    resolve_checkpoint(cfg.target, target_needs(cfg), "extract.target")  # a wrong path fails here, before stage 1a
     device = pick_device(cfg.device, "extract.device", local_rank)
     tokens_dir = token_cache(cfg, tok_cfg, rank)
     plan = make_plan(cfg, tokens_dir)
@@ -139,14 +141,23 @@ def plan_run(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int, world: int,
         f"{f', projected to {cfg.project_dims} dims a tap' if cfg.project_dims else ''}); "
         f"{len(todo)}/{plan['num_shards']} shards to do, "
         f"{need / 1e9:.2f} GB; device {device}")
-    probe = tgt.probe(plan["info"], plan["layer_ids"], device, getattr(torch, cfg.dtype), plan["seq_len"],
-                      cfg.batch_rows, cfg.mode)
-    est = probe["seconds_per_row"] * sum(shard_rows[i] for i in todo) / max(world, 1)
-    log(f"[rank {rank}] kernels ok ({probe['mode']}, max rel err {probe['max_rel_err']:.2e} vs per-document); "
-        f"estimated {probe['seconds_per_row']:.3f} s/row → {est / 60:.1f} min for this process "
-        f"(checked in {time.time() - t0:.1f}s, before loading weights)")
+    if cfg.dry_run and not plan["weights"]:
+        log(f"[rank {rank}] dry run without weights ({plan['ckpt']} holds no *.safetensors): the cache's key, and "
+            f"so its directory and the shards already done, are the real run's only once the weights are there")
+    est, kernels = None, "not checked here"
+    if cfg.dry_run and device.type == "cpu" and cfg.device == "auto":  # planning from a machine without a GPU
+        log(f"[rank {rank}] no GPU here: kernels and timing not checked (the real run checks them before loading "
+            f"weights); the plan takes its rates from H200 measurements")
+    else:
+        probe = tgt.probe(plan["info"], plan["layer_ids"], device, getattr(torch, cfg.dtype), plan["seq_len"],
+                          cfg.batch_rows, cfg.mode)
+        est, kernels = probe["seconds_per_row"] * todo_rows / max(world, 1), f"ok ({probe['mode']})"
+        log(f"[rank {rank}] kernels ok ({probe['mode']}, max rel err {probe['max_rel_err']:.2e} vs per-document); "
+            f"estimated {probe['seconds_per_row']:.3f} s/row → {est / 60:.1f} min for this process "
+            f"(checked in {time.time() - t0:.1f}s, before loading weights)")
     return dict(plan, cache=cache, device=device, tokens_dir=tokens_dir, todo=todo, redo=bool(redo), need=need,
-                todo_rows=todo_rows, token_bytes=token_bytes, free=free, refusal=refusal, minutes=est / 60, kernels=probe["mode"], t0=t0)
+                todo_rows=todo_rows, token_bytes=token_bytes, free=free, refusal=refusal,
+                minutes=None if est is None else est / 60, kernels=kernels, t0=t0)
 
 
 # --- the run -------------------------------------------------------------------------------------------------
@@ -167,9 +178,9 @@ def run(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int = 0, world: int =
             log(line)
         if p["refusal"] and not cfg.allow_overfill:
             raise ValueError(f"dry run: a real run would be refused: {p['refusal']}; {OVERFILL}")
+        eta = "" if p["minutes"] is None else f"~{p['minutes']:.1f} min for this process, "
         log(f"[rank {rank}] dry run ok: {len(todo)}/{p['num_shards']} shards to do, {p['need'] / 1e9:.2f} GB, "
-            f"~{p['minutes']:.1f} min for this process, kernels ok ({p['kernels']}); no weights loaded, nothing "
-            f"written")
+            f"{eta}kernels {p['kernels']}; no weights loaded, nothing written")
         return None
     open_cache(cache, "hidden", p["key"], p["producer"],
                {"extract": as_dict(cfg), "tokens_dir": os.path.relpath(p["tokens_dir"].resolve(), cache.resolve()),
@@ -360,16 +371,17 @@ def main(argv: list[str]) -> None:
     rank, world, local_rank = dist_env()
     private_compile_caches(rank)
     unbuffered()
-    recorded, train = recorded_config(argv), None
+    recorded, train, why = recorded_config(argv), None, {}
     if recorded is not None:
         cfg, tok_cfg = recorded, None
         log(f"{cfg.hidden_out}: an existing cache and no recipe: rerunning it with the inputs its manifest records "
             f"(target {cfg.target}, tokens {cfg.tokens})")
     else:
-        cfg, tok_cfg = configs_from_argv(
-            [(ExtractConfig, "extract"), (TokenizeConfig, "tokenize")], argv, __doc__, defaults=tokenizer_default
-        )
+        cfg, tok_cfg = configs_from_argv([(ExtractConfig, "extract"), (TokenizeConfig, "tokenize")], argv, __doc__,
+                                         defaults=tokenizer_default(argv, why))
         train = recipe_train(parse_overrides(argv)[0]) if cfg.dry_run else None
+        if not cfg.tokens and rank == 0:
+            log(f"tokenizer: {tok_cfg.tokenizer} ({why.get('tokenizer', 'named by --tokenizer')})")
     cpu_threads(pick_device(cfg.device, "extract.device", local_rank), log=log)
     out = run(cfg, tok_cfg, rank, world, local_rank, train)
     if out is not None and rank == 0:

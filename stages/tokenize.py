@@ -77,9 +77,10 @@ def pad_id(tok) -> int:
 
 
 def producer_for(cfg: TokenizeConfig, tok, paths: list[Path]) -> dict:
+    """`tok` loaded from its resolved directory (`identify`): its files there are what the key hashes."""
     return {
         "stage": "tokenize",
-        "tokenizer": tokenizer_identity(cfg.tokenizer, tok),
+        "tokenizer": tokenizer_identity(tok.name_or_path, tok),
         "corpus": {"sha256": corpus_hash(paths), "bytes": sum(p.stat().st_size for p in paths)},
         "seq_len": cfg.seq_len,
         "packing": {"rule": PACKING_RULE, "open_rows": cfg.open_rows, "long_doc": cfg.long_doc,
@@ -101,7 +102,9 @@ def cache_dir_for(cfg: TokenizeConfig, key: str) -> Path:
 
 
 def identify(cfg: TokenizeConfig) -> tuple[list[Path], object, dict, str, Path]:
-    """(corpus files, tokenizer, producer, key, cache directory): everything known before reading a record."""
+    """(corpus files, tokenizer, producer, key, cache directory): everything known before reading a record. The
+    tokenizer is loaded from the directory `cfg.tokenizer` resolves to (a hub id: its local HF cache snapshot), which
+    its `name_or_path` keeps for the workers."""
     from transformers import AutoTokenizer
 
     from dflash_offline.targetid import resolve_checkpoint
@@ -131,7 +134,7 @@ def run(cfg: TokenizeConfig) -> Path:
     progress = Progress("tokenize", cfg.max_docs or None, "doc", out / "status.json")
     try:
         with open(out / "skips.jsonl", "w", encoding="utf-8") as skip_log:
-            summary = tokenize_corpus(cfg, paths, len(tok), progress, skip_log,
+            summary = tokenize_corpus(cfg, paths, tok, progress, skip_log,
                                       lambda i, rows: write_shard(out, key, i, rows, cfg, pad_id(tok), done))
     except BaseException:
         progress.close("failed")
@@ -164,7 +167,7 @@ def dry_run(cfg: TokenizeConfig) -> dict:
         return shards[-1]
 
     progress = Progress("tokenize (dry run)", cfg.max_docs or None, "doc", None)
-    summary = tokenize_corpus(cfg, paths, len(tok), progress, None, count)
+    summary = tokenize_corpus(cfg, paths, tok, progress, None, count)
     progress.close("done")
     return dry_manifest(key, producer, as_dict(cfg), shards, summary)
 
@@ -173,14 +176,14 @@ def workers_for(cfg: TokenizeConfig) -> int:
     return cfg.workers or os.cpu_count() or 1
 
 
-def tokenize_corpus(cfg: TokenizeConfig, paths: list[Path], vocab_size: int, progress: Progress, skip_log,
-                    write) -> dict:
+def tokenize_corpus(cfg: TokenizeConfig, paths: list[Path], tok, progress: Progress, skip_log, write) -> dict:
     """Stream the corpus through the tokenizer workers and the packer; `write(index, rows)` takes each shard's rows
     and returns its manifest entry. The summary, once every record is read. Raises CorpusError — before anything
     is marked complete — at the first bad record in strict mode, and when no document is left to train on."""
     t0 = time.time()
-    opts = {"thinking": cfg.thinking, "turns": cfg.turns, "empty_think": cfg.empty_think, "vocab_size": vocab_size}
-    stream = tokenize_stream(iter_records(paths, cfg.max_docs), cfg.tokenizer, opts, workers_for(cfg), cfg.chunk_docs)
+    opts = {"thinking": cfg.thinking, "turns": cfg.turns, "empty_think": cfg.empty_think, "vocab_size": len(tok)}
+    stream = tokenize_stream(iter_records(paths, cfg.max_docs), tok.name_or_path, opts, workers_for(cfg),
+                             cfg.chunk_docs)
     packer = Packer(cfg.seq_len, cfg.open_rows)
     stats, tally, pending, entries = Counter(), Tally(cfg.strict, skip_log), [], []
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from dflash_offline.config import VerifyConfig, config_from_argv, shard_list
 from dflash_offline.devices import pick_device
-from dflash_offline.manifest import committed, read_manifest, sha256_file, update_manifest
+from dflash_offline.manifest import HASH_THREADS, committed, read_manifest, sha256_file, update_manifest
 from dflash_offline.progress import log, private_compile_caches, unbuffered
 
 FP8_REL_TOL = 0.06  # e4m3 keeps 3 mantissa bits: per-element rounding ≤ 6.25 %, RMS ≈ 2–3 %
@@ -43,7 +43,6 @@ FP8_REL_TOL = 0.06  # e4m3 keeps 3 mantissa bits: per-element rounding ≤ 6.25 
 # bf16 recompute's noise (≤ 2 %, added in quadrature). A row altered by less than ~10 % hides in FP4's own rounding.
 FP4_REL_TOL = 0.15
 QUANT_REL_TOL = {"bf16": 0.0, "fp8": FP8_REL_TOL, "fp4": FP4_REL_TOL}  # the least tol each encoding is held to
-HASH_THREADS = 8  # files hashed at once: enough to keep a disk (or a network filesystem) busy, bounded memory
 ROW_FILL = (("input_ids", 0), ("position_ids", 0), ("doc_ids", -1))  # token columns, value of a padding row
 
 

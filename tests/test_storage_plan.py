@@ -19,9 +19,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def small_plan(gpus=8, quant="bf16", rows=10, seq_len=128, free=10**12, fits=True, epochs=2.0, gpu=True,
-               projected_from=0, shards="2/2", **kw):
-    rate = storage.rates(layer_params=storage.EXTRACT_LAYER_PARAMS, drafter=storage.TRAIN_DRAFTER,
-                         seq_len=storage.TRAIN_SEQ_LEN)
+               projected_from=0, shards="2/2", rate=None, **kw):
+    rate = rate or storage.rates(layer_params=storage.EXTRACT_LAYER_PARAMS, drafter=storage.TRAIN_DRAFTER,
+                                 seq_len=storage.TRAIN_SEQ_LEN)
     return storage.storage_plan(rows=rows, seq_len=seq_len, doc_tokens=rows * seq_len - 7, k=3, hidden=64,
                                 quant=quant, need=rows * seq_len * 384, shards=shards, free=free, fits=fits,
                                 min_free_gb=2.0, allow_overfill=False, gpus=gpus, epochs=epochs, rate=rate, gpu=gpu,
@@ -103,10 +103,31 @@ def test_epochs_come_from_the_recipes_train_table():
     assert storage.plan_epochs(None, 800, 4096, 8) is None and storage.recipe_train(None) is None
 
 
+def test_regen_and_verify_are_in_the_plan_and_regen_gpu_hours_need_a_given_engine_rate():
+    rate = storage.rates(layer_params=storage.EXTRACT_LAYER_PARAMS, drafter=storage.TRAIN_DRAFTER,
+                         seq_len=storage.TRAIN_SEQ_LEN, regen_tok_s=2000)
+    assert rate["regen"] == {"tok_s": 2000, "source": "given"}
+    kw = dict(answer_tokens=7_200_000, verify_rows=4)
+    without, given = small_plan(**kw), small_plan(rate=rate, **kw)
+    assert "regen" not in without["gpu_hours"] and given["gpu_hours"]["regen"] == pytest.approx(1.0)  # 7.2M / 2000 / 3600
+    assert "--plan_regen_tok_s=R" in storage.regen_line(without)
+    assert storage.regen_line(given).endswith(": 1.0 GPU-h (8 min on 8)")
+    line = storage.gpu_hours_line(given, None)
+    assert line.startswith("GPU-hours: regen 1.0 (8 min on 8), extract ") and "GPU-h without regen" not in line
+    assert "GPU-h without regen" in storage.gpu_hours_line(without, None)
+    # verify recomputes its rows at the extraction rate, and re-hashes the chosen encoding's bytes
+    assert given["gpu_hours"]["verify"] == pytest.approx(4 * 128 / rate["extract"]["tok_s"] / 3600)
+    assert given["verify"]["bytes"] == given["encodings"]["bf16"]["total_bytes"]
+    mine = small_plan(hashing=storage.hash_rate(0.5), **kw)
+    assert mine["verify"]["hash_h"] == pytest.approx(10 * 128 * 384 / 0.5e9 / 3600)
+    assert "at 0.5 GB/s (given)" in storage.verify_line(mine, None)
+
+
 def test_on_cpu_the_plan_prints_no_gpu_figures():
     text = "\n".join(storage.render(small_plan(gpu=False), Path("c"), cpu_estimate_min=0.5))
     assert "n/a on CPU" in text and "30 s on this CPU" in text
-    assert "GB/s" not in text and "H200 (" not in text and "GPU-h," not in text
+    assert "training reads" not in text and "H200 (" not in text and "GPU-h," not in text
+    assert "GB/s" not in "\n".join(line for line in text.splitlines() if "verify: re-hashes" not in line)
 
 
 def test_a_27b_plan_from_shapes_alone(tmp_path, capsys):
@@ -123,10 +144,13 @@ def test_a_27b_plan_from_shapes_alone(tmp_path, capsys):
     assert rate["extract"]["source"] == "measured" and rate["train"]["source"] == "scaled"
     assert 18_000 < rate["train"]["tok_s"] < 20_000  # rows of 4096: ≈ half the FLOPs per token of rows of 2048
     rows = 390_625  # × 4096 = 1.6B tokens
+    # 16 rows a shard: 24,414 full shards and one of 1 row; verify recomputes 2 rows of each. 1,500 answer tokens of
+    # each of 800K samples of 2,000 tokens (docs/full-run.md's assumption)
     p = storage.storage_plan(rows=rows, seq_len=4096, doc_tokens=rows * 4000, k=5, hidden=5120, quant="bf16",
                              need=rows * 4096 * 51_200, shards="24,415/24,415", free=50 * 10**12, fits=False,
                              min_free_gb=2.0, allow_overfill=False, gpus=8,
-                             epochs=storage.plan_epochs(train, rows, 4096, 8), rate=rate, gpu=True)
+                             epochs=storage.plan_epochs(train, rows, 4096, 8), rate=rate, gpu=True,
+                             answer_tokens=1_200_000_000, verify_rows=24_414 * 2 + 1)
     assert p["encodings"]["bf16"]["total_bytes"] == 81_920_000_000_000
     assert p["encodings"]["fp8"]["total_bytes"] == 40_992_000_000_000
     assert p["encodings"]["fp8 k=2560"]["bytes_per_token"] == 12_820  # a quarter of bf16's, + the scales
@@ -137,7 +161,11 @@ def test_a_27b_plan_from_shapes_alone(tmp_path, capsys):
     print("\n".join(lines))
     text = "\n".join(lines)
     assert "81.9 TB" in text and "41.0 TB" in text and "a real run is refused (--allow_overfill=1" in text
-    assert "GPU-hours: extract 36.9 (4.6 h on 8), train 6 epochs" in text
+    assert "GPU-hours: extract 36.9 (4.6 h on 8), verify 4.6 (on 1), train 6 epochs 142.7 (17.8 h on 8); total " \
+           "184.2 GPU-h without regen" in text
+    # verify: the whole cache re-hashed at SHA-256's rate × 8 threads (81.9 TB / 8 GB/s), 48,829 rows recomputed
+    assert "verify: re-hashes 81.9 TB (2.8 h at 8 GB/s = 8 threads × SHA-256" in text and "recomputes 48,829 rows" in text
+    assert "regen: 1,200,000,000 answer tokens" in text and "--plan_regen_tok_s=R" in text
     assert "extract 12,045 row tok/s per H200 (measured at Qwen3.5-27B shapes" in text
     assert re.search(rf"train 1[89],\d{{3}} context tok/s per H200 \(estimate: {storage.TRAIN_TOK_S:,} measured at the 27B drafter", text)
 
@@ -217,7 +245,7 @@ def test_the_dry_run_plan_on_cpu_uses_the_real_token_counts(tmp_path, qwen35_dir
     m = tokenize.dry_run(tok)
     rows = sum(s["rows"] for s in m["shards"])
     assert f"storage plan: {rows:,} rows × 128 = {rows * 128:,} tokens" in out
-    assert "GPU-hours: extract n/a on CPU" in out and "GB/s" not in out
+    assert "GPU-hours: extract n/a on CPU" in out and "training reads" not in out and "/s per H200" not in out
     # the token cache is not on disk yet: what its 13 bytes a token will take counts in what the run writes
     token_bytes = rows * 128 * storage.token_bytes_per_token()
     assert storage.token_bytes_per_token() == 13
