@@ -44,13 +44,13 @@ def run_info(run_dir: Path) -> dict:
 def export_for_eval(export_dir: str, step: int, run_dir: Path, log) -> Path:
     """The export directory to measure: `export_dir` (`--export`) as it is when it holds an export of this run, else a
     fresh export of the run's checkpoint `step` (`--step`, -1 = the latest) into `export_dir` or RUN/eval-export."""
-    from .export import PROVENANCE, export
+    from .export import PROVENANCE, export, provenance_paths
 
     d = Path(export_dir) if export_dir else run_dir / "eval-export"
     if export_dir and (d / PROVENANCE).is_file():
         prov = json.loads((d / PROVENANCE).read_text())
-        if Path(prov.get("run", "")).resolve() != run_dir.resolve():
-            raise ValueError(f"{d} is an export of run {prov.get('run')}, not of RUN={run_dir}: pass that RUN=")
+        if (its := provenance_paths(d, prov)["run"]) != run_dir.resolve():
+            raise ValueError(f"{d} is an export of run {its}, not of RUN={run_dir}: pass that RUN=")
         if step >= 0 and prov.get("step") != step:
             raise ValueError(f"{d} holds step {prov.get('step')}, not --step={step} (make STEP=): leave EXPORT= "
                              f"empty to export step {step}, or drop STEP=")

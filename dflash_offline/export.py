@@ -7,7 +7,7 @@
 | `config.json` | a Qwen3Config (`model_type` "qwen3", `architectures` ["DFlashDraftModel"], `auto_map` AutoModel → `dflash.DFlashDraftModel`) with the drafter's shapes, `block_size`, `dflash_config` {mask_token_id, mask_token (the target tokenizer's string for it, which SGLang checks), target_layer_ids, block_size}, `num_target_layers`, `layer_types`, sliding window, RoPE (`rope_parameters` and the legacy `rope_theta`) and `max_position_embeddings` of the target |
 | `model.safetensors` | exactly the drafter's tensors under the z-lab names (`fc.weight`, `hidden_norm.weight`, `norm.weight`, `layers.{i}.…`), in `dtype`; never the target's embedding or lm_head |
 | `dflash.py` | the modeling file `auto_map` names (a copy of `dflash_offline/zlab_dflash.py`: torch + transformers only) |
-| `dflash_export.json` | provenance: run, step, checkpoint, dtype, target, sha256 of the weights (and the projection a run on projected taps was folded with) |
+| `dflash_export.json` | provenance: run, step, checkpoint, dtype, target, sha256 of the weights (and the projection a run on projected taps was folded with); no absolute path of the exporting machine: the run relative to the export, the target (a hub id as named) and the projection's cache relative to the run (`provenance_paths` reads them back) |
 
 A run trained on a projected cache (`[extract] project_dims`, `projection.py`) has an fc' of k inputs a tap: its
 export folds it with the cache's P (the file checked against the manifest and against the SHA-256 the run recorded)
@@ -218,7 +218,34 @@ def _same_run(out: Path, run_dir: Path) -> bool:
         prov = json.loads((out / PROVENANCE).read_text())
     except (OSError, ValueError):
         return False
-    return prov.get("format") == FORMAT and prov.get("run") == str(run_dir)
+    return prov.get("format") == FORMAT and provenance_paths(out, prov)["run"] == run_dir
+
+
+def _relative(path: str | Path, start: Path) -> str:
+    return os.path.relpath(Path(path).resolve(), start)
+
+
+def provenance(run_dir: Path, out: Path, target: str, target_dir: Path, projection: dict | None) -> dict:
+    """The paths `dflash_export.json` records, none absolute: the run relative to the export directory `out`; the
+    target as the run named it when that is a hub id, else its directory relative to the run; the projection's cache
+    relative to the run."""
+    from dflash_offline.targetid import is_hub_id
+
+    hub = is_hub_id(target) and not Path(target).expanduser().is_dir()
+    paths = {"run": _relative(run_dir, out), "target": target if hub else _relative(target_dir, run_dir)}
+    if projection:
+        paths["projection"] = dict(projection, cache=_relative(projection["cache"], run_dir)) \
+            if projection.get("cache") else projection
+    return paths
+
+
+def provenance_paths(export_dir: Path, prov: dict) -> dict:
+    """{"run": the run's directory, "target": the target's directory or hub id} read back from an export's
+    provenance (an absolute path in an older export is taken as it is)."""
+    run = (Path(export_dir) / prov.get("run", "")).resolve()
+    target = prov.get("target") or ""
+    local = run / target
+    return {"run": run, "target": str(local.resolve()) if target and local.exists() else target}
 
 
 def _check_out(out: Path, run_dir: Path, force: bool) -> None:
@@ -300,11 +327,10 @@ def export(run_dir, out_dir, step: int | None = None, dtype: str = "bfloat16", t
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (tmp / MODELING_FILE).write_text(modeling_source())
-        prov = {"format": FORMAT, "format_version": FORMAT_VERSION, "run": str(run_dir), "step": meta.get("step"),
+        prov = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": meta.get("step"),
                 "checkpoint": ckpt.name, "checkpoint_time": meta.get("time"), "dtype": dtype,
-                "target": tgt["path"], "drafter": dataclasses.asdict(dc),
-                "weights_sha256": sha256_file(tmp / "model.safetensors"),
-                **({"projection": projection} if projection else {})}
+                "drafter": dataclasses.asdict(dc), "weights_sha256": sha256_file(tmp / "model.safetensors"),
+                **provenance(run_dir, out, tgt_name, Path(tgt["path"]), projection)}
         (tmp / PROVENANCE).write_text(json.dumps(prov, indent=1, sort_keys=True) + "\n")
         for name in FILES:
             os.chmod(tmp / name, 0o644)  # safetensors writes 0600; exports are meant to be served and shared

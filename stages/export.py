@@ -13,15 +13,15 @@ import json
 from pathlib import Path
 
 from dflash_offline.config import configs_from_argv
-from dflash_offline.export import ExportConfig, export, usage
+from dflash_offline.export import PROVENANCE, ExportConfig, export, provenance_paths, usage
 
 
 def run(cfg: ExportConfig) -> Path:
     out = export(cfg.run, cfg.out, step=None if cfg.step < 0 else cfg.step, dtype=cfg.dtype, target=cfg.target,
                  force=cfg.force)
-    prov = json.loads((out / "dflash_export.json").read_text())
+    prov = json.loads((out / PROVENANCE).read_text())
     print(f"exported {Path(cfg.run)} step {prov['step']} ({cfg.dtype}) -> {out}")
-    for line in usage(out, prov["drafter"], prov["target"]):
+    for line in usage(out, prov["drafter"], provenance_paths(out, prov)["target"]):
         print("  " + line)
     return out
 

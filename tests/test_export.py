@@ -18,7 +18,7 @@ from dflash_offline.anchors import block_input_ids, block_position_ids
 from dflash_offline.checkpoint import save_checkpoint
 from dflash_offline.config import TrainConfig
 from dflash_offline.drafter import DFlashDrafter, DrafterConfig, load_target_embeddings
-from dflash_offline.export import ExportError, export, usage
+from dflash_offline.export import ExportError, export, provenance, provenance_paths, usage
 from dflash_offline.target import read_target_info
 
 REPO = Path(__file__).resolve().parents[1]
@@ -163,7 +163,7 @@ def test_reexport_is_idempotent_and_foreign_outputs_are_refused(trained_run, tmp
     with pytest.raises(ExportError, match="export of another run"):
         export(other, out)
     export(other, out, force=True)
-    assert json.loads((out / "dflash_export.json").read_text())["run"] == str(other.resolve())
+    assert json.loads((out / "dflash_export.json").read_text())["run"] == "../other"  # relative to the export
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
@@ -178,6 +178,44 @@ def test_reexport_is_idempotent_and_foreign_outputs_are_refused(trained_run, tmp
         export(tmp_path / "nope", tmp_path / "y")
     with pytest.raises(ExportError, match="dtype"):
         export(trained_run, tmp_path / "z", dtype="int8")
+
+
+def test_the_provenance_holds_no_path_of_the_exporting_machine_and_survives_a_move(tmp_path, qwen35_dir):
+    """dflash_export.json is shipped with the drafter: the run is recorded relative to the export, the target
+    relative to the run (a hub id as named), so the file names no absolute path, and a run moved together with its
+    export is still recognised as the export's run (re-export in place, eval's EXPORT=)."""
+    from dflash_offline.evaluation import export_for_eval
+
+    run, _ = fake_run(tmp_path / "site" / "runs" / "a", qwen35_dir)
+    out = export(run, tmp_path / "site" / "export" / "a")
+    prov = json.loads((out / "dflash_export.json").read_text())
+    strings = [v for v in prov.values() if isinstance(v, str)]
+    assert not [v for v in strings if v.startswith("/") or str(tmp_path) in v], prov
+    assert prov["run"] == "../../runs/a" and prov["target"] == os.path.relpath(qwen35_dir.resolve(), run.resolve())
+    assert provenance_paths(out, prov) == {"run": run.resolve(), "target": str(qwen35_dir.resolve())}
+    (tmp_path / "site").rename(tmp_path / "moved")
+    run, out = tmp_path / "moved" / "runs" / "a", tmp_path / "moved" / "export" / "a"
+    export(run, out)  # still an export of this run: replaced, not refused
+    assert export_for_eval(str(out), -1, run, log=lambda m: None) == out
+    with pytest.raises(ValueError, match="is an export of run .*moved/runs/a, not of RUN="):
+        export_for_eval(str(out), -1, fake_run(tmp_path / "b", qwen35_dir)[0], log=lambda m: None)
+    # a target named by hub id is recorded as that id, not as the snapshot directory it resolved to
+    hub = provenance(run, out, "Qwen/Qwen3.6-27B", tmp_path / "hf" / "snapshots" / "abc", None)
+    assert hub == {"run": "../../runs/a", "target": "Qwen/Qwen3.6-27B"}
+
+
+def test_docs_serving_gives_the_command_lines_make_export_prints_for_a_qwen36_27b_export(tmp_path):
+    """docs/serving.md's vLLM and SGLang lines for the Qwen3.6-27B recipe are `usage`'s, as `make export` prints them
+    (vLLM: num_speculative_tokens = block_size - 1 = 15, the V2 runner for the mixed sliding/full layers)."""
+    from test_recipes import QWEN36_27B, resolved_drafter, target_dir
+
+    drafter = dataclasses.asdict(resolved_drafter("qwen3.6-27b", target_dir(tmp_path / "t", QWEN36_27B)))
+    vllm, sglang, _ = (line.split(" ", 1)[1].strip() for line in
+                       usage(Path("export/q36-dflash"), drafter, "/ckpt/Qwen3.6-27B"))
+    assert json.loads(vllm.split("'")[1])["num_speculative_tokens"] == drafter["block_size"] - 1 == 15
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text().splitlines()
+    assert vllm in doc and vllm.startswith("VLLM_USE_V2_MODEL_RUNNER=1 vllm serve /ckpt/Qwen3.6-27B ")
+    assert sglang.removesuffix(" [--speculative-dflash-block-size 16]") in doc
 
 
 # --- synthetic runs (no training): sliding window, cache, speculative decoding, CLI ----------------------------
