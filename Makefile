@@ -15,6 +15,8 @@ DRY_RUN ?=
 ROWS ?=
 OUT ?=
 THINKING ?=
+ENGINE ?=
+MODEL ?=
 STEP ?=
 DTYPE ?=
 PROMPTS ?=
@@ -101,8 +103,8 @@ verify: setup  ## re-hash every shard of CACHE= and recompute sampled rows with 
 train: setup  ## train a drafter on CACHE= into RUN= (RESUME=1 continues it; NPROC= processes)
 	$(LAUNCH) stages.train --recipe=$(RECIPE) --cache=$(CACHE) --run=$(RUN) --resume=$(RESUME) $(ARGS)
 
-regen: setup  ## regenerate the corpus's assistant answers with the target (TARGET=, CORPUS=, OUT=, THINKING=on|off)
-	$(PYTHON) -m stages.regen --target=$(TARGET) --corpus=$(CORPUS) --out=$(OUT) --thinking=$(THINKING)
+regen: setup  ## the target's answers to CORPUS='s prompts (or in place of its answers) into OUT=: TARGET= here, or ENGINE=http://host:port/v1 MODEL= through a vLLM/SGLang server (THINKING=on|off)
+	$(PYTHON) -m stages.regen --target=$(TARGET) --engine=$(ENGINE) --model=$(MODEL) --corpus=$(CORPUS) --out=$(OUT) --thinking=$(THINKING) $(ARGS)
 
 export: setup  ## z-lab-format drafter (config.json, model.safetensors, dflash.py) from RUN= into OUT= (STEP=, DTYPE=)
 	$(PYTHON) -m stages.export --run=$(RUN) --out=$(OUT) --step=$(STEP) --dtype=$(DTYPE) $(ARGS)

@@ -86,8 +86,9 @@ class RecordError(Exception):
 # --- validation ----------------------------------------------------------------------------------------------
 
 
-def validate_messages(obj: dict, counts: Counter | None = None) -> list[dict]:
-    """The record's messages in the form templates take; `counts` tallies tool arguments parsed from strings."""
+def validate_messages(obj: dict, counts: Counter | None = None, answered: bool = True) -> list[dict]:
+    """The record's messages in the form templates take; `counts` tallies tool arguments parsed from strings.
+    `answered=False` accepts a conversation without an assistant turn (a prompt, for `make regen`)."""
     if "messages" not in obj:
         raise RecordError("missing_messages", f"keys {sorted(obj)[:6]}; expected 'messages' (or input_ids+loss_mask)")
     msgs = obj["messages"]
@@ -96,7 +97,7 @@ def validate_messages(obj: dict, counts: Counter | None = None) -> list[dict]:
     if not msgs:
         raise RecordError("empty_conversation", "'messages' is an empty list")
     out = [validate_message(m, i, counts if counts is not None else Counter()) for i, m in enumerate(msgs)]
-    if not any(m["role"] == "assistant" for m in out):
+    if answered and not any(m["role"] == "assistant" for m in out):
         raise RecordError("no_assistant_turn", "nothing to learn from: the conversation has no assistant message")
     return out
 

@@ -1,98 +1,87 @@
 """Regenerate the assistant answers of a chat corpus with the target itself (self-distillation data).
 
-    python -m stages.regen --target=DIR --corpus=a.jsonl,b/*.parquet [--out=FILE.jsonl] [--max_new_tokens=2048]
-        [--batch_size=16] [--thinking=on|off] [--num_docs=N] [--device=auto|cpu|cuda|cuda:N] [--dtype=auto|...]
-        [--keep=first_turn|all_turns] [--on_truncated=keep|drop] [--on_empty=drop|keep] [--temperature=0 --top_p=1]
-    make regen TARGET=DIR CORPUS='data/*.jsonl' [OUT=regen/x.jsonl]
+    make regen TARGET=DIR CORPUS='data/*.jsonl' [OUT=regen/x.jsonl] [THINKING=on|off]   # transformers, here
+    make regen ENGINE=http://host:8000/v1 MODEL=NAME CORPUS=... OUT=...   # an OpenAI-compatible server (vLLM, SGLang)
+    python -m stages.regen --corpus=FILES (--target=DIR | --engine=URL --model=NAME) [--key=value ...]
 
-A DFlash drafter learns to predict what *the target* would write next, so it should be trained on the target's own
-answers rather than on the corpus's (written by people or other models). This stage keeps every prompt and replaces
-the answer with the target's greedy decode (or, with `--temperature` > 0, a sample):
+A DFlash drafter learns to predict what *the target* would write next, so it trains on the target's own answers.
+A prompt (a chat record without an assistant turn, ending in a user or tool turn) gets the target's answer appended.
+A conversation keeps its prompt turns verbatim and gets its first assistant turn replaced, later turns dropped
+(--keep=all_turns: every one replaced, and an answer appended when it ends in a user or tool turn). The chat is
+rendered with the target's chat template (`enable_thinking` from --thinking, the record's `tools` passed); reasoning
+goes to `reasoning_content`; a `regen` key records the source `file:line`, the index in the corpus stream, each turn's
+finish reason ("length": hit --max_new_tokens, truncated) and tokens generated. Malformed records are skipped, counted
+with their `file:line`; a corpus with no usable record is an error (exit status 2, the counts by reason).
 
-- For each chat record, the prompt is the conversation up to (not including) the first assistant turn. It is
-  rendered with the target tokenizer's chat template (`add_generation_prompt=True`, `enable_thinking` set explicitly
-  from `--thinking`; a record-level `tools` list is passed to the template) and decoded greedily by the target
-  (`AutoModelForCausalLM`, batches of `--batch_size` prompts, left padding). Generation stops at `<|im_end|>` or at
-  any eos of the target's `generation_config`.
-- The output record is the input record with its `messages` replaced: the prompt turns exactly as they were in the
-  input (system/user/tool messages untouched), then an assistant turn whose `content` is the generated text. A
-  `<think>…</think>` block (also one opened by the template itself) goes to `reasoning_content`. Tool calls stay in
-  `content` as the text the target wrote (`<tool_call>…</tool_call>`), so they render to the same tokens. Other
-  top-level keys of the record are kept; a `regen` key records the source `file:line`, its index in the corpus
-  stream, the finish reason(s) (`stop` / `length`) and the number of generated tokens.
-- `--keep=first_turn` (default): only the first assistant turn is regenerated; every later turn is dropped (the
-  following user turns answered the *original* reply, which is gone). `--keep=all_turns`: every assistant turn is
-  regenerated in order, each conditioned on the regenerated turns before it and on the original user/tool turns
-  (a tool result that answered an original tool call is kept as is, even if the new reply calls no tool).
-- Failures are counted, never silent: malformed records (bad JSON, no messages, no assistant turn, ...) are skipped
-  with their `file:line`; a conversation that starts with an assistant turn has no prompt (`no_prompt`); a prompt
-  longer than the target's context minus `--max_new_tokens` is skipped (`prompt_too_long`). A generation that hits
-  `--max_new_tokens` without an eos is `truncated` (`--on_truncated=keep` (default) writes it, `drop` drops the
-  record); an empty generation is `empty` (`--on_empty=drop` (default) drops the record).
-
-Output: `OUT` (JSONL chat records, appended and flushed + fsynced per batch) and `OUT.stats.json` (the counts, see
-below; also logged once at the end). Rerunning with the same `--out` resumes: `OUT.stats.json` is the commit point
-(input records consumed, lines written); lines past it (a batch cut off by a crash) are cut and redone, records
-already written are skipped, nothing is written twice. A resume with different generation settings (target,
-corpus, thinking, max_new_tokens, keep, on_truncated, on_empty) is refused, naming the field. The last line printed
-is the output path. The output feeds stage 1: `make extract CORPUS=OUT TARGET=...` (tokenize it with the same
-`thinking` choice you regenerated with).
-
-Stats fields (`OUT.stats.json`): `records_read` (input records consumed), `written` (output records),
-`skipped` (reason → count) and `skip_examples` (the first 20 as `file:line: reason: detail`), `turns_generated`,
-`truncated` / `truncated_dropped`, `empty` / `empty_dropped`, `prompt_tokens`, `new_tokens`, `elapsed_s`,
-`new_tokens_per_s`, `complete`, and `config` (the settings, to refuse an inconsistent resume).
-
-At scale (millions of prompts), serve the target with vLLM or SGLang instead and write the same JSONL: the commands
-and a complete asynchronous client are in the docstring of `dflash_offline/regen.py`.
+Output: OUT (JSONL, in input order) and OUT.stats.json (counts; the resume point: rerun the same command to resume,
+nothing is asked or written twice; other settings are refused). --heldout_every=N sets about 1 record in N aside (by
+SHA-256 of its first user turn), unanswered, for `make eval`. Then: `make extract CORPUS=OUT`. docs/data.md
+("Regenerated data") has the record format, the stats fields and the engine setup.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
+import typing
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
+from dflash_offline import engine
+from dflash_offline.config import field_help
 from dflash_offline.corpus import check_tokenizer, expand_paths
 from dflash_offline.devices import check_setting, pick_device
 from dflash_offline.progress import Progress, log, run_cli, unbuffered
 from dflash_offline.regen import (
-    Regenerator,
-    Tally,
-    append_records,
+    Job,
+    Writer,
     batches,
+    check_usable,
     commit,
     count_records,
-    load_model,
-    pick_dtype,
+    entries,
     resume_state,
     settings_digest,
+    stats_path,
     summary,
 )
+from dflash_offline.regen_local import Regenerator, load_model, pick_dtype
 from dflash_offline.targetid import resolve_checkpoint
 
 # --- config --------------------------------------------------------------------------------------------------
 
+ENGINE_ONLY = ("model", "concurrency", "timeout_s", "retries", "backoff_s")
+LOCAL_ONLY = ("batch_size", "device", "dtype")
+
 
 @dataclass
 class RegenConfig:
-    target: str  # target checkpoint directory (tokenizer + chat template + weights)
-    corpus: list[str]  # chat JSONL / Parquet / Arrow files or globs
-    out: str = ""  # output JSONL ("" → regen/<target name>-thinking_<on|off>.jsonl)
-    max_new_tokens: int = 2048  # generation budget per assistant turn
-    batch_size: int = 16  # prompts per generate call (left padded)
+    corpus: list[str]  # chat JSONL / Parquet / Arrow files or globs, comma separated: prompts or conversations
+    target: str = ""  # checkpoint directory that answers here (transformers); with --engine, the default --model
+    out: str = ""  # output JSONL ("" → regen/<target or model name>-thinking_<on|off>.jsonl)
+    engine: str = ""  # base URL of an OpenAI-compatible server, e.g. http://host:8000/v1 ("" = answer here)
+    model: str = ""  # engine: the model name the server serves ("" = --target)
+    concurrency: int = 64  # engine: requests in flight
+    timeout_s: float = 600.0  # engine: seconds a request may take before it is retried
+    retries: int = 6  # engine: retries of a request after a 429, 5xx, timeout or lost connection
+    backoff_s: float = 1.0  # engine: wait before the first retry (doubling, at most 60 s)
+    max_new_tokens: int = 2048  # generation budget per assistant turn (the engine's max_tokens)
+    batch_size: int = 16  # local: prompts per generate call (left padded)
     thinking: str = "on"  # on | off: `enable_thinking` passed to the chat template
     num_docs: int = 0  # stop after this many input records (0 = all)
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32
-    keep: str = "first_turn"  # first_turn | all_turns
+    device: str = "auto"  # local: auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # local: auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32
+    keep: str = "first_turn"  # first_turn | all_turns: which assistant turns of a conversation are regenerated
     on_truncated: str = "keep"  # keep | drop a record whose generation hit max_new_tokens without an eos
     on_empty: str = "drop"  # drop | keep a record whose generation is empty
-    temperature: float = 0.0  # 0 = greedy; > 0 samples at this temperature (seeded per batch: a resume is exact)
+    temperature: float = 0.0  # 0 = greedy; > 0 samples at this temperature (seeded per batch or record)
     top_p: float = 1.0  # nucleus sampling mass (with temperature > 0)
     seed: int = 0  # sampling seed
+    heldout_every: int = 0  # hold out 1 record in N (by SHA-256 of its first user turn), unanswered (0 = none)
+    heldout_out: str = ""  # held-out records' JSONL ("" → OUT's name with .heldout.jsonl)
     progress: bool = True  # show the progress bar
 
     def resolve(self) -> RegenConfig:
@@ -102,39 +91,50 @@ class RegenConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {', '.join(allowed)}")
-        if not self.target:
-            raise ValueError("no target: pass --target=DIR (TARGET= in make), the checkpoint that answers")
         if not self.corpus:
             raise ValueError("no corpus: pass --corpus=FILES (CORPUS= in make; paths and globs, comma separated)")
-        if self.max_new_tokens < 1 or self.batch_size < 1 or self.num_docs < 0:
-            raise ValueError("max_new_tokens and batch_size must be >= 1, num_docs >= 0")
+        if not self.target and not (self.engine and self.model):
+            raise ValueError("nothing answers: pass --target=DIR (TARGET= in make) to answer here, or --engine=URL "
+                             "--model=NAME (ENGINE=, MODEL=) for a server")
+        if min(self.max_new_tokens, self.batch_size, self.concurrency) < 1 or min(self.num_docs, self.retries) < 0:
+            raise ValueError("max_new_tokens, batch_size and concurrency must be >= 1, num_docs and retries >= 0")
         if not (self.temperature >= 0 and 0 < self.top_p <= 1):
             raise ValueError(f"temperature={self.temperature}, top_p={self.top_p}: expected temperature >= 0 (0 = "
                              f"greedy) and 0 < top_p <= 1")
+        if self.heldout_every == 1 or self.heldout_every < 0:
+            raise ValueError(f"heldout_every={self.heldout_every}: expected 0 (none) or N >= 2 (1 record in N)")
+        if self.engine:
+            url = urlparse(self.engine)
+            if url.scheme not in ("http", "https") or not url.netloc or url.path in ("", "/"):
+                raise ValueError(f"engine={self.engine!r}: expected the server's base URL, e.g. "
+                                 f"http://host:8000/v1 (vLLM and SGLang serve the API under /v1)")
+            self.model = self.model or self.target
         check_setting(self.device, "device")
         if not self.out:
-            name = Path(self.target.rstrip("/")).name or "target"
+            name = Path((self.model or self.target).rstrip("/")).name or "target"
             self.out = str(Path("regen") / f"{name}-thinking_{self.thinking}.jsonl")
+        if self.heldout_every and not self.heldout_out:
+            self.heldout_out = str(Path(self.out).with_suffix("")) + ".heldout.jsonl"
         return self
 
 
 def config_record(cfg: RegenConfig, paths: list[Path], dtype: str) -> dict:
     """The run's settings, as the stats record them (`RESUME_FIELDS` of them are checked on a resume); `dtype`: the
-    one the target decodes in."""
-    return {"target": str(Path(cfg.target).resolve()), "corpus": [str(p.resolve()) for p in paths],
+    one the target decodes in ("engine" when a server answers)."""
+    target = cfg.model if cfg.engine else str(Path(cfg.target).resolve())
+    sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed}
+    if not cfg.engine:
+        sampling["batch_size"] = cfg.batch_size  # (the seed of a batch is its first record's)
+    conf = {"target": target, "corpus": [str(p.resolve()) for p in paths],
             "corpus_bytes": [p.stat().st_size for p in paths], "thinking": cfg.thinking,
             "max_new_tokens": cfg.max_new_tokens, "keep": cfg.keep, "on_truncated": cfg.on_truncated,
-            "on_empty": cfg.on_empty, "num_docs": cfg.num_docs, "batch_size": cfg.batch_size, "dtype": dtype,
-            **sampling_record(cfg)}
-
-
-def sampling_record(cfg: RegenConfig) -> dict:
-    """The sampling settings (none for greedy decoding, whose records and resume checks stay as they were); a
-    sampled run also fixes its batch size (the seed of a batch is its first record's)."""
-    if cfg.temperature <= 0:
-        return {}
-    return {"sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed,
-                         "batch_size": cfg.batch_size}}
+            "on_empty": cfg.on_empty, "num_docs": cfg.num_docs, "dtype": dtype,
+            **({"engine": cfg.engine, "concurrency": cfg.concurrency} if cfg.engine else {"batch_size": cfg.batch_size})}
+    if cfg.temperature > 0:  # (absent: greedy, and the greedy runs' records and checks stay as they were)
+        conf["sampling"] = sampling
+    if cfg.heldout_every:
+        conf["heldout"] = {"every": cfg.heldout_every, "out": str(Path(cfg.heldout_out).resolve())}
+    return conf
 
 
 # --- the run -------------------------------------------------------------------------------------------------
@@ -142,52 +142,67 @@ def sampling_record(cfg: RegenConfig) -> dict:
 
 def run(cfg: RegenConfig, model=None, tokenizer=None) -> dict:
     """Regenerate; returns the stats. `model`/`tokenizer` may be passed in (tests) instead of loaded."""
-    from transformers import AutoTokenizer
-
     t0 = time.time()
     cfg.resolve()
-    # everything cheap is checked before any weight loads
-    paths = expand_paths(cfg.corpus)
-    if model is None:
-        resolve_checkpoint(cfg.target, need=("config", "weights", "tokenizer"), field="regen --target")
-    tok = tokenizer or AutoTokenizer.from_pretrained(cfg.target)
-    check_tokenizer(tok)
-    device = pick_device(cfg.device, "regen --device") if model is None else next(model.parameters()).device
-    out = Path(cfg.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    dtype = next(model.parameters()).dtype if model is not None else pick_dtype(cfg.dtype, device)
+    defaults = RegenConfig(corpus=[])
+    for name in LOCAL_ONLY if cfg.engine else ENGINE_ONLY:
+        if getattr(cfg, name) != getattr(defaults, name) and not (name == "model" and cfg.model == cfg.target):
+            log(f"warning: --{name} is ignored {'with' if cfg.engine else 'without'} --engine")
+    paths = expand_paths(cfg.corpus)  # everything cheap is checked before any weight loads or request is sent
+    out, heldout = Path(cfg.out), Path(cfg.heldout_out) if cfg.heldout_every else None
+    if cfg.engine:
+        client = engine.Client(cfg.engine, cfg.model, cfg.timeout_s, cfg.retries, cfg.backoff_s)
+        client.check()
+        dtype, device = "engine", None
+    else:
+        from transformers import AutoTokenizer
+
+        if model is None:
+            resolve_checkpoint(cfg.target, need=("config", "weights", "tokenizer"), field="regen --target")
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(cfg.target)
+        check_tokenizer(tokenizer)
+        device = pick_device(cfg.device, "regen --device") if model is None else next(model.parameters()).device
+        dtype = next(model.parameters()).dtype if model is not None else pick_dtype(cfg.dtype, device)
     conf = config_record(cfg, paths, str(dtype).removeprefix("torch."))
-    state = resume_state(out, conf)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    files = [out, stats_path(out), Path(f"{out}.answers.jsonl")] + ([heldout] if heldout else [])
+    state = resume_state(out, conf, heldout)
     n = count_records(paths)
     total = min(cfg.num_docs, n) if cfg.num_docs and n is not None else (cfg.num_docs or n)
-    if total is not None and state["records_read"] >= total:
+    if total is not None and state["records_read"] >= total and state["records_read"]:
         log(f"{out}: all {total} records already done")
-        return commit(out, conf, state, state["elapsed_s"], complete=True)
+        st = commit(out, conf, state, state["elapsed_s"], complete=True)
+        check_usable(st, cfg.corpus, files)
+        return st
     if state["records_read"]:
         log(f"resuming {out}: {state['records_read']} input records done, {state['written']} written")
-    if model is None:
-        model = load_model(cfg.target, device, cfg.dtype)
-    tally = Tally(state)
-    target = Regenerator(model, tok, tally, cfg.max_new_tokens, cfg.thinking == "on", cfg.keep, cfg.on_truncated,
-                         cfg.on_empty, settings_digest(conf), cfg.temperature, cfg.top_p, cfg.seed)
-    how = f"sampling at temperature {cfg.temperature:g}, top_p {cfg.top_p:g}, seed {cfg.seed}" if cfg.temperature > 0 \
-        else "greedy"
-    log(f"regenerating with {type(model).__name__} on {device} ({how}), thinking={cfg.thinking}, keep={cfg.keep}, "
-        f"batch {cfg.batch_size}, max_new_tokens {cfg.max_new_tokens} → {out}")
+    digest = settings_digest(conf)
+    writer = Writer(out, heldout, conf, state)
+    items = entries(paths, state["records_read"], cfg.num_docs, cfg.keep, cfg.heldout_every)
+    how = f"temperature {cfg.temperature:g}, top_p {cfg.top_p:g}, seed {cfg.seed}" if cfg.temperature else "greedy"
     progress = Progress("regen", total, "doc", None, disable=None if cfg.progress else True)
-    progress.update(state["records_read"])
-    tg, elapsed0 = time.time(), state["elapsed_s"]
-    with open(out, "a", encoding="utf-8") as f:
-        for batch, consumed in batches(paths, state["records_read"], cfg.num_docs, cfg.batch_size, cfg.keep,
-                                       tally.skip):
-            records = target.process(batch) if batch else []
-            append_records(f, records)
-            tally.counts["written"] += len(records)
-            progress.update(consumed - tally.counts["records_read"], tokens=sum(sum(j.new_tokens) for j in batch))
-            tally.counts["records_read"] = consumed
-            commit(out, conf, tally.into(state), elapsed0 + time.time() - tg)  # the resume point
+    if cfg.engine:
+        log(f"regenerating through {cfg.engine} (model {cfg.model}, {cfg.concurrency} requests in flight, {how}), "
+            f"thinking={cfg.thinking}, keep={cfg.keep}, max_new_tokens {cfg.max_new_tokens} → {out}")
+        progress.update(state["records_read"])
+        answer = engine.Answerer(client, cfg.max_new_tokens, cfg.thinking == "on", cfg.keep, cfg.on_truncated,
+                                 cfg.on_empty, digest, cfg.temperature, cfg.top_p, cfg.seed)
+        journal = engine.Journal(Path(f"{out}.answers.jsonl"), digest, state["records_read"])
+        engine.run_jobs(items, answer, writer, cfg.concurrency, journal, progress)
+    else:
+        model = model if model is not None else load_model(cfg.target, device, cfg.dtype)
+        target = Regenerator(model, tokenizer, cfg.max_new_tokens, cfg.thinking == "on", cfg.on_truncated,
+                             cfg.on_empty, cfg.temperature, cfg.top_p, cfg.seed)
+        log(f"regenerating with {type(model).__name__} on {device} ({how}), thinking={cfg.thinking}, keep={cfg.keep}, "
+            f"batch {cfg.batch_size}, max_new_tokens {cfg.max_new_tokens} → {out}")
+        progress.update(state["records_read"])
+        for batch in batches(items, cfg.batch_size):
+            target.process([e for e in batch if isinstance(e, Job)])
+            done, tokens = writer.put([e.result(cfg.keep, digest) if isinstance(e, Job) else e for e in batch])
+            progress.update(done, tokens=tokens)
     progress.close("done")
-    st = commit(out, conf, state, elapsed0 + time.time() - tg, complete=True)
+    st = writer.close()
+    check_usable(st, cfg.corpus, files)
     log(f"regen done in {time.time() - t0:.1f}s: {json.dumps(summary(st))}")
     return st
 
@@ -196,41 +211,31 @@ def run(cfg: RegenConfig, model=None, tokenizer=None) -> dict:
 
 
 def parse_args(argv: list[str]) -> RegenConfig:
+    """The fields of `RegenConfig` as `--name=value` options, each with its comment as help; empty = default."""
     p = argparse.ArgumentParser(prog="python -m stages.regen", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Empty values (as make passes for unset variables) mean the default.")
-    defaults = RegenConfig(target="", corpus=[])
-    p.add_argument("--target", default="", help="target checkpoint directory")
-    p.add_argument("--corpus", action="append", default=[], help="chat files or globs (comma separated, repeatable)")
-    p.add_argument("--out", default="", help="output JSONL (default regen/<target>-thinking_<on|off>.jsonl)")
-    for name in ("max_new_tokens", "batch_size", "num_docs"):
-        p.add_argument(f"--{name}", default="", help=f"default {getattr(defaults, name)}")
-    p.add_argument("--temperature", default="", help="0 = greedy (default); > 0 samples (seeded per batch)")
-    p.add_argument("--top_p", default="", help="nucleus mass when sampling (default 1)")
-    p.add_argument("--seed", default="", help="sampling seed (default 0)")
-    p.add_argument("--thinking", default="", help="on | off (enable_thinking of the chat template; default on)")
-    p.add_argument("--device", default="", help="auto | cpu | cuda | cuda:N (default auto)")
-    p.add_argument("--dtype", default="", help="auto | bfloat16 | float16 | float32 (default auto)")
-    p.add_argument("--keep", default="", help="first_turn (default) | all_turns")
-    p.add_argument("--on_truncated", default="", help="keep (default) | drop")
-    p.add_argument("--on_empty", default="", help="drop (default) | keep")
-    p.add_argument("--progress", default="", help="1 (default) | 0")
-    a = p.parse_args(argv)
-    corpus = [c for arg in a.corpus for c in arg.split(",") if c]
-    cfg = RegenConfig(target=a.target, corpus=corpus)
-    for name in ("out", "thinking", "device", "dtype", "keep", "on_truncated", "on_empty"):
-        if getattr(a, name):
-            setattr(cfg, name, getattr(a, name))
-    for name, kind in (("max_new_tokens", int), ("batch_size", int), ("num_docs", int), ("temperature", float),
-                       ("top_p", float), ("seed", int)):
-        if getattr(a, name):
-            try:
-                setattr(cfg, name, kind(getattr(a, name)))
-            except ValueError:
-                raise ValueError(f"--{name}={getattr(a, name)!r}: expected {'an integer' if kind is int else 'a number'}") from None
-    if a.progress:
-        cfg.progress = a.progress.lower() not in ("0", "false", "no", "off")
-    return cfg.resolve()
+    helps, hints = field_help(RegenConfig), typing.get_type_hints(RegenConfig)
+    for f in dataclasses.fields(RegenConfig):
+        default = "required" if f.default is dataclasses.MISSING else f"default {f.default!r}"
+        p.add_argument(f"--{f.name}", default=[] if f.name == "corpus" else "",
+                       action="append" if f.name == "corpus" else "store", help=f"{helps[f.name]} [{default}]")
+    values = {}
+    for name, text in vars(p.parse_args(argv)).items():
+        if name == "corpus":
+            values[name] = [c for arg in text for c in arg.split(",") if c]
+        elif text != "":
+            values[name] = coerce(name, text, hints[name])
+    return RegenConfig(**values).resolve()
+
+
+def coerce(name: str, text: str, kind) -> object:
+    if kind is bool:
+        return text.lower() not in ("0", "false", "no", "off")
+    try:
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"--{name}={text!r}: expected {'an integer' if kind is int else 'a number'}") from None
 
 
 def main(argv: list[str]) -> dict:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash_offline.corpus import validate_messages
-from dflash_offline.regen import assistant_message
+from dflash_offline.regen_local import assistant_message
 from stages import regen
 
 NEW = 6  # tokens per answer: the tiny targets are random, so answers hit the budget (finish "length")
@@ -155,23 +155,101 @@ def test_malformed_lines_are_counted_with_file_line(tmp_path, qwen3_dir, chat_co
     bad.write_text("\n".join([
         good[0],
         '{"messages": [{"role": "user", "content": "hi"}',  # line 2: cut JSON
-        json.dumps({"messages": [{"role": "user", "content": "no answer"}]}),  # line 3: no assistant turn
+        json.dumps({"messages": [{"role": "user", "content": "a prompt"}]}),  # line 3: a prompt, answered
         json.dumps({"messages": [{"role": "assistant", "content": "who asked?"}]}),  # line 4: no prompt
         "",
         json.dumps({"id": 7, "messages": [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "x"}]}),
         # line 7: tools as a JSON string (as some Parquet exports have it): stage 1a would skip it after generating
         json.dumps({"tools": "[]", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"}]}),
+        json.dumps({"messages": [{"role": "system", "content": "Be brief."}]}),  # line 8: nothing asks for an answer
     ]) + "\n")
     out = tmp_path / "o.jsonl"
-    st = go(qwen3_dir, bad, out, q3, num_docs=0, on_truncated="drop")
-    assert st["skipped"] == {"invalid_json": 1, "no_assistant_turn": 1, "no_prompt": 1, "wrong_type": 1}
-    assert [e.split(": ")[0] for e in st["skip_examples"]] == [f"{bad}:2", f"{bad}:3", f"{bad}:4", f"{bad}:7"]
-    # both good records hit max_new_tokens: counted as truncated and, with on_truncated=drop, not written
-    assert st["records_read"] == 6 and st["truncated"] == st["truncated_dropped"] == 2 and st["written"] == 0
+    # every good record hits max_new_tokens and on_truncated=drop drops it: nothing usable, an error naming the counts
+    # by reason and the first examples; no output, stats or held-out file left behind
+    with pytest.raises(ValueError, match=r"no usable record .*: 7 read, none written; skipped: invalid_json 1, "
+                                         r"no_prompt 2, wrong_type 1; truncated 2 \(pass --on_truncated=keep, or a larger "
+                                         r"--max_new_tokens\); heldout 1 \(pass a larger --heldout_every\)") as e:
+        go(qwen3_dir, bad, out, q3, num_docs=0, on_truncated="drop", heldout_every=2)
+    assert [line.split(": ")[0].strip() for line in str(e.value).splitlines()[1:5]] == [
+        f"{bad}:2", f"{bad}:4", f"{bad}:7", f"{bad}:8"]
+    assert not [f.name for f in tmp_path.iterdir() if f.name.startswith("o.")]
     st = go(qwen3_dir, bad, tmp_path / "k.jsonl", q3, num_docs=0)
+    assert st["skipped"] == {"invalid_json": 1, "no_prompt": 2, "wrong_type": 1}
+    assert st["records_read"] == 7 and st["truncated"] == st["written"] == 3
     kept = read(tmp_path / "k.jsonl")
-    assert [r["regen"]["source"] for r in kept] == [f"{bad}:1", f"{bad}:6"]
-    assert kept[1]["id"] == 7  # other keys of the record are kept
+    assert [r["regen"]["source"] for r in kept] == [f"{bad}:1", f"{bad}:3", f"{bad}:6"]
+    assert kept[2]["id"] == 7  # other keys of the record are kept
+
+
+def prompts_of(corpus, n: int) -> list[dict]:
+    """The first `n` records cut before their first assistant turn: prompts, as users bring them."""
+    out = []
+    for rec in source_records(corpus, n):
+        first = next(i for i, m in enumerate(rec["messages"]) if m["role"] == "assistant")
+        out.append({**rec, "messages": rec["messages"][:first]})
+    return out
+
+
+def test_prompts_get_the_answer_a_conversation_gets_in_place_of_its_first_turn(tmp_path, qwen3_dir, chat_corpus,
+                                                                                q3):
+    """A record ending in a user turn (or a tool result) gets one answer appended: the answer the same conversation
+    gets when its first assistant turn is replaced (same rendering, same greedy decode); same record format."""
+    prompts = prompts_of(chat_corpus, 5)
+    tool_end = {"messages": [{"role": "user", "content": "Weather in Oslo?"},
+                             {"role": "assistant", "content": "", "tool_calls": [
+                                 {"function": {"name": "weather", "arguments": {"city": "Oslo"}}}]},
+                             {"role": "tool", "content": "4 C, rain"}]}
+    assert {r["messages"][-1]["role"] for r in prompts} == {"user"}
+    corpus = tmp_path / "prompts.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in prompts))
+    go(qwen3_dir, corpus, tmp_path / "p.jsonl", q3)
+    go(qwen3_dir, chat_corpus, tmp_path / "c.jsonl", q3)
+    answered, replaced = read(tmp_path / "p.jsonl"), read(tmp_path / "c.jsonl")
+    assert len(answered) == 5
+    for a, r, prompt in zip(answered, replaced, prompts, strict=True):
+        assert a["messages"] == r["messages"] and a["messages"][:-1] == prompt["messages"]
+        assert a["messages"][-1]["role"] == "assistant" and a["messages"][-1]["content"]
+        assert a.keys() == r.keys() and a["regen"].keys() == r["regen"].keys()
+        assert a["regen"]["finish_reason"] == r["regen"]["finish_reason"] == ["length"]
+    # a conversation waiting for an answer after a tool result: with all_turns, its assistant turn is regenerated
+    # and the answer it waits for appended; with first_turn, only its first assistant turn is regenerated
+    (tmp_path / "tool.jsonl").write_text(json.dumps(tool_end) + "\n")
+    go(qwen3_dir, tmp_path / "tool.jsonl", tmp_path / "t.jsonl", q3, keep="all_turns")
+    go(qwen3_dir, tmp_path / "tool.jsonl", tmp_path / "f.jsonl", q3)
+    (every,), (first,) = read(tmp_path / "t.jsonl"), read(tmp_path / "f.jsonl")
+    assert [m["role"] for m in every["messages"]] == ["user", "assistant", "tool", "assistant"]
+    assert every["messages"][::2] == tool_end["messages"][::2] and every["messages"][1] != tool_end["messages"][1]
+    assert len(every["regen"]["finish_reason"]) == 2 and first["messages"] == every["messages"][:2]
+
+
+def test_heldout_records_are_split_off_by_a_stable_hash_of_the_first_user_turn(tmp_path, qwen3_dir, chat_corpus, q3):
+    """--heldout_every=N: about 1 record in N goes, unanswered and verbatim, to the held-out file; which ones depends
+    on the first user turn alone (another order, another run, a repeated prompt: the same side), so evaluation prompts
+    never reach OUT. A resume keeps the split; a resume with another N is refused."""
+    src = source_records(chat_corpus, 24)
+    first_user = lambda r: next(m["content"] for m in r["messages"] if m["role"] == "user")  # noqa: E731
+    out, held = tmp_path / "o.jsonl", tmp_path / "held.jsonl"
+    kw = {"max_new_tokens": 2, "on_empty": "keep", "heldout_every": 3}
+    st = go(qwen3_dir, chat_corpus, out, q3, num_docs=24, heldout_out=str(held), **kw)
+    train, heldout = read(out), read(held)
+    assert st["heldout"] == len(heldout) and st["written"] == len(train) and len(train) + len(heldout) == 24
+    assert 3 <= len(heldout) <= 14  # (about 8 of 24)
+    assert heldout == [r for r in src if first_user(r) in {first_user(h) for h in heldout}]  # verbatim, in order
+    assert not {first_user(r) for r in train} & {first_user(h) for h in heldout}
+    # the same split for the records in another order, with a repeated prompt, in another run
+    shuffled = tmp_path / "shuffled.jsonl"
+    shuffled.write_text("".join(json.dumps(r) + "\n" for r in [*src[::-1], heldout[0]]))
+    go(qwen3_dir, shuffled, tmp_path / "s.jsonl", q3, num_docs=0, **kw)
+    assert read(tmp_path / "s.heldout.jsonl") == [*heldout[::-1], heldout[0]]
+    # resumed after 12 records, with a held-out line cut off by a kill past the commit point: the same two files
+    part, part_held = tmp_path / "p.jsonl", tmp_path / "ph.jsonl"
+    go(qwen3_dir, chat_corpus, part, q3, num_docs=12, heldout_out=str(part_held), **kw)
+    with open(part_held, "a") as f:
+        f.write(json.dumps(heldout[-1]) + "\n" + '{"messages": [{"ro')
+    go(qwen3_dir, chat_corpus, part, q3, num_docs=24, heldout_out=str(part_held), **kw)
+    assert read(part_held) == heldout and [r["messages"] for r in read(part)] == [r["messages"] for r in train]
+    with pytest.raises(ValueError, match="heldout"):
+        go(qwen3_dir, chat_corpus, out, q3, num_docs=30, heldout_out=str(held), **{**kw, "heldout_every": 4})
 
 
 def test_all_turns_regenerates_every_assistant_turn(tmp_path, qwen3_dir, chat_corpus, q3):
