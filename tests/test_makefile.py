@@ -1,0 +1,58 @@
+"""The Makefile is the user's interface: `ARGS=` reaches every stage a target runs, and `make setup` installs again
+when the torch it is asked for changes (`TORCH_SPEC=`), not only when pyproject.toml does."""
+
+import re
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# targets whose commands run no stage or benchmark of their own settings (demo: ten stages with fixed settings)
+NOT_STAGES = {"help", "setup", "fixtures", "test", "test-gpu", "test-gpu-extract", "test-gpu-train", "lint", "style",
+              "clean", "demo"}
+
+
+def make(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run(["make", "--no-print-directory", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+def stage_targets() -> list[str]:
+    """Every documented target (`name: ... ## help`) except those that run no stage."""
+    text = (REPO / "Makefile").read_text()
+    return [t for t in re.findall(r"^([a-z][a-z0-9-]*):[^=\n]*##", text, flags=re.M) if t not in NOT_STAGES]
+
+
+def test_every_target_that_runs_a_stage_passes_ARGS_through():
+    targets = stage_targets()
+    assert {"tokenize", "extract", "verify", "train", "regen", "export", "eval", "report", "status"} <= set(targets)
+    dropped = {}
+    for target in targets:
+        res = make("-n", "-o", ".venv/.installed", target, "ARGS=--probe_arg=1", "CACHE=c", "RUN=r")
+        assert res.returncode == 0, (target, res.stderr)
+        runs = [line for line in res.stdout.splitlines() if re.search(r"(-m |LAUNCH\)? ?)(stages|bench)\.", line)]
+        assert runs, f"make -n {target} runs no stage: {res.stdout}"
+        if missing := [line for line in runs if "--probe_arg=1" not in line]:
+            dropped[target] = missing
+    assert not dropped, f"these targets drop ARGS=: {dropped}"
+
+
+def test_setup_installs_again_when_TORCH_SPEC_changes(tmp_path):
+    venv, log = tmp_path / "venv", tmp_path / "pip.log"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"  # a stand-in that records what setup asks of it
+    python.write_text(f'#!/bin/sh\necho "$@" >> {log}\n')
+    python.chmod(0o755)
+
+    def setup(spec: str) -> list[str]:
+        before = log.read_text().splitlines() if log.exists() else []
+        res = make("-s", "setup", f"VENV={venv}", f"PYTHON={python}", f"TORCH_SPEC={spec}")
+        assert res.returncode == 0, res.stderr
+        return log.read_text().splitlines()[len(before):] if log.exists() else []
+
+    first = setup("torch==2.13.0")
+    assert "-m pip install -q torch==2.13.0" in first and "-m pip install -q -e .[dev]" in first
+    assert setup("torch==2.13.0") == []  # idempotent
+    again = setup("torch==2.12.0")
+    assert "-m pip install -q torch==2.12.0" in again and "-m pip install -q -e .[dev]" in again
+    assert setup("torch==2.12.0") == []
+    assert (venv / ".torch-spec").read_text().strip() == "torch==2.12.0"
