@@ -237,6 +237,7 @@ def baseline_key(cfg, target_dir: Path, prompts: list[dict], eos: list[int], dty
     import torch
     import transformers
 
+    from .autotune import pinned_table
     from .targetid import target_fingerprint
 
     def version(dist: str) -> str | None:
@@ -249,7 +250,8 @@ def baseline_key(cfg, target_dir: Path, prompts: list[dict], eos: list[int], dty
     return {"target": target_fingerprint(target_dir), "prompt_ids_sha256": prompt_ids_digest(prompts), "eos": list(eos),
             "max_new_tokens": cfg.max_new_tokens, "dtype": dtype, "device": name, "torch": torch.__version__,
             "transformers": transformers.__version__,
-            "kernels": {d: version(d) for d in ("flash-linear-attention", "fla-core", "causal-conv1d", "flash-attn")}}
+            "kernels": {d: version(d) for d in ("flash-linear-attention", "fla-core", "causal-conv1d", "flash-attn")},
+            "autotune_pin": pinned_table()}
 
 
 def read_baseline(path: Path, key: dict, log) -> list | None:

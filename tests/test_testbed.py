@@ -131,7 +131,7 @@ def test_the_baseline_key_names_the_cpu_threads_and_the_kernel_packages(qwen35_d
             keys.append(baseline_key(cfg, qwen35_dir, [{"ids": [1, 2]}], [0], "float32", torch.device("cpu")))
     finally:
         torch.set_num_threads(threads)
-    assert keys[0] != keys[1] and keys[0]["device"] == "cpu (1 threads)"
+    assert keys[0] != keys[1] and keys[0]["device"] == "cpu (1 threads)" and keys[0]["autotune_pin"] is None
     assert set(keys[0]["kernels"]) == {"flash-linear-attention", "fla-core", "causal-conv1d", "flash-attn"}
 
 
