@@ -115,6 +115,9 @@ class RegenConfig:
             self.out = str(Path("regen") / f"{name}-thinking_{self.thinking}.jsonl")
         if self.heldout_every and not self.heldout_out:
             self.heldout_out = str(Path(self.out).with_suffix("")) + ".heldout.jsonl"
+        if self.heldout_out and (not self.heldout_every or Path(self.heldout_out).resolve() == Path(self.out).resolve()):
+            raise ValueError(f"heldout_out={self.heldout_out!r}: needs --heldout_every=N (1 record in N, N >= 2) and "
+                             f"a file other than --out")
         return self
 
 
@@ -122,9 +125,8 @@ def config_record(cfg: RegenConfig, paths: list[Path], dtype: str) -> dict:
     """The run's settings, as the stats record them (`RESUME_FIELDS` of them are checked on a resume); `dtype`: the
     one the target decodes in ("engine" when a server answers)."""
     target = cfg.model if cfg.engine else str(Path(cfg.target).resolve())
-    sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed}
-    if not cfg.engine:
-        sampling["batch_size"] = cfg.batch_size  # (the seed of a batch is its first record's)
+    sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed,  # (local: seeded per batch)
+                **({} if cfg.engine else {"batch_size": cfg.batch_size})}
     conf = {"target": target, "corpus": [str(p.resolve()) for p in paths],
             "corpus_bytes": [p.stat().st_size for p in paths], "thinking": cfg.thinking,
             "max_new_tokens": cfg.max_new_tokens, "keep": cfg.keep, "on_truncated": cfg.on_truncated,
@@ -171,8 +173,7 @@ def run(cfg: RegenConfig, model=None, tokenizer=None) -> dict:
     total = min(cfg.num_docs, n) if cfg.num_docs and n is not None else (cfg.num_docs or n)
     if total is not None and state["records_read"] >= total and state["records_read"]:
         log(f"{out}: all {total} records already done")
-        st = commit(out, conf, state, state["elapsed_s"], complete=True)
-        check_usable(st, cfg.corpus, files)
+        check_usable(st := commit(out, conf, state, state["elapsed_s"], complete=True), cfg.corpus, files)
         return st
     if state["records_read"]:
         log(f"resuming {out}: {state['records_read']} input records done, {state['written']} written")
@@ -181,10 +182,10 @@ def run(cfg: RegenConfig, model=None, tokenizer=None) -> dict:
     items = entries(paths, state["records_read"], cfg.num_docs, cfg.keep, cfg.heldout_every)
     how = f"temperature {cfg.temperature:g}, top_p {cfg.top_p:g}, seed {cfg.seed}" if cfg.temperature else "greedy"
     progress = Progress("regen", total, "doc", None, disable=None if cfg.progress else True)
+    progress.update(state["records_read"])
     if cfg.engine:
         log(f"regenerating through {cfg.engine} (model {cfg.model}, {cfg.concurrency} requests in flight, {how}), "
             f"thinking={cfg.thinking}, keep={cfg.keep}, max_new_tokens {cfg.max_new_tokens} → {out}")
-        progress.update(state["records_read"])
         answer = engine.Answerer(client, cfg.max_new_tokens, cfg.thinking == "on", cfg.keep, cfg.on_truncated,
                                  cfg.on_empty, digest, cfg.temperature, cfg.top_p, cfg.seed)
         journal = engine.Journal(Path(f"{out}.answers.jsonl"), digest, state["records_read"])
@@ -195,7 +196,6 @@ def run(cfg: RegenConfig, model=None, tokenizer=None) -> dict:
                              cfg.on_empty, cfg.temperature, cfg.top_p, cfg.seed)
         log(f"regenerating with {type(model).__name__} on {device} ({how}), thinking={cfg.thinking}, keep={cfg.keep}, "
             f"batch {cfg.batch_size}, max_new_tokens {cfg.max_new_tokens} → {out}")
-        progress.update(state["records_read"])
         for batch in batches(items, cfg.batch_size):
             target.process([e for e in batch if isinstance(e, Job)])
             done, tokens = writer.put([e.result(cfg.keep, digest) if isinstance(e, Job) else e for e in batch])

@@ -287,6 +287,16 @@ def test_cli_checks_before_loading(tmp_path, chat_corpus):
                             "--max_new_tokens=", "--batch_size=3"])
     assert cfg.out == "regen/Qwen3-8B-thinking_on.jsonl" and cfg.batch_size == 3 and cfg.max_new_tokens == 2048
     assert cfg.corpus == [str(chat_corpus)] * 2
+    for args, fix in ((["--engine=http://h:8000", "--model=m"], r"e.g. http://host:8000/v1"),
+                      ([], r"pass --target=DIR .* or --engine=URL --model=NAME"),
+                      (["--target=t", "--heldout_out=h.jsonl"], r"needs --heldout_every=N"),
+                      (["--target=t", "--heldout_every=1"], r"expected 0 \(none\) or N >= 2"),
+                      (["--target=t", "--concurrency=x"], r"--concurrency='x': expected an integer")):
+        with pytest.raises(ValueError, match=fix):
+            regen.parse_args([f"--corpus={chat_corpus}", *args])
+    cfg = regen.parse_args([f"--corpus={chat_corpus}", "--engine=http://h:8000/v1", "--target=/ckpt/Q", "--out=r/a.jsonl",
+                            "--heldout_every=50"])
+    assert (cfg.model, cfg.heldout_out) == ("/ckpt/Q", "r/a.heldout.jsonl")  # the served name defaults to the target
 
 
 def test_main_logs_the_counts_once_and_prints_the_output_path_last(tmp_path, qwen3_dir, chat_corpus, capsys):
