@@ -1,7 +1,7 @@
 """The engine answerer of `make regen`: any OpenAI-compatible `/v1/chat/completions` server (vLLM, SGLang,
 `transformers serve`), through the standard library (urllib + threads).
 
-- `Client.chat` POSTs one request. 429, 5xx, timeouts and connection errors are retried `retries` times with
+- `Client.call` sends one request. 429, 5xx, timeouts and connection errors are retried `retries` times with
   exponential backoff (`backoff_s`, doubling, at most 60 s; longer when the server's Retry-After says so); then an
   `EngineError` names the record. A 400 is the server refusing this record (e.g. a prompt longer than its context):
   the record is skipped as `engine_rejected` with the server's words (but `REJECT_LIMIT` refusals before any answer
@@ -35,9 +35,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from .progress import log
-from .regen import Heldout, Job, Result, Skipped, Writer, hash_seed, split_reasoning
+from .regen import Job, Result, Writer, hash_seed, split_reasoning
 
-WINDOW = 4  # records in the window per request in flight
+WINDOW = 16  # records in the window per request in flight: slack for answers that take longer than most
 MAX_WAIT_S = 60.0  # longest backoff between two attempts
 REJECT_LIMIT = 32  # records the server refuses (HTTP 400) before any answer: then the settings are wrong, not them
 COMMIT_EVERY_S = 1.0  # how often finished records at the head of the window are written and committed
@@ -305,6 +305,3 @@ def flush(window: deque, writer: Writer, journal: Journal, progress, wait: bool)
         journal.rewrite(lambda: [e.result() if isinstance(e, Future) else e for e in window
                                  if isinstance(e, Result) or isinstance(e, Future) and e.done() and not e.exception()]
                         + list(journal.kept.values()))
-
-
-__all__ = ["Answerer", "Client", "EngineError", "Heldout", "Journal", "Skipped", "engine_message", "run_jobs"]
