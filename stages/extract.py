@@ -70,12 +70,12 @@ PROJECTION_WAIT_S = 1800.0  # how long ranks > 0 wait for rank 0 to record the c
 def tokenizer_default(argv: list[str], why: dict):
     """The configs' hook by which the tokenizer follows the target (`targetid.tokenizer_for`): `--tokenizer=` on the
     command line (make ARGS=--tokenizer=DIR) wins; else the target's own, when it holds one; else the recipe's. Why
-    goes into `why["tokenizer"]`."""
-    given = parse_overrides(argv)[1]
+    goes into `why["tokenizer"]`. (The command line is read when a config is filled, after --help is answered.)"""
 
     def fill(section: str, values: dict, earlier: dict) -> None:
         from dflash_offline.targetid import tokenizer_for
 
+        given = parse_overrides(argv)[1]
         if section == "tokenize" and not given.get("tokenizer"):
             values["tokenizer"], why["tokenizer"] = tokenizer_for(earlier["extract"].target, values.get("tokenizer", ""),
                                                                   bool(given.get("target")))

@@ -73,3 +73,17 @@ def test_help_lists_the_settings_with_defaults_and_make_variables():
     assert '"flex"' in lines["--attn"] and '"dense"' in lines["--attn"] and "auto" in lines["--attn"]
     for gone in ("--optimizer_overlap", "--tf32", "--compile_scope"):  # bench.train switches, not options
         assert gone not in lines
+
+
+@pytest.mark.parametrize("stage", ["regen", "tokenize", "extract", "verify", "status", "train", "export", "evaluate",
+                                   "report"])
+def test_every_stage_a_user_runs_answers_help(stage, capsys):
+    """`python -m stages.NAME --help` prints the stage's doc and options and exits 0 (extract once refused it: its
+    tokenizer hook read the command line before --help was looked at)."""
+    import importlib
+
+    main = importlib.import_module(f"stages.{stage}").main
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code in (0, None)
+    assert "--" in capsys.readouterr().out
