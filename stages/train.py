@@ -164,12 +164,12 @@ def build_optimizer(cfg: TrainConfig, s: TrainSetup, acc, model, embed, head) ->
             fully_shard(layer)
         fully_shard(model)
     if s.master:  # bf16 matmul weights; fp32 masters, clipping and AdamW in one fused pass
-        opt = MasterAdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+        opt = MasterAdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
                           max_grad_norm=cfg.grad_clip, low_dtype=torch.bfloat16)
         if s.accum > 1:
             opt.accumulate_in_fp32()
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
                                 fused=acc.device.type == "cuda")
     lr_at = lambda step: cosine_schedule(step, s.warmup, s.steps, cfg.min_lr_ratio)  # noqa: E731
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)

@@ -110,6 +110,15 @@ def test_existing_run_needs_resume(tmp_path, hidden_cache):
         train.run(cfg(hidden_cache, tmp_path / "r", steps=3))
 
 
+def test_adamw_betas_are_a_setting(tmp_path, hidden_cache):
+    """`--betas` reaches AdamW and its checkpoint. The default stays (0.9, 0.95); the reference recipe (SpecForge)
+    runs torch's (0.9, 0.999) — docs/full-run.md#differences-from-the-reference-recipe-specforge."""
+    assert TrainConfig(cache="x").betas == [0.9, 0.95]
+    train.run(cfg(hidden_cache, tmp_path / "r", steps=1, betas=[0.9, 0.999]))
+    opt = json.loads((tmp_path / "r" / "checkpoints" / "step-00000001" / "optimizer.json").read_text())
+    assert [g["betas"] for g in opt["param_groups"]] == [[0.9, 0.999]]
+
+
 def test_a_run_ends_with_one_summary_line(tmp_path, hidden_cache, capsys):
     """The last line says what the run did: steps, tokens, time, steady tok/s, final loss and τ, recompiles, peak
     memory, and where its checkpoint is; a resumed run counts its own steps."""
