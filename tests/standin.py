@@ -14,7 +14,10 @@ weights are random (seeded): the outputs are noise, the shapes and files are a u
 
 `build(out, family)` writes a plain directory; `hub_snapshot(src, hub, repo)` lays the same files out as an HF cache
 snapshot (`models--Qwen--Qwen3.6-27B/snapshots/<rev>/`, `refs/main`), so that the hub id resolves offline
-(`HF_HUB_CACHE=hub HF_HUB_OFFLINE=1`) the way it does on a user's machine.
+(`HF_HUB_CACHE=hub HF_HUB_OFFLINE=1`) the way it does on a user's machine. `text_only(src, out)` writes the language
+model of a Qwen3.5/3.6 stand-in alone (`Qwen3_5ForCausalLM`, the same weights under `model.*`): what `transformers
+serve` can serve, since it refuses the vision-language layout (it loads an image and video processor, which needs
+torchvision).
 """
 
 from __future__ import annotations
@@ -102,6 +105,33 @@ def build(out: str | Path, family: str = "qwen3.6", depth: int = 8, seed: int = 
     (out / "dflash_standin.json").write_text(json.dumps(
         {"family": family, "stands_in_for": REPOS[family], "released": REAL[family], "depth": depth, "seed": seed,
          "width": WIDTH, "weights": "random"}, indent=1, sort_keys=True))
+    return out
+
+
+def text_only(src: str | Path, out: str | Path) -> Path:
+    """The language model of the Qwen3.5/3.6 stand-in in `src` as a text-only checkpoint in `out`: its `text_config`
+    as a `Qwen3_5ForCausalLM`, the weights under `model.language_model.*` moved to `model.*` (the vision tower
+    dropped), the same tokenizer and generation config. The same function of the same tokens as `src`'s text path."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, GenerationConfig, Qwen3_5ForCausalLM
+
+    src, out = Path(src), Path(out)
+    text = AutoConfig.from_pretrained(src).text_config
+    text.architectures = ["Qwen3_5ForCausalLM"]
+    state = {}
+    for shard in sorted(src.glob("model-*.safetensors")):
+        for name, w in load_file(shard).items():
+            if name.startswith("model.language_model."):
+                state["model." + name.removeprefix("model.language_model.")] = w
+            elif name == "lm_head.weight":
+                state[name] = w
+    model = Qwen3_5ForCausalLM(text).to(torch.bfloat16)
+    model.load_state_dict(state, strict=True)
+    model.generation_config = GenerationConfig.from_pretrained(src)
+    model.save_pretrained(str(out), max_shard_size=SHARD)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(src / name, out / name)
     return out
 
 
