@@ -187,7 +187,8 @@ def test_the_documented_full_run_runs(site):
     pilot, held = jsonl(work / "data" / "prompts" / "pilot.jsonl"), jsonl(work / "data" / "heldout.jsonl")
     answered = jsonl(work / "data" / "regen" / "pilot.jsonl")
     assert len(pilot) == PILOT and len(answered) + len(held) == PILOT
-    assert len(held) >= 2 and all(r["messages"][-1]["role"] == "user" for r in held)
+    assert len(held) >= 2, f"{len(held)} held-out prompts for make eval's 2: raise PILOT, or lower --heldout_every in SUBS"
+    assert all(r["messages"][-1]["role"] == "user" for r in held)
     assert all(r["messages"][-1]["role"] == "assistant" and r["regen"]["new_tokens"] == [8] for r in answered)
     # 2: the plan (which wrote nothing), the cache, complete, verified and shown so
     assert "dry run ok" in out[2] and "storage plan:" in out[2] and "taps [1, 16, 31, 46, 61]" in out[2]
