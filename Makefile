@@ -143,7 +143,7 @@ demo: setup  ## the whole pipeline on the embedded default, on CPU: build, regen
 	$(PYTHON) -m stages.demo_outputs --dir=$(DEMO_DIR)
 	$(DEMO_ENV) $(PYTHON) -m stages.build_tiny --out $(DEMO_DIR)/target --train-steps 300
 	$(DEMO_ENV) $(PYTHON) -m stages.regen --target=$(DEMO_DIR)/target --corpus=$(DEMO_DIR)/target/corpus/train.jsonl --out=$(DEMO_DIR)/regen.jsonl --num_docs=600 --max_new_tokens=256 --batch_size=32 --thinking=on --device=cpu
-	$(DEMO_ENV) $(PYTHON) -m stages.extract --recipe=manifests/demo.toml --out=$(DEMO_DIR)/cache/tokens --hidden_out=$(DEMO_DIR)/cache/hidden
+	$(DEMO_ENV) $(PYTHON) -m stages.extract --recipe=manifests/demo.toml --corpus=$(DEMO_DIR)/regen.jsonl --tokenizer=$(DEMO_DIR)/target --target=$(DEMO_DIR)/target --out=$(DEMO_DIR)/cache/tokens --hidden_out=$(DEMO_DIR)/cache/hidden
 	$(DEMO_ENV) $(PYTHON) -m stages.verify --cache=$(DEMO_DIR)/cache/hidden --rows=1 --device=cpu
 	$(DEMO_ENV) $(PYTHON) -m stages.status $(DEMO_DIR)/cache
 	$(DEMO_ENV) $(PYTHON) -m stages.train --recipe=manifests/demo.toml --cache=$(DEMO_DIR)/cache/hidden --run=$(DEMO_DIR)/run --resume=$$(test -f $(DEMO_DIR)/run/checkpoints/latest && echo 1 || echo 0)

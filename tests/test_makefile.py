@@ -56,3 +56,19 @@ def test_setup_installs_again_when_TORCH_SPEC_changes(tmp_path):
     assert "-m pip install -q torch==2.12.0" in again and "-m pip install -q -e .[dev]" in again
     assert setup("torch==2.12.0") == []
     assert (venv / ".torch-spec").read_text().strip() == "torch==2.12.0"
+
+
+def test_the_demo_reads_and_writes_only_under_DEMO_DIR():
+    """`make demo DEMO_DIR=D` passes D's target, tokenizer, corpus, cache and run to every stage: the demo recipe's
+    own paths (build/demo/...) are only its defaults, and a stage left on them reads another demo's files, or fails
+    where none was built."""
+    res = make("-n", "-o", ".venv/.installed", "demo", "DEMO_DIR=/elsewhere/d")
+    assert res.returncode == 0, res.stderr
+    runs = [line for line in res.stdout.splitlines() if "-m stages." in line]
+    assert len(runs) >= 9 and not [line for line in runs if "build/demo" in line]
+    extract = next(line for line in runs if "-m stages.extract" in line)
+    for flag in ("--target=/elsewhere/d/target", "--tokenizer=/elsewhere/d/target", "--corpus=/elsewhere/d/regen.jsonl",
+                 "--hidden_out=/elsewhere/d/cache/hidden"):
+        assert flag in extract, (flag, extract)
+    recipe = (REPO / "manifests" / "demo.toml").read_text()
+    assert "build/demo/target" in recipe  # (what the stage would read without those flags)
