@@ -176,7 +176,9 @@ def test_the_documented_full_run_runs(site):
             if "DRY_RUN=1" in cmd:
                 assert not (work / "cache").exists(), "make extract DRY_RUN=1 wrote into cache/"
             elif target_of(page_cmd) == "extract":
-                values["cache"] = re.fullmatch(r"cache/hidden-[0-9a-f]{12}", res.stdout.strip().splitlines()[-1])[0]
+                found = re.findall(r"^cache/hidden-[0-9a-f]{12}$", res.stdout, flags=re.M)
+                assert found, f"make extract printed no cache path: {res.stdout[-2000:]}\n{res.stderr[-2000:]}"
+                values["cache"] = found[-1]  # (a line of the writer thread may follow it)
     finally:
         stop(server)
         print("\n".join(f"{s:6.1f} s  {c}" for c, s, _ in ran))
