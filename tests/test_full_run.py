@@ -15,12 +15,9 @@ weights, the same greedy answers) under its own path, the `MODEL=` of the regen 
 import json
 import os
 import re
-import shutil
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -28,6 +25,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 import standin  # noqa: E402
+from serving import free_port, serve, stop  # noqa: E402
 
 DOC = REPO / "docs" / "full-run.md"
 PROMPTS, PILOT = 40, 12  # prompts in data/prompts/all.jsonl, and drawn for the pilot
@@ -100,42 +98,6 @@ def write_prompts(path: Path) -> None:
         lines.append(json.dumps({**rec, "messages": rec["messages"][:first]}) + "\n")
     path.write_text("".join(lines))
     (path.parent / "conversations.jsonl").unlink()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve(model: Path, port: int, log: Path, env: dict) -> subprocess.Popen:
-    """`transformers serve` on 127.0.0.1:port, float32 on the CPU; returns once /health answers (at most 120 s)."""
-    exe = shutil.which("transformers", path=str(Path(sys.executable).parent))
-    assert exe, "transformers[serving] is not installed: make setup (pip install -e '.[dev]')"
-    with open(log, "w") as f:
-        proc = subprocess.Popen([exe, "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--device",
-                                 "cpu", "--dtype", "float32"], stdout=f, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"transformers serve did not come up (exit {proc.poll()}): {log.read_text()[-2000:]}")
-        time.sleep(0.25)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def jsonl(path: Path) -> list[dict]:

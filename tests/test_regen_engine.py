@@ -5,7 +5,6 @@ asks no answered prompt again; retries back off; a server that keeps failing giv
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -26,6 +25,9 @@ from dflash_offline.chat import validate_messages
 from dflash_offline.engine import engine_message
 from stages import regen
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving import executable, free_port, serve, stop  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 NEW = 6  # tokens per answer: the tiny target is random, so most answers hit the budget (finish "length")
 TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Weather of a city",
@@ -43,41 +45,16 @@ def post(url: str, body: dict) -> dict:
 def server(qwen3_dir, tmp_path_factory):
     """`transformers serve` on 127.0.0.1 (a free port) serving the tiny Qwen3 target in float32 on the CPU: (its base
     URL, the model name it serves). Ready when /health answers (at most 120 s); stopped after the module."""
-    from transformers.utils.import_utils import is_serve_available
-
-    exe = shutil.which("transformers", path=str(Path(sys.executable).parent))
-    if not is_serve_available() or exe is None:
+    if executable() is None:
         if os.environ.get("CI"):
             raise RuntimeError("transformers[serving] is not installed: make setup (pip install -e '.[dev]')")
         pytest.skip("transformers[serving] is not installed: make setup (pip install -e '.[dev]')")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    with open(log, "w") as f:
-        proc = subprocess.Popen([exe, "serve", str(qwen3_dir), "--host", "127.0.0.1", "--port", str(port), "--device",
-                                 "cpu", "--dtype", "float32"], stdout=f, stderr=subprocess.STDOUT, env=env)
+    port, log = free_port(), tmp_path_factory.mktemp("serve") / "serve.log"
+    proc = serve(qwen3_dir, port, log, {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"transformers serve did not come up (exit {proc.poll()}): {log.read_text()[-2000:]}")
-            time.sleep(0.25)
         yield f"http://127.0.0.1:{port}/v1", str(qwen3_dir)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 class Proxy:

@@ -1,0 +1,59 @@
+"""A real OpenAI-compatible server for the tests: `transformers serve` (transformers' own, the `transformers[serving]`
+extra) on a free loopback port, float32 on the CPU — what `make regen ENGINE=` talks to in CI."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def executable() -> str | None:
+    """The `transformers` command beside this Python, when its serving extra is installed."""
+    from transformers.utils.import_utils import is_serve_available
+
+    exe = shutil.which("transformers", path=str(Path(sys.executable).parent))
+    return exe if exe and is_serve_available() else None
+
+
+def serve(model: Path | str, port: int, log: Path, env: dict) -> subprocess.Popen:
+    """`transformers serve model` on 127.0.0.1:port; returns once /health answers (at most 120 s), else fails the test
+    with the end of the server's log."""
+    exe = executable()
+    assert exe, "transformers[serving] is not installed: make setup (pip install -e '.[dev]')"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([exe, "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--device",
+                                 "cpu", "--dtype", "float32"], stdout=f, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop(proc)
+            pytest.fail(f"transformers serve did not come up (exit {proc.poll()}): {log.read_text()[-2000:]}")
+        time.sleep(0.25)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
