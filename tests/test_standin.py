@@ -19,15 +19,17 @@ import json, sys, torch
 from dflash_offline.targetid import resolve_checkpoint
 from dflash_offline.target import default_layer_ids, load_target, read_target_info
 from transformers import AutoTokenizer
-path = resolve_checkpoint(sys.argv[1], need=("config", "weights", "tokenizer"))
-info = read_target_info(path)
-tok = AutoTokenizer.from_pretrained(path)
-ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True)
-ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-layers = default_layer_ids(info.num_layers, 2)
-t = load_target(path, layers, "cpu", torch.float32, mode="per_doc")
-print(json.dumps({"path": str(path), "layers": info.num_layers, "hidden": info.hidden_size, "vocab": info.vocab_size,
-                  "arch": info.arch, "types": list(info.layer_types), "prompt": len(ids), "taps": layers}))
+for target in sys.argv[1:]:
+    path = resolve_checkpoint(target, need=("config", "weights", "tokenizer"))
+    info = read_target_info(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    layers = default_layer_ids(info.num_layers, 2)
+    t = load_target(path, layers, "cpu", torch.float32, mode="per_doc")
+    print(json.dumps({"path": str(path), "layers": info.num_layers, "hidden": info.hidden_size,
+                      "vocab": info.vocab_size, "arch": info.arch, "types": list(info.layer_types), "prompt": len(ids),
+                      "taps": layers}))
 """
 
 
@@ -38,12 +40,13 @@ def q36(tmp_path_factory, real_fixtures):
     return out, standin.hub_snapshot(out, root / "hub", "Qwen/Qwen3.6-27B"), root / "hub"
 
 
-def _probe(target: str, hub: Path) -> dict:
+def _probe(targets: list[str], hub: Path) -> list[dict]:
+    """What the pipeline reads of each target (a directory or a hub id), in one process."""
     env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    r = subprocess.run([sys.executable, "-c", PROBE, target], cwd=REPO, env=env, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", PROBE, *targets], cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return [json.loads(line) for line in r.stdout.strip().splitlines()[-len(targets):]]
 
 
 def test_the_qwen36_stand_in_has_the_real_layout_and_resolves_by_hub_id_offline(q36):
@@ -57,7 +60,7 @@ def test_the_qwen36_stand_in_has_the_real_layout_and_resolves_by_hub_id_offline(
     assert len(set(index["weight_map"].values())) >= 2  # sharded, as released
     assert any(k.startswith("model.language_model.layers.") for k in index["weight_map"])
     assert any(k.startswith("model.visual.") for k in index["weight_map"])  # the tower the pipeline must not load
-    by_dir, by_id = _probe(str(out), hub), _probe("Qwen/Qwen3.6-27B", hub)
+    by_dir, by_id = _probe([str(out), "Qwen/Qwen3.6-27B"], hub)
     assert by_id["path"] == str(snap) and {k: v for k, v in by_id.items() if k != "path"} == {
         k: v for k, v in by_dir.items() if k != "path"}
     assert by_dir["vocab"] == 248320 and by_dir["layers"] == 8 and by_dir["hidden"] == 64
