@@ -46,22 +46,26 @@ from pathlib import Path
 
 from dflash_offline.config import ConfigError, as_dict, check_choice, config_from_argv
 from dflash_offline.manifest import write_json_atomic
-from dflash_offline.testbed_runs import (
-    JOB_FILE,
-    NULL_ARM,
-    PHASES,
-    Paths,
+from dflash_offline.testbed_ab import (
     ab_table,
     arm_rows,
+    check_arms,
+    eval_record,
+    failed_runs,
+    heartbeat,
+    judge,
+    sweep_results,
+)
+from dflash_offline.testbed_runs import (
+    JOB_FILE,
+    PHASES,
+    Paths,
     cache_complete,
     choose_eval_prompts,
     drafter_code_digest,
-    eval_record,
     eval_summary,
-    failed_runs,
     file_sha256,
     forget_from,
-    judge,
     looping_share,
     parse_arm,
     read_state,
@@ -612,29 +616,6 @@ def sweep_arms(names: str, cuda: bool) -> list[str]:
     return arms if cuda else [a for a in arms if "precision=fp8" not in a]
 
 
-def recipe_steps(cfg: TestbedConfig, settings: dict) -> int:
-    """The steps a drafter of these [train] `settings` trains: theirs, else `train_args`', else `train_steps`, else
-    the recipe's, else TrainConfig's default."""
-    from dflash_offline.config import TrainConfig, read_recipe
-
-    if "steps" in settings:
-        return int(settings["steps"])
-    for kv in cfg.train_args.split():
-        if kv.startswith("steps="):
-            return int(kv.split("=", 1)[1])
-    return cfg.train_steps or int(read_recipe(cfg.drafter_recipe).get("train", {}).get(
-        "steps", TrainConfig.__dataclass_fields__["steps"].default))
-
-
-def check_arms(cfg: TestbedConfig, first: str) -> tuple[str, str]:
-    """(null arm label, known-bad arm settings) for a sweep whose first arm is `first`: the null arm is that arm
-    under other seeds; the known-bad arm is that arm at a quarter of its steps."""
-    ext, train = parse_arm(first)
-    bad = {**ext, **train, "steps": max(1, recipe_steps(cfg, train) // 4)}
-    null = NULL_ARM if not first else f"({first}, other seeds)"
-    return null, " ".join(f"{k}={v}" for k, v in bad.items())
-
-
 def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> tuple[dict, dict]:
     """Every arm × seed trained, exported and evaluated on the testbed's target and prompts, beside the testbed's own
     phases where they are not done yet (see the module doc); with `checks`, also the null arm (the recipe under the
@@ -678,76 +659,6 @@ def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> tuple[dict, dict]:
             "job_seconds": {str(r.relative_to(p.root)): {k: v if isinstance(v, str) else round(v, 1)
                                                           for k, v in t.items()} for r, t in times.items()},
             "config": as_dict(cfg), "time": time.time()}, tb
-
-
-def sweep_results(r: dict, tb: dict, p: Paths) -> dict:
-    """The sweep's verdicts in the results-file form (`--results=`): commit, the wall seconds of every invocation
-    summed (cold when the first started on a bare machine), the looping shares, and per arm its τ, spread, Δ, interval,
-    lossless check and verdict; the null and known-bad arms apart."""
-    import torch
-
-    def arm(a: dict) -> dict:
-        lo, hi = a["delta_ci95"] or (None, None)
-        return {"label": a["arm"], "tau_pooled": round(a["tau_pooled"], 4), "taus": [round(t, 4) for t in a["taus"]],
-                "spread": round(a["spread"], 4), "delta": round(a["delta_vs_first"], 4), "ci_low": lo, "ci_high": hi,
-                "lossless": all(a["lossless"]), "verdict": a.get("verdict"), "within_null": a.get("within_null")}
-
-    judged = r.get("judgement") or {"checks": {}}
-    special = {c["arm"]: name for name, c in judged["checks"].items()}
-    arms = [arm(a) for a in r["arms"]]
-    return {**provenance(), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "device_seconds": wall_seconds(p), "invocations": read_wall(p),
-            "looping_frac_eval": tb.get("looping_frac_eval"), "looping_frac_regen": (tb.get("regen") or {}).get("looping_frac"),
-            "arms": [a for a in arms if a["label"] not in special],
-            **{f"{name}_arm": next((a for a in arms if a["label"] == label), None) for label, name in special.items()},
-            "discriminating": judged.get("discriminating"), "why_not": judged.get("why_not"), "seeds": r["seeds"],
-            "phase_seconds": tb.get("seconds"), "tau_trained": tb.get("tau_trained"),
-            "tau_untrained": tb.get("tau_untrained"), "failed": r["failed"], "parallel": r["parallel"]}
-
-
-def provenance() -> dict:
-    """The code a result was made with: the commit (`git`, else `DFLASH_COMMIT` where the tree travelled without its
-    repository), whether the tree differed from it, and the drafter code's digest (what `testbed-job.json` keys on)."""
-    root = Path(__file__).resolve().parents[1]
-
-    def git(*args: str) -> str | None:
-        try:
-            r = subprocess.run(["git", *args], capture_output=True, text=True, cwd=root, timeout=30)
-        except OSError:
-            return None
-        return r.stdout.strip() if r.returncode == 0 else None
-
-    commit = git("rev-parse", "--short", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
-    return {"commit": commit or os.environ.get("DFLASH_COMMIT"), "dirty": None if status is None else bool(status),
-            "code_sha256": drafter_code_digest()}
-
-
-def read_wall(p: Paths) -> list:
-    return json.loads(p.wall.read_text()) if p.wall.is_file() else []
-
-
-def wall_seconds(p: Paths) -> float:
-    """Wall seconds of every invocation of the testbed on this directory since its target phase started, summed (a
-    heartbeat keeps them current, so a call killed at its time limit still counts to its last beat)."""
-    return round(sum(w["seconds"] for w in read_wall(p)), 1)
-
-
-def heartbeat(p: Paths, every_s: float = 5.0) -> None:
-    """Record this invocation's wall seconds in DIR/wall.json every `every_s` (a daemon thread)."""
-    import threading
-
-    fresh = not read_state(p)["phases"]  # (a testbed started anew: earlier invocations' seconds are not its own)
-    runs, t0 = [] if fresh else read_wall(p), time.time()
-    runs.append({"start": t0, "seconds": 0.0})
-
-    def beat():
-        while True:
-            runs[-1]["seconds"] = round(time.time() - t0, 1)
-            write_json_atomic(p.wall, runs)
-            time.sleep(every_s)
-
-    threading.Thread(target=beat, daemon=True).start()
 
 
 # --- the stage -------------------------------------------------------------------------------------------------

@@ -144,7 +144,7 @@ def test_render_is_the_chat_template(qwen35_dir):
 
 
 def test_the_ab_interval_is_paired_over_prompts_and_holds_the_seeds_noise():
-    from dflash_offline.testbed_runs import ab_table, arm_rows, delta_ci
+    from dflash_offline.testbed_ab import ab_table, arm_rows, delta_ci
 
     steps = [5, 9, 13, 7, 11, 6, 8, 10] * 4
     base = [2.0 + 6 * (i % 4) for i in range(len(steps))]  # prompts differ far more than the arms do
@@ -184,7 +184,7 @@ def test_the_ab_interval_is_paired_over_prompts_and_holds_the_seeds_noise():
 
 
 def test_arms_are_ranked_only_when_the_null_arm_holds_0_and_the_known_bad_arm_lies_below():
-    from dflash_offline.testbed_runs import NULL_ARM, ab_table, judge
+    from dflash_offline.testbed_ab import NULL_ARM, ab_table, judge
 
     def rows(null_ci, bad_ci):
         r = [{"arm": "(recipe)", "delta_ci95": None, "delta_vs_first": 0.0},
@@ -220,7 +220,7 @@ def test_the_interval_holds_95_percent_of_null_differences_with_the_seeds_varian
     arm's two seeds let ≈ 23 % out."""
     import random
 
-    from dflash_offline.testbed_runs import delta_ci, pooled_seed_var
+    from dflash_offline.testbed_ab import delta_ci, pooled_seed_var
 
     rng, outside, reps = random.Random(1), 0, 40
     for r in range(reps):
@@ -521,7 +521,7 @@ def test_a_run_made_from_other_settings_or_code_is_made_again_and_an_equal_one_r
 
 
 def test_a_drafter_that_is_not_lossless_is_reported_failed(tmp_path, monkeypatch):
-    from dflash_offline.testbed_runs import failed_runs
+    from dflash_offline.testbed_ab import failed_runs
 
     _fake_stages(monkeypatch, {})
     p = stage.Paths(str(tmp_path))

@@ -1,0 +1,311 @@
+"""The testbed's A/B sweeps (`stages/testbed.py` runs them): what each arm's evaluations say and how far to trust it
+— τ pooled over seeds, the interval of a difference (`delta_ci`: the prompts' paired bootstrap plus the seeds'
+variance pooled over the arms), the null and known-bad arms that decide whether arms are ranked (`check_arms`,
+`judge`), the table — and the record of a sweep: the results file (`sweep_results`: code provenance, the wall seconds
+every invocation spent, kept by `heartbeat`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from .manifest import write_json_atomic
+from .testbed_runs import Paths, drafter_code_digest, parse_arm, read_state
+
+
+def ab_table(r: dict) -> str:
+    head = ("| arm | tokens per verify step, per seed | seeds pooled | spread | Δ vs first | Δ 95 % CI (seeds × prompts) "
+            "| verdict | lossless | final loss |\n"
+            "|---|---|---|---|---|---|---|---|---|")
+    body = [f"| {a['arm']} | {' / '.join(f'{t:.3f}' for t in a['taus'])} | {a['tau_pooled']:.3f} | {a['spread']:.3f} | "
+            f"{a['delta_vs_first']:+.3f} ({a['delta_pct']:+.1f} %) | "
+            f"{'—' if a['delta_ci95'] is None else '[{:+.3f}, {:+.3f}]'.format(*a['delta_ci95'])} | "
+            f"{a.get('verdict', '—')} | "
+            f"{'yes' if all(a['lossless']) else 'NO: prompts ' + str(a['mismatches'])} | "
+            f"{' / '.join(f'{x:.3f}' for x in a['loss'] if x is not None)} |" for a in r["arms"]]
+    judged = r.get("judgement")
+    tail = [] if judged is None else ["the yardstick discriminates (null arm's interval holds 0, the known-bad arm's "
+                                      "lies below 0): arms ranked" if judged["discriminating"] else
+                                      "NOT DISCRIMINATING, arms not ranked: " + "; ".join(judged["why_not"])]
+    return "\n".join([head, *body, *tail])
+
+
+def prompt_counts(eval_json: Path) -> list[tuple[float, int]]:
+    """Per prompt of an evaluation: (tokens its verify steps emitted, verify steps) — the tokens as decoded, not the
+    drafts a last step accepted past eos or the budget (evaluations of older code: τ × steps)."""
+    return [(p.get("emitted", p["tau_mean"] * p["steps"]), p["steps"]) if p["steps"] else (0.0, 0)
+            for p in json.loads(eval_json.read_text())["per_prompt"]]
+
+
+def eval_record(eval_json: Path) -> dict:
+    """What the A/B table takes from an evaluation: τ, per-prompt counts, the lossless check, what was decoded."""
+    r = json.loads(eval_json.read_text())
+    return {"tau": r.get("tau_emitted", r["tau_mean"]), "counts": prompt_counts(eval_json),
+            "lossless": bool(r.get("lossless", True)),
+            "mismatches": r.get("mismatches", []), "prompts": r.get("prompt_ids_sha256"),
+            "tokens": r.get("max_new_tokens")}
+
+
+def pooled_tau(seeds: list[list[tuple]]) -> float:
+    """τ of every seed's prompts together: their tokens over their verify steps (`prompt_counts` per seed)."""
+    tokens, steps = (sum(c[k] for counts in seeds for c in counts) for k in (0, 1))
+    return tokens / steps if steps else float("nan")
+
+
+T975 = ((1, 12.706), (2, 4.303), (3, 3.182), (4, 2.776), (5, 2.571), (6, 2.447), (7, 2.365), (8, 2.306), (10, 2.228),
+        (12, 2.179), (15, 2.131), (20, 2.086), (30, 2.042), (60, 2.000), (120, 1.980), (10**9, 1.960))
+
+
+def t975(df: float) -> float:
+    """Student's t 97.5 % quantile at `df` degrees of freedom (table, linear in 1/df between its rows)."""
+    df = max(df, 1.0)
+    for (d0, t0), (d1, t1) in zip(T975, T975[1:], strict=False):
+        if df <= d1:
+            w = (1 / d0 - 1 / df) / (1 / d0 - 1 / d1)
+            return t0 + w * (t1 - t0)
+    return 1.960
+
+
+def seed_taus(arm: list[list[tuple]]) -> list[float]:
+    """Each seed's τ over the prompts (its tokens over its verify steps)."""
+    return [sum(c[0] for c in counts) / max(sum(c[1] for c in counts), 1) for counts in arm]
+
+
+def sample_var(xs: list[float]) -> float:
+    m = sum(xs) / len(xs)
+    return sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
+
+
+def pooled_seed_var(arms: list[list[list[tuple]]]) -> tuple[float, int] | None:
+    """One estimate of the variance of a seed's τ from every arm with two seeds or more (each arm's squared deviations
+    from its own mean, over Σ (seeds − 1)): training noise, assumed alike across arms (the null arm checks the
+    yardstick that rests on it). None when no arm has two seeds."""
+    ss = df = 0
+    for arm in arms:
+        if len(arm) > 1:
+            taus = seed_taus(arm)
+            ss += sample_var(taus) * (len(taus) - 1)
+            df += len(taus) - 1
+    return (ss / df, df) if df else None
+
+
+def delta_ci(a: list[list[tuple]], b: list[list[tuple]], draws: int = 2000, seed: int = 0,
+             seed_var: tuple[float, int] | None = None):
+    """95 % interval of τ(a) − τ(b), the arms' seeds pooled; `a`, `b` are per seed the `prompt_counts` of the same
+    prompts. Two sources of noise, added as variances:
+    - prompts: a paired bootstrap (each draw resamples the prompts, the same draw for both arms, every seed's tokens
+      and steps pooled on them; prompts differ far more than arms do, so pairing is what makes a difference visible);
+    - seeds (training noise): the variance of one seed's τ over the number of seeds, for each arm — `seed_var`
+      (variance, degrees of freedom) when given (`pooled_seed_var`: every arm's seeds, one estimate), else each
+      arm's own sample variance of its seeds' τ (n − 1).
+    The interval is Δ ± t · √(sum), t at the Welch–Satterthwaite degrees of freedom. With two seeds an arm's own
+    estimate has one degree of freedom (t = 12.7): the pooled one is what makes two seeds usable. (Resampling the
+    seeds instead, as a bootstrap would, cannot be wider than two seeds' range: in simulation 23 % of null
+    differences came out significant that way.) With one seed per arm and no `seed_var` the seed term is unknown and
+    left out: only the prompts vary."""
+    import random
+
+    n = len(a[0])
+    if any(len(x) != n for x in (*a, *b)):
+        raise ValueError("delta_ci: every seed of both arms must hold the same prompts")
+    pool = [[sum(x[i][k] for x in arm) for i in range(n)] for arm in (a, b) for k in (0, 1)]
+    ta, sa, tb, sb = (sum(v) for v in pool)
+    if not (sa and sb):
+        return None
+    delta = ta / sa - tb / sb
+    rng, boot = random.Random(seed), []
+    for _ in range(draws):
+        idx = [rng.randrange(n) for _ in range(n)]
+        xa, ya, xb, yb = (sum(v[i] for i in idx) for v in pool)
+        if ya and yb:
+            boot.append(xa / ya - xb / yb)
+    mean = sum(boot) / len(boot)
+    var_p = sum((d - mean) ** 2 for d in boot) / max(len(boot) - 1, 1)
+    terms = [(var_p, n - 1)]
+    if seed_var is not None:
+        terms.append((seed_var[0] * (1 / len(a) + 1 / len(b)), seed_var[1]))
+    else:
+        for arm in (a, b):
+            if len(arm) > 1:
+                terms.append((sample_var(seed_taus(arm)) / len(arm), len(arm) - 1))
+    var = sum(v for v, _ in terms)
+    if var <= 0:
+        return (delta, delta)
+    df = var ** 2 / sum(v ** 2 / d for v, d in terms if d > 0)
+    half = t975(df) * var ** 0.5
+    return (delta - half, delta + half)
+
+
+def failed_runs(root: Path, times: dict, evaluated: list[Path]) -> dict:
+    """{run relative to `root`: why} for the runs whose job failed (`times[run]["error"]`) and the `evaluated` runs
+    whose speculative output differs from the target's greedy output (exact mode: a bug, whatever the drafter)."""
+    failed = {str(r.relative_to(root)): t["error"] for r, t in times.items() if "error" in t}
+    for run in evaluated:
+        if not (e := eval_record(run / "eval.json"))["lossless"]:
+            failed[str(run.relative_to(root))] = f"not lossless: prompts {e['mismatches']} differ from the target's"
+    return failed
+
+
+def arm_rows(arms: list[str], results: dict) -> list[dict]:
+    """Per arm: τ per seed, τ pooled over its seeds (every seed's prompts' tokens over their verify steps: the
+    statistic the interval is about), the mean of the seeds' τ, spread (max − min), sample std, final losses, the
+    lossless check per seed, the difference of pooled τ to the first arm's and its 95 % interval (`delta_ci`:
+    prompts bootstrapped, seeds' variance pooled over all the arms). `results[arm] = [(eval_record, final loss) per seed]` (arms may have other
+    seeds than the first: the null arm is the recipe under other seeds); evaluations of other prompts or token budgets
+    than the others' are refused (their prompts cannot be paired)."""
+    decoded = {(e["prompts"], e["tokens"], len(e["counts"])) for per_seed in results.values() for e, _ in per_seed}
+    if len(decoded) > 1:
+        raise ValueError(f"the evaluations to compare decoded different prompts or token budgets {sorted(decoded, key=str)}"
+                         f": their prompts cannot be paired; evaluate every arm on the same prompts")
+    rows = []
+    for arm in arms:
+        evals, losses = zip(*results[arm], strict=True)
+        taus = [e["tau"] for e in evals]
+        mean = sum(taus) / len(taus)
+        sd = (sum((t - mean) ** 2 for t in taus) / max(len(taus) - 1, 1)) ** 0.5
+        rows.append({"arm": arm or "(recipe)", "taus": taus, "tau_pooled": pooled_tau([e["counts"] for e in evals]),
+                     "tau_mean_of_seeds": mean, "spread": max(taus) - min(taus), "std": sd, "loss": list(losses),
+                     "lossless": [e["lossless"] for e in evals], "mismatches": [e["mismatches"] for e in evals]})
+    counts = {arm: [e["counts"] for e, _ in results[arm]] for arm in arms}
+    seed_var = pooled_seed_var(list(counts.values()))
+    for arm, r in zip(arms, rows, strict=True):
+        r["delta_vs_first"] = r["tau_pooled"] - rows[0]["tau_pooled"]
+        r["delta_pct"] = 100 * r["delta_vs_first"] / rows[0]["tau_pooled"]
+        r["delta_ci95"] = None if arm == arms[0] else delta_ci(counts[arm], counts[arms[0]], seed_var=seed_var)
+        r["seed_sd_pooled"] = None if seed_var is None else seed_var[0] ** 0.5
+    return rows
+
+
+NULL_ARM = "(recipe, other seeds)"  # the null arm's label: the recipe again under seeds no other arm uses
+
+
+def judge(rows: list[dict], null: str | None, bad: str | None) -> dict:
+    """The yardstick's two checks and, when both pass, a verdict per arm (in place: `verdict`). The null arm (the
+    first arm's settings under other seeds) must have an interval that contains 0, the known-bad arm (the first arm at
+    a quarter of its steps) one that lies below 0; if either fails (or is missing) the yardstick is not
+    discriminating and no arm is ranked (`unranked`). Otherwise an arm is `worse` (interval below 0), `better` (above
+    0), at `parity` (its interval contains 0 and its Δ lies within the null arm's interval: no larger than the first
+    arm shows against itself) or `inconclusive` (its interval contains 0 but its Δ is larger than that: too noisy to
+    call; more seeds)."""
+    by = {r["arm"]: r for r in rows}
+    checks, why = {}, []
+    for name, label, ok in (("null", null, lambda lo, hi: lo <= 0 <= hi), ("bad", bad, lambda lo, hi: hi < 0)):
+        r = by.get(label) if label else None
+        ci = r and r["delta_ci95"]
+        checks[name] = {"arm": label, "ci95": ci, "passed": bool(ci) and ok(*ci)}
+        if not checks[name]["passed"]:
+            what = "not run" if not ci else f"interval [{ci[0]:+.3f}, {ci[1]:+.3f}]"
+            want = "contains 0" if name == "null" else "lies below 0"
+            why.append(f"the {name} arm ({label}): {what}, where its interval must be one that {want}")
+    ranked = not why
+    null_ci = checks["null"]["ci95"]
+    for r in rows[1:]:
+        if r["arm"] in (null, bad):
+            kind = "null" if r["arm"] == null else "bad"
+            r["verdict"] = f"{'null' if kind == 'null' else 'known-bad'} check: " + (
+                "passed" if checks[kind]["passed"] else "FAILED")
+            continue
+        if not ranked:
+            r["verdict"] = "unranked"
+            continue
+        lo, hi = r["delta_ci95"]
+        r["within_null"] = null_ci[0] <= r["delta_vs_first"] <= null_ci[1]
+        r["verdict"] = ("worse" if hi < 0 else "better" if lo > 0 else "parity" if r["within_null"] else
+                        "inconclusive")
+    return {"discriminating": ranked, "checks": checks, "why_not": why}
+
+
+def recipe_steps(cfg, settings: dict) -> int:
+    """The steps a drafter of these [train] `settings` trains: theirs, else `train_args`', else `train_steps`, else
+    the recipe's, else TrainConfig's default."""
+    from dflash_offline.config import TrainConfig, read_recipe
+
+    if "steps" in settings:
+        return int(settings["steps"])
+    for kv in cfg.train_args.split():
+        if kv.startswith("steps="):
+            return int(kv.split("=", 1)[1])
+    return cfg.train_steps or int(read_recipe(cfg.drafter_recipe).get("train", {}).get(
+        "steps", TrainConfig.__dataclass_fields__["steps"].default))
+
+
+def check_arms(cfg, first: str) -> tuple[str, str]:
+    """(null arm label, known-bad arm settings) for a sweep whose first arm is `first`: the null arm is that arm
+    under other seeds; the known-bad arm is that arm at a quarter of its steps."""
+    ext, train = parse_arm(first)
+    bad = {**ext, **train, "steps": max(1, recipe_steps(cfg, train) // 4)}
+    null = NULL_ARM if not first else f"({first}, other seeds)"
+    return null, " ".join(f"{k}={v}" for k, v in bad.items())
+
+
+def sweep_results(r: dict, tb: dict, p: Paths) -> dict:
+    """The sweep's verdicts in the results-file form (`--results=`): commit, the wall seconds of every invocation
+    summed (cold when the first started on a bare machine), the looping shares, and per arm its τ, spread, Δ, interval,
+    lossless check and verdict; the null and known-bad arms apart."""
+    import torch
+
+    def arm(a: dict) -> dict:
+        lo, hi = a["delta_ci95"] or (None, None)
+        return {"label": a["arm"], "tau_pooled": round(a["tau_pooled"], 4), "taus": [round(t, 4) for t in a["taus"]],
+                "spread": round(a["spread"], 4), "delta": round(a["delta_vs_first"], 4), "ci_low": lo, "ci_high": hi,
+                "lossless": all(a["lossless"]), "verdict": a.get("verdict"), "within_null": a.get("within_null")}
+
+    judged = r.get("judgement") or {"checks": {}}
+    special = {c["arm"]: name for name, c in judged["checks"].items()}
+    arms = [arm(a) for a in r["arms"]]
+    return {**provenance(), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "device_seconds": wall_seconds(p), "invocations": read_wall(p),
+            "looping_frac_eval": tb.get("looping_frac_eval"), "looping_frac_regen": (tb.get("regen") or {}).get("looping_frac"),
+            "arms": [a for a in arms if a["label"] not in special],
+            **{f"{name}_arm": next((a for a in arms if a["label"] == label), None) for label, name in special.items()},
+            "discriminating": judged.get("discriminating"), "why_not": judged.get("why_not"), "seeds": r["seeds"],
+            "phase_seconds": tb.get("seconds"), "tau_trained": tb.get("tau_trained"),
+            "tau_untrained": tb.get("tau_untrained"), "failed": r["failed"], "parallel": r["parallel"]}
+
+
+def provenance() -> dict:
+    """The code a result was made with: the commit (`git`, else `DFLASH_COMMIT` where the tree travelled without its
+    repository), whether the tree differed from it, and the drafter code's digest (what `testbed-job.json` keys on)."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str | None:
+        try:
+            r = subprocess.run(["git", *args], capture_output=True, text=True, cwd=root, timeout=30)
+        except OSError:
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    commit = git("rev-parse", "--short", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {"commit": commit or os.environ.get("DFLASH_COMMIT"), "dirty": None if status is None else bool(status),
+            "code_sha256": drafter_code_digest()}
+
+
+def read_wall(p: Paths) -> list:
+    return json.loads(p.wall.read_text()) if p.wall.is_file() else []
+
+
+def wall_seconds(p: Paths) -> float:
+    """Wall seconds of every invocation of the testbed on this directory since its target phase started, summed (a
+    heartbeat keeps them current, so a call killed at its time limit still counts to its last beat)."""
+    return round(sum(w["seconds"] for w in read_wall(p)), 1)
+
+
+def heartbeat(p: Paths, every_s: float = 5.0) -> None:
+    """Record this invocation's wall seconds in DIR/wall.json every `every_s` (a daemon thread)."""
+    import threading
+
+    fresh = not read_state(p)["phases"]  # (a testbed started anew: earlier invocations' seconds are not its own)
+    runs, t0 = [] if fresh else read_wall(p), time.time()
+    runs.append({"start": t0, "seconds": 0.0})
+
+    def beat():
+        while True:
+            runs[-1]["seconds"] = round(time.time() - t0, 1)
+            write_json_atomic(p.wall, runs)
+            time.sleep(every_s)
+
+    threading.Thread(target=beat, daemon=True).start()
