@@ -300,17 +300,27 @@ def speedups(s: dict, a: dict) -> dict:
 # --- the report ------------------------------------------------------------------------------------------------
 
 
-def decode_summary(spec: list, alone: list, prompts: list[dict]) -> dict:
-    """The report's fields of both decodes (spec, alone: `GenStats` per prompt, with and without the drafter):
-    pooled τ and its histogram, τ per prompt category, ms per phase, tok/s, speed-ups, target forwards."""
+def decode_summary(taus: list, spec: list, alone: list, prompts: list[dict]) -> dict:
+    """The report's fields of the decodes (`GenStats` per prompt): τ, its histogram and τ per prompt category from
+    `taus` (the speculative decodes, or their replays); ms per phase, tok/s, speed-ups and target forwards from the
+    real speculative decodes `spec` against the target alone on the same prompts (`alone`; None where nothing was
+    decoded for real)."""
     from .speculate import summarize
 
-    s, a = summarize(spec), summarize(alone)
+    t = summarize(taus)
+    out = {"rollback": spec[0].rollback if spec else "replay", "tau_mean": t["tau_mean"],
+           "tau_emitted": t["tau_emitted"], "tau_hist": t["tau_hist"], "accept_ge": t["accept_ge"],
+           "by_category": by_category(taus, prompts[: len(taus)]), "verify_steps": t["steps"],
+           "new_tokens": t["new_tokens"]}
+    speed = ("draft_ms", "verify_ms", "rollback_ms", "spec_tok_per_s", "target_tok_per_s", "speedup",
+             "target_ms_per_token", "speedup_engine_est", "speedup_step_est", "spec_target_forwards", "refeeds",
+             "target_forwards_alone")
+    if not spec:
+        return {**out, **dict.fromkeys(speed)}
+    s, a = summarize(spec), summarize(alone[: len(spec)])
     return {
-        "rollback": spec[0].rollback, "tau_mean": s["tau_mean"], "tau_emitted": s["tau_emitted"], "tau_hist": s["tau_hist"],
-        "accept_ge": s["accept_ge"], "by_category": by_category(spec, prompts), "verify_steps": s["steps"],
-        "new_tokens": s["new_tokens"], "draft_ms": s["draft_ms"], "verify_ms": s["verify_ms"],
-        "rollback_ms": s["rollback_ms"], "spec_tok_per_s": s["tok_per_s"], "target_tok_per_s": a["tok_per_s"],
+        **out, "draft_ms": s["draft_ms"], "verify_ms": s["verify_ms"], "rollback_ms": s["rollback_ms"],
+        "spec_tok_per_s": s["tok_per_s"], "target_tok_per_s": a["tok_per_s"],
         "speedup": a["seconds"] / s["seconds"] if s["seconds"] > 0 else math.nan, **speedups(s, a),
         "spec_target_forwards": s["target_forwards"], "refeeds": s["refeeds"],
         "target_forwards_alone": a["target_forwards"],
@@ -338,8 +348,8 @@ def table(r: dict) -> str:
     lines = [
         f"drafter {which} · target {r['target']} ({r['arch']}) · block {r['block_size']} · "
         f"{r['num_prompts']} prompts × ≤{r['max_new_tokens']} tokens · {r['device']} {r['dtype']} ({r['mode']})",
-        f"  real τ (drafts accepted + 1 per verify step)  {r['tau_mean']:.3f}   over {r['verify_steps']} steps   "
-        f"histogram τ:count  {hist}",
+        f"  {'replayed' if r.get('tau_from') == 'replay' else 'real'} τ (drafts accepted + 1 per verify step)  "
+        f"{r['tau_mean']:.3f}   over {r['verify_steps']} steps   histogram τ:count  {hist}",
         f"  tokens emitted per verify step  {r.get('tau_emitted', math.nan):.3f}   (τ without what a last step accepted "
         f"past eos or the budget)",
         "  steps accepting ≥ k drafts  " + " ".join(f"{k + 1}:{x:.2f}" for k, x in enumerate(r["accept_ge"][:8]))
@@ -348,22 +358,29 @@ def table(r: dict) -> str:
     if r["by_category"]:
         lines.append("  τ by category  " + " · ".join(f"{c} {v['tau_mean']:.2f} ({v['prompts']})"
                                                       for c, v in r["by_category"].items()))
-    lines += [
-        f"  per step: draft {r['draft_ms']:.2f} ms · verify {r['verify_ms']:.2f} ms · rollback "
-        f"{r['rollback_ms']:.2f} ms · target alone {r['target_ms_per_token']:.2f} ms/token",
-        f"  speculative {r['spec_tok_per_s']:.1f} tok/s · target alone {r['target_tok_per_s']:.1f} tok/s · "
-        f"speed-up ×{r['speedup']:.2f} (wall clock) · engine estimate ×{r['speedup_engine_est']:.2f} "
-        f"(τ/(1+draft/verify)) · step estimate ×{r['speedup_step_est']:.2f}",
-        f"  target forwards {r['spec_target_forwards']} (rollback {r['rollback']}: {r['refeeds']} refeeds) vs "
-        f"{r['target_forwards_alone']} alone",
-    ]
+    n_real = r.get("lossless_prompts", r["num_prompts"])
+    if r.get("tau_from") == "replay":
+        agree = [p["replay_agrees"] for p in r["per_prompt"] if "replay_agrees" in p]
+        lines.append(f"  τ replayed on the target's greedy output (one target forward per prompt); {len(agree)} "
+                     f"prompts also decoded for real" + (f": the replay took their steps in {sum(agree)}/{len(agree)}"
+                                                          if agree else ""))
+    if n_real:
+        lines += [
+            f"  per step: draft {r['draft_ms']:.2f} ms · verify {r['verify_ms']:.2f} ms · rollback "
+            f"{r['rollback_ms']:.2f} ms · target alone {r['target_ms_per_token']:.2f} ms/token",
+            f"  speculative {r['spec_tok_per_s']:.1f} tok/s · target alone {r['target_tok_per_s']:.1f} tok/s · "
+            f"speed-up ×{r['speedup']:.2f} (wall clock) · engine estimate ×{r['speedup_engine_est']:.2f} "
+            f"(τ/(1+draft/verify)) · step estimate ×{r['speedup_step_est']:.2f}",
+            f"  target forwards {r['spec_target_forwards']} (rollback {r['rollback']}: {r['refeeds']} refeeds) vs "
+            f"{r['target_forwards_alone']} alone",
+        ]
     if tf.get("batches"):
         lines.append(f"  teacher-forced ({'held-out' if tf['held_out'] else 'training, NOT held out'} cache "
                      f"{tf['cache']}, {tf['blocks']} blocks): sim τ {tf['sim_tau']:.3f} · block τ "
                      f"{tf['block_tau']:.3f} · acc slots 1-4 {tf['acc'][:4]}")
-    n_eq = r["num_prompts"] - len(r["mismatches"]) - len(r["rounding_ties"])
+    n_eq = n_real - len(r["mismatches"]) - len(r["rounding_ties"])
     h = r["tie_margin_hist"]
-    lines.append(f"  lossless: {n_eq}/{r['num_prompts']} speculative outputs equal the target's greedy output"
+    lines.append(f"  lossless: {n_eq}/{n_real} speculative outputs equal the target's greedy output"
                  + (f"; {len(r['rounding_ties'])} part at a rounding tie (logit margin <= {r['tie_tol']:g})"
                     if r["rounding_ties"] else "")
                  + ("" if r["lossless"] else f"; MISMATCH in prompts {r['mismatches']}")

@@ -331,6 +331,15 @@ def _eos_set(eos_ids) -> set[int]:
     return {int(eos_ids)} if isinstance(eos_ids, int) else {int(e) for e in eos_ids}
 
 
+def _emit(out: list[int], tokens: list[int], eos: set[int], max_new_tokens: int) -> int:
+    """Append a verify step's tokens to `out` up to eos or the budget; returns how many were appended."""
+    for k, t in enumerate(tokens):
+        out.append(t)
+        if t in eos or len(out) >= max_new_tokens:
+            return k + 1
+    return len(tokens)
+
+
 def _check_budget(max_new_tokens: int) -> None:
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -423,13 +432,7 @@ def speculative_generate(target, drafter, prompt_ids, max_new_tokens: int, eos_i
         st.target_forwards += 1
         ctx, anchor = hid[:, : n + 1], pred_dev[n:n + 1][None]
         st.accepted.append(n)
-        emitted = 0
-        for t in d[:n] + [pred[n]]:
-            out.append(t)
-            emitted += 1
-            if t in eos or len(out) >= max_new_tokens:
-                break
-        st.emitted.append(emitted)
+        st.emitted.append(_emit(out, d[:n] + [pred[n]], eos, max_new_tokens))
         pos += n + 1
     _sync(dev)
     st.seconds = time.perf_counter() - t0
@@ -438,4 +441,57 @@ def speculative_generate(target, drafter, prompt_ids, max_new_tokens: int, eos_i
     st.draft_ms = [s[0] for s in spans]
     st.verify_ms = [s[2] for s in spans]
     st.rollback_ms = [s[1] + s[3] for s in spans]
+    return out, st
+
+
+@torch.no_grad()
+def replay_generate(target, drafter, prompt_ids, greedy: list[int], max_new_tokens: int,
+                    eos_ids=None) -> tuple[list[int], GenStats]:
+    """The verify steps `speculative_generate` would take, replayed on the target's known greedy output `greedy`
+    (`greedy_generate`'s, same budget and eos) instead of verified by the target: ONE target forward over prompt +
+    `greedy` gives every tapped state, then the drafter drafts step after step exactly as in a real decode (same
+    calls, same new context, same anchors) and a step accepts the drafts that equal `greedy`'s next tokens.
+
+    Why that is the decode's τ: a verify step accepts d_k only while d_1..d_k equal the target's own greedy tokens,
+    so the target's predictions it uses are `greedy`'s tokens, and the drafter's next context is the tapped states of
+    those same tokens (here from one forward instead of the verify forwards: equal but for float rounding). Hence
+    the same steps, accepted counts and emitted tokens — except that a last step's drafts past eos or the budget are
+    not checked (the target's tokens there are unknown): `accepted` of the last step may be lower than the decode's,
+    `emitted` and `tau_emitted` are exact. Costs one target forward per prompt instead of one or two per step;
+    there are no speed figures (`verify_ms`, `rollback_ms` empty) and no lossless check (the output is `greedy`).
+    """
+    dev, eos, L, layer_ids = _device(target), _eos_set(eos_ids), drafter.block_size, list(drafter.layer_ids)
+    ids = _as_ids(prompt_ids, dev)
+    _check_budget(max_new_tokens)
+    greedy = [int(t) for t in greedy]
+    if not greedy or len(greedy) > max_new_tokens or any(t in eos for t in greedy[:-1]) or (
+            len(greedy) < max_new_tokens and greedy[-1] not in eos):
+        raise ValueError(f"replay needs the target's greedy output for this budget ({max_new_tokens} new tokens, eos "
+                         f"{sorted(eos)}): {len(greedy)} tokens given that neither end at eos nor fill the budget")
+    P = ids.shape[1]
+    st, timer = GenStats(block_size=L, prompt_tokens=P, rollback="replay"), PhaseTimer(dev)
+    _sync(dev)
+    t0 = time.perf_counter()
+    seq = torch.cat([ids, torch.tensor([greedy], device=dev)], 1)
+    _, hid = _forward(target, seq, 0, _new_cache(target), layer_ids, 1)
+    st.target_forwards = 1
+    drafter.start()
+    out, ctx, pos = greedy[:1], hid[:, :P], P  # pos: the anchor's position
+    _sync(dev)
+    st.prefill_s = time.perf_counter() - t0
+    while len(out) < max_new_tokens and out[-1] not in eos:
+        m0 = timer.mark()
+        d = drafter.draft(ctx, torch.tensor([[out[-1]]], device=dev), pos, L).tolist()
+        timer.step(m0, timer.mark())
+        truth = greedy[len(out): len(out) + L]  # the target's tokens after the anchor (L-1 drafts' and the bonus)
+        m = min(L - 1, len(truth))  # drafts that can be checked
+        n = next((k for k in range(m) if d[k] != truth[k]), m)
+        st.accepted.append(n)
+        st.emitted.append(_emit(out, truth[: n + 1], eos, max_new_tokens))
+        ctx = hid[:, pos: pos + n + 1]
+        pos += n + 1
+    _sync(dev)
+    st.seconds = time.perf_counter() - t0
+    st.new_tokens = len(out)
+    st.draft_ms = [s[0] for s in timer.spans_ms()]
     return out, st

@@ -24,13 +24,26 @@ def ab_table(r: dict) -> str:
             f"{a['delta_vs_first']:+.3f} ({a['delta_pct']:+.1f} %) | "
             f"{'—' if a['delta_ci95'] is None else '[{:+.3f}, {:+.3f}]'.format(*a['delta_ci95'])} | "
             f"{a.get('verdict', '—')} | "
-            f"{'yes' if all(a['lossless']) else 'NO: prompts ' + str(a['mismatches'])} | "
+            f"{lossless_cell(a)} | "
             f"{' / '.join(f'{x:.3f}' for x in a['loss'] if x is not None)} |" for a in r["arms"]]
     judged = r.get("judgement")
     tail = [] if judged is None else ["the yardstick discriminates (null arm's interval holds 0, the known-bad arm's "
                                       "lies below 0): arms ranked" if judged["discriminating"] else
                                       "NOT DISCRIMINATING, arms not ranked: " + "; ".join(judged["why_not"])]
+    checks = [c for a in r["arms"] for c in a.get("replay_check", []) if c["prompts"]]
+    tail += [f"τ replayed on the target's greedy outputs; the first drafter also decoded {c['prompts']} prompts for real: "
+             f"the replay took the decode's steps on {c['agree']}/{c['prompts']}"
+             + ("" if c["agree"] == c["prompts"] else " (REPLAY DIFFERS: a rounding flip or a bug, see its eval.json)")
+             for c in checks]
     return "\n".join([head, *body, *tail])
+
+
+def lossless_cell(a: dict) -> str:
+    """The table's lossless column: the prompts decoded for real and checked (a replayed evaluation checks none)."""
+    checked = sum(c or 0 for c in a.get("checked", [None]))
+    if not all(a["lossless"]):
+        return "NO: prompts " + str(a["mismatches"])
+    return f"yes ({checked} decoded)" if checked else "— (replayed)"
 
 
 def prompt_counts(eval_json: Path) -> list[tuple[float, int]]:
@@ -44,7 +57,8 @@ def eval_record(eval_json: Path) -> dict:
     """What the A/B table takes from an evaluation: τ, per-prompt counts, the lossless check, what was decoded."""
     r = json.loads(eval_json.read_text())
     return {"tau": r.get("tau_emitted", r["tau_mean"]), "counts": prompt_counts(eval_json),
-            "lossless": bool(r.get("lossless", True)),
+            "lossless": bool(r.get("lossless", True)), "checked": r.get("lossless_prompts", r.get("num_prompts")),
+            "replay_check": r.get("replay_check"),
             "mismatches": r.get("mismatches", []), "prompts": r.get("prompt_ids_sha256"),
             "tokens": r.get("max_new_tokens")}
 
@@ -168,7 +182,9 @@ def arm_rows(arms: list[str], results: dict) -> list[dict]:
         sd = (sum((t - mean) ** 2 for t in taus) / max(len(taus) - 1, 1)) ** 0.5
         rows.append({"arm": arm or "(recipe)", "taus": taus, "tau_pooled": pooled_tau([e["counts"] for e in evals]),
                      "tau_mean_of_seeds": mean, "spread": max(taus) - min(taus), "std": sd, "loss": list(losses),
-                     "lossless": [e["lossless"] for e in evals], "mismatches": [e["mismatches"] for e in evals]})
+                     "lossless": [e["lossless"] for e in evals], "mismatches": [e["mismatches"] for e in evals],
+                     "checked": [e.get("checked") for e in evals],
+                     "replay_check": [e["replay_check"] for e in evals if e.get("replay_check")]})
     counts = {arm: [e["counts"] for e, _ in results[arm]] for arm in arms}
     seed_var = pooled_seed_var(list(counts.values()))
     for arm, r in zip(arms, rows, strict=True):
@@ -251,7 +267,9 @@ def sweep_results(r: dict, tb: dict, p: Paths) -> dict:
         lo, hi = a["delta_ci95"] or (None, None)
         return {"label": a["arm"], "tau_pooled": round(a["tau_pooled"], 4), "taus": [round(t, 4) for t in a["taus"]],
                 "spread": round(a["spread"], 4), "delta": round(a["delta_vs_first"], 4), "ci_low": lo, "ci_high": hi,
-                "lossless": all(a["lossless"]), "verdict": a.get("verdict"), "within_null": a.get("within_null")}
+                "lossless": all(a["lossless"]) if any(a.get("checked", [1])) else None,
+                "decoded_for_real": sum(c or 0 for c in a.get("checked", [])),
+                "verdict": a.get("verdict"), "within_null": a.get("within_null")}
 
     judged = r.get("judgement") or {"checks": {}}
     special = {c["arm"]: name for name, c in judged["checks"].items()}
@@ -263,7 +281,9 @@ def sweep_results(r: dict, tb: dict, p: Paths) -> dict:
             **{f"{name}_arm": next((a for a in arms if a["label"] == label), None) for label, name in special.items()},
             "discriminating": judged.get("discriminating"), "why_not": judged.get("why_not"), "seeds": r["seeds"],
             "phase_seconds": tb.get("seconds"), "tau_trained": tb.get("tau_trained"),
-            "tau_untrained": tb.get("tau_untrained"), "failed": r["failed"], "parallel": r["parallel"]}
+            "tau_untrained": tb.get("tau_untrained"), "failed": r["failed"], "parallel": r["parallel"],
+            "tau_from": "replay" if r["config"].get("replay") else "decode",
+            "replay_check": next((c for a in r["arms"] for c in a.get("replay_check", []) if c["prompts"]), None)}
 
 
 def provenance() -> dict:

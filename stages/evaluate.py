@@ -22,6 +22,14 @@ verify / rollback ms per step, tok/s of both decodes, and speed-ups (see `speedu
 the teacher-forced estimate (per-slot accuracy → simulated τ, and the per-block τ) of the same weights on a few
 batches of a hidden cache — the run's own training cache unless `--cache=` names a held-out one.
 
+`--replay=1` measures τ without the target verifying (`speculate.replay_generate`): the target's greedy output
+(the target-alone decode, e.g. from `--baseline`) is fed through the target once per prompt, and the drafter drafts
+step after step along it exactly as in a real decode, a step accepting the drafts that equal the output's next
+tokens. Same steps, same emitted tokens, hence the same `tau_emitted` (the drafts a last step would accept past eos
+or the budget are not checked, so `tau_mean` can only be lower), at one target forward per prompt instead of one or
+two per step; the first `--check_prompts` prompts are also decoded for real — the lossless check and the speed
+figures come from them (none without), and `replay_check` counts the prompts whose replay took the decode's steps.
+
 Lossless check, by `--dtype` (target and drafter compute dtype): in float32 (exact mode) every speculative output
 must equal the target's greedy output, any difference fails (TF32 is switched off on CUDA); in bfloat16 a block
 forward and token-by-token forwards round differently, so where outputs part one full forward of the target
@@ -82,6 +90,8 @@ class EvalConfig:
     tie_tol: float = 0.25  # bfloat16: a difference where the target's top-2 logit margin is <= this is a rounding tie
     baseline: str = ""  # JSON file of the target-alone decodes: reused when made for the same target/prompts/dtype/device, else (re)written
     spec_prompts: int = 0  # prompts also decoded with the drafter (0 = all); the rest by the target alone, for --baseline
+    replay: bool = False  # τ by replaying the target's greedy output (one target forward per prompt, the drafter stepped along it): the decode's τ, no speed figures
+    check_prompts: int = 0  # with --replay: the first N prompts also decoded for real (lossless check, speed figures, replay = decode checked)
 
     def resolve(self) -> EvalConfig:
         check_choice("eval.turn", self.turn, ("first", "last"))
@@ -90,8 +100,12 @@ class EvalConfig:
         for name in ("num_prompts", "max_new_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"eval.{name} must be > 0, got {getattr(self, name)}")
-        if self.spec_prompts < 0:
-            raise ConfigError(f"eval.spec_prompts must be >= 0, got {self.spec_prompts}")
+        if self.spec_prompts < 0 or self.check_prompts < 0:
+            raise ConfigError(f"eval.spec_prompts and eval.check_prompts must be >= 0, got {self.spec_prompts}, "
+                              f"{self.check_prompts}")
+        if self.check_prompts and not self.replay:
+            raise ConfigError("eval.check_prompts checks a replay against real decodes: it needs --replay=1 (without "
+                              "it every prompt is decoded for real)")
         if self.tf_batches < 0 or self.tf_rows < 1:
             raise ConfigError(f"eval.tf_batches must be >= 0 and eval.tf_rows >= 1, got {self.tf_batches}, "
                               f"{self.tf_rows}")
@@ -172,41 +186,57 @@ def estimate(cfg: EvalConfig, ri: dict, model, dc, target) -> dict:
 
 
 def decode(cfg: EvalConfig, target, drafter, prompts: list[dict], eos: list[int], exact: bool, reuse=None):
-    """Each prompt decoded by the target alone and with the drafter (one untimed warm-up of each path first):
-    (spec, alone: GenStats per prompt, per_prompt records, the lossless check). `reuse`: the target-alone decodes
-    [(ids, GenStats)] of a matching `--baseline` file, decoded again only where absent."""
+    """Each prompt decoded by the target alone and with the drafter (one untimed warm-up of each path first) — with
+    `--replay`, the drafter's steps replayed on the target's greedy output and only the first `check_prompts` decoded
+    for real: (τ: GenStats per prompt, real decodes: GenStats per prompt, alone: GenStats per prompt, per_prompt
+    records, the lossless check of the real decodes). `reuse`: the target-alone decodes [(ids, GenStats)] of a
+    matching `--baseline` file, decoded again only where absent."""
     from dflash_offline.progress import log
-    from dflash_offline.speculate import greedy_generate, speculative_generate
+    from dflash_offline.speculate import greedy_generate, replay_generate, speculative_generate
 
-    greedy_generate(target, prompts[0]["ids"], 2, eos)
-    speculative_generate(target, drafter, prompts[0]["ids"], 2, eos)
-    spec, alone, refs, per_prompt, mismatches, ties, margins = [], [], [], [], [], [], []
     n_spec = min(cfg.spec_prompts or len(prompts), len(prompts))
+    n_real = min(cfg.check_prompts, n_spec) if cfg.replay else n_spec
+    greedy_generate(target, prompts[0]["ids"], 2, eos)
+    if n_real:
+        speculative_generate(target, drafter, prompts[0]["ids"], 2, eos)
+    taus, spec, alone, refs, per_prompt, mismatches, ties, margins = [], [], [], [], [], [], [], []
     for i, p in enumerate(prompts):
         ref, rs = reuse[i] if reuse else greedy_generate(target, p["ids"], cfg.max_new_tokens, eos)
         refs.append(ref)
         alone.append(rs)
         if i >= n_spec:  # (decoded for the baseline file only)
             continue
-        out, ss = speculative_generate(target, drafter, p["ids"], cfg.max_new_tokens, eos)
-        equal = out == ref
-        div = None if equal else divergence(target, p["ids"], out, ref)
-        if div is not None:
-            div["tie"] = not exact and div["margin"] is not None and div["margin"] <= cfg.tie_tol
-            (ties if div["tie"] else mismatches).append(i)
-            margins.append(math.inf if div["margin"] is None else div["margin"])
-        spec.append(ss)
-        per_prompt.append({"prompt_tokens": len(p["ids"]), "category": p["category"], "new_tokens": len(out),
-                           "tau_mean": ss.tau_mean if ss.steps else None,  # (strict JSON has no NaN)
-                           "steps": ss.steps, "emitted": sum(ss.emitted),
-                           "spec_s": ss.seconds, "target_s": rs.seconds,
-                           "equal": equal, "divergence": div})
-        what = "" if equal else (f", differs at token {div['at']} (logit margin "
-                                 f"{math.inf if div['margin'] is None else div['margin']:.3g}: "
-                                 f"{'rounding tie' if div['tie'] else 'MISMATCH'})")
-        log(f"prompt {i + 1}/{len(prompts)}: {len(out)} tokens, τ {ss.tau_mean:.2f}, "
-            f"{ss.tok_per_s:.1f} vs {rs.tok_per_s:.1f} tok/s{what}")
-    return spec, alone, refs, per_prompt, lossless(mismatches, ties, margins, exact, cfg.tie_tol)
+        rec = {"prompt_tokens": len(p["ids"]), "category": p["category"], "target_s": rs.seconds}
+        if cfg.replay:
+            _, st = replay_generate(target, drafter, p["ids"], ref, cfg.max_new_tokens, eos)
+            taus.append(st)
+        if i < n_real:
+            out, ss = speculative_generate(target, drafter, p["ids"], cfg.max_new_tokens, eos)
+            equal = out == ref
+            div = None if equal else divergence(target, p["ids"], out, ref)
+            if div is not None:
+                div["tie"] = not exact and div["margin"] is not None and div["margin"] <= cfg.tie_tol
+                (ties if div["tie"] else mismatches).append(i)
+                margins.append(math.inf if div["margin"] is None else div["margin"])
+            spec.append(ss)
+            rec.update(new_tokens=len(out), spec_s=ss.seconds, equal=equal, divergence=div)
+            if cfg.replay:  # the replay took the decode's steps (its last step's accepted drafts may be fewer)
+                rec["replay_agrees"] = st.emitted == ss.emitted and st.accepted[:-1] == ss.accepted[:-1]
+        st = taus[-1] if cfg.replay else ss
+        rec.update(tau_mean=st.tau_mean if st.steps else None,  # (strict JSON has no NaN)
+                   steps=st.steps, emitted=sum(st.emitted))
+        rec.setdefault("new_tokens", st.new_tokens)
+        per_prompt.append(rec)
+        div = rec.get("divergence")
+        what = "" if rec.get("equal", True) else (f", differs at token {div['at']} (logit margin "
+                                                  f"{math.inf if div['margin'] is None else div['margin']:.3g}: "
+                                                  f"{'rounding tie' if div['tie'] else 'MISMATCH'})")
+        speed = f", {ss.tok_per_s:.1f} vs {rs.tok_per_s:.1f} tok/s" if i < n_real else ", replayed"
+        agree = "" if "replay_agrees" not in rec else (", replay = decode" if rec["replay_agrees"]
+                                                       else ", REPLAY DIFFERS from the decode")
+        log(f"prompt {i + 1}/{len(prompts)}: {rec['new_tokens']} tokens, τ {st.tau_mean:.2f}{speed}{agree}{what}")
+    return (taus if cfg.replay else spec), spec, alone, refs, per_prompt, lossless(mismatches, ties, margins, exact,
+                                                                                   cfg.tie_tol)
 
 
 # --- the stage -------------------------------------------------------------------------------------------------
@@ -256,11 +286,12 @@ def evaluate(cfg: EvalConfig) -> dict:
 
     key = baseline_key(cfg, target_dir, prompts, eos, dtype_name, device) if cfg.baseline else None
     reuse = read_baseline(Path(cfg.baseline), key, log) if cfg.baseline else None
-    spec, alone, refs, per_prompt, check = decode(cfg, target, drafter, prompts, eos, exact, reuse)
+    taus, spec, alone, refs, per_prompt, check = decode(cfg, target, drafter, prompts, eos, exact, reuse)
     if cfg.baseline and reuse is None:
         write_baseline(Path(cfg.baseline), key, refs, alone)
     baseline_prompts = len(prompts)
-    alone, prompts = alone[: len(spec)], prompts[: len(spec)]  # what both decoded
+    summary = decode_summary(taus, spec, alone, prompts)
+    alone, prompts = alone[: len(taus)], prompts[: len(taus)]  # what both decoded
     return {
         "run": str(run_dir), "artifact": artifact, "checkpoint": artifact.get("checkpoint"),
         "step": 0 if cfg.untrained else artifact["step"], "untrained": cfg.untrained,
@@ -269,8 +300,10 @@ def evaluate(cfg: EvalConfig) -> dict:
         "max_new_tokens": cfg.max_new_tokens, "block_size": dc.block_size, "device": str(device),
         "baseline": {"file": cfg.baseline, "reused": reuse is not None, "prompts": baseline_prompts}
         if cfg.baseline else None,
-        "dtype": dtype_name, "mode": "exact" if exact else "ties allowed", **decode_summary(spec, alone, prompts),
-        **check, "teacher_forced": tf, "per_prompt": per_prompt, "config": as_dict(cfg), "time": time.time(),
+        "dtype": dtype_name, "mode": "exact" if exact else "ties allowed", "tau_from": "replay" if cfg.replay else "decode",
+        **summary, **check, "lossless_prompts": len(spec),
+        "replay_check": {"prompts": len(checked := [q["replay_agrees"] for q in per_prompt if "replay_agrees" in q]),
+                         "agree": sum(checked)} if cfg.replay else None, "teacher_forced": tf, "per_prompt": per_prompt, "config": as_dict(cfg), "time": time.time(),
     }
 
 

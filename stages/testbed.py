@@ -91,7 +91,7 @@ PRESETS = {  # sizes: full (make testbed), short (the GPU test, ≤ 2 min), micr
     "short": {"source_mb": 16, "tokenizer_mb": 4, "target_s": 25, "regen_docs": 512, "train_steps": 80, "eval_prompts": 16, "eval_tokens": 48},
     "micro": {"packages": [], "source_mb": 2, "tokenizer_mb": 1, "vocab": 1024, "dims": "tiny", "target_rows": 128,
               "target_batch": 4, "target_s": 5, "target_steps": 8, "regen_docs": 12, "regen_tokens": 24,
-              "regen_batch": 12, "train_steps": 6, "eval_prompts": 3, "untrained_prompts": 2, "eval_tokens": 12,
+              "regen_batch": 12, "train_steps": 6, "eval_prompts": 3, "untrained_prompts": 2, "check_prompts": 2, "eval_tokens": 12,
               "recipe_seq_len": 256,
               "train_args": "num_layers=2 num_heads=4 num_kv_heads=2 head_dim=16 num_anchors=16 batch_rows=2 "
                             "log_every=2"},
@@ -135,6 +135,8 @@ class TestbedConfig:
     seeds: int = 2  # A/B: drafter seeds per arm
     parallel: int = 0  # A/B: drafter jobs at once; 0 = 2 on a GPU (they take turns on it), 1 on a CPU
     label: str = ""  # A/B: result name (DIR/ab/<label>.json); empty = sweep name or 'ab'
+    replay: bool = True  # A/B: τ replayed on the target's greedy outputs (one target forward per prompt, not one or two per step: the same steps); each arm's first drafter also decodes check_prompts for real
+    check_prompts: int = 8  # A/B with replay: prompts each arm's first drafter also decodes for real (lossless check, replay = decode checked)
     checks: bool = True  # A/B: add the null arm (the recipe under other seeds) and the known-bad arm (¼ of the steps); rank arms only when both behave
     results: str = ""  # A/B: also write the sweep's verdicts here (e.g. bench/results/testbed-sweep-h200.json)
 
@@ -297,13 +299,18 @@ def train_export(cfg: TestbedConfig, run: Path, cache: Path, seed: int, settings
 
 
 def evaluate(cfg: TestbedConfig, p: Paths, run: Path, dev: str, untrained: bool, log_file: Path | None,
-             env: dict) -> float:
-    """Real speculative decoding of `eval_prompts` held-out prompts in exact mode (exit 1 = not lossless: recorded in
-    the run's eval JSON, not fatal here)."""
+             env: dict, check: int = 0) -> float:
+    """Speculative decoding of `eval_prompts` held-out prompts in exact mode (exit 1 = not lossless: recorded in the
+    run's eval JSON, not fatal here) — in an A/B with `replay`, τ replayed on the target-alone decodes, `check`
+    prompts also decoded for real."""
     args = [f"--run={run}", f"--prompts={p.eval_prompts}", f"--num_prompts={cfg.eval_prompts}", "--dtype=float32",
             f"--device={dev}", "--tf_batches=2", f"--max_new_tokens={cfg.eval_tokens}",
             f"--baseline={p.baseline(cfg.eval_tokens)}"]
-    args += ["--untrained=1", f"--spec_prompts={cfg.untrained_prompts}"] if untrained else [f"--export={run / 'export'}"]
+    replay = cfg.replay and bool(cfg.arms or cfg.sweep)
+    if replay:  # the untrained drafter then replays every prompt too
+        args += ["--replay=1", f"--check_prompts={check}"]
+    args += (["--untrained=1"] + ([] if replay else [f"--spec_prompts={cfg.untrained_prompts}"]) if untrained
+             else [f"--export={run / 'export'}"])
     out = run / ("eval-untrained.json" if untrained else "eval.json")
     out.unlink(missing_ok=True)  # exit status 1 is "not lossless" and also an uncaught error: the JSON tells them apart
     secs = stage("stages.evaluate", *args, log_file=log_file, env=env, ok=(0, 1))
@@ -336,6 +343,10 @@ class Drafters:
         self.ready, self.failed, self.warm = threading.Event(), threading.Event(), threading.Event()
         # the first job compiles alone (all the CPUs), the others start once its first step ran: the same graphs then
         # load from the compile caches it filled instead of 8 processes compiling them at once
+        firsts = {}
+        for j in jobs:  # each arm's first drafter (the null arm's: the first arm's settings) also decodes for real
+            firsts.setdefault(json.dumps(j.settings, sort_keys=True) + str(j.cache), j.run)
+        self.checked = set(firsts.values())
         self.leader = jobs[0].run if parallel > 1 and len(jobs) > 1 else None
         if self.leader is None:
             self.warm.set()
@@ -433,7 +444,8 @@ class Drafters:
             raise RuntimeError(f"the untrained drafter's evaluation, which makes the target-alone decodes, failed "
                                f"(log: {self.untrained_log})")
         t = self.times[j.run]
-        t["eval"] = evaluate(self.cfg, self.p, j.run, self.dev, False, (logs or j.run / "logs") / "eval.log", self.env)
+        t["eval"] = evaluate(self.cfg, self.p, j.run, self.dev, False, (logs or j.run / "logs") / "eval.log", self.env,
+                             self.cfg.check_prompts if j.run in self.checked else 0)
         t["eval_wall"] = time.perf_counter() - t0  # waiting for the baseline included
         log(f"{j.arm or '(recipe)'} seed {j.seed}: τ {eval_summary(j.run / 'eval.json')['tau_mean']:.3f} ("
             + ", ".join(f"{k} {v:.0f}s" for k, v in t.items()) + ")")
@@ -635,11 +647,15 @@ def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> tuple[dict, dict]:
     caches = {slug(key(ext)): ext for ext, _ in parsed if ext}
     seeds = range(cfg.seed, cfg.seed + cfg.seeds)
     jobs = [Job(arm, p.run(slug(arm) if arm else "", seed), p.hidden(slug(key(ext))) if ext else p.hidden(), seed,
-                train) for seed in seeds for arm, (ext, train) in zip(arms, parsed, strict=True)]  # seed-major
+                train) for arm, (ext, train) in zip(arms, parsed, strict=True) for seed in seeds]
     if cfg.checks:  # the first arm again, under seeds no arm uses: its runs sit beside that arm's
         first = jobs[0]
-        jobs += [Job(null, p.run(slug(arms[0]) if arms[0] else "", seed), first.cache, seed, first.settings)
-                 for seed in range(cfg.seed + cfg.seeds, cfg.seed + 2 * cfg.seeds)]
+        null_jobs = [Job(null, p.run(slug(arms[0]) if arms[0] else "", seed), first.cache, seed, first.settings)
+                     for seed in range(cfg.seed + cfg.seeds, cfg.seed + 2 * cfg.seeds)]
+        bad_jobs = [j for j in jobs if j.arm == bad]
+        # arm-major, the checks right after the first arm: a sweep stopped early has whole arms and its checks (the
+        # first arm's cache meanwhile serves while the other arms' caches are extracted)
+        jobs = jobs[: cfg.seeds] + null_jobs + bad_jobs + [j for j in jobs[cfg.seeds:] if j.arm != bad]
         arms.append(null)
     parallel = cfg.parallel or default_parallel(device)
     log(f"{len(arms)} arms × {cfg.seeds} seeds = {len(jobs)} drafters, {parallel} at a time"

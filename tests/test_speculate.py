@@ -21,6 +21,7 @@ from dflash_offline.speculate import (
     GenStats,
     greedy_generate,
     load_exported,
+    replay_generate,
     speculative_generate,
     summarize,
     untrained_model,
@@ -246,6 +247,49 @@ def test_eval_decoding_is_the_exported_spec_generate(tmp_path, targets, qwen3_di
     assert len(set(taus)) >= 3 and L in taus  # full and partial acceptances of several lengths (rollbacks)
 
 
+def same_steps(replayed, decoded):
+    """A replay gives a decode's steps, emitted tokens and (all but the last step's) accepted drafts."""
+    (r_out, r), (d_out, d) = replayed, decoded
+    assert r_out == d_out and r.emitted == d.emitted and r.steps == d.steps
+    assert r.accepted[:-1] == d.accepted[:-1] and r.accepted[-1:] <= d.accepted[-1:]
+    assert r.target_forwards == 1 and r.rollback == "replay" and len(r.draft_ms) == r.steps and not r.verify_ms
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_replay_takes_the_steps_of_a_real_decode(tmp_path, targets, qwen3_dir, qwen35_dir, arch):
+    """`replay_generate` (one target forward over the known greedy output, the drafter stepped along it) gives the real
+    decode's steps, emitted tokens and acceptance — with scripted drafts of every acceptance rate, at eos and at the
+    budget, and with the shipped drafter, whose context then comes from one forward instead of the verify forwards."""
+    model, tok = targets[arch]
+    vocab = model.config.vocab_size
+    prompt = held_out_prompt(tok, 1)
+    ref, _ = greedy_generate(model, prompt, 40 + L, eos_ids=[])
+    full = prompt + ref
+    for p, n, eos in ((0.0, 40, []), (0.75, 40, []), (1.0, 40, []), (0.75, 23, [ref[17]]), (1.0, L + 3, []), (0.5, 1, [])):
+        greedy, _ = greedy_generate(model, prompt, n, eos_ids=eos)
+        decoded = speculative_generate(model, ScriptedDrafter(full, p, vocab, seed=5), prompt, n, eos_ids=eos)
+        replayed = replay_generate(model, ScriptedDrafter(full, p, vocab, seed=5), prompt, greedy, n, eos_ids=eos)
+        assert decoded[0] == greedy
+        same_steps(replayed, decoded)
+    # the budget cuts a perfect drafter's last block: the replay cannot see the drafts past the end
+    st = replay_generate(model, ScriptedDrafter(full, 1.0, vocab), prompt, ref[: L + 3], L + 3, eos_ids=[])[1]
+    assert st.accepted == [L - 1, 2] and st.emitted == [L, 2]
+    with pytest.raises(ValueError, match="greedy output for this budget"):
+        replay_generate(model, ScriptedDrafter(full, 1.0, vocab), prompt, ref[:10], 20, eos_ids=[])
+
+    target = type(model).from_pretrained(str(qwen3_dir if arch == "qwen3" else qwen35_dir), dtype=torch.float32).eval()
+    two_token_head(target)
+    drafter, taus = ExportedDrafter(load_exported(exported(tmp_path, qwen3_dir if arch == "qwen3" else qwen35_dir))[0],
+                                    target), []
+    for i, n in ((0, 24), (1, 16), (2, 31)):
+        prompt = held_out_prompt(tok, i)
+        greedy, _ = greedy_generate(target, prompt, n, eos_ids=[])
+        decoded = speculative_generate(target, drafter, prompt, n, eos_ids=[])
+        same_steps(replay_generate(target, drafter, prompt, greedy, n, eos_ids=[]), decoded)
+        taus += decoded[1].accepted
+    assert len(set(taus)) >= 3  # partial acceptances of several lengths
+
+
 def test_load_exported_refuses_a_changed_or_old_export(tmp_path, qwen3_dir):
     d = exported(tmp_path, qwen3_dir)
     code = (d / "dflash.py").read_text()
@@ -282,7 +326,7 @@ def prompts_with_categories(path, n):
 
 
 def test_evaluate_measures_the_export(tmp_path, hidden_cache):
-    from dflash_offline.config import TrainConfig
+    from dflash_offline.config import ConfigError, TrainConfig
     from stages import evaluate, train
 
     run = tmp_path / "run"
@@ -343,6 +387,20 @@ def test_evaluate_measures_the_export(tmp_path, hidden_cache):
                                  f"--baseline={base}"]) == 0
     again = json.loads(out.read_text())
     assert again["baseline"]["reused"] and again["num_prompts"] == 3 and again["tau_hist"] == r["tau_hist"]
+
+    # τ replayed on the baseline's greedy outputs: the decode's τ; two prompts also decoded for real (the lossless
+    # check and the speed figures come from them), one not at all (no speed figures)
+    for check in (2, 0):
+        assert evaluate.main(args + [f"--export={run / 'eval-export'}", "--tf_batches=0", f"--out={out}",
+                                     f"--baseline={base}", "--replay=1", f"--check_prompts={check}"]) == 0
+        rp = json.loads(out.read_text())
+        assert rp["tau_from"] == "replay" and rp["tau_emitted"] == r["tau_emitted"]
+        assert rp["verify_steps"] == r["verify_steps"] and rp["new_tokens"] == r["new_tokens"]
+        assert rp["replay_check"] == {"prompts": check, "agree": check} and rp["lossless_prompts"] == check
+        assert [p["emitted"] for p in rp["per_prompt"]] == [p["emitted"] for p in r["per_prompt"]]
+        assert (rp["speedup"] is None) == (check == 0) and (rp["verify_ms"] is None) == (check == 0)
+    with pytest.raises(ConfigError, match="needs --replay=1"):
+        evaluate.main(args + ["--check_prompts=1"])
 
 
 def test_evaluate_fails_on_a_difference_in_float32_and_counts_ties_in_bfloat16(tmp_path, hidden_cache, monkeypatch):

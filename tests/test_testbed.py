@@ -331,8 +331,16 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     assert res["device_seconds"] > 0 and res["looping_frac_eval"] is not None and res["commit"]
     assert {"ci_low", "ci_high", "delta", "spread", "lossless", "tau_pooled"} <= set(res["arms"][1])
     # the projected fp4 cache's drafter, folded at export, decodes losslessly through the served modeling code
+    # (τ replayed on the target-alone decodes; each arm's first drafter also decodes 2 of the 3 prompts for real and
+    # the replay took the decode's steps there; the null arm's drafters only replay)
     proj = json.loads((root / "runs" / "project_dims32-quantfp4" / "seed0" / "eval.json").read_text())
-    assert proj["lossless"] is True and proj["num_prompts"] == 3
+    assert proj["lossless"] is True and proj["num_prompts"] == 3 and proj["lossless_prompts"] == 2
+    assert proj["tau_from"] == "replay" and proj["replay_check"] == {"prompts": 2, "agree": 2}
+    assert json.loads((root / "runs" / "base" / "seed1" / "eval.json").read_text())["replay_check"]["prompts"] == 0
+    assert res["tau_from"] == "replay" and res["replay_check"]["agree"] == 2
+    # (the recipe's seed 0 is the testbed's own drafter, reused: all 3 prompts were decoded for real)
+    assert [a["decoded_for_real"] for a in res["arms"]] == [3, 2, 2] and res["null_arm"]["decoded_for_real"] == 0
+    assert "the replay took the decode's steps on 2/2" in r.stdout
     assert sorted(ab["failed"]) == ["runs/quantbogus/seed0", "runs/weightingbogus/seed0"]
     assert "could not be extracted" in ab["failed"]["runs/quantbogus/seed0"]
     assert "FAILED runs/weightingbogus/seed0" in r.stdout
@@ -359,7 +367,7 @@ def _fake_stages(monkeypatch, fail: dict):
         (run / "logs" / "train.log").write_text("done")
         return {"train": 0.0, "export": 0.0}
 
-    def evaluate(cfg, p, run, dev, untrained, log_file, env):
+    def evaluate(cfg, p, run, dev, untrained, log_file, env, check=0):
         name = "eval-untrained.json" if untrained else "eval.json"
         ok = "lossy" not in str(run)
         (run / name).write_text(json.dumps({"tau_mean": 1.0 if untrained else 2.0, "per_prompt": [], "lossless": ok,
