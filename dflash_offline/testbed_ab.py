@@ -31,10 +31,12 @@ def ab_table(r: dict) -> str:
                                       "lies below 0): arms ranked" if judged["discriminating"] else
                                       "NOT DISCRIMINATING, arms not ranked: " + "; ".join(judged["why_not"])]
     checks = [c for a in r["arms"] for c in a.get("replay_check", []) if c["prompts"]]
-    tail += [f"τ replayed on the target's greedy outputs; the first drafter also decoded {c['prompts']} prompts for real: "
-             f"the replay took the decode's steps on {c['agree']}/{c['prompts']}"
-             + ("" if c["agree"] == c["prompts"] else " (REPLAY DIFFERS: a rounding flip or a bug, see its eval.json)")
-             for c in checks]
+    if checks:
+        agree, n = sum(c["agree"] for c in checks), sum(c["prompts"] for c in checks)
+        tail.append(f"τ replayed on the target's greedy outputs; {len(checks)} drafters (each arm's first) also decoded "
+                    f"{n} prompts for real: the replay took the decode's steps on {agree}/{n}"
+                    + ("" if agree == n else " (REPLAY DIFFERS: a rounding flip or a bug, see their eval.json)"))
+    tail += [f"not ranked: {a} ({why})" for a, why in (r.get("incomplete") or {}).items()]
     return "\n".join([head, *body, *tail])
 
 
@@ -274,7 +276,11 @@ def sweep_results(r: dict, tb: dict, p: Paths) -> dict:
     judged = r.get("judgement") or {"checks": {}}
     special = {c["arm"]: name for name, c in judged["checks"].items()}
     arms = [arm(a) for a in r["arms"]]
-    return {**provenance(), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    made = p.baseline(r["config"]["eval_tokens"])  # (its key names the device the evaluations ran on)
+    device = json.loads(made.read_text())["key"]["device"] if made.is_file() else (
+        torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    checks = [c for a in r["arms"] for c in a.get("replay_check", []) if c["prompts"]]
+    return {**provenance(), "device": device,
             "device_seconds": wall_seconds(p), "invocations": read_wall(p),
             "looping_frac_eval": tb.get("looping_frac_eval"), "looping_frac_regen": (tb.get("regen") or {}).get("looping_frac"),
             "arms": [a for a in arms if a["label"] not in special],
@@ -282,13 +288,15 @@ def sweep_results(r: dict, tb: dict, p: Paths) -> dict:
             "discriminating": judged.get("discriminating"), "why_not": judged.get("why_not"), "seeds": r["seeds"],
             "phase_seconds": tb.get("seconds"), "tau_trained": tb.get("tau_trained"),
             "tau_untrained": tb.get("tau_untrained"), "failed": r["failed"], "parallel": r["parallel"],
-            "tau_from": "replay" if r["config"].get("replay") else "decode",
-            "replay_check": next((c for a in r["arms"] for c in a.get("replay_check", []) if c["prompts"]), None)}
+            "tau_from": "replay" if r["config"].get("replay") else "decode", "incomplete": r.get("incomplete"),
+            "replay_check": {"drafters": len(checks), "prompts": sum(c["prompts"] for c in checks),
+                             "agree": sum(c["agree"] for c in checks)} if checks else None}
 
 
 def provenance() -> dict:
-    """The code a result was made with: the commit (`git`, else `DFLASH_COMMIT` where the tree travelled without its
-    repository), whether the tree differed from it, and the drafter code's digest (what `testbed-job.json` keys on)."""
+    """The code a result was made with: the commit (`DFLASH_COMMIT` where set — a tree that travelled without its
+    repository, a sweep summarized after it ran —, else `git`), whether the tree differed from it, and the drafter
+    code's digest (what `testbed-job.json` keys on)."""
     root = Path(__file__).resolve().parents[1]
 
     def git(*args: str) -> str | None:
@@ -298,9 +306,11 @@ def provenance() -> dict:
             return None
         return r.stdout.strip() if r.returncode == 0 else None
 
+    if given := os.environ.get("DFLASH_COMMIT"):  # (said explicitly: e.g. the commit a summarized sweep ran)
+        return {"commit": given, "dirty": None, "code_sha256": drafter_code_digest()}
     commit = git("rev-parse", "--short", "HEAD")
     status = git("status", "--porcelain", "--untracked-files=no") if commit else None
-    return {"commit": commit or os.environ.get("DFLASH_COMMIT"), "dirty": None if status is None else bool(status),
+    return {"commit": commit, "dirty": None if status is None else bool(status),
             "code_sha256": drafter_code_digest()}
 
 

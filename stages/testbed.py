@@ -63,6 +63,7 @@ from dflash_offline.testbed_runs import (
     cache_complete,
     choose_eval_prompts,
     drafter_code_digest,
+    eval_looping_share,
     eval_summary,
     file_sha256,
     forget_from,
@@ -133,11 +134,12 @@ class TestbedConfig:
     arms: str = ""  # A/B: arms separated by ';', each space-separated key=value settings ('' = the recipe)
     sweep: str = ""  # A/B presets, comma-separated: options (γ, anchors, noise, D-PACE, fp8 cache) | encodings | fp8
     seeds: int = 2  # A/B: drafter seeds per arm
-    parallel: int = 0  # A/B: drafter jobs at once; 0 = 2 on a GPU (they take turns on it), 1 on a CPU
+    parallel: int = 0  # A/B: drafter jobs at once; 0 = 1 (on one GPU, processes take turns: two at once were slower)
     label: str = ""  # A/B: result name (DIR/ab/<label>.json); empty = sweep name or 'ab'
     replay: bool = True  # A/B: τ replayed on the target's greedy outputs (one target forward per prompt, not one or two per step: the same steps); each arm's first drafter also decodes check_prompts for real
     check_prompts: int = 8  # A/B with replay: prompts each arm's first drafter also decodes for real (lossless check, replay = decode checked)
     checks: bool = True  # A/B: add the null arm (the recipe under other seeds) and the known-bad arm (¼ of the steps); rank arms only when both behave
+    summarize: bool = False  # A/B: train and evaluate nothing; rank the arms whose every seed is evaluated already (a stopped sweep's) and write the results
     results: str = ""  # A/B: also write the sweep's verdicts here (e.g. bench/results/testbed-sweep-h200.json)
 
     def resolve(self) -> TestbedConfig:
@@ -524,15 +526,16 @@ def out_of_memory(logs: Path) -> bool:
     return any("out of memory" in f.read_text(errors="replace")[-20000:].lower() for f in logs.glob("*.log"))
 
 
-GPU_JOBS = 2  # drafter jobs sharing one GPU (see default_parallel)
+GPU_JOBS = 1  # drafter jobs sharing one GPU (see default_parallel)
 
 
 def default_parallel(device) -> int:
     """Drafter jobs at once on this machine: `GPU_JOBS` per GPU, fewer where CPUs (two per job) or GPU memory (`JOB_GB`
-    per job) are short. Processes on one GPU take turns on it (time slices), they do not run side by side: on an H200,
-    8 drafters training at once made 1.1 s steps each (7.5K context tok/s, ≈ 55K together, against 144K for one
-    alone), and the evaluation beside them decoded 6–8 instead of 53 tokens/s. A second job only fills the GPU's idle
-    time while the other compiles, loads, exports or runs host code."""
+    per job) are short. Processes on one GPU take turns on it (time slices), they do not run side by side, and the
+    turns cost: on an H200 (commit 7fd43ec) two drafters training at once ran at ≈ 30K context tok/s each (60K together,
+    one alone ≈ 150K; 8 at once: 7.5K each), while one job at a time took ≈ 100 s per drafter from start to its
+    evaluation (train, export, replayed evaluation). The arms' cache extraction and the untrained evaluation still run
+    beside the first drafter."""
     if device.type != "cuda":
         return 1
     import torch
@@ -628,12 +631,26 @@ def sweep_arms(names: str, cuda: bool) -> list[str]:
     return arms if cuda else [a for a in arms if "precision=fp8" not in a]
 
 
+def summary_record(cfg: TestbedConfig, p: Paths) -> tuple[dict, dict]:
+    """`--summarize`: the testbed record from what its phases recorded (DIR/state.json), nothing run."""
+    ph = read_state(p)["phases"]
+    if not ph:
+        raise ConfigError(f"testbed.summarize: {p.state} records no phase: nothing to summarize under {p.root}")
+    looping = (eval_looping_share(p.baseline(cfg.eval_tokens), p.target) if (p.target / "tokenizer.json").is_file()
+               else None)
+    base = p.run("", cfg.seed)
+    tau = {k: eval_summary(base / f).get("tau_mean") if (base / f).is_file() else None
+           for k, f in (("tau_trained", "eval.json"), ("tau_untrained", "eval-untrained.json"))}
+    return {"regen": ph.get("regen"), "looping_frac_eval": looping, **tau,
+            "seconds": {k: round(v.get("seconds", 0), 1) for k, v in ph.items()}}, {}
+
+
 def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> tuple[dict, dict]:
     """Every arm × seed trained, exported and evaluated on the testbed's target and prompts, beside the testbed's own
     phases where they are not done yet (see the module doc); with `checks`, also the null arm (the recipe under the
     next `seeds` seeds) and the known-bad arm (a quarter of the steps), which decide whether the arms are ranked
     (`judge`). Returns (A/B record, testbed record)."""
-    arms = sweep_arms(cfg.sweep, device.type == "cuda") if cfg.sweep else [a.strip() for a in cfg.arms.split(";")]
+    arms = sweep_arms(cfg.sweep, device.type == "cuda" or cfg.summarize) if cfg.sweep else [a.strip() for a in cfg.arms.split(";")]
     null, bad = check_arms(cfg, arms[0]) if cfg.checks else (None, None)
     if bad and bad not in arms:
         arms.append(bad)
@@ -661,8 +678,12 @@ def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> tuple[dict, dict]:
     log(f"{len(arms)} arms × {cfg.seeds} seeds = {len(jobs)} drafters, {parallel} at a time"
         + (f" (checks: the null arm {null}, the known-bad arm {bad})" if cfg.checks else ""))
     t0 = time.perf_counter()
-    tb, times = testbed(cfg, p, dev, device, jobs, parallel, caches)
+    tb, times = summary_record(cfg, p) if cfg.summarize else testbed(cfg, p, dev, device, jobs, parallel, caches)
     complete = [a for a in arms if all((j.run / "eval.json").is_file() for j in jobs if j.arm == a)]
+    incomplete = {a or "(recipe)": f"{sum((j.run / 'eval.json').is_file() for j in jobs if j.arm == a)} of "
+                  f"{sum(j.arm == a for j in jobs)} drafters evaluated" for a in arms if a not in complete}
+    for a, why in incomplete.items():
+        log(f"{a}: not ranked, {why}")
     if arms[0] not in complete:
         raise RuntimeError(f"the first arm ({arms[0] or '(recipe)'}) has no evaluation for every seed: nothing to "
                            f"compare with; see the logs under {p.root / 'runs'}")
@@ -671,6 +692,7 @@ def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> tuple[dict, dict]:
     judgement = judge(rows, null, bad) if cfg.checks else None
     failed = failed_runs(p.root, times, [j.run for j in jobs if j.arm in complete])
     return {"testbed": str(p.root), "seeds": cfg.seeds, "arms": rows, "judgement": judgement, "failed": failed,
+            "incomplete": incomplete,
             "recipe": cfg.drafter_recipe, "seconds": round(time.perf_counter() - t0, 1), "parallel": parallel,
             "job_seconds": {str(r.relative_to(p.root)): {k: v if isinstance(v, str) else round(v, 1)
                                                           for k, v in t.items()} for r, t in times.items()},
@@ -686,14 +708,15 @@ def main(argv: list[str]) -> int:
     cfg = apply_preset(config_from_argv(TestbedConfig, "testbed", argv, __doc__), argv).resolve()
     device = pick_device(cfg.device, "testbed.device")
     dev = device.type
-    if dev == "cpu" and cfg.preset != "micro":
+    if dev == "cpu" and cfg.preset != "micro" and not cfg.summarize:
         raise ConfigError(f"the {cfg.preset} testbed trains a 124M-parameter target and runs every phase on a GPU; "
                           "this machine has none (--preset=micro runs the phases' logic at toy sizes on a CPU)")
     p = Paths(cfg.dir)
     p.root.mkdir(parents=True, exist_ok=True)
     if cfg.from_phase == "target":
         p.wall.unlink(missing_ok=True)
-    heartbeat(p)
+    if not cfg.summarize:
+        heartbeat(p)
     log(f"testbed {p.root} on {device} (preset {cfg.preset}): {json.dumps(asdict(cfg))}")
     if cfg.arms or cfg.sweep:
         r, tb = ab(cfg, p, dev, device)
@@ -702,8 +725,9 @@ def main(argv: list[str]) -> int:
         write_json_atomic(out, r)
     else:
         tb, _ = testbed(cfg, p, dev, device)
-    write_json_atomic(p.root / "testbed.json", tb)
-    print(table(tb))
+    if not cfg.summarize:
+        write_json_atomic(p.root / "testbed.json", tb)
+        print(table(tb))
     if cfg.arms or cfg.sweep:
         if cfg.results:
             Path(cfg.results).parent.mkdir(parents=True, exist_ok=True)
@@ -714,7 +738,8 @@ def main(argv: list[str]) -> int:
         print(out)
         if cfg.results:
             print(cfg.results)
-    print(p.root / "testbed.json")
+    if not cfg.summarize:
+        print(p.root / "testbed.json")
     unranked = (cfg.arms or cfg.sweep) and r["judgement"] is not None and not r["judgement"]["discriminating"]
     return 1 if (cfg.arms or cfg.sweep) and r["failed"] or unranked else 0
 

@@ -337,10 +337,10 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     assert proj["lossless"] is True and proj["num_prompts"] == 3 and proj["lossless_prompts"] == 2
     assert proj["tau_from"] == "replay" and proj["replay_check"] == {"prompts": 2, "agree": 2}
     assert json.loads((root / "runs" / "base" / "seed1" / "eval.json").read_text())["replay_check"]["prompts"] == 0
-    assert res["tau_from"] == "replay" and res["replay_check"]["agree"] == 2
+    assert res["tau_from"] == "replay" and res["replay_check"] == {"drafters": 3, "prompts": 6, "agree": 6}
     # (the recipe's seed 0 is the testbed's own drafter, reused: all 3 prompts were decoded for real)
     assert [a["decoded_for_real"] for a in res["arms"]] == [3, 2, 2] and res["null_arm"]["decoded_for_real"] == 0
-    assert "the replay took the decode's steps on 2/2" in r.stdout
+    assert "the replay took the decode's steps on 6/6" in r.stdout
     assert sorted(ab["failed"]) == ["runs/quantbogus/seed0", "runs/weightingbogus/seed0"]
     assert "could not be extracted" in ab["failed"]["runs/quantbogus/seed0"]
     assert "FAILED runs/weightingbogus/seed0" in r.stdout
@@ -348,6 +348,26 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     assert fp8["producer"]["quant"] == "fp8" and stage.cache_complete(root / "cache" / "hidden-quantfp8")
     assert (root / "runs" / "quantfp8" / "seed0" / "eval.json").is_file()
     assert "| quant=fp8 |" in r.stdout
+
+    # --summarize ranks what was evaluated, running nothing: the sweep's own verdicts; an arm missing a drafter's
+    # evaluation (a stopped sweep) is left out and named
+    arms = "--arms=;quant=fp8;project_dims=32 quant=fp4"
+    stamps = {f: f.stat().st_mtime_ns for f in (root / "runs").rglob("*") if f.is_file()}
+    r = _testbed(root, arms, "--seeds=1", "--label=s", "--summarize=1", f"--results={root / 'summary.json'}")
+    # (exit 1 as the sweep's own: at micro sizes every τ is 1, so the known-bad arm cannot fall below the recipe)
+    assert r.returncode == 1 and "NOT DISCRIMINATING" in r.stdout and "stages." not in r.stdout, r.stdout[-3000:]
+    again = json.loads((root / "summary.json").read_text())
+    for k in ("arms", "null_arm", "bad_arm", "discriminating", "replay_check", "tau_from"):
+        assert again[k] == res[k], k
+    assert again["device_seconds"] == res["device_seconds"] and again["incomplete"] == {}
+    (root / "runs" / "quantfp8" / "seed0" / "eval.json").unlink()
+    r = _testbed(root, arms, "--seeds=1", "--label=s", "--summarize=1", f"--results={root / 'summary.json'}")
+    again = json.loads((root / "summary.json").read_text())
+    assert [a["label"] for a in again["arms"]] == ["(recipe)", "project_dims=32 quant=fp4"]
+    assert again["incomplete"] == {"quant=fp8": "0 of 1 drafters evaluated"}
+    assert "not ranked: quant=fp8 (0 of 1 drafters evaluated)" in r.stdout
+    assert {f: f.stat().st_mtime_ns for f in (root / "runs").rglob("*") if f.is_file()} == {
+        f: t for f, t in stamps.items() if f.name != "eval.json" or "quantfp8" not in str(f)}
 
 
 def _fake_stages(monkeypatch, fail: dict):
