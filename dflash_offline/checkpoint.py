@@ -11,11 +11,17 @@
 | `rng.safetensors` | torch CPU RNG state (`torch.cpu`), CUDA RNG state per device (`torch.cuda.{i}`), uint8 |
 | `rng.json` | python `random` and numpy global RNG states |
 | `data.json` | the data stream's `state_dict()` |
-| `meta.json` | format, step, time, config, extra, torch version, byte size of every file (written last) |
+| `meta.json` | format, step, time, config, extra, torch version, byte size and SHA-256 of every file (written last) |
 
 A checkpoint is written into a temp directory beside it, every file fsynced, then the directory is renamed into place:
 a directory named `step-*` is complete. `latest` (written atomically) names the newest. The last `keep_last`
-checkpoints (by save time) are kept; older ones are deleted only after the new one is complete.
+checkpoints (by save time) are kept; older ones are deleted only after the new one is complete. A save that fails
+(a full disk: one `OSError` line, whether Python or safetensors hit it) leaves the previous checkpoints and `latest`
+as they were.
+
+Resuming (`intact_checkpoint`, `load_checkpoint`) checks every file against the SHA-256 recorded when it was saved:
+a damaged newest checkpoint (a flipped bit) is skipped, said so, for the newest intact earlier one; none intact is
+one error line. (Checkpoints saved before the digests were recorded are checked by size only.)
 
 Multi-process runs: call `save_checkpoint` on the main process only (DDP keeps model and optimizer identical on every
 rank) and `load_checkpoint` on every rank. FSDP (sharded) runs: every rank calls `gather_full_state` (a collective),
@@ -27,6 +33,7 @@ and survive a resume should come from explicit generators seeded from (seed, ran
 
 from __future__ import annotations
 
+import errno
 import json
 import random
 import shutil
@@ -39,7 +46,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .manifest import atomic_dir, publish, temp_path
+from .manifest import atomic_dir, publish, sha256_file, temp_path
 
 FORMAT = "dflash-checkpoint"
 FORMAT_VERSION = 1
@@ -93,7 +100,8 @@ def save_checkpoint(run_dir, step: int, model, optimizer=None, scheduler=None, d
         files = _write_all(tmp, model, optimizer, scheduler, data_state, rng, states)
         meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step, "time": time.time(),
                 "config": config, "extra": extra or {}, "torch": torch.__version__,
-                "files": {name: (tmp / name).stat().st_size for name in files}}
+                "files": {name: (tmp / name).stat().st_size for name in files},
+                "sha256": {name: sha256_file(tmp / name) for name in files}}
         _write_json(tmp / "meta.json", meta, "meta (config/extra)")
     latest = root / LATEST
     t = temp_path(latest)
@@ -144,7 +152,14 @@ def full_precision_state_dict(model, optimizer=None) -> dict[str, torch.Tensor]:
 
 
 def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    save_file(tensors, str(path), metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
+    """safetensors' writer; its I/O failures (Rust errors, not OSError) become the OSError they are, so that a full
+    disk reads as one line (`progress.run_cli`) like any other failed write."""
+    try:
+        save_file(tensors, str(path), metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
+    except SafetensorError as e:
+        full = "StorageFull" in str(e) or "code: 28" in str(e) or "No space left" in str(e)
+        raise OSError(errno.ENOSPC if full else errno.EIO, f"{'No space left on device' if full else 'I/O error'} "
+                      f"(safetensors: {e})", str(path)) from None
 
 
 def _write_json(path: Path, obj, what: str) -> None:
@@ -215,14 +230,54 @@ def find_checkpoint(run_dir, step: int | None = None) -> Path:
     return d
 
 
+def damage(d: Path) -> str | None:
+    """What is wrong with checkpoint `d`'s files against its meta.json (missing, resized, SHA-256 differs), or
+    None when they are as saved."""
+    try:
+        meta = json.loads((d / "meta.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"meta.json unreadable ({e})"
+    for name, size in meta.get("files", {}).items():
+        if not (d / name).is_file() or (d / name).stat().st_size != size:
+            return f"{name} is missing or truncated (expected {size} bytes)"
+    for name, digest in meta.get("sha256", {}).items():
+        if sha256_file(d / name) != digest:
+            return f"{name} differs from the SHA-256 recorded when it was saved"
+    return None
+
+
+def intact_checkpoint(run_dir, step: int | None = None, log=print) -> Path:
+    """Checkpoint `step`, or the newest whose files are as saved: a damaged newer one is skipped with a `log` line
+    naming it and why. Raises one line when `step` is damaged or none is intact."""
+    if step is not None:
+        d = find_checkpoint(run_dir, step)
+        if why := damage(d):
+            raise CheckpointError(f"{d} is damaged: {why}; load another step (see {d.parent})")
+        return d
+    newest = find_checkpoint(run_dir)
+    candidates = [newest] + [c for _, _, c in reversed(list_checkpoints(run_dir)) if c != newest]
+    bad = []
+    for d in candidates:
+        if not (why := damage(d)):
+            if bad:
+                log(f"{bad[0][0]} is damaged ({bad[0][1]}): resuming from {d.name} instead"
+                    + (f" ({len(bad) - 1} more damaged skipped)" if len(bad) > 1 else ""))
+            return d
+        bad.append((d, why))
+    raise CheckpointError(f"no intact checkpoint under {Path(run_dir) / 'checkpoints'}: "
+                          + "; ".join(f"{d.name}: {why}" for d, why in bad)
+                          + "; restore one from a copy, or start the run again without --resume")
+
+
 def load_checkpoint(run_dir, model, optimizer=None, scheduler=None, step: int | None = None,
-                    rng: bool = True, sharded: bool = False) -> dict:
-    """Restore model, optimizer, scheduler and (with `rng`) RNG states from `step` or the latest checkpoint.
-    `sharded`: the model is FSDP-sharded; every rank reads the full tensors and keeps its shard.
+                    rng: bool = True, sharded: bool = False, verify: bool = True, log=print) -> dict:
+    """Restore model, optimizer, scheduler and (with `rng`) RNG states from `step` or the newest intact checkpoint.
+    `sharded`: the model is FSDP-sharded; every rank reads the full tensors and keeps its shard. `verify=False`:
+    the caller has just checked the checkpoint's digests (`intact_checkpoint`).
 
     Returns {"step", "data_state", "extra", "config", "dir"}.
     """
-    d = find_checkpoint(run_dir, step)
+    d = intact_checkpoint(run_dir, step, log) if verify else find_checkpoint(run_dir, step)
     meta = _read_json(d, "meta.json")
     if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{d}/meta.json: format {meta.get('format')!r} v{meta.get('format_version')!r}, "

@@ -288,3 +288,54 @@ def test_keep_last_keeps_the_latest_steps_whatever_the_clock(tmp_path, monkeypat
         ck.save_checkpoint(tmp_path, step, model, opt, sched, keep_last=3)
     assert [s for _, s, _ in ck.list_checkpoints(tmp_path)] == [3, 4, 5]
     assert ck.find_checkpoint(tmp_path).name == "step-00000005"
+
+
+def flip_one_bit(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 0x01  # a bit of the last tensor's data: same size, same header, a valid file
+    path.write_bytes(bytes(raw))
+
+
+def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path):
+    """One flipped bit in the newest checkpoint's weights (same size: only the digest sees it): resuming takes the
+    step before, says which and why; an explicit damaged step and no intact one at all are one error line each."""
+    model, opt, sched = make(0)
+    for step in (1, 2, 3):
+        train_step(model, opt, sched)
+        ck.save_checkpoint(tmp_path, step, model, opt, sched, keep_last=0)
+    flip_one_bit(tmp_path / "checkpoints" / "step-00000003" / "model.safetensors")
+    said = []
+    assert ck.load_checkpoint(tmp_path, *make(1), log=said.append)["step"] == 2
+    assert said == [f"{tmp_path / 'checkpoints' / 'step-00000003'} is damaged (model.safetensors differs from the "
+                    f"SHA-256 recorded when it was saved): resuming from step-00000002 instead"]
+    with pytest.raises(ck.CheckpointError, match=r"step-00000003 is damaged: model.safetensors differs"):
+        ck.load_checkpoint(tmp_path, *make(1), step=3)
+    flip_one_bit(tmp_path / "checkpoints" / "step-00000002" / "optimizer.safetensors")
+    (tmp_path / "checkpoints" / "step-00000001" / "data.json").write_text("NULL\n")  # same size, other bytes
+    with pytest.raises(ck.CheckpointError, match=r"^no intact checkpoint under .*step-00000003: model.safetensors "
+                       r"differs.*; step-00000002: optimizer.safetensors differs.*; step-00000001: data.json "
+                       r"differs.*start the run again without --resume$"):
+        ck.load_checkpoint(tmp_path, *make(1))
+
+
+def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint_and_says_so(tmp_path, monkeypatch):
+    """safetensors reports a full disk as its own (Rust) error: it becomes OSError ENOSPC, which the stages print
+    as one line (`progress.run_cli`); the failed save leaves no temp directory, and `latest` names the step before."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    model, opt, sched = make(0)
+    ck.save_checkpoint(tmp_path, 1, model, opt, sched)
+
+    def full(*a, **k):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "
+                              "\"No space left on device\" })")
+
+    monkeypatch.setattr(ck, "save_file", full)
+    with pytest.raises(OSError) as e:
+        ck.save_checkpoint(tmp_path, 2, model, opt, sched)
+    assert e.value.errno == errno.ENOSPC and e.value.filename.endswith("model.safetensors")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-00000001"]
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-00000001"
+    assert ck.intact_checkpoint(tmp_path).name == "step-00000001"
