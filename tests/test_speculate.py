@@ -18,6 +18,8 @@ from dflash_offline.evaluation import render_prompt
 from dflash_offline.export import export
 from dflash_offline.speculate import (
     ExportedDrafter,
+    batched_greedy,
+    greedy_by_blocks,
     GenStats,
     greedy_generate,
     load_exported,
@@ -290,6 +292,26 @@ def test_replay_takes_the_steps_of_a_real_decode(tmp_path, targets, qwen3_dir, q
     assert len(set(taus)) >= 3  # partial acceptances of several lengths
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_greedy_by_blocks_is_the_greedy_output(targets, arch):
+    """The target-alone decode verified in blocks against a batched greedy draft is `greedy_generate`'s output token
+    for token — with eos, at the budget, and with a wrong draft — in a few forwards where the draft is right."""
+    model, tok = targets[arch]
+    prompts = [held_out_prompt(tok, i) for i in range(4)]
+    ref, _ = greedy_generate(model, prompts[0], 30, eos_ids=[])
+    for n, eos in ((30, []), (30, [ref[11]]), (7, [])):
+        drafts = batched_greedy(model, prompts, n, eos_ids=eos, batch=3)
+        for prompt, draft in zip(prompts, drafts, strict=True):
+            greedy, _ = greedy_generate(model, prompt, n, eos_ids=eos)
+            out, st = greedy_by_blocks(model, prompt, draft, n, eos_ids=eos, block_size=16)
+            assert out == greedy and st.rollback == "drafted"
+            if draft == greedy:  # prefill + one verify per block (+ one refeed after the last, partial block)
+                assert st.target_forwards <= 2 + -(-(len(greedy) - 1) // 16)
+    wrong = [(t + 1) % model.config.vocab_size for t in ref]
+    out, st = greedy_by_blocks(model, prompts[0], wrong, 30, eos_ids=[], block_size=16)
+    assert out == ref and st.tau_mean < 1.5
+
+
 def test_load_exported_refuses_a_changed_or_old_export(tmp_path, qwen3_dir):
     d = exported(tmp_path, qwen3_dir)
     code = (d / "dflash.py").read_text()
@@ -382,7 +404,10 @@ def test_evaluate_measures_the_export(tmp_path, hidden_cache):
     assert u["artifact"]["path"] is None and u["step"] == 0
     assert u["num_prompts"] == len(u["per_prompt"]) == 1 and u["baseline"] == {"file": str(base), "reused": False,
                                                                              "prompts": 3}
-    assert len(json.loads(base.read_text())["decodes"]) == 3
+    decodes = json.loads(base.read_text())["decodes"]
+    # the two baseline-only prompts were verified in blocks (untimed); a trained evaluation decoding them for real
+    # times them token by token again, with the same tokens
+    assert [d["stats"]["rollback"] for d in decodes] == ["", "drafted", "drafted"]
     assert evaluate.main(args + [f"--export={run / 'eval-export'}", "--tf_batches=0", f"--out={out}",
                                  f"--baseline={base}"]) == 0
     again = json.loads(out.read_text())
