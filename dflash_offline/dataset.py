@@ -458,7 +458,7 @@ def make_fake_cache(cache_dir, num_shards: int, rows, seq_len: int, hidden: int,
     hprod = {"stage": "extract", "tokens": {"key": hash_obj(tprod), "producer": tprod}, "quant": quant,
              "target": {"hidden_size": hidden, "arch": "fake"}, "layer_ids": sorted(layer_ids), "format_version": 1,
              **({"projection": {"dims": project_dims, "rows": 0}} if project_dims else {})}
-    open_cache(tokens, "tokens", hash_obj(tprod), tprod, {}, num_shards)
+    open_cache(tokens, "tokens", hash_obj(tprod), tprod, {}, None)  # (its count is set when complete, as tokenize does)
     open_cache(cache, "hidden", hash_obj(hprod), hprod, {"tokens_dir": "tokens", "layer_ids": list(layer_ids)},
                num_shards)
     gen = torch.Generator().manual_seed(seed)
@@ -487,7 +487,7 @@ def make_fake_cache(cache_dir, num_shards: int, rows, seq_len: int, hidden: int,
         entry = {"index": i, "rows": n, "tokens": n * seq_len, "status": "committed"}
         tentries.append(dict(entry, files={token_shard_name(i): tfile}))
         hentries.append(dict(entry, files={hidden_shard_name(i): hfile}, tokens_sha256=tfile["sha256"]))
-    update_manifest(tokens, shards=tentries, complete=True)
+    update_manifest(tokens, shards=tentries, complete=True, num_shards=num_shards)
     update_manifest(cache, shards=hentries)
     return cache
 

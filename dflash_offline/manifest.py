@@ -16,11 +16,14 @@ host: the pid is gone; other hosts: the lease has expired, or the temp file has 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
+import stat
 import time
 import uuid
 from pathlib import Path
@@ -137,37 +140,21 @@ def write_text_atomic(path: Path, text: str, durable: bool = True) -> None:
 @contextlib.contextmanager
 def locked(cache: Path, stale_s: float = 60.0, timeout_s: float = 120.0):
     """Hold `<cache>/.lock` for a short read-modify-write. A lock whose holder is gone is broken: at once when the
-    holder ran on this host (its pid is not alive), after `stale_s` when it ran elsewhere; both say so."""
+    holder ran in this host's pid space (same host and `boot_id`, its pid is not alive), after `stale_s` otherwise;
+    both say so. Every wait ends by `timeout_s`; a `.lock` that is not a file this code writes (a symlink, a
+    directory) is refused at once."""
     lock = cache / ".lock"
     deadline = time.monotonic() + timeout_s
-    token = f"{worker_id()}:{uuid.uuid4().hex}"
-    while True:
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            try:
-                os.write(fd, token.encode())
-            finally:
-                os.close(fd)
-            break
-        except FileExistsError:
-            try:
-                age, holder = time.time() - lock.stat().st_mtime, lock.read_text()
-            except FileNotFoundError:
-                continue
-            host, _, rest = holder.partition(":")
-            pid = rest.partition(":")[0]
-            if age > 0.2 and not alive({"worker": f"{host}:{pid}"}) or age > stale_s:
-                why = f"pid {pid} is gone" if age <= stale_s else f"{age:.0f}s old"
-                print(f"breaking the stale lock {lock} left by {host}:{pid} ({why})", flush=True)
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(lock)
-                continue
-            if time.monotonic() > deadline:
-                raise ManifestError(
-                    f"{lock} has been held by {host}:{pid} for {age:.0f}s; if no process is writing this cache, "
-                    f"delete it"
-                ) from None
-            time.sleep(0.01)
+    token = f"{worker_id()}:{uuid.uuid4().hex}:{boot_id()}"
+    while not _try_lock(lock, token):
+        holder = _lock_holder(lock)
+        if holder is not None and _break_if_stale(lock, *holder, stale_s):
+            continue
+        if time.monotonic() > deadline:
+            who, age = (f"{holder[0]}:{holder[1]}", holder[3]) if holder else ("a process that keeps replacing it", 0)
+            raise ManifestError(f"{lock} has been held by {who} for {age:.0f}s; if no process is writing this cache, "
+                                f"delete it")
+        time.sleep(0.01)
     try:
         yield
     finally:
@@ -176,61 +163,191 @@ def locked(cache: Path, stale_s: float = 60.0, timeout_s: float = 120.0):
                 os.unlink(lock)
 
 
+def _try_lock(lock: Path, token: str) -> bool:
+    """Create `lock` holding `token` (O_EXCL: one winner, on local and shared filesystems); False if it exists."""
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except FileExistsError:
+        return False
+    try:
+        os.write(fd, token.encode())
+    finally:
+        os.close(fd)
+    return True
+
+
+def _lock_holder(lock: Path) -> tuple[str, str, str | None, float] | None:
+    """(host, pid, boot id or None for a lock written without one, age in s) of the lock's holder; None when it
+    vanished meanwhile. A `.lock` that is not a regular file is refused: it is not a lock, and a dangling symlink
+    would look held forever."""
+    try:
+        st = os.lstat(lock)
+        if not stat.S_ISREG(st.st_mode):
+            raise ManifestError(f"{lock} is not a lock file this code writes (a symlink or a directory): it would "
+                                f"block every writer of {lock.parent}; delete it")
+        text = lock.read_text()
+    except FileNotFoundError:
+        return None
+    parts = text.split(":")  # host:pid:token:boot (older writers: host:pid:token)
+    host, pid = (parts + ["", ""])[:2]
+    return host, pid, parts[3] if len(parts) >= 4 else None, time.time() - st.st_mtime
+
+
+def _break_if_stale(lock: Path, host: str, pid: str, boot: str | None, age: float, stale_s: float) -> bool:
+    """Remove a lock whose holder is gone (its pid, in this pid space) or that is older than `stale_s`, saying so."""
+    if not (age > 0.2 and not pid_alive(host, pid, boot) or age > stale_s):
+        return False
+    why = f"pid {pid} is gone" if age <= stale_s else f"{age:.0f}s old"
+    print(f"breaking the stale lock {lock} left by {host}:{pid} ({why})", flush=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(lock)
+    return True
+
+
 # --- read / create / merge -----------------------------------------------------------------------------------
 
 
-def read_manifest(cache: str | Path) -> dict:
+def read_manifest(cache: str | Path, need: tuple[str, ...] = ()) -> dict:
+    """The manifest of `cache`, every field it has checked for type (`schema_error`) before any is used: a hand-edited
+    or damaged one is one error naming the file, the field, what was found and what to do. `need`: dotted fields
+    (`OPTIONAL_FIELDS`) the caller reads, refused when absent."""
     path = Path(cache) / MANIFEST
     if not path.is_file():
         raise ManifestError(f"{path} not found: {cache} is not a cache (run `make tokenize` / `make extract`)")
     try:
         m = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ManifestError(f"{path}: corrupt JSON ({e}); restore it or rebuild the cache") from None
     if not isinstance(m, dict) or m.get("version") != MANIFEST_VERSION:
         raise ManifestError(f"{path}: manifest version {m.get('version') if isinstance(m, dict) else m!r}, this code "
                             f"reads {MANIFEST_VERSION}")
-    if bad := schema_error(m):
+    bad = schema_error(m) or next((f"{f} is missing (expected {OPTIONAL_FIELDS[f][1]})" for f in need
+                                   if field(m, f) is _ABSENT), None)
+    if bad:
         raise ManifestError(f"{path}: {bad}: the manifest was edited or damaged; restore it (or rebuild the cache)")
     return m
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+def _is_int(v, least: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
 
 
+def _is_ints(v) -> bool:
+    return isinstance(v, list) and all(_is_int(x) for x in v)
+
+
+def _is_sha(v) -> bool:
+    return isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
+
+
+def is_file_name(name: str) -> bool:
+    """A shard file name a manifest may list: a plain name inside the cache directory (letters, digits, `._-`, not
+    starting with a dot: no separators, no `..`, no absolute path, none of the hidden temp and lock files)."""
+    return isinstance(name, str) and bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}", name))
+
+
+_OBJ = (lambda v: isinstance(v, dict), "an object")
+_STR = (lambda v: isinstance(v, str) and v != "", "a non-empty string")
 # field → (check, what it must be); shards[] entries and their files are checked by `schema_error` below
-TOP_FIELDS = {"kind": (lambda v: v in ("tokens", "hidden"), "'tokens' or 'hidden'"),
-              "key": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
-              "producer": (lambda v: isinstance(v, dict), "an object"),
-              "config": (lambda v: isinstance(v, dict), "an object"),
+TOP_FIELDS = {"kind": (lambda v: v in ("tokens", "hidden"), "'tokens' or 'hidden'"), "key": _STR,
+              "producer": _OBJ, "config": _OBJ,
               "num_shards": (lambda v: v is None or _is_int(v), "an integer ≥ 0 or null"),
               "shards": (lambda v: isinstance(v, list) and all(isinstance(s, dict) for s in v), "a list of objects")}
-SHARD_FIELDS = {"index": (_is_int, "an integer ≥ 0"), "status": (lambda v: isinstance(v, str), "a string"),
-                "rows": (_is_int, "an integer ≥ 0"), "files": (lambda v: isinstance(v, dict), "an object")}
-FILE_FIELDS = {"bytes": (_is_int, "an integer ≥ 0"),
-               "sha256": (lambda v: isinstance(v, str) and len(v) == 64, "a 64-character hex digest")}
+SHARD_FIELDS = {"index": (_is_int, "an integer ≥ 0"), "status": (lambda v: isinstance(v, str), "a string")}
+COMMITTED_FIELDS = {"rows": (lambda v: _is_int(v, 1), "an integer ≥ 1 (a committed shard holds rows)"),
+                    "files": _OBJ}
+FILE_FIELDS = {"bytes": (_is_int, "an integer ≥ 0"), "sha256": (_is_sha, "a 64-character hex digest")}
+# fields the code reads where they exist, checked when present (dotted: nested objects); `need=` makes them required
+OPTIONAL_FIELDS = {
+    "complete": (lambda v: isinstance(v, bool), "true or false"), "summary": _OBJ,
+    "verified": (lambda v: v is None or isinstance(v, dict), "an object or null"),
+    "verified.ok": (lambda v: isinstance(v, bool), "true or false"),
+    "verified.bad": (lambda v: isinstance(v, list) and all(isinstance(b, dict) and _is_int(b.get("shard", 0))
+                                                           and isinstance(b.get("reason", ""), str) for b in v),
+                     "a list of {shard, reason} objects"),
+    "verified.at": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    "verified.max_rel_err": (lambda v: v is None or isinstance(v, (int, float)), "a number or null"),
+    "verified.projection": (lambda v: isinstance(v, str), "a string"),
+    "projection": (lambda v: v is None or isinstance(v, dict), "an object or null"),
+    "projection.sha256": (_is_sha, "a 64-character hex digest"),
+    "config.tokens_dir": _STR, "config.layer_ids": (_is_ints, "a list of integers ≥ 0"),
+    "config.mask_token_id": (_is_int, "an integer ≥ 0"), "config.extract": _OBJ, "config.extract.target": _STR,
+    "config.extract.batch_rows": (lambda v: _is_int(v, 1), "an integer ≥ 1"),
+    "producer.quant": _STR, "producer.layer_ids": (_is_ints, "a list of integers ≥ 0"), "producer.target": _OBJ,
+    "producer.target.hidden_size": (lambda v: _is_int(v, 1), "an integer ≥ 1"),
+    "producer.target.num_layers": (lambda v: _is_int(v, 1), "an integer ≥ 1"),
+    "producer.target.vocab_size": (lambda v: _is_int(v, 1), "an integer ≥ 1"),
+    "producer.tokens": _OBJ, "producer.tokens.key": _STR, "producer.tokens.producer": _OBJ,
+    "producer.tokens.producer.seq_len": (lambda v: _is_int(v, 1), "an integer ≥ 1"),
+    "producer.projection": (lambda v: v is None or isinstance(v, dict), "an object or null"),
+    "producer.projection.dims": (lambda v: _is_int(v, 1), "an integer ≥ 1"),
+}
+SHARD_OPTIONAL = {"tokens": (_is_int, "an integer ≥ 0"), "tokens_sha256": (_is_sha, "a 64-character hex digest"),
+                  "reason": (lambda v: isinstance(v, str), "a string")}
+_ABSENT = object()
+
+
+def field(m: dict, dotted: str):
+    """`m["a"]["b"]` for "a.b"; `_ABSENT` where a level is missing or not an object."""
+    for name in dotted.split("."):
+        if not isinstance(m, dict) or name not in m:
+            return _ABSENT
+        m = m[name]
+    return m
 
 
 def schema_error(m: dict) -> str | None:
-    """The first field of a manifest that is missing or of the wrong type, said as `field is X, expected Y`."""
-    def check(where: str, obj: dict, fields: dict) -> str | None:
+    """The first field of a manifest that is missing or of the wrong type, said as `field is X, expected Y`; then
+    the counts: a committed shard's index inside `num_shards`, and a token cache's `num_shards` at most its entries
+    (so that nothing sized by a count can be larger than what the manifest lists; a hidden cache's count is held to
+    its token cache's by `hidden_num_shards`)."""
+    def check(where: str, obj: dict, fields: dict, required: bool = True) -> str | None:
         for name, (ok, what) in fields.items():
-            if name not in obj:
-                return f"{where}{name} is missing (expected {what})"
-            if not ok(obj[name]):
-                return f"{where}{name} is {obj[name]!r}, expected {what}"
+            v = field(obj, name)
+            if v is _ABSENT:
+                if required:
+                    return f"{where}{name} is missing (expected {what})"
+            elif not ok(v):
+                return f"{where}{name} is {v!r}, expected {what}"
         return None
 
-    if bad := check("", m, TOP_FIELDS):
+    if bad := check("", m, TOP_FIELDS) or check("", m, OPTIONAL_FIELDS, required=False):
         return bad
     for i, s in enumerate(m["shards"]):
-        if s.get("status") == "committed" and (bad := check(f"shards[{i}].", s, SHARD_FIELDS)):
+        where = f"shards[{i}]."
+        if bad := check(where, s, SHARD_FIELDS) or check(where, s, SHARD_OPTIONAL, required=False):
             return bad
-        for name, rec in s.get("files", {}).items():
-            if not isinstance(rec, dict) or (bad := check(f"shards[{i}].files[{name!r}].", rec, FILE_FIELDS)):
-                return bad or f"shards[{i}].files[{name!r}] is {rec!r}, expected an object"
+        if s["status"] == "committed" and (bad := check(where, s, COMMITTED_FIELDS)):
+            return bad
+        for name, rec in s.get("files", {}).items() if isinstance(s.get("files"), dict) else ():
+            if not is_file_name(name):
+                return (f"{where}files names {name!r}, expected a plain file name inside the cache (letters, digits, "
+                        f"'._-'; no '/', no '..', no absolute path)")
+            if not isinstance(rec, dict) or (bad := check(f"{where}files[{name!r}].", rec, FILE_FIELDS)):
+                return bad or f"{where}files[{name!r}] is {rec!r}, expected an object"
+        if m["num_shards"] is not None and s["status"] == "committed" and s["index"] >= m["num_shards"]:
+            return f"{where}index is {s['index']}, outside num_shards {m['num_shards']}"
+    if m["kind"] == "tokens" and m["num_shards"] is not None and m["num_shards"] > len(m["shards"]):
+        return f"num_shards is {m['num_shards']}, but the token cache lists {len(m['shards'])} shards"
     return None
+
+
+def token_cache(cache: Path, m: dict) -> tuple[Path, dict]:
+    """A hidden cache's token cache: its directory (`config.tokens_dir`, relative to the cache) and its manifest."""
+    tokens_dir = (Path(cache) / m["config"]["tokens_dir"]).resolve()
+    return tokens_dir, read_manifest(tokens_dir)
+
+
+def hidden_num_shards(cache: Path, m: dict, tokens_m: dict) -> int:
+    """A hidden cache's `num_shards`, held to its token cache's (hidden shard k holds token shard k's rows; a token
+    cache's count is at most the entries its manifest lists): a count edited into the manifest is refused before
+    anything is sized by it."""
+    n, want = m["num_shards"], tokens_m["num_shards"]
+    if n is None or n != want:
+        raise ManifestError(f"{Path(cache) / MANIFEST}: num_shards is {n}, but its token cache "
+                            f"({m['config']['tokens_dir']}) has {want} shards and hidden shard k holds token shard k's "
+                            f"rows: the manifest was edited or damaged; restore it (or extract the cache again)")
+    return n
 
 
 def open_cache(cache: Path, kind: str, key: str, producer: dict, config: dict, num_shards: int | None) -> dict:
@@ -347,12 +464,27 @@ def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+@functools.cache
+def boot_id() -> str:
+    """Which pid space this process's pid belongs to: the kernel's boot id plus this process's pid namespace
+    (`/proc/sys/kernel/random/boot_id`, `/proc/self/ns/pid`). Two containers with one hostname, on two machines or on
+    one, differ here, so neither judges the other's live lock or claim dead by a local pid. "" where /proc has
+    neither (liveness then falls back to host + pid)."""
+    parts = []
+    with contextlib.suppress(OSError):
+        parts.append(Path("/proc/sys/kernel/random/boot_id").read_text().strip())
+    with contextlib.suppress(OSError):
+        parts.append(os.readlink("/proc/self/ns/pid").removeprefix("pid:").strip("[]"))
+    return "/".join(parts)
+
+
 def worker_info() -> dict:
     """Who this process is, for claims and status files: host, pid, rank/world of its job (0/1 alone) and the job's
     id (the launcher's rendezvous; empty alone), so that ranks of one job can tell each other from other jobs."""
     env = os.environ
     job = env.get("TORCHELASTIC_RUN_ID", "") + "@" + env.get("MASTER_ADDR", "") + ":" + env.get("MASTER_PORT", "")
-    return {"worker": worker_id(), "host": socket.gethostname(), "pid": os.getpid(), "rank": int(env.get("RANK", 0)),
+    return {"worker": worker_id(), "host": socket.gethostname(), "pid": os.getpid(), "boot": boot_id(),
+            "rank": int(env.get("RANK", 0)),
             "world": int(env.get("WORLD_SIZE", 1)), "job": job if int(env.get("WORLD_SIZE", 1)) > 1 else ""}
 
 
@@ -407,13 +539,15 @@ def holders(cache: Path, indices) -> dict[int, dict]:
 def alive(claim: dict) -> bool:
     """False only when the claim's worker ran on this host and its process is gone (no need to wait for the lease)."""
     host, _, pid = str(claim.get("worker", "")).rpartition(":")
-    return pid_alive(host, pid)
+    return pid_alive(host, pid, claim.get("boot"))
 
 
-def pid_alive(host: str, pid) -> bool:
-    """False only when `host` is this host and no process `pid` exists (another host: unknown, so True)."""
-    if host != socket.gethostname() or not str(pid).isdigit():
-        return True  # another machine: only its lease tells
+def pid_alive(host: str, pid, boot: str | None = None) -> bool:
+    """False only when `host` is this host, `boot` (the writer's `boot_id`, None when it recorded none) is this
+    process's, and no process `pid` exists. Another host, or another boot or pid namespace under the same hostname
+    (a container): unknown, so True — only a lease or an age tells."""
+    if host != socket.gethostname() or not str(pid).isdigit() or (boot is not None and boot != boot_id()):
+        return True  # another machine or pid namespace: only its lease tells
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:

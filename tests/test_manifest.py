@@ -42,7 +42,7 @@ def _committer(cache, indices):
 
 
 def test_concurrent_commits_lose_nothing(tmp_path):
-    mf.open_cache(tmp_path, "tokens", "k", {}, {}, 40)
+    mf.open_cache(tmp_path, "hidden", "k", {}, {}, 40)
     ctx = mp.get_context("fork")
     procs = [ctx.Process(target=_committer, args=(tmp_path, range(r, 40, 4))) for r in range(4)]
     for p in procs:
