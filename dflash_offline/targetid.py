@@ -1,27 +1,40 @@
-"""Identity of a target checkpoint for cache keys, computed in milliseconds without loading weights.
+"""Identity of a target checkpoint (and of a tokenizer) for cache keys and refusals, without loading weights.
 
-Hashing 54 GB of weights on every run is not an option, and a name or path is not an identity (a fine-tune keeps
-the architecture and file layout). The fingerprint is the SHA-256 of `config.json`, of every safetensors file's
-name, size and header (tensor names, dtypes, shapes, offsets), and of 16 evenly spaced 64 KiB samples of each
-file's bytes — a different fine-tune of the same shapes changes the samples. `make verify` recomputes hidden
-states from the weights themselves on sampled rows, which catches anything the fingerprint could miss.
+A name or path is not an identity (a fine-tune keeps the architecture and file layout), and a sample of the bytes is
+not one either (a copy with embedding rows changed between the samples kept the old fingerprint). The fingerprint is
+the SHA-256 of `config.json` and of every safetensors file's name, size and full SHA-256 (`weights_hash` "sha256").
+Each file's hash is computed once, on a pool of threads, and remembered by the file's (size, mtime, ctime, inode) in
+`.dflash_offline-sha256.json` beside the weights, or, where that directory is read-only (a shared HF cache), under
+`$XDG_CACHE_HOME/dflash_offline` (else `~/.cache/dflash_offline`): a rerun costs a `stat` per file. Caches made before
+record the "sampled" fingerprint (16 × 64 KiB of each file; no `weights_hash`): `check_same_target` checks them in
+their own scheme, and extraction continues them under their key. `make verify` recomputes hidden states from the
+weights themselves on sampled rows.
 
 `resolve_checkpoint` is the one place a target or tokenizer path is turned into a directory and checked to hold what
 its caller reads, before any cache or run directory exists: a local directory, or a hub id (`Qwen/Qwen3.6-27B`)
 found in the local HF cache (`HF_HUB_CACHE`, else `HF_HOME/hub`; `models--Qwen--Qwen3.6-27B/snapshots/<rev>/` with
 `refs/main` naming the revision), offline: nothing is downloaded at run time. `tokenizer_for` is the rule by which the
 tokenizer follows the target; `check_same_target` is the trainer's refusal of a cache extracted from other weights.
+`vocab_identity` is a tokenizer's (the id of every token, added and special tokens included; what a token cache
+records), and `check_tokenizer_fits` refuses a token cache whose ids mean other tokens to the target's tokenizer;
+`check_seq_len` refuses rows longer than the target's `max_position_embeddings`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-SAMPLES, SAMPLE_BYTES = 16, 1 << 16
+from .manifest import HASH_THREADS, hash_obj, sha256_file, write_json_atomic
+
+SAMPLES, SAMPLE_BYTES = 16, 1 << 16  # the "sampled" fingerprint of caches made before full hashes
+WEIGHTS_HASH = "sha256"  # producer.target.weights_hash of new caches; absent = "sampled"
+HASH_MEMO = ".dflash_offline-sha256.json"  # each weight file's SHA-256 by its (size, mtime, ctime, inode)
 
 
 class TargetError(ValueError):
@@ -124,6 +137,7 @@ def weight_files(ckpt: Path) -> list[Path]:
 
 
 def file_fingerprint(path: Path) -> str:
+    """The "sampled" fingerprint of one file (caches made before full hashes): name, size, header, 16 × 64 KiB."""
     h = hashlib.sha256()
     size = path.stat().st_size
     h.update(f"{path.name}:{size}".encode())
@@ -136,26 +150,77 @@ def file_fingerprint(path: Path) -> str:
     return h.hexdigest()
 
 
-def target_fingerprint(ckpt: Path, weights: bool = True) -> dict:
-    """{"config_sha256", "weights_fingerprint"}; `weights` False (a storage plan from config.json alone): the
-    weights' fingerprint is None."""
+def file_stamp(path: Path) -> dict:
+    """What changes when a file's bytes may have: a copy has another inode, a write another mtime and ctime."""
+    st = path.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
+
+
+def memo_paths(ckpt: Path) -> list[Path]:
+    """Where the weights' hashes are remembered: beside them, then the user's cache (a read-only checkpoint)."""
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash_offline"
+    return [ckpt / HASH_MEMO, home / f"sha256-{hash_obj(str(ckpt.resolve()))[:16]}.json"]
+
+
+def read_memo(ckpt: Path) -> dict:
+    for p in reversed(memo_paths(ckpt)):  # beside the weights wins
+        try:
+            return json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+    return {}
+
+
+def write_memo(ckpt: Path, memo: dict) -> None:
+    """Remember the hashes in the first place that takes them; nowhere writable only costs a rehash next time."""
+    for p in memo_paths(ckpt):
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(p, memo, durable=False)
+            return
+        except OSError:
+            continue
+
+
+def weight_hashes(ckpt: Path, files: list[Path], threads: int = HASH_THREADS) -> dict[str, str]:
+    """File name → full SHA-256 of each of `files` (in `ckpt`): remembered ones whose stamp still matches, the others
+    hashed on `threads` threads (hashlib releases the GIL) and remembered."""
+    memo = read_memo(ckpt)
+    stamps = {f.name: file_stamp(f) for f in files}
+    todo = [f for f in files if (memo.get(f.name) or {}).get("stamp") != stamps[f.name]]
+    if todo:
+        with ThreadPoolExecutor(max_workers=max(1, min(threads, len(todo)))) as pool:
+            for f, digest in zip(todo, pool.map(sha256_file, todo), strict=True):
+                memo[f.name] = {"stamp": stamps[f.name], "sha256": digest}
+        write_memo(ckpt, memo)
+    return {f.name: memo[f.name]["sha256"] for f in files}
+
+
+def target_fingerprint(ckpt: Path, weights: bool = True, scheme: str = WEIGHTS_HASH) -> dict:
+    """{"config_sha256", "weights_fingerprint", "weights_hash"}; `weights` False (a storage plan from config.json
+    alone): the weights' fingerprint is None. `scheme` "sampled": the fingerprint of caches made before full hashes
+    (their producer has no `weights_hash`, and neither has this result)."""
     cfg = ckpt / "config.json"
     if not cfg.is_file():
         raise TargetError(f"{ckpt}: no config.json; is this a Hugging Face checkpoint directory?")
     config_text = json.dumps(json.loads(cfg.read_text()), sort_keys=True)
+    files = weight_files(ckpt) if weights else []
     fingerprint = hashlib.sha256()
-    for f in weight_files(ckpt) if weights else []:
-        fingerprint.update(file_fingerprint(f).encode())
-    return {
-        "config_sha256": hashlib.sha256(config_text.encode()).hexdigest(),
-        "weights_fingerprint": fingerprint.hexdigest() if weights else None,
-    }
+    if scheme == "sampled":
+        for f in files:
+            fingerprint.update(file_fingerprint(f).encode())
+    else:
+        for name, digest in weight_hashes(ckpt, files).items():
+            fingerprint.update(f"{name}:{(ckpt / name).stat().st_size}:{digest}\n".encode())
+    out = {"config_sha256": hashlib.sha256(config_text.encode()).hexdigest(),
+           "weights_fingerprint": fingerprint.hexdigest() if weights else None}
+    return out if scheme == "sampled" else dict(out, weights_hash=scheme)
 
 
 def check_same_target(target: str, recorded: dict, cache: str, cache_target: str) -> None:
     """Refuse `target` unless its fingerprint equals `recorded`, the producer.target of the cache at `cache`, which was
     extracted from `cache_target`. The whole fingerprint counts: the cache's hidden states came from all weights."""
-    got = target_fingerprint(resolve_checkpoint(target))
+    got = target_fingerprint(resolve_checkpoint(target), scheme=recorded.get("weights_hash", "sampled"))
     diff = [f"{k} {got[k][:16]} here, {str(recorded.get(k))[:16]} in the cache" for k in FINGERPRINT_KEYS
             if got[k] != recorded.get(k)]
     if not diff:
@@ -168,3 +233,53 @@ def check_same_target(target: str, recorded: dict, cache: str, cache_target: str
         fix = f"train with the target the cache was extracted from (target={cache_target})"
     raise TargetError(f"{what}: {'; '.join(diff)}; its hidden states came from other weights. Either {fix}, or "
                       f"re-extract the cache from this target (make extract TARGET={target})")
+
+
+# --- what else must fit the target: the token ids and the row length ----------------------------------------------
+
+
+def vocab_identity(tok) -> dict:
+    """{"vocab_sha256", "vocab_size"}: the SHA-256 of the tokenizer's id of every token (added tokens included) and of
+    which added tokens are special — what a token id means; two tokenizers with one size can differ in it. Not the
+    chat template or the special-token roles (a base and an instruct checkpoint share ids, not their eos)."""
+    added = sorted((i, t.content, bool(t.special)) for i, t in tok.added_tokens_decoder.items())
+    return {"vocab_sha256": hash_obj({"vocab": sorted(tok.get_vocab().items(), key=lambda kv: kv[1]),
+                                      "added": added}),
+            "vocab_size": len(tok)}
+
+
+def check_tokenizer_fits(ckpt: Path, tokens: str, recorded: dict | None, tokens_tokenizer: str) -> str:
+    """Refuse a token cache (`tokens`, made with `tokens_tokenizer`, which recorded `recorded`: its `vocab_identity`)
+    whose token ids mean other tokens to the target's own tokenizer: one TargetError line saying which each side has
+    and what to do. Returns what could not be checked ('' when checked): a target without tokenizer files, a token
+    cache made before caches recorded their tokenizer's vocabulary."""
+    if not holds(str(ckpt), "tokenizer"):
+        return f"{ckpt} ships no tokenizer: the token cache's ({tokens_tokenizer}) is taken as the target's, unchecked"
+    if not recorded:
+        return (f"token cache {tokens} records no tokenizer vocabulary (made before caches did): its ids are not "
+                f"checked against {ckpt}'s tokenizer; rerun make tokenize (or extract without tokens=) to record it")
+    from transformers import AutoTokenizer
+
+    mine = vocab_identity(AutoTokenizer.from_pretrained(str(ckpt)))
+    if mine["vocab_sha256"] == recorded["vocab_sha256"]:
+        return ""
+    raise TargetError(
+        f"token cache {tokens} was made with tokenizer {tokens_tokenizer} (vocab {recorded['vocab_sha256'][:12]}, "
+        f"{recorded['vocab_size']} tokens) but target {ckpt} ships another (vocab {mine['vocab_sha256'][:12]}, "
+        f"{mine['vocab_size']} tokens): its token ids would index other embedding rows. Tokenize with the target's "
+        f"own tokenizer (drop tokens= and --tokenizer=, or pass --tokenizer={ckpt})")
+
+
+def max_positions(ckpt: Path) -> int | None:
+    """The target's `max_position_embeddings` (its text config's, else the top level's); None when it names none."""
+    raw = json.loads((ckpt / "config.json").read_text())
+    return (raw.get("text_config") or {}).get("max_position_embeddings") or raw.get("max_position_embeddings")
+
+
+def check_seq_len(seq_len: int, ckpt: Path, field: str = "tokenize.seq_len") -> None:
+    """Refuse rows longer than the positions the target was made for (its rotary tables and training end there)."""
+    limit = max_positions(ckpt)
+    if limit and seq_len > limit:
+        raise TargetError(f"{field}={seq_len} is longer than {ckpt}'s max_position_embeddings={limit}: the target "
+                          f"was not made for positions past {limit}; use seq_len ≤ {limit} (--seq_len=, make "
+                          f"ARGS=--seq_len=N)")

@@ -102,20 +102,62 @@ def token_cache(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int) -> Path 
     return out
 
 
+def check_tokens_fit(ckpt: Path, tokens: Path | dict, rank: int) -> None:
+    """Refuse a token cache whose rows are longer than the target's positions or whose ids mean other tokens to the
+    target's tokenizer (`targetid`); say what could not be checked. Seconds, before the fingerprint and the weights."""
+    from dflash_offline.targetid import check_seq_len, check_tokenizer_fits
+
+    tm = tokens if isinstance(tokens, dict) else read_manifest(tokens)
+    label = "(in memory)" if isinstance(tokens, dict) else str(tokens)
+    check_seq_len(tm["producer"]["seq_len"], ckpt, f"token cache {label}: seq_len")
+    rec = tm.get("tokenizer_vocab")
+    if note := check_tokenizer_fits(ckpt, label, rec, (rec or {}).get("path") or tm["config"].get("tokenizer", "?")):
+        log(f"[rank {rank}] warning: {note}")
+
+
+def continued_legacy_cache(cfg: ExtractConfig, plan: dict, rank: int) -> dict:
+    """`plan`, or, when the cache this run would go on with was made before weights were hashed in full (its key
+    holds the sampled fingerprint, `targetid`), the plan under that cache's key: its shards are kept, not redone in a
+    new directory. A cache of the new key, or none of either, leaves the plan as it is."""
+    from dflash_offline.manifest import hash_obj
+    from dflash_offline.targetid import target_fingerprint
+
+    ours = cache_dir(cfg, plan["key"]) / MANIFEST
+    if not plan["weights"] or ours.is_file() and read_manifest(ours.parent)["key"] == plan["key"]:
+        return plan
+    target = {k: v for k, v in plan["producer"]["target"].items() if k != "weights_hash"}
+    target.update(target_fingerprint(plan["ckpt"], scheme="sampled"))
+    producer = dict(plan["producer"], target=target)
+    key, cache = hash_obj(producer), cache_dir(cfg, hash_obj(producer))
+    if not (cache / MANIFEST).is_file() or read_manifest(cache)["key"] != key:
+        return plan
+    log(f"[rank {rank}] {cache} was made before targets were hashed in full (its key holds the sampled fingerprint of "
+        f"the weights): continuing it under that key. Its weights are known by 16 samples a file; extract into a new "
+        f"cache (another CACHE=) to have them checked byte for byte")
+    return dict(plan, producer=producer, key=key)
+
+
+def cache_dir(cfg: ExtractConfig, key: str) -> Path:
+    return Path(cfg.hidden_out) if cfg.hidden_out else Path(cfg.cache_root) / f"hidden-{key[:12]}"
+
+
 def plan_run(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int, world: int, local_rank: int) -> dict:
     """The plan plus this run's cache, device, shards to do and the kernel check: everything that can fail before the
     weights load, in seconds (stage 1a runs first when the token cache is not there yet)."""
     import torch
 
     from dflash_offline import target as tgt
-    from dflash_offline.targetid import resolve_checkpoint
+    from dflash_offline.targetid import check_seq_len, resolve_checkpoint
 
     t0 = time.time()
-    resolve_checkpoint(cfg.target, target_needs(cfg), "extract.target")  # a wrong path fails here, before stage 1a
+    ckpt = resolve_checkpoint(cfg.target, target_needs(cfg), "extract.target")  # a wrong path fails before stage 1a
     device = pick_device(cfg.device, "extract.device", local_rank)
+    if tok_cfg is not None and not cfg.tokens:
+        check_seq_len(tok_cfg.seq_len, ckpt)
     tokens_dir = token_cache(cfg, tok_cfg, rank)
-    plan = make_plan(cfg, tokens_dir)
-    cache = Path(cfg.hidden_out) if cfg.hidden_out else Path(cfg.cache_root) / f"hidden-{plan['key'][:12]}"
+    check_tokens_fit(ckpt, tokens_dir, rank)
+    plan = continued_legacy_cache(cfg, make_plan(cfg, tokens_dir), rank)
+    cache = cache_dir(cfg, plan["key"])
     redo = parse_shard_list(cfg.shards)
     if any(i >= plan["num_shards"] for i in redo):
         raise ValueError(f"SHARD={cfg.shards}: the cache has shards 0..{plan['num_shards'] - 1}")

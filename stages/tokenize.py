@@ -107,20 +107,33 @@ def identify(cfg: TokenizeConfig) -> tuple[list[Path], object, dict, str, Path]:
     its `name_or_path` keeps for the workers."""
     from transformers import AutoTokenizer
 
-    from dflash_offline.targetid import resolve_checkpoint
+    from dflash_offline.targetid import check_seq_len, resolve_checkpoint
 
     paths = expand_paths(cfg.corpus)
-    tok = AutoTokenizer.from_pretrained(resolve_checkpoint(cfg.tokenizer, need=("tokenizer",),
-                                                           field="tokenize.tokenizer"))
+    tok_dir = resolve_checkpoint(cfg.tokenizer, need=("tokenizer",), field="tokenize.tokenizer")
+    if (tok_dir / "config.json").is_file():  # the tokenizer is a target's: its rows must fit that target
+        check_seq_len(cfg.seq_len, tok_dir)
+    tok = AutoTokenizer.from_pretrained(tok_dir)
     check_tokenizer(tok)
     producer = producer_for(cfg, tok, paths)
     key = hash_obj(producer)
     return paths, tok, producer, key, cache_dir_for(cfg, key)
 
 
+def tokenizer_record(tok) -> dict:
+    """The manifest's `tokenizer_vocab`: where the tokenizer came from and what its ids mean (`vocab_identity`), so
+    that extraction can refuse a target whose tokenizer gives the ids other meanings. Outside the producer: the key
+    already hashes the tokenizer's files, and existing keys stay what they were."""
+    from dflash_offline.targetid import vocab_identity
+
+    return {"path": str(tok.name_or_path), **vocab_identity(tok)}
+
+
 def run(cfg: TokenizeConfig) -> Path:
     paths, tok, producer, key, out = identify(cfg)
     m = open_cache(out, "tokens", key, producer, as_dict(cfg), num_shards=None)
+    if m.get("tokenizer_vocab") != (rec := tokenizer_record(tok)):  # (one made before recorded none: same files)
+        m = update_manifest(out, tokenizer_vocab=rec)
     sweep(out, log=log)
     if m.get("complete") and (bad := requeue_missing(out)):  # tokenization is deterministic: redo those shards
         log(f"token cache {out}: {len(bad)} committed shard(s) damaged on disk ({bad[0]['reason']}): redoing them")
@@ -157,7 +170,7 @@ def dry_run(cfg: TokenizeConfig) -> dict:
                                 "use another cache directory or delete it deliberately")
         if m.get("complete"):
             log(f"token cache {out} is complete for this key ({len(m['shards'])} shards)")
-            return m
+            return dict(m, tokenizer_vocab=tokenizer_record(tok))
     log(f"dry run: tokenizing {len(paths)} file(s) in memory, {producer['corpus']['bytes'] / 1e6:.1f} MB, "
         f"{workers_for(cfg)} worker(s); nothing is written")
     shards: list[dict] = []
@@ -169,7 +182,7 @@ def dry_run(cfg: TokenizeConfig) -> dict:
     progress = Progress("tokenize (dry run)", cfg.max_docs or None, "doc", None)
     summary = tokenize_corpus(cfg, paths, tok, progress, None, count)
     progress.close("done")
-    return dry_manifest(key, producer, as_dict(cfg), shards, summary)
+    return dict(dry_manifest(key, producer, as_dict(cfg), shards, summary), tokenizer_vocab=tokenizer_record(tok))
 
 
 def workers_for(cfg: TokenizeConfig) -> int:

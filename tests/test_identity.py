@@ -1,0 +1,179 @@
+"""Identities that extraction checks before any weight loads: the target's fingerprint covers every byte of its
+weights (and costs a stat per file once remembered), a token cache's tokenizer must give ids the target's meanings,
+rows must fit the target's positions."""
+
+import json
+import shutil
+import struct
+
+import pytest
+
+from dflash_offline import target as tgt
+from dflash_offline import targetid
+from dflash_offline.config import ExtractConfig, TokenizeConfig
+from dflash_offline.targetid import TargetError, target_fingerprint
+from stages import extract, tokenize
+
+
+def copy_target(src, dst, **config):
+    """A copy of the tiny target at `dst` (its hash memo left out), config.json's text config updated with `config`."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(targetid.HASH_MEMO))
+    cfg = json.loads((dst / "config.json").read_text())
+    (cfg.get("text_config") or cfg).update(config)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def unsampled_offset(path) -> int:
+    """A byte of the tensor data that the sampled fingerprint's 16 × 64 KiB windows do not read."""
+    size = path.stat().st_size
+    starts = [int(i * (size - targetid.SAMPLE_BYTES) / (targetid.SAMPLES - 1)) for i in range(targetid.SAMPLES)]
+    header = 8 + struct.unpack("<Q", path.read_bytes()[:8])[0]
+    gap = next(s + targetid.SAMPLE_BYTES for s, nxt in zip(starts, starts[1:], strict=False)
+               if nxt - s > targetid.SAMPLE_BYTES and s + targetid.SAMPLE_BYTES > header)
+    return gap + 7
+
+
+def test_a_change_outside_the_sampled_windows_changes_the_fingerprint(tmp_path, qwen35_dir, monkeypatch):
+    """The sampled fingerprint missed a byte between its windows; the full one does not, and remembers each file's
+    hash until the file changes (another inode, mtime or size)."""
+    ckpt = copy_target(qwen35_dir, tmp_path / "t")
+    before = {s: target_fingerprint(ckpt, scheme=s) for s in ("sampled", "sha256")}
+    weights = ckpt / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[unsampled_offset(weights)] ^= 0x10
+    weights.write_bytes(bytes(data))
+    assert target_fingerprint(ckpt, scheme="sampled") == before["sampled"]  # the old blind spot
+    hashed = []
+    real = targetid.sha256_file
+    monkeypatch.setattr(targetid, "sha256_file", lambda p: (hashed.append(p.name), real(p))[1])
+    after = target_fingerprint(ckpt)
+    assert after["weights_fingerprint"] != before["sha256"]["weights_fingerprint"] and after["weights_hash"] == "sha256"
+    assert hashed == ["model.safetensors"] and (ckpt / targetid.HASH_MEMO).is_file()
+    assert target_fingerprint(ckpt) == after and hashed == ["model.safetensors"]  # remembered: a stat, no read
+    shutil.copy(ckpt / targetid.HASH_MEMO, tmp_path / "memo")
+    weights.write_bytes(bytes(data[:-1]) + bytes([data[-1] ^ 1]))  # same size, rewritten in place
+    assert target_fingerprint(ckpt) != after and hashed == ["model.safetensors"] * 2
+
+
+def test_a_read_only_checkpoint_remembers_its_hashes_in_the_user_cache(tmp_path, qwen35_dir, monkeypatch):
+    ckpt = copy_target(qwen35_dir, tmp_path / "t")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    real = targetid.write_json_atomic
+
+    def read_only(path, obj, durable=True):
+        if path.parent == ckpt:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, obj, durable)
+
+    monkeypatch.setattr(targetid, "write_json_atomic", read_only)
+    first = target_fingerprint(ckpt)
+    assert not (ckpt / targetid.HASH_MEMO).exists() and len(list((tmp_path / "xdg" / "dflash_offline").iterdir())) == 1
+    monkeypatch.setattr(targetid, "sha256_file", lambda p: pytest.fail("hashed again"))
+    assert target_fingerprint(ckpt) == first
+
+
+def test_train_check_reads_an_old_cache_in_its_sampled_scheme(qwen35_dir):
+    """A cache made before full hashes records the sampled fingerprint and no weights_hash: still the same target."""
+    old = target_fingerprint(qwen35_dir, scheme="sampled")
+    assert "weights_hash" not in old
+    targetid.check_same_target(str(qwen35_dir), old, "cache/old", str(qwen35_dir))
+    with pytest.raises(TargetError, match="weights_fingerprint"):
+        targetid.check_same_target(str(qwen35_dir), dict(old, weights_fingerprint="0" * 64), "cache/old",
+                                   str(qwen35_dir))
+
+
+def configs(tmp_path, target, corpus, tokenizer=None, **kw):
+    tok = TokenizeConfig(corpus=[str(corpus)], tokenizer=str(tokenizer or target), cache_root=str(tmp_path / "cache"),
+                         seq_len=kw.pop("seq_len", 128), rows_per_shard=4, workers=1, max_docs=24)
+    ext = ExtractConfig(target=str(target), cache_root=str(tmp_path / "cache"), num_draft_layers=3, device="cpu",
+                        batch_rows=2, **kw)
+    return ext.resolve(), tok.resolve()
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    monkeypatch.setattr(tgt, "load_target", lambda *a, **k: pytest.fail("weights loaded"))
+
+
+def swapped_tokenizer(src, dst):
+    """The target's tokenizer files with the ids of two ordinary tokens swapped: same size, other meanings."""
+    dst.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(src / f, dst / f)
+    tj = json.loads((dst / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    vocab["a"], vocab["e"] = vocab["e"], vocab["a"]
+    (dst / "tokenizer.json").write_text(json.dumps(tj))
+    return dst
+
+
+def test_a_token_cache_of_another_tokenizer_is_refused_before_weights_load(tmp_path, qwen35_dir, chat_corpus,
+                                                                           no_weights):
+    other = swapped_tokenizer(qwen35_dir, tmp_path / "swapped")
+    ext, tok = configs(tmp_path, qwen35_dir, chat_corpus, tokenizer=other)
+    tokens = tokenize.run(tok)
+    ext.tokens = str(tokens)
+    with pytest.raises(TargetError) as e:
+        extract.run(ext, None)
+    msg = str(e.value)
+    assert "\n" not in msg and f"token cache {tokens} was made with tokenizer {other}" in msg
+    assert f"target {qwen35_dir} ships another" in msg and f"--tokenizer={qwen35_dir}" in msg
+    ext, tok = configs(tmp_path, qwen35_dir, chat_corpus, tokenizer=other, dry_run=True)
+    with pytest.raises(TargetError, match="ships another"):  # a dry run (stage 1a in memory) is refused too
+        extract.run(ext, tok)
+    assert not list((tmp_path / "cache").glob("hidden-*"))
+
+
+def test_a_token_cache_that_records_no_tokenizer_is_said_to_be_unchecked(tmp_path, qwen35_dir, chat_corpus,
+                                                                         no_weights, capsys):
+    ext, tok = configs(tmp_path, qwen35_dir, chat_corpus, dry_run=True)
+    tokens = tokenize.run(tok)
+    m = json.loads((tokens / "manifest.json").read_text())
+    assert m["tokenizer_vocab"]["vocab_sha256"] and m["tokenizer_vocab"]["path"] == str(qwen35_dir)
+    del m["tokenizer_vocab"]  # as a cache made before caches recorded their tokenizer
+    (tokens / "manifest.json").write_text(json.dumps(m))
+    ext.tokens = str(tokens)
+    assert extract.run(ext, None) is None
+    assert f"warning: token cache {tokens} records no tokenizer vocabulary" in capsys.readouterr().out
+    tokenize.run(tok)  # the same key, so the same tokenizer files: the record is filled in
+    assert json.loads((tokens / "manifest.json").read_text())["tokenizer_vocab"]["vocab_sha256"]
+
+
+def test_rows_longer_than_the_targets_positions_are_refused(tmp_path, qwen35_dir, chat_corpus, no_weights):
+    short = copy_target(qwen35_dir, tmp_path / "short", max_position_embeddings=64)
+    ext, tok = configs(tmp_path, short, chat_corpus)
+    want = rf"seq_len=128 is longer than {short}'s max_position_embeddings=64"
+    with pytest.raises(TargetError, match=want):
+        tokenize.run(tok)  # stage 1a alone, with the target's tokenizer: before a record is read
+    with pytest.raises(TargetError, match=want):
+        extract.run(ext, tok)
+    _, tok = configs(tmp_path, qwen35_dir, chat_corpus)
+    ext.tokens = str(tokenize.run(tok))  # made for the long target, extracted with the short one
+    with pytest.raises(TargetError, match=rf"token cache {ext.tokens}: {want}"):
+        extract.run(ext, None)
+    assert not list((tmp_path / "cache").glob("hidden-*"))
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_a_cache_keyed_by_the_sampled_fingerprint_is_continued_not_redone(tmp_path, qwen35_dir, chat_corpus,
+                                                                          monkeypatch, capsys, pinned):
+    """A cache half made before full hashes (its key holds the sampled fingerprint) is continued under its key, in
+    its directory, content-addressed or pinned (CACHE=): only its missing shards are computed."""
+    from dflash_offline.manifest import read_manifest
+
+    real = targetid.target_fingerprint
+    kw = {"hidden_out": str(tmp_path / "pinned")} if pinned else {}
+    monkeypatch.setattr(targetid, "target_fingerprint", lambda ckpt, weights=True, scheme="sampled": real(
+        ckpt, weights, "sampled"))  # the code before full hashes
+    ext, tok = configs(tmp_path, qwen35_dir, chat_corpus, shards="0", **kw)
+    old = extract.run(ext, tok)
+    assert [s["index"] for s in read_manifest(old)["shards"]] == [0]
+    monkeypatch.setattr(targetid, "target_fingerprint", real)
+    capsys.readouterr()
+    ext, tok = configs(tmp_path, qwen35_dir, chat_corpus, **kw)
+    assert extract.run(ext, tok) == old
+    out = capsys.readouterr().out
+    assert "was made before targets were hashed in full" in out and "shard 0 committed" not in out
+    m = read_manifest(old)
+    assert len(m["shards"]) == m["num_shards"] > 1 and "weights_hash" not in m["producer"]["target"]
