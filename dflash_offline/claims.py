@@ -11,7 +11,9 @@ are taken over; those that other live processes hold are waited for when they be
 Each shard comes with its `Claim`: the computing thread keeps the lease alive (`keep` renews it once a third of it has
 passed) and releases it if the compute fails; the shard writer releases it once the shard is committed (or its write
 failed). A shard claimed here and never handed out (the run stopped: an error, an interrupt) is released, and so is
-one whose input failed to load: another run or worker may take it at once.
+one whose input failed to load: another run or worker may take it at once. A stop by a signal can come between any
+two statements, so a stopped worker ends with `release_held`: every claim it still holds in the cache, once its
+writes are done.
 """
 
 from __future__ import annotations
@@ -21,7 +23,17 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .manifest import committed, holders, read_manifest, release_claim, renew_claim, try_claim, worker_info
+from .manifest import (
+    committed,
+    holders,
+    read_claim,
+    read_manifest,
+    release_claim,
+    renew_claim,
+    try_claim,
+    worker_id,
+    worker_info,
+)
 from .progress import log
 
 
@@ -43,6 +55,18 @@ class Claim:
 
     def release(self) -> None:
         release_claim(self.cache, self.index)
+
+
+def release_held(cache: Path) -> list[int]:
+    """Release every claim this process still holds in `cache` (call it once its shard writes are drained and it
+    claims nothing more): the shards a stop left claimed, whatever statement it came at. Their indices."""
+    released = []
+    for p in sorted((cache / "claims").glob("shard-*.json")) if (cache / "claims").is_dir() else []:
+        claim = read_claim(p)
+        if claim is not None and claim.get("worker") == worker_id():
+            release_claim(cache, claim["index"])
+            released.append(claim["index"])
+    return released
 
 
 def shard_order(todo: list[int], rank: int, world: int) -> list[int]:

@@ -115,8 +115,9 @@ class HiddenShardWriter:
         self.submitted += 1
         tensors = dict(shard.tensors)
         t = time.time()
-        while len(self.pending) >= self.depth:
-            self.timings.append(self.pending.pop(0).result())
+        while len(self.pending) >= self.depth:  # (popped once done: a stop while waiting leaves it to `drain`)
+            self.timings.append(self.pending[0].result())
+            self.pending.pop(0)
         self.waited_s += time.time() - t
         for f in self.pending:  # a failed write (a full disk) stops the run now
             if f.done() and f.exception() is not None:

@@ -17,7 +17,10 @@ and a committed shard whose file is missing or resized goes back to "to do". `--
 without `--recipe` reruns it from the inputs its manifest records (the repair command that training and verify
 print). A run that ends with shards still claimed by another live process says so and exits non-zero, unless
 `--wait_claims=1` (ranks of one job always wait for each other); a dead process's shards are taken over. A failed
-write (full disk, I/O error) stops the run with one line; committed shards stay, and nothing is left behind.
+write (full disk, I/O error) stops the run with one line; committed shards stay, and nothing is left behind. SIGTERM
+(preemption: Slurm, Kubernetes, spot machines) and SIGINT stop it the same way within seconds: the shard being computed
+is dropped (it has no file yet) and its claim released, shards already handed to the writer are committed, the status
+file says `interrupted`, one line, exit status 143 / 130; a rerun finishes the cache.
 
 Projected taps (`--project_dims=k`, `dflash_offline/projection.py`): once the weights are loaded and before any
 shard, a calibration pass runs the same forward on the token cache's first `project_rows` rows, accumulates
@@ -29,13 +32,16 @@ file (checked) instead of computing its own; other ranks of a job wait for rank 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import signal
 import socket
+import sys
 import time
 from pathlib import Path
 
-from dflash_offline.claims import claimed_shards
+from dflash_offline.claims import claimed_shards, release_held
 from dflash_offline.config import (
     ExtractConfig,
     TokenizeConfig,
@@ -365,11 +371,13 @@ def extract_shards(cfg, plan, model, cache: Path, tokens_dir: Path, todo, rank, 
             if n == 0 and froze:  # the model and the compiled pieces exist now and live until the end: keep them
                 gc.freeze()  # out of the cyclic GC's full passes, which would walk them on this thread
             progress.extra.update(reserved_gpu_gb=(reserved[-1] / 2**30) if reserved else 0.0, last_shard=index)
-    except BaseException:
-        if current is not None:  # its compute failed: another run (or worker) may take it at once
+    except BaseException as e:  # a failure, or a stop (SIGTERM, SIGINT: `Interrupted`)
+        if current is not None:  # its compute failed or was stopped: another run (or worker) may take it at once
             current.release()
+        shards.close()  # releases the shard claimed ahead
         writer.abort()  # finished shards still being written are kept, then the original error goes on
-        progress.close("failed")
+        release_held(cache)  # what a stop between two statements left claimed
+        progress.close("interrupted" if isinstance(e, KeyboardInterrupt) else "failed")
         raise
     finally:
         try:
@@ -409,7 +417,49 @@ def report(progress, io_wait: float, timings: list, reserved: list, rank: int, c
 # --- command line --------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str]) -> None:
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM (Slurm, Kubernetes, spot preemption) or SIGINT (Ctrl-C) arrived: the run stops, keeping what it
+    committed and releasing what it claimed (a KeyboardInterrupt, so that no `except Exception` swallows it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """SIGTERM and SIGINT raise `Interrupted` in the main thread; later ones are only logged, so that the cleanup
+    they started (writes drained, claims released, status written) is not cut short."""
+
+    def stopping(signum, frame):
+        log(f"{signal.Signals(signum).name}: already stopping (releasing claims, finishing shard writes)")
+
+    def stop(signum, frame):
+        for s in old:
+            signal.signal(s, stopping)
+        raise Interrupted(signum)
+
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def main(argv: list[str]) -> int:
+    """The command line; on SIGTERM / SIGINT one line and exit status 143 / 130 (128 + the signal)."""
+    try:
+        with stop_on_signals():
+            extract_main(argv)
+    except Interrupted as e:
+        print(f"error: stopped by {e}: committed shards are kept, the shard in progress was dropped (no partial "
+              f"file) and its claim released; rerun the same command to finish the cache", file=sys.stderr, flush=True)
+        return 128 + e.signum
+    return 0
+
+
+def extract_main(argv: list[str]) -> None:
     rank, world, local_rank = dist_env()
     private_compile_caches(rank)
     unbuffered()

@@ -149,8 +149,8 @@ def run(cfg: TokenizeConfig) -> Path:
         with open(out / "skips.jsonl", "w", encoding="utf-8") as skip_log:
             summary = tokenize_corpus(cfg, paths, tok, progress, skip_log,
                                       lambda i, rows: write_shard(out, key, i, rows, cfg, pad_id(tok), done))
-    except BaseException:
-        progress.close("failed")
+    except BaseException as e:
+        progress.close("interrupted" if isinstance(e, KeyboardInterrupt) else "failed")
         raise
     update_manifest(out, complete=True, num_shards=summary["shards"], summary=summary)
     progress.extra.update(summary)

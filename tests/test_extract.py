@@ -361,3 +361,39 @@ def test_a_shard_whose_states_hold_inf_or_nan_is_refused_naming_row_and_layer(tm
     extract_run(tmp_path, qwen35_dir, chat_corpus, quant=quant)
     m = read_manifest(cache)
     assert sorted(s["index"] for s in m["shards"]) == list(range(m["num_shards"]))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_or_sigint_stops_within_seconds_leaving_no_claim_nor_partial_file(tmp_path, qwen35_dir, chat_corpus,
+                                                                                 sig):
+    """Preemption (Slurm, Kubernetes and spot machines send SIGTERM) or Ctrl-C once a shard is committed: the run
+    stops within seconds with one line and exit status 128 + the signal, the shard in progress leaves no file and no
+    claim (another machine may take it at once), its status file says `interrupted`; a rerun completes the cache."""
+    env = dict(os.environ, DFLASH_NO_BAR="1", PYTHONPATH=str(REPO))
+    args = cli(tmp_path, qwen35_dir, chat_corpus)[3:]
+    proc = subprocess.Popen([sys.executable, "-m", "stages.extract", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline, cache = time.time() + 120, None
+    while time.time() < deadline and proc.poll() is None:
+        hits = list((tmp_path / "cache").glob("hidden-*/manifest.json"))
+        if hits and json.loads(hits[0].read_text())["shards"]:
+            cache = hits[0].parent
+            break
+        time.sleep(0.02)
+    assert cache is not None, proc.communicate()
+    t = time.time()
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    stopped_s = time.time() - t
+    m = read_manifest(cache)
+    assert len(m["shards"]) < m["num_shards"], "the run finished before it could be stopped"
+    assert proc.returncode == 128 + sig and stopped_s < 10, (proc.returncode, stopped_s, err[-2000:])
+    assert err.strip().splitlines() == [err.strip()] and err.startswith(f"error: stopped by {sig.name}: "), err
+    assert not list((cache / "claims").iterdir())  # released, not left live for 900 s
+    assert sorted(p.name for p in cache.glob("hidden-*")) == sorted(n for s in m["shards"] for n in s["files"])
+    assert not [p for p in cache.iterdir() if p.name.startswith(".") and p.name != ".lock"]  # no temp file
+    assert [json.loads(p.read_text())["state"] for p in cache.glob("status-*.json")] == ["interrupted"]
+    if sig == signal.SIGTERM:
+        assert extract.main(args) == 0
+        m = read_manifest(cache)
+        assert sorted(s["index"] for s in m["shards"]) == list(range(m["num_shards"]))
