@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import functools
 import json
+import math
+import os
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
@@ -41,10 +43,20 @@ import numpy as np
 import torch
 
 from .config import shard_list
-from .manifest import ManifestError, committed, missing_files, read_manifest
+from .manifest import (
+    MANIFEST,
+    ManifestError,
+    committed,
+    hidden_num_shards,
+    missing_files,
+    read_manifest,
+    require,
+    token_cache,
+)
 from .shards import (
     FP4_ALIGN,
     LAYER_TENSORS,
+    SAFETENSORS_DTYPES,
     HiddenShardFile,
     ShardError,
     decode_layer,
@@ -87,15 +99,21 @@ class CacheInfo:
         return f"make extract CACHE={self.cache_dir} SHARD={shard_list(shards)}"
 
 
+# what reading a hidden cache uses of its manifest (type-checked by `read_manifest`; here they must also be there)
+HIDDEN_NEEDS = ("config.tokens_dir", "producer.layer_ids", "producer.quant", "producer.target.hidden_size",
+                "producer.tokens.key", "producer.tokens.producer.seq_len")
+
+
 def open_hidden_cache(cache_dir, layer_ids, hidden_size: int | None = None, seq_len: int | None = None,
                       require_verified: bool = False) -> CacheInfo:
-    """Check that a hidden cache fits the drafter, reading only `manifest.json`; refusals name the field."""
+    """Check that a hidden cache fits the drafter, reading only `manifest.json`; refusals name the field. Reads,
+    never writes: a read-only cache (a shared one) trains as well."""
     cache = Path(cache_dir)
     m = read_manifest(cache)
-    where = cache / "manifest.json"
+    where = cache / MANIFEST
     if m.get("kind") != "hidden":
         raise ManifestError(f"{where}: kind {m.get('kind')!r}, expected 'hidden': pass the cache `make extract` made")
-    prod = m["producer"]
+    prod = require(m, where, HIDDEN_NEEDS)["producer"]
     have, want = [int(i) for i in prod["layer_ids"]], [int(i) for i in layer_ids]
     if not want or len(set(want)) != len(want):
         raise ManifestError(f"layer_ids {want}: need one or more distinct target layer ids")
@@ -104,10 +122,14 @@ def open_hidden_cache(cache_dir, layer_ids, hidden_size: int | None = None, seq_
                             f"extract a cache with those layers (make extract with layer_ids covering them)")
     _check_equal(where, "producer.target.hidden_size", prod["target"]["hidden_size"], hidden_size)
     _check_equal(where, "producer.tokens.producer.seq_len", prod["tokens"]["producer"]["seq_len"], seq_len)
-    done, n = committed(m), m.get("num_shards")
-    if n is None or (missing := [i for i in range(n) if i not in done]):
-        raise ManifestError(f"{where}: incomplete cache, shards {shard_list(missing) if n else '?'} of {n} "
+    tokens_dir, tokens_m = token_cache(cache, m)
+    done, n = committed(m), hidden_num_shards(cache, m, tokens_m)  # (bounded by the token cache before any range)
+    if missing := [i for i in range(n) if i not in done]:
+        raise ManifestError(f"{where}: incomplete cache, shards {shard_list(missing)} of {n} "
                             f"are not committed; finish it with `make extract CACHE={cache}`")
+    if bad := next(((i, why) for i in range(n) if (why := entry_error(done[i], i))), None):
+        raise ManifestError(f"{where}: shards[{bad[0]}] {bad[1]}: the manifest was edited or damaged; restore it, or "
+                            f"redo the shard with `make extract CACHE={cache} SHARD={bad[0]}`")
     _check_verdict(cache, m.get("verified"), require_verified)
     width = int(prod["projection"]["dims"]) if prod.get("projection") else int(prod["target"]["hidden_size"])
     if prod.get("quant") not in LAYER_TENSORS or (prod["quant"] == "fp4" and width % FP4_ALIGN):
@@ -119,27 +141,45 @@ def open_hidden_cache(cache_dir, layer_ids, hidden_size: int | None = None, seq_
         from .projection import read_projection
 
         read_projection(cache, want, projection)
-    info = CacheInfo(
-        cache_dir=cache, tokens_dir=cache / m["config"]["tokens_dir"], key=m["key"], tokens_key=prod["tokens"]["key"],
-        layer_ids=tuple(want), cache_layer_ids=tuple(have), quant=prod["quant"],
-        hidden_size=int(prod["target"]["hidden_size"]), seq_len=int(prod["tokens"]["producer"]["seq_len"]),
-        shard_rows=tuple(int(done[i]["rows"]) for i in range(n)),
-        shard_files=tuple(done[i]["files"][hidden_shard_name(i)] for i in range(n)),
-        tokens_sha256=tuple(done[i]["tokens_sha256"] for i in range(n)),
-        width=width, projection=projection,
-    )
+    info = cache_info(cache, m, want, n, width)
     if bad := missing_files(cache, m):
         raise ManifestError(f"{where}: {len(bad)} committed shard(s) are damaged on disk ({bad[0]['reason']}"
                             f"{' …' if len(bad) > 1 else ''}); redo them with "
                             f"`{info.repair(b['shard'] for b in bad)}`")
-    tokens_dir = info.tokens_dir
-    if bad := missing_files(tokens_dir, read_manifest(tokens_dir)):
+    if bad := missing_files(tokens_dir, tokens_m):
         raise ManifestError(f"{tokens_dir}: the token cache this cache was extracted from is damaged on disk "
                             f"({bad[0]['reason']}); restore it (rebuild it with the recipe and corpus it was made "
                             f"from)")
     for i in range(n):  # headers only (~20 µs a shard): a manifest that contradicts its shards stops here
         open_shard(info, i).close()
     return info
+
+
+def cache_info(cache: Path, m: dict, layer_ids, n: int, width: int) -> CacheInfo:
+    """The `CacheInfo` of a hidden cache of `n` shards (its manifest checked by `open_hidden_cache`; `make verify`
+    builds one for the shards that are committed: the others get 0 rows and no file record)."""
+    prod, done = m["producer"], committed(m)
+    return CacheInfo(
+        cache_dir=cache, tokens_dir=cache / m["config"]["tokens_dir"], key=m["key"], tokens_key=prod["tokens"]["key"],
+        layer_ids=tuple(layer_ids), cache_layer_ids=tuple(int(i) for i in prod["layer_ids"]), quant=prod["quant"],
+        hidden_size=int(prod["target"]["hidden_size"]), seq_len=int(prod["tokens"]["producer"]["seq_len"]),
+        shard_rows=tuple(done[i]["rows"] if i in done else 0 for i in range(n)),
+        shard_files=tuple(done[i]["files"].get(hidden_shard_name(i), {}) if i in done else {} for i in range(n)),
+        tokens_sha256=tuple(done[i].get("tokens_sha256", "") if i in done else "" for i in range(n)),
+        width=width, projection=m.get("projection") if prod.get("projection") else None,
+    )
+
+
+def entry_error(entry: dict, index: int) -> str | None:
+    """Why a committed hidden shard's entry is not one training can read, or None: it must list exactly the file
+    training opens (`hidden-NNNNN.safetensors`: a checksum recorded under another name checks nothing training
+    reads) and the SHA-256 of the token shard it was computed from."""
+    name = hidden_shard_name(index)
+    if list(entry["files"]) != [name]:
+        return f"lists the files {sorted(entry['files'])}, but shard {index} is the one file {name} (what training reads)"
+    if "tokens_sha256" not in entry:
+        return "has no tokens_sha256 (the token shard it was computed from)"
+    return None
 
 
 def open_shard(info: CacheInfo, shard: int) -> HiddenShardFile:
@@ -156,10 +196,30 @@ def open_shard(info: CacheInfo, shard: int) -> HiddenShardFile:
             raise f._bad(f"was projected with projection {str(meta.get('projection'))[:12]}…, the cache records "
                          f"{info.projection['sha256'][:12]}… (a shard of another extraction with the same key: each "
                          f"calibrates its own P)")
+        if why := layout_error(f, info, rows):
+            raise f._bad(why)
     except BaseException:
         f.close()
         raise
     return f
+
+
+def layout_error(f: HiddenShardFile, info: CacheInfo, rows: int) -> str | None:
+    """Where the header's tensor table disagrees with the manifest and the file: every tensor of every cached layer
+    (`LAYER_TENSORS` of the encoding) must be there, [rows, seq_len, width] of its dtype, its bytes inside the
+    file. (A header that passes its checksum may still be crafted: a 0-row tensor, or offsets past the end.)"""
+    data = os.fstat(f.fd).st_size - f.data_start
+    for lid in info.cache_layer_ids:
+        for name, (dtype, width) in LAYER_TENSORS[info.quant].items():
+            t = f.header.get(f"{name}.L{lid}")
+            shape = [rows, info.seq_len, width(info.width)]
+            if not isinstance(t, dict) or t.get("dtype") != SAFETENSORS_DTYPES[dtype] or t.get("shape") != shape:
+                return f"has {name}.L{lid} = {t!r} in its header, expected {SAFETENSORS_DTYPES[dtype]} {shape}"
+            offsets, nbytes = t.get("data_offsets"), math.prod(shape) * dtype.itemsize
+            if not (isinstance(offsets, list) and len(offsets) == 2 and isinstance(offsets[0], int)
+                    and 0 <= offsets[0] and offsets[1] == offsets[0] + nbytes <= data):
+                return f"has {name}.L{lid} at bytes {offsets} of its {data} data bytes, expected {nbytes} bytes"
+    return None
 
 
 def _check_equal(where, field: str, have, want) -> None:

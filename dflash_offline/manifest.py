@@ -221,15 +221,26 @@ def read_manifest(cache: str | Path, need: tuple[str, ...] = ()) -> dict:
     if not isinstance(m, dict) or m.get("version") != MANIFEST_VERSION:
         raise ManifestError(f"{path}: manifest version {m.get('version') if isinstance(m, dict) else m!r}, this code "
                             f"reads {MANIFEST_VERSION}")
-    bad = schema_error(m) or next((f"{f} is missing (expected {OPTIONAL_FIELDS[f][1]})" for f in need
-                                   if field(m, f) is _ABSENT), None)
-    if bad:
+    if bad := schema_error(m):
         raise ManifestError(f"{path}: {bad}: the manifest was edited or damaged; restore it (or rebuild the cache)")
+    return require(m, path, need)
+
+
+def require(m: dict, path: Path, need: tuple[str, ...]) -> dict:
+    """`m` if it has every dotted field of `need` (`OPTIONAL_FIELDS`, already type-checked); else one error naming
+    the first missing one."""
+    if missing := [f for f in need if field(m, f) is _ABSENT]:
+        raise ManifestError(f"{path}: {missing[0]} is missing (expected {OPTIONAL_FIELDS[missing[0]][1]}): the "
+                            f"manifest was edited or damaged; restore it (or rebuild the cache)")
     return m
 
 
 def _is_int(v, least: int = 0) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _is_ints(v) -> bool:
@@ -265,11 +276,13 @@ OPTIONAL_FIELDS = {
     "verified.bad": (lambda v: isinstance(v, list) and all(isinstance(b, dict) and _is_int(b.get("shard", 0))
                                                            and isinstance(b.get("reason", ""), str) for b in v),
                      "a list of {shard, reason} objects"),
-    "verified.at": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
-    "verified.max_rel_err": (lambda v: v is None or isinstance(v, (int, float)), "a number or null"),
+    "verified.at": (_is_num, "a number"), "verified.max_rel_err": (lambda v: v is None or _is_num(v), "a number or null"),
     "verified.projection": (lambda v: isinstance(v, str), "a string"),
     "projection": (lambda v: v is None or isinstance(v, dict), "an object or null"),
     "projection.sha256": (_is_sha, "a 64-character hex digest"),
+    "projection.dims": (lambda v: _is_int(v, 1), "an integer ≥ 1"),
+    "projection.retained": (lambda v: isinstance(v, dict) and all(map(_is_num, v.values())),
+                            "an object of numbers"),
     "config.tokens_dir": _STR, "config.layer_ids": (_is_ints, "a list of integers ≥ 0"),
     "config.mask_token_id": (_is_int, "an integer ≥ 0"), "config.extract": _OBJ, "config.extract.target": _STR,
     "config.extract.batch_rows": (lambda v: _is_int(v, 1), "an integer ≥ 1"),
@@ -283,7 +296,8 @@ OPTIONAL_FIELDS = {
     "producer.projection.dims": (lambda v: _is_int(v, 1), "an integer ≥ 1"),
 }
 SHARD_OPTIONAL = {"tokens": (_is_int, "an integer ≥ 0"), "tokens_sha256": (_is_sha, "a 64-character hex digest"),
-                  "reason": (lambda v: isinstance(v, str), "a string")}
+                  "reason": (lambda v: isinstance(v, str), "a string"),
+                  **{k: (_is_num, "a number") for k in ("seconds", "compute_seconds", "write_seconds")}}
 _ABSENT = object()
 
 
@@ -334,6 +348,7 @@ def schema_error(m: dict) -> str | None:
 
 def token_cache(cache: Path, m: dict) -> tuple[Path, dict]:
     """A hidden cache's token cache: its directory (`config.tokens_dir`, relative to the cache) and its manifest."""
+    require(m, Path(cache) / MANIFEST, ("config.tokens_dir",))
     tokens_dir = (Path(cache) / m["config"]["tokens_dir"]).resolve()
     return tokens_dir, read_manifest(tokens_dir)
 
@@ -434,7 +449,9 @@ def missing_files(cache: Path, m: dict) -> list[dict]:
     only (milliseconds for thousands of shards); contents are checked where they are read."""
     bad = []
     for i, s in sorted(committed(m).items()):
-        for name, rec in s.get("files", {}).items():
+        if not s["files"]:
+            bad.append({"shard": i, "reason": "its entry lists no file"})
+        for name, rec in s["files"].items():
             try:
                 size = (cache / name).stat().st_size
             except FileNotFoundError:

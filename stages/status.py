@@ -21,8 +21,10 @@ from dflash_offline.manifest import (
     committed,
     missing_files,
     pid_alive,
+    hidden_num_shards,
     read_claim,
     read_manifest,
+    token_cache,
 )
 
 FLAGS = ("--json", "--all")
@@ -60,15 +62,18 @@ def claims(cache: Path) -> list[dict]:
 
 
 def report(cache: Path) -> dict:
+    """Reads only (a read-only cache is reported as well)."""
     m = read_manifest(cache)
     done = committed(m)
-    total = m.get("num_shards")
+    total, tokens_error = shard_count(cache, m)
     damaged = missing_files(cache, m)
     return {
         "cache": str(cache),
         "kind": m["kind"],
         "key": m["key"],
-        "complete": not damaged and (bool(m.get("complete")) or (total is not None and len(done) == total)),
+        "complete": not damaged and not tokens_error and (bool(m.get("complete")) or
+                                                          (total is not None and len(done) == total)),
+        "tokens_error": tokens_error,
         "num_shards": total,
         "committed": len(done),
         "damaged": damaged,
@@ -79,6 +84,18 @@ def report(cache: Path) -> dict:
         "live": live_status(cache),
         "claims": claims(cache),
     }
+
+
+def shard_count(cache: Path, m: dict) -> tuple[int | None, str | None]:
+    """(num_shards, None), or for a hidden cache whose count cannot be held to its token cache's (`hidden_num_shards`:
+    the token cache is unreadable, or the counts differ) (None, why): pending shards are then not listed, so that no
+    count read from a manifest sizes anything before it is checked. A token cache's count is bounded on reading."""
+    if m["kind"] != "hidden" or m["num_shards"] is None:
+        return m["num_shards"], None
+    try:
+        return hidden_num_shards(cache, m, token_cache(cache, m)[1]), None
+    except ManifestError as e:
+        return None, str(e)
 
 
 def hidden_summary(m: dict, done: dict) -> dict:
@@ -142,6 +159,8 @@ def print_report(r: dict, show_all: bool) -> None:
         bad = sorted({b["shard"] for b in r["damaged"]})
         print(f"  {len(bad)} committed shard(s) damaged on disk: {shard_list(bad)} ({r['damaged'][0]['reason']}"
               f"{' …' if len(r['damaged']) > 1 else ''}); `make extract CACHE={r['cache']}` redoes them")
+    if r["tokens_error"]:
+        print(f"  shard count unchecked: {r['tokens_error']}")
     if r["kind"] == "hidden":
         print(f"  verified: {fmt_verdict(r['verified'])}")
     for k, v in r["summary"].items():

@@ -33,7 +33,17 @@ import numpy as np
 
 from dflash_offline.config import VerifyConfig, config_from_argv, shard_list
 from dflash_offline.devices import pick_device
-from dflash_offline.manifest import HASH_THREADS, committed, read_manifest, sha256_file, update_manifest
+from dflash_offline.manifest import (
+    HASH_THREADS,
+    MANIFEST,
+    committed,
+    hidden_num_shards,
+    read_manifest,
+    require,
+    sha256_file,
+    token_cache,
+    update_manifest,
+)
 from dflash_offline.progress import log, private_compile_caches, unbuffered
 
 FP8_REL_TOL = 0.06  # e4m3 keeps 3 mantissa bits: per-element rounding ≤ 6.25 %, RMS ≈ 2–3 %
@@ -50,28 +60,50 @@ ROW_FILL = (("input_ids", 0), ("position_ids", 0), ("doc_ids", -1))  # token col
 
 
 def check_files(cache: Path, m: dict, tokens_dir: Path) -> list[dict]:
-    bad = []
-    done = committed(m)
-    tokens = committed(read_manifest(tokens_dir))
-    names = [name for i in range(m["num_shards"]) if i in done for name in done[i]["files"]]
+    """Every shard 0..N-1 checked as training reads it: committed, listing exactly the file training opens
+    (`dataset.entry_error`), that file's SHA-256, header and size, rows and tensor layout against the manifest
+    (`dataset.open_shard`), and the token shard it was computed from hashed against the entry's `tokens_sha256`.
+    N is held to the token cache's count first (`hidden_num_shards`)."""
+    from dflash_offline.dataset import entry_error
+    from dflash_offline.shards import hidden_shard_name, token_shard_name
+
+    from dflash_offline.dataset import cache_info
+
+    n, done = hidden_num_shards(cache, m, read_manifest(tokens_dir)), committed(m)
+    prod = m["producer"]
+    width = int(prod["projection"]["dims"]) if prod.get("projection") else int(prod["target"]["hidden_size"])
+    info = cache_info(cache, m, prod["layer_ids"], n, width)
+    paths = [p for i in range(n) for p in (cache / hidden_shard_name(i), tokens_dir / token_shard_name(i))]
     with ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="verify-hash") as pool:
-        sha = dict(zip(names, pool.map(lambda name: file_sha256(cache / name), names), strict=True))
-    for i in range(m["num_shards"]):
-        if i not in done:
-            bad.append({"shard": i, "reason": "not committed"})
-            continue
-        for name, rec in done[i]["files"].items():
-            if sha[name] is None:
-                bad.append({"shard": i, "reason": f"{name} is missing"})
-            elif sha[name] != rec["sha256"]:
-                bad.append({"shard": i, "reason": f"{name} does not match its checksum"})
-            elif why := header_mismatch(cache / name, i, m):
-                bad.append({"shard": i, "reason": f"{name} {why}"})
-        tok = tokens.get(i)
-        tok_sha = next(iter(tok["files"].values()))["sha256"] if tok else None
-        if tok_sha != done[i].get("tokens_sha256"):
+        sha = dict(zip(paths, pool.map(file_sha256, paths), strict=True))
+    bad = []
+    for i in range(n):
+        why = "not committed" if i not in done else entry_error(done[i], i) or shard_error(info, m, i, sha)
+        if why:
+            bad.append({"shard": i, "reason": why})
+        elif sha[tokens_dir / token_shard_name(i)] != done[i]["tokens_sha256"]:
             bad.append({"shard": i, "reason": "computed from other tokens than the token cache now holds"})
     return bad
+
+
+def shard_error(info, m: dict, index: int, sha: dict) -> str | None:
+    """Why hidden shard `index`'s file is not what its (committed, well-formed) entry says, or None."""
+    from dflash_offline.dataset import open_shard
+    from dflash_offline.shards import ShardError, hidden_shard_name
+
+    path = info.cache_dir / hidden_shard_name(index)
+    rec = committed(m)[index]["files"][path.name]
+    if sha[path] is None:
+        return f"{path.name} is missing"
+    if sha[path] != rec["sha256"]:
+        return f"{path.name} does not match its checksum"
+    if why := header_mismatch(path, index, m):
+        return f"{path.name} {why}"
+    try:  # size, header checksum, rows, layers and tensor layout: what training checks when it opens the shard
+        open_shard(info, index).close()
+    except ShardError as e:
+        return f"{path.name} {str(e).removeprefix(f'{path} ').split(': the cache was damaged')[0]}"
+    return None
 
 
 def header_mismatch(path: Path, index: int, m: dict) -> str | None:
@@ -160,14 +192,26 @@ def layer_errors(a, b, k: int) -> list[float]:
 # --- the run -------------------------------------------------------------------------------------------------
 
 
+# what verify reads of a hidden cache's manifest, beyond what opening it for training does (`dataset.HIDDEN_NEEDS`)
+VERIFY_NEEDS = ("config.layer_ids", "config.extract.batch_rows")
+
+
 def verify(cache: Path, cfg: VerifyConfig) -> dict:
+    """The verdict on `cache`, recorded in its manifest where the cache is writable (`record`). Reads only until then:
+    a read-only cache is verified all the same."""
+    from dflash_offline.dataset import HIDDEN_NEEDS
     from dflash_offline.targetid import resolve_checkpoint
 
     device = pick_device(cfg.device, "verify.device")
     m = read_manifest(cache)
     if m["kind"] != "hidden":
         raise ValueError(f"{cache} is a {m['kind']} cache; verify checks hidden-state caches (make extract output)")
-    tokens_dir = (cache / m["config"]["tokens_dir"]).resolve()
+    require(m, cache / MANIFEST, HIDDEN_NEEDS + VERIFY_NEEDS + (("config.extract.target",) if cfg.rows > 0 else ()))
+    if m["producer"]["quant"] not in QUANT_REL_TOL:
+        raise ValueError(f"{cache / MANIFEST}: producer.quant is {m['producer']['quant']!r}, this code reads "
+                         f"{', '.join(QUANT_REL_TOL)}: extract the cache again with this code")
+    tokens_dir = token_cache(cache, m)[0]
+    hidden_num_shards(cache, m, read_manifest(tokens_dir))  # a count edited into the manifest: refused before hashing
     # a missing target fails now, not after hours of hashing
     ckpt = resolve_checkpoint(cfg.target or m["config"]["extract"]["target"]) if cfg.rows > 0 else None
     Ps = None  # a projected cache: its P per tapped layer (the file checked against the manifest), before any hashing
@@ -177,10 +221,8 @@ def verify(cache: Path, cfg: VerifyConfig) -> dict:
         try:
             Ps = read_projection(cache, m["config"]["layer_ids"], m.get("projection"))
         except ProjectionError as e:  # every shard depends on it: the verdict is recorded, no shard is worth redoing
-            verdict = {"ok": False, "bad": [], "projection": str(e), "at": time.time(), "rows_per_shard": cfg.rows,
-                       "max_rel_err": None, "seconds": 0.0, "phase_seconds": {}}
-            update_manifest(cache, verified=verdict)
-            return verdict
+            return record(cache, {"ok": False, "bad": [], "projection": str(e), "at": time.time(),
+                                  "rows_per_shard": cfg.rows, "max_rel_err": None, "seconds": 0.0, "phase_seconds": {}})
     t0 = time.time()
     bad = check_files(cache, m, tokens_dir)
     phases = {"hash": time.time() - t0, "load": 0.0, "recompute": 0.0}
@@ -201,10 +243,24 @@ def verify(cache: Path, cfg: VerifyConfig) -> dict:
                                 projection)
         phases["recompute"] = time.time() - t
         bad += more
-    verdict = {"ok": not bad, "bad": bad, "at": time.time(), "rows_per_shard": cfg.rows,
-               "max_rel_err": worst, "seconds": time.time() - t0, "phase_seconds": phases}
-    update_manifest(cache, verified=verdict)
+    return record(cache, {"ok": not bad, "bad": bad, "at": time.time(), "rows_per_shard": cfg.rows,
+                          "max_rel_err": worst, "seconds": time.time() - t0, "phase_seconds": phases})
+
+
+def record(cache: Path, verdict: dict) -> dict:
+    """Write `verdict` into the manifest's `verified`; where the cache cannot be written (a read-only shared cache, a
+    full disk), return it with `not_recorded` saying why instead of failing: the verdict stands either way."""
+    try:
+        update_manifest(cache, verified=verdict)
+    except OSError as e:
+        return dict(verdict, not_recorded=f"{e.strerror or e} ({e.filename or cache})")
     return verdict
+
+
+def report_unrecorded(cache: str, v: dict) -> None:
+    if why := v.get("not_recorded"):
+        print(f"the verdict is not recorded in {cache}/{MANIFEST}: it cannot be written here ({why}); training "
+              f"with require_verified=1 will not see it: run make verify where the cache is writable to record it")
 
 
 def main(argv: list[str]) -> None:
@@ -212,6 +268,7 @@ def main(argv: list[str]) -> None:
     unbuffered()
     cfg = config_from_argv(VerifyConfig, "verify", argv, __doc__)
     v = verify(Path(cfg.cache), cfg)
+    report_unrecorded(cfg.cache, v)
     if v.get("projection"):
         print(f"BAD projection: {v['projection']}")
         sys.exit(1)
