@@ -149,7 +149,7 @@ class VerifyConfig:
 @dataclass
 class TrainConfig:
     cache: str  # hidden-state cache directory (the output of make extract)
-    run: str = "runs/default"  # run directory: checkpoints, metrics.jsonl, tensorboard logs, resolved config
+    run: str = ""  # run directory (required; one trainer at a time, RUN/.run.lock): checkpoints, metrics, logs, config
     target: str = ""  # target checkpoint for the frozen embedding + lm_head; empty = the cache's target
     resume: bool = False  # continue the run in `run` from its latest checkpoint (exact data position and RNG)
     seed: int = 0  # data order, anchors, noise and init
@@ -189,6 +189,7 @@ class TrainConfig:
     loss_logits: str = "fp32"  # lm_head logits the CE reads: "fp32", "bf16" (rounded as a bf16 lm_head; less memory) or "fp8" (both lm_head GEMMs in float8, bf16 logits)
     ckpt_every: int = 500  # checkpoint every N steps (and at the end)
     keep_last: int = 3  # checkpoints kept
+    stop_grace_s: float = 60.0  # on SIGTERM/SIGINT: seconds to finish the step and write a checkpoint (exit 143/130)
     log_every: int = 10  # metrics line every N steps
     trackers: str = "tensorboard"  # accelerate trackers ("tensorboard", "wandb", comma list; "none" = JSONL only)
     require_verified: bool = False  # refuse a cache never verified (a cache that failed verify is always refused)

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from dflash_offline.config import TrainConfig, flag
 
@@ -223,8 +224,6 @@ def cache_defaults(cfg: TrainConfig) -> dict:
 def run_projection(m: dict, cache) -> dict:
     """What a run on a projected cache records of it (config.json, checkpoints): what export needs to fold fc'."""
     rec = m.get("projection") or {}
-    from pathlib import Path
-
     return {"cache": str(Path(cache).resolve()), "dims": m["producer"]["projection"]["dims"], "file": rec.get("file"),
             "sha256": rec.get("sha256")}
 
@@ -284,13 +283,14 @@ def check_inputs(cfg: TrainConfig, run_dir):
     return c, dc, info
 
 
-def same_start_on_every_rank(acc, resume: bool, run_dir, info) -> None:
+def same_start_on_every_rank(acc, start: Path | None, run_dir, info) -> None:
     """Refuse a run whose processes would read different caches or start from different steps, before any weight
     loads. Each process opens its cache and reads the run's checkpoint itself. Machines with their own copy of a cache
     must hold the same one: the same key, and for a projected cache the same P (two extractions with one key each
     calibrate their own, `projection.py`), else ranks would train one fc' on different bases. On machines that do not
     see the same run directory, a resume would start rank 0 at its checkpoint and the others from scratch, and DDP
-    would average gradients of different weights until a collective hangs."""
+    would average gradients of different weights until a collective hangs. `start`: the checkpoint this process
+    resumes from (`checkpoint.intact_checkpoint`; None: step 0)."""
     if acc.num_processes == 1:
         return
     import hashlib
@@ -298,10 +298,7 @@ def same_start_on_every_rank(acc, resume: bool, run_dir, info) -> None:
 
     import torch
 
-    from dflash_offline.checkpoint import find_checkpoint, list_checkpoints
-
-    step = json.loads((find_checkpoint(run_dir) / "meta.json").read_text())["step"] if (
-        resume and list_checkpoints(run_dir)) else 0
+    step = json.loads((start / "meta.json").read_text())["step"] if start else 0  # `start`: `intact_checkpoint`
     projection = (info.projection or {}).get("sha256", "")
     cache = int(hashlib.sha256(f"{info.key}:{projection}".encode()).hexdigest()[:15], 16)
     both = acc.gather(torch.tensor([[step, cache]], device=acc.device)).tolist()

@@ -1,6 +1,6 @@
 """Stage 2: train a DFlash drafter on a hidden-state cache.
 
-    python -m stages.train --recipe=manifests/demo.toml --cache=DIR [--run=runs/x] [--resume=1] ...
+    python -m stages.train --recipe=manifests/demo.toml --cache=DIR --run=runs/x [--resume=1] ...
     accelerate launch --num_processes N -m stages.train ...        (one process per GPU; NPROC=N in make)
 
 Sections: config → compute → model → optimizer → data → loop. Fixed shapes everywhere: B rows per micro-batch,
@@ -27,6 +27,7 @@ from pathlib import Path
 
 from dflash_offline.config import TrainConfig, as_dict, configs_from_argv
 from dflash_offline.manifest import write_json_atomic
+from dflash_offline.runguard import Interrupted, StopSignals, check_run_dir, ender, owned, stop_agreed
 from dflash_offline.trainsetup import (
     BenchSwitches,
     TrainSetup,
@@ -43,10 +44,15 @@ from dflash_offline.trainsetup import (
 
 
 def run(cfg: TrainConfig, switches: BenchSwitches = BenchSwitches()) -> Path:
-    """Train; `switches` are bench.train's A/B switches (not options). The process is left as the run found it."""
-    with kept_process_state():
-        run_dir = _run(cfg, switches)
-    release_process_group()  # after `_run`'s frame is gone
+    """Train; `switches` are bench.train's A/B switches (not options). The process is left as the run found it.
+    SIGTERM/SIGINT stop it after the step in flight with a final checkpoint (`runguard`): it raises `Interrupted`."""
+    check_run_dir(Path(cfg.run))
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        with kept_process_state(), StopSignals(cfg.stop_grace_s, ender(Path(cfg.run), rank)) as stopper:
+            run_dir = _run(cfg, switches, stopper)
+    finally:
+        release_process_group()  # after `_run`'s frame is gone
     return run_dir
 
 
@@ -63,19 +69,27 @@ class Parts:
     skipped: object = None  # steps skipped for a non-finite gradient norm (a device tensor; MasterAdamW keeps its own)
 
 
-def _run(cfg: TrainConfig, switches: BenchSwitches) -> Path:
+def _run(cfg: TrainConfig, switches: BenchSwitches, stopper: StopSignals) -> Path:
+    # --- config: everything checked before any weights load; then the run is this trainer's (rank 0 holds its lock)
+    t0, run_dir = time.time(), Path(cfg.run)
+    c, dc, info = check_inputs(cfg, run_dir)  # (also removes what a killed run left half-written)
+    with owned(run_dir, int(os.environ.get("RANK", 0))):
+        return _train(cfg, switches, stopper, t0, c, dc, info)
+
+
+def _train(cfg: TrainConfig, switches: BenchSwitches, stopper: StopSignals, t0: float, c: dict, dc, info) -> Path:
     import torch
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from dflash_offline.checkpoint import list_checkpoints, load_checkpoint
+    from dflash_offline.checkpoint import intact_checkpoint, list_checkpoints, load_checkpoint
     from dflash_offline.dataset import HiddenStream
     from dflash_offline.metrics import available_trackers
     from dflash_offline.progress import log
 
-    # --- config: everything checked before any weights load
-    t0, run_dir = time.time(), Path(cfg.run)
-    c, dc, info = check_inputs(cfg, run_dir)  # (also removes what a killed run left half-written)
+    run_dir = Path(cfg.run)
+    # the newest checkpoint whose files match their recorded SHA-256 (a damaged one is skipped, and said so)
+    start = intact_checkpoint(run_dir, log=log) if cfg.resume and list_checkpoints(run_dir) else None
 
     # --- compute
     cuda, trackers = torch.cuda.is_available(), available_trackers(cfg.trackers)
@@ -92,9 +106,9 @@ def _run(cfg: TrainConfig, switches: BenchSwitches) -> Path:
     rank, device = acc.process_index, acc.device
     set_seed(cfg.seed)
     run_dir.mkdir(parents=True, exist_ok=True)  # every rank: its status file goes there (RUN= local to a machine too)
-    same_start_on_every_rank(acc, cfg.resume, run_dir, info)  # machines that do not share RUN= or CACHE= would differ
-    if cfg.resume and list_checkpoints(run_dir):
-        check_same_projection(run_dir, c.get("projection"))
+    same_start_on_every_rank(acc, start, run_dir, info)  # machines that do not share RUN= or CACHE= would differ
+    if start is not None:
+        check_same_projection(start, run_dir, c.get("projection"))
     if rank == 0:
         resolved = {"train": as_dict(cfg), "drafter": as_dict(dc), "derived": s.derived(cfg, info.key),
                     **({"projection": c["projection"]} if c.get("projection") else {})}
@@ -127,8 +141,9 @@ def _run(cfg: TrainConfig, switches: BenchSwitches) -> Path:
     # --- data
     stream = HiddenStream(info, cfg.batch_rows, rank=rank, world_size=s.world, seed=cfg.seed, device=device)
     step = 0
-    if cfg.resume and list_checkpoints(run_dir):
-        state = load_checkpoint(run_dir, p.raw, p.opt, p.sched, sharded=s.sharded)
+    if start is not None:
+        state = load_checkpoint(run_dir, p.raw, p.opt, p.sched, step=int(start.name.split("-")[1]),
+                                sharded=s.sharded, verify=False)  # (verified above)
         stream.load_state_dict(state["data_state"])
         step = state["step"]
         log(f"[rank {rank}] resumed {run_dir} at step {step} ({state['dir'].name})")
@@ -139,7 +154,7 @@ def _run(cfg: TrainConfig, switches: BenchSwitches) -> Path:
 
     # --- loop
     try:
-        train_loop(cfg, s, acc, p, stream, step, dc, c["seq_len"], run_dir, t0, c.get("projection"))
+        train_loop(cfg, s, acc, p, stream, step, dc, c["seq_len"], run_dir, t0, c.get("projection"), stopper)
     finally:  # a failed step too: the reader's queued reads are dropped, its files closed, before the error surfaces
         stream.close()
     return run_dir
@@ -207,7 +222,7 @@ def compile_model(raw, s: TrainSetup) -> None:
 
 
 def train_loop(cfg: TrainConfig, s: TrainSetup, acc, p: Parts, stream, step: int, dc, seq_len: int, run_dir: Path,
-               t0: float, projection: dict | None = None) -> None:
+               t0: float, projection: dict | None = None, stopper: StopSignals | None = None) -> None:
     from dflash_offline.checkpoint import find_checkpoint
     from dflash_offline.loss import loss_weight, step_normalizer
     from dflash_offline.metrics import Meter, flops_per_row, start_profiler, write_profile
@@ -242,6 +257,9 @@ def train_loop(cfg: TrainConfig, s: TrainSetup, acc, p: Parts, stream, step: int
         if checkpoint:
             save(cfg, s, acc, p, run_dir, step, stream, projection)
             meter.restart()  # the window starts after the checkpoint
+        if stopper is not None and (s.world == 1 or checkpoint or step % cfg.log_every == 0):  # (synced points)
+            if signum := stop_agreed(acc, stopper.requested):
+                stop(cfg, s, acc, p, run_dir, step, stream, projection, progress, meter, signum, saved=checkpoint)
     stream.close()
     progress.close("done")
     meter.close()
@@ -249,6 +267,23 @@ def train_loop(cfg: TrainConfig, s: TrainSetup, acc, p: Parts, stream, step: int
         log(meter.summary(time.time() - t0, find_checkpoint(run_dir)))
     for tracker in acc.trackers:  # `acc.end_training()` without its process-group destruction: see `run`
         tracker.finish()
+
+
+def stop(cfg: TrainConfig, s: TrainSetup, acc, p: Parts, run_dir: Path, step: int, stream, projection, progress,
+         meter, signum: int, saved: bool) -> None:
+    """A stop signal: a checkpoint of this step (unless just written), the status file says `interrupted`, and
+    `Interrupted` carries the run's one line and exit status up to `main`."""
+    import signal
+
+    from dflash_offline.checkpoint import step_dir
+
+    if not saved:
+        save(cfg, s, acc, p, run_dir, step, stream, projection)
+    progress.close("interrupted")
+    meter.close()
+    name = signal.Signals(signum).name
+    raise Interrupted(signum, f"stopped on {name} at step {step} of {s.steps}: checkpoint {step_dir(run_dir, step)}; "
+                              f"continue with --resume=1 (make RESUME=1); exit status {128 + signum}")
 
 
 def next_micro(cfg: TrainConfig, s: TrainSetup, acc, stream, index: int, dc) -> tuple[dict, float]:
@@ -298,13 +333,11 @@ def micro_batch(cfg: TrainConfig, s: TrainSetup, acc, p: Parts, batch: dict, nor
     return out
 
 
-def check_same_projection(run_dir: Path, now: dict | None) -> None:
+def check_same_projection(start: Path, run_dir: Path, now: dict | None) -> None:
     """A resumed run must read the projected taps it started on: the checkpoint it resumes from records its cache's
     P, and a cache extracted again in place keeps its key (dims, rows) but not its P. (The checkpoint, not
     RUN/config.json: rank 0 rewrites that one as the run starts, and a machine may hold only the checkpoints.)"""
-    from dflash_offline.checkpoint import find_checkpoint
-
-    before = json.loads((find_checkpoint(run_dir) / "meta.json").read_text())["config"].get("projection")
+    before = json.loads((start / "meta.json").read_text())["config"].get("projection")
     if (before or {}).get("sha256") != (now or {}).get("sha256"):
         def what(p):
             return f"projection {p['sha256'][:12]}…" if p else "full states"
@@ -368,21 +401,28 @@ def save(cfg: TrainConfig, s: TrainSetup, acc, p: Parts, run_dir: Path, step: in
     acc.wait_for_everyone()
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str]) -> int:
     from dflash_offline.progress import private_compile_caches, unbuffered
 
     private_compile_caches()  # before anything compiles: per-rank caches, no autotuner races between processes
     unbuffered()
     (cfg,) = configs_from_argv([(TrainConfig, "train")], argv, __doc__)
-    out = run(cfg)
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(out)
+    code = 0
+    try:
+        out = run(cfg)
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(out)
+    except Interrupted as e:  # one line, no traceback; 128 + the signal
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(e.line, file=sys.stderr)
+        code = e.code
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         # everything is written and closed: end now, so that no destructor of a still-live distributed object
         # (the process group, kept by anything that outlived the run) can hang the exit at interpreter shutdown
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

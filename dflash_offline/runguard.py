@@ -1,0 +1,190 @@
+"""A training run is owned by one trainer and stops cleanly when asked.
+
+Ownership: `owned(run_dir)` holds `RUN/.run.lock` while a run trains, created with O_EXCL (local disks and shared
+filesystems alike) and holding its holder's host, pid and start time. A second trainer on the same run is refused
+at once with one line naming the holder. A lock whose holder ran on this host and is gone (killed, crashed) is
+broken with a message, as the cache's lock is (`manifest.pid_alive`); one from another host is only ever removed
+by hand, since its liveness cannot be seen from here. Rank 0 alone holds it for a multi-process run.
+
+Stopping: `StopSignals` turns SIGTERM and SIGINT into a request the loop reads between steps (the step in flight
+finishes, a final checkpoint is written, the status file says `interrupted`); a second signal, or a stop that has
+not finished within its grace, exits at once without a final checkpoint (the previous one stays whole). The exit
+status is 128 + the signal: 130 for SIGINT, 143 for SIGTERM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .manifest import pid_alive
+
+LOCK = ".run.lock"
+
+
+# --- ownership -------------------------------------------------------------------------------------------------
+
+
+def check_run_dir(run_dir: Path, field: str = "--run (make RUN=)") -> None:
+    """Refuse an empty run name and a run directory inside a cache (a directory holding a cache's manifest.json):
+    its checkpoints would become files the cache's sweep and verify do not know."""
+    if not str(run_dir) or str(run_dir) == ".":
+        raise ValueError(f"{field} is empty: name the run's directory, e.g. --run=runs/my-run (make RUN=runs/my-run)")
+    for d in (run_dir.resolve(), *run_dir.resolve().parents):
+        m = d / "manifest.json"
+        try:
+            kind = json.loads(m.read_text()).get("kind") if m.is_file() else None
+        except (OSError, ValueError, AttributeError):
+            kind = None
+        if kind:
+            raise ValueError(f"{field} {run_dir} is inside the {kind} cache {d} ({m}): put runs outside caches, "
+                             f"e.g. --run=runs/<name>")
+
+
+def holder_line(info: dict) -> str:
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(info.get("started", 0)))
+    return f"{info.get('host', '?')} pid {info.get('pid', '?')} (since {started})"
+
+
+def _read_lock(lock: Path) -> dict | None:
+    try:
+        return json.loads(lock.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}  # being written this instant, or damaged: treated as held by an unknown holder
+
+
+def acquire(run_dir: Path) -> None:
+    """Create RUN/.run.lock or refuse with one line."""
+    lock = run_dir / LOCK
+    info = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "argv": sys.argv}
+    while True:
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            held = _read_lock(lock)
+            if held is None:
+                continue  # released meanwhile
+            if held and not pid_alive(held.get("host", ""), held.get("pid", "")):
+                print(f"breaking the stale run lock {lock} left by {holder_line(held)}: that process is gone",
+                      flush=True)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(lock)
+                continue
+            raise ValueError(f"{run_dir} is being trained by {holder_line(held)} ({lock}): wait for it or stop it "
+                             f"(kill -TERM writes a checkpoint), or choose another --run; if no such process runs "
+                             f"(another machine that crashed), delete {lock}") from None
+        try:
+            os.write(fd, json.dumps(info, sort_keys=True).encode())
+        finally:
+            os.close(fd)
+        return
+
+
+def release(run_dir: Path) -> None:
+    """Remove the lock if this process holds it (also from a timer thread ending the process)."""
+    lock = run_dir / LOCK
+    held = _read_lock(lock) or {}
+    if held.get("host") == socket.gethostname() and held.get("pid") == os.getpid():
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock)
+
+
+@contextlib.contextmanager
+def owned(run_dir: Path, rank: int):
+    """Hold the run's lock (rank 0; other ranks hold nothing) for the body."""
+    if rank != 0:
+        yield
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    acquire(run_dir)
+    try:
+        yield
+    finally:
+        release(run_dir)
+
+
+# --- stopping --------------------------------------------------------------------------------------------------
+
+
+class Interrupted(Exception):
+    """The run stopped on a signal: `line` says where, `code` is the exit status (128 + signal)."""
+
+    def __init__(self, signum: int, line: str):
+        super().__init__(line)
+        self.signum, self.line, self.code = signum, line, 128 + signum
+
+
+class StopSignals:
+    """SIGTERM/SIGINT → `requested` (the signal number, 0 before any), read by the loop between steps. The handlers
+    are installed for the body of `with` on the main thread only (elsewhere signals cannot be caught) and put back
+    after. `on_timeout` runs from a timer thread when a requested stop has not ended within `grace_s`; it must end
+    the process."""
+
+    def __init__(self, grace_s: float, on_timeout):
+        self.grace_s, self.on_timeout, self.requested = grace_s, on_timeout, 0
+        self._old: dict[int, object] = {}
+        self._timer: threading.Timer | None = None
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:  # a second signal: no final checkpoint
+            self.on_timeout(signum, "a second signal")
+            return
+        self.requested = signum
+        print(f"{signal.Signals(signum).name}: stopping after this step (a final checkpoint within "
+              f"{self.grace_s:g}s; signal again to stop at once without one)", file=sys.stderr, flush=True)
+        self._timer = threading.Timer(self.grace_s, self.on_timeout, (signum, f"the {self.grace_s:g}s stop grace"))
+        self._timer.daemon = True
+        self._timer.start()
+
+
+def ender(run_dir: Path, rank: int):
+    """StopSignals' `on_timeout` for a run: mark this rank's status file `interrupted`, release the run's lock, say
+    so in one line and end the process at once (128 + the signal); the last checkpoint written stays whole (a save
+    in progress is a temp directory the next run removes)."""
+
+    def end(signum: int, why: str) -> None:
+        from .manifest import write_json_atomic
+
+        status = run_dir / f"status-rank{rank}.json"
+        with contextlib.suppress(OSError, ValueError):
+            write_json_atomic(status, {**json.loads(status.read_text()), "state": "interrupted"}, durable=False)
+        release(run_dir)
+        print(f"stopped on {signal.Signals(signum).name}: {why} ended the run before a final checkpoint; "
+              f"continue it from its last checkpoint with --resume=1 (make RESUME=1)", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+
+    return end
+
+
+def stop_agreed(acc, requested: int) -> int:
+    """The stop signal every process acts on (the largest requested): one process alone must not stop, or the
+    others would wait for it in their next collective. A host sync: call it where the loop syncs anyway."""
+    if acc.num_processes == 1:
+        return requested
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([requested], device=acc.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())

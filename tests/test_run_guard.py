@@ -1,0 +1,147 @@
+"""A run is owned by one trainer (RUN/.run.lock) and stops cleanly on SIGTERM/SIGINT: a final checkpoint, the status
+file `interrupted`, the lock released, one line, exit status 128 + the signal; `--resume=1` continues it."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from test_train import REPO, cfg, cli_args
+
+from dflash_offline import runguard
+from stages import train
+
+
+def wait_for(what, timeout_s=120.0, proc=None):
+    """Poll `what()` until it is truthy (a process that ends meanwhile fails the test with its stderr)."""
+    deadline = time.monotonic() + timeout_s
+    while not (got := what()):
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"the trainer ended ({proc.returncode}) first: {proc.stderr.read()[-3000:]}")
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+    return got
+
+
+def status(run: Path) -> dict:
+    try:
+        return json.loads((run / "status-rank0.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def test_sigterm_stops_with_a_checkpoint_and_a_resume_continues(tmp_path, hidden_cache):
+    """A trainer with (practically) endless steps: while it trains, a second trainer on its run is refused naming it;
+    SIGTERM after its first steps ends it within seconds with exit 143, one line, a checkpoint of the step it
+    reached, status `interrupted` and no lock; `--resume=1` continues from that checkpoint."""
+    run = tmp_path / "run"
+    env = {**os.environ, "DFLASH_NO_BAR": "1"}
+    args = cli_args(hidden_cache, run, steps=100_000, ckpt_every=100_000)
+    proc = subprocess.Popen([sys.executable, "-m", "stages.train", *args], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: status(run).get("done", 0) >= 1, proc=proc)
+        with pytest.raises(ValueError, match=rf"^{run} is being trained by \S+ pid {proc.pid} \(since .*\) "
+                                             rf"\({run / '.run.lock'}\): wait for it or stop it .*choose another "
+                                             rf"--run"):
+            train.run(cfg(hidden_cache, run, resume=True))
+        t = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and time.monotonic() - t < 30, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    step = int(last.split(" at step ")[1].split()[0])
+    ckpt = run / "checkpoints" / f"step-{step:08d}"
+    assert step >= 1 and last == (f"stopped on SIGTERM at step {step} of 100000: checkpoint {ckpt}; continue with "
+                                  f"--resume=1 (make RESUME=1); exit status 143")
+    assert (run / "checkpoints" / "latest").read_text().strip() == ckpt.name
+    assert status(run)["state"] == "interrupted" and not (run / ".run.lock").exists()
+    train.run(cfg(hidden_cache, run, steps=step + 2, resume=True))
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] == step + 2
+    assert status(run)["state"] == "done" and not (run / ".run.lock").exists()
+
+
+def test_sigint_stops_after_the_step_in_flight_with_one_line_and_exit_130(tmp_path, hidden_cache, monkeypatch,
+                                                                           capsys):
+    """Ctrl-C mid-step (here: inside step 2's optimizer update) is no KeyboardInterrupt: step 2 finishes, is
+    checkpointed, and `main` returns 130 after one line on stderr."""
+    real = train.optimizer_step
+    calls = []
+
+    def interrupted_step(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*a, **k)
+
+    monkeypatch.setattr(train, "optimizer_step", interrupted_step)
+    run = tmp_path / "run"
+    assert train.main(cli_args(hidden_cache, run, steps=50, ckpt_every=50)) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"stopped on SIGINT at step 2 of 50: checkpoint {run / 'checkpoints' / 'step-00000002'}; "
+                       f"continue with --resume=1 (make RESUME=1); exit status 130")
+    assert len(calls) == 2 and status(run)["state"] == "interrupted" and not (run / ".run.lock").exists()
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-00000002"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are put back
+
+
+def test_a_stop_that_outlasts_its_grace_ends_the_process_marked_interrupted(tmp_path):
+    """A step or a checkpoint stuck past `stop_grace_s` (or a second signal): the process ends at once, 128 + the
+    signal, with its status `interrupted`, its lock released and one line."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "status-rank0.json").write_text(json.dumps({"state": "running", "done": 3}))
+    script = ("import time, sys; from pathlib import Path; from dflash_offline import runguard as g\n"
+              "run = Path(sys.argv[1]); g.acquire(run)\n"
+              "with g.StopSignals(0.2, g.ender(run, 0)) as s:\n"
+              "    print('ready', flush=True); time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(run)], cwd=REPO, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    assert proc.stdout.readline() == "ready\n"
+    assert (run / ".run.lock").exists()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143 and err.strip().splitlines()[-1] == (
+        "stopped on SIGTERM: the 0.2s stop grace ended the run before a final checkpoint; continue it from its last "
+        "checkpoint with --resume=1 (make RESUME=1)")
+    assert status(run) == {"state": "interrupted", "done": 3} and not (run / ".run.lock").exists()
+
+
+def test_a_second_signal_stops_at_once():
+    ended = threading.Event()
+    got = []
+    with runguard.StopSignals(60, lambda sig, why: (got.append((sig, why)), ended.set())) as s:
+        os.kill(os.getpid(), signal.SIGTERM)
+        wait_for(lambda: s.requested)
+        assert not got
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert ended.wait(5) and got == [(signal.SIGTERM, "a second signal")]
+
+
+def test_a_lock_left_by_a_dead_trainer_is_broken_with_a_message(tmp_path, hidden_cache, capsys):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".run.lock").write_text(json.dumps({"host": os.uname().nodename, "pid": dead.pid, "started": 0}))
+    train.run(cfg(hidden_cache, run, steps=1))
+    assert (f"breaking the stale run lock {run / '.run.lock'} left by {os.uname().nodename} pid {dead.pid} (since "
+            f"1970-01-01 00:00:00 UTC): that process is gone") in capsys.readouterr().out
+    assert not (run / ".run.lock").exists() and (run / "checkpoints" / "step-00000001").is_dir()
+
+
+def test_no_run_name_and_a_run_inside_a_cache_are_refused(tmp_path, hidden_cache):
+    with pytest.raises(ValueError, match=r"^--run \(make RUN=\) is empty: name the run's directory"):
+        train.run(cfg(hidden_cache, ""))
+    inside = hidden_cache / "runs" / "x"
+    with pytest.raises(ValueError, match=rf"^--run \(make RUN=\) {inside} is inside the hidden cache {hidden_cache} "):
+        train.run(cfg(hidden_cache, inside))
+    assert not (hidden_cache / "runs").exists()
