@@ -217,13 +217,18 @@ def target_fingerprint(ckpt: Path, weights: bool = True, scheme: str = WEIGHTS_H
     return out if scheme == "sampled" else dict(out, weights_hash=scheme)
 
 
+def target_mismatch(target: str, recorded: dict) -> list[str]:
+    """How `target`'s fingerprint differs from `recorded` (a cache's producer.target, in its own scheme), one phrase a
+    field; [] when it is the same target."""
+    got = target_fingerprint(resolve_checkpoint(target), scheme=recorded.get("weights_hash", "sampled"))
+    return [f"{k} {got[k][:16]} here, {str(recorded.get(k))[:16]} in the cache" for k in FINGERPRINT_KEYS
+            if got[k] != recorded.get(k)]
+
+
 def check_same_target(target: str, recorded: dict, cache: str, cache_target: str) -> None:
     """Refuse `target` unless its fingerprint equals `recorded`, the producer.target of the cache at `cache`, which was
     extracted from `cache_target`. The whole fingerprint counts: the cache's hidden states came from all weights."""
-    got = target_fingerprint(resolve_checkpoint(target), scheme=recorded.get("weights_hash", "sampled"))
-    diff = [f"{k} {got[k][:16]} here, {str(recorded.get(k))[:16]} in the cache" for k in FINGERPRINT_KEYS
-            if got[k] != recorded.get(k)]
-    if not diff:
+    if not (diff := target_mismatch(target, recorded)):
         return
     if target == cache_target or Path(target).resolve() == Path(cache_target).resolve():
         what = f"target {target} has changed since {cache} was extracted from it"

@@ -158,6 +158,19 @@ def load_target(target_dir: Path, device, dtype):
     return tok, target
 
 
+def check_cache_target(cache: str, target_dir: Path) -> None:
+    """`--cache` must hold hidden states of the eval target: the estimate feeds them to a drafter of this target
+    (one line naming both targets and the fix, before anything loads)."""
+    from dflash_offline.manifest import read_manifest
+    from dflash_offline.targetid import TargetError, target_mismatch
+
+    m = read_manifest(cache)
+    if diff := target_mismatch(str(target_dir), m["producer"]["target"]):
+        raise TargetError(f"--cache={cache} was extracted from {m['config']['extract']['target']}, not from the eval "
+                          f"target {target_dir} ({'; '.join(diff)}): pass --cache= a cache extracted from it (make "
+                          f"extract TARGET={target_dir}), or leave --cache empty for the run's training cache")
+
+
 def estimate(cfg: EvalConfig, ri: dict, model, dc, target) -> dict:
     """The teacher-forced estimate: the same weights in the training forward, on `--cache` or the run's training
     cache (then not held out)."""
@@ -273,6 +286,8 @@ def evaluate(cfg: EvalConfig) -> dict:
     run_dir = Path(cfg.run)
     ri = run_info(run_dir)
     target_dir = ri["target"]
+    if cfg.cache and cfg.tf_batches:
+        check_cache_target(cfg.cache, target_dir)
     prompts_file = Path(cfg.prompts) if cfg.prompts else target_dir / "corpus" / "eval.jsonl"
     if not prompts_file.is_file():
         raise ValueError(f"prompts file {prompts_file} does not exist: pass --prompts= a chat JSONL")

@@ -177,3 +177,24 @@ def test_a_cache_keyed_by_the_sampled_fingerprint_is_continued_not_redone(tmp_pa
     assert "was made before targets were hashed in full" in out and "shard 0 committed" not in out
     m = read_manifest(old)
     assert len(m["shards"]) == m["num_shards"] > 1 and "weights_hash" not in m["producer"]["target"]
+
+
+def test_eval_refuses_a_held_out_cache_of_another_target(tmp_path, hidden_cache, qwen35_dir):
+    """`stages.evaluate --cache=` feeds the cache's states to the run's drafter: a cache of other weights (here one
+    byte the sampled fingerprint would miss) is refused in one line before anything loads; the cache's own passes."""
+    from stages import evaluate
+
+    other = copy_target(qwen35_dir, tmp_path / "other")
+    weights = other / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[unsampled_offset(weights)] ^= 0x10
+    weights.write_bytes(bytes(data))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"train": {"cache": str(hidden_cache), "target": str(other)}}))
+    with pytest.raises(TargetError) as e:
+        evaluate.main([f"--run={run}", f"--cache={hidden_cache}", f"--prompts={tmp_path / 'none.jsonl'}"])
+    msg = str(e.value)
+    assert "\n" not in msg and f"--cache={hidden_cache} was extracted from {qwen35_dir}, not from the eval target " \
+                              f"{other} (weights_fingerprint" in msg
+    evaluate.check_cache_target(str(hidden_cache), qwen35_dir)
