@@ -47,12 +47,15 @@ def run(cfg: TrainConfig, switches: BenchSwitches = BenchSwitches()) -> Path:
     """Train; `switches` are bench.train's A/B switches (not options). The process is left as the run found it.
     SIGTERM/SIGINT stop it after the step in flight with a final checkpoint (`runguard`): it raises `Interrupted`."""
     check_run_dir(Path(cfg.run))
-    rank = int(os.environ.get("RANK", 0))
+    rank, stopped = int(os.environ.get("RANK", 0)), None
     try:
         with kept_process_state(), StopSignals(cfg.stop_grace_s, ender(Path(cfg.run), rank)) as stopper:
             run_dir = _run(cfg, switches, stopper)
-    finally:
-        release_process_group()  # after `_run`'s frame is gone
+    except Interrupted as e:
+        stopped = e.with_traceback(None)  # its traceback would keep `_run`'s frame, and the DDP model, alive
+    release_process_group()  # after `_run`'s frame is gone
+    if stopped is not None:
+        raise stopped
     return run_dir
 
 

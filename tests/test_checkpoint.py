@@ -339,3 +339,18 @@ def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint_and_says_
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-00000001"]
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-00000001"
     assert ck.intact_checkpoint(tmp_path).name == "step-00000001"
+
+
+def test_a_run_resumes_from_the_newest_intact_checkpoint(tmp_path, hidden_cache, capsys):
+    """Training's resume reads what `intact_checkpoint` chose: step 4's weights damaged, it continues from step 2
+    (the log says so) and logs steps 3-6 again."""
+    run = tmp_path / "run"
+    _tiny_train(hidden_cache, run, steps=4)
+    flip_one_bit(run / "checkpoints" / "step-00000004" / "model.safetensors")
+    capsys.readouterr()
+    recs = _tiny_train(hidden_cache, run, steps=6, resume=True)
+    out = capsys.readouterr().out
+    assert (f"{run / 'checkpoints' / 'step-00000004'} is damaged (model.safetensors differs from the SHA-256 "
+            f"recorded when it was saved): resuming from step-00000002 instead") in out
+    assert f"resumed {run} at step 2 (step-00000002)" in out
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
