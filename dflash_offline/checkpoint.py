@@ -230,9 +230,9 @@ def find_checkpoint(run_dir, step: int | None = None) -> Path:
     return d
 
 
-def damage(d: Path) -> str | None:
-    """What is wrong with checkpoint `d`'s files against its meta.json (missing, resized, SHA-256 differs), or
-    None when they are as saved."""
+def damage(d: Path, only: tuple[str, ...] | None = None) -> str | None:
+    """What is wrong with checkpoint `d`'s files (`only` these, if given) against its meta.json (missing, resized,
+    SHA-256 differs), or None when they are as saved."""
     try:
         meta = json.loads((d / "meta.json").read_text())
     except (OSError, ValueError) as e:
@@ -241,7 +241,7 @@ def damage(d: Path) -> str | None:
         if not (d / name).is_file() or (d / name).stat().st_size != size:
             return f"{name} is missing or truncated (expected {size} bytes)"
     for name, digest in meta.get("sha256", {}).items():
-        if sha256_file(d / name) != digest:
+        if (only is None or name in only) and sha256_file(d / name) != digest:
             return f"{name} differs from the SHA-256 recorded when it was saved"
     return None
 

@@ -354,3 +354,18 @@ def test_a_run_resumes_from_the_newest_intact_checkpoint(tmp_path, hidden_cache,
             f"recorded when it was saved): resuming from step-00000002 instead") in out
     assert f"resumed {run} at step 2 (step-00000002)" in out
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
+
+
+def test_export_refuses_damaged_weights(tmp_path, hidden_cache):
+    from dflash_offline.export import ExportConfig
+    from stages import export
+
+    run = tmp_path / "run"
+    _tiny_train(hidden_cache, run, steps=4)
+    flip_one_bit(run / "checkpoints" / "step-00000004" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"step-00000004 is damaged: model.safetensors differs from the SHA-256 "
+                                         r"recorded when it was saved; export another step \(--step=N; others: 2\)$"):
+        export.run(ExportConfig(run=str(run), out=str(tmp_path / "out")))
+    assert not (tmp_path / "out").exists()
+    export.run(ExportConfig(run=str(run), out=str(tmp_path / "out"), step=2))
+    assert (tmp_path / "out" / "model.safetensors").is_file()
