@@ -92,3 +92,172 @@ def test_device_cuda_without_cuda_is_refused_before_reading_anything(hidden_cach
     with pytest.raises(ValueError, match="verify.device=cuda but CUDA is not available"):
         verify.verify(cache, VerifyConfig(cache=str(cache), device="cuda").resolve())
     assert "verified" not in json.loads((cache / "manifest.json").read_text())
+
+
+# --- the manifest as untrusted input -------------------------------------------------------------------------
+
+
+def edit_manifest(cache, fn) -> None:
+    m = json.loads((cache / "manifest.json").read_text())
+    fn(m)
+    (cache / "manifest.json").write_text(json.dumps(m))
+
+
+def flip_a_byte(path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 1
+    path.write_bytes(bytes(raw))
+
+
+def hashes_only(cache) -> dict:
+    return verify.verify(cache, VerifyConfig(cache=str(cache), rows=0, device="cpu").resolve())
+
+
+def list_a_good_copy(cache, m) -> None:
+    """Shard 0's entry names an intact copy of its file: the checksum checks a file training never opens."""
+    shutil.copy(cache / hidden_shard_name(0), cache / "backup.safetensors")
+    m["shards"][0]["files"] = {"backup.safetensors": m["shards"][0]["files"][hidden_shard_name(0)]}
+
+
+@pytest.mark.parametrize("edit,reason", [
+    (list_a_good_copy, "lists the files ['backup.safetensors'], but shard 0 is the one file hidden-00000.safetensors"),
+    (lambda c, m: m["shards"][0].update(files={}), "lists the files [], but shard 0 is the one file"),
+    (lambda c, m: m["shards"][0]["files"][hidden_shard_name(0)].update(bytes=1),
+     "hidden-00000.safetensors is {size} bytes, its manifest entry says 1"),
+    (lambda c, m: m["shards"][0].update(rows=3), "hidden-00000.safetensors holds (key, shard, quant, rows, layer_ids)"),
+])
+def test_verify_checks_the_file_training_reads_against_its_entry(hidden_cache, tmp_path, edit, reason):
+    """With the manifest naming another file (or none) verify recorded ok for a cache whose own shard was corrupt
+    (flipped here where the entry lists another file); bytes and rows were never compared with the file."""
+    cache = copy_cache(hidden_cache, tmp_path)
+    path = cache / hidden_shard_name(0)
+    if "lists the files" in reason:
+        flip_a_byte(path)
+    edit_manifest(cache, lambda m: edit(cache, m))
+    v = hashes_only(cache)
+    assert not v["ok"] and [b["shard"] for b in v["bad"]] == [0], v["bad"]
+    assert v["bad"][0]["reason"].startswith(reason.format(size=path.stat().st_size)), v["bad"][0]["reason"]
+
+
+def test_a_crafted_header_is_named_by_verify_and_refused_by_training(hidden_cache, tmp_path):
+    """A header whose checksums the manifest agrees with, holding a 0-row tensor: training died in a
+    ZeroDivisionError when the stream read it; now it is a layout the manifest does not describe."""
+    from dflash_offline.dataset import open_hidden_cache
+    from dflash_offline.shards import META_KEY, HiddenShardFile, write_safetensors
+
+    cache = copy_cache(hidden_cache, tmp_path)
+    m = read_manifest(cache)
+    ids, path = m["config"]["layer_ids"], cache / hidden_shard_name(1)
+    f = HiddenShardFile(path, m["shards"][1]["files"][path.name], "")
+    meta = json.loads(f.header["__metadata__"][META_KEY])
+    f.close()
+    tensors = dict(zip([f"hidden.L{lid}" for lid in ids], read_hidden(path, ids).chunk(len(ids), -1), strict=True))
+    tensors = {k: t.contiguous() for k, t in tensors.items()}
+    tensors[f"hidden.L{ids[1]}"] = tensors[f"hidden.L{ids[1]}"][:0]
+    meta["row_digests"][f"hidden.L{ids[1]}"] = []
+    rec = write_safetensors(path, tensors, {META_KEY: json.dumps(meta, sort_keys=True)})
+    edit_manifest(cache, lambda m: m["shards"][1]["files"].update({path.name: rec}))
+    v = hashes_only(cache)
+    assert [b["shard"] for b in v["bad"]] == [1] and f"has hidden.L{ids[1]} = " in v["bad"][0]["reason"], v["bad"]
+    assert "expected BF16 [8, 128, 64]" in v["bad"][0]["reason"]
+    edit_manifest(cache, lambda m: m.pop("verified"))
+    with pytest.raises(ValueError, match=rf"{path.name} has hidden.L{ids[1]} = .* in its header, expected BF16"):
+        open_hidden_cache(cache, ids)
+
+
+def test_a_count_edited_into_the_manifest_is_refused_before_anything_is_sized_by_it(hidden_cache, tmp_path):
+    """num_shards = 10**15: status and train were killed by the OOM killer, verify ran for minutes; now each is
+    one line (status: its count is shown unchecked, with why) in milliseconds."""
+    import signal
+
+    from dflash_offline.dataset import open_hidden_cache
+    from dflash_offline.manifest import ManifestError
+    from stages import status
+
+    cache = copy_cache(hidden_cache, tmp_path)
+    edit_manifest(cache, lambda m: m.update(num_shards=10**15))
+    signal.signal(signal.SIGALRM, lambda *a: pytest.fail("still sizing something by num_shards after 20 s"))
+    signal.alarm(20)
+    try:
+        want = r"num_shards is 1000000000000000, but its token cache \(\.\./tokens-\w+\) has 19 shards"
+        with pytest.raises(ManifestError, match=want):
+            hashes_only(cache)
+        with pytest.raises(ManifestError, match=want):
+            open_hidden_cache(cache, read_manifest(cache)["config"]["layer_ids"])
+        r = status.report(cache)
+    finally:
+        signal.alarm(0)
+    assert r["num_shards"] is None and r["pending"] is None and not r["complete"]
+    assert re.search(want, r["tokens_error"])
+
+
+@pytest.fixture
+def read_only(monkeypatch):
+    """read_only(tree): make `tree` unwritable for this process. Not root: chmod the tree (restored after the
+    test). Root, whom chmod does not stop: every call that creates, writes, renames or removes a file under `tree`
+    fails with EROFS, as on a read-only mount (os.open with a write flag, open() in a write mode, os.replace,
+    os.rename, os.unlink, os.mkdir)."""
+    import builtins
+    import errno
+    import os
+    import stat
+    from pathlib import Path
+
+    trees, chmodded = [], []
+
+    def inside(path) -> bool:
+        return isinstance(path, (str, bytes, os.PathLike)) and any(
+            Path(os.fsdecode(path)).resolve().is_relative_to(t) for t in trees)
+
+    def refuse(path):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fsdecode(path))
+
+    def guard(real, writes):
+        def call(path, *args, **kwargs):
+            if writes(*args, **kwargs) and inside(path):
+                refuse(path)
+            return real(path, *args, **kwargs)
+        return call
+
+    def make(tree):
+        tree = Path(tree).resolve()
+        if os.geteuid() != 0:
+            for p in [tree, *tree.rglob("*")]:
+                chmodded.append((p, p.stat().st_mode))
+                p.chmod(p.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+            return
+        if not trees:
+            w = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+            monkeypatch.setattr(os, "open", guard(os.open, lambda flags, *a, **k: flags & w))
+            monkeypatch.setattr(builtins, "open", guard(builtins.open, lambda mode="r", *a, **k: set(mode) & set("wax+")))
+            for name in ("replace", "rename", "unlink", "mkdir"):
+                monkeypatch.setattr(os, name, guard(getattr(os, name), lambda *a, **k: True))
+        trees.append(tree)
+
+    yield make
+    for p, mode in reversed(chmodded):
+        p.chmod(mode)
+
+
+def test_verify_status_and_training_work_on_a_read_only_cache(hidden_cache, tmp_path, read_only, capsys):
+    """verify did all the work, then failed writing .lock ("fix the disk") and never named the bad shard: now it
+    prints its verdict and says it could not record it; status and opening the cache for training write nothing."""
+    from dflash_offline.dataset import HiddenStream, open_hidden_cache
+    from stages import status
+
+    cache = copy_cache(hidden_cache, tmp_path)
+    flip_a_byte(cache / hidden_shard_name(2))
+    before = (cache / "manifest.json").read_text()
+    read_only(cache.parent)
+    with pytest.raises(SystemExit) as exit_:
+        verify.main([f"--cache={cache}", "--rows=0", "--device=cpu"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 1 and "BAD shard 2: hidden-00002.safetensors does not match its checksum" in out, out
+    assert f"the verdict is not recorded in {cache}/manifest.json: it cannot be written here (" in out
+    assert "SHARD=2" in out
+    status.main([str(cache)])
+    assert "19/19 shards committed" in capsys.readouterr().out
+    ids = read_manifest(cache)["config"]["layer_ids"]
+    with HiddenStream(open_hidden_cache(cache, ids), batch_rows=4, prefetch=0) as stream:
+        assert next(stream)["hidden"].shape == (4, 128, 3 * 64)
+    assert (cache / "manifest.json").read_text() == before
