@@ -8,8 +8,11 @@ filesystem — can commit shards into one cache at once. Claims (`claims/shard-N
 split the shards without computing one twice; a dead worker's claim expires and a successor takes it over.
 
 Crashes leave nothing that blocks or grows: the lock, every temp file and every claim carry their writer's host and
-pid. A lock whose holder is gone (same host) is broken at once, with a message; one from another host when it is
-older than `stale_s`. `sweep()` — run by every writer at start — removes temp files and claims of dead writers (same
+pid (the lock and claims also its pid space, `boot_id`). A lock whose holder is gone (same host and pid space) is
+broken at once, with a message; any other when it is older than `stale_s`.
+
+The manifest is untrusted input: `read_manifest` type-checks every field the code reads before any is used, keeps
+shard file names inside the cache, and bounds counts by what the manifest lists (`schema_error`). `sweep()` — run by every writer at start — removes temp files and claims of dead writers (same
 host: the pid is gone; other hosts: the lease has expired, or the temp file has not changed for a day).
 """
 
