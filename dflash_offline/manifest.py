@@ -70,18 +70,22 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-TEMP_MARK = ".tmp~"  # temp names: .<final name>.tmp~<host>~<pid>~<random>
+TEMP_MARK = ".tmp~"  # temp names: .<final name>.tmp~<host>~<pid>~<pid space tag>~<random> (older: no tag)
 
 
 def temp_path(final: Path) -> Path:
     """A unique temp name beside `final` (same directory, so the rename is atomic), naming its writer."""
-    return final.with_name(f".{final.name}{TEMP_MARK}{socket.gethostname()}~{os.getpid()}~{uuid.uuid4().hex[:8]}")
+    return final.with_name(f".{final.name}{TEMP_MARK}{socket.gethostname()}~{os.getpid()}~{boot_tag()}~"
+                           f"{uuid.uuid4().hex[:8]}")
 
 
-def temp_writer(path: Path) -> tuple[str, int] | None:
-    """(host, pid) of the process writing temp file `path`; None when `path` is not one of ours."""
+def temp_writer(path: Path) -> tuple[str, int, str | None] | None:
+    """(host, pid, pid space tag or None for older names) of the process writing temp file `path`; None when `path`
+    is not one of ours."""
     parts = path.name.split(TEMP_MARK, 1)[-1].split("~") if TEMP_MARK in path.name else []
-    return (parts[0], int(parts[1])) if len(parts) == 3 and parts[1].isdigit() else None
+    if len(parts) not in (3, 4) or not parts[1].isdigit():
+        return None
+    return parts[0], int(parts[1]), parts[2] if len(parts) == 4 else None
 
 
 def publish(tmp: Path, final: Path) -> None:
@@ -498,6 +502,11 @@ def boot_id() -> str:
     return "/".join(parts)
 
 
+def boot_tag() -> str:
+    """`boot_id` in 8 characters, for temp file names ("nobootid" where there is none)."""
+    return hashlib.sha256(boot_id().encode()).hexdigest()[:8] if boot_id() else "nobootid"
+
+
 def worker_info() -> dict:
     """Who this process is, for claims and status files: host, pid, rank/world of its job (0/1 alone) and the job's
     id (the launcher's rendezvous; empty alone), so that ranks of one job can tell each other from other jobs."""
@@ -593,14 +602,16 @@ OTHER_HOST_TEMP_AGE_S = 86400.0  # a temp file from another host untouched this 
 
 
 def remove_dead_temps(d: Path) -> tuple[int, int]:
-    """Remove the temp files and directories in `d` (not below) whose writer is dead: same host, its pid is gone;
-    another host, untouched for a day. (count, bytes) removed."""
+    """Remove the temp files and directories in `d` (not below) whose writer is dead: same host and pid space, its
+    pid is gone; another host or pid space (a container with this hostname), untouched for a day. (count, bytes)
+    removed."""
     count, nbytes, now = 0, 0, time.time()
     for p in d.glob(f".*{TEMP_MARK}*") if d.is_dir() else []:
-        host, pid = temp_writer(p) or ("", "")
+        host, pid, tag = temp_writer(p) or ("", "", None)
+        here = host == socket.gethostname() and tag in (None, boot_tag())  # pids of this pid space
         with contextlib.suppress(FileNotFoundError):
             st = p.stat()
-            if pid_alive(host, pid) and (host == socket.gethostname() or now - st.st_mtime <= OTHER_HOST_TEMP_AGE_S):
+            if pid_alive(host, pid) if here else now - st.st_mtime <= OTHER_HOST_TEMP_AGE_S:
                 continue
             if p.is_dir():
                 nbytes += sum(f.stat().st_size for f in p.rglob("*") if f.is_file())

@@ -42,7 +42,7 @@ def live_status(cache: Path) -> list[dict]:
             continue
         if st.get("state") != "running":
             st["liveness"] = st.get("state", "?")
-        elif not pid_alive(st.get("host", ""), st.get("pid", "")):
+        elif not pid_alive(st.get("host", ""), st.get("pid", ""), st.get("boot")):  # (extract's carry their pid space)
             st["liveness"] = "dead"
         elif time.time() - st.get("updated_at", 0) > st.get("lease_s", STALE_S):
             st["liveness"] = "stale"

@@ -244,3 +244,16 @@ def test_a_holder_in_another_pid_space_with_this_hostname_is_not_judged_by_a_loc
     claim = {"worker": f"{host}:{dead}", "expires": time.time() + 60}
     assert mf.claim_state(dict(claim, boot="another-boot/1")) == "live"
     assert mf.claim_state(dict(claim, boot=mf.boot_id())) == "dead" == mf.claim_state(claim)
+
+
+def test_a_temp_file_of_another_pid_space_with_this_hostname_is_kept(tmp_path):
+    """Sweeping by a local pid would delete a live shard write of a container with this hostname."""
+    import socket
+
+    host, dead = socket.gethostname(), dead_pid()
+    assert mf.temp_writer(mf.temp_path(tmp_path / "x"))[2] == mf.boot_tag()
+    other = tmp_path / f".hidden-00001.safetensors.tmp~{host}~{dead}~0therb00~abcd1234"
+    ours = tmp_path / f".hidden-00002.safetensors.tmp~{host}~{dead}~{mf.boot_tag()}~abcd1234"
+    for p in (other, ours):
+        p.write_bytes(b"x")
+    assert mf.remove_dead_temps(tmp_path) == (1, 1) and other.exists() and not ours.exists()
