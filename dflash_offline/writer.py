@@ -115,9 +115,13 @@ class HiddenShardWriter:
         self.submitted += 1
         tensors = dict(shard.tensors)
         t = time.time()
-        while len(self.pending) >= self.depth:  # (popped once done: a stop while waiting leaves it to `drain`)
-            self.timings.append(self.pending[0].result())
-            self.pending.pop(0)
+        while len(self.pending) >= self.depth:
+            oldest = self.pending[0]
+            try:
+                self.timings.append(oldest.result())
+            finally:  # a failed write leaves with its error; one a stop (a signal) cut the wait for stays for `drain`
+                if oldest.done():
+                    self.pending.pop(0)
         self.waited_s += time.time() - t
         for f in self.pending:  # a failed write (a full disk) stops the run now
             if f.done() and f.exception() is not None:
