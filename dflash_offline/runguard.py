@@ -177,14 +177,33 @@ def ender(run_dir: Path, rank: int):
     return end
 
 
-def stop_agreed(acc, requested: int) -> int:
-    """The stop signal every process acts on (the largest requested): one process alone must not stop, or the
-    others would wait for it in their next collective. A host sync: call it where the loop syncs anyway."""
-    if acc.num_processes == 1:
-        return requested
-    import torch
-    import torch.distributed as dist
+class StopVote:
+    """The stop signal every process acts on, and at which step: one process alone must not stop, or the others would
+    wait for it in their next collective. Each step every process casts its request (the largest wins, an all-reduce
+    queued behind the step's work) and reads the vote cast one step earlier, which the device has finished by the
+    time the next step is queued: no stall. One process: its own request, at once."""
 
-    flag = torch.tensor([requested], device=acc.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return int(flag.item())
+    def __init__(self, acc):
+        self.acc, self.pending = acc, None
+
+    def __call__(self, requested: int) -> int:
+        if self.acc.num_processes == 1:
+            return requested
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.full((1,), requested, dtype=torch.int32, device=self.acc.device)  # a fill kernel: no sync
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        event = None
+        if flag.is_cuda:
+            host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+            host.copy_(flag, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            flag = host
+        last, self.pending = self.pending, (flag, event)
+        if last is None:
+            return 0
+        if last[1] is not None:
+            last[1].synchronize()
+        return int(last[0].item())

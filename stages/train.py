@@ -27,7 +27,7 @@ from pathlib import Path
 
 from dflash_offline.config import TrainConfig, as_dict, configs_from_argv
 from dflash_offline.manifest import write_json_atomic
-from dflash_offline.runguard import Interrupted, StopSignals, check_run_dir, ender, owned, stop_agreed
+from dflash_offline.runguard import Interrupted, StopSignals, StopVote, check_run_dir, ender, owned
 from dflash_offline.trainsetup import (
     BenchSwitches,
     TrainSetup,
@@ -237,6 +237,7 @@ def train_loop(cfg: TrainConfig, s: TrainSetup, acc, p: Parts, stream, step: int
     meter, profiler = Meter(run_dir, acc, progress, step, seq_len, flops_per_row(dc, seq_len, cfg.num_anchors)), None
     log(f"[rank {rank}] ready in {time.time() - t0:.1f}s{'; first step compiles' if s.compile else ''}")
     warm_step = step + 1  # this process's first step compiles (also when resumed)
+    vote = StopVote(acc)
     while step < s.steps:
         if cfg.profile_steps and rank == 0 and step == max(2, s.steps - cfg.profile_steps) and profiler is None:
             profiler, profile_end = start_profiler(cuda), step + cfg.profile_steps  # the last steps, after warm-up
@@ -260,9 +261,8 @@ def train_loop(cfg: TrainConfig, s: TrainSetup, acc, p: Parts, stream, step: int
         if checkpoint:
             save(cfg, s, acc, p, run_dir, step, stream, projection)
             meter.restart()  # the window starts after the checkpoint
-        if stopper is not None and (s.world == 1 or checkpoint or step % cfg.log_every == 0):  # (synced points)
-            if signum := stop_agreed(acc, stopper.requested):
-                stop(cfg, s, acc, p, run_dir, step, stream, projection, progress, meter, signum, saved=checkpoint)
+        if stopper is not None and (signum := vote(stopper.requested)):  # (every process at the same step)
+            stop(cfg, s, acc, p, run_dir, step, stream, projection, progress, meter, signum, saved=checkpoint)
     stream.close()
     progress.close("done")
     meter.close()

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_train import REPO, cfg, cli_args
+from test_train import REPO, WORKER, cfg, cli_args, free_port
 
 from dflash_offline import runguard
 from stages import train
@@ -67,6 +67,30 @@ def test_sigterm_stops_with_a_checkpoint_and_a_resume_continues(tmp_path, hidden
     train.run(cfg(hidden_cache, run, steps=step + 2, resume=True))
     assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] == step + 2
     assert status(run)["state"] == "done" and not (run / ".run.lock").exists()
+
+
+def test_two_processes_stop_together_when_one_is_signalled(tmp_path, hidden_cache):
+    """A signal to one rank only (a launcher may forward it to all, or not): both ranks stop at the same step with
+    one checkpoint, exit 143, and neither waits for the other in a collective."""
+    run, port, procs = tmp_path / "run", str(free_port()), []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, DFLASH_NO_BAR="1", PYTHONPATH=str(REPO),
+                   OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-c", WORKER, *cli_args(hidden_cache, run, steps=100_000,
+                                                                                ckpt_every=100_000)],
+                                      cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    try:
+        wait_for(lambda: status(run).get("done", 0) >= 1, proc=procs[0])
+        procs[1].send_signal(signal.SIGTERM)
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [143, 143], [err[-2000:] for _, err in outs]
+    step = int(outs[0][1].strip().splitlines()[-1].split(" at step ")[1].split()[0])
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", f"step-{step:08d}"]
+    assert status(run)["state"] == "interrupted" and not (run / ".run.lock").exists()
 
 
 def test_sigint_stops_after_the_step_in_flight_with_one_line_and_exit_130(tmp_path, hidden_cache, monkeypatch,
