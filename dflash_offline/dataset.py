@@ -176,7 +176,8 @@ def entry_error(entry: dict, index: int) -> str | None:
     reads) and the SHA-256 of the token shard it was computed from."""
     name = hidden_shard_name(index)
     if list(entry["files"]) != [name]:
-        return f"lists the files {sorted(entry['files'])}, but shard {index} is the one file {name} (what training reads)"
+        return (f"lists the files {sorted(entry['files'])}, but shard {index} is the one file {name} (what training "
+                f"reads)")
     if "tokens_sha256" not in entry:
         return "has no tokens_sha256 (the token shard it was computed from)"
     return None

@@ -283,7 +283,8 @@ OPTIONAL_FIELDS = {
     "verified.bad": (lambda v: isinstance(v, list) and all(isinstance(b, dict) and _is_int(b.get("shard", 0))
                                                            and isinstance(b.get("reason", ""), str) for b in v),
                      "a list of {shard, reason} objects"),
-    "verified.at": (_is_num, "a number"), "verified.max_rel_err": (lambda v: v is None or _is_num(v), "a number or null"),
+    "verified.at": (_is_num, "a number"),
+    "verified.max_rel_err": (lambda v: v is None or _is_num(v), "a number or null"),
     "verified.projection": (lambda v: isinstance(v, str), "a string"),
     "projection": (lambda v: v is None or isinstance(v, dict), "an object or null"),
     "projection.sha256": (_is_sha, "a 64-character hex digest"),
@@ -319,9 +320,10 @@ def field(m: dict, dotted: str):
 
 def schema_error(m: dict) -> str | None:
     """The first field of a manifest that is missing or of the wrong type, said as `field is X, expected Y`; then
-    the counts: a committed shard's index inside `num_shards`, and a token cache's `num_shards` at most its entries
-    (so that nothing sized by a count can be larger than what the manifest lists; a hidden cache's count is held to
-    its token cache's by `hidden_num_shards`)."""
+    the counts: a committed shard's index inside `num_shards`, and a complete token cache's `num_shards` at most its
+    entries (so that nothing sized by a count can be larger than what the manifest lists; a hidden cache's count is
+    held to its token cache's by `hidden_num_shards`; an incomplete token cache's count is not used).
+    """
     def check(where: str, obj: dict, fields: dict, required: bool = True) -> str | None:
         for name, (ok, what) in fields.items():
             v = field(obj, name)
@@ -348,8 +350,9 @@ def schema_error(m: dict) -> str | None:
                 return bad or f"{where}files[{name!r}] is {rec!r}, expected an object"
         if m["num_shards"] is not None and s["status"] == "committed" and s["index"] >= m["num_shards"]:
             return f"{where}index is {s['index']}, outside num_shards {m['num_shards']}"
-    if m["kind"] == "tokens" and m["num_shards"] is not None and m["num_shards"] > len(m["shards"]):
-        return f"num_shards is {m['num_shards']}, but the token cache lists {len(m['shards'])} shards"
+    n = m["num_shards"]
+    if m["kind"] == "tokens" and m.get("complete") and n is not None and n > len(m["shards"]):
+        return f"num_shards is {m['num_shards']}, but the complete token cache lists {len(m['shards'])} shards"
     return None
 
 

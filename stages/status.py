@@ -19,9 +19,9 @@ from dflash_offline.manifest import (
     ManifestError,
     claim_state,
     committed,
+    hidden_num_shards,
     missing_files,
     pid_alive,
-    hidden_num_shards,
     read_claim,
     read_manifest,
     token_cache,
@@ -87,11 +87,14 @@ def report(cache: Path) -> dict:
 
 
 def shard_count(cache: Path, m: dict) -> tuple[int | None, str | None]:
-    """(num_shards, None), or for a hidden cache whose count cannot be held to its token cache's (`hidden_num_shards`:
-    the token cache is unreadable, or the counts differ) (None, why): pending shards are then not listed, so that no
-    count read from a manifest sizes anything before it is checked. A token cache's count is bounded on reading."""
-    if m["kind"] != "hidden" or m["num_shards"] is None:
+    """(num_shards, None), or (None, why) for a count that cannot be checked against what is on disk — a hidden
+    cache's not its token cache's (`hidden_num_shards`: unreadable, or the counts differ), an incomplete token cache's
+    beyond its entries: pending shards are then not listed, so that no count read from a manifest sizes anything
+    before it is checked."""
+    if m["num_shards"] is None or m["kind"] == "tokens" and m["num_shards"] <= len(m["shards"]):
         return m["num_shards"], None
+    if m["kind"] == "tokens":  # (incomplete: a complete one's count is bounded on reading)
+        return None, f"num_shards {m['num_shards']} of an incomplete token cache with {len(m['shards'])} entries"
     try:
         return hidden_num_shards(cache, m, token_cache(cache, m)[1]), None
     except ManifestError as e:

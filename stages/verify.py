@@ -64,10 +64,8 @@ def check_files(cache: Path, m: dict, tokens_dir: Path) -> list[dict]:
     (`dataset.entry_error`), that file's SHA-256, header and size, rows and tensor layout against the manifest
     (`dataset.open_shard`), and the token shard it was computed from hashed against the entry's `tokens_sha256`.
     N is held to the token cache's count first (`hidden_num_shards`)."""
-    from dflash_offline.dataset import entry_error
+    from dflash_offline.dataset import cache_info, entry_error
     from dflash_offline.shards import hidden_shard_name, token_shard_name
-
-    from dflash_offline.dataset import cache_info
 
     n, done = hidden_num_shards(cache, m, read_manifest(tokens_dir)), committed(m)
     prod = m["producer"]

@@ -191,15 +191,20 @@ def test_the_shard_list_syntax_round_trips():
 
 
 def test_a_token_caches_count_is_bounded_by_its_entries(tmp_path):
-    """num_shards = 10**15 made status and training allocate until the OOM killer came: a token cache's count is at
-    most the entries its manifest lists (a hidden cache's is held to its token cache's: test_verify)."""
+    """num_shards = 10**15 made status and training allocate until the OOM killer came: a complete token cache's count
+    is at most the entries its manifest lists (a hidden cache's is held to its token cache's: test_verify)."""
     mf.open_cache(tmp_path, "tokens", "k", {}, {}, None)
     mf.commit_shard(tmp_path, entry(0))
     mf.update_manifest(tmp_path, num_shards=1, complete=True)
     m = json.loads((tmp_path / "manifest.json").read_text())
     (tmp_path / "manifest.json").write_text(json.dumps(dict(m, num_shards=10**15)))
-    with pytest.raises(mf.ManifestError, match=r"num_shards is 1000000000000000, but the token cache lists 1 shards"):
+    with pytest.raises(mf.ManifestError, match=r"num_shards is 1000000000000000, but the complete token cache lists"):
         mf.read_manifest(tmp_path)
+    from stages import status  # an incomplete one's count is not used: status shows it unchecked
+
+    (tmp_path / "manifest.json").write_text(json.dumps(dict(m, num_shards=10**15, complete=False)))
+    r = status.report(tmp_path)
+    assert r["pending"] is None and "num_shards 1000000000000000 of an incomplete token cache" in r["tokens_error"]
 
 
 def test_a_lock_that_is_a_dangling_symlink_is_refused_at_once(tmp_path):

@@ -229,7 +229,8 @@ def read_only(monkeypatch):
         if not trees:
             w = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
             monkeypatch.setattr(os, "open", guard(os.open, lambda flags, *a, **k: flags & w))
-            monkeypatch.setattr(builtins, "open", guard(builtins.open, lambda mode="r", *a, **k: set(mode) & set("wax+")))
+            writes = set("wax+")
+            monkeypatch.setattr(builtins, "open", guard(builtins.open, lambda mode="r", *a, **k: set(mode) & writes))
             for name in ("replace", "rename", "unlink", "mkdir"):
                 monkeypatch.setattr(os, name, guard(getattr(os, name), lambda *a, **k: True))
         trees.append(tree)
