@@ -131,7 +131,7 @@ def open_hidden_cache(cache_dir, layer_ids, hidden_size: int | None = None, seq_
         raise ManifestError(f"{where}: shards[{bad[0]}] {bad[1]}: the manifest was edited or damaged; restore it, or "
                             f"redo the shard with `make extract CACHE={cache} SHARD={bad[0]}`")
     _check_verdict(cache, m.get("verified"), require_verified)
-    width = int(prod["projection"]["dims"]) if prod.get("projection") else int(prod["target"]["hidden_size"])
+    width = stored_width(prod)
     if prod.get("quant") not in LAYER_TENSORS or (prod["quant"] == "fp4" and width % FP4_ALIGN):
         raise ManifestError(f"{where}: producer.quant {prod.get('quant')!r} at width {width} is not an encoding this "
                             f"code reads ({', '.join(LAYER_TENSORS)}; fp4 at a width that is a multiple of {FP4_ALIGN}): "
@@ -141,7 +141,7 @@ def open_hidden_cache(cache_dir, layer_ids, hidden_size: int | None = None, seq_
         from .projection import read_projection
 
         read_projection(cache, want, projection)
-    info = cache_info(cache, m, want, n, width)
+    info = cache_info(cache, m, want, n)
     if bad := missing_files(cache, m):
         raise ManifestError(f"{where}: {len(bad)} committed shard(s) are damaged on disk ({bad[0]['reason']}"
                             f"{' …' if len(bad) > 1 else ''}); redo them with "
@@ -155,7 +155,12 @@ def open_hidden_cache(cache_dir, layer_ids, hidden_size: int | None = None, seq_
     return info
 
 
-def cache_info(cache: Path, m: dict, layer_ids, n: int, width: int) -> CacheInfo:
+def stored_width(producer: dict) -> int:
+    """Values stored per token and tap: the target's hidden size, or project_dims for a projected cache."""
+    return int((producer.get("projection") or {}).get("dims") or producer["target"]["hidden_size"])
+
+
+def cache_info(cache: Path, m: dict, layer_ids, n: int) -> CacheInfo:
     """The `CacheInfo` of a hidden cache of `n` shards (its manifest checked by `open_hidden_cache`; `make verify`
     builds one for the shards that are committed: the others get 0 rows and no file record)."""
     prod, done = m["producer"], committed(m)
@@ -166,7 +171,7 @@ def cache_info(cache: Path, m: dict, layer_ids, n: int, width: int) -> CacheInfo
         shard_rows=tuple(done[i]["rows"] if i in done else 0 for i in range(n)),
         shard_files=tuple(done[i]["files"].get(hidden_shard_name(i), {}) if i in done else {} for i in range(n)),
         tokens_sha256=tuple(done[i].get("tokens_sha256", "") if i in done else "" for i in range(n)),
-        width=width, projection=m.get("projection") if prod.get("projection") else None,
+        width=stored_width(prod), projection=m.get("projection") if prod.get("projection") else None,
     )
 
 

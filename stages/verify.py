@@ -68,10 +68,8 @@ def check_files(cache: Path, m: dict, tokens_dir: Path) -> list[dict]:
     from dflash_offline.shards import hidden_shard_name, token_shard_name
 
     n, done = hidden_num_shards(cache, m, read_manifest(tokens_dir)), committed(m)
-    prod = m["producer"]
-    width = int(prod["projection"]["dims"]) if prod.get("projection") else int(prod["target"]["hidden_size"])
-    info = cache_info(cache, m, prod["layer_ids"], n, width)
-    paths = [p for i in range(n) for p in (cache / hidden_shard_name(i), tokens_dir / token_shard_name(i))]
+    info = cache_info(cache, m, m["producer"]["layer_ids"], n)
+    paths = [p for i in range(n) if i in done for p in (cache / hidden_shard_name(i), tokens_dir / token_shard_name(i))]
     with ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="verify-hash") as pool:
         sha = dict(zip(paths, pool.map(file_sha256, paths), strict=True))
     bad = []
@@ -89,8 +87,7 @@ def shard_error(info, m: dict, index: int, sha: dict) -> str | None:
     from dflash_offline.dataset import open_shard
     from dflash_offline.shards import ShardError, hidden_shard_name
 
-    path = info.cache_dir / hidden_shard_name(index)
-    rec = committed(m)[index]["files"][path.name]
+    path, rec = info.cache_dir / hidden_shard_name(index), info.shard_files[index]
     if sha[path] is None:
         return f"{path.name} is missing"
     if sha[path] != rec["sha256"]:
