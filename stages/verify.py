@@ -252,18 +252,21 @@ def record(cache: Path, verdict: dict) -> dict:
     return verdict
 
 
-def report_unrecorded(cache: str, v: dict) -> None:
-    if why := v.get("not_recorded"):
-        print(f"the verdict is not recorded in {cache}/{MANIFEST}: it cannot be written here ({why}); training "
-              f"with require_verified=1 will not see it: run make verify where the cache is writable to record it")
-
-
 def main(argv: list[str]) -> None:
     private_compile_caches()  # the packed path compiles on CUDA: reuse (and never race on) the extraction's caches
     unbuffered()
     cfg = config_from_argv(VerifyConfig, "verify", argv, __doc__)
     v = verify(Path(cfg.cache), cfg)
-    report_unrecorded(cfg.cache, v)
+    try:
+        report(cfg.cache, v)
+    finally:  # after the verdict, whatever it is
+        if why := v.get("not_recorded"):
+            print(f"the verdict is not recorded in {cfg.cache}/{MANIFEST}: it cannot be written here ({why}); "
+                  f"training with require_verified=1 will not see it: run make verify where the cache is writable")
+
+
+def report(cache: str, v: dict) -> None:
+    """Print the verdict: every bad shard and the command that redoes them (exit status 1), or one line."""
     if v.get("projection"):
         print(f"BAD projection: {v['projection']}")
         sys.exit(1)
@@ -272,10 +275,10 @@ def main(argv: list[str]) -> None:
     took = f"{v['seconds']:.1f}s: " + ", ".join(f"{k} {s:.1f}s" for k, s in v["phase_seconds"].items())
     if v["bad"]:
         shards = shard_list({b["shard"] for b in v["bad"]})
-        print(f"{len(v['bad'])} problem(s) ({took}). Redo them with: make extract CACHE={cfg.cache} SHARD={shards}")
+        print(f"{len(v['bad'])} problem(s) ({took}). Redo them with: make extract CACHE={cache} SHARD={shards}")
         sys.exit(1)
     err = f", max rel err {v['max_rel_err']:.2e}" if v["max_rel_err"] is not None else ""
-    log(f"{cfg.cache}: every shard committed, hashed and matching{err} ({took})")
+    log(f"{cache}: every shard committed, hashed and matching{err} ({took})")
 
 
 if __name__ == "__main__":

@@ -254,7 +254,8 @@ def test_verify_status_and_training_work_on_a_read_only_cache(hidden_cache, tmp_
         verify.main([f"--cache={cache}", "--rows=0", "--device=cpu"])
     out = capsys.readouterr().out
     assert exit_.value.code == 1 and "BAD shard 2: hidden-00002.safetensors does not match its checksum" in out, out
-    assert f"the verdict is not recorded in {cache}/manifest.json: it cannot be written here (" in out
+    assert out.strip().splitlines()[-1].startswith(f"the verdict is not recorded in {cache}/manifest.json: it cannot "
+                                                   f"be written here (")
     assert "SHARD=2" in out
     status.main([str(cache)])
     assert "19/19 shards committed" in capsys.readouterr().out
