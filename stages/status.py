@@ -110,11 +110,11 @@ def hidden_summary(m: dict, done: dict) -> dict:
            "bytes_per_token": size / tokens if tokens else 0.0, "layer_ids": m["producer"].get("layer_ids"),
            "quant": m["producer"].get("quant"), "compute_tokens_per_s": tokens / compute if compute else 0.0}
     if p := m.get("projection"):  # projected taps (docs/cache.md): k a tap, and what the calibration kept
-        kept = list((p.get("retained") or {}).values())
-        out["projection"] = (f"{p['dims']} of {m['producer']['target'].get('hidden_size')} dims a tap from "
+        kept, hidden = list((p.get("retained") or {}).values()), (m["producer"].get("target") or {}).get("hidden_size")
+        out["projection"] = (f"{p.get('dims')} of {hidden} dims a tap from "
                              f"{p.get('rows')} calibration rows" + (f", energy kept {min(kept):.3f}–{max(kept):.3f}"
                                                                     if kept else "")
-                             + f"; {p.get('file')} {p['sha256'][:12]}")
+                             + f"; {p.get('file')} {str(p.get('sha256'))[:12]}")
     return out
 
 
