@@ -2,14 +2,17 @@
 
     python -m stages.verify --cache=DIR [--rows=2] [--tol=0.02] [--device=auto|cuda|cpu]
 
-Checks that every shard 0..N-1 is committed, that each file's SHA-256 matches the manifest and its header says it is
-that shard of this cache (key, encoding, projection), that each hidden shard still belongs to the token shard it was
-computed from, and that `rows` sampled rows per shard equal a fresh
+Checks exactly what training reads (N held to the token cache's count first): that every shard 0..N-1 is committed
+and lists the one file training opens, `hidden-NNNNN.safetensors`; that this file's SHA-256 matches the manifest and
+its header says it is that shard of this cache (key, encoding, projection), of the size, rows, layers and tensor
+layout the manifest implies (`dataset.open_shard`, training's own check); that the token shard it was computed from
+still hashes to the entry's `tokens_sha256`; and that `rows` sampled rows per shard equal a fresh
 forward of the target within `tol` (relative L2 error over real tokens, per layer; FP8 and FP4 caches are held to
 their round-trip bound, `QUANT_REL_TOL`, where it is larger). A projected cache (`[extract] project_dims`) is compared
 in its stored width: the fresh states are projected with the cache's P (its file checked against the manifest
 first), z = h @ P in fp32 as extraction computes it, so the same tolerances hold. The verdict goes into the manifest (`verified`), which
 training reads: a cache that failed is refused. Every bad shard is named with the command that redoes it. Exit status 1 if any is bad.
+Verify reads only, then records: on a read-only cache it prints the verdict all the same and says it is not recorded.
 
 Three phases, each timed in the verdict (`phase_seconds`) and in the last line printed:
 - hash: every file hashed on a bounded pool of threads (hashlib releases the GIL: reads and hashing overlap);
