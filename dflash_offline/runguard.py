@@ -3,8 +3,10 @@
 Ownership: `owned(run_dir)` holds `RUN/.run.lock` while a run trains, created with O_EXCL (local disks and shared
 filesystems alike) and holding its holder's host, pid and start time. A second trainer on the same run is refused
 at once with one line naming the holder. A lock whose holder ran on this host and is gone (killed, crashed) is
-broken with a message, as the cache's lock is (`manifest.pid_alive`); one from another host is only ever removed
-by hand, since its liveness cannot be seen from here. Rank 0 alone holds it for a multi-process run.
+broken with a message, as the cache's lock is (`manifest.pid_alive`). The holder touches the lock every
+`HEARTBEAT_S`; one from another host (a job restarted on another machine of a shared filesystem) is broken once it
+has not been touched for `OTHER_HOST_STALE_S`, the only sign of life visible from here. Rank 0 alone holds it for a
+multi-process run.
 
 Stopping: `StopSignals` turns SIGTERM and SIGINT into a request the loop reads between steps (the step in flight
 finishes, a final checkpoint is written, the status file says `interrupted`); a second signal, or a stop that has
@@ -27,6 +29,8 @@ from pathlib import Path
 from .manifest import pid_alive
 
 LOCK = ".run.lock"
+HEARTBEAT_S = 60.0  # the holder touches its lock this often
+OTHER_HOST_STALE_S = 600.0  # a lock from another host untouched this long is a dead holder's
 
 
 # --- ownership -------------------------------------------------------------------------------------------------
@@ -73,9 +77,8 @@ def acquire(run_dir: Path) -> None:
             held = _read_lock(lock)
             if held is None:
                 continue  # released meanwhile
-            if held and not pid_alive(held.get("host", ""), held.get("pid", "")):
-                print(f"breaking the stale run lock {lock} left by {holder_line(held)}: that process is gone",
-                      flush=True)
+            if why := stale(lock, held):
+                print(f"breaking the stale run lock {lock} left by {holder_line(held)}: {why}", flush=True)
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(lock)
                 continue
@@ -87,6 +90,28 @@ def acquire(run_dir: Path) -> None:
         finally:
             os.close(fd)
         return
+
+
+def stale(lock: Path, held: dict) -> str | None:
+    """Why the lock's holder is surely gone (None: it may be alive)."""
+    if not held:
+        return None
+    if not pid_alive(held.get("host", ""), held.get("pid", "")):
+        return "that process is gone"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    if held.get("host") != socket.gethostname() and age > OTHER_HOST_STALE_S:
+        return f"not touched for {age:.0f}s (its holder touches it every {HEARTBEAT_S:g}s)"
+    return None
+
+
+def heartbeat(lock: Path, done: threading.Event) -> None:
+    """Touch `lock` every HEARTBEAT_S until `done` (a daemon thread: it ends with the process)."""
+    while not done.wait(HEARTBEAT_S):
+        with contextlib.suppress(OSError):
+            os.utime(lock)
 
 
 def release(run_dir: Path) -> None:
@@ -106,9 +131,12 @@ def owned(run_dir: Path, rank: int):
         return
     run_dir.mkdir(parents=True, exist_ok=True)
     acquire(run_dir)
+    done = threading.Event()
+    threading.Thread(target=heartbeat, args=(run_dir / LOCK, done), name="run-lock-heartbeat", daemon=True).start()
     try:
         yield
     finally:
+        done.set()
         release(run_dir)
 
 

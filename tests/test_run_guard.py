@@ -169,3 +169,29 @@ def test_no_run_name_and_a_run_inside_a_cache_are_refused(tmp_path, hidden_cache
     with pytest.raises(ValueError, match=rf"^--run \(make RUN=\) {inside} is inside the hidden cache {hidden_cache} "):
         train.run(cfg(hidden_cache, inside))
     assert not (hidden_cache / "runs").exists()
+
+
+def test_a_lock_from_another_host_is_broken_only_once_its_heartbeat_stops(tmp_path, monkeypatch, capsys):
+    """Another host's holder cannot be asked whether it lives: its lock counts while it is touched (every
+    HEARTBEAT_S), and is broken once untouched for OTHER_HOST_STALE_S (a job restarted on another machine)."""
+    lock = tmp_path / ".run.lock"
+    lock.write_text(json.dumps({"host": "elsewhere", "pid": 1, "started": 0}))
+    with pytest.raises(ValueError, match=r"is being trained by elsewhere pid 1 .*delete .*\.run\.lock$"):
+        runguard.acquire(tmp_path)
+    old = time.time() - runguard.OTHER_HOST_STALE_S - 5
+    os.utime(lock, (old, old))
+    runguard.acquire(tmp_path)
+    assert "left by elsewhere pid 1 (since 1970-01-01 00:00:00 UTC): not touched for 60" in capsys.readouterr().out
+    assert json.loads(lock.read_text())["pid"] == os.getpid()
+    monkeypatch.setattr(runguard, "HEARTBEAT_S", 0.01)
+    os.utime(lock, (old, old))
+    done = threading.Event()
+    beat = threading.Thread(target=runguard.heartbeat, args=(lock, done), daemon=True)
+    beat.start()
+    try:
+        wait_for(lambda: time.time() - lock.stat().st_mtime < 5, timeout_s=10)
+    finally:
+        done.set()
+        beat.join()
+    runguard.release(tmp_path)
+    assert not lock.exists()
