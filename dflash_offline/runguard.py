@@ -26,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-from .manifest import pid_alive
+from .manifest import boot_id, pid_alive
 
 LOCK = ".run.lock"
 HEARTBEAT_S = 60.0  # the holder touches its lock this often
@@ -69,7 +69,8 @@ def _read_lock(lock: Path) -> dict | None:
 def acquire(run_dir: Path) -> None:
     """Create RUN/.run.lock or refuse with one line."""
     lock = run_dir / LOCK
-    info = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "argv": sys.argv}
+    info = {"host": socket.gethostname(), "pid": os.getpid(), "boot": boot_id(), "started": time.time(),
+            "argv": sys.argv}
     while True:
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -96,15 +97,22 @@ def stale(lock: Path, held: dict) -> str | None:
     """Why the lock's holder is surely gone (None: it may be alive)."""
     if not held:
         return None
-    if not pid_alive(held.get("host", ""), held.get("pid", "")):
+    if not pid_alive(held.get("host", ""), held.get("pid", ""), held.get("boot")):
         return "that process is gone"
     try:
         age = time.time() - lock.stat().st_mtime
     except FileNotFoundError:
         return None
-    if held.get("host") != socket.gethostname() and age > OTHER_HOST_STALE_S:
+    if not mine(held, pid=False) and age > OTHER_HOST_STALE_S:
         return f"not touched for {age:.0f}s (its holder touches it every {HEARTBEAT_S:g}s)"
     return None
+
+
+def mine(held: dict, pid: bool = True) -> bool:
+    """Whether the lock record `held` is this process's (`pid` False: this machine's pid space, i.e. its liveness
+    can be judged here; a record without a boot id, from older code, counts by hostname)."""
+    return (held.get("host") == socket.gethostname() and held.get("boot", boot_id()) == boot_id()
+            and (not pid or held.get("pid") == os.getpid()))
 
 
 def heartbeat(lock: Path, done: threading.Event) -> None:
@@ -118,7 +126,7 @@ def release(run_dir: Path) -> None:
     """Remove the lock if this process holds it (also from a timer thread ending the process)."""
     lock = run_dir / LOCK
     held = _read_lock(lock) or {}
-    if held.get("host") == socket.gethostname() and held.get("pid") == os.getpid():
+    if mine(held):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(lock)
 

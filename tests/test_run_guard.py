@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from test_train import REPO, WORKER, cfg, cli_args, free_port
 
-from dflash_offline import runguard
+from dflash_offline import manifest, runguard
 from stages import train
 
 
@@ -195,3 +195,15 @@ def test_a_lock_from_another_host_is_broken_only_once_its_heartbeat_stops(tmp_pa
         beat.join()
     runguard.release(tmp_path)
     assert not lock.exists()
+
+    # a container with this hostname in another pid space (boot id): its pid means nothing here, so a dead-looking pid
+    # does not break its lock; only the stopped heartbeat does
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock.write_text(json.dumps({"host": os.uname().nodename, "pid": dead.pid, "boot": "other-boot", "started": 0}))
+    with pytest.raises(ValueError, match=rf"is being trained by {os.uname().nodename} pid {dead.pid} "):
+        runguard.acquire(tmp_path)
+    os.utime(lock, (old, old))
+    runguard.acquire(tmp_path)
+    assert json.loads(lock.read_text())["boot"] == manifest.boot_id()
+    runguard.release(tmp_path)
