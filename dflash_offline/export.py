@@ -273,10 +273,13 @@ def export(run_dir, out_dir, step: int | None = None, dtype: str = "bfloat16", t
     import torch
     from safetensors.torch import load_file, save_file
 
-    from dflash_offline.checkpoint import find_checkpoint
+    from dflash_offline.checkpoint import damage, find_checkpoint, list_checkpoints
     from dflash_offline.drafter import DFlashDrafter, DrafterConfig
 
     ckpt = find_checkpoint(run_dir, None if step is None or step < 0 else step)
+    if why := damage(ckpt, only=("model.safetensors",)):  # (an export of damaged weights serves what no one trained)
+        have = ", ".join(str(s) for _, s, d in list_checkpoints(run_dir) if d != ckpt) or "none"
+        raise ExportError(f"{ckpt} is damaged: {why}; export another step (--step=N; others: {have})")
     meta = _read_json(ckpt / "meta.json", "the checkpoint is incomplete; export an older step")
     drafter = ((meta.get("config") or {}).get("drafter")) or run_cfg.get("drafter")
     if not drafter:

@@ -204,7 +204,9 @@ def cache_defaults(cfg: TrainConfig) -> dict:
     """What the cache says about the target: its checkpoint, tapped layers, mask token, sizes."""
     from dflash_offline.manifest import read_manifest
 
-    m = read_manifest(cfg.cache)
+    m = read_manifest(cfg.cache, need=("config.extract.target", "config.layer_ids", "config.mask_token_id",
+                                       "producer.target.hidden_size", "producer.target.num_layers",
+                                       "producer.target.vocab_size", "producer.tokens.producer.seq_len"))
     if m["kind"] != "hidden":
         raise ValueError(f"{cfg.cache} is a {m['kind']} cache: train on a hidden-state cache (make extract output)")
     tgt = m["producer"]["target"]

@@ -17,7 +17,6 @@ from dflash_offline.export import PROVENANCE, ExportConfig, export, provenance_p
 
 
 def run(cfg: ExportConfig) -> Path:
-    check_weights(Path(cfg.run), None if cfg.step < 0 else cfg.step)
     out = export(cfg.run, cfg.out, step=None if cfg.step < 0 else cfg.step, dtype=cfg.dtype, target=cfg.target,
                  force=cfg.force)
     prov = json.loads((out / PROVENANCE).read_text())
@@ -25,19 +24,6 @@ def run(cfg: ExportConfig) -> Path:
     for line in usage(out, prov["drafter"], provenance_paths(out, prov)["target"]):
         print("  " + line)
     return out
-
-
-def check_weights(run_dir: Path, step: int | None) -> None:
-    """The checkpoint's weights as saved (their SHA-256 in its meta.json), else one line: an export of a damaged
-    file would serve a drafter no one trained. (A run without checkpoints is left to `export` to refuse.)"""
-    from dflash_offline.checkpoint import damage, find_checkpoint, list_checkpoints
-
-    if not list_checkpoints(run_dir) and step is None:
-        return
-    ckpt = find_checkpoint(run_dir, step)
-    if why := damage(ckpt, only=("model.safetensors",)):
-        have = ", ".join(str(s) for _, s, d in list_checkpoints(run_dir) if d != ckpt) or "none"
-        raise ValueError(f"{ckpt} is damaged: {why}; export another step (--step=N; others: {have})")
 
 
 def main(argv: list[str]) -> None:

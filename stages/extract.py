@@ -341,8 +341,12 @@ def extract_shards(cfg, plan, model, cache: Path, tokens_dir: Path, todo, rank, 
     from dflash_offline.writer import HiddenShardWriter
 
     tok_entries, b, cuda = committed(plan["tokens_manifest"]), cfg.batch_rows, device.type == "cuda"
-    tok_sha = {i: e["files"][token_shard_name(i)]["sha256"] for i, e in tok_entries.items()}
     fix = f"the token cache is corrupt: rebuild it (delete {tokens_dir} and run make tokenize)"
+    for i, e in tok_entries.items():  # (the name the reader opens; a manifest naming another file is not this cache)
+        if token_shard_name(i) not in e["files"]:
+            raise ValueError(f"{tokens_dir}/manifest.json: shard {i} lists {sorted(e['files'])}, not "
+                             f"{token_shard_name(i)}: {fix}")
+    tok_sha = {i: e["files"][token_shard_name(i)]["sha256"] for i, e in tok_entries.items()}
     who = worker_info()
     progress = Progress(f"extract[{rank}]", sum(tok_entries[i]["rows"] for i in todo), "row",
                         cache / f"status-{who['host']}-{who['pid']}.json")

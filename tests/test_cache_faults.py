@@ -230,3 +230,35 @@ def test_status_of_a_hidden_cache_shows_times_verdict_and_summary(tmp_path, clea
     update_manifest(cache, verified={"ok": False, "bad": [{"shard": 3, "reason": "x"}, {"shard": 4, "reason": "y"}],
                                      "at": time.time()})
     assert "verified: FAILED at" in run([sys.executable, "-m", "stages.status", str(cache)]).stdout
+
+
+def test_training_names_a_field_missing_from_the_manifest(tmp_path, hidden_cache, copy_cache):
+    """A hand-edited hidden manifest without a field training reads is one line naming it, not a KeyError."""
+    from dflash_offline.config import TrainConfig
+    from dflash_offline.manifest import ManifestError
+    from dflash_offline.trainsetup import cache_defaults
+
+    cache = copy_cache(hidden_cache, tmp_path / "cache")
+    m = json.loads((cache / "manifest.json").read_text())
+    del m["config"]["mask_token_id"]
+    (cache / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ManifestError, match=r"manifest.json: config.mask_token_id is missing \(expected "):
+        cache_defaults(TrainConfig(cache=str(cache), run=str(tmp_path / "run")))
+
+
+def test_extraction_refuses_a_token_manifest_naming_another_file(tmp_path, clean, qwen35_dir, chat_corpus):
+    """A token shard whose manifest entry names another (well-formed) file is refused in one line naming both, before
+    anything is computed: the reader opens tokens-NNNNN.arrow, whatever the entry says."""
+    import shutil
+
+    src = (clean / read_manifest(clean)["config"]["tokens_dir"]).resolve()
+    root = tmp_path / "root"
+    root.mkdir()
+    shutil.copytree(src, root / src.name)
+    m = json.loads((root / src.name / "manifest.json").read_text())
+    entry = m["shards"][0] if isinstance(m["shards"], list) else m["shards"]["0"]
+    entry["files"] = {"tokens-00009.arrow": entry["files"]["tokens-00000.arrow"]}
+    (root / src.name / "manifest.json").write_text(json.dumps(m))
+    res = run(extract_cli(qwen35_dir, chat_corpus, root))
+    assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert "shard 0 lists ['tokens-00009.arrow'], not tokens-00000.arrow" in res.stderr, res.stderr[-2000:]
