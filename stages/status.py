@@ -32,7 +32,7 @@ STALE_S = 300.0  # a running writer with no lease of its own that has not update
 
 
 def live_status(cache: Path) -> list[dict]:
-    """Every writer's status file, with `liveness`: its final state (done, failed), or running / dead (its process
+    """Every writer's status file, with `liveness`: its final state (done, failed, interrupted: stopped by SIGTERM or SIGINT), or running / dead (its process
     is gone: same host) / stale (no update for longer than its lease: another host, probably dead)."""
     out = []
     for p in sorted(cache.glob("status*.json")):
@@ -175,7 +175,7 @@ def print_report(r: dict, show_all: bool) -> None:
         progress = f"{st.get('done')}/{st['total']}" if st.get("total") else f"{st.get('done')}"
         print(f"  {st['liveness']:<8} {st.get('stage')} {who}: {progress} "
               f"{st.get('tokens_per_s', 0):,.0f} tok/s{eta} "
-              f"({'ended' if st['liveness'] in ('done', 'failed') else 'updated'} {age:.0f}s ago)")
+              f"({'ended' if st['liveness'] in ('done', 'failed', 'interrupted') else 'updated'} {age:.0f}s ago)")
     for c in r["claims"]:
         left = c.get("expires", 0) - time.time()
         what = {"live": f"for {left:.0f}s more", "dead": "but its process is gone: the next run takes it over",
