@@ -32,8 +32,9 @@ STALE_S = 300.0  # a running writer with no lease of its own that has not update
 
 
 def live_status(cache: Path) -> list[dict]:
-    """Every writer's status file, with `liveness`: its final state (done, failed, interrupted: stopped by SIGTERM or SIGINT), or running / dead (its process
-    is gone: same host) / stale (no update for longer than its lease: another host, probably dead)."""
+    """Every writer's status file, with `liveness`: its final state (done, failed, interrupted: stopped by SIGTERM
+    or SIGINT), or running / dead (its process is gone: same host) / stale (no update for longer than its lease:
+    another host, probably dead)."""
     out = []
     for p in sorted(cache.glob("status*.json")):
         try:
