@@ -189,7 +189,7 @@ class TrainConfig:
     loss_logits: str = "fp32"  # lm_head logits the CE reads: "fp32", "bf16" (rounded as a bf16 lm_head; less memory) or "fp8" (both lm_head GEMMs in float8, bf16 logits)
     ckpt_every: int = 500  # checkpoint every N steps (and at the end)
     keep_last: int = 3  # checkpoints kept
-    stop_grace_s: float = 60.0  # on SIGTERM/SIGINT: seconds to finish the step and write a checkpoint (exit 143/130)
+    stop_grace_s: float = 25.0  # on SIGTERM/SIGINT: seconds to finish the step and write a checkpoint (exit 143/130); under torchrun and Slurm's default KillWait, SIGKILL follows after 30 s
     log_every: int = 10  # metrics line every N steps
     trackers: str = "tensorboard"  # accelerate trackers ("tensorboard", "wandb", comma list; "none" = JSONL only)
     require_verified: bool = False  # refuse a cache never verified (a cache that failed verify is always refused)

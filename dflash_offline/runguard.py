@@ -9,8 +9,8 @@ has not been touched for `OTHER_HOST_STALE_S`, the only sign of life visible fro
 multi-process run.
 
 Stopping: `StopSignals` turns SIGTERM and SIGINT into a request the loop reads between steps (the step in flight
-finishes, a final checkpoint is written, the status file says `interrupted`); a second signal, or a stop that has
-not finished within its grace, exits at once without a final checkpoint (the previous one stays whole). The exit
+finishes, a final checkpoint is written, the status file says `interrupted`); a second signal (more than `REPEAT_S` after
+the first: launchers forward the scheduler's SIGTERM), or a stop that has not finished within its grace, exits at once without a final checkpoint (the previous one stays whole). The exit
 status is 128 + the signal: 130 for SIGINT, 143 for SIGTERM.
 """
 
@@ -31,6 +31,7 @@ from .manifest import boot_id, pid_alive
 LOCK = ".run.lock"
 HEARTBEAT_S = 60.0  # the holder touches its lock this often
 OTHER_HOST_STALE_S = 600.0  # a lock from another host untouched this long is a dead holder's
+REPEAT_S = 5.0  # a signal this soon after the first is the same request (forwarded by a launcher), not a second one
 
 
 # --- ownership -------------------------------------------------------------------------------------------------
@@ -47,14 +48,15 @@ def check_run_dir(run_dir: Path, field: str = "--run (make RUN=)") -> None:
             kind = json.loads(m.read_text()).get("kind") if m.is_file() else None
         except (OSError, ValueError, AttributeError):
             kind = None
-        if kind:
+        if kind in ("tokens", "hidden"):
             raise ValueError(f"{field} {run_dir} is inside the {kind} cache {d} ({m}): put runs outside caches, "
                              f"e.g. --run=runs/<name>")
 
 
 def holder_line(info: dict) -> str:
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(info.get("started", 0)))
-    return f"{info.get('host', '?')} pid {info.get('pid', '?')} (since {started})"
+    job = f", job {info['job']}" if info.get("job") else ""
+    return f"{info.get('host', '?')} pid {info.get('pid', '?')} (since {started}{job})"
 
 
 def _read_lock(lock: Path) -> dict | None:
@@ -66,43 +68,80 @@ def _read_lock(lock: Path) -> dict | None:
         return {}  # being written this instant, or damaged: treated as held by an unknown holder
 
 
+BREAK_S = 30.0  # a break marker older than this was left by a breaker that died mid-way
+EMPTY_S = 30.0  # a lock file without a readable holder this old was left by a writer that died (older code)
+
+
 def acquire(run_dir: Path) -> None:
-    """Create RUN/.run.lock or refuse with one line."""
+    """Create RUN/.run.lock or refuse with one line. The record is written to a temp file and linked into place, so a
+    lock never exists without its holder; a stale lock is broken under a break marker (O_EXCL), after checking that it
+    still holds the record judged stale, so two trainers breaking one dead holder's lock cannot both own the run."""
     lock = run_dir / LOCK
     info = {"host": socket.gethostname(), "pid": os.getpid(), "boot": boot_id(), "started": time.time(),
-            "argv": sys.argv}
-    while True:
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
+            "argv": sys.argv, "job": job_id()}
+    tmp = run_dir / f"{LOCK}.{os.getpid()}.{threading.get_ident()}.tmp"
+    tmp.write_text(json.dumps(info, sort_keys=True))
+    try:
+        while True:
+            try:
+                os.link(tmp, lock)
+                return
+            except FileExistsError:
+                pass
             held = _read_lock(lock)
             if held is None:
                 continue  # released meanwhile
             if why := stale(lock, held):
-                print(f"breaking the stale run lock {lock} left by {holder_line(held)}: {why}", flush=True)
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(lock)
+                if break_lock(lock, held, why):
+                    continue
+                time.sleep(0.05)  # another trainer is breaking it: look again
                 continue
             raise ValueError(f"{run_dir} is being trained by {holder_line(held)} ({lock}): wait for it or stop it "
                              f"(kill -TERM writes a checkpoint), or choose another --run; if no such process runs "
                              f"(another machine that crashed), delete {lock}") from None
-        try:
-            os.write(fd, json.dumps(info, sort_keys=True).encode())
-        finally:
-            os.close(fd)
-        return
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+def break_lock(lock: Path, held: dict, why: str) -> bool:
+    """Remove `lock` if it still holds `held` (judged stale), under the break marker; False when another process is
+    breaking it (the caller looks again)."""
+    marker = lock.with_name(lock.name + ".break")
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        with contextlib.suppress(FileNotFoundError):
+            if time.time() - marker.stat().st_mtime > BREAK_S:
+                marker.unlink()
+        return False
+    try:
+        if _read_lock(lock) == held:
+            print(f"breaking the stale run lock {lock} left by {holder_line(held)}: {why}", flush=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lock)
+        return True
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            marker.unlink()
+
+
+def job_id() -> str:
+    """The scheduler's job this trainer belongs to, for the holder line ('' outside one)."""
+    env = os.environ
+    return next((f"{k}={env[k]}" for k in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "JOB_ID") if env.get(k)), "")
 
 
 def stale(lock: Path, held: dict) -> str | None:
     """Why the lock's holder is surely gone (None: it may be alive)."""
-    if not held:
-        return None
-    if not pid_alive(held.get("host", ""), held.get("pid", ""), held.get("boot")):
-        return "that process is gone"
     try:
         age = time.time() - lock.stat().st_mtime
     except FileNotFoundError:
         return None
+    if not held:
+        return f"it names no holder and is {age:.0f}s old" if age > EMPTY_S else None
+    if not pid_alive(held.get("host", ""), held.get("pid", ""), held.get("boot")):
+        return "that process is gone"
     if not mine(held, pid=False) and age > OTHER_HOST_STALE_S:
         return f"not touched for {age:.0f}s (its holder touches it every {HEARTBEAT_S:g}s)"
     return None
@@ -115,9 +154,18 @@ def mine(held: dict, pid: bool = True) -> bool:
             and (not pid or held.get("pid") == os.getpid()))
 
 
-def heartbeat(lock: Path, done: threading.Event) -> None:
-    """Touch `lock` every HEARTBEAT_S until `done` (a daemon thread: it ends with the process)."""
+def heartbeat(lock: Path, done: threading.Event, lost=None) -> None:
+    """Touch `lock` every HEARTBEAT_S until `done` (a daemon thread: it ends with the process); if the lock is no
+    longer this process's (broken by another trainer that judged it stale: a suspended machine, skewed clocks), say
+    so and call `lost(holder)` once instead."""
     while not done.wait(HEARTBEAT_S):
+        held = _read_lock(lock)
+        if held is not None and held and not mine(held):
+            print(f"the run lock {lock} is now held by {holder_line(held)}: this trainer stops", file=sys.stderr,
+                  flush=True)
+            if lost is not None:
+                lost(held)
+            return
         with contextlib.suppress(OSError):
             os.utime(lock)
 
@@ -132,15 +180,17 @@ def release(run_dir: Path) -> None:
 
 
 @contextlib.contextmanager
-def owned(run_dir: Path, rank: int):
-    """Hold the run's lock (rank 0; other ranks hold nothing) for the body."""
+def owned(run_dir: Path, rank: int, lost=None):
+    """Hold the run's lock (rank 0; other ranks hold nothing) for the body; `lost(holder)` is called if another
+    trainer takes it meanwhile (see `heartbeat`)."""
     if rank != 0:
         yield
         return
     run_dir.mkdir(parents=True, exist_ok=True)
     acquire(run_dir)
     done = threading.Event()
-    threading.Thread(target=heartbeat, args=(run_dir / LOCK, done), name="run-lock-heartbeat", daemon=True).start()
+    threading.Thread(target=heartbeat, args=(run_dir / LOCK, done, lost), name="run-lock-heartbeat",
+                     daemon=True).start()
     try:
         yield
     finally:
@@ -183,12 +233,13 @@ class StopSignals:
             self._timer.cancel()
 
     def _handle(self, signum, frame) -> None:
-        if self.requested:  # a second signal: no final checkpoint
-            self.on_timeout(signum, "a second signal")
+        if self.requested:  # a second signal: no final checkpoint — unless it is the first one again, forwarded
+            if time.monotonic() - self._at > REPEAT_S:  # (Slurm signals every process, torchrun forwards it too)
+                self.on_timeout(signum, "a second signal")
             return
-        self.requested = signum
-        print(f"{signal.Signals(signum).name}: stopping after this step (a final checkpoint within "
-              f"{self.grace_s:g}s; signal again to stop at once without one)", file=sys.stderr, flush=True)
+        self.requested, self._at = signum, time.monotonic()
+        os.write(2, (f"{signal.Signals(signum).name}: stopping after this step (a final checkpoint within "
+                     f"{self.grace_s:g}s; signal again after {REPEAT_S:g}s to stop at once without one)\n").encode())
         self._timer = threading.Timer(self.grace_s, self.on_timeout, (signum, f"the {self.grace_s:g}s stop grace"))
         self._timer.daemon = True
         self._timer.start()

@@ -162,13 +162,18 @@ def memo_paths(ckpt: Path) -> list[Path]:
     return [ckpt / HASH_MEMO, home / f"sha256-{hash_obj(str(ckpt.resolve()))[:16]}.json"]
 
 
-def read_memo(ckpt: Path) -> dict:
-    for p in reversed(memo_paths(ckpt)):  # beside the weights wins
+def read_memo(ckpt: Path) -> list[dict]:
+    """Every remembered table (beside the weights first): `weight_hashes` takes, per file, the first entry whose
+    stamp still matches, so a stale copy in one place never hides a current one in the other."""
+    out = []
+    for p in memo_paths(ckpt):
         try:
-            return json.loads(p.read_text())
+            memo = json.loads(p.read_text())
         except (OSError, ValueError):
             continue
-    return {}
+        if isinstance(memo, dict):
+            out.append(memo)
+    return out
 
 
 def write_memo(ckpt: Path, memo: dict) -> None:
@@ -185,9 +190,11 @@ def write_memo(ckpt: Path, memo: dict) -> None:
 def weight_hashes(ckpt: Path, files: list[Path], threads: int = HASH_THREADS) -> dict[str, str]:
     """File name → full SHA-256 of each of `files` (in `ckpt`): remembered ones whose stamp still matches, the others
     hashed on `threads` threads (hashlib releases the GIL) and remembered."""
-    memo = read_memo(ckpt)
     stamps = {f.name: file_stamp(f) for f in files}
-    todo = [f for f in files if (memo.get(f.name) or {}).get("stamp") != stamps[f.name]]
+    memo = {}
+    for table in reversed(read_memo(ckpt)):  # (current entries of either place; beside the weights wins a tie)
+        memo.update({k: v for k, v in table.items() if isinstance(v, dict) and v.get("stamp") == stamps.get(k)})
+    todo = [f for f in files if f.name not in memo]
     if todo:
         with ThreadPoolExecutor(max_workers=max(1, min(threads, len(todo)))) as pool:
             for f, digest in zip(todo, pool.map(sha256_file, todo), strict=True):

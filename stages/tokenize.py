@@ -132,8 +132,13 @@ def tokenizer_record(tok) -> dict:
 def run(cfg: TokenizeConfig) -> Path:
     paths, tok, producer, key, out = identify(cfg)
     m = open_cache(out, "tokens", key, producer, as_dict(cfg), num_shards=None)
-    if m.get("tokenizer_vocab") != (rec := tokenizer_record(tok)):  # (one made before recorded none: same files)
-        m = update_manifest(out, tokenizer_vocab=rec)
+    same = ("vocab_sha256", "vocab_size")  # (not its path: the same files from another mount are the same tokenizer)
+    if {k: (m.get("tokenizer_vocab") or {}).get(k) for k in same} != {k: (rec := tokenizer_record(tok))[k] for k in same}:
+        try:  # (one made before recorded none: same files, its key says so)
+            m = update_manifest(out, tokenizer_vocab=rec)
+        except OSError as e:
+            log(f"token cache {out}: its tokenizer's vocabulary could not be recorded ({e}); extraction then warns "
+                f"that it cannot check it")
     sweep(out, log=log)
     if m.get("complete") and (bad := requeue_missing(out)):  # tokenization is deterministic: redo those shards
         log(f"token cache {out}: {len(bad)} committed shard(s) damaged on disk ({bad[0]['reason']}): redoing them")

@@ -11,6 +11,7 @@ import pytest
 from dflash_offline import target as tgt
 from dflash_offline import targetid
 from dflash_offline.config import ExtractConfig, TokenizeConfig
+from dflash_offline.manifest import sha256_file
 from dflash_offline.targetid import TargetError, target_fingerprint
 from stages import extract, tokenize
 
@@ -71,6 +72,17 @@ def test_a_read_only_checkpoint_remembers_its_hashes_in_the_user_cache(tmp_path,
     assert not (ckpt / targetid.HASH_MEMO).exists() and len(list((tmp_path / "xdg" / "dflash_offline").iterdir())) == 1
     monkeypatch.setattr(targetid, "sha256_file", lambda p: pytest.fail("hashed again"))
     assert target_fingerprint(ckpt) == first
+    # writable again and the weights changed: hashed once, remembered beside them; the user cache's copy, now stale,
+    # does not hide that (it did: every later start hashed the file again)
+    monkeypatch.setattr(targetid, "write_json_atomic", real)
+    monkeypatch.setattr(targetid, "sha256_file", sha256_file)
+    weights = ckpt / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    weights.write_bytes(bytes(data[:-1]) + bytes([data[-1] ^ 1]))
+    changed = target_fingerprint(ckpt)
+    assert changed != first and (ckpt / targetid.HASH_MEMO).is_file()
+    monkeypatch.setattr(targetid, "sha256_file", lambda p: pytest.fail("hashed again"))
+    assert target_fingerprint(ckpt) == changed
 
 
 def test_train_check_reads_an_old_cache_in_its_sampled_scheme(qwen35_dir):

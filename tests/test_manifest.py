@@ -169,6 +169,8 @@ def test_committed_shards_whose_files_are_gone_go_back_to_to_do(tmp_path):
     (lambda m: m["shards"][1].update(compute_seconds="1"), "shards[1].compute_seconds is '1', expected a number"),
     (lambda m: m["producer"].update(target={"hidden_size": "64"}), "producer.target.hidden_size is '64'"),
     (lambda m: m["shards"][1].update(index=7), "shards[1].index is 7, outside num_shards 2"),
+    (lambda m: m.update(tokenizer_vocab="x"), "tokenizer_vocab is 'x', expected an object or null"),
+    (lambda m: m.update(tokenizer_vocab={"vocab_sha256": 5}), "tokenizer_vocab.vocab_sha256 is 5"),
 ])
 def test_a_hand_edited_manifest_field_is_named_not_a_traceback(tmp_path, edit, field):
     mf.open_cache(tmp_path, "hidden", "k", {}, {}, 2)
@@ -178,6 +180,18 @@ def test_a_hand_edited_manifest_field_is_named_not_a_traceback(tmp_path, edit, f
     edit(m)
     (tmp_path / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(mf.ManifestError, match=rf"manifest.json: {__import__('re').escape(field)}.*edited or damaged"):
+        mf.read_manifest(tmp_path)
+
+
+def test_a_cache_extracted_without_a_mask_token_is_valid(tmp_path):
+    """A real target without a mask token chosen (no `mask_token_id=`, no dflash_target.json) records null: a valid
+    cache, for which training asks for `mask_token_id=` — not an edited manifest."""
+    mf.open_cache(tmp_path, "hidden", "k", {}, {"mask_token_id": None, "layer_ids": [1, 3]}, 1)
+    assert mf.read_manifest(tmp_path)["config"]["mask_token_id"] is None
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    m["config"]["mask_token_id"] = "1"
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(mf.ManifestError, match="config.mask_token_id is '1', expected an integer ≥ 0 or null"):
         mf.read_manifest(tmp_path)
 
 

@@ -139,15 +139,54 @@ def test_a_stop_that_outlasts_its_grace_ends_the_process_marked_interrupted(tmp_
     assert status(run) == {"state": "interrupted", "done": 3} and not (run / ".run.lock").exists()
 
 
-def test_a_second_signal_stops_at_once():
+def test_a_second_signal_stops_at_once_but_a_forwarded_one_is_the_same_request(monkeypatch):
+    """Slurm signals every process of a step and torchrun forwards the signal again: a repeat within REPEAT_S is the
+    first request (the final checkpoint is still written); a later one ends the run at once."""
+    monkeypatch.setattr(runguard, "REPEAT_S", 0.5)
     ended = threading.Event()
     got = []
     with runguard.StopSignals(60, lambda sig, why: (got.append((sig, why)), ended.set())) as s:
         os.kill(os.getpid(), signal.SIGTERM)
         wait_for(lambda: s.requested)
-        assert not got
+        os.kill(os.getpid(), signal.SIGTERM)  # (forwarded)
+        assert not ended.wait(0.2) and not got
+        time.sleep(0.5)
         os.kill(os.getpid(), signal.SIGTERM)
         assert ended.wait(5) and got == [(signal.SIGTERM, "a second signal")]
+
+
+def test_two_trainers_breaking_one_stale_lock_do_not_both_own_the_run(tmp_path, monkeypatch):
+    """Both judge the dead holder's lock stale at the same moment; the break marker and the check that the lock still
+    holds what was judged stale leave exactly one owner."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock = tmp_path / ".run.lock"
+    lock.write_text(json.dumps({"host": os.uname().nodename, "pid": dead.pid, "started": 0}))
+    slow_stale = runguard.stale
+
+    def stale(path, held):  # both threads judge before either breaks
+        why = slow_stale(path, held)
+        time.sleep(0.3)
+        return why
+
+    monkeypatch.setattr(runguard, "stale", stale)
+    monkeypatch.setattr(runguard, "pid_alive", lambda host, pid, boot=None: int(pid) != dead.pid)
+    owners, refused = [], []
+
+    def take():
+        try:
+            runguard.acquire(tmp_path)
+            owners.append(json.loads(lock.read_text()))
+        except ValueError as e:
+            refused.append(str(e))
+
+    threads = [threading.Thread(target=take) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(owners) == 1 and len(refused) == 1 and "is being trained by" in refused[0]
+    assert not list(tmp_path.glob(".run.lock.*"))  # no temp record or break marker left
 
 
 def test_a_lock_left_by_a_dead_trainer_is_broken_with_a_message(tmp_path, hidden_cache, capsys):

@@ -18,9 +18,9 @@ from dflash_offline.evaluation import render_prompt
 from dflash_offline.export import export
 from dflash_offline.speculate import (
     ExportedDrafter,
+    GenStats,
     batched_greedy,
     greedy_by_blocks,
-    GenStats,
     greedy_generate,
     load_exported,
     replay_generate,
