@@ -152,7 +152,7 @@ def locked(cache: Path, stale_s: float = 60.0, timeout_s: float = 120.0):
     directory) is refused at once."""
     lock = cache / ".lock"
     deadline = time.monotonic() + timeout_s
-    token = f"{worker_id()}:{uuid.uuid4().hex}:{boot_id()}"
+    token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}:{boot_id()}"
     while not _try_lock(lock, token):
         holder = _lock_holder(lock)
         if holder is not None and _break_if_stale(lock, *holder, stale_s):
@@ -491,7 +491,9 @@ def requeue_missing(cache: Path) -> list[dict]:
 
 
 def worker_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """This process among all writers: host, pid and its pid space (`boot_tag`) — two containers with one hostname
+    and the same pid (new pid namespaces start alike) are two workers, whose claims neither takes nor releases."""
+    return f"{socket.gethostname()}:{os.getpid()}:{boot_tag()}"
 
 
 @functools.cache
@@ -573,7 +575,7 @@ def holders(cache: Path, indices) -> dict[int, dict]:
 
 def alive(claim: dict) -> bool:
     """False only when the claim's worker ran on this host and its process is gone (no need to wait for the lease)."""
-    host, _, pid = str(claim.get("worker", "")).rpartition(":")
+    host, pid = (str(claim.get("worker", "")).split(":") + [""])[:2]  # host:pid[:pid space tag]
     return pid_alive(host, pid, claim.get("boot"))
 
 

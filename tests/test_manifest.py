@@ -265,6 +265,30 @@ def test_a_holder_in_another_pid_space_with_this_hostname_is_not_judged_by_a_loc
     assert mf.claim_state(dict(claim, boot=mf.boot_id())) == "dead" == mf.claim_state(claim)
 
 
+def test_a_claim_of_another_pid_space_with_this_hostname_and_pid_is_not_ours(tmp_path, monkeypatch):
+    """Containers started alike get the same pids: a live claim written by one with this hostname and our pid, from
+    another pid space, is neither taken over nor released by us."""
+    import os
+    import socket
+
+    from dflash_offline.claims import release_held
+
+    mf.open_cache(tmp_path, "hidden", "k", {}, {}, 2)
+    host, pid = socket.gethostname(), os.getpid()
+    (tmp_path / "claims").mkdir(exist_ok=True)
+    with monkeypatch.context() as m:  # what the other container's worker_id is
+        m.setattr(mf, "boot_tag", lambda: "0therb00")
+        m.setattr(mf, "boot_id", lambda: "another-boot/1")
+        other = mf.worker_id()
+    theirs = {"worker": other, "host": host, "pid": pid, "boot": "another-boot/1", "index": 0,
+              "expires": time.time() + 600}
+    (tmp_path / "claims" / "shard-00000.json").write_text(json.dumps(theirs))
+    assert mf.claim_state(theirs) == "live"
+    assert not mf.try_claim(tmp_path, 0, lease_s=60)
+    assert release_held(tmp_path) == [] and (tmp_path / "claims" / "shard-00000.json").is_file()
+    assert mf.try_claim(tmp_path, 1, lease_s=60) and release_held(tmp_path) == [1]
+
+
 def test_a_temp_file_of_another_pid_space_with_this_hostname_is_kept(tmp_path):
     """Sweeping by a local pid would delete a live shard write of a container with this hostname."""
     import socket
