@@ -19,6 +19,7 @@ host: the pid is gone; other hosts: the lease has expired, or the temp file has 
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import json
@@ -171,7 +172,23 @@ def locked(cache: Path, stale_s: float = 60.0, timeout_s: float = 120.0):
 
 
 def _try_lock(lock: Path, token: str) -> bool:
-    """Create `lock` holding `token` (O_EXCL: one winner, on local and shared filesystems); False if it exists."""
+    """Create `lock` holding `token`; False if it exists. The token is written to a temp file and hard-linked into
+    place (one winner, on local and shared filesystems), so a lock never exists without its holder: a signal or a
+    full disk between creating and writing it would leave an empty lock every writer waits `stale_s` on. Where the
+    filesystem has no hard links, O_EXCL and a write."""
+    tmp = temp_path(lock)
+    try:
+        tmp.write_text(token)
+        os.link(tmp, lock)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+            raise
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
     try:
         fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0), 0o644)
     except FileExistsError:
