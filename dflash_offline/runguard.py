@@ -186,6 +186,7 @@ def owned(run_dir: Path, rank: int, lost=None):
     if rank != 0:
         yield
         return
+    created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     acquire(run_dir)
     done = threading.Event()
@@ -196,6 +197,9 @@ def owned(run_dir: Path, rank: int, lost=None):
     finally:
         done.set()
         release(run_dir)
+        if created:  # a run refused before it wrote anything leaves nothing behind (rmdir: only when empty)
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()
 
 
 # --- stopping --------------------------------------------------------------------------------------------------
