@@ -435,8 +435,9 @@ def stop_on_signals():
     """SIGTERM and SIGINT raise `Interrupted` in the main thread; later ones are only logged, so that the cleanup
     they started (writes drained, claims released, status written) is not cut short."""
 
-    def stopping(signum, frame):
-        log(f"{signal.Signals(signum).name}: already stopping (releasing claims, finishing shard writes)")
+    def stopping(signum, frame):  # (os.write: a print here could re-enter a print the signal interrupted)
+        os.write(2, f"{signal.Signals(signum).name}: already stopping (releasing claims, finishing shard writes)\n"
+                 .encode())
 
     def stop(signum, frame):
         for s in old:
