@@ -280,7 +280,10 @@ def stop(cfg: TrainConfig, s: TrainSetup, acc, p: Parts, run_dir: Path, step: in
 
     from dflash_offline.checkpoint import step_dir
 
-    if not saved:
+    if not saved:  # as at a checkpoint: the window ends at this step and its record is written before the save
+        if meter.window.steps:  # (a resume starts after this step: a record left pending or unended would be lost)
+            meter.end_window(step, p.sched.get_last_lr()[0], p.opt.optimizer.skipped if s.master else p.skipped)
+        meter.read()
         save(cfg, s, acc, p, run_dir, step, stream, projection)
     progress.close("interrupted")
     meter.close()
