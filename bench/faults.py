@@ -1,8 +1,8 @@
-"""Randomized kill -9 of stages 1b and 2, each followed by a rerun, compared with clean runs (CPU, minutes).
+"""Randomized kill -9 / SIGTERM of stages 1b and 2, each followed by a rerun, compared with clean runs (CPU, minutes).
 
-    python -m bench.faults [--kills=50] [--seed=0] [--out=build/faults]          (make faults ARGS=...)
+    python -m bench.faults [--kills=50] [--signals=kill,term] [--seed=0] [--out=build/faults]   (make faults ARGS=...)
 
-The contract under test: after any `kill -9` and a rerun of the same command,
+The contract under test: after any `kill -9` or SIGTERM and a rerun of the same command,
 1. extraction: the token and hidden caches have the clean run's keys and committed shards — same files, same bytes,
    same SHA-256 in the manifests;
 2. training resumed with `--resume=1`: the same kept checkpoints (model and optimizer tensors `torch.equal`) and the
@@ -10,6 +10,22 @@ The contract under test: after any `kill -9` and a rerun of the same command,
 3. no debris: no temp files or directories (`.tmp~`, older code `.tmp-`), no claims, no `.lock`, nothing starting
    with `.` in `<run>/checkpoints/`, no `step-*` directory lacking a file its `meta.json` lists (or meta.json);
 and every rerun that is not killed exits 0.
+
+Each kill draws its signal from `--signals` (SIGKILL or SIGTERM, evenly). A SIGTERM'd run must in addition exit
+within TERM_BOUND_S of the signal with 143 and its one line (extraction: `error: stopped by SIGTERM`, the status file
+of this process `interrupted`; training: `stopped on SIGTERM`, `status-rank0.json` `interrupted`, `RUN/.run.lock`
+released) — or with 0 when it finished before the signal landed, or as killed by SIGTERM (-15) when the signal came
+before the stage installed its handler or after it put the default back (interpreter start-up, shutdown): then it is
+the same as a kill -9 with nothing in flight. A training run stopped at step N writes a checkpoint of step N besides
+the regular ones, so the kept checkpoints are the newest `keep_last` of the regular steps and those stop steps (not
+the clean run's set when a stop step is among the newest); each kept one is compared tensor-for-tensor with a clean
+run that saved every step (itself checked equal to the clean run on the steps both keep), and `metrics.jsonl` must
+still equal the clean run's record for record (no step twice).
+
+Second trainer: in every training trial's completing run, once it logged `ready in` (it holds `RUN/.run.lock`), the
+harness pauses it (SIGSTOP: a live holder, whatever the speed of the tiny run), starts a second `stages.train` with
+the same arguments on the same run, which must be refused within REFUSAL_BOUND_S (exit 2, one line `is being trained
+by`), resumes the first (SIGCONT), and the trial's comparison must still pass.
 
 The clean references (the tiny Qwen3.5 target, one extraction, one training run) are built first in `--out`; each
 trial then runs the stage with the reference's arguments into its own directory (extraction: a fresh cache root,
@@ -25,7 +41,9 @@ on the run's own log line keeps the draw inside the phase whatever the start-up 
 within the phase lands kills mid-shard / mid-step as well as inside shard writes, claims, commits and checkpoint
 saves. A run that ends before its kill is not counted as a kill: it is the completing rerun.
 
-Trials that pass are deleted; a failing one stays in `<out>/trials/` with the log of every run.
+Trials that pass are deleted; a failing one stays in `<out>/trials/` with the log of every run. The last line sums
+up kills per stage and per signal, second trainers refused, shards and checkpoints compared, debris and mismatches;
+`<out>/faults.json` holds the whole tally (also SIGTERM exit statuses and the slowest SIGTERM exit and refusal).
 """
 
 from __future__ import annotations
@@ -52,7 +70,7 @@ TEMP_MARKS = (TEMP_MARK, ".tmp-")  # the current temp-name mark and the older co
 EXTRACT = dict(seq_len=128, rows_per_shard=2, max_docs=40, num_draft_layers=3, device="cpu", batch_rows=2,
                workers=1)
 TRAIN = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_anchors=8, batch_rows=2, log_every=1,
-             trackers="none", lr=3e-3, warmup_steps=1, steps=12, ckpt_every=2)
+             trackers="none", lr=3e-3, warmup_steps=1, steps=12, ckpt_every=2, keep_last=3)
 # (phase, regex of the log line that starts it — None: the process start —, share of the kills)
 PHASES = {
     "extract": [("start-up", None, 0.2), ("tokenize", r"tokenizing \d+ file|token cache .* reusing", 0.2),
@@ -61,6 +79,9 @@ PHASES = {
               ("exit", r"^/\S+$", 0.1)],  # the last step's metrics come before its checkpoint; then the run's path
 }
 KILLS_PER_TRIAL = ([1, 2, 3], [0.6, 0.25, 0.15])
+SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM}
+TERM_BOUND_S = 30.0  # a SIGTERM'd run exits this soon after the signal (training's stop grace is 25 s)
+REFUSAL_BOUND_S = 20.0  # a second trainer on a held run is refused this soon after its start (a loaded 2-core CPU)
 
 
 # --- running and killing a stage ---------------------------------------------------------------------------------
@@ -105,14 +126,20 @@ class Run:
                 self.cond.wait(deadline - time.time())
         return None
 
-    def kill_at(self, t: float) -> bool:
-        """SIGKILL the whole group `t` s after the start; True if it was still running then."""
+    def signal_at(self, t: float, sig: int, bound: float) -> tuple[bool, int | None, float]:
+        """Send `sig` to the whole group `t` s after the start: (sent — False if the run had ended —, exit status —
+        None if it outlived `bound` s after the signal, then killed —, seconds from the signal to the exit)."""
         try:
             self.proc.wait(max(0.0, self.t0 + t - time.time()))
-            return False
+            return False, self.proc.returncode, 0.0
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        return self.finish(60) == -signal.SIGKILL
+            sent = time.time()
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:  # ended (and reaped) this instant
+                return False, self.proc.wait(), 0.0
+        rc = self.finish(bound)
+        return True, rc, time.time() - sent
 
     def finish(self, timeout: float) -> int | None:
         """The exit status, or None after killing a run that hangs past `timeout`."""
@@ -138,8 +165,8 @@ def extract_args(target: Path, corpus: Path, cache_root: Path, write_queue: int)
     return [sys.executable, "-m", "stages.extract"] + [f"--{k}={v}" for k, v in opts.items()]
 
 
-def train_args(cache: Path, run: Path, resume: bool) -> list[str]:
-    opts = {**TRAIN, "cache": cache, "run": run, "resume": int(resume)}
+def train_args(cache: Path, run: Path, resume: bool, **over) -> list[str]:
+    opts = {**TRAIN, **over, "cache": cache, "run": run, "resume": int(resume)}
     return [sys.executable, "-m", "stages.train"] + [f"--{k}={v}" for k, v in opts.items()]
 
 
@@ -176,10 +203,11 @@ def cache_debris(root: Path) -> list[str]:
 
 
 def run_debris(run: Path) -> list[str]:
-    """Temp files, anything hidden in checkpoints/ (temp or replaced checkpoints), step-* directories that lack a
-    file their meta.json lists (or meta.json itself)."""
+    """Temp files, the run lock (and its temp or break marker), anything hidden in checkpoints/ (temp or replaced
+    checkpoints), step-* directories that lack a file their meta.json lists (or meta.json itself)."""
     ck = run / "checkpoints"
     left = [p for p in run.rglob("*") if any(m in p.name for m in TEMP_MARKS)] if run.is_dir() else []
+    left += list(run.glob(".run.lock*")) if run.is_dir() else []
     left += [p for p in ck.iterdir() if p.name.startswith(".")] if ck.is_dir() else []
     left += [p for p in ck.glob("step-*") if not complete(p)]
     return sorted({str(p.relative_to(run)) for p in left})
@@ -259,7 +287,17 @@ def checkpoints(run: Path) -> dict[str, Path]:
     return {p.name: p for p in sorted((run / "checkpoints").glob("step-*")) if complete(p)}
 
 
-def compare_train(run: Path, ref: Path) -> Verdict:
+def kept_steps(stops: list[int] = ()) -> list[str]:
+    """The checkpoints a run keeps: the newest `keep_last` of the regular steps and the steps SIGTERM stopped at."""
+    n, every = TRAIN["steps"], TRAIN["ckpt_every"]
+    saved = sorted({*range(every, n + 1, every), n, *stops})
+    return [f"step-{s:08d}" for s in saved[-TRAIN["keep_last"]:]]
+
+
+def compare_train(run: Path, ref: Path, stops: list[int] = (), every: Path | None = None) -> Verdict:
+    """`run` against the clean run `ref`: metrics record for record, `latest`, the kept checkpoints (those of `ref`
+    with no stop among the newest; else `kept_steps(stops)`), each equal to `every`'s (a clean run that kept every
+    step; `ref` when None)."""
     import torch
     from safetensors.torch import load_file
 
@@ -271,12 +309,16 @@ def compare_train(run: Path, ref: Path) -> Verdict:
         diff = [s for s, x in dict(got).items() if dict(want).get(s) != x]
         v.mismatches.append(f"metrics.jsonl: {len(got)} records for {len(want)} clean ones; steps recorded more than "
                             f"once {dup}; steps whose loss differs {diff}")
-    ck, ckref = checkpoints(run), checkpoints(ref)
-    if ck.keys() != ckref.keys():
-        v.mismatches.append(f"checkpoints {sorted(ck)} ≠ clean {sorted(ckref)}")
+    ck, ckref = checkpoints(run), checkpoints(every or ref)
+    want_kept = kept_steps(stops) if stops else sorted(checkpoints(ref))
+    if sorted(ck) != want_kept:
+        v.mismatches.append(f"checkpoints {sorted(ck)} ≠ {want_kept} (clean {sorted(checkpoints(ref))}"
+                            f"{f', stops at steps {sorted(stops)}' if stops else ''})")
     latest, ref_latest = (read_text(r / "checkpoints" / "latest") for r in (run, ref))
     if latest != ref_latest:
         v.mismatches.append(f"checkpoints/latest names {latest!r}, clean {ref_latest!r}")
+    for name in sorted(ck.keys() - ckref.keys()):
+        v.mismatches.append(f"{name}: no clean checkpoint to compare it with")
     for name in sorted(ck.keys() & ckref.keys()):
         bad = [f for f in ("model.safetensors", "optimizer.safetensors")
                if not tensors_equal(load_file(str(ck[name] / f)), load_file(str(ckref[name] / f)), torch)]
@@ -304,6 +346,7 @@ class Reference:
     corpus: Path
     extract_root: Path
     train_run: Path
+    every_run: Path  # the clean training run with a checkpoint of every step, all kept
     phases: dict  # kind → [(phase, pattern, weight, duration s)]
     seconds: dict  # kind → wall time of the clean run
 
@@ -337,13 +380,28 @@ def build_references(out: Path, log) -> Reference:
         phases[kind], seconds[kind] = phase_table(kind, run), run.lines[-1][0]
         log(f"clean {kind}: {seconds[kind]:.1f}s; phases " +
             ", ".join(f"{name} {d:.2f}s" for name, _, _, d in phases[kind]))
-    return Reference(target, corpus, ref / "cache", ref / "run", phases, seconds)
+    # what a SIGTERM'd run's stop checkpoint is compared with: the same run saving (and keeping) every step
+    run = Run(train_args(caches(ref / "cache")["hidden"], ref / "run-every", False, ckpt_every=1, keep_last=0),
+              ref / "train-every.log")
+    if run.finish(600) != 0:
+        raise SystemExit(f"faults: the clean train run with every step kept failed: {run.tail(5)}")
+    v = compare_train(ref / "run", ref / "run", every=ref / "run-every")
+    if v.mismatches or v.compared != len(checkpoints(ref / "run")):
+        raise SystemExit(f"faults: the clean run keeping every step differs from the clean run: {v.mismatches}")
+    return Reference(target, corpus, ref / "cache", ref / "run", ref / "run-every", phases, seconds)
 
 
 @dataclass
 class Tally:
     kills: dict = field(default_factory=lambda: {"extract": 0, "train": 0})
+    signals: dict = field(default_factory=lambda: {"kill": 0, "term": 0})  # kills by signal
     phases: dict = field(default_factory=dict)  # "kind phase" → kills that landed in it
+    term_exits: dict = field(default_factory=dict)  # "kind rc" → SIGTERM'd runs (143; -15: outside the handler)
+    term_finished: int = 0  # runs that finished (exit 0) although SIGTERM was sent: the completing run
+    term_max_s: float = 0.0  # the longest time from a SIGTERM to the exit
+    stop_checkpoints: int = 0  # training runs stopped at a step with a final checkpoint
+    refused: int = 0  # second trainers refused as they should be
+    refusal_max_s: float = 0.0
     missed: int = 0  # runs that ended before their kill
     shards: int = 0
     ckpts: int = 0
@@ -351,7 +409,69 @@ class Tally:
     mismatches: int = 0
 
 
-def trial(kind: str, n_kills: int, d: Path, ref: Reference, rng: random.Random, tally: Tally, label, log) -> bool:
+def term_checks(kind: str, run: Run, rc: int, d: Path) -> tuple[list[str], int | None]:
+    """What a SIGTERM'd run must have done besides leaving no debris: (problems, the step a training run stopped at
+    with a checkpoint, None for none)."""
+    text = [line.rstrip("\n") for _, line in run.lines if line]
+    problems, step = [], None
+    if rc == -signal.SIGTERM:  # the default action: before the handler was installed or after it was put back
+        lines = [x for x in text if re.match(r"(error: )?stopped (by|on) SIGTERM|SIGTERM: ", x)]
+        if lines:
+            problems.append(f"killed by SIGTERM's default action although it logged {lines[0]!r}")
+    elif kind == "extract":
+        lines = [x for x in text if x.startswith("error: stopped by SIGTERM")]
+        if len(lines) != 1:
+            problems.append(f"{len(lines)} lines 'error: stopped by SIGTERM' (one wanted)")
+        mine = [p for p in (d / "cache").glob("*/status*.json") if (read_json(p) or {}).get("pid") == run.proc.pid]
+        states = {p.parent.name.split("-")[0] + "/" + p.name: (read_json(p) or {}).get("state") for p in mine}
+        hidden = {k: x for k, x in states.items() if k.startswith("hidden/")}
+        pending = hidden or {k: x for k, x in states.items() if x != "done"}  # the stage it was in, if it had one
+        if any(x != "interrupted" for x in pending.values()):
+            problems.append(f"status files {pending} (interrupted wanted)")
+    else:
+        lines = [x for x in text if x.startswith("stopped on SIGTERM")]
+        if len(lines) != 1:
+            problems.append(f"{len(lines)} lines 'stopped on SIGTERM' (one wanted)")
+        elif m := re.match(r"stopped on SIGTERM at step (\d+) of ", lines[0]):
+            step = int(m.group(1))
+        status = read_json(d / "run" / "status-rank0.json")
+        if (status is not None or step is not None) and (status or {}).get("state") != "interrupted":
+            problems.append(f"status-rank0.json state {(status or {}).get('state')!r} (interrupted wanted)")
+    if kind == "train" and (d / "run" / ".run.lock").exists():
+        problems.append("RUN/.run.lock not released")
+    return problems, step
+
+
+def second_trainer(run: Run, cmd: list[str], d: Path, tally: Tally) -> str | None:
+    """Once `run` holds its run's lock, pause it, start a second trainer on the run, resume it; a problem or None."""
+    if run.wait_line(r"ready in", 120) is None:
+        return None  # (ended first: the comparison says the rest)
+    try:
+        os.killpg(run.proc.pid, signal.SIGSTOP)  # a live holder for as long as the second trainer takes
+    except ProcessLookupError:
+        return None
+    try:
+        t = time.time()
+        env = dict(os.environ, DFLASH_NO_BAR="1", PYTHONPATH=str(REPO),
+                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        try:
+            res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=REFUSAL_BOUND_S)
+        except subprocess.TimeoutExpired:
+            return f"a second trainer on the run was not refused within {REFUSAL_BOUND_S:g}s"
+        secs = time.time() - t
+        (d / "second-trainer.log").write_text(res.stdout + res.stderr)
+        said = [x for x in (res.stdout + res.stderr).splitlines() if x.strip()]
+        if res.returncode != 2 or len(said) != 1 or "is being trained by" not in said[0]:
+            return f"a second trainer exited {res.returncode} saying {said[-3:]} (2 and 'is being trained by' wanted)"
+        tally.refused += 1
+        tally.refusal_max_s = max(tally.refusal_max_s, secs)
+        return None
+    finally:
+        os.killpg(run.proc.pid, signal.SIGCONT)
+
+
+def trial(kind: str, n_kills: int, d: Path, ref: Reference, rng: random.Random, tally: Tally, label, log,
+          signals: list[str] = ("kill",)) -> bool:
     """Kill one run up to `n_kills` times, rerun it to completion, compare; True when it matches the clean run."""
     wq = rng.randint(1, 3)
 
@@ -362,35 +482,58 @@ def trial(kind: str, n_kills: int, d: Path, ref: Reference, rng: random.Random, 
 
     state = (lambda: extract_state(d / "cache")) if kind == "extract" else (lambda: train_state(d / "run"))
     timeout = max(120.0, 10 * ref.seconds[kind])
-    pending, problems = None, []  # the last kill's line, waiting for what its rerun found
+    pending, problems, stops = None, [], []  # pending: the last kill's line, waiting for what its rerun found
     for attempt in range(n_kills + 1):
         cmd = args()
         run = Run(cmd, d / f"run-{attempt}.log")
         if attempt < n_kills:
             phase, pattern, _, dur = rng.choices(ref.phases[kind], weights=[w for _, _, w, _ in ref.phases[kind]])[0]
-            delay = rng.uniform(0, dur)
+            delay, sig = rng.uniform(0, dur), rng.choice(signals)
             t = run.wait_line(pattern, timeout)
-            if t is not None and run.kill_at(t + delay):
+            sent, rc, secs = run.signal_at(t + delay, SIGNALS[sig], 60 if sig == "kill" else TERM_BOUND_S) \
+                if t is not None else (False, None, 0.0)
+            if sent and rc in ((-signal.SIGKILL,) if sig == "kill" else (128 + signal.SIGTERM, -signal.SIGTERM)):
                 if pending:
                     log(pending + " → rerun killed too")
                 tally.kills[kind] += 1
+                tally.signals[sig] += 1
                 tally.phases[f"{kind} {phase}"] = tally.phases.get(f"{kind} {phase}", 0) + 1
-                pending = (f"{label()} {kind} {d.name} kill {attempt + 1}/{n_kills} at {t + delay:.2f}s ({phase} "
+                how, then = ("kill" if sig == "kill" else "SIGTERM"), ""
+                if sig == "term":
+                    tally.term_exits[f"{kind} {rc}"] = tally.term_exits.get(f"{kind} {rc}", 0) + 1
+                    tally.term_max_s = max(tally.term_max_s, secs)
+                    found, step = term_checks(kind, run, rc, d)
+                    problems += [f"run-{attempt} SIGTERM'd: {x}" for x in found]
+                    if step is not None:
+                        stops.append(step)
+                        tally.stop_checkpoints += 1
+                    then = f" exit {rc} in {secs:.1f}s{f', stopped at step {step}' if step is not None else ''};"
+                pending = (f"{label()} {kind} {d.name} {how} {attempt + 1}/{n_kills} at {t + delay:.2f}s ({phase} "
                            f"+{delay:.2f}s{f', write_queue {wq}' if kind == 'extract' else ''}"
-                           f"{', resume=1' if '--resume=1' in cmd else ''}): {state()}")
+                           f"{', resume=1' if '--resume=1' in cmd else ''}):{then} {state()}")
                 continue
-            tally.missed += 1  # the run ended before its kill: it is the completing rerun
+            if sent and sig == "term" and rc == 0:
+                tally.term_finished += 1  # finished before the signal landed: it is the completing run
+            elif sent and rc != 0:
+                problems.append(f"run-{attempt} ({cmd[2]}) {'SIGTERM' if sig == 'term' else 'kill -9'} → "
+                                f"{f'exit {rc}' if rc is not None else f'still running {secs:.0f}s after it'}: "
+                                f"{run.tail()}")
+                break
+            else:
+                tally.missed += 1  # the run ended before its kill: it is the completing rerun
+        elif kind == "train" and (why := second_trainer(run, cmd, d, tally)):
+            problems.append(f"run-{attempt}: {why}")
         rc = run.finish(timeout)
         if rc != 0:
             problems.append(f"run-{attempt} ({cmd[2]}{' --resume=1' if '--resume=1' in cmd else ''}) "
                             f"{f'exited {rc}' if rc is not None else 'hung'}: {run.tail()}")
         break
-    if problems:  # what a failed rerun left differs from the clean run in every way: report the failure alone
+    if rc != 0:  # what a failed rerun left differs from the clean run in every way: report the failure alone
         v = Verdict(debris=cache_debris(d / "cache") if kind == "extract" else run_debris(d / "run"))
     elif kind == "extract":
         v = compare_extract(d / "cache", ref.extract_root)
     else:
-        v = compare_train(d / "run", ref.train_run)
+        v = compare_train(d / "run", ref.train_run, stops, ref.every_run)
     problems += v.mismatches
     tally.debris += len(v.debris)
     tally.mismatches += len(problems)
@@ -412,11 +555,16 @@ def trial(kind: str, n_kills: int, d: Path, ref: Reference, rng: random.Random, 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.faults", description=__doc__.split("\n")[0])
-    p.add_argument("--kills", type=int, default=50, help="kill -9s in all, extraction and training (50)")
+    p.add_argument("--kills", type=int, default=50, help="kills in all, extraction and training (50)")
+    p.add_argument("--signals", default="kill,term",
+                   help="the signals a kill draws from, evenly: kill (SIGKILL), term (SIGTERM) (kill,term)")
     p.add_argument("--seed", type=int, default=0, help="seeds the choice of stage, kill counts and kill times (0)")
     p.add_argument("--out", type=Path, default=REPO / "build" / "faults",
                    help="target, clean runs, failing trials (build/faults)")
     a = p.parse_args(argv)
+    signals = [x.strip() for x in a.signals.split(",") if x.strip()]
+    if not signals or set(signals) - set(SIGNALS):
+        p.error(f"--signals={a.signals}: a comma-separated list of {', '.join(SIGNALS)}")
     a.out = a.out.resolve()  # the trainer's last line is this absolute path: the "exit" phase's anchor
     t0, rng, tally = time.time(), random.Random(a.seed), Tally()
 
@@ -437,14 +585,25 @@ def main(argv: list[str] | None = None) -> int:
         k = max(1, min(left - reserve, rng.choices(*KILLS_PER_TRIAL)[0]))
         d = a.out / "trials" / f"{n:03d}-{kind}"
         d.mkdir(parents=True)
-        trial(kind, k, d, ref, rng, tally, lambda: f"[{sum(tally.kills.values()):2d}/{a.kills}]", log)
+        trial(kind, k, d, ref, rng, tally, lambda: f"[{sum(tally.kills.values()):2d}/{a.kills}]", log, signals)
         n += 1
     print("kills by phase: " + ", ".join(f"{k} {v}" for k, v in sorted(tally.phases.items())) +
           f"; {tally.missed} run(s) ended before their kill", flush=True)
+    print("SIGTERM exits: " + (", ".join(f"{k} {v}" for k, v in sorted(tally.term_exits.items())) or "none") +
+          f" (slowest {tally.term_max_s:.1f}s); {tally.stop_checkpoints} training stop(s) with a checkpoint; "
+          f"{tally.term_finished} run(s) finished before their SIGTERM; second trainers refused within "
+          f"{tally.refusal_max_s:.1f}s", flush=True)
     ke, kt = tally.kills["extract"], tally.kills["train"]
-    print(f"faults: {ke + kt} kills ({ke} extract, {kt} train), {tally.shards} shards (byte-for-byte) + {tally.ckpts} "
-          f"checkpoints (tensor-for-tensor) compared with a clean run, {tally.debris} debris, {tally.mismatches} "
-          f"mismatches ({time.time() - t0:.0f} s)", flush=True)
+    summary = (f"faults: {ke + kt} kills ({ke} extract, {kt} train; {tally.signals['kill']} SIGKILL, "
+               f"{tally.signals['term']} SIGTERM), {tally.refused} second trainers refused, {tally.shards} shards "
+               f"(byte-for-byte) + {tally.ckpts} checkpoints (tensor-for-tensor) compared with a clean run, "
+               f"{tally.debris} debris, {tally.mismatches} mismatches ({time.time() - t0:.0f} s)")
+    from dataclasses import asdict
+
+    write = {**asdict(tally), "kills_total": ke + kt, "signals_drawn_from": signals, "seed": a.seed,
+             "seconds": round(time.time() - t0, 1), "summary": summary}
+    (a.out / "faults.json").write_text(json.dumps(write, indent=1, sort_keys=True) + "\n")
+    print(summary, flush=True)
     return 1 if tally.debris or tally.mismatches else 0
 
 

@@ -1,6 +1,8 @@
-"""`make faults` kept from rotting: the harness on 2 kills (one per stage) ends in its one-line summary, and its
-comparisons pass a clean copy and catch planted faults. The contract itself is checked by `make faults` (50 kills,
-minutes), not here: 2 random kills prove little either way."""
+"""`make faults` kept from rotting: the harness on 2 kills (one per stage; seed 14 draws a kill -9 of extraction and a
+SIGTERM of training mid-steps, and the training trial's completing run meets a second trainer) ends in its one-line
+summary and its JSON, and its comparisons pass a clean copy, catch planted faults, and expect a SIGTERM stop's extra
+checkpoint among the kept ones. The contract itself is checked by `make faults` (50 kills, minutes), not here: 2
+random kills prove little either way."""
 
 import json
 import os
@@ -19,14 +21,15 @@ from safetensors.torch import load_file, save_file
 from bench import faults
 
 REPO = Path(__file__).resolve().parents[1]
-SUMMARY = (r"faults: 2 kills \(1 extract, 1 train\), (\d+) shards \(byte-for-byte\) \+ (\d+) checkpoints "
-           r"\(tensor-for-tensor\) compared with a clean run, (\d+) debris, (\d+) mismatches \(\d+ s\)")
+SUMMARY = (r"faults: 2 kills \(1 extract, 1 train; (\d) SIGKILL, (\d) SIGTERM\), (\d+) second trainers refused, "
+           r"(\d+) shards \(byte-for-byte\) \+ (\d+) checkpoints \(tensor-for-tensor\) compared with a clean run, "
+           r"(\d+) debris, (\d+) mismatches \(\d+ s\)")
 
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
     out = tmp_path_factory.mktemp("faults")
-    res = subprocess.run([sys.executable, "-m", "bench.faults", "--kills=2", "--seed=11", f"--out={out}"], cwd=REPO,
+    res = subprocess.run([sys.executable, "-m", "bench.faults", "--kills=2", "--seed=14", f"--out={out}"], cwd=REPO,
                          env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=300)
     return out, res
 
@@ -36,10 +39,16 @@ def test_two_kills_one_per_stage_each_with_its_rerun_and_a_one_line_summary(harn
     lines = res.stdout.strip().splitlines()
     m = re.fullmatch(SUMMARY, lines[-1])
     assert m, res.stdout[-3000:] + res.stderr[-3000:]
-    shards, ckpts, debris, mismatches = map(int, m.groups())
+    n_kill, n_term, refused, shards, ckpts, debris, mismatches = map(int, m.groups())
     assert res.returncode == (1 if debris or mismatches else 0), res.stderr[-2000:]
-    kills = [x for x in lines if re.match(r"\[ ?\d/2\] (extract|train) \S+ kill 1/1 at \d+\.\d\ds \(", x)]
+    assert n_kill + n_term == 2 and refused >= 1, res.stdout[-3000:]  # the training trial's run met a second one
+    kills = [x for x in lines if re.match(r"\[ ?\d/2\] (extract|train) \S+ (kill|SIGTERM) 1/1 at \d+\.\d\ds \(", x)]
     assert sorted(x.split()[2] for x in kills) == ["extract", "train"], res.stdout[-3000:]
+    terms = [x for x in kills if " SIGTERM 1/1 " in x]
+    assert len(terms) == n_term and all(re.search(r"\): exit (143|-15) in \d+\.\ds", x) for x in terms), terms
+    tally = json.loads((out / "faults.json").read_text())
+    assert (tally["kills_total"], tally["signals"], tally["refused"]) == (2, {"kill": n_kill, "term": n_term}, refused)
+    assert tally["summary"] == lines[-1]
     assert all(" → rerun " in x for x in kills)  # each says what its rerun found
     assert shards + ckpts > 0 or mismatches  # a trial compared something or said why it could not
     assert re.match(r"clean extract: .*phases start-up .*, tokenize .*, load .*, shards .*, exit ", lines[0])
@@ -57,6 +66,8 @@ def test_the_comparisons_pass_a_clean_copy_and_catch_planted_faults(harness, tmp
     n_shards = sum(len(faults.committed_files(c)) for c in faults.caches(root).values())
     assert (v.compared, v.debris, v.mismatches) == (n_shards, [], []) and n_shards > 2
     v = faults.compare_train(run, clean / "run")
+    assert (v.compared, v.debris, v.mismatches) == (3, [], [])
+    v = faults.compare_train(run, clean / "run", every=clean / "run-every")  # the every-step run agrees
     assert (v.compared, v.debris, v.mismatches) == (3, [], [])
 
     hidden = faults.caches(root)["hidden"]
@@ -92,3 +103,28 @@ def test_the_comparisons_pass_a_clean_copy_and_catch_planted_faults(harness, tmp
     assert len(v.mismatches) == 2 and "steps recorded more than once [5]" in v.mismatches[0]
     assert v.mismatches[1] == "step-00000012: model.safetensors differ from the clean run's" and v.compared == 2
     assert json.loads(records[4])["step"] == 5
+
+
+def test_a_sigterm_stop_checkpoint_is_expected_among_the_kept_ones(harness, tmp_path):
+    """A run SIGTERM'd at step 11 keeps step-10, step-11, step-12 (keep_last 3), not the clean run's 8, 10, 12: the
+    comparison expects exactly that set, compares step-11 with the every-step clean run, and refuses it otherwise;
+    a held or leftover run lock is debris."""
+    out, _ = harness
+    clean = out / "clean"
+    assert faults.kept_steps() == ["step-00000008", "step-00000010", "step-00000012"]
+    assert faults.kept_steps([11]) == ["step-00000010", "step-00000011", "step-00000012"]
+    assert faults.kept_steps([1, 5]) == faults.kept_steps()  # stops pruned away later: the clean set
+    run = tmp_path / "run"
+    shutil.copytree(clean / "run", run)
+    shutil.rmtree(run / "checkpoints" / "step-00000008")
+    shutil.copytree(clean / "run-every" / "checkpoints" / "step-00000011", run / "checkpoints" / "step-00000011")
+    v = faults.compare_train(run, clean / "run", [11], clean / "run-every")
+    assert (v.compared, v.debris, v.mismatches) == (3, [], [])
+    v = faults.compare_train(run, clean / "run", [], clean / "run-every")  # no stop: step-11 has no business here
+    assert v.mismatches == ["checkpoints ['step-00000010', 'step-00000011', 'step-00000012'] ≠ ['step-00000008', "
+                            "'step-00000010', 'step-00000012'] (clean ['step-00000008', 'step-00000010', "
+                            "'step-00000012'])"]
+    v = faults.compare_train(run, clean / "run", [11])  # nothing clean to compare step-11 with
+    assert v.mismatches == ["step-00000011: no clean checkpoint to compare it with"] and v.compared == 2
+    (run / ".run.lock").write_text("{}")
+    assert faults.run_debris(run) == [".run.lock"]
