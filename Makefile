@@ -75,7 +75,7 @@ test-gpu-extract:  ## GPU tests of stage 1 only: fla packed exactness (two large
 test-gpu-train:  ## GPU tests of stage 2 only: compiled flex, loss kernels, master weights, DDP/FSDP where there are 2 GPUs
 	$(PYTHON) -m pytest -q -m gpu tests $(addprefix --ignore=,$(GPU_EXTRACT_TESTS)) -s
 
-faults: setup  ## randomized kill -9 of extraction and training, each followed by a rerun (minutes, CPU): prints kills, shards compared, debris, mismatches
+faults: setup  ## randomized kill -9 / SIGTERM of extraction and training, a second trainer on a live run, each followed by a rerun (minutes, CPU): prints kills, shards compared, debris, mismatches
 	OMP_NUM_THREADS=1 $(PYTHON) -m bench.faults $(ARGS)
 
 lint: setup  ## check style
