@@ -231,7 +231,8 @@ def run(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int = 0, world: int =
             f"{eta}kernels {p['kernels']}; no weights loaded, nothing written")
         return None
     open_cache(cache, "hidden", p["key"], p["producer"],
-               {"extract": as_dict(cfg), "tokens_dir": os.path.relpath(p["tokens_dir"].resolve(), cache.resolve()),
+               {"extract": {**as_dict(cfg), "target": recorded_target(cfg.target)},
+                "tokens_dir": os.path.relpath(p["tokens_dir"].resolve(), cache.resolve()),
                 "mask_token_id": p["mask_token_id"], "layer_ids": p["layer_ids"]},
                num_shards=p["num_shards"])
     sweep(cache, log=log)
@@ -428,6 +429,12 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+
+
+def recorded_target(target: str) -> str:
+    """The target as the manifest records it for training, verify and the repair command: a local directory by its
+    absolute path (a relative one would name another directory, or none, from elsewhere); a hub id as given."""
+    return str(Path(target).resolve()) if target and Path(target).is_dir() else target
 
 
 @contextlib.contextmanager

@@ -70,7 +70,7 @@ def shard_hashes(cache: Path) -> dict:
 def clean(tmp_path_factory, qwen35_dir, chat_corpus) -> Path:
     """The reference: the same extraction, never interrupted."""
     root = tmp_path_factory.mktemp("clean")
-    res = run(extract_cli(qwen35_dir, chat_corpus, root))
+    res = run(extract_cli(os.path.relpath(qwen35_dir, REPO), chat_corpus, root))  # (a relative target, as users type)
     assert res.returncode == 0, res.stderr[-2000:]
     return hidden_cache_of(root)
 
@@ -262,3 +262,9 @@ def test_extraction_refuses_a_token_manifest_naming_another_file(tmp_path, clean
     res = run(extract_cli(qwen35_dir, chat_corpus, root))
     assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
     assert "shard 0 lists ['tokens-00009.arrow'], not tokens-00000.arrow" in res.stderr, res.stderr[-2000:]
+
+
+def test_the_manifest_records_a_relative_target_by_its_absolute_path(clean, qwen35_dir):
+    """Training, verify and the repair command read the target from the manifest, from any directory: the clean
+    cache was extracted with a target path relative to the working directory."""
+    assert read_manifest(clean)["config"]["extract"]["target"] == str(Path(qwen35_dir).resolve())
