@@ -30,7 +30,7 @@ def ab_table(r: dict) -> str:
     tail = [] if judged is None else ["the yardstick discriminates (null arm's interval holds 0, the known-bad arm's "
                                       "lies below 0): arms ranked" if judged["discriminating"] else
                                       "NOT DISCRIMINATING, arms not ranked: " + "; ".join(judged["why_not"])]
-    checks = [c for a in r["arms"] for c in a.get("replay_check", []) if c["prompts"]]
+    checks = replay_checks(r)
     if checks:
         agree, n = sum(c["agree"] for c in checks), sum(c["prompts"] for c in checks)
         tail.append(f"τ replayed on the target's greedy outputs; {len(checks)} drafters (each arm's first) also decoded "
@@ -38,6 +38,11 @@ def ab_table(r: dict) -> str:
                     + ("" if agree == n else " (REPLAY DIFFERS: a rounding flip or a bug, see their eval.json)"))
     tail += [f"not ranked: {a} ({why})" for a, why in (r.get("incomplete") or {}).items()]
     return "\n".join([head, *body, *tail])
+
+
+def replay_checks(r: dict) -> list[dict]:
+    """The replay checks of an A/B's arms that decoded prompts for real ({prompts, agree} each)."""
+    return [c for a in r["arms"] for c in a.get("replay_check", []) if c["prompts"]]
 
 
 def lossless_cell(a: dict) -> str:
@@ -279,7 +284,7 @@ def sweep_results(r: dict, tb: dict, p: Paths) -> dict:
     made = p.baseline(r["config"]["eval_tokens"])  # (its key names the device the evaluations ran on)
     device = json.loads(made.read_text())["key"]["device"] if made.is_file() else (
         torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
-    checks = [c for a in r["arms"] for c in a.get("replay_check", []) if c["prompts"]]
+    checks = replay_checks(r)
     return {**provenance(), "device": device,
             "device_seconds": wall_seconds(p), "invocations": read_wall(p),
             "looping_frac_eval": tb.get("looping_frac_eval"), "looping_frac_regen": (tb.get("regen") or {}).get("looping_frac"),
