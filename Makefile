@@ -79,11 +79,11 @@ faults: setup  ## randomized kill -9 / SIGTERM of extraction and training, a sec
 	OMP_NUM_THREADS=1 $(PYTHON) -m bench.faults $(ARGS)
 
 lint: setup  ## check style
-	$(PYTHON) -m ruff check dflash_offline stages tests bench
+	$(PYTHON) -m ruff check dflash_offline stages testbed fixtures tests bench
 
 style: setup  ## rewrite style
-	$(PYTHON) -m ruff check --fix dflash_offline stages tests bench
-	$(PYTHON) -m ruff format dflash_offline stages tests bench
+	$(PYTHON) -m ruff check --fix dflash_offline stages testbed fixtures tests bench
+	$(PYTHON) -m ruff format dflash_offline stages testbed fixtures tests bench
 
 tiny: setup  ## build the embedded default target + tokenizer + bundled corpus into $(DEMO_DIR)
 	$(PYTHON) -m stages.build_tiny --out $(DEMO_DIR)/target $(ARGS)

@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-from . import pysource, tiny
+from fixtures import tiny
+
+from . import pysource
 from .target import torch_gated_deltanet_kernels
 
 DIMS = {"hidden_size": 768, "intermediate_size": 2560, "num_attention_heads": 12, "num_key_value_heads": 4,

@@ -209,7 +209,8 @@ def free_device_memory() -> None:
 
 def build(cfg: TestbedConfig, p: Paths, device) -> dict:
     """Phase 1: sources → corpora, tokenizer, trained target (into a temporary sibling, renamed when complete)."""
-    from dflash_offline import pysource, testbed, tiny
+    from dflash_offline import pysource, testbed
+    from fixtures import tiny
 
     files = pysource.select(cfg.packages, cfg.source_mb << 20, cfg.heldout_every)
     s = files.summary()
