@@ -547,10 +547,10 @@ def default_parallel(device) -> int:
 
 def projection_summary(cache: Path) -> dict:
     """Per k: the least energy a top-k projection keeps, and the most it loses on held-out rows, over the taps
-    (`bench.projection`, two calibration shards, the last shard held out)."""
-    from bench import projection
+    (`projection.measure_taps`, as `bench.projection` reports it: two calibration shards, the last shard held out)."""
+    from dflash_offline.projection import measure_taps
 
-    r = projection.main([f"--cache={cache}", "--ks=16,32,64,128,256", "--calib_shards=2", "--max_rows=64"])
+    r = measure_taps(cache, [16, 32, 64, 128, 256], calib_shards=2, max_rows=64)
     layers = list(r["layers"].values())
     return {k: {"kept_min": min(x["retained"][k] for x in layers),
                 "heldout_lost_max": max(x["heldout_loss"].get(k, 0.0) for x in layers)} for k in layers[0]["retained"]}
