@@ -18,6 +18,8 @@ import json
 import time
 from pathlib import Path
 
+from dflash_offline.dataset import open_hidden_cache
+from dflash_offline.manifest import read_manifest
 from dflash_offline.projection import measure_taps
 
 
@@ -31,8 +33,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=Path, default=None, help="JSON result file")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    result = measure_taps(args.cache, [int(x) for x in args.ks.split(",")], args.calib_shards, args.heldout_shards,
-                          args.max_rows)
+    info = open_hidden_cache(args.cache, read_manifest(Path(args.cache))["producer"]["layer_ids"])
+    result = {"cache": str(args.cache), **measure_taps(info, [int(x) for x in args.ks.split(",")], args.calib_shards,
+                                                       args.heldout_shards, args.max_rows)}
     result["seconds"] = round(time.perf_counter() - t0, 1)
     print_table(result)
     if args.out:

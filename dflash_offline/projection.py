@@ -207,25 +207,22 @@ def real_tokens(info, shard: int, layer: int, device, max_rows: int) -> torch.Te
     return x[keep]
 
 
-def measure_taps(cache, ks, calib_shards: int = 4, heldout_shards: int = 1, max_rows: int = 256, device=None) -> dict:
-    """Per tapped layer of the hidden cache at `cache`: E[h hᵀ] over the real tokens of the first `calib_shards`
-    shards, and for each k of `ks` (and the full width) the share its top-k directions keep there (`retained`) and
-    the share a projection onto them loses on the last `heldout_shards` shards (`residual`); the bytes per token each
-    k would store (bf16, fp8) against the cache's own."""
+def measure_taps(info, ks, calib_shards: int = 4, heldout_shards: int = 1, max_rows: int = 256, device=None) -> dict:
+    """Per layer of an opened hidden cache (`info`: `dataset.open_hidden_cache`'s, its layers those measured): E[h hᵀ]
+    over the real tokens of the first `calib_shards` shards, and for each k of `ks` (and the full width) the share its
+    top-k directions keep there (`retained`) and the share a projection onto them loses on the last `heldout_shards`
+    shards (`residual`); the bytes per token each k would store (bf16, fp8) against the cache's own."""
     from . import storage
-    from .dataset import open_hidden_cache
-    from .manifest import read_manifest
 
-    layers = [int(i) for i in read_manifest(Path(cache))["producer"]["layer_ids"]]
-    info = open_hidden_cache(cache, layers)
+    layers = list(info.layer_ids)
     n = len(info.shard_rows)
     calib = list(range(min(calib_shards, max(n - heldout_shards, 1))))
     held = [i for i in range(max(n - heldout_shards, 0), n) if i not in calib]
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     H = info.width  # the hidden size (a projected cache: its stored k, measured in that space)
     ks = sorted({k for k in ks if 0 < k <= H} | {H})
-    result = {"cache": str(cache), "hidden_size": H, "layers": {}, "calib_shards": calib, "heldout_shards": held,
-              "quant": info.quant, "device": str(device)}
+    result = {"hidden_size": H, "layers": {}, "calib_shards": calib, "heldout_shards": held, "quant": info.quant,
+              "device": str(device)}
     for lid in layers:
         mom = SecondMoment(H, device)
         for s in calib:
