@@ -79,11 +79,11 @@ faults: setup  ## randomized kill -9 / SIGTERM of extraction and training, a sec
 	OMP_NUM_THREADS=1 $(PYTHON) -m bench.faults $(ARGS)
 
 lint: setup  ## check style
-	$(PYTHON) -m ruff check dflash_offline stages tests bench
+	$(PYTHON) -m ruff check dflash_offline stages testbed fixtures tests bench
 
 style: setup  ## rewrite style
-	$(PYTHON) -m ruff check --fix dflash_offline stages tests bench
-	$(PYTHON) -m ruff format dflash_offline stages tests bench
+	$(PYTHON) -m ruff check --fix dflash_offline stages testbed fixtures tests bench
+	$(PYTHON) -m ruff format dflash_offline stages testbed fixtures tests bench
 
 tiny: setup  ## build the embedded default target + tokenizer + bundled corpus into $(DEMO_DIR)
 	$(PYTHON) -m stages.build_tiny --out $(DEMO_DIR)/target $(ARGS)
@@ -154,13 +154,13 @@ demo: setup  ## the whole pipeline on the embedded default, on CPU: build, regen
 	@$(PYTHON) -c "import json; t, u = (json.load(open('$(DEMO_DIR)/run/' + f)) for f in ('eval.json', 'eval-untrained.json')); print(f'demo: real tau on {t[\"num_prompts\"]} held-out prompts: trained {t[\"tau_mean\"]:.2f} vs untrained {u[\"tau_mean\"]:.2f} ({t[\"tau_mean\"] / u[\"tau_mean\"]:.1f}x), lossless {t[\"lossless\"] and u[\"lossless\"]}, CPU speed-up x{t[\"speedup\"]:.2f}; export in $(DEMO_DIR)/export, plots in $(DEMO_DIR)/run/report')"
 
 testbed:  ## GPU quality yardstick: 124M Qwen3.5-style target trained on Python sources, regen, extract, train, eval (TESTBED_FROM=extract|train redoes from there)
-	$(PYTHON) -m stages.testbed --dir=$(TESTBED_DIR) --from_phase=$(TESTBED_FROM) $(ARGS)
+	$(PYTHON) -m testbed --dir=$(TESTBED_DIR) --from_phase=$(TESTBED_FROM) $(ARGS)
 
 testbed-ab:  ## A/B on the testbed: drafters with ARGS_A vs ARGS_B (key=value settings), SEEDS= seeds each; τ mean and spread
-	$(PYTHON) -m stages.testbed --dir=$(TESTBED_DIR) --arms="$(ARGS_A);$(ARGS_B)" --seeds=$(SEEDS) $(ARGS)
+	$(PYTHON) -m testbed --dir=$(TESTBED_DIR) --arms="$(ARGS_A);$(ARGS_B)" --seeds=$(SEEDS) $(ARGS)
 
 testbed-sweep:  ## testbed A/B presets, SWEEP=options (γ, anchors, noise, D-PACE, fp8 cache),encodings (fp8/fp4/projected caches),fp8 (float8 training); SEEDS= seeds each; a null and a known-bad arm decide whether arms are ranked
-	$(PYTHON) -m stages.testbed --dir=$(TESTBED_DIR) --sweep=$(SWEEP) --seeds=$(SEEDS) $(ARGS)
+	$(PYTHON) -m testbed --dir=$(TESTBED_DIR) --sweep=$(SWEEP) --seeds=$(SEEDS) $(ARGS)
 
 clean:  ## remove build outputs and caches made by the demo (never touches CACHE=)
 	rm -rf build/demo .pytest_cache

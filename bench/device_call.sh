@@ -2,7 +2,7 @@
 # One call on a lent GPU machine (docs/testbed.md, "On a lent GPU"): install the carried wheels (.whl/: fla, torchao)
 # into /tmp/site, run the command given for at most LIMIT seconds in its own process group (then the whole group is
 # stopped: a rerun of the testbed resumes), record fla's autotuner choices, and copy what the testbed left into $OUT.
-#   LIMIT=540 bash bench/device_call.sh python3 -m stages.testbed --sweep=encodings,fp8 --results=...
+#   LIMIT=540 bash bench/device_call.sh python3 -m testbed --sweep=encodings,fp8 --results=...
 set -uo pipefail
 LIMIT=${LIMIT:-540}
 DIR=${TESTBED_DIR:-build/testbed}

@@ -357,7 +357,7 @@ def phase_table(kind: str, run: Run) -> list[tuple]:
 
 
 def build_references(out: Path, log) -> Reference:
-    from dflash_offline import democorpus, tiny
+    from fixtures import democorpus, tiny
 
     target, ref = out / "target", out / "clean"
     sidecar = read_json(target / "dflash_target.json") or {}

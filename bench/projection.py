@@ -4,7 +4,7 @@
                                [--heldout_shards=1] [--max_rows=256] [--out=FILE.json]
 
 For each tapped layer of the cache: E[h hᵀ] accumulated in fp64 over the real (non-padding) tokens of the first
-`calib_shards` shards (`dflash_offline.projection.SecondMoment`), its eigen-decomposition, and for each k the share
+`calib_shards` shards (`dflash_offline.projection.measure_taps`), its eigen-decomposition, and for each k the share
 of E‖h‖² its top-k directions keep on those rows and the share a projection onto them loses on the tokens of the
 last `heldout_shards` shards (held out from the calibration). Also the bytes per token each k would store (bf16, and
 fp8 with a per-token scale) against the cache's own. This is the measurement the projected-taps encoding starts
@@ -18,22 +18,9 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
-from dflash_offline import storage
 from dflash_offline.dataset import open_hidden_cache
 from dflash_offline.manifest import read_manifest
-from dflash_offline.projection import SecondMoment, residual, retained
-from dflash_offline.shards import hidden_shard_name, read_hidden, read_token_shard, token_shard_name
-
-
-def real_tokens(info, shard: int, layer: int, device, max_rows: int) -> torch.Tensor:
-    """[N, H] hidden states of `layer` at the real tokens (doc_ids >= 0) of the first `max_rows` rows of `shard`."""
-    rows = min(info.shard_rows[shard], max_rows)
-    x = read_hidden(info.cache_dir / hidden_shard_name(shard), [layer], slice(0, rows), torch.float32, device)
-    tok = read_token_shard(info.tokens_dir / token_shard_name(shard), sha256=info.tokens_sha256[shard])
-    keep = torch.from_numpy(tok["doc_ids"][:rows] >= 0).to(device)
-    return x[keep]
+from dflash_offline.projection import measure_taps
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -46,46 +33,28 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=Path, default=None, help="JSON result file")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    m = read_manifest(Path(args.cache))
-    layers = [int(i) for i in m["producer"]["layer_ids"]]
-    info = open_hidden_cache(args.cache, layers)
-    n = len(info.shard_rows)
-    calib = list(range(min(args.calib_shards, max(n - args.heldout_shards, 1))))
-    held = [i for i in range(max(n - args.heldout_shards, 0), n) if i not in calib]
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    H = info.width  # the hidden size (a projected cache: its stored k, measured in that space)
-    ks = sorted({k for k in (int(x) for x in args.ks.split(",")) if 0 < k <= H} | {H})
-    result = {"cache": str(args.cache), "hidden_size": H, "layers": {}, "calib_shards": calib, "heldout_shards": held,
-              "quant": info.quant, "device": str(device)}
-    for lid in layers:
-        mom = SecondMoment(H, device)
-        for s in calib:
-            mom.add(real_tokens(info, s, lid, device, args.max_rows))
-        evals, evecs = mom.spectrum()
-        x_held = torch.cat([real_tokens(info, s, lid, device, args.max_rows) for s in held]) if held else None
-        result["layers"][lid] = {
-            "calib_tokens": mom.n, "heldout_tokens": 0 if x_held is None else x_held.shape[0],
-            "retained": {k: retained(evals, k) for k in ks},
-            "heldout_loss": {k: residual(evecs[:, :k], x_held) for k in ks} if x_held is not None else {},
-            "top_eigenvalue_share": retained(evals, 1),
-        }
-    taps = len(layers)
-    stored = storage.bytes_per_token(info.quant, taps, H)  # (the cache's own encoding and width)
-    result["bytes_per_token"] = {"cache": stored, **{
-        k: {q: storage.bytes_per_token(q, taps, k) for q in ("bf16", "fp8")} for k in ks}}
+    info = open_hidden_cache(args.cache, read_manifest(Path(args.cache))["producer"]["layer_ids"])
+    result = {"cache": str(args.cache), **measure_taps(info, [int(x) for x in args.ks.split(",")], args.calib_shards,
+                                                       args.heldout_shards, args.max_rows)}
     result["seconds"] = round(time.perf_counter() - t0, 1)
-    print(f"{args.cache}: {taps} taps × hidden {H}, {info.quant} ({stored:,.0f} B/token); calibration shards {calib}, "
-          f"held out {held}")
+    print_table(result)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def print_table(result: dict) -> None:
+    layers, stored = list(result["layers"]), result["bytes_per_token"]["cache"]
+    ks = [k for k in result["bytes_per_token"] if k != "cache"]
+    print(f"{result['cache']}: {len(layers)} taps × hidden {result['hidden_size']}, {result['quant']} ({stored:,.0f} "
+          f"B/token); calibration shards {result['calib_shards']}, held out {result['heldout_shards']}")
     print(f"{'k':>6} {'bf16 B/tok':>11} {'fp8 B/tok':>10}  " + "  ".join(f"L{lid} kept / lost" for lid in layers))
     for k in ks:
         cells = [f"{result['layers'][lid]['retained'][k]:.4f} / "
                  f"{result['layers'][lid]['heldout_loss'].get(k, float('nan')):.4f}" for lid in layers]
         b = result["bytes_per_token"][k]
         print(f"{k:>6} {b['bf16']:>11,.0f} {b['fp8']:>10,.0f}  " + "  ".join(cells))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
-    return result
 
 
 if __name__ == "__main__":

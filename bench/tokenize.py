@@ -24,7 +24,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from dflash_offline import corpus, democorpus
+from dflash_offline import corpus
+from fixtures import democorpus
 
 TOOLS = {
     "calculator": {"expression": "An arithmetic expression"},

@@ -41,9 +41,9 @@ from safetensors.torch import save_file
 
 from bench.extract import TEXT_27B, TEXT_TINY, write_config
 from bench.gpu import GpuSampler
-from dflash_offline.dataset import make_fake_cache
 from dflash_offline.manifest import update_manifest
 from dflash_offline.targetid import target_fingerprint
+from fixtures.fake_cache import make_fake_cache
 
 DRAFTER_27B = dict(num_layers=5, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=17408)
 DRAFTER_TINY = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128)
@@ -82,7 +82,7 @@ def chat_token_rows(first_id: int, n: int, seq_len: int, gen: torch.Generator, v
 def synthetic_cache(root: Path, text: dict, target: Path, rows: int, seq_len: int, kind: str = "bench",
                     quant: str = "bf16", project_dims: int = 0):
     """A hidden cache of random states in encoding `quant` (projected to `project_dims` a tap when set) over `kind`
-    rows: "bench" (`dataset.fake_token_rows`) or "chat" (`chat_token_rows`)."""
+    rows: "bench" (`fixtures.fake_cache.fake_token_rows`) or "chat" (`chat_token_rows`)."""
     layers = [1, 2, 3, 4, 5] if text is TEXT_TINY else LAYERS
     token_rows = None
     if kind == "chat":

@@ -27,9 +27,9 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from bench.extract_layers import timed
 from dflash_offline import anchors as anc
-from dflash_offline.dataset import fake_token_rows
 from dflash_offline.drafter import expand_heads, split_attention
 from dflash_offline.masks import block_allow, dense_mask, make_mask_mod
+from fixtures.fake_cache import fake_token_rows
 
 # name -> (formulation, expand_kv, kernel_options). "joint": one flex call over [context | block] keys (attn=
 # flex_joint); "split": what attn=flex runs, flex over the context keys + each block's keys as a dense attention,

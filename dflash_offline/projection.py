@@ -10,8 +10,8 @@ is a direction like any other.
 
 `SecondMoment` accumulates Σ h hᵀ in fp64 over rows streamed from a hidden cache; `spectrum` gives the eigenvalues
 (descending) and eigenvectors; `retained(eigenvalues, k)` is the share of E‖h‖² the top-k directions hold (on the
-calibration rows), `residual(P, x)` the share lost on other rows (held out). `bench/projection.py` reports both per
-layer and k for a cache, with the bytes per token each k would take.
+calibration rows), `residual(P, x)` the share lost on other rows (held out). `measure_taps` gives both per layer and
+k for a cache, with the bytes per token each k would take (`bench/projection.py` prints them, the testbed records them).
 
 The cache side (`[extract] project_dims=k`): extraction estimates P_t on its first `project_rows` rows (`top_k`:
 the top-k eigenvectors, each column's sign fixed so that its largest-magnitude component is positive, so the same
@@ -191,3 +191,51 @@ def lift(z_BSK: torch.Tensor, projections: list[torch.Tensor]) -> torch.Tensor:
         parts.append(z_BSK[..., start:start + k].float() @ P.to(z_BSK.device, torch.float32).t())
         start += k
     return torch.cat(parts, dim=-1)
+
+
+# --- how many dimensions a cache's taps need (bench.projection prints it, the testbed records it) ----------------
+
+
+def real_tokens(info, shard: int, layer: int, device, max_rows: int) -> torch.Tensor:
+    """[N, H] hidden states of `layer` at the real tokens (doc_ids >= 0) of the first `max_rows` rows of `shard`."""
+    from .shards import hidden_shard_name, read_hidden, read_token_shard, token_shard_name
+
+    rows = min(info.shard_rows[shard], max_rows)
+    x = read_hidden(info.cache_dir / hidden_shard_name(shard), [layer], slice(0, rows), torch.float32, device)
+    tok = read_token_shard(info.tokens_dir / token_shard_name(shard), sha256=info.tokens_sha256[shard])
+    keep = torch.from_numpy(tok["doc_ids"][:rows] >= 0).to(device)
+    return x[keep]
+
+
+def measure_taps(info, ks, calib_shards: int = 4, heldout_shards: int = 1, max_rows: int = 256, device=None) -> dict:
+    """Per layer of an opened hidden cache (`info`: `dataset.open_hidden_cache`'s, its layers those measured): E[h hᵀ]
+    over the real tokens of the first `calib_shards` shards, and for each k of `ks` (and the full width) the share its
+    top-k directions keep there (`retained`) and the share a projection onto them loses on the last `heldout_shards`
+    shards (`residual`); the bytes per token each k would store (bf16, fp8) against the cache's own."""
+    from . import storage
+
+    layers = list(info.layer_ids)
+    n = len(info.shard_rows)
+    calib = list(range(min(calib_shards, max(n - heldout_shards, 1))))
+    held = [i for i in range(max(n - heldout_shards, 0), n) if i not in calib]
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    H = info.width  # the hidden size (a projected cache: its stored k, measured in that space)
+    ks = sorted({k for k in ks if 0 < k <= H} | {H})
+    result = {"hidden_size": H, "layers": {}, "calib_shards": calib, "heldout_shards": held, "quant": info.quant,
+              "device": str(device)}
+    for lid in layers:
+        mom = SecondMoment(H, device)
+        for s in calib:
+            mom.add(real_tokens(info, s, lid, device, max_rows))
+        evals, evecs = mom.spectrum()
+        x_held = torch.cat([real_tokens(info, s, lid, device, max_rows) for s in held]) if held else None
+        result["layers"][lid] = {
+            "calib_tokens": mom.n, "heldout_tokens": 0 if x_held is None else x_held.shape[0],
+            "retained": {k: retained(evals, k) for k in ks},
+            "heldout_loss": {k: residual(evecs[:, :k], x_held) for k in ks} if x_held is not None else {},
+            "top_eigenvalue_share": retained(evals, 1),
+        }
+    stored = storage.bytes_per_token(info.quant, len(layers), H)  # (the cache's own encoding and width)
+    result["bytes_per_token"] = {"cache": stored, **{
+        k: {q: storage.bytes_per_token(q, len(layers), k) for q in ("bf16", "fp8")} for k in ks}}
+    return result

@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dflash_offline import democorpus, tiny
+from fixtures import democorpus, tiny
 
 log = functools.partial(print, flush=True)
 EVAL_SEED_OFFSET = 1_000_003  # the eval corpus is drawn with seed + this, disjoint from the training seed

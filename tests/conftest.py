@@ -56,7 +56,7 @@ BUILD = Path(os.environ.get("DFLASH_TEST_BUILD", REPO / "build" / "test-targets"
 
 def tiny_target(arch: str) -> Path:
     """Build (or reuse an identical earlier build of) the embedded tiny target of `arch`."""
-    from dflash_offline import tiny
+    from fixtures import tiny
 
     out = BUILD / arch
     sidecar = out / "dflash_target.json"
@@ -82,7 +82,7 @@ def qwen3_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def chat_corpus(tmp_path_factory) -> Path:
-    from dflash_offline import democorpus
+    from fixtures import democorpus
 
     return democorpus.write_jsonl(tmp_path_factory.mktemp("corpus") / "chat.jsonl", 300, seed=1)
 

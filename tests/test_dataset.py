@@ -20,6 +20,7 @@ from dflash_offline.shards import (
     read_token_shard,
     token_shard_name,
 )
+from fixtures import fake_cache
 
 ROWS = [7, 5, 8, 6, 4]  # 30 rows in 5 shards of unequal size
 S, H, LAYERS = 16, 8, [0, 2, 4]
@@ -27,12 +28,12 @@ S, H, LAYERS = 16, 8, [0, 2, 4]
 
 @pytest.fixture(scope="module")
 def bf16_cache(tmp_path_factory):
-    return ds.make_fake_cache(tmp_path_factory.mktemp("c") / "bf16", len(ROWS), ROWS, S, H, LAYERS, "bf16", seed=3)
+    return fake_cache.make_fake_cache(tmp_path_factory.mktemp("c") / "bf16", len(ROWS), ROWS, S, H, LAYERS, "bf16", seed=3)
 
 
 @pytest.fixture(scope="module")
 def fp8_cache(tmp_path_factory):
-    return ds.make_fake_cache(tmp_path_factory.mktemp("c") / "fp8", len(ROWS), ROWS, S, H, LAYERS, "fp8", seed=3)
+    return fake_cache.make_fake_cache(tmp_path_factory.mktemp("c") / "fp8", len(ROWS), ROWS, S, H, LAYERS, "fp8", seed=3)
 
 
 def stream(cache, batch_rows, rank=0, world_size=1, seed=0, layers=LAYERS, **kw):
@@ -125,7 +126,7 @@ def test_fp8_cache_decodes_within_fp8_tolerance(bf16_cache, fp8_cache):
 
 @pytest.fixture
 def small(tmp_path):
-    return ds.make_fake_cache(tmp_path / "h", 4, 2, S, H, [1, 3])
+    return fake_cache.make_fake_cache(tmp_path / "h", 4, 2, S, H, [1, 3])
 
 
 def test_refusals_name_the_field(small):
@@ -199,7 +200,7 @@ def whole_epoch(cache, layers=LAYERS, **kw):
 
 @pytest.mark.parametrize("quant,name", [("bf16", "hidden.L2"), ("fp8", "hidden.L4"), ("fp8", "scale.L0")])
 def test_a_flipped_byte_in_any_row_stops_the_stream_naming_the_shard_and_the_fix(tmp_path, quant, name):
-    cache = ds.make_fake_cache(tmp_path / "c", 3, 4, S, H, LAYERS, quant, seed=1)
+    cache = fake_cache.make_fake_cache(tmp_path / "c", 3, 4, S, H, LAYERS, quant, seed=1)
     whole_epoch(cache)  # intact: reads cleanly
     path = cache / hidden_shard_name(2)
     flip_byte(path, data_offset(path, name, row=3) + 5)
@@ -212,7 +213,7 @@ def test_a_flipped_byte_in_any_row_stops_the_stream_naming_the_shard_and_the_fix
 
 
 def test_a_flipped_byte_in_the_header_or_a_token_shard_is_refused(tmp_path):
-    cache = ds.make_fake_cache(tmp_path / "c", 2, 4, S, H, LAYERS, seed=1)
+    cache = fake_cache.make_fake_cache(tmp_path / "c", 2, 4, S, H, LAYERS, seed=1)
     hidden = cache / hidden_shard_name(1)
     flip_byte(hidden, 20)  # inside the header JSON
     with pytest.raises(ShardError, match=r"hidden-00001.*header that does not match its checksum"):
@@ -225,7 +226,7 @@ def test_a_flipped_byte_in_the_header_or_a_token_shard_is_refused(tmp_path):
 
 
 def test_a_hand_edited_manifest_that_contradicts_its_shards_is_refused_at_start(tmp_path):
-    cache = ds.make_fake_cache(tmp_path / "c", 3, 4, S, H, LAYERS, seed=1)
+    cache = fake_cache.make_fake_cache(tmp_path / "c", 3, 4, S, H, LAYERS, seed=1)
     m = json.loads((cache / "manifest.json").read_text())
     m["shards"][2]["rows"] = 3
     update_manifest(cache, shards=m["shards"])
@@ -234,7 +235,7 @@ def test_a_hand_edited_manifest_that_contradicts_its_shards_is_refused_at_start(
 
 
 def test_missing_or_resized_shards_are_refused_at_start(tmp_path):
-    cache = ds.make_fake_cache(tmp_path / "c", 4, 4, S, H, LAYERS, seed=1)
+    cache = fake_cache.make_fake_cache(tmp_path / "c", 4, 4, S, H, LAYERS, seed=1)
     (cache / hidden_shard_name(1)).unlink()
     with open(cache / hidden_shard_name(3), "ab") as f:
         f.write(b"x")
@@ -252,7 +253,7 @@ def test_shards_written_before_row_digests_are_checked_whole(tmp_path):
 
     from dflash_offline.manifest import sha256_file
 
-    cache = ds.make_fake_cache(tmp_path / "c", 2, 4, S, H, LAYERS, seed=1)
+    cache = fake_cache.make_fake_cache(tmp_path / "c", 2, 4, S, H, LAYERS, seed=1)
     m = json.loads((cache / "manifest.json").read_text())
     for i in range(2):
         path = cache / hidden_shard_name(i)
@@ -335,7 +336,7 @@ def test_resume_across_layouts(bf16_cache):
 def test_startup_reads_the_manifest_and_the_shard_headers_only(tmp_path, monkeypatch):
     n, rows, seed, batch_rows = 500, 8, 11, 4
     first = {shard for shard, _ in ds.locate((rows,) * n, seed, 0, 0, batch_rows)}
-    cache = ds.make_fake_cache(tmp_path / "h", n, rows, S, H, [0, 1])
+    cache = fake_cache.make_fake_cache(tmp_path / "h", n, rows, S, H, [0, 1])
     opened, reads = [], []
     real_read, real_tokens = ds.HiddenShardFile.read_row, ds.read_token_shard
     monkeypatch.setattr(ds.HiddenShardFile, "read_row", lambda f, *a: reads.append(f.path) or real_read(f, *a))
@@ -401,7 +402,7 @@ def test_cuda_stream_equals_cpu_stream(request, quant):
 def test_cuda_feed_rate_at_27b_width(tmp_path, quant):
     """Rows of Qwen3.5-27B width (S 4096, 5 layers × 5120) through the prefetching reader while the GPU 'trains'
     150 ms a step; prints read rate and data-wait fraction (files are in the page cache right after writing)."""
-    cache = ds.make_fake_cache(tmp_path / "h", 4, 4, 4096, 5120, [1, 16, 31, 46, 61], quant)
+    cache = fake_cache.make_fake_cache(tmp_path / "h", 4, 4, 4096, 5120, [1, 16, 31, 46, 61], quant)
     info = ds.open_hidden_cache(cache, [1, 16, 31, 46, 61])
     with ds.HiddenStream(info, 1, device="cuda", prefetch=0) as s:
         next(s)
@@ -430,18 +431,18 @@ def test_fake_cache_takes_other_token_rows_and_refuses_a_wrong_count(tmp_path):
     returns another number of rows than asked is refused (the manifest would list rows the shard does not hold)."""
     def rows_of(extra):
         def token_rows(first_id, n, seq_len, gen):
-            a = ds.fake_token_rows(first_id, n + extra, seq_len, gen)
+            a = fake_cache.fake_token_rows(first_id, n + extra, seq_len, gen)
             a["loss_mask"][:] = 1  # one supervised document per row, no padding tail
             a["doc_ids"][:] = 0
             a["position_ids"][:] = np.arange(seq_len)
             return a
         return token_rows
 
-    cache = ds.make_fake_cache(tmp_path / "ok", 2, 3, S, H, [1], token_rows=rows_of(0))
+    cache = fake_cache.make_fake_cache(tmp_path / "ok", 2, 3, S, H, [1], token_rows=rows_of(0))
     info = ds.open_hidden_cache(cache, [1])
     stream = ds.HiddenStream(info, 2, device=torch.device("cpu"))
     batch = next(stream)
     stream.close()
     assert batch["loss_mask"].bool().all() and info.num_rows == 6
     with pytest.raises(ValueError, match="expected"):
-        ds.make_fake_cache(tmp_path / "bad", 2, 3, S, H, [1], token_rows=rows_of(1))
+        fake_cache.make_fake_cache(tmp_path / "bad", 2, 3, S, H, [1], token_rows=rows_of(1))

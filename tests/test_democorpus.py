@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from dflash_offline import democorpus
+from fixtures import democorpus
 
 
 @pytest.fixture(scope="module")

@@ -371,7 +371,7 @@ def test_load_target_embeddings_on_real_checkpoints(arch, request):
     """The tiny targets are written by transformers' save_pretrained: real key names, real layout."""
     from safetensors.torch import load_file
 
-    from dflash_offline import tiny
+    from fixtures import tiny
 
     target_dir = request.getfixturevalue("qwen35_dir" if arch == "qwen3_5" else "qwen3_dir")
     e, h = load_target_embeddings(target_dir)

@@ -24,13 +24,13 @@ import pytest
 import torch
 from test_recipes import QWEN3_8B, QWEN36_27B, RECIPES, exported_config, resolved_drafter, target_dir
 
-from dflash_offline import tiny
 from dflash_offline.checkpoint import save_checkpoint
 from dflash_offline.config import TrainConfig
 from dflash_offline.drafter import DFlashDrafter
 from dflash_offline.export import ExportError, export, usage, zlab_config
 from dflash_offline.target import default_layer_ids, read_target_info
 from dflash_offline.trainsetup import cache_defaults, drafter_config
+from fixtures import tiny
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 FIELDS = ("block_size", "mask_token_id", "layers", "taps")

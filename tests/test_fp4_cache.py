@@ -27,6 +27,7 @@ from dflash_offline.shards import (
     read_hidden,
     write_hidden_shard,
 )
+from fixtures import fake_cache
 from stages import verify
 from stages.verify import FP4_REL_TOL, FP8_REL_TOL
 
@@ -115,7 +116,7 @@ def test_a_hidden_size_fp4_cannot_store_is_refused_naming_it():
 @pytest.fixture(scope="module")
 def caches(tmp_path_factory):
     root = tmp_path_factory.mktemp("c")
-    return {q: ds.make_fake_cache(root / q, len(ROWS), ROWS, S, H, LAYERS, q, seed=3) for q in ("bf16", "fp4")}
+    return {q: fake_cache.make_fake_cache(root / q, len(ROWS), ROWS, S, H, LAYERS, q, seed=3) for q in ("bf16", "fp4")}
 
 
 def test_shard_bytes_are_the_storage_plans_bytes_per_token_plus_the_header(caches):
@@ -157,7 +158,7 @@ def test_the_stream_hands_out_fp4_decode_of_the_stored_tensors(caches):
 
 @pytest.mark.parametrize("name", ["hidden.L2", "bscale.L4", "scale.L0"])
 def test_a_flipped_byte_in_any_stored_tensor_stops_the_stream(tmp_path, name):
-    cache = ds.make_fake_cache(tmp_path / "c", 3, 4, S, H, LAYERS, "fp4", seed=1)
+    cache = fake_cache.make_fake_cache(tmp_path / "c", 3, 4, S, H, LAYERS, "fp4", seed=1)
     path = cache / hidden_shard_name(2)
     flip_byte(path, data_offset(path, name, row=3) + 5)
     with pytest.raises(ShardError, match=rf"hidden-00002.safetensors has row 3 of {name} that does not match its "
@@ -168,7 +169,7 @@ def test_a_flipped_byte_in_any_stored_tensor_stops_the_stream(tmp_path, name):
 
 
 def test_a_manifest_that_names_another_encoding_is_refused(tmp_path):
-    cache = ds.make_fake_cache(tmp_path / "c", 2, 2, S, H, LAYERS, "fp4")
+    cache = fake_cache.make_fake_cache(tmp_path / "c", 2, 2, S, H, LAYERS, "fp4")
     m = read_manifest(cache)
     update_manifest(cache, producer=dict(m["producer"], quant="fp8"))
     with pytest.raises(ShardError, match=r"hidden-00000.*quant, rows, layer_ids\) = \(.*'fp4'.* but the manifest "

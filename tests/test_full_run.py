@@ -88,7 +88,7 @@ def substitute(cmd: str, values: dict, used: set) -> str:
 
 def write_prompts(path: Path) -> None:
     """The bundled chat corpus cut before each record's first assistant turn: prompts as users bring them."""
-    from dflash_offline import democorpus
+    from fixtures import democorpus
 
     conv = democorpus.write_jsonl(path.parent / "conversations.jsonl", PROMPTS, seed=7)
     lines = []

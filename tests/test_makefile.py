@@ -29,7 +29,7 @@ def test_every_target_that_runs_a_stage_passes_ARGS_through():
     for target in targets:
         res = make("-n", "-o", ".venv/.installed", target, "ARGS=--probe_arg=1", "CACHE=c", "RUN=r")
         assert res.returncode == 0, (target, res.stderr)
-        runs = [line for line in res.stdout.splitlines() if re.search(r"(-m |LAUNCH\)? ?)(stages|bench)\.", line)]
+        runs = [line for line in res.stdout.splitlines() if re.search(r"(-m |LAUNCH\)? ?)((stages|bench)\.|testbed )", line)]
         assert runs, f"make -n {target} runs no stage: {res.stdout}"
         if missing := [line for line in runs if "--probe_arg=1" not in line]:
             dropped[target] = missing

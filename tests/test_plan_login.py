@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from test_recipes import QWEN36_27B
 
-from dflash_offline import democorpus
 from dflash_offline.config import ExtractConfig, TokenizeConfig, configs_from_argv
 from dflash_offline.targetid import TargetError, resolve_checkpoint
+from fixtures import democorpus
 from stages import extract
 
 REPO = Path(__file__).resolve().parents[1]

@@ -32,8 +32,8 @@ def listed_files() -> set[str]:
 
 def test_the_file_tree_lists_every_module_and_stage():
     listed = listed_files()
-    modules = [f"{d}/{p.name}" for d in ("dflash_offline", "stages") for p in sorted((ROOT / d).glob("*.py"))
-               if p.name != "__init__.py"]
+    modules = [f"{d}/{p.name}" for d in ("dflash_offline", "stages", "fixtures", "testbed")
+               for p in sorted((ROOT / d).glob("*.py")) if p.name != "__init__.py"]
     missing = [m for m in modules if m not in listed]
     assert not missing, f"README.md's file tree does not list {missing}: add one line each"
     stale = [p for p in listed if not p.endswith("/") and not (ROOT / p).exists()]

@@ -11,7 +11,6 @@ import random
 import pytest
 import torch
 
-from dflash_offline import democorpus
 from dflash_offline.checkpoint import save_checkpoint
 from dflash_offline.drafter import DFlashDrafter, DrafterConfig
 from dflash_offline.evaluation import render_prompt
@@ -29,6 +28,7 @@ from dflash_offline.speculate import (
     untrained_model,
 )
 from dflash_offline.target import read_target_info
+from fixtures import democorpus
 
 L = 8  # block size of the test drafters
 TAPS = [1, 3]  # tapped target layers of the test drafters (both tiny targets have more than 4 layers)

@@ -9,7 +9,6 @@ import time
 import pytest
 import torch
 
-from dflash_offline import democorpus
 from dflash_offline.speculate import (
     ExportedDrafter,
     PhaseTimer,
@@ -17,6 +16,7 @@ from dflash_offline.speculate import (
     load_exported,
     speculative_generate,
 )
+from fixtures import democorpus
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 DEV = torch.device("cuda", 0)

@@ -57,7 +57,7 @@ def _save_gva_text_checkpoint(out: Path) -> Path:
 
 
 def _save_fallback_checkpoint(out: Path, arch: str) -> Path:
-    """Used only while dflash_offline.tiny is missing: a tiny VL-wrapper Qwen3.5 or a tiny Qwen3, fp32."""
+    """Used only while fixtures.tiny is missing: a tiny VL-wrapper Qwen3.5 or a tiny Qwen3, fp32."""
     common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
     torch.manual_seed(0)
@@ -92,7 +92,7 @@ def ckpt(request, tmp_path_factory):
             built[name] = Path(request.getfixturevalue(shared[name]))
         except pytest.FixtureLookupError:
             try:
-                from dflash_offline.tiny import build_target
+                from fixtures.tiny import build_target
             except ImportError:
                 built[name] = _save_fallback_checkpoint(out, name)
             else:

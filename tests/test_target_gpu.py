@@ -61,7 +61,7 @@ def tiny(request, tmp_path_factory):
         try:
             return Path(request.getfixturevalue({"qwen3_5": "qwen35_dir", "qwen3": "qwen3_dir"}[arch]))
         except pytest.FixtureLookupError:
-            from dflash_offline.tiny import build_target
+            from fixtures.tiny import build_target
 
             return Path(build_target(tmp_path_factory.mktemp(arch), arch=arch, seed=0, corpus_docs=300,
                                      log=lambda _: None))

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from dflash_offline import pysource, testbed
 from dflash_offline.config import ConfigError
-from stages import testbed as stage
+from testbed import ab as testbed_ab
+from testbed import cli, commands, config, runs, scheduler, sources, target
+from testbed.commands import Job
+from testbed.runs import Paths
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,52 +35,52 @@ def test_selection_is_deterministic_held_out_by_name_and_content_addressed(tmp_p
     a = _pkg(tmp_path / "a", {k: v for k, v in files.items() if k != "bad.py"})
     (a / "bad.py").write_bytes(b"x = '\xff'\n")
     (a / "notes.txt").write_text("not python")
-    fl = pysource.select(roots={"pkg": a}, heldout_every=8)
+    fl = sources.select(roots={"pkg": a}, heldout_every=8)
     names = [f.name for f in fl.train + fl.heldout]
     assert "pkg/bad.py" not in names and all(n.endswith(".py") for n in names)
     assert len(names) == 80 and fl.heldout and not {f.name for f in fl.train} & {f.name for f in fl.heldout}
     # held out by the name alone: the same names are held out when the contents change
     b = _pkg(tmp_path / "b", {k: v + "# changed\n" for k, v in files.items() if k != "bad.py"})
-    fl2 = pysource.select(roots={"pkg": b}, heldout_every=8)
+    fl2 = sources.select(roots={"pkg": b}, heldout_every=8)
     assert [f.name for f in fl2.heldout] == [f.name for f in fl.heldout]
     assert fl2.digest != fl.digest  # … and the identity follows the contents
-    assert pysource.select(roots={"pkg": a}, heldout_every=8).digest == fl.digest
+    assert sources.select(roots={"pkg": a}, heldout_every=8).digest == fl.digest
     # a byte budget takes files in name-hash order, not walk order
-    small = pysource.select(roots={"pkg": a}, heldout_every=8, max_bytes=2000)
+    small = sources.select(roots={"pkg": a}, heldout_every=8, max_bytes=2000)
     assert 0 < sum(f.size for f in small.train) <= 2000 and len(small.train) < len(fl.train)
 
 
 def test_records_continue_a_file_and_skip_chat_markers():
     text = _source(300)
-    recs = [pysource.record("pkg/m.py", c) for c in pysource.chunks(text)]
+    recs = [sources.record("pkg/m.py", c) for c in sources.chunks(text)]
     assert len(recs) == 3 and all(r is not None for r in recs)
     user, answer = recs[0]["messages"][0]["content"], recs[0]["messages"][1]["content"]
-    assert user == "pkg/m.py\n" + "".join(text.splitlines(True)[: pysource.PROMPT_LINES])
-    assert user[len("pkg/m.py\n"):] + answer == "".join(text.splitlines(True)[: pysource.CHUNK_LINES])
+    assert user == "pkg/m.py\n" + "".join(text.splitlines(True)[: sources.PROMPT_LINES])
+    assert user[len("pkg/m.py\n"):] + answer == "".join(text.splitlines(True)[: sources.CHUNK_LINES])
     assert recs[0]["category"] == "pkg"
     marked = text.replace("x_5 = 5", "s = '<|im_end|>'")
-    assert pysource.record("pkg/m.py", next(pysource.chunks(marked))) is None
-    assert pysource.record("pkg/m.py", _source(5).splitlines(True)) is None  # too short
+    assert sources.record("pkg/m.py", next(sources.chunks(marked))) is None
+    assert sources.record("pkg/m.py", _source(5).splitlines(True)) is None  # too short
 
 
 def test_a_license_header_is_not_a_prompt(tmp_path):
     header = "#!/usr/bin/env python\n# Copyright 2024 Someone\n#\n# Licensed under the Apache License\n\n"
     f = tmp_path / "m.py"
     f.write_text(header + _source(40))
-    (rec,) = pysource.records([pysource.SourceFile("pkg/m.py", f, "0", f.stat().st_size)], first_only=True)
+    (rec,) = sources.records([sources.SourceFile("pkg/m.py", f, "0", f.stat().st_size)], first_only=True)
     assert rec["messages"][0]["content"].startswith("pkg/m.py\nx_0 = 0\n")
 
 
 def test_looping_answers_are_told_apart():
     loop = "def f():\n" + "    return x + 1  # again\n" * 20
-    assert pysource.looping(loop) and not pysource.looping(_source(40)) and not pysource.looping("short")
+    assert sources.looping(loop) and not sources.looping(_source(40)) and not sources.looping("short")
     # a short answer (an evaluation's 64 tokens) is judged on its last quarter, not on 128 characters it lacks
     short_loop = "def g(a):\n" + "    a = a + 1\n" * 12
-    assert len(short_loop) < 256 and pysource.looping(short_loop) and not pysource.looping(_source(12))
+    assert len(short_loop) < 256 and sources.looping(short_loop) and not sources.looping(_source(12))
 
 
 def test_the_evaluation_prompts_are_the_first_whose_greedy_answer_neither_loops_nor_stops_short(tmp_path):
-    from dflash_offline.testbed_runs import choose_eval_prompts
+    from testbed.runs import choose_eval_prompts
 
     cands = [{"messages": [{"role": "user", "content": f"f{i}.py\n"}, {"role": "assistant", "content": "x"}]}
              for i in range(7)]
@@ -139,12 +141,13 @@ def test_render_is_the_chat_template(qwen35_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(qwen35_dir)
-    rec = pysource.record("pkg/m.py", _source(40).splitlines(True))
-    assert testbed.render(rec) == tok.apply_chat_template(rec["messages"], tokenize=False)
+    rec = sources.record("pkg/m.py", _source(40).splitlines(True))
+    assert target.render(rec) == tok.apply_chat_template(rec["messages"], tokenize=False)
 
 
 def test_the_ab_interval_is_paired_over_prompts_and_holds_the_seeds_noise():
-    from dflash_offline.testbed_ab import ab_table, arm_rows, delta_ci
+    from testbed.report import ab_table
+    from testbed.stats import arm_rows, delta_ci
 
     steps = [5, 9, 13, 7, 11, 6, 8, 10] * 4
     base = [2.0 + 6 * (i % 4) for i in range(len(steps))]  # prompts differ far more than the arms do
@@ -184,7 +187,8 @@ def test_the_ab_interval_is_paired_over_prompts_and_holds_the_seeds_noise():
 
 
 def test_arms_are_ranked_only_when_the_null_arm_holds_0_and_the_known_bad_arm_lies_below():
-    from dflash_offline.testbed_ab import NULL_ARM, ab_table, judge
+    from testbed.report import ab_table
+    from testbed.stats import NULL_ARM, judge
 
     def rows(null_ci, bad_ci):
         r = [{"arm": "(recipe)", "delta_ci95": None, "delta_vs_first": 0.0},
@@ -220,7 +224,7 @@ def test_the_interval_holds_95_percent_of_null_differences_with_the_seeds_varian
     arm's two seeds let ≈ 23 % out."""
     import random
 
-    from dflash_offline.testbed_ab import delta_ci, pooled_seed_var
+    from testbed.stats import delta_ci, pooled_seed_var
 
     rng, outside, reps = random.Random(1), 0, 40
     for r in range(reps):
@@ -238,22 +242,22 @@ def test_the_interval_holds_95_percent_of_null_differences_with_the_seeds_varian
 
 
 def test_the_checks_follow_the_first_arm():
-    cfg = stage.TestbedConfig(train_steps=600)
-    assert stage.check_arms(cfg, "") == ("(recipe, other seeds)", "steps=150")
-    assert stage.check_arms(cfg, "gamma=5 quant=fp8") == ("(gamma=5 quant=fp8, other seeds)",
+    cfg = config.TestbedConfig(train_steps=600)
+    assert testbed_ab.check_arms(cfg, "") == ("(recipe, other seeds)", "steps=150")
+    assert testbed_ab.check_arms(cfg, "gamma=5 quant=fp8") == ("(gamma=5 quant=fp8, other seeds)",
                                                           "quant=fp8 gamma=5 steps=150")
-    assert stage.check_arms(cfg, "steps=400")[1] == "steps=100"
-    assert stage.check_arms(stage.TestbedConfig(train_args="steps=40"), "")[1] == "steps=10"
-    assert stage.check_arms(stage.TestbedConfig(), "")[1] == "steps=150"  # the recipe's 600
+    assert testbed_ab.check_arms(cfg, "steps=400")[1] == "steps=100"
+    assert testbed_ab.check_arms(config.TestbedConfig(train_args="steps=40"), "")[1] == "steps=10"
+    assert testbed_ab.check_arms(config.TestbedConfig(), "")[1] == "steps=150"  # the recipe's 600
 
 
 def test_arms_are_checked_before_anything_runs():
-    assert stage.parse_arm("quant=fp8 gamma=5") == ({"quant": "fp8"}, {"gamma": "5"})
-    assert stage.parse_arm("") == ({}, {})
+    assert runs.parse_arm("quant=fp8 gamma=5") == ({"quant": "fp8"}, {"gamma": "5"})
+    assert runs.parse_arm("") == ({}, {})
     with pytest.raises(ConfigError, match="num_anchors"):
-        stage.parse_arm("num_anchor=256")
+        runs.parse_arm("num_anchor=256")
     with pytest.raises(ConfigError, match="not key=value"):
-        stage.parse_arm("gamma")
+        runs.parse_arm("gamma")
 
 
 def test_the_full_testbed_is_refused_at_once_without_a_gpu(tmp_path, monkeypatch, capsys):
@@ -261,12 +265,12 @@ def test_the_full_testbed_is_refused_at_once_without_a_gpu(tmp_path, monkeypatch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="preset=micro"):
-        stage.main([f"--dir={tmp_path / 'tb'}"])
+        cli.main([f"--dir={tmp_path / 'tb'}"])
     assert not (tmp_path / "tb" / "state.json").exists()
 
 
 def _testbed(root: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stages.testbed", "--preset=micro", f"--dir={root}", *args],
+    return subprocess.run([sys.executable, "-m", "testbed", "--preset=micro", f"--dir={root}", *args],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
@@ -345,7 +349,7 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     assert "could not be extracted" in ab["failed"]["runs/quantbogus/seed0"]
     assert "FAILED runs/weightingbogus/seed0" in r.stdout
     fp8 = json.loads((root / "cache" / "hidden-quantfp8" / "manifest.json").read_text())
-    assert fp8["producer"]["quant"] == "fp8" and stage.cache_complete(root / "cache" / "hidden-quantfp8")
+    assert fp8["producer"]["quant"] == "fp8" and runs.cache_complete(root / "cache" / "hidden-quantfp8")
     assert (root / "runs" / "quantfp8" / "seed0" / "eval.json").is_file()
     assert "| quant=fp8 |" in r.stdout
 
@@ -371,7 +375,7 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
 
 
 def _fake_stages(monkeypatch, fail: dict):
-    """stages.testbed's train/export and evaluate replaced: `fail[run name]` = a list of errors its successive
+    """the scheduler's train/export and evaluate replaced: `fail[run name]` = a list of errors its successive
     trainings raise ("oom": out of GPU memory in its log; "bad": any other failure); evaluations write eval JSONs."""
     calls = []
 
@@ -395,20 +399,20 @@ def _fake_stages(monkeypatch, fail: dict):
         p.baseline(cfg.eval_tokens).write_text("{}")
         return 0.0
 
-    monkeypatch.setattr(stage, "train_export", train_export)
-    monkeypatch.setattr(stage, "evaluate", evaluate)
+    monkeypatch.setattr(scheduler, "train_export", train_export)
+    monkeypatch.setattr(scheduler, "evaluate", evaluate)
     return calls
 
 
 def _jobs(p, names):
-    return [stage.Job(n, p.run("" if n == "base" else n, 0), p.hidden(), 0, {}) for n in names]
+    return [Job(n, p.run("" if n == "base" else n, 0), p.hidden(), 0, {}) for n in names]
 
 
 def test_a_drafter_out_of_gpu_memory_is_tried_again_after_the_others(tmp_path, monkeypatch):
     calls = _fake_stages(monkeypatch, {"b": ["oom"], "c": ["bad"]})
-    cfg, p = stage.TestbedConfig(dir=str(tmp_path)), stage.Paths(str(tmp_path))
+    cfg, p = config.TestbedConfig(dir=str(tmp_path)), Paths(str(tmp_path))
     jobs = _jobs(p, ["base", "a", "b", "c"])
-    times = stage.run_drafters(cfg, p, "cpu", jobs, 2, jobs[0].run)
+    times = scheduler.run_drafters(cfg, p, "cpu", jobs, 2, jobs[0].run)
     assert calls.count("b/seed0") == 2 and calls.count("c/seed0") == 1 and calls[-1] == "b/seed0"
     assert "error" not in times[p.run("b", 0)] and (p.run("b", 0) / "eval.json").is_file()
     assert "something" not in times[p.run("c", 0)]["error"] and "exit status 1" in times[p.run("c", 0)]["error"]
@@ -422,7 +426,7 @@ def test_the_other_drafters_start_once_the_first_has_compiled_its_first_step(tmp
 
     _fake_stages(monkeypatch, {})
     started, stepped = {}, {}
-    fake = stage.train_export
+    fake = scheduler.train_export
 
     def train_export(cfg, run, cache, seed, settings, env, log_dir):
         started[run.parent.name] = time.time()
@@ -433,13 +437,13 @@ def test_the_other_drafters_start_once_the_first_has_compiled_its_first_step(tmp
             time.sleep(1.0)
         return fake(cfg, run, cache, seed, settings, env, log_dir)
 
-    monkeypatch.setattr(stage, "train_export", train_export)
-    cfg, p = stage.TestbedConfig(dir=str(tmp_path)), stage.Paths(str(tmp_path))
+    monkeypatch.setattr(scheduler, "train_export", train_export)
+    cfg, p = config.TestbedConfig(dir=str(tmp_path)), Paths(str(tmp_path))
     jobs = _jobs(p, ["base", "a", "b"])
     jobs[0].run.mkdir(parents=True)  # a run killed after its training: same settings (kept), its status says 600
-    (jobs[0].run / stage.JOB_FILE).write_text(json.dumps(stage.job_identity(cfg, p, jobs[0])))
+    (jobs[0].run / runs.JOB_FILE).write_text(json.dumps(commands.job_identity(cfg, p, jobs[0])))
     (jobs[0].run / "status-rank0.json").write_text(json.dumps({"done": 600, "updated_at": time.time() - 60}))
-    times = stage.run_drafters(cfg, p, "cpu", jobs, 3, jobs[0].run)
+    times = scheduler.run_drafters(cfg, p, "cpu", jobs, 3, jobs[0].run)
     assert min(started["a"], started["b"]) >= stepped["base"]
     assert started["a"] < stepped["base"] + 0.9  # … and not only once it finished
     assert times[jobs[1].run]["wait_warm"] > 1.0
@@ -449,48 +453,48 @@ def test_a_first_drafter_that_fails_before_training_does_not_hold_the_others(tmp
     import time
 
     _fake_stages(monkeypatch, {})
-    monkeypatch.setattr(stage, "WARM_WAIT_S", 60)
-    cfg, p = stage.TestbedConfig(dir=str(tmp_path)), stage.Paths(str(tmp_path))
-    jobs = [stage.Job("x", p.run("x", 0), tmp_path / "no-cache", 0, {})] + _jobs(p, ["a", "b"])
+    monkeypatch.setattr(scheduler, "WARM_WAIT_S", 60)
+    cfg, p = config.TestbedConfig(dir=str(tmp_path)), Paths(str(tmp_path))
+    jobs = [Job("x", p.run("x", 0), tmp_path / "no-cache", 0, {})] + _jobs(p, ["a", "b"])
 
     def broken(c):
         raise RuntimeError("its cache could not be extracted")
 
-    monkeypatch.setattr(stage, "fresh_run", lambda cfg, p, j: broken(j) if j.arm == "x" else None)
+    monkeypatch.setattr(scheduler, "fresh_run", lambda cfg, p, j: broken(j) if j.arm == "x" else None)
     t0 = time.time()
-    times = stage.run_drafters(cfg, p, "cpu", jobs, 2, None)
+    times = scheduler.run_drafters(cfg, p, "cpu", jobs, 2, None)
     assert time.time() - t0 < 30 and "could not be extracted" in times[jobs[0].run]["error"]
     assert (p.run("a", 0) / "eval.json").is_file() and (p.run("b", 0) / "eval.json").is_file()
 
 
 def test_a_failing_base_drafter_stops_the_jobs_not_yet_started(tmp_path, monkeypatch):
     calls = _fake_stages(monkeypatch, {"base": ["bad"]})
-    cfg, p = stage.TestbedConfig(dir=str(tmp_path)), stage.Paths(str(tmp_path))
+    cfg, p = config.TestbedConfig(dir=str(tmp_path)), Paths(str(tmp_path))
     jobs = _jobs(p, ["base", "a", "b", "c"])
     with pytest.raises(RuntimeError, match="exit status 1"):
-        stage.run_drafters(cfg, p, "cpu", jobs, 1, jobs[0].run)
+        scheduler.run_drafters(cfg, p, "cpu", jobs, 1, jobs[0].run)
     assert calls == ["base/seed0"]  # nothing else started (one at a time: the others were queued)
 
 
 def test_sweep_presets_combine_without_repeating_an_arm():
-    arms = stage.sweep_arms("options,encodings,fp8", cuda=True)
+    arms = testbed_ab.sweep_arms("options,encodings,fp8", cuda=True)
     assert arms[0] == "" and len(arms) == len(set(arms))
     assert {"gamma=5", "quant=fp4", "project_dims=384 quant=fp8", "precision=fp8 loss_logits=fp8"} <= set(arms)
     assert arms.count("quant=fp8") == 1
-    assert not any("precision=fp8" in a for a in stage.sweep_arms("fp8", cuda=False))
+    assert not any("precision=fp8" in a for a in testbed_ab.sweep_arms("fp8", cuda=False))
     for a in arms:
-        testbed_runs_parse = stage.parse_arm(a)  # every preset arm is a valid setting
+        testbed_runs_parse = runs.parse_arm(a)  # every preset arm is a valid setting
         assert isinstance(testbed_runs_parse, tuple)
-    assert stage.TestbedConfig(sweep="options,fp8").resolve().sweep == "options,fp8"
+    assert config.TestbedConfig(sweep="options,fp8").resolve().sweep == "options,fp8"
     with pytest.raises(ConfigError, match="testbed.sweep"):
-        stage.TestbedConfig(sweep="options,bogus").resolve()
+        config.TestbedConfig(sweep="options,bogus").resolve()
 
 
 def test_every_preset_arm_resolves_against_the_testbed_recipe():
     """Each sweep arm's settings, applied to manifests/testbed.toml as the stages apply them, make a valid [extract] /
     [train] config (a typo or a bad value in a preset fails here, not after the testbed's phases on a GPU)."""
     from dflash_offline.config import ExtractConfig, TrainConfig, config_from_argv
-    from dflash_offline.testbed import DIMS
+    from testbed.target import DIMS
 
     recipe = str(REPO / "manifests" / "testbed.toml")
 
@@ -501,8 +505,8 @@ def test_every_preset_arm_resolves_against_the_testbed_recipe():
                                                                                            train.items())], ""))
 
     base = configs({}, {})
-    for arm in stage.sweep_arms(",".join(stage.SWEEPS), cuda=True):
-        ext, train = stage.parse_arm(arm)
+    for arm in testbed_ab.sweep_arms(",".join(config.SWEEPS), cuda=True):
+        ext, train = runs.parse_arm(arm)
         e, t = configs(ext, train)
         assert e.project_dims <= DIMS["hidden_size"], arm
         for k in ext:  # each setting took effect: the arm is not the recipe under another name
@@ -514,13 +518,13 @@ def test_every_preset_arm_resolves_against_the_testbed_recipe():
 def test_an_evaluation_that_exits_1_without_its_json_is_a_failure_not_a_result(tmp_path, monkeypatch):
     """stages.evaluate exits 1 both when the output is not lossless (its JSON says so) and on an uncaught error:
     a JSON left from an earlier evaluation must not pass for this one's."""
-    cfg, p = stage.TestbedConfig(dir=str(tmp_path)), stage.Paths(str(tmp_path))
+    cfg, p = config.TestbedConfig(dir=str(tmp_path)), Paths(str(tmp_path))
     run = p.run("", 0)
     run.mkdir(parents=True)
     (run / "eval.json").write_text("{}")  # an earlier evaluation's
-    monkeypatch.setattr(stage, "stage", lambda *a, **k: 1.0)  # exits 1 (accepted) and writes nothing
+    monkeypatch.setattr(commands, "stage", lambda *a, **k: 1.0)  # exits 1 (accepted) and writes nothing
     with pytest.raises(RuntimeError, match=r"failed without writing .*eval.json \(log: .*eval.log\)"):
-        stage.evaluate(cfg, p, run, "cpu", False, run / "logs" / "eval.log", {})
+        commands.evaluate(cfg, p, run, "cpu", False, run / "logs" / "eval.log", {})
     assert not (run / "eval.json").exists()
 
 
@@ -528,33 +532,33 @@ def test_a_run_made_from_other_settings_or_code_is_made_again_and_an_equal_one_r
     """A drafter's run records what it was made from (training arguments, recipe, cache key, prompts, code): a later
     A/B with other settings (here fewer steps) or code trains it again instead of reporting the old evaluation; the
     same settings reuse it and say so."""
-    from dflash_offline import testbed_runs
+    from testbed import runs as testbed_runs
 
     calls = _fake_stages(monkeypatch, {})
-    p = stage.Paths(str(tmp_path))
+    p = Paths(str(tmp_path))
     jobs = _jobs(p, ["base", "a"])
-    stage.run_drafters(stage.TestbedConfig(dir=str(tmp_path)), p, "cpu", jobs, 1, jobs[0].run)
+    scheduler.run_drafters(config.TestbedConfig(dir=str(tmp_path)), p, "cpu", jobs, 1, jobs[0].run)
     assert calls == ["base/seed0", "a/seed0"]
-    times = stage.run_drafters(stage.TestbedConfig(dir=str(tmp_path)), p, "cpu", jobs, 1, jobs[0].run)
+    times = scheduler.run_drafters(config.TestbedConfig(dir=str(tmp_path)), p, "cpu", jobs, 1, jobs[0].run)
     assert calls == ["base/seed0", "a/seed0"] and times[jobs[1].run] == {"reused": 1.0}
     (jobs[1].run / "checkpoints").mkdir()  # (a stale run's files go with it)
-    stage.run_drafters(stage.TestbedConfig(dir=str(tmp_path), train_steps=300), p, "cpu", jobs, 1, jobs[0].run)
+    scheduler.run_drafters(config.TestbedConfig(dir=str(tmp_path), train_steps=300), p, "cpu", jobs, 1, jobs[0].run)
     assert calls[2:] == ["base/seed0", "a/seed0"] and not (jobs[1].run / "checkpoints").exists()
     assert "--steps=300" in json.loads((jobs[1].run / testbed_runs.JOB_FILE).read_text())["train"]
     monkeypatch.setattr(testbed_runs, "drafter_code_digest", lambda: "other code")
-    monkeypatch.setattr(stage, "drafter_code_digest", lambda: "other code")
-    stage.run_drafters(stage.TestbedConfig(dir=str(tmp_path), train_steps=300), p, "cpu", jobs, 1, jobs[0].run)
+    monkeypatch.setattr(commands, "drafter_code_digest", lambda: "other code")
+    scheduler.run_drafters(config.TestbedConfig(dir=str(tmp_path), train_steps=300), p, "cpu", jobs, 1, jobs[0].run)
     assert calls[4:] == ["base/seed0", "a/seed0"]
     assert testbed_runs.stale_job(jobs[1].run, {"x": 1}) .startswith("made with another ")
 
 
 def test_a_drafter_that_is_not_lossless_is_reported_failed(tmp_path, monkeypatch):
-    from dflash_offline.testbed_ab import failed_runs
+    from testbed.stats import failed_runs
 
     _fake_stages(monkeypatch, {})
-    p = stage.Paths(str(tmp_path))
+    p = Paths(str(tmp_path))
     jobs = _jobs(p, ["base", "lossy"])
-    times = stage.run_drafters(stage.TestbedConfig(dir=str(tmp_path)), p, "cpu", jobs, 1, jobs[0].run)
+    times = scheduler.run_drafters(config.TestbedConfig(dir=str(tmp_path)), p, "cpu", jobs, 1, jobs[0].run)
     assert failed_runs(tmp_path, times, [j.run for j in jobs]) == {
         "runs/lossy/seed0": "not lossless: prompts [1] differ from the target's"}
 
@@ -562,7 +566,7 @@ def test_a_drafter_that_is_not_lossless_is_reported_failed(tmp_path, monkeypatch
 def test_the_same_arm_twice_is_refused_before_anything_runs(tmp_path):
     import torch
 
-    cfg = stage.TestbedConfig(dir=str(tmp_path), arms=";gamma=5; gamma=5", preset="micro")
+    cfg = config.TestbedConfig(dir=str(tmp_path), arms=";gamma=5; gamma=5", preset="micro")
     with pytest.raises(ConfigError, match=r"testbed.arms: gamma=5 given twice .*--seeds"):
-        stage.ab(cfg, stage.Paths(str(tmp_path)), "cpu", torch.device("cpu"))
+        testbed_ab.ab(cfg, Paths(str(tmp_path)), "cpu", torch.device("cpu"))
     assert not (tmp_path / "state.json").exists()

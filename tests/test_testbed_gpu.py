@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_short_testbed_trains_a_drafter_that_beats_an_untrained_one_losslessly(tmp_path):
     root = tmp_path / "tb"
-    r = subprocess.run([sys.executable, "-m", "stages.testbed", "--preset=short", f"--dir={root}"], cwd=REPO,
+    r = subprocess.run([sys.executable, "-m", "testbed", "--preset=short", f"--dir={root}"], cwd=REPO,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     res = json.loads((root / "testbed.json").read_text())

@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3_5ForConditionalGeneration
 
-from dflash_offline import tiny
+from fixtures import tiny
 from stages import build_tiny
 
 DOCS = 300  # small corpus: fast tokenizer training, still ~2000 ids

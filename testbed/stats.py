@@ -1,56 +1,12 @@
-"""The testbed's A/B sweeps (`stages/testbed.py` runs them): what each arm's evaluations say and how far to trust it
-— τ pooled over seeds, the interval of a difference (`delta_ci`: the prompts' paired bootstrap plus the seeds'
-variance pooled over the arms), the null and known-bad arms that decide whether arms are ranked (`check_arms`,
-`judge`), the table — and the record of a sweep: the results file (`sweep_results`: code provenance, the wall seconds
-every invocation spent, kept by `heartbeat`)."""
+"""The A/B statistics (`testbed.ab` runs the sweep): what each arm's evaluations say and how far to trust it — τ
+pooled over seeds, the interval of a difference (`delta_ci`: the prompts' paired bootstrap plus the seeds' variance
+pooled over the arms), the verdicts of the null and known-bad arms that decide whether arms are ranked (`judge`), and
+the runs that failed (`failed_runs`)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import time
 from pathlib import Path
-
-from .manifest import write_json_atomic
-from .testbed_runs import Paths, drafter_code_digest, parse_arm, read_state
-
-
-def ab_table(r: dict) -> str:
-    head = ("| arm | tokens per verify step, per seed | seeds pooled | spread | Δ vs first | Δ 95 % CI (seeds × prompts) "
-            "| verdict | lossless | final loss |\n"
-            "|---|---|---|---|---|---|---|---|---|")
-    body = [f"| {a['arm']} | {' / '.join(f'{t:.3f}' for t in a['taus'])} | {a['tau_pooled']:.3f} | {a['spread']:.3f} | "
-            f"{a['delta_vs_first']:+.3f} ({a['delta_pct']:+.1f} %) | "
-            f"{'—' if a['delta_ci95'] is None else '[{:+.3f}, {:+.3f}]'.format(*a['delta_ci95'])} | "
-            f"{a.get('verdict', '—')} | "
-            f"{lossless_cell(a)} | "
-            f"{' / '.join(f'{x:.3f}' for x in a['loss'] if x is not None)} |" for a in r["arms"]]
-    judged = r.get("judgement")
-    tail = [] if judged is None else ["the yardstick discriminates (null arm's interval holds 0, the known-bad arm's "
-                                      "lies below 0): arms ranked" if judged["discriminating"] else
-                                      "NOT DISCRIMINATING, arms not ranked: " + "; ".join(judged["why_not"])]
-    checks = replay_checks(r)
-    if checks:
-        agree, n = sum(c["agree"] for c in checks), sum(c["prompts"] for c in checks)
-        tail.append(f"τ replayed on the target's greedy outputs; {len(checks)} drafters (each arm's first) also decoded "
-                    f"{n} prompts for real: the replay took the decode's steps on {agree}/{n}"
-                    + ("" if agree == n else " (REPLAY DIFFERS: a rounding flip or a bug, see their eval.json)"))
-    tail += [f"not ranked: {a} ({why})" for a, why in (r.get("incomplete") or {}).items()]
-    return "\n".join([head, *body, *tail])
-
-
-def replay_checks(r: dict) -> list[dict]:
-    """The replay checks of an A/B's arms that decoded prompts for real ({prompts, agree} each)."""
-    return [c for a in r["arms"] for c in a.get("replay_check", []) if c["prompts"]]
-
-
-def lossless_cell(a: dict) -> str:
-    """The table's lossless column: the prompts decoded for real and checked (a replayed evaluation checks none)."""
-    checked = sum(c or 0 for c in a.get("checked", [None]))
-    if not all(a["lossless"]):
-        return "NO: prompts " + str(a["mismatches"])
-    return f"yes ({checked} decoded)" if checked else "— (replayed)"
 
 
 def prompt_counts(eval_json: Path) -> list[tuple[float, int]]:
@@ -239,108 +195,3 @@ def judge(rows: list[dict], null: str | None, bad: str | None) -> dict:
         r["verdict"] = ("worse" if hi < 0 else "better" if lo > 0 else "parity" if r["within_null"] else
                         "inconclusive")
     return {"discriminating": ranked, "checks": checks, "why_not": why}
-
-
-def recipe_steps(cfg, settings: dict) -> int:
-    """The steps a drafter of these [train] `settings` trains: theirs, else `train_args`', else `train_steps`, else
-    the recipe's, else TrainConfig's default."""
-    from dflash_offline.config import TrainConfig, read_recipe
-
-    if "steps" in settings:
-        return int(settings["steps"])
-    for kv in cfg.train_args.split():
-        if kv.startswith("steps="):
-            return int(kv.split("=", 1)[1])
-    return cfg.train_steps or int(read_recipe(cfg.drafter_recipe).get("train", {}).get(
-        "steps", TrainConfig.__dataclass_fields__["steps"].default))
-
-
-def check_arms(cfg, first: str) -> tuple[str, str]:
-    """(null arm label, known-bad arm settings) for a sweep whose first arm is `first`: the null arm is that arm
-    under other seeds; the known-bad arm is that arm at a quarter of its steps."""
-    ext, train = parse_arm(first)
-    bad = {**ext, **train, "steps": max(1, recipe_steps(cfg, train) // 4)}
-    null = NULL_ARM if not first else f"({first}, other seeds)"
-    return null, " ".join(f"{k}={v}" for k, v in bad.items())
-
-
-def sweep_results(r: dict, tb: dict, p: Paths) -> dict:
-    """The sweep's verdicts in the results-file form (`--results=`): commit, the wall seconds of every invocation
-    summed (cold when the first started on a bare machine), the looping shares, and per arm its τ, spread, Δ, interval,
-    lossless check and verdict; the null and known-bad arms apart."""
-    import torch
-
-    def arm(a: dict) -> dict:
-        lo, hi = a["delta_ci95"] or (None, None)
-        return {"label": a["arm"], "tau_pooled": round(a["tau_pooled"], 4), "taus": [round(t, 4) for t in a["taus"]],
-                "spread": round(a["spread"], 4), "delta": round(a["delta_vs_first"], 4), "ci_low": lo, "ci_high": hi,
-                "lossless": all(a["lossless"]) if any(a.get("checked", [1])) else None,
-                "decoded_for_real": sum(c or 0 for c in a.get("checked", [])),
-                "verdict": a.get("verdict"), "within_null": a.get("within_null")}
-
-    judged = r.get("judgement") or {"checks": {}}
-    special = {c["arm"]: name for name, c in judged["checks"].items()}
-    arms = [arm(a) for a in r["arms"]]
-    made = p.baseline(r["config"]["eval_tokens"])  # (its key names the device the evaluations ran on)
-    device = json.loads(made.read_text())["key"]["device"] if made.is_file() else (
-        torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
-    checks = replay_checks(r)
-    return {**provenance(), "device": device,
-            "device_seconds": wall_seconds(p), "invocations": read_wall(p),
-            "looping_frac_eval": tb.get("looping_frac_eval"), "looping_frac_regen": (tb.get("regen") or {}).get("looping_frac"),
-            "arms": [a for a in arms if a["label"] not in special],
-            **{f"{name}_arm": next((a for a in arms if a["label"] == label), None) for label, name in special.items()},
-            "discriminating": judged.get("discriminating"), "why_not": judged.get("why_not"), "seeds": r["seeds"],
-            "phase_seconds": tb.get("seconds"), "tau_trained": tb.get("tau_trained"),
-            "tau_untrained": tb.get("tau_untrained"), "failed": r["failed"], "parallel": r["parallel"],
-            "tau_from": "replay" if r["config"].get("replay") else "decode", "incomplete": r.get("incomplete"),
-            "replay_check": {"drafters": len(checks), "prompts": sum(c["prompts"] for c in checks),
-                             "agree": sum(c["agree"] for c in checks)} if checks else None}
-
-
-def provenance() -> dict:
-    """The code a result was made with: the commit (`DFLASH_COMMIT` where set — a tree that travelled without its
-    repository, a sweep summarized after it ran —, else `git`), whether the tree differed from it, and the drafter
-    code's digest (what `testbed-job.json` keys on)."""
-    root = Path(__file__).resolve().parents[1]
-
-    def git(*args: str) -> str | None:
-        try:
-            r = subprocess.run(["git", *args], capture_output=True, text=True, cwd=root, timeout=30)
-        except OSError:
-            return None
-        return r.stdout.strip() if r.returncode == 0 else None
-
-    if given := os.environ.get("DFLASH_COMMIT"):  # (said explicitly: e.g. the commit a summarized sweep ran)
-        return {"commit": given, "dirty": None, "code_sha256": drafter_code_digest()}
-    commit = git("rev-parse", "--short", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
-    return {"commit": commit, "dirty": None if status is None else bool(status),
-            "code_sha256": drafter_code_digest()}
-
-
-def read_wall(p: Paths) -> list:
-    return json.loads(p.wall.read_text()) if p.wall.is_file() else []
-
-
-def wall_seconds(p: Paths) -> float:
-    """Wall seconds of every invocation of the testbed on this directory since its target phase started, summed (a
-    heartbeat keeps them current, so a call killed at its time limit still counts to its last beat)."""
-    return round(sum(w["seconds"] for w in read_wall(p)), 1)
-
-
-def heartbeat(p: Paths, every_s: float = 5.0) -> None:
-    """Record this invocation's wall seconds in DIR/wall.json every `every_s` (a daemon thread)."""
-    import threading
-
-    fresh = not read_state(p)["phases"]  # (a testbed started anew: earlier invocations' seconds are not its own)
-    runs, t0 = [] if fresh else read_wall(p), time.time()
-    runs.append({"start": t0, "seconds": 0.0})
-
-    def beat():
-        while True:
-            runs[-1]["seconds"] = round(time.time() - t0, 1)
-            write_json_atomic(p.wall, runs)
-            time.sleep(every_s)
-
-    threading.Thread(target=beat, daemon=True).start()

@@ -1,4 +1,4 @@
-"""The testbed's bookkeeping (`stages/testbed.py` runs the phases): where everything goes (`Paths`), the phase
+"""The testbed's bookkeeping (`testbed.phases` runs the phases): where everything goes (`Paths`), the phase
 record (`state.json`), what a run and an evaluation left (`run_metrics`, `eval_summary`), the result and its table,
 and the A/B arms: parsing (`parse_arm`: each key=value goes to [extract] or [train], anything else refused before
 anything runs), naming (`slug`), and the per-arm statistics over seeds (`arm_rows`, `ab_table`)."""
@@ -12,8 +12,8 @@ import shutil
 import time
 from pathlib import Path
 
-from .config import ConfigError, as_dict, did_you_mean
-from .manifest import write_json_atomic
+from dflash_offline.config import ConfigError, as_dict, did_you_mean
+from dflash_offline.manifest import write_json_atomic
 
 PHASES = ("target", "regen", "extract", "train", "export", "eval")
 
@@ -78,8 +78,8 @@ def answer_text(rec: dict) -> str:
 
 
 def looping_share(path: Path) -> float:
-    """Share of the regenerated answers that end in a loop (`pysource.looping`)."""
-    from .pysource import looping
+    """Share of the regenerated answers that end in a loop (`sources.looping`)."""
+    from .sources import looping
 
     answers = [answer_text(json.loads(x)) for x in path.read_text().splitlines() if x.strip()]
     return round(sum(map(looping, answers)) / max(len(answers), 1), 4)
@@ -91,7 +91,7 @@ def choose_eval_prompts(candidates: Path, greedy: Path, out: Path, n: int, budge
     before half the budget, in order; where fewer than `n` do, the others after them (counted). A reference that loops
     is easy to draft for any drafter and hides the differences the A/B is after; one that stops at once has no verify
     step to measure. Returns the counts."""
-    from .pysource import looping
+    from .sources import looping
 
     cands = [json.loads(x) for x in candidates.read_text().splitlines() if x.strip()]
     answers = [json.loads(x) for x in greedy.read_text().splitlines() if x.strip()]
@@ -116,7 +116,7 @@ def eval_looping_share(baseline: Path, tokenizer_dir: Path) -> float | None:
         return None
     from transformers import AutoTokenizer
 
-    from .pysource import looping
+    from .sources import looping
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     decodes = json.loads(baseline.read_text())["decodes"]
@@ -182,7 +182,7 @@ def table(r: dict) -> str:
 
 def parse_arm(text: str) -> tuple[dict, dict]:
     """'key=value key=value' → (extract settings, train settings); a key of neither stage is an error."""
-    from .config import ExtractConfig, TrainConfig
+    from dflash_offline.config import ExtractConfig, TrainConfig
 
     ext_keys = {f for f in ExtractConfig.__dataclass_fields__} - {"target", "tokens", "hidden_out", "cache_root",
                                                                    "shards", "device", "dry_run"}
@@ -205,8 +205,7 @@ def parse_arm(text: str) -> tuple[dict, dict]:
 JOB_FILE = "testbed-job.json"  # in a drafter's run: what it was made from (`job_identity`)
 # what a drafter's training, export and evaluation run: the code whose change makes an earlier drafter stale (not
 # the testbed's orchestration, nor the target's build, which the cache key covers)
-DRAFTER_CODE = ("dflash_offline/*.py", "stages/train.py", "stages/export.py", "stages/evaluate.py")
-NOT_DRAFTER_CODE = ("testbed.py", "testbed_runs.py", "testbed_ab.py", "pysource.py")
+DRAFTER_CODE = ("dflash_offline/**/*.py", "stages/train.py", "stages/export.py", "stages/evaluate.py")
 
 
 @functools.cache
@@ -214,8 +213,7 @@ def drafter_code_digest() -> str:
     """SHA-256 over the sources a drafter's training, export and evaluation run (`DRAFTER_CODE`)."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for f in sorted({f for pattern in DRAFTER_CODE for f in root.glob(pattern)} - {
-            root / "dflash_offline" / name for name in NOT_DRAFTER_CODE}):
+    for f in sorted({f for pattern in DRAFTER_CODE for f in root.glob(pattern)}):
         h.update(f"{f.relative_to(root)}\0".encode() + f.read_bytes())
     return h.hexdigest()
 

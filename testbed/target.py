@@ -1,7 +1,7 @@
 """The testbed's target: a Qwen3.5-architecture model of ~120M parameters trained from scratch, on the GPU, on the
-Python sources every machine has (`pysource`), written as a checkpoint every stage loads like a real one.
+Python sources every machine has (`testbed.sources`), written as a checkpoint every stage loads like a real one.
 
-- Tokenizer: the tiny target's byte-level BPE recipe (`tiny.build_tokenizer`: Qwen special tokens, `<|MASK|>`, the
+- Tokenizer: the tiny target's byte-level BPE recipe (`fixtures.tiny.build_tokenizer`: Qwen special tokens, `<|MASK|>`, the
   Qwen3-style chat template) at `vocab` ids, trained on the first `tokenizer_bytes` of the training files.
 - Model: `Qwen3_5ForConditionalGeneration` (the VL-wrapper checkpoint layout of Qwen3.5/3.6) with `DIMS`: hidden
   768, 12 layers in the real 3 Gated DeltaNet : 1 gated full-attention pattern, untied embeddings.
@@ -23,8 +23,10 @@ from pathlib import Path
 
 import torch
 
-from . import pysource, tiny
-from .target import torch_gated_deltanet_kernels
+from dflash_offline.target import torch_gated_deltanet_kernels
+from fixtures import tiny
+
+from . import sources
 
 DIMS = {"hidden_size": 768, "intermediate_size": 2560, "num_attention_heads": 12, "num_key_value_heads": 4,
         "head_dim": 64, "num_hidden_layers": 12, "linear_num_key_heads": 6, "linear_num_value_heads": 12,
@@ -130,7 +132,7 @@ def train_target(model, rows_NT: torch.Tensor, held_NT: torch.Tensor, *, budget_
             "seconds": round(seconds, 1), "tok_per_s": round(step * batch * rows_NT.shape[1] / seconds)}
 
 
-def build_target(out: Path, files: pysource.FileList, *, dims: dict, vocab: int, tokenizer_bytes: int,
+def build_target(out: Path, files: sources.FileList, *, dims: dict, vocab: int, tokenizer_bytes: int,
                  seq_len: int, batch: int, lr: float, budget_s: float, max_steps: int, seed: int, device,
                  log: Callable[[str], None] = print) -> dict:
     """Tokenizer + trained model + sidecar into `out`; returns the build record (timings, losses)."""
@@ -147,8 +149,8 @@ def build_target(out: Path, files: pysource.FileList, *, dims: dict, vocab: int,
     t_tok = time.perf_counter() - t0
     log(f"tokenizer: {len(tokenizer)} ids from {size / 1e6:.1f} MB of source ({t_tok:.1f}s)")
 
-    rows_NT = token_rows(tokenizer, (render(r) for r in pysource.records(files.train)), seq_len)
-    held_NT = token_rows(tokenizer, (render(r) for r in pysource.records(files.heldout)), seq_len)[:4 * batch]
+    rows_NT = token_rows(tokenizer, (render(r) for r in sources.records(files.train)), seq_len)
+    held_NT = token_rows(tokenizer, (render(r) for r in sources.records(files.heldout)), seq_len)[:4 * batch]
     t_rows = time.perf_counter() - t0 - t_tok
     log(f"corpus: {rows_NT.numel() / 1e6:.1f}M training + {held_NT.numel() / 1e6:.2f}M held-out tokens "
         f"({t_rows:.1f}s)")

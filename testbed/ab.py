@@ -1,0 +1,134 @@
+"""The A/B sweep (`--arms`, `--sweep`): every arm × seed trained, exported and evaluated on the testbed's target
+and prompts; with the checks, the null arm (the first arm under other seeds) and the known-bad arm (a quarter of its
+steps) run right after the first arm, in that order, then the other arms (`ab`). The statistics are
+`testbed.stats`'."""
+
+from __future__ import annotations
+
+import time
+
+from dflash_offline.config import ConfigError, as_dict
+
+from .commands import Job, log
+from .config import SWEEPS, TestbedConfig
+from .phases import testbed
+from .runs import Paths, eval_looping_share, eval_summary, parse_arm, read_state, run_metrics, slug
+from .scheduler import default_parallel
+from .stats import NULL_ARM, arm_rows, eval_record, failed_runs, judge
+
+
+def recipe_steps(cfg, settings: dict) -> int:
+    """The steps a drafter of these [train] `settings` trains: theirs, else `train_args`', else `train_steps`, else
+    the recipe's, else TrainConfig's default."""
+    from dflash_offline.config import TrainConfig, read_recipe
+
+    if "steps" in settings:
+        return int(settings["steps"])
+    for kv in cfg.train_args.split():
+        if kv.startswith("steps="):
+            return int(kv.split("=", 1)[1])
+    return cfg.train_steps or int(read_recipe(cfg.drafter_recipe).get("train", {}).get(
+        "steps", TrainConfig.__dataclass_fields__["steps"].default))
+
+
+def check_arms(cfg, first: str) -> tuple[str, str]:
+    """(null arm label, known-bad arm settings) for a sweep whose first arm is `first`: the null arm is that arm
+    under other seeds; the known-bad arm is that arm at a quarter of its steps."""
+    ext, train = parse_arm(first)
+    bad = {**ext, **train, "steps": max(1, recipe_steps(cfg, train) // 4)}
+    null = NULL_ARM if not first else f"({first}, other seeds)"
+    return null, " ".join(f"{k}={v}" for k, v in bad.items())
+
+
+def sweep_arms(names: str, cuda: bool) -> list[str]:
+    """The arms of the comma-separated presets `names`, each once, in order (the recipe first); without CUDA, not the
+    float8 linears (torchao's float8 training needs CUDA)."""
+    arms = list(dict.fromkeys(a for name in names.split(",") for a in SWEEPS[name]))
+    return arms if cuda else [a for a in arms if "precision=fp8" not in a]
+
+
+def summary_record(cfg: TestbedConfig, p: Paths) -> tuple[dict, dict]:
+    """`--summarize`: the testbed record from what its phases recorded (DIR/state.json), nothing run."""
+    ph = read_state(p)["phases"]
+    if not ph:
+        raise ConfigError(f"testbed.summarize: {p.state} records no phase: nothing to summarize under {p.root}")
+    looping = (eval_looping_share(p.baseline(cfg.eval_tokens), p.target) if (p.target / "tokenizer.json").is_file()
+               else None)
+    base = p.run("", cfg.seed)
+    tau = {k: eval_summary(base / f).get("tau_mean") if (base / f).is_file() else None
+           for k, f in (("tau_trained", "eval.json"), ("tau_untrained", "eval-untrained.json"))}
+    return {"regen": ph.get("regen"), "looping_frac_eval": looping, **tau,
+            "seconds": {k: round(v.get("seconds", 0), 1) for k, v in ph.items()}}, {}
+
+
+def refuse_repeats(arms: list[str]) -> None:
+    if len({slug(a) for a in arms}) < len(arms):
+        same = [a or '""' for a in arms if [slug(b) for b in arms].count(slug(a)) > 1]
+        raise ConfigError(f"testbed.arms: {', '.join(dict.fromkeys(same))} given twice (the same settings train the "
+                          f"same drafters: they would share their runs); to see the noise of one arm, give it more "
+                          f"--seeds (SEEDS=) and read its spread")
+
+
+def sweep_jobs(cfg: TestbedConfig, p: Paths, arms: list[str], null: str | None, bad: str | None) -> tuple[list, dict]:
+    """(the drafters of `arms` × seeds, in the order they run; the arms' own caches {name: [extract] settings}).
+    Every arm is parsed and checked before anything runs. With the checks, the null arm's drafters (the first arm again,
+    under seeds no arm uses: its runs sit beside that arm's) and the known-bad arm's come right after the first arm's."""
+    parsed = [parse_arm(a) for a in arms]  # every arm checked before anything runs
+    refuse_repeats(arms)
+    key = lambda ext: " ".join(f"{k}={v}" for k, v in sorted(ext.items()))  # noqa: E731
+    caches = {slug(key(ext)): ext for ext, _ in parsed if ext}
+    seeds = range(cfg.seed, cfg.seed + cfg.seeds)
+    jobs = [Job(arm, p.run(slug(arm) if arm else "", seed), p.hidden(slug(key(ext))) if ext else p.hidden(), seed,
+                train) for arm, (ext, train) in zip(arms, parsed, strict=True) for seed in seeds]
+    if not cfg.checks:
+        return jobs, caches
+    first = jobs[0]
+    null_jobs = [Job(null, p.run(slug(arms[0]) if arms[0] else "", seed), first.cache, seed, first.settings)
+                 for seed in range(cfg.seed + cfg.seeds, cfg.seed + 2 * cfg.seeds)]
+    bad_jobs = [j for j in jobs if j.arm == bad]
+    # arm-major, the checks right after the first arm: a sweep stopped early has whole arms and its checks (the
+    # first arm's cache meanwhile serves while the other arms' caches are extracted)
+    return jobs[: cfg.seeds] + null_jobs + bad_jobs + [j for j in jobs[cfg.seeds:] if j.arm != bad], caches
+
+
+def evaluated_arms(arms: list[str], jobs: list) -> tuple[list[str], dict]:
+    """(the arms whose every drafter is evaluated, {other arm: how many of its drafters are}), the others logged."""
+    complete = [a for a in arms if all((j.run / "eval.json").is_file() for j in jobs if j.arm == a)]
+    incomplete = {a or "(recipe)": f"{sum((j.run / 'eval.json').is_file() for j in jobs if j.arm == a)} of "
+                  f"{sum(j.arm == a for j in jobs)} drafters evaluated" for a in arms if a not in complete}
+    for a, why in incomplete.items():
+        log(f"{a}: not ranked, {why}")
+    return complete, incomplete
+
+
+def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> tuple[dict, dict]:
+    """Every arm × seed trained, exported and evaluated on the testbed's target and prompts, beside the testbed's own
+    phases where they are not done yet (see the module doc); with `checks`, also the null arm (the recipe under the
+    next `seeds` seeds) and the known-bad arm (a quarter of the steps), which decide whether the arms are ranked
+    (`judge`). Returns (A/B record, testbed record)."""
+    arms = sweep_arms(cfg.sweep, device.type == "cuda" or cfg.summarize) if cfg.sweep else [a.strip() for a in cfg.arms.split(";")]
+    null, bad = check_arms(cfg, arms[0]) if cfg.checks else (None, None)
+    if bad and bad not in arms:
+        arms.append(bad)
+    jobs, caches = sweep_jobs(cfg, p, arms, null, bad)
+    if cfg.checks:
+        arms.append(null)
+    parallel = cfg.parallel or default_parallel(device)
+    log(f"{len(arms)} arms × {cfg.seeds} seeds = {len(jobs)} drafters, {parallel} at a time"
+        + (f" (checks: the null arm {null}, the known-bad arm {bad})" if cfg.checks else ""))
+    t0 = time.perf_counter()
+    tb, times = summary_record(cfg, p) if cfg.summarize else testbed(cfg, p, dev, device, jobs, parallel, caches)
+    complete, incomplete = evaluated_arms(arms, jobs)
+    if arms[0] not in complete:
+        raise RuntimeError(f"the first arm ({arms[0] or '(recipe)'}) has no evaluation for every seed: nothing to "
+                           f"compare with; see the logs under {p.root / 'runs'}")
+    rows = arm_rows(complete, {a: [(eval_record(j.run / "eval.json"), run_metrics(j.run).get("loss"))
+                                   for j in jobs if j.arm == a] for a in complete})
+    judgement = judge(rows, null, bad) if cfg.checks else None
+    failed = failed_runs(p.root, times, [j.run for j in jobs if j.arm in complete])
+    return {"testbed": str(p.root), "seeds": cfg.seeds, "arms": rows, "judgement": judgement, "failed": failed,
+            "incomplete": incomplete,
+            "recipe": cfg.drafter_recipe, "seconds": round(time.perf_counter() - t0, 1), "parallel": parallel,
+            "job_seconds": {str(r.relative_to(p.root)): {k: v if isinstance(v, str) else round(v, 1)
+                                                          for k, v in t.items()} for r, t in times.items()},
+            "config": as_dict(cfg), "time": time.time()}, tb

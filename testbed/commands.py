@@ -1,0 +1,123 @@
+"""The stage CLIs the testbed runs, each in a process of its own (`python -m stages.<name>`: `stage`): the caches'
+extraction (`extract`), one drafter's training and export (`train_export`) and its evaluation (`evaluate`); what a
+drafter is made from (`Job`, `job_identity`: RUN/testbed-job.json) and the removal of a run made from anything else
+(`fresh_run`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import TestbedConfig
+from .runs import Paths, drafter_code_digest, file_sha256, stale_job
+
+
+def log(msg: str) -> None:
+    print(f"[testbed {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def stage(module: str, *args: str, log_file: Path | None = None, ok=(0,), env: dict | None = None) -> float:
+    """Run `python -m module args` (its output streamed, or into `log_file`; `env` added to this environment);
+    returns seconds; an exit status not in `ok` stops here (evaluation exits 1 when the lossless check fails:
+    recorded in its JSON, not fatal here)."""
+    cmd = [sys.executable, "-m", module, *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    t0 = time.perf_counter()
+    if log_file is None:
+        log(" ".join(cmd[2:]))
+        rc = subprocess.call(cmd, env=env)
+    else:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_file, "w") as f:
+            rc = subprocess.call(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+    if rc not in ok:
+        where = f" (log: {log_file})" if log_file else ""
+        raise RuntimeError(f"{' '.join(cmd[2:4])} ... failed with exit status {rc}{where}")
+    return time.perf_counter() - t0
+
+
+@dataclass
+class Job:
+    arm: str  # its settings as given ('' = the recipe as it is)
+    run: Path
+    cache: Path
+    seed: int
+    settings: dict  # its [train] settings
+
+
+def extract(cfg: TestbedConfig, p: Paths, settings: dict, name: str, dev: str, log_file: Path | None = None) -> float:
+    """Token cache (shared) + hidden cache DIR/cache/hidden[-name] with the recipe and `settings` ([extract])."""
+    args = [f"--recipe={cfg.drafter_recipe}", f"--corpus={p.regen}", f"--tokenizer={p.target}", f"--target={p.target}",
+            f"--out={p.tokens}",
+            f"--hidden_out={p.hidden(name)}", f"--device={dev}"]
+    if cfg.recipe_seq_len:
+        args.append(f"--seq_len={cfg.recipe_seq_len}")
+    return stage("stages.extract", *args, *(f"--{k}={v}" for k, v in settings.items()), log_file=log_file)
+
+
+def train_args(cfg: TestbedConfig, run: Path, cache: Path, seed: int, settings: dict) -> list[str]:
+    """stages.train's arguments for one drafter (but --resume)."""
+    args = [f"--recipe={cfg.drafter_recipe}", f"--cache={cache}", f"--run={run}", f"--seed={seed}"]
+    if cfg.train_steps:
+        args.append(f"--steps={cfg.train_steps}")
+    return args + [f"--{kv}" for kv in cfg.train_args.split()] + [f"--{k}={v}" for k, v in settings.items()]
+
+
+def job_identity(cfg: TestbedConfig, p: Paths, j: Job) -> dict:
+    """What a drafter is made from: its training arguments and recipe, its cache (key), the evaluation's prompts and
+    budget, the drafter code (`RUN/testbed-job.json`; a run made from anything else is stale)."""
+    manifest = j.cache / "manifest.json"
+    return {"train": train_args(cfg, j.run, j.cache, j.seed, j.settings),
+            "recipe_sha256": file_sha256(cfg.drafter_recipe),
+            "cache_key": json.loads(manifest.read_text())["key"] if manifest.is_file() else None,
+            "eval": {"prompts_sha256": file_sha256(p.eval_prompts) if p.eval_prompts.is_file() else None,
+                     "num_prompts": cfg.eval_prompts, "max_new_tokens": cfg.eval_tokens},
+            "code_sha256": drafter_code_digest()}
+
+
+def fresh_run(cfg: TestbedConfig, p: Paths, j: Job) -> bool:
+    """Whether `j.run` holds a drafter made from what `j` asks (True also when it holds none yet); a run made from
+    anything else is removed (it is the testbed's own output, under DIR/runs) and said so."""
+    why = stale_job(j.run, job_identity(cfg, p, j))
+    if why:
+        log(f"{j.run}: {why}; made again")
+        shutil.rmtree(j.run)
+    return not why
+
+
+def train_export(cfg: TestbedConfig, run: Path, cache: Path, seed: int, settings: dict, env: dict,
+                 log_dir: Path | None) -> dict:
+    """Train (resumed where it stopped) and export one drafter; returns seconds per phase."""
+    logf = (lambda name: log_dir / f"{name}.log") if log_dir else (lambda name: None)
+    args = train_args(cfg, run, cache, seed, settings) + [f"--resume={int((run / 'checkpoints').is_dir())}"]
+    train = stage("stages.train", *args, log_file=logf("train"), env=env)
+    export = stage("stages.export", f"--run={run}", f"--out={run / 'export'}", "--force=1", log_file=logf("export"),
+                   env=env)
+    return {"train": train, "export": export}
+
+
+def evaluate(cfg: TestbedConfig, p: Paths, run: Path, dev: str, untrained: bool, log_file: Path | None,
+             env: dict, check: int = 0) -> float:
+    """Speculative decoding of `eval_prompts` held-out prompts in exact mode (exit 1 = not lossless: recorded in the
+    run's eval JSON, not fatal here) — in an A/B with `replay`, τ replayed on the target-alone decodes, `check`
+    prompts also decoded for real."""
+    args = [f"--run={run}", f"--prompts={p.eval_prompts}", f"--num_prompts={cfg.eval_prompts}", "--dtype=float32",
+            f"--device={dev}", "--tf_batches=2", f"--max_new_tokens={cfg.eval_tokens}",
+            f"--baseline={p.baseline(cfg.eval_tokens)}"]
+    replay = cfg.replay and bool(cfg.arms or cfg.sweep)
+    if replay:  # the untrained drafter then replays every prompt too
+        args += ["--replay=1", f"--check_prompts={check}"]
+    args += (["--untrained=1"] + ([] if replay else [f"--spec_prompts={cfg.untrained_prompts}"]) if untrained
+             else [f"--export={run / 'export'}"])
+    out = run / ("eval-untrained.json" if untrained else "eval.json")
+    out.unlink(missing_ok=True)  # exit status 1 is "not lossless" and also an uncaught error: the JSON tells them apart
+    secs = stage("stages.evaluate", *args, log_file=log_file, env=env, ok=(0, 1))
+    if not out.is_file():
+        raise RuntimeError(f"stages.evaluate ... failed without writing {out}" + (f" (log: {log_file})" if log_file else ""))
+    return secs

@@ -1,0 +1,93 @@
+"""The testbed's settings: `TestbedConfig` (each field a `--key=value` of `python -m testbed`), its size presets
+(`PRESETS`, filled in where the command line is silent: `apply_preset`) and the A/B sweeps' presets (`SWEEPS`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dflash_offline.config import ConfigError, check_choice
+
+from .runs import PHASES
+
+SWEEPS = {  # --sweep=NAME[,NAME…]: the union of their arms, the recipe first
+    "options": ["", "gamma=5", "gamma=inf", "num_anchors=256", "num_anchors=1024", "noise_std=0.05",
+                "weighting=dpace", "quant=fp8"],
+    "encodings": ["", "quant=fp8", "quant=fp4", "project_dims=384", "project_dims=384 quant=fp8",
+                  "project_dims=192 quant=fp8"],
+    "fp8": ["", "precision=fp8", "loss_logits=fp8", "precision=fp8 loss_logits=fp8"],
+}
+PRESETS = {  # sizes: full (make testbed), short (the GPU test, ≤ 2 min), micro (the CPU test: the pipeline's logic)
+    "full": {},
+    "short": {"source_mb": 16, "tokenizer_mb": 4, "target_s": 25, "regen_docs": 512, "train_steps": 80, "eval_prompts": 16, "eval_tokens": 48},
+    "micro": {"packages": [], "source_mb": 2, "tokenizer_mb": 1, "vocab": 1024, "dims": "tiny", "target_rows": 128,
+              "target_batch": 4, "target_s": 5, "target_steps": 8, "regen_docs": 12, "regen_tokens": 24,
+              "regen_batch": 12, "train_steps": 6, "eval_prompts": 3, "untrained_prompts": 2, "check_prompts": 2, "eval_tokens": 12,
+              "recipe_seq_len": 256,
+              "train_args": "num_layers=2 num_heads=4 num_kv_heads=2 head_dim=16 num_anchors=16 batch_rows=2 "
+                            "log_every=2"},
+}
+
+
+@dataclass
+class TestbedConfig:
+    dir: str = "build/testbed"  # everything goes here (target, corpora, caches, runs, results)
+    from_phase: str = ""  # redo this phase and the later ones: target | regen | extract | train | export | eval
+    preset: str = "full"  # full (make testbed) | short (GPU test, ≤ 2 min) | micro (CPU test of the logic)
+    drafter_recipe: str = "manifests/testbed.toml"  # tokenize/extract/train settings of the drafter part
+    train_args: str = ""  # extra train settings for every drafter (space-separated key=value)
+    packages: list[str] = field(default_factory=lambda: ["torch", "transformers", "numpy", "huggingface_hub",
+                                                         "accelerate", "pyarrow", "jinja2", "safetensors", "triton"])  # packages whose sources join the standard library's
+    source_mb: int = 96  # training source text taken (MB, in name-hash order)
+    heldout_every: int = 32  # one file in this many is held out (by name hash)
+    tokenizer_mb: int = 24  # source text the BPE is trained on
+    vocab: int = 16384  # tokenizer size (BPE + added tokens)
+    dims: str = "testbed"  # target shape: testbed (hidden 768, 12 layers) | tiny (the embedded demo's)
+    target_rows: int = 1024  # target training row length (tokens)
+    target_batch: int = 64  # target training rows per step
+    target_lr: float = 1e-3  # target peak learning rate
+    target_s: float = 150.0  # target training time budget (seconds; the step count is fitted to it)
+    target_steps: int = 4000  # target training steps at most
+    regen_docs: int = 4000  # prompts the target answers (the drafter's corpus)
+    regen_tokens: int = 192  # new tokens per answer
+    regen_batch: int = 512  # prompts per generate call
+    regen_temperature: float = 0.8  # the corpus's answers are sampled at this temperature (0 = greedy: a small target's greedy answers loop)
+    regen_top_p: float = 0.95  # nucleus mass of that sampling
+    eval_candidates: int = 4  # held-out prompts answered greedily per evaluation prompt; the non-looping ones are chosen
+    train_steps: int = 0  # drafter steps; 0 = the recipe's
+    eval_prompts: int = 64  # held-out prompts evaluated
+    eval_tokens: int = 64  # new tokens per prompt
+    untrained_prompts: int = 16  # prompts the untrained drafter decodes (τ ≈ 1: every token a verify step); all of them make the baseline
+    recipe_seq_len: int = 0  # token row length for the drafter's cache; 0 = the recipe's
+    device: str = "auto"  # auto | cuda | cpu
+    seed: int = 0  # target build and the first drafter seed
+    arms: str = ""  # A/B: arms separated by ';', each space-separated key=value settings ('' = the recipe)
+    sweep: str = ""  # A/B presets, comma-separated: options (γ, anchors, noise, D-PACE, fp8 cache) | encodings | fp8
+    seeds: int = 2  # A/B: drafter seeds per arm
+    parallel: int = 0  # A/B: drafter jobs at once; 0 = 1 (on one GPU, processes take turns: two at once were slower)
+    label: str = ""  # A/B: result name (DIR/ab/<label>.json); empty = sweep name or 'ab'
+    replay: bool = True  # A/B: τ replayed on the target's greedy outputs (one target forward per prompt, not one or two per step: the same steps); each arm's first drafter also decodes check_prompts for real
+    check_prompts: int = 8  # A/B with replay: prompts each arm's first drafter also decodes for real (lossless check, replay = decode checked)
+    checks: bool = True  # A/B: add the null arm (the recipe under other seeds) and the known-bad arm (¼ of the steps); rank arms only when both behave
+    summarize: bool = False  # A/B: train and evaluate nothing; rank the arms whose every seed is evaluated already (a stopped sweep's) and write the results
+    results: str = ""  # A/B: also write the sweep's verdicts here (e.g. bench/results/testbed-sweep-h200.json)
+
+    def resolve(self) -> TestbedConfig:
+        check_choice("testbed.preset", self.preset, tuple(PRESETS))
+        if self.from_phase:
+            check_choice("testbed.from_phase", self.from_phase, PHASES)
+        check_choice("testbed.dims", self.dims, ("testbed", "tiny"))
+        if self.sweep:
+            for name in self.sweep.split(","):
+                check_choice("testbed.sweep", name, tuple(SWEEPS))
+        if self.seeds < 1 or self.eval_prompts < 1 or self.regen_docs < 1 or self.eval_candidates < 1:
+            raise ConfigError("testbed.seeds, eval_prompts, eval_candidates and regen_docs must be >= 1")
+        return self
+
+
+def apply_preset(cfg: TestbedConfig, argv: list[str]) -> TestbedConfig:
+    """The preset's values for every field the command line did not set."""
+    given = {a[2:].split("=", 1)[0] for a in argv if a.startswith("--")}
+    for k, v in PRESETS[cfg.preset].items():
+        if k not in given:
+            setattr(cfg, k, v)
+    return cfg

@@ -1,0 +1,164 @@
+"""The testbed's phases (`testbed`, see `testbed.cli`): target, regen, extract, then train, export and eval of the
+base drafter (with the A/B arms' drafters beside it: `testbed.scheduler`), each skipped when DIR/state.json records it
+done."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from .commands import Job, extract, job_identity, log, stage
+from .config import TestbedConfig
+from .runs import (
+    PHASES,
+    Paths,
+    choose_eval_prompts,
+    eval_summary,
+    forget_from,
+    looping_share,
+    read_state,
+    result,
+    run_metrics,
+    stale_job,
+    write_state,
+)
+from .scheduler import run_drafters
+
+
+def free_device_memory() -> None:
+    """Give back what this process's in-process phases cached on the GPU (the drafters' processes need it), and say
+    what stays held here."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+        log(f"GPU memory this process still holds: {torch.cuda.memory_reserved() / 2**30:.2f} GB reserved")
+
+
+def build(cfg: TestbedConfig, p: Paths, device) -> dict:
+    """Phase 1: sources → corpora, tokenizer, trained target (into a temporary sibling, renamed when complete)."""
+    from fixtures import tiny
+
+    from . import sources, target
+
+    files = sources.select(cfg.packages, cfg.source_mb << 20, cfg.heldout_every)
+    s = files.summary()
+    log(f"sources: {s['train_files']} training files ({s['train_bytes'] / 1e6:.1f} MB), {s['heldout_files']} "
+        f"held out; file list {files.digest[:12]}")
+    by_hash = sorted(files.train, key=lambda f: sources.name_hash(f.name))
+    n = sources.write_jsonl(p.train_prompts, sources.records(by_hash[: cfg.regen_docs * 2], first_only=True))
+    held = sorted(files.heldout, key=lambda f: sources.name_hash(f.name))
+    m = sources.write_jsonl(p.eval_candidates, sources.records(held, first_only=True))
+    if m < cfg.eval_prompts:
+        raise ValueError(f"only {m} held-out prompts for eval_prompts={cfg.eval_prompts}: lower heldout_every")
+    tmp = p.target.with_name(".target.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    dims = tiny.TINY_DIMS if cfg.dims == "tiny" else target.DIMS
+    rec = target.build_target(tmp, files, dims=dims, vocab=cfg.vocab, tokenizer_bytes=cfg.tokenizer_mb << 20,
+                               seq_len=cfg.target_rows, batch=cfg.target_batch, lr=cfg.target_lr,
+                               budget_s=cfg.target_s, max_steps=cfg.target_steps, seed=cfg.seed, device=device,
+                               log=log)
+    (tmp / "files.json").write_text(json.dumps({**s, "files": [[f.name, f.sha256] for f in files.train + files.heldout]}))
+    shutil.rmtree(p.target, ignore_errors=True)
+    tmp.rename(p.target)
+    return {**rec, "sources": {k: v for k, v in s.items() if k != "roots"}, "regen_prompts": n, "eval_prompts": m}
+
+
+def choose_prompts(cfg: TestbedConfig, p: Paths, dev: str) -> dict:
+    """The evaluation prompts: the first `eval_candidates` × `eval_prompts` held-out openings answered greedily by
+    the target (the evaluation's budget of new tokens), the first `eval_prompts` whose answer does not loop taken
+    (`choose_eval_prompts`)."""
+    n = cfg.eval_candidates * cfg.eval_prompts
+    stage("stages.regen", f"--target={p.target}", f"--corpus={p.eval_candidates}", f"--out={p.eval_greedy}",
+          f"--num_docs={n}", f"--max_new_tokens={cfg.eval_tokens}", f"--batch_size={cfg.regen_batch}",
+          "--thinking=on", "--on_empty=keep", f"--device={dev}", "--progress=0")
+    chosen = choose_eval_prompts(p.eval_candidates, p.eval_greedy, p.eval_prompts, cfg.eval_prompts, cfg.eval_tokens)
+    log(f"evaluation prompts: {chosen['chosen']} of {chosen['candidates']} held-out openings, whose greedy answers "
+        f"loop in {100 * chosen['candidates_looping']:.0f} % and stop short in {100 * chosen['candidates_short']:.0f} % "
+        f"({chosen['chosen_looping']} looping and {chosen['chosen_short']} short among those chosen)")
+    return chosen
+
+
+def projection_summary(cache: Path) -> dict:
+    """Per k: the least energy a top-k projection keeps, and the most it loses on held-out rows, over the taps
+    (`projection.measure_taps`, as `bench.projection` reports it: two calibration shards, the last shard held out)."""
+    from dflash_offline.dataset import open_hidden_cache
+    from dflash_offline.manifest import read_manifest
+    from dflash_offline.projection import measure_taps
+
+    info = open_hidden_cache(cache, read_manifest(cache)["producer"]["layer_ids"])
+    r = measure_taps(info, [16, 32, 64, 128, 256], calib_shards=2, max_rows=64)
+    layers = list(r["layers"].values())
+    return {k: {"kept_min": min(x["retained"][k] for x in layers),
+                "heldout_lost_max": max(x["heldout_loss"].get(k, 0.0) for x in layers)} for k in layers[0]["retained"]}
+
+
+def testbed(cfg: TestbedConfig, p: Paths, dev: str, device, more: list[Job] = (), parallel: int = 1,
+            caches: dict | None = None) -> tuple[dict, dict]:
+    """Phases 1–6, each skipped when state.json says it is done; `more` drafters (A/B arms, on caches extracted
+    first: `caches` = {name: [extract] settings}) train beside the base one. Returns (result record, {run: seconds
+    per phase})."""
+    st = read_state(p)
+    if cfg.from_phase:
+        forget_from(p, st, cfg.from_phase)
+    ph = st["phases"]
+    run = p.run("", cfg.seed)
+    if earlier := [n for n in PHASES if n in ph]:
+        log(f"done earlier ({p.state}): {', '.join(earlier)}; --from_phase= (TESTBED_FROM=) redoes one and the later")
+
+    def done(name: str, record: dict) -> None:
+        ph[name] = record
+        write_state(p, st)
+        log(f"phase {name} done in {record.get('seconds', 0):.0f}s")
+
+    if "target" not in ph:
+        t0 = time.perf_counter()
+        rec = build(cfg, p, device)
+        free_device_memory()  # (the drafters' processes need what the target's training held in this one)
+        done("target", {**rec, "seconds": time.perf_counter() - t0})
+    if "regen" not in ph:
+        secs = stage("stages.regen", f"--target={p.target}", f"--corpus={p.train_prompts}", f"--out={p.regen}",
+                     f"--num_docs={cfg.regen_docs}", f"--max_new_tokens={cfg.regen_tokens}",
+                     f"--batch_size={cfg.regen_batch}", "--thinking=on", f"--device={dev}",
+                     f"--temperature={cfg.regen_temperature}", f"--top_p={cfg.regen_top_p}", f"--seed={cfg.seed}")
+        stats = json.loads(Path(str(p.regen) + ".stats.json").read_text())
+        t0 = time.perf_counter()
+        chosen = choose_prompts(cfg, p, dev)
+        done("regen", {"seconds": secs + time.perf_counter() - t0, "corpus_seconds": secs,
+                       **{k: stats.get(k) for k in ("written", "new_tokens", "truncated")},
+                       "looping_frac": looping_share(p.regen), "sampling": stats["config"].get("sampling"),
+                       "eval_prompts": chosen})
+    if "extract" not in ph:
+        secs = extract(cfg, p, {}, "", dev)
+        m = json.loads((p.hidden() / "manifest.json").read_text())
+        rows = sum(s["rows"] for s in m["shards"])
+        seq = m["producer"]["tokens"]["producer"]["seq_len"]
+        done("extract", {"seconds": secs, "rows": rows, "tokens": rows * seq, "tok_per_s_wall": rows * seq / secs,
+                         "layer_ids": m["config"].get("layer_ids"), "projection": projection_summary(p.hidden())})
+        free_device_memory()
+    base = Job("", run, p.hidden(), cfg.seed, {})
+    if "eval" in ph and (why := stale_job(run, job_identity(cfg, p, base))):  # other settings or code since
+        log(f"the testbed's drafter {run}: {why}: trained again")
+        for name in ("train", "export", "eval"):
+            ph.pop(name, None)
+        write_state(p, st)
+    jobs = ([] if "eval" in ph else [base]) + \
+        [j for j in more if j.run != run or "eval" in ph]
+    times = {}
+    if jobs:
+        times = run_drafters(cfg, p, dev, jobs, parallel, None if "eval" in ph else run, stream=not more,
+                             caches={p.hidden(name): settings for name, settings in (caches or {}).items()})
+        if "eval" not in ph:  # (a rerun after an interruption finds the base drafter done: its seconds unknown)
+            t, m = times[run], run_metrics(run)
+            ph["train"] = {"seconds": t.get("train", 0.0), "steps": m.get("step"), "loss": m.get("loss"),
+                           "tok_per_s": m.get("tok_per_s"), "acc": m.get("acc")}
+            ph["export"] = {"seconds": t.get("export", 0.0)}
+            done("eval", {"seconds": t.get("eval_wall", 0.0),
+                          "untrained_seconds": t.get("untrained"), "trained": eval_summary(run / "eval.json"),
+                          "untrained": eval_summary(run / "eval-untrained.json")})
+    return result(cfg, p, st), times

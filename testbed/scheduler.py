@@ -1,0 +1,236 @@
+"""The drafters' scheduler (`run_drafters`): `--parallel` jobs at a time, in the order given, beside the untrained
+drafter's evaluation and the arms' cache extraction; the first job compiles alone and opens the gate for the others
+after its first step; a job out of GPU memory is tried again after the others. Every job's work runs in processes of
+its own, the stage CLIs (`testbed.commands`: training, export, evaluation); a pool thread per job only waits on them
+and shares the events the jobs wait for (the gate, the target-alone decodes, a failure), which processes could share
+only through pickled proxies."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from dflash_offline.manifest import write_json_atomic
+
+from .commands import Job, evaluate, extract, fresh_run, job_identity, log, train_export
+from .config import TestbedConfig
+from .runs import JOB_FILE, Paths, cache_complete, eval_summary
+
+JOB_GB = 12  # GPU memory one drafter job of the testbed recipe may take (training, then evaluation)
+WARM_WAIT_S = 900  # how long the other drafters wait for the first one's compiled first step at most
+
+
+class Drafters:
+    """What `run_drafters` shares between its threads: the settings, the events (the untrained evaluation done or
+    failed, each arm cache made), and per run its seconds per phase or its error."""
+
+    def __init__(self, cfg: TestbedConfig, p: Paths, dev: str, jobs: list[Job], parallel: int, base: Path | None,
+                 stream: bool, caches: dict | None):
+        import threading
+
+        self.cfg, self.p, self.dev, self.base, self.stream, self.caches = cfg, p, dev, base, stream, caches or {}
+        self.env = {}
+        if parallel > 1 and "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+            self.env["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, (os.cpu_count() or 1) // parallel))
+        self.ready, self.failed, self.warm = threading.Event(), threading.Event(), threading.Event()
+        # the first job compiles alone (all the CPUs), the others start once its first step ran: the same graphs then
+        # load from the compile caches it filled instead of 8 processes compiling them at once
+        firsts = {}
+        for j in jobs:  # each arm's first drafter (the null arm's: the first arm's settings) also decodes for real
+            firsts.setdefault(json.dumps(j.settings, sort_keys=True) + str(j.cache), j.run)
+        self.checked = set(firsts.values())
+        self.leader = jobs[0].run if parallel > 1 and len(jobs) > 1 else None
+        if self.leader is None:
+            self.warm.set()
+        self.times, self.errors, self.retry = {job.run: {} for job in jobs}, {}, []
+        self.untrained_log = base / "logs" / "eval-untrained.log" if base else None
+        self.made, self.broken = {c: threading.Event() for c in self.caches}, {}
+
+    def untrained(self) -> None:
+        """The base run's untrained drafter, evaluated as soon as that run's config.json exists (it makes the
+        target-alone decodes every trained evaluation waits for)."""
+        base = self.base
+        try:
+            if base is None or (base / "eval-untrained.json").is_file() and self.p.baseline(
+                    self.cfg.eval_tokens).is_file():
+                return
+            while not (base / "config.json").is_file():  # written when the base run's training starts
+                if self.failed.is_set():
+                    return
+                time.sleep(1)
+            log(f"untrained drafter: evaluating (log: {self.untrained_log})")
+            self.times[base]["untrained"] = evaluate(self.cfg, self.p, base, self.dev, True, self.untrained_log,
+                                                     self.env)
+            log(f"untrained drafter: τ {eval_summary(base / 'eval-untrained.json')['tau_mean']:.3f} "
+                f"({self.times[base]['untrained']:.0f}s)")
+        except BaseException:
+            self.failed.set()
+            raise
+        finally:
+            self.ready.set()
+
+    def extract_caches(self) -> None:
+        """The arms' caches, one after another; a cache that cannot be made is recorded for its jobs."""
+        for c, settings in self.caches.items():
+            try:
+                if not cache_complete(c):
+                    logf = self.p.root / "logs" / f"extract-{c.name}.log"
+                    log(f"extracting the cache {c.name} ({' '.join(f'{k}={v}' for k, v in settings.items())}; "
+                        f"log: {logf})")
+                    secs = extract(self.cfg, self.p, settings, c.name.removeprefix("hidden-"), self.dev, logf)
+                    log(f"cache {c.name} extracted ({secs:.0f}s)")
+            except Exception as e:  # noqa: BLE001
+                self.broken[c] = f"its cache {c} could not be extracted: {e}"
+            finally:
+                self.made[c].set()
+
+    def job(self, j: Job) -> None:
+        """`run_job`; the leading job opens the gate for the others however it ends."""
+        try:
+            self.run_job(j)
+        finally:
+            if j.run == self.leader:
+                self.warm.set()
+
+    def run_job(self, j: Job) -> None:
+        """One drafter: wait for its cache, train and export it, wait for the target-alone decodes, evaluate it —
+        unless its run already holds an evaluated drafter made from the same settings, cache, prompts and code."""
+        if j.cache in self.made:
+            self.made[j.cache].wait()
+            if j.cache in self.broken:
+                raise RuntimeError(self.broken[j.cache])
+        fresh_run(self.cfg, self.p, j)
+        if (j.run / "eval.json").is_file():
+            self.times[j.run]["reused"] = 1.0
+            return
+        if j.run != self.leader and not self.warm.is_set():
+            t0 = time.perf_counter()
+            while not self.warm.wait(1) and not self.failed.is_set() and time.perf_counter() - t0 < WARM_WAIT_S:
+                pass
+            self.warm.set()  # (after a time-out, the others do not wait again)
+            self.times[j.run]["wait_warm"] = time.perf_counter() - t0
+        if self.failed.is_set():
+            raise RuntimeError("not started: the base drafter or the untrained evaluation failed")
+        j.run.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(j.run / JOB_FILE, job_identity(self.cfg, self.p, j))
+        logs = None if self.stream and j.run == self.base else j.run / "logs"
+        log(f"{j.arm or '(recipe)'} seed {j.seed}: training on {j.cache.name}" + (f" (logs: {logs})" if logs else ""))
+        env = self.env
+        if j.run == self.leader:
+            (j.run / "status-rank0.json").unlink(missing_ok=True)  # (a killed run's says it stepped already)
+            self.watch_warm_up(j.run)
+            env = {**env, **({} if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ else
+                             {"TORCHINDUCTOR_COMPILE_THREADS": str(os.cpu_count() or 1)})}
+        try:
+            self.times[j.run].update(train_export(self.cfg, j.run, j.cache, j.seed, j.settings, env, logs))
+        except BaseException:
+            if j.run == self.base:
+                self.failed.set()
+            raise
+        finally:
+            if j.run == self.leader:
+                self.warm.set()  # (the first step never ran, or the training is over)
+        t0 = time.perf_counter()
+        self.ready.wait()
+        if self.failed.is_set():
+            raise RuntimeError(f"the untrained drafter's evaluation, which makes the target-alone decodes, failed "
+                               f"(log: {self.untrained_log})")
+        t = self.times[j.run]
+        t["eval"] = evaluate(self.cfg, self.p, j.run, self.dev, False, (logs or j.run / "logs") / "eval.log", self.env,
+                             self.cfg.check_prompts if j.run in self.checked else 0)
+        t["eval_wall"] = time.perf_counter() - t0  # waiting for the baseline included
+        log(f"{j.arm or '(recipe)'} seed {j.seed}: τ {eval_summary(j.run / 'eval.json')['tau_mean']:.3f} ("
+            + ", ".join(f"{k} {v:.0f}s" for k, v in t.items()) + ")")
+
+    def watch_warm_up(self, run: Path) -> None:
+        """Set `warm` once the leading job's training has taken its first step (its status file says so)."""
+        import threading
+
+        t0 = time.time()
+
+        def watch():
+            while not self.warm.is_set():
+                try:
+                    st = json.loads((run / "status-rank0.json").read_text())
+                    if st.get("done", 0) >= 1 and st.get("updated_at", 0) >= t0:
+                        log(f"{run}: first step compiled; the other drafters start")
+                        self.warm.set()
+                except (OSError, ValueError):
+                    pass
+                time.sleep(1)
+
+        threading.Thread(target=watch, daemon=True).start()
+
+    def guarded(self, j: Job, last: bool = False) -> None:
+        """`job`, its failure reported while the others go on (one out of GPU memory queued for `retry`)."""
+        try:
+            self.job(j)
+            self.errors.pop(j.run, None)
+        except Exception as e:  # noqa: BLE001
+            self.errors[j.run] = str(e)
+            oom = not last and not self.failed.is_set() and out_of_memory(j.run / "logs")
+            if oom:
+                self.retry.append(j)
+            log(f"{j.arm or '(recipe)'} seed {j.seed}: {'out of GPU memory, tried again later' if oom else 'FAILED'}: {e}")
+
+
+def run_drafters(cfg: TestbedConfig, p: Paths, dev: str, jobs: list[Job], parallel: int, base: Path | None,
+                 stream: bool = False, caches: dict | None = None) -> dict:
+    """Train, export and evaluate `jobs` (each skipped when its eval.json exists), `parallel` at a time, while the
+    untrained drafter of run `base` (one of them, or None) is evaluated alongside: it waits only for that run's
+    config.json, and its decodes of the target alone (DIR/baseline-<tokens>.json) are reused by every trained
+    drafter's evaluation, which waits for them. `stream`: the first job's training prints here (else every stage logs
+    into RUN/logs/). On a GPU shared by several jobs, each compiles with its share of the CPUs
+    (TORCHINDUCTOR_COMPILE_THREADS, unless set). `caches` ({path: [extract] settings}) are extracted one after
+    another beside the drafters, each job on one of them waiting for it. A drafter that fails (or whose cache does)
+    is logged and recorded (`error`) while the others go on, except that one which ran out of GPU memory is tried
+    once more after the others, half as many at a time; when the base run or the untrained evaluation fails, no
+    further job starts and that failure raises.
+    Returns {run: seconds per phase (train, export, eval, and untrained for `base`), or its error}."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    for j in jobs:  # runs made from other settings or code go before anything reads them (the untrained evaluation
+        if j.run == base or cache_complete(j.cache):  # reads the base run's): the others' caches may come later
+            fresh_run(cfg, p, j)
+    d = Drafters(cfg, p, dev, jobs, parallel, base, stream, caches)
+    side = threading.Thread(target=d.untrained, daemon=True)
+    side.start()
+    threading.Thread(target=d.extract_caches, daemon=True).start()
+    with ThreadPoolExecutor(parallel) as pool:
+        list(pool.map(d.guarded, jobs))
+    if d.retry and not d.failed.is_set():
+        log(f"trying again {len(d.retry)} drafter(s) that ran out of GPU memory, {max(1, parallel // 2)} at a time")
+        with ThreadPoolExecutor(max(1, parallel // 2)) as pool:
+            list(pool.map(lambda j: d.guarded(j, last=True), d.retry))
+    side.join()
+    if d.failed.is_set() or base in d.errors:
+        raise RuntimeError(d.errors.get(base) or f"the untrained drafter's evaluation failed (log: {d.untrained_log})")
+    for run, e in d.errors.items():
+        d.times[run]["error"] = e
+    return d.times
+
+
+def out_of_memory(logs: Path) -> bool:
+    """Whether a stage's log in `logs` ends in a GPU out-of-memory error."""
+    return any("out of memory" in f.read_text(errors="replace")[-20000:].lower() for f in logs.glob("*.log"))
+
+
+GPU_JOBS = 1  # drafter jobs sharing one GPU (see default_parallel)
+
+
+def default_parallel(device) -> int:
+    """Drafter jobs at once on this machine: `GPU_JOBS` per GPU, fewer where CPUs (two per job) or GPU memory (`JOB_GB`
+    per job) are short. Processes on one GPU take turns on it (time slices), they do not run side by side, and the
+    turns cost: on an H200 (commit 7fd43ec) two drafters training at once ran at ≈ 30K context tok/s each (60K together,
+    one alone ≈ 150K; 8 at once: 7.5K each), while one job at a time took ≈ 100 s per drafter from start to its
+    evaluation (train, export, replayed evaluation). The arms' cache extraction and the untrained evaluation still run
+    beside the first drafter."""
+    if device.type != "cuda":
+        return 1
+    import torch
+
+    return max(1, min(GPU_JOBS, (os.cpu_count() or 2) // 2,
+                      int(torch.cuda.get_device_properties(device).total_memory / 2**30 // JOB_GB)))
