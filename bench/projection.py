@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 from dflash_offline import storage
+from dflash_offline.cache.manifest import read_manifest
+from dflash_offline.cache.shards import hidden_shard_name, read_hidden, read_token_shard, token_shard_name
 from dflash_offline.dataset import open_hidden_cache
-from dflash_offline.manifest import read_manifest
 from dflash_offline.projection import SecondMoment, residual, retained
-from dflash_offline.shards import hidden_shard_name, read_hidden, read_token_shard, token_shard_name
 
 
 def real_tokens(info, shard: int, layer: int, device, max_rows: int) -> torch.Tensor:

@@ -41,8 +41,8 @@ from safetensors.torch import save_file
 
 from bench.extract import TEXT_27B, TEXT_TINY, write_config
 from bench.gpu import GpuSampler
+from dflash_offline.cache.manifest import read_manifest, update_manifest
 from dflash_offline.dataset import make_fake_cache
-from dflash_offline.manifest import update_manifest
 from dflash_offline.targetid import target_fingerprint
 
 DRAFTER_27B = dict(num_layers=5, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=17408)
@@ -89,7 +89,7 @@ def synthetic_cache(root: Path, text: dict, target: Path, rows: int, seq_len: in
         token_rows = functools.partial(chat_token_rows, vocab=text["vocab_size"] - 300)  # (below the mask token)
     cache = make_fake_cache(root / "hidden", 2, rows // 2, seq_len, text["hidden_size"], layers, quant=quant,
                             token_rows=token_rows, project_dims=project_dims)
-    m = json.loads((cache / "manifest.json").read_text())
+    m = read_manifest(cache)
     producer = dict(m["producer"], target=dict(m["producer"]["target"], num_layers=text["num_hidden_layers"],
                                                vocab_size=text["vocab_size"], **target_fingerprint(target)))
     update_manifest(cache, producer=producer,
@@ -163,7 +163,8 @@ def read_check(mode: str):
     """The stream's row checks as they are ("on"), timing each digest on the reader thread, or with the shards'
     row digests dropped ("off", the A/B reference; headers and sizes are still checked). Yields
     {"s": seconds hashing, "bytes": bytes hashed}."""
-    from dflash_offline import dataset, shards
+    from dflash_offline import dataset
+    from dflash_offline.cache import shards
 
     hashed = {"s": 0.0, "bytes": 0}
     real_hash, real_open = shards.xxhash, dataset.open_shard

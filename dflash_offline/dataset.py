@@ -42,8 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import shard_list
-from .manifest import (
+from .cache.manifest import (
     MANIFEST,
     ManifestError,
     committed,
@@ -53,7 +52,7 @@ from .manifest import (
     require,
     token_cache,
 )
-from .shards import (
+from .cache.shards import (
     FP4_ALIGN,
     LAYER_TENSORS,
     SAFETENSORS_DTYPES,
@@ -64,6 +63,7 @@ from .shards import (
     read_token_shard,
     token_shard_name,
 )
+from .config import shard_list
 
 STATE_VERSION = 1
 TOKEN_KEYS = ("input_ids", "loss_mask", "position_ids", "doc_ids")
@@ -514,9 +514,10 @@ def make_fake_cache(cache_dir, num_shards: int, rows, seq_len: int, hidden: int,
     tail. `token_rows(first_id, n, seq_len, generator)` replaces those rows (same columns). `project_dims=k`: a
     projected cache (`projection.py`) of random orthonormal P [hidden, k] per layer, storing z = Pᵀh.
     """
-    from .manifest import hash_obj, open_cache, update_manifest
+    from .cache.fsio import hash_obj
+    from .cache.manifest import open_cache, update_manifest
+    from .cache.shards import encode_layer, hidden_shard_metadata, write_hidden_shard, write_token_shard
     from .projection import PROJECTION_FILE, write_projection
-    from .shards import encode_layer, hidden_shard_metadata, write_hidden_shard, write_token_shard
 
     cache, tokens = Path(cache_dir), Path(cache_dir) / "tokens"
     rows = [rows] * num_shards if isinstance(rows, int) else list(rows)

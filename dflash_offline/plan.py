@@ -18,8 +18,9 @@ import shutil
 from pathlib import Path
 
 from . import storage
+from .cache.fsio import hash_obj
+from .cache.manifest import has_manifest, read_manifest
 from .config import ConfigError, ExtractConfig, TokenizeConfig, load_config, parse_overrides
-from .manifest import MANIFEST, hash_obj, read_manifest
 
 
 def recorded_config(argv: list[str]) -> ExtractConfig | None:
@@ -30,7 +31,7 @@ def recorded_config(argv: list[str]) -> ExtractConfig | None:
         return None
     recipe, overrides = parse_overrides(argv)
     out = overrides.get("hidden_out", "")
-    if recipe or not out or not (Path(out) / MANIFEST).is_file():
+    if recipe or not out or not has_manifest(out):
         return None
     m = read_manifest(out)
     if m.get("kind") != "hidden":
@@ -53,7 +54,7 @@ def target_needs(cfg: ExtractConfig) -> tuple[str, ...]:
 
 def make_plan(cfg: ExtractConfig, tokens: Path | dict) -> dict:
     """`tokens`: the token cache's directory, or (dry run) the manifest stage 1a would write."""
-    from .shards import HIDDEN_LAYOUT_VERSION, ShardError
+    from .cache.shards import HIDDEN_LAYOUT_VERSION, ShardError
     from .target import default_layer_ids, read_target_info
     from .targetid import resolve_checkpoint, target_fingerprint
 

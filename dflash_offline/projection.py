@@ -100,7 +100,7 @@ def top_k(mom: SecondMoment, k: int) -> tuple[torch.Tensor, float]:
 def write_projection(cache: Path, projections: dict[int, torch.Tensor], meta: dict) -> dict:
     """Write CACHE/projection.safetensors atomically: `P.L{id}` float32 [H, k] per tapped layer, `meta` (sorted JSON)
     in its header; returns its record {"bytes", "sha256", "header_sha256"}."""
-    from .shards import META_KEY, write_safetensors
+    from .cache.shards import META_KEY, write_safetensors
 
     tensors = {f"P.L{lid}": P.to(torch.float32).contiguous() for lid, P in projections.items()}
     head = {META_KEY: json.dumps(dict(meta, format=PROJECTION_FORMAT), sort_keys=True)}
@@ -112,7 +112,8 @@ def read_projection(cache, layer_ids, record: dict | None = None) -> list[torch.
     SHA-256 against the manifest's record (`record`: the manifest's `projection` block, read when not given)."""
     from safetensors import safe_open
 
-    from .manifest import read_manifest, sha256_file
+    from .cache.fsio import sha256_file
+    from .cache.manifest import read_manifest
 
     cache = Path(cache)
     rec = record if record is not None else read_manifest(cache).get("projection")
@@ -139,12 +140,13 @@ def run_projections(rec: dict, layer_ids, run_dir=None) -> list[torch.Tensor]:
     the projection file's SHA-256). The run's own copy (RUN/projection.safetensors, made when training started) is
     used when it is that file, so folding needs no cache (export, the untrained drafter; evaluation's teacher-forced
     estimate still reads the cache); else the cache's file must still be that one."""
-    from .manifest import MANIFEST, read_manifest, sha256_file
+    from .cache.fsio import sha256_file
+    from .cache.manifest import has_manifest, read_manifest
 
     if run_dir is not None and (copy := Path(run_dir) / PROJECTION_FILE).is_file() and sha256_file(copy) == rec["sha256"]:
         return read_projection(Path(run_dir), layer_ids, {"sha256": rec["sha256"]})
     cache = Path(rec["cache"])
-    have = read_manifest(cache).get("projection") if (cache / MANIFEST).is_file() else None
+    have = read_manifest(cache).get("projection") if has_manifest(cache) else None
     if have is None:
         raise ProjectionError(f"the run trained on projected taps of {cache}, which is gone or records no projection: "
                               f"folding its fc needs that cache's {PROJECTION_FILE} (SHA-256 {rec['sha256'][:12]}…), "
@@ -161,7 +163,7 @@ def copy_to_run(rec: dict, run_dir) -> Path:
     import os
     import shutil
 
-    from .manifest import sha256_file
+    from .cache.fsio import sha256_file
 
     dst = Path(run_dir) / PROJECTION_FILE
     if dst.is_file() and sha256_file(dst) == rec["sha256"]:

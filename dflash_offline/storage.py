@@ -59,7 +59,7 @@ def projected_widths(hidden: int) -> list[int]:
 def bytes_per_token(quant: str, k: int, hidden: int) -> int:
     """Stored bytes per token in encoding `quant`; refuses fp4 for a hidden size it cannot store."""
     if quant == "fp4":
-        from .shards import check_fp4_width
+        from .cache.shards import check_fp4_width
 
         check_fp4_width(hidden)
     return ENCODINGS[quant][1](k, hidden)
@@ -70,7 +70,7 @@ def token_bytes_per_token() -> int:
     each row's document sources aside."""
     import numpy as np
 
-    from .shards import TOKEN_COLUMNS
+    from .cache.shards import TOKEN_COLUMNS
 
     return sum(np.dtype(d).itemsize for _, d in TOKEN_COLUMNS.values())
 
@@ -123,7 +123,7 @@ def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.
 def hash_rate(read_gb_s: float = 0.0) -> dict:
     """The rate `make verify` re-hashes the cache at, GB/s: given (the filesystem's read rate), or SHA-256's a
     thread × the threads verify uses (what the CPU allows)."""
-    from .manifest import HASH_THREADS
+    from .cache.fsio import HASH_THREADS
 
     if read_gb_s:
         return {"gb_s": read_gb_s, "source": "given"}

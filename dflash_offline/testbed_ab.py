@@ -12,7 +12,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from .manifest import write_json_atomic
+from .cache.fsio import write_json_atomic
 from .testbed_runs import Paths, drafter_code_digest, parse_arm, read_state
 
 

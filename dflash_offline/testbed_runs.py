@@ -12,8 +12,8 @@ import shutil
 import time
 from pathlib import Path
 
+from .cache.fsio import write_json_atomic
 from .config import ConfigError, as_dict, did_you_mean
-from .manifest import write_json_atomic
 
 PHASES = ("target", "regen", "extract", "train", "export", "eval")
 

@@ -44,8 +44,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from dflash_offline.cache.fsio import write_json_atomic
 from dflash_offline.config import ConfigError, as_dict, check_choice, config_from_argv
-from dflash_offline.manifest import write_json_atomic
 from dflash_offline.testbed_ab import (
     ab_table,
     arm_rows,

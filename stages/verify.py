@@ -34,19 +34,18 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_offline.config import VerifyConfig, config_from_argv, shard_list
-from dflash_offline.devices import pick_device
-from dflash_offline.manifest import (
-    HASH_THREADS,
+from dflash_offline.cache.fsio import HASH_THREADS, sha256_file
+from dflash_offline.cache.manifest import (
     MANIFEST,
     committed,
     hidden_num_shards,
     read_manifest,
     require,
-    sha256_file,
     token_cache,
     update_manifest,
 )
+from dflash_offline.config import VerifyConfig, config_from_argv, shard_list
+from dflash_offline.devices import pick_device
 from dflash_offline.progress import log, private_compile_caches, unbuffered
 
 FP8_REL_TOL = 0.06  # e4m3 keeps 3 mantissa bits: per-element rounding ≤ 6.25 %, RMS ≈ 2–3 %
@@ -67,8 +66,8 @@ def check_files(cache: Path, m: dict, tokens_dir: Path) -> list[dict]:
     (`dataset.entry_error`), that file's SHA-256, header and size, rows and tensor layout against the manifest
     (`dataset.open_shard`), and the token shard it was computed from hashed against the entry's `tokens_sha256`.
     N is held to the token cache's count first (`hidden_num_shards`)."""
+    from dflash_offline.cache.shards import hidden_shard_name, token_shard_name
     from dflash_offline.dataset import cache_info, entry_error
-    from dflash_offline.shards import hidden_shard_name, token_shard_name
 
     n, done = hidden_num_shards(cache, m, read_manifest(tokens_dir)), committed(m)
     info = cache_info(cache, m, m["producer"]["layer_ids"], n)
@@ -87,8 +86,8 @@ def check_files(cache: Path, m: dict, tokens_dir: Path) -> list[dict]:
 
 def shard_error(info, m: dict, index: int, sha: dict) -> str | None:
     """Why hidden shard `index`'s file is not what its (committed, well-formed) entry says, or None."""
+    from dflash_offline.cache.shards import ShardError, hidden_shard_name
     from dflash_offline.dataset import open_shard
-    from dflash_offline.shards import ShardError, hidden_shard_name
 
     path, rec = info.cache_dir / hidden_shard_name(index), info.shard_files[index]
     if sha[path] is None:
@@ -107,7 +106,7 @@ def shard_error(info, m: dict, index: int, sha: dict) -> str | None:
 def header_mismatch(path: Path, index: int, m: dict) -> str | None:
     """What a hidden shard's header says it is (index, cache key, encoding and, projected, the projection's SHA-256)
     where the manifest says otherwise: a file moved in from another cache, or computed with another P."""
-    from dflash_offline.shards import ShardError, hidden_metadata, hidden_shard_metadata
+    from dflash_offline.cache.shards import ShardError, hidden_metadata, hidden_shard_metadata
 
     try:
         meta = hidden_metadata(path)
@@ -141,7 +140,7 @@ def sample_rows(m: dict, rows: int, skip: set[int]) -> list[tuple[int, int]]:
 
 def read_batch(cache: Path, tokens_dir: Path, layer_ids: list[int], picked: list[tuple[int, int]], b: int):
     """Token rows [b, S] per column (rows past `picked` are padding), and the stored rows [1, S, K*H] on the CPU."""
-    from dflash_offline.shards import hidden_shard_name, read_hidden, read_token_shard, token_shard_name
+    from dflash_offline.cache.shards import hidden_shard_name, read_hidden, read_token_shard, token_shard_name
 
     toks = {i: read_token_shard(tokens_dir / token_shard_name(i)) for i in dict.fromkeys(i for i, _ in picked)}
     S = next(iter(toks.values()))["input_ids"].shape[1]

@@ -12,8 +12,8 @@ import torch
 
 from dflash_offline import dataset as ds
 from dflash_offline import storage
-from dflash_offline.manifest import ManifestError, update_manifest
-from dflash_offline.shards import (
+from dflash_offline.cache.manifest import ManifestError, update_manifest
+from dflash_offline.cache.shards import (
     ShardError,
     hidden_shard_name,
     read_hidden,
@@ -250,7 +250,7 @@ def test_shards_written_before_row_digests_are_checked_whole(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from dflash_offline.manifest import sha256_file
+    from dflash_offline.cache.fsio import sha256_file
 
     cache = ds.make_fake_cache(tmp_path / "c", 2, 4, S, H, LAYERS, seed=1)
     m = json.loads((cache / "manifest.json").read_text())

@@ -14,9 +14,8 @@ from test_extract import encoded_extraction, shard_files
 
 from dflash_offline import dataset as ds
 from dflash_offline import storage
-from dflash_offline.config import ExtractConfig, VerifyConfig
-from dflash_offline.manifest import ManifestError, read_manifest, update_manifest
-from dflash_offline.shards import (
+from dflash_offline.cache.manifest import ManifestError, read_manifest, update_manifest
+from dflash_offline.cache.shards import (
     ShardError,
     encode_layer,
     fp4_decode,
@@ -27,6 +26,7 @@ from dflash_offline.shards import (
     read_hidden,
     write_hidden_shard,
 )
+from dflash_offline.config import ExtractConfig, VerifyConfig
 from stages import verify
 from stages.verify import FP4_REL_TOL, FP8_REL_TOL
 

@@ -15,11 +15,12 @@ from safetensors.torch import load_file
 
 from dflash_offline import storage
 from dflash_offline.anchors import block_input_ids, block_position_ids
+from dflash_offline.cache.manifest import read_manifest
+from dflash_offline.cache.shards import hidden_shard_name, read_hidden, read_token_shard, token_shard_name
 from dflash_offline.config import ConfigError, ExtractConfig, TokenizeConfig, TrainConfig, VerifyConfig
 from dflash_offline.dataset import open_hidden_cache
 from dflash_offline.drafter import DFlashDrafter, DrafterConfig, load_target_embeddings
 from dflash_offline.export import ExportError, export
-from dflash_offline.manifest import read_manifest
 from dflash_offline.plan import make_plan
 from dflash_offline.projection import (
     PROJECTION_FILE,
@@ -30,7 +31,6 @@ from dflash_offline.projection import (
     top_k,
     write_projection,
 )
-from dflash_offline.shards import hidden_shard_name, read_hidden, read_token_shard, token_shard_name
 from stages import extract, train, verify
 
 K, ROWS = 32, 4  # projected dims a tap (the tiny target's hidden size is 64), calibration rows
@@ -308,7 +308,7 @@ def test_a_projection_file_not_the_manifests_is_refused_by_the_trainer_and_expor
 
 
 def test_verify_passes_on_a_projected_cache_and_catches_a_changed_row(caches, copy_cache, tmp_path):
-    from dflash_offline.shards import hidden_shard_metadata, write_hidden_shard
+    from dflash_offline.cache.shards import hidden_shard_metadata, write_hidden_shard
 
     v = verify.verify(caches["proj"], VerifyConfig(cache=str(caches["proj"]), rows=2, device="cpu").resolve())
     assert v["ok"] and v["max_rel_err"] < 5e-3  # the bf16 tolerance (0.02) holds with room

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from dflash_offline import storage
+from dflash_offline.cache.manifest import read_manifest
 from dflash_offline.config import ExtractConfig, TokenizeConfig
-from dflash_offline.manifest import read_manifest
 from stages import extract
 
 REPO = Path(__file__).resolve().parents[1]

@@ -25,9 +25,10 @@ from pathlib import Path
 
 import torch
 
+from ..progress import log
 from . import shards
-from .manifest import commit_shard, release_claim
-from .progress import log
+from .claims import release_claim
+from .manifest import commit_shard
 
 
 class ShardCopy:

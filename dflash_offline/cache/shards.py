@@ -35,7 +35,7 @@ import torch
 import xxhash
 from safetensors import safe_open
 
-from .manifest import publish, sha256_file, temp_path
+from .fsio import publish, sha256_file, temp_path
 
 TOKENS_FORMAT = "dflash-tokens"
 TOKENS_FORMAT_VERSION = 1
