@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_offline import storage
+from dflash_offline.cache import encodings
 from dflash_offline.cache.manifest import read_manifest
 from dflash_offline.cache.shards import hidden_shard_name, read_hidden, read_token_shard, token_shard_name
 from dflash_offline.dataset import open_hidden_cache
@@ -70,9 +70,9 @@ def main(argv: list[str] | None = None) -> dict:
             "top_eigenvalue_share": retained(evals, 1),
         }
     taps = len(layers)
-    stored = storage.bytes_per_token(info.quant, taps, H)  # (the cache's own encoding and width)
+    stored = encodings.bytes_per_token(info.quant, taps, H)  # (the cache's own encoding and width)
     result["bytes_per_token"] = {"cache": stored, **{
-        k: {q: storage.bytes_per_token(q, taps, k) for q in ("bf16", "fp8")} for k in ks}}
+        k: {q: encodings.bytes_per_token(q, taps, k) for q in ("bf16", "fp8")} for k in ks}}
     result["seconds"] = round(time.perf_counter() - t0, 1)
     print(f"{args.cache}: {taps} taps × hidden {H}, {info.quant} ({stored:,.0f} B/token); calibration shards {calib}, "
           f"held out {held}")

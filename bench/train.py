@@ -41,6 +41,7 @@ from safetensors.torch import save_file
 
 from bench.extract import TEXT_27B, TEXT_TINY, write_config
 from bench.gpu import GpuSampler
+from dflash_offline.cache.encodings import ENCODINGS
 from dflash_offline.cache.manifest import read_manifest, update_manifest
 from dflash_offline.dataset import make_fake_cache
 from dflash_offline.targetid import target_fingerprint
@@ -282,7 +283,7 @@ def main() -> None:
     p.add_argument("--loss_chunk_tokens", type=int, default=None,
                    help="the trainer's loss_chunk_tokens (query tokens per lm_head chunk; default: the trainer's)")
     p.add_argument("--profile_steps", type=int, default=0, help="print a kernel table of that many steps")
-    p.add_argument("--quant", default="bf16", choices=["bf16", "fp8", "fp4"],
+    p.add_argument("--quant", default="bf16", choices=list(ENCODINGS),
                    help="encoding of the synthetic hidden cache (extract.quant): the trainer's reader decodes it")
     p.add_argument("--project_dims", type=int, default=0,
                    help="projected taps: the synthetic cache stores k values a tap (extract.project_dims); 0 = full")

@@ -86,7 +86,9 @@ def make_plan(cfg: ExtractConfig, tokens: Path | dict) -> dict:
         raise ConfigError(f"extract.project_dims={cfg.project_dims} is larger than {ckpt}'s hidden size {hidden}: "
                           f"give at most {hidden} (0 stores full states)")
     width = cfg.project_dims or hidden  # values stored per token and tapped layer
-    bytes_per_token = storage.bytes_per_token(cfg.quant, k, width)
+    from .cache import encodings
+
+    bytes_per_token = encodings.bytes_per_token(cfg.quant, k, width)
     rows = sum(s["rows"] for s in tm["shards"])
     producer = {"stage": "extract", "tokens": {"key": tm["key"], "producer": tm["producer"]},
                 "target": {"arch": info.arch, "num_layers": info.num_layers, "hidden_size": hidden,

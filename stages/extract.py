@@ -9,8 +9,8 @@ the target's real widths — all in seconds, before any weight loads (`--dry_run
 plan of `storage.py` — size per encoding, free space, training's read bandwidth, GPU-hours — and a one-line
 summary, or the refusal a real run would meet) — then load only the needed layers and extract. Every process
 claims a shard (with a lease) before computing it, so ranks and machines sharing the cache never compute one twice
-(`claims.py`); each shard is written temp → fsync → rename and committed to the manifest in the background while the
-next one computes (`writer.py`). Rerun = every uncommitted shard; `--shards=` (make SHARD=) redoes exactly those.
+(`cache/claims.py`); each shard is written temp → fsync → rename and committed to the manifest in the background while the
+next one computes (`cache/writer.py`). Rerun = every uncommitted shard; `--shards=` (make SHARD=) redoes exactly those.
 
 The cache is trusted, so a run starts by making it honest: it removes what dead writers left (temp files, claims),
 and a committed shard whose file is missing or resized goes back to "to do". `--hidden_out=DIR` of an existing cache
@@ -65,7 +65,6 @@ from dflash_offline.plan import OVERFILL, disk_refusal, free_space, make_plan, r
 from dflash_offline.progress import Progress, log, private_compile_caches, run_cli, unbuffered
 from dflash_offline.storage import plan_lines, recipe_train, token_bytes_per_token
 
-ROW_FILL = (("input_ids", 0), ("position_ids", 0), ("doc_ids", -1))  # token columns, value of a padding row
 PROJECTION_WAIT_S = 1800.0  # how long ranks > 0 wait for rank 0 to record the cache's projection
 
 # --- config --------------------------------------------------------------------------------------------------
@@ -280,7 +279,7 @@ def calibration_batches(cfg, plan):
     import numpy as np
     import torch
 
-    from dflash_offline.cache.shards import read_token_shard, token_shard_name
+    from dflash_offline.cache.shards import ROW_FILL, read_token_shard, token_shard_name
 
     entries, want, taken = committed(plan["tokens_manifest"]), cfg.project_rows, []
     for i in sorted(entries):
@@ -335,7 +334,7 @@ def extract_shards(cfg, plan, model, cache: Path, tokens_dir: Path, todo, rank, 
     (bench.extract reads them)."""
     import torch
 
-    from dflash_offline.cache.shards import read_token_shard, token_shard_name
+    from dflash_offline.cache.shards import ROW_FILL, read_token_shard, token_shard_name
     from dflash_offline.cache.writer import HiddenShardWriter
 
     tok_entries, b, cuda = committed(plan["tokens_manifest"]), cfg.batch_rows, device.type == "cuda"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dflash_offline import dataset as ds
-from dflash_offline import storage
+from dflash_offline.cache import encodings
 from dflash_offline.cache.manifest import ManifestError, update_manifest
 from dflash_offline.cache.shards import (
     ShardError,
@@ -410,7 +410,7 @@ def test_cuda_feed_rate_at_27b_width(tmp_path, quant):
             next(s)
         torch.cuda.synchronize()
         read_s = (time.perf_counter() - t0) / 6
-    row_gb = 4096 * storage.bytes_per_token(quant, 5, 5120) / 1e9
+    row_gb = 4096 * encodings.bytes_per_token(quant, 5, 5120) / 1e9
     with ds.HiddenStream(info, 1, device="cuda", prefetch=2) as s:
         next(s)
         t0, waits = time.perf_counter(), []

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from dflash_offline import storage
 from dflash_offline.anchors import block_input_ids, block_position_ids
+from dflash_offline.cache import encodings
 from dflash_offline.cache.manifest import read_manifest
 from dflash_offline.cache.shards import hidden_shard_name, read_hidden, read_token_shard, token_shard_name
 from dflash_offline.config import ConfigError, ExtractConfig, TokenizeConfig, TrainConfig, VerifyConfig
@@ -379,7 +379,7 @@ def test_the_planned_bytes_of_a_projected_cache_are_the_bytes_its_shards_hold(ca
     cache = caches["proj"] if quant == "bf16" else extract.run(*configs(
         tmp_path, qwen35_dir, chat_corpus, quant=quant, project_dims=K, project_rows=ROWS))
     m = read_manifest(cache)
-    per_token = storage.bytes_per_token(quant, 3, K)
+    per_token = encodings.bytes_per_token(quant, 3, K)
     assert per_token == {"bf16": 3 * K * 2, "fp4": 3 * (K // 2 + K // 16 + 4)}[quant]
     tokens = cache / m["config"]["tokens_dir"]
     ext, _ = configs(tmp_path, qwen35_dir, chat_corpus, quant=quant, project_dims=K, project_rows=ROWS)

@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from dflash_offline.cache.encodings import encode_layer
 from dflash_offline.cache.fsio import sha256_file
-from dflash_offline.cache.shards import encode_layer, write_hidden_shard, write_safetensors
+from dflash_offline.cache.shards import write_hidden_shard, write_safetensors
 
 
 def test_streamed_safetensors_round_trip_checksum_and_determinism(tmp_path, monkeypatch):
