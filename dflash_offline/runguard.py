@@ -3,7 +3,7 @@
 Ownership: `owned(run_dir)` holds `RUN/.run.lock` while a run trains, created with O_EXCL (local disks and shared
 filesystems alike) and holding its holder's host, pid and start time. A second trainer on the same run is refused
 at once with one line naming the holder. A lock whose holder ran on this host and is gone (killed, crashed) is
-broken with a message, as the cache's lock is (`manifest.pid_alive`). The holder touches the lock every
+broken with a message, as the cache's lock is (`cache.fsio.pid_alive`). The holder touches the lock every
 `HEARTBEAT_S`; one from another host (a job restarted on another machine of a shared filesystem) is broken once it
 has not been touched for `OTHER_HOST_STALE_S`, the only sign of life visible from here. Rank 0 alone holds it for a
 multi-process run.
