@@ -49,7 +49,6 @@ up kills per stage and per signal, second trainers refused, shards and checkpoin
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import random
@@ -63,7 +62,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_offline.cache.fsio import TEMP_MARK
+from dflash_offline.cache.fsio import TEMP_MARK, sha256_file
 from dflash_offline.cache.manifest import ManifestError, read_manifest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -174,10 +173,6 @@ def train_args(cache: Path, run: Path, resume: bool, **over) -> list[str]:
 # --- what a run left ---------------------------------------------------------------------------------------------
 
 
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def read_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -276,7 +271,7 @@ def compare_extract(root: Path, ref_root: Path) -> Verdict:
             v.mismatches.append(f"{cache.name}: committed shards {sorted(set(want) - set(files))} missing, "
                                 f"{sorted(set(files) - set(want))} extra")
         for i in sorted(files.keys() & want.keys()):
-            names = [n for n in files[i] if (cache / n).is_file() and sha256(cache / n) == files[i][n]["sha256"]]
+            names = [n for n in files[i] if (cache / n).is_file() and sha256_file(cache / n) == files[i][n]["sha256"]]
             if files[i] != want[i] or len(names) != len(files[i]):
                 v.mismatches.append(f"{cache.name}: shard {i} differs from the clean run's (manifest or bytes)")
             else:

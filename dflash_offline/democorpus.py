@@ -25,6 +25,8 @@ import random
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from dflash_offline.cache.fsio import atomic_path
+
 # --------------------------------------------------------------------------------------------------------------
 # fixed tables (the "knowledge" of the corpus)
 
@@ -313,11 +315,9 @@ def write_jsonl(path: str | Path, n_docs: int, seed: int = 0, records: Iterable[
     """Write records (default: `generate(n_docs, seed)`) as UTF-8 JSONL via a temp file + rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8", newline="\n") as f:
         for rec in generate(n_docs, seed) if records is None else records:
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-    tmp.replace(path)
     return path
 
 

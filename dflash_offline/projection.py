@@ -160,22 +160,19 @@ def run_projections(rec: dict, layer_ids, run_dir=None) -> list[torch.Tensor]:
 def copy_to_run(rec: dict, run_dir) -> Path:
     """RUN/projection.safetensors: the cache's projection file the run trains on (atomic copy, checked against `rec`;
     kept when already there), so that the run's fc can be folded without its cache."""
-    import os
     import shutil
 
-    from .cache.fsio import sha256_file
+    from .cache.fsio import atomic_path, sha256_file
 
     dst = Path(run_dir) / PROJECTION_FILE
     if dst.is_file() and sha256_file(dst) == rec["sha256"]:
         return dst
     src = Path(rec["cache"]) / PROJECTION_FILE
-    tmp = dst.with_name(f".{PROJECTION_FILE}.tmp")
-    shutil.copyfile(src, tmp)
-    if (got := sha256_file(tmp)) != rec["sha256"]:
-        tmp.unlink()
-        raise ProjectionError(f"{src} has SHA-256 {got[:12]}…, the cache's manifest records {rec['sha256'][:12]}…; "
-                              f"restore it or extract the cache again")
-    os.replace(tmp, dst)
+    with atomic_path(dst) as tmp:  # (a copy that does not match is removed, never published)
+        shutil.copyfile(src, tmp)
+        if (got := sha256_file(tmp)) != rec["sha256"]:
+            raise ProjectionError(f"{src} has SHA-256 {got[:12]}…, the cache's manifest records "
+                                  f"{rec['sha256'][:12]}…; restore it or extract the cache again")
     return dst
 
 

@@ -220,10 +220,6 @@ def drafter_code_digest() -> str:
     return h.hexdigest()
 
 
-def file_sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
 def stale_job(run: Path, identity: dict) -> str | None:
     """Why the drafter in `run` was made from something else than `identity` (its settings, cache, prompts, code),
     or None when it was not (or there is none yet)."""

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from dflash_offline import __version__, democorpus
+from dflash_offline.cache.fsio import write_text_atomic
 
 SIDECAR = "dflash_target.json"
 FORMAT_VERSION = 1
@@ -333,9 +334,7 @@ def build_target(out_dir: str | Path, arch: str = "qwen3_5", seed: int = 0, trai
 
 
 def write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
 def read_sidecar(model_dir: str | Path) -> dict:

@@ -44,7 +44,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dflash_offline.cache.fsio import write_json_atomic
+from dflash_offline.cache.fsio import atomic_dir, sha256_file, write_json_atomic
 from dflash_offline.config import ConfigError, as_dict, check_choice, config_from_argv
 from dflash_offline.testbed_ab import (
     ab_table,
@@ -65,7 +65,6 @@ from dflash_offline.testbed_runs import (
     drafter_code_digest,
     eval_looping_share,
     eval_summary,
-    file_sha256,
     forget_from,
     looping_share,
     parse_arm,
@@ -221,16 +220,13 @@ def build(cfg: TestbedConfig, p: Paths, device) -> dict:
     m = pysource.write_jsonl(p.eval_candidates, pysource.records(held, first_only=True))
     if m < cfg.eval_prompts:
         raise ValueError(f"only {m} held-out prompts for eval_prompts={cfg.eval_prompts}: lower heldout_every")
-    tmp = p.target.with_name(".target.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     dims = tiny.TINY_DIMS if cfg.dims == "tiny" else testbed.DIMS
-    rec = testbed.build_target(tmp, files, dims=dims, vocab=cfg.vocab, tokenizer_bytes=cfg.tokenizer_mb << 20,
-                               seq_len=cfg.target_rows, batch=cfg.target_batch, lr=cfg.target_lr,
-                               budget_s=cfg.target_s, max_steps=cfg.target_steps, seed=cfg.seed, device=device,
-                               log=log)
-    (tmp / "files.json").write_text(json.dumps({**s, "files": [[f.name, f.sha256] for f in files.train + files.heldout]}))
-    shutil.rmtree(p.target, ignore_errors=True)
-    tmp.rename(p.target)
+    with atomic_dir(p.target) as tmp:
+        rec = testbed.build_target(tmp, files, dims=dims, vocab=cfg.vocab, tokenizer_bytes=cfg.tokenizer_mb << 20,
+                                   seq_len=cfg.target_rows, batch=cfg.target_batch, lr=cfg.target_lr,
+                                   budget_s=cfg.target_s, max_steps=cfg.target_steps, seed=cfg.seed, device=device,
+                                   log=log)
+        (tmp / "files.json").write_text(json.dumps({**s, "files": [[f.name, f.sha256] for f in files.train + files.heldout]}))
     return {**rec, "sources": {k: v for k, v in s.items() if k != "roots"}, "regen_prompts": n, "eval_prompts": m}
 
 
@@ -272,9 +268,9 @@ def job_identity(cfg: TestbedConfig, p: Paths, j: Job) -> dict:
     budget, the drafter code (`RUN/testbed-job.json`; a run made from anything else is stale)."""
     manifest = j.cache / "manifest.json"
     return {"train": train_args(cfg, j.run, j.cache, j.seed, j.settings),
-            "recipe_sha256": file_sha256(cfg.drafter_recipe),
+            "recipe_sha256": sha256_file(cfg.drafter_recipe),
             "cache_key": json.loads(manifest.read_text())["key"] if manifest.is_file() else None,
-            "eval": {"prompts_sha256": file_sha256(p.eval_prompts) if p.eval_prompts.is_file() else None,
+            "eval": {"prompts_sha256": sha256_file(p.eval_prompts) if p.eval_prompts.is_file() else None,
                      "num_prompts": cfg.eval_prompts, "max_new_tokens": cfg.eval_tokens},
             "code_sha256": drafter_code_digest()}
 

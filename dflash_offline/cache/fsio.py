@@ -115,6 +115,23 @@ def atomic_dir(final: Path):
         shutil.rmtree(old, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def atomic_path(final: Path, durable: bool = True):
+    """Write one file atomically by any means (a stream of records, a copy, a library's save): yields a temp path
+    beside `final`, named for its writer; when the body returns, the file there is published over `final` (fsync,
+    rename, fsync of the directory; `durable=False`: the rename alone); when it fails, it is removed."""
+    tmp = temp_path(final)
+    try:
+        yield tmp
+        if durable:
+            publish(tmp, final)
+        else:
+            os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_json_atomic(path: Path, obj, durable: bool = True) -> None:
     """Readers see the old or the new file, never a partial one. `durable=False` skips the fsyncs: for files that
     only report (a status snapshot), where an fsync can wait behind gigabytes another thread is flushing. A failed
@@ -123,17 +140,9 @@ def write_json_atomic(path: Path, obj, durable: bool = True) -> None:
 
 
 def write_text_atomic(path: Path, text: str, durable: bool = True) -> None:
-    """`write_json_atomic` for any text."""
-    tmp = temp_path(path)
-    try:
-        tmp.write_text(text)
-        if durable:
-            publish(tmp, path)
-        else:
-            os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """`write_json_atomic` for any text (UTF-8)."""
+    with atomic_path(path, durable) as tmp:
+        tmp.write_text(text, encoding="utf-8")
 
 
 # --- the lock ------------------------------------------------------------------------------------------------
