@@ -1,8 +1,8 @@
 """File helpers of the cache (and of every other writer in the project): hashing, atomic writes, the cache lock,
 process liveness and the debris of dead writers.
 
-Writes are temp → fsync → rename (`publish`, `write_json_atomic`, `write_text_atomic`, `atomic_dir`): readers see the
-old or the new file, never a partial one. Every temp name carries its writer's host, pid and pid space
+Writes are temp → fsync → rename (`publish`, `atomic_path`, `write_json_atomic`, `write_text_atomic`, `atomic_dir`):
+readers see the old or the new file, never a partial one. Every temp name carries its writer's host, pid and pid space
 (`temp_path`), so that `remove_dead_temps` can tell a dead writer's debris from a live writer's work.
 
 The lock (`locked`) lives here, not in the manifest module: it is a plain cross-process lock on a directory, taken
@@ -30,8 +30,8 @@ from pathlib import Path
 
 
 class ManifestError(ValueError):
-    """The manifest is missing, corrupt, or does not fit what the caller expects."""
-
+    """The manifest (or the lock that guards it) is missing, corrupt, or does not fit what the caller expects.
+    Defined here because the lock raises it; callers import it from `manifest`."""
 
 
 # --- hashing and atomic files --------------------------------------------------------------------------------
