@@ -28,9 +28,10 @@ import numpy as np
 import torch
 
 from bench.gpu import GpuSampler
-from dflash_offline.manifest import commit_shard, hash_obj, open_cache, update_manifest
+from dflash_offline.cache.fsio import hash_obj
+from dflash_offline.cache.manifest import commit_shard, open_cache, update_manifest
+from dflash_offline.cache.shards import token_shard_name, write_token_shard
 from dflash_offline.packing import Doc, Packer, materialize
-from dflash_offline.shards import token_shard_name, write_token_shard
 
 TEXT_27B = {
     "model_type": "qwen3_5_text", "hidden_size": 5120, "num_hidden_layers": 64, "vocab_size": 248320,
@@ -79,7 +80,7 @@ def synthetic_tokens(root: Path, shards: int, rows: int, seq_len: int, vocab: in
         files = {name: write_token_shard(out / name, arrays, sources, {"shard": i})}
         commit_shard(out, {"index": i, "rows": rows, "tokens": int((arrays["doc_ids"] >= 0).sum()), "files": files})
     update_manifest(out, complete=True, num_shards=shards)
-    from dflash_offline.manifest import read_manifest
+    from dflash_offline.cache.manifest import read_manifest
 
     return out, read_manifest(out)
 
@@ -98,7 +99,7 @@ def run_ours(args, info, layer_ids, tokens_dir, tm, device) -> dict:
     t0 = time.time()
     model = random_target(info, max(layer_ids) + 1, layer_ids, device, torch.bfloat16, "auto")
     build_s = time.time() - t0
-    from dflash_offline.shards import read_token_shard
+    from dflash_offline.cache.shards import read_token_shard
 
     rows = read_token_shard(tokens_dir / token_shard_name(0))
     batch = [torch.from_numpy(np.array(rows[k][:args.batch_rows])) for k in ("input_ids", "position_ids", "doc_ids")]
@@ -142,7 +143,7 @@ def run_plain_hf(args, text: dict, depth: int, tokens_dir, device) -> dict:
     from transformers import AutoConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel
 
-    from dflash_offline.shards import read_token_shard
+    from dflash_offline.cache.shards import read_token_shard
 
     config = AutoConfig.for_model(**dict(text, num_hidden_layers=depth))
     torch.manual_seed(0)

@@ -49,7 +49,6 @@ up kills per stage and per signal, second trainers refused, shards and checkpoin
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import random
@@ -63,7 +62,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_offline.manifest import TEMP_MARK
+from dflash_offline.cache.fsio import TEMP_MARK, sha256_file
+from dflash_offline.cache.manifest import ManifestError, read_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 TEMP_MARKS = (TEMP_MARK, ".tmp-")  # the current temp-name mark and the older code's
@@ -173,10 +173,6 @@ def train_args(cache: Path, run: Path, resume: bool, **over) -> list[str]:
 # --- what a run left ---------------------------------------------------------------------------------------------
 
 
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def read_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -189,8 +185,16 @@ def caches(root: Path) -> dict[str, Path]:
     return {p.name.split("-")[0]: p for p in sorted(root.glob("*-*")) if p.is_dir()} if root.is_dir() else {}
 
 
+def manifest_or_empty(cache: Path) -> dict:
+    """A cache's manifest, {} when it has none (yet) or it cannot be read (a mismatch, not a crash of the harness)."""
+    try:
+        return read_manifest(cache)
+    except ManifestError:
+        return {}
+
+
 def committed_files(cache: Path) -> dict[int, dict]:
-    m = read_json(cache / "manifest.json") or {}
+    m = manifest_or_empty(cache)
     return {s["index"]: s["files"] for s in m.get("shards", []) if s.get("status") == "committed"}
 
 
@@ -224,7 +228,7 @@ def extract_state(root: Path) -> str:
     """One phrase: how far the killed run got and what it left."""
     done = []
     for kind, cache in caches(root).items():
-        m = read_json(cache / "manifest.json") or {}
+        m = manifest_or_empty(cache)
         total = m.get("num_shards") or "?"
         done.append(f"{kind} {len(committed_files(cache))}/{total}")
     return (", ".join(done) or "no cache yet") + left_phrase(cache_debris(root))
@@ -259,7 +263,7 @@ def compare_extract(root: Path, ref_root: Path) -> Verdict:
                             f"{sorted(p.name for p in ref.values())}")
         return v
     for kind, cache in got.items():
-        m, mref = read_json(cache / "manifest.json") or {}, read_json(ref[kind] / "manifest.json")
+        m, mref = manifest_or_empty(cache), read_manifest(ref[kind])
         if m.get("key") != mref["key"] or m.get("num_shards") != mref["num_shards"]:
             v.mismatches.append(f"{cache.name}: key/num_shards {m.get('key')}/{m.get('num_shards')} ≠ clean")
         files, want = committed_files(cache), committed_files(ref[kind])
@@ -267,7 +271,7 @@ def compare_extract(root: Path, ref_root: Path) -> Verdict:
             v.mismatches.append(f"{cache.name}: committed shards {sorted(set(want) - set(files))} missing, "
                                 f"{sorted(set(files) - set(want))} extra")
         for i in sorted(files.keys() & want.keys()):
-            names = [n for n in files[i] if (cache / n).is_file() and sha256(cache / n) == files[i][n]["sha256"]]
+            names = [n for n in files[i] if (cache / n).is_file() and sha256_file(cache / n) == files[i][n]["sha256"]]
             if files[i] != want[i] or len(names) != len(files[i]):
                 v.mismatches.append(f"{cache.name}: shard {i} differs from the clean run's (manifest or bytes)")
             else:

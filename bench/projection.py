@@ -18,8 +18,8 @@ import json
 import time
 from pathlib import Path
 
+from dflash_offline.cache.manifest import read_manifest
 from dflash_offline.dataset import open_hidden_cache
-from dflash_offline.manifest import read_manifest
 from dflash_offline.projection import measure_taps
 
 

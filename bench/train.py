@@ -41,7 +41,8 @@ from safetensors.torch import save_file
 
 from bench.extract import TEXT_27B, TEXT_TINY, write_config
 from bench.gpu import GpuSampler
-from dflash_offline.manifest import update_manifest
+from dflash_offline.cache.encodings import ENCODINGS
+from dflash_offline.cache.manifest import read_manifest, update_manifest
 from dflash_offline.targetid import target_fingerprint
 from fixtures.fake_cache import make_fake_cache
 
@@ -89,7 +90,7 @@ def synthetic_cache(root: Path, text: dict, target: Path, rows: int, seq_len: in
         token_rows = functools.partial(chat_token_rows, vocab=text["vocab_size"] - 300)  # (below the mask token)
     cache = make_fake_cache(root / "hidden", 2, rows // 2, seq_len, text["hidden_size"], layers, quant=quant,
                             token_rows=token_rows, project_dims=project_dims)
-    m = json.loads((cache / "manifest.json").read_text())
+    m = read_manifest(cache)
     producer = dict(m["producer"], target=dict(m["producer"]["target"], num_layers=text["num_hidden_layers"],
                                                vocab_size=text["vocab_size"], **target_fingerprint(target)))
     update_manifest(cache, producer=producer,
@@ -163,7 +164,8 @@ def read_check(mode: str):
     """The stream's row checks as they are ("on"), timing each digest on the reader thread, or with the shards'
     row digests dropped ("off", the A/B reference; headers and sizes are still checked). Yields
     {"s": seconds hashing, "bytes": bytes hashed}."""
-    from dflash_offline import dataset, shards
+    from dflash_offline import dataset
+    from dflash_offline.cache import shards
 
     hashed = {"s": 0.0, "bytes": 0}
     real_hash, real_open = shards.xxhash, dataset.open_shard
@@ -281,7 +283,7 @@ def main() -> None:
     p.add_argument("--loss_chunk_tokens", type=int, default=None,
                    help="the trainer's loss_chunk_tokens (query tokens per lm_head chunk; default: the trainer's)")
     p.add_argument("--profile_steps", type=int, default=0, help="print a kernel table of that many steps")
-    p.add_argument("--quant", default="bf16", choices=["bf16", "fp8", "fp4"],
+    p.add_argument("--quant", default="bf16", choices=list(ENCODINGS),
                    help="encoding of the synthetic hidden cache (extract.quant): the trainer's reader decodes it")
     p.add_argument("--project_dims", type=int, default=0,
                    help="projected taps: the synthetic cache stores k values a tap (extract.project_dims); 0 = full")

@@ -127,10 +127,10 @@ def pin(table_file: str) -> int:
 def pinned_table() -> str | None:
     """SHA-256 of the table `DFLASH_AUTOTUNE_PIN` names (None when none): a kernel config can change float rounding,
     so what keys results on the numerics (the evaluation's reused baseline) names it."""
-    import hashlib
+    from .cache.fsio import sha256_file
 
     path = os.environ.get("DFLASH_AUTOTUNE_PIN")
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path else None
+    return sha256_file(path) if path else None
 
 
 def from_env() -> None:

@@ -46,7 +46,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .manifest import atomic_dir, hash_obj, publish, sha256_file, temp_path
+from .cache.fsio import atomic_dir, hash_obj, publish, sha256_file, temp_path
 
 FORMAT = "dflash-checkpoint"
 FORMAT_VERSION = 1

@@ -114,7 +114,9 @@ class ExtractConfig:
     plan_read_gb_s: float = 0.0  # plan: verify's re-hash rate, GB/s (the filesystem's read rate); 0 = SHA-256 × 8 threads
 
     def resolve(self) -> ExtractConfig:
-        check_choice("extract.quant", self.quant, ("bf16", "fp8", "fp4"))
+        from .cache.encodings import ENCODINGS  # (torch: imported when an extraction is configured)
+
+        check_choice("extract.quant", self.quant, tuple(ENCODINGS))
         check_choice("extract.dtype", self.dtype, ("bfloat16", "float32"))
         check_choice("extract.device", self.device, ("auto", "cuda", "cpu"))
         check_choice("extract.mode", self.mode, ("auto", "packed", "per_doc"))

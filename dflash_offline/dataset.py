@@ -18,7 +18,7 @@ stream, so the copy of batch n+1 overlaps step n (the step waits on an event, no
 thread does file reads and memcpy only (no compute, no CUDA kernels). Workers would add process start-up, a second
 copy through shared memory and per-worker resume state, for work that is a few large contiguous reads per batch.
 
-Integrity — every shard the stream opens is checked against the manifest (`shards.HiddenShardFile`): the file's size
+Integrity — every shard the stream opens is checked against the manifest (`cache.shards.HiddenShardFile`): the file's size
 and header checksum on open, then an xxh3 digest of every row as the reader thread reads it; token shards are read
 whole and checked against the SHA-256 the hidden manifest recorded for them. A mismatch stops training with one
 line naming the shard and the command that redoes it. Start-up reads the manifest and checks every shard's size and header (~20 µs a
@@ -42,8 +42,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import shard_list
-from .manifest import (
+from .cache.encodings import ENCODINGS
+from .cache.manifest import (
     MANIFEST,
     ManifestError,
     committed,
@@ -53,17 +53,15 @@ from .manifest import (
     require,
     token_cache,
 )
-from .shards import (
-    FP4_ALIGN,
-    LAYER_TENSORS,
+from .cache.shards import (
     SAFETENSORS_DTYPES,
     HiddenShardFile,
     ShardError,
-    decode_layer,
     hidden_shard_name,
     read_token_shard,
     token_shard_name,
 )
+from .config import shard_list
 
 STATE_VERSION = 1
 TOKEN_KEYS = ("input_ids", "loss_mask", "position_ids", "doc_ids")
@@ -81,7 +79,7 @@ class CacheInfo:
     tokens_key: str  # the token cache's key
     layer_ids: tuple[int, ...]  # the layers to read, in this order (columns of `hidden`)
     cache_layer_ids: tuple[int, ...]  # what the cache holds (a superset)
-    quant: str  # "bf16", "fp8" or "fp4" (`shards.LAYER_TENSORS`)
+    quant: str  # the encoding's name (`cache.encodings.ENCODINGS`: "bf16", "fp8", "fp4", …)
     hidden_size: int  # the target's
     seq_len: int
     shard_rows: tuple[int, ...]  # rows of shard i
@@ -132,9 +130,11 @@ def open_hidden_cache(cache_dir, layer_ids, hidden_size: int | None = None, seq_
                             f"redo the shard with `make extract CACHE={cache} SHARD={bad[0]}`")
     _check_verdict(cache, m.get("verified"), require_verified)
     width = stored_width(prod)
-    if prod.get("quant") not in LAYER_TENSORS or (prod["quant"] == "fp4" and width % FP4_ALIGN):
+    enc = ENCODINGS.get(prod.get("quant"))
+    if enc is None or width % enc.align:
+        fits = "; ".join(f"{e.name} at a width that is a multiple of {e.align}" for e in ENCODINGS.values() if e.align > 1)
         raise ManifestError(f"{where}: producer.quant {prod.get('quant')!r} at width {width} is not an encoding this "
-                            f"code reads ({', '.join(LAYER_TENSORS)}; fp4 at a width that is a multiple of {FP4_ALIGN}): "
+                            f"code reads ({', '.join(ENCODINGS)}{'; ' + fits if fits else ''}): "
                             f"extract the cache again with this code")
     projection = m.get("projection") if prod.get("projection") else None
     if prod.get("projection"):  # a projection file that is not the one the shards were computed with: refused now
@@ -193,7 +193,8 @@ def open_shard(info: CacheInfo, shard: int) -> HiddenShardFile:
     says it is (cache key, index, quantization, rows, layers and, projected, the projection's SHA-256)."""
     f = HiddenShardFile(info.cache_dir / hidden_shard_name(shard), info.shard_files[shard], info.repair([shard]))
     try:
-        meta, rows = f.meta, f.rows(f"hidden.L{info.layer_ids[0]}")
+        first = next(iter(ENCODINGS[info.quant].tensors))  # (every tensor of the shard holds its rows)
+        meta, rows = f.meta, f.rows(f"{first}.L{info.layer_ids[0]}")
         want = (info.key, str(shard), info.quant, info.shard_rows[shard], list(info.cache_layer_ids))
         have = (meta.get("key"), meta.get("shard"), meta.get("quant"), rows, json.loads(meta.get("layer_ids", "[]")))
         if have != want:
@@ -212,11 +213,11 @@ def open_shard(info: CacheInfo, shard: int) -> HiddenShardFile:
 
 def layout_error(f: HiddenShardFile, info: CacheInfo, rows: int) -> str | None:
     """Where the header's tensor table disagrees with the manifest and the file: every tensor of every cached layer
-    (`LAYER_TENSORS` of the encoding) must be there, [rows, seq_len, width] of its dtype, its bytes inside the
+    (the encoding's `tensors`) must be there, [rows, seq_len, width] of its dtype, its bytes inside the
     file. (A header that passes its checksum may still be crafted: a 0-row tensor, or offsets past the end.)"""
     data = os.fstat(f.fd).st_size - f.data_start
     for lid in info.cache_layer_ids:
-        for name, (dtype, width) in LAYER_TENSORS[info.quant].items():
+        for name, (dtype, width) in ENCODINGS[info.quant].tensors.items():
             t = f.header.get(f"{name}.L{lid}")
             shape = [rows, info.seq_len, width(info.width)]
             if not isinstance(t, dict) or t.get("dtype") != SAFETENSORS_DTYPES[dtype] or t.get("shape") != shape:
@@ -401,10 +402,9 @@ class HiddenStream:
     def _read(self, epoch: int, batch: int) -> dict[str, torch.Tensor]:
         info, B, S = self.info, self.B, self.info.seq_len
         k, H = len(info.layer_ids), info.width
-        # one buffer per stored tensor of a layer: bf16 [B, S, k, H]; fp8 + float32 scale [B, S, k, 1]; fp4 uint8
-        # [B, S, k, H/2] + e4m3 block scales [B, S, k, H/16] + float32 scale [B, S, k, 1]
+        # one buffer per tensor the encoding stores for a layer, [B, S, k, width(H)] (bf16: `hidden` [B, S, k, H])
         host = {name: torch.empty((B, S, k, width(H)), dtype=dtype, pin_memory=self.pin)
-                for name, (dtype, width) in LAYER_TENSORS[info.quant].items()}
+                for name, (dtype, width) in ENCODINGS[info.quant].tensors.items()}
         by_shard: dict[int, list[tuple[int, int]]] = {}
         for slot, (shard, row) in enumerate(self.rows_of(epoch, batch)):
             by_shard.setdefault(shard, []).append((row, slot))
@@ -425,7 +425,7 @@ class HiddenStream:
     def _read_hidden_rows(self, shard: int, picks: list[tuple[int, int]], host: dict) -> None:
         f = self._hidden_file(shard)
         for j, lid in enumerate(self.info.layer_ids):
-            for dst in LAYER_TENSORS[self.info.quant]:
+            for dst in ENCODINGS[self.info.quant].tensors:
                 for row, slot in picks:
                     f.read_row(f"{dst}.L{lid}", row, host[dst][slot, :, j])
 
@@ -458,15 +458,9 @@ class HiddenStream:
     # -- to the device (calling thread) --
 
     def _to_device(self, host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        dev, nb, quant = self.device, self.pin, self.info.quant
-        (B, S, k, _), H = host["hidden"].shape, self.info.width
-        if quant == "bf16":
-            hidden_BSkH = host["hidden"].to(dev, non_blocking=nb)
-        else:
-            stored = {name: host[name].to(dev, non_blocking=nb) for name in LAYER_TENSORS[quant]}
-            hidden_BSkH = torch.empty((B, S, k, H), dtype=torch.bfloat16, device=dev)
-            for j in range(k):  # one layer at a time: the float32 temporaries stay one layer big
-                hidden_BSkH[:, :, j] = decode_layer({name: t[:, :, j] for name, t in stored.items()}, quant)
+        dev, nb, enc = self.device, self.pin, ENCODINGS[self.info.quant]
+        (B, S), k, H = host["input_ids"].shape, len(self.info.layer_ids), self.info.width
+        hidden_BSkH = enc.to_device({name: host[name] for name in enc.tensors}, H, dev, nb)
         out = {"hidden": hidden_BSkH.view(B, S, k * H)}
         for name in ("input_ids", "position_ids", "doc_ids"):
             out[name] = host[name].to(dev, non_blocking=nb).long()

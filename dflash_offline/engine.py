@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from .cache.fsio import atomic_path
 from .progress import log
 from .regen import Job, Result, Writer, hash_seed, split_reasoning
 
@@ -243,11 +244,9 @@ class Journal:
             live = live()
             if getattr(self, "f", None):
                 self.f.close()
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            with open(tmp, "w", encoding="utf-8") as f:
+            with atomic_path(self.path) as tmp, open(tmp, "w", encoding="utf-8") as f:
                 for r in live:
                     f.write(json.dumps({"settings": self.settings, **r.to_json()}, ensure_ascii=False) + "\n")
-            os.replace(tmp, self.path)
             self.f, self.lines = open(self.path, "a", encoding="utf-8"), len(live)
 
     def close(self, remove: bool) -> None:

@@ -28,7 +28,7 @@ MARGIN_EDGES = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0, 2.0)  # bf16 l
 
 def run_info(run_dir: Path) -> dict:
     """The run's resolved config, its training cache and its target checkpoint."""
-    from .manifest import read_manifest
+    from .cache.manifest import read_manifest
     from .targetid import resolve_checkpoint
 
     cfg_file = run_dir / "config.json"
@@ -274,7 +274,7 @@ def read_baseline(path: Path, key: dict, log) -> list | None:
 
 
 def write_baseline(path: Path, key: dict, refs: list[list[int]], alone: list) -> None:
-    from .manifest import write_json_atomic
+    from .cache.fsio import write_json_atomic
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, {"key": key, "decodes": [{"ids": r, "stats": s.to_dict()} for r, s in zip(refs, alone,

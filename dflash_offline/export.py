@@ -31,7 +31,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .manifest import atomic_dir, sha256_file
+from .cache.fsio import atomic_dir, sha256_file
+from .cache.manifest import read_manifest
 
 FORMAT = "dflash-offline-export"
 FORMAT_VERSION = 1
@@ -88,7 +89,7 @@ def run_target(run_dir: Path, run_cfg: dict, override: str = "") -> str:
     cache = train.get("cache")
     if cache:
         try:
-            return json.loads((Path(cache) / "manifest.json").read_text())["config"]["extract"]["target"]
+            return read_manifest(cache)["config"]["extract"]["target"]
         except (OSError, ValueError, KeyError):
             pass
     raise ExportError(f"{run_dir}: cannot tell which target the run trained against (its cache {cache!r} is gone "

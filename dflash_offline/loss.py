@@ -62,8 +62,8 @@ ROWS_AT_ONCE = 16384  # rows quantized at a time: the float32 temporaries stay �
 
 def _rowwise_e4m3(x_nK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of x in float8 e4m3 with one float32 scale per row (x ≈ q · s): (q [n, K], s [n, 1]) — the fp8 cache's
-    per-token encoding (`shards.fp8_encode`), ROWS_AT_ONCE rows at a time."""
-    from dflash_offline.shards import fp8_encode
+    per-token encoding (`encodings.fp8_encode`), ROWS_AT_ONCE rows at a time."""
+    from dflash_offline.cache.encodings import fp8_encode
 
     q = torch.empty(x_nK.shape, dtype=torch.float8_e4m3fn, device=x_nK.device)
     s = torch.empty((x_nK.shape[0], 1), dtype=torch.float32, device=x_nK.device)

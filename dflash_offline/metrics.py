@@ -184,7 +184,7 @@ def open_metrics(run_dir: Path, first_step: int):
     again (rewritten atomically; a torn last line is dropped too)."""
     import json
 
-    from dflash_offline.manifest import write_text_atomic
+    from dflash_offline.cache.fsio import write_text_atomic
 
     path = run_dir / "metrics.jsonl"
     if path.exists():

@@ -18,8 +18,9 @@ import shutil
 from pathlib import Path
 
 from . import storage
+from .cache.fsio import hash_obj
+from .cache.manifest import has_manifest, read_manifest
 from .config import ConfigError, ExtractConfig, TokenizeConfig, load_config, parse_overrides
-from .manifest import MANIFEST, hash_obj, read_manifest
 
 
 def recorded_config(argv: list[str]) -> ExtractConfig | None:
@@ -30,7 +31,7 @@ def recorded_config(argv: list[str]) -> ExtractConfig | None:
         return None
     recipe, overrides = parse_overrides(argv)
     out = overrides.get("hidden_out", "")
-    if recipe or not out or not (Path(out) / MANIFEST).is_file():
+    if recipe or not out or not has_manifest(out):
         return None
     m = read_manifest(out)
     if m.get("kind") != "hidden":
@@ -53,7 +54,7 @@ def target_needs(cfg: ExtractConfig) -> tuple[str, ...]:
 
 def make_plan(cfg: ExtractConfig, tokens: Path | dict) -> dict:
     """`tokens`: the token cache's directory, or (dry run) the manifest stage 1a would write."""
-    from .shards import HIDDEN_LAYOUT_VERSION, ShardError
+    from .cache.shards import HIDDEN_LAYOUT_VERSION, ShardError
     from .target import default_layer_ids, read_target_info
     from .targetid import resolve_checkpoint, target_fingerprint
 
@@ -85,7 +86,9 @@ def make_plan(cfg: ExtractConfig, tokens: Path | dict) -> dict:
         raise ConfigError(f"extract.project_dims={cfg.project_dims} is larger than {ckpt}'s hidden size {hidden}: "
                           f"give at most {hidden} (0 stores full states)")
     width = cfg.project_dims or hidden  # values stored per token and tapped layer
-    bytes_per_token = storage.bytes_per_token(cfg.quant, k, width)
+    from .cache import encodings
+
+    bytes_per_token = encodings.bytes_per_token(cfg.quant, k, width)
     rows = sum(s["rows"] for s in tm["shards"])
     producer = {"stage": "extract", "tokens": {"key": tm["key"], "producer": tm["producer"]},
                 "target": {"arch": info.arch, "num_layers": info.num_layers, "hidden_size": hidden,

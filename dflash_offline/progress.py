@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .manifest import write_json_atomic
+from .cache.fsio import write_json_atomic
 
 
 def unbuffered() -> None:

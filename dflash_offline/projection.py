@@ -100,7 +100,7 @@ def top_k(mom: SecondMoment, k: int) -> tuple[torch.Tensor, float]:
 def write_projection(cache: Path, projections: dict[int, torch.Tensor], meta: dict) -> dict:
     """Write CACHE/projection.safetensors atomically: `P.L{id}` float32 [H, k] per tapped layer, `meta` (sorted JSON)
     in its header; returns its record {"bytes", "sha256", "header_sha256"}."""
-    from .shards import META_KEY, write_safetensors
+    from .cache.shards import META_KEY, write_safetensors
 
     tensors = {f"P.L{lid}": P.to(torch.float32).contiguous() for lid, P in projections.items()}
     head = {META_KEY: json.dumps(dict(meta, format=PROJECTION_FORMAT), sort_keys=True)}
@@ -112,7 +112,8 @@ def read_projection(cache, layer_ids, record: dict | None = None) -> list[torch.
     SHA-256 against the manifest's record (`record`: the manifest's `projection` block, read when not given)."""
     from safetensors import safe_open
 
-    from .manifest import read_manifest, sha256_file
+    from .cache.fsio import sha256_file
+    from .cache.manifest import read_manifest
 
     cache = Path(cache)
     rec = record if record is not None else read_manifest(cache).get("projection")
@@ -139,12 +140,13 @@ def run_projections(rec: dict, layer_ids, run_dir=None) -> list[torch.Tensor]:
     the projection file's SHA-256). The run's own copy (RUN/projection.safetensors, made when training started) is
     used when it is that file, so folding needs no cache (export, the untrained drafter; evaluation's teacher-forced
     estimate still reads the cache); else the cache's file must still be that one."""
-    from .manifest import MANIFEST, read_manifest, sha256_file
+    from .cache.fsio import sha256_file
+    from .cache.manifest import has_manifest, read_manifest
 
     if run_dir is not None and (copy := Path(run_dir) / PROJECTION_FILE).is_file() and sha256_file(copy) == rec["sha256"]:
         return read_projection(Path(run_dir), layer_ids, {"sha256": rec["sha256"]})
     cache = Path(rec["cache"])
-    have = read_manifest(cache).get("projection") if (cache / MANIFEST).is_file() else None
+    have = read_manifest(cache).get("projection") if has_manifest(cache) else None
     if have is None:
         raise ProjectionError(f"the run trained on projected taps of {cache}, which is gone or records no projection: "
                               f"folding its fc needs that cache's {PROJECTION_FILE} (SHA-256 {rec['sha256'][:12]}…), "
@@ -158,22 +160,19 @@ def run_projections(rec: dict, layer_ids, run_dir=None) -> list[torch.Tensor]:
 def copy_to_run(rec: dict, run_dir) -> Path:
     """RUN/projection.safetensors: the cache's projection file the run trains on (atomic copy, checked against `rec`;
     kept when already there), so that the run's fc can be folded without its cache."""
-    import os
     import shutil
 
-    from .manifest import sha256_file
+    from .cache.fsio import atomic_path, sha256_file
 
     dst = Path(run_dir) / PROJECTION_FILE
     if dst.is_file() and sha256_file(dst) == rec["sha256"]:
         return dst
     src = Path(rec["cache"]) / PROJECTION_FILE
-    tmp = dst.with_name(f".{PROJECTION_FILE}.tmp")
-    shutil.copyfile(src, tmp)
-    if (got := sha256_file(tmp)) != rec["sha256"]:
-        tmp.unlink()
-        raise ProjectionError(f"{src} has SHA-256 {got[:12]}…, the cache's manifest records {rec['sha256'][:12]}…; "
-                              f"restore it or extract the cache again")
-    os.replace(tmp, dst)
+    with atomic_path(dst) as tmp:  # (a copy that does not match is removed, never published)
+        shutil.copyfile(src, tmp)
+        if (got := sha256_file(tmp)) != rec["sha256"]:
+            raise ProjectionError(f"{src} has SHA-256 {got[:12]}…, the cache's manifest records "
+                                  f"{rec['sha256'][:12]}…; restore it or extract the cache again")
     return dst
 
 
@@ -198,7 +197,7 @@ def lift(z_BSK: torch.Tensor, projections: list[torch.Tensor]) -> torch.Tensor:
 
 def real_tokens(info, shard: int, layer: int, device, max_rows: int) -> torch.Tensor:
     """[N, H] hidden states of `layer` at the real tokens (doc_ids >= 0) of the first `max_rows` rows of `shard`."""
-    from .shards import hidden_shard_name, read_hidden, read_token_shard, token_shard_name
+    from .cache.shards import hidden_shard_name, read_hidden, read_token_shard, token_shard_name
 
     rows = min(info.shard_rows[shard], max_rows)
     x = read_hidden(info.cache_dir / hidden_shard_name(shard), [layer], slice(0, rows), torch.float32, device)
@@ -212,7 +211,7 @@ def measure_taps(info, ks, calib_shards: int = 4, heldout_shards: int = 1, max_r
     over the real tokens of the first `calib_shards` shards, and for each k of `ks` (and the full width) the share its
     top-k directions keep there (`retained`) and the share a projection onto them loses on the last `heldout_shards`
     shards (`residual`); the bytes per token each k would store (bf16, fp8) against the cache's own."""
-    from . import storage
+    from .cache import encodings
 
     layers = list(info.layer_ids)
     n = len(info.shard_rows)
@@ -235,7 +234,7 @@ def measure_taps(info, ks, calib_shards: int = 4, heldout_shards: int = 1, max_r
             "heldout_loss": {k: residual(evecs[:, :k], x_held) for k in ks} if x_held is not None else {},
             "top_eigenvalue_share": retained(evals, 1),
         }
-    stored = storage.bytes_per_token(info.quant, len(layers), H)  # (the cache's own encoding and width)
+    stored = encodings.bytes_per_token(info.quant, len(layers), H)  # (the cache's own encoding and width)
     result["bytes_per_token"] = {"cache": stored, **{
-        k: {q: storage.bytes_per_token(q, len(layers), k) for q in ("bf16", "fp8")} for k in ks}}
+        k: {q: encodings.bytes_per_token(q, len(layers), k) for q in ("bf16", "fp8")} for k in ks}}
     return result

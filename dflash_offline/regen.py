@@ -25,9 +25,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .cache.fsio import write_json_atomic
 from .chat import RecordError, validate_messages, validate_tools
 from .corpus import iter_records, parse
-from .manifest import write_json_atomic
 from .progress import log
 
 STATS_VERSION = 1

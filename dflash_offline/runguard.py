@@ -3,7 +3,7 @@
 Ownership: `owned(run_dir)` holds `RUN/.run.lock` while a run trains, created with O_EXCL (local disks and shared
 filesystems alike) and holding its holder's host, pid and start time. A second trainer on the same run is refused
 at once with one line naming the holder. A lock whose holder ran on this host and is gone (killed, crashed) is
-broken with a message, as the cache's lock is (`manifest.pid_alive`). The holder touches the lock every
+broken with a message, as the cache's lock is (`cache.fsio.pid_alive`). The holder touches the lock every
 `HEARTBEAT_S`; one from another host (a job restarted on another machine of a shared filesystem) is broken once it
 has not been touched for `OTHER_HOST_STALE_S`, the only sign of life visible from here. Rank 0 alone holds it for a
 multi-process run.
@@ -26,7 +26,8 @@ import threading
 import time
 from pathlib import Path
 
-from .manifest import boot_id, pid_alive
+from .cache.fsio import boot_id, pid_alive
+from .cache.manifest import MANIFEST, cache_kind
 
 LOCK = ".run.lock"
 HEARTBEAT_S = 60.0  # the holder touches its lock this often
@@ -43,13 +44,8 @@ def check_run_dir(run_dir: Path, field: str = "--run (make RUN=)") -> None:
     if not str(run_dir) or str(run_dir) == ".":
         raise ValueError(f"{field} is empty: name the run's directory, e.g. --run=runs/my-run (make RUN=runs/my-run)")
     for d in (run_dir.resolve(), *run_dir.resolve().parents):
-        m = d / "manifest.json"
-        try:
-            kind = json.loads(m.read_text()).get("kind") if m.is_file() else None
-        except (OSError, ValueError, AttributeError):
-            kind = None
-        if kind in ("tokens", "hidden"):
-            raise ValueError(f"{field} {run_dir} is inside the {kind} cache {d} ({m}): put runs outside caches, "
+        if kind := cache_kind(d):
+            raise ValueError(f"{field} {run_dir} is inside the {kind} cache {d} ({d / MANIFEST}): put runs outside caches, "
                              f"e.g. --run=runs/<name>")
 
 
@@ -255,7 +251,7 @@ def ender(run_dir: Path, rank: int):
     in progress is a temp directory the next run removes)."""
 
     def end(signum: int, why: str) -> None:
-        from .manifest import write_json_atomic
+        from .cache.fsio import write_json_atomic
 
         status = run_dir / f"status-rank{rank}.json"
         with contextlib.suppress(OSError, ValueError):

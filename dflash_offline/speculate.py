@@ -59,7 +59,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_offline.manifest import sha256_file
+from dflash_offline.cache.fsio import sha256_file
 
 # --- the drafter: the shipped artifact ------------------------------------------------------------------------
 

@@ -3,8 +3,8 @@ and what regeneration, extraction, verification and training cost in GPU-hours �
 before anything runs, from the target's config.json and tokenizer alone (weights optional).
 
 Every number is a product of a few inputs: the rows and tokens stage 1a packs (its real counts, from the dry run's
-in-memory manifest), the bytes per token of an encoding (`ENCODINGS`: one entry per stored layout; a new encoding is
-one more entry), and two rates measured on one H200 (`EXTRACT_TOK_S`, `TRAIN_TOK_S`, sources beside them). A target
+in-memory manifest), the bytes per token of an encoding (the registry `cache.encodings.ENCODINGS`: a new encoding is
+one more entry there, and a row of the plan), and two rates measured on one H200 (`EXTRACT_TOK_S`, `TRAIN_TOK_S`, sources beside them). A target
 or drafter of other shapes gets those rates scaled by work per token — the extraction by the parameters of the
 target layers it runs, the training by the drafter's FLOPs per context token (`metrics.flops_per_row`) — and the
 plan says so; `plan_extract_tok_s=` / `plan_train_tok_s=` replace them with your own. The read bandwidth is bytes per
@@ -18,16 +18,6 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
-
-# Stored bytes per token of `k` tapped layers of `h` values each, per encoding (dflash_offline/shards.py writes them;
-# tests/test_storage_plan.py, tests/test_fp4_cache.py and tests/test_projected_cache.py check them against real shard
-# files). `h` is the hidden size, or project_dims for a projected cache (`projection.py`): any encoding stores either.
-ENCODINGS = {
-    "bf16": ("bfloat16 values", lambda k, h: k * h * 2),
-    "fp8": ("float8 e4m3 values + a float32 scale per token and layer", lambda k, h: k * (h + 4)),
-    "fp4": ("4-bit e2m1 values + an e4m3 scale per 16 values + a float32 scale per token and layer",
-            lambda k, h: k * (h // 2 + h // 16 + 4)),
-}
 
 # Measured rates, one NVIDIA H200 at the Qwen3.5/3.6-27B shapes, random weights (docs/benchmarks.md):
 # stage 1b, row tok/s per GPU including shard writes (bf16), 4 rows of 4096 a forward, taps [1, 16, 31, 46, 61]:
@@ -44,7 +34,7 @@ TRAIN_SEQ_LEN = 2048
 TRAIN_DRAFTER = SimpleNamespace(hidden_size=5120, intermediate_size=17408, vocab_size=248320, num_layers=5,
                                 num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, num_anchors=512,
                                 target_layer_ids=[1, 16, 31, 46, 61])  # the drafter that rate was measured at
-# make verify re-hashes every shard file: SHA-256 (hashlib, 4 MiB reads, manifest.sha256_file) on HASH_THREADS
+# make verify re-hashes every shard file: SHA-256 (hashlib, 4 MiB reads, fsio.sha256_file) on HASH_THREADS
 # threads. 1.0 GB/s a thread: one core of a shared 2-vCPU AMD EPYC with SHA-NI, files in the page cache (2026-12-02;
 # 0.99-1.07 GB/s over four runs). Not measured on a GPU host: a plan takes that × the threads, which the filesystem's
 # read rate caps (`plan_read_gb_s=` gives that rate).
@@ -56,21 +46,12 @@ def projected_widths(hidden: int) -> list[int]:
     return [w for w in (hidden // 2, hidden // 4) if w and w % 32 == 0]
 
 
-def bytes_per_token(quant: str, k: int, hidden: int) -> int:
-    """Stored bytes per token in encoding `quant`; refuses fp4 for a hidden size it cannot store."""
-    if quant == "fp4":
-        from .shards import check_fp4_width
-
-        check_fp4_width(hidden)
-    return ENCODINGS[quant][1](k, hidden)
-
-
 def token_bytes_per_token() -> int:
     """Bytes a token takes in the token cache: stage 1a's Arrow columns (`shards.TOKEN_COLUMNS`; 13), headers and
     each row's document sources aside."""
     import numpy as np
 
-    from .shards import TOKEN_COLUMNS
+    from .cache.shards import TOKEN_COLUMNS
 
     return sum(np.dtype(d).itemsize for _, d in TOKEN_COLUMNS.values())
 
@@ -123,7 +104,7 @@ def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.
 def hash_rate(read_gb_s: float = 0.0) -> dict:
     """The rate `make verify` re-hashes the cache at, GB/s: given (the filesystem's read rate), or SHA-256's a
     thread × the threads verify uses (what the CPU allows)."""
-    from .manifest import HASH_THREADS
+    from .cache.fsio import HASH_THREADS
 
     if read_gb_s:
         return {"gb_s": read_gb_s, "source": "given"}
@@ -153,15 +134,19 @@ def storage_plan(*, rows: int, seq_len: int, doc_tokens: int, k: int, hidden: in
     goes; `fits`: `plan.disk_refusal` found room; `gpu`: False on a CPU run (device=cpu), where the H200 rates (not
     given ones) are left out. `answer_tokens`: the corpus's supervised tokens (what regeneration generates);
     `verify_rows`: the rows `make verify` recomputes (`verify_per_shard` a shard); `hashing`: `hash_rate`'s."""
+    from .cache.encodings import (
+        ENCODINGS,  # (`h`: the hidden size, or project_dims: any encoding stores either)
+    )
+
     tokens = rows * seq_len
     todo_tokens = tokens if todo_rows is None else todo_rows * seq_len
-    enc = {name: {"what": what, "bytes_per_token": f(k, hidden), "total_bytes": tokens * f(k, hidden)}
-           for name, (what, f) in ENCODINGS.items()}
+    enc = {name: {"what": e.what, "bytes_per_token": e.size(k, hidden), "total_bytes": tokens * e.size(k, hidden)}
+           for name, e in ENCODINGS.items()}
     if not projected_from:  # the same encodings of taps projected to half and a quarter of the width (project_dims)
         for kk in projected_widths(hidden):
-            enc.update({f"{name} k={kk}": {"what": f"{what}, {kk} projected dims a tap (project_dims={kk})",
-                                           "bytes_per_token": f(k, kk), "total_bytes": tokens * f(k, kk)}
-                        for name, (what, f) in ENCODINGS.items()})
+            enc.update({f"{name} k={kk}": {"what": f"{e.what}, {kk} projected dims a tap (project_dims={kk})",
+                                           "bytes_per_token": e.size(k, kk), "total_bytes": tokens * e.size(k, kk)}
+                        for name, e in ENCODINGS.items()})
     shown = {s: r for s, r in rate.items() if gpu or r["source"] == "given"}
     train = shown.get("train")
     for e in enc.values():

@@ -30,7 +30,7 @@ import struct
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .manifest import HASH_THREADS, hash_obj, sha256_file, write_json_atomic
+from .cache.fsio import HASH_THREADS, hash_obj, sha256_file, write_json_atomic
 
 SAMPLES, SAMPLE_BYTES = 16, 1 << 16  # the "sampled" fingerprint of caches made before full hashes
 WEIGHTS_HASH = "sha256"  # producer.target.weights_hash of new caches; absent = "sampled"

@@ -17,8 +17,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from .cache.manifest import MANIFEST_VERSION
 from .corpus import CorpusError, Skip
-from .manifest import MANIFEST_VERSION
 from .packing import materialize
 from .progress import log
 

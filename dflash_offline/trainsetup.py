@@ -202,7 +202,7 @@ def cosine_schedule(step: int, warmup: int, total: int, floor: float) -> float:
 
 def cache_defaults(cfg: TrainConfig) -> dict:
     """What the cache says about the target: its checkpoint, tapped layers, mask token, sizes."""
-    from dflash_offline.manifest import read_manifest
+    from dflash_offline.cache.manifest import read_manifest
 
     m = read_manifest(cfg.cache, need=("config.extract.target", "config.layer_ids", "config.mask_token_id",
                                        "producer.target.hidden_size", "producer.target.num_layers",
@@ -273,8 +273,8 @@ def check_inputs(cfg: TrainConfig, run_dir):
     check_same_target(c["target"], c["target_id"], cfg.cache, c["cache_target"])
     info = open_hidden_cache(cfg.cache, c["layer_ids"], hidden_size=c["hidden_size"], seq_len=c["seq_len"],
                              require_verified=cfg.require_verified)
+    from dflash_offline.cache.fsio import remove_dead_temps
     from dflash_offline.checkpoint import list_checkpoints
-    from dflash_offline.manifest import remove_dead_temps
 
     if (n := remove_dead_temps(run_dir / "checkpoints"))[0]:  # a checkpoint half-written by a killed run
         print(f"{run_dir}/checkpoints: removed {n[0]} unfinished checkpoint(s) of dead runs ({n[1] / 1e6:.1f} MB)",

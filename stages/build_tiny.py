@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dflash_offline.cache.fsio import atomic_dir
 from fixtures import democorpus, tiny
 
 log = functools.partial(print, flush=True)
@@ -83,10 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"error: {out} holds {what}; wanted {params}. Remove it or pass --force.")
 
     t0 = time.perf_counter()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic_dir(out) as tmp:  # published onto OUT when finished, removed when not
         # --- corpus
         democorpus.write_jsonl(tmp / "corpus" / "train.jsonl", cfg.corpus_docs, cfg.seed)
         democorpus.write_jsonl(tmp / "corpus" / "eval.jsonl", cfg.eval_docs, cfg.seed + EVAL_SEED_OFFSET)
@@ -100,15 +96,6 @@ def main(argv: list[str] | None = None) -> int:
         sidecar["corpus"] = {"train": "corpus/train.jsonl", "eval": "corpus/eval.jsonl",
                              "eval_seed": cfg.seed + EVAL_SEED_OFFSET}
         tiny.write_json(tmp / tiny.SIDECAR, sidecar)
-
-        # --- publish: rename the finished directory onto OUT
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        if out.exists():
-            out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     log(f"done: {out} (mask_token_id {sidecar['mask_token_id']}, vocab {sidecar['vocab_size']}, "
         f"{time.perf_counter() - t0:.1f}s)")
     return 0

@@ -22,7 +22,7 @@ OUTPUTS = ("cache", "run", "export", "regen.jsonl", "regen.jsonl.stats.json")
 
 def code_hash(repo: Path = REPO) -> str:
     h = hashlib.sha256()
-    files = sorted([*repo.glob("dflash_offline/*.py"), *repo.glob("stages/*.py"), repo / "manifests" / "demo.toml",
+    files = sorted([*repo.glob("dflash_offline/**/*.py"), *repo.glob("stages/*.py"), repo / "manifests" / "demo.toml",
                     repo / "Makefile"])
     for f in files:
         h.update(f.relative_to(repo).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")

@@ -163,7 +163,7 @@ def load_target(target_dir: Path, device, dtype):
 def check_cache_target(cache: str, target_dir: Path) -> None:
     """`--cache` must hold hidden states of the eval target: the estimate feeds them to a drafter of this target
     (one line naming both targets and the fix, before anything loads)."""
-    from dflash_offline.manifest import read_manifest
+    from dflash_offline.cache.manifest import read_manifest
     from dflash_offline.targetid import TargetError, target_mismatch
 
     m = read_manifest(cache)
@@ -345,7 +345,7 @@ def evaluate(cfg: EvalConfig) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from dflash_offline.manifest import write_json_atomic
+    from dflash_offline.cache.fsio import write_json_atomic
     from dflash_offline.progress import unbuffered
 
     unbuffered()

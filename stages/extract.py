@@ -9,8 +9,8 @@ the target's real widths — all in seconds, before any weight loads (`--dry_run
 plan of `storage.py` — size per encoding, free space, training's read bandwidth, GPU-hours — and a one-line
 summary, or the refusal a real run would meet) — then load only the needed layers and extract. Every process
 claims a shard (with a lease) before computing it, so ranks and machines sharing the cache never compute one twice
-(`claims.py`); each shard is written temp → fsync → rename and committed to the manifest in the background while the
-next one computes (`writer.py`). Rerun = every uncommitted shard; `--shards=` (make SHARD=) redoes exactly those.
+(`cache/claims.py`); each shard is written temp → fsync → rename and committed to the manifest in the background while the
+next one computes (`cache/writer.py`). Rerun = every uncommitted shard; `--shards=` (make SHARD=) redoes exactly those.
 
 The cache is trusted, so a run starts by making it honest: it removes what dead writers left (temp files, claims),
 and a committed shard whose file is missing or resized goes back to "to do". `--hidden_out=DIR` of an existing cache
@@ -41,7 +41,17 @@ import sys
 import time
 from pathlib import Path
 
-from dflash_offline.claims import claimed_shards, release_held
+from dflash_offline.cache.claims import claimed_shards, release_held, sweep
+from dflash_offline.cache.fsio import worker_info
+from dflash_offline.cache.manifest import (
+    committed,
+    has_manifest,
+    missing_files,
+    open_cache,
+    read_manifest,
+    record_once,
+    requeue_missing,
+)
 from dflash_offline.config import (
     ExtractConfig,
     TokenizeConfig,
@@ -51,23 +61,10 @@ from dflash_offline.config import (
     parse_shard_list,
 )
 from dflash_offline.devices import cpu_threads, dist_env, pick_device
-from dflash_offline.manifest import (
-    MANIFEST,
-    committed,
-    locked,
-    missing_files,
-    open_cache,
-    read_manifest,
-    requeue_missing,
-    sweep,
-    worker_info,
-    write_json_atomic,
-)
 from dflash_offline.plan import OVERFILL, disk_refusal, free_space, make_plan, recorded_config, target_needs
 from dflash_offline.progress import Progress, log, private_compile_caches, run_cli, unbuffered
 from dflash_offline.storage import plan_lines, recipe_train, token_bytes_per_token
 
-ROW_FILL = (("input_ids", 0), ("position_ids", 0), ("doc_ids", -1))  # token columns, value of a padding row
 PROJECTION_WAIT_S = 1800.0  # how long ranks > 0 wait for rank 0 to record the cache's projection
 
 # --- config --------------------------------------------------------------------------------------------------
@@ -103,7 +100,7 @@ def token_cache(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int) -> Path 
     if rank == 0:
         return tokenize.run(tok_cfg)
     out = tokenize.identify(tok_cfg)[-1]
-    while not ((out / "manifest.json").exists() and read_manifest(out).get("complete")):
+    while not (has_manifest(out) and read_manifest(out).get("complete")):
         time.sleep(2)
     return out
 
@@ -125,17 +122,17 @@ def continued_legacy_cache(cfg: ExtractConfig, plan: dict, rank: int) -> dict:
     """`plan`, or, when the cache this run would go on with was made before weights were hashed in full (its key
     holds the sampled fingerprint, `targetid`), the plan under that cache's key: its shards are kept, not redone in a
     new directory. A cache of the new key, or none of either, leaves the plan as it is."""
-    from dflash_offline.manifest import hash_obj
+    from dflash_offline.cache.fsio import hash_obj
     from dflash_offline.targetid import target_fingerprint
 
-    ours = cache_dir(cfg, plan["key"]) / MANIFEST
-    if not plan["weights"] or ours.is_file() and read_manifest(ours.parent)["key"] == plan["key"]:
+    ours = cache_dir(cfg, plan["key"])
+    if not plan["weights"] or has_manifest(ours) and read_manifest(ours)["key"] == plan["key"]:
         return plan
     target = {k: v for k, v in plan["producer"]["target"].items() if k != "weights_hash"}
     target.update(target_fingerprint(plan["ckpt"], scheme="sampled"))
     producer = dict(plan["producer"], target=target)
     key, cache = hash_obj(producer), cache_dir(cfg, hash_obj(producer))
-    if not (cache / MANIFEST).is_file() or read_manifest(cache)["key"] != key:
+    if not has_manifest(cache) or read_manifest(cache)["key"] != key:
         return plan
     log(f"[rank {rank}] {cache} was made before targets were hashed in full (its key holds the sampled fingerprint of "
         f"the weights): continuing it under that key. Its weights are known by 16 samples a file; extract into a new "
@@ -167,7 +164,7 @@ def plan_run(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int, world: int,
     redo = parse_shard_list(cfg.shards)
     if any(i >= plan["num_shards"] for i in redo):
         raise ValueError(f"SHARD={cfg.shards}: the cache has shards 0..{plan['num_shards'] - 1}")
-    existing = read_manifest(cache) if (cache / "manifest.json").exists() else None
+    existing = read_manifest(cache) if has_manifest(cache) else None
     done = committed(existing) if existing and existing["key"] == plan["key"] else {}
     damaged = {b["shard"]: b["reason"] for b in missing_files(cache, existing)} if done else {}
     todo = redo or [i for i in range(plan["num_shards"]) if i not in done or i in damaged]
@@ -282,7 +279,7 @@ def calibration_batches(cfg, plan):
     import numpy as np
     import torch
 
-    from dflash_offline.shards import read_token_shard, token_shard_name
+    from dflash_offline.cache.shards import ROW_FILL, read_token_shard, token_shard_name
 
     entries, want, taken = committed(plan["tokens_manifest"]), cfg.project_rows, []
     for i in sorted(entries):
@@ -320,15 +317,14 @@ def calibrate(cfg, plan, model, cache: Path) -> dict:
     tops = {lid: top_k(moments[lid], k) for lid in ids}
     meta = {"dims": k, "rows": rows, "tokens": moments[ids[0]].n, "layer_ids": sorted(ids),
             "retained": {str(lid): tops[lid][1] for lid in ids}}
-    with locked(cache):
-        m = read_manifest(cache)
-        if m.get("projection"):  # another process recorded the cache's projection first: that one it is
-            return m["projection"]
+
+    def record() -> dict:  # (another process may have recorded the cache's projection first: that one it is)
         rec = write_projection(cache, {lid: tops[lid][0] for lid in ids}, meta)
-        m["projection"] = dict(meta, file=PROJECTION_FILE, bytes=rec["bytes"], sha256=rec["sha256"])
-        write_json_atomic(cache / MANIFEST, m)
+        return dict(meta, file=PROJECTION_FILE, bytes=rec["bytes"], sha256=rec["sha256"])
+
+    projection = record_once(cache, "projection", record)
     log(f"projection: {k} of {H} dims a tap from {rows} rows ({meta['tokens']:,} tokens) in {time.time() - t0:.1f}s")
-    return m["projection"]
+    return projection
 
 
 def extract_shards(cfg, plan, model, cache: Path, tokens_dir: Path, todo, rank, world, device, redo: bool,
@@ -338,8 +334,8 @@ def extract_shards(cfg, plan, model, cache: Path, tokens_dir: Path, todo, rank, 
     (bench.extract reads them)."""
     import torch
 
-    from dflash_offline.shards import read_token_shard, token_shard_name
-    from dflash_offline.writer import HiddenShardWriter
+    from dflash_offline.cache.shards import ROW_FILL, read_token_shard, token_shard_name
+    from dflash_offline.cache.writer import HiddenShardWriter
 
     tok_entries, b, cuda = committed(plan["tokens_manifest"]), cfg.batch_rows, device.type == "cuda"
     fix = f"the token cache is corrupt: rebuild it (delete {tokens_dir} and run make tokenize)"

@@ -13,19 +13,19 @@ import sys
 import time
 from pathlib import Path
 
-from dflash_offline.config import ConfigError, shard_list
-from dflash_offline.manifest import (
+from dflash_offline.cache.claims import claim_state, read_claim
+from dflash_offline.cache.fsio import pid_alive
+from dflash_offline.cache.manifest import (
     MANIFEST,
     ManifestError,
-    claim_state,
     committed,
+    has_manifest,
     hidden_num_shards,
     missing_files,
-    pid_alive,
-    read_claim,
     read_manifest,
     token_cache,
 )
+from dflash_offline.config import ConfigError, shard_list
 
 FLAGS = ("--json", "--all")
 STALE_S = 300.0  # a running writer with no lease of its own that has not updated its status this long is stale
@@ -186,9 +186,9 @@ def print_report(r: dict, show_all: bool) -> None:
 
 
 def find_caches(root: Path) -> list[Path]:
-    if (root / MANIFEST).is_file():
+    if has_manifest(root):
         return [root]
-    return sorted(p.parent for p in root.glob(f"*/{MANIFEST}"))
+    return sorted(p for p in root.glob("*") if has_manifest(p))
 
 
 def main(argv: list[str]) -> None:

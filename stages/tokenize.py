@@ -22,6 +22,20 @@ from collections import Counter
 from pathlib import Path
 
 from dflash_offline import chat
+from dflash_offline.cache.claims import sweep
+from dflash_offline.cache.fsio import hash_obj
+from dflash_offline.cache.manifest import (
+    ManifestError,
+    commit_shard,
+    committed,
+    diff_producers,
+    has_manifest,
+    open_cache,
+    read_manifest,
+    requeue_missing,
+    update_manifest,
+)
+from dflash_offline.cache.shards import TOKENS_FORMAT_VERSION, token_shard_name, write_token_shard
 from dflash_offline.config import TokenizeConfig, as_dict, config_from_argv
 from dflash_offline.corpus import (
     Skip,
@@ -32,22 +46,8 @@ from dflash_offline.corpus import (
     iter_records,
     tokenize_stream,
 )
-from dflash_offline.manifest import (
-    MANIFEST,
-    ManifestError,
-    commit_shard,
-    committed,
-    diff_producers,
-    hash_obj,
-    open_cache,
-    read_manifest,
-    requeue_missing,
-    sweep,
-    update_manifest,
-)
 from dflash_offline.packing import PACKING_RULE, Doc, Packer, split_long
 from dflash_offline.progress import Progress, log, unbuffered
-from dflash_offline.shards import TOKENS_FORMAT_VERSION, token_shard_name, write_token_shard
 from dflash_offline.tokens import Tally, dry_manifest, shard_entry, summarize
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -168,7 +168,7 @@ def dry_run(cfg: TokenizeConfig) -> dict:
     """The manifest `run` would leave, with nothing written to disk: read from the cache when it is complete for this
     key, else computed in memory (records tokenized and packed, rows counted, no shard kept)."""
     paths, tok, producer, key, out = identify(cfg)
-    if (out / MANIFEST).is_file():
+    if has_manifest(out):
         m = read_manifest(out)
         if m["key"] != key:
             raise ManifestError(f"{out} already holds another cache (key {m['key'][:12]} ≠ {key[:12]}; differs in: "

@@ -25,8 +25,8 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_offline.cache.fsio import write_json_atomic
 from dflash_offline.config import TrainConfig, as_dict, configs_from_argv
-from dflash_offline.manifest import write_json_atomic
 from dflash_offline.runguard import Interrupted, StopSignals, StopVote, check_run_dir, ender, owned
 from dflash_offline.trainsetup import (
     BenchSwitches,

@@ -8,7 +8,7 @@ its header says it is that shard of this cache (key, encoding, projection), of t
 layout the manifest implies (`dataset.open_shard`, training's own check); that the token shard it was computed from
 still hashes to the entry's `tokens_sha256`; and that `rows` sampled rows per shard equal a fresh
 forward of the target within `tol` (relative L2 error over real tokens, per layer; FP8 and FP4 caches are held to
-their round-trip bound, `QUANT_REL_TOL`, where it is larger). A projected cache (`[extract] project_dims`) is compared
+their round-trip bound, the encoding's `rel_tol`, where it is larger). A projected cache (`[extract] project_dims`) is compared
 in its stored width: the fresh states are projected with the cache's P (its file checked against the manifest
 first), z = h @ P in fp32 as extraction computes it, so the same tolerances hold. The verdict goes into the manifest (`verified`), which
 training reads: a cache that failed is refused. Every bad shard is named with the command that redoes it. Exit status 1 if any is bad.
@@ -34,30 +34,19 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_offline.config import VerifyConfig, config_from_argv, shard_list
-from dflash_offline.devices import pick_device
-from dflash_offline.manifest import (
-    HASH_THREADS,
+from dflash_offline.cache.fsio import HASH_THREADS, sha256_file
+from dflash_offline.cache.manifest import (
     MANIFEST,
     committed,
     hidden_num_shards,
     read_manifest,
     require,
-    sha256_file,
     token_cache,
     update_manifest,
 )
+from dflash_offline.config import VerifyConfig, config_from_argv, shard_list
+from dflash_offline.devices import pick_device
 from dflash_offline.progress import log, private_compile_caches, unbuffered
-
-FP8_REL_TOL = 0.06  # e4m3 keeps 3 mantissa bits: per-element rounding ≤ 6.25 %, RMS ≈ 2–3 %
-# e2m1 keeps 1 mantissa bit (a step of 2 between 4 and 6 of a block's 6): RMS relative error per row ≈ 9.5 % on
-# Gaussian states, 10 % on uniform, 9 % on Student-t(3), 5 % with massive channels (tests/test_fp4_cache.py), 9.5-9.8 %
-# on the tiny target's; single tokens of width 64 reach 14 % in 1 of 10^5. 0.15 is that worst with a margin, above a
-# bf16 recompute's noise (≤ 2 %, added in quadrature). A row altered by less than ~10 % hides in FP4's own rounding.
-FP4_REL_TOL = 0.15
-QUANT_REL_TOL = {"bf16": 0.0, "fp8": FP8_REL_TOL, "fp4": FP4_REL_TOL}  # the least tol each encoding is held to
-ROW_FILL = (("input_ids", 0), ("position_ids", 0), ("doc_ids", -1))  # token columns, value of a padding row
-
 
 # --- hash ----------------------------------------------------------------------------------------------------
 
@@ -67,8 +56,8 @@ def check_files(cache: Path, m: dict, tokens_dir: Path) -> list[dict]:
     (`dataset.entry_error`), that file's SHA-256, header and size, rows and tensor layout against the manifest
     (`dataset.open_shard`), and the token shard it was computed from hashed against the entry's `tokens_sha256`.
     N is held to the token cache's count first (`hidden_num_shards`)."""
+    from dflash_offline.cache.shards import hidden_shard_name, token_shard_name
     from dflash_offline.dataset import cache_info, entry_error
-    from dflash_offline.shards import hidden_shard_name, token_shard_name
 
     n, done = hidden_num_shards(cache, m, read_manifest(tokens_dir)), committed(m)
     info = cache_info(cache, m, m["producer"]["layer_ids"], n)
@@ -87,8 +76,8 @@ def check_files(cache: Path, m: dict, tokens_dir: Path) -> list[dict]:
 
 def shard_error(info, m: dict, index: int, sha: dict) -> str | None:
     """Why hidden shard `index`'s file is not what its (committed, well-formed) entry says, or None."""
+    from dflash_offline.cache.shards import ShardError, hidden_shard_name
     from dflash_offline.dataset import open_shard
-    from dflash_offline.shards import ShardError, hidden_shard_name
 
     path, rec = info.cache_dir / hidden_shard_name(index), info.shard_files[index]
     if sha[path] is None:
@@ -107,7 +96,7 @@ def shard_error(info, m: dict, index: int, sha: dict) -> str | None:
 def header_mismatch(path: Path, index: int, m: dict) -> str | None:
     """What a hidden shard's header says it is (index, cache key, encoding and, projected, the projection's SHA-256)
     where the manifest says otherwise: a file moved in from another cache, or computed with another P."""
-    from dflash_offline.shards import ShardError, hidden_metadata, hidden_shard_metadata
+    from dflash_offline.cache.shards import ShardError, hidden_metadata, hidden_shard_metadata
 
     try:
         meta = hidden_metadata(path)
@@ -141,7 +130,13 @@ def sample_rows(m: dict, rows: int, skip: set[int]) -> list[tuple[int, int]]:
 
 def read_batch(cache: Path, tokens_dir: Path, layer_ids: list[int], picked: list[tuple[int, int]], b: int):
     """Token rows [b, S] per column (rows past `picked` are padding), and the stored rows [1, S, K*H] on the CPU."""
-    from dflash_offline.shards import hidden_shard_name, read_hidden, read_token_shard, token_shard_name
+    from dflash_offline.cache.shards import (
+        ROW_FILL,
+        hidden_shard_name,
+        read_hidden,
+        read_token_shard,
+        token_shard_name,
+    )
 
     toks = {i: read_token_shard(tokens_dir / token_shard_name(i)) for i in dict.fromkeys(i for i, _ in picked)}
     S = next(iter(toks.values()))["input_ids"].shape[1]
@@ -158,6 +153,8 @@ def recompute(cache: Path, m: dict, tokens_dir: Path, model, picked: list[tuple[
     """Compare the stored rows `picked` with the target's, `batch_rows` rows per forward: (bad rows, worst error).
     `projection`: P of each tapped layer on the model's device (a projected cache), applied to the fresh states."""
     import torch
+
+    from dflash_offline.cache.shards import ROW_FILL
 
     layer_ids, device = m["config"]["layer_ids"], model.device
     batches = [picked[s:s + batch_rows] for s in range(0, len(picked), batch_rows)]
@@ -197,6 +194,7 @@ VERIFY_NEEDS = ("config.layer_ids", "config.extract.batch_rows")
 def verify(cache: Path, cfg: VerifyConfig) -> dict:
     """The verdict on `cache`, recorded in its manifest where the cache is writable (`record`). Reads only until then:
     a read-only cache is verified all the same."""
+    from dflash_offline.cache.encodings import ENCODINGS
     from dflash_offline.dataset import HIDDEN_NEEDS
     from dflash_offline.targetid import resolve_checkpoint
 
@@ -205,9 +203,9 @@ def verify(cache: Path, cfg: VerifyConfig) -> dict:
     if m["kind"] != "hidden":
         raise ValueError(f"{cache} is a {m['kind']} cache; verify checks hidden-state caches (make extract output)")
     require(m, cache / MANIFEST, HIDDEN_NEEDS + VERIFY_NEEDS + (("config.extract.target",) if cfg.rows > 0 else ()))
-    if m["producer"]["quant"] not in QUANT_REL_TOL:
+    if m["producer"]["quant"] not in ENCODINGS:
         raise ValueError(f"{cache / MANIFEST}: producer.quant is {m['producer']['quant']!r}, this code reads "
-                         f"{', '.join(QUANT_REL_TOL)}: extract the cache again with this code")
+                         f"{', '.join(ENCODINGS)}: extract the cache again with this code")
     tokens_dir = token_cache(cache, m)[0]
     hidden_num_shards(cache, m, read_manifest(tokens_dir))  # a count edited into the manifest: refused before hashing
     # a missing target fails now, not after hours of hashing
@@ -235,7 +233,7 @@ def verify(cache: Path, cfg: VerifyConfig) -> dict:
         phases["load"] = time.time() - t
         t = time.time()
         picked = sample_rows(m, cfg.rows, {b["shard"] for b in bad})
-        tol = max(cfg.tol, QUANT_REL_TOL[m["producer"]["quant"]])
+        tol = max(cfg.tol, ENCODINGS[m["producer"]["quant"]].rel_tol)
         projection = [P.to(model.device) for P in Ps] if Ps is not None else None
         more, worst = recompute(cache, m, tokens_dir, model, picked, tol, m["config"]["extract"]["batch_rows"],
                                 projection)

@@ -39,8 +39,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from dflash_offline.cache.fsio import write_json_atomic
 from dflash_offline.config import ConfigError, config_from_argv
-from dflash_offline.manifest import write_json_atomic
 
 from .ab import ab
 from .commands import log

@@ -14,8 +14,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_offline.cache.fsio import sha256_file
+
 from .config import TestbedConfig
-from .runs import Paths, drafter_code_digest, file_sha256, stale_job
+from .runs import Paths, drafter_code_digest, stale_job
 
 
 def log(msg: str) -> None:
@@ -74,9 +76,9 @@ def job_identity(cfg: TestbedConfig, p: Paths, j: Job) -> dict:
     budget, the drafter code (`RUN/testbed-job.json`; a run made from anything else is stale)."""
     manifest = j.cache / "manifest.json"
     return {"train": train_args(cfg, j.run, j.cache, j.seed, j.settings),
-            "recipe_sha256": file_sha256(cfg.drafter_recipe),
+            "recipe_sha256": sha256_file(cfg.drafter_recipe),
             "cache_key": json.loads(manifest.read_text())["key"] if manifest.is_file() else None,
-            "eval": {"prompts_sha256": file_sha256(p.eval_prompts) if p.eval_prompts.is_file() else None,
+            "eval": {"prompts_sha256": sha256_file(p.eval_prompts) if p.eval_prompts.is_file() else None,
                      "num_prompts": cfg.eval_prompts, "max_new_tokens": cfg.eval_tokens},
             "code_sha256": drafter_code_digest()}
 

@@ -5,9 +5,10 @@ done."""
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
+
+from dflash_offline.cache.fsio import atomic_dir
 
 from .commands import Job, extract, job_identity, log, stage
 from .config import TestbedConfig
@@ -56,16 +57,14 @@ def build(cfg: TestbedConfig, p: Paths, device) -> dict:
     m = sources.write_jsonl(p.eval_candidates, sources.records(held, first_only=True))
     if m < cfg.eval_prompts:
         raise ValueError(f"only {m} held-out prompts for eval_prompts={cfg.eval_prompts}: lower heldout_every")
-    tmp = p.target.with_name(".target.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     dims = tiny.TINY_DIMS if cfg.dims == "tiny" else target.DIMS
-    rec = target.build_target(tmp, files, dims=dims, vocab=cfg.vocab, tokenizer_bytes=cfg.tokenizer_mb << 20,
-                               seq_len=cfg.target_rows, batch=cfg.target_batch, lr=cfg.target_lr,
-                               budget_s=cfg.target_s, max_steps=cfg.target_steps, seed=cfg.seed, device=device,
-                               log=log)
-    (tmp / "files.json").write_text(json.dumps({**s, "files": [[f.name, f.sha256] for f in files.train + files.heldout]}))
-    shutil.rmtree(p.target, ignore_errors=True)
-    tmp.rename(p.target)
+    with atomic_dir(p.target) as tmp:  # published onto DIR/target when complete, removed when not
+        rec = target.build_target(tmp, files, dims=dims, vocab=cfg.vocab, tokenizer_bytes=cfg.tokenizer_mb << 20,
+                                  seq_len=cfg.target_rows, batch=cfg.target_batch, lr=cfg.target_lr,
+                                  budget_s=cfg.target_s, max_steps=cfg.target_steps, seed=cfg.seed, device=device,
+                                  log=log)
+        (tmp / "files.json").write_text(json.dumps({**s, "files": [[f.name, f.sha256]
+                                                                  for f in files.train + files.heldout]}))
     return {**rec, "sources": {k: v for k, v in s.items() if k != "roots"}, "regen_prompts": n, "eval_prompts": m}
 
 
@@ -87,8 +86,8 @@ def choose_prompts(cfg: TestbedConfig, p: Paths, dev: str) -> dict:
 def projection_summary(cache: Path) -> dict:
     """Per k: the least energy a top-k projection keeps, and the most it loses on held-out rows, over the taps
     (`projection.measure_taps`, as `bench.projection` reports it: two calibration shards, the last shard held out)."""
+    from dflash_offline.cache.manifest import read_manifest
     from dflash_offline.dataset import open_hidden_cache
-    from dflash_offline.manifest import read_manifest
     from dflash_offline.projection import measure_taps
 
     info = open_hidden_cache(cache, read_manifest(cache)["producer"]["layer_ids"])

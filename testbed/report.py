@@ -9,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from dflash_offline.manifest import write_json_atomic
+from dflash_offline.cache.fsio import write_json_atomic
 
 from .runs import Paths, drafter_code_digest, read_state
 

@@ -12,8 +12,8 @@ import shutil
 import time
 from pathlib import Path
 
+from dflash_offline.cache.fsio import write_json_atomic
 from dflash_offline.config import ConfigError, as_dict, did_you_mean
-from dflash_offline.manifest import write_json_atomic
 
 PHASES = ("target", "regen", "extract", "train", "export", "eval")
 
@@ -216,10 +216,6 @@ def drafter_code_digest() -> str:
     for f in sorted({f for pattern in DRAFTER_CODE for f in root.glob(pattern)}):
         h.update(f"{f.relative_to(root)}\0".encode() + f.read_bytes())
     return h.hexdigest()
-
-
-def file_sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def stale_job(run: Path, identity: dict) -> str | None:

@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from dflash_offline.manifest import write_json_atomic
+from dflash_offline.cache.fsio import write_json_atomic
 
 from .commands import Job, evaluate, extract, fresh_run, job_identity, log, train_export
 from .config import TestbedConfig

@@ -26,6 +26,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_offline.cache.fsio import atomic_path
+
 DEFAULT_PACKAGES = ("torch", "transformers", "numpy", "huggingface_hub", "accelerate", "pyarrow", "jinja2",
                     "safetensors", "triton")
 MAX_FILE_BYTES = 256 * 1024
@@ -169,13 +171,11 @@ def records(files: list[SourceFile], first_only: bool = False) -> Iterator[dict]
 def write_jsonl(path: Path, recs) -> int:
     """Write records (atomically: a temporary sibling renamed into place); returns how many."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
     n = 0
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for rec in recs:
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
             n += 1
-    tmp.replace(path)
     return n
 
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_offline.manifest import committed, read_manifest, sha256_file
-from dflash_offline.shards import hidden_shard_name
+from dflash_offline.cache.fsio import sha256_file
+from dflash_offline.cache.manifest import committed, read_manifest
+from dflash_offline.cache.shards import hidden_shard_name
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, DFLASH_NO_BAR="1", PYTHONPATH=str(REPO))
@@ -31,7 +32,7 @@ run_cli(extract.main)
 
 FULL_DISK_AT_SHARD_2 = """
 import errno
-from dflash_offline import shards
+from dflash_offline.cache import shards
 _publish = shards.publish
 def publish(tmp, final):
     if final.name == "hidden-00002.safetensors":
@@ -128,7 +129,7 @@ def test_the_repair_command_redoes_one_shard_as_printed(tmp_path, clean, copy_ca
 
 def test_shards_held_by_a_live_process_fail_the_run_unless_waiting_and_a_dead_ones_are_taken_over(
         tmp_path, qwen35_dir, chat_corpus, clean):
-    from dflash_offline import manifest as mf
+    from dflash_offline.cache import claims
 
     res = run([sys.executable, "-m", "stages.tokenize", f"--corpus={chat_corpus}", f"--tokenizer={qwen35_dir}",
                f"--cache_root={tmp_path}", "--seq_len=128", "--rows_per_shard=2", "--max_docs=40", "--workers=1"])
@@ -164,7 +165,7 @@ def test_shards_held_by_a_live_process_fail_the_run_unless_waiting_and_a_dead_on
         out = "".join(seen) + waiter.communicate(timeout=120)[0]
         assert waiter.returncode == 0, out[-2000:]
         assert "waiting for shards [6]" in out and shard_hashes(cache) == shard_hashes(clean)
-        assert not list((cache / "claims").glob("*")) and mf.holders(cache, range(20)) == {}
+        assert not list((cache / "claims").glob("*")) and claims.holders(cache, range(20)) == {}
     finally:
         sleeper.kill()
 
@@ -215,7 +216,7 @@ def test_a_deleted_token_shard_is_redone_identically_by_the_next_run(tmp_path, c
 def test_status_of_a_hidden_cache_shows_times_verdict_and_summary(tmp_path, clean):
     import shutil
 
-    from dflash_offline.manifest import update_manifest
+    from dflash_offline.cache.manifest import update_manifest
 
     cache = tmp_path / "c"
     shutil.copytree(clean, cache)
@@ -234,8 +235,8 @@ def test_status_of_a_hidden_cache_shows_times_verdict_and_summary(tmp_path, clea
 
 def test_training_names_a_field_missing_from_the_manifest(tmp_path, hidden_cache, copy_cache):
     """A hand-edited hidden manifest without a field training reads is one line naming it, not a KeyError."""
+    from dflash_offline.cache.manifest import ManifestError
     from dflash_offline.config import TrainConfig
-    from dflash_offline.manifest import ManifestError
     from dflash_offline.trainsetup import cache_defaults
 
     cache = copy_cache(hidden_cache, tmp_path / "cache")

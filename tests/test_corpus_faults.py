@@ -5,9 +5,9 @@ import json
 
 import pytest
 
+from dflash_offline.cache.manifest import read_manifest
 from dflash_offline.config import ExtractConfig, TokenizeConfig
 from dflash_offline.corpus import CorpusError
-from dflash_offline.manifest import read_manifest
 from stages import extract, tokenize
 
 GOOD = [{"messages": [{"role": "user", "content": f"Ça va {i}?"}, {"role": "assistant", "content": f"Oui, {i}, très bien"}]}
@@ -32,8 +32,8 @@ def skips(cache) -> list[tuple[int, str]]:
 
 
 def docs(cache) -> list[list[int]]:
+    from dflash_offline.cache.shards import read_token_shard
     from dflash_offline.packing import unpack_row
-    from dflash_offline.shards import read_token_shard
 
     out = []
     for s in read_manifest(cache)["shards"]:
@@ -168,8 +168,8 @@ def test_reasoning_left_in_content_is_split_or_stripped_never_answer(tmp_path, q
     think block; strip: only A is trained; no tag is ever left inside the answer."""
     from transformers import AutoTokenizer
 
+    from dflash_offline.cache.shards import read_token_shard
     from dflash_offline.packing import unpack_row
-    from dflash_offline.shards import read_token_shard
 
     contents = ["Check 2+2.\n</think>\n\nIt is 4.", "<think>\nStill thinking about", "<think>Easy.</think>Yes."]
     recs = [{"messages": [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": c}]} for c in contents]

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from dflash_offline import dataset as ds
-from dflash_offline import storage
-from dflash_offline.manifest import ManifestError, update_manifest
-from dflash_offline.shards import (
+from dflash_offline.cache import encodings
+from dflash_offline.cache.manifest import ManifestError, update_manifest
+from dflash_offline.cache.shards import (
     ShardError,
     hidden_shard_name,
     read_hidden,
@@ -251,7 +251,7 @@ def test_shards_written_before_row_digests_are_checked_whole(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from dflash_offline.manifest import sha256_file
+    from dflash_offline.cache.fsio import sha256_file
 
     cache = fake_cache.make_fake_cache(tmp_path / "c", 2, 4, S, H, LAYERS, seed=1)
     m = json.loads((cache / "manifest.json").read_text())
@@ -411,7 +411,7 @@ def test_cuda_feed_rate_at_27b_width(tmp_path, quant):
             next(s)
         torch.cuda.synchronize()
         read_s = (time.perf_counter() - t0) / 6
-    row_gb = 4096 * storage.bytes_per_token(quant, 5, 5120) / 1e9
+    row_gb = 4096 * encodings.bytes_per_token(quant, 5, 5120) / 1e9
     with ds.HiddenStream(info, 1, device="cuda", prefetch=2) as s:
         next(s)
         t0, waits = time.perf_counter(), []

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash_offline.cache.manifest import read_manifest
+from dflash_offline.cache.shards import hidden_shard_name, read_hidden, read_token_shard, token_shard_name
 from dflash_offline.config import ExtractConfig, TokenizeConfig, VerifyConfig
-from dflash_offline.manifest import read_manifest
-from dflash_offline.shards import hidden_shard_name, read_hidden, read_token_shard, token_shard_name
 from stages import extract, verify
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,8 +111,8 @@ def test_flipped_byte_is_caught_by_verify_and_redo_repairs_it(tmp_path, qwen35_d
 
 def test_corrupted_values_with_a_valid_checksum_are_caught_by_recompute(tmp_path, qwen35_dir, chat_corpus):
     """A shard whose bytes match the manifest but whose numbers are wrong (e.g. written from the wrong rows)."""
-    from dflash_offline.manifest import sha256_file
-    from dflash_offline.shards import write_hidden_shard
+    from dflash_offline.cache.fsio import sha256_file
+    from dflash_offline.cache.shards import write_hidden_shard
 
     cache = extract_run(tmp_path, qwen35_dir, chat_corpus)
     m = read_manifest(cache)
@@ -246,7 +246,7 @@ def test_background_writes_overlap_up_to_write_queue_and_change_no_byte(tmp_path
     overwritten while a write still reads them)."""
     import threading
 
-    from dflash_offline import shards
+    from dflash_offline.cache import shards
 
     real, lock, state = shards.write_hidden_shard, threading.Lock(), {"now": 0, "max": 0}
 
@@ -276,7 +276,7 @@ def test_corrupt_token_shard_stops_the_run_keeping_finished_shards_and_no_stale_
     """Shards are claimed and their tokens read one shard ahead (off the thread that feeds the device): a token
     shard failing its checksum stops the run with the file named, the shards before it stay committed, and no claim
     is left behind (neither the bad shard's nor one taken ahead), so a rerun after the fix picks everything up."""
-    from dflash_offline.shards import ShardError
+    from dflash_offline.cache.shards import ShardError
     from stages import tokenize
 
     ext, tok = configs(tmp_path, qwen35_dir, chat_corpus)
@@ -337,7 +337,7 @@ def test_a_shard_whose_states_hold_inf_or_nan_is_refused_naming_row_and_layer(tm
     token's every value into NaN, with valid checksums, and training would skip every step that reads it), the error
     names the shard, row and layer, the shards before it stay committed, and a rerun does the rest."""
     from dflash_offline import target
-    from dflash_offline.shards import ShardError
+    from dflash_offline.cache.shards import ShardError
 
     real, calls = target.Target.tapped_layers, {"n": 0}
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from dflash_offline.cache.manifest import read_manifest
+from dflash_offline.cache.shards import hidden_shard_name, read_hidden
 from dflash_offline.config import ExtractConfig, TokenizeConfig
-from dflash_offline.manifest import read_manifest
-from dflash_offline.shards import hidden_shard_name, read_hidden
 from stages import extract
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

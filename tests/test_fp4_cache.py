@@ -13,23 +13,21 @@ from test_dataset import data_offset, flip_byte
 from test_extract import encoded_extraction, shard_files
 
 from dflash_offline import dataset as ds
-from dflash_offline import storage
-from dflash_offline.config import ExtractConfig, VerifyConfig
-from dflash_offline.manifest import ManifestError, read_manifest, update_manifest
-from dflash_offline.shards import (
-    ShardError,
+from dflash_offline.cache import encodings
+from dflash_offline.cache.encodings import (
+    FP4_REL_TOL,
+    FP8_REL_TOL,
     encode_layer,
     fp4_decode,
     fp4_encode,
     fp8_decode,
     fp8_encode,
-    hidden_shard_name,
-    read_hidden,
-    write_hidden_shard,
 )
+from dflash_offline.cache.manifest import ManifestError, read_manifest, update_manifest
+from dflash_offline.cache.shards import ShardError, hidden_shard_name, read_hidden, write_hidden_shard
+from dflash_offline.config import ExtractConfig, VerifyConfig
 from fixtures import fake_cache
 from stages import verify
-from stages.verify import FP4_REL_TOL, FP8_REL_TOL
 
 ROWS = [5, 3, 4]
 S, H, LAYERS = 16, 64, [0, 2, 4]
@@ -107,7 +105,7 @@ def test_a_hidden_size_fp4_cannot_store_is_refused_naming_it():
     with pytest.raises(ValueError, match=r"quant=fp4 .* multiple of 32, got hidden_size=48; use quant=fp8"):
         fp4_encode(torch.zeros(2, 48))
     with pytest.raises(ValueError, match=r"got hidden_size=48"):  # what the plan (dry run included) calls first
-        storage.bytes_per_token("fp4", 3, 48)
+        encodings.bytes_per_token("fp4", 3, 48)
 
 
 # --- the cache -------------------------------------------------------------------------------------------------
@@ -121,8 +119,8 @@ def caches(tmp_path_factory):
 
 def test_shard_bytes_are_the_storage_plans_bytes_per_token_plus_the_header(caches):
     cache = caches["fp4"]
-    per_token = storage.bytes_per_token("fp4", len(LAYERS), H)
-    assert per_token == 3 * (32 + 4 + 4) and storage.bytes_per_token("fp4", 5, 5120) == 14_420  # 0.28 of bf16's
+    per_token = encodings.bytes_per_token("fp4", len(LAYERS), H)
+    assert per_token == 3 * (32 + 4 + 4) and encodings.bytes_per_token("fp4", 5, 5120) == 14_420  # 0.28 of bf16's
     for i, rows in enumerate(ROWS):
         path = cache / hidden_shard_name(i)
         (n,) = struct.unpack("<Q", path.read_bytes()[:8])

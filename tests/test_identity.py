@@ -10,8 +10,8 @@ import pytest
 
 from dflash_offline import target as tgt
 from dflash_offline import targetid
+from dflash_offline.cache.fsio import sha256_file
 from dflash_offline.config import ExtractConfig, TokenizeConfig
-from dflash_offline.manifest import sha256_file
 from dflash_offline.targetid import TargetError, target_fingerprint
 from stages import extract, tokenize
 
@@ -185,7 +185,7 @@ def test_a_cache_keyed_by_the_sampled_fingerprint_is_continued_not_redone(tmp_pa
                                                                           monkeypatch, capsys, pinned):
     """A cache half made before full hashes (its key holds the sampled fingerprint) is continued under its key, in
     its directory, content-addressed or pinned (CACHE=): only its missing shards are computed."""
-    from dflash_offline.manifest import read_manifest
+    from dflash_offline.cache.manifest import read_manifest
 
     real = targetid.target_fingerprint
     kw = {"hidden_out": str(tmp_path / "pinned")} if pinned else {}

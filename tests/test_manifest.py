@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from dflash_offline import manifest as mf
+from dflash_offline.cache import claims, fsio
+from dflash_offline.cache import manifest as mf
 
 
 def entry(i, sha="a" * 64):
@@ -55,18 +56,18 @@ def test_concurrent_commits_lose_nothing(tmp_path):
 
 def test_claims_lease_and_takeover(tmp_path, monkeypatch):
     mf.open_cache(tmp_path, "hidden", "k", {}, {}, 2)
-    assert mf.try_claim(tmp_path, 0, lease_s=60)
-    monkeypatch.setattr(mf, "worker_id", lambda: "other:1")
-    assert not mf.try_claim(tmp_path, 0, lease_s=60)  # live lease held by someone else
-    assert mf.try_claim(tmp_path, 1, lease_s=0.01)
-    monkeypatch.setattr(mf, "worker_id", lambda: "third:2")
+    assert claims.try_claim(tmp_path, 0, lease_s=60)
+    monkeypatch.setattr(fsio, "worker_id", lambda: "other:1")
+    assert not claims.try_claim(tmp_path, 0, lease_s=60)  # live lease held by someone else
+    assert claims.try_claim(tmp_path, 1, lease_s=0.01)
+    monkeypatch.setattr(fsio, "worker_id", lambda: "third:2")
     time.sleep(0.05)
-    assert mf.try_claim(tmp_path, 1, lease_s=60)  # expired lease: a successor takes it over
+    assert claims.try_claim(tmp_path, 1, lease_s=60)  # expired lease: a successor takes it over
     mf.commit_shard(tmp_path, entry(1))
-    mf.release_claim(tmp_path, 1)
-    monkeypatch.setattr(mf, "worker_id", lambda: "fourth:3")
-    assert not mf.try_claim(tmp_path, 1, lease_s=60)  # committed shards are never claimed again
-    assert mf.try_claim(tmp_path, 1, lease_s=60, redo=True)
+    claims.release_claim(tmp_path, 1)
+    monkeypatch.setattr(fsio, "worker_id", lambda: "fourth:3")
+    assert not claims.try_claim(tmp_path, 1, lease_s=60)  # committed shards are never claimed again
+    assert claims.try_claim(tmp_path, 1, lease_s=60, redo=True)
 
 
 def test_stale_lock_is_broken(tmp_path):
@@ -104,7 +105,7 @@ def test_a_lock_left_by_a_dead_process_is_broken_at_once_with_a_message(tmp_path
     # a lock held by a live process (this one) from another token is waited for, then reported with its holder
     (tmp_path / ".lock").write_text(f"{socket.gethostname()}:{os.getpid()}:other")
     with pytest.raises(mf.ManifestError, match=r"held by .*:\d+ for"):
-        with mf.locked(tmp_path, timeout_s=0.2):
+        with fsio.locked(tmp_path, timeout_s=0.2):
             pass
 
 
@@ -123,8 +124,8 @@ def test_sweep_removes_dead_writers_debris_and_keeps_live_ones(tmp_path):
                                                                        "expires": time.time() + 900}))
     (tmp_path / "claims" / "shard-00001.json").write_text(json.dumps({"worker": "elsewhere:1", "index": 1,
                                                                        "expires": time.time() - 1}))
-    assert mf.try_claim(tmp_path, 2, lease_s=60)
-    removed = mf.sweep(tmp_path, log=lambda m: None)
+    assert claims.try_claim(tmp_path, 2, lease_s=60)
+    removed = claims.sweep(tmp_path, log=lambda m: None)
     assert removed == {"temp_files": 2, "temp_bytes": 1001, "claims": 2}
     left = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
     assert left == sorted([f".hidden-00002.safetensors.tmp~{host}~{live}~abcd1234",
@@ -144,7 +145,7 @@ def test_committed_shards_whose_files_are_gone_go_back_to_to_do(tmp_path):
     bad = mf.requeue_missing(tmp_path)
     assert [b["shard"] for b in bad] == [1, 2] and "f1 is missing" in bad[0]["reason"]
     assert sorted(mf.committed(mf.read_manifest(tmp_path))) == [0]
-    assert mf.try_claim(tmp_path, 1, lease_s=60)  # claimable again, and a new commit replaces the entry
+    assert claims.try_claim(tmp_path, 1, lease_s=60)  # claimable again, and a new commit replaces the entry
     mf.commit_shard(tmp_path, entry(1, sha="c" * 64))
     assert sorted(mf.committed(mf.read_manifest(tmp_path))) == [0, 1]
 
@@ -246,23 +247,23 @@ def test_a_holder_in_another_pid_space_with_this_hostname_is_not_judged_by_a_loc
     import socket
 
     host, dead = socket.gethostname(), dead_pid()
-    assert mf.boot_id() and mf.worker_info()["boot"] == mf.boot_id()
+    assert fsio.boot_id() and fsio.worker_info()["boot"] == fsio.boot_id()
     mf.open_cache(tmp_path, "tokens", "k", {}, {}, None)
     lock = tmp_path / ".lock"
     old = time.time() - 1
     lock.write_text(f"{host}:{dead}:abc:another-boot/4026531836")
     os.utime(lock, (old, old))
     with pytest.raises(mf.ManifestError, match=rf"held by {host}:{dead} for"):
-        with mf.locked(tmp_path, timeout_s=0.3):
+        with fsio.locked(tmp_path, timeout_s=0.3):
             pass
-    for text in (f"{host}:{dead}:abc:{mf.boot_id()}", f"{host}:{dead}:abc"):
+    for text in (f"{host}:{dead}:abc:{fsio.boot_id()}", f"{host}:{dead}:abc"):
         lock.write_text(text)
         os.utime(lock, (old, old))
-        with mf.locked(tmp_path, timeout_s=0.3):
-            assert mf.boot_id() in lock.read_text()
+        with fsio.locked(tmp_path, timeout_s=0.3):
+            assert fsio.boot_id() in lock.read_text()
     claim = {"worker": f"{host}:{dead}", "expires": time.time() + 60}
-    assert mf.claim_state(dict(claim, boot="another-boot/1")) == "live"
-    assert mf.claim_state(dict(claim, boot=mf.boot_id())) == "dead" == mf.claim_state(claim)
+    assert claims.claim_state(dict(claim, boot="another-boot/1")) == "live"
+    assert claims.claim_state(dict(claim, boot=fsio.boot_id())) == "dead" == claims.claim_state(claim)
 
 
 def test_a_claim_of_another_pid_space_with_this_hostname_and_pid_is_not_ours(tmp_path, monkeypatch):
@@ -271,22 +272,22 @@ def test_a_claim_of_another_pid_space_with_this_hostname_and_pid_is_not_ours(tmp
     import os
     import socket
 
-    from dflash_offline.claims import release_held
+    from dflash_offline.cache.claims import release_held
 
     mf.open_cache(tmp_path, "hidden", "k", {}, {}, 2)
     host, pid = socket.gethostname(), os.getpid()
     (tmp_path / "claims").mkdir(exist_ok=True)
     with monkeypatch.context() as m:  # what the other container's worker_id is
-        m.setattr(mf, "boot_tag", lambda: "0therb00")
-        m.setattr(mf, "boot_id", lambda: "another-boot/1")
-        other = mf.worker_id()
+        m.setattr(fsio, "boot_tag", lambda: "0therb00")
+        m.setattr(fsio, "boot_id", lambda: "another-boot/1")
+        other = fsio.worker_id()
     theirs = {"worker": other, "host": host, "pid": pid, "boot": "another-boot/1", "index": 0,
               "expires": time.time() + 600}
     (tmp_path / "claims" / "shard-00000.json").write_text(json.dumps(theirs))
-    assert mf.claim_state(theirs) == "live"
-    assert not mf.try_claim(tmp_path, 0, lease_s=60)
+    assert claims.claim_state(theirs) == "live"
+    assert not claims.try_claim(tmp_path, 0, lease_s=60)
     assert release_held(tmp_path) == [] and (tmp_path / "claims" / "shard-00000.json").is_file()
-    assert mf.try_claim(tmp_path, 1, lease_s=60) and release_held(tmp_path) == [1]
+    assert claims.try_claim(tmp_path, 1, lease_s=60) and release_held(tmp_path) == [1]
 
 
 def test_a_temp_file_of_another_pid_space_with_this_hostname_is_kept(tmp_path):
@@ -294,9 +295,9 @@ def test_a_temp_file_of_another_pid_space_with_this_hostname_is_kept(tmp_path):
     import socket
 
     host, dead = socket.gethostname(), dead_pid()
-    assert mf.temp_writer(mf.temp_path(tmp_path / "x"))[2] == mf.boot_tag()
+    assert fsio.temp_writer(fsio.temp_path(tmp_path / "x"))[2] == fsio.boot_tag()
     other = tmp_path / f".hidden-00001.safetensors.tmp~{host}~{dead}~0therb00~abcd1234"
-    ours = tmp_path / f".hidden-00002.safetensors.tmp~{host}~{dead}~{mf.boot_tag()}~abcd1234"
+    ours = tmp_path / f".hidden-00002.safetensors.tmp~{host}~{dead}~{fsio.boot_tag()}~abcd1234"
     for p in (other, ours):
         p.write_bytes(b"x")
-    assert mf.remove_dead_temps(tmp_path) == (1, 1) and other.exists() and not ours.exists()
+    assert fsio.remove_dead_temps(tmp_path) == (1, 1) and other.exists() and not ours.exists()

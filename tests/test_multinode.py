@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from test_train import TINY, cli_args, final_weights, free_port, grad_norms, losses, run_on_one_thread
 
+from dflash_offline.cache.manifest import committed, read_manifest
 from dflash_offline.checkpoint import list_checkpoints
 from dflash_offline.config import TrainConfig
-from dflash_offline.manifest import committed, read_manifest
 from stages import status
 
 REPO = Path(__file__).resolve().parents[1]

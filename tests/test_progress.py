@@ -7,7 +7,7 @@ import os
 import time
 
 from dflash_offline import progress
-from dflash_offline.manifest import commit_shard, open_cache, read_manifest
+from dflash_offline.cache.manifest import commit_shard, open_cache, read_manifest
 from dflash_offline.progress import Progress
 
 

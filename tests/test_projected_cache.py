@@ -13,13 +13,14 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from dflash_offline import storage
 from dflash_offline.anchors import block_input_ids, block_position_ids
+from dflash_offline.cache import encodings
+from dflash_offline.cache.manifest import read_manifest
+from dflash_offline.cache.shards import hidden_shard_name, read_hidden, read_token_shard, token_shard_name
 from dflash_offline.config import ConfigError, ExtractConfig, TokenizeConfig, TrainConfig, VerifyConfig
 from dflash_offline.dataset import open_hidden_cache
 from dflash_offline.drafter import DFlashDrafter, DrafterConfig, load_target_embeddings
 from dflash_offline.export import ExportError, export
-from dflash_offline.manifest import read_manifest
 from dflash_offline.plan import make_plan
 from dflash_offline.projection import (
     PROJECTION_FILE,
@@ -30,7 +31,6 @@ from dflash_offline.projection import (
     top_k,
     write_projection,
 )
-from dflash_offline.shards import hidden_shard_name, read_hidden, read_token_shard, token_shard_name
 from stages import extract, train, verify
 
 K, ROWS = 32, 4  # projected dims a tap (the tiny target's hidden size is 64), calibration rows
@@ -308,7 +308,7 @@ def test_a_projection_file_not_the_manifests_is_refused_by_the_trainer_and_expor
 
 
 def test_verify_passes_on_a_projected_cache_and_catches_a_changed_row(caches, copy_cache, tmp_path):
-    from dflash_offline.shards import hidden_shard_metadata, write_hidden_shard
+    from dflash_offline.cache.shards import hidden_shard_metadata, write_hidden_shard
 
     v = verify.verify(caches["proj"], VerifyConfig(cache=str(caches["proj"]), rows=2, device="cpu").resolve())
     assert v["ok"] and v["max_rel_err"] < 5e-3  # the bf16 tolerance (0.02) holds with room
@@ -379,7 +379,7 @@ def test_the_planned_bytes_of_a_projected_cache_are_the_bytes_its_shards_hold(ca
     cache = caches["proj"] if quant == "bf16" else extract.run(*configs(
         tmp_path, qwen35_dir, chat_corpus, quant=quant, project_dims=K, project_rows=ROWS))
     m = read_manifest(cache)
-    per_token = storage.bytes_per_token(quant, 3, K)
+    per_token = encodings.bytes_per_token(quant, 3, K)
     assert per_token == {"bf16": 3 * K * 2, "fp4": 3 * (K // 2 + K // 16 + 4)}[quant]
     tokens = cache / m["config"]["tokens_dir"]
     ext, _ = configs(tmp_path, qwen35_dir, chat_corpus, quant=quant, project_dims=K, project_rows=ROWS)

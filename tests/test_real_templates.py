@@ -16,10 +16,10 @@ import pytest
 import real_tokenizers
 from transformers import AutoTokenizer
 
+from dflash_offline.cache.manifest import read_manifest
+from dflash_offline.cache.shards import read_token_shard
 from dflash_offline.config import TokenizeConfig
-from dflash_offline.manifest import read_manifest
 from dflash_offline.packing import unpack_row
-from dflash_offline.shards import read_token_shard
 from stages import tokenize
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from test_train import REPO, WORKER, cfg, cli_args, free_port
 
-from dflash_offline import manifest, runguard
+from dflash_offline import runguard
+from dflash_offline.cache import fsio
 from stages import train
 
 
@@ -276,5 +277,5 @@ def test_a_lock_from_another_host_is_broken_only_once_its_heartbeat_stops(tmp_pa
         runguard.acquire(tmp_path)
     os.utime(lock, (old, old))
     runguard.acquire(tmp_path)
-    assert json.loads(lock.read_text())["boot"] == manifest.boot_id()
+    assert json.loads(lock.read_text())["boot"] == fsio.boot_id()
     runguard.release(tmp_path)

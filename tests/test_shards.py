@@ -9,12 +9,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dflash_offline.manifest import sha256_file
-from dflash_offline.shards import encode_layer, write_hidden_shard, write_safetensors
+from dflash_offline.cache.encodings import encode_layer
+from dflash_offline.cache.fsio import sha256_file
+from dflash_offline.cache.shards import write_hidden_shard, write_safetensors
 
 
 def test_streamed_safetensors_round_trip_checksum_and_determinism(tmp_path, monkeypatch):
-    import dflash_offline.shards as shards
+    import dflash_offline.cache.shards as shards
 
     monkeypatch.setattr(shards, "WRITE_CHUNK", 1000)  # many chunks per tensor: the hash must follow them in order
     g = torch.Generator().manual_seed(0)
@@ -65,7 +66,7 @@ def test_hidden_shards_list_a_digest_of_every_row_of_every_tensor(tmp_path):
 
 
 def test_a_failed_write_names_the_file_and_leaves_no_temp_file(tmp_path, monkeypatch):
-    import dflash_offline.shards as shards
+    import dflash_offline.cache.shards as shards
 
     def full_disk(head, names, tensors):
         yield head

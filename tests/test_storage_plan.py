@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from dflash_offline import storage
+from dflash_offline.cache import encodings
+from dflash_offline.cache.manifest import read_manifest
 from dflash_offline.config import ExtractConfig, TokenizeConfig
-from dflash_offline.manifest import read_manifest
 from stages import extract
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,10 +30,10 @@ def small_plan(gpus=8, quant="bf16", rows=10, seq_len=128, free=10**12, fits=Tru
 
 
 def test_bytes_per_token_at_the_27b_shapes():
-    assert storage.bytes_per_token("bf16", 5, 5120) == 51_200  # 5 taps × 5120 × 2 B
-    assert storage.bytes_per_token("fp8", 5, 5120) == 25_620  # 5 × (5120 e4m3 + a 4-byte scale)
-    assert storage.bytes_per_token("fp4", 5, 5120) == 14_420  # 5 × (2560 B of codes + 320 e4m3 scales + 4 B)
-    assert set(storage.ENCODINGS) >= {"bf16", "fp8", "fp4"}  # every quant= value has its entry
+    assert encodings.bytes_per_token("bf16", 5, 5120) == 51_200  # 5 taps × 5120 × 2 B
+    assert encodings.bytes_per_token("fp8", 5, 5120) == 25_620  # 5 × (5120 e4m3 + a 4-byte scale)
+    assert encodings.bytes_per_token("fp4", 5, 5120) == 14_420  # 5 × (2560 B of codes + 320 e4m3 scales + 4 B)
+    assert set(encodings.ENCODINGS) >= {"bf16", "fp8", "fp4"}  # every quant= value has its entry
 
 
 def test_extraction_gpu_hours_are_for_the_shards_still_to_do():
@@ -47,10 +48,10 @@ def test_each_encodings_total_is_tokens_times_its_bytes_per_token():
     p = small_plan(quant="fp8")
     assert p["tokens"] == 10 * 128
     # every encoding at full width, then at the projected widths (half of 64; a quarter, 16, is no multiple of 32)
-    assert list(p["encodings"]) == list(storage.ENCODINGS) + [f"{name} k=32" for name in storage.ENCODINGS]
+    assert list(p["encodings"]) == list(encodings.ENCODINGS) + [f"{name} k=32" for name in encodings.ENCODINGS]
     for name, e in p["encodings"].items():
         quant, _, width = name.partition(" k=")
-        assert e["total_bytes"] == p["tokens"] * e["bytes_per_token"] == p["tokens"] * storage.bytes_per_token(
+        assert e["total_bytes"] == p["tokens"] * e["bytes_per_token"] == p["tokens"] * encodings.bytes_per_token(
             quant, 3, int(width or 64))
     lines = storage.render(p, Path("cache/x"))
     assert any(re.match(r"\s+fp8 \(chosen\)\s+204\s", line) for line in lines), lines
@@ -59,12 +60,12 @@ def test_each_encodings_total_is_tokens_times_its_bytes_per_token():
     assert any(line.startswith("  (k=…: taps projected to k dims, project_dims=k") for line in lines)
     # a projected plan sizes its own width only
     proj = small_plan(quant="fp8", projected_from=128)
-    assert list(proj["encodings"]) == list(storage.ENCODINGS)
+    assert list(proj["encodings"]) == list(encodings.ENCODINGS)
 
 
 def test_read_bandwidth_scales_with_the_gpus_and_gpu_hours_do_not():
     one, eight = small_plan(gpus=1), small_plan(gpus=8)
-    for name in storage.ENCODINGS:
+    for name in encodings.ENCODINGS:
         r1, r8 = one["encodings"][name]["read_gb_s"], eight["encodings"][name]["read_gb_s"]
         assert r8 == pytest.approx(8 * r1)
         assert r1 == pytest.approx(one["encodings"][name]["bytes_per_token"] * storage.TRAIN_TOK_S / 1e9)
@@ -193,7 +194,7 @@ def tensor_bytes(path: Path) -> int:
 def test_the_planned_bytes_are_the_bytes_the_shards_hold(tmp_path, qwen35_dir, chat_corpus, quant):
     cache = extract.run(*configs(tmp_path / "c", qwen35_dir, chat_corpus, quant=quant))
     m = read_manifest(cache)
-    per_token = storage.bytes_per_token(quant, len(m["config"]["layer_ids"]), m["producer"]["target"]["hidden_size"])
+    per_token = encodings.bytes_per_token(quant, len(m["config"]["layer_ids"]), m["producer"]["target"]["hidden_size"])
     seq_len = m["producer"]["tokens"]["producer"]["seq_len"]
     for s in m["shards"]:
         (name,) = s["files"]

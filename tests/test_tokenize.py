@@ -11,12 +11,12 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
+from dflash_offline.cache.manifest import read_manifest
+from dflash_offline.cache.shards import read_token_shard
 from dflash_offline.chat import turn_spans
 from dflash_offline.config import TokenizeConfig
 from dflash_offline.corpus import CorpusError
-from dflash_offline.manifest import read_manifest
 from dflash_offline.packing import unpack_row
-from dflash_offline.shards import read_token_shard
 from stages import tokenize
 
 CHAT = {

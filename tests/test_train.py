@@ -25,8 +25,8 @@ from equivalence import (
 from safetensors.torch import load_file
 
 from dflash_offline import metrics
+from dflash_offline.cache.manifest import update_manifest
 from dflash_offline.config import TrainConfig
-from dflash_offline.manifest import update_manifest
 from dflash_offline.trainsetup import BenchSwitches, cache_defaults, drafter_config, resolve_train
 from stages import train
 
@@ -617,7 +617,7 @@ def test_window_reports_are_read_after_the_next_step_is_queued_and_windows_tile_
 def test_training_on_a_shard_altered_after_extraction_stops_with_one_line_naming_the_fix(tmp_path, hidden_cache,
                                                                                         copy_cache):
     """The read check is the guarantee: no verify verdict needed, and a past 'ok' verdict is no substitute."""
-    from dflash_offline.shards import hidden_shard_name
+    from dflash_offline.cache.shards import hidden_shard_name
 
     bad = copy_cache(hidden_cache, tmp_path / "cache")
     update_manifest(bad, verified={"ok": True, "bad": []})

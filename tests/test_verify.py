@@ -9,9 +9,9 @@ import shutil
 import pytest
 import torch
 
+from dflash_offline.cache.manifest import read_manifest
+from dflash_offline.cache.shards import hidden_shard_name, read_hidden, write_hidden_shard
 from dflash_offline.config import VerifyConfig
-from dflash_offline.manifest import read_manifest
-from dflash_offline.shards import hidden_shard_name, read_hidden, write_hidden_shard
 from stages import verify
 
 
@@ -142,8 +142,8 @@ def test_verify_checks_the_file_training_reads_against_its_entry(hidden_cache, t
 def test_a_crafted_header_is_named_by_verify_and_refused_by_training(hidden_cache, tmp_path):
     """A header whose checksums the manifest agrees with, holding a 0-row tensor: training died in a
     ZeroDivisionError when the stream read it; now it is a layout the manifest does not describe."""
+    from dflash_offline.cache.shards import META_KEY, HiddenShardFile, write_safetensors
     from dflash_offline.dataset import open_hidden_cache
-    from dflash_offline.shards import META_KEY, HiddenShardFile, write_safetensors
 
     cache = copy_cache(hidden_cache, tmp_path)
     m = read_manifest(cache)
@@ -170,8 +170,8 @@ def test_a_count_edited_into_the_manifest_is_refused_before_anything_is_sized_by
     one line (status: its count is shown unchecked, with why) in milliseconds."""
     import signal
 
+    from dflash_offline.cache.manifest import ManifestError
     from dflash_offline.dataset import open_hidden_cache
-    from dflash_offline.manifest import ManifestError
     from stages import status
 
     cache = copy_cache(hidden_cache, tmp_path)

@@ -25,13 +25,15 @@ from pathlib import Path
 
 import torch
 
+from ..progress import log
 from . import shards
-from .manifest import commit_shard, release_claim
-from .progress import log
+from .claims import release_claim
+from .encodings import encode_layer
+from .manifest import commit_shard
 
 
 class ShardCopy:
-    """One shard on its way from the device to the host: each batch's tapped layers are encoded (`shards.encode_layer`)
+    """One shard on its way from the device to the host: each batch's tapped layers are encoded (`encodings.encode_layer`)
     and copied into host buffers, [rows, ...] per tensor (pinned on CUDA), allocated on first use or reused from the
     writer's ring. On CUDA the encode and the copies run on a side stream that overlaps the next batch's forward, and
     nothing synchronizes: the write waits for the shard's end event. `projection` (a projected cache): layer id → P
@@ -67,7 +69,7 @@ class ShardCopy:
                 bad = (~torch.isfinite(x[:real])).any(dim=-1).sum(dim=-1, dtype=torch.int32)
                 self.nonfinite[r0:r0 + real, j].copy_(bad, non_blocking=cuda)
                 x = x[:real] if self.projection is None else x[:real].float() @ self.projection["P"][lid]
-                for name, v in shards.encode_layer(x, lid, self.quant).items():
+                for name, v in encode_layer(x, lid, self.quant).items():
                     if name not in self.tensors:
                         self.tensors[name] = torch.empty((self.rows, *v.shape[1:]), dtype=v.dtype, pin_memory=cuda)
                     self.tensors[name][r0:r0 + real].copy_(v, non_blocking=cuda)

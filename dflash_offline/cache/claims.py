@@ -1,4 +1,4 @@
-"""Which shards this worker computes: each is claimed (a lease in the cache, `manifest.try_claim`) before it is
+"""Which shards this worker computes: each is claimed (a lease in the cache, `try_claim`) before it is
 computed, so ranks of one job and machines sharing the cache never compute a shard twice.
 
 `claimed_shards` yields the shards this worker gets, in passes over the to-do list: each rank starts on its own
@@ -14,27 +14,117 @@ failed). A shard claimed here and never handed out (the run stopped: an error, a
 one whose input failed to load: another run or worker may take it at once. A stop by a signal can come between any
 two statements, so a stopped worker ends with `release_held`: every claim it still holds in the cache, once its
 writes are done.
+
+A claim is `claims/shard-NNNNN.json` in the cache, naming its worker (host, pid, pid space: `fsio.worker_info`) and
+its lease; it is taken, renewed and judged under the cache's lock. A dead worker's claim (same host and pid space,
+its pid gone) is taken over at once, any other once its lease has expired. `sweep()` — run by every writer at start —
+removes what dead writers left: temp files (same host: the pid is gone; other hosts: untouched for a day) and claims
+whose worker is dead or whose lease expired.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .manifest import (
-    committed,
-    holders,
-    read_claim,
-    read_manifest,
-    release_claim,
-    renew_claim,
-    try_claim,
-    worker_id,
-    worker_info,
-)
-from .progress import log
+from ..progress import log
+from . import fsio
+from .fsio import locked, pid_alive, remove_dead_temps, write_json_atomic
+from .manifest import committed, read_manifest
+
+# --- one claim -----------------------------------------------------------------------------------------------
+
+
+def _claim_path(cache: Path, index: int) -> Path:
+    return cache / "claims" / f"shard-{index:05d}.json"
+
+
+def read_claim(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, FileNotFoundError):
+        return None
+
+
+def _write_claim(cache: Path, index: int, lease_s: float) -> None:
+    now = time.time()
+    write_json_atomic(_claim_path(cache, index), {**fsio.worker_info(), "index": index, "expires": now + lease_s,
+                                                  "lease_s": lease_s, "renewed_at": now})
+
+
+def claim_state(claim: dict | None) -> str:
+    """"live", "dead" (its process is gone: same host) or "expired" (its lease ran out)."""
+    if claim is None:
+        return "expired"
+    if not alive(claim):
+        return "dead"
+    return "live" if claim.get("expires", 0) > time.time() else "expired"
+
+
+def try_claim(cache: Path, index: int, lease_s: float, redo: bool = False) -> bool:
+    """Claim shard `index` unless it is committed (and not being redone) or someone holds a live lease on it."""
+    with locked(cache):
+        if index in committed(read_manifest(cache)) and not redo:
+            return False
+        held = read_claim(_claim_path(cache, index))
+        if held is not None and held.get("worker") != fsio.worker_id() and claim_state(held) == "live":
+            return False
+        _write_claim(cache, index, lease_s)
+        return True
+
+
+def holders(cache: Path, indices) -> dict[int, dict]:
+    """The live claims on these shards by other processes: index → claim."""
+    out = {}
+    for i in indices:
+        c = read_claim(_claim_path(cache, i))
+        if c is not None and c.get("worker") != fsio.worker_id() and claim_state(c) == "live":
+            out[i] = c
+    return out
+
+
+def alive(claim: dict) -> bool:
+    """False only when the claim's worker ran on this host and its process is gone (no need to wait for the lease)."""
+    host, pid = (str(claim.get("worker", "")).split(":") + [""])[:2]  # host:pid[:pid space tag]
+    return pid_alive(host, pid, claim.get("boot"))
+
+
+def renew_claim(cache: Path, index: int, lease_s: float) -> None:
+    with locked(cache):
+        _write_claim(cache, index, lease_s)
+
+
+def release_claim(cache: Path, index: int) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(_claim_path(cache, index))
+
+
+def sweep(cache: Path, log=print) -> dict:
+    """Remove what dead writers left in `cache`: temp files (same host: pid gone; other hosts: untouched for a day),
+    claims whose worker is dead or whose lease expired, and status files of dead same-host processes that never
+    finished. Returns counts; logs one line when it removed anything."""
+    removed = {"temp_files": 0, "temp_bytes": 0, "claims": 0}
+    for d in (cache, cache / "claims"):
+        n, nbytes = remove_dead_temps(d)
+        removed["temp_files"] += n
+        removed["temp_bytes"] += nbytes
+    with locked(cache):  # a claim is taken over under the lock: never remove a successor's fresh claim
+        for p in sorted((cache / "claims").glob("shard-*.json")) if (cache / "claims").is_dir() else []:
+            if claim_state(read_claim(p)) != "live":
+                p.unlink(missing_ok=True)
+                removed["claims"] += 1
+    if removed["temp_files"] or removed["claims"]:
+        log(f"{cache}: removed what dead writers left: {removed['temp_files']} temp file(s) "
+            f"({removed['temp_bytes'] / 1e6:.1f} MB), {removed['claims']} expired or dead claim(s)")
+    return removed
+
+
+# --- the shards this worker computes --------------------------------------------------------------------
 
 
 class IncompleteRun(ValueError):
@@ -63,7 +153,7 @@ def release_held(cache: Path) -> list[int]:
     released = []
     for p in sorted((cache / "claims").glob("shard-*.json")) if (cache / "claims").is_dir() else []:
         claim = read_claim(p)
-        if claim is not None and claim.get("worker") == worker_id():
+        if claim is not None and claim.get("worker") == fsio.worker_id():
             release_claim(cache, claim["index"])
             released.append(claim["index"])
     return released
@@ -131,9 +221,9 @@ def unfinished(cache: Path, todo: list[int], rank: int, lease_s: float, wait_cla
             return free
         if not held:
             return []
-        job = worker_info()["job"]
+        job = fsio.worker_info()["job"]
         if not (wait_claims or all(job and c.get("job") == job for c in held.values())):
-            from .config import shard_list
+            from ..config import shard_list
 
             who = sorted({f"{c.get('worker')} (rank {c.get('rank', '?')})" for c in held.values()})
             until = max(c["expires"] for c in held.values())

@@ -1,12 +1,10 @@
 """Self-describing shard files: token shards (Arrow IPC) and hidden-state shards (safetensors).
 
 Token shard: one Arrow IPC file, fixed-shape rows, schema below, schema metadata naming the format, version, shard
-index and cache key. Hidden shard: one safetensors file holding one tensor per tapped layer, `hidden.L{id}` of shape
-[rows, seq_len, H] (bf16); in FP8 mode `hidden.L{id}` float8_e4m3fn plus `scale.L{id}` float32 [rows, seq_len, 1]
-(per-token, per-layer scales); in FP4 mode `hidden.L{id}` uint8 [rows, seq_len, H/2] (two e2m1 codes a byte),
-`bscale.L{id}` float8_e4m3fn [rows, seq_len, H/16] (one scale per 16 values) and `scale.L{id}` float32
-[rows, seq_len, 1] (`LAYER_TENSORS`, `fp4_encode`); `__metadata__["dflash"]` is sorted JSON naming the format,
-version, shard index, cache key, quantization and layer ids.
+index and cache key. Hidden shard: one safetensors file holding, per tapped layer, the tensors its encoding stores
+(`encodings.py`: `hidden.L{id}` of shape [rows, seq_len, H] in bf16; fp8 adds a float32 `scale.L{id}` per token; fp4
+stores codes, block scales and token scales); `__metadata__["dflash"]` is sorted JSON naming the format, version,
+shard index, cache key, quantization (the encoding's name) and layer ids.
 Storing layers separately lets a trainer read only the layers it needs from a superset cache.
 
 Integrity on read: the description also lists an xxh3-64 digest of every row of every tensor (`row_digests`), and
@@ -21,7 +19,6 @@ Both are written to a temp file beside the final one, fsynced and renamed; the c
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -35,7 +32,8 @@ import torch
 import xxhash
 from safetensors import safe_open
 
-from .manifest import publish, sha256_file, temp_path
+from .encodings import decode_layer, get
+from .fsio import publish, sha256_file, temp_path
 
 TOKENS_FORMAT = "dflash-tokens"
 TOKENS_FORMAT_VERSION = 1
@@ -43,15 +41,6 @@ HIDDEN_FORMAT = "dflash-hidden"
 HIDDEN_FORMAT_VERSION = 2  # of the shard file: 2 adds row digests (readers take 1 and 2)
 HIDDEN_LAYOUT_VERSION = 1  # of the stored values (part of the cache key): a change here makes every cache new
 ROW_HASH = "xxh3_64"
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-FP4_MAX = 6.0  # largest e2m1 magnitude
-FP4_BLOCK = 16  # values per e4m3 block scale (along H)
-FP4_ALIGN = 32  # quant=fp4 needs H % 32 == 0 (whole blocks, whole bytes)
-FP4_TOKEN_STEP = float(torch.tensor(1 / (FP4_MAX * FP8_MAX), dtype=torch.float32))  # token scale = amax · this
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of e2m1 codes 0..7; code bit 3 is the sign
-# round to nearest e2m1, ties to the even code (as the hardware's cvt.rn does): between codes i and i+1 the midpoint
-# goes down when i is even (`>`), up when i is odd (`>=`)
-E2M1_UP_GT, E2M1_UP_GE = (0.25, 1.25, 2.5, 5.0), (0.75, 1.75, 3.5)
 META_KEY = "dflash"  # the one safetensors metadata key; its value is the shard's JSON description
 
 
@@ -76,6 +65,8 @@ TOKEN_COLUMNS = {
     "position_ids": (pa.int32(), np.int32),
     "doc_ids": (pa.int32(), np.int32),  # row-local document index; -1 on the padding tail
 }
+# the columns a target forward reads, and the value each takes on a padding row (extraction's and verify's batches)
+ROW_FILL = (("input_ids", 0), ("position_ids", 0), ("doc_ids", -1))
 
 
 def token_schema(seq_len: int, metadata: dict) -> pa.Schema:
@@ -136,103 +127,6 @@ def read_token_shard(path: Path, sha256: str | None = None, redo: str = "") -> d
 
 
 # --- hidden-state shards -------------------------------------------------------------------------------------
-
-
-def fp8_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., H] → (float8_e4m3fn [..., H], float32 scale [..., 1]) with one scale per token (per layer)."""
-    amax = x.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
-    scale = amax / FP8_MAX
-    return (x.float() / scale).to(torch.float8_e4m3fn), scale
-
-
-def fp8_decode(q: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
-    return (q.float() * scale.float()).to(dtype)
-
-
-def check_fp4_width(hidden: int) -> None:
-    if hidden % FP4_ALIGN:
-        raise ValueError(f"quant=fp4 stores blocks of {FP4_BLOCK} values, two a byte: it needs a hidden size that is a "
-                         f"multiple of {FP4_ALIGN}, got hidden_size={hidden}; use quant=fp8 or quant=bf16")
-
-
-def fp4_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[..., H] → (uint8 [..., H/2] e2m1 codes, float8_e4m3fn [..., H/16] block scales, float32 [..., 1] token
-    scale), on x's device.
-
-    Token scale = amax · fl32(1 / (6 · 448)), so that block scales span e4m3's range; block scale = block amax / 6 / token
-    scale = 448 · block amax / token amax, rounded to the nearest e4m3 (a block whose scale rounds down saturates its
-    largest values at ±6, by at most 1/16 of them — less than e2m1's own rounding there — while the scale is a normal
-    e4m3, i.e. the block's amax is at least 2⁻⁶/448 ≈ 3.5e-5 of the token's; further below, the scale is subnormal,
-    with fewer bits, and saturation grows); codes = x / (block scale · token scale) rounded to the nearest e2m1, ties
-    to even. A block whose scale underflows e4m3 (all-zero blocks and tokens included) stores zeros. Value 2i of a
-    token is the low nibble of its byte i, value 2i + 1 the high nibble."""
-    *lead, H = x.shape
-    check_fp4_width(H)
-    x_NBb = x.float().reshape(*lead, H // FP4_BLOCK, FP4_BLOCK)  # N… leading dims, B blocks, b = 16 values
-    # (only correctly rounded tensor ops, no division by a Python number, which CUDA turns into a multiplication by
-    # its rounded reciprocal: the same bytes on every device)
-    scale_N1 = x_NBb.abs().amax(dim=(-2, -1)).clamp_min(1e-12).unsqueeze(-1) * FP4_TOKEN_STEP
-    bscale_NB = (x_NBb.abs().amax(dim=-1) / (scale_N1 * FP4_MAX)).clamp_max(FP8_MAX).to(torch.float8_e4m3fn)
-    step_NB = bscale_NB.float() * scale_N1
-    a_NBb = torch.where(step_NB.unsqueeze(-1) > 0, x_NBb / step_NB.clamp_min(1e-38).unsqueeze(-1), 0.0)
-    mag_NBb = a_NBb.abs()
-    code_NBb = torch.zeros(mag_NBb.shape, dtype=torch.uint8, device=x.device)
-    for t in E2M1_UP_GT:  # (7 thresholds: a code is the count of those its magnitude passes; 6 and above → 7)
-        code_NBb += mag_NBb > t
-    for t in E2M1_UP_GE:
-        code_NBb += mag_NBb >= t
-    code_NBb |= (a_NBb < 0).to(torch.uint8) << 3
-    pair_Nh2 = code_NBb.reshape(*lead, H // 2, 2)
-    return pair_Nh2[..., 0] | (pair_Nh2[..., 1] << 4), bscale_NB, scale_N1
-
-
-@functools.cache
-def e2m1_table(device: torch.device) -> torch.Tensor:
-    """float32 [16]: the value of each e2m1 code, on `device` (made once: no host copy per decode)."""
-    return torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=torch.float32, device=device)
-
-
-def fp4_decode(packed: torch.Tensor, bscale: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
-    """`fp4_encode`'s (uint8 [..., H/2], e4m3 [..., H/16], float32 [..., 1]) → [..., H] in `dtype`, on their device:
-    code value × block scale × token scale."""
-    *lead, half = packed.shape
-    code_Nh2 = torch.stack((packed & 0xF, packed >> 4), dim=-1)
-    v_NBb = e2m1_table(packed.device)[code_Nh2.int()].view(*lead, 2 * half // FP4_BLOCK, FP4_BLOCK)
-    step_NB = bscale.float() * scale.float()
-    return (v_NBb * step_NB.unsqueeze(-1)).view(*lead, 2 * half).to(dtype)
-
-
-# Per tapped layer `id`, the tensors an encoding stores, `{name}.L{id}` of shape [rows, seq_len, width(H)]:
-# name → (dtype, width). `encode_layer` writes them, `decode_layer` reads them (storage.ENCODINGS sizes them).
-LAYER_TENSORS = {
-    "bf16": {"hidden": (torch.bfloat16, lambda h: h)},
-    "fp8": {"hidden": (torch.float8_e4m3fn, lambda h: h), "scale": (torch.float32, lambda h: 1)},
-    "fp4": {"hidden": (torch.uint8, lambda h: h // 2), "bscale": (torch.float8_e4m3fn, lambda h: h // FP4_BLOCK),
-            "scale": (torch.float32, lambda h: 1)},
-}
-
-
-def encode_layer(x: torch.Tensor, lid: int, quant: str) -> dict[str, torch.Tensor]:
-    """One layer's [R, S, H] states → the tensors stored for it (works on any device)."""
-    if quant == "fp4":
-        q, b, s = fp4_encode(x)
-        return {f"hidden.L{lid}": q, f"bscale.L{lid}": b, f"scale.L{lid}": s}
-    if quant == "fp8":
-        q, s = fp8_encode(x)
-        return {f"hidden.L{lid}": q, f"scale.L{lid}": s}
-    if quant == "bf16":
-        return {f"hidden.L{lid}": x.to(torch.bfloat16)}
-    raise ValueError(f"quantization {quant!r} is not one of {', '.join(LAYER_TENSORS)}")
-
-
-def decode_layer(parts: dict[str, torch.Tensor], quant: str, dtype=torch.bfloat16) -> torch.Tensor:
-    """One layer's stored tensors (by `LAYER_TENSORS` name, without the layer suffix) → [..., H] in `dtype`, computed
-    on their device."""
-    if quant == "fp4":
-        return fp4_decode(parts["hidden"], parts["bscale"], parts["scale"], dtype)
-    if quant == "fp8":
-        return fp8_decode(parts["hidden"], parts["scale"], dtype)
-    return parts["hidden"].to(dtype)
 
 
 def hidden_shard_metadata(index: int, key: str, projection_sha256: str | None = None) -> dict:
@@ -346,7 +240,7 @@ def hidden_metadata(path: Path) -> dict:
 def read_hidden(
     path: Path, layer_ids: list[int], rows: slice | None = None, dtype=torch.bfloat16, device="cpu"
 ) -> torch.Tensor:
-    """Read the given layers (a subset of the shard's, in this order) → [R, S, k·H]; FP8 and FP4 are decoded on
+    """Read the given layers (a subset of the shard's, in this order) → [R, S, k·H], decoded (by the encoding) on
     `device`."""
     meta = hidden_metadata(path)
     have = json.loads(meta["layer_ids"])
@@ -357,7 +251,7 @@ def read_hidden(
     with safe_open(str(path), framework="pt") as f:
         for lid in layer_ids:
             stored = {}
-            for name in LAYER_TENSORS[meta["quant"]]:
+            for name in get(meta["quant"]).tensors:
                 sl = f.get_slice(f"{name}.L{lid}")
                 stored[name] = (sl[rows] if rows is not None else sl[:]).to(device)
             parts.append(decode_layer(stored, meta["quant"], dtype))

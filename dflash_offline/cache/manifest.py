@@ -1,0 +1,328 @@
+"""The cache manifest: the one source of truth for what a cache holds, and the only code that reads `manifest.json`
+(everything else asks `read_manifest` or `has_manifest`).
+
+`manifest.json` at a cache's root lists every shard with its status and the checksum of each of its files. A shard
+that is not listed as committed does not exist, whatever files lie around. Writes are temp → fsync → rename, and
+every read-modify-write of the manifest happens under the cache's lock (`fsio.locked`), so several processes — ranks
+of one job, or machines sharing a filesystem — can commit shards into one cache at once. Claims (`claims.py`) let
+workers split the shards without computing one twice.
+
+The manifest is untrusted input: `read_manifest` type-checks every field the code reads before any is used, keeps
+shard file names inside the cache, and bounds counts by what the manifest lists (`schema_error`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+from .fsio import ManifestError, locked, write_json_atomic
+
+MANIFEST_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+# --- read / create / merge -----------------------------------------------------------------------------------
+
+
+def has_manifest(cache: str | Path) -> bool:
+    """Whether `cache` holds a manifest (a cache, of either kind): what a caller asks before `read_manifest` where no
+    cache is no error."""
+    return (Path(cache) / MANIFEST).is_file()
+
+
+def read_manifest(cache: str | Path, need: tuple[str, ...] = ()) -> dict:
+    """The manifest of `cache`, every field it has checked for type (`schema_error`) before any is used: a hand-edited
+    or damaged one is one error naming the file, the field, what was found and what to do. `need`: dotted fields
+    (`OPTIONAL_FIELDS`) the caller reads, refused when absent."""
+    path = Path(cache) / MANIFEST
+    if not path.is_file():
+        raise ManifestError(f"{path} not found: {cache} is not a cache (run `make tokenize` / `make extract`)")
+    try:
+        m = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{path}: corrupt JSON ({e}); restore it or rebuild the cache") from None
+    if not isinstance(m, dict) or m.get("version") != MANIFEST_VERSION:
+        raise ManifestError(f"{path}: manifest version {m.get('version') if isinstance(m, dict) else m!r}, this code "
+                            f"reads {MANIFEST_VERSION}")
+    if bad := schema_error(m):
+        raise ManifestError(f"{path}: {bad}: the manifest was edited or damaged; restore it (or rebuild the cache)")
+    return require(m, path, need)
+
+
+def require(m: dict, path: Path, need: tuple[str, ...]) -> dict:
+    """`m` if it has every dotted field of `need` (`OPTIONAL_FIELDS`, already type-checked); else one error naming
+    the first missing one."""
+    if missing := [f for f in need if field(m, f) is _ABSENT]:
+        raise ManifestError(f"{path}: {missing[0]} is missing (expected {OPTIONAL_FIELDS[missing[0]][1]}): the "
+                            f"manifest was edited or damaged; restore it (or rebuild the cache)")
+    return m
+
+
+def _is_int(v, least: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_ints(v) -> bool:
+    return isinstance(v, list) and all(_is_int(x) for x in v)
+
+
+def _is_sha(v) -> bool:
+    return isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
+
+
+def is_file_name(name: str) -> bool:
+    """A shard file name a manifest may list: a plain name inside the cache directory (letters, digits, `._-`, not
+    starting with a dot: no separators, no `..`, no absolute path, none of the hidden temp and lock files)."""
+    return isinstance(name, str) and bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}", name))
+
+
+_OBJ = (lambda v: isinstance(v, dict), "an object")
+_STR = (lambda v: isinstance(v, str) and v != "", "a non-empty string")
+# field → (check, what it must be); shards[] entries and their files are checked by `schema_error` below
+TOP_FIELDS = {"kind": (lambda v: v in ("tokens", "hidden"), "'tokens' or 'hidden'"), "key": _STR,
+              "producer": _OBJ, "config": _OBJ,
+              "num_shards": (lambda v: v is None or _is_int(v), "an integer ≥ 0 or null"),
+              "shards": (lambda v: isinstance(v, list) and all(isinstance(s, dict) for s in v), "a list of objects")}
+SHARD_FIELDS = {"index": (_is_int, "an integer ≥ 0"), "status": (lambda v: isinstance(v, str), "a string")}
+COMMITTED_FIELDS = {"rows": (lambda v: _is_int(v, 1), "an integer ≥ 1 (a committed shard holds rows)"),
+                    "files": _OBJ}
+FILE_FIELDS = {"bytes": (_is_int, "an integer ≥ 0"), "sha256": (_is_sha, "a 64-character hex digest")}
+# fields the code reads where they exist, checked when present (dotted: nested objects); `need=` makes them required
+OPTIONAL_FIELDS = {
+    "complete": (lambda v: isinstance(v, bool), "true or false"), "summary": _OBJ,
+    "verified": (lambda v: v is None or isinstance(v, dict), "an object or null"),
+    "verified.ok": (lambda v: isinstance(v, bool), "true or false"),
+    "verified.bad": (lambda v: isinstance(v, list) and all(isinstance(b, dict) and _is_int(b.get("shard", 0))
+                                                           and isinstance(b.get("reason", ""), str) for b in v),
+                     "a list of {shard, reason} objects"),
+    "verified.at": (_is_num, "a number"),
+    "verified.max_rel_err": (lambda v: v is None or _is_num(v), "a number or null"),
+    "verified.projection": (lambda v: isinstance(v, str), "a string"),
+    "projection": (lambda v: v is None or isinstance(v, dict), "an object or null"),
+    "projection.sha256": (_is_sha, "a 64-character hex digest"),
+    "projection.dims": (lambda v: _is_int(v, 1), "an integer ≥ 1"),
+    "projection.retained": (lambda v: isinstance(v, dict) and all(map(_is_num, v.values())),
+                            "an object of numbers"),
+    "config.tokens_dir": _STR, "config.layer_ids": (_is_ints, "a list of integers ≥ 0"),
+    "config.mask_token_id": (lambda v: v is None or _is_int(v), "an integer ≥ 0 or null (no mask token chosen)"),
+    "tokenizer_vocab": (lambda v: v is None or isinstance(v, dict), "an object or null"),
+    "tokenizer_vocab.vocab_sha256": (_is_sha, "a 64-character hex digest"),
+    "tokenizer_vocab.vocab_size": (lambda v: _is_int(v, 1), "an integer ≥ 1"), "config.extract": _OBJ, "config.extract.target": _STR,
+    "config.extract.batch_rows": (lambda v: _is_int(v, 1), "an integer ≥ 1"),
+    "producer.quant": _STR, "producer.layer_ids": (_is_ints, "a list of integers ≥ 0"), "producer.target": _OBJ,
+    "producer.target.hidden_size": (lambda v: _is_int(v, 1), "an integer ≥ 1"),
+    "producer.target.num_layers": (lambda v: _is_int(v, 1), "an integer ≥ 1"),
+    "producer.target.vocab_size": (lambda v: _is_int(v, 1), "an integer ≥ 1"),
+    "producer.tokens": _OBJ, "producer.tokens.key": _STR, "producer.tokens.producer": _OBJ,
+    "producer.tokens.producer.seq_len": (lambda v: _is_int(v, 1), "an integer ≥ 1"),
+    "producer.projection": (lambda v: v is None or isinstance(v, dict), "an object or null"),
+    "producer.projection.dims": (lambda v: _is_int(v, 1), "an integer ≥ 1"),
+}
+SHARD_OPTIONAL = {"tokens": (_is_int, "an integer ≥ 0"), "tokens_sha256": (_is_sha, "a 64-character hex digest"),
+                  "reason": (lambda v: isinstance(v, str), "a string"),
+                  **{k: (_is_num, "a number") for k in ("seconds", "compute_seconds", "write_seconds")}}
+_ABSENT = object()
+
+
+def field(m: dict, dotted: str):
+    """`m["a"]["b"]` for "a.b"; `_ABSENT` where a level is missing or not an object."""
+    for name in dotted.split("."):
+        if not isinstance(m, dict) or name not in m:
+            return _ABSENT
+        m = m[name]
+    return m
+
+
+def schema_error(m: dict) -> str | None:
+    """The first field of a manifest that is missing or of the wrong type, said as `field is X, expected Y`; then
+    the counts: a committed shard's index inside `num_shards`, and a complete token cache's `num_shards` at most its
+    entries (so that nothing sized by a count can be larger than what the manifest lists; a hidden cache's count is
+    held to its token cache's by `hidden_num_shards`; an incomplete token cache's count is not used).
+    """
+    def check(where: str, obj: dict, fields: dict, required: bool = True) -> str | None:
+        for name, (ok, what) in fields.items():
+            v = field(obj, name)
+            if v is _ABSENT:
+                if required:
+                    return f"{where}{name} is missing (expected {what})"
+            elif not ok(v):
+                return f"{where}{name} is {v!r}, expected {what}"
+        return None
+
+    if bad := check("", m, TOP_FIELDS) or check("", m, OPTIONAL_FIELDS, required=False):
+        return bad
+    for i, s in enumerate(m["shards"]):
+        where = f"shards[{i}]."
+        if bad := check(where, s, SHARD_FIELDS) or check(where, s, SHARD_OPTIONAL, required=False):
+            return bad
+        if s["status"] == "committed" and (bad := check(where, s, COMMITTED_FIELDS)):
+            return bad
+        for name, rec in s.get("files", {}).items() if isinstance(s.get("files"), dict) else ():
+            if not is_file_name(name):
+                return (f"{where}files names {name!r}, expected a plain file name inside the cache (letters, digits, "
+                        f"'._-'; no '/', no '..', no absolute path)")
+            if not isinstance(rec, dict) or (bad := check(f"{where}files[{name!r}].", rec, FILE_FIELDS)):
+                return bad or f"{where}files[{name!r}] is {rec!r}, expected an object"
+        if m["num_shards"] is not None and s["status"] == "committed" and s["index"] >= m["num_shards"]:
+            return f"{where}index is {s['index']}, outside num_shards {m['num_shards']}"
+    n = m["num_shards"]
+    if m["kind"] == "tokens" and m.get("complete") and n is not None and n > len(m["shards"]):
+        return f"num_shards is {m['num_shards']}, but the complete token cache lists {len(m['shards'])} shards"
+    return None
+
+
+def token_cache(cache: Path, m: dict) -> tuple[Path, dict]:
+    """A hidden cache's token cache: its directory (`config.tokens_dir`, relative to the cache) and its manifest."""
+    require(m, Path(cache) / MANIFEST, ("config.tokens_dir",))
+    tokens_dir = (Path(cache) / m["config"]["tokens_dir"]).resolve()
+    return tokens_dir, read_manifest(tokens_dir)
+
+
+def hidden_num_shards(cache: Path, m: dict, tokens_m: dict) -> int:
+    """A hidden cache's `num_shards`, held to its token cache's (hidden shard k holds token shard k's rows; a token
+    cache's count is at most the entries its manifest lists): a count edited into the manifest is refused before
+    anything is sized by it."""
+    n, want = m["num_shards"], tokens_m["num_shards"]
+    if n is None or n != want:
+        raise ManifestError(f"{Path(cache) / MANIFEST}: num_shards is {n}, but its token cache "
+                            f"({m['config']['tokens_dir']}) has {want} shards and hidden shard k holds token shard k's "
+                            f"rows: the manifest was edited or damaged; restore it (or extract the cache again)")
+    return n
+
+
+def open_cache(cache: Path, kind: str, key: str, producer: dict, config: dict, num_shards: int | None) -> dict:
+    """Create the cache's manifest, or check that an existing one has the same key (never overwrite another)."""
+    cache.mkdir(parents=True, exist_ok=True)
+    (cache / "claims").mkdir(exist_ok=True)
+    with locked(cache):
+        if (cache / MANIFEST).exists():
+            m = read_manifest(cache)
+            if m["key"] != key or m["kind"] != kind:
+                diff = diff_producers(m.get("producer", {}), producer)
+                raise ManifestError(
+                    f"{cache} already holds a different {m['kind']} cache (key {m['key'][:12]} ≠ {key[:12]}; "
+                    f"differs in: {', '.join(diff) or 'code format'}). Use another CACHE= or delete it deliberately."
+                )
+            return m
+        m = {
+            "version": MANIFEST_VERSION,
+            "kind": kind,
+            "key": key,
+            "producer": producer,
+            "config": config,
+            "num_shards": num_shards,
+            "shards": [],
+            "summary": {},
+            "created_at": time.time(),
+        }
+        write_json_atomic(cache / MANIFEST, m)
+        return m
+
+
+def diff_producers(a: dict, b: dict, prefix: str = "") -> list[str]:
+    """Names of the producer fields that differ (nested dicts flattened with dots)."""
+    out = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += diff_producers(va, vb, f"{prefix}{k}.")
+        elif va != vb:
+            out.append(f"{prefix}{k}")
+    return out
+
+
+def merge_shard(m: dict, entry: dict, redo: bool = False) -> dict:
+    """Pure: return `m` with `entry` committed. Committing a shard twice with other bytes raises, unless `redo`."""
+    index = entry["index"]
+    if m.get("num_shards") is not None and not 0 <= index < m["num_shards"]:
+        raise ManifestError(f"shard {index} is outside 0..{m['num_shards'] - 1}")
+    shards = [s for s in m["shards"] if s["index"] != index]
+    old = [s for s in m["shards"] if s["index"] == index]
+    if old and not redo and old[0]["status"] == "committed" and old[0]["files"] != entry["files"]:
+        raise ManifestError(
+            f"shard {index} is already committed with other bytes: refusing to overwrite it (use SHARD={index} to redo)"
+        )
+    shards.append(dict(entry, status="committed"))
+    shards.sort(key=lambda s: s["index"])
+    return dict(m, shards=shards)
+
+
+def commit_shard(cache: Path, entry: dict, redo: bool = False, summary: dict | None = None) -> dict:
+    """Add one shard's entry (files already published) to the manifest under the lock."""
+    with locked(cache):
+        m = merge_shard(read_manifest(cache), entry, redo=redo)
+        if summary is not None:
+            m["summary"] = summary
+        write_json_atomic(cache / MANIFEST, m)
+    return m
+
+
+def update_manifest(cache: Path, **fields) -> dict:
+    with locked(cache):
+        m = read_manifest(cache)
+        m.update(fields)
+        write_json_atomic(cache / MANIFEST, m)
+    return m
+
+
+def record_once(cache: Path, name: str, make) -> dict:
+    """Under the lock: the manifest's field `name` when another process recorded it first, else `make()` (run under
+    the lock: it may write files the record names) recorded there. The record."""
+    with locked(cache):
+        m = read_manifest(cache)
+        if m.get(name):
+            return m[name]
+        m[name] = make()
+        write_json_atomic(cache / MANIFEST, m)
+    return m[name]
+
+
+def cache_kind(d: Path) -> str | None:
+    """The kind ('tokens', 'hidden') a directory's manifest says, reading nothing else of it: None without one or
+    when it is unreadable. For refusals that must not depend on the rest of a manifest being sound."""
+    try:
+        kind = json.loads((d / MANIFEST).read_text()).get("kind") if has_manifest(d) else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return kind if kind in ("tokens", "hidden") else None
+
+
+def committed(m: dict) -> dict[int, dict]:
+    return {s["index"]: s for s in m["shards"] if s["status"] == "committed"}
+
+
+def missing_files(cache: Path, m: dict) -> list[dict]:
+    """Committed shards whose files are missing or not the size the manifest says: [{"shard", "reason"}]. Stats
+    only (milliseconds for thousands of shards); contents are checked where they are read."""
+    bad = []
+    for i, s in sorted(committed(m).items()):
+        if not s["files"]:
+            bad.append({"shard": i, "reason": "its entry lists no file"})
+        for name, rec in s["files"].items():
+            try:
+                size = (cache / name).stat().st_size
+            except FileNotFoundError:
+                bad.append({"shard": i, "reason": f"{name} is missing"})
+                continue
+            if size != rec["bytes"]:
+                bad.append({"shard": i, "reason": f"{name} is {size} bytes, the manifest says {rec['bytes']}"})
+    return bad
+
+
+def requeue_missing(cache: Path) -> list[dict]:
+    """Under the lock, mark committed shards whose files are missing or resized as `missing` (to do again)."""
+    with locked(cache):
+        m = read_manifest(cache)
+        bad = missing_files(cache, m)
+        if bad:
+            why = {b["shard"]: b["reason"] for b in bad}
+            shards = [dict(s, status="missing", reason=why[s["index"]]) if s["index"] in why else s for s in m["shards"]]
+            write_json_atomic(cache / MANIFEST, dict(m, shards=shards))
+    return bad
