@@ -286,6 +286,9 @@ def export(run_dir, out_dir, step: int | None = None, dtype: str = "bfloat16", t
         raise ExportError(f"{ckpt}/meta.json and {run_dir}/config.json hold no drafter config")
     known = {f.name for f in dataclasses.fields(DrafterConfig)}
     dc = DrafterConfig(**{k: v for k, v in drafter.items() if k in known})
+    if dc.variant != "dflash":  # (its tensors would fit, its config.json would name the wrong architecture)
+        raise ExportError(f"{run_dir} trained a {dc.variant} drafter; export writes the DFlash format only, not yet "
+                          f"DFlash2's config.json (architecture DFlash2DraftModel, conv and selector settings)")
 
     # weights: exactly the drafter's tensors, checked against the architecture before anything is written
     with torch.device("meta"):

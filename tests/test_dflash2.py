@@ -188,6 +188,19 @@ def test_gradients_reach_every_dflash2_parameter():
             assert p.grad is not None and p.grad.abs().sum() > 0, name
 
 
+def test_export_refuses_a_dflash2_run_it_cannot_describe(tmp_path, qwen3_dir):
+    """Export writes the DFlash format; a DFlash2 run's tensors would pass its checks under a config.json naming
+    DFlashDraftModel, which engines would load without the convolutions and the selector: refused."""
+    from test_export import fake_run
+
+    from dflash_offline.export import ExportError, export
+
+    run, _ = fake_run(tmp_path / "run", qwen3_dir, variant="dflash2", selector_rank=8)
+    with pytest.raises(ExportError, match="dflash2 drafter"):
+        export(run, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_spec_generate_with_the_selector_is_lossless(tmp_path, qwen3_dir):
     """The shipped DFlash2 drafts with its selector walk inside spec_generate; the output is the target's greedy
     one, and with an lm_head of one live row and the selector at its identity drafts agree, so blocks of several
