@@ -158,6 +158,8 @@ class TrainConfig:
     batch_rows: int = 1  # rows per micro-batch per process (fixed shape)
     global_batch_tokens: int = 0  # row tokens per optimizer step over all processes; 0 = one micro-batch each
     fsdp: bool = False  # 1 = shard weights, gradients and AdamW state over the processes (FSDP2); 0 = replicate (DDP)
+    variant: str = "dflash"  # drafter: "dflash" or "dflash2" (+ block-local conv, candidate selector and its CE)
+    selector_weight: float = 1.0  # dflash2: weight of the selector CE added to the block CE
     num_layers: int = 5  # drafter decoder layers
     num_heads: int = 32  # drafter query heads
     num_kv_heads: int = 8  # drafter key/value heads
@@ -196,6 +198,11 @@ class TrainConfig:
 
     def resolve(self) -> TrainConfig:
         check_choice("train.weighting", self.weighting, ("decay", "dpace"))
+        check_choice("train.variant", self.variant, ("dflash", "dflash2"))
+        if self.variant == "dflash2" and (self.weighting != "decay" or self.fsdp or not self.selector_weight >= 0):
+            raise ConfigError(f"train.variant=dflash2 trains with weighting=decay (got {self.weighting}), fsdp=0 (got "
+                              f"{int(self.fsdp)}; its selector runs outside the sharded forward) and selector_weight "
+                              f">= 0 (got {self.selector_weight})")
         check_choice("train.precision", self.precision, ("auto", "bf16", "fp32", "fp8"))
         check_choice("train.fp8_recipe", self.fp8_recipe, ("tensorwise", "rowwise"))
         check_choice("train.master_weights", self.master_weights, ("auto", "on", "off"))

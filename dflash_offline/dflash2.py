@@ -27,13 +27,23 @@ codebooks span the vocabulary at rank r. Identity at init: successor_codebook = 
 slot's argmax, as DFlash does; the predecessor codebook and hidden_projection start random so the successor
 codebook's gradient is not zero (with two zero factors of the trilinear term no factor would ever move).
 
+Training objective (`selector_ce_loss`, our choice; z-lab publishes no training code; docs/training.md): DFlash's
+block CE, which trains everything but the selector, plus a CE over each labelled slot's candidates scored after its
+*true* predecessor (the token before it in the data), against the true token's place among them; a slot whose true
+token is not a candidate has nothing to select and is left out. Slot weights and denominator are the block CE's.
+
 Shape legend: B rows, Q = A*L block tokens, A blocks per row, L block length, H hidden, G groups, C channels per
 group, J kernel taps, n scored slots, K candidates, R selector rank, V vocab.
 """
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dflash_offline.anchors import block_positions
+from dflash_offline.loss import _logits, _norm, slot_weights
 
 
 def block_conv(x_BQH: torch.Tensor, tap_BQJG: torch.Tensor, base_JH: torch.Tensor, block: int) -> torch.Tensor:
@@ -100,7 +110,62 @@ class CandidateSelector(nn.Module):
     def scores(self, h_nH: torch.Tensor, unary_nK: torch.Tensor, cand_nK: torch.Tensor,
                prev_n: torch.Tensor) -> torch.Tensor:
         """s(c | p) [n, K] for candidates `cand` with logits `unary`, after predecessors `prev` [n]."""
-        gate_nR = F.embedding(prev_n, self.predecessor_codebook) * self.hidden_projection(h_nH).to(
+        hp = self.hidden_projection
+        gate_nR = F.embedding(prev_n, self.predecessor_codebook) * hp(h_nH.to(hp.weight.dtype)).to(
             self.predecessor_codebook.dtype)
         pair_nK = torch.einsum("nr,nkr->nk", gate_nR, F.embedding(cand_nK, self.successor_codebook))
         return unary_nK + pair_nK.to(unary_nK.dtype)
+
+
+# --- the selector's training objective ---------------------------------------------------------------------------
+
+
+class SelectorLoss(NamedTuple):
+    loss: torch.Tensor  # scalar fp32: sum of slot weight x CE over slots whose label is a candidate / the denominator
+    correct_BAL: torch.Tensor  # bool: the selector's pick after the true predecessor is the label (slot 0: False)
+    recall: torch.Tensor  # scalar fp32: labelled slots whose label is among the candidates / labelled slots
+    weight: torch.Tensor  # scalar fp32: the slot weights of those slots (loss x denominator / weight = their mean CE)
+
+
+@torch.no_grad()
+def top_candidates(h_nH: torch.Tensor, lm_head_VH: torch.Tensor, k: int, chunk_tokens: int) -> torch.Tensor:
+    """Ids [n, k] of each row's k largest logits h @ W^T, `chunk_tokens` rows at a time (the logits of one chunk
+    exist at once, as in `loss.block_ce_loss`)."""
+    return torch.cat([_logits(h_nH[c:c + chunk_tokens], lm_head_VH).topk(k, dim=-1).indices
+                      for c in range(0, h_nH.shape[0], chunk_tokens)])
+
+
+def selector_ce_loss(selector: CandidateSelector, hidden_BQH: torch.Tensor, lm_head_VH: torch.Tensor,
+                     labels_BAL: torch.Tensor, input_ids_BS: torch.Tensor, anchor_pos_BA: torch.Tensor, *,
+                     gamma: float | None = None, normalizer: torch.Tensor | float | None = None,
+                     chunk_tokens: int = 4096) -> SelectorLoss:
+    """The selector's CE on the drafter's outputs [B, A*(L-1), H] (scored slots, `scored_only=True`) or [B, A*L, H].
+
+    Per labelled slot k: its candidates are the top-k tokens of its logits (found without gradient, chunked); their
+    logits are recomputed from the gathered lm_head rows, so the gradient reaches the drafter through them as well
+    as through `hidden_projection` (as `F.cross_entropy` over top-k logits would, without [n, V] logits in the
+    graph: the gathered rows, n x K x H, are what backward keeps). The predecessor is the token at anchor + k - 1 in
+    the row (the anchor's for k = 1). Weights: the block CE's decay slot weights; the denominator: `normalizer` (the
+    optimizer step's, `loss.step_normalizer`) or this batch's decay loss weight.
+    """
+    B, A, L = labels_BAL.shape
+    H, S = hidden_BQH.shape[-1], input_ids_BS.shape[1]
+    h_XKH = hidden_BQH.reshape(B * A, -1, H)
+    if h_XKH.shape[1] == L:
+        h_XKH = h_XKH[:, 1:]
+    h_nH, lab_n = h_XKH.reshape(-1, H), labels_BAL[:, :, 1:].reshape(-1)
+    pos_BAL = block_positions(anchor_pos_BA, L).clamp(max=S - 1)
+    prev_n = input_ids_BS.gather(1, pos_BAL.view(B, -1)).view(B, A, L)[:, :, :-1].reshape(-1)
+    cand_nK = top_candidates(h_nH, lm_head_VH, selector.top_k, chunk_tokens)
+    unary_nK = torch.einsum("nh,nkh->nk", h_nH, lm_head_VH[cand_nK].to(h_nH.dtype)).float()
+    scores_nK = selector.scores(h_nH, unary_nK, cand_nK, prev_n)
+    hit_nK = cand_nK == lab_n[:, None]
+    has_n = hit_nK.any(-1) & (lab_n >= 0)
+    ce_n = F.cross_entropy(scores_nK.float(), hit_nK.int().argmax(-1), reduction="none")
+    w_n = slot_weights(L, gamma, h_nH.device)[1:].repeat(B * A) * has_n
+    norm = _norm(labels_BAL, gamma, "decay", normalizer)
+    picked_n = cand_nK.gather(1, scores_nK.argmax(-1, keepdim=True))[:, 0]
+    correct = ((picked_n == lab_n) & (lab_n >= 0)).view(B, A, L - 1)
+    recall = has_n.sum().float() / (lab_n >= 0).sum().clamp(min=1)
+    return SelectorLoss((w_n * ce_n).sum() / norm, torch.cat([torch.zeros_like(correct[:, :, :1]), correct], -1),
+                        recall.detach(), w_n.sum())

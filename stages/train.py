@@ -335,6 +335,12 @@ def micro_batch(cfg: TrainConfig, s: TrainSetup, acc, p: Parts, batch: dict, nor
         out = block_ce_loss(h, p.head, batch["labels"], gamma=cfg.gamma or None, weighting=cfg.weighting,
                             chunk_tokens=cfg.loss_chunk_tokens, normalizer=norm, epilogue=s.epilogue,
                             logits=cfg.loss_logits)
+        if p.raw.candidate_selector is not None:  # DFlash2: + the selector's CE (dflash2.selector_ce_loss)
+            from dflash_offline.dflash2 import selector_ce_loss
+
+            sel = selector_ce_loss(p.raw.candidate_selector, h, p.head, batch["labels"], batch["input_ids"], a_BA,
+                                   gamma=cfg.gamma or None, normalizer=norm, chunk_tokens=cfg.loss_chunk_tokens)
+            out = out._replace(loss=out.loss + cfg.selector_weight * sel.loss)
         acc.backward(out.loss)
     return out
 
