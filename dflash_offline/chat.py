@@ -226,32 +226,32 @@ def truncated_turns(obj: dict, messages: list[dict]) -> set[int]:
 
 
 def conversation_samples(tok, messages: list[dict], tools: list | None, turns: str, empty_think: str,
-                         counts: Counter, truncated: set[int] = frozenset(),
-                         opens_think: bool = False) -> list[tuple[str, list[tuple[int, int]]]]:
+                         counts: Counter, truncated: set[int] = frozenset(), opens_think: bool = False,
+                         settings: dict | None = None) -> list[tuple[str, list[tuple[int, int]]]]:
     """(rendered text, supervised character spans) of each sample of a prepared conversation (`turns` last|each;
     `truncated`: indices of assistant turns cut at max_new_tokens, `truncated_turns`; `opens_think`:
-    `template_opens_think`)."""
+    `template_opens_think`; `settings`: the chat template's keyword arguments, e.g. Qwen3.8's reasoning_effort)."""
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     marked = holds_marker(messages, tools)
     if turns == "last":
-        text, spans = render(tok, messages, tools, marked)
+        text, spans = render(tok, messages, tools, marked, settings)
         samples = [(text, list(zip(assistant, spans, strict=True)))]
     else:
-        samples = turn_samples(tok, messages, tools, assistant, marked)
+        samples = turn_samples(tok, messages, tools, assistant, marked, settings)
     counts["chat_records"] += 1
     counts["samples"] += len(samples)
     return [(text, [supervised_span(text, span, messages[i], empty_think, counts, i in truncated, opens_think)
                      for i, span in chosen]) for text, chosen in samples]
 
 
-def turn_samples(tok, messages, tools, assistant: list[int], marked: bool) -> list[tuple[str, list]]:
+def turn_samples(tok, messages, tools, assistant: list[int], marked: bool, settings=None) -> list[tuple[str, list]]:
     """turns=each: per assistant turn i, the rendering of messages[:i + 1] and [(i, span of turn i)]. A rendering
     that the next one starts with, followed by a turn marker (the template renders turn i alike in both, e.g. the
     steps of a tool loop), is not kept on its own: the next sample, whose tokens up to there are the same (the
     marker is a special token, so tokenization splits there), supervises turn i too."""
     out = []
     for i in assistant:
-        text, spans = render(tok, messages[: i + 1], tools, marked)
+        text, spans = render(tok, messages[: i + 1], tools, marked, settings)
         turns = [(i, spans[-1])]
         if out and text.startswith(out[-1][0]) and text.startswith(IM_START, len(out[-1][0])):
             turns = out.pop()[1] + turns
@@ -259,13 +259,14 @@ def turn_samples(tok, messages, tools, assistant: list[int], marked: bool) -> li
     return out
 
 
-def render(tok, messages: list[dict], tools: list | None, marked: bool = True) -> tuple[str, list[tuple[int, int]]]:
+def render(tok, messages: list[dict], tools: list | None, marked: bool = True,
+           settings: dict | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The template's text and the span of each assistant turn in it (after its header, through `<|im_end|>`).
     `marked=False` promises that no string of the messages or tools holds a turn marker (one rendering suffices)."""
-    text = apply(tok, messages, tools)
+    text = apply(tok, messages, tools, settings)
     structural = text
     if marked:
-        structural = apply(tok, neutralize(messages), neutralize(tools))
+        structural = apply(tok, neutralize(messages), neutralize(tools), settings)
         restored = structural.replace(PLACEHOLDERS[IM_START], IM_START).replace(PLACEHOLDERS[IM_END], IM_END)
         if restored != text:
             raise RecordError("template_error", "the chat template renders a message holding <|im_start|>/<|im_end|> "
@@ -280,8 +281,25 @@ def render(tok, messages: list[dict], tools: list | None, marked: bool = True) -
     return text, spans
 
 
-def apply(tok, messages: list[dict], tools: list | None) -> str:
-    return tok.apply_chat_template(messages, tokenize=False, **({"tools": tools} if tools else {}))
+def apply(tok, messages: list[dict], tools: list | None, settings: dict | None = None) -> str:
+    return tok.apply_chat_template(messages, tokenize=False, **({"tools": tools} if tools else {}), **(settings or {}))
+
+
+def parse_settings(text: str, field: str = "tokenize.template_kwargs") -> dict:
+    """The chat template's keyword arguments given as a JSON object of scalars (`{"reasoning_effort": "low"}`);
+    raises ValueError naming `field` otherwise."""
+    if not text:
+        return {}
+    try:
+        obj = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{field}: not JSON ({e}): give an object, e.g. '{{\"reasoning_effort\": \"low\"}}'") from None
+    reserved = {"tools", "tokenize", "add_generation_prompt", "messages", "conversation"}
+    if not isinstance(obj, dict) or any(not isinstance(v, str | bool | int | float) for v in obj.values()):
+        raise ValueError(f"{field}: {text!r} is not an object of strings, booleans and numbers")
+    if bad := sorted(reserved & set(obj)):
+        raise ValueError(f"{field}: {', '.join(bad)} is set by the tokenizer stage itself, not a template setting")
+    return obj
 
 
 def turn_spans(text: str) -> list[tuple[int, int]]:

@@ -46,7 +46,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .manifest import atomic_dir, publish, sha256_file, temp_path
+from .manifest import atomic_dir, hash_obj, publish, sha256_file, temp_path
 
 FORMAT = "dflash-checkpoint"
 FORMAT_VERSION = 1
@@ -240,8 +240,8 @@ def find_checkpoint(run_dir, step: int | None = None) -> Path:
 
 
 def damage(d: Path, only: tuple[str, ...] | None = None) -> str | None:
-    """What is wrong with checkpoint `d`'s files (`only` these, if given) against its meta.json (missing, resized,
-    SHA-256 differs), or None when they are as saved."""
+    """What is wrong with checkpoint `d`'s files against its meta.json (missing, resized, SHA-256 differs; the
+    digests of `only` these, if given), or None when they are as saved."""
     try:
         meta = json.loads((d / "meta.json").read_text())
     except (OSError, ValueError) as e:
@@ -254,19 +254,41 @@ def damage(d: Path, only: tuple[str, ...] | None = None) -> str | None:
     return next((f"{n} differs from the SHA-256 recorded when it was saved" for n in want if got[n] != want[n]), None)
 
 
-def intact_checkpoint(run_dir, step: int | None = None, log=print) -> Path:
+def my_share(d: Path, rank: int, world: int) -> tuple[str, ...] | None:
+    """The files whose digests process `rank` of `world` checks (largest first, dealt round-robin): the processes of a
+    run read each file once between them, not once each. None: all of them (one process)."""
+    if world == 1:
+        return None
+    try:
+        names = sorted(json.loads((d / "meta.json").read_text()).get("sha256", {}))
+    except (OSError, ValueError):
+        return ()  # (damage() says so on every rank)
+    names.sort(key=lambda n: -(d / n).stat().st_size if (d / n).is_file() else 0)
+    return tuple(names[rank::world])
+
+
+def intact_checkpoint(run_dir, step: int | None = None, log=print, rank: int = 0, world: int = 1,
+                      reduce_max=None) -> Path:
     """Checkpoint `step`, or the newest whose files are as saved: a damaged newer one is skipped with a `log` line
-    naming it and why. Raises one line when `step` is damaged or none is intact."""
+    naming it and why. Raises one line when `step` is damaged or none is intact. The `world` processes of a run
+    (`reduce_max(int) -> int`: the maximum over them, a collective) split the hashing between them and agree on one
+    checkpoint; each says the damage it found itself."""
+    agree = reduce_max or (lambda v: v)
+
+    def judge(d: Path) -> str | None:
+        why = damage(d, my_share(d, rank, world))
+        return (why or "damaged (see the other processes' lines)") if agree(int(why is not None)) else None
+
     if step is not None:
         d = find_checkpoint(run_dir, step)
-        if why := damage(d):
+        if why := judge(d):
             raise CheckpointError(f"{d} is damaged: {why}; load another step (see {d.parent})")
         return d
     newest = find_checkpoint(run_dir)
     candidates = [newest] + [c for _, _, c in reversed(list_checkpoints(run_dir)) if c != newest]
     bad = []
     for d in candidates:
-        if not (why := damage(d)):
+        if not (why := judge(d)):
             if bad:
                 log(f"{bad[0][0]} is damaged ({bad[0][1]}): resuming from {d.name} instead"
                     + (f" ({len(bad) - 1} more damaged skipped)" if len(bad) > 1 else ""))
@@ -275,6 +297,19 @@ def intact_checkpoint(run_dir, step: int | None = None, log=print) -> Path:
     raise CheckpointError(f"no intact checkpoint under {Path(run_dir) / 'checkpoints'}: "
                           + "; ".join(f"{d.name}: {why}" for d, why in bad)
                           + "; restore one from a copy, or start the run again without --resume")
+
+
+def resume_point(run_dir, log=print, rank: int = 0, world: int = 1, reduce_max=None) -> Path | None:
+    """The checkpoint a resumed run starts from (`intact_checkpoint`), or None where the run holds none. Processes
+    that see the same checkpoints (one collective checks it) split the hashing; where they do not (machines with
+    their own RUN=), each checks its own whole, and the run is refused by `same_start_on_every_rank` if they would
+    start from different steps."""
+    found = [c.name for _, _, c in list_checkpoints(run_dir)]
+    if world > 1 and reduce_max is not None:
+        mine = int(hash_obj(found)[:15], 16)
+        if reduce_max(mine) != -reduce_max(-mine):
+            rank, world, reduce_max = 0, 1, None
+    return intact_checkpoint(run_dir, log=log, rank=rank, world=world, reduce_max=reduce_max) if found else None
 
 
 def load_checkpoint(run_dir, model, optimizer=None, scheduler=None, step: int | None = None,

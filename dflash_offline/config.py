@@ -61,6 +61,7 @@ class TokenizeConfig:
     workers: int = 0  # tokenizer processes; 0 = one per CPU core
     chunk_docs: int = 256  # documents per unit of work sent to a tokenizer process
     max_docs: int = 0  # stop after this many records (0 = all); part of the cache key
+    template_kwargs: str = ""  # chat template settings the corpus was generated with, a JSON object, e.g. '{"reasoning_effort": "low"}' (Qwen3.8); part of the cache key
 
     def resolve(self) -> TokenizeConfig:
         if self.seq_len <= 0:
@@ -71,6 +72,12 @@ class TokenizeConfig:
         check_choice("tokenize.empty_think", self.empty_think, ("prompt", "supervise"))
         if not self.corpus:
             raise ConfigError("tokenize.corpus is empty: give at least one file or glob (CORPUS=...)")
+        from .chat import parse_settings
+
+        try:
+            parse_settings(self.template_kwargs)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         for name in ("rows_per_shard", "open_rows", "chunk_docs"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"tokenize.{name} must be > 0, got {getattr(self, name)}")

@@ -238,10 +238,24 @@ def mask_from_offsets(offsets: list[tuple[int, int]], spans: list[tuple[int, int
     return ok.astype(np.uint8)
 
 
-def check_tokenizer(tok) -> None:
-    """Fail fast if the tokenizer cannot render Qwen chats with single-token turn markers."""
-    if not getattr(tok, "chat_template", None):
+def check_tokenizer(tok, settings: dict | None = None) -> None:
+    """Fail fast if the tokenizer cannot render Qwen chats with single-token turn markers, or its template ignores or
+    refuses one of `settings` (its keyword arguments: tokenize.template_kwargs)."""
+    template = getattr(tok, "chat_template", None)
+    if not template:
         raise CorpusError("the tokenizer has no chat template: point TOKENIZER/TARGET at the target checkpoint")
+    if unread := [k for k in settings or {} if k not in template]:
+        raise CorpusError(f"tokenize.template_kwargs: the chat template of {tok.name_or_path} does not read "
+                          f"{', '.join(unread)} (it would change nothing but the cache key): remove it")
+    if not settings:
+        return
+    try:
+        from .chat import apply
+
+        apply(tok, [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}], None, settings)
+    except Exception as e:  # noqa: BLE001 - the template's own refusal (raise_exception) is the message
+        raise CorpusError(f"tokenize.template_kwargs: the chat template of {tok.name_or_path} refuses "
+                          f"{json.dumps(settings)}: {e}") from None
     for marker in ("<|im_start|>", "<|im_end|>"):
         ids = tok.convert_tokens_to_ids(marker)
         if ids is None or ids == tok.unk_token_id:
@@ -283,7 +297,7 @@ def render(rec: Record) -> Rendered | Tokens | Skip:
         counts = Counter()
         msgs = prepare_messages(validate_messages(obj, counts), _OPTS["thinking"], counts)
         samples = conversation_samples(_TOK, msgs, validate_tools(obj), _OPTS["turns"], _OPTS["empty_think"], counts,
-                                       truncated_turns(obj, msgs), _OPTS["opens_think"])
+                                       truncated_turns(obj, msgs), _OPTS["opens_think"], _OPTS.get("settings"))
         return Rendered(rec, samples, counts)
     except RecordError as e:
         return Skip(e.reason, e.detail, rec.file, rec.line)

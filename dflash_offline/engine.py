@@ -151,8 +151,10 @@ class Answerer:
     """A job → its `Result`, one request per turn to generate (called from the worker threads)."""
 
     def __init__(self, client: Client, max_new_tokens: int, thinking: bool, keep: str, on_truncated: str,
-                 on_empty: str, settings: str, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0):
+                 on_empty: str, settings: str, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                 template_kwargs: dict | None = None):
         self.client, self.settings, self.keep = client, settings, keep
+        self.template_kwargs = template_kwargs or {}
         self.max_new_tokens, self.thinking, self.temperature, self.top_p, self.seed = (
             max_new_tokens, thinking, temperature, top_p, seed)
         self.on_truncated, self.on_empty = on_truncated, on_empty
@@ -161,7 +163,7 @@ class Answerer:
     def body(self, job: Job, k: int) -> dict:
         body = {"model": self.client.model, "messages": [wire(m) for m in job.history],
                 "max_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "chat_template_kwargs": {"enable_thinking": self.thinking}}
+                "chat_template_kwargs": {"enable_thinking": self.thinking, **self.template_kwargs}}
         if isinstance(job.obj.get("tools"), list) and job.obj["tools"]:
             body["tools"] = job.obj["tools"]
         if self.temperature > 0:

@@ -7,7 +7,7 @@
 | `config.json` | a Qwen3Config (`model_type` "qwen3", `architectures` ["DFlashDraftModel"], `auto_map` AutoModel → `dflash.DFlashDraftModel`) with the drafter's shapes, `block_size`, `dflash_config` {mask_token_id, mask_token (the target tokenizer's string for it, which SGLang checks), target_layer_ids, block_size}, `num_target_layers`, `layer_types`, sliding window, RoPE (`rope_parameters` and the legacy `rope_theta`) and `max_position_embeddings` of the target |
 | `model.safetensors` | exactly the drafter's tensors under the z-lab names (`fc.weight`, `hidden_norm.weight`, `norm.weight`, `layers.{i}.…`), in `dtype`; never the target's embedding or lm_head |
 | `dflash.py` | the modeling file `auto_map` names (a copy of `dflash_offline/zlab_dflash.py`: torch + transformers only) |
-| `dflash_export.json` | provenance: run, step, checkpoint, dtype, target, sha256 of the weights (and the projection a run on projected taps was folded with); no absolute path of the exporting machine: the run relative to the export, the target (a hub id as named) and the projection's cache relative to the run (`provenance_paths` reads them back) |
+| `dflash_export.json` | provenance: run, step, checkpoint, dtype, target, sha256 of the weights and of dflash.py (and the projection a run on projected taps was folded with); no absolute path of the exporting machine: the run relative to the export, the target (a hub id as named) and the projection's cache relative to the run (`provenance_paths` reads them back) |
 
 A run trained on a projected cache (`[extract] project_dims`, `projection.py`) has an fc' of k inputs a tap: its
 export folds it with the cache's P (the file checked against the manifest and against the SHA-256 the run recorded)
@@ -336,6 +336,7 @@ def export(run_dir, out_dir, step: int | None = None, dtype: str = "bfloat16", t
         prov = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": meta.get("step"),
                 "checkpoint": ckpt.name, "checkpoint_time": meta.get("time"), "dtype": dtype,
                 "drafter": dataclasses.asdict(dc), "weights_sha256": sha256_file(tmp / "model.safetensors"),
+                "modeling_sha256": sha256_file(tmp / MODELING_FILE),
                 **provenance(run_dir, out, tgt_name, Path(tgt["path"]), projection)}
         (tmp / PROVENANCE).write_text(json.dumps(prov, indent=1, sort_keys=True) + "\n")
         for name in FILES:

@@ -35,8 +35,8 @@ MAX_SKIP_EXAMPLES = 20
 # settings that change the output bytes: a resume must use the same ones (the corpus files' sizes: one edited in place
 # would be resumed by record position; the dtype the target decodes in: bf16 and fp32 give other greedy answers)
 RESUME_FIELDS = ("target", "corpus", "corpus_bytes", "thinking", "max_new_tokens", "keep", "on_truncated", "on_empty",
-                 "dtype", "sampling", "heldout")
-OPTIONAL_FIELDS = ("sampling", "heldout")  # recorded only when on: absent = off (older outputs' digests unchanged)
+                 "dtype", "sampling", "heldout", "template_kwargs")
+OPTIONAL_FIELDS = ("sampling", "heldout", "template_kwargs")  # recorded only when on: absent = off (older outputs' digests unchanged)
 PROMPT_ENDS = ("user", "tool")  # the roles a prompt (a record without an assistant turn) may end with
 
 

@@ -16,11 +16,11 @@ class Regenerator:
     writes the bytes an uninterrupted one would (for the same batch size)."""
 
     def __init__(self, model, tok, max_new_tokens: int, thinking: bool, on_truncated: str, on_empty: str,
-                 temperature: float = 0.0, top_p: float = 1.0, seed: int = 0):
+                 temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, settings: dict | None = None):
         from transformers import GenerationConfig
 
         self.model, self.tok = model, tok
-        self.max_new_tokens, self.thinking = max_new_tokens, thinking
+        self.max_new_tokens, self.thinking, self.settings = max_new_tokens, thinking, settings or {}
         self.on_truncated, self.on_empty = on_truncated, on_empty
         self.eos = eos_ids(tok, model)
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else self.eos[0]
@@ -43,7 +43,7 @@ class Regenerator:
     def render(self, job: Job) -> str:
         kwargs = {"tools": job.obj["tools"]} if isinstance(job.obj.get("tools"), list) else {}
         return self.tok.apply_chat_template(job.history, tokenize=False, add_generation_prompt=True,
-                                            enable_thinking=self.thinking, **kwargs)
+                                            enable_thinking=self.thinking, **self.settings, **kwargs)
 
     def prompts(self, jobs: list[Job]) -> list[tuple[Job, list[int], str]]:
         """(job, prompt ids, prompt text) of each job whose conversation renders and fits the target's context."""

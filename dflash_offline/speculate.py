@@ -50,6 +50,7 @@ Shape legend: S new context tokens, K = k·H tapped width, L block length, V voc
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import time
@@ -80,13 +81,34 @@ def read_export(export_dir) -> dict:
     return prov
 
 
-def load_exported(export_dir, device="cpu", dtype=torch.float32):
+def check_modeling_code(d: Path, prov: dict, trust_code: bool = False, log=print) -> str:
+    """The SHA-256 of the export's dflash.py, which loading runs as code on this machine: refused unless it is the
+    modeling code this version ships (or `trust_code`), saying whether it changed after the export."""
+    from dflash_offline.export import MODELING_FILE, modeling_source
+
+    sha = sha256_file(d / MODELING_FILE)
+    shipped = hashlib.sha256(modeling_source().encode()).hexdigest()
+    if sha == shipped:
+        return sha
+    recorded = prov.get("modeling_sha256")
+    why = "it changed after the export" if recorded and recorded != sha else "written by another version"
+    if not trust_code:
+        raise ValueError(f"{d}/{MODELING_FILE} (sha256 {sha[:12]}…) is not the modeling code this version ships "
+                         f"({shipped[:12]}…; {why}) and loading it runs it: export the run again (make export), or "
+                         f"pass --trust_code=1 if you trust that file")
+    log(f"--trust_code=1: running {d}/{MODELING_FILE} (sha256 {sha[:12]}…), not this version's modeling code ({why})")
+    return sha
+
+
+def load_exported(export_dir, device="cpu", dtype=torch.float32, trust_code: bool = False):
     """(model, artifact): the export's `DFlashDraftModel` loaded as users load it (`AutoModel.from_pretrained(...,
-    trust_remote_code=True)`, i.e. its own dflash.py) in `dtype` on `device`, and what identifies it."""
+    trust_remote_code=True)`, i.e. its own dflash.py) in `dtype` on `device`, and what identifies it. Its dflash.py
+    must be this version's shipped modeling code unless `trust_code` (it runs as code here)."""
     from transformers import AutoModel
 
     d = Path(export_dir).resolve()
     prov = read_export(d)
+    modeling_sha = check_modeling_code(d, prov, trust_code)
     model = AutoModel.from_pretrained(str(d), trust_remote_code=True, dtype=dtype).to(device).eval()
     code = Path(inspect.getfile(type(model)))
     if code.read_bytes() != (d / "dflash.py").read_bytes():
@@ -94,7 +116,7 @@ def load_exported(export_dir, device="cpu", dtype=torch.float32):
     if not hasattr(model, "draft_block"):
         raise ValueError(f"{d}/dflash.py has no draft_block (an export of an older version): export the run again")
     artifact = {"path": str(d), "weights_sha256": prov["weights_sha256"],
-                "modeling_sha256": sha256_file(d / "dflash.py"), "run": prov.get("run"), "step": prov.get("step"),
+                "modeling_sha256": modeling_sha, "run": prov.get("run"), "step": prov.get("step"),
                 "checkpoint": prov.get("checkpoint"), "export_dtype": prov.get("dtype"), "target": prov.get("target")}
     return model, artifact
 

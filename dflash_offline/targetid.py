@@ -4,9 +4,9 @@ A name or path is not an identity (a fine-tune keeps the architecture and file l
 not one either (a copy with embedding rows changed between the samples kept the old fingerprint). The fingerprint is
 the SHA-256 of `config.json` and of every safetensors file's name, size and full SHA-256 (`weights_hash` "sha256").
 Each file's hash is computed once, on a pool of threads, and remembered by the file's (size, mtime, ctime, inode) in
-`.dflash_offline-sha256.json` beside the weights, or, where that directory is read-only (a shared HF cache), under
-`$XDG_CACHE_HOME/dflash_offline` (else `~/.cache/dflash_offline`): a rerun costs a `stat` per file. Caches made before
-record the "sampled" fingerprint (16 × 64 KiB of each file; no `weights_hash`): `check_same_target` checks them in
+`.dflash_offline-sha256.json` beside the weights, or, where that directory is read-only or a snapshot of the HF hub
+cache (huggingface_hub's files), under `$XDG_CACHE_HOME/dflash_offline` (else `~/.cache/dflash_offline`): a rerun
+costs a `stat` per file. Caches made before record the "sampled" fingerprint (16 × 64 KiB of each file; no `weights_hash`): `check_same_target` checks them in
 their own scheme, and extraction continues them under their key. `make verify` recomputes hidden states from the
 weights themselves on sampled rows.
 
@@ -156,10 +156,17 @@ def file_stamp(path: Path) -> dict:
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
 
 
+def is_hub_snapshot(ckpt: Path) -> bool:
+    """A revision in the HF hub cache (`models--ORG--NAME/snapshots/<rev>/`): huggingface_hub's files, not ours."""
+    return ckpt.parent.name == "snapshots" and ckpt.parent.parent.name.startswith("models--")
+
+
 def memo_paths(ckpt: Path) -> list[Path]:
-    """Where the weights' hashes are remembered: beside them, then the user's cache (a read-only checkpoint)."""
+    """Where the weights' hashes are remembered, the first writable one taking them: beside them, then the user's
+    cache (a read-only checkpoint; a hub cache snapshot, which gets no file of ours, goes there first)."""
     home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash_offline"
-    return [ckpt / HASH_MEMO, home / f"sha256-{hash_obj(str(ckpt.resolve()))[:16]}.json"]
+    places = [ckpt / HASH_MEMO, home / f"sha256-{hash_obj(str(ckpt.resolve()))[:16]}.json"]
+    return places[::-1] if is_hub_snapshot(ckpt) else places
 
 
 def read_memo(ckpt: Path) -> list[dict]:

@@ -93,6 +93,7 @@ class EvalConfig:
     replay: bool = False  # τ by replaying the target's greedy output (one target forward per prompt, the drafter stepped along it): the decode's τ, no speed figures
     draft_baseline: bool = True  # target-alone decodes that are not timed (replayed or baseline-only prompts) verified in blocks against a batched greedy draft: the same tokens, ~10x fewer forwards
     check_prompts: int = 0  # with --replay: the first N prompts also decoded for real (lossless check, speed figures, replay = decode checked)
+    trust_code: bool = False  # run the export's dflash.py even where it is not this version's shipped modeling code (loading runs it)
 
     def resolve(self) -> EvalConfig:
         check_choice("eval.turn", self.turn, ("first", "last"))
@@ -141,7 +142,8 @@ def load_drafter(cfg: EvalConfig, ri: dict, run_dir: Path, device, dtype, log):
         model, artifact = untrained_model(dc, ri["target"], int(ri["train"].get("seed", 0)), device, dtype,
                                           projections)
         return model, artifact, dataclasses.replace(dc, tap_width=0)
-    model, artifact = load_exported(export_for_eval(cfg.export, cfg.step, run_dir, log), device, dtype)
+    model, artifact = load_exported(export_for_eval(cfg.export, cfg.step, run_dir, log), device, dtype,
+                                    cfg.trust_code)
     prov = json.loads((Path(artifact["path"]) / "dflash_export.json").read_text())
     return model, artifact, DrafterConfig(**{k: v for k, v in prov["drafter"].items() if k in known})
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from dflash_offline import engine
+from dflash_offline.chat import parse_settings
 from dflash_offline.config import field_help
 from dflash_offline.corpus import check_tokenizer, expand_paths
 from dflash_offline.devices import check_setting, pick_device
@@ -71,6 +72,7 @@ class RegenConfig:
     max_new_tokens: int = 2048  # generation budget per assistant turn (the engine's max_tokens)
     batch_size: int = 16  # local: prompts per generate call (left padded)
     thinking: str = "on"  # on | off: `enable_thinking` passed to the chat template
+    template_kwargs: str = ""  # other chat template settings, a JSON object, e.g. '{"reasoning_effort": "low"}' (Qwen3.8); give tokenize the same
     num_docs: int = 0  # stop after this many input records (0 = all)
     device: str = "auto"  # local: auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # local: auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32
@@ -91,6 +93,8 @@ class RegenConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {', '.join(allowed)}")
+        if "enable_thinking" in parse_settings(self.template_kwargs, "regen.template_kwargs"):
+            raise ValueError("regen.template_kwargs: enable_thinking is --thinking=on|off (THINKING= in make)")
         if not self.corpus:
             raise ValueError("no corpus: pass --corpus=FILES (CORPUS= in make; paths and globs, comma separated)")
         if not self.target and not (self.engine and self.model):
@@ -134,6 +138,8 @@ def config_record(cfg: RegenConfig, paths: list[Path], dtype: str) -> dict:
             **({"engine": cfg.engine, "concurrency": cfg.concurrency} if cfg.engine else {"batch_size": cfg.batch_size})}
     if cfg.temperature > 0:  # (absent: greedy, and the greedy runs' records and checks stay as they were)
         conf["sampling"] = sampling
+    if cfg.template_kwargs:  # (absent: none, and earlier runs' records and checks stay as they were)
+        conf["template_kwargs"] = parse_settings(cfg.template_kwargs)
     if cfg.heldout_every:
         conf["heldout"] = {"every": cfg.heldout_every, "out": str(Path(cfg.heldout_out).resolve())}
     return conf
@@ -162,7 +168,7 @@ def run(cfg: RegenConfig, model=None, tokenizer=None) -> dict:
         if model is None:
             resolve_checkpoint(cfg.target, need=("config", "weights", "tokenizer"), field="regen --target")
         tokenizer = tokenizer or AutoTokenizer.from_pretrained(cfg.target)
-        check_tokenizer(tokenizer)
+        check_tokenizer(tokenizer, parse_settings(cfg.template_kwargs, "regen.template_kwargs"))
         device = pick_device(cfg.device, "regen --device") if model is None else next(model.parameters()).device
         dtype = next(model.parameters()).dtype if model is not None else pick_dtype(cfg.dtype, device)
     conf = config_record(cfg, paths, str(dtype).removeprefix("torch."))
@@ -187,13 +193,14 @@ def run(cfg: RegenConfig, model=None, tokenizer=None) -> dict:
         log(f"regenerating through {cfg.engine} (model {cfg.model}, {cfg.concurrency} requests in flight, {how}), "
             f"thinking={cfg.thinking}, keep={cfg.keep}, max_new_tokens {cfg.max_new_tokens} → {out}")
         answer = engine.Answerer(client, cfg.max_new_tokens, cfg.thinking == "on", cfg.keep, cfg.on_truncated,
-                                 cfg.on_empty, digest, cfg.temperature, cfg.top_p, cfg.seed)
+                                 cfg.on_empty, digest, cfg.temperature, cfg.top_p, cfg.seed,
+                                 parse_settings(cfg.template_kwargs))
         journal = engine.Journal(Path(f"{out}.answers.jsonl"), digest, state["records_read"])
         engine.run_jobs(items, answer, writer, cfg.concurrency, journal, progress)
     else:
         model = model if model is not None else load_model(cfg.target, device, cfg.dtype)
         target = Regenerator(model, tokenizer, cfg.max_new_tokens, cfg.thinking == "on", cfg.on_truncated,
-                             cfg.on_empty, cfg.temperature, cfg.top_p, cfg.seed)
+                             cfg.on_empty, cfg.temperature, cfg.top_p, cfg.seed, parse_settings(cfg.template_kwargs))
         log(f"regenerating with {type(model).__name__} on {device} ({how}), thinking={cfg.thinking}, keep={cfg.keep}, "
             f"batch {cfg.batch_size}, max_new_tokens {cfg.max_new_tokens} → {out}")
         for batch in batches(items, cfg.batch_size):

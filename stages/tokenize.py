@@ -91,6 +91,7 @@ def producer_for(cfg: TokenizeConfig, tok, paths: list[Path]) -> dict:
         "chat_rules": chat.RULES,
         "max_docs": cfg.max_docs,
         "format_version": TOKENS_FORMAT_VERSION,
+        **({"template_kwargs": chat.parse_settings(cfg.template_kwargs)} if cfg.template_kwargs else {}),
     }
 
 
@@ -114,7 +115,7 @@ def identify(cfg: TokenizeConfig) -> tuple[list[Path], object, dict, str, Path]:
     if (tok_dir / "config.json").is_file():  # the tokenizer is a target's: its rows must fit that target
         check_seq_len(cfg.seq_len, tok_dir)
     tok = AutoTokenizer.from_pretrained(tok_dir)
-    check_tokenizer(tok)
+    check_tokenizer(tok, chat.parse_settings(cfg.template_kwargs))
     producer = producer_for(cfg, tok, paths)
     key = hash_obj(producer)
     return paths, tok, producer, key, cache_dir_for(cfg, key)
@@ -199,7 +200,8 @@ def tokenize_corpus(cfg: TokenizeConfig, paths: list[Path], tok, progress: Progr
     and returns its manifest entry. The summary, once every record is read. Raises CorpusError — before anything
     is marked complete — at the first bad record in strict mode, and when no document is left to train on."""
     t0 = time.time()
-    opts = {"thinking": cfg.thinking, "turns": cfg.turns, "empty_think": cfg.empty_think, "vocab_size": len(tok)}
+    opts = {"thinking": cfg.thinking, "turns": cfg.turns, "empty_think": cfg.empty_think, "vocab_size": len(tok),
+            "settings": chat.parse_settings(cfg.template_kwargs)}
     stream = tokenize_stream(iter_records(paths, cfg.max_docs), tok.name_or_path, opts, workers_for(cfg),
                              cfg.chunk_docs)
     packer = Packer(cfg.seq_len, cfg.open_rows)

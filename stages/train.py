@@ -85,15 +85,12 @@ def _train(cfg: TrainConfig, switches: BenchSwitches, stopper: StopSignals, t0: 
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from dflash_offline.checkpoint import intact_checkpoint, list_checkpoints, load_checkpoint
+    from dflash_offline.checkpoint import load_checkpoint, resume_point
     from dflash_offline.dataset import HiddenStream
     from dflash_offline.metrics import available_trackers
     from dflash_offline.progress import log
 
     run_dir = Path(cfg.run)
-    # the newest checkpoint whose files match their recorded SHA-256 (a damaged one is skipped, and said so)
-    start = intact_checkpoint(run_dir, log=log) if cfg.resume and list_checkpoints(run_dir) else None
-
     # --- compute
     cuda, trackers = torch.cuda.is_available(), available_trackers(cfg.trackers)
     if not cuda:
@@ -107,6 +104,10 @@ def _train(cfg: TrainConfig, switches: BenchSwitches, stopper: StopSignals, t0: 
                       switches=switches)
     torch.backends.cuda.matmul.allow_tf32 = s.tf32  # after the Accelerator, which may set it (`run` puts it back)
     rank, device = acc.process_index, acc.device
+    # the newest checkpoint whose files match their recorded SHA-256 (a damaged one is skipped, and said so); the
+    # processes hash a share of its files each
+    start = resume_point(run_dir, log, rank, acc.num_processes, lambda v: int(acc.gather(
+        torch.tensor([v], dtype=torch.int64, device=device)).max())) if cfg.resume else None
     set_seed(cfg.seed)
     run_dir.mkdir(parents=True, exist_ok=True)  # every rank: its status file goes there (RUN= local to a machine too)
     same_start_on_every_rank(acc, start, run_dir, info)  # machines that do not share RUN= or CACHE= would differ

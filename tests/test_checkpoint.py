@@ -369,3 +369,68 @@ def test_export_refuses_damaged_weights(tmp_path, hidden_cache):
     assert not (tmp_path / "out").exists()
     export.run(ExportConfig(run=str(run), out=str(tmp_path / "out"), step=2))
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+class ThreadGroup:
+    """`world` threads standing for a run's processes: `reduce_max(rank)` is their all-reduce (max), a collective."""
+
+    def __init__(self, world: int):
+        import threading
+
+        self.barrier, self.values = threading.Barrier(world, timeout=30), {}
+
+    def reduce_max(self, rank: int):
+        def collective(v: int) -> int:
+            self.values[rank] = v
+            self.barrier.wait()
+            out = max(self.values.values())
+            self.barrier.wait()
+            return out
+        return collective
+
+
+def on_ranks(world: int, fn):
+    """fn(rank, reduce_max) on `world` threads at once: each rank's result or exception."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    group = ThreadGroup(world)
+
+    def call(rank):
+        try:
+            return fn(rank, group.reduce_max(rank))
+        except Exception as e:  # noqa: BLE001 (returned for the test to check)
+            return e
+    with ThreadPoolExecutor(world) as pool:
+        return list(pool.map(call, range(world)))
+
+
+def test_the_processes_of_a_run_hash_each_file_once_between_them_and_agree(tmp_path, monkeypatch):
+    """Resuming with 2 processes: each hashes its share of the checkpoint's files (together every file, once); damage
+    in one process's share makes both skip that checkpoint. Processes that see different checkpoints each check their own
+    (`same_start_on_every_rank` then refuses different steps: tests/test_multinode.py)."""
+    model, opt, sched = make(0)
+    for step in (1, 2):
+        train_step(model, opt, sched)
+        ck.save_checkpoint(tmp_path, step, model, opt, sched, keep_last=0)
+    hashed, real = [], ck.sha256_file
+    monkeypatch.setattr(ck, "sha256_file", lambda p: (hashed.append((p.parent.name, p.name)), real(p))[1])
+    newest = tmp_path / "checkpoints" / "step-00000002"
+    files = sorted(json.loads((newest / "meta.json").read_text())["sha256"])
+    assert [d.name for d in on_ranks(2, lambda r, red: ck.resume_point(tmp_path, print, r, 2, red))] == [
+        newest.name] * 2
+    assert sorted(hashed) == [(newest.name, f) for f in files]  # every file once, by one process or the other
+    shares = [ck.my_share(newest, r, 2) for r in (0, 1)]
+    assert set(shares[0]).isdisjoint(shares[1]) and all(shares)
+    said = []
+    flip_one_bit(newest / shares[1][0])  # in process 1's share only
+    got = on_ranks(2, lambda r, red: ck.resume_point(tmp_path, said.append, r, 2, red))
+    assert [d.name for d in got] == ["step-00000001"] * 2
+    assert any("damaged (see the other processes' lines)" in s for s in said)
+    assert any(f"{shares[1][0]} differs from the SHA-256" in s for s in said)
+    # machines with their own RUN= that see other checkpoints: each checks its own whole (no collective to wait on)
+    other = tmp_path / "other"
+    ck.save_checkpoint(other, 1, model, opt, sched)
+    hashed.clear()
+    got = on_ranks(2, lambda r, red: ck.resume_point(tmp_path if r == 0 else other, print, r, 2, red))
+    assert [d.name for d in got] == ["step-00000001"] * 2 and got[0].parent.parent == tmp_path
+    assert sorted(hashed) == sorted([(newest.name, f) for f in files] + [("step-00000001", f) for f in files] * 2)

@@ -85,6 +85,19 @@ def test_a_read_only_checkpoint_remembers_its_hashes_in_the_user_cache(tmp_path,
     assert target_fingerprint(ckpt) == changed
 
 
+def test_a_hub_cache_snapshot_gets_no_file_of_ours(tmp_path, qwen35_dir, monkeypatch):
+    """A revision in the HF hub cache holds huggingface_hub's files only: the hashes go to the user cache, even
+    though the snapshot directory is writable."""
+    ckpt = copy_target(qwen35_dir, tmp_path / "hub" / "models--Qwen--Qwen3.6-27B" / "snapshots" / "abc")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    files = sorted(p.name for p in ckpt.iterdir())
+    first = target_fingerprint(ckpt)
+    assert sorted(p.name for p in ckpt.iterdir()) == files
+    assert len(list((tmp_path / "xdg" / "dflash_offline").iterdir())) == 1
+    monkeypatch.setattr(targetid, "sha256_file", lambda p: pytest.fail("hashed again"))
+    assert target_fingerprint(ckpt) == first
+
+
 def test_train_check_reads_an_old_cache_in_its_sampled_scheme(qwen35_dir):
     """A cache made before full hashes records the sampled fingerprint and no weights_hash: still the same target."""
     old = target_fingerprint(qwen35_dir, scheme="sampled")

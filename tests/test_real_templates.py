@@ -23,7 +23,7 @@ from dflash_offline.shards import read_token_shard
 from stages import tokenize
 
 REPO = Path(__file__).resolve().parents[1]
-TEMPLATES = ["qwen3", "qwen3.5", "qwen3.5-nothink", "qwen3.6"]
+TEMPLATES = ["qwen3", "qwen3.5", "qwen3.5-nothink", "qwen3.6", "qwen3.8"]
 HEADER, END, EMPTY = "<|im_start|>assistant\n", "<|im_end|>", "<think>\n\n</think>\n\n"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
                                             "parameters": {"type": "object", "properties": {
@@ -123,12 +123,17 @@ def run(tmp_path, tokenizer, records, **kw):
 
 def reference_messages(record):
     """The record as the templates take it, by hand: string arguments parsed, null content empty, reasoning alias
-    renamed. Reasoning left in `content` is left to the template itself."""
+    renamed. Reasoning left in `content` without a `reasoning_content` is split off at its last `</think>` as the
+    Qwen3/3.5/3.6 templates split it themselves (Qwen3.8's no longer does: it would render an empty think block
+    before the leaked reasoning, which is not what the target wrote)."""
     msgs = copy.deepcopy(record["messages"])
     for m in msgs:
         m["content"] = m["content"] or ""
         if "reasoning" in m:
             m["reasoning_content"] = m.pop("reasoning")
+        if m["role"] == "assistant" and "reasoning_content" not in m and "</think>" in m["content"]:
+            m["reasoning_content"] = m["content"].split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+            m["content"] = m["content"].split("</think>")[-1].lstrip("\n")
         for c in m.get("tool_calls", []):
             fn = c.setdefault("function", c)
             if isinstance(fn["arguments"], str):
@@ -136,11 +141,11 @@ def reference_messages(record):
     return msgs
 
 
-def render(tok, msgs, tools):
-    return tok.apply_chat_template(msgs, tools=tools, tokenize=False)
+def render(tok, msgs, tools, settings=None):
+    return tok.apply_chat_template(msgs, tools=tools, tokenize=False, **(settings or {}))
 
 
-def reference_samples(tok, record, empty_think="prompt"):
+def reference_samples(tok, record, empty_think="prompt", settings=None):
     """turns=each by prefix diff: the sample of assistant turn i is the rendering of the messages through it; the
     rendering of the messages before it is a prefix of it, and what follows that prefix is the turn: header, body,
     <|im_end|>, newline. Supervised: the body through <|im_end|> (without a leading empty think block by default,
@@ -151,14 +156,14 @@ def reference_samples(tok, record, empty_think="prompt"):
     for i, m in enumerate(msgs):
         if m["role"] != "assistant":
             continue
-        full, prompt = render(tok, msgs[: i + 1], tools), render(tok, msgs[:i], tools)
+        full, prompt = render(tok, msgs[: i + 1], tools, settings), render(tok, msgs[:i], tools, settings)
         assert full.startswith(prompt) and full[len(prompt) :].startswith(HEADER) and full.endswith(END + "\n")
         a, b = len(prompt) + len(HEADER), len(full) - 1
         if empty_think == "prompt" and full.startswith(EMPTY, a):
             a += len(EMPTY)
         elif full.startswith("<think>\n", a):
             gen = tok.apply_chat_template(msgs[:i], tools=tools, tokenize=False, add_generation_prompt=True,
-                                          enable_thinking=True)
+                                          **{**(settings or {}), "enable_thinking": True})
             if gen.endswith(HEADER + "<think>\n") and full.startswith(gen):
                 a = len(gen)
         spans = [(a, b)]
@@ -256,8 +261,10 @@ def test_every_turn_of_every_record_against_the_prefix_reference(tmp_path, fixtu
     tok = toks[name]
     assert summary["docs_skipped"] == {} and summary["records_packed"] == len(RECORDS)
     expected = [s for r in RECORDS for s in reference_samples(tok, r)]
-    # a tool loop's steps share one sample; Qwen3 renders a turn without reasoning differently once it is not the last
-    samples = 12 if name == "qwen3" else 11
+    # a tool loop's steps share one sample; Qwen3 renders a turn without reasoning differently once it is not the last;
+    # Qwen3.8 keeps every turn's reasoning (preserve_thinking on by default): each rendering starts the next one's, so
+    # a record is one sample that supervises all its turns
+    samples = {"qwen3": 12, "qwen3.8": len(RECORDS)}.get(name, 11)
     assert len(docs) == len(expected) == summary["chat"]["samples"] == samples
     for (_, ids, mask), (ref_ids, ref_mask) in zip(docs, expected, strict=True):
         assert ids.tolist() == ref_ids and mask.tolist() == ref_mask
@@ -299,16 +306,20 @@ def test_whole_conversations_keep_the_text_search_masks_where_no_marker_is_injec
         assert mask[:n][np.asarray(last_mask, dtype=bool)].all() and mask[n:].sum() == 0
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3.6"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen3.6", "qwen3.8"])
 def test_reasoning_dropped_by_the_template_is_counted_and_trained_with_turns_each(tmp_path, fixtures, toks, name):
+    """Qwen3/3.6 drop the reasoning of turns before the last user message (turns=each trains it); Qwen3.8 keeps it
+    (preserve_thinking on by default), so one whole conversation trains every turn's reasoning."""
     tok = toks[name]
     last, docs = run(tmp_path / "last", fixtures / name, [REASONING])
     supervised = supervised_text(tok, docs[0][1], docs[0][2])
-    assert "Try 13" not in supervised and "Primes up to 14" not in supervised and "221 + 223" in supervised
-    assert last["chat"]["think_blocks"] == {"kept": 1, "stripped": 0, "empty": 0, "dropped_by_template": 2}
+    kept = name == "qwen3.8"
+    assert ("Try 13" in supervised) == kept and ("Primes up to 14" in supervised) == kept and "221 + 223" in supervised
+    assert last["chat"]["think_blocks"] == {"kept": 3 if kept else 1, "stripped": 0, "empty": 0,
+                                            "dropped_by_template": 0 if kept else 2}
     each, docs = run(tmp_path / "each", fixtures / name, [REASONING], turns="each")
     assert each["chat"]["think_blocks"] == {"kept": 3, "stripped": 0, "empty": 0, "dropped_by_template": 0}
-    assert each["chat"]["samples_per_record"] == 3 and each["docs_packed"] == 3
+    assert each["chat"]["samples_per_record"] == (1 if kept else 3) and each["docs_packed"] == (1 if kept else 3)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3.6"])
@@ -333,7 +344,7 @@ def test_thinking_strip_keep_dangling_tags_and_the_empty_think_block(tmp_path, f
     assert supervised_text(tok, sup[0][1], sup[0][2]) == EMPTY + "Hi!<|im_end|>"
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3.5", "qwen3.6"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen3.5", "qwen3.6", "qwen3.8"])
 def test_a_turn_regen_cut_at_max_new_tokens_is_supervised_up_to_its_last_generated_token(tmp_path, fixtures, toks,
                                                                                          name):
     """`make regen` stopped these turns at max_new_tokens (`regen.finish_reason` "length"): the template closes them
@@ -365,3 +376,27 @@ def test_bench_tokenize_runs_with_a_real_tokenizer(tmp_path, fixtures):
                     f"--out={out}", "--turns=each"], cwd=REPO, env=env, check=True, capture_output=True, timeout=300)
     res = json.loads(out.read_text())
     assert res["skipped"] == {} and res["samples"] > res["records"] == 20 and res["tokens_per_s"] > 0
+
+
+def test_qwen38_reasoning_effort_is_rendered_keyed_and_checked_before_any_record(tmp_path, fixtures, toks):
+    """tokenize.template_kwargs reaches Qwen3.8's template: the system turn carries the chosen effort's instruction
+    (the default, xhigh, its own), masks equal the prefix reference rendered with the same settings, the cache key
+    differs; a value the template refuses, a key it does not read, and a non-object are one line before any record."""
+    tok = toks["qwen3.8"]
+    low = '{"reasoning_effort": "low"}'
+    summary, docs = run(tmp_path / "low", fixtures / "qwen3.8", [REASONING], template_kwargs=low)
+    text = tok.decode(docs[0][1])
+    assert "Reasoning effort is set to low." in text and "xhigh" not in text
+    ref_ids, ref_mask = reference_samples(tok, REASONING, settings={"reasoning_effort": "low"})[-1]
+    assert docs[0][1].tolist() == ref_ids and docs[0][2].tolist() == ref_mask
+    _, default = run(tmp_path / "default", fixtures / "qwen3.8", [REASONING])
+    assert "Reasoning effort is set to xhigh." in tok.decode(default[0][1])
+    keys = {json.loads((tmp_path / d / "cache" / "manifest.json").read_text())["key"] for d in ("low", "default")}
+    assert len(keys) == 2
+    with pytest.raises(Exception, match=r"refuses \{\"reasoning_effort\": \"max\"\}: .*Unexpected reasoning effort max"):
+        run(tmp_path / "max", fixtures / "qwen3.8", [REASONING], template_kwargs='{"reasoning_effort": "max"}')
+    with pytest.raises(Exception, match="does not read reasoning_effort .*remove it"):
+        run(tmp_path / "q36", fixtures / "qwen3.6", [REASONING], template_kwargs=low)
+    with pytest.raises(Exception, match="tokenize.template_kwargs: .*not an object"):
+        run(tmp_path / "list", fixtures / "qwen3.8", [REASONING], template_kwargs='["low"]')
+    assert not (tmp_path / "max" / "cache").exists() and not (tmp_path / "q36" / "cache").exists()

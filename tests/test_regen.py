@@ -98,6 +98,12 @@ def test_resume_appends_without_duplicates(tmp_path, qwen3_dir, chat_corpus, q3)
     # other generation settings: refused, naming the field
     with pytest.raises(ValueError, match="max_new_tokens"):
         go(qwen3_dir, chat_corpus, part, q3, max_new_tokens=NEW + 1, num_docs=4)
+    # a template setting this target's template does not read, or enable_thinking outside --thinking: refused at once
+    with pytest.raises(Exception, match="does not read reasoning_effort"):
+        go(qwen3_dir, chat_corpus, tmp_path / "effort.jsonl", q3, template_kwargs='{"reasoning_effort": "low"}')
+    with pytest.raises(ValueError, match="enable_thinking is --thinking"):
+        go(qwen3_dir, chat_corpus, tmp_path / "effort.jsonl", q3, template_kwargs='{"enable_thinking": false}')
+    assert not (tmp_path / "effort.jsonl").exists()
     # the target decoding in another dtype (greedy answers differ): refused too
     with pytest.raises(ValueError, match="generated with dtype='float32', not 'float64'"):
         go(qwen3_dir, chat_corpus, part, (copy.deepcopy(q3[0]).double(), q3[1]), num_docs=4)

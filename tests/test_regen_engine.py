@@ -207,11 +207,13 @@ def test_prompts_get_the_servers_answers_in_the_local_paths_records(server, prox
 
 def test_every_turn_and_sampling_settings_reach_the_server(server, proxy, chat_corpus, tmp_path):
     """keep=all_turns: one request per assistant turn, each with the regenerated turns before it (tool calls as the
-    API takes them), the tool results kept; thinking on; sampling with a seed per record and turn."""
+    API takes them), the tool results kept; thinking on and the other template settings (Qwen3.8's reasoning effort);
+    sampling with a seed per record and turn."""
     conv = json.loads(Path(chat_corpus).read_text().splitlines()[6])
     assert any(m.get("tool_calls") for m in conv["messages"])
     (tmp_path / "c.jsonl").write_text(json.dumps(conv) + "\n")
-    kw = {"keep": "all_turns", "thinking": "on", "temperature": 0.8, "top_p": 0.9, "seed": 5, "on_empty": "keep"}
+    kw = {"keep": "all_turns", "thinking": "on", "temperature": 0.8, "top_p": 0.9, "seed": 5, "on_empty": "keep",
+          "template_kwargs": '{"reasoning_effort": "low"}'}
     go(server, tmp_path / "c.jsonl", tmp_path / "o.jsonl", proxy.url, **kw)
     (rec,) = read(tmp_path / "o.jsonl")
     assert [m["role"] for m in rec["messages"]] == [m["role"] for m in conv["messages"]]
@@ -221,7 +223,7 @@ def test_every_turn_and_sampling_settings_reach_the_server(server, proxy, chat_c
         assert len(body["messages"]) == t and body["messages"][-1]["role"] != "assistant"
         assert [m["content"] for m in body["messages"] if m["role"] == "assistant"] == [
             rec["messages"][i]["content"] for i in turns[:k]]  # the regenerated turns, not the corpus's
-        assert body["chat_template_kwargs"] == {"enable_thinking": True}
+        assert body["chat_template_kwargs"] == {"enable_thinking": True, "reasoning_effort": "low"}
         assert (body["temperature"], body["top_p"]) == (0.8, 0.9) and isinstance(body["seed"], int)
     assert len({b["seed"] for b in proxy.bodies}) == len(turns)
     assert [m for m in rec["messages"] if m["role"] != "assistant"] == [

@@ -316,8 +316,10 @@ def test_load_exported_refuses_a_changed_or_old_export(tmp_path, qwen3_dir):
     d = exported(tmp_path, qwen3_dir)
     code = (d / "dflash.py").read_text()
     (d / "dflash.py").write_text(code.replace("def draft_block(", "def _old_draft_block("))
+    with pytest.raises(ValueError, match="dflash.py .* is not the modeling code this version ships .*changed after"):
+        load_exported(d)  # loading runs it: another file than the shipped one is refused unless trusted
     with pytest.raises(ValueError, match="no draft_block"):
-        load_exported(d)
+        load_exported(d, trust_code=True)
     (d / "dflash.py").write_text(code)
     with open(d / "model.safetensors", "r+b") as f:
         f.seek(-4, 2)
@@ -394,6 +396,16 @@ def test_evaluate_measures_the_export(tmp_path, hidden_cache):
         evaluate.main([f"--run={other}", f"--export={run / 'eval-export'}", f"--prompts={prompts}"])
     with pytest.raises(ValueError, match="holds step 2"):
         evaluate.main(args + [f"--export={run / 'eval-export'}", "--step=1"])
+    # loading an export runs its dflash.py: an edited one is refused in one line, --trust_code=1 runs it
+    code = run / "eval-export" / "dflash.py"
+    shipped = code.read_text()
+    code.write_text(shipped + "# edited\n")
+    edited = args + [f"--export={run / 'eval-export'}", "--tf_batches=0", f"--out={out}"]
+    with pytest.raises(ValueError, match="not the modeling code this version ships .*changed after.*--trust_code=1"):
+        evaluate.main(edited)
+    assert evaluate.main(edited + ["--trust_code=1"]) == 0
+    assert json.loads(out.read_text())["artifact"]["modeling_sha256"] != prov["modeling_sha256"]
+    code.write_text(shipped)
 
     # the untrained drafter on one prompt only (--spec_prompts=1): the baseline file still holds all three target-alone
     # decodes, and a trained evaluation reuses them
