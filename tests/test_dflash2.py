@@ -189,17 +189,58 @@ def test_gradients_reach_every_dflash2_parameter():
             assert p.grad is not None and p.grad.abs().sum() > 0, name
 
 
-def test_export_refuses_a_dflash2_run_it_cannot_describe(tmp_path, qwen3_dir):
-    """Export writes the DFlash format; a DFlash2 run's tensors would pass its checks under a config.json naming
-    DFlashDraftModel, which engines would load without the convolutions and the selector: refused."""
+def test_export_writes_the_dflash2_format_and_automodel_loads_every_tensor(tmp_path, qwen3_dir):
+    """A DFlash2 run exports as z-lab's DFlash2 drafters are published: config.json names DFlash2DraftModel (and
+    auto_map the shipped class), dflash_config holds the conv and selector settings beside block_size, mask_token_id
+    and target_layer_ids (the layout of z-lab/dflash tests/fixtures/dflash2-config.json), the weights are exactly the
+    training drafter's under z-lab's names (codebooks without `.weight`). `AutoModel.from_pretrained` builds
+    DFlash2DraftModel with every tensor of the file consumed and none missing, holding the trained weights bit for
+    bit; its drafting step (hidden states, logits, the selector walk) equals the shipped class built from the
+    training drafter, which `test_training_forward_equals_the_shipped_model` holds equal to the training forward."""
+    from safetensors import safe_open
     from test_export import fake_run
+    from transformers import AutoModel
 
-    from dflash_offline.export import ExportError, export
+    from dflash_offline.export import export
 
-    run, _ = fake_run(tmp_path / "run", qwen3_dir, variant="dflash2", selector_rank=8)
-    with pytest.raises(ExportError, match="dflash2 drafter"):
-        export(run, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    run, model = fake_run(tmp_path / "run", qwen3_dir, variant="dflash2", selector_rank=8, selector_top_k=4)
+    dc = model.cfg
+    out = export(run, tmp_path / "out", dtype="float32")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"]
+    assert cfg["auto_map"] == {"AutoModel": "dflash.DFlash2DraftModel"} and cfg["model_type"] == "qwen3"
+    assert cfg["dflash_config"] == {"block_size": dc.block_size, "mask_token_id": dc.mask_token_id,
+                                    "mask_token": cfg["dflash_config"]["mask_token"],
+                                    "target_layer_ids": dc.target_layer_ids, "conv_kernel_size": 2,
+                                    "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    trained = model.state_dict()
+    assert set(tensors) == set(trained)
+    new = expected_shapes(dc.num_layers, dc.hidden_size, dc.vocab_size, 2, 16, 8)
+    assert {k: tuple(tensors[k].shape) for k in new} == new
+    assert all(torch.equal(tensors[k], v) for k, v in trained.items())
+
+    hf, info = AutoModel.from_pretrained(str(out), trust_remote_code=True, dtype=torch.float32,
+                                         output_loading_info=True)
+    hf.eval()
+    assert type(hf).__name__ == "DFlash2DraftModel" and type(hf).__module__.endswith("dflash")
+    assert {k: list(v) for k, v in info.items()} == {k: [] for k in info}, info  # missing, unexpected, mismatched
+    assert set(hf.state_dict()) == set(trained)
+    assert all(torch.equal(hf.state_dict()[k], v) for k, v in trained.items())
+    ref = shipped(model)
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(str(qwen3_dir), dtype=torch.float32).eval()
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    g = torch.Generator().manual_seed(3)
+    ctx = torch.randn(1, 11, len(dc.target_layer_ids) * dc.hidden_size, generator=g)
+    anchor = torch.tensor([[5]])
+    got = hf.draft_block(ctx, anchor, hf.draft_cache(), embed, head, return_hidden=True)
+    want = ref.draft_block(ctx, anchor, ref.draft_cache(), embed, head, return_hidden=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(hf.draft_tokens(ctx, anchor, hf.draft_cache(), embed, head),
+                       ref.draft_tokens(ctx, anchor, ref.draft_cache(), embed, head))
 
 
 def test_spec_generate_with_the_selector_is_lossless(tmp_path, qwen3_dir):
