@@ -27,7 +27,7 @@ from test_recipes import QWEN3_8B, QWEN36_27B, RECIPES, exported_config, resolve
 from dflash_offline import tiny
 from dflash_offline.checkpoint import save_checkpoint
 from dflash_offline.config import TrainConfig
-from dflash_offline.drafter import DFlashDrafter
+from dflash_offline.drafter import DFlashDrafter, DrafterConfig
 from dflash_offline.export import ExportError, export, usage, zlab_config
 from dflash_offline.target import default_layer_ids, read_target_info
 from dflash_offline.trainsetup import cache_defaults, drafter_config
@@ -533,7 +533,7 @@ def test_each_weight_rule_catches_a_broken_export(tiny_exports, case):
 
 
 REAL_TARGETS = {"qwen3.6": (QWEN36_27B["text_config"], "qwen3_5"), "qwen3.5": (QWEN36_27B["text_config"], "qwen3_5"),
-                "qwen3": (QWEN3_8B, "qwen3")}
+                "qwen3.8": (QWEN36_27B["text_config"], "qwen3_5"), "qwen3": (QWEN3_8B, "qwen3")}
 
 
 def real_export(recipe: str, tmp_path: Path, fixtures: Path) -> tuple[dict, dict, Target]:
@@ -549,8 +549,11 @@ def real_export(recipe: str, tmp_path: Path, fixtures: Path) -> tuple[dict, dict
 def test_recipe_export_is_served_as_trained(recipe, tmp_path, real_fixtures):
     config, drafter, target = real_export(recipe, tmp_path, real_fixtures)
     assert serve(config, drafter, target) == AS_TRAINED
-    window = {"qwen3.6-27b": 2048}.get(recipe)
-    assert trained(drafter)["layers"] == [(True, 2047)] * 4 * bool(window) + [(False, None)] * (1 + 4 * (not window))
+    with torch.device("meta"):  # the tensors export writes: the drafter's state dict, names as they are
+        names = list(DFlashDrafter(DrafterConfig(**drafter)).state_dict())
+    assert weights_served(config, names) == AS_TRAINED
+    sliding, full = {"qwen3.6-27b": (4, 1), "qwen3.8-27b-dflash2": (5, 0)}.get(recipe, (0, 5))
+    assert trained(drafter)["layers"] == [(True, 2047)] * sliding + [(False, None)] * full
     # the mask token without the id: SGLang finds the tokenizer's <|audio_start|> (248070); the bare default <|MASK|>
     # is not in the Qwen3.5/3.6 tokenizer, so it would be added at 248077, and in Qwen3's it lands at 151669
     no_id = {**config, "dflash_config": _drop(config["dflash_config"], "mask_token_id")}
