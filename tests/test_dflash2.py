@@ -378,6 +378,11 @@ def test_train_a_dflash2_drafter_on_a_cache(tmp_path, hidden_cache, monkeypatch)
 
     ce, right = [x[0] for x in seen], [x[1] for x in seen]
     assert mean(ce[-5:]) < 0.5 * mean(ce[:5]) and mean(right[-5:]) > mean(right[:5]) + 0.3, seen
+    # metrics.jsonl records the same figures (one step a line here): the selector's CE, its right picks, its recall
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["selector_ce"] for r in recs] == pytest.approx(ce, rel=1e-4)
+    assert [r["selector_acc"] for r in recs] == pytest.approx(right, rel=1e-4)
+    assert all(0 < r["selector_recall"] <= 1 for r in recs)
     dc = json.loads((run / "config.json").read_text())["drafter"]
     assert dc["variant"] == "dflash2"
     sd = load_file(str(run / "checkpoints" / "step-00000060" / "model.safetensors"))
