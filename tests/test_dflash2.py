@@ -238,7 +238,7 @@ def test_export_writes_the_dflash2_format_and_automodel_loads_every_tensor(tmp_p
     anchor = torch.tensor([[5]])
     got = hf.draft_block(ctx, anchor, hf.draft_cache(), embed, head, return_hidden=True)
     want = ref.draft_block(ctx, anchor, ref.draft_cache(), embed, head, return_hidden=True)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert torch.equal(hf.draft_tokens(ctx, anchor, hf.draft_cache(), embed, head),
                        ref.draft_tokens(ctx, anchor, ref.draft_cache(), embed, head))
 
