@@ -167,6 +167,12 @@ class TrainConfig:
     batch_rows: int = 1  # rows per micro-batch per process (fixed shape)
     global_batch_tokens: int = 0  # row tokens per optimizer step over all processes; 0 = one micro-batch each
     fsdp: bool = False  # 1 = shard weights, gradients and AdamW state over the processes (FSDP2); 0 = replicate (DDP)
+    variant: str = "dflash"  # drafter: "dflash" or "dflash2" (+ block-local conv, candidate selector and its CE)
+    selector_weight: float = 1.0  # dflash2: weight of the selector CE added to the block CE
+    conv_kernel_size: int = 2  # dflash2: taps of the block-local convolution (the slot and the slots before it)
+    conv_group_size: int = 16  # dflash2: channels sharing one dynamic tap of the convolution (must divide hidden)
+    selector_rank: int = 256  # dflash2: width of the candidate selector's token codebooks
+    selector_top_k: int = 16  # dflash2: candidates per slot the selector walks among
     num_layers: int = 5  # drafter decoder layers
     num_heads: int = 32  # drafter query heads
     num_kv_heads: int = 8  # drafter key/value heads
@@ -176,7 +182,8 @@ class TrainConfig:
     num_anchors: int = 512  # anchors per row, resampled every step (padded with a keep mask)
     layer_ids: list[int] = field(default_factory=list)  # tapped layers to train on; empty = all the cache holds
     mask_token_id: int = -1  # the drafter's mask token; -1 = the one validated at extraction
-    sliding_window: int = 0  # >0: every layer but the last uses sliding-window attention of this width; 0 = off
+    sliding_window: int = 0  # >0: every layer but the last `full_attention_layers` uses sliding-window attention of this width; 0 = off
+    full_attention_layers: int = 1  # with sliding_window: the last N layers attend fully (1 = SpecForge's 3.6 drafter; 0 = all sliding, z-lab's DFlash2)
     gamma: float = 0.0  # slot-weight decay exp(-(k-1)/gamma); 0 = 7 for block 16, 4 for block 8; inf = no decay
     weighting: str = "decay"  # slot weights: "decay" (exp(-(k-1)/gamma)) or "dpace"
     noise_std: float = 0.0  # Gaussian noise on the context hidden states (relative to their RMS); 0 = off
@@ -205,6 +212,18 @@ class TrainConfig:
 
     def resolve(self) -> TrainConfig:
         check_choice("train.weighting", self.weighting, ("decay", "dpace"))
+        check_choice("train.variant", self.variant, ("dflash", "dflash2"))
+        if self.variant == "dflash2" and (self.weighting != "decay" or self.fsdp or not self.selector_weight >= 0):
+            raise ConfigError(f"train.variant=dflash2 trains with weighting=decay (got {self.weighting}), fsdp=0 (got "
+                              f"{int(self.fsdp)}; its selector runs outside the sharded forward) and selector_weight "
+                              f">= 0 (got {self.selector_weight})")
+        if not 0 <= self.full_attention_layers <= self.num_layers:
+            raise ConfigError(f"train.full_attention_layers={self.full_attention_layers} must be in [0, "
+                              f"num_layers={self.num_layers}]")
+        if min(self.conv_kernel_size, self.conv_group_size, self.selector_rank, self.selector_top_k) < 1:
+            raise ConfigError(f"train.conv_kernel_size, conv_group_size, selector_rank and selector_top_k must be >= 1 "
+                              f"(got {self.conv_kernel_size}, {self.conv_group_size}, {self.selector_rank}, "
+                              f"{self.selector_top_k})")
         check_choice("train.precision", self.precision, ("auto", "bf16", "fp32", "fp8"))
         check_choice("train.fp8_recipe", self.fp8_recipe, ("tensorwise", "rowwise"))
         check_choice("train.master_weights", self.master_weights, ("auto", "on", "off"))

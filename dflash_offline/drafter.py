@@ -6,6 +6,9 @@
                k_proj/v_proj (k_norm on both), RoPE at document-local context positions and pos(anchor)+k
     output   = norm(block hidden)                                          [B, Q, H]
 
+`variant="dflash2"` (DFlash2) wraps every attention and MLP in a block-local dynamic convolution and adds a
+candidate selector (`dflash2`), both the identity at init: an untrained DFlash2 computes what DFlash does.
+
 Parameter names equal the z-lab export keys (`fc.weight`, `hidden_norm.weight`, `norm.weight`,
 `layers.{i}.self_attn.{q,k,v,o}_proj.weight`, `layers.{i}.self_attn.{q,k}_norm.weight`,
 `layers.{i}.mlp.{gate,up,down}_proj.weight`, `layers.{i}.{input,post_attention}_layernorm.weight`). The target's
@@ -26,12 +29,14 @@ from torch import nn
 from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
 from dflash_offline.anchors import block_input_ids, block_position_ids
+from dflash_offline.dflash2 import BlockConv, CandidateSelector
 from dflash_offline.masks import block_allow, dense_mask, flex_block_mask
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # "flex": flex over the context keys + a dense block part (`split_attention`); "flex_joint": one flex call over
 # context + block keys; "dense": SDPA with a dense bool mask (the reference, any device)
 ATTNS = ("flex", "flex_joint", "dense")
+VARIANTS = ("dflash", "dflash2")
 
 
 @dataclass
@@ -53,6 +58,11 @@ class DrafterConfig:
     layer_types: list[str] | None = None  # per layer "full_attention"/"sliding_attention"; None = all full
     initializer_range: float = 0.02  # std of the normal init of every Linear
     tap_width: int = 0  # values per tapped layer the fc reads: 0 = hidden_size; k for a projected cache (projection.py)
+    variant: str = "dflash"  # "dflash" or "dflash2" (+ block-local dynamic conv around every sublayer, candidate selector)
+    conv_kernel_size: int = 2  # dflash2: conv taps (the slot and the slots before it in its block)
+    conv_group_size: int = 16  # dflash2: channels sharing one dynamic tap
+    selector_rank: int = 256  # dflash2: width of the selector's token codebooks
+    selector_top_k: int = 16  # dflash2: candidates per slot the selector chooses among
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -63,6 +73,11 @@ class DrafterConfig:
             raise ValueError(f"layer_types must be {self.num_layers} entries of {LAYER_TYPES}, got {self.layer_types}")
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
+        if self.variant == "dflash2" and (self.conv_kernel_size < 1 or self.hidden_size % self.conv_group_size):
+            raise ValueError(f"conv_kernel_size={self.conv_kernel_size} must be >= 1 and conv_group_size="
+                             f"{self.conv_group_size} must divide hidden_size={self.hidden_size}")
 
 
 class RMSNorm(nn.Module):
@@ -198,6 +213,12 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def drop_slot0(x_BQH: torch.Tensor, L: int) -> torch.Tensor:
+    """Slots 1..L-1 of each block of L: [B, A*(L-1), H]."""
+    B, Q, H = x_BQH.shape
+    return x_BQH.view(B, Q // L, L, H)[:, :, 1:].reshape(B, -1, H)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DrafterConfig, layer_type: str):
         super().__init__()
@@ -206,16 +227,28 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attention_conv = self.mlp_conv = None
+        if cfg.variant == "dflash2":  # DFlash2: each sublayer f becomes post(f(pre(x))), block-local (`dflash2`)
+            conv = (cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size, cfg.block_size)
+            self.attention_conv, self.mlp_conv = BlockConv(*conv), BlockConv(*conv)
 
     def forward(self, x_BQH, ctx_BSH, rope_ctx, rope_blk, mask, attn: str, drop_slot0_of: int = 0):
-        """`drop_slot0_of=L` (the last layer in training): after attention keep slots 1..L-1 of each block, whose
-        outputs are the only ones scored, so the MLP runs on (L-1)/L of the tokens; returns [B, A*(L-1), H]."""
+        """`drop_slot0_of=L` (the last layer in training): keep slots 1..L-1 of each block, whose outputs are the
+        only ones scored; returns [B, A*(L-1), H]. DFlash drops them after attention, so the MLP runs on (L-1)/L of
+        the tokens; DFlash2 after the MLP (its convolution reads slot 0)."""
         # ctx is injected as-is (already hidden_norm-ed); only the block stream gets input_layernorm
-        x_BQH = x_BQH + self.self_attn(self.input_layernorm(x_BQH), ctx_BSH, rope_ctx, rope_blk, mask, attn)
-        if drop_slot0_of:
-            B, Q, H = x_BQH.shape
-            x_BQH = x_BQH.view(B, Q // drop_slot0_of, drop_slot0_of, H)[:, :, 1:].reshape(B, -1, H)
-        return x_BQH + self.mlp(self.post_attention_layernorm(x_BQH))
+        def attend(h_BQH):
+            return self.self_attn(h_BQH, ctx_BSH, rope_ctx, rope_blk, mask, attn)
+
+        x_BQH = x_BQH + _around(self.attention_conv, attend, self.input_layernorm(x_BQH))
+        if drop_slot0_of and self.mlp_conv is None:
+            x_BQH = drop_slot0(x_BQH, drop_slot0_of)
+        x_BQH = x_BQH + _around(self.mlp_conv, self.mlp, self.post_attention_layernorm(x_BQH))
+        return drop_slot0(x_BQH, drop_slot0_of) if drop_slot0_of and self.mlp_conv is not None else x_BQH
+
+
+def _around(conv: BlockConv | None, sublayer, h_BQH: torch.Tensor) -> torch.Tensor:
+    return sublayer(h_BQH) if conv is None else conv.around(sublayer, h_BQH)
 
 
 class DFlashDrafter(nn.Module):
@@ -229,6 +262,10 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.candidate_selector = None
+        if cfg.variant == "dflash2":  # used by the loss and for drafting, after the forward
+            self.candidate_selector = CandidateSelector(cfg.vocab_size, cfg.hidden_size, cfg.selector_rank,
+                                                        cfg.selector_top_k)
         # called with k before the forward uses weight group k (see `weight_groups`); the trainer sets it when the
         # optimizer's update overlaps the forward (optim.MasterAdamW.overlap_with_forward)
         self.weight_fence = None
@@ -236,12 +273,18 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self):
-        """Qwen3 init: every Linear ~ N(0, initializer_range), every norm weight = 1."""
+        """Qwen3 init: every Linear ~ N(0, initializer_range), every norm weight = 1; DFlash2's modules are the
+        identity (`dflash2`)."""
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 m.weight.normal_(0.0, self.cfg.initializer_range)
             elif isinstance(m, RMSNorm):
                 m.weight.fill_(1.0)
+        for m in self.modules():  # (after their Linears)
+            if isinstance(m, BlockConv):
+                m.reset_parameters()
+            elif isinstance(m, CandidateSelector):
+                m.reset_parameters(self.cfg.initializer_range)
 
     def build_masks(self, doc_ids_BS, anchor_pos_BA, keep_BA, attn: str = "flex") -> dict:
         """One mask per layer type in use: dense bool [B,1,Q,S+Q] (attn="dense"), a context-only flex BlockMask
@@ -260,9 +303,11 @@ class DFlashDrafter(nn.Module):
         return masks
 
     def weight_groups(self) -> list[list[nn.Parameter]]:
-        """The parameters in the order the forward uses them: [fc + hidden_norm, layer 0, ..., layer N-1, norm]."""
+        """The parameters in the order the forward uses them: [fc + hidden_norm, layer 0, ..., layer N-1, norm (+ the
+        selector, which the loss uses after the forward)]."""
+        last = [*self.norm.parameters(), *(self.candidate_selector.parameters() if self.candidate_selector else ())]
         return ([[*self.fc.parameters(), *self.hidden_norm.parameters()]] + [list(lay.parameters()) for lay in self.layers]
-                + [list(self.norm.parameters())])
+                + [last])
 
     def _fence(self, k: int) -> None:
         if self.weight_fence is not None:

@@ -4,9 +4,9 @@
 
 | file | holds |
 | --- | --- |
-| `config.json` | a Qwen3Config (`model_type` "qwen3", `architectures` ["DFlashDraftModel"], `auto_map` AutoModel → `dflash.DFlashDraftModel`) with the drafter's shapes, `block_size`, `dflash_config` {mask_token_id, mask_token (the target tokenizer's string for it, which SGLang checks), target_layer_ids, block_size}, `num_target_layers`, `layer_types`, sliding window, RoPE (`rope_parameters` and the legacy `rope_theta`) and `max_position_embeddings` of the target |
-| `model.safetensors` | exactly the drafter's tensors under the z-lab names (`fc.weight`, `hidden_norm.weight`, `norm.weight`, `layers.{i}.…`), in `dtype`; never the target's embedding or lm_head |
-| `dflash.py` | the modeling file `auto_map` names (a copy of `dflash_offline/zlab_dflash.py`: torch + transformers only) |
+| `config.json` | a Qwen3Config (`model_type` "qwen3", `architectures` ["DFlashDraftModel"], `auto_map` AutoModel → `dflash.DFlashDraftModel`) with the drafter's shapes, `block_size`, `dflash_config` {mask_token_id, mask_token (the target tokenizer's string for it, which SGLang checks), target_layer_ids, block_size; a DFlash2 drafter: `architectures` ["DFlash2DraftModel"], auto_map → `dflash.DFlash2DraftModel`, and conv_kernel_size, conv_group_size, selector_rank, selector_top_k}, `num_target_layers`, `layer_types`, sliding window, RoPE (`rope_parameters` and the legacy `rope_theta`) and `max_position_embeddings` of the target |
+| `model.safetensors` | exactly the drafter's tensors under the z-lab names (`fc.weight`, `hidden_norm.weight`, `norm.weight`, `layers.{i}.…`; DFlash2 adds `layers.{i}.{attention_conv,mlp_conv}.{base_kernel,kernel_projection.weight}` and `candidate_selector.{predecessor_codebook,successor_codebook,hidden_projection.weight}`, the codebooks without `.weight`, as z-lab names them), in `dtype`; never the target's embedding or lm_head |
+| `dflash.py` | the modeling file `auto_map` names (a copy of `dflash_offline/zlab_dflash.py`, which holds both `DFlashDraftModel` and `DFlash2DraftModel`: torch + transformers only) |
 | `dflash_export.json` | provenance: run, step, checkpoint, dtype, target, sha256 of the weights and of dflash.py (and the projection a run on projected taps was folded with); no absolute path of the exporting machine: the run relative to the export, the target (a hub id as named) and the projection's cache relative to the run (`provenance_paths` reads them back) |
 
 A run trained on a projected cache (`[extract] project_dims`, `projection.py`) has an fc' of k inputs a tap: its
@@ -164,21 +164,31 @@ def check_servable_taps(dc) -> None:
                           f"train on taps below {last} (train.layer_ids=...)")
 
 
+# the architecture config.json names for each drafter variant (the class of the shipped dflash.py auto_map points at)
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+# DFlash2's settings in dflash_config, as z-lab's DFlash2 configs hold them (z-lab/dflash
+# tests/fixtures/dflash2-config.json): flat keys beside block_size, mask_token_id and target_layer_ids
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
 def zlab_config(dc, tgt: dict, dtype: str) -> dict:
     """config.json of the exported drafter (`dc`: DrafterConfig; `tgt`: `target_fields`); taps no engine serves as
-    trained are refused (`check_servable_taps`)."""
+    trained are refused (`check_servable_taps`). A DFlash2 drafter names `DFlash2DraftModel` (architectures and
+    auto_map) and adds `DFLASH2_FIELDS` to dflash_config."""
     import transformers
 
     check_servable_taps(dc)
     sliding = "sliding_attention" in dc.layer_types
+    arch = ARCHITECTURES[dc.variant]
     cfg = {
-        "architectures": ["DFlashDraftModel"],
-        "auto_map": {"AutoModel": f"{Path(MODELING_FILE).stem}.DFlashDraftModel"},
+        "architectures": [arch],
+        "auto_map": {"AutoModel": f"{Path(MODELING_FILE).stem}.{arch}"},
         "model_type": "qwen3",
         "block_size": dc.block_size,
         "dflash_config": {"mask_token_id": dc.mask_token_id, "target_layer_ids": list(dc.target_layer_ids),
                           "block_size": dc.block_size,
-                          **({"mask_token": tgt["mask_token"]} if tgt.get("mask_token") else {})},
+                          **({"mask_token": tgt["mask_token"]} if tgt.get("mask_token") else {}),
+                          **({k: getattr(dc, k) for k in DFLASH2_FIELDS} if dc.variant == "dflash2" else {})},
         "num_target_layers": dc.num_target_layers,
         "layer_types": list(dc.layer_types),
         "hidden_size": dc.hidden_size,
@@ -346,8 +356,10 @@ def usage(out: Path, drafter: dict, target: str = "TARGET") -> list[str]:
     """How to serve the export (vLLM, SGLang, transformers); `drafter` is the DrafterConfig as a dict."""
     block = drafter["block_size"]
     spec = json.dumps({"method": "dflash", "model": str(out), "num_speculative_tokens": block - 1})
-    # vLLM runs drafters mixing sliding and full attention layers only on its V2 model runner
-    v2 = "VLLM_USE_V2_MODEL_RUNNER=1 " if len(set(drafter.get("layer_types") or [])) > 1 else ""
+    # vLLM runs drafters mixing sliding and full attention layers, and DFlash2 drafters (its selector walk is a V2
+    # speculator: v1/worker/gpu/spec_decode/dflash2), only on its V2 model runner
+    mixed = len(set(drafter.get("layer_types") or [])) > 1
+    v2 = "VLLM_USE_V2_MODEL_RUNNER=1 " if mixed or drafter.get("variant") == "dflash2" else ""
     return [
         f"vLLM:    {v2}vllm serve {target} --speculative-config '{spec}'",
         f"SGLang:  python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "

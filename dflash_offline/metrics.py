@@ -73,6 +73,7 @@ class Window:
         self.loss_sum, self.steps, self.rows, self.wait_s, self.grad_norm = 0.0, 0, 0, 0.0, 0.0
         self.correct_L = self.valid_L = None
         self.tau_sum, self.blocks = 0.0, 0
+        self.selector = None  # DFlash2: [weighted CE sum, weight, right picks, labelled slots, labels among candidates]
         self.graphs0: int | None = None  # compiled graphs at the end of the warm-up step (None: not compiling)
 
     def begin(self, device) -> Window:
@@ -85,9 +86,19 @@ class Window:
             self.start.record()
         return self
 
-    def add(self, out, keep_BA) -> None:
-        """A micro-batch's loss output (its `loss`: its share of its step's loss, see `Meter.add`) and keep mask."""
+    def add(self, out, keep_BA, selector=None) -> None:
+        """A micro-batch's loss output (its `loss`: its share of its step's loss, see `Meter.add`) and keep mask; a
+        DFlash2 run's also (its `dflash2.SelectorLoss`, the labels, the step's normalizer)."""
+        import torch
+
         from dflash_offline.loss import block_tau
+
+        if selector is not None:
+            sel, labels_BAL, norm = selector
+            labelled = (labels_BAL[:, :, 1:] >= 0).sum().float()
+            s = torch.stack([(sel.loss * norm).detach().float(), sel.weight.float(), sel.correct_BAL.sum().float(),
+                             labelled, sel.recall.float() * labelled])
+            self.selector = s if self.selector is None else self.selector + s
 
         c, v = out.correct_BAL.sum((0, 1)).float(), out.valid_BAL.sum((0, 1)).float()
         self.correct_L = c if self.correct_L is None else self.correct_L + c
@@ -109,7 +120,8 @@ class Window:
         cl, vl = acc.reduce(self.correct_L, "sum"), acc.reduce(self.valid_L, "sum")
         local = torch.stack([torch.as_tensor(self.grad_norm, device=device, dtype=torch.float32),
                              torch.as_tensor(0.0 if skipped is None else skipped, device=device, dtype=torch.float32)])
-        vals = torch.cat([t, local, cl.float(), vl.float()])
+        sel = acc.reduce(self.selector, "sum") if self.selector is not None else cl.new_zeros(0)
+        vals = torch.cat([t, local, cl.float(), vl.float(), sel.float()])
         host = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=device.type == "cuda")
         host.copy_(vals, non_blocking=device.type == "cuda")
         done = None
@@ -117,7 +129,7 @@ class Window:
             done = torch.cuda.Event(enable_timing=True)
             done.record()
         return Report(self, host, done, step=step, lr=lr, seq_len=seq_len, fpr=fpr, device=device,
-                      graphs=compiled_graphs(), skipped=skipped is not None)
+                      graphs=compiled_graphs(), skipped=skipped is not None, selector=sel.numel())
 
 
 class Report:
@@ -137,8 +149,9 @@ class Report:
         now = time.time()
         w, k, v = self.w, self.kw, self.host
         loss_sum, rank_steps, tau_sum, blocks, grad_norm, skipped = v[:6].tolist()
-        L = (v.numel() - 6) // 2
-        acc_L = slot_accuracy(v[6 : 6 + L], v[6 + L :])
+        n_sel = k["selector"]
+        L = (v.numel() - 6 - n_sel) // 2
+        acc_L = slot_accuracy(v[6 : 6 + L], v[6 + L : 6 + 2 * L])
         secs = (w.start.elapsed_time(self.done) / 1000 if w.start is not None and self.done is not None
                 else self.t_end - w.t0)
         secs = max(secs, 1e-9)
@@ -154,6 +167,11 @@ class Report:
             # graphs compiled after the warm-up step (a recompile after it also raises; 0 in a healthy run)
             "recompiles": k["graphs"] - w.graphs0 if w.graphs0 is not None else 0,
         }
+        if n_sel:  # DFlash2's selector on the window's slots, each scored after its true predecessor
+            wce, wsum, right, labelled, among = v[-n_sel:].tolist()
+            rec["selector_ce"] = wce / max(wsum, 1e-12)  # its CE over the slots whose label is a candidate (weighted)
+            rec["selector_acc"] = right / max(among, 1.0)  # its pick is the label, over those slots (× recall: over all)
+            rec["selector_recall"] = among / max(labelled, 1.0)  # the label is among the top-k candidates
         if k["skipped"]:  # steps whose gradient norm was not finite: skipped, weights untouched
             rec["skipped_steps"] = int(skipped)
         if cuda:
@@ -215,12 +233,13 @@ class Meter:
         self.t_loop, self.graphs_start = time.time(), compiled_graphs()
         self.windows, self.last = [], None  # windows: (steps, seconds, tokens); the last record
 
-    def add(self, out, keep_BA, wait_s: float) -> None:
-        """A micro-batch's loss output, its keep mask, and the time its batch kept the host waiting. Its loss is its
+    def add(self, out, keep_BA, wait_s: float, selector=None) -> None:
+        """A micro-batch's loss output, its keep mask, the time its batch kept the host waiting, and (DFlash2) its
+        selector's (`stages.train.micro_batch`'s second value: records get selector_ce, _acc, _recall). Its loss is its
         share of the step's loss: the shares of a step's micro-batches on all processes sum to the step's loss times
         the number of processes (`loss.step_normalizer`), so the record's `loss` is the mean over the window's steps
         of each step's loss: its weighted CE over all its micro-batches and processes / their total loss weight."""
-        self.window.add(out, keep_BA)
+        self.window.add(out, keep_BA, selector)
         self.window.wait_s += wait_s
 
     def step(self, rows: int, grad_norm) -> None:

@@ -2,7 +2,8 @@
 
     prefill   target(prompt) → tapped states of the prompt (the drafter's first context) and the first greedy token
               g0 = the anchor
-    each step draft   d_1..d_{L-1} = `DFlashDraftModel.draft_block(new context, anchor)`  (the shipped drafter)
+    each step draft   d_1..d_{L-1} = `draft_tokens(new context, anchor)` of the shipped drafter (DFlash: each
+                      slot's argmax; DFlash2: its selector's walk from the anchor, as the engines draft)
               verify  target([anchor, d_1..d_{L-1}]) with the KV cache    (ONE target forward, L tokens)
                       p_k = argmax of the target's logits after block token k (k = 0..L-1)
               accept  n = longest prefix with d_k == p_{k-1} (k = 1..n);  emit d_1..d_n and the bonus p_n
@@ -16,7 +17,7 @@ floating-point rounding between a block forward and token-by-token forwards flip
 
 Who owns what: the drafter is the artifact users load. `load_exported` opens an export directory through
 `AutoModel.from_pretrained(..., trust_remote_code=True)` (its `dflash.py`, checked against the weights' SHA-256 in
-the export's provenance) and `ExportedDrafter` calls its `draft_block`, the same drafting step as its own
+the export's provenance) and `ExportedDrafter` calls its `draft_tokens`, the same drafting step as its own
 `spec_generate`, with the target's embedding and lm_head. This module has no drafter code of its own: it is the
 engine's side — verification, acceptance, cache rollback, timing — which engines implement themselves too.
 (`spec_generate` in dflash.py recomputes a hybrid target over the whole sequence at every block; here the target's
@@ -41,7 +42,7 @@ Stats (`GenStats`; pooled over prompts by `summarize`):
   last step accepted past eos or max_new_tokens: τ as z-lab reports it overstates short budgets, e.g. by ~10 % with
   blocks of 16, 40 new tokens and 85 % per-slot acceptance).
 - `target_forwards` = prefill + verify steps + refeeds; tok/s = new tokens / wall seconds (prefill included).
-- per step: `draft_ms` (draft_block + argmax), `verify_ms` (the verify forward + argmax + the host sync; for the
+- per step: `draft_ms` (draft_tokens: draft_block + argmax or the selector walk), `verify_ms` (the verify forward + argmax + the host sync; for the
   target alone: one token's forward), `rollback_ms` (snapshot, restore, refeed). CUDA events on a GPU (read once at
   the end of a generation, no extra syncs), `time.perf_counter` on a CPU.
 
@@ -145,7 +146,7 @@ def untrained_model(drafter_cfg, target_dir, seed: int, device="cpu", dtype=torc
         weights, drafter_cfg = fold_state(weights, projections), dataclasses.replace(drafter_cfg, tap_width=0)
     config = Qwen3Config.from_dict(zlab_config(drafter_cfg, target_fields(str(target_dir)), "float32"))
     with torch.device("meta"):  # no second initialisation: the weights come next
-        model = zlab_dflash.DFlashDraftModel(config)
+        model = getattr(zlab_dflash, config.architectures[0])(config)  # DFlashDraftModel or DFlash2DraftModel
     model.load_state_dict(weights, strict=True, assign=True)
     code = Path(zlab_dflash.__file__)
     artifact = {"path": None, "untrained_seed": seed, "modeling_file": str(code), "modeling_sha256": sha256_file(code)}
@@ -153,9 +154,10 @@ def untrained_model(drafter_cfg, target_dir, seed: int, device="cpu", dtype=torc
 
 
 class ExportedDrafter:
-    """Greedy drafting with the shipped model's `draft_block`, using the target's own embedding and lm_head (as the
-    engines do). The interface `speculative_generate` needs: `block_size`, `layer_ids`, `start()` (a new sequence)
-    and `draft(ctx_new_1SK, anchor_11, pos, block_size)` → drafts [block_size-1]."""
+    """Greedy drafting with the shipped model's `draft_tokens` (DFlash: argmax of each slot's logits; DFlash2: the
+    candidate selector's walk from the anchor), using the target's own embedding and lm_head (as the engines do).
+    The interface `speculative_generate` needs: `block_size`, `layer_ids`, `start()` (a new sequence) and
+    `draft(ctx_new_1SK, anchor_11, pos, block_size)` → drafts [block_size-1]."""
 
     def __init__(self, model, target):
         self.model = model.eval()
@@ -168,8 +170,7 @@ class ExportedDrafter:
 
     def draft(self, ctx_new_1SK: torch.Tensor, anchor_11: torch.Tensor, pos: int, block_size: int) -> torch.Tensor:
         assert self.cache.get_seq_length() + ctx_new_1SK.shape[1] == pos, "new context does not end at the anchor"
-        logits = self.model.draft_block(ctx_new_1SK, anchor_11, self.cache, self.embed, self.lm_head, block_size)
-        return logits[0].argmax(-1)
+        return self.model.draft_tokens(ctx_new_1SK, anchor_11, self.cache, self.embed, self.lm_head, block_size)[0]
 
 
 # --- the target ------------------------------------------------------------------------------------------------

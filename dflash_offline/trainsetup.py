@@ -246,14 +246,17 @@ def drafter_config(cfg: TrainConfig, c: dict):
                          f"{c['num_target_layers']} layers): pass target= the right checkpoint")
     types = None
     if cfg.sliding_window:
-        types = ["sliding_attention"] * (cfg.num_layers - 1) + ["full_attention"]
+        full = cfg.full_attention_layers
+        types = ["sliding_attention"] * (cfg.num_layers - full) + ["full_attention"] * full
     return DrafterConfig(
         hidden_size=c["hidden_size"], intermediate_size=cfg.intermediate_size or info.intermediate_size,
         vocab_size=info.vocab_size, target_layer_ids=c["layer_ids"], num_target_layers=info.num_layers,
         mask_token_id=int(c["mask_token_id"]), num_layers=cfg.num_layers, num_heads=cfg.num_heads,
         num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=info.rms_norm_eps,
         rope_theta=info.rope_theta, block_size=cfg.block_size, sliding_window=cfg.sliding_window or None,
-        layer_types=types, tap_width=c.get("tap_width", 0),
+        layer_types=types, tap_width=c.get("tap_width", 0), variant=cfg.variant,
+        conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size, selector_rank=cfg.selector_rank,
+        selector_top_k=cfg.selector_top_k,
     )
 
 

@@ -16,6 +16,11 @@ the output. `forward` follows z-lab's keyword interface (`target_hidden`, `noise
 context + block, `past_key_values`, `use_cache`), so code calling z-lab's `forward` calls this one alike (not
 z-lab's generation loops, which call other methods and argument orders: `spec_generate` below is this file's own).
 
+`DFlash2DraftModel` (z-lab's DFlash2, same file; config.json names it) adds to every layer a block-local dynamic
+convolution around attention and around the MLP (`attention_conv`, `mlp_conv`) and a candidate selector that drafts
+a block by walking each slot's top-k candidates from the anchor (`candidate_selector`); see its docstring. The file
+is longer than this project's modules because it travels alone: both drafters, no imports of the project.
+
 Speculative decoding: `draft_block` is one drafting step (context cache in, draft logits of one block out);
 `spec_generate` is a simple batch-1 loop around it. Serving loops that verify with their own target machinery
 (cache rollback, timing) call `draft_block` too, so every loop drafts with the same code.
@@ -138,11 +143,19 @@ class DFlashDecoderLayer(nn.Module):
         self.mlp = DFlashMLP(config)
         self.input_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention_conv = self.mlp_conv = None  # DFlash2 sets both (`BlockConvolution`)
 
     def forward(self, x_BQH, ctx_BSH, rope_ctx, rope_blk, mask, cache):
         # the context is injected as is (already hidden_norm'ed); only the block stream is normed here
-        x_BQH = x_BQH + self.self_attn(self.input_layernorm(x_BQH), ctx_BSH, rope_ctx, rope_blk, mask, cache)
-        return x_BQH + self.mlp(self.post_attention_layernorm(x_BQH))
+        def attend(h_BQH):
+            return self.self_attn(h_BQH, ctx_BSH, rope_ctx, rope_blk, mask, cache)
+
+        x_BQH = x_BQH + _wrapped(self.attention_conv, attend, self.input_layernorm(x_BQH))
+        return x_BQH + _wrapped(self.mlp_conv, self.mlp, self.post_attention_layernorm(x_BQH))
+
+
+def _wrapped(conv, sublayer, h_BQH):
+    return sublayer(h_BQH) if conv is None else conv(sublayer, h_BQH)
 
 
 class DraftKVCache:
@@ -167,6 +180,14 @@ class DraftKVCache:
         """Keep the first `length` positions."""
         for i in self.keys:
             self.keys[i], self.values[i] = self.keys[i][:, :, :length], self.values[i][:, :, :length]
+
+
+def choose(logits: torch.Tensor, temperature: float) -> torch.LongTensor:
+    """The argmax at temperature 0 (<= 1e-5), else a sample of softmax(logits / temperature); over the last dim."""
+    if temperature <= 1e-5:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs.view(-1, probs.shape[-1]), 1).view(probs.shape[:-1])
 
 
 class DFlashDraftModel(PreTrainedModel):
@@ -294,8 +315,9 @@ class DFlashDraftModel(PreTrainedModel):
 
     @torch.no_grad()
     def draft_block(self, target_hidden: torch.Tensor, anchor_ids: torch.LongTensor, past_key_values,
-                    embed_tokens, lm_head, block_size: int | None = None) -> torch.Tensor:
-        """One drafting step: logits [B, L-1, V] of block slots 1..L-1 (slot k = the token k after the anchor).
+                    embed_tokens, lm_head, block_size: int | None = None, return_hidden: bool = False):
+        """One drafting step: logits [B, L-1, V] of block slots 1..L-1 (slot k = the token k after the anchor);
+        with `return_hidden`, (logits, their final-normed hidden states [B, L-1, H]).
 
         target_hidden    [B, S, k*H]: the target's tapped states of the S tokens before the anchor that
                          `past_key_values` does not hold yet (first call: the prompt; then the previous anchor and
@@ -315,7 +337,16 @@ class DFlashDraftModel(PreTrainedModel):
         h = self(position_ids=torch.arange(C, C + S + L, device=block.device)[None], noise_embedding=noise,
                  target_hidden=target_hidden, past_key_values=past_key_values, use_cache=True)
         past_key_values.crop(C + S)
-        return lm_head(h[:, 1:]) if isinstance(lm_head, nn.Module) else h[:, 1:] @ lm_head.t()
+        h = h[:, 1:]
+        logits = lm_head(h) if isinstance(lm_head, nn.Module) else h @ lm_head.t()
+        return (logits, h) if return_hidden else logits
+
+    @torch.no_grad()
+    def draft_tokens(self, target_hidden, anchor_ids, past_key_values, embed_tokens, lm_head, block_size=None,
+                     temperature: float = 0.0) -> torch.LongTensor:
+        """The drafted tokens [B, L-1] of one drafting step (`draft_block`'s logits, argmax or sampled)."""
+        return choose(self.draft_block(target_hidden, anchor_ids, past_key_values, embed_tokens, lm_head, block_size),
+                      temperature)
 
     @torch.inference_mode()
     def spec_generate(self, target, input_ids: torch.LongTensor, max_new_tokens: int,
@@ -341,12 +372,6 @@ class DFlashDraftModel(PreTrainedModel):
         use_target_cache = all(t in (FULL, SLIDING) for t in (getattr(text_cfg, "layer_types", None) or [FULL]))
         stops = set(stop_token_ids or [])
 
-        def pick(logits):
-            if temperature <= 1e-5:
-                return logits.argmax(-1)
-            probs = torch.softmax(logits.float() / temperature, dim=-1)
-            return torch.multinomial(probs.view(-1, probs.shape[-1]), 1).view(probs.shape[:-1])
-
         def run_target(ids, cache, keep):
             # positions follow from the cache length (or start at 0 without a cache)
             out = target(input_ids=ids, past_key_values=cache, use_cache=cache is not None,
@@ -360,18 +385,19 @@ class DFlashDraftModel(PreTrainedModel):
 
             tcache = DynamicCache()
         logits, ctx = run_target(seq, tcache, 1)
-        seq = torch.cat([seq, pick(logits[:, -1:])], dim=1)
+        seq = torch.cat([seq, choose(logits[:, -1:], temperature)], dim=1)
         dcache, accepted = self.draft_cache(), []
         prompt_len = input_ids.shape[1]
         while seq.shape[1] - prompt_len < max_new_tokens and not (stops and int(seq[0, -1]) in stops):
             n = seq.shape[1] - 1  # tokens before the anchor (the newest token)
-            block = torch.cat([seq[:, -1:], pick(self.draft_block(ctx, seq[:, -1:], dcache, embed, head, L))], dim=1)
+            drafted = self.draft_tokens(ctx, seq[:, -1:], dcache, embed, head, L, temperature)
+            block = torch.cat([seq[:, -1:], drafted], dim=1)
             if tcache is not None:
                 logits, hidden = run_target(block, tcache, L)
             else:
                 logits, hidden = run_target(torch.cat([seq[:, :-1], block], dim=1), None, L)
                 hidden = hidden[:, -L:]
-            verdict = pick(logits)  # verdict[:, i] = the target's token after block[:, :i + 1]
+            verdict = choose(logits, temperature)  # verdict[:, i] = the target's token after block[:, :i + 1]
             agree = (block[:, 1:] == verdict[:, :-1]).int().cumprod(dim=1).sum().item()
             seq = torch.cat([seq, block[:, 1:agree + 1], verdict[:, agree:agree + 1]], dim=1)
             ctx = hidden[:, :agree + 1]
@@ -389,3 +415,109 @@ class DFlashDraftModel(PreTrainedModel):
             if hit is not None:
                 out = out[:, :prompt_len + hit + 1]
         return SimpleNamespace(output_ids=out, acceptance_lengths=accepted) if return_stats else out
+
+
+# --- DFlash2 ---------------------------------------------------------------------------------------------------
+
+
+class BlockConvolution(nn.Module):
+    """DFlash2's convolution around one sublayer f of the block stream x (the normed residual): post(f(pre(x))),
+
+        pre(x)_t  = sum_j (base_kernel[0, j] + tap[t, 0, j, g]) * x_{t-j}      (x before the block's slot 0: zero)
+        post(y)_t = sum_j (base_kernel[1, j] + tap[t, 1, j, g]) * y_{t-j}
+        tap       = kernel_projection(x) [.., 2, J, groups], one value for each group of `group_size` channels.
+
+    The Q block tokens of a row are one block (drafting: [anchor, MASK, ...])."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
+        super().__init__()
+        if hidden_size % group_size:
+            raise ValueError(f"conv_group_size {group_size} does not divide hidden_size {hidden_size}")
+        self.kernel_size, self.groups = kernel_size, hidden_size // group_size
+        base = torch.zeros(2, kernel_size, hidden_size)
+        base[:, 0] = 1.0  # the identity until weights are loaded
+        self.base_kernel = nn.Parameter(base)
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+
+    def convolve(self, x_BQH, tap_BQJG, base_JH):
+        B, Q, H = x_BQH.shape
+        J, G = base_JH.shape[0], self.groups
+        x5 = x_BQH.view(B, Q, G, H // G)
+        tap5 = tap_BQJG.view(B, Q, J, G, 1)
+        base = base_JH.to(x_BQH.dtype).view(J, G, H // G)
+        out = x5 * base[0] + tap5[:, :, 0] * x5
+        for j in range(1, J):
+            prev = F.pad(x5[:, :-j], (0, 0, 0, 0, j, 0))  # slot t reads slot t-j; zeros before slot 0
+            out = out + prev * base[j] + tap5[:, :, j] * prev
+        return out.reshape(B, Q, H)
+
+    def forward(self, sublayer, x_BQH):
+        B, Q, _ = x_BQH.shape
+        tap = self.kernel_projection(x_BQH).view(B, Q, 2, self.kernel_size, self.groups)
+        y = sublayer(self.convolve(x_BQH, tap[:, :, 0], self.base_kernel[0]))
+        return self.convolve(y, tap[:, :, 1], self.base_kernel[1])
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's drafting walk. A drafted slot's candidates are the top_k tokens of its logits z; after
+    predecessor p, candidate c scores z_c + <predecessor_codebook[p] * hidden_projection(h), successor_codebook[c]>
+    (h: the slot's final hidden state). The walk starts with p = the anchor token; each slot's pick is the next p."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(torch.zeros(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.zeros(vocab_size, rank))
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+
+    def scores(self, h_nH, unary_nK, cand_nK, prev_n):
+        gate_nR = F.embedding(prev_n, self.predecessor_codebook) * self.hidden_projection(h_nH).to(
+            self.predecessor_codebook.dtype)
+        pair_nK = torch.einsum("nr,nkr->nk", gate_nR, F.embedding(cand_nK, self.successor_codebook))
+        return unary_nK + pair_nK.to(unary_nK.dtype)
+
+    def walk(self, h_BKH, logits_BKV, anchor_B, temperature: float = 0.0) -> torch.LongTensor:
+        """The drafted tokens [B, K] of K slots: each slot's best candidate after the previous pick (or a sample of
+        the softmax of its scores / temperature)."""
+        unary_BKC, cand_BKC = logits_BKV.topk(self.top_k, dim=-1)
+        prev_B, picks = anchor_B, []
+        for k in range(h_BKH.shape[1]):
+            s_BC = self.scores(h_BKH[:, k], unary_BKC[:, k], cand_BKC[:, k], prev_B)
+            prev_B = cand_BKC[:, k].gather(-1, choose(s_BC, temperature)[:, None])[:, 0]
+            picks.append(prev_B)
+        return torch.stack(picks, dim=1)
+
+
+def dflash2_setting(config, name: str) -> int:
+    value = (getattr(config, "dflash_config", None) or {}).get(name, getattr(config, name, None))
+    if value is None:
+        raise ValueError(f"DFlash2 drafter config lacks dflash_config.{name}")
+    return int(value)
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """DFlash2 (z-lab format): the DFlash drafter with a `BlockConvolution` around every attention and MLP
+    (`layers.{i}.attention_conv`, `layers.{i}.mlp_conv`) and a `CandidateSelector` (`candidate_selector`) that
+    drafts; `forward` is DFlash's (final-normed block hidden states). Settings from `dflash_config`:
+    conv_kernel_size, conv_group_size, selector_rank, selector_top_k."""
+
+    _no_split_modules = ["DFlashDecoderLayer"]
+
+    def __init__(self, config):
+        super().__init__(config)
+        kernel, group = dflash2_setting(config, "conv_kernel_size"), dflash2_setting(config, "conv_group_size")
+        for layer in self.layers:
+            layer.attention_conv = BlockConvolution(config.hidden_size, kernel, group)
+            layer.mlp_conv = BlockConvolution(config.hidden_size, kernel, group)
+        self.candidate_selector = CandidateSelector(config.vocab_size, config.hidden_size,
+                                                    dflash2_setting(config, "selector_rank"),
+                                                    dflash2_setting(config, "selector_top_k"))
+        self.post_init()
+
+    @torch.no_grad()
+    def draft_tokens(self, target_hidden, anchor_ids, past_key_values, embed_tokens, lm_head, block_size=None,
+                     temperature: float = 0.0) -> torch.LongTensor:
+        """The drafted tokens [B, L-1] of one drafting step: the selector's walk from the anchor."""
+        logits, h = self.draft_block(target_hidden, anchor_ids, past_key_values, embed_tokens, lm_head, block_size,
+                                     return_hidden=True)
+        return self.candidate_selector.walk(h, logits, anchor_ids[:, 0], temperature)

@@ -245,7 +245,8 @@ def train_loop(cfg: TrainConfig, s: TrainSetup, acc, p: Parts, stream, step: int
         micros = [next_micro(cfg, s, acc, stream, step * s.accum + m, dc) for m in range(s.accum)]
         norm = step_normalizer([loss_weight(b["labels"], cfg.gamma or None, cfg.weighting) for b, _ in micros], s.world)
         for m, (batch, wait_s) in enumerate(micros):
-            meter.add(micro_batch(cfg, s, acc, p, batch, norm, last=m == s.accum - 1), batch["keep"], wait_s)
+            out, sel = micro_batch(cfg, s, acc, p, batch, norm, last=m == s.accum - 1)
+            meter.add(out, batch["keep"], wait_s, sel)
         grad_norm = optimizer_step(cfg, s, acc, p)
         step += 1
         if profiler is not None and step == profile_end:
@@ -318,7 +319,8 @@ def next_micro(cfg: TrainConfig, s: TrainSetup, acc, stream, index: int, dc) -> 
 
 def micro_batch(cfg: TrainConfig, s: TrainSetup, acc, p: Parts, batch: dict, norm, last: bool):
     """Forward and backward of a `next_micro` batch (`last`: the step's last), its loss divided by `norm`, the step's
-    (`loss.step_normalizer`): the loss returned is its share of the step's loss (see `metrics.Meter.add`)."""
+    (`loss.step_normalizer`): the loss returned is its share of the step's loss (see `metrics.Meter.add`). Returns
+    (that loss output, the selector's `dflash2.SelectorLoss` with its `norm` — DFlash2 — or None)."""
     import torch
 
     from dflash_offline.loss import block_ce_loss
@@ -336,8 +338,14 @@ def micro_batch(cfg: TrainConfig, s: TrainSetup, acc, p: Parts, batch: dict, nor
         out = block_ce_loss(h, p.head, batch["labels"], gamma=cfg.gamma or None, weighting=cfg.weighting,
                             chunk_tokens=cfg.loss_chunk_tokens, normalizer=norm, epilogue=s.epilogue,
                             logits=cfg.loss_logits)
+        if p.raw.candidate_selector is not None:  # DFlash2: + the selector's CE (dflash2.selector_ce_loss)
+            from dflash_offline.dflash2 import selector_ce_loss
+
+            sel = selector_ce_loss(p.raw.candidate_selector, h, p.head, batch["labels"], batch["input_ids"], a_BA,
+                                   gamma=cfg.gamma or None, normalizer=norm, chunk_tokens=cfg.loss_chunk_tokens)
+            out = out._replace(loss=out.loss + cfg.selector_weight * sel.loss)
         acc.backward(out.loss)
-    return out
+    return out, (sel, batch["labels"], norm) if p.raw.candidate_selector is not None else None
 
 
 def check_same_projection(start: Path, run_dir: Path, now: dict | None) -> None:

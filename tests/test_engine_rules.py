@@ -26,7 +26,7 @@ from test_recipes import QWEN3_8B, QWEN36_27B, RECIPES, exported_config, resolve
 
 from dflash_offline.checkpoint import save_checkpoint
 from dflash_offline.config import TrainConfig
-from dflash_offline.drafter import DFlashDrafter
+from dflash_offline.drafter import DFlashDrafter, DrafterConfig
 from dflash_offline.export import ExportError, export, usage, zlab_config
 from dflash_offline.target import default_layer_ids, read_target_info
 from dflash_offline.trainsetup import cache_defaults, drafter_config
@@ -119,7 +119,9 @@ def vllm_resolve(hf: dict, num_speculative_tokens: int, target_layers: int) -> d
         raise Refused(f"fc takes {len(aux)} target states, the target records {len(captured)} (aux ids {aux})")
     # transformers' hidden_states[N] is the *normed* last layer: vLLM's a = N is no entry of it (None)
     taps = [a if a < target_layers else None for a in captured]
-    mixed = 0 < sum(t == SLIDING for t in types or []) < len(types or [])  # needs the V2 model runner
+    mixed = 0 < sum(t == SLIDING for t in types or []) < len(types or [])  # needs the V2 model runner, and so
+    # does DFlash2: its proposal is a V2 speculator (v1/worker/gpu/spec_decode/dflash2/speculator.py)
+    mixed = mixed or (hf.get("architectures") or [None])[0] == "DFlash2DraftModel"
     return {"block_size": block, "mask_token_id": mask, "layers": layers, "taps": taps, "v2_runner": mixed}
 
 
@@ -207,6 +209,102 @@ def sglang_resolve(hf: dict, tokenizer, target: Target, dflash_block_size: int |
             "warnings": warnings}
 
 
+# --- the weights: which parameter each checkpoint tensor reaches, and which parameters none reaches -------------------
+#
+# DFlash2 (z-lab's `DFlash2DraftModel`: a grouped dynamic conv around every attention and MLP, a candidate selector)
+# in both engines, re-stated from the code that added it — vLLM PR #52816 and SGLang PR #35371, both "DFlash2: local
+# convolution + candidate selector" (read: vllm-project/vllm vllm/model_executor/models/qwen3_dflash2.py at 030da624
+# and qwen3_dflash.py at 036a00d1; SGLang's python/sglang/srt/models/dflash.py and srt/speculative/dflash_utils.py on
+# the PR author's branch SubSir/sglang at 055d82c / 018af5e — the released 0.33.0 / 0.5.23 trees are too large to
+# fetch here; the loading rules below did not differ between the versions read).
+
+
+STACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+LAYER_SLOTS = ("self_attn.qkv_proj.weight:q", "self_attn.qkv_proj.weight:k", "self_attn.qkv_proj.weight:v",
+               "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+               "mlp.gate_up_proj.weight:0", "mlp.gate_up_proj.weight:1", "mlp.down_proj.weight",
+               "input_layernorm.weight", "post_attention_layernorm.weight")
+CONV_SLOTS = tuple(f"{c}.{k}" for c in ("attention_conv", "mlp_conv") for k in ("base_kernel", "kernel_projection.weight"))
+# the codebooks are plain parameters (nn.Parameter, no `.weight`) in both engines, as in z-lab's checkpoints
+SELECTOR_SLOTS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
+                  "candidate_selector.hidden_projection.weight")
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def engine_slots(n_layers: int, conv: bool, selector: bool, prefix: str = "") -> set[str]:
+    """The engine's drafter parameters, one entry per loaded part ("param:shard" for the fused q/k/v and gate/up)."""
+    slots = {f"{prefix}{k}" for k in ("fc.weight", "hidden_norm.weight", "norm.weight")}
+    for i in range(n_layers):
+        slots |= {f"{prefix}layers.{i}.{k}" for k in LAYER_SLOTS + CONV_SLOTS * conv}
+    return slots | {f"{prefix}{k}" for k in SELECTOR_SLOTS * selector}
+
+
+def slot_of(name: str, prefix: str = "") -> str:
+    """A checkpoint name as both engines map it: q/k/v_proj into the fused qkv_proj, gate/up_proj into gate_up_proj
+    (vLLM qwen3_dflash.py hf_to_vllm_mapper orig_to_new_stacked; SGLang srt/models/dflash.py load_weights
+    stacked_params_mapping)."""
+    for w, (param, shard) in STACKED.items():
+        if f".{w}." in name:
+            return f"{prefix}{name.replace(w, param)}:{shard}"
+    return f"{prefix}{name}"
+
+
+def vllm_load(hf: dict, names: list[str]) -> list[str]:
+    """vLLM's load of `names` into the class config.json's architecture names (model_executor/models/registry.py:
+    DFlashDraftModel → qwen3_dflash.DFlashQwen3ForCausalLM, DFlash2DraftModel → qwen3_dflash2.DFlash2Qwen3ForCausalLM,
+    whose layers always carry both convolutions and whose model the selector, sized by dflash_config[...] with no
+    default). DFlashQwen3ForCausalLM.load_weights prefixes "model." and AutoWeightsLoader raises on a name that
+    reaches no parameter; it returns None, so the default loader's "weights not initialized from checkpoint" check is
+    skipped: a parameter no tensor reaches stays as allocated (torch.empty), silently. Returns those."""
+    arch = (hf.get("architectures") or [None])[0]
+    if arch not in ("DFlashDraftModel", "DFlash2DraftModel"):
+        raise Refused(f"architecture {arch!r} is not a DFlash drafter")
+    two = arch == "DFlash2DraftModel"
+    dflash = hf.get("dflash_config") or {}
+    if two and (absent := [k for k in DFLASH2_FIELDS if k not in dflash]):
+        raise Refused(f"DFlash2Qwen3ForCausalLM reads dflash_config[{absent[0]!r}] (KeyError)")
+    slots, loaded = engine_slots(hf["num_hidden_layers"], two, two, "model."), set()
+    for name in names:
+        slot = slot_of(name, "model.")
+        if slot not in slots:
+            raise Refused(f"There is no module or parameter named {slot.split(':')[0]!r}")
+        loaded.add(slot)
+    return sorted(slots - loaded)
+
+
+def sglang_load(hf: dict, names: list[str]) -> list[str]:
+    """SGLang's load of `names` into DFlashDraftModel (srt/models/dflash.py), which builds the convolutions when
+    dflash_config has conv_kernel_size and conv_group_size and the selector when it has the selector's rank and top-k
+    (srt/speculative/dflash_utils.py parse_dflash_draft_config: both of a pair or neither; it does not read the
+    architecture). load_weights resolves a name with or without "model." and *skips* one that reaches no parameter
+    ("Ignore unexpected weights"); nothing checks the parameters no tensor reached. Returns the skipped tensors and
+    the parameters left unloaded: both are silent there."""
+    dflash = hf.get("dflash_config") or {}  # (PR #35371's four flat fields; an earlier revision on the author's
+    # branch nested the selector's as dflashv2_selector {rank, top_k})
+    conv, selector = (bool(dflash.get(a)) + bool(dflash.get(b)) for a, b in (DFLASH2_FIELDS[:2], DFLASH2_FIELDS[2:]))
+    if 1 in (conv, selector):
+        raise Refused("the convolution needs conv_kernel_size and conv_group_size together (selector: rank and "
+                      "top_k together)")
+    slots, loaded, skipped = engine_slots(hf["num_hidden_layers"], conv == 2, selector == 2), set(), []
+    for name in names:
+        slot = slot_of(name.removeprefix("model."))
+        (loaded.add(slot) if slot in slots else skipped.append(f"skipped {name}"))
+    return skipped + sorted(slots - loaded)
+
+
+def weights_served(raw: dict, names: list[str]) -> dict:
+    """engine -> the tensors it does not consume or the parameters it leaves unloaded ([] = every tensor reaches its
+    parameter and every parameter is loaded), or "refused: why"."""
+    hf, out = engine_view(raw), {}
+    for engine, load in (("vllm", vllm_load), ("sglang", sglang_load)):
+        try:
+            out[engine] = load(hf, names)
+        except Refused as e:
+            out[engine] = f"refused: {e}"
+    return out
+
+
 # --- the drafter as trained, and the comparison --------------------------------------------------------------------
 
 
@@ -258,8 +356,16 @@ def outcome(served: dict) -> dict:
 # --- the tiny targets: a run resolved as make train resolves it, exported by export.export ----------------------
 
 
+def exported_names(out: Path) -> list[str]:
+    """The tensor names of an export's model.safetensors, in file order."""
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        return list(f.keys())
+
+
 def export_random_run(root: Path, dc, target: Path) -> tuple[dict, dict]:
-    """(config.json, drafter dict) of an export of a run holding one checkpoint of a random drafter `dc`."""
+    """(config.json, drafter dict) of an export (in root/out) of a run holding one checkpoint of a random drafter."""
     torch.manual_seed(0)
     cfg = {"train": {"target": str(target), "cache": ""}, "drafter": dataclasses.asdict(dc)}
     run = root / "run"
@@ -272,17 +378,22 @@ def export_random_run(root: Path, dc, target: Path) -> tuple[dict, dict]:
 
 
 TINY_TRAIN = dict(num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, block_size=8)
+# DFlash2 as the Qwen3.8-27B recipe has it: every layer sliding, the selector smaller to keep the test light
+TINY_DFLASH2 = dict(variant="dflash2", full_attention_layers=0, selector_rank=8, selector_top_k=4)
 
 
 @pytest.fixture(scope="module")
 def tiny_exports(tmp_path_factory, hidden_cache, qwen35_dir, qwen3_dir) -> dict:
-    """arch -> (config.json, drafter, Target, cache layer ids): Qwen3.5 with its cache's taps and a sliding window
-    (like the 27B recipe), Qwen3 with the default taps and full attention (like the 8B recipe); block 8, so that
-    SGLang's fallback of 16 is told apart."""
+    """arch -> (config.json, drafter, Target, cache layer ids, tensor names): Qwen3.5 with its cache's taps and a
+    sliding window (like the 27B recipe), Qwen3 with the default taps and full attention (like the 8B recipe), and
+    "dflash2": a DFlash2 drafter on the Qwen3.5 cache, every layer sliding (like the Qwen3.8-27B recipe); block 8, so
+    that SGLang's fallback of 16 is told apart."""
     out = {}
-    for arch, target, cache, window in (("qwen3_5", qwen35_dir, hidden_cache, 8), ("qwen3", qwen3_dir, None, 0)):
+    for arch, target, cache, window, kw in (("qwen3_5", qwen35_dir, hidden_cache, 8, {}),
+                                            ("qwen3", qwen3_dir, None, 0, {}),
+                                            ("dflash2", qwen35_dir, hidden_cache, 8, TINY_DFLASH2)):
         info = read_target_info(target)
-        cfg = TrainConfig(cache=str(cache or "unused"), sliding_window=window, **TINY_TRAIN)
+        cfg = TrainConfig(cache=str(cache or "unused"), sliding_window=window, **TINY_TRAIN, **kw)
         if cache:
             facts = cache_defaults(cfg)
         else:
@@ -290,15 +401,16 @@ def tiny_exports(tmp_path_factory, hidden_cache, qwen35_dir, qwen3_dir) -> dict:
                      "mask_token_id": tiny.load_mask_token_id(target), "hidden_size": info.hidden_size,
                      "num_target_layers": info.num_layers}
         dc = drafter_config(cfg, facts)
-        config, drafter = export_random_run(tmp_path_factory.mktemp(arch), dc, target)
+        root = tmp_path_factory.mktemp(arch)
+        config, drafter = export_random_run(root, dc, target)
         tgt = Target(info.num_layers, info.vocab_size, info.arch, str(target))
-        out[arch] = (config, drafter, tgt, facts["layer_ids"])
+        out[arch] = (config, drafter, tgt, facts["layer_ids"], exported_names(root / "out"))
     return out
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3"])
 def test_tiny_export_is_served_as_trained(tiny_exports, arch):
-    config, drafter, target, cache_layers = tiny_exports[arch]
+    config, drafter, target, cache_layers, _ = tiny_exports[arch]
     # the drafter is the project's recipe: every layer but the last sliding when a window is set; the cache's taps
     sliding = drafter["sliding_window"] is not None
     assert drafter["layer_types"] == [SLIDING] * sliding * 2 + [FULL] * (1 + 2 * (not sliding))
@@ -352,7 +464,7 @@ BROKEN = {
 
 @pytest.mark.parametrize("case", list(BROKEN))
 def test_each_rule_catches_a_broken_config(tiny_exports, case):
-    config, drafter, target, _ = tiny_exports["qwen3_5"]
+    config, drafter, target, *_ = tiny_exports["qwen3_5"]
     assert drafter["target_layer_ids"] == [1, 3, 5] and target.layers == 8  # what the edits above assume
     edit, n_spec, want = BROKEN[case]
     if case == "trained on the ids in reverse order":
@@ -361,11 +473,67 @@ def test_each_rule_catches_a_broken_config(tiny_exports, case):
     assert outcome(got) == want, got
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3", "dflash2"])
+def test_every_exported_tensor_reaches_a_parameter_and_every_parameter_is_loaded(tiny_exports, arch):
+    """Both engines' loaders consume every tensor of the export and load every parameter of the drafter they build;
+    the DFlash2 export (all layers sliding, as the Qwen3.8-27B recipe) is also served as trained config-wise, on
+    vLLM's V2 runner (the usage line says so)."""
+    config, drafter, target, _, names = tiny_exports[arch]
+    assert weights_served(config, names) == AS_TRAINED
+    if arch == "dflash2":
+        assert config["architectures"] == ["DFlash2DraftModel"] and drafter["layer_types"] == [SLIDING] * 3
+        assert serve(config, drafter, target) == AS_TRAINED
+        assert vllm_resolve(engine_view(config), num_speculative_tokens(drafter), target.layers)["v2_runner"]
+        assert "VLLM_USE_V2_MODEL_RUNNER=1" in vllm_line(drafter)
+
+
+def _rename(old: str, new: str):
+    return lambda names: [n.replace(old, new) for n in names]
+
+
+CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
+# Each weight rule meets an export that breaks it: (tensor names edit, config.json edit, what each engine must
+# report). vLLM refuses a tensor that reaches no parameter but leaves a parameter no tensor reaches as allocated;
+# SGLang does neither — it skips the tensor: these cases show both silent outcomes are caught here.
+BROKEN_WEIGHTS = {
+    "codebooks named with .weight": (  # as z-lab's own from_pretrained remaps them (key_mapping), not as published
+        lambda ns: [n + ".weight" if n in CODEBOOKS else n for n in ns], None,
+        {"vllm": "refused", "sglang": [f"skipped {c}.weight" for c in CODEBOOKS] + list(CODEBOOKS)}),
+    "an unknown tensor": (lambda ns: ns + ["layers.0.attention_conv.bias"], None,
+                          {"vllm": "refused", "sglang": ["skipped layers.0.attention_conv.bias"]}),
+    "a conv tensor missing": (lambda ns: [n for n in ns if n != "layers.1.mlp_conv.base_kernel"], None,
+                              {"vllm": ["model.layers.1.mlp_conv.base_kernel"],
+                               "sglang": ["layers.1.mlp_conv.base_kernel"]}),
+    "a misnamed conv": (_rename("mlp_conv", "ffn_conv"), None, {"vllm": "refused", "sglang": "skips"}),
+    "architecture DFlashDraftModel": (  # what export wrote before it knew DFlash2
+        None, lambda c: {**c, "architectures": ["DFlashDraftModel"]}, {"vllm": "refused", "sglang": []}),
+    "no DFlash2 settings": (None, lambda c: {**c, "dflash_config": _drop(c["dflash_config"], *DFLASH2_FIELDS)},
+                            {"vllm": "refused", "sglang": "skips"}),
+    "half the conv settings": (None, lambda c: {**c, "dflash_config": _drop(c["dflash_config"], "conv_group_size")},
+                               {"vllm": "refused", "sglang": "refused"}),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN_WEIGHTS))
+def test_each_weight_rule_catches_a_broken_export(tiny_exports, case):
+    config, _, _, _, names = tiny_exports["dflash2"]
+    edit_names, edit_config, want = BROKEN_WEIGHTS[case]
+    names2 = edit_names(list(names)) if edit_names else list(names)
+    got = weights_served(edit_config(json.loads(json.dumps(config))) if edit_config else config, names2)
+    for engine, w in want.items():
+        if w == "refused":
+            assert str(got[engine]).startswith("refused"), (engine, got)
+        elif w == "skips":  # SGLang serves it, skipping the tensors of modules it did not build (or misnamed)
+            assert isinstance(got[engine], list) and sum(x.startswith("skipped ") for x in got[engine]) >= 3, got
+        else:
+            assert got[engine] == w, (engine, got)
+
+
 # --- the real recipes at the real shapes, with the released tokenizers ---------------------------------------------
 
 
 REAL_TARGETS = {"qwen3.6": (QWEN36_27B["text_config"], "qwen3_5"), "qwen3.5": (QWEN36_27B["text_config"], "qwen3_5"),
-                "qwen3": (QWEN3_8B, "qwen3")}
+                "qwen3.8": (QWEN36_27B["text_config"], "qwen3_5"), "qwen3": (QWEN3_8B, "qwen3")}
 
 
 def real_export(recipe: str, tmp_path: Path, fixtures: Path) -> tuple[dict, dict, Target]:
@@ -381,8 +549,11 @@ def real_export(recipe: str, tmp_path: Path, fixtures: Path) -> tuple[dict, dict
 def test_recipe_export_is_served_as_trained(recipe, tmp_path, real_fixtures):
     config, drafter, target = real_export(recipe, tmp_path, real_fixtures)
     assert serve(config, drafter, target) == AS_TRAINED
-    window = {"qwen3.6-27b": 2048}.get(recipe)
-    assert trained(drafter)["layers"] == [(True, 2047)] * 4 * bool(window) + [(False, None)] * (1 + 4 * (not window))
+    with torch.device("meta"):  # the tensors export writes: the drafter's state dict, names as they are
+        names = list(DFlashDrafter(DrafterConfig(**drafter)).state_dict())
+    assert weights_served(config, names) == AS_TRAINED
+    sliding, full = {"qwen3.6-27b": (4, 1), "qwen3.8-27b-dflash2": (5, 0)}.get(recipe, (0, 5))
+    assert trained(drafter)["layers"] == [(True, 2047)] * sliding + [(False, None)] * full
     # the mask token without the id: SGLang finds the tokenizer's <|audio_start|> (248070); the bare default <|MASK|>
     # is not in the Qwen3.5/3.6 tokenizer, so it would be added at 248077, and in Qwen3's it lands at 151669
     no_id = {**config, "dflash_config": _drop(config["dflash_config"], "mask_token_id")}
@@ -398,7 +569,7 @@ def test_the_export_refuses_taps_no_engine_serves_as_trained(tmp_path, tiny_expo
     the export refuses such taps, at the real shapes and for a run, before writing anything."""
     from dflash_offline.export import target_fields
 
-    config, drafter, target, _ = tiny_exports["qwen3"]  # taps [1, 2, 3] of 6 layers
+    config, drafter, target, *_ = tiny_exports["qwen3"]  # taps [1, 2, 3] of 6 layers
     for ids, engines in (([1, 3, 2], {"vllm": ["taps"], "sglang": ["taps"]}),
                          ([1, 2, 5], {"vllm": ["taps"], "sglang": "refused"})):
         bad = {**config, "dflash_config": {**config["dflash_config"], "target_layer_ids": ids}}

@@ -86,11 +86,38 @@ QWEN3_8B = {
     "sliding_window": None, "max_window_layers": 36,
 }
 
+# Qwen3.8-27B: the Qwen3.6-27B architecture and config keys (issue #37); only the chat template differs
+QWEN38_27B = QWEN36_27B
+# z-lab's published DFlash2 drafter for it (z-lab/Qwen3.8-27B-DFlash2, model card; restated in issue #37 — the
+# checkpoint itself is not readable here), in the field layout of z-lab/dflash tests/fixtures/dflash2-config.json
+# (commit 0a7587c04af47b56024ef80f44c0926e795a540b: the four DFlash2 settings flat in dflash_config beside
+# block_size, mask_token_id and target_layer_ids; every layer sliding_attention). vocab_size, num_target_layers and
+# rope theta are the target's (a drafter uses its target's embedding, layers and RoPE).
+ZLAB_QWEN38_27B_DFLASH2 = {
+    "architectures": ["DFlash2DraftModel"], "model_type": "qwen3",
+    "dflash_config": {"block_size": 8, "mask_token_id": 248070, "target_layer_ids": [5, 19, 33, 47, 61],
+                      "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16},
+    "hidden_size": 5120, "num_hidden_layers": 5, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "layer_types": ["sliding_attention"] * 5, "sliding_window": 2048, "use_sliding_window": True,
+    "max_window_layers": 5, "vocab_size": 248320, "num_target_layers": 64, "hidden_act": "silu",
+    "attention_bias": False, "tie_word_embeddings": False, "rope_theta": 10000000,
+}
+# z-lab's DFlash2 config fields not restated for the 27B drafter, or that the export leaves out, and why
+NOT_PUBLISHED = {
+    "intermediate_size": "not restated; ours is the target's 17408 (SpecForge's Qwen3.6-27B drafter's)",
+    "is_causal": "the fixture's layout has false (the window bidirectional inside the block); we train block-causal "
+                 "sliding layers and write none, so every engine serves them causal, as trained",
+    "final_logit_softcapping/output_multiplier": "the fixture's target has them; a Qwen target has neither (identity)",
+    "rms_norm_eps": "the target's (1e-6) here; the fixture's other target has 1e-5",
+    "auto_map": "the fixture has none (z-lab's package registers the class); the export names the shipped dflash.py",
+}
+
 # recipe → (target config.json, reference, attention fields that replace the reference's, real tokenizer fixture)
 RECIPES = {
     "qwen3.6-27b": (QWEN36_27B, SPECFORGE_QWEN36_27B, {}, "qwen3.6"),
     "qwen3.5-27b": (QWEN36_27B, SPECFORGE_QWEN36_27B, QWEN35_ATTENTION, "qwen3.5"),
     "qwen3-8b": (QWEN3_8B, SPECFORGE_QWEN3_8B, {}, "qwen3"),
+    "qwen3.8-27b-dflash2": (QWEN38_27B, ZLAB_QWEN38_27B_DFLASH2, {}, "qwen3.8"),
 }
 
 
@@ -136,7 +163,11 @@ def test_the_export_has_the_reference_drafters_fields(recipe, tmp_path):
         else:
             assert out[key] == want, (recipe, key, out[key], want)
     assert out["rope_parameters"] == {"rope_type": "default", "rope_theta": ref["rope_theta"]}
-    assert out["dflash_config"]["block_size"] == ref["block_size"]
+    assert out["dflash_config"]["block_size"] == out["block_size"] == ref.get("block_size",
+                                                                           ref["dflash_config"].get("block_size"))
+    if ref["architectures"] == ["DFlash2DraftModel"]:  # every field z-lab's dflash_config holds, and no other
+        assert {k: v for k, v in out["dflash_config"].items() if k != "mask_token"} == ref["dflash_config"]
+        assert out["auto_map"] == {"AutoModel": "dflash.DFlash2DraftModel"} and "is_causal" not in out
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
@@ -145,14 +176,16 @@ def test_the_drafter_fits_a_model_built_from_the_reference_config(recipe, tmp_pa
     export ships) built from the reference config.json: the checkpoint loads where the reference's does."""
     from transformers import Qwen3Config
 
-    from dflash_offline.zlab_dflash import DFlashDraftModel
+    from dflash_offline import zlab_dflash
 
     target_cfg, ref, attention, _ = RECIPES[recipe]
     dc = resolved_drafter(recipe, target_dir(tmp_path / "target", target_cfg))
-    config = Qwen3Config(**{k: v for k, v in {**ref, **attention}.items() if k not in NOT_COMPARED})
+    fields = {k: v for k, v in {**ref, **attention}.items() if k not in NOT_COMPARED}
+    config = Qwen3Config(**{"intermediate_size": dc.intermediate_size, **fields})  # (a DFlash2 ref has no width)
     with torch.device("meta"):
         ours = {k: tuple(v.shape) for k, v in DFlashDrafter(dc).state_dict().items()}
-        theirs = {k: tuple(v.shape) for k, v in DFlashDraftModel(config).state_dict().items()}
+        theirs = {k: tuple(v.shape) for k, v in
+                  getattr(zlab_dflash, ref["architectures"][0])(config).state_dict().items()}
     assert ours == theirs
     hidden, taps = ref["hidden_size"], len(ref["dflash_config"]["target_layer_ids"])
     assert ours["fc.weight"] == (hidden, taps * hidden) and len({k.split(".")[1] for k in ours if
@@ -181,6 +214,10 @@ SPECFORGE_TRAINING = {
                      num_anchors=512, loss_decay_gamma=7, batch_size=4, gpus=8),
 }
 SPECFORGE_TRAINING["qwen3.5-27b"] = SPECFORGE_TRAINING["qwen3.6-27b"]  # (no reference of its own)
+# DFlash2 (no official training): NeMo AutoModel's practice as restated in issue #37 (gamma 4 for block 8, 64 anchors,
+# lr 6e-4); the rest is the qwen3.6-27b recipe's schedule, ours
+SPECFORGE_TRAINING["qwen3.8-27b-dflash2"] = {**SPECFORGE_TRAINING["qwen3.6-27b"], "num_anchors": 64,
+                                             "loss_decay_gamma": 4, "block_size": 8}
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
@@ -192,6 +229,43 @@ def test_the_recipe_trains_as_the_reference_training_config(recipe):
     assert tok.seq_len == ref["max_length"] and tok.long_doc == "truncate"  # max_length truncates a sample
     assert (train.epochs, train.lr, train.warmup_ratio, train.warmup_steps, train.grad_clip) == (
         ref["num_epochs"], ref["learning_rate"], ref["warmup_ratio"], -1, ref["max_grad_norm"])
-    assert (train.num_anchors, train.gamma, train.block_size) == (ref["num_anchors"], ref["loss_decay_gamma"], 16)
+    assert (train.num_anchors, train.gamma, train.block_size) == (ref["num_anchors"], ref["loss_decay_gamma"],
+                                                                  ref.get("block_size", 16))
     # the reference's global batch in rows, on any number of processes
     assert train.global_batch_tokens == ref["batch_size"] * ref["gpus"] * tok.seq_len
+
+
+def test_the_qwen38_recipe_tokenizes_with_its_template_settings_and_has_a_storage_plan(tmp_path, real_fixtures,
+                                                                                      capsys):
+    """Qwen3.8-27B: the recipe's template_kwargs are settings Qwen3.8's template reads (the real template fixture
+    renders the reasoning_effort instruction with them) and are part of the tokenize config; the recipe trains DFlash2
+    with the published conv/selector settings; the storage plan prints its bytes per token (5 taps x 5120)."""
+    from dflash_offline import storage
+    from dflash_offline.chat import parse_settings
+
+    tables = read_recipe(str(REPO / "manifests" / "qwen3.8-27b-dflash2.toml"))
+    tok = build_config(TokenizeConfig, "tokenize", tables["tokenize"])
+    settings = parse_settings(tok.template_kwargs)
+    assert settings == {"reasoning_effort": "xhigh"} and tok.thinking == "keep" and tok.turns == "each"
+    from transformers import AutoTokenizer
+
+    t = AutoTokenizer.from_pretrained(str(real_fixtures / "qwen3.8"))
+    text = t.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, **settings)
+    assert "Reasoning effort is set to xhigh" in text
+    train = storage.recipe_train(str(REPO / "manifests" / "qwen3.8-27b-dflash2.toml"))
+    assert (train.variant, train.conv_kernel_size, train.conv_group_size, train.selector_rank,
+            train.selector_top_k, train.full_attention_layers) == ("dflash2", 2, 16, 256, 16, 0)
+    layer_ids = tables["extract"]["layer_ids"]
+    assert storage.bytes_per_token("bf16", len(layer_ids), 5120) == 51_200
+    assert storage.bytes_per_token("fp8", len(layer_ids), 5120) == 25_620
+    drafter = storage.drafter_shape(train, 5120, 17408, 248320, layer_ids)
+    rate = storage.rates(layer_params=storage.EXTRACT_LAYER_PARAMS, drafter=drafter, seq_len=4096)
+    rows = 1000
+    p = storage.storage_plan(rows=rows, seq_len=4096, doc_tokens=rows * 4000, k=5, hidden=5120, quant="bf16",
+                             need=rows * 4096 * 51_200, shards="63/63", free=10**15, fits=True, min_free_gb=2.0,
+                             allow_overfill=False, gpus=8, epochs=storage.plan_epochs(train, rows, 4096, 8),
+                             rate=rate, gpu=True, answer_tokens=0, verify_rows=2 * 63)
+    assert p["encodings"]["bf16"]["bytes_per_token"] == 51_200 and p["encodings"]["fp8"]["bytes_per_token"] == 25_620
+    text = "\n".join(storage.render(p, Path("/data/cache/hidden")))
+    print(text)
+    assert "51,200" in text and "6 epochs" in text

@@ -440,6 +440,44 @@ def test_evaluate_measures_the_export(tmp_path, hidden_cache):
         evaluate.main(args + ["--check_prompts=1"])
 
 
+def test_evaluate_a_dflash2_run_drafts_with_the_selector_losslessly(tmp_path, hidden_cache, monkeypatch):
+    """A tiny DFlash2 run trained, exported and evaluated end to end: the export loads as DFlash2DraftModel, every
+    draft is its selector's walk (`draft_tokens`, as the engines draft), the decodes are lossless, the replay takes
+    the decodes' steps, and the teacher-forced estimate runs on the same weights."""
+    from dflash_offline import speculate
+    from dflash_offline.config import TrainConfig
+    from stages import evaluate, train
+
+    run = tmp_path / "run"
+    train.run(TrainConfig(cache=str(hidden_cache), run=str(run), num_layers=1, num_heads=4, num_kv_heads=2,
+                          head_dim=16, num_anchors=8, batch_rows=2, log_every=1, trackers="none", block_size=8,
+                          steps=2, ckpt_every=2, variant="dflash2", selector_rank=8, selector_top_k=4).resolve())
+    seen = {"drafts": 0, "walks": 0, "classes": set()}
+    draft = speculate.ExportedDrafter.draft
+
+    def counting(self, *a, **kw):
+        sel = self.model.candidate_selector
+        if not getattr(sel, "counted", False):
+            walk = sel.walk
+            sel.walk = lambda *x, **y: seen.update(walks=seen["walks"] + 1) or walk(*x, **y)
+            sel.counted = True
+        seen["drafts"] += 1
+        seen["classes"].add(type(self.model).__name__)
+        return draft(self, *a, **kw)
+
+    monkeypatch.setattr(speculate.ExportedDrafter, "draft", counting)
+    prompts = prompts_with_categories(tmp_path / "eval.jsonl", 3)
+    assert evaluate.main([f"--run={run}", f"--prompts={prompts}", "--num_prompts=3", "--max_new_tokens=12",
+                          "--tf_batches=1", "--tf_rows=2", "--replay=1", "--check_prompts=3"]) == 0
+    r = json.loads((run / "eval.json").read_text())
+    cfg = json.loads((run / "eval-export" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"] and seen["classes"] == {"DFlash2DraftModel"}
+    assert r["lossless"] and r["exact"] and all(p["equal"] for p in r["per_prompt"])
+    assert r["replay_check"] == {"prompts": 3, "agree": 3} and r["lossless_prompts"] == 3
+    assert seen["drafts"] == seen["walks"] > 0 and sum(r["tau_hist"]) == r["verify_steps"] > 0
+    assert r["block_size"] == 8 and r["teacher_forced"]["batches"] == 1
+
+
 def test_evaluate_fails_on_a_difference_in_float32_and_counts_ties_in_bfloat16(tmp_path, hidden_cache, monkeypatch):
     """A broken decoder (last token changed) must be caught: in float32 any difference fails (exit 1, lossless false
     in the JSON); in bfloat16 a difference within `tie_tol` of the target's top logit is a tie, beyond it a failure."""
