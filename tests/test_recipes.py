@@ -241,6 +241,7 @@ def test_the_qwen38_recipe_tokenizes_with_its_template_settings_and_has_a_storag
     renders the reasoning_effort instruction with them) and are part of the tokenize config; the recipe trains DFlash2
     with the published conv/selector settings; the storage plan prints its bytes per token (5 taps x 5120)."""
     from dflash_offline import storage
+    from dflash_offline.cache import encodings
     from dflash_offline.chat import parse_settings
 
     tables = read_recipe(str(REPO / "manifests" / "qwen3.8-27b-dflash2.toml"))
@@ -256,8 +257,8 @@ def test_the_qwen38_recipe_tokenizes_with_its_template_settings_and_has_a_storag
     assert (train.variant, train.conv_kernel_size, train.conv_group_size, train.selector_rank,
             train.selector_top_k, train.full_attention_layers) == ("dflash2", 2, 16, 256, 16, 0)
     layer_ids = tables["extract"]["layer_ids"]
-    assert storage.bytes_per_token("bf16", len(layer_ids), 5120) == 51_200
-    assert storage.bytes_per_token("fp8", len(layer_ids), 5120) == 25_620
+    assert encodings.bytes_per_token("bf16", len(layer_ids), 5120) == 51_200
+    assert encodings.bytes_per_token("fp8", len(layer_ids), 5120) == 25_620
     drafter = storage.drafter_shape(train, 5120, 17408, 248320, layer_ids)
     rate = storage.rates(layer_params=storage.EXTRACT_LAYER_PARAMS, drafter=drafter, seq_len=4096)
     rows = 1000
