@@ -34,7 +34,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, s: TrainSetup, acc, model, embed, head, info, run_dir: Path,
                  projection: dict | None = None):
         """`model`: the plain drafter on its device (fp8-converted where it trains in fp8); `embed`, `head`: the
-        target's, frozen; `info`: the cache the stream reads; `projection`: the cache's P record, kept in checkpoints."""
+        target's, frozen; `info`: the cache the stream reads; `projection`: its P's record, kept in checkpoints."""
         from dflash_offline.dataset import HiddenStream
 
         self.cfg, self.s, self.acc, self.run_dir, self.projection = cfg, s, acc, Path(run_dir), projection

@@ -3,11 +3,14 @@
     python -m stages.train --recipe=manifests/demo.toml --cache=DIR --run=runs/x [--resume=1] ...
     accelerate launch --num_processes N -m stages.train ...        (one process per GPU; NPROC=N in make)
 
-Sections: config → compute → model → optimizer → data → loop. The stage checks everything before any weights load,
-owns the run directory (`dflash_offline.runguard`: one trainer per run, a clean stop on SIGTERM/SIGINT), builds the
-drafter and hands it to `dflash_offline.trainer.Trainer`, which holds the optimizer, schedule and stream and runs the
-loop (fixed shapes, blocks seeded by each row's place in the run, the step's loss normalizer). The streaming loader
-splits rows by rank itself (it never goes through accelerator.prepare). What the settings mean on this machine:
+Sections: config → compute → model → optimizer → data → loop. Fixed shapes everywhere: B rows per micro-batch,
+A anchors per row (padded with a keep mask, resampled every step), so the compiled step sees one shape; after the
+warm-up step any recompile is an error. The streaming loader splits rows by rank itself (it never goes through
+accelerator.prepare). Each row's anchors and noise come from a generator seeded by (seed, the row's place in the
+run's sequence of rows), so resumed, 1-process and N-process runs — also a resume on another processes × batch_rows
+split of the same global batch — see the same anchors for the same rows. A step draws the blocks of all its
+micro-batches first, and divides each one's loss by the step's loss weight over all its micro-batches and processes
+(`loss.step_normalizer`). The loop: `dflash_offline.trainer.Trainer`; what the settings mean on this machine:
 `dflash_offline.trainsetup`; the metrics windows and the run's last line: `dflash_offline.metrics`.
 """
 
