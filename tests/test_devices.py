@@ -65,17 +65,19 @@ def test_a_cpu_run_takes_one_thread_unless_told_otherwise(monkeypatch):
 
 
 def test_every_stage_that_picks_a_device_asks_the_owner():
-    from stages import evaluate, extract, regen, verify
+    from dflash_offline import evalrun
+    from stages import extract, regen, verify
 
-    for stage in (extract, regen, verify, evaluate):
+    for stage in (extract, regen, verify, evalrun):
         src = inspect.getsource(stage)
         assert "pick_device(" in src and "cuda.is_available" not in src and "def pick_device" not in src, stage
     assert inspect.getsource(devices).count("cuda.is_available()") == 2  # auto, and the refusal
 
 
 def test_stages_refuse_cuda_without_cuda_before_any_work(no_cuda, tmp_path, qwen35_dir, chat_corpus, monkeypatch):
+    from dflash_offline import evalrun
     from dflash_offline.config import ExtractConfig, TokenizeConfig
-    from stages import evaluate, extract, regen
+    from stages import extract, regen
 
     tok = TokenizeConfig(corpus=[str(chat_corpus)], tokenizer=str(qwen35_dir), cache_root=str(tmp_path),
                          seq_len=128, workers=1, max_docs=10).resolve()
@@ -89,7 +91,7 @@ def test_stages_refuse_cuda_without_cuda_before_any_work(no_cuda, tmp_path, qwen
                                     device="cuda"))
     assert not (tmp_path / "r.jsonl").exists()
     with pytest.raises(ValueError, match="eval.device='gpu': expected"):
-        evaluate.EvalConfig(run=str(tmp_path), device="gpu").resolve()
+        evalrun.EvalConfig(run=str(tmp_path), device="gpu").resolve()
 
 
 def test_a_cpu_device_turns_transformers_install_fla_notes_into_one_accurate_line(capsys):
