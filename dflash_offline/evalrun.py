@@ -256,9 +256,9 @@ def outcome(rec: dict) -> str:
 
 
 def evaluate(cfg: EvalConfig) -> dict:
+    """The report of one evaluation (`stages/evaluate.py`'s docstring says what it measures)."""
     import torch
 
-    from dflash_offline.devices import cpu_threads, pick_device
     from dflash_offline.progress import log
     from dflash_offline.speculate import ExportedDrafter
     from dflash_offline.target import read_target_info
@@ -271,20 +271,13 @@ def evaluate(cfg: EvalConfig) -> dict:
     prompts_file = Path(cfg.prompts) if cfg.prompts else target_dir / "corpus" / "eval.jsonl"
     if not prompts_file.is_file():
         raise ValueError(f"prompts file {prompts_file} does not exist: pass --prompts= a chat JSONL")
-    device = pick_device(cfg.device, "eval.device")
-    dtype_name = compute_dtype(cfg.dtype, device, target_dir)
-    dtype = getattr(torch, dtype_name)
-    exact = dtype_name == "float32"
-    if exact:
-        exact_float32(device)
-    cpu_threads(device, cfg.threads, log)  # one thread on a CPU run unless OMP_NUM_THREADS or --threads says
+    device, dtype_name = compute(cfg, target_dir)
+    dtype, exact = getattr(torch, dtype_name), dtype_name == "float32"
 
     # --- the drafter: the shipped artifact (small; validates the run before the target is loaded)
     model, artifact, dc = load_drafter(cfg, ri, run_dir, device, dtype, log)
     info = read_target_info(target_dir)
-    if (info.hidden_size, info.num_layers) != (dc.hidden_size, dc.num_target_layers):
-        raise ValueError(f"target {target_dir} (hidden {info.hidden_size}, {info.num_layers} layers) is not the "
-                         f"drafter's (hidden {dc.hidden_size}, {dc.num_target_layers} layers)")
+    check_same_target(info, dc, target_dir)
 
     # --- target
     log(f"loading target {target_dir} ({info.arch}, {info.num_layers} layers) on {device} in {dtype_name}"
@@ -320,6 +313,26 @@ def evaluate(cfg: EvalConfig) -> dict:
         "replay_check": {"prompts": len(checked := [q["replay_agrees"] for q in per_prompt if "replay_agrees" in q]),
                          "agree": sum(checked)} if cfg.replay else None, "teacher_forced": tf, "per_prompt": per_prompt, "config": as_dict(cfg), "time": time.time(),
     }
+
+
+def compute(cfg: EvalConfig, target_dir: Path):
+    """(device, compute dtype's name) of this evaluation; float32 (exact mode) switches TF32 off on CUDA."""
+    from dflash_offline.devices import cpu_threads, pick_device
+    from dflash_offline.progress import log
+
+    device = pick_device(cfg.device, "eval.device")
+    dtype_name = compute_dtype(cfg.dtype, device, target_dir)
+    if dtype_name == "float32":
+        exact_float32(device)
+    cpu_threads(device, cfg.threads, log)  # one thread on a CPU run unless OMP_NUM_THREADS or --threads says
+    return device, dtype_name
+
+
+def check_same_target(info, dc, target_dir: Path) -> None:
+    """The drafter reads the target's states: its hidden size and layer count must be the target's."""
+    if (info.hidden_size, info.num_layers) != (dc.hidden_size, dc.num_target_layers):
+        raise ValueError(f"target {target_dir} (hidden {info.hidden_size}, {info.num_layers} layers) is not the "
+                         f"drafter's (hidden {dc.hidden_size}, {dc.num_target_layers} layers)")
 
 
 def report_path(cfg: EvalConfig) -> Path:
