@@ -1,4 +1,4 @@
-"""What `stages/evaluate.py` measures, as pieces that take plain values: the run and the artifact, the prompts,
+"""What `evalrun.py` measures, as pieces that take plain values: the run and the artifact, the prompts,
 the lossless check, the estimates, and the report.
 
 The artifact is what users ship: `export_for_eval` takes an export directory as it is when it holds an export of

@@ -235,7 +235,7 @@ class Meter:
 
     def add(self, out, keep_BA, wait_s: float, selector=None) -> None:
         """A micro-batch's loss output, its keep mask, the time its batch kept the host waiting, and (DFlash2) its
-        selector's (`stages.train.micro_batch`'s second value: records get selector_ce, _acc, _recall). Its loss is its
+        selector's (`Trainer.micro_batch`'s second value: records get selector_ce, _acc, _recall). Its loss is its
         share of the step's loss: the shares of a step's micro-batches on all processes sum to the step's loss times
         the number of processes (`loss.step_normalizer`), so the record's `loss` is the mean over the window's steps
         of each step's loss: its weighted CE over all its micro-batches and processes / their total loss weight."""

@@ -1,5 +1,5 @@
 """Regenerating a chat corpus's answers with the target (self-distillation data): the records, the held-out split,
-the output and its resume. `stages/regen.py` runs it with one of two answerers.
+the output and its resume. `regenrun.run` (`stages/regen.py`) runs it with one of two answerers.
 
 - Input (`make_job`): a record without an assistant turn is a prompt (its last turn a user's, or a tool result): it
   gets one answer appended. A conversation with assistant turns gets the first regenerated, the rest dropped; with

@@ -171,8 +171,8 @@ def trainer_blocks(cfg, device):
     trainer draws for them; the drafter as the trainer builds it (fp32 here) and the target's embedding and lm_head."""
     from dflash_offline.dataset import HiddenStream
     from dflash_offline.drafter import load_target_embeddings
+    from dflash_offline.trainer import next_micro
     from dflash_offline.trainsetup import check_inputs, resolve_train
-    from stages import train
 
     c, dc, info = check_inputs(cfg, Path(cfg.run) / "unused")
     s = resolve_train(cfg, cuda=device.type == "cuda", world=1, seq_len=c["seq_len"], rows=info.num_rows)
@@ -181,7 +181,7 @@ def trainer_blocks(cfg, device):
     embed, head = (t.to(device, torch.float32) for t in load_target_embeddings(c["target"]))
     stream = HiddenStream(info, cfg.batch_rows, seed=cfg.seed, device=device)
     acc = SimpleNamespace(device=device, process_index=0)
-    micros = [train.next_micro(cfg, s, acc, stream, i, dc)[0] for i in range(s.accum)]
+    micros = [next_micro(cfg, s, acc, stream, i, dc)[0] for i in range(s.accum)]
     stream.close()
     return micros, model, embed, head
 

@@ -24,10 +24,10 @@ from dflash_offline.config import (
     config_from_argv,
     configs_from_argv,
 )
+from dflash_offline.evalrun import EvalConfig
 from dflash_offline.export import ExportConfig
 from dflash_offline.targetid import TargetError, resolve_checkpoint
 from stages import train
-from stages.evaluate import EvalConfig
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_anchors=8, batch_rows=2, log_every=1,

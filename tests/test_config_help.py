@@ -18,8 +18,8 @@ from dflash_offline.config import (
     describe,
     field_help,
 )
+from dflash_offline.evalrun import EvalConfig
 from dflash_offline.export import ExportConfig
-from stages.evaluate import EvalConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = [(TokenizeConfig, "tokenize"), (ExtractConfig, "extract"), (VerifyConfig, "verify"),

@@ -65,17 +65,19 @@ def test_a_cpu_run_takes_one_thread_unless_told_otherwise(monkeypatch):
 
 
 def test_every_stage_that_picks_a_device_asks_the_owner():
-    from stages import evaluate, extract, regen, verify
+    from dflash_offline import evalrun, regenrun
+    from stages import extract, verify
 
-    for stage in (extract, regen, verify, evaluate):
+    for stage in (extract, regenrun, verify, evalrun):
         src = inspect.getsource(stage)
         assert "pick_device(" in src and "cuda.is_available" not in src and "def pick_device" not in src, stage
     assert inspect.getsource(devices).count("cuda.is_available()") == 2  # auto, and the refusal
 
 
 def test_stages_refuse_cuda_without_cuda_before_any_work(no_cuda, tmp_path, qwen35_dir, chat_corpus, monkeypatch):
+    from dflash_offline import evalrun, regenrun
     from dflash_offline.config import ExtractConfig, TokenizeConfig
-    from stages import evaluate, extract, regen
+    from stages import extract
 
     tok = TokenizeConfig(corpus=[str(chat_corpus)], tokenizer=str(qwen35_dir), cache_root=str(tmp_path),
                          seq_len=128, workers=1, max_docs=10).resolve()
@@ -83,13 +85,13 @@ def test_stages_refuse_cuda_without_cuda_before_any_work(no_cuda, tmp_path, qwen
     with pytest.raises(ValueError, match="extract.device=cuda but CUDA is not available"):
         extract.run(ext, tok)
     assert list(tmp_path.iterdir()) == []  # refused before stage 1a ran
-    monkeypatch.setattr(regen, "load_model", lambda *a: pytest.fail("weights loaded"))
+    monkeypatch.setattr(regenrun, "load_model", lambda *a: pytest.fail("weights loaded"))
     with pytest.raises(ValueError, match="regen --device=cuda but CUDA is not available"):
-        regen.run(regen.RegenConfig(target=str(qwen35_dir), corpus=[str(chat_corpus)], out=str(tmp_path / "r.jsonl"),
-                                    device="cuda"))
+        regenrun.run(regenrun.RegenConfig(target=str(qwen35_dir), corpus=[str(chat_corpus)],
+                                          out=str(tmp_path / "r.jsonl"), device="cuda"))
     assert not (tmp_path / "r.jsonl").exists()
     with pytest.raises(ValueError, match="eval.device='gpu': expected"):
-        evaluate.EvalConfig(run=str(tmp_path), device="gpu").resolve()
+        evalrun.EvalConfig(run=str(tmp_path), device="gpu").resolve()
 
 
 def test_a_cpu_device_turns_transformers_install_fla_notes_into_one_accurate_line(capsys):

@@ -207,6 +207,7 @@ def test_a_cache_keyed_by_the_sampled_fingerprint_is_continued_not_redone(tmp_pa
 def test_eval_refuses_a_held_out_cache_of_another_target(tmp_path, hidden_cache, qwen35_dir):
     """`stages.evaluate --cache=` feeds the cache's states to the run's drafter: a cache of other weights (here one
     byte the sampled fingerprint would miss) is refused in one line before anything loads; the cache's own passes."""
+    from dflash_offline import evalrun
     from stages import evaluate
 
     other = copy_target(qwen35_dir, tmp_path / "other")
@@ -222,4 +223,4 @@ def test_eval_refuses_a_held_out_cache_of_another_target(tmp_path, hidden_cache,
     msg = str(e.value)
     assert "\n" not in msg and f"--cache={hidden_cache} was extracted from {qwen35_dir}, not from the eval target " \
                               f"{other} (weights_fingerprint" in msg
-    evaluate.check_cache_target(str(hidden_cache), qwen35_dir)
+    evalrun.check_cache_target(str(hidden_cache), qwen35_dir)

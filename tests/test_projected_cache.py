@@ -161,8 +161,8 @@ def test_the_exported_drafter_on_full_states_equals_the_trained_one_on_projected
 
 
 def test_untrained_evaluation_of_a_projected_run_is_the_folded_fresh_drafter(runs, caches):
+    from dflash_offline.evalrun import EvalConfig, load_drafter
     from dflash_offline.evaluation import run_info
-    from stages.evaluate import EvalConfig, load_drafter
 
     run = runs["proj"]
     model, artifact, dc = load_drafter(EvalConfig(run=str(run), untrained=True), run_info(run), run,

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash_offline import regenrun
 from dflash_offline.corpus import validate_messages
+from dflash_offline.regen import settings_digest
 from dflash_offline.regen_local import assistant_message
 from stages import regen
 
@@ -33,8 +35,8 @@ def q3(qwen3_dir):
 
 def go(target, corpus, out, loaded, **kw):
     kw = {"max_new_tokens": NEW, "batch_size": 4, "thinking": "off", "num_docs": 5, "progress": False, **kw}
-    cfg = regen.RegenConfig(target=str(target), corpus=[str(corpus)], out=str(out), **kw)
-    return regen.run(cfg, *loaded)
+    cfg = regenrun.RegenConfig(target=str(target), corpus=[str(corpus)], out=str(out), **kw)
+    return regenrun.run(cfg, *loaded)
 
 
 def read(path):
@@ -130,7 +132,7 @@ def test_sampled_regeneration_is_seeded_so_a_resume_writes_what_an_uninterrupted
     with pytest.raises(ValueError, match="sampling"):
         go(qwen3_dir, chat_corpus, part, q3, num_docs=5, batch_size=2, max_new_tokens=12)
     with pytest.raises(ValueError, match="temperature"):
-        regen.RegenConfig(target="t", corpus=["c"], temperature=-1.0).resolve()
+        regenrun.RegenConfig(target="t", corpus=["c"], temperature=-1.0).resolve()
 
 
 def test_a_resume_checks_the_settings_even_without_the_stats_file_and_sees_an_edited_corpus(tmp_path, qwen3_dir,
@@ -143,7 +145,7 @@ def test_a_resume_checks_the_settings_even_without_the_stats_file_and_sees_an_ed
     out = tmp_path / "o.jsonl"
     go(qwen3_dir, corpus, out, q3, batch_size=2, num_docs=2)
     assert {r["regen"]["settings"] for r in read(out)} == {
-        regen.settings_digest(json.loads(Path(f"{out}.stats.json").read_text())["config"])}
+        settings_digest(json.loads(Path(f"{out}.stats.json").read_text())["config"])}
     Path(f"{out}.stats.json").unlink()
     with pytest.raises(ValueError, match=r"generated with other settings than these .* is missing"):
         go(qwen3_dir, corpus, out, q3, batch_size=2, num_docs=4, thinking="on")

@@ -20,10 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_offline import engine
+from dflash_offline import engine, regenrun
 from dflash_offline.chat import validate_messages
 from dflash_offline.engine import engine_message
-from stages import regen
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serving import executable, free_port, serve, stop  # noqa: E402
@@ -152,8 +151,8 @@ def prompts_file(path: Path, chat_corpus, n: int) -> tuple[Path, list[dict]]:
 def go(server, corpus, out, url=None, **kw):
     kw = {"max_new_tokens": NEW, "thinking": "off", "concurrency": 3, "backoff_s": 0.05, "retries": 3,
           "progress": False, **kw}
-    return regen.run(regen.RegenConfig(corpus=[str(corpus)], out=str(out), engine=url or server[0], model=server[1],
-                                       **kw))
+    return regenrun.run(regenrun.RegenConfig(corpus=[str(corpus)], out=str(out), engine=url or server[0],
+                                             model=server[1], **kw))
 
 
 def read(path):
@@ -194,9 +193,9 @@ def test_prompts_get_the_servers_answers_in_the_local_paths_records(server, prox
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32).eval()
-    regen.run(regen.RegenConfig(corpus=[str(corpus)], target=str(qwen3_dir), out=str(tmp_path / "l.jsonl"),
-                                max_new_tokens=NEW, thinking="off", progress=False),
-              model, AutoTokenizer.from_pretrained(qwen3_dir))
+    regenrun.run(regenrun.RegenConfig(corpus=[str(corpus)], target=str(qwen3_dir), out=str(tmp_path / "l.jsonl"),
+                                      max_new_tokens=NEW, thinking="off", progress=False),
+                 model, AutoTokenizer.from_pretrained(qwen3_dir))
     for e, loc in zip(out, read(tmp_path / "l.jsonl"), strict=True):
         assert e.keys() == loc.keys() and e["regen"].keys() == loc["regen"].keys()
         assert e["messages"][:-1] == loc["messages"][:-1] and e["messages"][-1].keys() == loc["messages"][-1].keys()

@@ -15,6 +15,7 @@ from test_train import REPO, WORKER, cfg, cli_args, free_port
 
 from dflash_offline import runguard
 from dflash_offline.cache import fsio
+from dflash_offline.trainer import Trainer
 from stages import train
 
 
@@ -98,7 +99,7 @@ def test_sigint_stops_after_the_step_in_flight_with_one_line_and_exit_130(tmp_pa
                                                                            capsys):
     """Ctrl-C mid-step (here: inside step 2's optimizer update) is no KeyboardInterrupt: step 2 finishes, is
     checkpointed, and `main` returns 130 after one line on stderr."""
-    real = train.optimizer_step
+    real = Trainer.optimizer_step
     calls = []
 
     def interrupted_step(*a, **k):
@@ -107,7 +108,7 @@ def test_sigint_stops_after_the_step_in_flight_with_one_line_and_exit_130(tmp_pa
             os.kill(os.getpid(), signal.SIGINT)
         return real(*a, **k)
 
-    monkeypatch.setattr(train, "optimizer_step", interrupted_step)
+    monkeypatch.setattr(Trainer, "optimizer_step", interrupted_step)
     run = tmp_path / "run"
     assert train.main(cli_args(hidden_cache, run, steps=50, ckpt_every=50)) == 130
     err = capsys.readouterr().err.strip().splitlines()
@@ -125,7 +126,7 @@ def test_a_stop_between_checkpoints_writes_its_steps_metrics_and_a_resume_matche
     record before the stop's checkpoint, so `--resume=1` from step 3 leaves every step's record — once — with the
     losses of an uninterrupted run (with log_every=1, record for record; the loss is the mean over a window, so with
     2 the stop's extra window boundary changes the windows but still no step goes missing)."""
-    real, calls = train.optimizer_step, []
+    real, calls = Trainer.optimizer_step, []
 
     def interrupted_step(*a, **k):
         calls.append(1)
@@ -136,7 +137,7 @@ def test_a_stop_between_checkpoints_writes_its_steps_metrics_and_a_resume_matche
     run, clean = tmp_path / "run", tmp_path / "clean"
     args = dict(steps=5, ckpt_every=50, log_every=log_every)
     with monkeypatch.context() as m:
-        m.setattr(train, "optimizer_step", interrupted_step)
+        m.setattr(Trainer, "optimizer_step", interrupted_step)
         assert train.main(cli_args(hidden_cache, run, **args)) == 130
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == ([1, 2, 3] if log_every == 1 else [2, 3])

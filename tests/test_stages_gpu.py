@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_offline.config import TrainConfig
+from dflash_offline.trainer import Trainer
 from dflash_offline.trainsetup import BenchSwitches, cache_defaults, drafter_config
 from stages import train
 
@@ -232,15 +233,15 @@ def test_fp8_lm_head_trains_like_fp32_logits_on_cuda(tmp_path, hidden_cache):
 def test_a_non_finite_step_is_skipped_by_the_fused_adamw_on_cuda(tmp_path, hidden_cache, monkeypatch):
     """fp32 weights and torch's fused AdamW on CUDA: a step whose gradient is NaN is skipped through the optimizer's
     `found_inf` (no host sync), counted, and the weights stay finite."""
-    real, calls = train.micro_batch, {"n": 0}
+    real, calls = Trainer.micro_batch, {"n": 0}
 
-    def poisoned(cfg, s, acc, p, batch, norm, last):
+    def poisoned(trainer, batch, norm, last):
         calls["n"] += 1
         if calls["n"] == 3:
             batch = dict(batch, hidden=batch["hidden"] * float("nan"))
-        return real(cfg, s, acc, p, batch, norm, last)
+        return real(trainer, batch, norm, last)
 
-    monkeypatch.setattr(train, "micro_batch", poisoned)
+    monkeypatch.setattr(Trainer, "micro_batch", poisoned)
     run = tmp_path / "r"
     train.run(TrainConfig(cache=str(hidden_cache), run=str(run), steps=4, ckpt_every=4, log_every=1, trackers="none",
                           num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_anchors=8, batch_rows=2,

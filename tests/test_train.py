@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from dflash_offline import metrics
 from dflash_offline.cache.manifest import update_manifest
 from dflash_offline.config import TrainConfig
+from dflash_offline.trainer import Trainer
 from dflash_offline.trainsetup import BenchSwitches, cache_defaults, drafter_config, resolve_train
 from stages import train
 
@@ -676,16 +677,16 @@ def test_a_finished_run_leaves_no_model_behind(tmp_path, hidden_cache):
 def test_a_step_with_a_non_finite_gradient_is_skipped_and_counted(tmp_path, hidden_cache, monkeypatch, master):
     """One micro-batch's loss turns NaN (a bad row, an overflow): that step changes nothing — with fp32 weights and
     torch's AdamW as with MasterAdamW — the run goes on with finite weights, and the metrics count the skipped step."""
-    real = train.micro_batch
+    real = Trainer.micro_batch
     calls = {"n": 0}
 
-    def poisoned(cfg, s, acc, p, batch, norm, last):
+    def poisoned(trainer, batch, norm, last):
         calls["n"] += 1
         if calls["n"] == 3:  # step 3's only micro-batch
             batch = dict(batch, hidden=batch["hidden"] * float("nan"))
-        return real(cfg, s, acc, p, batch, norm, last)
+        return real(trainer, batch, norm, last)
 
-    monkeypatch.setattr(train, "micro_batch", poisoned)
+    monkeypatch.setattr(Trainer, "micro_batch", poisoned)
     kw = dict(steps=4, ckpt_every=4, precision="bf16" if master == "on" else "fp32", master_weights=master)
     train.run(cfg(hidden_cache, tmp_path / "r", **kw))
     recs = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]

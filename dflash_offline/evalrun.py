@@ -1,0 +1,350 @@
+"""One evaluation of a drafter (`stages/evaluate.py` is its command line): its config (`EvalConfig`), the drafter
+and the target loaded as users load them (`load_drafter`: the export or an untrained drafter; `load_target`), the
+teacher-forced estimate, the decodes of every prompt by the target alone and with the drafter (`decode`), and the
+JSON report (`evaluate`, `write_report`). The measuring pieces that take plain values live in `evaluation.py`, the
+decoding loops in `speculate.py`; torch and transformers are imported where used, so `--help` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_offline.config import ConfigError, as_dict, check_choice
+from dflash_offline.devices import check_setting
+from dflash_offline.evaluation import (
+    baseline_key,
+    compute_dtype,
+    decode_summary,
+    divergence,
+    eos_ids,
+    exact_float32,
+    export_for_eval,
+    lossless,
+    prompt_ids_digest,
+    read_baseline,
+    read_prompts,
+    run_info,
+    teacher_forced,
+    write_baseline,
+)
+
+
+@dataclass
+class EvalConfig:
+    run: str  # run directory (config.json + checkpoints/) written by make train
+    export: str = ""  # z-lab export to measure (make EXPORT= or OUT=); empty = export --step into RUN/eval-export first
+    prompts: str = ""  # chat JSONL; empty = corpus/eval.jsonl beside the target (the demo target has one)
+    num_prompts: int = 16  # prompts taken from the start of the file
+    max_new_tokens: int = 128  # new tokens per prompt (the first, from the prefill, counts)
+    turn: str = "first"  # the prompt ends after the "first" or "last" user turn of each chat
+    step: int = -1  # checkpoint step to export (when --export is empty or new); -1 = the latest
+    untrained: bool = False  # measure a fresh drafter (the run's config and seed, step 0) in the same modeling code
+    cache: str = ""  # hidden cache for the teacher-forced estimate; empty = the run's training cache (not held out)
+    tf_batches: int = 4  # teacher-forced batches (0 = skip the estimate)
+    tf_rows: int = 1  # rows per teacher-forced batch
+    num_anchors: int = 0  # anchors per row for the estimate; 0 = the run's num_anchors
+    device: str = "auto"  # auto (cuda if available) | cpu | cuda | cuda:N
+    dtype: str = "auto"  # target + drafter: float32 (exact: any difference fails) | bfloat16 (ties allowed) | auto
+    threads: int = 0  # CPU threads for torch (0 = 1 on a CPU run unless OMP_NUM_THREADS is set, else torch's default)
+    out: str = ""  # JSON report path; empty = RUN/eval.json (RUN/eval-untrained.json)
+    tie_tol: float = 0.25  # bfloat16: a difference where the target's top-2 logit margin is <= this is a rounding tie
+    baseline: str = ""  # JSON file of the target-alone decodes: reused when made for the same target/prompts/dtype/device, else (re)written
+    spec_prompts: int = 0  # prompts also decoded with the drafter (0 = all); the rest by the target alone, for --baseline
+    replay: bool = False  # τ by replaying the target's greedy output (one target forward per prompt, the drafter stepped along it): the decode's τ, no speed figures
+    draft_baseline: bool = True  # target-alone decodes that are not timed (replayed or baseline-only prompts) verified in blocks against a batched greedy draft: the same tokens, ~10x fewer forwards
+    check_prompts: int = 0  # with --replay: the first N prompts also decoded for real (lossless check, speed figures, replay = decode checked)
+    trust_code: bool = False  # run the export's dflash.py even where it is not this version's shipped modeling code (loading runs it)
+
+    def resolve(self) -> EvalConfig:
+        check_choice("eval.turn", self.turn, ("first", "last"))
+        check_choice("eval.dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        check_setting(self.device, "eval.device")
+        for name in ("num_prompts", "max_new_tokens"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"eval.{name} must be > 0, got {getattr(self, name)}")
+        if self.spec_prompts < 0 or self.check_prompts < 0:
+            raise ConfigError(f"eval.spec_prompts and eval.check_prompts must be >= 0, got {self.spec_prompts}, "
+                              f"{self.check_prompts}")
+        if self.check_prompts and not self.replay:
+            raise ConfigError("eval.check_prompts checks a replay against real decodes: it needs --replay=1 (without "
+                              "it every prompt is decoded for real)")
+        if self.tf_batches < 0 or self.tf_rows < 1:
+            raise ConfigError(f"eval.tf_batches must be >= 0 and eval.tf_rows >= 1, got {self.tf_batches}, "
+                              f"{self.tf_rows}")
+        if self.tie_tol < 0:
+            raise ConfigError(f"eval.tie_tol must be >= 0, got {self.tie_tol}")
+        return self
+
+
+# --- the drafter, the target, the estimate ---------------------------------------------------------------------
+
+
+def load_drafter(cfg: EvalConfig, ri: dict, run_dir: Path, device, dtype, log):
+    """(the shipped model, its artifact record, its DrafterConfig) — the export, or an untrained drafter."""
+    import dataclasses
+
+    from dflash_offline.drafter import DrafterConfig
+    from dflash_offline.speculate import load_exported, untrained_model
+
+    known = {f.name for f in dataclasses.fields(DrafterConfig)}
+    if cfg.untrained:
+        if cfg.export:
+            log(f"--untrained=1: --export={cfg.export} is ignored (the drafter is built from the run's config)")
+        dc = DrafterConfig(**{k: v for k, v in ri["config"]["drafter"].items() if k in known})
+        projections = None
+        if dc.tap_width:  # trained on projected taps: the fresh drafter is folded with the run's projection
+            from dflash_offline.projection import run_projections
+
+            if not ri["config"].get("projection"):
+                raise ValueError(f"{run_dir}/config.json: the drafter reads {dc.tap_width} values a tap but the run "
+                                 f"records no projection to fold it with")
+            projections = run_projections(ri["config"]["projection"], dc.target_layer_ids, run_dir)
+        model, artifact = untrained_model(dc, ri["target"], int(ri["train"].get("seed", 0)), device, dtype,
+                                          projections)
+        return model, artifact, dataclasses.replace(dc, tap_width=0)
+    model, artifact = load_exported(export_for_eval(cfg.export, cfg.step, run_dir, log), device, dtype,
+                                    cfg.trust_code)
+    prov = json.loads((Path(artifact["path"]) / "dflash_export.json").read_text())
+    return model, artifact, DrafterConfig(**{k: v for k, v in prov["drafter"].items() if k in known})
+
+
+def load_target(target_dir: Path, device, dtype):
+    """(tokenizer, target) in `dtype`, loaded as HF loads them."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    if device.type == "cpu":
+        target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype).eval()
+    else:  # straight onto the device (a 27B target never passes through host memory in full)
+        target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype, device_map=str(device)).eval()
+    return tok, target
+
+
+def check_cache_target(cache: str, target_dir: Path) -> None:
+    """`--cache` must hold hidden states of the eval target: the estimate feeds them to a drafter of this target
+    (one line naming both targets and the fix, before anything loads)."""
+    from dflash_offline.cache.manifest import read_manifest
+    from dflash_offline.targetid import TargetError, target_mismatch
+
+    m = read_manifest(cache)
+    if diff := target_mismatch(str(target_dir), m["producer"]["target"]):
+        raise TargetError(f"--cache={cache} was extracted from {m['config']['extract']['target']}, not from the eval "
+                          f"target {target_dir} ({'; '.join(diff)}): pass --cache= a cache extracted from it (make "
+                          f"extract TARGET={target_dir}), or leave --cache empty for the run's training cache")
+
+
+def estimate(cfg: EvalConfig, ri: dict, model, dc, target) -> dict:
+    """The teacher-forced estimate: the same weights in the training forward, on `--cache` or the run's training
+    cache (then not held out)."""
+    import torch
+
+    from dflash_offline.drafter import DFlashDrafter
+    from dflash_offline.loss import DEFAULT_GAMMA
+
+    train = ri["train"]
+    tf = {"batches": 0}
+    tf_cache = cfg.cache or ri["cache"]
+    if cfg.tf_batches:
+        embed_VH, head_VH = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+        gamma = float(train.get("gamma") or 0) or DEFAULT_GAMMA.get(dc.block_size, 7.0)
+        with torch.device("meta"):
+            tf_model = DFlashDrafter(dc).eval()
+        tf_model.load_state_dict(model.state_dict(), strict=True, assign=True)  # shares the shipped tensors
+        tf = teacher_forced(tf_model, embed_VH, head_VH, tf_cache, gamma, cfg.tf_batches, cfg.tf_rows,
+                            cfg.num_anchors or int(train.get("num_anchors", 512)))
+        del tf_model
+    held_out = bool(cfg.cache) and Path(cfg.cache).resolve() != Path(ri["cache"]).resolve()
+    tf.update(cache=str(tf_cache), held_out=held_out)
+    return tf
+
+
+# --- the decodes -----------------------------------------------------------------------------------------------
+
+
+def decode(cfg: EvalConfig, target, drafter, prompts: list[dict], eos: list[int], exact: bool, reuse=None):
+    """Each prompt decoded by the target alone and with the drafter (one untimed warm-up of each path first) — with
+    `--replay`, the drafter's steps replayed on the target's greedy output and only the first `check_prompts` decoded
+    for real: (τ: GenStats per prompt, real decodes: GenStats per prompt, alone: GenStats per prompt, per_prompt
+    records, the lossless check of the real decodes). `reuse`: the target-alone decodes [(ids, GenStats)] of a
+    matching `--baseline` file, decoded again only where absent."""
+    from dflash_offline.progress import log
+    from dflash_offline.speculate import (
+        batched_greedy,
+        greedy_generate,
+        replay_generate,
+        speculative_generate,
+    )
+
+    n_spec = min(cfg.spec_prompts or len(prompts), len(prompts))
+    n_real = min(cfg.check_prompts, n_spec) if cfg.replay else n_spec
+    greedy_generate(target, prompts[0]["ids"], 2, eos)
+    if n_real:
+        speculative_generate(target, drafter, prompts[0]["ids"], 2, eos)
+    taus, spec, alone, refs, per_prompt, mismatches, ties, margins = [], [], [], [], [], [], [], []
+    drafts = {}
+    if cfg.draft_baseline and not reuse and len(prompts) > n_real:
+        untimed = list(range(n_real, len(prompts)))
+        drafts = dict(zip(untimed, batched_greedy(target, [prompts[i]["ids"] for i in untimed], cfg.max_new_tokens,
+                                                  eos), strict=True))
+        log(f"target-alone decodes of {len(untimed)} untimed prompts: verified in blocks against a batched greedy draft")
+    for i, p in enumerate(prompts):
+        ref, rs = target_alone(cfg, target, p, i, drafts, reuse, timed=i < n_real, eos=eos)
+        refs.append(ref)
+        alone.append(rs)
+        if i >= n_spec:  # (decoded for the baseline file only)
+            continue
+        rec = {"prompt_tokens": len(p["ids"]), "category": p["category"], "target_s": rs.seconds}
+        if cfg.replay:
+            _, st = replay_generate(target, drafter, p["ids"], ref, cfg.max_new_tokens, eos)
+            taus.append(st)
+        if i < n_real:
+            out, ss = speculative_generate(target, drafter, p["ids"], cfg.max_new_tokens, eos)
+            equal = out == ref
+            div = None if equal else divergence(target, p["ids"], out, ref)
+            if div is not None:
+                div["tie"] = not exact and div["margin"] is not None and div["margin"] <= cfg.tie_tol
+                (ties if div["tie"] else mismatches).append(i)
+                margins.append(math.inf if div["margin"] is None else div["margin"])
+            spec.append(ss)
+            rec.update(new_tokens=len(out), spec_s=ss.seconds, equal=equal, divergence=div)
+            if cfg.replay:  # the replay took the decode's steps (its last step's accepted drafts may be fewer)
+                rec["replay_agrees"] = st.emitted == ss.emitted and st.accepted[:-1] == ss.accepted[:-1]
+        st = taus[-1] if cfg.replay else ss
+        rec.update(tau_mean=st.tau_mean if st.steps else None,  # (strict JSON has no NaN)
+                   steps=st.steps, emitted=sum(st.emitted))
+        rec.setdefault("new_tokens", st.new_tokens)
+        per_prompt.append(rec)
+        speed = f", {ss.tok_per_s:.1f} vs {rs.tok_per_s:.1f} tok/s" if i < n_real else ", replayed"
+        log(f"prompt {i + 1}/{len(prompts)}: {rec['new_tokens']} tokens, τ {st.tau_mean:.2f}{speed}{outcome(rec)}")
+    return (taus if cfg.replay else spec), spec, alone, refs, per_prompt, lossless(mismatches, ties, margins, exact,
+                                                                                   cfg.tie_tol)
+
+
+def target_alone(cfg: EvalConfig, target, p: dict, i: int, drafts: dict, reuse, timed: bool, eos: list[int]):
+    """(output, GenStats) of prompt `i` decoded by the target alone: reused from `--baseline`, verified in blocks
+    against its batched greedy draft (`drafts`), or token by token — always token by token where it is `timed`."""
+    from dflash_offline.progress import log
+    from dflash_offline.speculate import greedy_by_blocks, greedy_generate
+
+    ref, rs = reuse[i] if reuse else (greedy_by_blocks(target, p["ids"], drafts[i], cfg.max_new_tokens, eos)
+                                      if i in drafts else greedy_generate(target, p["ids"], cfg.max_new_tokens, eos))
+    if timed and rs.rollback == "drafted":  # (a reused decode that was not timed, for a prompt that is)
+        out, rs = greedy_generate(target, p["ids"], cfg.max_new_tokens, eos)
+        if out != ref:
+            at = next((k for k, (a, b) in enumerate(zip(out, ref, strict=False)) if a != b), len(ref))
+            log(f"prompt {i + 1}: the token-by-token decode parts from the block-verified one at token {at}")
+        ref = out
+    return ref, rs
+
+
+def outcome(rec: dict) -> str:
+    """The end of a prompt's log line: the replay's check, where the output parts from the target's and why."""
+    div = rec.get("divergence")
+    what = "" if rec.get("equal", True) else (f", differs at token {div['at']} (logit margin "
+                                              f"{math.inf if div['margin'] is None else div['margin']:.3g}: "
+                                              f"{'rounding tie' if div['tie'] else 'MISMATCH'})")
+    agree = "" if "replay_agrees" not in rec else (", replay = decode" if rec["replay_agrees"]
+                                                   else ", REPLAY DIFFERS from the decode")
+    return agree + what
+
+
+# --- the run ----------------------------------------------------------------------------------------------------
+
+
+def evaluate(cfg: EvalConfig) -> dict:
+    """The report of one evaluation (`stages/evaluate.py`'s docstring says what it measures)."""
+    import torch
+
+    from dflash_offline.progress import log
+    from dflash_offline.speculate import ExportedDrafter
+    from dflash_offline.target import read_target_info
+
+    run_dir = Path(cfg.run)
+    ri = run_info(run_dir)
+    target_dir = ri["target"]
+    if cfg.cache and cfg.tf_batches:
+        check_cache_target(cfg.cache, target_dir)
+    prompts_file = Path(cfg.prompts) if cfg.prompts else target_dir / "corpus" / "eval.jsonl"
+    if not prompts_file.is_file():
+        raise ValueError(f"prompts file {prompts_file} does not exist: pass --prompts= a chat JSONL")
+    device, dtype_name = compute(cfg, target_dir)
+    dtype, exact = getattr(torch, dtype_name), dtype_name == "float32"
+
+    # --- the drafter: the shipped artifact (small; validates the run before the target is loaded)
+    model, artifact, dc = load_drafter(cfg, ri, run_dir, device, dtype, log)
+    info = read_target_info(target_dir)
+    check_same_target(info, dc, target_dir)
+
+    # --- target
+    log(f"loading target {target_dir} ({info.arch}, {info.num_layers} layers) on {device} in {dtype_name}"
+        f"{' (exact mode)' if exact else f' (ties up to a logit margin of {cfg.tie_tol:g} allowed)'}")
+    tok, target = load_target(target_dir, device, dtype)
+    tf = estimate(cfg, ri, model, dc, target)
+
+    eos = eos_ids(target, tok)
+    prompts = read_prompts(prompts_file, cfg.num_prompts, cfg.turn, tok)
+    drafter = ExportedDrafter(model, target)
+    log(f"{len(prompts)} prompts from {prompts_file} (mean {sum(len(p['ids']) for p in prompts) / len(prompts):.0f} "
+        f"tokens), ≤ {cfg.max_new_tokens} new tokens, block {dc.block_size}, eos {eos}, drafter "
+        f"{artifact['path'] or 'untrained'}")
+
+    key = baseline_key(cfg, target_dir, prompts, eos, dtype_name, device) if cfg.baseline else None
+    reuse = read_baseline(Path(cfg.baseline), key, log) if cfg.baseline else None
+    taus, spec, alone, refs, per_prompt, check = decode(cfg, target, drafter, prompts, eos, exact, reuse)
+    if cfg.baseline and reuse is None:
+        write_baseline(Path(cfg.baseline), key, refs, alone)
+    baseline_prompts = len(prompts)
+    summary = decode_summary(taus, spec, alone, prompts)
+    alone, prompts = alone[: len(taus)], prompts[: len(taus)]  # what both decoded
+    return {
+        "run": str(run_dir), "artifact": artifact, "checkpoint": artifact.get("checkpoint"),
+        "step": 0 if cfg.untrained else artifact["step"], "untrained": cfg.untrained,
+        "target": str(target_dir), "arch": info.arch, "prompts": str(prompts_file), "num_prompts": len(prompts),
+        "prompt_ids_sha256": prompt_ids_digest(prompts),
+        "max_new_tokens": cfg.max_new_tokens, "block_size": dc.block_size, "device": str(device),
+        "baseline": {"file": cfg.baseline, "reused": reuse is not None, "prompts": baseline_prompts}
+        if cfg.baseline else None,
+        "dtype": dtype_name, "mode": "exact" if exact else "ties allowed", "tau_from": "replay" if cfg.replay else "decode",
+        **summary, **check, "lossless_prompts": len(spec),
+        "replay_check": {"prompts": len(checked := [q["replay_agrees"] for q in per_prompt if "replay_agrees" in q]),
+                         "agree": sum(checked)} if cfg.replay else None, "teacher_forced": tf, "per_prompt": per_prompt, "config": as_dict(cfg), "time": time.time(),
+    }
+
+
+def compute(cfg: EvalConfig, target_dir: Path):
+    """(device, compute dtype's name) of this evaluation; float32 (exact mode) switches TF32 off on CUDA."""
+    from dflash_offline.devices import cpu_threads, pick_device
+    from dflash_offline.progress import log
+
+    device = pick_device(cfg.device, "eval.device")
+    dtype_name = compute_dtype(cfg.dtype, device, target_dir)
+    if dtype_name == "float32":
+        exact_float32(device)
+    cpu_threads(device, cfg.threads, log)  # one thread on a CPU run unless OMP_NUM_THREADS or --threads says
+    return device, dtype_name
+
+
+def check_same_target(info, dc, target_dir: Path) -> None:
+    """The drafter reads the target's states: its hidden size and layer count must be the target's."""
+    if (info.hidden_size, info.num_layers) != (dc.hidden_size, dc.num_target_layers):
+        raise ValueError(f"target {target_dir} (hidden {info.hidden_size}, {info.num_layers} layers) is not the "
+                         f"drafter's (hidden {dc.hidden_size}, {dc.num_target_layers} layers)")
+
+
+def report_path(cfg: EvalConfig) -> Path:
+    """Where the report goes: `--out`, else RUN/eval.json (RUN/eval-untrained.json)."""
+    return Path(cfg.out) if cfg.out else Path(cfg.run) / ("eval-untrained.json" if cfg.untrained else "eval.json")
+
+
+def write_report(cfg: EvalConfig, report: dict) -> Path:
+    """The report, written whole (a reader never sees half of it); returns its path."""
+    from dflash_offline.cache.fsio import write_json_atomic
+
+    out = report_path(cfg)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out, report)
+    return out
