@@ -91,7 +91,7 @@ def tokenizer_default(argv: list[str], why: dict):
 def token_cache(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int) -> Path | dict:
     """The token cache: given, or made/reused by stage 1a (rank 0 writes it; other ranks wait for it). A dry run
     writes nothing: it gets the manifest stage 1a would leave (read from disk when that cache is complete)."""
-    from stages import tokenize
+    from dflash_offline import tokenization as tokenize
 
     if cfg.tokens:
         return Path(cfg.tokens)

@@ -276,11 +276,11 @@ def test_corrupt_token_shard_stops_the_run_keeping_finished_shards_and_no_stale_
     """Shards are claimed and their tokens read one shard ahead (off the thread that feeds the device): a token
     shard failing its checksum stops the run with the file named, the shards before it stay committed, and no claim
     is left behind (neither the bad shard's nor one taken ahead), so a rerun after the fix picks everything up."""
+    from dflash_offline import tokenization
     from dflash_offline.cache.shards import ShardError
-    from stages import tokenize
 
     ext, tok = configs(tmp_path, qwen35_dir, chat_corpus)
-    tokenize.run(tok)  # the token cache first; then shard 2 gets corrupted
+    tokenization.run(tok)  # the token cache first; then shard 2 gets corrupted
     tokens = next((tmp_path / "cache").glob("tokens-*"))
     bad = tokens / token_shard_name(2)
     data = bytearray(bad.read_bytes())
