@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from dflash_offline import projection
+from dflash_offline import projection, verification
 from dflash_offline.anchors import block_input_ids, block_position_ids
 from dflash_offline.cache import encodings
 from dflash_offline.cache.manifest import read_manifest
@@ -316,7 +316,7 @@ def test_verify_passes_on_a_projected_cache_and_catches_a_changed_row(caches, co
     cache = copy_cache(caches["proj"], tmp_path / "cache")
     m = read_manifest(cache)
     ids = m["config"]["layer_ids"]
-    shard, row = verify.sample_rows(m, 2, set())[0]
+    shard, row = verification.sample_rows(m, 2, set())[0]
     path = cache / hidden_shard_name(shard)
     tensors = {f"hidden.L{lid}": x.to(torch.bfloat16).clone() for lid, x in zip(ids, layers(cache, shard),
                                                                                  strict=True)}
