@@ -35,11 +35,7 @@ def extract_shards(cfg: ExtractConfig, plan: ExtractPlan, model, rank: int, worl
     cache, tokens_dir, device, todo, redo = plan.cache, plan.tokens_dir, plan.device, plan.todo, plan.redo
     tok_entries, b, cuda = committed(plan.tokens_manifest), cfg.batch_rows, device.type == "cuda"
     fix = f"the token cache is corrupt: rebuild it (delete {tokens_dir} and run make tokenize)"
-    for i, e in tok_entries.items():  # (the name the reader opens; a manifest naming another file is not this cache)
-        if token_shard_name(i) not in e["files"]:
-            raise ValueError(f"{tokens_dir}/manifest.json: shard {i} lists {sorted(e['files'])}, not "
-                             f"{token_shard_name(i)}: {fix}")
-    tok_sha = {i: e["files"][token_shard_name(i)]["sha256"] for i, e in tok_entries.items()}
+    tok_sha = token_checksums(tok_entries, tokens_dir, fix)
     who = worker_info()
     progress = Progress(f"extract[{rank}]", sum(tok_entries[i]["rows"] for i in todo), "row",
                         cache / f"status-{who['host']}-{who['pid']}.json")
@@ -84,6 +80,16 @@ def extract_shards(cfg: ExtractConfig, plan: ExtractPlan, model, rank: int, worl
                 gc.unfreeze()
     timings = writer.drain()
     return report(progress, writer.waited_s, timings, reserved, rank, cuda)
+
+
+def token_checksums(entries: dict, tokens_dir, fix: str) -> dict[int, str]:
+    """Token shard index → the SHA-256 its manifest entry records for the file the reader opens; a manifest naming
+    another file is not this cache (refused, saying `fix`)."""
+    for i, e in entries.items():
+        if token_shard_name(i) not in e["files"]:
+            raise ValueError(f"{tokens_dir}/manifest.json: shard {i} lists {sorted(e['files'])}, not "
+                             f"{token_shard_name(i)}: {fix}")
+    return {i: e["files"][token_shard_name(i)]["sha256"] for i, e in entries.items()}
 
 
 def pad_rows(x, b: int, fill: int):
