@@ -3,7 +3,7 @@
     python -m bench.extract [--shards=48 --rows_per_shard=4 --batch_rows=4 --seq_len=4096]   (GPU; ~40 GB on disk)
     python -m bench.extract --tiny                                                            (CPU smoke run)
 
-Ours: the real extraction loop (`stages.extract.extract_shards`: packed forward with fla varlen kernels, flash
+Ours: the real extraction loop (`extraction.extract_shards`: packed forward with fla varlen kernels, flash
 varlen attention and compiled pieces between them, device→host copies on a side stream, background safetensors
 writes, manifest commits) over a synthetic
 token cache of long-tailed packed documents. Baseline, in the same process on the same rows: a plain transformers
@@ -92,8 +92,9 @@ def sync(device):
 
 def run_ours(args, info, layer_ids, tokens_dir, tm, device) -> dict:
     from dflash_offline.config import ExtractConfig
+    from dflash_offline.extraction import extract_shards
+    from dflash_offline.plan import ExtractPlan
     from dflash_offline.target import random_target
-    from stages.extract import extract_shards
 
     torch.manual_seed(0)
     t0 = time.time()
@@ -111,10 +112,14 @@ def run_ours(args, info, layer_ids, tokens_dir, tm, device) -> dict:
     cache = args.workdir / "hidden"
     key = hash_obj({"bench": tm["key"], "layers": layer_ids})
     open_cache(cache, "hidden", key, {"bench": True}, {}, num_shards=args.shards)
-    plan = {"tokens_manifest": tm, "layer_ids": layer_ids, "key": key}
+    plan = ExtractPlan(ckpt=Path("bench"), weights=False, info=info, layer_ids=layer_ids, seq_len=args.seq_len,
+                       mask_token_id=None, width=info.hidden_size, num_shards=args.shards,
+                       rows=args.shards * args.rows_per_shard,
+                       bytes_per_token=0, total_bytes=0, tokens_manifest=tm, producer={"bench": True}, key=key,
+                       tokens_dir=tokens_dir, cache=cache, device=device, todo=list(range(args.shards)))
     sampler = GpuSampler()
     t_run = time.time()
-    stats = extract_shards(cfg, plan, model, cache, tokens_dir, list(range(args.shards)), 0, 1, device, False)
+    stats = extract_shards(cfg, plan, model, 0, 1)
     sampler.stop()
     # steady state: from the end of the first shard's device work to the end of the last one's (no start-up, no
     # final write; every write but the last one overlaps it)

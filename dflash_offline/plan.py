@@ -1,26 +1,69 @@
 """An extraction's plan: what a run of stage 1b will compute and where, decided before any weight loads.
 
-`make_plan` reads the token cache's manifest and the target's config.json (plus a fast fingerprint of its
-weights; a dry run needs none, and its key then leaves them out): the layers to tap (checked against the target's
-depth), the mask token (a real embedding row that is not pad or eos), the bytes per token of the chosen storage, and
-the producer — everything that changes a stored byte — whose hash is the hidden cache's key. `disk_refusal` says why a run the filesystem has no room for does not start
-(`allow_overfill=1` starts it anyway; `check_disk` raises it); the storage plan the dry run prints around these
-numbers is `storage.py`. `recorded_config` is the rerun of an existing hidden cache: with `--hidden_out=DIR` and no
-recipe, the ExtractConfig its manifest recorded (less a one-off `allow_overfill`), so the repair command that
-training and verify print works as printed. `stages/extract.py` runs these first, in seconds, so that every refusal
-comes before the weights load.
+`ExtractPlan` is that plan, frozen, with typed fields; `plan_run` builds it, in seconds, so that every refusal
+comes before the weights load. First the token cache (`token_cache`: given, or made by stage 1a's library,
+`tokenization.py`, on rank 0 while the other ranks wait; a dry run's is a manifest in memory), checked against the
+target (`check_tokens_fit`). Then `make_plan`'s facts about the cache: it reads the token cache's manifest and the
+target's config.json (plus a fingerprint of its weights; a dry run needs none, and its key then leaves them out):
+the layers to tap (checked against the target's depth), the mask token (a real embedding row that is not pad or
+eos), the bytes per token of the chosen storage, and the producer — everything that changes a stored byte — whose
+hash is the hidden cache's key (`continued_legacy_cache`: a cache keyed by the sampled weight fingerprint is
+continued, not redone). Then this run's: the cache directory, the shards to do (`shards_to_do`), the disk room
+(`disk_room`; `disk_refusal` says why a run the filesystem has no room for does not start, `allow_overfill=1` starts
+it anyway) and the kernel check on a small random model of the target's widths (`check_kernels`). The storage plan
+the dry run prints around these numbers is `storage.py`. `recorded_config` is the rerun of an existing hidden cache:
+with `--hidden_out=DIR` and no recipe, the ExtractConfig its manifest recorded (less a one-off `allow_overfill`), so
+the repair command that training and verify print works as printed.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import storage
 from .cache.fsio import hash_obj
-from .cache.manifest import has_manifest, read_manifest
-from .config import ConfigError, ExtractConfig, TokenizeConfig, load_config, parse_overrides
+from .cache.manifest import committed, has_manifest, missing_files, read_manifest
+from .config import ConfigError, ExtractConfig, TokenizeConfig, load_config, parse_overrides, parse_shard_list
+from .devices import pick_device
+from .progress import log
+
+
+@dataclass(frozen=True)
+class ExtractPlan:
+    """What a run of stage 1b computes and where: `make_plan`'s facts about the cache (the same for every process
+    and run of its key), then `plan_run`'s about this run (left at their defaults by `make_plan`)."""
+
+    ckpt: Path  # the target's resolved directory
+    weights: bool  # it holds *.safetensors (a dry run may plan from config.json alone: its key then lacks them)
+    info: object  # the target's config.json (`target.TargetInfo`)
+    layer_ids: list[int]  # the tapped layers, as configured (the producer records them sorted)
+    seq_len: int  # tokens a row (the token cache's)
+    mask_token_id: int | None  # the drafter's mask token, when known here
+    width: int  # values stored per token and tapped layer: project_dims, else the hidden size
+    num_shards: int  # the token cache's shards, so the hidden cache's
+    rows: int  # rows over all shards
+    bytes_per_token: int  # stored bytes per token over all taps
+    total_bytes: int  # the whole cache's shard bytes
+    tokens_manifest: dict  # the token cache's manifest (a dry run's: computed in memory)
+    producer: dict  # everything that changes a stored byte
+    key: str  # the producer's hash: the cache's key
+    tokens_dir: Path | dict | None = None  # this run's token cache (a dry run: its manifest in memory)
+    cache: Path | None = None  # the hidden cache's directory
+    device: object = None  # the torch.device this process computes on
+    todo: list[int] = field(default_factory=list)  # the shards to do
+    redo: bool = False  # SHARD= named them: redone even when committed
+    todo_rows: int = 0  # their rows
+    need: int = 0  # bytes they write (the dry run's token cache included)
+    token_bytes: int = 0  # of which the token cache a dry run has not written yet
+    free: int = 0  # free bytes where the cache goes
+    refusal: str = ""  # why the disk has no room ('' when it fits)
+    minutes: float | None = None  # the kernel check's estimate for this process (None: not checked)
+    kernels: str = "not checked here"  # the kernel check's verdict
+    t0: float = 0.0  # when planning began (time.time())
 
 
 def recorded_config(argv: list[str]) -> ExtractConfig | None:
@@ -52,8 +95,9 @@ def target_needs(cfg: ExtractConfig) -> tuple[str, ...]:
     return ("config",) if cfg.dry_run else ("config", "weights")
 
 
-def make_plan(cfg: ExtractConfig, tokens: Path | dict) -> dict:
-    """`tokens`: the token cache's directory, or (dry run) the manifest stage 1a would write."""
+def make_plan(cfg: ExtractConfig, tokens: Path | dict) -> ExtractPlan:
+    """The facts about the cache; `tokens`: the token cache's directory, or (dry run) the manifest stage 1a would
+    write."""
     from .cache.shards import HIDDEN_LAYOUT_VERSION, ShardError
     from .target import default_layer_ids, read_target_info
     from .targetid import resolve_checkpoint, target_fingerprint
@@ -97,10 +141,10 @@ def make_plan(cfg: ExtractConfig, tokens: Path | dict) -> dict:
                 "format_version": HIDDEN_LAYOUT_VERSION}  # everything that changes a stored byte: the cache key
     if cfg.project_dims:  # (absent when off: the keys of full-state caches stay what they were)
         producer["projection"] = {"dims": cfg.project_dims, "rows": cfg.project_rows}
-    return {"ckpt": ckpt, "weights": weights, "info": info, "layer_ids": layer_ids, "seq_len": seq_len,
-            "mask_token_id": mask_id, "width": width, "num_shards": tm["num_shards"], "rows": rows, "bytes_per_token": bytes_per_token,
-            "total_bytes": rows * seq_len * bytes_per_token, "tokens_manifest": tm, "producer": producer,
-            "key": hash_obj(producer)}
+    return ExtractPlan(ckpt=ckpt, weights=weights, info=info, layer_ids=layer_ids, seq_len=seq_len,
+                       mask_token_id=mask_id, width=width, num_shards=tm["num_shards"], rows=rows,
+                       bytes_per_token=bytes_per_token, total_bytes=rows * seq_len * bytes_per_token,
+                       tokens_manifest=tm, producer=producer, key=hash_obj(producer))
 
 
 OVERFILL = "--allow_overfill=1 (make ARGS=--allow_overfill=1) starts it anyway"  # the override a refusal names
@@ -126,3 +170,139 @@ def disk_refusal(cache: Path, need_bytes: int, free_bytes: int, min_free_gb: flo
 def check_disk(cache: Path, need_bytes: int, min_free_gb: float) -> None:
     if refusal := disk_refusal(cache, need_bytes, free_space(cache), min_free_gb):
         raise ValueError(refusal)
+
+
+# --- this run: everything that can fail, before any weight loads -----------------------------------------------
+
+
+def plan_run(cfg: ExtractConfig, tok_cfg: TokenizeConfig | None, rank: int, world: int, local_rank: int) -> ExtractPlan:
+    """The plan plus this run's cache, device, shards to do and the kernel check: everything that can fail before the
+    weights load, in seconds (stage 1a runs first when the token cache is not there yet)."""
+    from .targetid import check_seq_len, resolve_checkpoint
+
+    t0 = time.time()
+    ckpt = resolve_checkpoint(cfg.target, target_needs(cfg), "extract.target")  # a wrong path fails before stage 1a
+    device = pick_device(cfg.device, "extract.device", local_rank)
+    if tok_cfg is not None and not cfg.tokens:
+        check_seq_len(tok_cfg.seq_len, ckpt)
+    tokens_dir = token_cache(cfg, tok_cfg, rank)
+    check_tokens_fit(ckpt, tokens_dir, rank)
+    facts = continued_legacy_cache(cfg, make_plan(cfg, tokens_dir), rank)
+    plan = replace(facts, tokens_dir=tokens_dir, device=device, t0=t0, **shards_to_do(cfg, facts))
+    plan = replace(plan, **disk_room(cfg, plan, rank))
+    log(f"[rank {rank}/{world}] {plan.info.arch} target {plan.ckpt} taps {plan.layer_ids} "
+        f"({plan.bytes_per_token} B/token {cfg.quant}"
+        f"{f', projected to {cfg.project_dims} dims a tap' if cfg.project_dims else ''}); "
+        f"{len(plan.todo)}/{plan.num_shards} shards to do, "
+        f"{plan.need / 1e9:.2f} GB; device {device}")
+    if cfg.dry_run and not plan.weights:
+        log(f"[rank {rank}] dry run without weights ({plan.ckpt} holds no *.safetensors): the cache's key, and "
+            f"so its directory and the shards already done, are the real run's only once the weights are there")
+    return replace(plan, **check_kernels(cfg, plan, rank, world))
+
+
+def token_cache(cfg: ExtractConfig, tok_cfg: TokenizeConfig | None, rank: int) -> Path | dict:
+    """The token cache: given, or made/reused by stage 1a (rank 0 writes it; other ranks wait for it). A dry run
+    writes nothing: it gets the manifest stage 1a would leave (read from disk when that cache is complete)."""
+    from . import tokenization
+
+    if cfg.tokens:
+        return Path(cfg.tokens)
+    if cfg.dry_run:
+        return tokenization.dry_run(tok_cfg)
+    if rank == 0:
+        return tokenization.run(tok_cfg)
+    out = tokenization.identify(tok_cfg)[-1]
+    while not (has_manifest(out) and read_manifest(out).get("complete")):
+        time.sleep(2)
+    return out
+
+
+def check_tokens_fit(ckpt: Path, tokens: Path | dict, rank: int) -> None:
+    """Refuse a token cache whose rows are longer than the target's positions or whose ids mean other tokens to the
+    target's tokenizer (`targetid`); say what could not be checked. Seconds, before the fingerprint and the weights."""
+    from .targetid import check_seq_len, check_tokenizer_fits
+
+    tm = tokens if isinstance(tokens, dict) else read_manifest(tokens)
+    label = "(in memory)" if isinstance(tokens, dict) else str(tokens)
+    check_seq_len(tm["producer"]["seq_len"], ckpt, f"token cache {label}: seq_len")
+    rec = tm.get("tokenizer_vocab")
+    if note := check_tokenizer_fits(ckpt, label, rec, (rec or {}).get("path") or tm["config"].get("tokenizer", "?")):
+        log(f"[rank {rank}] warning: {note}")
+
+
+def continued_legacy_cache(cfg: ExtractConfig, plan: ExtractPlan, rank: int) -> ExtractPlan:
+    """`plan`, or, when the cache this run would go on with was made before weights were hashed in full (its key
+    holds the sampled fingerprint, `targetid`), the plan under that cache's key: its shards are kept, not redone in a
+    new directory. A cache of the new key, or none of either, leaves the plan as it is."""
+    from .targetid import target_fingerprint
+
+    ours = cache_dir(cfg, plan.key)
+    if not plan.weights or has_manifest(ours) and read_manifest(ours)["key"] == plan.key:
+        return plan
+    target = {k: v for k, v in plan.producer["target"].items() if k != "weights_hash"}
+    target.update(target_fingerprint(plan.ckpt, scheme="sampled"))
+    producer = dict(plan.producer, target=target)
+    key, cache = hash_obj(producer), cache_dir(cfg, hash_obj(producer))
+    if not has_manifest(cache) or read_manifest(cache)["key"] != key:
+        return plan
+    log(f"[rank {rank}] {cache} was made before targets were hashed in full (its key holds the sampled fingerprint of "
+        f"the weights): continuing it under that key. Its weights are known by 16 samples a file; extract into a new "
+        f"cache (another CACHE=) to have them checked byte for byte")
+    return replace(plan, producer=producer, key=key)
+
+
+def cache_dir(cfg: ExtractConfig, key: str) -> Path:
+    return Path(cfg.hidden_out) if cfg.hidden_out else Path(cfg.cache_root) / f"hidden-{key[:12]}"
+
+
+def shards_to_do(cfg: ExtractConfig, plan: ExtractPlan) -> dict:
+    """This run's cache, its shards to do and their rows: those SHARD= names (redone), else every shard not committed
+    under this key or committed but damaged on disk."""
+    cache = cache_dir(cfg, plan.key)
+    redo = parse_shard_list(cfg.shards)
+    if any(i >= plan.num_shards for i in redo):
+        raise ValueError(f"SHARD={cfg.shards}: the cache has shards 0..{plan.num_shards - 1}")
+    existing = read_manifest(cache) if has_manifest(cache) else None
+    done = committed(existing) if existing and existing["key"] == plan.key else {}
+    damaged = {b["shard"]: b["reason"] for b in missing_files(cache, existing)} if done else {}
+    todo = redo or [i for i in range(plan.num_shards) if i not in done or i in damaged]
+    shard_rows = {s["index"]: s["rows"] for s in plan.tokens_manifest["shards"]}
+    return {"cache": cache, "todo": todo, "redo": bool(redo), "todo_rows": sum(shard_rows[i] for i in todo)}
+
+
+def disk_room(cfg: ExtractConfig, plan: ExtractPlan, rank: int) -> dict:
+    """The bytes the shards to do write, the free space, and the refusal when it lacks room: raised for a real run
+    (a warning with allow_overfill=1); a dry run says so at its end, after its plan."""
+    need = plan.todo_rows * plan.seq_len * plan.bytes_per_token
+    # a dry run's token cache is in memory: the real run writes it first, mostly on the same filesystem
+    token_bytes = plan.rows * plan.seq_len * storage.token_bytes_per_token() if plan.tokens_manifest.get(
+        "dry_run") else 0
+    need += token_bytes
+    free = free_space(plan.cache)
+    refusal = disk_refusal(plan.cache, need, free, cfg.min_free_gb)
+    if refusal and not cfg.dry_run:
+        if not cfg.allow_overfill:
+            raise ValueError(f"{refusal}; {OVERFILL}")
+        log(f"[rank {rank}] warning: {refusal}; starting anyway (allow_overfill=1)")
+    return {"need": need, "token_bytes": token_bytes, "free": free, "refusal": refusal}
+
+
+def check_kernels(cfg: ExtractConfig, plan: ExtractPlan, rank: int, world: int) -> dict:
+    """The kernels checked and one batch timed on a small random model of the target's widths (`target.probe`),
+    before any weight loads: the estimate for this process and the verdict. A dry run on a machine without a GPU
+    (device=auto) checks nothing."""
+    import torch
+
+    from .target import probe
+
+    if cfg.dry_run and plan.device.type == "cpu" and cfg.device == "auto":  # planning from a machine without a GPU
+        log(f"[rank {rank}] no GPU here: kernels and timing not checked (the real run checks them before loading "
+            f"weights); the plan takes its rates from H200 measurements")
+        return {"minutes": None, "kernels": "not checked here"}
+    p = probe(plan.info, plan.layer_ids, plan.device, getattr(torch, cfg.dtype), plan.seq_len, cfg.batch_rows, cfg.mode)
+    est = p["seconds_per_row"] * plan.todo_rows / max(world, 1)
+    log(f"[rank {rank}] kernels ok ({p['mode']}, max rel err {p['max_rel_err']:.2e} vs per-document); "
+        f"estimated {p['seconds_per_row']:.3f} s/row → {est / 60:.1f} min for this process "
+        f"(checked in {time.time() - plan.t0:.1f}s, before loading weights)")
+    return {"minutes": est / 60, "kernels": f"ok ({p['mode']})"}

@@ -13,7 +13,8 @@ is a direction like any other.
 calibration rows), `residual(P, x)` the share lost on other rows (held out). `measure_taps` gives both per layer and
 k for a cache, with the bytes per token each k would take (`bench/projection.py` prints them, the testbed records them).
 
-The cache side (`[extract] project_dims=k`): extraction estimates P_t on its first `project_rows` rows (`top_k`:
+The cache side (`[extract] project_dims=k`): extraction estimates P_t on its first `project_rows` rows (`projection_for`,
+once the weights are loaded: the manifest's P, else `calibrate`'s, recorded under the cache's lock; `top_k`:
 the top-k eigenvectors, each column's sign fixed so that its largest-magnitude component is positive, so the same
 moment gives the same bytes), writes them to CACHE/projection.safetensors (`write_projection`: `P.L{id}` float32
 [H, k], metadata k, rows, tokens and the energy each layer keeps) and records the file's SHA-256 in the manifest
@@ -25,13 +26,17 @@ on a projected cache lifts z back to P z (`lift`: fc(P z) = fc' Pᵀ P z = fc' z
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
 
+from .progress import log
+
 PROJECTION_FILE = "projection.safetensors"
 PROJECTION_FORMAT = "dflash-projection"
 PROJECTION_ALIGN = 32  # project_dims must be a multiple of it: whole fp4 blocks and bytes, as for the hidden size
+PROJECTION_WAIT_S = 1800.0  # how long ranks > 0 wait for rank 0 to record the cache's projection
 
 
 class ProjectionError(ValueError):
@@ -190,6 +195,88 @@ def lift(z_BSK: torch.Tensor, projections: list[torch.Tensor]) -> torch.Tensor:
         parts.append(z_BSK[..., start:start + k].float() @ P.to(z_BSK.device, torch.float32).t())
         start += k
     return torch.cat(parts, dim=-1)
+
+
+# --- the calibration pass of a projected extraction ------------------------------------------------------
+
+
+def projection_for(cfg, plan, model, rank: int) -> dict:
+    """{"P": layer id → P [H, k] float32 on the device, "sha256": its file's}: the projection the manifest of
+    `plan.cache` records (its file checked), else the calibration's, recorded first (rank 0 of a job calibrates, the
+    other ranks wait for its record). `cfg`: the ExtractConfig, `plan`: its `plan.ExtractPlan`, `model`: the loaded
+    target."""
+    from .cache.manifest import read_manifest
+
+    cache = plan.cache
+    rec = read_manifest(cache).get("projection")
+    if rec is None and rank == 0:
+        rec = calibrate(cfg, plan, model)
+    t = time.time()
+    while rec is None:
+        if time.time() - t > PROJECTION_WAIT_S:
+            raise ValueError(f"[rank {rank}] waited {PROJECTION_WAIT_S:.0f}s for rank 0 to record {cache}/"
+                             f"projection.safetensors in the manifest: rank 0 failed or is stuck (see its log); "
+                             f"run the extraction again")
+        time.sleep(1)
+        rec = read_manifest(cache).get("projection")
+    Ps = read_projection(cache, plan.layer_ids, rec)
+    log(f"[rank {rank}] projection {rec['sha256'][:12]}: {rec['dims']} of {plan.info.hidden_size} dims a tap, "
+        f"retained energy " + ", ".join(f"L{lid} {rec['retained'][str(lid)]:.4f}" for lid in plan.layer_ids))
+    return {"P": {lid: P.to(plan.device) for lid, P in zip(plan.layer_ids, Ps, strict=True)},
+            "sha256": rec["sha256"]}
+
+
+def calibration_batches(cfg, plan):
+    """The token cache's first `project_rows` rows (shard order, row order), as (padded batch, real rows) of the
+    extraction's `batch_rows`."""
+    import numpy as np
+
+    from .cache.manifest import committed
+    from .cache.shards import ROW_FILL, read_token_shard, token_shard_name
+    from .extraction import pad_rows
+
+    entries, want, taken = committed(plan.tokens_manifest), cfg.project_rows, []
+    for i in sorted(entries):
+        if sum(len(t["doc_ids"]) for t in taken) >= want:
+            break
+        sha = entries[i]["files"][token_shard_name(i)]["sha256"]
+        rows = read_token_shard(plan.tokens_dir / token_shard_name(i), sha, "the token cache is corrupt: rebuild it")
+        taken.append({k: rows[k] for k, _ in ROW_FILL})
+    rows = {k: np.concatenate([t[k] for t in taken])[:want] for k, _ in ROW_FILL}
+    n = len(rows["doc_ids"])
+    for r0 in range(0, n, cfg.batch_rows):
+        real = min(cfg.batch_rows, n - r0)
+        yield [torch.from_numpy(pad_rows(rows[k][r0:r0 + real], cfg.batch_rows, f)) for k, f in ROW_FILL], real
+
+
+def calibrate(cfg, plan, model) -> dict:
+    """Estimate E[h hᵀ] of each tapped layer over the real tokens of the calibration rows (fp64), write its top-k
+    eigenvectors to CACHE/projection.safetensors and record them in the manifest; returns the record (another
+    process's, when one recorded first)."""
+    from .cache.manifest import record_once
+
+    t0, ids, H, k, cache = time.time(), plan.layer_ids, plan.info.hidden_size, cfg.project_dims, plan.cache
+    moments, rows = {lid: SecondMoment(H, plan.device) for lid in ids}, 0
+    with torch.inference_mode():
+        for batch, real in calibration_batches(cfg, plan):
+            keep = (batch[2][:real] >= 0).to(plan.device)  # doc_ids: the real tokens
+            for lid, x in zip(ids, model.tapped_layers(*batch), strict=True):
+                moments[lid].add(x[:real][keep])
+            rows += real
+    if moments[ids[0]].n < k:  # fewer samples than directions: P's last columns would be arbitrary
+        raise ValueError(f"extract.project_rows={cfg.project_rows}: the calibration rows hold {moments[ids[0]].n} real "
+                         f"tokens, fewer than project_dims={k}: raise project_rows (nothing was written)")
+    tops = {lid: top_k(moments[lid], k) for lid in ids}
+    meta = {"dims": k, "rows": rows, "tokens": moments[ids[0]].n, "layer_ids": sorted(ids),
+            "retained": {str(lid): tops[lid][1] for lid in ids}}
+
+    def record() -> dict:  # (another process may have recorded the cache's projection first: that one it is)
+        rec = write_projection(cache, {lid: tops[lid][0] for lid in ids}, meta)
+        return dict(meta, file=PROJECTION_FILE, bytes=rec["bytes"], sha256=rec["sha256"])
+
+    projection = record_once(cache, "projection", record)
+    log(f"projection: {k} of {H} dims a tap from {rows} rows ({meta['tokens']:,} tokens) in {time.time() - t0:.1f}s")
+    return projection
 
 
 # --- how many dimensions a cache's taps need (bench.projection prints it, the testbed records it) ----------------

@@ -11,7 +11,7 @@ plan says so; `plan_extract_tok_s=` / `plan_train_tok_s=` replace them with your
 token × training tokens/s per GPU × GPUs. Regeneration is the corpus's answer tokens (its supervised tokens) at an
 engine rate this repository has not measured (`plan_regen_tok_s=` gives it); verification re-hashes the whole cache
 (`HASH_GB_S_PER_THREAD`, or `plan_read_gb_s=`) and recomputes `make verify`'s sampled rows at the extraction rate. `storage_plan` takes plain values and `render` prints them, so both are
-tested without a checkpoint; `stages/extract.py` composes them with `plan.make_plan` and `plan.free_space`.
+tested without a checkpoint; `stages/extract.py` composes them with `plan.plan_run`'s `ExtractPlan`.
 """
 
 from __future__ import annotations
@@ -288,29 +288,30 @@ def gpu_hours_line(p: dict, cpu_minutes: float | None) -> str:
     return line
 
 
-def plan_lines(cfg, p: dict, train) -> list[str]:
-    """The storage plan of an extraction as log lines: `cfg` its ExtractConfig, `p` what `stages.extract.plan_run`
-    returns (make_plan's facts + need, free, refusal, the probe's minutes), `train` the recipe's [train] (or None)."""
-    info, ids, seq_len, rows = p["info"], p["layer_ids"], p["seq_len"], p["rows"]
+def plan_lines(cfg, p, train) -> list[str]:
+    """The storage plan of an extraction as log lines: `cfg` its ExtractConfig, `p` its `plan.ExtractPlan`
+    (`plan_run`'s: the cache's facts + need, free, refusal, the probe's minutes), `train` the recipe's [train] (or
+    None)."""
+    info, ids, seq_len, rows = p.info, p.layer_ids, p.seq_len, p.rows
     from .config import VerifyConfig
 
     drafter = drafter_shape(train, info.hidden_size, info.intermediate_size, info.vocab_size, ids)
-    rate = rates(layer_params=target_layer_params(p["ckpt"], max(ids) + 1), drafter=drafter, seq_len=seq_len,
+    rate = rates(layer_params=target_layer_params(p.ckpt, max(ids) + 1), drafter=drafter, seq_len=seq_len,
                  extract_tok_s=cfg.plan_extract_tok_s, train_tok_s=cfg.plan_train_tok_s,
                  regen_tok_s=cfg.plan_regen_tok_s)
-    shards, per_shard = p["tokens_manifest"]["shards"], VerifyConfig(cache="").rows  # verify's default ROWS=
+    shards, per_shard = p.tokens_manifest["shards"], VerifyConfig(cache="").rows  # verify's default ROWS=
     sp = storage_plan(rows=rows, seq_len=seq_len, doc_tokens=sum(s["tokens"] for s in shards),
                       answer_tokens=sum(s["supervised_tokens"] for s in shards),
                       verify_rows=sum(min(per_shard, s["rows"]) for s in shards), verify_per_shard=per_shard,
                       hashing=hash_rate(cfg.plan_read_gb_s),
-                      k=len(ids), hidden=p["width"], quant=cfg.quant, need=p["need"],
+                      k=len(ids), hidden=p.width, quant=cfg.quant, need=p.need,
                       projected_from=info.hidden_size if cfg.project_dims else 0,
-                      shards=f"{len(p['todo']):,}/{p['num_shards']:,}", free=p["free"],
-                      todo_rows=p["todo_rows"], token_bytes=p["token_bytes"],
-                      fits=not p["refusal"], min_free_gb=cfg.min_free_gb, allow_overfill=cfg.allow_overfill,
+                      shards=f"{len(p.todo):,}/{p.num_shards:,}", free=p.free,
+                      todo_rows=p.todo_rows, token_bytes=p.token_bytes,
+                      fits=not p.refusal, min_free_gb=cfg.min_free_gb, allow_overfill=cfg.allow_overfill,
                       gpus=cfg.plan_gpus, epochs=plan_epochs(train, rows, seq_len, cfg.plan_gpus), rate=rate,
                       gpu=cfg.device != "cpu")
-    return render(sp, p["cache"], p["minutes"])
+    return render(sp, p.cache, p.minutes)
 
 
 def recipe_train(recipe: str | None):

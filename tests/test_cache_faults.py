@@ -199,8 +199,8 @@ def test_a_deleted_token_shard_is_redone_identically_by_the_next_run(tmp_path, c
     is deterministic), and the hidden cache extracted from it stays valid."""
     import shutil
 
+    from dflash_offline import tokenization
     from dflash_offline.config import TokenizeConfig
-    from stages import tokenize
 
     src = (clean / read_manifest(clean)["config"]["tokens_dir"]).resolve()
     tokens = tmp_path / src.name
@@ -208,7 +208,7 @@ def test_a_deleted_token_shard_is_redone_identically_by_the_next_run(tmp_path, c
     before = shard_hashes(tokens)
     cfg = TokenizeConfig(**{**read_manifest(tokens)["config"], "out": str(tokens)}).resolve()
     (tokens / "tokens-00002.arrow").unlink()
-    tokenize.run(cfg)
+    tokenization.run(cfg)
     assert shard_hashes(tokens) == before and read_manifest(tokens)["complete"]
     assert sha256_file(tokens / "tokens-00002.arrow") == before[2]["tokens-00002.arrow"]["sha256"]
 

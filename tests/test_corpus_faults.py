@@ -5,10 +5,11 @@ import json
 
 import pytest
 
+from dflash_offline import tokenization
 from dflash_offline.cache.manifest import read_manifest
 from dflash_offline.config import ExtractConfig, TokenizeConfig
 from dflash_offline.corpus import CorpusError
-from stages import extract, tokenize
+from stages import extract
 
 GOOD = [{"messages": [{"role": "user", "content": f"Ça va {i}?"}, {"role": "assistant", "content": f"Oui, {i}, très bien"}]}
         for i in range(3)]
@@ -20,7 +21,7 @@ def tok_cfg(tmp_path, files, tokenizer, **kw):
 
 
 def run(tmp_path, files, tokenizer, **kw):
-    return tokenize.run(tok_cfg(tmp_path, files, tokenizer, **kw))
+    return tokenization.run(tok_cfg(tmp_path, files, tokenizer, **kw))
 
 
 def lines(records) -> list[bytes]:
@@ -150,15 +151,15 @@ def test_extract_dry_run_writes_nothing_and_estimates_like_the_real_run(tmp_path
     out = capsys.readouterr().out
     assert "kernels ok" in out and "estimated" in out and "GB" in out
     # the in-memory manifest is the one the real run writes (shards, rows, tokens, skips)
-    dry = tokenize.dry_run(tok)
-    real = read_manifest(tokenize.run(tok))
+    dry = tokenization.dry_run(tok)
+    real = read_manifest(tokenization.run(tok))
     timing = ("seconds", "tokens_per_s")
     assert {k: v for k, v in dry["summary"].items() if k not in timing} == \
         {k: v for k, v in real["summary"].items() if k not in timing}
     fields = ("index", "rows", "docs", "tokens", "supervised_tokens", "padding_tokens", "status")
     assert [{k: s[k] for k in fields} for s in dry["shards"]] == [{k: s[k] for k in fields} for s in real["shards"]]
     assert (dry["key"], dry["num_shards"]) == (real["key"], real["num_shards"]) and dry["num_shards"] > 1
-    assert tokenize.dry_run(tok) == real  # a complete cache on disk is read, not recomputed
+    assert tokenization.dry_run(tok) == real  # a complete cache on disk is read, not recomputed
 
 
 @pytest.mark.parametrize("thinking", ["keep", "strip"])

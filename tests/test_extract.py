@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash_offline import extraction
 from dflash_offline.cache.manifest import read_manifest
 from dflash_offline.cache.shards import hidden_shard_name, read_hidden, read_token_shard, token_shard_name
 from dflash_offline.config import ExtractConfig, TokenizeConfig, VerifyConfig
@@ -276,11 +277,11 @@ def test_corrupt_token_shard_stops_the_run_keeping_finished_shards_and_no_stale_
     """Shards are claimed and their tokens read one shard ahead (off the thread that feeds the device): a token
     shard failing its checksum stops the run with the file named, the shards before it stay committed, and no claim
     is left behind (neither the bad shard's nor one taken ahead), so a rerun after the fix picks everything up."""
+    from dflash_offline import tokenization
     from dflash_offline.cache.shards import ShardError
-    from stages import tokenize
 
     ext, tok = configs(tmp_path, qwen35_dir, chat_corpus)
-    tokenize.run(tok)  # the token cache first; then shard 2 gets corrupted
+    tokenization.run(tok)  # the token cache first; then shard 2 gets corrupted
     tokens = next((tmp_path / "cache").glob("tokens-*"))
     bad = tokens / token_shard_name(2)
     data = bytearray(bad.read_bytes())
@@ -310,7 +311,7 @@ def test_a_failure_mid_shard_keeps_finished_shards_and_releases_both_claims(tmp_
     """The compute of shard 1 fails while shard 2 is already claimed ahead and shard 0 may still be writing: shard 0
     is committed, neither 1 nor 2 stays claimed (a rerun or another worker takes them at once), the error surfaces."""
     calls = {"n": 0}
-    real = extract.pad_rows
+    real = extraction.pad_rows
 
     def failing(x, b, fill):
         calls["n"] += 1
@@ -318,13 +319,13 @@ def test_a_failure_mid_shard_keeps_finished_shards_and_releases_both_claims(tmp_
             raise RuntimeError("device fell over")
         return real(x, b, fill)
 
-    monkeypatch.setattr(extract, "pad_rows", failing)
+    monkeypatch.setattr(extraction, "pad_rows", failing)
     with pytest.raises(RuntimeError, match="device fell over"):
         extract_run(tmp_path, qwen35_dir, chat_corpus)
     cache = next((tmp_path / "cache").glob("hidden-*"))
     assert [s["index"] for s in read_manifest(cache)["shards"]] == [0]
     assert not list((cache / "claims").glob("*.json"))
-    monkeypatch.setattr(extract, "pad_rows", real)
+    monkeypatch.setattr(extraction, "pad_rows", real)
     extract_run(tmp_path, qwen35_dir, chat_corpus)  # the rerun does the rest
     m = read_manifest(cache)
     assert sorted(s["index"] for s in m["shards"]) == list(range(m["num_shards"]))

@@ -9,11 +9,11 @@ import struct
 import pytest
 
 from dflash_offline import target as tgt
-from dflash_offline import targetid
+from dflash_offline import targetid, tokenization
 from dflash_offline.cache.fsio import sha256_file
 from dflash_offline.config import ExtractConfig, TokenizeConfig
 from dflash_offline.targetid import TargetError, target_fingerprint
-from stages import extract, tokenize
+from stages import extract
 
 
 def copy_target(src, dst, **config):
@@ -137,7 +137,7 @@ def test_a_token_cache_of_another_tokenizer_is_refused_before_weights_load(tmp_p
                                                                            no_weights):
     other = swapped_tokenizer(qwen35_dir, tmp_path / "swapped")
     ext, tok = configs(tmp_path, qwen35_dir, chat_corpus, tokenizer=other)
-    tokens = tokenize.run(tok)
+    tokens = tokenization.run(tok)
     ext.tokens = str(tokens)
     with pytest.raises(TargetError) as e:
         extract.run(ext, None)
@@ -153,7 +153,7 @@ def test_a_token_cache_of_another_tokenizer_is_refused_before_weights_load(tmp_p
 def test_a_token_cache_that_records_no_tokenizer_is_said_to_be_unchecked(tmp_path, qwen35_dir, chat_corpus,
                                                                          no_weights, capsys):
     ext, tok = configs(tmp_path, qwen35_dir, chat_corpus, dry_run=True)
-    tokens = tokenize.run(tok)
+    tokens = tokenization.run(tok)
     m = json.loads((tokens / "manifest.json").read_text())
     assert m["tokenizer_vocab"]["vocab_sha256"] and m["tokenizer_vocab"]["path"] == str(qwen35_dir)
     del m["tokenizer_vocab"]  # as a cache made before caches recorded their tokenizer
@@ -161,7 +161,7 @@ def test_a_token_cache_that_records_no_tokenizer_is_said_to_be_unchecked(tmp_pat
     ext.tokens = str(tokens)
     assert extract.run(ext, None) is None
     assert f"warning: token cache {tokens} records no tokenizer vocabulary" in capsys.readouterr().out
-    tokenize.run(tok)  # the same key, so the same tokenizer files: the record is filled in
+    tokenization.run(tok)  # the same key, so the same tokenizer files: the record is filled in
     assert json.loads((tokens / "manifest.json").read_text())["tokenizer_vocab"]["vocab_sha256"]
 
 
@@ -170,11 +170,11 @@ def test_rows_longer_than_the_targets_positions_are_refused(tmp_path, qwen35_dir
     ext, tok = configs(tmp_path, short, chat_corpus)
     want = rf"seq_len=128 is longer than {short}'s max_position_embeddings=64"
     with pytest.raises(TargetError, match=want):
-        tokenize.run(tok)  # stage 1a alone, with the target's tokenizer: before a record is read
+        tokenization.run(tok)  # stage 1a alone, with the target's tokenizer: before a record is read
     with pytest.raises(TargetError, match=want):
         extract.run(ext, tok)
     _, tok = configs(tmp_path, qwen35_dir, chat_corpus)
-    ext.tokens = str(tokenize.run(tok))  # made for the long target, extracted with the short one
+    ext.tokens = str(tokenization.run(tok))  # made for the long target, extracted with the short one
     with pytest.raises(TargetError, match=rf"token cache {ext.tokens}: {want}"):
         extract.run(ext, None)
     assert not list((tmp_path / "cache").glob("hidden-*"))

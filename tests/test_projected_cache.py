@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from dflash_offline import projection, verification
 from dflash_offline.anchors import block_input_ids, block_position_ids
 from dflash_offline.cache import encodings
 from dflash_offline.cache.manifest import read_manifest
@@ -270,7 +271,7 @@ def test_the_cache_key_changes_with_the_projection(caches, qwen35_dir, chat_corp
     keys = {}
     for dims, rows in ((0, 64), (K, ROWS), (K, 8), (64, ROWS)):
         ext, _ = configs(tmp_path, qwen35_dir, chat_corpus, project_dims=dims, project_rows=rows)
-        keys[dims, rows] = make_plan(ext, tokens)["key"]
+        keys[dims, rows] = make_plan(ext, tokens).key
     assert len(set(keys.values())) == 4
     assert keys[0, 64] == read_manifest(caches["full"])["key"]  # off: the key of a full-state cache is unchanged
     assert keys[K, ROWS] == read_manifest(caches["proj"])["key"]
@@ -315,7 +316,7 @@ def test_verify_passes_on_a_projected_cache_and_catches_a_changed_row(caches, co
     cache = copy_cache(caches["proj"], tmp_path / "cache")
     m = read_manifest(cache)
     ids = m["config"]["layer_ids"]
-    shard, row = verify.sample_rows(m, 2, set())[0]
+    shard, row = verification.sample_rows(m, 2, set())[0]
     path = cache / hidden_shard_name(shard)
     tensors = {f"hidden.L{lid}": x.to(torch.bfloat16).clone() for lid, x in zip(ids, layers(cache, shard),
                                                                                  strict=True)}
@@ -383,7 +384,7 @@ def test_the_planned_bytes_of_a_projected_cache_are_the_bytes_its_shards_hold(ca
     assert per_token == {"bf16": 3 * K * 2, "fp4": 3 * (K // 2 + K // 16 + 4)}[quant]
     tokens = cache / m["config"]["tokens_dir"]
     ext, _ = configs(tmp_path, qwen35_dir, chat_corpus, quant=quant, project_dims=K, project_rows=ROWS)
-    assert make_plan(ext, tokens)["bytes_per_token"] == per_token
+    assert make_plan(ext, tokens).bytes_per_token == per_token
     seq_len = m["producer"]["tokens"]["producer"]["seq_len"]
     for s in m["shards"]:
         (name,) = s["files"]
@@ -423,14 +424,14 @@ def test_calibration_rows_with_fewer_real_tokens_than_dims_are_refused(tmp_path,
                                                                        monkeypatch):
     """Fewer samples than k: the top-k eigenvectors past the moment's rank would be arbitrary directions (and the
     retained energy 1.0): refused, nothing recorded."""
-    real_batches = extract.calibration_batches
+    real_batches = projection.calibration_batches
 
     def mostly_padding(cfg, plan):
         for batch, real in real_batches(cfg, plan):
             batch[2][:, 10:] = -1  # doc_ids: 10 real tokens a row
             yield batch, real
 
-    monkeypatch.setattr(extract, "calibration_batches", mostly_padding)
+    monkeypatch.setattr(projection, "calibration_batches", mostly_padding)
     with pytest.raises(ValueError, match=rf"^extract.project_rows=2: the calibration rows hold 20 real tokens, fewer "
                                          rf"than project_dims={K}: raise project_rows"):
         extract.run(*configs(tmp_path, qwen35_dir, chat_corpus, project_dims=K, project_rows=2))

@@ -16,11 +16,11 @@ import pytest
 import real_tokenizers
 from transformers import AutoTokenizer
 
+from dflash_offline import tokenization
 from dflash_offline.cache.manifest import read_manifest
 from dflash_offline.cache.shards import read_token_shard
 from dflash_offline.config import TokenizeConfig
 from dflash_offline.packing import unpack_row
-from stages import tokenize
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATES = ["qwen3", "qwen3.5", "qwen3.5-nothink", "qwen3.6", "qwen3.8"]
@@ -107,7 +107,7 @@ def run(tmp_path, tokenizer, records, **kw):
     cfg = TokenizeConfig(corpus=[str(write_corpus(tmp_path / "chats.jsonl", records))], tokenizer=str(tokenizer),
                          out=str(tmp_path / "cache"), seq_len=kw.pop("seq_len", 2048), rows_per_shard=4, workers=1,
                          **kw).resolve()
-    cache = tokenize.run(cfg)
+    cache = tokenization.run(cfg)
     docs = []
     for s in read_manifest(cache)["shards"]:
         arrays = read_token_shard(cache / next(iter(s["files"])))

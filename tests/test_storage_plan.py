@@ -237,13 +237,13 @@ def test_a_run_the_disk_cannot_hold_is_refused_naming_the_numbers_and_the_overri
 
 
 def test_the_dry_run_plan_on_cpu_uses_the_real_token_counts(tmp_path, qwen35_dir, chat_corpus, capsys):
-    from stages import tokenize
+    from dflash_offline import tokenization
 
     root = tmp_path / "c"
     ext, tok = configs(root, qwen35_dir, chat_corpus, dry_run=True)
     assert extract.run(ext, tok) is None
     out = capsys.readouterr().out
-    m = tokenize.dry_run(tok)
+    m = tokenization.dry_run(tok)
     rows = sum(s["rows"] for s in m["shards"])
     assert f"storage plan: {rows:,} rows × 128 = {rows * 128:,} tokens" in out
     assert "GPU-hours: extract n/a on CPU" in out and "training reads" not in out and "/s per H200" not in out
@@ -252,6 +252,6 @@ def test_the_dry_run_plan_on_cpu_uses_the_real_token_counts(tmp_path, qwen35_dir
     assert storage.token_bytes_per_token() == 13
     assert f"shards and the token cache ({storage.size(token_bytes)})) →" in out
     assert not root.exists()
-    tokenize.run(tok)  # once it is there, the plan does not count it again
+    tokenization.run(tok)  # once it is there, the plan does not count it again
     assert extract.run(ext, tok) is None
     assert "and the token cache" not in capsys.readouterr().out

@@ -11,13 +11,13 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
+from dflash_offline import tokenization
 from dflash_offline.cache.manifest import read_manifest
 from dflash_offline.cache.shards import read_token_shard
 from dflash_offline.chat import turn_spans
 from dflash_offline.config import TokenizeConfig
 from dflash_offline.corpus import CorpusError
 from dflash_offline.packing import unpack_row
-from stages import tokenize
 
 CHAT = {
     "messages": [
@@ -35,7 +35,7 @@ CHAT = {
 def run(tmp_path, corpus, tokenizer, **kw):
     cfg = TokenizeConfig(corpus=[str(c) for c in corpus], tokenizer=str(tokenizer), cache_root=str(tmp_path / "c"),
                          seq_len=kw.pop("seq_len", 256), rows_per_shard=kw.pop("rows_per_shard", 8), workers=1, **kw)
-    return tokenize.run(cfg.resolve())
+    return tokenization.run(cfg.resolve())
 
 
 def write_jsonl(path, records):
@@ -159,7 +159,7 @@ def test_same_inputs_same_key_and_bytes_and_workers_do_not_matter(tmp_path, qwen
     a = run(tmp_path / "a", [chat_corpus], qwen35_dir)
     cfg = TokenizeConfig(corpus=[str(chat_corpus)], tokenizer=str(qwen35_dir), cache_root=str(tmp_path / "b" / "c"),
                          seq_len=256, rows_per_shard=8, workers=2, chunk_docs=7)
-    b = tokenize.run(cfg.resolve())
+    b = tokenization.run(cfg.resolve())
     assert a.name == b.name
     ma, mb = read_manifest(a), read_manifest(b)
     assert ma["key"] == mb["key"] and len(ma["shards"]) > 3
@@ -240,10 +240,10 @@ def test_parquet_arrow_pretokenized_and_globs(tmp_path, qwen35_dir):
 STREAM_SCRIPT = """
 import json, resource, sys
 from dflash_offline.config import TokenizeConfig
-from stages import tokenize
+from dflash_offline import tokenization
 cfg = TokenizeConfig(corpus=[sys.argv[1]], tokenizer=sys.argv[2], cache_root=sys.argv[3], seq_len=512,
                      rows_per_shard=64, workers=2, chunk_docs=512).resolve()
-out = tokenize.run(cfg)
+out = tokenization.run(cfg)
 # this process's own peak (VmHWM resets at exec; ru_maxrss does not: it would report the parent test process's peak)
 hwm = [line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")]
 rss = int(hwm[0]) * 1024 if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from dflash_offline import verification
 from dflash_offline.cache.manifest import read_manifest
 from dflash_offline.cache.shards import hidden_shard_name, read_hidden, write_hidden_shard
 from dflash_offline.config import VerifyConfig
@@ -39,11 +40,11 @@ def test_changed_values_with_a_matching_checksum_name_the_shard_and_row(hidden_c
     cache = copy_cache(hidden_cache, tmp_path)
     m = read_manifest(cache)
     assert m["num_shards"] >= 3
-    shard, row = next((i, r) for i, r in verify.sample_rows(m, 2, set()) if i == 1)  # a row the sample checks
+    shard, row = next((i, r) for i, r in verification.sample_rows(m, 2, set()) if i == 1)  # a row the sample checks
     lid = m["config"]["layer_ids"][1]
     scale_row(cache, shard, row, 1, 1.1)
     cfg = VerifyConfig(cache=str(cache), rows=2, device="cpu").resolve()
-    assert verify.check_files(cache, read_manifest(cache), (cache / m["config"]["tokens_dir"]).resolve()) == []
+    assert verification.check_files(cache, read_manifest(cache), (cache / m["config"]["tokens_dir"]).resolve()) == []
     with pytest.raises(SystemExit) as exit_:
         verify.main([f"--cache={cache}", "--rows=2", "--device=cpu"])
     assert exit_.value.code == 1
@@ -66,17 +67,17 @@ def test_batched_recompute_equals_row_by_row_with_one_forward_per_batch(hidden_c
     scale_row(cache, 0, 3, 0, 1.01)  # within tol: errors to compare, none below the bf16 noise floor
     scale_row(cache, 2, 5, 2, 1.05)  # over tol
     m = read_manifest(cache)
-    picked = verify.sample_rows(m, 8, set())  # every row of every shard
+    picked = verification.sample_rows(m, 8, set())  # every row of every shard
     assert len(picked) % 3 and len({i for i, _ in picked}) >= 3  # batches straddle shards, the last one padded
     model = load_target(m["config"]["extract"]["target"], m["config"]["layer_ids"], device="cpu",
                         dtype=torch.bfloat16)
     forward, calls = model.tapped_layers, []
     model.tapped_layers = lambda *rows: calls.append(rows[0].shape[0]) or forward(*rows)
     tokens_dir = (cache / m["config"]["tokens_dir"]).resolve()
-    by_row = verify.recompute(cache, m, tokens_dir, model, picked, 0.02, batch_rows=1)
+    by_row = verification.recompute(cache, m, tokens_dir, model, picked, 0.02, batch_rows=1)
     assert calls == [1] * len(picked)
     calls.clear()
-    batched = verify.recompute(cache, m, tokens_dir, model, picked, 0.02, batch_rows=3)
+    batched = verification.recompute(cache, m, tokens_dir, model, picked, 0.02, batch_rows=3)
     assert calls == [3] * -(-len(picked) // 3)  # fixed shape, the last batch padded
     assert batched == by_row
     bad, worst = batched
