@@ -285,6 +285,32 @@ def apply(tok, messages: list[dict], tools: list | None, settings: dict | None =
     return tok.apply_chat_template(messages, tokenize=False, **({"tools": tools} if tools else {}), **(settings or {}))
 
 
+def record_settings(obj: dict, base: dict | None) -> dict | None:
+    """The template settings a record renders with: a regenerated record's own (`regen.template`, what the target
+    answered under: make regen writes it) over `base` (tokenize.template_kwargs)."""
+    regen = obj.get("regen")
+    own = regen.get("template") if isinstance(regen, dict) else None
+    if own is None:
+        return base
+    if not isinstance(own, dict) or any(not isinstance(v, str | bool | int | float) for v in own.values()):
+        raise RecordError("invalid_regen_template", "regen.template must be an object of the chat template's "
+                                                    "settings (strings, booleans, numbers)")
+    return {**(base or {}), **own}
+
+
+def template_reads(tok, names) -> list[str]:
+    """Which of `names` the tokenizer's chat template reads as variables (jinja's parse; a whole-word search where
+    the template does not parse with plain jinja)."""
+    template = tok.chat_template if isinstance(tok.chat_template, str) else ""
+    try:
+        from jinja2 import Environment, meta
+
+        read = meta.find_undeclared_variables(Environment().parse(template))
+        return [n for n in names if n in read]
+    except Exception:  # noqa: BLE001 - an HF extension jinja does not know: fall back to the text
+        return [n for n in names if re.search(rf"(?<![\w.]){re.escape(n)}(?!\w)", template)]
+
+
 def parse_settings(text: str, field: str = "tokenize.template_kwargs") -> dict:
     """The chat template's keyword arguments given as a JSON object of scalars (`{"reasoning_effort": "low"}`);
     raises ValueError naming `field` otherwise."""

@@ -33,6 +33,7 @@ from dflash_offline.chat import (
     RecordError,
     conversation_samples,
     prepare_messages,
+    record_settings,
     template_opens_think,
     truncated_turns,
     validate_messages,
@@ -244,7 +245,9 @@ def check_tokenizer(tok, settings: dict | None = None) -> None:
     template = getattr(tok, "chat_template", None)
     if not template:
         raise CorpusError("the tokenizer has no chat template: point TOKENIZER/TARGET at the target checkpoint")
-    if unread := [k for k in settings or {} if k not in template]:
+    from .chat import template_reads
+
+    if unread := sorted(set(settings or {}) - set(template_reads(tok, list(settings or {})))):
         raise CorpusError(f"tokenize.template_kwargs: the chat template of {tok.name_or_path} does not read "
                           f"{', '.join(unread)} (it would change nothing but the cache key): remove it")
     if not settings:
@@ -297,7 +300,8 @@ def render(rec: Record) -> Rendered | Tokens | Skip:
         counts = Counter()
         msgs = prepare_messages(validate_messages(obj, counts), _OPTS["thinking"], counts)
         samples = conversation_samples(_TOK, msgs, validate_tools(obj), _OPTS["turns"], _OPTS["empty_think"], counts,
-                                       truncated_turns(obj, msgs), _OPTS["opens_think"], _OPTS.get("settings"))
+                                       truncated_turns(obj, msgs), _OPTS["opens_think"],
+                                       record_settings(obj, _OPTS.get("settings")))
         return Rendered(rec, samples, counts)
     except RecordError as e:
         return Skip(e.reason, e.detail, rec.file, rec.line)

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_offline.chat import parse_settings
 from dflash_offline.config import ConfigError, as_dict, check_choice
 from dflash_offline.devices import check_setting
 from dflash_offline.evaluation import (
@@ -56,11 +57,16 @@ class EvalConfig:
     spec_prompts: int = 0  # prompts also decoded with the drafter (0 = all); the rest by the target alone, for --baseline
     replay: bool = False  # τ by replaying the target's greedy output (one target forward per prompt, the drafter stepped along it): the decode's τ, no speed figures
     draft_baseline: bool = True  # target-alone decodes that are not timed (replayed or baseline-only prompts) verified in blocks against a batched greedy draft: the same tokens, ~10x fewer forwards
+    template_kwargs: str = ""  # chat template settings the prompts are rendered with as served, a JSON object, e.g. '{"reasoning_effort": "low"}' (Qwen3.8)
     check_prompts: int = 0  # with --replay: the first N prompts also decoded for real (lossless check, speed figures, replay = decode checked)
     trust_code: bool = False  # run the export's dflash.py even where it is not this version's shipped modeling code (loading runs it)
 
     def resolve(self) -> EvalConfig:
         check_choice("eval.turn", self.turn, ("first", "last"))
+        try:
+            parse_settings(self.template_kwargs, "eval.template_kwargs")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         check_choice("eval.dtype", self.dtype, ("auto", "float32", "bfloat16"))
         check_setting(self.device, "eval.device")
         for name in ("num_prompts", "max_new_tokens"):
@@ -286,7 +292,8 @@ def evaluate(cfg: EvalConfig) -> dict:
     tf = estimate(cfg, ri, model, dc, target)
 
     eos = eos_ids(target, tok)
-    prompts = read_prompts(prompts_file, cfg.num_prompts, cfg.turn, tok)
+    prompts = read_prompts(prompts_file, cfg.num_prompts, cfg.turn, tok, parse_settings(cfg.template_kwargs,
+                                                                                         "eval.template_kwargs"))
     drafter = ExportedDrafter(model, target)
     log(f"{len(prompts)} prompts from {prompts_file} (mean {sum(len(p['ids']) for p in prompts) / len(prompts):.0f} "
         f"tokens), ≤ {cfg.max_new_tokens} new tokens, block {dc.block_size}, eos {eos}, drafter "

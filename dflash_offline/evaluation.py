@@ -63,18 +63,21 @@ def export_for_eval(export_dir: str, step: int, run_dir: Path, log) -> Path:
     return out
 
 
-def render_prompt(messages: list[dict], tokenizer, turn: str = "first", tools=None) -> list[int] | None:
-    """Token ids of `messages` up to the first/last user turn + the generation prompt; None without a user turn."""
+def render_prompt(messages: list[dict], tokenizer, turn: str = "first", tools=None,
+                  settings: dict | None = None) -> list[int] | None:
+    """Token ids of `messages` up to the first/last user turn + the generation prompt (the chat template's
+    `settings`, e.g. Qwen3.8's reasoning_effort, as served); None without a user turn."""
     users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
     if not users:
         return None
     cut = users[0] if turn == "first" else users[-1]
     kw = {"tools": tools} if tools else {}
-    text = tokenizer.apply_chat_template(messages[: cut + 1], add_generation_prompt=True, tokenize=False, **kw)
+    text = tokenizer.apply_chat_template(messages[: cut + 1], add_generation_prompt=True, tokenize=False, **kw,
+                                         **(settings or {}))
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def read_prompts(path: Path, n: int, turn: str, tokenizer) -> list[dict]:
+def read_prompts(path: Path, n: int, turn: str, tokenizer, settings: dict | None = None) -> list[dict]:
     """The first `n` usable chats as {"ids": messages up to the first/last user turn + the generation prompt,
     "category": the record's `category` or None}."""
     out = []
@@ -88,7 +91,7 @@ def read_prompts(path: Path, n: int, turn: str, tokenizer) -> list[dict]:
             msgs = rec.get("messages")
             if not isinstance(msgs, list):
                 raise ValueError(f"{path}:{lineno}: no 'messages' list (prompts must be chat records)")
-            ids = render_prompt(msgs, tokenizer, turn, rec.get("tools"))
+            ids = render_prompt(msgs, tokenizer, turn, rec.get("tools"), settings)
             if ids is not None:
                 cat = rec.get("category")
                 out.append({"ids": ids, "category": None if cat is None else str(cat)})

@@ -407,6 +407,8 @@ class Writer:
 
     def __init__(self, out: Path, heldout: Path | None, conf: dict, state: dict):
         self.out_path, self.conf, self.state, self.tally = out, conf, state, Tally(state)
+        # the chat template's settings every answer was generated with: stage 1a renders the record with them
+        self.template = {"enable_thinking": conf["thinking"] == "on", **conf.get("template_kwargs", {})}
         self.out = open(out, "a", encoding="utf-8")
         self.held = open(heldout, "a", encoding="utf-8") if heldout is not None else None
         self.t0, self.elapsed0 = time.time(), state["elapsed_s"]
@@ -427,6 +429,7 @@ class Writer:
                 for reason, detail, source in e.skips:
                     self.tally.skip(reason, detail, source)
                 if e.record is not None:
+                    e.record["regen"]["template"] = self.template
                     records.append(e.record)
         append_records(self.out, records)
         if held:

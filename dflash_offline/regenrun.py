@@ -199,6 +199,9 @@ def through_engine(cfg: RegenConfig, client, items, writer, digest: str, done: i
     log(f"regenerating through {cfg.engine} (model {cfg.model}, {cfg.concurrency} requests in flight, "
         f"{sampling(cfg)}), thinking={cfg.thinking}, keep={cfg.keep}, max_new_tokens {cfg.max_new_tokens} → "
         f"{Path(cfg.out)}")
+    if cfg.template_kwargs:  # (a server drops settings its template does not read: nothing here can tell)
+        log(f"warning: --template_kwargs={cfg.template_kwargs} go to {cfg.engine} unchecked: a server ignores a "
+            f"setting its chat template does not read")
     answer = engine.Answerer(client, cfg.max_new_tokens, cfg.thinking == "on", cfg.keep, cfg.on_truncated,
                              cfg.on_empty, digest, cfg.temperature, cfg.top_p, cfg.seed,
                              parse_settings(cfg.template_kwargs))

@@ -400,3 +400,36 @@ def test_qwen38_reasoning_effort_is_rendered_keyed_and_checked_before_any_record
     with pytest.raises(Exception, match="tokenize.template_kwargs: .*not an object"):
         run(tmp_path / "list", fixtures / "qwen3.8", [REASONING], template_kwargs='["low"]')
     assert not (tmp_path / "max" / "cache").exists() and not (tmp_path / "q36" / "cache").exists()
+
+
+def test_a_regenerated_record_renders_with_the_settings_it_was_answered_under(tmp_path, fixtures, toks):
+    """make regen records the template settings of every answer (regen.template); stage 1a renders the record with
+    them over template_kwargs: Qwen3.8 answered with thinking off has no reasoning-effort instruction in its system
+    turn, one answered at low effort has the low one (masks equal the reference rendered so). A setting whose name
+    only appears inside another one (`thinking` in enable_thinking) is not one the template reads: refused."""
+    tok = toks["qwen3.8"]
+    off = {**PLAIN, "regen": {"template": {"enable_thinking": False}}}
+    low = {**PLAIN, "regen": {"template": {"enable_thinking": True, "reasoning_effort": "low"}}}
+    _, docs = run(tmp_path / "each", fixtures / "qwen3.8", [off, low, PLAIN],
+                  template_kwargs='{"reasoning_effort": "medium"}')
+    texts = [tok.decode(ids) for _, ids, _ in docs]
+    # (medium writes no instruction; the template's default, xhigh, would)
+    assert "Reasoning effort" not in texts[0] and "set to low" in texts[1] and "Reasoning effort" not in texts[2]
+    for (_, ids, mask), settings in zip(docs, ({"enable_thinking": False}, low["regen"]["template"],
+                                               {"reasoning_effort": "medium"}), strict=True):
+        ref_ids, ref_mask = reference_samples(tok, PLAIN, settings=settings)[-1]
+        assert ids.tolist() == ref_ids and mask.tolist() == ref_mask
+    summary, _ = run(tmp_path / "bad", fixtures / "qwen3.8", [{**PLAIN, "regen": {"template": ["off"]}}, PLAIN])
+    assert summary["docs_skipped"] == {"invalid_regen_template": 1}
+    with pytest.raises(Exception, match="does not read thinking"):
+        run(tmp_path / "typo", fixtures / "qwen3.8", [PLAIN], template_kwargs='{"thinking": false}')
+
+
+def test_eval_prompts_render_with_the_served_template_settings(tmp_path, toks):
+    from dflash_offline.evaluation import read_prompts
+
+    tok = toks["qwen3.8"]
+    path = write_corpus(tmp_path / "p.jsonl", [PLAIN])
+    default, low = (tok.decode(read_prompts(path, 1, "first", tok, s)[0]["ids"])
+                    for s in (None, {"reasoning_effort": "low"}))
+    assert "set to xhigh" in default and "set to low" in low and low.endswith("<|im_start|>assistant\n<think>\n")

@@ -66,6 +66,7 @@ def test_output_is_the_targets_greedy_answer(q35_out, chat_corpus, q35):
         assert rec["messages"][:first] == orig["messages"][:first]  # prompts verbatim
         assert [m["role"] for m in rec["messages"][first:]] == ["assistant"]  # later turns dropped
         assert rec["regen"]["finish_reason"] == ["length"] and rec["regen"]["new_tokens"] == [NEW]
+        assert rec["regen"]["template"] == {"enable_thinking": False}  # (go: thinking off) what stage 1a renders it with
     # one record against a direct greedy decode of the same prompt
     model, tok = q35
     k = 3
