@@ -75,6 +75,26 @@ def test_untrained_dflash2_is_dflash_bit_for_bit():
     assert torch.equal(model.candidate_selector.scores(h, unary, cand, torch.randint(0, V, (5,))), unary)
 
 
+def test_a_seeded_dflash2_shares_every_dflash_tensor_and_computes_dflash_untrained():
+    """Built after the same `torch.manual_seed`, DFlash and DFlash2 draw the same backbone (seeded A/B runs and
+    untrained baselines are paired): every common tensor bit for bit, the generator left in the same state, and the
+    untrained DFlash2 forward = DFlash's with no weights copied."""
+    from dflash_offline.drafter import DFlashDrafter
+
+    def build(cfg):
+        torch.manual_seed(0)
+        return DFlashDrafter(cfg), torch.get_rng_state()
+
+    (dflash, after_dflash), (model, after_dflash2) = build(config(**SHAPE)), build(config(**SHAPE, **D2))
+    ours, theirs = model.state_dict(), dflash.state_dict()
+    assert set(ours) - set(theirs) == set(expected_shapes(2, H, V, 2, 16, 8))
+    assert [k for k in theirs if not torch.equal(ours[k], theirs[k])] == []
+    assert torch.equal(after_dflash, after_dflash2)
+    embed = torch.randn(V, H, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(forward(model, embed, packed_batch(), "dense"), forward(dflash, embed, packed_batch(), "dense"))
+
+
 def test_tensor_names_and_shapes_are_zlab_s():
     model, _ = dflash2()
     dflash, _ = model_and_embed(config(**SHAPE))
@@ -160,7 +180,8 @@ def test_compiled_forward_equals_eager_without_recompiling():
         with torch._dynamo.config.patch(error_on_recompile=seed == 1):
             got = compiled(*args, attn="dense", scored_only=True)
         want = model(*args, attn="dense", scored_only=True)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        # (Inductor's fused float32 sums run in another order: up to 1.4e-5 apart here, on outputs of order 1)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         assert got.shape == (2, A * (L - 1), H)
     if time.time() - t0 > 120:
         pytest.fail(f"compiling took {time.time() - t0:.0f} s")
