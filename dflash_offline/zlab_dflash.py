@@ -434,10 +434,19 @@ class BlockConvolution(nn.Module):
         if hidden_size % group_size:
             raise ValueError(f"conv_group_size {group_size} does not divide hidden_size {hidden_size}")
         self.kernel_size, self.groups = kernel_size, hidden_size // group_size
-        base = torch.zeros(2, kernel_size, hidden_size)
-        base[:, 0] = 1.0  # the identity until weights are loaded
-        self.base_kernel = nn.Parameter(base)
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
         self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+        self.identity_init()
+
+    @torch.no_grad()
+    def identity_init(self) -> None:
+        """The identity, post(f(pre(x))) = f(x): base taps [1, 0, ...], no dynamic part (kernel_projection 0). A
+        tensor `from_pretrained` has loaded (flagged `_is_hf_initialized`) is kept."""
+        if not getattr(self.base_kernel, "_is_hf_initialized", False):
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+        if not getattr(self.kernel_projection.weight, "_is_hf_initialized", False):
+            self.kernel_projection.weight.zero_()
 
     def convolve(self, x_BQH, tap_BQJG, base_JH):
         B, Q, H = x_BQH.shape
@@ -513,6 +522,14 @@ class DFlash2DraftModel(DFlashDraftModel):
                                                     dflash2_setting(config, "selector_rank"),
                                                     dflash2_setting(config, "selector_top_k"))
         self.post_init()
+
+    def _init_weights(self, module):
+        """transformers' init (every Linear ~ N(0, initializer_range), norms 1), except that each convolution is the
+        identity: a fresh DFlash2 with a DFlash's weights computes what that DFlash computes. (Called on a module
+        after its children: the convolution's kernel_projection is zeroed after its Linear init.)"""
+        super()._init_weights(module)
+        if isinstance(module, BlockConvolution):
+            module.identity_init()
 
     @torch.no_grad()
     def draft_tokens(self, target_hidden, anchor_ids, past_key_values, embed_tokens, lm_head, block_size=None,

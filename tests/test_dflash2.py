@@ -95,6 +95,41 @@ def test_a_seeded_dflash2_shares_every_dflash_tensor_and_computes_dflash_untrain
         assert torch.equal(forward(model, embed, packed_batch(), "dense"), forward(dflash, embed, packed_batch(), "dense"))
 
 
+def test_a_fresh_shipped_dflash2_computes_the_shipped_dflash():
+    """`DFlash2DraftModel(config)` built fresh is the identity around DFlash (its convolutions' init survives
+    transformers' `post_init`): with a DFlash's weights loaded, or built after the same seed as the shipped DFlash
+    (no weights copied), it gives DFlash's hidden states and drafts DFlash's argmax."""
+    from transformers import Qwen3Config
+
+    from dflash_offline.zlab_dflash import DFlashDraftModel
+
+    tgt = {"max_position_embeddings": 4096, "bos_token_id": None, "eos_token_id": 1, "pad_token_id": None}
+
+    def build(cls, cfg):
+        torch.manual_seed(0)
+        return cls(Qwen3Config(**zlab_config(cfg, tgt, "float32"))).eval()
+
+    dflash, fresh = build(DFlashDraftModel, config(**SHAPE)), build(DFlash2DraftModel, config(**SHAPE, **D2))
+    ours, theirs = fresh.state_dict(), dflash.state_dict()
+    assert [k for k in theirs if not torch.equal(ours[k], theirs[k])] == []
+    ids, pos, _, _, hidden, _, _ = packed_batch()
+    embed, head = torch.randn(V, H, generator=torch.Generator().manual_seed(1)), torch.randn(V, H)
+    block = torch.cat([ids[:1, 17:18], torch.full((1, L - 1), 97)], 1)
+    args = dict(position_ids=torch.cat([pos[:1, :17], pos[:1, 17:18] + torch.arange(L)], 1), input_ids=block,
+                embed_tokens=embed, target_hidden=hidden[:1, :17])
+    trained, _ = model_and_embed(config(**SHAPE), seed=3)  # other weights, norms off 1
+    with torch.no_grad():
+        for weights in (None, trained.state_dict()):
+            if weights is not None:
+                dflash.load_state_dict(weights)
+                assert set(fresh.load_state_dict(weights, strict=False).missing_keys) == set(
+                    expected_shapes(2, H, V, 2, 16, 8))
+            assert torch.equal(fresh(**args), dflash(**args))
+            drafted = [m.draft_tokens(hidden[:1, :17], ids[:1, 17:18], m.draft_cache(), embed, head)
+                       for m in (fresh, dflash)]
+            assert torch.equal(*drafted)
+
+
 def test_tensor_names_and_shapes_are_zlab_s():
     model, _ = dflash2()
     dflash, _ = model_and_embed(config(**SHAPE))
