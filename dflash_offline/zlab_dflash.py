@@ -504,15 +504,38 @@ def dflash2_setting(config, name: str) -> int:
     return int(value)
 
 
+def refuse_other_computations(config) -> None:
+    """Refuse, in one line, a config field (top-level or in dflash_config) asking for a computation other than this
+    file's, which would otherwise be ignored: `is_causal` / `causal` other than the per-layer attention computed here,
+    an `output_multiplier` other than 1, any `final_logit_softcapping` (z-lab's DFlash2 configs may carry them)."""
+    dflash = dict(getattr(config, "dflash_config", None) or {})
+    types = list(getattr(config, "layer_types", None) or [FULL] * config.num_hidden_layers)
+    per_layer = "causal inside the block in sliding_attention layers, bidirectional in full_attention ones"
+    computed = {  # field: (does the value ask for this file's computation, what this file computes)
+        "is_causal": (lambda v: all(bool(v) == (t == SLIDING) for t in types), per_layer),
+        "causal": (lambda v: all(bool(v) == (t == SLIDING) for t in types), per_layer),
+        "output_multiplier": (lambda v: float(v) == 1.0, "no output multiplier"),
+        "final_logit_softcapping": (lambda v: False, "no logit softcapping"),
+    }
+    for name, (same, does) in computed.items():
+        for where, value in (("", getattr(config, name, None)), ("dflash_config.", dflash.get(name))):
+            if value is not None and not same(value):
+                raise ValueError(f"DFlash2 drafter config: {where}{name}={value!r} asks for a computation this modeling "
+                                 f"file does not do (it computes the drafter dflash_offline trains: {does}); load this "
+                                 f"checkpoint with the modeling code it came with")
+
+
 class DFlash2DraftModel(DFlashDraftModel):
     """DFlash2 (z-lab format): the DFlash drafter with a `BlockConvolution` around every attention and MLP
     (`layers.{i}.attention_conv`, `layers.{i}.mlp_conv`) and a `CandidateSelector` (`candidate_selector`) that
     drafts; `forward` is DFlash's (final-normed block hidden states). Settings from `dflash_config`:
-    conv_kernel_size, conv_group_size, selector_rank, selector_top_k."""
+    conv_kernel_size, conv_group_size, selector_rank, selector_top_k. A config asking for another computation
+    (`is_causal`, `output_multiplier`, `final_logit_softcapping`) is refused (`refuse_other_computations`)."""
 
     _no_split_modules = ["DFlashDecoderLayer"]
 
     def __init__(self, config):
+        refuse_other_computations(config)
         super().__init__(config)
         kernel, group = dflash2_setting(config, "conv_kernel_size"), dflash2_setting(config, "conv_group_size")
         for layer in self.layers:

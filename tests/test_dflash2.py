@@ -130,6 +130,35 @@ def test_a_fresh_shipped_dflash2_computes_the_shipped_dflash():
             assert torch.equal(*drafted)
 
 
+@pytest.mark.parametrize("field, value", [("is_causal", False), ("is_causal", True), ("dflash_config.causal", False),
+                                          ("output_multiplier", 0.5), ("dflash_config.output_multiplier", 2.0),
+                                          ("final_logit_softcapping", 30.0)])
+def test_the_shipped_dflash2_refuses_a_config_asking_for_another_computation(field, value):
+    """z-lab's DFlash2 configs may carry fields this file does not compute (z-lab's published one: is_causal false,
+    the sliding window bidirectional inside the block): a model built from one is refused in one line naming the
+    field, not built to compute something else. Values asking for what it computes pass."""
+    from transformers import Qwen3Config
+
+    tgt = {"max_position_embeddings": 4096, "bos_token_id": None, "eos_token_id": 1, "pad_token_id": None}
+
+    def config_with(shape, **fields):
+        cfg = zlab_config(config(**shape, **D2), tgt, "float32")
+        for name, v in fields.items():
+            if name.startswith("dflash_config."):
+                cfg["dflash_config"][name.split(".")[1]] = v
+            else:
+                cfg[name] = v
+        return Qwen3Config(**cfg)
+
+    with pytest.raises(ValueError, match=rf"^DFlash2 drafter config: {field}={value!r} asks for a computation this "
+                                         rf"modeling file does not do \(it computes the drafter dflash_offline trains"):
+        DFlash2DraftModel(config_with(SHAPE, **{field: value}))
+    # (SHAPE: a sliding and a full layer, so neither causal value is this file's; all-sliding layers are causal)
+    sliding = dict(layer_types=["sliding_attention"] * 2, sliding_window=7)
+    DFlash2DraftModel(config_with(sliding, is_causal=True, output_multiplier=1.0, final_logit_softcapping=None))
+    DFlash2DraftModel(config_with(dict(layer_types=["full_attention"] * 2), **{"dflash_config.causal": False}))
+
+
 def test_tensor_names_and_shapes_are_zlab_s():
     model, _ = dflash2()
     dflash, _ = model_and_embed(config(**SHAPE))
