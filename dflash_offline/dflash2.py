@@ -36,6 +36,7 @@ Shape legend: B rows, Q = A*L block tokens, A blocks per row, L block length, H 
 group, J kernel taps, n scored slots, K candidates, R selector rank, V vocab.
 """
 
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -44,6 +45,16 @@ from torch import nn
 
 from dflash_offline.anchors import block_positions
 from dflash_offline.loss import _logits, _norm, slot_weights
+
+
+@contextmanager
+def rng_untouched(device: torch.device | str | None = None):
+    """Random draws inside leave the global generators (CPU's and `device`'s, default: the default device's) as they
+    found them: DFlash2's modules draw without moving what the DFlash backbone around them draws, so a seeded DFlash2
+    shares every DFlash tensor with the DFlash built from the same seed (paired A/B runs, untrained baselines)."""
+    device = torch.device(device if device is not None else torch.get_default_device())
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type="cuda"):
+        yield
 
 
 def block_conv(x_BQH: torch.Tensor, tap_BQJG: torch.Tensor, base_JH: torch.Tensor, block: int) -> torch.Tensor:
@@ -71,7 +82,8 @@ class BlockConv(nn.Module):
             raise ValueError(f"conv_group_size={group_size} must divide hidden_size={hidden_size}")
         self.kernel_size, self.groups, self.block_size = kernel_size, hidden_size // group_size, block_size
         self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
-        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+        with rng_untouched():  # (nn.Linear draws its default init)
+            self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -99,11 +111,14 @@ class CandidateSelector(nn.Module):
         self.top_k = top_k
         self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
         self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
-        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        with rng_untouched():  # (nn.Linear draws its default init)
+            self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
 
     @torch.no_grad()
     def reset_parameters(self, std: float) -> None:
-        """The identity (scores = logits): successor codebook 0; the predecessor codebook ~ N(0, std)."""
+        """The identity (scores = logits): successor codebook 0; the predecessor codebook and hidden_projection
+        ~ N(0, std)."""
+        self.hidden_projection.weight.normal_(0.0, std)
         self.predecessor_codebook.normal_(0.0, std)
         self.successor_codebook.zero_()
 

@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
 from dflash_offline.anchors import block_input_ids, block_position_ids
-from dflash_offline.dflash2 import BlockConv, CandidateSelector
+from dflash_offline.dflash2 import BlockConv, CandidateSelector, rng_untouched
 from dflash_offline.masks import block_allow, dense_mask, flex_block_mask
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -274,17 +274,21 @@ class DFlashDrafter(nn.Module):
     @torch.no_grad()
     def reset_parameters(self):
         """Qwen3 init: every Linear ~ N(0, initializer_range), every norm weight = 1; DFlash2's modules are the
-        identity (`dflash2`)."""
+        identity (`dflash2`). The DFlash tensors draw exactly what a DFlash drafter draws (DFlash2's modules draw
+        after them, from a fork of the generator), so both built after the same `torch.manual_seed` share them."""
+        extra = (BlockConv, CandidateSelector)
+        own = {id(p) for m in self.modules() if isinstance(m, extra) for p in m.parameters()}
         for m in self.modules():
-            if isinstance(m, nn.Linear):
+            if isinstance(m, nn.Linear) and id(m.weight) not in own:
                 m.weight.normal_(0.0, self.cfg.initializer_range)
             elif isinstance(m, RMSNorm):
                 m.weight.fill_(1.0)
-        for m in self.modules():  # (after their Linears)
-            if isinstance(m, BlockConv):
-                m.reset_parameters()
-            elif isinstance(m, CandidateSelector):
-                m.reset_parameters(self.cfg.initializer_range)
+        with rng_untouched(self.norm.weight.device):
+            for m in self.modules():
+                if isinstance(m, BlockConv):
+                    m.reset_parameters()
+                elif isinstance(m, CandidateSelector):
+                    m.reset_parameters(self.cfg.initializer_range)
 
     def build_masks(self, doc_ids_BS, anchor_pos_BA, keep_BA, attn: str = "flex") -> dict:
         """One mask per layer type in use: dense bool [B,1,Q,S+Q] (attn="dense"), a context-only flex BlockMask

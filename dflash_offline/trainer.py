@@ -363,6 +363,28 @@ def micro_seed(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index * 7919 + 12345) % (2**63 - 1)
 
 
+def check_same_drafter(start: Path, run_dir: Path, dc) -> None:
+    """A resumed run must train the drafter it started: every setting its checkpoint records (`DrafterConfig`: the
+    shape, DFlash2's conv and selector settings, the attention layout) equal to this run's. A setting that changes no
+    tensor shape (selector_top_k, layer_types, ...) would otherwise continue silently and be exported with the new
+    value. A field the checkpoint predates takes its default (as the run that wrote it did)."""
+    import dataclasses
+
+    recorded = json.loads((start / "meta.json").read_text())["config"]["drafter"]
+    names = {f.name for f in dataclasses.fields(dc)}
+
+    def as_json(c):  # (as meta.json holds it: lists, floats)
+        return json.loads(json.dumps(as_dict(c)))
+
+    then, now = as_json(type(dc)(**{k: v for k, v in recorded.items() if k in names})), as_json(dc)
+    differ = [k for k in now if then[k] != now[k]]
+    if differ:
+        was = ", ".join(f"{k}={then[k]!r}" for k in differ)
+        raise ValueError(f"{run_dir} trained a drafter with {was} ({start.name}) and this run asks for "
+                         f"{', '.join(f'{k}={now[k]!r}' for k in differ)}: resume with the run's settings "
+                         f"(RUN/config.json) or start a new RUN=")
+
+
 def check_same_projection(start: Path, run_dir: Path, now: dict | None) -> None:
     """A resumed run must read the projected taps it started on: the checkpoint it resumes from records its cache's
     P, and a cache extracted again in place keeps its key (dims, rows) but not its P. (The checkpoint, not

@@ -434,10 +434,19 @@ class BlockConvolution(nn.Module):
         if hidden_size % group_size:
             raise ValueError(f"conv_group_size {group_size} does not divide hidden_size {hidden_size}")
         self.kernel_size, self.groups = kernel_size, hidden_size // group_size
-        base = torch.zeros(2, kernel_size, hidden_size)
-        base[:, 0] = 1.0  # the identity until weights are loaded
-        self.base_kernel = nn.Parameter(base)
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
         self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+        self.identity_init()
+
+    @torch.no_grad()
+    def identity_init(self) -> None:
+        """The identity, post(f(pre(x))) = f(x): base taps [1, 0, ...], no dynamic part (kernel_projection 0). A
+        tensor `from_pretrained` has loaded (flagged `_is_hf_initialized`) is kept."""
+        if not getattr(self.base_kernel, "_is_hf_initialized", False):
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+        if not getattr(self.kernel_projection.weight, "_is_hf_initialized", False):
+            self.kernel_projection.weight.zero_()
 
     def convolve(self, x_BQH, tap_BQJG, base_JH):
         B, Q, H = x_BQH.shape
@@ -495,15 +504,38 @@ def dflash2_setting(config, name: str) -> int:
     return int(value)
 
 
+def refuse_other_computations(config) -> None:
+    """Refuse, in one line, a config field (top-level or in dflash_config) asking for a computation other than this
+    file's, which would otherwise be ignored: `is_causal` / `causal` other than the per-layer attention computed here,
+    an `output_multiplier` other than 1, any `final_logit_softcapping` (z-lab's DFlash2 configs may carry them)."""
+    dflash = dict(getattr(config, "dflash_config", None) or {})
+    types = list(getattr(config, "layer_types", None) or [FULL] * config.num_hidden_layers)
+    per_layer = "causal inside the block in sliding_attention layers, bidirectional in full_attention ones"
+    computed = {  # field: (does the value ask for this file's computation, what this file computes)
+        "is_causal": (lambda v: all(bool(v) == (t == SLIDING) for t in types), per_layer),
+        "causal": (lambda v: all(bool(v) == (t == SLIDING) for t in types), per_layer),
+        "output_multiplier": (lambda v: float(v) == 1.0, "no output multiplier"),
+        "final_logit_softcapping": (lambda v: False, "no logit softcapping"),
+    }
+    for name, (same, does) in computed.items():
+        for where, value in (("", getattr(config, name, None)), ("dflash_config.", dflash.get(name))):
+            if value is not None and not same(value):
+                raise ValueError(f"DFlash2 drafter config: {where}{name}={value!r} asks for a computation this modeling "
+                                 f"file does not do (it computes the drafter dflash_offline trains: {does}); load this "
+                                 f"checkpoint with the modeling code it came with")
+
+
 class DFlash2DraftModel(DFlashDraftModel):
     """DFlash2 (z-lab format): the DFlash drafter with a `BlockConvolution` around every attention and MLP
     (`layers.{i}.attention_conv`, `layers.{i}.mlp_conv`) and a `CandidateSelector` (`candidate_selector`) that
     drafts; `forward` is DFlash's (final-normed block hidden states). Settings from `dflash_config`:
-    conv_kernel_size, conv_group_size, selector_rank, selector_top_k."""
+    conv_kernel_size, conv_group_size, selector_rank, selector_top_k. A config asking for another computation
+    (`is_causal`, `output_multiplier`, `final_logit_softcapping`) is refused (`refuse_other_computations`)."""
 
     _no_split_modules = ["DFlashDecoderLayer"]
 
     def __init__(self, config):
+        refuse_other_computations(config)
         super().__init__(config)
         kernel, group = dflash2_setting(config, "conv_kernel_size"), dflash2_setting(config, "conv_group_size")
         for layer in self.layers:
@@ -513,6 +545,14 @@ class DFlash2DraftModel(DFlashDraftModel):
                                                     dflash2_setting(config, "selector_rank"),
                                                     dflash2_setting(config, "selector_top_k"))
         self.post_init()
+
+    def _init_weights(self, module):
+        """transformers' init (every Linear ~ N(0, initializer_range), norms 1), except that each convolution is the
+        identity: a fresh DFlash2 with a DFlash's weights computes what that DFlash computes. (Called on a module
+        after its children: the convolution's kernel_projection is zeroed after its Linear init.)"""
+        super()._init_weights(module)
+        if isinstance(module, BlockConvolution):
+            module.identity_init()
 
     @torch.no_grad()
     def draft_tokens(self, target_hidden, anchor_ids, past_key_values, embed_tokens, lm_head, block_size=None,

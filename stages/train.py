@@ -24,7 +24,7 @@ from pathlib import Path
 from dflash_offline.cache.fsio import write_json_atomic
 from dflash_offline.config import TrainConfig, as_dict, configs_from_argv
 from dflash_offline.runguard import Interrupted, StopSignals, check_run_dir, ender, owned
-from dflash_offline.trainer import Trainer, check_same_projection
+from dflash_offline.trainer import Trainer, check_same_drafter, check_same_projection
 from dflash_offline.trainsetup import (
     BenchSwitches,
     TrainSetup,
@@ -82,6 +82,7 @@ def _train(cfg: TrainConfig, switches: BenchSwitches, stopper: StopSignals, t0: 
     same_start_on_every_rank(acc, start, run_dir, info)  # machines that do not share RUN= or CACHE= would differ
     if start is not None:
         check_same_projection(start, run_dir, c.get("projection"))
+        check_same_drafter(start, run_dir, dc)
     if rank == 0:
         write_resolved(cfg, s, dc, c, info.key, run_dir)
 

@@ -223,6 +223,22 @@ def test_shipped_draft_step_equals_training_forward(qwen3_dir, kind):
         seen = p
 
 
+def test_untrained_dflash2_and_dflash_baselines_of_one_seed_are_paired(qwen3_dir):
+    """The untrained baselines of one seed: DFlash2's backbone is DFlash's tensor for tensor (its own modules draw
+    aside), so with its identity conv and selector it drafts DFlash's blocks."""
+    dc = drafter_config(qwen3_dir, hidden_size=32, vocab_size=300, target_layer_ids=[0, 2], mask_token_id=299,
+                        num_heads=4, head_dim=8)
+    d2 = dataclasses.replace(dc, variant="dflash2", selector_rank=8, selector_top_k=4)
+    (dflash, _), (dflash2, _) = untrained_model(dc, qwen3_dir, seed=0), untrained_model(d2, qwen3_dir, seed=0)
+    theirs, ours = dflash.state_dict(), dflash2.state_dict()
+    assert [k for k in theirs if not torch.equal(theirs[k], ours[k])] == []
+    g = torch.Generator().manual_seed(1)
+    embed, head = torch.randn(300, 32, generator=g), torch.randn(300, 32, generator=g)
+    hidden, anchor = torch.randn(1, 12, 64, generator=g), torch.tensor([[7]])
+    drafts = [m.draft_tokens(hidden, anchor, m.draft_cache(), embed, head) for m in (dflash, dflash2)]
+    assert torch.equal(*drafts)
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
 def test_eval_decoding_is_the_exported_spec_generate(tmp_path, targets, qwen3_dir, qwen35_dir, arch):
     """The drafter eval measures is the export loaded by AutoModel (its dflash.py), and its outputs and τ per step

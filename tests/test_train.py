@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -102,6 +103,27 @@ def test_resume_equals_uninterrupted(tmp_path, hidden_cache):
     # and the run really learned something different from its start
     assert not torch.equal(wa["fc.weight"], load_file(str(b / "checkpoints/step-00000003/model.safetensors"))[
         "fc.weight"])
+
+
+def test_a_resume_with_other_drafter_settings_is_refused(tmp_path, hidden_cache):
+    """--resume=1 continues the drafter its checkpoint records: another selector_top_k, conv setting or attention
+    layout (no tensor shape changes with the first and the last) or another shape is refused in one line naming the
+    field(s) before any weights load; the same settings continue."""
+    run, d2 = tmp_path / "r", dict(variant="dflash2", selector_rank=8, sliding_window=64)
+    train.run(cfg(hidden_cache, run, steps=2, ckpt_every=2, **d2))
+    sliding_full = "['sliding_attention', 'full_attention']"
+    for change, was, now in (
+            ({"selector_top_k": 4}, "selector_top_k=16", "selector_top_k=4"),
+            ({"conv_group_size": 32}, "conv_group_size=16", "conv_group_size=32"),
+            ({"full_attention_layers": 0}, f"layer_types={sliding_full}", "layer_types=['sliding_attention', "
+                                                                         "'sliding_attention']"),
+            ({"num_layers": 3}, f"num_layers=2, layer_types={sliding_full}", "num_layers=3, layer_types=")):
+        with pytest.raises(ValueError, match=rf"^{run} trained a drafter with {re.escape(was)} \(step-00000002\) and "
+                                             rf"this run asks for {re.escape(now)}.*: resume with the run's settings "
+                                             rf"\(RUN/config.json\) or start a new RUN=$"):
+            train.run(cfg(hidden_cache, run, steps=3, resume=True, **{**d2, **change}))
+    train.run(cfg(hidden_cache, run, steps=3, resume=True, **d2))
+    assert len(losses(run)) == 3
 
 
 def test_existing_run_needs_resume(tmp_path, hidden_cache):
