@@ -301,3 +301,22 @@ def test_a_temp_file_of_another_pid_space_with_this_hostname_is_kept(tmp_path):
     for p in (other, ours):
         p.write_bytes(b"x")
     assert fsio.remove_dead_temps(tmp_path) == (1, 1) and other.exists() and not ours.exists()
+
+
+def test_an_atomic_write_removes_its_name_s_temps_left_by_killed_writers(tmp_path):
+    """Temp names are unique per writer, so a killed writer's is never overwritten: the next atomic write of the same
+    file (a file or a directory, wherever no cache sweep runs: a run's projection copy, regen's answers file, the
+    testbed's target) removes it; a live writer's and another file's stay."""
+    import os
+    import socket
+
+    host, dead, tag = socket.gethostname(), dead_pid(), fsio.boot_tag()
+    left = {n: tmp_path / f".{n}.tmp~{host}~{dead}~{tag}~abcd1234" for n in ("a.json", "target", "b.json")}
+    live = tmp_path / f".a.json.tmp~{host}~{os.getpid()}~{tag}~live0000"
+    for p in (*left.values(), live):
+        p.write_bytes(b"x")
+    fsio.write_json_atomic(tmp_path / "a.json", {"k": 1})
+    with fsio.atomic_dir(tmp_path / "target") as d:
+        (d / "f").write_text("y")
+    assert not left["a.json"].exists() and not left["target"].exists() and left["b.json"].exists() and live.exists()
+    assert json.loads((tmp_path / "a.json").read_text()) == {"k": 1} and (tmp_path / "target" / "f").is_file()

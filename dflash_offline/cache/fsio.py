@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import glob
 import hashlib
 import json
 import os
@@ -97,6 +98,7 @@ def atomic_dir(final: Path):
     file in it is fsynced and it is renamed into place, replacing an existing `final` (moved to a temp name first, then
     deleted); when the body fails, it is removed."""
     final.parent.mkdir(parents=True, exist_ok=True)
+    remove_dead_temps(final.parent, final.name)  # a killed writer's, of this name (unique names are never reused)
     tmp = temp_path(final)
     tmp.mkdir()
     try:
@@ -119,7 +121,9 @@ def atomic_dir(final: Path):
 def atomic_path(final: Path, durable: bool = True):
     """Write one file atomically by any means (a stream of records, a copy, a library's save): yields a temp path
     beside `final`, named for its writer; when the body returns, the file there is published over `final` (fsync,
-    rename, fsync of the directory; `durable=False`: the rename alone); when it fails, it is removed."""
+    rename, fsync of the directory; `durable=False`: the rename alone); when it fails, it is removed. A killed
+    writer's temp file of the same name is removed first."""
+    remove_dead_temps(final.parent, final.name)
     tmp = temp_path(final)
     try:
         yield tmp
@@ -289,12 +293,12 @@ def pid_alive(host: str, pid, boot: str | None = None) -> bool:
 OTHER_HOST_TEMP_AGE_S = 86400.0  # a temp file from another host untouched this long belongs to a dead writer
 
 
-def remove_dead_temps(d: Path) -> tuple[int, int]:
-    """Remove the temp files and directories in `d` (not below) whose writer is dead: same host and pid space, its
-    pid is gone; another host or pid space (a container with this hostname), untouched for a day. (count, bytes)
-    removed."""
+def remove_dead_temps(d: Path, name: str = "") -> tuple[int, int]:
+    """Remove the temp files and directories in `d` (not below; `name`: only those of that final name) whose writer
+    is dead: same host and pid space, its pid is gone; another host or pid space (a container with this hostname),
+    untouched for a day. (count, bytes) removed."""
     count, nbytes, now = 0, 0, time.time()
-    for p in d.glob(f".*{TEMP_MARK}*") if d.is_dir() else []:
+    for p in d.glob(f".{glob.escape(name) if name else '*'}{TEMP_MARK}*") if d.is_dir() else []:
         host, pid, tag = temp_writer(p) or ("", "", None)
         here = host == socket.gethostname() and tag in (None, boot_tag())  # pids of this pid space
         with contextlib.suppress(FileNotFoundError):
