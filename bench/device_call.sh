@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine (docs/testbed.md, "On a lent GPU"): install the carried wheels (.whl/: fla, torchao)
 # into /tmp/site, run the command given for at most LIMIT seconds in its own process group (then the whole group is
-# stopped: a rerun of the testbed resumes), record fla's autotuner choices, and copy what the testbed left into $OUT.
+# stopped: a rerun of the testbed resumes), pin fla's autotuner choices recorded before (bench/autotune/) and record
+# the new ones, and copy what the testbed left into $OUT.
 #   LIMIT=540 bash bench/device_call.sh python3 -m testbed --sweep=encodings,fp8 --results=...
 set -uo pipefail
 LIMIT=${LIMIT:-540}
@@ -14,6 +15,9 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONUNBUFFERED=1 DFLASH_AUTOTUNE_RECORD=$PWD/build/autotune
+# fla's autotuner choices recorded on earlier calls (bench/autotune/: the table of this Triton, fla and GPU, if any):
+# a cold machine then compiles one config per kernel instead of timing every candidate; DFLASH_AUTOTUNE_PIN= turns it off
+export DFLASH_AUTOTUNE_PIN=${DFLASH_AUTOTUNE_PIN-$PWD/bench/autotune}
 nvidia-smi --query-gpu=name,clocks.sm,power.draw,memory.used --format=csv,noheader
 log=build/call-$(date +%s).log
 setsid "$@" >"$log" 2>&1 &

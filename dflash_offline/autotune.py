@@ -73,8 +73,10 @@ def record(directory: str) -> None:
         Path(directory, f"{os.getpid()}.json").write_text(json.dumps({**versions(), "kernels": table}, sort_keys=True))
 
 
-def merge(files: list[Path]) -> dict:
-    """One table from the `record` files of one machine (their versions must agree)."""
+def merge(files: list[Path], first_wins: bool = False) -> dict:
+    """One table from the `record` files of one machine (their versions must agree). Two records choosing differently
+    for one key (the candidates timed within noise of each other) raise — or, with `first_wins`, the earlier file's
+    choice is kept and the key listed under "unsettled"."""
     out: dict = {}
     for f in files:
         t = json.loads(Path(f).read_text())
@@ -88,25 +90,44 @@ def merge(files: list[Path]) -> dict:
                 other = next((c for k, c in have if k == key), None)
                 if other is None:
                     have.append([key, cfg])
+                elif other != cfg and first_wins:
+                    if [name, key] not in out.setdefault("unsettled", []):
+                        out["unsettled"].append([name, key])
                 elif other != cfg:
                     raise ValueError(f"{f}: {name} chose {cfg} for {key}, another record {other}: autotuning is "
-                                     f"not settled there; keep one record of that kernel")
+                                     f"not settled there; keep one record of that kernel (or merge --first_wins)")
     return out
 
 
+def table_for(path: str, warn: bool = True) -> tuple[Path | None, dict]:
+    """(the table file, its contents) that `DFLASH_AUTOTUNE_PIN` names for this machine: the file itself, or in a
+    directory of tables the one recorded with this machine's Triton, fla and GPU; (None, {}) when none matches —
+    then the kernels autotune, and a warning says why."""
+    here = versions()
+    files = sorted(Path(path).glob("*.json")) if Path(path).is_dir() else [Path(path)]
+    seen = []
+    for f in files:
+        table = json.loads(f.read_text())
+        if {k: table.get(k) for k in here} == here:
+            return f, table
+        seen.append(f"{f.name}: {({k: table.get(k) for k in here})}")
+    if warn:
+        print(f"warning: no autotuner table in {path} was recorded with this machine's {here} ({'; '.join(seen) or 'none'}"
+              f"): not pinned, the kernels autotune", file=sys.stderr)
+    return None, {}
+
+
 def pin(table_file: str) -> int:
-    """Make every autotuner take the recorded config for a key the table holds; returns the number of keys (0 when
-    the table was made with other versions or on another GPU: then it is ignored, and said so)."""
+    """Make every autotuner take the recorded config for a key the table (`table_for`: a file, or a directory of
+    them) holds; returns the number of keys (0 when no table was made with these versions on this GPU: then none is
+    pinned, and that is said)."""
     import inspect
 
     import triton
     from triton.runtime.autotuner import Autotuner
 
-    table = json.loads(Path(table_file).read_text())
-    here = versions()
-    if {k: table.get(k) for k in here} != here:
-        print(f"warning: {table_file} was recorded with {({k: table.get(k) for k in here})}, this is {here}: not "
-              f"pinned, the kernels autotune", file=sys.stderr)
+    found, table = table_for(table_file)
+    if found is None:
         return 0
     accepted = set(inspect.signature(triton.Config).parameters)
     pinned = {name: [(tuple(k), c) for k, c in rows] for name, rows in table["kernels"].items()}
@@ -130,7 +151,8 @@ def pinned_table() -> str | None:
     from .cache.fsio import sha256_file
 
     path = os.environ.get("DFLASH_AUTOTUNE_PIN")
-    return sha256_file(path) if path else None
+    found = table_for(path, warn=False)[0] if path else None
+    return sha256_file(found) if found else None
 
 
 def from_env() -> None:
@@ -143,3 +165,23 @@ def from_env() -> None:
         import atexit
 
         atexit.register(record, directory)
+
+
+def main(argv: list[str]) -> int:
+    """`python -m dflash_offline.autotune merge --out=TABLE [--first_wins] RECORD.json…`: one pinnable table from a
+    machine's records (`DFLASH_AUTOTUNE_RECORD`), in the order given."""
+    args = [a for a in argv if not a.startswith("--")]
+    out = next((a.split("=", 1)[1] for a in argv if a.startswith("--out=")), None)
+    if args[:1] != ["merge"] or not out or len(args) < 2:
+        print(main.__doc__, file=sys.stderr)
+        return 2
+    table = merge([Path(a) for a in args[1:]], first_wins="--first_wins" in argv)
+    Path(out).write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    n = sum(len(r) for r in table.get("kernels", {}).values())
+    print(f"{out}: {n} keys of {len(table.get('kernels', {}))} kernels ({table['gpu']}, Triton {table['triton']}, fla "
+          f"{table['fla']}); {len(table.get('unsettled', []))} unsettled (the first record's choice kept)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
