@@ -39,6 +39,11 @@ TRAIN_DRAFTER = SimpleNamespace(hidden_size=5120, intermediate_size=17408, vocab
 # 0.99-1.07 GB/s over four runs). Not measured on a GPU host: a plan takes that × the threads, which the filesystem's
 # read rate caps (`plan_read_gb_s=` gives that rate).
 HASH_GB_S_PER_THREAD = 1.0
+# What each encoding costs in τ on the GPU yardstick (docs/testbed.md: A/B with 2 seeds, a null and a known-bad arm;
+# bench/results/testbed-sweep-h200.json, commit 419204b, 2026-12-02): "parity" = Δ τ vs bf16 inside the null arm's
+# interval (fp8: +0.02, 95 % −0.28 … +0.32, the null arm ±0.30 — a loss under ≈ 7 % would go unseen). An encoding
+# or projection not listed was not judged.
+TESTBED_TAU = {"bf16": "reference", "fp8": "parity"}
 
 
 def projected_widths(hidden: int) -> list[int]:
@@ -140,12 +145,14 @@ def storage_plan(*, rows: int, seq_len: int, doc_tokens: int, k: int, hidden: in
 
     tokens = rows * seq_len
     todo_tokens = tokens if todo_rows is None else todo_rows * seq_len
-    enc = {name: {"what": e.what, "bytes_per_token": e.size(k, hidden), "total_bytes": tokens * e.size(k, hidden)}
+    enc = {name: {"what": e.what, "bytes_per_token": e.size(k, hidden), "total_bytes": tokens * e.size(k, hidden),
+                  "testbed_tau": TESTBED_TAU.get(name, "not judged") if not projected_from else "not judged"}
            for name, e in ENCODINGS.items()}
     if not projected_from:  # the same encodings of taps projected to half and a quarter of the width (project_dims)
         for kk in projected_widths(hidden):
             enc.update({f"{name} k={kk}": {"what": f"{e.what}, {kk} projected dims a tap (project_dims={kk})",
-                                           "bytes_per_token": e.size(k, kk), "total_bytes": tokens * e.size(k, kk)}
+                                           "bytes_per_token": e.size(k, kk), "total_bytes": tokens * e.size(k, kk),
+                                           "testbed_tau": "not judged"}
                         for name, e in ENCODINGS.items()})
     shown = {s: r for s, r in rate.items() if gpu or r["source"] == "given"}
     train = shown.get("train")
@@ -209,13 +216,13 @@ def render(p: dict, cache: Path, cpu_estimate_min: float | None = None) -> list[
              f"({100 * pad:.1f} % padding); {p['k']} taps × {width}"]
     read = any(e["read_gb_s"] is not None for e in p["encodings"].values())
     lines.append(f"  {'encoding':<16}{'bytes/token':>12}{'cache size':>12}"
-                 + (f"{f'training reads at {n} GPUs':>28}" if read else ""))
+                 + (f"{f'training reads at {n} GPUs':>28}" if read else "") + "  τ on the testbed")
     for name, e in p["encodings"].items():
         label = f"{name} (chosen)" if name == p["quant"] else name
         lines.append(f"  {label:<16}{e['bytes_per_token']:>12,}{size(e['total_bytes']):>12}"
-                     + (f"{size(e['read_gb_s'] * 1e9) + '/s':>28}" if read else ""))
+                     + (f"{size(e['read_gb_s'] * 1e9) + '/s':>28}" if read else "") + f"  {e['testbed_tau']}")
     if any(" k=" in name for name in p["encodings"]):
-        lines.append("  (k=…: taps projected to k dims, project_dims=k; what that costs in τ is the testbed's to measure)")
+        lines.append("  (k=…: taps projected to k dims, project_dims=k; τ on the testbed: vs bf16 at 2 seeds, docs/testbed.md)")
     keep = f"keeping min_free_gb={p['min_free_gb']:g}"
     verdict = f"fits, {keep} ({size(p['free_bytes'] - p['need_bytes'])} left after it)" if p["fits"] else \
         f"does not fit, {keep}: " + ("allow_overfill=1 starts a real run anyway" if p["allow_overfill"] else

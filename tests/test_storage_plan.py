@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import struct
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -147,8 +148,10 @@ def test_a_27b_plan_from_shapes_alone(tmp_path, capsys):
     rows = 390_625  # × 4096 = 1.6B tokens
     # 16 rows a shard: 24,414 full shards and one of 1 row; verify recomputes 2 rows of each. 1,500 answer tokens of
     # each of 800K samples of 2,000 tokens (docs/full-run.md's assumption)
-    p = storage.storage_plan(rows=rows, seq_len=4096, doc_tokens=rows * 4000, k=5, hidden=5120, quant="bf16",
-                             need=rows * 4096 * 51_200, shards="24,415/24,415", free=50 * 10**12, fits=False,
+    quant = tomllib.loads((REPO / "manifests/qwen3.6-27b.toml").read_text())["extract"]["quant"]
+    assert quant == "fp8"  # (the recipe's: at parity on the testbed)
+    p = storage.storage_plan(rows=rows, seq_len=4096, doc_tokens=rows * 4000, k=5, hidden=5120, quant=quant,
+                             need=rows * 4096 * 25_620, shards="24,415/24,415", free=30 * 10**12, fits=False,
                              min_free_gb=2.0, allow_overfill=False, gpus=8,
                              epochs=storage.plan_epochs(train, rows, 4096, 8), rate=rate, gpu=True,
                              answer_tokens=1_200_000_000, verify_rows=24_414 * 2 + 1)
@@ -162,10 +165,11 @@ def test_a_27b_plan_from_shapes_alone(tmp_path, capsys):
     print("\n".join(lines))
     text = "\n".join(lines)
     assert "81.9 TB" in text and "41.0 TB" in text and "a real run is refused (--allow_overfill=1" in text
+    assert re.search(r"\n  fp8 \(chosen\) +25,620 +41\.0 TB .*parity\n", text)
     assert "GPU-hours: extract 36.9 (4.6 h on 8), verify 4.6 (on 1), train 6 epochs 142.7 (17.8 h on 8); total " \
            "184.2 GPU-h without regen" in text
-    # verify: the whole cache re-hashed at SHA-256's rate × 8 threads (81.9 TB / 8 GB/s), 48,829 rows recomputed
-    assert "verify: re-hashes 81.9 TB (2.8 h at 8 GB/s = 8 threads × SHA-256" in text and "recomputes 48,829 rows" in text
+    # verify: the whole cache re-hashed at SHA-256's rate × 8 threads (41.0 TB / 8 GB/s), 48,829 rows recomputed
+    assert "verify: re-hashes 41.0 TB (1.4 h at 8 GB/s = 8 threads × SHA-256" in text and "recomputes 48,829 rows" in text
     assert "regen: 1,200,000,000 answer tokens" in text and "--plan_regen_tok_s=R" in text
     assert "extract 12,045 row tok/s per H200 (measured at Qwen3.5-27B shapes" in text
     assert re.search(rf"train 1[89],\d{{3}} context tok/s per H200 \(estimate: {storage.TRAIN_TOK_S:,} measured at the 27B drafter", text)
@@ -255,3 +259,30 @@ def test_the_dry_run_plan_on_cpu_uses_the_real_token_counts(tmp_path, qwen35_dir
     tokenization.run(tok)  # once it is there, the plan does not count it again
     assert extract.run(ext, tok) is None
     assert "and the token cache" not in capsys.readouterr().out
+
+
+def test_the_plan_marks_each_encodings_testbed_verdict_as_the_results_file_records_it():
+    """storage.TESTBED_TAU says what bench/results/testbed-sweep-h200.json ranked: an encoding marked "parity" is an
+    arm judged at parity there (its Δ inside the null arm's interval, every seed lossless); one the file did not rank
+    is "not judged" — and the production recipes store only the recipe's reference or an encoding at parity."""
+    import json
+    import tomllib
+
+    res = json.loads((Path(__file__).resolve().parents[1] / "bench/results/testbed-sweep-h200.json").read_text())
+    assert res["discriminating"] and res["null_arm"]["ci_low"] < 0 < res["null_arm"]["ci_high"]
+    ranked = {a["label"]: a for a in res["arms"]}
+    for name in encodings.ENCODINGS:
+        arm = ranked.get(f"quant={name}")
+        want = "reference" if name == "bf16" else "parity" if arm and arm["verdict"] == "parity" and arm["lossless"] \
+            else None
+        assert storage.TESTBED_TAU.get(name) == want, name
+    p = small_plan(quant="fp8")
+    marks = {name: e["testbed_tau"] for name, e in p["encodings"].items()}
+    assert marks["bf16"] == "reference" and marks["fp4"] == ("parity" if storage.TESTBED_TAU.get("fp4") else "not judged")
+    assert all(v == "not judged" for n, v in marks.items() if " k=" in n)
+    assert any(re.match(r"\s+fp8 \(chosen\)\s.*parity$", line) for line in storage.render(p, Path("/c"))), \
+        storage.render(p, Path("/c"))
+    for recipe in ("qwen3.5-27b", "qwen3.6-27b", "qwen3.8-27b-dflash2", "qwen3-8b"):
+        quant = tomllib.loads((Path(__file__).resolve().parents[1] / "manifests" / f"{recipe}.toml").read_text())[
+            "extract"]["quant"]
+        assert storage.TESTBED_TAU.get(quant) in ("reference", "parity"), recipe
