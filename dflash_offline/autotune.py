@@ -84,6 +84,9 @@ def merge(files: list[Path], first_wins: bool = False) -> dict:
         if out and {k: out[k] for k in head} != head:
             raise ValueError(f"{f}: recorded with {head}, the others with {({k: out[k] for k in head})}")
         out.update(head)
+        for u in t.get("unsettled", []):  # (a merged table merged again keeps what it found unsettled)
+            if u not in out.setdefault("unsettled", []):
+                out["unsettled"].append(u)
         for name, rows in t["kernels"].items():
             have = out.setdefault("kernels", {}).setdefault(name, [])
             for key, cfg in rows:
