@@ -9,7 +9,7 @@ import time
 
 from dflash_offline.config import ConfigError, as_dict
 
-from .commands import Job, log
+from .commands import Job, Stopped, log
 from .config import SWEEPS, TestbedConfig
 from .phases import testbed
 from .runs import Paths, eval_looping_share, eval_summary, parse_arm, read_state, run_metrics, slug
@@ -121,6 +121,9 @@ def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> tuple[dict, dict]:
     t0 = time.perf_counter()
     tb, times = summary_record(cfg, p) if cfg.summarize else testbed(cfg, p, dev, device, jobs, parallel, caches)
     complete, incomplete = evaluated_arms(arms, jobs)
+    if arms[0] not in complete and any("deferred" in t for t in times.values()):
+        raise Stopped(f"stopped before every drafter of the first arm ({arms[0] or '(recipe)'}) was evaluated: "
+                      f"--stop_after_s={cfg.stop_after_s:g}; a rerun resumes")
     if arms[0] not in complete:
         raise RuntimeError(f"the first arm ({arms[0] or '(recipe)'}) has no evaluation for every seed: nothing to "
                            f"compare with; see the logs under {p.root / 'runs'}")
@@ -129,7 +132,8 @@ def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> tuple[dict, dict]:
     judgement = judge(rows, null, bad) if cfg.checks else None
     failed = failed_runs(p.root, times, [j.run for j in jobs if j.arm in complete])
     return {"testbed": str(p.root), "seeds": cfg.seeds, "arms": rows, "judgement": judgement, "failed": failed,
-            "incomplete": incomplete,
+            "incomplete": incomplete, "deferred": sorted(str(r.relative_to(p.root)) for r, t in times.items()
+                                                         if "deferred" in t),
             "recipe": cfg.drafter_recipe, "seconds": round(time.perf_counter() - t0, 1), "parallel": parallel,
             "job_seconds": {str(r.relative_to(p.root)): {k: v if isinstance(v, str) else round(v, 1)
                                                           for k, v in t.items()} for r, t in times.items()},

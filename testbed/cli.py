@@ -43,7 +43,7 @@ from dflash_offline.cache.fsio import write_json_atomic
 from dflash_offline.config import ConfigError, config_from_argv
 
 from .ab import ab
-from .commands import log
+from .commands import Stopped, log
 from .config import TestbedConfig, apply_preset
 from .phases import testbed
 from .report import ab_table, heartbeat, sweep_results
@@ -66,9 +66,13 @@ def main(argv: list[str]) -> int:
     if not cfg.summarize:
         heartbeat(p)
     log(f"testbed {p.root} on {device} (preset {cfg.preset}): {json.dumps(asdict(cfg))}")
-    if cfg.arms or cfg.sweep:
-        return finish_ab(cfg, p, *ab(cfg, p, dev, device))
-    tb, _ = testbed(cfg, p, dev, device)
+    try:
+        if cfg.arms or cfg.sweep:
+            return finish_ab(cfg, p, *ab(cfg, p, dev, device))
+        tb, _ = testbed(cfg, p, dev, device)
+    except Stopped as e:
+        log(str(e))
+        return 3
     if not cfg.summarize:
         write_testbed(p, tb)
         print(p.root / "testbed.json")
@@ -100,4 +104,7 @@ def finish_ab(cfg: TestbedConfig, p: Paths, r: dict, tb: dict) -> int:
     if not cfg.summarize:
         print(p.root / "testbed.json")
     unranked = r["judgement"] is not None and not r["judgement"]["discriminating"]
-    return 1 if r["failed"] or unranked else 0
+    if r.get("deferred"):
+        log(f"stopped early: {len(r['deferred'])} drafter(s) not started within --stop_after_s={cfg.stop_after_s:g}; "
+            f"a rerun resumes")
+    return 1 if r["failed"] else 3 if r.get("deferred") else 1 if unranked else 0

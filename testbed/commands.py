@@ -19,6 +19,12 @@ from dflash_offline.cache.fsio import sha256_file
 from .config import TestbedConfig
 from .runs import Paths, drafter_code_digest, stale_job
 
+STARTED = time.monotonic()  # (this invocation's start, for --stop_after_s)
+
+
+class Stopped(Exception):
+    """The invocation stopped before the end because its time (`--stop_after_s`) would not hold the next drafter."""
+
 
 def log(msg: str) -> None:
     print(f"[testbed {time.strftime('%H:%M:%S')}] {msg}", flush=True)

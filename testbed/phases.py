@@ -10,7 +10,7 @@ from pathlib import Path
 
 from dflash_offline.cache.fsio import atomic_dir
 
-from .commands import Job, extract, job_identity, log, stage
+from .commands import Job, Stopped, extract, job_identity, log, stage
 from .config import TestbedConfig
 from .runs import (
     PHASES,
@@ -152,6 +152,9 @@ def testbed(cfg: TestbedConfig, p: Paths, dev: str, device, more: list[Job] = ()
     if jobs:
         times = run_drafters(cfg, p, dev, jobs, parallel, None if "eval" in ph else run, stream=not more,
                              caches={p.hidden(name): settings for name, settings in (caches or {}).items()})
+        if "eval" not in ph and "deferred" in times.get(run, {}):
+            raise Stopped(f"stopped before the testbed's drafter ({run}): --stop_after_s={cfg.stop_after_s:g} would "
+                          f"end before it; a rerun resumes")
         if "eval" not in ph:  # (a rerun after an interruption finds the base drafter done: its seconds unknown)
             t, m = times[run], run_metrics(run)
             ph["train"] = {"seconds": t.get("train", 0.0), "steps": m.get("step"), "loss": m.get("loss"),

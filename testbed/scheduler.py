@@ -14,12 +14,17 @@ from pathlib import Path
 
 from dflash_offline.cache.fsio import write_json_atomic
 
-from .commands import Job, evaluate, extract, fresh_run, job_identity, log, train_export
+from .commands import STARTED, Job, evaluate, extract, fresh_run, job_identity, log, train_export
 from .config import TestbedConfig
 from .runs import JOB_FILE, Paths, cache_complete, eval_summary
 
 JOB_GB = 12  # GPU memory one drafter job of the testbed recipe may take (training, then evaluation)
 WARM_WAIT_S = 900  # how long the other drafters wait for the first one's compiled first step at most
+FIRST_DRAFTER_S = 240  # what a drafter is expected to take before one has ended in this invocation (H200, cold: 215 s)
+
+
+class Deferred(Exception):
+    """A drafter not started: this invocation's `stop_after_s` would end before it (a rerun starts it)."""
 
 
 class Drafters:
@@ -47,6 +52,20 @@ class Drafters:
         self.times, self.errors, self.retry = {job.run: {} for job in jobs}, {}, []
         self.untrained_log = base / "logs" / "eval-untrained.log" if base else None
         self.made, self.broken = {c: threading.Event() for c in self.caches}, {}
+        self.deadline = STARTED + cfg.stop_after_s if cfg.stop_after_s > 0 else None
+        self.took, self.deferred, self.stopped = [], [], threading.Event()
+
+    def defer(self, j: Job) -> None:
+        """Raise `Deferred` when `j`, expected to take as long as the longest drafter so far (`FIRST_DRAFTER_S` before
+        one ended), would end past the deadline; the base run's deferral also stops the untrained evaluation."""
+        expect = max(self.took, default=FIRST_DRAFTER_S)
+        if self.deadline is None or time.monotonic() + expect <= self.deadline:
+            return
+        self.deferred.append(j.run)
+        if j.run == self.base:
+            self.stopped.set()
+        raise Deferred(f"not started: it takes ≈ {expect:.0f}s and {max(0.0, self.deadline - time.monotonic()):.0f}s "
+                       f"of --stop_after_s={self.cfg.stop_after_s:g} are left; a rerun starts it")
 
     def untrained(self) -> None:
         """The base run's untrained drafter, evaluated as soon as that run's config.json exists (it makes the
@@ -57,7 +76,7 @@ class Drafters:
                     self.cfg.eval_tokens).is_file():
                 return
             while not (base / "config.json").is_file():  # written when the base run's training starts
-                if self.failed.is_set():
+                if self.failed.is_set() or self.stopped.is_set():
                     return
                 time.sleep(1)
             log(f"untrained drafter: evaluating (log: {self.untrained_log})")
@@ -113,6 +132,8 @@ class Drafters:
             self.times[j.run]["wait_warm"] = time.perf_counter() - t0
         if self.failed.is_set():
             raise RuntimeError("not started: the base drafter or the untrained evaluation failed")
+        self.defer(j)
+        t_job = time.monotonic()
         j.run.mkdir(parents=True, exist_ok=True)
         write_json_atomic(j.run / JOB_FILE, job_identity(self.cfg, self.p, j))
         logs = None if self.stream and j.run == self.base else j.run / "logs"
@@ -141,6 +162,7 @@ class Drafters:
         t["eval"] = evaluate(self.cfg, self.p, j.run, self.dev, False, (logs or j.run / "logs") / "eval.log", self.env,
                              self.cfg.check_prompts if j.run in self.checked else 0)
         t["eval_wall"] = time.perf_counter() - t0  # waiting for the baseline included
+        self.took.append(time.monotonic() - t_job)
         log(f"{j.arm or '(recipe)'} seed {j.seed}: τ {eval_summary(j.run / 'eval.json')['tau_mean']:.3f} ("
             + ", ".join(f"{k} {v:.0f}s" for k, v in t.items()) + ")")
 
@@ -168,6 +190,8 @@ class Drafters:
         try:
             self.job(j)
             self.errors.pop(j.run, None)
+        except Deferred as e:
+            log(f"{j.arm or '(recipe)'} seed {j.seed}: {e}")
         except Exception as e:  # noqa: BLE001
             self.errors[j.run] = str(e)
             oom = not last and not self.failed.is_set() and out_of_memory(j.run / "logs")
@@ -210,6 +234,8 @@ def run_drafters(cfg: TestbedConfig, p: Paths, dev: str, jobs: list[Job], parall
         raise RuntimeError(d.errors.get(base) or f"the untrained drafter's evaluation failed (log: {d.untrained_log})")
     for run, e in d.errors.items():
         d.times[run]["error"] = e
+    for run in d.deferred:
+        d.times[run]["deferred"] = 1.0
     return d.times
 
 

@@ -372,6 +372,11 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     assert "not ranked: quant=fp8 (0 of 1 drafters evaluated)" in r.stdout
     assert {f: f.stat().st_mtime_ns for f in (root / "runs").rglob("*") if f.is_file()} == {
         f: t for f, t in stamps.items() if f.name != "eval.json" or "quantfp8" not in str(f)}
+    # --stop_after_s: the drafter that would not end in time is not started (exit 3: a rerun resumes), the rest ranked
+    r = _testbed(root, "--arms=;quant=fp8", "--seeds=1", "--label=stop", "--stop_after_s=1")
+    assert r.returncode == 3 and "stages.train" not in r.stdout and "a rerun resumes" in r.stdout, r.stdout[-3000:]
+    assert json.loads((root / "ab" / "stop.json").read_text())["deferred"] == ["runs/quantfp8/seed0"]
+    assert not (root / "runs" / "quantfp8" / "seed0" / "eval.json").exists()
 
 
 def _fake_stages(monkeypatch, fail: dict):
@@ -570,3 +575,44 @@ def test_the_same_arm_twice_is_refused_before_anything_runs(tmp_path):
     with pytest.raises(ConfigError, match=r"testbed.arms: gamma=5 given twice .*--seeds"):
         testbed_ab.ab(cfg, Paths(str(tmp_path)), "cpu", torch.device("cpu"))
     assert not (tmp_path / "state.json").exists()
+
+
+def test_a_drafter_that_would_end_past_stop_after_s_is_not_started_and_a_rerun_starts_it(tmp_path, monkeypatch):
+    """--stop_after_s: the drafters that fit run; the next one, expected to take as long as the longest so far, is not
+    started (no run directory, no error: `deferred`), and a rerun without the limit trains only that one."""
+    import time
+
+    calls = _fake_stages(monkeypatch, {})
+    fake = scheduler.train_export
+
+    def slow(cfg, run, cache, seed, settings, env, log_dir):
+        time.sleep(0.6)
+        return fake(cfg, run, cache, seed, settings, env, log_dir)
+
+    monkeypatch.setattr(scheduler, "train_export", slow)
+    monkeypatch.setattr(scheduler, "FIRST_DRAFTER_S", 0.7)
+    monkeypatch.setattr(scheduler, "STARTED", time.monotonic())
+    cfg, p = config.TestbedConfig(dir=str(tmp_path), stop_after_s=1.5), Paths(str(tmp_path))
+    jobs = _jobs(p, ["base", "a", "b", "c"])
+    times = scheduler.run_drafters(cfg, p, "cpu", jobs, 1, jobs[0].run)
+    done = [j.run for j in jobs if (j.run / "eval.json").is_file()]
+    assert 1 <= len(done) < 4 and done == [j.run for j in jobs[: len(done)]], done  # in order, then none
+    assert all(times[j.run] == {"deferred": 1.0} and not j.run.exists() for j in jobs[len(done):])
+    assert not any("error" in t for t in times.values()) and (p.run("", 0) / "eval-untrained.json").is_file()
+    cfg.stop_after_s = 0
+    scheduler.run_drafters(cfg, p, "cpu", jobs, 1, jobs[0].run)
+    assert sorted(calls) == sorted(f"{j.run.parent.name}/seed0" for j in jobs)  # each trained once
+    assert all((j.run / "eval.json").is_file() for j in jobs)
+
+
+def test_a_base_drafter_past_stop_after_s_stops_the_untrained_evaluation_too(tmp_path, monkeypatch):
+    import time
+
+    _fake_stages(monkeypatch, {})
+    monkeypatch.setattr(scheduler, "STARTED", time.monotonic() - 100)
+    cfg, p = config.TestbedConfig(dir=str(tmp_path), stop_after_s=60), Paths(str(tmp_path))
+    jobs = _jobs(p, ["base", "a"])
+    t0 = time.time()
+    times = scheduler.run_drafters(cfg, p, "cpu", jobs, 1, jobs[0].run)
+    assert time.time() - t0 < 10 and times[jobs[0].run] == {"deferred": 1.0} == times[jobs[1].run]
+    assert not (p.run("", 0) / "eval-untrained.json").exists()
