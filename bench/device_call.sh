@@ -16,7 +16,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONUNBUFFERED=1 DFLASH_AUTOTUNE_RECORD=$PWD/build/autotune
 # fla's autotuner choices recorded on earlier calls (bench/autotune/: the table of this Triton, fla and GPU, if any):
-# a cold machine then compiles one config per kernel instead of timing every candidate; DFLASH_AUTOTUNE_PIN= turns it off
+# a cold machine then compiles one config per kernel for the shapes recorded there instead of timing every candidate
+# (other shapes autotune, and are recorded for the table); DFLASH_AUTOTUNE_PIN= turns it off
 export DFLASH_AUTOTUNE_PIN=${DFLASH_AUTOTUNE_PIN-$PWD/bench/autotune}
 nvidia-smi --query-gpu=name,clocks.sm,power.draw,memory.used --format=csv,noheader
 log=build/call-$(date +%s).log

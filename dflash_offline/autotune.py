@@ -7,9 +7,10 @@ so it can be made once and kept:
 
 - `DFLASH_AUTOTUNE_RECORD=DIR`: at exit, every autotuner of the process that chose a config writes its choices to
   `DIR/<pid>.json` (`record`); `merge` folds such files into one table.
-- `DFLASH_AUTOTUNE_PIN=FILE`: such a table is loaded before the first kernel runs; an autotuner meeting a key the
-  table holds takes its config without timing the candidates (`pin`); any other key autotunes as before. A table
-  made with other Triton or fla versions, or on another GPU, is ignored with a warning.
+- `DFLASH_AUTOTUNE_PIN=FILE` (or a directory of such tables: the one recorded with this machine's versions and GPU):
+  the table is loaded before the first kernel runs; an autotuner meeting a key the table holds takes its config
+  without timing the candidates (`pin`); any other key (another shape: some keys hold a batch or block count)
+  autotunes as before. A table made with other Triton or fla versions, or on another GPU, is ignored with a warning.
 
 Both hook `triton.runtime.autotuner.Autotuner.run` (fla's caching autotuner derives from it), so they work whatever
 imports the kernels and whenever. Nothing here runs unless one of the two variables is set (`from_env`).
@@ -34,8 +35,11 @@ def versions() -> dict:
     from importlib import metadata
 
     import torch
-    import triton
 
+    try:
+        import triton
+    except ImportError:  # (no kernels to pin here)
+        return {"triton": None, "fla": None, "gpu": "cpu"}
     try:
         fla = metadata.version("fla-core")
     except metadata.PackageNotFoundError:
@@ -108,12 +112,24 @@ def table_for(path: str, warn: bool = True) -> tuple[Path | None, dict]:
     then the kernels autotune, and a warning says why."""
     here = versions()
     files = sorted(Path(path).glob("*.json")) if Path(path).is_dir() else [Path(path)]
-    seen = []
+    seen, found = [], []
     for f in files:
-        table = json.loads(f.read_text())
+        try:
+            table = json.loads(f.read_text())
+            if not isinstance(table, dict) or not isinstance(table.get("kernels"), dict):
+                raise ValueError("not an autotuner table")
+        except (OSError, ValueError) as e:  # (a stray or half-written file is passed over, and named)
+            seen.append(f"{f.name}: unreadable ({type(e).__name__}: {e})"[:200])
+            continue
         if {k: table.get(k) for k in here} == here:
-            return f, table
-        seen.append(f"{f.name}: {({k: table.get(k) for k in here})}")
+            found.append((f, table))
+        else:
+            seen.append(f"{f.name}: {({k: table.get(k) for k in here})}")
+    if len(found) > 1 and warn:
+        print(f"warning: {len(found)} autotuner tables in {path} match {here}: {found[0][0].name} pinned",
+              file=sys.stderr)
+    if found:
+        return found[0]
     if warn:
         print(f"warning: no autotuner table in {path} was recorded with this machine's {here} ({'; '.join(seen) or 'none'}"
               f"): not pinned, the kernels autotune", file=sys.stderr)
@@ -129,6 +145,8 @@ def pin(table_file: str) -> int:
     import triton
     from triton.runtime.autotuner import Autotuner
 
+    if versions()["triton"] is None:
+        return 0
     found, table = table_for(table_file)
     if found is None:
         return 0
@@ -145,6 +163,7 @@ def pin(table_file: str) -> int:
         return original(self, *args, **kwargs)
 
     Autotuner.run = run
+    pin.file = found
     return sum(len(rows) for rows in pinned.values())
 
 
@@ -163,7 +182,7 @@ def from_env() -> None:
     if path := os.environ.get("DFLASH_AUTOTUNE_PIN"):
         n = pin(path)
         if n:
-            print(f"[autotune] {n} kernel configs pinned from {path}", file=sys.stderr, flush=True)
+            print(f"[autotune] {n} kernel configs pinned from {pin.file}", file=sys.stderr, flush=True)
     if directory := os.environ.get("DFLASH_AUTOTUNE_RECORD"):
         import atexit
 
@@ -171,14 +190,22 @@ def from_env() -> None:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m dflash_offline.autotune merge --out=TABLE [--first_wins] RECORD.json…`: one pinnable table from a
-    machine's records (`DFLASH_AUTOTUNE_RECORD`), in the order given."""
+    """`python -m dflash_offline.autotune merge --out=TABLE [--first_wins=1] RECORD.json…`: one pinnable table from a
+    machine's records (`DFLASH_AUTOTUNE_RECORD`, named by process id: give them in the order they were made, e.g.
+    `ls DIR | sort -n`), or from tables merged before; with --first_wins, the first record's choice is kept where
+    two records chose differently."""
     args = [a for a in argv if not a.startswith("--")]
-    out = next((a.split("=", 1)[1] for a in argv if a.startswith("--out=")), None)
-    if args[:1] != ["merge"] or not out or len(args) < 2:
-        print(main.__doc__, file=sys.stderr)
+    flags = dict(a[2:].split("=", 1) if "=" in a else (a[2:], "1") for a in argv if a.startswith("--"))
+    out, first_wins = flags.pop("out", None), flags.pop("first_wins", "0") not in ("0", "false", "False")
+    if args[:1] != ["merge"] or not out or len(args) < 2 or flags:
+        print(f"error: {'unknown ' + ', '.join('--' + k for k in flags) if flags else 'usage'}\n{main.__doc__}",
+              file=sys.stderr)
         return 2
-    table = merge([Path(a) for a in args[1:]], first_wins="--first_wins" in argv)
+    try:
+        table = merge([Path(a) for a in args[1:]], first_wins=first_wins)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     Path(out).write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     n = sum(len(r) for r in table.get("kernels", {}).values())
     print(f"{out}: {n} keys of {len(table.get('kernels', {}))} kernels ({table['gpu']}, Triton {table['triton']}, fla "

@@ -39,10 +39,10 @@ TRAIN_DRAFTER = SimpleNamespace(hidden_size=5120, intermediate_size=17408, vocab
 # 0.99-1.07 GB/s over four runs). Not measured on a GPU host: a plan takes that × the threads, which the filesystem's
 # read rate caps (`plan_read_gb_s=` gives that rate).
 HASH_GB_S_PER_THREAD = 1.0
-# What each encoding costs in τ on the GPU yardstick (docs/testbed.md: A/B with 2 seeds, a null and a known-bad arm;
-# bench/results/testbed-sweep-h200.json, commit 419204b, 2026-12-02): "parity" = Δ τ vs bf16 inside the null arm's
-# interval (fp8: +0.02, 95 % −0.28 … +0.32, the null arm ±0.30 — a loss under ≈ 7 % would go unseen). An encoding
-# or projection not listed was not judged.
+# What each encoding costs in τ on the GPU yardstick, as the testbed's verdict says it (docs/testbed.md: A/B with 2
+# seeds, a null and a known-bad arm, a 124M target, DFlash drafters; bench/results/testbed-sweep-h200-419204b.json,
+# 2026-12-02): "parity" = Δ τ vs bf16 inside the null arm's interval (fp8: +0.02, 95 % −0.28 … +0.32, the null arm
+# ±0.30 — a loss under ≈ 7 % would go unseen). An encoding or projection not listed was not judged.
 TESTBED_TAU = {"bf16": "reference", "fp8": "parity"}
 
 

@@ -52,10 +52,8 @@ def summary_record(cfg: TestbedConfig, p: Paths) -> tuple[dict, dict]:
     ph = read_state(p)["phases"]
     if not ph:
         raise ConfigError(f"testbed.summarize: {p.state} records no phase: nothing to summarize under {p.root}")
-    chosen = (ph.get("regen") or {}).get("eval_prompts") or {}
     looping = (eval_looping_share(p.baseline(cfg.eval_tokens), p.target) if (p.target / "tokenizer.json").is_file()
-               else chosen["chosen_looping"] / chosen["chosen"] if chosen.get("chosen") else None)  # (the
-    # selection's greedy answers, when the target's tokenizer did not travel with the runs)
+               else None)
     base = p.run("", cfg.seed)
     tau = {k: eval_summary(base / f).get("tau_mean") if (base / f).is_file() else None
            for k, f in (("tau_trained", "eval.json"), ("tau_untrained", "eval-untrained.json"))}

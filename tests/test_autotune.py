@@ -46,6 +46,54 @@ def test_unsettled_choices_keep_the_first_record_and_a_directory_pins_the_matchi
 def test_the_shipped_tables_load_and_name_their_versions():
     from pathlib import Path
 
-    for f in (Path(__file__).resolve().parents[1] / "bench" / "autotune").glob("*.json"):
+    tables = sorted((Path(__file__).resolve().parents[1] / "bench" / "autotune").glob("*.json"))
+    assert tables  # (bench/device_call.sh pins from there)
+    for f in tables:
         t = json.loads(f.read_text())
         assert {"triton", "fla", "gpu", "kernels"} <= set(t) and all(t["kernels"].values()), f
+        assert f.name == f"{t['gpu'].split()[-1].lower()}-triton{t['triton']}-fla{t['fla']}.json", f
+        assert all(len({json.dumps(k) for k, _ in rows}) == len(rows) for rows in t["kernels"].values()), f
+
+
+def test_a_merged_table_merges_again_keeping_its_unsettled_keys_and_the_cli_takes_key_value_flags(tmp_path):
+    import subprocess
+    import sys
+
+    head = {"triton": "3.6.0", "fla": "0.6.0", "gpu": "NVIDIA H200"}
+    cfg = {"kwargs": {}, "num_warps": 4, "num_stages": 2, "num_ctas": 1, "maxnreg": None}
+    (tmp_path / "1.json").write_text(json.dumps({**head, "kernels": {"fla.k": [[[64], cfg]]}}))
+    (tmp_path / "2.json").write_text(json.dumps({**head, "kernels": {"fla.k": [[[64], {**cfg, "num_warps": 8}]]}}))
+    (tmp_path / "3.json").write_text(json.dumps({**head, "kernels": {"fla.j": [[[1], cfg]]}}))
+    cli = [sys.executable, "-m", "dflash_offline.autotune", "merge"]
+    r = subprocess.run(cli + [f"--out={tmp_path / 't.json'}", str(tmp_path / "1.json"), str(tmp_path / "2.json")],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.startswith("error:") and "not settled" in r.stderr  # (no traceback)
+    r = subprocess.run(cli + [f"--out={tmp_path / 't.json'}", "--first_wins=1", str(tmp_path / "1.json"),
+                              str(tmp_path / "2.json")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    again = merge([tmp_path / "t.json", tmp_path / "3.json"], first_wins=True)
+    assert again["unsettled"] == [["fla.k", [64]]] and set(again["kernels"]) == {"fla.k", "fla.j"}
+    assert again["kernels"]["fla.k"] == [[[64], cfg]]
+    r = subprocess.run(cli + [f"--out={tmp_path / 'u.json'}", "--first_wins", "--bogus=1", str(tmp_path / "1.json")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "--bogus" in r.stderr
+
+
+def test_the_pinned_table_of_a_directory_is_the_matching_file_and_junk_there_is_passed_over(tmp_path, monkeypatch,
+                                                                                            capsys):
+    from dflash_offline import autotune
+    from dflash_offline.cache.fsio import sha256_file
+
+    head = {"triton": "3.6.0", "fla": "0.6.0", "gpu": "NVIDIA H200"}
+    (tmp_path / "a-list.json").write_text("[1, 2]")
+    (tmp_path / "b-cut.json").write_text('{"triton": "3.6')
+    (tmp_path / "c-h200.json").write_text(json.dumps({**head, "kernels": {}}))
+    monkeypatch.setattr(autotune, "versions", lambda: dict(head))
+    monkeypatch.setenv("DFLASH_AUTOTUNE_PIN", str(tmp_path))
+    assert autotune.pinned_table() == sha256_file(tmp_path / "c-h200.json")
+    monkeypatch.setattr(autotune, "versions", lambda: {**head, "gpu": "NVIDIA B200"})
+    assert autotune.pinned_table() is None
+    assert autotune.table_for(str(tmp_path)) == (None, {})
+    err = capsys.readouterr().err
+    assert "a-list.json: unreadable" in err and "b-cut.json: unreadable" in err and "c-h200.json" in err
+    assert autotune.table_for(str(tmp_path / "missing.json"), warn=False) == (None, {})
