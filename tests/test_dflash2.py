@@ -369,14 +369,17 @@ def test_export_writes_the_dflash2_format_and_automodel_loads_every_tensor(tmp_p
                        ref.draft_tokens(ctx, anchor, ref.draft_cache(), embed, head))
 
 
-def test_spec_generate_with_the_selector_is_lossless(tmp_path, qwen3_dir):
+@pytest.mark.parametrize("attention", [{}, dict(layer_types=["sliding_attention"] * 2, sliding_window=16,
+                                                block_attention="bidirectional")], ids=["full", "bidirectional"])
+def test_spec_generate_with_the_selector_is_lossless(tmp_path, qwen3_dir, attention):
     """The shipped DFlash2 drafts with its selector walk inside spec_generate; the output is the target's greedy
     one, and with an lm_head of one live row and the selector at its identity drafts agree, so blocks of several
-    tokens are accepted."""
+    tokens are accepted. Also with every layer sliding and bidirectional inside the block (is_causal false, the
+    published Qwen3.8-27B drafter's attention), whose inference masks run over the growing, cropped cache."""
     from test_export import fake_run, greedy
     from transformers import AutoModelForCausalLM
 
-    _, model = fake_run(tmp_path / "run", qwen3_dir, variant="dflash2", selector_rank=8)
+    _, model = fake_run(tmp_path / "run", qwen3_dir, variant="dflash2", selector_rank=8, **attention)
     hf = shipped(model)
     target = AutoModelForCausalLM.from_pretrained(str(qwen3_dir), dtype=torch.float32).eval()
     prompt = torch.randint(0, 1980, (1, 9), generator=torch.Generator().manual_seed(2))
