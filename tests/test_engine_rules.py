@@ -93,6 +93,8 @@ def vllm_resolve(hf: dict, num_speculative_tokens: int, target_layers: int) -> d
     # per layer_types (or every layer when dflash_config.use_swa and layer_types has none); window
     # dflash_config.swa_window_size, else sliding_window, which flash-attention applies as (W-1, 0) (vLLM
     # v1/attention/backends/flash_attn.py); causal = is_causal, else dflash_config.causal, else "layer is sliding"
+    # (is_causal since PR #52816); a non-causal sliding layer's window is symmetric, W - 1 forward too (PR #46104), so
+    # it sees its whole block when W >= the block (which training requires of block_attention "bidirectional")
     types, use_swa = hf.get("layer_types"), dflash.get("use_swa", False)
     any_sliding = bool(types) and SLIDING in types
     layers = []
