@@ -184,6 +184,7 @@ class TrainConfig:
     mask_token_id: int = -1  # the drafter's mask token; -1 = the one validated at extraction
     sliding_window: int = 0  # >0: every layer but the last `full_attention_layers` uses sliding-window attention of this width; 0 = off
     full_attention_layers: int = 1  # with sliding_window: the last N layers attend fully (1 = SpecForge's 3.6 drafter; 0 = all sliding, z-lab's DFlash2)
+    block_attention: str = "causal"  # inside the block in sliding layers: "causal" (z-lab's DFlash drafters) or "bidirectional" (z-lab's DFlash2: is_causal false); full layers always see the whole block
     gamma: float = 0.0  # slot-weight decay exp(-(k-1)/gamma); 0 = 7 for block 16, 4 for block 8; inf = no decay
     weighting: str = "decay"  # slot weights: "decay" (exp(-(k-1)/gamma)) or "dpace"
     noise_std: float = 0.0  # Gaussian noise on the context hidden states (relative to their RMS); 0 = off
@@ -213,6 +214,10 @@ class TrainConfig:
     def resolve(self) -> TrainConfig:
         check_choice("train.weighting", self.weighting, ("decay", "dpace"))
         check_choice("train.variant", self.variant, ("dflash", "dflash2"))
+        check_choice("train.block_attention", self.block_attention, ("causal", "bidirectional"))
+        if self.block_attention == "bidirectional" and 0 < self.sliding_window < self.block_size:
+            raise ConfigError(f"train.block_attention=bidirectional needs sliding_window >= block_size (got "
+                              f"{self.sliding_window} < {self.block_size})")
         if self.variant == "dflash2" and (self.weighting != "decay" or self.fsdp or not self.selector_weight >= 0):
             raise ConfigError(f"train.variant=dflash2 trains with weighting=decay (got {self.weighting}), fsdp=0 (got "
                               f"{int(self.fsdp)}; its selector runs outside the sharded forward) and selector_weight "

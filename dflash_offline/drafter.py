@@ -33,6 +33,10 @@ from dflash_offline.dflash2 import BlockConv, CandidateSelector, rng_untouched
 from dflash_offline.masks import block_allow, dense_mask, flex_block_mask
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# attention inside the block in sliding layers (full layers always see the whole block): "causal" = the slots before
+# and the slot itself (the default, and what configs without `is_causal` are served with), "bidirectional" = every
+# slot (what `is_causal: false` asks for; z-lab's published DFlash2 drafters declare it; docs/serving.md)
+BLOCK_ATTENTIONS = ("causal", "bidirectional")
 # "flex": flex over the context keys + a dense block part (`split_attention`); "flex_joint": one flex call over
 # context + block keys; "dense": SDPA with a dense bool mask (the reference, any device)
 ATTNS = ("flex", "flex_joint", "dense")
@@ -56,6 +60,7 @@ class DrafterConfig:
     block_size: int = 16  # L, tokens per draft block (slot 0 = given token)
     sliding_window: int | None = None  # W of "sliding_attention" layers
     layer_types: list[str] | None = None  # per layer "full_attention"/"sliding_attention"; None = all full
+    block_attention: str = "causal"  # inside the block in sliding layers: "causal" (earlier slots) or "bidirectional"
     initializer_range: float = 0.02  # std of the normal init of every Linear
     tap_width: int = 0  # values per tapped layer the fc reads: 0 = hidden_size; k for a projected cache (projection.py)
     variant: str = "dflash"  # "dflash" or "dflash2" (+ block-local dynamic conv around every sublayer, candidate selector)
@@ -73,6 +78,12 @@ class DrafterConfig:
             raise ValueError(f"layer_types must be {self.num_layers} entries of {LAYER_TYPES}, got {self.layer_types}")
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        if self.block_attention not in BLOCK_ATTENTIONS:
+            raise ValueError(f"block_attention must be one of {BLOCK_ATTENTIONS}, got {self.block_attention!r}")
+        if (self.block_attention == "bidirectional" and "sliding_attention" in self.layer_types
+                and self.sliding_window < self.block_size):
+            raise ValueError(f"block_attention='bidirectional' needs sliding_window={self.sliding_window} >= "
+                             f"block_size={self.block_size} (a window that cuts the block is served differently)")
         if self.variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
         if self.variant == "dflash2" and (self.conv_kernel_size < 1 or self.hidden_size % self.conv_group_size):
@@ -167,6 +178,7 @@ class Attention(nn.Module):
         H, N, G, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.n_heads, self.n_kv, self.head_dim = N, G, D
         self.block_size, self.sliding_window = cfg.block_size, sliding_window
+        self.block_causal = cfg.block_attention == "causal"
         self.q_proj = nn.Linear(H, N * D, bias=False)
         self.k_proj = nn.Linear(H, G * D, bias=False)
         self.v_proj = nn.Linear(H, G * D, bias=False)
@@ -188,7 +200,7 @@ class Attention(nn.Module):
         q_BNQD = q.transpose(1, 2)
         scale = self.head_dim**-0.5
         if attn == "flex":
-            allow_LL = block_allow(self.block_size, self.sliding_window, x_BQH.device)
+            allow_LL = block_allow(self.block_size, self.sliding_window, x_BQH.device, self.block_causal)
             o = split_attention(q_BNQD, k_ctx.transpose(1, 2), v_ctx.transpose(1, 2), k_blk.transpose(1, 2),
                                 v_blk.transpose(1, 2), mask, allow_LL, scale, expand_kv=True)
         else:  # one attention over [context | block] keys: flex with the full BlockMask, or SDPA with a dense mask
@@ -297,13 +309,15 @@ class DFlashDrafter(nn.Module):
         if attn not in ATTNS:
             raise ValueError(f"attn must be one of {ATTNS}, got {attn!r}")
         L, W = self.cfg.block_size, self.cfg.sliding_window
+        causal = self.cfg.block_attention == "causal"
         masks = {}
         for t in set(self.cfg.layer_types):
             w = W if t == "sliding_attention" else None
             if attn == "dense":
-                masks[t] = dense_mask(anchor_pos_BA, keep_BA, doc_ids_BS, L, w)
+                masks[t] = dense_mask(anchor_pos_BA, keep_BA, doc_ids_BS, L, w, causal)
             else:
-                masks[t] = flex_block_mask(anchor_pos_BA, keep_BA, doc_ids_BS, L, w, context_only=attn == "flex")
+                masks[t] = flex_block_mask(anchor_pos_BA, keep_BA, doc_ids_BS, L, w, context_only=attn == "flex",
+                                           block_causal=causal)
         return masks
 
     def weight_groups(self) -> list[list[nn.Parameter]]:

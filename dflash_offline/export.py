@@ -4,7 +4,7 @@
 
 | file | holds |
 | --- | --- |
-| `config.json` | a Qwen3Config (`model_type` "qwen3", `architectures` ["DFlashDraftModel"], `auto_map` AutoModel → `dflash.DFlashDraftModel`) with the drafter's shapes, `block_size`, `dflash_config` {mask_token_id, mask_token (the target tokenizer's string for it, which SGLang checks), target_layer_ids, block_size; a DFlash2 drafter: `architectures` ["DFlash2DraftModel"], auto_map → `dflash.DFlash2DraftModel`, and conv_kernel_size, conv_group_size, selector_rank, selector_top_k}, `num_target_layers`, `layer_types`, sliding window, RoPE (`rope_parameters` and the legacy `rope_theta`) and `max_position_embeddings` of the target |
+| `config.json` | a Qwen3Config (`model_type` "qwen3", `architectures` ["DFlashDraftModel"], `auto_map` AutoModel → `dflash.DFlashDraftModel`) with the drafter's shapes, `block_size`, `dflash_config` {mask_token_id, mask_token (the target tokenizer's string for it, which SGLang checks), target_layer_ids, block_size; a DFlash2 drafter: `architectures` ["DFlash2DraftModel"], auto_map → `dflash.DFlash2DraftModel`, and conv_kernel_size, conv_group_size, selector_rank, selector_top_k}, `num_target_layers`, `layer_types`, sliding window (and `is_causal` false for a drafter trained with `block_attention` "bidirectional"), RoPE (`rope_parameters` and the legacy `rope_theta`) and `max_position_embeddings` of the target |
 | `model.safetensors` | exactly the drafter's tensors under the z-lab names (`fc.weight`, `hidden_norm.weight`, `norm.weight`, `layers.{i}.…`; DFlash2 adds `layers.{i}.{attention_conv,mlp_conv}.{base_kernel,kernel_projection.weight}` and `candidate_selector.{predecessor_codebook,successor_codebook,hidden_projection.weight}`, the codebooks without `.weight`, as z-lab names them), in `dtype`; never the target's embedding or lm_head |
 | `dflash.py` | the modeling file `auto_map` names (a copy of `dflash_offline/zlab_dflash.py`, which holds both `DFlashDraftModel` and `DFlash2DraftModel`: torch + transformers only) |
 | `dflash_export.json` | provenance: run, step, checkpoint, dtype, target, sha256 of the weights and of dflash.py (and the projection a run on projected taps was folded with); no absolute path of the exporting machine: the run relative to the export, the target (a hub id as named) and the projection's cache relative to the run (`provenance_paths` reads them back) |
@@ -218,6 +218,10 @@ def zlab_config(dc, tgt: dict, dtype: str) -> dict:
         "torch_dtype": dtype,
         "transformers_version": transformers.__version__,
     }
+    if dc.block_attention == "bidirectional":
+        # every layer sees its whole block: the top-level flag z-lab's DFlash2DraftModel, vLLM and SGLang read for all
+        # layers (without it they serve sliding layers block-causal; docs/serving.md)
+        cfg["is_causal"] = False
     return cfg
 
 

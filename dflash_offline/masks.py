@@ -6,10 +6,12 @@ positions of the row followed by the same Q block tokens. Query (a, k) with anch
 - context key j  iff  j < p (strictly before the anchor) and j is in p's document and the anchor is kept;
 - block key (a', k')  iff  a' == a (its own block, bidirectional); nothing of other blocks.
 
-Sliding-window layers (DESIGN: "context limited to the window, block causal"; z-lab's inference mask for
-`sliding_attention` layers) additionally require `(p + k) - j < W` for context keys (the query's own position
-minus the key's), and `k' <= k` inside the block. Padded anchors (keep=False) see only their own block, so
-no row of the mask is empty and no NaN appears.
+Sliding-window layers additionally require `(p + k) - j < W` for context keys (the query's own position minus
+the key's) and, with `block_causal` (the default; DESIGN: "context limited to the window, block causal"; z-lab's
+inference mask for `sliding_attention` layers of a config without `is_causal`), `k' <= k` inside the block.
+`block_causal=False` keeps the whole block visible in sliding layers too, as z-lab's DFlash2 drafters declare with
+`is_causal: false` (docs/serving.md); the window never cuts a block (L <= W). Padded anchors (keep=False) see only
+their own block, so no row of the mask is empty and no NaN appears.
 
 The training flex path splits the two parts (see `drafter.split_attention`): flex_attention over the S context
 keys with a context-only BlockMask (`flex_block_mask`, `context_only=True` in `make_mask_mod`), and the
@@ -32,6 +34,7 @@ def dense_mask(
     doc_ids_BS: torch.Tensor,
     block_size: int,
     sliding_window: int | None = None,
+    block_causal: bool = True,
 ) -> torch.Tensor:
     """Bool mask [B, 1, Q, S+Q] (True = may attend) for SDPA; memory O(B*Q*(S+Q)), meant for tests/CPU."""
     B, S = doc_ids_BS.shape
@@ -52,8 +55,7 @@ def dense_mask(
     if sliding_window is not None:
         qpos_BQ = anchor_BQ + slot_Q
         ctx_BQS &= (qpos_BQ[:, :, None] - j_S[None, None, :]) < sliding_window
-        dk_QQ = slot_Q[:, None] - slot_Q[None, :]
-        blk_QQ &= (dk_QQ >= 0) & (dk_QQ < sliding_window)
+        blk_QQ &= block_allow(L, sliding_window, dev, block_causal).repeat(A, A)
     full_BQK = torch.cat([ctx_BQS, blk_QQ.expand(B, -1, -1)], dim=2)
     return full_BQK[:, None]
 
@@ -85,13 +87,15 @@ def query_bounds(
     return lo_BQ.to(torch.int32), hi_BQ.to(torch.int32)
 
 
-def block_allow(block_size: int, sliding_window: int | None = None, device=None) -> torch.Tensor:
-    """Bool [L, L]: slot k may see slot k' of its own block (all of them; sliding layers: k - W < k' <= k)."""
+def block_allow(block_size: int, sliding_window: int | None = None, device=None,
+                block_causal: bool = True) -> torch.Tensor:
+    """Bool [L, L]: slot k may see slot k' of its own block (all of them; sliding layers with `block_causal`:
+    k - W < k' <= k; without it |k - k'| < W, every slot when L <= W)."""
     if sliding_window is None:
         return torch.ones(block_size, block_size, dtype=torch.bool, device=device)
     k = torch.arange(block_size, device=device)
     dk = k[:, None] - k[None, :]
-    return (dk >= 0) & (dk < sliding_window)
+    return ((dk >= 0) if block_causal else (-dk < sliding_window)) & (dk < sliding_window)
 
 
 def make_mask_mod(
@@ -101,6 +105,7 @@ def make_mask_mod(
     block_size: int,
     sliding_window: int | None = None,
     context_only: bool = False,
+    block_causal: bool = True,
 ):
     """flex_attention mask_mod(b, h, q_idx, kv_idx) with the semantics of `dense_mask` (keys: S context + Q
     block), or with `context_only` of its first S columns (keys: the S context positions only).
@@ -122,7 +127,7 @@ def make_mask_mod(
         blk = (kb >= 0) & (kb // L == q_idx // L)
         if sliding_window is not None:
             dk = q_idx % L - kb % L
-            blk = blk & (dk >= 0) & (dk < sliding_window)
+            blk = blk & ((dk >= 0) if block_causal else (-dk < sliding_window)) & (dk < sliding_window)
         return ctx | blk
 
     return mask_mod
@@ -143,6 +148,7 @@ def flex_block_mask(
     compiled: bool | None = None,
     tile: int = 128,
     context_only: bool = True,
+    block_causal: bool = True,
 ) -> BlockMask:
     """BlockMask (B, heads broadcast, Q, S) over the context keys only (what `drafter.split_attention` takes), or
     with `context_only=False` (B, heads broadcast, Q, S+Q) over context + block keys (one flex call for both).
@@ -154,6 +160,6 @@ def flex_block_mask(
     Q = anchor_pos_BA.shape[1] * block_size
     if compiled is None:
         compiled = anchor_pos_BA.device.type == "cuda"
-    mask_mod = make_mask_mod(anchor_pos_BA, keep_BA, doc_ids_BS, block_size, sliding_window, context_only)
+    mask_mod = make_mask_mod(anchor_pos_BA, keep_BA, doc_ids_BS, block_size, sliding_window, context_only, block_causal)
     build = _compiled_create_block_mask() if compiled else create_block_mask
     return build(mask_mod, B, None, Q, S if context_only else S + Q, device=anchor_pos_BA.device, BLOCK_SIZE=tile)

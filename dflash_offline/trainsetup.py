@@ -254,7 +254,7 @@ def drafter_config(cfg: TrainConfig, c: dict):
         mask_token_id=int(c["mask_token_id"]), num_layers=cfg.num_layers, num_heads=cfg.num_heads,
         num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=info.rms_norm_eps,
         rope_theta=info.rope_theta, block_size=cfg.block_size, sliding_window=cfg.sliding_window or None,
-        layer_types=types, tap_width=c.get("tap_width", 0), variant=cfg.variant,
+        layer_types=types, block_attention=cfg.block_attention, tap_width=c.get("tap_width", 0), variant=cfg.variant,
         conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size, selector_rank=cfg.selector_rank,
         selector_top_k=cfg.selector_top_k,
     )

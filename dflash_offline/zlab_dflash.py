@@ -27,9 +27,12 @@ Speculative decoding: `draft_block` is one drafting step (context cache in, draf
 
 Attention, when no `attention_mask` is given (inference: the context is everything before the block's first
 token): `full_attention` layers see every context key and the whole block (bidirectional); `sliding_attention`
-layers see keys at most `sliding_window - 1` positions back and, inside the block, only earlier slots (causal).
-These are the masks the drafter was trained with. An explicit mask (bool, True = attend; or additive float),
-[B, 1, Q, K] or [B, Q, K] with K = cached + context + block keys, or a dict {layer_type: mask}, replaces them.
+layers see keys at most `sliding_window - 1` positions back and, inside the block, only earlier slots (causal) —
+or, when the config says `is_causal: false` (a drafter trained with block_attention "bidirectional", as z-lab's
+DFlash2 drafters declare), the whole block (|distance| < sliding_window, z-lab's rule). These are the masks the
+drafter was trained with; `refuse_other_computations` refuses a config asking for any other. An explicit mask
+(bool, True = attend; or additive float), [B, 1, Q, K] or [B, Q, K] with K = cached + context + block keys, or a
+dict {layer_type: mask}, replaces them.
 
 Shape legend: B batch, S new context tokens, C cached keys, Q block tokens, K keys, H hidden, N query heads,
 G kv heads, D head dim, V vocab.
@@ -200,6 +203,7 @@ class DFlashDraftModel(PreTrainedModel):
     _supports_sdpa = True
 
     def __init__(self, config):
+        refuse_other_computations(config)
         super().__init__(config)
         dflash = dict(getattr(config, "dflash_config", None) or {})
         if "target_layer_ids" not in dflash:
@@ -213,6 +217,7 @@ class DFlashDraftModel(PreTrainedModel):
             raise ValueError(f"layer_types must be {config.num_hidden_layers} entries of {FULL!r}/{SLIDING!r}, "
                              f"got {types}")
         self.sliding_window = config.sliding_window if SLIDING in types else None
+        self.block_causal = block_causal_of(config)  # inside the block in sliding layers
         if SLIDING in types and not self.sliding_window:
             raise ValueError("layer_types has sliding_attention layers but config.sliding_window is not set "
                              "(and use_sliding_window must be true)")
@@ -231,7 +236,8 @@ class DFlashDraftModel(PreTrainedModel):
         if self.sliding_window:
             q_BQ = pos_BK[:, -num_queries:]
             dist_BQK = q_BQ[:, :, None] - pos_BK[:, None, :]
-            masks[SLIDING] = ((dist_BQK >= 0) & (dist_BQK < self.sliding_window))[:, None]
+            ahead = (dist_BQK >= 0) if self.block_causal else (-dist_BQK < self.sliding_window)
+            masks[SLIDING] = (ahead & (dist_BQK < self.sliding_window))[:, None]
         return masks
 
     # --- forward -------------------------------------------------------------------------------------------
@@ -504,23 +510,57 @@ def dflash2_setting(config, name: str) -> int:
     return int(value)
 
 
+CAUSAL_FIELDS = ("is_causal", "causal")  # top-level or in dflash_config; each asks the same of every layer
+
+
+def causal_settings(config) -> dict:
+    """{where: value} of every causality field the config sets (`CAUSAL_FIELDS`, top-level and in dflash_config)."""
+    dflash = dict(getattr(config, "dflash_config", None) or {})
+    found = {}
+    for name in CAUSAL_FIELDS:
+        for where, value in ((name, getattr(config, name, None)), (f"dflash_config.{name}", dflash.get(name))):
+            if value is not None:
+                found[where] = bool(value)
+    return found
+
+
+def block_causal_of(config) -> bool:
+    """Whether sliding_attention layers are causal inside the block: what the config's causality field says (it
+    overrides every layer: false = every layer sees the whole block, z-lab's DFlash2 drafters), else True (z-lab's
+    rule for sliding layers without the field). `refuse_other_computations` has refused conflicting fields."""
+    values = set(causal_settings(config).values())
+    return values.pop() if values else True
+
+
 def refuse_other_computations(config) -> None:
     """Refuse, in one line, a config field (top-level or in dflash_config) asking for a computation other than this
-    file's, which would otherwise be ignored: `is_causal` / `causal` other than the per-layer attention computed here,
-    an `output_multiplier` other than 1, any `final_logit_softcapping` (z-lab's DFlash2 configs may carry them)."""
+    file's, which would otherwise be ignored: `is_causal` / `causal` asking for causal full_attention layers, or set
+    to different values (the engines read different ones), an `output_multiplier` other than 1, any
+    `final_logit_softcapping` (z-lab's DFlash2 configs may carry them). `is_causal` false is computed (the whole
+    block in every layer), and true where every layer is sliding_attention (their default)."""
     dflash = dict(getattr(config, "dflash_config", None) or {})
     types = list(getattr(config, "layer_types", None) or [FULL] * config.num_hidden_layers)
-    per_layer = "causal inside the block in sliding_attention layers, bidirectional in full_attention ones"
+    settings = causal_settings(config)
+    per_layer = ("bidirectional inside the block in full_attention layers; in sliding_attention layers causal, or "
+                 "bidirectional with is_causal false")
+    if len(set(settings.values())) > 1:
+        said = ", ".join(f"{k}={v}" for k, v in settings.items())
+        raise ValueError(f"DFlash drafter config: {said} disagree (vLLM reads dflash_config.causal after is_causal, "
+                         f"SGLang and z-lab only is_causal: engines would compute different attention); keep one")
+
+    def same_causal(v):  # false: every layer sees the whole block; true: what sliding layers compute anyway
+        return not bool(v) or all(t == SLIDING for t in types)
+
     computed = {  # field: (does the value ask for this file's computation, what this file computes)
-        "is_causal": (lambda v: all(bool(v) == (t == SLIDING) for t in types), per_layer),
-        "causal": (lambda v: all(bool(v) == (t == SLIDING) for t in types), per_layer),
+        "is_causal": (same_causal, per_layer),
+        "causal": (same_causal, per_layer),
         "output_multiplier": (lambda v: float(v) == 1.0, "no output multiplier"),
         "final_logit_softcapping": (lambda v: False, "no logit softcapping"),
     }
     for name, (same, does) in computed.items():
         for where, value in (("", getattr(config, name, None)), ("dflash_config.", dflash.get(name))):
             if value is not None and not same(value):
-                raise ValueError(f"DFlash2 drafter config: {where}{name}={value!r} asks for a computation this modeling "
+                raise ValueError(f"DFlash drafter config: {where}{name}={value!r} asks for a computation this modeling "
                                  f"file does not do (it computes the drafter dflash_offline trains: {does}); load this "
                                  f"checkpoint with the modeling code it came with")
 
@@ -530,12 +570,12 @@ class DFlash2DraftModel(DFlashDraftModel):
     (`layers.{i}.attention_conv`, `layers.{i}.mlp_conv`) and a `CandidateSelector` (`candidate_selector`) that
     drafts; `forward` is DFlash's (final-normed block hidden states). Settings from `dflash_config`:
     conv_kernel_size, conv_group_size, selector_rank, selector_top_k. A config asking for another computation
-    (`is_causal`, `output_multiplier`, `final_logit_softcapping`) is refused (`refuse_other_computations`)."""
+    (`is_causal`, `output_multiplier`, `final_logit_softcapping`) is refused (`refuse_other_computations`), as for
+    DFlash."""
 
     _no_split_modules = ["DFlashDecoderLayer"]
 
     def __init__(self, config):
-        refuse_other_computations(config)
         super().__init__(config)
         kernel, group = dflash2_setting(config, "conv_kernel_size"), dflash2_setting(config, "conv_group_size")
         for layer in self.layers:

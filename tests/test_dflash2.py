@@ -19,9 +19,9 @@ SHAPE = dict(layer_types=["sliding_attention", "full_attention"], sliding_window
 D2 = dict(variant="dflash2", conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
 
 
-def dflash2(seed=0, std=0.0):
+def dflash2(seed=0, std=0.0, **kw):
     """A DFlash2 drafter (with every parameter moved by N(0, std) when std > 0) and the embedding table."""
-    model, embed = model_and_embed(config(**SHAPE, **D2), seed)
+    model, embed = model_and_embed(config(**{**SHAPE, **D2, **kw}), seed)
     if std:
         g = torch.Generator().manual_seed(seed + 7)
         with torch.no_grad():
@@ -45,14 +45,16 @@ def expected_shapes(num_layers, hidden, vocab, kernel, group, rank) -> dict[str,
 
 
 def shipped(model) -> DFlash2DraftModel:
-    """The shipped modeling class built from the drafter's config and holding its weights (strict load)."""
+    """The shipped modeling class the export's config.json names, built from that config and holding the drafter's
+    weights (strict load)."""
     from transformers import Qwen3Config
+
+    from dflash_offline import zlab_dflash
 
     dc = model.cfg
     tgt = {"max_position_embeddings": 4096, "bos_token_id": None, "eos_token_id": 1, "pad_token_id": None}
     cfg = zlab_config(dc, tgt, "float32")
-    cfg["dflash_config"].update({k: getattr(dc, k) for k in D2 if k != "variant"})
-    hf = DFlash2DraftModel(Qwen3Config(**cfg)).eval()
+    hf = getattr(zlab_dflash, cfg["architectures"][0])(Qwen3Config(**cfg)).eval()
     hf.load_state_dict(model.state_dict(), strict=True)
     return hf
 
@@ -130,19 +132,24 @@ def test_a_fresh_shipped_dflash2_computes_the_shipped_dflash():
             assert torch.equal(*drafted)
 
 
-@pytest.mark.parametrize("field, value", [("is_causal", False), ("is_causal", True), ("dflash_config.causal", False),
-                                          ("output_multiplier", 0.5), ("dflash_config.output_multiplier", 2.0),
-                                          ("final_logit_softcapping", 30.0)])
-def test_the_shipped_dflash2_refuses_a_config_asking_for_another_computation(field, value):
-    """z-lab's DFlash2 configs may carry fields this file does not compute (z-lab's published one: is_causal false,
-    the sliding window bidirectional inside the block): a model built from one is refused in one line naming the
-    field, not built to compute something else. Values asking for what it computes pass."""
+@pytest.mark.parametrize("field, value", [("is_causal", True), ("dflash_config.causal", True), ("output_multiplier", 0.5),
+                                          ("dflash_config.output_multiplier", 2.0), ("final_logit_softcapping", 30.0)])
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+def test_the_shipped_models_refuse_a_config_asking_for_another_computation(field, value, variant):
+    """z-lab's configs may carry fields this file does not compute: a model built from one is refused in one line
+    naming the field, not built to compute something else — causal full_attention layers (is_causal true beside a
+    full layer), causality fields that disagree (vLLM reads dflash_config.causal after is_causal, SGLang and z-lab only
+    is_causal), a logit multiplier or softcap. Values asking for what it computes pass: is_causal false (the whole
+    block in every layer, z-lab's DFlash2 drafters) with any layers, true where every layer slides."""
     from transformers import Qwen3Config
 
+    from dflash_offline import zlab_dflash
+
     tgt = {"max_position_embeddings": 4096, "bos_token_id": None, "eos_token_id": 1, "pad_token_id": None}
+    cls = getattr(zlab_dflash, "DFlash2DraftModel" if variant == "dflash2" else "DFlashDraftModel")
 
     def config_with(shape, **fields):
-        cfg = zlab_config(config(**shape, **D2), tgt, "float32")
+        cfg = zlab_config(config(**shape, **(D2 if variant == "dflash2" else {})), tgt, "float32")
         for name, v in fields.items():
             if name.startswith("dflash_config."):
                 cfg["dflash_config"][name.split(".")[1]] = v
@@ -150,13 +157,47 @@ def test_the_shipped_dflash2_refuses_a_config_asking_for_another_computation(fie
                 cfg[name] = v
         return Qwen3Config(**cfg)
 
-    with pytest.raises(ValueError, match=rf"^DFlash2 drafter config: {field}={value!r} asks for a computation this "
+    # (SHAPE: a sliding and a full layer, so a causal value asks for a causal full layer)
+    with pytest.raises(ValueError, match=rf"^DFlash drafter config: {field}={value!r} asks for a computation this "
                                          rf"modeling file does not do \(it computes the drafter dflash_offline trains"):
-        DFlash2DraftModel(config_with(SHAPE, **{field: value}))
-    # (SHAPE: a sliding and a full layer, so neither causal value is this file's; all-sliding layers are causal)
+        cls(config_with(SHAPE, **{field: value}))
+    with pytest.raises(ValueError, match=r"^DFlash drafter config: is_causal=False, dflash_config.causal=True disagree"):
+        cls(config_with(dict(layer_types=["sliding_attention"] * 2, sliding_window=7), is_causal=False,
+                        **{"dflash_config.causal": True}))
     sliding = dict(layer_types=["sliding_attention"] * 2, sliding_window=7)
-    DFlash2DraftModel(config_with(sliding, is_causal=True, output_multiplier=1.0, final_logit_softcapping=None))
-    DFlash2DraftModel(config_with(dict(layer_types=["full_attention"] * 2), **{"dflash_config.causal": False}))
+    assert cls(config_with(sliding, is_causal=True, output_multiplier=1.0, final_logit_softcapping=None)).block_causal
+    assert not cls(config_with(SHAPE, is_causal=False, **{"dflash_config.causal": False})).block_causal
+    assert cls(config_with(dict(layer_types=["full_attention"] * 2))).block_causal  # no field: sliding layers causal
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+@pytest.mark.parametrize("block_attention", ["causal", "bidirectional"])
+def test_the_export_config_makes_the_shipped_model_compute_the_training_attention(variant, block_attention):
+    """With every parameter moved off its init, the shipped class the export's config.json names (built from that
+    config alone: `is_causal` false for a bidirectional drafter, no field for a block-causal one) drafts each block of
+    a packed batch as the training forward does, for a sliding and a full layer; the two settings differ in the
+    sliding layer, so neither equality holds by accident."""
+    kw = {"block_attention": block_attention} | ({} if variant == "dflash2" else {"variant": "dflash"})
+    model, embed = dflash2(std=0.3, **kw)
+    model.eval()
+    hf = shipped(model)
+    assert ("is_causal" in hf.config.to_dict()) == (block_attention == "bidirectional")
+    batch = packed_batch()
+    ids, pos, doc, lm, hidden, anc, keep = batch
+    flip = "bidirectional" if block_attention == "causal" else "causal"
+    other, _ = dflash2(std=0.3, **{**kw, "block_attention": flip})  # the same weights, the other mask
+    other.eval()
+    with torch.no_grad():
+        want = forward(model, embed, batch, "dense")
+        assert not torch.allclose(want, forward(other, embed, batch, "dense"), atol=1e-3)
+        bids = block_input_ids(ids, anc, keep, L, model.cfg.mask_token_id)
+        for b, a in ((0, 1), (0, 4), (1, 3)):
+            p = int(anc[b, a])
+            start = int((doc[b] == doc[b, p]).nonzero()[0])
+            got = hf(position_ids=torch.cat([pos[b:b + 1, start:p], pos[b:b + 1, p:p + 1] + torch.arange(L)], 1),
+                     input_ids=bids[b:b + 1, a * L:(a + 1) * L], embed_tokens=embed,
+                     target_hidden=hidden[b:b + 1, start:p])
+            torch.testing.assert_close(got[0], want[b, a * L:(a + 1) * L], rtol=1e-5, atol=1e-5)
 
 
 def test_tensor_names_and_shapes_are_zlab_s():
@@ -328,14 +369,17 @@ def test_export_writes_the_dflash2_format_and_automodel_loads_every_tensor(tmp_p
                        ref.draft_tokens(ctx, anchor, ref.draft_cache(), embed, head))
 
 
-def test_spec_generate_with_the_selector_is_lossless(tmp_path, qwen3_dir):
+@pytest.mark.parametrize("attention", [{}, dict(layer_types=["sliding_attention"] * 2, sliding_window=16,
+                                                block_attention="bidirectional")], ids=["full", "bidirectional"])
+def test_spec_generate_with_the_selector_is_lossless(tmp_path, qwen3_dir, attention):
     """The shipped DFlash2 drafts with its selector walk inside spec_generate; the output is the target's greedy
     one, and with an lm_head of one live row and the selector at its identity drafts agree, so blocks of several
-    tokens are accepted."""
+    tokens are accepted. Also with every layer sliding and bidirectional inside the block (is_causal false, the
+    published Qwen3.8-27B drafter's attention), whose inference masks run over the growing, cropped cache."""
     from test_export import fake_run, greedy
     from transformers import AutoModelForCausalLM
 
-    _, model = fake_run(tmp_path / "run", qwen3_dir, variant="dflash2", selector_rank=8)
+    _, model = fake_run(tmp_path / "run", qwen3_dir, variant="dflash2", selector_rank=8, **attention)
     hf = shipped(model)
     target = AutoModelForCausalLM.from_pretrained(str(qwen3_dir), dtype=torch.float32).eval()
     prompt = torch.randint(0, 1980, (1, 9), generator=torch.Generator().manual_seed(2))

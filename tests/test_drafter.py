@@ -114,7 +114,7 @@ def reference_forward(model, cfg, hidden, ids, pos, doc, anc, keep, embed):
                         j for j in range(S)
                         if kept[b][a] and j < p and docs[b][j] == docs[b][p] and (not sliding or p + k - j < W)
                     ]
-                    vis_blk = [kk for kk in range(L) if not sliding or kk <= k]
+                    vis_blk = [kk for kk in range(L) if not sliding or kk <= k or cfg.block_attention != "causal"]
                     keys = torch.cat([kc[vis_ctx], kb[vis_blk]])[:, kv_head]  # [n, nH, D]
                     vals = torch.cat([vc[vis_ctx], vb[vis_blk]])[:, kv_head]
                     scores = torch.einsum("nhd,hd->hn", keys, q[k]) / math.sqrt(D)
@@ -136,8 +136,9 @@ def forward(model, embed, batch, attn):
 
 @pytest.mark.parametrize(
     "kw",
-    [{}, dict(layer_types=["sliding_attention", "full_attention"], sliding_window=7)],
-    ids=["full", "sliding+full"],
+    [{}, dict(layer_types=["sliding_attention", "full_attention"], sliding_window=7),
+     dict(layer_types=["sliding_attention", "full_attention"], sliding_window=7, block_attention="bidirectional")],
+    ids=["full", "sliding+full", "sliding bidirectional+full"],
 )
 def test_forward_equals_independent_reference(kw):
     """The drafter's forward = a float64 reference written out here, and flex attention = dense. Outputs are RMS-normed
@@ -209,7 +210,7 @@ def test_weight_fence_is_called_before_each_group_in_forward_order():
 # --- the mask ----------------------------------------------------------------------------------------------
 
 
-def loop_mask(anc, keep, doc, W=None):
+def loop_mask(anc, keep, doc, W=None, causal=True):
     B, Sx = doc.shape
     Q = anc.shape[1] * L
     m = torch.zeros(B, 1, Q, Sx + Q, dtype=torch.bool)
@@ -220,15 +221,22 @@ def loop_mask(anc, keep, doc, W=None):
             for j in range(Sx):
                 m[b, 0, q, j] = bool(keep[b, a] and j < p and doc[b, j] == doc[b, p] and (W is None or p + k - j < W))
             for kk in range(L):
-                m[b, 0, q, Sx + a * L + kk] = W is None or kk <= k
+                m[b, 0, q, Sx + a * L + kk] = W is None or kk <= k or not causal
     return m
 
 
-@pytest.mark.parametrize("W", [None, 7])
-def test_dense_mask_semantics(W):
+# (W, block causal): full layers; sliding layers causal inside the block (DFlash); every slot (DFlash2, is_causal false)
+MASKS = [(None, True), (7, True), (7, False)]
+
+
+@pytest.mark.parametrize("W, causal", MASKS)
+def test_dense_mask_semantics(W, causal):
     ids, pos, doc, lm, hidden, anc, keep = packed_batch()
-    m = dense_mask(anc, keep, doc, L, W)
-    assert torch.equal(m, loop_mask(anc, keep, doc, W))
+    m = dense_mask(anc, keep, doc, L, W, causal)
+    assert torch.equal(m, loop_mask(anc, keep, doc, W, causal))
+    if W is not None:  # the two sliding masks differ inside the block only
+        other = dense_mask(anc, keep, doc, L, W, not causal)
+        assert torch.equal(m[..., :S], other[..., :S]) and not torch.equal(m, other)
     assert m.any(-1).all()  # no empty row, so no NaN
     # strictly before the anchor: the anchor's own position is never visible
     for b in range(2):
@@ -257,22 +265,24 @@ def test_split_attention_with_kv_repeated_per_head_equals_gqa():
     assert k2.shape == (2, N, S, D) and torch.equal(k2[:, 3], kc[:, 1]) and torch.equal(v2[:, 2], vc[:, 1])
 
 
-@pytest.mark.parametrize("W", [None, 7])
-def test_flex_mask_equals_dense(W):
+@pytest.mark.parametrize("W, causal", MASKS)
+def test_flex_mask_equals_dense(W, causal):
     ids, pos, doc, lm, hidden, anc, keep = packed_batch()
-    dense = dense_mask(anc, keep, doc, L, W)
+    dense = dense_mask(anc, keep, doc, L, W, causal)
     Q = A * L
-    grid = create_mask(make_mask_mod(anc, keep, doc, L, W), 2, 1, Q, S + Q, device="cpu")
+    grid = create_mask(make_mask_mod(anc, keep, doc, L, W, block_causal=causal), 2, 1, Q, S + Q, device="cpu")
     assert torch.equal(grid, dense)
     # the split flex path: context-only mask over the first S keys + the same L x L pattern in every block
-    grid = create_mask(make_mask_mod(anc, keep, doc, L, W, context_only=True), 2, 1, Q, S, device="cpu")
+    grid = create_mask(make_mask_mod(anc, keep, doc, L, W, context_only=True, block_causal=causal), 2, 1, Q, S,
+                       device="cpu")
     assert torch.equal(grid, dense[..., :S])
     blocks = dense[..., S:].view(2, A, L, A, L).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)  # [2, A, L, L]
-    assert torch.equal(blocks, block_allow(L, W).expand(2, A, L, L))
+    assert torch.equal(blocks, block_allow(L, W, None, causal).expand(2, A, L, L))
     assert not dense[..., S:].sum() - blocks.sum()  # nothing outside the own block
     tile = 8
     for context_only, K in ((True, S), (False, S + Q)):
-        bm = flex_block_mask(anc, keep, doc, L, W, compiled=False, tile=tile, context_only=context_only)
+        bm = flex_block_mask(anc, keep, doc, L, W, compiled=False, tile=tile, context_only=context_only,
+                             block_causal=causal)
         tiles = dense[..., :K].view(2, 1, Q // tile, tile, K // tile, tile).any(-1).any(-2)
         assert torch.equal(bm.to_dense().bool(), tiles)
 
@@ -331,6 +341,10 @@ def test_config_validation():
         config(layer_types=["full_attention"])
     with pytest.raises(ValueError, match="num_kv_heads"):
         config(num_heads=4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="block_attention must be one of"):
+        config(block_attention="full")
+    with pytest.raises(ValueError, match=r"block_attention='bidirectional' needs sliding_window=3 >= block_size=4"):
+        config(layer_types=["sliding_attention"] * 2, sliding_window=3, block_attention="bidirectional")
 
 
 def test_load_target_embeddings(tmp_path):

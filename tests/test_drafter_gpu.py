@@ -45,32 +45,34 @@ def packed(seed):
     return [t.to(DEV) for t in (ids, lm, doc, pos)]
 
 
-def config():
+def config(block_attention="causal"):
     return DrafterConfig(
         hidden_size=H, intermediate_size=3072, vocab_size=V, target_layer_ids=[1, 9, 17], num_target_layers=28,
         mask_token_id=V - 1, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=128, rope_theta=1e6,
         block_size=L, sliding_window=512, layer_types=["full_attention", "sliding_attention"],
+        block_attention=block_attention,
     )
 
 
-@pytest.mark.parametrize("W", [None, 512])
-def test_compiled_block_mask_equals_dense(W):
+@pytest.mark.parametrize("W, causal", [(None, True), (512, True), (512, False)])
+def test_compiled_block_mask_equals_dense(W, causal):
     ids, lm, doc, pos = packed(0)
     anc, keep = sample_anchors(lm, doc, A, L, torch.Generator(DEV).manual_seed(0))
     keep[1, -5:] = False  # some dropped anchors
-    dense = dense_mask(anc, keep, doc, L, W)
+    dense = dense_mask(anc, keep, doc, L, W, causal)
     Q = A * L
-    grid = torch.nn.attention.flex_attention.create_mask(make_mask_mod(anc, keep, doc, L, W), B, 1, Q, S + Q, DEV)
+    grid = torch.nn.attention.flex_attention.create_mask(make_mask_mod(anc, keep, doc, L, W, block_causal=causal),
+                                                         B, 1, Q, S + Q, DEV)
     assert torch.equal(grid, dense)
     for context_only, K in ((True, S), (False, S + Q)):  # the split path's context-only mask, and the full one
-        bm = flex_block_mask(anc, keep, doc, L, W, context_only=context_only)  # compiled on CUDA
+        bm = flex_block_mask(anc, keep, doc, L, W, context_only=context_only, block_causal=causal)  # compiled
         tiles = dense[..., :K].view(B, 1, Q // 128, 128, K // 128, 128).any(-1).any(-2)
         assert torch.equal(bm.to_dense().bool(), tiles)
     # new anchors, same shapes: no recompile
     with torch._dynamo.config.patch(error_on_recompile=True):
         for seed in (1, 2):
             anc2, keep2 = sample_anchors(lm, doc, A, L, torch.Generator(DEV).manual_seed(seed))
-            flex_block_mask(anc2, keep2, doc, L, W)
+            flex_block_mask(anc2, keep2, doc, L, W, block_causal=causal)
 
 
 def fwd_bwd(fn, model, batch, embed, masks, attn, R):
@@ -82,10 +84,11 @@ def fwd_bwd(fn, model, batch, embed, masks, attn, R):
     return out.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("block_attention", ["causal", "bidirectional"])
 @pytest.mark.parametrize("attn", ["flex", "flex_joint"])
-def test_flex_compiled_equals_dense_forward_and_backward(attn):
+def test_flex_compiled_equals_dense_forward_and_backward(attn, block_attention):
     torch.manual_seed(0)
-    cfg = config()
+    cfg = config(block_attention)
     ref_model = DFlashDrafter(cfg).to(DEV)  # fp32 dense: ground truth
     model = DFlashDrafter(cfg).to(DEV, torch.bfloat16)
     model.load_state_dict(ref_model.state_dict())

@@ -93,6 +93,8 @@ def vllm_resolve(hf: dict, num_speculative_tokens: int, target_layers: int) -> d
     # per layer_types (or every layer when dflash_config.use_swa and layer_types has none); window
     # dflash_config.swa_window_size, else sliding_window, which flash-attention applies as (W-1, 0) (vLLM
     # v1/attention/backends/flash_attn.py); causal = is_causal, else dflash_config.causal, else "layer is sliding"
+    # (is_causal since PR #52816); a non-causal sliding layer's window is symmetric, W - 1 forward too (PR #46104), so
+    # it sees its whole block when W >= the block (which training requires of block_attention "bidirectional")
     types, use_swa = hf.get("layer_types"), dflash.get("use_swa", False)
     any_sliding = bool(types) and SLIDING in types
     layers = []
@@ -310,10 +312,12 @@ def weights_served(raw: dict, names: list[str]) -> dict:
 
 def trained(drafter: dict) -> dict:
     """The drafter's training settings in the resolvers' terms: DESIGN and dflash_offline/masks.py (a sliding layer
-    sees keys fewer than W positions back and, inside the block, earlier slots only; a full layer the whole block);
-    a tap t is transformers' hidden_states[t + 1], the last layer's normed (tests/test_target.py)."""
+    sees keys fewer than W positions back and, inside the block, earlier slots only — or every slot with
+    block_attention "bidirectional"; a full layer the whole block); a tap t is transformers' hidden_states[t + 1],
+    the last layer's normed (tests/test_target.py)."""
     W = drafter["sliding_window"]
-    layers = [(True, W - 1) if t == SLIDING else (False, None) for t in drafter["layer_types"]]
+    causal = drafter.get("block_attention", "causal") == "causal"
+    layers = [(causal, W - 1) if t == SLIDING else (False, None) for t in drafter["layer_types"]]
     return {"block_size": drafter["block_size"], "mask_token_id": drafter["mask_token_id"], "layers": layers,
             "taps": [t + 1 for t in drafter["target_layer_ids"]]}
 
@@ -378,8 +382,10 @@ def export_random_run(root: Path, dc, target: Path) -> tuple[dict, dict]:
 
 
 TINY_TRAIN = dict(num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, block_size=8)
-# DFlash2 as the Qwen3.8-27B recipe has it: every layer sliding, the selector smaller to keep the test light
-TINY_DFLASH2 = dict(variant="dflash2", full_attention_layers=0, selector_rank=8, selector_top_k=4)
+# DFlash2 as the Qwen3.8-27B recipe has it: every layer sliding, the whole block visible in each (is_causal false), the
+# selector smaller to keep the test light
+TINY_DFLASH2 = dict(variant="dflash2", full_attention_layers=0, block_attention="bidirectional", selector_rank=8,
+                    selector_top_k=4)
 
 
 @pytest.fixture(scope="module")
@@ -446,6 +452,8 @@ BROKEN = {
     "no layer_types": (lambda c: _drop(c, "layer_types"), None, {"vllm": ["layers"], "sglang": ["layers"]}),
     "other window": (lambda c: {**c, "sliding_window": 16}, None, {"vllm": ["layers"], "sglang": ["layers"]}),
     "causal flag": (lambda c: {**c, "is_causal": True}, None, {"vllm": ["layers"], "sglang": ["layers"]}),
+    "bidirectional flag on a block-causal drafter": (lambda c: {**c, "is_causal": False}, None,
+                                                     {"vllm": ["layers"], "sglang": ["layers"]}),
     # target layers: ids written as hidden_states indices, a drafter trained on them in descending order, a tap of
     # the last layer, a num_target_layers that does not cover the ids
     "ids + 1": (lambda c: _dflash(target_layer_ids=[t + 1 for t in c["dflash_config"]["target_layer_ids"]])(c),
@@ -553,7 +561,8 @@ def test_recipe_export_is_served_as_trained(recipe, tmp_path, real_fixtures):
         names = list(DFlashDrafter(DrafterConfig(**drafter)).state_dict())
     assert weights_served(config, names) == AS_TRAINED
     sliding, full = {"qwen3.6-27b": (4, 1), "qwen3.8-27b-dflash2": (5, 0)}.get(recipe, (0, 5))
-    assert trained(drafter)["layers"] == [(True, 2047)] * sliding + [(False, None)] * full
+    causal = recipe != "qwen3.8-27b-dflash2"  # the published DFlash2 drafter sees the whole block (is_causal false)
+    assert trained(drafter)["layers"] == [(causal, 2047)] * sliding + [(False, None)] * full
     # the mask token without the id: SGLang finds the tokenizer's <|audio_start|> (248070); the bare default <|MASK|>
     # is not in the Qwen3.5/3.6 tokenizer, so it would be added at 248077, and in Qwen3's it lands at 151669
     no_id = {**config, "dflash_config": _drop(config["dflash_config"], "mask_token_id")}

@@ -101,12 +101,11 @@ ZLAB_QWEN38_27B_DFLASH2 = {
     "layer_types": ["sliding_attention"] * 5, "sliding_window": 2048, "use_sliding_window": True,
     "max_window_layers": 5, "vocab_size": 248320, "num_target_layers": 64, "hidden_act": "silu",
     "attention_bias": False, "tie_word_embeddings": False, "rope_theta": 10000000,
+    "is_causal": False,  # every slot sees the whole block (docs/serving.md: the published config and its readers)
 }
 # z-lab's DFlash2 config fields not restated for the 27B drafter, or that the export leaves out, and why
 NOT_PUBLISHED = {
     "intermediate_size": "not restated; ours is the target's 17408 (SpecForge's Qwen3.6-27B drafter's)",
-    "is_causal": "the fixture's layout has false (the window bidirectional inside the block); we train block-causal "
-                 "sliding layers and write none, so every engine serves them causal, as trained",
     "final_logit_softcapping/output_multiplier": "the fixture's target has them; a Qwen target has neither (identity)",
     "rms_norm_eps": "the target's (1e-6) here; the fixture's other target has 1e-5",
     "auto_map": "the fixture has none (z-lab's package registers the class); the export names the shipped dflash.py",
@@ -167,7 +166,9 @@ def test_the_export_has_the_reference_drafters_fields(recipe, tmp_path):
                                                                            ref["dflash_config"].get("block_size"))
     if ref["architectures"] == ["DFlash2DraftModel"]:  # every field z-lab's dflash_config holds, and no other
         assert {k: v for k, v in out["dflash_config"].items() if k != "mask_token"} == ref["dflash_config"]
-        assert out["auto_map"] == {"AutoModel": "dflash.DFlash2DraftModel"} and "is_causal" not in out
+        assert out["auto_map"] == {"AutoModel": "dflash.DFlash2DraftModel"}
+    # bidirectional blocks are declared (is_causal false) exactly where the reference declares them: not for DFlash
+    assert out.get("is_causal") is ref.get("is_causal"), recipe
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
@@ -255,7 +256,8 @@ def test_the_qwen38_recipe_tokenizes_with_its_template_settings_and_has_a_storag
     assert "Reasoning effort is set to xhigh" in text
     train = storage.recipe_train(str(REPO / "manifests" / "qwen3.8-27b-dflash2.toml"))
     assert (train.variant, train.conv_kernel_size, train.conv_group_size, train.selector_rank,
-            train.selector_top_k, train.full_attention_layers) == ("dflash2", 2, 16, 256, 16, 0)
+            train.selector_top_k, train.full_attention_layers, train.block_attention) == (
+        "dflash2", 2, 16, 256, 16, 0, "bidirectional")
     layer_ids = tables["extract"]["layer_ids"]
     assert encodings.bytes_per_token("bf16", len(layer_ids), 5120) == 51_200
     assert encodings.bytes_per_token("fp8", len(layer_ids), 5120) == 25_620

@@ -106,8 +106,8 @@ def test_resume_equals_uninterrupted(tmp_path, hidden_cache):
 
 
 def test_a_resume_with_other_drafter_settings_is_refused(tmp_path, hidden_cache):
-    """--resume=1 continues the drafter its checkpoint records: another selector_top_k, conv setting or attention
-    layout (no tensor shape changes with the first and the last) or another shape is refused in one line naming the
+    """--resume=1 continues the drafter its checkpoint records: another selector_top_k, conv setting, attention
+    inside the block or attention layout (no tensor shape changes with these but the conv's) or another shape is refused in one line naming the
     field(s) before any weights load; the same settings continue."""
     run, d2 = tmp_path / "r", dict(variant="dflash2", selector_rank=8, sliding_window=64)
     train.run(cfg(hidden_cache, run, steps=2, ckpt_every=2, **d2))
@@ -115,6 +115,7 @@ def test_a_resume_with_other_drafter_settings_is_refused(tmp_path, hidden_cache)
     for change, was, now in (
             ({"selector_top_k": 4}, "selector_top_k=16", "selector_top_k=4"),
             ({"conv_group_size": 32}, "conv_group_size=16", "conv_group_size=32"),
+            ({"block_attention": "bidirectional"}, "block_attention='causal'", "block_attention='bidirectional'"),
             ({"full_attention_layers": 0}, f"layer_types={sliding_full}", "layer_types=['sliding_attention', "
                                                                          "'sliding_attention']"),
             ({"num_layers": 3}, f"num_layers=2, layer_types={sliding_full}", "num_layers=3, layer_types=")):
