@@ -510,55 +510,61 @@ def dflash2_setting(config, name: str) -> int:
     return int(value)
 
 
-CAUSAL_FIELDS = ("is_causal", "causal")  # top-level or in dflash_config; each asks the same of every layer
+OTHER_CAUSAL_FIELDS = ("causal", "dflash_config.causal", "dflash_config.is_causal")  # (read by some engines only)
 
 
 def causal_settings(config) -> dict:
-    """{where: value} of every causality field the config sets (`CAUSAL_FIELDS`, top-level and in dflash_config)."""
+    """{where: value} of the causality fields other than the top-level `is_causal` that the config sets."""
     dflash = dict(getattr(config, "dflash_config", None) or {})
     found = {}
-    for name in CAUSAL_FIELDS:
-        for where, value in ((name, getattr(config, name, None)), (f"dflash_config.{name}", dflash.get(name))):
-            if value is not None:
-                found[where] = bool(value)
+    for where in OTHER_CAUSAL_FIELDS:
+        value = dflash.get(where.split(".", 1)[1]) if where.startswith("dflash_config.") else getattr(config, where,
+                                                                                                      None)
+        if value is not None:
+            found[where] = bool(value)
     return found
 
 
 def block_causal_of(config) -> bool:
-    """Whether sliding_attention layers are causal inside the block: what the config's causality field says (it
-    overrides every layer: false = every layer sees the whole block, z-lab's DFlash2 drafters), else True (z-lab's
-    rule for sliding layers without the field). `refuse_other_computations` has refused conflicting fields."""
-    values = set(causal_settings(config).values())
-    return values.pop() if values else True
+    """Whether sliding_attention layers are causal inside the block: the top-level `is_causal` where set (false:
+    every layer sees the whole block, z-lab's DFlash2 drafters; z-lab, SGLang and vLLM all read it first), else True
+    (their rule for sliding layers without it). `refuse_other_computations` has refused other fields saying else."""
+    value = getattr(config, "is_causal", None)
+    return True if value is None else bool(value)
 
 
 def refuse_other_computations(config) -> None:
     """Refuse, in one line, a config field (top-level or in dflash_config) asking for a computation other than this
-    file's, which would otherwise be ignored: `is_causal` / `causal` asking for causal full_attention layers, or set
-    to different values (the engines read different ones), an `output_multiplier` other than 1, any
-    `final_logit_softcapping` (z-lab's DFlash2 configs may carry them). `is_causal` false is computed (the whole
-    block in every layer), and true where every layer is sliding_attention (their default)."""
+    file's, which would otherwise be ignored: `is_causal` true with full_attention layers (they see the whole block);
+    another causality field (`causal`, `dflash_config.causal`, `dflash_config.is_causal`: z-lab and SGLang read only
+    the top-level `is_causal`, vLLM reads `dflash_config.causal` after it) whose value would change what some engine
+    computes; an `output_multiplier` other than 1; any `final_logit_softcapping` (z-lab's DFlash2 configs may carry
+    them)."""
     dflash = dict(getattr(config, "dflash_config", None) or {})
     types = list(getattr(config, "layer_types", None) or [FULL] * config.num_hidden_layers)
-    settings = causal_settings(config)
+    top = getattr(config, "is_causal", None)
+    for where, value in causal_settings(config).items():
+        effective = bool(top) if top is not None else all(t == SLIDING for t in types)  # (what every engine reads)
+        if value != effective or (top is None and not value):
+            raise ValueError(f"DFlash drafter config: {where}={value} while the top-level is_causal is "
+                             f"{'absent' if top is None else top} (z-lab and SGLang read only is_causal, vLLM reads "
+                             f"dflash_config.causal after it: the engines would compute different attention); set "
+                             f"the top-level is_causal alone")
     per_layer = ("bidirectional inside the block in full_attention layers; in sliding_attention layers causal, or "
                  "bidirectional with is_causal false")
-    if len(set(settings.values())) > 1:
-        said = ", ".join(f"{k}={v}" for k, v in settings.items())
-        raise ValueError(f"DFlash drafter config: {said} disagree (vLLM reads dflash_config.causal after is_causal, "
-                         f"SGLang and z-lab only is_causal: engines would compute different attention); keep one")
 
     def same_causal(v):  # false: every layer sees the whole block; true: what sliding layers compute anyway
         return not bool(v) or all(t == SLIDING for t in types)
 
     computed = {  # field: (does the value ask for this file's computation, what this file computes)
         "is_causal": (same_causal, per_layer),
-        "causal": (same_causal, per_layer),
         "output_multiplier": (lambda v: float(v) == 1.0, "no output multiplier"),
         "final_logit_softcapping": (lambda v: False, "no logit softcapping"),
     }
     for name, (same, does) in computed.items():
         for where, value in (("", getattr(config, name, None)), ("dflash_config.", dflash.get(name))):
+            if name == "is_causal" and where:  # (checked above)
+                continue
             if value is not None and not same(value):
                 raise ValueError(f"DFlash drafter config: {where}{name}={value!r} asks for a computation this modeling "
                                  f"file does not do (it computes the drafter dflash_offline trains: {does}); load this "

@@ -258,3 +258,15 @@ def test_a_negative_or_nan_gamma_is_refused(gamma):
                                           r"default"):
         TrainConfig(cache="c", gamma=gamma).resolve()
     assert TrainConfig(cache="c", gamma=float("inf")).resolve().gamma == float("inf")
+
+
+def test_block_attention_is_checked_when_the_train_config_resolves():
+    """An unknown in-block attention, or a bidirectional block wider than the sliding window (the block would see
+    past the window), is refused in one line when the settings resolve — before any cache is opened."""
+    from dflash_offline.config import ConfigError, TrainConfig
+
+    with pytest.raises(ConfigError, match=r"train\.block_attention.*'sideways'"):
+        TrainConfig(cache="c", block_attention="sideways").resolve()
+    with pytest.raises(ConfigError, match=r"bidirectional needs sliding_window >= block_size \(got 8 < 16\)"):
+        TrainConfig(cache="c", block_attention="bidirectional", sliding_window=8, block_size=16).resolve()
+    assert TrainConfig(cache="c", block_attention="bidirectional", sliding_window=16, block_size=16).resolve()

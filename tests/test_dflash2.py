@@ -132,7 +132,7 @@ def test_a_fresh_shipped_dflash2_computes_the_shipped_dflash():
             assert torch.equal(*drafted)
 
 
-@pytest.mark.parametrize("field, value", [("is_causal", True), ("dflash_config.causal", True), ("output_multiplier", 0.5),
+@pytest.mark.parametrize("field, value", [("is_causal", True), ("output_multiplier", 0.5),
                                           ("dflash_config.output_multiplier", 2.0), ("final_logit_softcapping", 30.0)])
 @pytest.mark.parametrize("variant", ["dflash", "dflash2"])
 def test_the_shipped_models_refuse_a_config_asking_for_another_computation(field, value, variant):
@@ -161,10 +161,19 @@ def test_the_shipped_models_refuse_a_config_asking_for_another_computation(field
     with pytest.raises(ValueError, match=rf"^DFlash drafter config: {field}={value!r} asks for a computation this "
                                          rf"modeling file does not do \(it computes the drafter dflash_offline trains"):
         cls(config_with(SHAPE, **{field: value}))
-    with pytest.raises(ValueError, match=r"^DFlash drafter config: is_causal=False, dflash_config.causal=True disagree"):
-        cls(config_with(dict(layer_types=["sliding_attention"] * 2, sliding_window=7), is_causal=False,
-                        **{"dflash_config.causal": True}))
     sliding = dict(layer_types=["sliding_attention"] * 2, sliding_window=7)
+    # a causality field beside the top-level is_causal (which z-lab and SGLang alone read) that some engine would read
+    # otherwise: saying the other value, or set without is_causal where it changes what vLLM computes
+    for shape, fields, top in ((sliding, {"is_causal": False, "dflash_config.causal": True}, "False"),
+                               (sliding, {"dflash_config.causal": False}, "absent"),
+                               (sliding, {"causal": False}, "absent"),
+                               (sliding, {"dflash_config.is_causal": False}, "absent"),
+                               (SHAPE, {"dflash_config.causal": True}, "absent")):
+        other = next(k for k in fields if k != "is_causal")
+        with pytest.raises(ValueError, match=rf"^DFlash drafter config: {other}={fields[other]} while the top-level "
+                                             rf"is_causal is {top} \(z-lab and SGLang read only is_causal"):
+            cls(config_with(shape, **fields))
+    assert cls(config_with(sliding, **{"dflash_config.causal": True})).block_causal  # (what every engine computes)
     assert cls(config_with(sliding, is_causal=True, output_multiplier=1.0, final_logit_softcapping=None)).block_causal
     assert not cls(config_with(SHAPE, is_causal=False, **{"dflash_config.causal": False})).block_causal
     assert cls(config_with(dict(layer_types=["full_attention"] * 2))).block_causal  # no field: sliding layers causal
@@ -375,7 +384,9 @@ def test_spec_generate_with_the_selector_is_lossless(tmp_path, qwen3_dir, attent
     """The shipped DFlash2 drafts with its selector walk inside spec_generate; the output is the target's greedy
     one, and with an lm_head of one live row and the selector at its identity drafts agree, so blocks of several
     tokens are accepted. Also with every layer sliding and bidirectional inside the block (is_causal false, the
-    published Qwen3.8-27B drafter's attention), whose inference masks run over the growing, cropped cache."""
+    published Qwen3.8-27B drafter's attention): the loop runs losslessly over the growing, cropped cache (lossless
+    whatever the drafter computes; that the masks are the trained ones is checked against the training forward in
+    test_the_export_config_makes_the_shipped_model_compute_the_training_attention)."""
     from test_export import fake_run, greedy
     from transformers import AutoModelForCausalLM
 
