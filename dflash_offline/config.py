@@ -38,6 +38,28 @@ MAKE_VARS = {
 }
 
 
+# settings that are gone, by section: what the code does instead, told to a recipe or command line that still sets one
+REMOVED = {
+    "train": {
+        "optimizer_overlap": "the optimizer update overlapping the next forward was removed (within the run-to-run "
+                             "spread, docs/benchmarks.md): the update runs after the backward, before the next step",
+    },
+}
+# choices that are gone, by "section.field": what to use instead
+REMOVED_CHOICES = {
+    "train.attn": {
+        "flex_joint": "the joint flex call over [context | block] keys was removed (within the run-to-run spread, ~2 "
+                      "min more compile): attn=flex runs flex over the context keys plus a dense block part",
+    },
+}
+
+
+def removed(section: str, name: str) -> str:
+    """': <what happened to it>' for a removed setting of `section`, else ''."""
+    why = REMOVED.get(section, {}).get(name)
+    return f": {why}" if why else ""
+
+
 def flag(section: str, name: str) -> str:
     """How a user sets a field: '--run (make RUN=)' where make has a variable for it, else '--steps'."""
     var = MAKE_VARS.get(section, {}).get(name)
@@ -283,7 +305,8 @@ def shard_list(indices) -> str:
 
 def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ConfigError(f"{name}={value!r} is not one of {', '.join(choices)}")
+        why = REMOVED_CHOICES.get(name, {}).get(value)
+        raise ConfigError(f"{name}={value!r} is not one of {', '.join(choices)}{f': {why}' if why else ''}")
 
 
 # --- loading -------------------------------------------------------------------------------------------------
@@ -382,15 +405,20 @@ def recipe_values(tables: dict, recipe: str | None, cls, section: str) -> dict:
     known = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(table) - set(known))
     if unknown:
+        if why := removed(section, unknown[0]):
+            raise ConfigError(f"recipe {recipe}: unknown setting {unknown[0]} in [{section}]{why}")
         raise ConfigError(f"recipe {recipe}: unknown setting {unknown[0]} in [{section}]"
                           f"{did_you_mean(unknown[0], known)} (settings of [{section}]: {', '.join(known)})")
     return table
 
 
-def check_overrides(overrides: dict[str, str], classes: list) -> None:
-    """Every `--key=value` must name a field of one of the stage's configs."""
+def check_overrides(overrides: dict[str, str], classes: list, sections: tuple[str, ...] = ()) -> None:
+    """Every `--key=value` must name a field of one of the stage's configs (of `sections`: a removed one is told so)."""
     known = [f.name for cls in classes for f in dataclasses.fields(cls)]
     unknown = sorted(set(overrides) - set(known))
+    for sec in sections:
+        if unknown and (why := removed(sec, unknown[0])):
+            raise ConfigError(f"--{unknown[0]}: unknown setting{why}")
     if unknown:
         raise ConfigError(f"--{unknown[0]}: unknown setting{did_you_mean(unknown[0], known, '--{}')} (see --help "
                           f"for the settings)")
@@ -420,7 +448,7 @@ def load_config(cls, section: str, recipe: str | None, overrides: dict[str, str]
     """Build `cls` from `base` (values from elsewhere, e.g. a cache's manifest), updated by a recipe's `[section]`
     table, then by `--key=value` overrides; empty override = keep."""
     tables = read_recipe(recipe) if recipe else {}
-    check_overrides(overrides, [cls])
+    check_overrides(overrides, [cls], (section,))
     values = dict(base or {})
     values.update(recipe_values(tables, recipe, cls, section))
     values.update({k: v for k, v in overrides.items() if v != ""})
@@ -437,7 +465,7 @@ def configs_from_argv(specs: list[tuple[type, str]], argv: list[str], doc: str, 
         print(doc.strip() + "\n\n" + "\n\n".join(f"[{sec}] " + describe(cls, sec) for cls, sec in specs))
         sys.exit(0)
     recipe, overrides = parse_overrides(argv)
-    check_overrides(overrides, [cls for cls, _ in specs])
+    check_overrides(overrides, [cls for cls, _ in specs], tuple(sec for _, sec in specs))
     tables = read_recipe(recipe) if recipe else {}
     out, earlier = [], {}
     for cls, sec in specs:

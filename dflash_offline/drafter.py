@@ -33,9 +33,9 @@ from dflash_offline.dflash2 import BlockConv, CandidateSelector, rng_untouched
 from dflash_offline.masks import block_allow, dense_mask, flex_block_mask
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
-# "flex": flex over the context keys + a dense block part (`split_attention`); "flex_joint": one flex call over
-# context + block keys; "dense": SDPA with a dense bool mask (the reference, any device)
-ATTNS = ("flex", "flex_joint", "dense")
+# "flex": flex over the context keys + a dense block part (`split_attention`); "dense": SDPA over context + block keys
+# with a dense bool mask (the reference, any device)
+ATTNS = ("flex", "dense")
 VARIANTS = ("dflash", "dflash2")
 
 
@@ -191,14 +191,10 @@ class Attention(nn.Module):
             allow_LL = block_allow(self.block_size, self.sliding_window, x_BQH.device)
             o = split_attention(q_BNQD, k_ctx.transpose(1, 2), v_ctx.transpose(1, 2), k_blk.transpose(1, 2),
                                 v_blk.transpose(1, 2), mask, allow_LL, scale, expand_kv=True)
-        else:  # one attention over [context | block] keys: flex with the full BlockMask, or SDPA with a dense mask
+        else:  # one SDPA over [context | block] keys with a dense mask
             k_BGKD = torch.cat([k_ctx, k_blk], dim=1).transpose(1, 2)
             v_BGKD = torch.cat([v_ctx, v_blk], dim=1).transpose(1, 2)
-            if attn == "flex_joint":  # K/V repeated per query head: see `split_attention`'s expand_kv
-                o = flex_attention(q_BNQD, *expand_heads(k_BGKD, v_BGKD, self.n_heads), block_mask=mask, scale=scale)
-            else:
-                o = F.scaled_dot_product_attention(q_BNQD, k_BGKD, v_BGKD, attn_mask=mask, scale=scale,
-                                                   enable_gqa=True)
+            o = F.scaled_dot_product_attention(q_BNQD, k_BGKD, v_BGKD, attn_mask=mask, scale=scale, enable_gqa=True)
         return self.o_proj(o.transpose(1, 2).reshape(B, Q, self.n_heads * self.head_dim))
 
 
@@ -266,9 +262,6 @@ class DFlashDrafter(nn.Module):
         if cfg.variant == "dflash2":  # used by the loss and for drafting, after the forward
             self.candidate_selector = CandidateSelector(cfg.vocab_size, cfg.hidden_size, cfg.selector_rank,
                                                         cfg.selector_top_k)
-        # called with k before the forward uses weight group k (see `weight_groups`); the trainer sets it when the
-        # optimizer's update overlaps the forward (optim.MasterAdamW.overlap_with_forward)
-        self.weight_fence = None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -291,9 +284,8 @@ class DFlashDrafter(nn.Module):
                     m.reset_parameters(self.cfg.initializer_range)
 
     def build_masks(self, doc_ids_BS, anchor_pos_BA, keep_BA, attn: str = "flex") -> dict:
-        """One mask per layer type in use: dense bool [B,1,Q,S+Q] (attn="dense"), a context-only flex BlockMask
-        [B,1,Q,S] (attn="flex"; the block part is dense, see `split_attention`), or a flex BlockMask over
-        context + block keys [B,1,Q,S+Q] (attn="flex_joint": one flex call for both)."""
+        """One mask per layer type in use: dense bool [B,1,Q,S+Q] (attn="dense") or a context-only flex BlockMask
+        [B,1,Q,S] (attn="flex"; the block part is dense, see `split_attention`)."""
         if attn not in ATTNS:
             raise ValueError(f"attn must be one of {ATTNS}, got {attn!r}")
         L, W = self.cfg.block_size, self.cfg.sliding_window
@@ -303,19 +295,8 @@ class DFlashDrafter(nn.Module):
             if attn == "dense":
                 masks[t] = dense_mask(anchor_pos_BA, keep_BA, doc_ids_BS, L, w)
             else:
-                masks[t] = flex_block_mask(anchor_pos_BA, keep_BA, doc_ids_BS, L, w, context_only=attn == "flex")
+                masks[t] = flex_block_mask(anchor_pos_BA, keep_BA, doc_ids_BS, L, w, context_only=True)
         return masks
-
-    def weight_groups(self) -> list[list[nn.Parameter]]:
-        """The parameters in the order the forward uses them: [fc + hidden_norm, layer 0, ..., layer N-1, norm (+ the
-        selector, which the loss uses after the forward)]."""
-        last = [*self.norm.parameters(), *(self.candidate_selector.parameters() if self.candidate_selector else ())]
-        return ([[*self.fc.parameters(), *self.hidden_norm.parameters()]] + [list(lay.parameters()) for lay in self.layers]
-                + [last])
-
-    def _fence(self, k: int) -> None:
-        if self.weight_fence is not None:
-            self.weight_fence(k)
 
     def encode_context(self, hidden_BSK: torch.Tensor) -> torch.Tensor:
         """hidden_norm(fc(tapped target states)) [B, S, H]. The states go to the fc weight's dtype (bf16 with bf16
@@ -349,7 +330,6 @@ class DFlashDrafter(nn.Module):
         """
         # the residual stream's dtype: the norms' (matmul weights may be bf16 copies, see optim.MasterAdamW)
         L, dtype = self.cfg.block_size, self.norm.weight.dtype
-        self._fence(0)
         ctx_BSH = self.encode_context(hidden_BSK)
         ids_BQ = block_input_ids(input_ids_BS, anchor_pos_BA, keep_BA, L, self.cfg.mask_token_id)
         x_BQH = F.embedding(ids_BQ, embed_weight_VH).to(dtype)
@@ -358,10 +338,8 @@ class DFlashDrafter(nn.Module):
         rope_blk = rope_cos_sin(block_position_ids(position_ids_BS, anchor_pos_BA, L), D, theta, dtype)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            self._fence(i + 1)
             x_BQH = layer(x_BQH, ctx_BSH, rope_ctx, rope_blk, masks[layer.layer_type], attn,
                           L if scored_only and i == last else 0)
-        self._fence(last + 2)
         return self.output_norm(x_BQH, out_dtype)
 
 

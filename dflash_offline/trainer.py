@@ -73,9 +73,6 @@ class Trainer:
             # (with accumulation, together with the fp32 sums of the earlier micro-batches)
             model.register_comm_hook(opt.optimizer if s.accum > 1 else None, fp32_allreduce_hook)
             opt.optimizer.broadcast_masters(0)  # ... and start every rank from rank 0's fp32 weights, as DDP does
-        if s.overlap:  # each layer's weights are waited for just before the forward uses them
-            opt.optimizer.overlap_with_forward(self.raw.weight_groups())
-            self.raw.weight_fence = opt.optimizer.wait_for
         # steps skipped for a non-finite gradient norm (a device tensor; MasterAdamW keeps its own)
         self.skipped = None if s.master else torch.zeros((), dtype=torch.float32, device=acc.device)
 
@@ -282,8 +279,6 @@ class Trainer:
         from dflash_offline.checkpoint import gather_full_state, save_checkpoint
 
         acc, raw = self.acc, self.raw
-        if self.s.overlap:
-            self.opt.optimizer.wait_all()  # the weights the checkpoint reads are the updated ones
         acc.wait_for_everyone()
         states = gather_full_state(raw, self.opt) if self.s.sharded else None  # a collective: every rank
         if acc.process_index == 0:

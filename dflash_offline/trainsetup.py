@@ -9,8 +9,8 @@ block (`TrainSetup.derived`). Also derived here: what the cache says about the t
 drafter's shape (`drafter_config`), the learning-rate schedule; and `kept_process_state`, which puts back what a run
 changes in its process (TF32, the recompile guard, GC state).
 
-`BenchSwitches` hold the performance switches that measured within the run-to-run spread (docs/benchmarks.md): they
-are not options; the trainer runs without them and `bench.train` sets them for its A/B runs. One more is no
+`BenchSwitches` hold a performance switch that measured within the run-to-run spread (docs/benchmarks.md), TF32: it
+is not an option; the trainer runs without it and `bench.train` sets it for its A/B runs. One more is no
 performance switch: `fp8_emulate` lets precision=fp8 run on the CPU (float8 casts, fp32 matmuls) for the tests and
 `bench.train --tiny`; the trainer refuses fp8 without CUDA.
 """
@@ -30,8 +30,6 @@ STEPS_DEFAULT = next(f.default for f in dataclasses.fields(TrainConfig) if f.nam
 
 @dataclass(frozen=True)
 class BenchSwitches:
-    joint_attention: bool = False  # attn=flex as one flex call over [context | block] keys ("flex_joint")
-    optimizer_overlap: bool = False  # master weights on CUDA: each update on a side stream beside the next forward
     tf32: bool = False  # CUDA: TF32 tensor cores for fp32 matmuls (in bf16 runs: the dense block part of attn=flex)
     fp8_emulate: bool = False  # precision=fp8 without CUDA: float8 casts with fp32 matmuls (tests, CPU smoke runs)
 
@@ -40,7 +38,7 @@ class BenchSwitches:
 class TrainSetup:
     world: int  # processes
     precision: str  # "bf16" (autocast), "fp32" or "fp8" (a bf16 run whose linears compute in float8: `fp8.convert`)
-    attn: str  # "flex", "flex_joint" (bench only) or "dense"
+    attn: str  # "flex" or "dense"
     compile: bool  # decoder layers, context projection and output norm compiled
     epilogue: str  # loss epilogue: "triton", "compiled" or "eager"
     tf32: bool  # TF32 for fp32 matmuls while the run runs
@@ -48,7 +46,6 @@ class TrainSetup:
     sharded: bool  # FSDP-sharded (fsdp=1 and more than one process)
     master: bool  # bf16 weights with fp32 masters (MasterAdamW)
     reduced_accum: bool  # several unsharded processes accumulating: fp32 sums reduced by the DDP comm hook
-    overlap: bool  # the optimizer update overlaps the next forward (bench only)
     steps: int  # optimizer steps of the whole run (`steps`, or `epochs` × steps_per_epoch)
     warmup: int  # learning-rate warm-up steps
     steps_per_epoch: float  # optimizer steps in one pass over the cache (0: the cache's rows were not given)
@@ -63,7 +60,7 @@ class TrainSetup:
         """The run's config.json "derived" block."""
         return {"world_size": self.world, "grad_accum": self.accum, "fsdp_sharded": self.sharded,
                 "precision": self.precision, "attn": self.attn, "compile": self.compile,
-                "master_weights": self.master, "optimizer_overlap": self.overlap, "loss_epilogue": self.epilogue,
+                "master_weights": self.master, "loss_epilogue": self.epilogue,
                 "loss_logits": cfg.loss_logits, "tf32": self.tf32,
                 "fp8_recipe": cfg.fp8_recipe if self.precision == "fp8" else None,
                 "global_batch_rows": cfg.batch_rows * self.world * self.accum, "cache_key": cache_key,
@@ -76,7 +73,6 @@ class TrainSetup:
                 f"{', FSDP-sharded' if self.sharded else ''}; {self.precision}"
                 f"{f' ({cfg.fp8_recipe}, bf16 elsewhere)' if self.precision == 'fp8' else ''}"
                 f"{' (bf16 weights, fp32 masters)' if self.master else ''}"
-                f"{', optimizer update overlapping the next forward' if self.overlap else ''}"
                 f"{', TF32' if self.tf32 else ''}, attn {self.attn}, compile {self.compile}")
 
     def describe_schedule(self, cfg: TrainConfig, seq_len: int) -> str:
@@ -107,7 +103,7 @@ def resolve_train(cfg: TrainConfig, *, cuda: bool, world: int, seq_len: int, row
 
         check_available(cuda, switches.fp8_emulate)
         check_token_counts(cfg.batch_rows, seq_len, cfg.num_anchors, cfg.block_size)
-    attn, use_compile = attention(cfg, cuda, switches.joint_attention)
+    attn, use_compile = attention(cfg, cuda)
     epilogue = resolve_epilogue(cfg.loss_epilogue, cuda)  # fails here, at start, if this machine cannot run it
     if switches.tf32 and not cuda:
         raise ValueError("TF32 needs CUDA (TF32 tensor cores)")
@@ -117,13 +113,10 @@ def resolve_train(cfg: TrainConfig, *, cuda: bool, world: int, seq_len: int, row
     # tested on the CPU (gloo) only so far, so `on` asks for it and `auto` keeps fp32 weights there
     reduced_accum = world > 1 and accum > 1 and not sharded
     master = master_weights(cfg, precision, sharded, reduced_accum)
-    why_not = "it needs master weights (master_weights)" if not master else "it needs CUDA" if not cuda else None
-    if switches.optimizer_overlap and why_not:
-        raise ValueError(f"optimizer_overlap is not available here: {why_not}")
     steps, warmup, per_epoch = schedule(cfg, world, accum, rows)
     return TrainSetup(world=world, precision=precision, attn=attn, compile=use_compile, epilogue=epilogue,
                       tf32=switches.tf32, accum=accum, sharded=sharded, master=master, reduced_accum=reduced_accum,
-                      overlap=switches.optimizer_overlap, steps=steps, warmup=warmup, steps_per_epoch=per_epoch,
+                      steps=steps, warmup=warmup, steps_per_epoch=per_epoch,
                       fp8_emulate=precision == "fp8" and switches.fp8_emulate)
 
 
@@ -147,14 +140,10 @@ def schedule(cfg: TrainConfig, world: int, accum: int, rows: int) -> tuple[int, 
     return steps, warmup, per_epoch
 
 
-def attention(cfg: TrainConfig, cuda: bool, joint: bool) -> tuple[str, bool]:
+def attention(cfg: TrainConfig, cuda: bool) -> tuple[str, bool]:
     """(attention implementation, compile or not); flex needs CUDA and compilation."""
     attn = cfg.attn if cfg.attn != "auto" else ("flex" if cuda else "dense")
     use_compile = cfg.compile == "on" or (cfg.compile == "auto" and cuda)
-    if joint:
-        if attn != "flex":
-            raise ValueError(f"the joint flex call is a form of attn=flex, not of attn={attn}")
-        attn = "flex_joint"
     if attn != "dense" and not cuda:
         raise ValueError(f"attn={attn} needs CUDA (flex_attention has no CPU backward); use attn=dense or auto on "
                          f"the CPU")

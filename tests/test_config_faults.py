@@ -9,6 +9,7 @@ exists.
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -146,6 +147,25 @@ def test_removed_train_options_are_refused(tmp_path, gone):
         configs_from_argv([(TrainConfig, "train")], [recipe(tmp_path, f"[train]\n{gone} = 'on'\n"), "--cache=c"], "")
     with pytest.raises(ConfigError, match=r"train\.attn='flex_joint' is not one of auto, flex, dense"):
         configs_from_argv([(TrainConfig, "train")], ["--cache=c", "--attn=flex_joint"], "")
+
+
+def test_removed_switches_say_what_the_code_does_now(tmp_path):
+    """The optimizer update overlapping the forward and the joint flex call lost their A/Bs and were removed: one line
+    says so and what runs instead, from a command line, a recipe and bench.train."""
+    import subprocess
+
+    for argv in (["--cache=c", "--optimizer_overlap=on"], [recipe(tmp_path, "[train]\noptimizer_overlap = 'on'\n")]):
+        with pytest.raises(ConfigError, match=r"unknown setting:? (optimizer_overlap in \[train\]: )?the optimizer "
+                                              r"update overlapping the next forward was removed .*: the update runs "
+                                              r"after the backward"):
+            configs_from_argv([(TrainConfig, "train")], argv, "")
+    with pytest.raises(ConfigError, match=r"^train\.attn='flex_joint' is not one of auto, flex, dense: the joint flex "
+                                          r"call .* was removed .*: attn=flex runs flex over the context keys"):
+        configs_from_argv([(TrainConfig, "train")], ["--cache=c", "--attn=flex_joint"], "")
+    for arg, what in (("--optimizer_overlap=on", "the update runs after the backward"),
+                      ("--attn=flex_joint", "attn=flex runs flex over the context keys")):
+        r = subprocess.run([sys.executable, "-m", "bench.train", "--tiny", arg], capture_output=True, text=True)
+        assert r.returncode == 2 and what in r.stderr.splitlines()[-1], r.stderr
 
 
 # --- target and tokenizer paths ------------------------------------------------------------------------------------

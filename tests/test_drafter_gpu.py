@@ -82,8 +82,8 @@ def fwd_bwd(fn, model, batch, embed, masks, attn, R):
     return out.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("attn", ["flex", "flex_joint"])
-def test_flex_compiled_equals_dense_forward_and_backward(attn):
+def test_flex_compiled_equals_dense_forward_and_backward():
+    attn = "flex"
     torch.manual_seed(0)
     cfg = config()
     ref_model = DFlashDrafter(cfg).to(DEV)  # fp32 dense: ground truth

@@ -326,14 +326,12 @@ def test_master_weights_on_refuses_where_unavailable(tmp_path, hidden_cache):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
-@pytest.mark.parametrize("attn", ["flex", "flex_joint"])
-def test_flex_attention_is_refused_at_start_without_cuda(tmp_path, hidden_cache, monkeypatch, attn):
+def test_flex_attention_is_refused_at_start_without_cuda(tmp_path, hidden_cache, monkeypatch):
     from dflash_offline import drafter
 
     monkeypatch.setattr(drafter, "load_target_embeddings", lambda *a: pytest.fail("weights loaded before refusing"))
-    with pytest.raises(ValueError, match=f"attn={attn} needs CUDA"):  # (flex_joint: bench.train's joint call)
-        train.run(cfg(hidden_cache, tmp_path / "x", attn="flex", compile="on"),
-                  BenchSwitches(joint_attention=attn == "flex_joint"))
+    with pytest.raises(ValueError, match="attn=flex needs CUDA"):
+        train.run(cfg(hidden_cache, tmp_path / "x", attn="flex", compile="on"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
@@ -350,11 +348,9 @@ def test_settings_resolve_for_the_machine_and_the_processes(hidden_cache, tmp_pa
     the bench-only switches stay off unless asked for."""
     c = cfg(hidden_cache, tmp_path / "x")
     cpu = resolve_train(c, cuda=False, world=1, seq_len=128)
-    assert (cpu.precision, cpu.attn, cpu.compile, cpu.master, cpu.tf32, cpu.overlap) == ("fp32", "dense", False,
-                                                                                       False, False, False)
+    assert (cpu.precision, cpu.attn, cpu.compile, cpu.master, cpu.tf32) == ("fp32", "dense", False, False, False)
     gpu = resolve_train(c, cuda=True, world=1, seq_len=128)
-    assert (gpu.precision, gpu.attn, gpu.compile, gpu.master, gpu.tf32, gpu.overlap) == ("bf16", "flex", True,
-                                                                                       True, False, False)
+    assert (gpu.precision, gpu.attn, gpu.compile, gpu.master, gpu.tf32) == ("bf16", "flex", True, True, False)
     assert gpu.warmup == 1 and resolve_train(cfg(hidden_cache, tmp_path / "x", warmup_steps=-1, steps=100),
                                              cuda=True, world=1, seq_len=128).warmup == 4
     accum = dict(global_batch_tokens=4 * 2 * 128)
@@ -365,9 +361,8 @@ def test_settings_resolve_for_the_machine_and_the_processes(hidden_cache, tmp_pa
     assert on.master is True
     sharded = resolve_train(cfg(hidden_cache, tmp_path / "x", fsdp=True, **accum), cuda=True, world=2, seq_len=128)
     assert (sharded.sharded, sharded.master, sharded.reduced_accum) == (True, False, False)
-    joint = resolve_train(c, cuda=True, world=1, seq_len=128,
-                          switches=BenchSwitches(joint_attention=True, optimizer_overlap=True, tf32=True))
-    assert (joint.attn, joint.overlap, joint.tf32) == ("flex_joint", True, True)
+    tf32 = resolve_train(c, cuda=True, world=1, seq_len=128, switches=BenchSwitches(tf32=True))
+    assert (tf32.attn, tf32.tf32) == ("flex", True)
     with pytest.raises(ValueError, match="must be a multiple of batch_rows × seq_len × processes = 768"):
         resolve_train(cfg(hidden_cache, tmp_path / "x", **accum), cuda=False, world=3, seq_len=128)
 
@@ -425,12 +420,6 @@ def test_fp8_logits_refuse_a_vocabulary_off_multiples_of_16_at_start(tmp_path, h
     monkeypatch.setattr(trainsetup, "drafter_config", lambda *a: dataclasses.replace(real(*a), vocab_size=2050))
     with pytest.raises(ValueError, match=r"loss_logits=fp8 .* multiples of 16: the target has 64 and 2050"):
         train.run(cfg(hidden_cache, tmp_path / "x", steps=2, loss_logits="fp8"))
-    assert not (tmp_path / "x" / "checkpoints").exists()
-
-
-def test_bench_optimizer_overlap_refuses_where_unavailable(tmp_path, hidden_cache):
-    with pytest.raises(ValueError, match="optimizer_overlap is not available here: it needs master weights"):
-        train.run(cfg(hidden_cache, tmp_path / "x", precision="fp32"), BenchSwitches(optimizer_overlap=True))
     assert not (tmp_path / "x" / "checkpoints").exists()
 
 
