@@ -100,13 +100,12 @@ def synthetic_cache(root: Path, text: dict, target: Path, rows: int, seq_len: in
 
 
 def run_ours(args, cache: Path, drafter: dict, precision: str = "auto", name: str = "run") -> dict:
-    from dflash_offline.config import TrainConfig
-    from dflash_offline.trainsetup import BenchSwitches
+    from dflash_offline.trainsetup import BenchSwitches, TrainConfig
     from stages import train
 
     run = args.workdir / name
     shutil.rmtree(run, ignore_errors=True)
-    cfg = TrainConfig(cache=str(cache), run=str(run), steps=args.steps, batch_rows=1, num_anchors=args.anchors,
+    cfg = TrainConfig.of(cache=str(cache), run=str(run), steps=args.steps, batch_rows=1, num_anchors=args.anchors,
                       block_size=16, log_every=args.log_every, ckpt_every=10**9, trackers="none",
                       attn=args.attn, profile_steps=args.profile_steps,
                       master_weights=args.master_weights, global_batch_tokens=args.accum * args.seq_len,
@@ -153,7 +152,7 @@ def run_ours(args, cache: Path, drafter: dict, precision: str = "auto", name: st
             "master_weights": derived["master_weights"],
             "attn": derived["attn"], "loss_logits": derived["loss_logits"], "tf32": derived["tf32"],
             "precision": derived["precision"], "fp8_recipe": derived["fp8_recipe"],
-            "loss_chunk_tokens": cfg.loss_chunk_tokens, "loss": [r["loss"] for r in recs], "pid": os.getpid(),
+            "loss_chunk_tokens": cfg.loss.loss_chunk_tokens, "loss": [r["loss"] for r in recs], "pid": os.getpid(),
             "read_check": args.read_check, "read_check_ms_per_step": 1000 * hashed["s"] / args.steps,
             "read_check_gb_per_step": hashed["bytes"] / 1e9 / args.steps,
             "profile": (run / "profile.txt").read_text() if (run / "profile.txt").exists() else None}
@@ -197,13 +196,12 @@ def run_baseline(args, cache: Path, target: Path, drafter: dict, device) -> dict
     from torch.utils.checkpoint import checkpoint
 
     from dflash_offline import anchors as anc
-    from dflash_offline.config import TrainConfig
     from dflash_offline.dataset import HiddenStream, open_hidden_cache
     from dflash_offline.drafter import DFlashDrafter, load_target_embeddings
     from dflash_offline.loss import slot_weights
-    from dflash_offline.trainsetup import cache_defaults, drafter_config
+    from dflash_offline.trainsetup import TrainConfig, cache_defaults, drafter_config
 
-    cfg = TrainConfig(cache=str(cache), batch_rows=1, num_anchors=args.anchors, **drafter).resolve()
+    cfg = TrainConfig.of(cache=str(cache), batch_rows=1, num_anchors=args.anchors, **drafter).resolve()
     c = cache_defaults(cfg)
     dc = drafter_config(cfg, c)
     model = DFlashDrafter(dc).to(device)

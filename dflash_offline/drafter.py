@@ -19,7 +19,7 @@ L block length, Q = A*L, H hidden, N query heads, G kv heads, D head dim, V voca
 """
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
 from dflash_offline.anchors import block_input_ids, block_position_ids
+from dflash_offline.config import ConfigError, check_choice
 from dflash_offline.dflash2 import BlockConv, CandidateSelector, rng_untouched
 from dflash_offline.masks import block_allow, dense_mask, flex_block_mask
 
@@ -37,6 +38,42 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # with a dense bool mask (the reference, any device)
 ATTNS = ("flex", "dense")
 VARIANTS = ("dflash", "dflash2")
+
+
+@dataclass
+class DrafterSettings:
+    """The drafter a run trains (`train` settings; `trainsetup.drafter_config` makes its `DrafterConfig`)."""
+
+    variant: str = "dflash"  # drafter: "dflash" or "dflash2" (+ block-local conv, candidate selector and its CE)
+    conv_kernel_size: int = 2  # dflash2: taps of the block-local convolution (the slot and the slots before it)
+    conv_group_size: int = 16  # dflash2: channels sharing one dynamic tap of the convolution (must divide hidden)
+    selector_rank: int = 256  # dflash2: width of the candidate selector's token codebooks
+    selector_top_k: int = 16  # dflash2: candidates per slot the selector walks among
+    num_layers: int = 5  # drafter decoder layers
+    num_heads: int = 32  # drafter query heads
+    num_kv_heads: int = 8  # drafter key/value heads
+    head_dim: int = 128  # drafter head width
+    intermediate_size: int = 0  # drafter MLP width; 0 = the target's
+    block_size: int = 16  # tokens per draft block (slot 0 = the anchor token)
+    layer_ids: list[int] = field(default_factory=list)  # tapped layers to train on; empty = all the cache holds
+    mask_token_id: int = -1  # the drafter's mask token; -1 = the one validated at extraction
+    sliding_window: int = 0  # >0: every layer but the last `full_attention_layers` uses sliding-window attention of this width; 0 = off
+    full_attention_layers: int = 1  # with sliding_window: the last N layers attend fully (1 = SpecForge's 3.6 drafter; 0 = all sliding, z-lab's DFlash2)
+
+    def resolve(self) -> "DrafterSettings":
+        check_choice("train.variant", self.variant, VARIANTS)
+        if self.num_layers <= 0:
+            raise ConfigError(f"train.num_layers must be > 0, got {self.num_layers}")
+        if not 0 <= self.full_attention_layers <= self.num_layers:
+            raise ConfigError(f"train.full_attention_layers={self.full_attention_layers} must be in [0, "
+                              f"num_layers={self.num_layers}]")
+        if min(self.conv_kernel_size, self.conv_group_size, self.selector_rank, self.selector_top_k) < 1:
+            raise ConfigError(f"train.conv_kernel_size, conv_group_size, selector_rank and selector_top_k must be >= 1 "
+                              f"(got {self.conv_kernel_size}, {self.conv_group_size}, {self.selector_rank}, "
+                              f"{self.selector_top_k})")
+        if self.block_size < 2:
+            raise ConfigError(f"train.block_size must be >= 2, got {self.block_size}")
+        return self
 
 
 @dataclass

@@ -25,8 +25,35 @@ fp32 and are updated in place.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 
 import torch
+
+from dflash_offline.config import ConfigError
+
+
+@dataclass
+class OptimSettings:
+    """The optimizer and its learning-rate schedule (`train` settings; `trainer.new_optimizer`,
+    `trainsetup.schedule` and `trainsetup.cosine_schedule`)."""
+
+    lr: float = 6e-4  # peak learning rate (AdamW)
+    warmup_steps: int = -1  # linear warmup steps; -1 = warmup_ratio × the run's steps
+    warmup_ratio: float = 0.04  # linear warmup as a fraction of the run's steps (when warmup_steps = -1)
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+    weight_decay: float = 0.0  # AdamW weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW (beta1, beta2); SpecForge uses torch's 0.9,0.999
+    grad_clip: float = 1.0  # max global grad norm (0 = off)
+
+    def resolve(self) -> OptimSettings:
+        if not 0 <= self.warmup_ratio < 1:
+            raise ConfigError(f"train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.warmup_steps < -1:
+            raise ConfigError(f"train.warmup_steps must be >= 0 (or -1: warmup_ratio × steps), got "
+                              f"{self.warmup_steps}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"train.betas={self.betas}: give two numbers in [0, 1), e.g. --betas=0.9,0.999")
+        return self
 
 
 def _grad_norm_coef(grads, skipped, max_norm: float):

@@ -10,9 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_offline.config import TrainConfig
 from dflash_offline.trainer import Trainer
-from dflash_offline.trainsetup import BenchSwitches, cache_defaults, drafter_config
+from dflash_offline.trainsetup import BenchSwitches, TrainConfig, cache_defaults, drafter_config
 from stages import train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -23,7 +22,7 @@ def test_compiled_flex_trainer_matches_eager_and_holds_memory(tmp_path, hidden_c
                 trackers="none", lr=3e-3, warmup_steps=1, ckpt_every=1000)
     runs, modes = {}, {"eager": dict(attn="dense", compile="off"), "compiled": dict(attn="flex", compile="on")}
     for name, extra in modes.items():
-        cfg = TrainConfig(cache=str(hidden_cache), run=str(tmp_path / name), steps=50, **tiny, **extra).resolve()
+        cfg = TrainConfig.of(cache=str(hidden_cache), run=str(tmp_path / name), steps=50, **tiny, **extra).resolve()
         train.run(cfg)
         runs[name] = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     e, c = runs["eager"], runs["compiled"]
@@ -43,7 +42,7 @@ def test_a_step_of_four_micro_batches_is_that_of_one_batch_of_their_rows(tmp_pat
     from test_train import TINY
 
     kw = {**TINY, "batch_rows": 1, "steps": 1, "ckpt_every": 1, "global_batch_tokens": 4 * 128}
-    cfg = TrainConfig(cache=str(hidden_cache), run=str(tmp_path / "r"), **kw).resolve()
+    cfg = TrainConfig.of(cache=str(hidden_cache), run=str(tmp_path / "r"), **kw).resolve()
     train.run(cfg)
     d = json.loads((tmp_path / "r" / "config.json").read_text())["derived"]
     assert (d["grad_accum"], d["master_weights"], d["attn"], d["compile"]) == (4, True, "flex", True)
@@ -62,7 +61,7 @@ def train_off_and_on(tmp_path, hidden_cache, option: str, log_every: int, values
     switch = option in BenchSwitches.__dataclass_fields__
     runs = {}
     for value in values:
-        cfg = TrainConfig(cache=str(hidden_cache), run=str(tmp_path / value), steps=12,
+        cfg = TrainConfig.of(cache=str(hidden_cache), run=str(tmp_path / value), steps=12,
                           **({} if switch else {option: value}), **tiny).resolve()
         train.run(cfg, BenchSwitches(**{option: value == "on"}) if switch else BenchSwitches())
         runs[value] = [json.loads(x) for x in (tmp_path / value / "metrics.jsonl").read_text().splitlines()]
@@ -100,7 +99,7 @@ def one_and_two_gpus(tmp_path, hidden_cache, kw: dict):
     from test_train import TINY, launch_two
 
     def one(name, **extra):
-        train.run(TrainConfig(cache=str(hidden_cache), run=str(tmp_path / name), **{**TINY, **kw, **extra}).resolve())
+        train.run(TrainConfig.of(cache=str(hidden_cache), run=str(tmp_path / name), **{**TINY, **kw, **extra}).resolve())
         return tmp_path / name
 
     pairs = {"ddp": (one("one_master"), tmp_path / "ddp", {}),
@@ -144,7 +143,7 @@ def test_two_gpus_accumulating_with_master_weights_train_like_one_gpu(tmp_path, 
 
     kw = dict(steps=6, ckpt_every=6, grad_clip=0.5, global_batch_tokens=4 * 2 * 128, master_weights="on")
     single = tmp_path / "one"
-    train.run(TrainConfig(cache=str(hidden_cache), run=str(single), **{**TINY, **kw}).resolve())
+    train.run(TrainConfig.of(cache=str(hidden_cache), run=str(single), **{**TINY, **kw}).resolve())
     two = tmp_path / "two"
     launch_two(hidden_cache, two, **kw)
     d1 = json.loads((single / "config.json").read_text())["derived"]
@@ -214,7 +213,7 @@ def test_a_non_finite_step_is_skipped_by_the_fused_adamw_on_cuda(tmp_path, hidde
 
     monkeypatch.setattr(Trainer, "micro_batch", poisoned)
     run = tmp_path / "r"
-    train.run(TrainConfig(cache=str(hidden_cache), run=str(run), steps=4, ckpt_every=4, log_every=1, trackers="none",
+    train.run(TrainConfig.of(cache=str(hidden_cache), run=str(run), steps=4, ckpt_every=4, log_every=1, trackers="none",
                           num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_anchors=8, batch_rows=2,
                           precision="fp32", master_weights="off", attn="dense", compile="off").resolve())
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

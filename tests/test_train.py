@@ -27,9 +27,14 @@ from safetensors.torch import load_file
 
 from dflash_offline import metrics
 from dflash_offline.cache.manifest import update_manifest
-from dflash_offline.config import TrainConfig
 from dflash_offline.trainer import Trainer
-from dflash_offline.trainsetup import BenchSwitches, cache_defaults, drafter_config, resolve_train
+from dflash_offline.trainsetup import (
+    BenchSwitches,
+    TrainConfig,
+    cache_defaults,
+    drafter_config,
+    resolve_train,
+)
 from stages import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,7 +48,7 @@ N_FSDP = 4 * N_TINY
 
 
 def cfg(cache, run, **kw):
-    return TrainConfig(cache=str(cache), run=str(run), **{**TINY, "steps": 6, "ckpt_every": 3, **kw}).resolve()
+    return TrainConfig.of(cache=str(cache), run=str(run), **{**TINY, "steps": 6, "ckpt_every": 3, **kw}).resolve()
 
 
 def losses(run):
@@ -136,7 +141,7 @@ def test_existing_run_needs_resume(tmp_path, hidden_cache):
 def test_adamw_betas_are_a_setting(tmp_path, hidden_cache):
     """`--betas` reaches AdamW and its checkpoint. The default stays (0.9, 0.95); the reference recipe (SpecForge)
     runs torch's (0.9, 0.999) — docs/full-run.md#differences-from-the-reference-recipe-specforge."""
-    assert TrainConfig(cache="x").betas == [0.9, 0.95]
+    assert TrainConfig.of(cache="x").optim.betas == [0.9, 0.95]
     train.run(cfg(hidden_cache, tmp_path / "r", steps=1, betas=[0.9, 0.999]))
     opt = json.loads((tmp_path / "r" / "checkpoints" / "step-00000001" / "optimizer.json").read_text())
     assert [g["betas"] for g in opt["param_groups"]] == [[0.9, 0.999]]
@@ -231,7 +236,7 @@ def test_two_processes_equal_one_with_accumulation(tmp_path, hidden_cache):
     exact), on one thread both (`run_on_one_thread`)."""
     tokens_per_step = 2 * 2 * 128  # 2 rows × 128 tokens, twice
     one = tmp_path / "one"
-    run_on_one_thread(TrainConfig(cache=str(hidden_cache), run=str(one),
+    run_on_one_thread(TrainConfig.of(cache=str(hidden_cache), run=str(one),
                                   **{**TINY, "steps": 4, "ckpt_every": 4, "global_batch_tokens": tokens_per_step}
                                   ).resolve())
     two = tmp_path / "two"
@@ -256,7 +261,7 @@ def test_a_resume_on_another_split_of_the_global_batch_continues_the_run(tmp_pat
     norm 29 %, 27 %, 8 %, and 8 % at step 3; a whole step's gradient doubled (invisible in the weights: Adam, the
     clipping) doubles the gradient norm."""
     one = tmp_path / "one"
-    train.run(TrainConfig(cache=str(hidden_cache), run=str(one), **{**TINY, "steps": 4, "ckpt_every": 2}).resolve())
+    train.run(TrainConfig.of(cache=str(hidden_cache), run=str(one), **{**TINY, "steps": 4, "ckpt_every": 2}).resolve())
     split = tmp_path / "split"
     launch_two(hidden_cache, split, batch_rows=1, steps=4, ckpt_every=2)
     assert_same_training(one, split, drafter_start(cfg(hidden_cache, one)), 4, N_TINY)
@@ -264,7 +269,7 @@ def test_a_resume_on_another_split_of_the_global_batch_continues_the_run(tmp_pat
     shutil.rmtree(split / "checkpoints" / "step-00000004")
     (split / "checkpoints" / "latest").write_text("step-00000002\n")
     (split / "metrics.jsonl").write_text("\n".join((split / "metrics.jsonl").read_text().splitlines()[:2]) + "\n")
-    train.run(TrainConfig(cache=str(hidden_cache), run=str(split), resume=True,
+    train.run(TrainConfig.of(cache=str(hidden_cache), run=str(split), resume=True,
                           **{**TINY, "steps": 4, "ckpt_every": 2}).resolve())
     assert data_state(split, 4) == data_state(one, 4)  # the same rows read, counted alike
     assert_same_training(one, split, drafter_start(cfg(hidden_cache, one)), 4, N_TINY)
@@ -429,7 +434,7 @@ def test_two_processes_bf16_master_weights_equal_one(tmp_path, hidden_cache):
     measured 5e-6, 1.4e-4 and 1.5e-3 on an AMD EPYC, torch 2.13)."""
     kw = dict(precision="bf16", master_weights="on", global_batch_tokens=2 * 2 * 128)
     one = tmp_path / "one"
-    train.run(TrainConfig(cache=str(hidden_cache), run=str(one), **{**TINY, "steps": 4, "ckpt_every": 4,
+    train.run(TrainConfig.of(cache=str(hidden_cache), run=str(one), **{**TINY, "steps": 4, "ckpt_every": 4,
                                                                     **kw}).resolve())
     two = tmp_path / "two"
     launch_two(hidden_cache, two, **kw)
@@ -445,7 +450,7 @@ def test_two_processes_accumulating_with_master_weights_equal_one(tmp_path, hidd
     combination.)"""
     kw = dict(precision="bf16", master_weights="on", global_batch_tokens=4 * 2 * 128)
     one = tmp_path / "one"
-    train.run(TrainConfig(cache=str(hidden_cache), run=str(one), **{**TINY, "steps": 4, "ckpt_every": 4,
+    train.run(TrainConfig.of(cache=str(hidden_cache), run=str(one), **{**TINY, "steps": 4, "ckpt_every": 4,
                                                                     **kw}).resolve())
     two = tmp_path / "two"
     launch_two(hidden_cache, two, **kw)
@@ -523,7 +528,7 @@ def test_fsdp_two_processes_equal_one_and_resume_exactly(tmp_path, hidden_cache)
     bit for bit; its checkpoint loads unsharded."""
     tokens_per_step = 4 * 2 * 128
     one = tmp_path / "one"
-    train.run(TrainConfig(cache=str(hidden_cache), run=str(one), **{**TINY, "steps": 4, "ckpt_every": 2,
+    train.run(TrainConfig.of(cache=str(hidden_cache), run=str(one), **{**TINY, "steps": 4, "ckpt_every": 2,
                                                                     "global_batch_tokens": tokens_per_step}).resolve())
     sharded = tmp_path / "fsdp"
     launch_two(hidden_cache, sharded, global_batch_tokens=tokens_per_step, fsdp=1, ckpt_every=2)
