@@ -31,6 +31,7 @@ import gc
 import json
 import os
 import shutil
+import sys
 import time
 import types
 from pathlib import Path
@@ -99,22 +100,20 @@ def synthetic_cache(root: Path, text: dict, target: Path, rows: int, seq_len: in
 
 
 def run_ours(args, cache: Path, drafter: dict, precision: str = "auto", name: str = "run") -> dict:
-    from dflash_offline.config import TrainConfig
-    from dflash_offline.trainsetup import BenchSwitches
+    from dflash_offline.trainsetup import BenchSwitches, TrainConfig
     from stages import train
 
     run = args.workdir / name
     shutil.rmtree(run, ignore_errors=True)
-    cfg = TrainConfig(cache=str(cache), run=str(run), steps=args.steps, batch_rows=1, num_anchors=args.anchors,
+    cfg = TrainConfig.of(cache=str(cache), run=str(run), steps=args.steps, batch_rows=1, num_anchors=args.anchors,
                       block_size=16, log_every=args.log_every, ckpt_every=10**9, trackers="none",
-                      attn="flex" if args.attn == "flex_joint" else args.attn, profile_steps=args.profile_steps,
+                      attn=args.attn, profile_steps=args.profile_steps,
                       master_weights=args.master_weights, global_batch_tokens=args.accum * args.seq_len,
                       loss_logits=args.loss_logits, precision=precision, fp8_recipe=args.fp8_recipe,
                       **({} if args.loss_chunk_tokens is None else {"loss_chunk_tokens": args.loss_chunk_tokens}),
                       **drafter).resolve()
     # the A/B switches that are not trainer options (within the run-to-run spread: docs/benchmarks.md)
-    switches = BenchSwitches(joint_attention=args.attn == "flex_joint", tf32=args.tf32 == "on",
-                             optimizer_overlap=args.optimizer_overlap == "on",
+    switches = BenchSwitches(tf32=args.tf32 == "on",
                              fp8_emulate=args.tiny and not torch.cuda.is_available())  # (the CPU smoke run)
     gc.collect()  # an earlier run's drafter (a reference cycle through its compiled method) goes before the peak resets
     t0 = time.time()
@@ -150,10 +149,10 @@ def run_ours(args, cache: Path, drafter: dict, precision: str = "auto", name: st
             "windows_tok_per_s": [round(r["tok_per_s"]) for r in steady],
             "peak_gb": max(r.get("peak_gb", 0) for r in recs), "reserved_gb": [r.get("reserved_gb") for r in recs],
             "recompiles": recs[-1]["recompiles"], "first_window_ms": recs[0]["ms_per_step"], "gpu": clocks,
-            "master_weights": derived["master_weights"], "optimizer_overlap": derived["optimizer_overlap"],
+            "master_weights": derived["master_weights"],
             "attn": derived["attn"], "loss_logits": derived["loss_logits"], "tf32": derived["tf32"],
             "precision": derived["precision"], "fp8_recipe": derived["fp8_recipe"],
-            "loss_chunk_tokens": cfg.loss_chunk_tokens, "loss": [r["loss"] for r in recs], "pid": os.getpid(),
+            "loss_chunk_tokens": cfg.loss.loss_chunk_tokens, "loss": [r["loss"] for r in recs], "pid": os.getpid(),
             "read_check": args.read_check, "read_check_ms_per_step": 1000 * hashed["s"] / args.steps,
             "read_check_gb_per_step": hashed["bytes"] / 1e9 / args.steps,
             "profile": (run / "profile.txt").read_text() if (run / "profile.txt").exists() else None}
@@ -197,13 +196,12 @@ def run_baseline(args, cache: Path, target: Path, drafter: dict, device) -> dict
     from torch.utils.checkpoint import checkpoint
 
     from dflash_offline import anchors as anc
-    from dflash_offline.config import TrainConfig
     from dflash_offline.dataset import HiddenStream, open_hidden_cache
     from dflash_offline.drafter import DFlashDrafter, load_target_embeddings
     from dflash_offline.loss import slot_weights
-    from dflash_offline.trainsetup import cache_defaults, drafter_config
+    from dflash_offline.trainsetup import TrainConfig, cache_defaults, drafter_config
 
-    cfg = TrainConfig(cache=str(cache), batch_rows=1, num_anchors=args.anchors, **drafter).resolve()
+    cfg = TrainConfig.of(cache=str(cache), batch_rows=1, num_anchors=args.anchors, **drafter).resolve()
     c = cache_defaults(cfg)
     dc = drafter_config(cfg, c)
     model = DFlashDrafter(dc).to(device)
@@ -267,12 +265,9 @@ def main() -> None:
     p.add_argument("--rows", default="bench", choices=["bench", "chat"],
                    help="bench: the synthetic two-document rows of every earlier figure; chat: packed single-turn "
                         "chat documents (log-normal lengths, answers supervised)")
-    p.add_argument("--attn", default="auto", choices=["auto", "flex", "flex_joint"],
-                   help="the trainer's attn; flex_joint: attn=flex as one flex call over [context | block] keys")
+    p.add_argument("--attn", default="auto", choices=["auto", "flex"], help="the trainer's attn")
     p.add_argument("--accum", type=int, default=1, help="micro-batches (rows) per optimizer step")
     p.add_argument("--master_weights", default="auto", choices=["auto", "on", "off"])
-    p.add_argument("--optimizer_overlap", default="off", choices=["on", "off"],
-                   help="on: each step's optimizer update on a side stream beside the next forward (master weights)")
     p.add_argument("--loss_logits", default="fp32", choices=["fp32", "bf16", "fp8"],
                    help="the trainer's loss_logits (fp8: both lm_head GEMMs in float8)")
     p.add_argument("--tf32", default="off", choices=["on", "off"], help="on: TF32 tensor cores for fp32 matmuls")
@@ -291,6 +286,12 @@ def main() -> None:
                    help="off: the stream skips its per-row checksums (the A/B reference for their cost)")
     p.add_argument("--workdir", type=Path, default=Path("build/bench-train"))
     p.add_argument("--out", type=Path, default=None)
+    from dflash_offline.config import REMOVED, REMOVED_CHOICES
+
+    for arg in sys.argv[1:]:  # switches that are gone: what the trainer does instead, in one line
+        key, _, value = arg.removeprefix("--").partition("=")
+        if why := REMOVED["train"].get(key) or REMOVED_CHOICES.get(f"train.{key}", {}).get(value):
+            p.error(f"{arg}: {why}")
     args = p.parse_args()
     shutil.rmtree(args.workdir, ignore_errors=True)
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
@@ -400,8 +401,7 @@ def print_table(res: dict, args) -> None:
             [f"{g['sm_mhz']:.0f} ({g['sm_mhz_min']:.0f}), {g['power_w']:.0f}" if (g := x.get("gpu")) else ""
              for x in ours], f"{bg['sm_mhz']:.0f} ({bg['sm_mhz_min']:.0f}), {bg['power_w']:.0f}" if bg else "")
     row("first window (compilation), s", [f"{x['first_window_ms'] * args.log_every / 1000:.0f}" for x in ours])
-    row("rows per optimizer step, master weights, optimizer overlap",
-        [f"{args.accum}, {x['master_weights']}, {x['optimizer_overlap']}" for x in ours])
+    row("rows per optimizer step, master weights", [f"{args.accum}, {x['master_weights']}" for x in ours])
     row("rows, attn, loss logits, TF32, loss chunk tokens",
         [f"{args.rows}, {x['attn']}, {x['loss_logits']}, {x['tf32']}, {x['loss_chunk_tokens']}" for x in ours])
 

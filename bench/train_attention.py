@@ -7,8 +7,8 @@ Queries are the 512×16 block tokens (32 heads × 128), keys the 2048 context po
 heads; context and block K/V are separate tensors, as in the trainer), with the real DFlash mask
 (`dflash_offline.masks`) on the train benchmark's two kinds of rows (`bench.train --rows`): its synthetic
 two-document rows and packed single-turn chat rows. Each variant (`VARIANTS`) is one torch.compile'd formulation:
-"joint" (one flex call over [context | block] keys, attn=flex_joint) or "split" (`drafter.split_attention`,
-attn=flex), with GQA or with K/V repeated per query head (what the trainer runs), and fixed flex kernel options.
+"joint" (one flex call over [context | block] keys; lost its A/B, not in the trainer) or "split"
+(`drafter.split_attention`, attn=flex), with GQA or with K/V repeated per query head (what the trainer runs), and fixed flex kernel options.
 Reports ms forward, ms forward+backward, max |diff| of the output against fp32 SDPA with the dense mask, and
 TFLOP/s counted on the visible (mask-true) scores only: 4·D FLOPs per score forward, 10·D forward+backward.
 """
@@ -31,9 +31,10 @@ from dflash_offline.drafter import expand_heads, split_attention
 from dflash_offline.masks import block_allow, dense_mask, make_mask_mod
 from fixtures.fake_cache import fake_token_rows
 
-# name -> (formulation, expand_kv, kernel_options). "joint": one flex call over [context | block] keys (attn=
-# flex_joint); "split": what attn=flex runs, flex over the context keys + each block's keys as a dense attention,
-# merged by log-sum-exp (`drafter.split_attention`). expand_kv: K/V repeated to the query heads instead of GQA.
+# name -> (formulation, expand_kv, kernel_options). "joint": one flex call over [context | block] keys (lost
+# its A/B: not in the trainer); "split": what attn=flex runs, flex over the context keys + each block's keys as a
+# dense attention, merged by log-sum-exp (`drafter.split_attention`). expand_kv: K/V repeated to the query heads
+# instead of GQA.
 # bwd_/fwd_ prefixes address one direction (torch's flex lowering strips them)
 _BWD64 = {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64, "bwd_num_warps": 4,
           "bwd_num_stages": 3}

@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = "bf16"
 MAX_DRIFT = 0.03  # bf16 first vs last, relative to their mean: above it the comparison is not trustworthy
-VARIANTS = {  # name → the trainer options it runs with (dflash_offline/config.py TrainConfig)
+VARIANTS = {  # name → the trainer options it runs with (dflash_offline/trainsetup.py TrainConfig)
     "bf16": {"precision": "bf16", "loss_logits": "fp32", "fp8_recipe": "tensorwise"},
     "fp8": {"precision": "fp8", "loss_logits": "fp32", "fp8_recipe": "tensorwise"},
     "fp8+fp8head": {"precision": "fp8", "loss_logits": "fp8", "fp8_recipe": "tensorwise"},

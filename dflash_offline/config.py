@@ -1,8 +1,14 @@
 """Stage configs: one dataclass per stage, loaded from a TOML recipe and overridden by `--key=value`.
 
 A recipe (manifests/*.toml) has one table per stage (`[tokenize]`, `[extract]`, `[train]`, ...). Every field has a
-one-line comment, which `--help` shows (`field_help`); required fields have no default. `resolve()` checks a config;
-the training settings it implies on a given machine are derived in one place, `dflash_offline.trainsetup`.
+one-line comment, which `--help` shows (`field_help`); required fields have no default. `resolve()` checks a config.
+
+A config may be composed of groups of settings declared beside the code that owns them (a field whose default is
+another config dataclass: `is_group`); training's `TrainConfig` (`dflash_offline.trainsetup`) is, with the drafter's
+settings in `drafter.py`, the loss's in `loss.py`, the optimizer's in `optim.py` and the compute setup's in
+`trainsetup.py`. Settings stay flat wherever a user meets them: a recipe's table, `--key=value`, `--help` and a run's
+recorded config (`as_dict`) name each by its own name, unique over the groups (`settings`), and `compose` routes
+each to the group that declares it; code reads them by their group (`cfg.optim.lr`).
 """
 
 from __future__ import annotations
@@ -36,6 +42,28 @@ MAKE_VARS = {
     "export": {"run": "RUN", "out": "OUT", "step": "STEP", "dtype": "DTYPE"},
     "testbed": {"dir": "TESTBED_DIR", "from_phase": "TESTBED_FROM", "seeds": "SEEDS"},
 }
+
+
+# settings that are gone, by section: what the code does instead, told to a recipe or command line that still sets one
+REMOVED = {
+    "train": {
+        "optimizer_overlap": "the optimizer update overlapping the next forward was removed (within the run-to-run "
+                             "spread, docs/benchmarks.md): the update runs after the backward, before the next step",
+    },
+}
+# choices that are gone, by "section.field": what to use instead
+REMOVED_CHOICES = {
+    "train.attn": {
+        "flex_joint": "the joint flex call over [context | block] keys was removed (within the run-to-run spread, ~2 "
+                      "min more compile): attn=flex runs flex over the context keys plus a dense block part",
+    },
+}
+
+
+def removed(section: str, name: str) -> str:
+    """': <what happened to it>' for a removed setting of `section`, else ''."""
+    why = REMOVED.get(section, {}).get(name)
+    return f": {why}" if why else ""
 
 
 def flag(section: str, name: str) -> str:
@@ -155,107 +183,50 @@ class VerifyConfig:
         return self
 
 
-@dataclass
-class TrainConfig:
-    cache: str  # hidden-state cache directory (the output of make extract)
-    run: str = ""  # run directory (required; one trainer at a time, RUN/.run.lock): checkpoints, metrics, logs, config
-    target: str = ""  # target checkpoint for the frozen embedding + lm_head; empty = the cache's target
-    resume: bool = False  # continue the run in `run` from its latest checkpoint (exact data position and RNG)
-    seed: int = 0  # data order, anchors, noise and init
-    steps: int = 1000  # optimizer steps (unused when epochs > 0)
-    epochs: float = 0.0  # > 0: passes over the cache; sets steps = epochs × optimizer steps per epoch
-    batch_rows: int = 1  # rows per micro-batch per process (fixed shape)
-    global_batch_tokens: int = 0  # row tokens per optimizer step over all processes; 0 = one micro-batch each
-    fsdp: bool = False  # 1 = shard weights, gradients and AdamW state over the processes (FSDP2); 0 = replicate (DDP)
-    variant: str = "dflash"  # drafter: "dflash" or "dflash2" (+ block-local conv, candidate selector and its CE)
-    selector_weight: float = 1.0  # dflash2: weight of the selector CE added to the block CE
-    conv_kernel_size: int = 2  # dflash2: taps of the block-local convolution (the slot and the slots before it)
-    conv_group_size: int = 16  # dflash2: channels sharing one dynamic tap of the convolution (must divide hidden)
-    selector_rank: int = 256  # dflash2: width of the candidate selector's token codebooks
-    selector_top_k: int = 16  # dflash2: candidates per slot the selector walks among
-    num_layers: int = 5  # drafter decoder layers
-    num_heads: int = 32  # drafter query heads
-    num_kv_heads: int = 8  # drafter key/value heads
-    head_dim: int = 128  # drafter head width
-    intermediate_size: int = 0  # drafter MLP width; 0 = the target's
-    block_size: int = 16  # tokens per draft block (slot 0 = the anchor token)
-    num_anchors: int = 512  # anchors per row, resampled every step (padded with a keep mask)
-    layer_ids: list[int] = field(default_factory=list)  # tapped layers to train on; empty = all the cache holds
-    mask_token_id: int = -1  # the drafter's mask token; -1 = the one validated at extraction
-    sliding_window: int = 0  # >0: every layer but the last `full_attention_layers` uses sliding-window attention of this width; 0 = off
-    full_attention_layers: int = 1  # with sliding_window: the last N layers attend fully (1 = SpecForge's 3.6 drafter; 0 = all sliding, z-lab's DFlash2)
-    block_attention: str = "causal"  # inside the block in sliding layers: "causal" (z-lab's DFlash drafters) or "bidirectional" (z-lab's DFlash2: is_causal false); full layers always see the whole block
-    gamma: float = 0.0  # slot-weight decay exp(-(k-1)/gamma); 0 = 7 for block 16, 4 for block 8; inf = no decay
-    weighting: str = "decay"  # slot weights: "decay" (exp(-(k-1)/gamma)) or "dpace"
-    noise_std: float = 0.0  # Gaussian noise on the context hidden states (relative to their RMS); 0 = off
-    lr: float = 6e-4  # peak learning rate (AdamW)
-    warmup_steps: int = -1  # linear warmup steps; -1 = warmup_ratio × the run's steps
-    warmup_ratio: float = 0.04  # linear warmup as a fraction of the run's steps (when warmup_steps = -1)
-    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
-    weight_decay: float = 0.0  # AdamW weight decay
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW (beta1, beta2); SpecForge uses torch's 0.9,0.999
-    grad_clip: float = 1.0  # max global grad norm (0 = off)
-    precision: str = "auto"  # "bf16" (autocast), "fp32" or "fp8" (decoder linears + fc in float8 via torchao, bf16 elsewhere; CUDA only); auto = bf16 on CUDA, fp32 elsewhere
-    fp8_recipe: str = "tensorwise"  # precision=fp8 scaling: "tensorwise" or "rowwise" (H200 probe of the 27B linears: 1.51x, 1.11x over bf16)
-    master_weights: str = "auto"  # bf16: "on" = bf16 weights + fp32 masters, "off" = fp32; auto = on (off: FSDP, DDP+accum)
-    attn: str = "auto"  # "flex" (compiled flex_attention; CUDA) or "dense" (SDPA reference); auto = flex on CUDA
-    compile: str = "auto"  # "on" or "off"; auto = on with CUDA. After warm-up a recompile is an error
-    profile_steps: int = 0  # > 0: profile the last that many steps (after warm-up) into RUN/profile.txt (rank 0)
-    loss_chunk_tokens: int = 4096  # query tokens per lm_head chunk (logits: chunk x vocab x 4 bytes; 2 if bf16)
-    loss_epilogue: str = "auto"  # softmax/CE/dlogits of a chunk: "triton", "compiled" or "eager"; auto = triton on CUDA
-    loss_logits: str = "fp32"  # lm_head logits the CE reads: "fp32", "bf16" (rounded as a bf16 lm_head; less memory) or "fp8" (both lm_head GEMMs in float8, bf16 logits)
-    ckpt_every: int = 500  # checkpoint every N steps (and at the end)
-    keep_last: int = 3  # checkpoints kept
-    stop_grace_s: float = 25.0  # on SIGTERM/SIGINT: seconds to finish the step and write a checkpoint (exit 143/130); under torchrun and Slurm's default KillWait, SIGKILL follows after 30 s
-    log_every: int = 10  # metrics line every N steps
-    trackers: str = "tensorboard"  # accelerate trackers ("tensorboard", "wandb", comma list; "none" = JSONL only)
-    require_verified: bool = False  # refuse a cache never verified (a cache that failed verify is always refused)
+def is_group(f: dataclasses.Field) -> bool:
+    """A field holding a group of settings (another config dataclass, declared beside the code that owns them)."""
+    return f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)
 
-    def resolve(self) -> TrainConfig:
-        check_choice("train.weighting", self.weighting, ("decay", "dpace"))
-        check_choice("train.variant", self.variant, ("dflash", "dflash2"))
-        check_choice("train.block_attention", self.block_attention, ("causal", "bidirectional"))
-        if self.block_attention == "bidirectional" and 0 < self.sliding_window < self.block_size:
-            raise ConfigError(f"train.block_attention=bidirectional needs sliding_window >= block_size (got "
-                              f"{self.sliding_window} < {self.block_size})")
-        if self.variant == "dflash2" and (self.weighting != "decay" or self.fsdp or not self.selector_weight >= 0):
-            raise ConfigError(f"train.variant=dflash2 trains with weighting=decay (got {self.weighting}), fsdp=0 (got "
-                              f"{int(self.fsdp)}; its selector runs outside the sharded forward) and selector_weight "
-                              f">= 0 (got {self.selector_weight})")
-        if not 0 <= self.full_attention_layers <= self.num_layers:
-            raise ConfigError(f"train.full_attention_layers={self.full_attention_layers} must be in [0, "
-                              f"num_layers={self.num_layers}]")
-        if min(self.conv_kernel_size, self.conv_group_size, self.selector_rank, self.selector_top_k) < 1:
-            raise ConfigError(f"train.conv_kernel_size, conv_group_size, selector_rank and selector_top_k must be >= 1 "
-                              f"(got {self.conv_kernel_size}, {self.conv_group_size}, {self.selector_rank}, "
-                              f"{self.selector_top_k})")
-        check_choice("train.precision", self.precision, ("auto", "bf16", "fp32", "fp8"))
-        check_choice("train.fp8_recipe", self.fp8_recipe, ("tensorwise", "rowwise"))
-        check_choice("train.master_weights", self.master_weights, ("auto", "on", "off"))
-        check_choice("train.attn", self.attn, ("auto", "flex", "dense"))
-        check_choice("train.compile", self.compile, ("auto", "on", "off"))
-        check_choice("train.loss_epilogue", self.loss_epilogue, ("auto", "triton", "compiled", "eager"))
-        check_choice("train.loss_logits", self.loss_logits, ("fp32", "bf16", "fp8"))
-        for name in ("steps", "batch_rows", "num_anchors", "num_layers", "ckpt_every", "log_every"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"train.{name} must be > 0, got {getattr(self, name)}")
-        if self.epochs < 0:
-            raise ConfigError(f"train.epochs must be >= 0 (0 = run `steps` steps), got {self.epochs}")
-        if not 0 <= self.warmup_ratio < 1:
-            raise ConfigError(f"train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if self.warmup_steps < -1:
-            raise ConfigError(f"train.warmup_steps must be >= 0 (or -1: warmup_ratio × steps), got "
-                              f"{self.warmup_steps}")
-        if self.block_size < 2:
-            raise ConfigError(f"train.block_size must be >= 2, got {self.block_size}")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ConfigError(f"train.betas={self.betas}: give two numbers in [0, 1), e.g. --betas=0.9,0.999")
-        if not self.gamma >= 0:  # (NaN too)
-            raise ConfigError(f"train.gamma={self.gamma}: give a decay length > 0, inf for no decay, or 0 for the "
-                              f"default (7 for block 16, 4 for block 8)")
-        if self.gamma == 0 and self.block_size not in (8, 16) and self.weighting == "decay":
-            raise ConfigError(f"train.gamma: no default for block_size {self.block_size}; set gamma explicitly")
-        return self
+
+def settings(cls) -> list[tuple[dataclasses.Field, type, str]]:
+    """Every setting of `cls` as (field, the class that declares it, the group field holding that class; '' for
+    `cls`'s own), in order, a group's settings where the group is declared. Names are unique over the groups."""
+    out = []
+    for f in dataclasses.fields(cls):
+        if is_group(f):
+            out += [(g, owner, f.name) for g, owner, _ in settings(f.default_factory)]
+        else:
+            out.append((f, cls, ""))
+    names = [f.name for f, _, _ in out]
+    assert len(set(names)) == len(names), f"{cls.__name__}: a setting name repeats across its groups"
+    return out
+
+
+def setting_names(cls) -> list[str]:
+    return [f.name for f, _, _ in settings(cls)]
+
+
+def setting_types(cls) -> dict:
+    """Each setting's type, from the class that declares it."""
+    hints = {}
+    for _, owner, _ in settings(cls):
+        if owner not in hints:
+            hints[owner] = typing.get_type_hints(owner)
+    return {f.name: hints[owner][f.name] for f, owner, _ in settings(cls)}
+
+
+def compose(cls, values: dict):
+    """`cls` from flat settings, each given to the group that declares it (not resolved)."""
+    groups = {f.name: f.default_factory for f in dataclasses.fields(cls) if is_group(f)}
+    where = {f.name: group for f, _, group in settings(cls)}
+    unknown = sorted(set(values) - set(where))
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no setting {unknown[0]!r}")
+    parts: dict[str, dict] = {g: {} for g in groups}
+    own = {}
+    for k, v in values.items():
+        (parts[where[k]] if where[k] else own)[k] = v
+    return cls(**own, **{g: groups[g](**kw) for g, kw in parts.items()})
 
 
 def parse_shard_list(text: str) -> list[int]:
@@ -288,7 +259,8 @@ def shard_list(indices) -> str:
 
 def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ConfigError(f"{name}={value!r} is not one of {', '.join(choices)}")
+        why = REMOVED_CHOICES.get(name, {}).get(value)
+        raise ConfigError(f"{name}={value!r} is not one of {', '.join(choices)}{f': {why}' if why else ''}")
 
 
 # --- loading -------------------------------------------------------------------------------------------------
@@ -384,48 +356,53 @@ def read_recipe(recipe: str) -> dict:
 def recipe_values(tables: dict, recipe: str | None, cls, section: str) -> dict:
     """The recipe's `[section]` table for `cls`; a key that is not one of its fields is an error."""
     table = dict(tables.get(section, {}))
-    known = [f.name for f in dataclasses.fields(cls)]
+    known = setting_names(cls)
     unknown = sorted(set(table) - set(known))
     if unknown:
+        if why := removed(section, unknown[0]):
+            raise ConfigError(f"recipe {recipe}: unknown setting {unknown[0]} in [{section}]{why}")
         raise ConfigError(f"recipe {recipe}: unknown setting {unknown[0]} in [{section}]"
                           f"{did_you_mean(unknown[0], known)} (settings of [{section}]: {', '.join(known)})")
     return table
 
 
-def check_overrides(overrides: dict[str, str], classes: list) -> None:
-    """Every `--key=value` must name a field of one of the stage's configs."""
-    known = [f.name for cls in classes for f in dataclasses.fields(cls)]
+def check_overrides(overrides: dict[str, str], classes: list, sections: tuple[str, ...] = ()) -> None:
+    """Every `--key=value` must name a field of one of the stage's configs (of `sections`: a removed one is told so)."""
+    known = [name for cls in classes for name in setting_names(cls)]
     unknown = sorted(set(overrides) - set(known))
+    for sec in sections:
+        if unknown and (why := removed(sec, unknown[0])):
+            raise ConfigError(f"--{unknown[0]}: unknown setting{why}")
     if unknown:
         raise ConfigError(f"--{unknown[0]}: unknown setting{did_you_mean(unknown[0], known, '--{}')} (see --help "
                           f"for the settings)")
 
 
 def build_config(cls, section: str, values: dict):
-    """`cls` from checked values: types coerced, required fields present, then `resolve()`."""
+    """`cls` from checked values: types coerced, required fields present, each in its group, then `resolve()`."""
     assert section in RECIPE_SECTIONS, f"[{section}] is read by a stage: add it to RECIPE_SECTIONS"
-    known = [f.name for f in dataclasses.fields(cls)]
+    known = setting_names(cls)
     unknown = sorted(set(values) - set(known))
     if unknown:
         raise ConfigError(f"unknown {section} setting {unknown[0]}{did_you_mean(unknown[0], known)} (settings: "
                           f"{', '.join(known)})")
-    hints = typing.get_type_hints(cls)
+    hints = setting_types(cls)
     kwargs = {k: _check_type(section, k, v, hints[k]) for k, v in values.items()}
     missing = [
         f.name
-        for f in dataclasses.fields(cls)
+        for f, _, _ in settings(cls)
         if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     ]
     if missing:
         raise ConfigError(f"missing required {section} setting(s): {', '.join(flag(section, m) for m in missing)}")
-    return cls(**kwargs).resolve()
+    return compose(cls, kwargs).resolve()
 
 
 def load_config(cls, section: str, recipe: str | None, overrides: dict[str, str], base: dict | None = None):
     """Build `cls` from `base` (values from elsewhere, e.g. a cache's manifest), updated by a recipe's `[section]`
     table, then by `--key=value` overrides; empty override = keep."""
     tables = read_recipe(recipe) if recipe else {}
-    check_overrides(overrides, [cls])
+    check_overrides(overrides, [cls], (section,))
     values = dict(base or {})
     values.update(recipe_values(tables, recipe, cls, section))
     values.update({k: v for k, v in overrides.items() if v != ""})
@@ -442,11 +419,11 @@ def configs_from_argv(specs: list[tuple[type, str]], argv: list[str], doc: str, 
         print(doc.strip() + "\n\n" + "\n\n".join(f"[{sec}] " + describe(cls, sec) for cls, sec in specs))
         sys.exit(0)
     recipe, overrides = parse_overrides(argv)
-    check_overrides(overrides, [cls for cls, _ in specs])
+    check_overrides(overrides, [cls for cls, _ in specs], tuple(sec for _, sec in specs))
     tables = read_recipe(recipe) if recipe else {}
     out, earlier = [], {}
     for cls, sec in specs:
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = set(setting_names(cls))
         values = recipe_values(tables, recipe, cls, sec)
         values.update({k: v for k, v in overrides.items() if k in names and v != ""})
         if defaults:
@@ -466,7 +443,8 @@ def config_from_argv(cls, section: str, argv: list[str], doc: str):
 
 
 def field_help(cls) -> dict[str, str]:
-    """Each field's help: the comment at the end of its line in `cls`'s source ('' where there is none)."""
+    """Each field's help: the comment at the end of its line in `cls`'s source ('' where there is none); with the
+    settings of its groups, from theirs."""
     import ast
     import inspect
     import io
@@ -477,14 +455,18 @@ def field_help(cls) -> dict[str, str]:
     comments = {t.start[0]: t.string.lstrip("#").strip()
                 for t in tok.generate_tokens(io.StringIO(source).readline) if t.type == tok.COMMENT}
     (node,) = ast.parse(source).body
-    return {f.target.id: comments.get(f.end_lineno, "") for f in node.body
-            if isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name)}
+    out = {f.target.id: comments.get(f.end_lineno, "") for f in node.body
+           if isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name)}
+    for f in dataclasses.fields(cls):
+        if is_group(f):
+            out.update(field_help(f.default_factory))
+    return out
 
 
 def describe(cls, section: str = "") -> str:
     """Field list with each field's help, default (or REQUIRED) and make variable."""
     helps = field_help(cls)
-    fields = dataclasses.fields(cls)
+    fields = [f for f, _, _ in settings(cls)]
     width = max(len(f.name) for f in fields) + 2
     rows = ["options (--key=value, or --recipe=manifests/NAME.toml for a recipe):"]
     for f in fields:
@@ -499,7 +481,12 @@ def describe(cls, section: str = "") -> str:
 
 
 def as_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
+    """The config's settings as a flat dict (a group's settings in its place): what a run records and a recipe's
+    table holds."""
+    full, out = dataclasses.asdict(cfg), {}
+    for f in dataclasses.fields(cfg):
+        out.update(as_dict(getattr(cfg, f.name)) if is_group(f) else {f.name: full[f.name]})
+    return out
 
 
 __all__ = [
@@ -507,11 +494,15 @@ __all__ = [
     "ExtractConfig",
     "RECIPE_SECTIONS",
     "TokenizeConfig",
-    "TrainConfig",
     "VerifyConfig",
     "configs_from_argv",
     "parse_shard_list",
     "as_dict",
+    "compose",
+    "is_group",
+    "setting_names",
+    "setting_types",
+    "settings",
     "config_from_argv",
     "describe",
     "field",

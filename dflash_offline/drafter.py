@@ -19,7 +19,7 @@ L block length, Q = A*L, H hidden, N query heads, G kv heads, D head dim, V voca
 """
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
 from dflash_offline.anchors import block_input_ids, block_position_ids
+from dflash_offline.config import ConfigError, check_choice
 from dflash_offline.dflash2 import BlockConv, CandidateSelector, rng_untouched
 from dflash_offline.masks import block_allow, dense_mask, flex_block_mask
 
@@ -37,10 +38,51 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # and the slot itself (the default, and what configs without `is_causal` are served with), "bidirectional" = every
 # slot (what `is_causal: false` asks for; z-lab's published DFlash2 drafters declare it; docs/serving.md)
 BLOCK_ATTENTIONS = ("causal", "bidirectional")
-# "flex": flex over the context keys + a dense block part (`split_attention`); "flex_joint": one flex call over
-# context + block keys; "dense": SDPA with a dense bool mask (the reference, any device)
-ATTNS = ("flex", "flex_joint", "dense")
+# "flex": flex over the context keys + a dense block part (`split_attention`); "dense": SDPA over context + block keys
+# with a dense bool mask (the reference, any device)
+ATTNS = ("flex", "dense")
 VARIANTS = ("dflash", "dflash2")
+
+
+@dataclass
+class DrafterSettings:
+    """The drafter a run trains (`train` settings; `trainsetup.drafter_config` makes its `DrafterConfig`)."""
+
+    variant: str = "dflash"  # drafter: "dflash" or "dflash2" (+ block-local conv, candidate selector and its CE)
+    conv_kernel_size: int = 2  # dflash2: taps of the block-local convolution (the slot and the slots before it)
+    conv_group_size: int = 16  # dflash2: channels sharing one dynamic tap of the convolution (must divide hidden)
+    selector_rank: int = 256  # dflash2: width of the candidate selector's token codebooks
+    selector_top_k: int = 16  # dflash2: candidates per slot the selector walks among
+    num_layers: int = 5  # drafter decoder layers
+    num_heads: int = 32  # drafter query heads
+    num_kv_heads: int = 8  # drafter key/value heads
+    head_dim: int = 128  # drafter head width
+    intermediate_size: int = 0  # drafter MLP width; 0 = the target's
+    block_size: int = 16  # tokens per draft block (slot 0 = the anchor token)
+    layer_ids: list[int] = field(default_factory=list)  # tapped layers to train on; empty = all the cache holds
+    mask_token_id: int = -1  # the drafter's mask token; -1 = the one validated at extraction
+    sliding_window: int = 0  # >0: every layer but the last `full_attention_layers` uses sliding-window attention of this width; 0 = off
+    full_attention_layers: int = 1  # with sliding_window: the last N layers attend fully (1 = SpecForge's 3.6 drafter; 0 = all sliding, z-lab's DFlash2)
+    block_attention: str = "causal"  # inside the block in sliding layers: "causal" (z-lab's DFlash drafters) or "bidirectional" (z-lab's DFlash2: is_causal false); full layers always see the whole block
+
+    def resolve(self) -> "DrafterSettings":
+        check_choice("train.variant", self.variant, VARIANTS)
+        check_choice("train.block_attention", self.block_attention, BLOCK_ATTENTIONS)
+        if self.block_attention == "bidirectional" and 0 < self.sliding_window < self.block_size:
+            raise ConfigError(f"train.block_attention=bidirectional needs sliding_window >= block_size (got "
+                              f"{self.sliding_window} < {self.block_size})")
+        if self.num_layers <= 0:
+            raise ConfigError(f"train.num_layers must be > 0, got {self.num_layers}")
+        if not 0 <= self.full_attention_layers <= self.num_layers:
+            raise ConfigError(f"train.full_attention_layers={self.full_attention_layers} must be in [0, "
+                              f"num_layers={self.num_layers}]")
+        if min(self.conv_kernel_size, self.conv_group_size, self.selector_rank, self.selector_top_k) < 1:
+            raise ConfigError(f"train.conv_kernel_size, conv_group_size, selector_rank and selector_top_k must be >= 1 "
+                              f"(got {self.conv_kernel_size}, {self.conv_group_size}, {self.selector_rank}, "
+                              f"{self.selector_top_k})")
+        if self.block_size < 2:
+            raise ConfigError(f"train.block_size must be >= 2, got {self.block_size}")
+        return self
 
 
 @dataclass
@@ -203,14 +245,10 @@ class Attention(nn.Module):
             allow_LL = block_allow(self.block_size, self.sliding_window, x_BQH.device, self.block_causal)
             o = split_attention(q_BNQD, k_ctx.transpose(1, 2), v_ctx.transpose(1, 2), k_blk.transpose(1, 2),
                                 v_blk.transpose(1, 2), mask, allow_LL, scale, expand_kv=True)
-        else:  # one attention over [context | block] keys: flex with the full BlockMask, or SDPA with a dense mask
+        else:  # one SDPA over [context | block] keys with a dense mask
             k_BGKD = torch.cat([k_ctx, k_blk], dim=1).transpose(1, 2)
             v_BGKD = torch.cat([v_ctx, v_blk], dim=1).transpose(1, 2)
-            if attn == "flex_joint":  # K/V repeated per query head: see `split_attention`'s expand_kv
-                o = flex_attention(q_BNQD, *expand_heads(k_BGKD, v_BGKD, self.n_heads), block_mask=mask, scale=scale)
-            else:
-                o = F.scaled_dot_product_attention(q_BNQD, k_BGKD, v_BGKD, attn_mask=mask, scale=scale,
-                                                   enable_gqa=True)
+            o = F.scaled_dot_product_attention(q_BNQD, k_BGKD, v_BGKD, attn_mask=mask, scale=scale, enable_gqa=True)
         return self.o_proj(o.transpose(1, 2).reshape(B, Q, self.n_heads * self.head_dim))
 
 
@@ -278,9 +316,6 @@ class DFlashDrafter(nn.Module):
         if cfg.variant == "dflash2":  # used by the loss and for drafting, after the forward
             self.candidate_selector = CandidateSelector(cfg.vocab_size, cfg.hidden_size, cfg.selector_rank,
                                                         cfg.selector_top_k)
-        # called with k before the forward uses weight group k (see `weight_groups`); the trainer sets it when the
-        # optimizer's update overlaps the forward (optim.MasterAdamW.overlap_with_forward)
-        self.weight_fence = None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -303,9 +338,8 @@ class DFlashDrafter(nn.Module):
                     m.reset_parameters(self.cfg.initializer_range)
 
     def build_masks(self, doc_ids_BS, anchor_pos_BA, keep_BA, attn: str = "flex") -> dict:
-        """One mask per layer type in use: dense bool [B,1,Q,S+Q] (attn="dense"), a context-only flex BlockMask
-        [B,1,Q,S] (attn="flex"; the block part is dense, see `split_attention`), or a flex BlockMask over
-        context + block keys [B,1,Q,S+Q] (attn="flex_joint": one flex call for both)."""
+        """One mask per layer type in use: dense bool [B,1,Q,S+Q] (attn="dense") or a context-only flex BlockMask
+        [B,1,Q,S] (attn="flex"; the block part is dense, see `split_attention`)."""
         if attn not in ATTNS:
             raise ValueError(f"attn must be one of {ATTNS}, got {attn!r}")
         L, W = self.cfg.block_size, self.cfg.sliding_window
@@ -316,20 +350,9 @@ class DFlashDrafter(nn.Module):
             if attn == "dense":
                 masks[t] = dense_mask(anchor_pos_BA, keep_BA, doc_ids_BS, L, w, causal)
             else:
-                masks[t] = flex_block_mask(anchor_pos_BA, keep_BA, doc_ids_BS, L, w, context_only=attn == "flex",
+                masks[t] = flex_block_mask(anchor_pos_BA, keep_BA, doc_ids_BS, L, w, context_only=True,
                                            block_causal=causal)
         return masks
-
-    def weight_groups(self) -> list[list[nn.Parameter]]:
-        """The parameters in the order the forward uses them: [fc + hidden_norm, layer 0, ..., layer N-1, norm (+ the
-        selector, which the loss uses after the forward)]."""
-        last = [*self.norm.parameters(), *(self.candidate_selector.parameters() if self.candidate_selector else ())]
-        return ([[*self.fc.parameters(), *self.hidden_norm.parameters()]] + [list(lay.parameters()) for lay in self.layers]
-                + [last])
-
-    def _fence(self, k: int) -> None:
-        if self.weight_fence is not None:
-            self.weight_fence(k)
 
     def encode_context(self, hidden_BSK: torch.Tensor) -> torch.Tensor:
         """hidden_norm(fc(tapped target states)) [B, S, H]. The states go to the fc weight's dtype (bf16 with bf16
@@ -363,7 +386,6 @@ class DFlashDrafter(nn.Module):
         """
         # the residual stream's dtype: the norms' (matmul weights may be bf16 copies, see optim.MasterAdamW)
         L, dtype = self.cfg.block_size, self.norm.weight.dtype
-        self._fence(0)
         ctx_BSH = self.encode_context(hidden_BSK)
         ids_BQ = block_input_ids(input_ids_BS, anchor_pos_BA, keep_BA, L, self.cfg.mask_token_id)
         x_BQH = F.embedding(ids_BQ, embed_weight_VH).to(dtype)
@@ -372,10 +394,8 @@ class DFlashDrafter(nn.Module):
         rope_blk = rope_cos_sin(block_position_ids(position_ids_BS, anchor_pos_BA, L), D, theta, dtype)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            self._fence(i + 1)
             x_BQH = layer(x_BQH, ctx_BSH, rope_ctx, rope_blk, masks[layer.layer_type], attn,
                           L if scored_only and i == last else 0)
-        self._fence(last + 2)
         return self.output_norm(x_BQH, out_dtype)
 
 

@@ -25,14 +25,41 @@ Shape legend: B rows, A anchors per row, L block length, H hidden, V vocab, X = 
 """
 
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from dflash_offline import ce_kernel
 from dflash_offline.anchors import IGNORE
+from dflash_offline.config import ConfigError, check_choice
 
 DEFAULT_GAMMA = {16: 7.0, 8: 4.0}  # DFlash paper / DESIGN: gamma per block size
+
+
+@dataclass
+class LossSettings:
+    """What a run's loss scores and how it computes it (`train` settings)."""
+
+    num_anchors: int = 512  # anchors per row, resampled every step (padded with a keep mask)
+    gamma: float = 0.0  # slot-weight decay exp(-(k-1)/gamma); 0 = 7 for block 16, 4 for block 8; inf = no decay
+    weighting: str = "decay"  # slot weights: "decay" (exp(-(k-1)/gamma)) or "dpace"
+    noise_std: float = 0.0  # Gaussian noise on the context hidden states (relative to their RMS); 0 = off
+    selector_weight: float = 1.0  # dflash2: weight of the selector CE added to the block CE
+    loss_chunk_tokens: int = 4096  # query tokens per lm_head chunk (logits: chunk x vocab x 4 bytes; 2 if bf16)
+    loss_epilogue: str = "auto"  # softmax/CE/dlogits of a chunk: "triton", "compiled" or "eager"; auto = triton on CUDA
+    loss_logits: str = "fp32"  # lm_head logits the CE reads: "fp32", "bf16" (rounded as a bf16 lm_head; less memory) or "fp8" (both lm_head GEMMs in float8, bf16 logits)
+
+    def resolve(self) -> "LossSettings":
+        check_choice("train.weighting", self.weighting, ("decay", "dpace"))
+        check_choice("train.loss_epilogue", self.loss_epilogue, ("auto", "triton", "compiled", "eager"))
+        check_choice("train.loss_logits", self.loss_logits, ("fp32", "bf16", "fp8"))
+        if self.num_anchors <= 0:
+            raise ConfigError(f"train.num_anchors must be > 0, got {self.num_anchors}")
+        if not self.gamma >= 0:  # (NaN too)
+            raise ConfigError(f"train.gamma={self.gamma}: give a decay length > 0, inf for no decay, or 0 for the "
+                              f"default (7 for block 16, 4 for block 8)")
+        return self
 
 
 def slot_weights(block_size: int, gamma: float | None = None, device=None) -> torch.Tensor:

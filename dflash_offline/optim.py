@@ -25,8 +25,35 @@ fp32 and are updated in place.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 
 import torch
+
+from dflash_offline.config import ConfigError
+
+
+@dataclass
+class OptimSettings:
+    """The optimizer and its learning-rate schedule (`train` settings; `trainer.new_optimizer`,
+    `trainsetup.schedule` and `trainsetup.cosine_schedule`)."""
+
+    lr: float = 6e-4  # peak learning rate (AdamW)
+    warmup_steps: int = -1  # linear warmup steps; -1 = warmup_ratio × the run's steps
+    warmup_ratio: float = 0.04  # linear warmup as a fraction of the run's steps (when warmup_steps = -1)
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+    weight_decay: float = 0.0  # AdamW weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW (beta1, beta2); SpecForge uses torch's 0.9,0.999
+    grad_clip: float = 1.0  # max global grad norm (0 = off)
+
+    def resolve(self) -> OptimSettings:
+        if not 0 <= self.warmup_ratio < 1:
+            raise ConfigError(f"train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.warmup_steps < -1:
+            raise ConfigError(f"train.warmup_steps must be >= 0 (or -1: warmup_ratio × steps), got "
+                              f"{self.warmup_steps}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"train.betas={self.betas}: give two numbers in [0, 1), e.g. --betas=0.9,0.999")
+        return self
 
 
 def _grad_norm_coef(grads, skipped, max_norm: float):
@@ -79,9 +106,8 @@ def _compiled(fn):
     compiled = torch.compile(fn, dynamic=False, fullgraph=True)
 
     def call(*args):
-        # one graph per parameter-group layout and gradient dtype (three per model with overlap_with_forward): a
-        # process that builds several models (a sweep, a test session) would reach dynamo's default of 8 graphs per
-        # function, a hard error under fullgraph
+        # one graph per parameter-group layout and gradient dtype: a process that builds several models (a sweep,
+        # a test session) would reach dynamo's default of 8 graphs per function, a hard error under fullgraph
         with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
             return compiled(*args)
 
@@ -101,9 +127,6 @@ class MasterAdamW(torch.optim.Optimizer):
         self.compiled = compiled
         self._fp32_accum = False
         self._reduced_backward = False  # DDP: the next backward's gradients are left for the comm hook
-        self._side = None  # overlap_with_forward: the side stream, each group's parameter ids and end event
-        self._groups: list[set[int]] = []
-        self._events: list = []
         device = self.param_groups[0]["params"][0].device
         self.skipped = torch.zeros((), dtype=torch.float32, device=device)
         self._lr = torch.zeros((), dtype=torch.float32, device=device)
@@ -182,8 +205,7 @@ class MasterAdamW(torch.optim.Optimizer):
         if len(self.param_groups) != 1:
             raise ValueError("MasterAdamW supports one parameter group")
         group = self.param_groups[0]
-        self.wait_all()  # with overlap: the last update (which reads `_lr` and the state) is done first
-        p32s, lows, grads, ms, vs, steps, owners = [], [], [], [], [], [], []
+        p32s, lows, grads, ms, vs, steps = [], [], [], [], [], []
         for p in group["params"]:
             if self._fp32_accum and self.lowered(p):  # its gradient since the last step, if any
                 g = None if id(p) in self._overwrite else p.main_grad
@@ -199,92 +221,32 @@ class MasterAdamW(torch.optim.Optimizer):
             ms.append(st["exp_avg"])
             vs.append(st["exp_avg_sq"])
             steps.append(st["step"])
-            owners.append(p)
         if not grads:
             return None
         self._lr.fill_(group["lr"])  # a kernel argument, no host->device copy and no sync
         b1, b2 = group["betas"]
         hyper = (float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]))
         compiled = self.compiled if self.compiled is not None else grads[0].is_cuda
-        if self._side is None:
-            fn = _compiled(_adamw_clip_step) if compiled else _adamw_clip_step
-            norm = fn(p32s, lows, grads, ms, vs, steps, self._lr, self.skipped, *hyper, self.max_grad_norm)
-        else:
-            norm = self._overlapped_step(owners, p32s, lows, grads, ms, vs, steps, hyper, compiled)
+        fn = _compiled(_adamw_clip_step) if compiled else _adamw_clip_step
+        norm = fn(p32s, lows, grads, ms, vs, steps, self._lr, self.skipped, *hyper, self.max_grad_norm)
         if self._fp32_accum:
             self._overwrite = self._lowered_ids()
         return norm
 
-    # --- the update overlapping the next forward (CUDA)
-
-    def overlap_with_forward(self, groups: list[list[torch.Tensor]]) -> None:
-        """Run each step's update on a side stream, group by group in the order given (the order in which the next
-        forward uses them), so that it overlaps that forward instead of running between two steps: the gradient
-        norm is computed first (clipping needs all of it), then each group's clip + AdamW + bf16 copy, and
-        `wait_for(k)` makes the current stream wait for group k's weights. The forward calls `wait_for(k)` before
-        it uses group k; everything else that reads the weights or the optimizer state (checkpoints, export,
-        `state_dict`) waits for all of it (`wait_all`). Same arithmetic as the one-pass step. CUDA only.
-        Whoever reads the model's weights between `step()` and the next forward (an evaluation, an EMA) calls
-        `wait_all()` first; `zero_grad(set_to_none=False)` does it itself (it writes gradients the update reads)."""
-        self.wait_all()  # called again: the old stream's work is done before it is dropped
-        ids = [{id(p) for p in g} for g in groups]
-        everything = {id(p) for p in self._params()}
-        if set().union(*ids) != everything or sum(len(i) for i in ids) != len(everything):
-            raise ValueError("overlap_with_forward: the groups must hold every parameter exactly once")
-        device = self._params()[0].device
-        if device.type != "cuda":
-            raise ValueError("overlap_with_forward needs CUDA parameters (a side stream)")
-        self._side = torch.cuda.Stream(device)
-        self._groups = ids
-        self._events = [None] * len(groups)
-
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if not set_to_none:  # zeroing in place: not while the side stream still reads the gradients
-            self.wait_all()
         super().zero_grad(set_to_none=set_to_none)
         if self._fp32_accum:  # the fp32 sums too: the next gradient starts a new one
             self._overwrite = self._lowered_ids()
 
-    def wait_for(self, k: int) -> None:
-        """The current stream waits until group k's update of the last step is done (no-op without overlap)."""
-        if self._side is not None and self._events[k] is not None:
-            torch.cuda.current_stream(self._side.device).wait_event(self._events[k])
-
-    def wait_all(self) -> None:
-        """The current stream waits until the last step's whole update is done (no-op without overlap)."""
-        if self._side is not None:
-            torch.cuda.current_stream(self._side.device).wait_stream(self._side)
-
-    def _overlapped_step(self, owners, p32s, lows, grads, ms, vs, steps, hyper, compiled: bool):
-        main = torch.cuda.current_stream(self._side.device)
-        norm_fn = _compiled(_grad_norm_coef) if compiled else _grad_norm_coef
-        update = _compiled(_adamw_update) if compiled else _adamw_update
-        norm, coef, ok = norm_fn(grads, self.skipped, self.max_grad_norm)
-        self._side.wait_stream(main)  # the gradients and the coefficient are ready
-        with torch.cuda.stream(self._side):
-            for k, ids in enumerate(self._groups):
-                pick = [i for i, p in enumerate(owners) if id(p) in ids]
-                if pick:
-                    update(*([lst[i] for i in pick] for lst in (p32s, lows, grads, ms, vs, steps)), self._lr, coef,
-                           ok, *hyper)
-                ev = torch.cuda.Event()
-                ev.record(self._side)
-                self._events[k] = ev
-        for t in (*grads, coef, ok):  # made on the main stream, read on the side one: not reused before it is done
-            t.record_stream(self._side)
-        return norm
-
     # --- checkpoints: torch AdamW's state layout; the fp32 weights go with the model
 
     def state_dict(self) -> dict:
-        self.wait_all()
         sd = super().state_dict()
         sd["state"] = {i: {k: v for k, v in st.items() if k != "master"} for i, st in sd["state"].items()}
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Moments and step counts by parameter index (torch AdamW's layout), kept fp32 on the parameter's device."""
-        self.wait_all()
         params = self._params()
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or sum(len(g["params"]) for g in groups) != len(params):
@@ -309,7 +271,6 @@ class MasterAdamW(torch.optim.Optimizer):
         """Every process takes process `src`'s fp32 masters (and their low-precision copies)."""
         import torch.distributed as dist
 
-        self.wait_all()
         for p in self._params():
             if self.lowered(p):
                 dist.broadcast(self.state[p]["master"], src)
@@ -317,7 +278,6 @@ class MasterAdamW(torch.optim.Optimizer):
 
     def master_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """`model.state_dict()` with every lowered weight replaced by its fp32 master."""
-        self.wait_all()
         sd = model.state_dict()
         for name, p in model.named_parameters():
             if p in self.state and self.lowered(p):
@@ -327,7 +287,6 @@ class MasterAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def load_masters(self, model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         """Set the fp32 masters (and the model's low-precision copies) from full-precision weights by name."""
-        self.wait_all()
         for name, p in model.named_parameters():
             if p in self.state and self.lowered(p):
                 self.state[p]["master"].copy_(tensors[name])

@@ -76,13 +76,14 @@ def target_layer_params(ckpt: Path, depth: int) -> int:
 
 def drafter_shape(train, hidden: int, intermediate: int, vocab: int, layer_ids: list[int]) -> SimpleNamespace:
     """What `metrics.flops_per_row` reads of a drafter, from a TrainConfig (or None: its defaults) and the target."""
-    from .config import TrainConfig
+    from .trainsetup import TrainConfig
 
     t = train or TrainConfig(cache="")
-    return SimpleNamespace(hidden_size=hidden, intermediate_size=t.intermediate_size or intermediate,
-                           vocab_size=vocab, num_layers=t.num_layers, num_heads=t.num_heads,
-                           num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, block_size=t.block_size,
-                           num_anchors=t.num_anchors, target_layer_ids=list(t.layer_ids) or layer_ids)
+    d = t.drafter
+    return SimpleNamespace(hidden_size=hidden, intermediate_size=d.intermediate_size or intermediate,
+                           vocab_size=vocab, num_layers=d.num_layers, num_heads=d.num_heads,
+                           num_kv_heads=d.num_kv_heads, head_dim=d.head_dim, block_size=d.block_size,
+                           num_anchors=t.loss.num_anchors, target_layer_ids=list(d.layer_ids) or layer_ids)
 
 
 def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.0, train_tok_s: float = 0.0,
@@ -324,7 +325,8 @@ def plan_lines(cfg, p, train) -> list[str]:
 def recipe_train(recipe: str | None):
     """A recipe's [train] table as a TrainConfig (its cache left empty), or None: what the plan's epochs and drafter
     come from."""
-    from .config import TrainConfig, build_config, read_recipe
+    from .config import build_config, read_recipe
+    from .trainsetup import TrainConfig
 
     table = read_recipe(recipe).get("train") if recipe else None
     return None if table is None else build_config(TrainConfig, "train", {"cache": "", **table})

@@ -23,9 +23,9 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from dflash_offline.config import TrainConfig, as_dict
+from dflash_offline.config import as_dict
 from dflash_offline.runguard import Interrupted, StopVote
-from dflash_offline.trainsetup import TrainSetup, cosine_schedule, end_warm_up
+from dflash_offline.trainsetup import TrainConfig, TrainSetup, cosine_schedule, end_warm_up
 
 
 class Trainer:
@@ -55,12 +55,12 @@ class Trainer:
         from dflash_offline.progress import log
 
         cfg, s, acc = self.cfg, self.s, self.acc
-        if cfg.fsdp and not s.sharded and acc.process_index == 0:
+        if cfg.compute.fsdp and not s.sharded and acc.process_index == 0:
             log("fsdp=1 with one process: nothing to shard, training unsharded")
         if s.sharded:  # FSDP2, one unit per decoder layer + the rest
             shard(model)
         opt = new_optimizer(cfg, s, model, acc.device)
-        lr_at = lambda step: cosine_schedule(step, s.warmup, s.steps, cfg.min_lr_ratio)  # noqa: E731
+        lr_at = lambda step: cosine_schedule(step, s.warmup, s.steps, cfg.optim.min_lr_ratio)  # noqa: E731
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
         if s.sharded:  # the sharded model never goes through accelerate (it would wrap it in DDP)
             opt, sched = acc.prepare(opt, sched)
@@ -73,9 +73,6 @@ class Trainer:
             # (with accumulation, together with the fp32 sums of the earlier micro-batches)
             model.register_comm_hook(opt.optimizer if s.accum > 1 else None, fp32_allreduce_hook)
             opt.optimizer.broadcast_masters(0)  # ... and start every rank from rank 0's fp32 weights, as DDP does
-        if s.overlap:  # each layer's weights are waited for just before the forward uses them
-            opt.optimizer.overlap_with_forward(self.raw.weight_groups())
-            self.raw.weight_fence = opt.optimizer.wait_for
         # steps skipped for a non-finite gradient norm (a device tensor; MasterAdamW keeps its own)
         self.skipped = None if s.master else torch.zeros((), dtype=torch.float32, device=acc.device)
 
@@ -118,12 +115,12 @@ class Trainer:
         self._start(seq_len, t0)
         warm_step, vote, profiler = self.step + 1, StopVote(self.acc), None  # the first step compiles (resumed too)
         while self.step < s.steps:
-            if cfg.profile_steps and self.acc.process_index == 0 and profiler is None \
-                    and self.step == max(2, s.steps - cfg.profile_steps):  # the last steps, after warm-up
-                profiler, profile_end = start_profiler(cuda), self.step + cfg.profile_steps
+            if cfg.compute.profile_steps and self.acc.process_index == 0 and profiler is None \
+                    and self.step == max(2, s.steps - cfg.compute.profile_steps):  # the last steps, after warm-up
+                profiler, profile_end = start_profiler(cuda), self.step + cfg.compute.profile_steps
             grad_norm = self.train_step()
             if profiler is not None and self.step == profile_end:
-                write_profile(profiler, self.run_dir / "profile.txt", cuda, cfg.profile_steps)
+                write_profile(profiler, self.run_dir / "profile.txt", cuda, cfg.compute.profile_steps)
                 profiler = None
             if self.step == warm_step:
                 end_warm_up(s.compile)  # freeze the heap built so far; with compilation, a recompile is now an error
@@ -142,7 +139,7 @@ class Trainer:
                                  disable=rank != 0 or None)
         self.progress.update(self.step)
         self.meter = Meter(self.run_dir, self.acc, self.progress, self.step, seq_len,
-                           flops_per_row(dc, seq_len, self.cfg.num_anchors))
+                           flops_per_row(dc, seq_len, self.cfg.loss.num_anchors))
         log(f"[rank {rank}] ready in {time.time() - t0:.1f}s{'; first step compiles' if self.s.compile else ''}")
 
     def _after_step(self, grad_norm) -> bool:
@@ -198,7 +195,8 @@ class Trainer:
         cfg, s = self.cfg, self.s
         micros = [next_micro(cfg, s, self.acc, self.stream, self.step * s.accum + m, self.raw.cfg)
                   for m in range(s.accum)]
-        norm = step_normalizer([loss_weight(b["labels"], cfg.gamma or None, cfg.weighting) for b, _ in micros], s.world)
+        norm = step_normalizer([loss_weight(b["labels"], cfg.loss.gamma or None, cfg.loss.weighting) for b, _ in micros],
+                               s.world)
         for m, (batch, wait_s) in enumerate(micros):
             out, sel = self.micro_batch(batch, norm, last=m == s.accum - 1)
             self.meter.add(out, batch["keep"], wait_s, sel)
@@ -225,12 +223,12 @@ class Trainer:
             with torch.autocast(acc.device.type, dtype=torch.bfloat16, enabled=s.bf16):
                 h = self.model(batch["hidden"], batch["input_ids"], batch["position_ids"], a_BA, keep_BA, self.embed,
                                masks, s.attn, scored_only=True, out_dtype=self.head.dtype)  # slots 1..L-1: scored
-            out = block_ce_loss(h, self.head, batch["labels"], gamma=cfg.gamma or None, weighting=cfg.weighting,
-                                chunk_tokens=cfg.loss_chunk_tokens, normalizer=norm, epilogue=s.epilogue,
-                                logits=cfg.loss_logits)
+            out = block_ce_loss(h, self.head, batch["labels"], gamma=cfg.loss.gamma or None,
+                                weighting=cfg.loss.weighting, chunk_tokens=cfg.loss.loss_chunk_tokens,
+                                normalizer=norm, epilogue=s.epilogue, logits=cfg.loss.loss_logits)
             sel = self._selector_loss(h, batch, norm)
             if sel is not None:
-                out = out._replace(loss=out.loss + cfg.selector_weight * sel.loss)
+                out = out._replace(loss=out.loss + cfg.loss.selector_weight * sel.loss)
             acc.backward(out.loss)
         return out, (sel, batch["labels"], norm) if sel is not None else None
 
@@ -241,8 +239,8 @@ class Trainer:
         from dflash_offline.dflash2 import selector_ce_loss
 
         return selector_ce_loss(self.raw.candidate_selector, h, self.head, batch["labels"], batch["input_ids"],
-                                batch["anchors"], gamma=self.cfg.gamma or None, normalizer=norm,
-                                chunk_tokens=self.cfg.loss_chunk_tokens)
+                                batch["anchors"], gamma=self.cfg.loss.gamma or None, normalizer=norm,
+                                chunk_tokens=self.cfg.loss.loss_chunk_tokens)
 
     def optimizer_step(self):
         """Clip, update, schedule, zero; returns the global gradient norm before clipping. A step whose norm is not
@@ -260,7 +258,7 @@ class Trainer:
         """torch's AdamW after clipping (the norm computed also without clipping), skipping a non-finite step."""
         import torch
 
-        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
+        clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
         grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), clip)
         if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
             grad_norm = grad_norm.full_tensor()
@@ -282,8 +280,6 @@ class Trainer:
         from dflash_offline.checkpoint import gather_full_state, save_checkpoint
 
         acc, raw = self.acc, self.raw
-        if self.s.overlap:
-            self.opt.optimizer.wait_all()  # the weights the checkpoint reads are the updated ones
         acc.wait_for_everyone()
         states = gather_full_state(raw, self.opt) if self.s.sharded else None  # a collective: every rank
         if acc.process_index == 0:
@@ -313,12 +309,14 @@ def new_optimizer(cfg: TrainConfig, s: TrainSetup, model, device):
     from dflash_offline.optim import MasterAdamW
 
     if s.master:
-        opt = MasterAdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
-                          max_grad_norm=cfg.grad_clip, low_dtype=torch.bfloat16)
+        o = cfg.optim
+        opt = MasterAdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay,
+                          max_grad_norm=o.grad_clip, low_dtype=torch.bfloat16)
         if s.accum > 1:
             opt.accumulate_in_fp32()
         return opt
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
+    o = cfg.optim
+    return torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay,
                              fused=device.type == "cuda")
 
 
@@ -350,12 +348,12 @@ def next_micro(cfg: TrainConfig, s: TrainSetup, acc, stream, index: int, dc) -> 
     B = batch["input_ids"].shape[0]
     first = (index * s.world + acc.process_index) * B
     g = [torch.Generator(device=acc.device).manual_seed(micro_seed(cfg.seed, first + r)) for r in range(B)]
-    batch["anchors"], batch["keep"], batch["labels"] = sample_blocks(batch, cfg.num_anchors, dc.block_size, g)
-    if cfg.noise_std > 0:
+    batch["anchors"], batch["keep"], batch["labels"] = sample_blocks(batch, cfg.loss.num_anchors, dc.block_size, g)
+    if cfg.loss.noise_std > 0:
         hidden = batch["hidden"]
         rms = hidden.float().pow(2).mean(-1, keepdim=True).sqrt()
         noise = random_rows(torch.randn, hidden.shape, g, acc.device)
-        batch["hidden"] = (hidden.float() + cfg.noise_std * rms * noise).to(hidden.dtype)
+        batch["hidden"] = (hidden.float() + cfg.loss.noise_std * rms * noise).to(hidden.dtype)
     return batch, wait_s
 
 

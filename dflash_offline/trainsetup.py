@@ -1,5 +1,8 @@
-"""What a TrainConfig means on this machine: the training settings derived from the config and the run's facts.
+"""Training's settings, and what they mean on this machine: the settings derived from the config and the run's facts.
 
+`TrainConfig` holds stage 2's settings: the run's own and, as groups declared beside the code that owns them, the
+drafter's (`drafter.DrafterSettings`), the loss's (`loss.LossSettings`), the optimizer's (`optim.OptimSettings`) and
+the compute setup's (`ComputeSettings`, here); a user names each by its own name (`config.compose`, `config.as_dict`).
 `TrainConfig.resolve()` checks what the user typed; `resolve_train` turns it into what the run does, given what only
 the run knows (CUDA or not, the number of processes, the cache's rows and their length): precision, attention,
 compilation, the loss epilogue, gradient accumulation, FSDP sharding, master weights, the run's length (epochs →
@@ -9,8 +12,8 @@ block (`TrainSetup.derived`). Also derived here: what the cache says about the t
 drafter's shape (`drafter_config`), the learning-rate schedule; and `kept_process_state`, which puts back what a run
 changes in its process (TF32, the recompile guard, GC state).
 
-`BenchSwitches` hold the performance switches that measured within the run-to-run spread (docs/benchmarks.md): they
-are not options; the trainer runs without them and `bench.train` sets them for its A/B runs. One more is no
+`BenchSwitches` hold a performance switch that measured within the run-to-run spread (docs/benchmarks.md), TF32: it
+is not an option; the trainer runs without it and `bench.train` sets it for its A/B runs. One more is no
 performance switch: `fp8_emulate` lets precision=fp8 run on the CPU (float8 casts, fp32 matmuls) for the tests and
 `bench.train --tiny`; the trainer refuses fp8 without CUDA.
 """
@@ -20,18 +23,92 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_offline.config import TrainConfig, flag
+from dflash_offline.config import ConfigError, check_choice, flag
+from dflash_offline.drafter import DrafterSettings
+from dflash_offline.loss import LossSettings
+from dflash_offline.optim import OptimSettings
+
+
+@dataclass
+class ComputeSettings:
+    """How the run computes (`train` settings; what they come to on a machine: `resolve_train`)."""
+
+    fsdp: bool = False  # 1 = shard weights, gradients and AdamW state over the processes (FSDP2); 0 = replicate (DDP)
+    precision: str = "auto"  # "bf16" (autocast), "fp32" or "fp8" (decoder linears + fc in float8 via torchao, bf16 elsewhere; CUDA only); auto = bf16 on CUDA, fp32 elsewhere
+    fp8_recipe: str = "tensorwise"  # precision=fp8 scaling: "tensorwise" or "rowwise" (H200 probe of the 27B linears: 1.51x, 1.11x over bf16)
+    master_weights: str = "auto"  # bf16: "on" = bf16 weights + fp32 masters, "off" = fp32; auto = on (off: FSDP, DDP+accum)
+    attn: str = "auto"  # "flex" (compiled flex_attention; CUDA) or "dense" (SDPA reference); auto = flex on CUDA
+    compile: str = "auto"  # "on" or "off"; auto = on with CUDA. After warm-up a recompile is an error
+    profile_steps: int = 0  # > 0: profile the last that many steps (after warm-up) into RUN/profile.txt (rank 0)
+
+    def resolve(self) -> ComputeSettings:
+        check_choice("train.precision", self.precision, ("auto", "bf16", "fp32", "fp8"))
+        check_choice("train.fp8_recipe", self.fp8_recipe, ("tensorwise", "rowwise"))
+        check_choice("train.master_weights", self.master_weights, ("auto", "on", "off"))
+        check_choice("train.attn", self.attn, ("auto", "flex", "dense"))
+        check_choice("train.compile", self.compile, ("auto", "on", "off"))
+        return self
+
+
+@dataclass
+class TrainConfig:
+    """Stage 2's settings (the recipe's [train] table): the run's own, and the groups declared beside the code that
+    owns them (flat everywhere a user meets them: `config.compose`, `config.as_dict`)."""
+
+    cache: str  # hidden-state cache directory (the output of make extract)
+    run: str = ""  # run directory (required; one trainer at a time, RUN/.run.lock): checkpoints, metrics, logs, config
+    target: str = ""  # target checkpoint for the frozen embedding + lm_head; empty = the cache's target
+    resume: bool = False  # continue the run in `run` from its latest checkpoint (exact data position and RNG)
+    seed: int = 0  # data order, anchors, noise and init
+    steps: int = 1000  # optimizer steps (unused when epochs > 0)
+    epochs: float = 0.0  # > 0: passes over the cache; sets steps = epochs × optimizer steps per epoch
+    batch_rows: int = 1  # rows per micro-batch per process (fixed shape)
+    global_batch_tokens: int = 0  # row tokens per optimizer step over all processes; 0 = one micro-batch each
+    drafter: DrafterSettings = field(default_factory=DrafterSettings)  # the drafter's shape (dflash_offline/drafter.py)
+    loss: LossSettings = field(default_factory=LossSettings)  # the objective and its computation (dflash_offline/loss.py)
+    optim: OptimSettings = field(default_factory=OptimSettings)  # AdamW and the learning-rate schedule (dflash_offline/optim.py)
+    compute: ComputeSettings = field(default_factory=ComputeSettings)  # precision, attention, compilation, sharding (here)
+    ckpt_every: int = 500  # checkpoint every N steps (and at the end)
+    keep_last: int = 3  # checkpoints kept
+    stop_grace_s: float = 25.0  # on SIGTERM/SIGINT: seconds to finish the step and write a checkpoint (exit 143/130); under torchrun and Slurm's default KillWait, SIGKILL follows after 30 s
+    log_every: int = 10  # metrics line every N steps
+    trackers: str = "tensorboard"  # accelerate trackers ("tensorboard", "wandb", comma list; "none" = JSONL only)
+    require_verified: bool = False  # refuse a cache never verified (a cache that failed verify is always refused)
+
+    @classmethod
+    def of(cls, **settings) -> TrainConfig:
+        """A TrainConfig from flat settings (`TrainConfig.of(cache=..., lr=3e-3, num_layers=2)`), not resolved."""
+        from dflash_offline.config import compose
+
+        return compose(cls, settings)
+
+    def resolve(self) -> TrainConfig:
+        """Each group checks its own settings; what spans groups, and the run's own, is checked here."""
+        for group in (self.drafter, self.loss, self.optim, self.compute):
+            group.resolve()
+        d, lo = self.drafter, self.loss
+        if d.variant == "dflash2" and (lo.weighting != "decay" or self.compute.fsdp or not lo.selector_weight >= 0):
+            raise ConfigError(f"train.variant=dflash2 trains with weighting=decay (got {lo.weighting}), fsdp=0 (got "
+                              f"{int(self.compute.fsdp)}; its selector runs outside the sharded forward) and "
+                              f"selector_weight >= 0 (got {lo.selector_weight})")
+        for name in ("steps", "batch_rows", "ckpt_every", "log_every"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"train.{name} must be > 0, got {getattr(self, name)}")
+        if self.epochs < 0:
+            raise ConfigError(f"train.epochs must be >= 0 (0 = run `steps` steps), got {self.epochs}")
+        if lo.gamma == 0 and d.block_size not in (8, 16) and lo.weighting == "decay":
+            raise ConfigError(f"train.gamma: no default for block_size {d.block_size}; set gamma explicitly")
+        return self
+
 
 STEPS_DEFAULT = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == "steps")
 
 
 @dataclass(frozen=True)
 class BenchSwitches:
-    joint_attention: bool = False  # attn=flex as one flex call over [context | block] keys ("flex_joint")
-    optimizer_overlap: bool = False  # master weights on CUDA: each update on a side stream beside the next forward
     tf32: bool = False  # CUDA: TF32 tensor cores for fp32 matmuls (in bf16 runs: the dense block part of attn=flex)
     fp8_emulate: bool = False  # precision=fp8 without CUDA: float8 casts with fp32 matmuls (tests, CPU smoke runs)
 
@@ -40,7 +117,7 @@ class BenchSwitches:
 class TrainSetup:
     world: int  # processes
     precision: str  # "bf16" (autocast), "fp32" or "fp8" (a bf16 run whose linears compute in float8: `fp8.convert`)
-    attn: str  # "flex", "flex_joint" (bench only) or "dense"
+    attn: str  # "flex" or "dense"
     compile: bool  # decoder layers, context projection and output norm compiled
     epilogue: str  # loss epilogue: "triton", "compiled" or "eager"
     tf32: bool  # TF32 for fp32 matmuls while the run runs
@@ -48,7 +125,6 @@ class TrainSetup:
     sharded: bool  # FSDP-sharded (fsdp=1 and more than one process)
     master: bool  # bf16 weights with fp32 masters (MasterAdamW)
     reduced_accum: bool  # several unsharded processes accumulating: fp32 sums reduced by the DDP comm hook
-    overlap: bool  # the optimizer update overlaps the next forward (bench only)
     steps: int  # optimizer steps of the whole run (`steps`, or `epochs` × steps_per_epoch)
     warmup: int  # learning-rate warm-up steps
     steps_per_epoch: float  # optimizer steps in one pass over the cache (0: the cache's rows were not given)
@@ -63,9 +139,9 @@ class TrainSetup:
         """The run's config.json "derived" block."""
         return {"world_size": self.world, "grad_accum": self.accum, "fsdp_sharded": self.sharded,
                 "precision": self.precision, "attn": self.attn, "compile": self.compile,
-                "master_weights": self.master, "optimizer_overlap": self.overlap, "loss_epilogue": self.epilogue,
-                "loss_logits": cfg.loss_logits, "tf32": self.tf32,
-                "fp8_recipe": cfg.fp8_recipe if self.precision == "fp8" else None,
+                "master_weights": self.master, "loss_epilogue": self.epilogue,
+                "loss_logits": cfg.loss.loss_logits, "tf32": self.tf32,
+                "fp8_recipe": cfg.compute.fp8_recipe if self.precision == "fp8" else None,
                 "global_batch_rows": cfg.batch_rows * self.world * self.accum, "cache_key": cache_key,
                 "steps": self.steps, "warmup_steps": self.warmup, "steps_per_epoch": self.steps_per_epoch,
                 "epochs": self.steps / self.steps_per_epoch if self.steps_per_epoch else None}
@@ -74,9 +150,8 @@ class TrainSetup:
         """One line for the log: processes, rows, accumulation and the compute path."""
         return (f"{self.world} process(es) × {cfg.batch_rows} rows × accum {self.accum}"
                 f"{', FSDP-sharded' if self.sharded else ''}; {self.precision}"
-                f"{f' ({cfg.fp8_recipe}, bf16 elsewhere)' if self.precision == 'fp8' else ''}"
+                f"{f' ({cfg.compute.fp8_recipe}, bf16 elsewhere)' if self.precision == 'fp8' else ''}"
                 f"{' (bf16 weights, fp32 masters)' if self.master else ''}"
-                f"{', optimizer update overlapping the next forward' if self.overlap else ''}"
                 f"{', TF32' if self.tf32 else ''}, attn {self.attn}, compile {self.compile}")
 
     def describe_schedule(self, cfg: TrainConfig, seq_len: int) -> str:
@@ -101,29 +176,26 @@ def resolve_train(cfg: TrainConfig, *, cuda: bool, world: int, seq_len: int, row
     rows of `seq_len` tokens (`rows` is needed for `epochs`)."""
     from dflash_offline.loss import resolve_epilogue
 
-    precision = cfg.precision if cfg.precision != "auto" else ("bf16" if cuda else "fp32")
+    precision = cfg.compute.precision if cfg.compute.precision != "auto" else ("bf16" if cuda else "fp32")
     if precision == "fp8":
         from dflash_offline.fp8 import check_available, check_token_counts
 
         check_available(cuda, switches.fp8_emulate)
-        check_token_counts(cfg.batch_rows, seq_len, cfg.num_anchors, cfg.block_size)
-    attn, use_compile = attention(cfg, cuda, switches.joint_attention)
-    epilogue = resolve_epilogue(cfg.loss_epilogue, cuda)  # fails here, at start, if this machine cannot run it
+        check_token_counts(cfg.batch_rows, seq_len, cfg.loss.num_anchors, cfg.drafter.block_size)
+    attn, use_compile = attention(cfg, cuda)
+    epilogue = resolve_epilogue(cfg.loss.loss_epilogue, cuda)  # fails here, at start, if this machine cannot run it
     if switches.tf32 and not cuda:
         raise ValueError("TF32 needs CUDA (TF32 tensor cores)")
     accum = grad_accum(cfg, world, seq_len)
-    sharded = cfg.fsdp and world > 1  # FSDP only shards over more than one process
+    sharded = cfg.compute.fsdp and world > 1  # FSDP only shards over more than one process
     # several processes with gradient accumulation: fp32 sums reduced by the comm hook (`fp32_allreduce_hook`),
     # tested on the CPU (gloo) only so far, so `on` asks for it and `auto` keeps fp32 weights there
     reduced_accum = world > 1 and accum > 1 and not sharded
     master = master_weights(cfg, precision, sharded, reduced_accum)
-    why_not = "it needs master weights (master_weights)" if not master else "it needs CUDA" if not cuda else None
-    if switches.optimizer_overlap and why_not:
-        raise ValueError(f"optimizer_overlap is not available here: {why_not}")
     steps, warmup, per_epoch = schedule(cfg, world, accum, rows)
     return TrainSetup(world=world, precision=precision, attn=attn, compile=use_compile, epilogue=epilogue,
                       tf32=switches.tf32, accum=accum, sharded=sharded, master=master, reduced_accum=reduced_accum,
-                      overlap=switches.optimizer_overlap, steps=steps, warmup=warmup, steps_per_epoch=per_epoch,
+                      steps=steps, warmup=warmup, steps_per_epoch=per_epoch,
                       fp8_emulate=precision == "fp8" and switches.fp8_emulate)
 
 
@@ -140,21 +212,17 @@ def schedule(cfg: TrainConfig, world: int, accum: int, rows: int) -> tuple[int, 
         raise ValueError(f"epochs={cfg.epochs:g}: the cache holds {rows} rows, fewer than one global batch of "
                          f"{cfg.batch_rows * world} (batch_rows {cfg.batch_rows} × {world} processes)")
     steps = max(1, math.ceil(cfg.epochs * per_epoch - 1e-9)) if cfg.epochs else cfg.steps
-    if cfg.warmup_steps >= 0:
-        warmup = cfg.warmup_steps
+    if cfg.optim.warmup_steps >= 0:
+        warmup = cfg.optim.warmup_steps
     else:
-        warmup = max(1, int(cfg.warmup_ratio * steps)) if cfg.warmup_ratio > 0 else 0
+        warmup = max(1, int(cfg.optim.warmup_ratio * steps)) if cfg.optim.warmup_ratio > 0 else 0
     return steps, warmup, per_epoch
 
 
-def attention(cfg: TrainConfig, cuda: bool, joint: bool) -> tuple[str, bool]:
+def attention(cfg: TrainConfig, cuda: bool) -> tuple[str, bool]:
     """(attention implementation, compile or not); flex needs CUDA and compilation."""
-    attn = cfg.attn if cfg.attn != "auto" else ("flex" if cuda else "dense")
-    use_compile = cfg.compile == "on" or (cfg.compile == "auto" and cuda)
-    if joint:
-        if attn != "flex":
-            raise ValueError(f"the joint flex call is a form of attn=flex, not of attn={attn}")
-        attn = "flex_joint"
+    attn = cfg.compute.attn if cfg.compute.attn != "auto" else ("flex" if cuda else "dense")
+    use_compile = cfg.compute.compile == "on" or (cfg.compute.compile == "auto" and cuda)
     if attn != "dense" and not cuda:
         raise ValueError(f"attn={attn} needs CUDA (flex_attention has no CPU backward); use attn=dense or auto on "
                          f"the CPU")
@@ -180,13 +248,13 @@ def master_weights(cfg: TrainConfig, precision: str, sharded: bool, reduced_accu
     """bf16 weights with fp32 masters: `on` where possible (else refused), `auto` where tested, `off` never. An fp8
     run is a bf16 run here (its float8 linears cast the bf16 weights)."""
     bf16 = precision in ("bf16", "fp8")
-    master = cfg.master_weights == "on" or (cfg.master_weights == "auto" and bf16)
+    master = cfg.compute.master_weights == "on" or (cfg.compute.master_weights == "auto" and bf16)
     why_not = "precision is fp32" if not bf16 else "FSDP shards fp32 weights" if sharded else None
     if master and why_not:
-        if cfg.master_weights == "on":
+        if cfg.compute.master_weights == "on":
             raise ValueError(f"master_weights=on is not available here: {why_not}; use master_weights=off/auto")
         return False
-    return master and not (reduced_accum and cfg.master_weights == "auto")
+    return master and not (reduced_accum and cfg.compute.master_weights == "auto")
 
 
 def cosine_schedule(step: int, warmup: int, total: int, floor: float) -> float:
@@ -213,8 +281,8 @@ def cache_defaults(cfg: TrainConfig) -> dict:
     return {
         "target": cfg.target or m["config"]["extract"]["target"], "cache_target": m["config"]["extract"]["target"],
         "target_id": tgt,
-        "layer_ids": list(cfg.layer_ids) or list(m["config"]["layer_ids"]),
-        "mask_token_id": cfg.mask_token_id if cfg.mask_token_id >= 0 else m["config"]["mask_token_id"],
+        "layer_ids": list(cfg.drafter.layer_ids) or list(m["config"]["layer_ids"]),
+        "mask_token_id": cfg.drafter.mask_token_id if cfg.drafter.mask_token_id >= 0 else m["config"]["mask_token_id"],
         "hidden_size": tgt["hidden_size"], "num_target_layers": tgt["num_layers"], "vocab_size": tgt["vocab_size"],
         "seq_len": m["producer"]["tokens"]["producer"]["seq_len"],
         # a projected cache: the fc reads k values a tap, and the run records the projection it trained on
@@ -244,19 +312,20 @@ def drafter_config(cfg: TrainConfig, c: dict):
         raise ValueError(f"target {c['target']} (hidden {info.hidden_size}, {info.num_layers} layers) is not the "
                          f"target the cache was extracted from (hidden {c['hidden_size']}, "
                          f"{c['num_target_layers']} layers): pass target= the right checkpoint")
+    d = cfg.drafter
     types = None
-    if cfg.sliding_window:
-        full = cfg.full_attention_layers
-        types = ["sliding_attention"] * (cfg.num_layers - full) + ["full_attention"] * full
+    if d.sliding_window:
+        full = d.full_attention_layers
+        types = ["sliding_attention"] * (d.num_layers - full) + ["full_attention"] * full
     return DrafterConfig(
-        hidden_size=c["hidden_size"], intermediate_size=cfg.intermediate_size or info.intermediate_size,
+        hidden_size=c["hidden_size"], intermediate_size=d.intermediate_size or info.intermediate_size,
         vocab_size=info.vocab_size, target_layer_ids=c["layer_ids"], num_target_layers=info.num_layers,
-        mask_token_id=int(c["mask_token_id"]), num_layers=cfg.num_layers, num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=info.rms_norm_eps,
-        rope_theta=info.rope_theta, block_size=cfg.block_size, sliding_window=cfg.sliding_window or None,
-        layer_types=types, block_attention=cfg.block_attention, tap_width=c.get("tap_width", 0), variant=cfg.variant,
-        conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size, selector_rank=cfg.selector_rank,
-        selector_top_k=cfg.selector_top_k,
+        mask_token_id=int(c["mask_token_id"]), num_layers=d.num_layers, num_heads=d.num_heads,
+        num_kv_heads=d.num_kv_heads, head_dim=d.head_dim, rms_norm_eps=info.rms_norm_eps,
+        rope_theta=info.rope_theta, block_size=d.block_size, sliding_window=d.sliding_window or None,
+        layer_types=types, block_attention=d.block_attention, tap_width=c.get("tap_width", 0), variant=d.variant,
+        conv_kernel_size=d.conv_kernel_size, conv_group_size=d.conv_group_size, selector_rank=d.selector_rank,
+        selector_top_k=d.selector_top_k,
     )
 
 
@@ -269,7 +338,7 @@ def check_inputs(cfg: TrainConfig, run_dir):
     c = cache_defaults(cfg)
     dc = drafter_config(cfg, c)
     check_servable_taps(dc)  # taps vLLM and SGLang could not serve as trained: refused now, not after training
-    if cfg.loss_logits == "fp8" and (dc.hidden_size % 16 or dc.vocab_size % 16):
+    if cfg.loss.loss_logits == "fp8" and (dc.hidden_size % 16 or dc.vocab_size % 16):
         raise ValueError(f"train.loss_logits=fp8 runs the lm_head GEMMs in float8, which need the hidden size and the "
                          f"vocabulary to be multiples of 16: the target has {dc.hidden_size} and {dc.vocab_size}; use "
                          f"loss_logits=bf16 or fp32")

@@ -22,11 +22,12 @@ import time
 from pathlib import Path
 
 from dflash_offline.cache.fsio import write_json_atomic
-from dflash_offline.config import TrainConfig, as_dict, configs_from_argv
+from dflash_offline.config import as_dict, configs_from_argv
 from dflash_offline.runguard import Interrupted, StopSignals, check_run_dir, ender, owned
 from dflash_offline.trainer import Trainer, check_same_drafter, check_same_projection
 from dflash_offline.trainsetup import (
     BenchSwitches,
+    TrainConfig,
     TrainSetup,
     check_inputs,
     kept_process_state,
@@ -152,7 +153,7 @@ def build_model(cfg: TrainConfig, s: TrainSetup, dc, target, device, log=None):
     if s.precision == "fp8":
         from dflash_offline.fp8 import convert
 
-        convert(model, cfg.fp8_recipe, emulate=s.fp8_emulate, log=log)
+        convert(model, cfg.compute.fp8_recipe, emulate=s.fp8_emulate, log=log)
     embed, head = load_target_embeddings(target)
     wdtype = torch.bfloat16 if s.bf16 else torch.float32
     return model, embed.to(device, wdtype).requires_grad_(False), head.to(device, wdtype).requires_grad_(False)

@@ -20,7 +20,8 @@ from .stats import NULL_ARM, arm_rows, eval_record, failed_runs, judge
 def recipe_steps(cfg, settings: dict) -> int:
     """The steps a drafter of these [train] `settings` trains: theirs, else `train_args`', else `train_steps`, else
     the recipe's, else TrainConfig's default."""
-    from dflash_offline.config import TrainConfig, read_recipe
+    from dflash_offline.config import read_recipe
+    from dflash_offline.trainsetup import TrainConfig
 
     if "steps" in settings:
         return int(settings["steps"])

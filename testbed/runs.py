@@ -182,11 +182,12 @@ def table(r: dict) -> str:
 
 def parse_arm(text: str) -> tuple[dict, dict]:
     """'key=value key=value' → (extract settings, train settings); a key of neither stage is an error."""
-    from dflash_offline.config import ExtractConfig, TrainConfig
+    from dflash_offline.config import ExtractConfig, setting_names
+    from dflash_offline.trainsetup import TrainConfig
 
     ext_keys = {f for f in ExtractConfig.__dataclass_fields__} - {"target", "tokens", "hidden_out", "cache_root",
                                                                    "shards", "device", "dry_run"}
-    train_keys = {f for f in TrainConfig.__dataclass_fields__} - {"cache", "run", "resume", "seed", "target"}
+    train_keys = set(setting_names(TrainConfig)) - {"cache", "run", "resume", "seed", "target"}
     ext, train = {}, {}
     for item in text.split():
         key, sep, value = item.partition("=")

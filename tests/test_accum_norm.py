@@ -210,11 +210,11 @@ def test_the_trainers_step_of_four_micro_batches_is_that_of_one_batch_of_their_r
     The other rule is 1.3e-2 and 8.1e-5 away (near-uniform CE at the start: the loss hardly moves)."""
     from test_train import TINY, launch_two
 
-    from dflash_offline.config import TrainConfig
+    from dflash_offline.trainsetup import TrainConfig
     from stages import train
 
     kw = {**TINY, "batch_rows": 1, "steps": 1, "ckpt_every": 1, "global_batch_tokens": 4 * 128}
-    cfg = TrainConfig(cache=str(hidden_cache), run=str(tmp_path / "one"), **kw).resolve()
+    cfg = TrainConfig.of(cache=str(hidden_cache), run=str(tmp_path / "one"), **kw).resolve()
     train.run(cfg)
     logged = json.loads((tmp_path / "one" / "metrics.jsonl").read_text().splitlines()[0])
     micros, model, embed, head = trainer_blocks(cfg, torch.device("cpu"))

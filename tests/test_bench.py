@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_offline.config import TrainConfig
+from dflash_offline.trainsetup import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,7 +54,7 @@ def test_bench_train_tiny_with_profile_and_accumulation(tmp_path, rows):
     res, stdout = run_bench("bench.train", tmp_path, "--steps=8", "--log_every=2", "--profile_steps=2", "--accum=2",
                             f"--rows={rows}", *([f"--loss_chunk_tokens={chunk}"] if chunk else []))
     ours = res["ours"]
-    chunk = chunk or TrainConfig.__dataclass_fields__["loss_chunk_tokens"].default  # the trainer's default
+    chunk = chunk or TrainConfig.of(cache="").loss.loss_chunk_tokens  # the trainer's default
     assert res["rows"] == rows and ours["loss_chunk_tokens"] == chunk
     assert f"| rows, attn, loss logits, TF32, loss chunk tokens | {rows}, dense, fp32, False, {chunk} |" in stdout
     assert ours["loss_logits"] == "fp32" and ours["tf32"] is False  # (the CPU: no TF32)

@@ -236,15 +236,14 @@ def test_status_of_a_hidden_cache_shows_times_verdict_and_summary(tmp_path, clea
 def test_training_names_a_field_missing_from_the_manifest(tmp_path, hidden_cache, copy_cache):
     """A hand-edited hidden manifest without a field training reads is one line naming it, not a KeyError."""
     from dflash_offline.cache.manifest import ManifestError
-    from dflash_offline.config import TrainConfig
-    from dflash_offline.trainsetup import cache_defaults
+    from dflash_offline.trainsetup import TrainConfig, cache_defaults
 
     cache = copy_cache(hidden_cache, tmp_path / "cache")
     m = json.loads((cache / "manifest.json").read_text())
     del m["config"]["mask_token_id"]
     (cache / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(ManifestError, match=r"manifest.json: config.mask_token_id is missing \(expected "):
-        cache_defaults(TrainConfig(cache=str(cache), run=str(tmp_path / "run")))
+        cache_defaults(TrainConfig.of(cache=str(cache), run=str(tmp_path / "run")))
 
 
 def test_extraction_refuses_a_token_manifest_naming_another_file(tmp_path, clean, qwen35_dir, chat_corpus):

@@ -201,28 +201,28 @@ def test_a_checkpoint_half_written_by_a_killed_run_is_removed_by_the_next_run(tm
     import subprocess
     import sys
 
-    from dflash_offline.config import TrainConfig
+    from dflash_offline.trainsetup import TrainConfig
     from stages import train
 
     tiny = dict(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, num_anchors=4, batch_rows=1, trackers="none")
     run = tmp_path / "run"
-    train.run(TrainConfig(cache=str(hidden_cache), run=str(run), steps=2, ckpt_every=2, **tiny).resolve())
+    train.run(TrainConfig.of(cache=str(hidden_cache), run=str(run), steps=2, ckpt_every=2, **tiny).resolve())
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     half = run / "checkpoints" / f".step-00000004.tmp~{socket.gethostname()}~{dead.pid}~abcd1234"
     half.mkdir()
     (half / "model.safetensors").write_bytes(b"\0" * 4096)
-    train.run(TrainConfig(cache=str(hidden_cache), run=str(run), steps=4, ckpt_every=2, resume=True, **tiny).resolve())
+    train.run(TrainConfig.of(cache=str(hidden_cache), run=str(run), steps=4, ckpt_every=2, resume=True, **tiny).resolve())
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-00000002", "step-00000004"]
 
 
 def _tiny_train(cache, run, **kw):
-    from dflash_offline.config import TrainConfig
+    from dflash_offline.trainsetup import TrainConfig
     from stages import train
 
     tiny = dict(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, num_anchors=4, batch_rows=1, trackers="none",
                 log_every=1, ckpt_every=2)
-    train.run(TrainConfig(cache=str(cache), run=str(run), **{**tiny, **kw}).resolve())
+    train.run(TrainConfig.of(cache=str(cache), run=str(run), **{**tiny, **kw}).resolve())
     return [json.loads(x) for x in (Path(run) / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -6,9 +6,11 @@ trainer refuses a cache extracted from a target of the same shapes but other wei
 exists.
 """
 
+import dataclasses
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,6 @@ from dflash_offline.config import (
     ConfigError,
     ExtractConfig,
     TokenizeConfig,
-    TrainConfig,
     VerifyConfig,
     config_from_argv,
     configs_from_argv,
@@ -27,6 +28,7 @@ from dflash_offline.config import (
 from dflash_offline.evalrun import EvalConfig
 from dflash_offline.export import ExportConfig
 from dflash_offline.targetid import TargetError, resolve_checkpoint
+from dflash_offline.trainsetup import TrainConfig
 from stages import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,7 +44,7 @@ def recipe(tmp_path, text: str) -> str:
 
 
 def train_cfg(cache, run, **kw):
-    return TrainConfig(cache=str(cache), run=str(run), **{**TINY, **kw}).resolve()
+    return TrainConfig.of(cache=str(cache), run=str(run), **{**TINY, **kw}).resolve()
 
 
 # --- recipes and the command line --------------------------------------------------------------------------------
@@ -110,7 +112,7 @@ def test_committed_recipes_load_in_every_stage(path):
     arg = f"--recipe={path}"
     ext, tok = configs_from_argv(EXTRACT_SPECS, [arg], "")
     assert ext.target and tok.tokenizer and tok.corpus
-    assert configs_from_argv([(TrainConfig, "train")], [arg, "--cache=c"], "")[0].num_layers >= 1
+    assert configs_from_argv([(TrainConfig, "train")], [arg, "--cache=c"], "")[0].drafter.num_layers >= 1
 
 
 def test_a_missing_setting_names_the_flag_and_the_make_variable():
@@ -146,6 +148,25 @@ def test_removed_train_options_are_refused(tmp_path, gone):
         configs_from_argv([(TrainConfig, "train")], [recipe(tmp_path, f"[train]\n{gone} = 'on'\n"), "--cache=c"], "")
     with pytest.raises(ConfigError, match=r"train\.attn='flex_joint' is not one of auto, flex, dense"):
         configs_from_argv([(TrainConfig, "train")], ["--cache=c", "--attn=flex_joint"], "")
+
+
+def test_removed_switches_say_what_the_code_does_now(tmp_path):
+    """The optimizer update overlapping the forward and the joint flex call lost their A/Bs and were removed: one line
+    says so and what runs instead, from a command line, a recipe and bench.train."""
+    import subprocess
+
+    for argv in (["--cache=c", "--optimizer_overlap=on"], [recipe(tmp_path, "[train]\noptimizer_overlap = 'on'\n")]):
+        with pytest.raises(ConfigError, match=r"unknown setting:? (optimizer_overlap in \[train\]: )?the optimizer "
+                                              r"update overlapping the next forward was removed .*: the update runs "
+                                              r"after the backward"):
+            configs_from_argv([(TrainConfig, "train")], argv, "")
+    with pytest.raises(ConfigError, match=r"^train\.attn='flex_joint' is not one of auto, flex, dense: the joint flex "
+                                          r"call .* was removed .*: attn=flex runs flex over the context keys"):
+        configs_from_argv([(TrainConfig, "train")], ["--cache=c", "--attn=flex_joint"], "")
+    for arg, what in (("--optimizer_overlap=on", "the update runs after the backward"),
+                      ("--attn=flex_joint", "attn=flex runs flex over the context keys")):
+        r = subprocess.run([sys.executable, "-m", "bench.train", "--tiny", arg], capture_output=True, text=True)
+        assert r.returncode == 2 and what in r.stderr.splitlines()[-1], r.stderr
 
 
 # --- target and tokenizer paths ------------------------------------------------------------------------------------
@@ -256,17 +277,39 @@ def test_a_negative_or_nan_gamma_is_refused(gamma):
     that is gamma=inf, and 0 is the default)."""
     with pytest.raises(ConfigError, match=r"train.gamma=.*: give a decay length > 0, inf for no decay, or 0 for the "
                                           r"default"):
-        TrainConfig(cache="c", gamma=gamma).resolve()
-    assert TrainConfig(cache="c", gamma=float("inf")).resolve().gamma == float("inf")
+        TrainConfig.of(cache="c", gamma=gamma).resolve()
+    assert TrainConfig.of(cache="c", gamma=float("inf")).resolve().loss.gamma == float("inf")
+
+
+def test_train_settings_stay_flat_for_users_and_live_in_their_owners_groups(tmp_path):
+    """A [train] key, a --key=value and a run's recorded config.json name each setting by its own name (unique over
+    the groups); each lands in the group declared beside the code that owns it; a recorded config reads back."""
+    from dflash_offline.config import as_dict, compose, is_group, setting_names
+    from dflash_offline.drafter import DrafterSettings
+    from dflash_offline.loss import LossSettings
+    from dflash_offline.optim import OptimSettings
+    from dflash_offline.trainsetup import ComputeSettings
+
+    names = setting_names(TrainConfig)
+    assert len(names) == len(set(names))
+    assert len([f for f in dataclasses.fields(TrainConfig) if not is_group(f)]) <= 15  # the rest: in the groups
+    (cfg,) = configs_from_argv([(TrainConfig, "train")], [
+        recipe(tmp_path, "[train]\nnum_layers = 3\ngamma = 5.0\nlr = 1e-3\nprecision = 'fp32'\n"), "--cache=c",
+        "--betas=0.9,0.999", "--loss_logits=bf16", "--head_dim=64", "--steps=7"], "")
+    assert (type(cfg.drafter), type(cfg.loss), type(cfg.optim), type(cfg.compute)) == (
+        DrafterSettings, LossSettings, OptimSettings, ComputeSettings)
+    assert (cfg.drafter.num_layers, cfg.drafter.head_dim, cfg.loss.gamma, cfg.loss.loss_logits, cfg.optim.lr,
+            cfg.optim.betas, cfg.compute.precision, cfg.steps) == (3, 64, 5.0, "bf16", 1e-3, [0.9, 0.999], "fp32", 7)
+    flat = as_dict(cfg)
+    assert list(flat) == names and (flat["num_layers"], flat["lr"], flat["precision"]) == (3, 1e-3, "fp32")
+    assert compose(TrainConfig, json.loads(json.dumps(flat))).resolve() == cfg
 
 
 def test_block_attention_is_checked_when_the_train_config_resolves():
     """An unknown in-block attention, or a bidirectional block wider than the sliding window (the block would see
     past the window), is refused in one line when the settings resolve — before any cache is opened."""
-    from dflash_offline.config import ConfigError, TrainConfig
-
     with pytest.raises(ConfigError, match=r"train\.block_attention.*'sideways'"):
-        TrainConfig(cache="c", block_attention="sideways").resolve()
+        TrainConfig.of(cache="c", block_attention="sideways").resolve()
     with pytest.raises(ConfigError, match=r"bidirectional needs sliding_window >= block_size \(got 8 < 16\)"):
-        TrainConfig(cache="c", block_attention="bidirectional", sliding_window=8, block_size=16).resolve()
-    assert TrainConfig(cache="c", block_attention="bidirectional", sliding_window=16, block_size=16).resolve()
+        TrainConfig.of(cache="c", block_attention="bidirectional", sliding_window=8, block_size=16).resolve()
+    assert TrainConfig.of(cache="c", block_attention="bidirectional", sliding_window=16, block_size=16).resolve()

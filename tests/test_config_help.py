@@ -13,13 +13,17 @@ import pytest
 from dflash_offline.config import (
     ExtractConfig,
     TokenizeConfig,
-    TrainConfig,
     VerifyConfig,
+    compose,
     describe,
     field_help,
+    setting_names,
+    setting_types,
+    settings,
 )
 from dflash_offline.evalrun import EvalConfig
 from dflash_offline.export import ExportConfig
+from dflash_offline.trainsetup import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = [(TokenizeConfig, "tokenize"), (ExtractConfig, "extract"), (VerifyConfig, "verify"),
@@ -29,15 +33,15 @@ IDS = [section for _, section in CONFIGS]
 
 def required(cls) -> dict:
     """Placeholder values for the fields without a default."""
-    hints = typing.get_type_hints(cls)
-    return {f.name: ["x"] if typing.get_origin(hints[f.name]) is list else "x" for f in dataclasses.fields(cls)
+    hints = setting_types(cls)
+    return {f.name: ["x"] if typing.get_origin(hints[f.name]) is list else "x" for f, _, _ in settings(cls)
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
 
 
 @pytest.mark.parametrize(("cls", "section"), CONFIGS, ids=IDS)
 def test_every_setting_has_a_one_line_help_that_help_shows(cls, section):
     helps = field_help(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = setting_names(cls)
     assert [n for n in names if not helps.get(n)] == [], f"{cls.__name__}: fields without a help comment"
     shown = {line.split()[0]: line for line in describe(cls, section).splitlines()[1:]}
     assert list(shown) == [f"--{n}" for n in names]
@@ -48,12 +52,12 @@ def test_every_setting_has_a_one_line_help_that_help_shows(cls, section):
 @pytest.mark.parametrize(("cls", "section"), CONFIGS, ids=IDS)
 def test_the_help_of_a_setting_with_fixed_values_names_them_all(cls, section):
     """The allowed values are the ones `resolve()` names when it refuses a wrong one."""
-    hints, helps, checked = typing.get_type_hints(cls), field_help(cls), 0
-    for f in dataclasses.fields(cls):
+    hints, helps, checked = setting_types(cls), field_help(cls), 0
+    for f, _, _ in settings(cls):
         if hints[f.name] is not str or f.name in required(cls):
             continue
         try:
-            cls(**{**required(cls), f.name: "no-such-value"}).resolve()
+            compose(cls, {**required(cls), f.name: "no-such-value"}).resolve()
         except ValueError as e:
             m = re.search(r"(?:is not one of|expected one of) (.+)$", str(e))
             if m:

@@ -493,7 +493,7 @@ def test_train_a_dflash2_drafter_on_a_cache(tmp_path, hidden_cache, monkeypatch)
     from safetensors.torch import load_file
 
     from dflash_offline import dflash2
-    from dflash_offline.config import TrainConfig
+    from dflash_offline.trainsetup import TrainConfig
     from stages import train
 
     seen = []  # per step: (the selector's mean CE over its slots, its share of right picks among them)
@@ -508,7 +508,7 @@ def test_train_a_dflash2_drafter_on_a_cache(tmp_path, hidden_cache, monkeypatch)
     monkeypatch.setattr(dflash2, "selector_ce_loss", recording)
     tiny = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_anchors=8, batch_rows=2, log_every=1,
                 trackers="none", lr=1e-2, warmup_steps=1, steps=60, ckpt_every=60)
-    run = train.run(TrainConfig(cache=str(hidden_cache), run=str(tmp_path / "run"), variant="dflash2",
+    run = train.run(TrainConfig.of(cache=str(hidden_cache), run=str(tmp_path / "run"), variant="dflash2",
                                 selector_weight=1.0, **tiny).resolve())
     losses = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == len(seen) == 60 and sum(losses[-5:]) < 0.97 * sum(losses[:5]), losses
@@ -533,8 +533,9 @@ def test_train_a_dflash2_drafter_on_a_cache(tmp_path, hidden_cache, monkeypatch)
 
 
 def test_dflash2_training_settings_are_checked():
-    from dflash_offline.config import ConfigError, TrainConfig
+    from dflash_offline.config import ConfigError
+    from dflash_offline.trainsetup import TrainConfig
 
     for bad in (dict(weighting="dpace"), dict(fsdp=True), dict(selector_weight=-1.0), dict(variant="dflash3")):
         with pytest.raises(ConfigError, match="variant"):
-            TrainConfig(cache="c", run="r", **{"variant": "dflash2", **bad}).resolve()
+            TrainConfig.of(cache="c", run="r", **{"variant": "dflash2", **bad}).resolve()

@@ -155,10 +155,8 @@ def test_forward_equals_independent_reference(kw):
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
     with torch.no_grad():  # flex_attention has no CPU backward; eager forward only
         out_flex = forward(model, embed, batch, "flex")
-        out_joint = forward(model, embed, batch, "flex_joint")
     tol = forward_rtol(128, 2 * 8)
     torch.testing.assert_close(out_flex, out, rtol=tol, atol=tol)
-    torch.testing.assert_close(out_joint, out, rtol=tol, atol=tol)
 
 
 def test_block_sees_nothing_after_anchor_or_in_other_docs():
@@ -184,27 +182,6 @@ def test_gradients_reach_every_parameter_and_dropped_anchors_are_finite():
     out.square().mean().backward()
     for name, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
-
-
-def test_weight_fence_is_called_before_each_group_in_forward_order():
-    """The optimizer's overlapped update makes the forward wait for group k just before k's weights are used: the
-    groups must cover every parameter once, in the order of use, and each fence must come before that use."""
-    model, embed = model_and_embed(config())
-    groups = model.weight_groups()
-    ids = [id(p) for g in groups for p in g]
-    assert sorted(ids) == sorted(id(p) for p in model.parameters()) and len(set(ids)) == len(ids)
-    seen = []  # ("fence", k) and ("use", k) events, in call order
-    owner = {id(p): k for k, g in enumerate(groups) for p in g}
-    for mod in model.modules():
-        own = [p for p in mod.parameters(recurse=False)]
-        if own:
-            mod.register_forward_pre_hook(lambda m, a, k=owner[id(own[0])]: seen.append(("use", k)))
-    model.weight_fence = lambda k: seen.append(("fence", k))
-    forward(model, embed, packed_batch(), "dense")
-    fences = [k for e, k in seen if e == "fence"]
-    assert fences == list(range(len(groups)))
-    for k in range(len(groups)):  # every use of group k comes after its fence
-        assert seen.index(("fence", k)) < seen.index(("use", k)), k
 
 
 # --- the mask ----------------------------------------------------------------------------------------------
@@ -288,22 +265,22 @@ def test_flex_mask_equals_dense(W, causal):
 
 
 def test_build_masks_per_attention_kind():
-    """flex: context-only BlockMask [B, 1, Q, S]; flex_joint: [B, 1, Q, S+Q]; dense: bool [B, 1, Q, S+Q]; one per
-    layer type; anything else is refused by name."""
+    """flex: context-only BlockMask [B, 1, Q, S]; dense: bool [B, 1, Q, S+Q]; one per layer type; anything else
+    (the removed "flex_joint" too) is refused by name."""
     ids, pos, doc, lm, hidden, anc, keep = packed_batch()
     model = DFlashDrafter(config(layer_types=["sliding_attention", "full_attention"], sliding_window=7))
     Q = A * L
-    flex, joint, dense = (model.build_masks(doc, anc, keep, a) for a in ("flex", "flex_joint", "dense"))
-    assert set(flex) == set(joint) == set(dense) == {"sliding_attention", "full_attention"}
+    flex, dense = (model.build_masks(doc, anc, keep, a) for a in ("flex", "dense"))
+    assert set(flex) == set(dense) == {"sliding_attention", "full_attention"}
     for t in dense:
         assert dense[t].shape == (2, 1, Q, S + Q) and dense[t].dtype == torch.bool
-        assert flex[t].shape == (2, 1, Q, S) and joint[t].shape == (2, 1, Q, S + Q)
-        for bm, K in ((joint[t], S + Q), (flex[t], S)):
-            grid = torch.meshgrid(torch.arange(2), torch.zeros(1, dtype=torch.long), torch.arange(Q), torch.arange(K),
-                                  indexing="ij")
-            assert torch.equal(bm.mask_mod(*grid), dense[t][..., :K]), (t, K)
-    with pytest.raises(ValueError, match="attn must be one of"):
-        model.build_masks(doc, anc, keep, "sdpa")
+        assert flex[t].shape == (2, 1, Q, S)
+        grid = torch.meshgrid(torch.arange(2), torch.zeros(1, dtype=torch.long), torch.arange(Q), torch.arange(S),
+                              indexing="ij")
+        assert torch.equal(flex[t].mask_mod(*grid), dense[t][..., :S]), t
+    for gone in ("sdpa", "flex_joint"):
+        with pytest.raises(ValueError, match="attn must be one of"):
+            model.build_masks(doc, anc, keep, gone)
 
 
 # --- names, init, target embeddings --------------------------------------------------------------------------

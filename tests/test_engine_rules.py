@@ -25,11 +25,10 @@ import torch
 from test_recipes import QWEN3_8B, QWEN36_27B, RECIPES, exported_config, resolved_drafter, target_dir
 
 from dflash_offline.checkpoint import save_checkpoint
-from dflash_offline.config import TrainConfig
 from dflash_offline.drafter import DFlashDrafter, DrafterConfig
 from dflash_offline.export import ExportError, export, usage, zlab_config
 from dflash_offline.target import default_layer_ids, read_target_info
-from dflash_offline.trainsetup import cache_defaults, drafter_config
+from dflash_offline.trainsetup import TrainConfig, cache_defaults, drafter_config
 from fixtures import tiny
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -399,7 +398,7 @@ def tiny_exports(tmp_path_factory, hidden_cache, qwen35_dir, qwen3_dir) -> dict:
                                             ("qwen3", qwen3_dir, None, 0, {}),
                                             ("dflash2", qwen35_dir, hidden_cache, 8, TINY_DFLASH2)):
         info = read_target_info(target)
-        cfg = TrainConfig(cache=str(cache or "unused"), sliding_window=window, **TINY_TRAIN, **kw)
+        cfg = TrainConfig.of(cache=str(cache or "unused"), sliding_window=window, **TINY_TRAIN, **kw)
         if cache:
             facts = cache_defaults(cfg)
         else:
@@ -592,7 +591,7 @@ def test_the_export_refuses_taps_no_engine_serves_as_trained(tmp_path, tiny_expo
         with pytest.raises(ExportError, match=why):
             zlab_config(dataclasses.replace(dc, target_layer_ids=ids), tgt, "bfloat16")
     info = read_target_info(qwen3_dir)
-    dc = drafter_config(TrainConfig(cache="unused", **TINY_TRAIN), {
+    dc = drafter_config(TrainConfig.of(cache="unused", **TINY_TRAIN), {
         "target": str(qwen3_dir), "layer_ids": [1, info.num_layers - 1], "mask_token_id": tiny.load_mask_token_id(
             qwen3_dir), "hidden_size": info.hidden_size, "num_target_layers": info.num_layers})
     with pytest.raises(ExportError, match="last layer"):

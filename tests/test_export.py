@@ -16,10 +16,10 @@ from safetensors.torch import load_file
 
 from dflash_offline.anchors import block_input_ids, block_position_ids
 from dflash_offline.checkpoint import save_checkpoint
-from dflash_offline.config import TrainConfig
 from dflash_offline.drafter import DFlashDrafter, DrafterConfig, load_target_embeddings
 from dflash_offline.export import ExportError, export, provenance, provenance_paths, usage
 from dflash_offline.target import read_target_info
+from dflash_offline.trainsetup import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_anchors=8, batch_rows=2, log_every=1,
@@ -46,7 +46,7 @@ def trained_run(tmp_path_factory, hidden_cache) -> Path:
     from stages import train
 
     run = tmp_path_factory.mktemp("export") / "run"
-    return train.run(TrainConfig(cache=str(hidden_cache), run=str(run), **TINY).resolve())
+    return train.run(TrainConfig.of(cache=str(hidden_cache), run=str(run), **TINY).resolve())
 
 
 def fake_run(root: Path, target: Path, std: float = 0.3, **kw) -> tuple[Path, DFlashDrafter]:

@@ -16,8 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from dflash_offline import fp8
-from dflash_offline.config import TrainConfig
-from dflash_offline.trainsetup import BenchSwitches, resolve_train
+from dflash_offline.trainsetup import BenchSwitches, TrainConfig, resolve_train
 from stages import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,7 +27,7 @@ LINEARS = {"fc"} | {f"layers.{i}.{n}" for i in range(2) for n in fp8.LAYER_LINEA
 
 
 def cfg(cache, run, **kw) -> TrainConfig:
-    return TrainConfig(cache=str(cache), run=str(run), **{**TINY, **kw}).resolve()
+    return TrainConfig.of(cache=str(cache), run=str(run), **{**TINY, **kw}).resolve()
 
 
 def records(run) -> list[dict]:
@@ -288,7 +287,8 @@ def test_bench_train_fp8_runs_bf16_and_fp8_in_one_call(tmp_path):
 
 FP8_WORKER = """
 import sys
-from dflash_offline.config import TrainConfig, configs_from_argv
+from dflash_offline.config import configs_from_argv
+from dflash_offline.trainsetup import TrainConfig
 from dflash_offline.trainsetup import BenchSwitches
 from stages import train
 (cfg,) = configs_from_argv([(TrainConfig, "train")], sys.argv[1:], "")

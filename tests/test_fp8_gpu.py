@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from dflash_offline import fp8
-from dflash_offline.config import TrainConfig
+from dflash_offline.trainsetup import TrainConfig
 from stages import train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -28,7 +28,7 @@ LINEARS = {"fc"} | {f"layers.{i}.{n}" for i in range(2) for n in fp8.LAYER_LINEA
 
 
 def cfg(cache, run, **kw) -> TrainConfig:
-    return TrainConfig(cache=str(cache), run=str(run), **{**TINY, **kw}).resolve()
+    return TrainConfig.of(cache=str(cache), run=str(run), **{**TINY, **kw}).resolve()
 
 
 def records(run) -> list[dict]:

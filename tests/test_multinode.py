@@ -17,7 +17,7 @@ from test_train import TINY, cli_args, final_weights, free_port, grad_norms, los
 
 from dflash_offline.cache.manifest import committed, read_manifest
 from dflash_offline.checkpoint import list_checkpoints
-from dflash_offline.config import TrainConfig
+from dflash_offline.trainsetup import TrainConfig
 from stages import status
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,7 +56,7 @@ def test_two_nodes_train_like_one_process_and_only_rank_0_writes_the_run(tmp_pat
     two apart."""
     tokens_per_step = 2 * 2 * 128  # 2 rows × 128 tokens, twice: one micro-batch per node, or two in one process
     one = tmp_path / "one"
-    run_on_one_thread(TrainConfig(cache=str(hidden_cache), run=str(one),
+    run_on_one_thread(TrainConfig.of(cache=str(hidden_cache), run=str(one),
                                   **{**TINY, "steps": 4, "ckpt_every": 4, "global_batch_tokens": tokens_per_step}
                                   ).resolve())
     runs = [tmp_path / "node0", tmp_path / "node1"]

@@ -18,7 +18,7 @@ from dflash_offline.anchors import block_input_ids, block_position_ids
 from dflash_offline.cache import encodings
 from dflash_offline.cache.manifest import read_manifest
 from dflash_offline.cache.shards import hidden_shard_name, read_hidden, read_token_shard, token_shard_name
-from dflash_offline.config import ConfigError, ExtractConfig, TokenizeConfig, TrainConfig, VerifyConfig
+from dflash_offline.config import ConfigError, ExtractConfig, TokenizeConfig, VerifyConfig
 from dflash_offline.dataset import open_hidden_cache
 from dflash_offline.drafter import DFlashDrafter, DrafterConfig, load_target_embeddings
 from dflash_offline.export import ExportError, export
@@ -32,6 +32,7 @@ from dflash_offline.projection import (
     top_k,
     write_projection,
 )
+from dflash_offline.trainsetup import TrainConfig
 from stages import extract, train, verify
 
 K, ROWS = 32, 4  # projected dims a tap (the tiny target's hidden size is 64), calibration rows
@@ -63,7 +64,7 @@ def caches(tmp_path_factory, qwen35_dir, chat_corpus):
 def runs(tmp_path_factory, caches):
     """Two-step runs on the full and on the projected cache."""
     root = tmp_path_factory.mktemp("runs")
-    return {name: train.run(TrainConfig(cache=str(caches[name]), run=str(root / name), **TINY).resolve())
+    return {name: train.run(TrainConfig.of(cache=str(caches[name]), run=str(root / name), **TINY).resolve())
             for name in ("full", "proj")}
 
 
@@ -249,7 +250,7 @@ def test_resuming_after_the_cache_got_another_projection_is_refused(runs, caches
     copy = (run / PROJECTION_FILE).read_bytes()
     with pytest.raises(ValueError, match=r"trained on projection 000000000000… and its cache now holds projection "
                                          r"[0-9a-f]{12}… .*restore the cache the run started on"):
-        train.run(TrainConfig(cache=str(caches["proj"]), run=str(run), resume=True, **{**TINY, "steps": 4}).resolve())
+        train.run(TrainConfig.of(cache=str(caches["proj"]), run=str(run), resume=True, **{**TINY, "steps": 4}).resolve())
     assert (run / PROJECTION_FILE).read_bytes() == copy and not (run / "config.json").exists()
 
 
@@ -284,7 +285,7 @@ def test_a_projection_file_not_the_manifests_is_refused_by_the_trainer_and_expor
     write_projection(cache, {lid: -P for lid, P in Ps.items()}, {"dims": K})  # another file, same shapes
     msg = rf"{cache / PROJECTION_FILE} has SHA-256 .* the manifest records .*extract the cache again"
     with pytest.raises(ProjectionError, match=msg):
-        train.run(TrainConfig(cache=str(cache), run=str(tmp_path / "run"), **TINY).resolve())
+        train.run(TrainConfig.of(cache=str(cache), run=str(tmp_path / "run"), **TINY).resolve())
     assert not (tmp_path / "run").exists()  # refused before the run started
     with pytest.raises(ProjectionError, match=msg):
         open_hidden_cache(cache, [1, 3, 5])
@@ -360,7 +361,7 @@ def test_verify_records_a_damaged_projection_file_as_a_failed_verdict(caches, co
                                                                          "stored value, so the shards cannot be kept)")
     with pytest.raises(ValueError, match=r"verified.ok is false: .*projection.safetensors has SHA-256 .* extract the "
                                          r"cache again"):
-        train.run(TrainConfig(cache=str(cache), run=str(tmp_path / "run"), **TINY).resolve())
+        train.run(TrainConfig.of(cache=str(cache), run=str(tmp_path / "run"), **TINY).resolve())
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

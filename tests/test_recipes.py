@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_offline.config import TokenizeConfig, TrainConfig, build_config, read_recipe
+from dflash_offline.config import TokenizeConfig, build_config, read_recipe
 from dflash_offline.drafter import DFlashDrafter
 from dflash_offline.export import mask_token_for, target_fields, zlab_config
-from dflash_offline.trainsetup import drafter_config
+from dflash_offline.trainsetup import TrainConfig, drafter_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -136,7 +136,7 @@ def resolved_drafter(recipe: str, target: Path):
     cfg = build_config(TrainConfig, "train", {**tables["train"], "cache": "unused"})
     text = json.loads((target / "config.json").read_text())
     text = text.get("text_config") or text
-    facts = {"target": str(target), "layer_ids": tables["extract"]["layer_ids"], "mask_token_id": cfg.mask_token_id,
+    facts = {"target": str(target), "layer_ids": tables["extract"]["layer_ids"], "mask_token_id": cfg.drafter.mask_token_id,
              "hidden_size": text["hidden_size"], "num_target_layers": text["num_hidden_layers"]}
     return drafter_config(cfg, facts)
 
@@ -228,9 +228,9 @@ def test_the_recipe_trains_as_the_reference_training_config(recipe):
     tok = build_config(TokenizeConfig, "tokenize", tables["tokenize"])
     train = build_config(TrainConfig, "train", {**tables["train"], "cache": "unused"})
     assert tok.seq_len == ref["max_length"] and tok.long_doc == "truncate"  # max_length truncates a sample
-    assert (train.epochs, train.lr, train.warmup_ratio, train.warmup_steps, train.grad_clip) == (
+    assert (train.epochs, train.optim.lr, train.optim.warmup_ratio, train.optim.warmup_steps, train.optim.grad_clip) == (
         ref["num_epochs"], ref["learning_rate"], ref["warmup_ratio"], -1, ref["max_grad_norm"])
-    assert (train.num_anchors, train.gamma, train.block_size) == (ref["num_anchors"], ref["loss_decay_gamma"],
+    assert (train.loss.num_anchors, train.loss.gamma, train.drafter.block_size) == (ref["num_anchors"], ref["loss_decay_gamma"],
                                                                   ref.get("block_size", 16))
     # the reference's global batch in rows, on any number of processes
     assert train.global_batch_tokens == ref["batch_size"] * ref["gpus"] * tok.seq_len
@@ -255,9 +255,9 @@ def test_the_qwen38_recipe_tokenizes_with_its_template_settings_and_has_a_storag
     text = t.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, **settings)
     assert "Reasoning effort is set to xhigh" in text
     train = storage.recipe_train(str(REPO / "manifests" / "qwen3.8-27b-dflash2.toml"))
-    assert (train.variant, train.conv_kernel_size, train.conv_group_size, train.selector_rank,
-            train.selector_top_k, train.full_attention_layers, train.block_attention) == (
-        "dflash2", 2, 16, 256, 16, 0, "bidirectional")
+    assert (train.drafter.variant, train.drafter.conv_kernel_size, train.drafter.conv_group_size,
+            train.drafter.selector_rank, train.drafter.selector_top_k, train.drafter.full_attention_layers,
+            train.drafter.block_attention) == ("dflash2", 2, 16, 256, 16, 0, "bidirectional")
     layer_ids = tables["extract"]["layer_ids"]
     assert encodings.bytes_per_token("bf16", len(layer_ids), 5120) == 51_200
     assert encodings.bytes_per_token("fp8", len(layer_ids), 5120) == 25_620

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_offline.config import ConfigError, TrainConfig
+from dflash_offline.config import ConfigError
 from dflash_offline.dataset import HiddenStream, open_hidden_cache
-from dflash_offline.trainsetup import cache_defaults, resolve_train
+from dflash_offline.trainsetup import TrainConfig, cache_defaults, resolve_train
 from stages import train
 
 TINY = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_anchors=8, log_every=1, trackers="none",
@@ -18,12 +18,12 @@ TINY = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_anchors=
 
 
 def cfg(cache, run="unused", **kw):
-    return TrainConfig(cache=str(cache), run=str(run), **{**TINY, **kw}).resolve()
+    return TrainConfig.of(cache=str(cache), run=str(run), **{**TINY, **kw}).resolve()
 
 
 @pytest.fixture(scope="module")
 def info(hidden_cache):
-    return open_hidden_cache(hidden_cache, cache_defaults(TrainConfig(cache=str(hidden_cache)))["layer_ids"])
+    return open_hidden_cache(hidden_cache, cache_defaults(TrainConfig.of(cache=str(hidden_cache)))["layer_ids"])
 
 
 @pytest.mark.parametrize(("world", "batch_rows", "accum"), [(1, 2, 1), (2, 2, 1), (1, 2, 4), (2, 1, 3), (3, 4, 2)])

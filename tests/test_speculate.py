@@ -366,11 +366,12 @@ def prompts_with_categories(path, n):
 
 
 def test_evaluate_measures_the_export(tmp_path, hidden_cache):
-    from dflash_offline.config import ConfigError, TrainConfig
+    from dflash_offline.config import ConfigError
+    from dflash_offline.trainsetup import TrainConfig
     from stages import evaluate, train
 
     run = tmp_path / "run"
-    train.run(TrainConfig(cache=str(hidden_cache), run=str(run), num_layers=1, num_heads=4, num_kv_heads=2,
+    train.run(TrainConfig.of(cache=str(hidden_cache), run=str(run), num_layers=1, num_heads=4, num_kv_heads=2,
                           head_dim=16, num_anchors=8, batch_rows=2, log_every=1, trackers="none", block_size=8,
                           steps=2, ckpt_every=2).resolve())
     prompts = prompts_with_categories(tmp_path / "eval.jsonl", 3)
@@ -461,11 +462,11 @@ def test_evaluate_a_dflash2_run_drafts_with_the_selector_losslessly(tmp_path, hi
     draft is its selector's walk (`draft_tokens`, as the engines draft), the decodes are lossless, the replay takes
     the decodes' steps, and the teacher-forced estimate runs on the same weights."""
     from dflash_offline import speculate
-    from dflash_offline.config import TrainConfig
+    from dflash_offline.trainsetup import TrainConfig
     from stages import evaluate, train
 
     run = tmp_path / "run"
-    train.run(TrainConfig(cache=str(hidden_cache), run=str(run), num_layers=1, num_heads=4, num_kv_heads=2,
+    train.run(TrainConfig.of(cache=str(hidden_cache), run=str(run), num_layers=1, num_heads=4, num_kv_heads=2,
                           head_dim=16, num_anchors=8, batch_rows=2, log_every=1, trackers="none", block_size=8,
                           steps=2, ckpt_every=2, variant="dflash2", selector_rank=8, selector_top_k=4).resolve())
     seen = {"drafts": 0, "walks": 0, "classes": set()}

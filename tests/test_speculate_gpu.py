@@ -63,11 +63,11 @@ def test_exported_drafter_on_cuda(tmp_path, qwen3_dir, qwen35_dir, arch):
 
 
 def test_evaluate_on_cuda_exact_and_bf16(tmp_path, hidden_cache):
-    from dflash_offline.config import TrainConfig
+    from dflash_offline.trainsetup import TrainConfig
     from stages import evaluate, train
 
     run = tmp_path / "run"
-    train.run(TrainConfig(cache=str(hidden_cache), run=str(run), num_layers=1, num_heads=4, num_kv_heads=2,
+    train.run(TrainConfig.of(cache=str(hidden_cache), run=str(run), num_layers=1, num_heads=4, num_kv_heads=2,
                           head_dim=16, num_anchors=8, batch_rows=2, log_every=1, trackers="none", block_size=8,
                           steps=20, ckpt_every=20).resolve())
     recs = [{**r, "category": ("a", "b")[i % 2]} for i, r in enumerate(democorpus.generate(6, 1_000_003))]

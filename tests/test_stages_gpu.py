@@ -10,22 +10,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_offline.config import TrainConfig
 from dflash_offline.trainer import Trainer
-from dflash_offline.trainsetup import BenchSwitches, cache_defaults, drafter_config
+from dflash_offline.trainsetup import BenchSwitches, TrainConfig, cache_defaults, drafter_config
 from stages import train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("attn", ["flex", "flex_joint"])
-def test_compiled_flex_trainer_matches_eager_and_holds_memory(tmp_path, hidden_cache, attn):
+def test_compiled_flex_trainer_matches_eager_and_holds_memory(tmp_path, hidden_cache):
     tiny = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_anchors=8, batch_rows=2, log_every=1,
                 trackers="none", lr=3e-3, warmup_steps=1, ckpt_every=1000)
     runs, modes = {}, {"eager": dict(attn="dense", compile="off"), "compiled": dict(attn="flex", compile="on")}
-    for name, extra in modes.items():  # (flex_joint: attn=flex with bench.train's joint-call switch)
-        cfg = TrainConfig(cache=str(hidden_cache), run=str(tmp_path / name), steps=50, **tiny, **extra).resolve()
-        train.run(cfg, BenchSwitches(joint_attention=name == "compiled" and attn == "flex_joint"))
+    for name, extra in modes.items():
+        cfg = TrainConfig.of(cache=str(hidden_cache), run=str(tmp_path / name), steps=50, **tiny, **extra).resolve()
+        train.run(cfg)
         runs[name] = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     e, c = runs["eager"], runs["compiled"]
     assert c[0]["loss"] == pytest.approx(e[0]["loss"], rel=2e-2)  # same first step within bf16 tolerance
@@ -44,7 +42,7 @@ def test_a_step_of_four_micro_batches_is_that_of_one_batch_of_their_rows(tmp_pat
     from test_train import TINY
 
     kw = {**TINY, "batch_rows": 1, "steps": 1, "ckpt_every": 1, "global_batch_tokens": 4 * 128}
-    cfg = TrainConfig(cache=str(hidden_cache), run=str(tmp_path / "r"), **kw).resolve()
+    cfg = TrainConfig.of(cache=str(hidden_cache), run=str(tmp_path / "r"), **kw).resolve()
     train.run(cfg)
     d = json.loads((tmp_path / "r" / "config.json").read_text())["derived"]
     assert (d["grad_accum"], d["master_weights"], d["attn"], d["compile"]) == (4, True, "flex", True)
@@ -63,7 +61,7 @@ def train_off_and_on(tmp_path, hidden_cache, option: str, log_every: int, values
     switch = option in BenchSwitches.__dataclass_fields__
     runs = {}
     for value in values:
-        cfg = TrainConfig(cache=str(hidden_cache), run=str(tmp_path / value), steps=12,
+        cfg = TrainConfig.of(cache=str(hidden_cache), run=str(tmp_path / value), steps=12,
                           **({} if switch else {option: value}), **tiny).resolve()
         train.run(cfg, BenchSwitches(**{option: value == "on"}) if switch else BenchSwitches())
         runs[value] = [json.loads(x) for x in (tmp_path / value / "metrics.jsonl").read_text().splitlines()]
@@ -94,33 +92,6 @@ def test_bf16_master_weights_train_like_fp32_weights_on_cuda(tmp_path, hidden_ca
         assert float((w_on[k] - w_off[k]).norm() / update) < 0.05, k
 
 
-def test_optimizer_update_overlapping_the_forward_trains_like_the_serial_one(tmp_path, hidden_cache, monkeypatch):
-    """optimizer_overlap (bench.train's switch, with master weights): each step's update runs on a side stream while the
-    next forward runs. Same losses and weights as the update between steps; a missing wait (a layer reading its
-    weights before their update) or a gradient freed too early would show as a different run. The side stream is
-    made to lag ~30 ms per step, and metrics sync only every 6 steps, so the forward really runs ahead of it."""
-    from dflash_offline.optim import MasterAdamW
-
-    step = MasterAdamW._overlapped_step
-
-    def lagging(self, *a, **k):
-        with torch.cuda.stream(self._side):
-            torch.cuda._sleep(50_000_000)
-        return step(self, *a, **k)
-
-    monkeypatch.setattr(MasterAdamW, "_overlapped_step", lagging)
-    runs, _ = train_off_and_on(tmp_path, hidden_cache, "optimizer_overlap", log_every=6)
-    derived = json.loads((tmp_path / "on" / "config.json").read_text())["derived"]
-    assert derived["optimizer_overlap"] is True and derived["master_weights"] is True
-    on, off = runs["on"], runs["off"]
-    assert [r["loss"] for r in on] == pytest.approx([r["loss"] for r in off], rel=2e-3)
-    assert on[-1]["recompiles"] == 0 and on[-1]["skipped_steps"] == 0
-    w_on = load_file(str(tmp_path / "on" / "checkpoints" / "step-00000012" / "model.safetensors"))
-    w_off = load_file(str(tmp_path / "off" / "checkpoints" / "step-00000012" / "model.safetensors"))
-    for k in w_off:  # (the compiled backward is not bitwise deterministic: judged against the update's size)
-        assert float((w_on[k] - w_off[k]).norm() / w_off[k].norm()) < 1e-2, k
-
-
 def one_and_two_gpus(tmp_path, hidden_cache, kw: dict):
     """For DDP and FSDP: (name, a one-GPU run, the same steps on 2 GPUs) of test_train's tiny drafter with `kw`; DDP
     against one GPU with master weights, FSDP (fp32 weights) against one GPU with fp32 weights. The one-GPU runs come
@@ -128,7 +99,7 @@ def one_and_two_gpus(tmp_path, hidden_cache, kw: dict):
     from test_train import TINY, launch_two
 
     def one(name, **extra):
-        train.run(TrainConfig(cache=str(hidden_cache), run=str(tmp_path / name), **{**TINY, **kw, **extra}).resolve())
+        train.run(TrainConfig.of(cache=str(hidden_cache), run=str(tmp_path / name), **{**TINY, **kw, **extra}).resolve())
         return tmp_path / name
 
     pairs = {"ddp": (one("one_master"), tmp_path / "ddp", {}),
@@ -153,7 +124,6 @@ def test_two_gpus_ddp_and_fsdp_train_like_one_gpu_with_accumulation(tmp_path, hi
         assert (d1["world_size"], d1["grad_accum"], d2["world_size"], d2["grad_accum"]) == (1, 2, 2, 1)
         assert d2["attn"] == "flex" and d2["compile"] is True and d2["fsdp_sharded"] is (name == "fsdp")
         assert d2["master_weights"] is d1["master_weights"] is (name == "ddp")
-        assert d2["optimizer_overlap"] is False  # (a bench.train switch only)
         recs = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
         assert recs[-1]["recompiles"] == 0
         assert losses(two) == pytest.approx(losses(single), rel=5e-3), name
@@ -173,13 +143,13 @@ def test_two_gpus_accumulating_with_master_weights_train_like_one_gpu(tmp_path, 
 
     kw = dict(steps=6, ckpt_every=6, grad_clip=0.5, global_batch_tokens=4 * 2 * 128, master_weights="on")
     single = tmp_path / "one"
-    train.run(TrainConfig(cache=str(hidden_cache), run=str(single), **{**TINY, **kw}).resolve())
+    train.run(TrainConfig.of(cache=str(hidden_cache), run=str(single), **{**TINY, **kw}).resolve())
     two = tmp_path / "two"
     launch_two(hidden_cache, two, **kw)
     d1 = json.loads((single / "config.json").read_text())["derived"]
     d2 = json.loads((two / "config.json").read_text())["derived"]
     assert (d1["grad_accum"], d2["world_size"], d2["grad_accum"]) == (4, 2, 2)
-    assert d1["master_weights"] is d2["master_weights"] is True and d2["optimizer_overlap"] is False
+    assert d1["master_weights"] is d2["master_weights"] is True
     assert [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()][-1]["recompiles"] == 0
     assert losses(two) == pytest.approx(losses(single), rel=5e-3)
     norms = [[json.loads(x)["grad_norm"] for x in (r / "metrics.jsonl").read_text().splitlines()]
@@ -243,7 +213,7 @@ def test_a_non_finite_step_is_skipped_by_the_fused_adamw_on_cuda(tmp_path, hidde
 
     monkeypatch.setattr(Trainer, "micro_batch", poisoned)
     run = tmp_path / "r"
-    train.run(TrainConfig(cache=str(hidden_cache), run=str(run), steps=4, ckpt_every=4, log_every=1, trackers="none",
+    train.run(TrainConfig.of(cache=str(hidden_cache), run=str(run), steps=4, ckpt_every=4, log_every=1, trackers="none",
                           num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_anchors=8, batch_rows=2,
                           precision="fp32", master_weights="off", attn="dense", compile="off").resolve())
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -94,13 +94,13 @@ def test_rates_are_the_measured_ones_at_their_shapes_scaled_elsewhere_and_given_
 
 
 def test_epochs_come_from_the_recipes_train_table():
-    from dflash_offline.config import TrainConfig
+    from dflash_offline.trainsetup import TrainConfig
 
     assert storage.plan_epochs(storage.recipe_train(str(REPO / "manifests/qwen3.6-27b.toml")), 1000, 4096, 8) == 6
-    steps = TrainConfig(cache="", steps=300, batch_rows=4).resolve()
+    steps = TrainConfig.of(cache="", steps=300, batch_rows=4).resolve()
     assert storage.plan_epochs(steps, 121, 512, 1) == pytest.approx(300 * 4 / 121)  # steps × global batch / rows
     assert storage.plan_epochs(steps, 121, 512, 8) == pytest.approx(300 * 32 / 121)
-    tokens = TrainConfig(cache="", steps=100, global_batch_tokens=8 * 4096).resolve()
+    tokens = TrainConfig.of(cache="", steps=100, global_batch_tokens=8 * 4096).resolve()
     assert storage.plan_epochs(tokens, 800, 4096, 8) == pytest.approx(1.0)
     assert storage.plan_epochs(None, 800, 4096, 8) is None and storage.recipe_train(None) is None
 

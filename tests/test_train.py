@@ -27,9 +27,14 @@ from safetensors.torch import load_file
 
 from dflash_offline import metrics
 from dflash_offline.cache.manifest import update_manifest
-from dflash_offline.config import TrainConfig
 from dflash_offline.trainer import Trainer
-from dflash_offline.trainsetup import BenchSwitches, cache_defaults, drafter_config, resolve_train
+from dflash_offline.trainsetup import (
+    BenchSwitches,
+    TrainConfig,
+    cache_defaults,
+    drafter_config,
+    resolve_train,
+)
 from stages import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,7 +48,7 @@ N_FSDP = 4 * N_TINY
 
 
 def cfg(cache, run, **kw):
-    return TrainConfig(cache=str(cache), run=str(run), **{**TINY, "steps": 6, "ckpt_every": 3, **kw}).resolve()
+    return TrainConfig.of(cache=str(cache), run=str(run), **{**TINY, "steps": 6, "ckpt_every": 3, **kw}).resolve()
 
 
 def losses(run):
@@ -137,7 +142,7 @@ def test_existing_run_needs_resume(tmp_path, hidden_cache):
 def test_adamw_betas_are_a_setting(tmp_path, hidden_cache):
     """`--betas` reaches AdamW and its checkpoint. The default stays (0.9, 0.95); the reference recipe (SpecForge)
     runs torch's (0.9, 0.999) — docs/full-run.md#differences-from-the-reference-recipe-specforge."""
-    assert TrainConfig(cache="x").betas == [0.9, 0.95]
+    assert TrainConfig.of(cache="x").optim.betas == [0.9, 0.95]
     train.run(cfg(hidden_cache, tmp_path / "r", steps=1, betas=[0.9, 0.999]))
     opt = json.loads((tmp_path / "r" / "checkpoints" / "step-00000001" / "optimizer.json").read_text())
     assert [g["betas"] for g in opt["param_groups"]] == [[0.9, 0.999]]
@@ -232,7 +237,7 @@ def test_two_processes_equal_one_with_accumulation(tmp_path, hidden_cache):
     exact), on one thread both (`run_on_one_thread`)."""
     tokens_per_step = 2 * 2 * 128  # 2 rows × 128 tokens, twice
     one = tmp_path / "one"
-    run_on_one_thread(TrainConfig(cache=str(hidden_cache), run=str(one),
+    run_on_one_thread(TrainConfig.of(cache=str(hidden_cache), run=str(one),
                                   **{**TINY, "steps": 4, "ckpt_every": 4, "global_batch_tokens": tokens_per_step}
                                   ).resolve())
     two = tmp_path / "two"
@@ -257,7 +262,7 @@ def test_a_resume_on_another_split_of_the_global_batch_continues_the_run(tmp_pat
     norm 29 %, 27 %, 8 %, and 8 % at step 3; a whole step's gradient doubled (invisible in the weights: Adam, the
     clipping) doubles the gradient norm."""
     one = tmp_path / "one"
-    train.run(TrainConfig(cache=str(hidden_cache), run=str(one), **{**TINY, "steps": 4, "ckpt_every": 2}).resolve())
+    train.run(TrainConfig.of(cache=str(hidden_cache), run=str(one), **{**TINY, "steps": 4, "ckpt_every": 2}).resolve())
     split = tmp_path / "split"
     launch_two(hidden_cache, split, batch_rows=1, steps=4, ckpt_every=2)
     assert_same_training(one, split, drafter_start(cfg(hidden_cache, one)), 4, N_TINY)
@@ -265,7 +270,7 @@ def test_a_resume_on_another_split_of_the_global_batch_continues_the_run(tmp_pat
     shutil.rmtree(split / "checkpoints" / "step-00000004")
     (split / "checkpoints" / "latest").write_text("step-00000002\n")
     (split / "metrics.jsonl").write_text("\n".join((split / "metrics.jsonl").read_text().splitlines()[:2]) + "\n")
-    train.run(TrainConfig(cache=str(hidden_cache), run=str(split), resume=True,
+    train.run(TrainConfig.of(cache=str(hidden_cache), run=str(split), resume=True,
                           **{**TINY, "steps": 4, "ckpt_every": 2}).resolve())
     assert data_state(split, 4) == data_state(one, 4)  # the same rows read, counted alike
     assert_same_training(one, split, drafter_start(cfg(hidden_cache, one)), 4, N_TINY)
@@ -327,14 +332,12 @@ def test_master_weights_on_refuses_where_unavailable(tmp_path, hidden_cache):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
-@pytest.mark.parametrize("attn", ["flex", "flex_joint"])
-def test_flex_attention_is_refused_at_start_without_cuda(tmp_path, hidden_cache, monkeypatch, attn):
+def test_flex_attention_is_refused_at_start_without_cuda(tmp_path, hidden_cache, monkeypatch):
     from dflash_offline import drafter
 
     monkeypatch.setattr(drafter, "load_target_embeddings", lambda *a: pytest.fail("weights loaded before refusing"))
-    with pytest.raises(ValueError, match=f"attn={attn} needs CUDA"):  # (flex_joint: bench.train's joint call)
-        train.run(cfg(hidden_cache, tmp_path / "x", attn="flex", compile="on"),
-                  BenchSwitches(joint_attention=attn == "flex_joint"))
+    with pytest.raises(ValueError, match="attn=flex needs CUDA"):
+        train.run(cfg(hidden_cache, tmp_path / "x", attn="flex", compile="on"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
@@ -351,11 +354,9 @@ def test_settings_resolve_for_the_machine_and_the_processes(hidden_cache, tmp_pa
     the bench-only switches stay off unless asked for."""
     c = cfg(hidden_cache, tmp_path / "x")
     cpu = resolve_train(c, cuda=False, world=1, seq_len=128)
-    assert (cpu.precision, cpu.attn, cpu.compile, cpu.master, cpu.tf32, cpu.overlap) == ("fp32", "dense", False,
-                                                                                       False, False, False)
+    assert (cpu.precision, cpu.attn, cpu.compile, cpu.master, cpu.tf32) == ("fp32", "dense", False, False, False)
     gpu = resolve_train(c, cuda=True, world=1, seq_len=128)
-    assert (gpu.precision, gpu.attn, gpu.compile, gpu.master, gpu.tf32, gpu.overlap) == ("bf16", "flex", True,
-                                                                                       True, False, False)
+    assert (gpu.precision, gpu.attn, gpu.compile, gpu.master, gpu.tf32) == ("bf16", "flex", True, True, False)
     assert gpu.warmup == 1 and resolve_train(cfg(hidden_cache, tmp_path / "x", warmup_steps=-1, steps=100),
                                              cuda=True, world=1, seq_len=128).warmup == 4
     accum = dict(global_batch_tokens=4 * 2 * 128)
@@ -366,9 +367,8 @@ def test_settings_resolve_for_the_machine_and_the_processes(hidden_cache, tmp_pa
     assert on.master is True
     sharded = resolve_train(cfg(hidden_cache, tmp_path / "x", fsdp=True, **accum), cuda=True, world=2, seq_len=128)
     assert (sharded.sharded, sharded.master, sharded.reduced_accum) == (True, False, False)
-    joint = resolve_train(c, cuda=True, world=1, seq_len=128,
-                          switches=BenchSwitches(joint_attention=True, optimizer_overlap=True, tf32=True))
-    assert (joint.attn, joint.overlap, joint.tf32) == ("flex_joint", True, True)
+    tf32 = resolve_train(c, cuda=True, world=1, seq_len=128, switches=BenchSwitches(tf32=True))
+    assert (tf32.attn, tf32.tf32) == ("flex", True)
     with pytest.raises(ValueError, match="must be a multiple of batch_rows × seq_len × processes = 768"):
         resolve_train(cfg(hidden_cache, tmp_path / "x", **accum), cuda=False, world=3, seq_len=128)
 
@@ -429,19 +429,13 @@ def test_fp8_logits_refuse_a_vocabulary_off_multiples_of_16_at_start(tmp_path, h
     assert not (tmp_path / "x" / "checkpoints").exists()
 
 
-def test_bench_optimizer_overlap_refuses_where_unavailable(tmp_path, hidden_cache):
-    with pytest.raises(ValueError, match="optimizer_overlap is not available here: it needs master weights"):
-        train.run(cfg(hidden_cache, tmp_path / "x", precision="fp32"), BenchSwitches(optimizer_overlap=True))
-    assert not (tmp_path / "x" / "checkpoints").exists()
-
-
 def test_two_processes_bf16_master_weights_equal_one(tmp_path, hidden_cache):
     """DDP with bf16 gradients reduced in fp32 (the comm hook) = one process accumulating two micro-batches, to bf16
     rounding: `assert_same_training` with bf16 rounding, n = 1024 terms (2⁻⁷ = 7.8e-3 and 2·√(4·n·u·4) + 2⁻⁷ = 0.070;
     measured 5e-6, 1.4e-4 and 1.5e-3 on an AMD EPYC, torch 2.13)."""
     kw = dict(precision="bf16", master_weights="on", global_batch_tokens=2 * 2 * 128)
     one = tmp_path / "one"
-    train.run(TrainConfig(cache=str(hidden_cache), run=str(one), **{**TINY, "steps": 4, "ckpt_every": 4,
+    train.run(TrainConfig.of(cache=str(hidden_cache), run=str(one), **{**TINY, "steps": 4, "ckpt_every": 4,
                                                                     **kw}).resolve())
     two = tmp_path / "two"
     launch_two(hidden_cache, two, **kw)
@@ -457,7 +451,7 @@ def test_two_processes_accumulating_with_master_weights_equal_one(tmp_path, hidd
     combination.)"""
     kw = dict(precision="bf16", master_weights="on", global_batch_tokens=4 * 2 * 128)
     one = tmp_path / "one"
-    train.run(TrainConfig(cache=str(hidden_cache), run=str(one), **{**TINY, "steps": 4, "ckpt_every": 4,
+    train.run(TrainConfig.of(cache=str(hidden_cache), run=str(one), **{**TINY, "steps": 4, "ckpt_every": 4,
                                                                     **kw}).resolve())
     two = tmp_path / "two"
     launch_two(hidden_cache, two, **kw)
@@ -535,7 +529,7 @@ def test_fsdp_two_processes_equal_one_and_resume_exactly(tmp_path, hidden_cache)
     bit for bit; its checkpoint loads unsharded."""
     tokens_per_step = 4 * 2 * 128
     one = tmp_path / "one"
-    train.run(TrainConfig(cache=str(hidden_cache), run=str(one), **{**TINY, "steps": 4, "ckpt_every": 2,
+    train.run(TrainConfig.of(cache=str(hidden_cache), run=str(one), **{**TINY, "steps": 4, "ckpt_every": 2,
                                                                     "global_batch_tokens": tokens_per_step}).resolve())
     sharded = tmp_path / "fsdp"
     launch_two(hidden_cache, sharded, global_batch_tokens=tokens_per_step, fsdp=1, ckpt_every=2)
