@@ -1,6 +1,6 @@
 """Stage 1b: run the frozen target once over the packed token shards and commit hidden-state shards.
 
-    python -m stages.extract --recipe=manifests/demo.toml [--target=DIR] [--shards=3,5-7] [--dry_run=1] ...
+    python -m stages.extract --recipe=manifests/demo.toml [--target=DIR] [--cache=DIR] [--tokens=DIR] [--shards=3,5-7] ...
     accelerate launch --num_processes N -m stages.extract ...     (one process per GPU; NPROC=N in make)
 
 Order of work: validate the config and the device, read the target's config.json, estimate bytes and refuse if the
@@ -13,7 +13,7 @@ ranks and machines sharing the cache never compute one twice (`cache/claims.py`)
 next one computes (`cache/writer.py`). Rerun = every uncommitted shard; `--shards=` (make SHARD=) redoes exactly those.
 
 The cache is trusted, so a run starts by making it honest: it removes what dead writers left (temp files, claims),
-and a committed shard whose file is missing or resized goes back to "to do". `--hidden_out=DIR` of an existing cache
+and a committed shard whose file is missing or resized goes back to "to do". `--cache=DIR` of an existing cache
 without `--recipe` reruns it from the inputs its manifest records (the repair command that training and verify
 print). A run that ends with shards still claimed by another live process says so and exits non-zero, unless
 `--wait_claims=1` (ranks of one job always wait for each other); a dead process's shards are taken over. A failed
@@ -172,7 +172,7 @@ def extract_main(argv: list[str]) -> None:
     recorded, train, why = recorded_config(argv), None, {}
     if recorded is not None:
         cfg, tok_cfg = recorded, None
-        log(f"{cfg.hidden_out}: an existing cache and no recipe: rerunning it with the inputs its manifest records "
+        log(f"{cfg.cache}: an existing cache and no recipe: rerunning it with the inputs its manifest records "
             f"(target {cfg.target}, tokens {cfg.tokens})")
     else:
         cfg, tok_cfg = configs_from_argv([(ExtractConfig, "extract"), (TokenizeConfig, "tokenize")], argv, __doc__,

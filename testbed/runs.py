@@ -184,7 +184,7 @@ def parse_arm(text: str) -> tuple[dict, dict]:
     """'key=value key=value' → (extract settings, train settings); a key of neither stage is an error."""
     from dflash_offline.config import ExtractConfig, TrainConfig
 
-    ext_keys = {f for f in ExtractConfig.__dataclass_fields__} - {"target", "tokens", "hidden_out", "cache_root",
+    ext_keys = {f for f in ExtractConfig.__dataclass_fields__} - {"target", "tokens", "cache", "cache_root",
                                                                    "shards", "device", "dry_run"}
     train_keys = {f for f in TrainConfig.__dataclass_fields__} - {"cache", "run", "resume", "seed", "target"}
     ext, train = {}, {}

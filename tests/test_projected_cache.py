@@ -55,7 +55,7 @@ def caches(tmp_path_factory, qwen35_dir, chat_corpus):
     full = extract.run(*configs(root, qwen35_dir, chat_corpus))
     proj = extract.run(*configs(root, qwen35_dir, chat_corpus, project_dims=K, project_rows=ROWS))
     again = extract.run(*configs(root, qwen35_dir, chat_corpus, project_dims=K, project_rows=ROWS,
-                                 hidden_out=str(root / "again")))
+                                 cache=str(root / "again")))
     return {"full": full, "proj": proj, "again": again}
 
 
