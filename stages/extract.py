@@ -7,7 +7,7 @@ Order of work: validate the config and the device, read the target's config.json
 disk lacks room (`--allow_overfill=1` starts anyway), check the kernels and time one batch on a small random model of
 the target's real widths — all in seconds, before any weight loads (`--dry_run=1` stops there: it prints the storage
 plan of `storage.py` — size per encoding, free space, training's read bandwidth, GPU-hours — and a one-line
-summary, or the refusal a real run would meet; `plan.py` builds that plan, an `ExtractPlan`) — then load only the
+summary, or the refusal a real run would meet; `extract_plan.py` builds that plan, an `ExtractPlan`) — then load only the
 needed layers and extract (`extraction.py`). Every process claims a shard (with a lease) before computing it, so
 ranks and machines sharing the cache never compute one twice (`cache/claims.py`); each shard is written temp → fsync → rename and committed to the manifest in the background while the
 next one computes (`cache/writer.py`). Rerun = every uncommitted shard; `--shards=` (make SHARD=) redoes exactly those.
@@ -43,7 +43,7 @@ from dflash_offline.cache.claims import sweep
 from dflash_offline.cache.manifest import open_cache, requeue_missing
 from dflash_offline.config import ExtractConfig, TokenizeConfig, as_dict, configs_from_argv, parse_overrides
 from dflash_offline.devices import cpu_threads, dist_env, pick_device
-from dflash_offline.plan import OVERFILL, ExtractPlan, plan_run, recorded_config
+from dflash_offline.extract_plan import OVERFILL, ExtractPlan, plan_run, recorded_config
 from dflash_offline.progress import log, private_compile_caches, run_cli, unbuffered
 from dflash_offline.storage import plan_lines, recipe_train
 

@@ -108,7 +108,7 @@ def test_the_recipes_use_no_old_name():
 def test_a_manifest_recorded_under_the_old_name_is_rerun(tmp_path, hidden_cache, copy_cache):
     """A cache made before the rename records `hidden_out` in its extract config: the repair command
     (`make extract CACHE=DIR`, no recipe) still reads it."""
-    from dflash_offline.plan import recorded_config
+    from dflash_offline.extract_plan import recorded_config
 
     cache = copy_cache(hidden_cache, tmp_path / "old")
     m = json.loads((cache / "manifest.json").read_text())

@@ -22,7 +22,7 @@ from dflash_offline.config import ConfigError, ExtractConfig, TokenizeConfig, Tr
 from dflash_offline.dataset import open_hidden_cache
 from dflash_offline.drafter import DFlashDrafter, DrafterConfig, load_target_embeddings
 from dflash_offline.export import ExportError, export
-from dflash_offline.plan import make_plan
+from dflash_offline.extract_plan import make_plan
 from dflash_offline.projection import (
     PROJECTION_FILE,
     ProjectionError,
