@@ -1,4 +1,6 @@
 # dflash_offline — every user-facing job is one target here. Variables: TARGET CORPUS CACHE RUN SHARD NPROC RECIPE ARGS (extra --key=value settings).
+# One name per concept, the same as the stages' flags: CACHE= a hidden-state cache (read or written), TOKENS= a token
+# cache, RUN= a run, EXPORT= an export, TARGET= the target; OUT= only regen's output file.
 SHELL := /bin/bash
 PY_BOOT ?= python3
 VENV ?= .venv
@@ -8,6 +10,7 @@ RECIPE ?= manifests/demo.toml
 TARGET ?=
 CORPUS ?=
 CACHE ?=
+TOKENS ?=
 SHARD ?=
 RUN ?=
 RESUME ?=
@@ -88,14 +91,18 @@ style: setup  ## rewrite style
 tiny: setup  ## build the embedded default target + tokenizer + bundled corpus into $(DEMO_DIR)
 	$(PYTHON) -m stages.build_tiny --out $(DEMO_DIR)/target $(ARGS)
 
-tokenize: setup  ## corpus → packed token shards (CORPUS=, TARGET= for the tokenizer, CACHE= to pin the directory)
-	$(PYTHON) -m stages.tokenize --recipe=$(RECIPE) --corpus=$(CORPUS) --tokenizer=$(TARGET) --out=$(CACHE) $(ARGS)
+# a variable renamed for a target: one line naming the new one (renamed TARGET,OLD,NEW,what it names)
+renamed = $(if $($(2)),$(error make $(1): $(2)= is now $(3)= ($(4))))
+
+tokenize: setup  ## corpus → packed token shards (CORPUS=, TARGET= for the tokenizer, TOKENS= to pin the directory)
+	$(call renamed,tokenize,CACHE,TOKENS,the token cache written)
+	$(PYTHON) -m stages.tokenize --recipe=$(RECIPE) --corpus=$(CORPUS) --tokenizer=$(TARGET) --tokens=$(TOKENS) $(ARGS)
 
 # an existing CACHE= with no RECIPE= given reruns from the inputs its manifest records (the printed repair command)
 EXTRACT_RECIPE = $(if $(and $(CACHE),$(wildcard $(CACHE)/manifest.json),$(filter file,$(origin RECIPE))),,--recipe=$(RECIPE))
 
-extract: setup  ## token shards → hidden-state shards; runs tokenize first if needed (SHARD=3,5-7 redoes those; DRY_RUN=1 checks only, writes nothing)
-	$(LAUNCH) stages.extract $(EXTRACT_RECIPE) --target=$(TARGET) --corpus=$(CORPUS) --hidden_out=$(CACHE) --shards=$(SHARD) --dry_run=$(DRY_RUN) $(ARGS)
+extract: setup  ## token shards → hidden-state shards into CACHE=; runs tokenize first if needed (into TOKENS=; SHARD=3,5-7 redoes those; DRY_RUN=1 checks only, writes nothing)
+	$(LAUNCH) stages.extract $(EXTRACT_RECIPE) --target=$(TARGET) --corpus=$(CORPUS) --tokens=$(TOKENS) --cache=$(CACHE) --shards=$(SHARD) --dry_run=$(DRY_RUN) $(ARGS)
 
 verify: setup  ## re-hash every shard of CACHE= and recompute sampled rows with the target (ROWS= per shard)
 	$(PYTHON) -m stages.verify --cache=$(CACHE) --rows=$(ROWS) $(ARGS)
@@ -106,11 +113,13 @@ train: setup  ## train a drafter on CACHE= into RUN= (RESUME=1 continues it; NPR
 regen: setup  ## the target's answers to CORPUS='s prompts (or in place of its answers) into OUT=: TARGET= here, or ENGINE=http://host:port/v1 MODEL= through a vLLM/SGLang server (THINKING=on|off)
 	$(PYTHON) -m stages.regen --target=$(TARGET) --engine=$(ENGINE) --model=$(MODEL) --corpus=$(CORPUS) --out=$(OUT) --thinking=$(THINKING) $(ARGS)
 
-export: setup  ## z-lab-format drafter (config.json, model.safetensors, dflash.py) from RUN= into OUT= (STEP=, DTYPE=)
-	$(PYTHON) -m stages.export --run=$(RUN) --out=$(OUT) --step=$(STEP) --dtype=$(DTYPE) $(ARGS)
+export: setup  ## z-lab-format drafter (config.json, model.safetensors, dflash.py) from RUN= into EXPORT= (STEP=, DTYPE=)
+	$(call renamed,export,OUT,EXPORT,the export directory written)
+	$(PYTHON) -m stages.export --run=$(RUN) --export=$(EXPORT) --step=$(STEP) --dtype=$(DTYPE) $(ARGS)
 
-eval: setup  ## real speculative decoding with RUN='s export (EXPORT= or OUT=; else STEP= exported into RUN/eval-export) on PROMPTS= vs the target alone (UNTRAINED=1: untrained baseline)
-	$(PYTHON) -m stages.evaluate --run=$(RUN) --export=$(or $(EXPORT),$(OUT)) --step=$(STEP) --prompts=$(PROMPTS) --untrained=$(UNTRAINED) --cache=$(CACHE) $(ARGS)
+eval: setup  ## real speculative decoding with RUN='s export (EXPORT=; else STEP= exported into RUN/eval-export) on PROMPTS= vs the target alone (UNTRAINED=1: untrained baseline)
+	$(call renamed,eval,OUT,EXPORT,the export measured; the report's path is ARGS=--out=)
+	$(PYTHON) -m stages.evaluate --run=$(RUN) --export=$(EXPORT) --step=$(STEP) --prompts=$(PROMPTS) --untrained=$(UNTRAINED) --cache=$(CACHE) $(ARGS)
 
 report: setup  ## PNG plots of RUN='s metrics (loss, accuracy per block position, τ, throughput, GPU memory when the run was on a GPU) and eval.json (acceptance per position and category)
 	$(PYTHON) -m stages.report --run=$(RUN) $(ARGS)
@@ -137,17 +146,17 @@ bench-projection: setup  ## per tapped layer of CACHE=: energy kept and held-out
 	$(PYTHON) -m bench.projection --cache=$(CACHE) $(ARGS)
 
 status: setup  ## shard table and summary of CACHE= (a cache or a directory of caches)
-	$(PYTHON) -m stages.status $(or $(CACHE),cache) $(if $(JSON),--json) $(ARGS)
+	$(PYTHON) -m stages.status --cache=$(or $(CACHE),cache) $(if $(JSON),--json) $(ARGS)
 
 demo: setup  ## the whole pipeline on the embedded default, on CPU: build, regen, extract, train, export, eval
 	$(PYTHON) -m stages.demo_outputs --dir=$(DEMO_DIR)
 	$(DEMO_ENV) $(PYTHON) -m stages.build_tiny --out $(DEMO_DIR)/target --train-steps 300
 	$(DEMO_ENV) $(PYTHON) -m stages.regen --target=$(DEMO_DIR)/target --corpus=$(DEMO_DIR)/target/corpus/train.jsonl --out=$(DEMO_DIR)/regen.jsonl --num_docs=600 --max_new_tokens=256 --batch_size=32 --thinking=on --device=cpu
-	$(DEMO_ENV) $(PYTHON) -m stages.extract --recipe=manifests/demo.toml --corpus=$(DEMO_DIR)/regen.jsonl --tokenizer=$(DEMO_DIR)/target --target=$(DEMO_DIR)/target --out=$(DEMO_DIR)/cache/tokens --hidden_out=$(DEMO_DIR)/cache/hidden
+	$(DEMO_ENV) $(PYTHON) -m stages.extract --recipe=manifests/demo.toml --corpus=$(DEMO_DIR)/regen.jsonl --tokenizer=$(DEMO_DIR)/target --target=$(DEMO_DIR)/target --tokens=$(DEMO_DIR)/cache/tokens --cache=$(DEMO_DIR)/cache/hidden
 	$(DEMO_ENV) $(PYTHON) -m stages.verify --cache=$(DEMO_DIR)/cache/hidden --rows=1 --device=cpu
-	$(DEMO_ENV) $(PYTHON) -m stages.status $(DEMO_DIR)/cache
+	$(DEMO_ENV) $(PYTHON) -m stages.status --cache=$(DEMO_DIR)/cache
 	$(DEMO_ENV) $(PYTHON) -m stages.train --recipe=manifests/demo.toml --cache=$(DEMO_DIR)/cache/hidden --run=$(DEMO_DIR)/run --resume=$$(test -f $(DEMO_DIR)/run/checkpoints/latest && echo 1 || echo 0)
-	$(DEMO_ENV) $(PYTHON) -m stages.export --run=$(DEMO_DIR)/run --out=$(DEMO_DIR)/export
+	$(DEMO_ENV) $(PYTHON) -m stages.export --run=$(DEMO_DIR)/run --export=$(DEMO_DIR)/export
 	$(DEMO_ENV) $(PYTHON) -m stages.evaluate --run=$(DEMO_DIR)/run --export=$(DEMO_DIR)/export --threads=1
 	$(DEMO_ENV) $(PYTHON) -m stages.evaluate --run=$(DEMO_DIR)/run --threads=1 --untrained=1
 	$(DEMO_ENV) $(PYTHON) -m stages.report --run=$(DEMO_DIR)/run

@@ -92,8 +92,8 @@ def sync(device):
 
 def run_ours(args, info, layer_ids, tokens_dir, tm, device) -> dict:
     from dflash_offline.config import ExtractConfig
+    from dflash_offline.extract_plan import ExtractPlan
     from dflash_offline.extraction import extract_shards
-    from dflash_offline.plan import ExtractPlan
     from dflash_offline.target import random_target
 
     torch.manual_seed(0)
@@ -206,7 +206,7 @@ def main() -> None:
 
     info = read_target_info(write_config(args.workdir / "target", text))
     layer_ids = default_layer_ids(info.num_layers, 5)
-    from dflash_offline.plan import check_disk
+    from dflash_offline.extract_plan import check_disk
 
     per_shard = args.rows_per_shard * args.seq_len * len(layer_ids) * info.hidden_size * 2  # bf16 states
     check_disk(args.workdir, args.shards * per_shard, 2.0)  # now, not after a minute of warm-up and 40 shards

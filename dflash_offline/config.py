@@ -32,14 +32,17 @@ class ConfigError(ValueError):
 # [eval]; export): any other section in a recipe is a typo, refused rather than silently ignored
 RECIPE_SECTIONS = ("tokenize", "extract", "verify", "train", "eval", "export", "testbed")
 
-# the make variable that sets a field (Makefile): messages about that field name both spellings
+# the make variable that sets a field (Makefile): messages about that field name both spellings. One name per
+# concept on every stage: --cache (CACHE=) a hidden-state cache, read or written; --tokens (TOKENS=) a token cache;
+# --run (RUN=) a run directory; --export (EXPORT=) an export directory; --target (TARGET=) the target checkpoint;
+# --out (OUT=) only a file or directory a stage writes that is none of these (regen's JSONL, eval's JSON report)
 MAKE_VARS = {
-    "tokenize": {"corpus": "CORPUS", "tokenizer": "TARGET", "out": "CACHE"},
-    "extract": {"target": "TARGET", "hidden_out": "CACHE", "shards": "SHARD", "dry_run": "DRY_RUN"},
+    "tokenize": {"corpus": "CORPUS", "tokenizer": "TARGET", "tokens": "TOKENS"},
+    "extract": {"target": "TARGET", "tokens": "TOKENS", "cache": "CACHE", "shards": "SHARD", "dry_run": "DRY_RUN"},
     "verify": {"cache": "CACHE", "rows": "ROWS"},
     "train": {"cache": "CACHE", "run": "RUN", "resume": "RESUME"},
-    "eval": {"run": "RUN", "prompts": "PROMPTS", "untrained": "UNTRAINED", "cache": "CACHE"},
-    "export": {"run": "RUN", "out": "OUT", "step": "STEP", "dtype": "DTYPE"},
+    "eval": {"run": "RUN", "export": "EXPORT", "prompts": "PROMPTS", "untrained": "UNTRAINED", "cache": "CACHE"},
+    "export": {"run": "RUN", "export": "EXPORT", "step": "STEP", "dtype": "DTYPE"},
     "testbed": {"dir": "TESTBED_DIR", "from_phase": "TESTBED_FROM", "seeds": "SEEDS"},
 }
 
@@ -66,6 +69,32 @@ def removed(section: str, name: str) -> str:
     return f": {why}" if why else ""
 
 
+# settings renamed, by recipe section: old name → (new name, what it names). An old name on a command line or in a
+# recipe is refused in one line naming the new one; a manifest recorded with an old name is read under the new one.
+RENAMED = {
+    "tokenize": {"out": ("tokens", "the token cache written")},
+    "extract": {"hidden_out": ("cache", "the hidden cache written")},
+    "export": {"out": ("export", "the export directory written")},
+}
+
+
+def check_renamed(names, specs: list, where: str) -> None:
+    """Refuse an old setting name of one of `specs` ((cls, section) pairs) that no config there still has, in one
+    line: '<where>: --hidden_out is now --cache (the hidden cache written)'. `where`: the stage, or 'recipe X: [sec]'."""
+    current = {name for cls, _ in specs for name in setting_names(cls)}
+    for sec in (sec for _, sec in specs):
+        for old in sorted(set(names) & set(RENAMED.get(sec, {})) - current):
+            new, what = RENAMED[sec][old]
+            dash = "" if where.startswith("recipe") else "--"
+            raise ConfigError(f"{where}: {dash}{old} is now {dash}{new} ({what})")
+
+
+def upgrade_recorded(section: str, values: dict) -> dict:
+    """A config recorded (in a manifest) under old setting names, with the current ones."""
+    renamed = RENAMED.get(section, {})
+    return {renamed[k][0] if k in renamed else k: v for k, v in values.items()}
+
+
 def flag(section: str, name: str) -> str:
     """How a user sets a field: '--run (make RUN=)' where make has a variable for it, else '--steps'."""
     var = MAKE_VARS.get(section, {}).get(name)
@@ -77,7 +106,7 @@ class TokenizeConfig:
     corpus: list[str]  # chat JSONL/Parquet or pre-tokenized Arrow/Parquet files; globs allowed
     tokenizer: str  # directory holding the target's tokenizer (usually the target checkpoint itself)
     cache_root: str = "cache"  # where caches live; a token cache goes to <cache_root>/tokens-<key12>
-    out: str = ""  # explicit cache directory (overrides the content-addressed default under cache_root)
+    tokens: str = ""  # token cache directory written (overrides the content-addressed default under cache_root)
     seq_len: int = 4096  # fixed row length in tokens
     rows_per_shard: int = 256  # rows per token shard (the last shard may hold fewer)
     long_doc: str = "split"  # documents longer than seq_len: "split" into seq_len chunks, "truncate", or "skip"
@@ -115,9 +144,9 @@ class TokenizeConfig:
 @dataclass
 class ExtractConfig:
     target: str  # target checkpoint: a local directory (or a hub id already in the local HF cache)
-    tokens: str = ""  # token cache directory; empty = run/reuse stage 1a with this recipe's [tokenize] table
+    tokens: str = ""  # token cache directory: a complete one is read as it is; else (or empty) stage 1a writes it with this recipe's [tokenize] table
     cache_root: str = "cache"  # a hidden-state cache goes to <cache_root>/hidden-<key12>
-    hidden_out: str = ""  # explicit hidden-state cache directory (overrides the content-addressed default)
+    cache: str = ""  # hidden-state cache directory written (overrides the content-addressed default under cache_root)
     num_draft_layers: int = 5  # drafter depth, for the default tapped-layer formula
     layer_ids: list[int] = field(default_factory=list)  # tapped 0-based layer outputs; empty = DFlash default
     quant: str = "bf16"  # stored hidden states: "bf16", "fp8" (e4m3 with per-token, per-layer scales) or "fp4" (4-bit e2m1 + e4m3 scale per 16 values + float32 per token and layer)
@@ -356,6 +385,7 @@ def read_recipe(recipe: str) -> dict:
 def recipe_values(tables: dict, recipe: str | None, cls, section: str) -> dict:
     """The recipe's `[section]` table for `cls`; a key that is not one of its fields is an error."""
     table = dict(tables.get(section, {}))
+    check_renamed(table, [(cls, section)], f"recipe {recipe}: [{section}]")
     known = setting_names(cls)
     unknown = sorted(set(table) - set(known))
     if unknown:
@@ -402,6 +432,7 @@ def load_config(cls, section: str, recipe: str | None, overrides: dict[str, str]
     """Build `cls` from `base` (values from elsewhere, e.g. a cache's manifest), updated by a recipe's `[section]`
     table, then by `--key=value` overrides; empty override = keep."""
     tables = read_recipe(recipe) if recipe else {}
+    check_renamed(overrides, [(cls, section)], section)
     check_overrides(overrides, [cls], (section,))
     values = dict(base or {})
     values.update(recipe_values(tables, recipe, cls, section))
@@ -419,6 +450,7 @@ def configs_from_argv(specs: list[tuple[type, str]], argv: list[str], doc: str, 
         print(doc.strip() + "\n\n" + "\n\n".join(f"[{sec}] " + describe(cls, sec) for cls, sec in specs))
         sys.exit(0)
     recipe, overrides = parse_overrides(argv)
+    check_renamed(overrides, specs, specs[0][1])
     check_overrides(overrides, [cls for cls, _ in specs], tuple(sec for _, sec in specs))
     tables = read_recipe(recipe) if recipe else {}
     out, earlier = [], {}
@@ -493,11 +525,13 @@ __all__ = [
     "ConfigError",
     "ExtractConfig",
     "RECIPE_SECTIONS",
+    "RENAMED",
     "TokenizeConfig",
     "VerifyConfig",
     "configs_from_argv",
     "parse_shard_list",
     "as_dict",
+    "check_renamed",
     "compose",
     "is_group",
     "setting_names",
@@ -510,4 +544,5 @@ __all__ = [
     "flag",
     "load_config",
     "parse_overrides",
+    "upgrade_recorded",
 ]

@@ -37,7 +37,7 @@ from dflash_offline.evaluation import (
 @dataclass
 class EvalConfig:
     run: str  # run directory (config.json + checkpoints/) written by make train
-    export: str = ""  # z-lab export to measure (make EXPORT= or OUT=); empty = export --step into RUN/eval-export first
+    export: str = ""  # export directory measured (make export's); empty = export --step into RUN/eval-export first
     prompts: str = ""  # chat JSONL; empty = corpus/eval.jsonl beside the target (the demo target has one)
     num_prompts: int = 16  # prompts taken from the start of the file
     max_new_tokens: int = 128  # new tokens per prompt (the first, from the prefill, counts)

@@ -49,17 +49,17 @@ class ExportError(ValueError):
 @dataclass
 class ExportConfig:
     run: str  # training run directory (make train RUN=...)
-    out: str  # output directory of the z-lab-format checkpoint
+    export: str  # export directory written: the z-lab-format checkpoint
     step: int = -1  # checkpoint step to export; -1 = the latest
     dtype: str = "bfloat16"  # weight dtype: "bfloat16", "float16" or "float32"
     target: str = ""  # target checkpoint (for max_position_embeddings, token ids); empty = the run's target
-    force: bool = False  # replace `out` even if it is not an earlier export of this run
+    force: bool = False  # replace `export` even if it is not an earlier export of this run
 
     def resolve(self) -> ExportConfig:
         if self.dtype not in DTYPES:
             raise ExportError(f"export.dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
-        if not self.run or not self.out:
-            raise ExportError("export needs --run=RUN (a training run directory) and --out=OUT")
+        if not self.run or not self.export:
+            raise ExportError("export needs --run=RUN (a training run directory) and --export=DIR (make EXPORT=)")
         return self
 
 
@@ -267,11 +267,11 @@ def _check_out(out: Path, run_dir: Path, force: bool) -> None:
     if not out.exists():
         return
     if not out.is_dir():
-        raise ExportError(f"{out} exists and is not a directory; choose another OUT=")
+        raise ExportError(f"{out} exists and is not a directory; choose another EXPORT=")
     if force or not any(out.iterdir()) or _same_run(out, run_dir):
         return
     what = "an export of another run" if (out / PROVENANCE).is_file() else "not an export of this run"
-    raise ExportError(f"{out} already exists and is {what}; choose another OUT= or pass --force=1 to replace it")
+    raise ExportError(f"{out} already exists and is {what}; choose another EXPORT= or pass --force=1 to replace it")
 
 
 def export(run_dir, out_dir, step: int | None = None, dtype: str = "bfloat16", target: str = "",

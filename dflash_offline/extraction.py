@@ -1,6 +1,6 @@
 """Stage 1b's extraction loop: the frozen target over the token shards of a plan, hidden-state shards committed.
 
-`extract_shards` takes an `ExtractPlan` (`plan.py`: the cache, its key and taps, the shards to do, the device) and
+`extract_shards` takes an `ExtractPlan` (`extract_plan.py`: the cache, its key and taps, the shards to do, the device) and
 the loaded target, claims each shard before computing it (`cache/claims.py`: ranks and machines sharing the cache
 never compute one twice), runs the target's packed forward over `batch_rows` rows at a time (rows padded to that one
 shape, `pad_rows`) and hands each finished shard to the background writer (`cache/writer.py`: temp → fsync → rename,
@@ -19,7 +19,7 @@ from .cache.fsio import worker_info
 from .cache.manifest import committed
 from .cache.shards import ROW_FILL, read_token_shard, token_shard_name
 from .config import ExtractConfig
-from .plan import ExtractPlan
+from .extract_plan import ExtractPlan
 from .progress import Progress, log
 
 

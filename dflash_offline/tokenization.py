@@ -84,7 +84,7 @@ def producer_for(cfg: TokenizeConfig, tok, paths: list[Path]) -> dict:
 
 
 def cache_dir_for(cfg: TokenizeConfig, key: str) -> Path:
-    return Path(cfg.out) if cfg.out else Path(cfg.cache_root) / f"tokens-{key[:12]}"
+    return Path(cfg.tokens) if cfg.tokens else Path(cfg.cache_root) / f"tokens-{key[:12]}"
 
 
 # --- the run -------------------------------------------------------------------------------------------------

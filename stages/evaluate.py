@@ -6,7 +6,7 @@ estimate.
 
 What is measured is the artifact users ship: the z-lab export directory, loaded as users load it
 (`AutoModel.from_pretrained(DIR, trust_remote_code=True)`, i.e. its own dflash.py, weights checked against the
-SHA-256 in its provenance), drafting with its `draft_block`. `--export=DIR` names it (make EXPORT= or OUT=; a DIR
+SHA-256 in its provenance), drafting with its `draft_block`. `--export=DIR` names it (make EXPORT=; a DIR
 that does not exist yet receives a fresh export of the run); without it the run's checkpoint (`--step`, default the
 latest) is exported into RUN/eval-export first. The JSON records the artifact (path, weights and modeling-file
 SHA-256, run, step). `--untrained=1` measures a fresh drafter (the run's config and seed, the trainer's step 0) in

@@ -1,9 +1,11 @@
 """Export a trained drafter in the z-lab DFlash format (config.json + model.safetensors + dflash.py).
 
-    python -m stages.export --run=RUN --out=OUT [--step=N] [--dtype=bfloat16] [--target=PATH] [--force=1]
+    python -m stages.export --run=RUN --export=DIR [--step=N] [--dtype=bfloat16] [--target=PATH] [--force=1]
+    make export RUN=runs/x EXPORT=export/x
 
-Reads the run's checkpoint (the latest, or `--step`), writes OUT atomically and prints how to serve it with vLLM and
-SGLang. OUT may be new, empty, or an earlier export of the same run (replaced); anything else needs `--force=1`.
+Reads the run's checkpoint (the latest, or `--step`), writes the export directory atomically and prints how to serve
+it with vLLM and SGLang. DIR may be new, empty, or an earlier export of the same run (replaced); anything else needs
+`--force=1`. `make eval EXPORT=DIR` measures it.
 The target checkpoint (for max_position_embeddings and token ids) defaults to the one the run trained against.
 """
 
@@ -17,7 +19,7 @@ from dflash_offline.export import PROVENANCE, ExportConfig, export, provenance_p
 
 
 def run(cfg: ExportConfig) -> Path:
-    out = export(cfg.run, cfg.out, step=None if cfg.step < 0 else cfg.step, dtype=cfg.dtype, target=cfg.target,
+    out = export(cfg.run, cfg.export, step=None if cfg.step < 0 else cfg.step, dtype=cfg.dtype, target=cfg.target,
                  force=cfg.force)
     prov = json.loads((out / PROVENANCE).read_text())
     print(f"exported {Path(cfg.run)} step {prov['step']} ({cfg.dtype}) -> {out}")

@@ -1,19 +1,19 @@
 """Stage 1b: run the frozen target once over the packed token shards and commit hidden-state shards.
 
-    python -m stages.extract --recipe=manifests/demo.toml [--target=DIR] [--shards=3,5-7] [--dry_run=1] ...
+    python -m stages.extract --recipe=manifests/demo.toml [--target=DIR] [--cache=DIR] [--tokens=DIR] [--shards=3,5-7] ...
     accelerate launch --num_processes N -m stages.extract ...     (one process per GPU; NPROC=N in make)
 
 Order of work: validate the config and the device, read the target's config.json, estimate bytes and refuse if the
 disk lacks room (`--allow_overfill=1` starts anyway), check the kernels and time one batch on a small random model of
 the target's real widths — all in seconds, before any weight loads (`--dry_run=1` stops there: it prints the storage
 plan of `storage.py` — size per encoding, free space, training's read bandwidth, GPU-hours — and a one-line
-summary, or the refusal a real run would meet; `plan.py` builds that plan, an `ExtractPlan`) — then load only the
+summary, or the refusal a real run would meet; `extract_plan.py` builds that plan, an `ExtractPlan`) — then load only the
 needed layers and extract (`extraction.py`). Every process claims a shard (with a lease) before computing it, so
 ranks and machines sharing the cache never compute one twice (`cache/claims.py`); each shard is written temp → fsync → rename and committed to the manifest in the background while the
 next one computes (`cache/writer.py`). Rerun = every uncommitted shard; `--shards=` (make SHARD=) redoes exactly those.
 
 The cache is trusted, so a run starts by making it honest: it removes what dead writers left (temp files, claims),
-and a committed shard whose file is missing or resized goes back to "to do". `--hidden_out=DIR` of an existing cache
+and a committed shard whose file is missing or resized goes back to "to do". `--cache=DIR` of an existing cache
 without `--recipe` reruns it from the inputs its manifest records (the repair command that training and verify
 print). A run that ends with shards still claimed by another live process says so and exits non-zero, unless
 `--wait_claims=1` (ranks of one job always wait for each other); a dead process's shards are taken over. A failed
@@ -43,7 +43,7 @@ from dflash_offline.cache.claims import sweep
 from dflash_offline.cache.manifest import open_cache, requeue_missing
 from dflash_offline.config import ExtractConfig, TokenizeConfig, as_dict, configs_from_argv, parse_overrides
 from dflash_offline.devices import cpu_threads, dist_env, pick_device
-from dflash_offline.plan import OVERFILL, ExtractPlan, plan_run, recorded_config
+from dflash_offline.extract_plan import OVERFILL, ExtractPlan, plan_run, recorded_config
 from dflash_offline.progress import log, private_compile_caches, run_cli, unbuffered
 from dflash_offline.storage import plan_lines, recipe_train
 
@@ -172,7 +172,7 @@ def extract_main(argv: list[str]) -> None:
     recorded, train, why = recorded_config(argv), None, {}
     if recorded is not None:
         cfg, tok_cfg = recorded, None
-        log(f"{cfg.hidden_out}: an existing cache and no recipe: rerunning it with the inputs its manifest records "
+        log(f"{cfg.cache}: an existing cache and no recipe: rerunning it with the inputs its manifest records "
             f"(target {cfg.target}, tokens {cfg.tokens})")
     else:
         cfg, tok_cfg = configs_from_argv([(ExtractConfig, "extract"), (TokenizeConfig, "tokenize")], argv, __doc__,

@@ -1,8 +1,8 @@
 """Print a cache's shard table and summary, and any live status of a job writing it.
 
-    python -m stages.status CACHE [--json] [--all]
+    python -m stages.status --cache=DIR [--json] [--all]        (make status CACHE=DIR)
 
-CACHE is a token or hidden-state cache directory (or a parent directory: every cache below it is listed).
+DIR is a token or hidden-state cache directory (or a parent directory: every cache below it is listed).
 `--json` prints one machine-readable JSON object instead; `--all` lists every shard instead of a compact table.
 """
 
@@ -192,13 +192,18 @@ def find_caches(root: Path) -> list[Path]:
 
 
 def main(argv: list[str]) -> None:
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv or any(a in ("-h", "--help") for a in argv):
         print(__doc__.strip())
         sys.exit(0)
-    root = Path(argv[0])
-    if unknown := [a for a in argv[1:] if a not in FLAGS]:
-        raise ConfigError(f"stages.status: unknown option(s) {' '.join(unknown)}; the options are "
+    if argv[0] and not argv[0].startswith("-"):
+        raise ConfigError(f"status: the cache is now --cache={argv[0]} (a positional directory is not read)")
+    caches_given = [a.split("=", 1)[1] for a in argv if a.startswith("--cache=")]
+    if unknown := [a for a in argv if a not in FLAGS and not a.startswith("--cache=")]:
+        raise ConfigError(f"stages.status: unknown option(s) {' '.join(unknown)}; the options are --cache=DIR, "
                           f"{', '.join(FLAGS)} (make status ARGS=--all)")
+    if len(caches_given) != 1 or not caches_given[0]:
+        raise ConfigError("stages.status: give one cache: --cache=DIR (make status CACHE=DIR)")
+    root = Path(caches_given[0])
     caches = find_caches(root)
     if not caches:
         raise ManifestError(f"no cache at {root} (no {MANIFEST} there or one level below)")

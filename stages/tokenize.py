@@ -1,11 +1,11 @@
 """Stage 1a: corpus → packed fixed-shape token shards under a content-addressed manifest.
 
-    python -m stages.tokenize --recipe=manifests/demo.toml [--corpus=a.jsonl,b/*.parquet] [--tokenizer=DIR] ...
+    python -m stages.tokenize --recipe=manifests/demo.toml [--corpus=a.jsonl,b/*.parquet] [--tokenizer=DIR] [--tokens=DIR]
 
 Reads the corpus as a stream, renders chats with the target tokenizer's template (loss on assistant tokens only,
 located from the conversation's structure; `turns=each` makes one document per assistant turn), packs documents into
 rows of `seq_len` tokens, writes Arrow shards (temp → fsync → rename → manifest commit) into
-`<cache_root>/tokens-<key12>` and prints the cache directory on the last line. Same inputs → same key and
+`<cache_root>/tokens-<key12>` (or `--tokens=DIR`, make TOKENS=) and prints the cache directory on the last line. Same inputs → same key and
 byte-identical shards; a cache already complete for this key is reused as is.
 
 A bad record is skipped and counted per reason (file:line of each in `skips.jsonl`), or with `--strict=1` stops the

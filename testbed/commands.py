@@ -62,8 +62,7 @@ class Job:
 def extract(cfg: TestbedConfig, p: Paths, settings: dict, name: str, dev: str, log_file: Path | None = None) -> float:
     """Token cache (shared) + hidden cache DIR/cache/hidden[-name] with the recipe and `settings` ([extract])."""
     args = [f"--recipe={cfg.drafter_recipe}", f"--corpus={p.regen}", f"--tokenizer={p.target}", f"--target={p.target}",
-            f"--out={p.tokens}",
-            f"--hidden_out={p.hidden(name)}", f"--device={dev}"]
+            f"--tokens={p.tokens}", f"--cache={p.hidden(name)}", f"--device={dev}"]
     if cfg.recipe_seq_len:
         args.append(f"--seq_len={cfg.recipe_seq_len}")
     return stage("stages.extract", *args, *(f"--{k}={v}" for k, v in settings.items()), log_file=log_file)
@@ -105,7 +104,7 @@ def train_export(cfg: TestbedConfig, run: Path, cache: Path, seed: int, settings
     logf = (lambda name: log_dir / f"{name}.log") if log_dir else (lambda name: None)
     args = train_args(cfg, run, cache, seed, settings) + [f"--resume={int((run / 'checkpoints').is_dir())}"]
     train = stage("stages.train", *args, log_file=logf("train"), env=env)
-    export = stage("stages.export", f"--run={run}", f"--out={run / 'export'}", "--force=1", log_file=logf("export"),
+    export = stage("stages.export", f"--run={run}", f"--export={run / 'export'}", "--force=1", log_file=logf("export"),
                    env=env)
     return {"train": train, "export": export}
 

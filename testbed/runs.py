@@ -185,7 +185,7 @@ def parse_arm(text: str) -> tuple[dict, dict]:
     from dflash_offline.config import ExtractConfig, setting_names
     from dflash_offline.trainsetup import TrainConfig
 
-    ext_keys = {f for f in ExtractConfig.__dataclass_fields__} - {"target", "tokens", "hidden_out", "cache_root",
+    ext_keys = {f for f in ExtractConfig.__dataclass_fields__} - {"target", "tokens", "cache", "cache_root",
                                                                    "shards", "device", "dry_run"}
     train_keys = set(setting_names(TrainConfig)) - {"cache", "run", "resume", "seed", "target"}
     ext, train = {}, {}

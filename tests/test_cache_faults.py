@@ -103,10 +103,10 @@ def test_a_deleted_shard_is_seen_by_status_and_redone_by_extract_alone(tmp_path,
     (cache / hidden_shard_name(3)).unlink()
     with open(cache / hidden_shard_name(5), "ab") as f:
         f.write(b"\0")
-    status = run([sys.executable, "-m", "stages.status", str(cache)])
+    status = run([sys.executable, "-m", "stages.status", f"--cache={cache}"])
     assert "2 committed shard(s) damaged on disk: 3,5" in status.stdout, status.stdout
     # the printed repair command: make extract CACHE=<cache> (no recipe, corpus or target needed)
-    res = run([sys.executable, "-m", "stages.extract", f"--hidden_out={cache}", "--target=", "--corpus=",
+    res = run([sys.executable, "-m", "stages.extract", f"--cache={cache}", "--target=", "--corpus=",
                "--shards=", "--dry_run="])
     assert res.returncode == 0, res.stderr[-2000:]
     redone = sorted(int(x) for x in __import__("re").findall(r"shard (\d+) committed", res.stdout))
@@ -186,7 +186,7 @@ def test_status_tells_dead_writers_from_live_ones(tmp_path, clean):
     (cache / "claims" / "shard-00001.json").write_text(json.dumps(
         {"worker": f"{host}:{dead.pid}", "host": host, "pid": dead.pid, "rank": 1, "index": 1,
          "expires": now + 855}))
-    out = run([sys.executable, "-m", "stages.status", str(cache)]).stdout
+    out = run([sys.executable, "-m", "stages.status", f"--cache={cache}"]).stdout
     lines = out.splitlines()
     assert any(f"{host}:{dead.pid}" in x and "dead" in x and "extract[dead]" in x for x in lines), out
     assert any(f"{host}:{os.getpid()}" in x and "running" in x for x in lines), out
@@ -206,7 +206,7 @@ def test_a_deleted_token_shard_is_redone_identically_by_the_next_run(tmp_path, c
     tokens = tmp_path / src.name
     shutil.copytree(src, tokens)
     before = shard_hashes(tokens)
-    cfg = TokenizeConfig(**{**read_manifest(tokens)["config"], "out": str(tokens)}).resolve()
+    cfg = TokenizeConfig(**{**read_manifest(tokens)["config"], "tokens": str(tokens)}).resolve()
     (tokens / "tokens-00002.arrow").unlink()
     tokenization.run(cfg)
     assert shard_hashes(tokens) == before and read_manifest(tokens)["complete"]
@@ -223,14 +223,14 @@ def test_status_of_a_hidden_cache_shows_times_verdict_and_summary(tmp_path, clea
     (cache / "status-elsewhere-1.json").write_text(json.dumps(
         {"stage": "tokenize", "state": "done", "host": "elsewhere", "pid": 1, "rank": 0, "done": 40, "total": None,
          "tokens_per_s": 9.0, "updated_at": time.time() - 30}))
-    out = run([sys.executable, "-m", "stages.status", str(cache)]).stdout
+    out = run([sys.executable, "-m", "stages.status", f"--cache={cache}"]).stdout
     table = [x.split() for x in out.splitlines() if x.split()[:2][1:] == ["committed"]]
     assert table and all(float(row[5]) > 0 for row in table), out  # each hidden shard's compute time
     assert "verified: never verified" in out and "bytes_per_token" in out and "compute_tokens_per_s" in out
     assert "/None" not in out and "tokenize elsewhere:1 rank 0: 40 " in out and "ended 30s ago" in out
     update_manifest(cache, verified={"ok": False, "bad": [{"shard": 3, "reason": "x"}, {"shard": 4, "reason": "y"}],
                                      "at": time.time()})
-    assert "verified: FAILED at" in run([sys.executable, "-m", "stages.status", str(cache)]).stdout
+    assert "verified: FAILED at" in run([sys.executable, "-m", "stages.status", f"--cache={cache}"]).stdout
 
 
 def test_training_names_a_field_missing_from_the_manifest(tmp_path, hidden_cache, copy_cache):

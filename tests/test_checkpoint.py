@@ -365,9 +365,9 @@ def test_export_refuses_damaged_weights(tmp_path, hidden_cache):
     flip_one_bit(run / "checkpoints" / "step-00000004" / "model.safetensors")
     with pytest.raises(ValueError, match=r"step-00000004 is damaged: model.safetensors differs from the SHA-256 "
                                          r"recorded when it was saved; export another step \(--step=N; others: 2\)$"):
-        export.run(ExportConfig(run=str(run), out=str(tmp_path / "out")))
+        export.run(ExportConfig(run=str(run), export=str(tmp_path / "out")))
     assert not (tmp_path / "out").exists()
-    export.run(ExportConfig(run=str(run), out=str(tmp_path / "out"), step=2))
+    export.run(ExportConfig(run=str(run), export=str(tmp_path / "out"), step=2))
     assert (tmp_path / "out" / "model.safetensors").is_file()
 
 

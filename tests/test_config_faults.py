@@ -104,7 +104,7 @@ dtype = "float32"
     assert config_from_argv(VerifyConfig, "verify", [arg, "--cache=c"], "").rows == 3
     assert configs_from_argv([(TrainConfig, "train")], [arg, "--cache=c"], "")[0].steps == 7
     assert config_from_argv(EvalConfig, "eval", [arg, "--run=r"], "").num_prompts == 5
-    assert configs_from_argv([(ExportConfig, "export")], [arg, "--run=r", "--out=o"], "")[0].dtype == "float32"
+    assert configs_from_argv([(ExportConfig, "export")], [arg, "--run=r", "--export=o"], "")[0].dtype == "float32"
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "manifests").glob("*.toml")), ids=lambda p: p.name)
@@ -127,7 +127,7 @@ def test_a_missing_setting_names_the_flag_and_the_make_variable():
         config_from_argv(VerifyConfig, "verify", [], "")
     with pytest.raises(ConfigError, match=r"eval setting\(s\): --run \(make RUN=\)$"):
         config_from_argv(EvalConfig, "eval", [], "")
-    with pytest.raises(ConfigError, match=r"export setting\(s\): --run \(make RUN=\), --out \(make OUT=\)$"):
+    with pytest.raises(ConfigError, match=r"export setting\(s\): --run \(make RUN=\), --export \(make EXPORT=\)$"):
         configs_from_argv([(ExportConfig, "export")], [], "")
 
 

@@ -337,7 +337,7 @@ def test_cli(tmp_path, qwen3_dir, capsys):
     from stages import export as stage
 
     run, _ = fake_run(tmp_path / "run", qwen3_dir)
-    stage.main([f"--run={run}", f"--out={tmp_path / 'out'}", "--dtype=float16"])
+    stage.main([f"--run={run}", f"--export={tmp_path / 'out'}", "--dtype=float16"])
     printed = capsys.readouterr().out
     assert str(tmp_path / "out") in printed
     assert '"method": "dflash"' in printed and '"num_speculative_tokens": 15' in printed
@@ -346,7 +346,7 @@ def test_cli(tmp_path, qwen3_dir, capsys):
         assert f.get_tensor("fc.weight").dtype == torch.float16
     # as a module: errors exit 2 with the message (before torch is imported), --help lists the settings
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, "-m", "stages.export", f"--run={tmp_path / 'nope'}", "--out=x"],
+    res = subprocess.run([sys.executable, "-m", "stages.export", f"--run={tmp_path / 'nope'}", "--export=x"],
                          cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert res.returncode == 2 and "does not exist" in res.stderr
     res = subprocess.run([sys.executable, "-m", "stages.export", "--help"], cwd=REPO, capture_output=True, text=True,

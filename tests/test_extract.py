@@ -170,10 +170,10 @@ def test_dry_run_and_fail_fast_before_weights_load(tmp_path, qwen35_dir, chat_co
 
 def test_cache_with_another_key_is_never_overwritten(tmp_path, qwen35_dir, qwen3_dir, chat_corpus):
     out = tmp_path / "pinned"
-    extract_run(tmp_path, qwen35_dir, chat_corpus, hidden_out=str(out))
+    extract_run(tmp_path, qwen35_dir, chat_corpus, cache=str(out))
     before = (out / "manifest.json").read_text()
     with pytest.raises(ValueError, match="already holds a different hidden cache"):
-        extract_run(tmp_path, qwen35_dir, chat_corpus, hidden_out=str(out), quant="fp8")
+        extract_run(tmp_path, qwen35_dir, chat_corpus, cache=str(out), quant="fp8")
     assert (out / "manifest.json").read_text() == before
 
 

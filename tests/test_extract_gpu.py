@@ -17,7 +17,7 @@ def test_cuda_packed_extraction_equals_cpu_per_document(tmp_path, qwen35_dir, ch
         tok = TokenizeConfig(corpus=[str(chat_corpus)], tokenizer=str(qwen35_dir), cache_root=str(tmp_path / "c"),
                              seq_len=256, rows_per_shard=4, workers=1, max_docs=60).resolve()
         ext = ExtractConfig(target=str(qwen35_dir), cache_root=str(tmp_path / "c"), num_draft_layers=3,
-                            device=device, batch_rows=2, hidden_out=str(tmp_path / device)).resolve()
+                            device=device, batch_rows=2, cache=str(tmp_path / device)).resolve()
         caches[device] = extract.run(ext, tok)
     m = read_manifest(caches["cuda"])
     assert m["key"] == read_manifest(caches["cpu"])["key"]  # the device is not part of the identity

@@ -188,7 +188,7 @@ def test_a_cache_keyed_by_the_sampled_fingerprint_is_continued_not_redone(tmp_pa
     from dflash_offline.cache.manifest import read_manifest
 
     real = targetid.target_fingerprint
-    kw = {"hidden_out": str(tmp_path / "pinned")} if pinned else {}
+    kw = {"cache": str(tmp_path / "pinned")} if pinned else {}
     monkeypatch.setattr(targetid, "target_fingerprint", lambda ckpt, weights=True, scheme="sampled": real(
         ckpt, weights, "sampled"))  # the code before full hashes
     ext, tok = configs(tmp_path, qwen35_dir, chat_corpus, shards="0", **kw)

@@ -98,7 +98,7 @@ def test_two_machines_extract_into_one_shared_cache_each_shard_once_same_bytes(t
     tokens = (hidden_cache / m0["config"]["tokens_dir"]).resolve()
     cache = tmp_path / "shared" / "hidden"
     # the fixture's settings, on its token cache (one stage 1a for both machines: docs/multi-node.md)
-    args = [f"--target={qwen35_dir}", f"--corpus={chat_corpus}", f"--tokens={tokens}", f"--hidden_out={cache}",
+    args = [f"--target={qwen35_dir}", f"--corpus={chat_corpus}", f"--tokens={tokens}", f"--cache={cache}",
             "--num_draft_layers=3", "--device=cpu", "--batch_rows=4", "--wait_claims=1", "--lease_s=12"]
     # node-c holds the last shard: its pid is no process here (another machine's), its lease ends in 10 s
     gone = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -22,7 +22,7 @@ from dflash_offline.config import ConfigError, ExtractConfig, TokenizeConfig, Ve
 from dflash_offline.dataset import open_hidden_cache
 from dflash_offline.drafter import DFlashDrafter, DrafterConfig, load_target_embeddings
 from dflash_offline.export import ExportError, export
-from dflash_offline.plan import make_plan
+from dflash_offline.extract_plan import make_plan
 from dflash_offline.projection import (
     PROJECTION_FILE,
     ProjectionError,
@@ -56,7 +56,7 @@ def caches(tmp_path_factory, qwen35_dir, chat_corpus):
     full = extract.run(*configs(root, qwen35_dir, chat_corpus))
     proj = extract.run(*configs(root, qwen35_dir, chat_corpus, project_dims=K, project_rows=ROWS))
     again = extract.run(*configs(root, qwen35_dir, chat_corpus, project_dims=K, project_rows=ROWS,
-                                 hidden_out=str(root / "again")))
+                                 cache=str(root / "again")))
     return {"full": full, "proj": proj, "again": again}
 
 

@@ -105,7 +105,7 @@ def write_corpus(path, records):
 
 def run(tmp_path, tokenizer, records, **kw):
     cfg = TokenizeConfig(corpus=[str(write_corpus(tmp_path / "chats.jsonl", records))], tokenizer=str(tokenizer),
-                         out=str(tmp_path / "cache"), seq_len=kw.pop("seq_len", 2048), rows_per_shard=4, workers=1,
+                         tokens=str(tmp_path / "cache"), seq_len=kw.pop("seq_len", 2048), rows_per_shard=4, workers=1,
                          **kw).resolve()
     cache = tokenization.run(cfg)
     docs = []

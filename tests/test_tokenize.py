@@ -276,10 +276,10 @@ def test_streaming_100k_documents_in_bounded_memory(tmp_path, qwen35_dir):
 
 def test_status_prints_table_and_json(tmp_path, qwen35_dir, chat_corpus):
     cache = run(tmp_path, [chat_corpus], qwen35_dir)
-    out = subprocess.run([sys.executable, "-m", "stages.status", str(cache)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "stages.status", f"--cache={cache}"], capture_output=True, text=True,
                          check=True).stdout
     assert "committed" in out and "padding_fraction" in out and "complete" in out
-    js = json.loads(subprocess.run([sys.executable, "-m", "stages.status", str(cache), "--json"],
+    js = json.loads(subprocess.run([sys.executable, "-m", "stages.status", f"--cache={cache}", "--json"],
                                    capture_output=True, text=True, check=True).stdout)
     assert js["complete"] and js["committed"] == len(js["shards"]) > 0 and js["kind"] == "tokens"
     assert np.isclose(js["summary"]["padding_fraction"],

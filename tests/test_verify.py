@@ -258,7 +258,7 @@ def test_verify_status_and_training_work_on_a_read_only_cache(hidden_cache, tmp_
     assert out.strip().splitlines()[-1].startswith(f"the verdict is not recorded in {cache}/manifest.json: it cannot "
                                                    f"be written here (")
     assert "SHARD=2" in out
-    status.main([str(cache)])
+    status.main([f"--cache={cache}"])
     assert "19/19 shards committed" in capsys.readouterr().out
     ids = read_manifest(cache)["config"]["layer_ids"]
     with HiddenStream(open_hidden_cache(cache, ids), batch_rows=4, prefetch=0) as stream:

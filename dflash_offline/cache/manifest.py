@@ -208,7 +208,8 @@ def open_cache(cache: Path, kind: str, key: str, producer: dict, config: dict, n
                 diff = diff_producers(m.get("producer", {}), producer)
                 raise ManifestError(
                     f"{cache} already holds a different {m['kind']} cache (key {m['key'][:12]} ≠ {key[:12]}; "
-                    f"differs in: {', '.join(diff) or 'code format'}). Use another CACHE= or delete it deliberately."
+                    f"differs in: {', '.join(diff) or 'code format'}). Use another "
+                    f"{'TOKENS=' if kind == 'tokens' else 'CACHE='} or delete it deliberately."
                 )
             return m
         m = {

@@ -12,7 +12,7 @@ continued, not redone). Then this run's: the cache directory, the shards to do (
 (`disk_room`; `disk_refusal` says why a run the filesystem has no room for does not start, `allow_overfill=1` starts
 it anyway) and the kernel check on a small random model of the target's widths (`check_kernels`). The storage plan
 the dry run prints around these numbers is `storage.py`. `recorded_config` is the rerun of an existing hidden cache:
-with `--hidden_out=DIR` and no recipe, the ExtractConfig its manifest recorded (less a one-off `allow_overfill`), so
+with `--cache=DIR` and no recipe, the ExtractConfig its manifest recorded (less a one-off `allow_overfill`), so
 the repair command that training and verify print works as printed.
 """
 
@@ -27,7 +27,16 @@ from pathlib import Path
 from . import storage
 from .cache.fsio import hash_obj
 from .cache.manifest import committed, has_manifest, missing_files, read_manifest
-from .config import ConfigError, ExtractConfig, TokenizeConfig, load_config, parse_overrides, parse_shard_list
+from .config import (
+    ConfigError,
+    ExtractConfig,
+    TokenizeConfig,
+    check_renamed,
+    load_config,
+    parse_overrides,
+    parse_shard_list,
+    upgrade_recorded,
+)
 from .devices import pick_device
 from .progress import log
 
@@ -67,23 +76,25 @@ class ExtractPlan:
 
 
 def recorded_config(argv: list[str]) -> ExtractConfig | None:
-    """For `--hidden_out=DIR` naming an existing hidden cache and no `--recipe`: the ExtractConfig its manifest
+    """For `--cache=DIR` naming an existing hidden cache and no `--recipe`: the ExtractConfig its manifest
     recorded (reading the token cache it was made from), with the command line's non-empty settings on top, so that
     `make extract CACHE=DIR SHARD=k` works as printed. None otherwise."""
     if any(a in ("-h", "--help") for a in argv):
         return None
     recipe, overrides = parse_overrides(argv)
-    out = overrides.get("hidden_out", "")
+    check_renamed(overrides, [(ExtractConfig, "extract"), (TokenizeConfig, "tokenize")], "extract")
+    out = overrides.get("cache", "")
     if recipe or not out or not has_manifest(out):
         return None
     m = read_manifest(out)
     if m.get("kind") != "hidden":
-        raise ConfigError(f"{out} holds a {m.get('kind')} cache; hidden_out (CACHE= for make extract) names a "
+        raise ConfigError(f"{out} holds a {m.get('kind')} cache; --cache (CACHE= for make extract) names a "
                           f"hidden-state cache")
     unknown = sorted(set(overrides) - set(ExtractConfig.__dataclass_fields__) - set(TokenizeConfig.__dataclass_fields__))
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; see --help")
-    values = {**m["config"]["extract"], "shards": "", "dry_run": False, "allow_overfill": False, "hidden_out": out,
+    values = {**upgrade_recorded("extract", m["config"]["extract"]), "shards": "", "dry_run": False,
+              "allow_overfill": False, "cache": out,
               "tokens": str((Path(out) / m["config"]["tokens_dir"]).resolve())}
     values.update({k: v for k, v in overrides.items() if k in ExtractConfig.__dataclass_fields__ and v != ""})
     return load_config(ExtractConfig, "extract", None, {}, values)
@@ -201,12 +212,17 @@ def plan_run(cfg: ExtractConfig, tok_cfg: TokenizeConfig | None, rank: int, worl
     return replace(plan, **check_kernels(cfg, plan, rank, world))
 
 
+def complete_cache(d: str | Path) -> bool:
+    return has_manifest(d) and bool(read_manifest(d).get("complete"))
+
+
 def token_cache(cfg: ExtractConfig, tok_cfg: TokenizeConfig | None, rank: int) -> Path | dict:
-    """The token cache: given, or made/reused by stage 1a (rank 0 writes it; other ranks wait for it). A dry run
-    writes nothing: it gets the manifest stage 1a would leave (read from disk when that cache is complete)."""
+    """The token cache: `--tokens=DIR` holding a complete one, or made/reused by stage 1a (into `--tokens=DIR` when
+    given: the same flag in extract's two configs; rank 0 writes it; other ranks wait for it). A dry run writes
+    nothing: it gets the manifest stage 1a would leave (read from disk when that cache is complete)."""
     from . import tokenization
 
-    if cfg.tokens:
+    if cfg.tokens and (tok_cfg is None or complete_cache(cfg.tokens)):
         return Path(cfg.tokens)
     if cfg.dry_run:
         return tokenization.dry_run(tok_cfg)
@@ -253,7 +269,7 @@ def continued_legacy_cache(cfg: ExtractConfig, plan: ExtractPlan, rank: int) -> 
 
 
 def cache_dir(cfg: ExtractConfig, key: str) -> Path:
-    return Path(cfg.hidden_out) if cfg.hidden_out else Path(cfg.cache_root) / f"hidden-{key[:12]}"
+    return Path(cfg.cache) if cfg.cache else Path(cfg.cache_root) / f"hidden-{key[:12]}"
 
 
 def shards_to_do(cfg: ExtractConfig, plan: ExtractPlan) -> dict:

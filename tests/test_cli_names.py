@@ -1,0 +1,150 @@
+"""One name per concept on every stage's command line, recipe and make target: `--cache` (CACHE=) a hidden-state
+cache wherever a stage reads or writes one, `--tokens` (TOKENS=) a token cache, `--export` (EXPORT=) an export
+directory, `--out` only a file a stage writes that is none of these. An old name is refused in one line naming the new.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_offline.config import (
+    RENAMED,
+    ConfigError,
+    ExtractConfig,
+    TokenizeConfig,
+    TrainConfig,
+    VerifyConfig,
+    config_from_argv,
+    configs_from_argv,
+    describe,
+)
+from dflash_offline.evalrun import EvalConfig
+from dflash_offline.export import ExportConfig
+
+REPO = Path(__file__).resolve().parents[1]
+# each stage's configs, as its command line reads them
+STAGES = {"tokenize": [(TokenizeConfig, "tokenize")],
+          "extract": [(ExtractConfig, "extract"), (TokenizeConfig, "tokenize")],
+          "verify": [(VerifyConfig, "verify")], "train": [(TrainConfig, "train")],
+          "evaluate": [(EvalConfig, "eval")], "export": [(ExportConfig, "export")]}
+
+
+def help_flags(specs) -> dict[str, str]:
+    """--flag → its help line, over every config the stage reads."""
+    lines = [line for cls, sec in specs for line in describe(cls, sec).splitlines()[1:]]
+    return {line.split()[0]: line for line in lines}
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_help_has_one_name_per_concept(stage):
+    """A hidden-state cache is --cache, a token cache --tokens, an export --export; no old name is listed."""
+    flags = help_flags(STAGES[stage])
+    old = {f"--{o}" for _, sec in STAGES[stage] for o in RENAMED.get(sec, {})}
+    assert not old & set(flags), old & set(flags)
+    hidden = {f for f, line in flags.items() if "hidden" in line and "cache" in line and f != "--cache_root"}
+    assert hidden <= {"--cache"}, hidden
+    token_dirs = {f for f, line in flags.items() if "token cache directory" in line}
+    assert token_dirs <= {"--tokens"}, token_dirs
+    exports = {f for f, line in flags.items() if "export directory" in line}
+    assert exports <= {"--export"}, exports
+    if stage in ("tokenize", "extract", "export"):
+        assert "--out" not in flags  # (evaluate's --out is its JSON report: a file, not a cache or export)
+
+
+def test_status_takes_its_cache_as_cache(hidden_cache):
+    run = [sys.executable, "-m", "stages.status"]
+    ok = subprocess.run([*run, f"--cache={hidden_cache}", "--json"], cwd=REPO, capture_output=True, text=True,
+                        timeout=120)
+    assert ok.returncode == 0 and json.loads(ok.stdout), ok.stderr
+    old = subprocess.run([*run, str(hidden_cache)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert old.returncode == 2 and f"status: the cache is now --cache={hidden_cache}" in old.stderr, old.stderr
+    assert old.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize(("stage", "old", "new", "what"), [
+    ("extract", "hidden_out", "cache", "the hidden cache written"),
+    ("extract", "out", "tokens", "the token cache written"),
+    ("tokenize", "out", "tokens", "the token cache written"),
+    ("export", "out", "export", "the export directory written"),
+])
+def test_an_old_flag_is_refused_naming_the_new_one(stage, old, new, what):
+    msg = f"{stage}: --{old} is now --{new} ({what})"
+    with pytest.raises(ConfigError) as e:
+        configs_from_argv(STAGES[stage], [f"--{old}=x"], "")
+    assert str(e.value) == msg
+    if len(STAGES[stage]) == 1:
+        with pytest.raises(ConfigError) as e:
+            config_from_argv(*STAGES[stage][0], [f"--{old}=x"], "")
+        assert str(e.value) == msg
+
+
+def test_an_old_flag_on_the_command_line_is_one_line_and_exit_2():
+    res = subprocess.run([sys.executable, "-m", "stages.extract", "--hidden_out=/nowhere"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert "extract: --hidden_out is now --cache (the hidden cache written)" in res.stderr
+    assert res.stderr.strip().count("\n") == 0, res.stderr
+
+
+def test_an_old_recipe_key_is_refused_naming_the_new_one(tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[extract]\nhidden_out = "c"\n')
+    with pytest.raises(ConfigError, match=r"\[extract\]: hidden_out is now cache \(the hidden cache written\)$"):
+        configs_from_argv(STAGES["extract"], [f"--recipe={recipe}", "--target=t", "--corpus=a"], "")
+
+
+def test_the_recipes_use_no_old_name():
+    import tomllib
+
+    for path in sorted((REPO / "manifests").glob("*.toml")):
+        tables = tomllib.loads(path.read_text())
+        for sec, renamed in RENAMED.items():
+            assert not set(tables.get(sec, {})) & set(renamed), (path.name, sec)
+
+
+def test_a_manifest_recorded_under_the_old_name_is_rerun(tmp_path, hidden_cache, copy_cache):
+    """A cache made before the rename records `hidden_out` in its extract config: the repair command
+    (`make extract CACHE=DIR`, no recipe) still reads it."""
+    from dflash_offline.extract_plan import recorded_config
+
+    cache = copy_cache(hidden_cache, tmp_path / "old")
+    m = json.loads((cache / "manifest.json").read_text())
+    ext = m["config"]["extract"]
+    ext["hidden_out"] = ext.pop("cache")
+    (cache / "manifest.json").write_text(json.dumps(m))
+    cfg = recorded_config([f"--cache={cache}"])
+    assert cfg is not None and cfg.cache == str(cache) and not hasattr(cfg, "hidden_out")
+
+
+def test_extract_tokens_names_where_stage_1a_writes_and_what_it_reads(tmp_path, qwen35_dir, chat_corpus):
+    """`--tokens=DIR` in extract: stage 1a writes the token cache there when DIR holds none; a later run reads it."""
+    from stages import extract
+
+    tokens = tmp_path / "tok"
+    argv = [f"--target={qwen35_dir}", f"--corpus={chat_corpus}", f"--tokenizer={qwen35_dir}", f"--tokens={tokens}",
+            f"--cache={tmp_path / 'hid'}", f"--cache_root={tmp_path / 'root'}", "--seq_len=128", "--rows_per_shard=8",
+            "--max_docs=24", "--workers=1", "--num_draft_layers=2", "--device=cpu", "--batch_rows=4"]
+    ext, tok = configs_from_argv(STAGES["extract"], argv, "")
+    assert ext.tokens == tok.tokens == str(tokens)
+    out = extract.run(ext, tok)
+    assert out == tmp_path / "hid" and json.loads((tokens / "manifest.json").read_text())["complete"]
+    assert not (tmp_path / "root").exists()
+
+
+def test_make_variables_name_what_they_hold():
+    def make(*args):
+        return subprocess.run(["make", "--no-print-directory", "-n", "-o", ".venv/.installed", *args], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+
+    for target, old, new in (("eval", "OUT", "EXPORT"), ("export", "OUT", "EXPORT"), ("tokenize", "CACHE", "TOKENS")):
+        res = make(target, f"{old}=x")
+        assert res.returncode != 0 and f"make {target}: {old}= is now {new}= (" in res.stderr, (target, res.stderr)
+    assert "--export=e " in make("export", "RUN=r", "EXPORT=e").stdout
+    assert "--export=e " in make("eval", "RUN=r", "EXPORT=e").stdout
+    assert "--tokens=t " in make("tokenize", "TOKENS=t").stdout
+    line = make("extract", "CACHE=c", "TOKENS=t").stdout
+    assert "--cache=c " in line and "--tokens=t " in line and "hidden_out" not in line
+    assert "stages.status --cache=c" in make("status", "CACHE=c").stdout
