@@ -15,7 +15,6 @@ from dflash_offline.config import (
     ConfigError,
     ExtractConfig,
     TokenizeConfig,
-    TrainConfig,
     VerifyConfig,
     config_from_argv,
     configs_from_argv,
@@ -23,6 +22,7 @@ from dflash_offline.config import (
 )
 from dflash_offline.evalrun import EvalConfig
 from dflash_offline.export import ExportConfig
+from dflash_offline.trainsetup import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 # each stage's configs, as its command line reads them
