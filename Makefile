@@ -91,8 +91,10 @@ style: setup  ## rewrite style
 tiny: setup  ## build the embedded default target + tokenizer + bundled corpus into $(DEMO_DIR)
 	$(PYTHON) -m stages.build_tiny --out $(DEMO_DIR)/target $(ARGS)
 
-# a variable renamed for a target: one line naming the new one (renamed TARGET,OLD,NEW,what it names)
-renamed = $(if $($(2)),$(error make $(1): $(2)= is now $(3)= ($(4))))
+# a variable renamed for a target: one line naming the new one (renamed TARGET,OLD,NEW,what it names) — only when the
+# old one is given on the command line and the new one is not (an OUT or CACHE in the environment, or one meant for
+# another target of the same command, is left alone)
+renamed = $(if $(and $(filter command line,$(origin $(2))),$($(2)),$(if $($(3)),,x)),$(error make $(1): $(2)= is now $(3)= ($(4))))
 
 tokenize: setup  ## corpus → packed token shards (CORPUS=, TARGET= for the tokenizer, TOKENS= to pin the directory)
 	$(call renamed,tokenize,CACHE,TOKENS,the token cache written)

@@ -35,7 +35,8 @@ RECIPE_SECTIONS = ("tokenize", "extract", "verify", "train", "eval", "export", "
 # the make variable that sets a field (Makefile): messages about that field name both spellings. One name per
 # concept on every stage: --cache (CACHE=) a hidden-state cache, read or written; --tokens (TOKENS=) a token cache;
 # --run (RUN=) a run directory; --export (EXPORT=) an export directory; --target (TARGET=) the target checkpoint;
-# --out (OUT=) only a file or directory a stage writes that is none of these (regen's JSONL, eval's JSON report)
+# --out only a file or directory a stage writes that is none of these (regen's JSONL: OUT=; eval's JSON report:
+# ARGS=--out=, since make eval's OUT= named the export before)
 MAKE_VARS = {
     "tokenize": {"corpus": "CORPUS", "tokenizer": "TARGET", "tokens": "TOKENS"},
     "extract": {"target": "TARGET", "tokens": "TOKENS", "cache": "CACHE", "shards": "SHARD", "dry_run": "DRY_RUN"},

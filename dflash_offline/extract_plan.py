@@ -222,8 +222,14 @@ def token_cache(cfg: ExtractConfig, tok_cfg: TokenizeConfig | None, rank: int) -
     nothing: it gets the manifest stage 1a would leave (read from disk when that cache is complete)."""
     from . import tokenization
 
-    if cfg.tokens and (tok_cfg is None or complete_cache(cfg.tokens)):
+    if cfg.tokens and tok_cfg is None:
         return Path(cfg.tokens)
+    if cfg.tokens:
+        tok_cfg = replace(tok_cfg, tokens=tok_cfg.tokens or cfg.tokens)  # (a recipe's [extract] tokens, too)
+        check_tokens_dir(Path(cfg.tokens), tok_cfg)
+        if complete_cache(cfg.tokens):
+            return Path(cfg.tokens)
+        log(f"stage 1a writes the token cache into --tokens={cfg.tokens}")
     if cfg.dry_run:
         return tokenization.dry_run(tok_cfg)
     if rank == 0:
@@ -232,6 +238,29 @@ def token_cache(cfg: ExtractConfig, tok_cfg: TokenizeConfig | None, rank: int) -
     while not (has_manifest(out) and read_manifest(out).get("complete")):
         time.sleep(2)
     return out
+
+
+def check_tokens_dir(d: Path, tok_cfg: TokenizeConfig) -> None:
+    """`--tokens=DIR` beside a corpus: a complete token cache there is read as it is (said in one line when this
+    corpus and [tokenize] settings would make another: its own settings are the ones used); DIR is written only when
+    it is new, empty, or a token cache of that key begun before — never a directory of other files (a typo, a cache
+    root) tokenized into, nor an unfinished cache of other settings."""
+    from . import tokenization
+
+    if has_manifest(d):
+        m = read_manifest(d)
+        key = tokenization.identify(tok_cfg)[3]
+        if m.get("kind") == "tokens" and m.get("complete") and m.get("key") != key:
+            log(f"--tokens={d}: its token cache (key {str(m.get('key'))[:12]}) is read as it is, with the [tokenize] "
+                f"settings it was made with — this corpus and these settings would make key {key[:12]} (leave "
+                f"--tokens empty to make that one)")
+        elif m.get("kind") != "tokens" or m.get("key") != key:
+            raise ConfigError(f"--tokens={d} holds a {m.get('kind')} cache of key {str(m.get('key'))[:12]}; this "
+                              f"corpus and [tokenize] settings make key {key[:12]}: another cache, never continued nor "
+                              f"overwritten — give another --tokens (TOKENS=), or none (then cache_root/tokens-<key>)")
+    elif d.is_dir() and any(d.iterdir()):
+        raise ConfigError(f"--tokens={d} holds no token cache (no manifest.json) and is not empty: stage 1a writes a "
+                          f"token cache only into a new or empty directory — give another --tokens (TOKENS=), or none")
 
 
 def check_tokens_fit(ckpt: Path, tokens: Path | dict, rank: int) -> None:

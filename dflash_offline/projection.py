@@ -202,8 +202,8 @@ def lift(z_BSK: torch.Tensor, projections: list[torch.Tensor]) -> torch.Tensor:
 
 def projection_for(cfg, plan, model, rank: int) -> dict:
     """{"P": layer id → P [H, k] float32 on the device, "sha256": its file's}: the projection the manifest of
-    `plan.cache` records (its file checked), else the calibration's, recorded first (rank 0 of a job calibrates, the
-    other ranks wait for its record). `cfg`: the ExtractConfig, `plan`: its `plan.ExtractPlan`, `model`: the loaded
+    `plan.cache` (an `extract_plan.ExtractPlan`) records (its file checked), else the calibration's, recorded first (rank 0 of a job calibrates, the
+    other ranks wait for its record). `cfg`: the ExtractConfig, `plan`: its `extract_plan.ExtractPlan`, `model`: the loaded
     target."""
     from .cache.manifest import read_manifest
 

@@ -11,7 +11,7 @@ plan says so; `plan_extract_tok_s=` / `plan_train_tok_s=` replace them with your
 token × training tokens/s per GPU × GPUs. Regeneration is the corpus's answer tokens (its supervised tokens) at an
 engine rate this repository has not measured (`plan_regen_tok_s=` gives it); verification re-hashes the whole cache
 (`HASH_GB_S_PER_THREAD`, or `plan_read_gb_s=`) and recomputes `make verify`'s sampled rows at the extraction rate. `storage_plan` takes plain values and `render` prints them, so both are
-tested without a checkpoint; `stages/extract.py` composes them with `plan.plan_run`'s `ExtractPlan`.
+tested without a checkpoint; `stages/extract.py` composes them with `extract_plan.plan_run`'s `ExtractPlan`.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def storage_plan(*, rows: int, seq_len: int, doc_tokens: int, k: int, hidden: in
     target's hidden size is `projected_from`); `need`: bytes the run writes — the shards still to do in the chosen
     encoding (`shards`: '3/4', to do of all; `todo_rows` their rows, default all: what extraction's GPU-hours are
     for), plus `token_bytes` when stage 1a has not written the token cache yet; `free`: free bytes where the cache
-    goes; `fits`: `plan.disk_refusal` found room; `gpu`: False on a CPU run (device=cpu), where the H200 rates (not
+    goes; `fits`: `extract_plan.disk_refusal` found room; `gpu`: False on a CPU run (device=cpu), where the H200 rates (not
     given ones) are left out. `answer_tokens`: the corpus's supervised tokens (what regeneration generates);
     `verify_rows`: the rows `make verify` recomputes (`verify_per_shard` a shard); `hashing`: `hash_rate`'s."""
     from .cache.encodings import (
@@ -297,7 +297,7 @@ def gpu_hours_line(p: dict, cpu_minutes: float | None) -> str:
 
 
 def plan_lines(cfg, p, train) -> list[str]:
-    """The storage plan of an extraction as log lines: `cfg` its ExtractConfig, `p` its `plan.ExtractPlan`
+    """The storage plan of an extraction as log lines: `cfg` its ExtractConfig, `p` its `extract_plan.ExtractPlan`
     (`plan_run`'s: the cache's facts + need, free, refusal, the probe's minutes), `train` the recipe's [train] (or
     None)."""
     info, ids, seq_len, rows = p.info, p.layer_ids, p.seq_len, p.rows
@@ -325,8 +325,10 @@ def plan_lines(cfg, p, train) -> list[str]:
 def recipe_train(recipe: str | None):
     """A recipe's [train] table as a TrainConfig (its cache left empty), or None: what the plan's epochs and drafter
     come from."""
-    from .config import build_config, read_recipe
+    from .config import build_config, read_recipe, recipe_values
     from .trainsetup import TrainConfig
 
-    table = read_recipe(recipe).get("train") if recipe else None
-    return None if table is None else build_config(TrainConfig, "train", {"cache": "", **table})
+    tables = read_recipe(recipe) if recipe else {}
+    if "train" not in tables:
+        return None
+    return build_config(TrainConfig, "train", {"cache": "", **recipe_values(tables, recipe, TrainConfig, "train")})

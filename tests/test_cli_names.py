@@ -4,6 +4,7 @@ directory, `--out` only a file a stage writes that is none of these. An old name
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -119,7 +120,8 @@ def test_a_manifest_recorded_under_the_old_name_is_rerun(tmp_path, hidden_cache,
     assert cfg is not None and cfg.cache == str(cache) and not hasattr(cfg, "hidden_out")
 
 
-def test_extract_tokens_names_where_stage_1a_writes_and_what_it_reads(tmp_path, qwen35_dir, chat_corpus):
+def test_extract_tokens_names_where_stage_1a_writes_and_what_it_reads(tmp_path, qwen35_dir, chat_corpus,
+                                                                        capsys):
     """`--tokens=DIR` in extract: stage 1a writes the token cache there when DIR holds none; a later run reads it."""
     from stages import extract
 
@@ -132,6 +134,20 @@ def test_extract_tokens_names_where_stage_1a_writes_and_what_it_reads(tmp_path, 
     out = extract.run(ext, tok)
     assert out == tmp_path / "hid" and json.loads((tokens / "manifest.json").read_text())["complete"]
     assert not (tmp_path / "root").exists()
+    # a complete cache of other settings is read as it is and said so; a directory of other files (a typo, a cache
+    # root) is never tokenized into
+    other = [a if not a.startswith("--seq_len=") else "--seq_len=64" for a in argv]
+    extract.run(*configs_from_argv(STAGES["extract"], [*other, f"--cache={tmp_path / 'hid2'}"], ""))
+    said = capsys.readouterr()
+    assert f"--tokens={tokens}: its token cache (key " in said.out + said.err
+    assert json.loads((tmp_path / "hid2" / "manifest.json").read_text())["producer"]["tokens"]["producer"][
+        "seq_len"] == 128
+    root = tmp_path / "cache-root"
+    (root / "hidden-abc").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"holds no token cache \(no manifest.json\) and is not empty"):
+        extract.run(*configs_from_argv(STAGES["extract"], [*argv, f"--tokens={root}", f"--cache={tmp_path / 'h3'}"],
+                                       ""))
+    assert sorted(p.name for p in root.iterdir()) == ["hidden-abc"]
 
 
 def test_make_variables_name_what_they_hold():
@@ -148,3 +164,8 @@ def test_make_variables_name_what_they_hold():
     line = make("extract", "CACHE=c", "TOKENS=t").stdout
     assert "--cache=c " in line and "--tokens=t " in line and "hidden_out" not in line
     assert "stages.status --cache=c" in make("status", "CACHE=c").stdout
+    # only a command line's old variable is refused, and not beside the new one (a shell's OUT or CACHE is left alone)
+    env = {**os.environ, "OUT": "/tmp/out", "CACHE": "/tmp/c"}
+    assert subprocess.run(["make", "-n", "-o", ".venv/.installed", "eval", "RUN=r"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120).returncode == 0
+    assert make("tokenize", "extract", "TOKENS=t", "CACHE=h").returncode == 0
