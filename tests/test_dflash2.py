@@ -201,12 +201,7 @@ def test_the_export_config_makes_the_shipped_model_compute_the_training_attentio
         assert not torch.allclose(want, forward(other, embed, batch, "dense"), atol=1e-3)
         bids = block_input_ids(ids, anc, keep, L, model.cfg.mask_token_id)
         for b, a in ((0, 1), (0, 4), (1, 3)):
-            p = int(anc[b, a])
-            start = int((doc[b] == doc[b, p]).nonzero()[0])
-            got = hf(position_ids=torch.cat([pos[b:b + 1, start:p], pos[b:b + 1, p:p + 1] + torch.arange(L)], 1),
-                     input_ids=bids[b:b + 1, a * L:(a + 1) * L], embed_tokens=embed,
-                     target_hidden=hidden[b:b + 1, start:p])
-            torch.testing.assert_close(got[0], want[b, a * L:(a + 1) * L], rtol=1e-5, atol=1e-5)
+            shipped_block_equals(hf, want, bids, embed, (pos, doc, hidden, anc), b, a, L)
 
 
 def test_tensor_names_and_shapes_are_zlab_s():
@@ -261,12 +256,7 @@ def test_training_forward_equals_the_shipped_model():
         want = forward(model, embed, (ids, pos, doc, lm, hidden, anc, keep), "dense")
         bids = block_input_ids(ids, anc, keep, L, model.cfg.mask_token_id)
         for b, a in ((0, 1), (0, 3), (0, 4), (1, 1), (1, 3)):
-            p = int(anc[b, a])
-            start = int((doc[b] == doc[b, p]).nonzero()[0])
-            got = hf(position_ids=torch.cat([pos[b:b + 1, start:p], pos[b:b + 1, p:p + 1] + torch.arange(L)], 1),
-                     input_ids=bids[b:b + 1, a * L:(a + 1) * L], embed_tokens=embed,
-                     target_hidden=hidden[b:b + 1, start:p])
-            torch.testing.assert_close(got[0], want[b, a * L:(a + 1) * L], rtol=1e-5, atol=1e-5)
+            p, start = shipped_block_equals(hf, want, bids, embed, (pos, doc, hidden, anc), b, a, L)
             # the walk: each slot's best-scoring candidate after the previous pick, scored by the training selector
             drafted = hf.draft_tokens(hidden[b:b + 1, start:p], ids[b:b + 1, p:p + 1], hf.draft_cache(), embed, head)
             h_KH = want[b, a * L + 1:(a + 1) * L]
@@ -539,3 +529,15 @@ def test_dflash2_training_settings_are_checked():
     for bad in (dict(weighting="dpace"), dict(fsdp=True), dict(selector_weight=-1.0), dict(variant="dflash3")):
         with pytest.raises(ConfigError, match="variant"):
             TrainConfig.of(cache="c", run="r", **{"variant": "dflash2", **bad}).resolve()
+
+
+def shipped_block_equals(hf, want, bids, embed, batch, b: int, a: int, L: int):
+    """The shipped model's forward of row b's block a (its document's context before the anchor) equals the training
+    forward's `want` there; returns (the anchor's position, its document's start)."""
+    pos, doc, hidden, anc = batch
+    p = int(anc[b, a])
+    start = int((doc[b] == doc[b, p]).nonzero()[0])
+    got = hf(position_ids=torch.cat([pos[b:b + 1, start:p], pos[b:b + 1, p:p + 1] + torch.arange(L)], 1),
+             input_ids=bids[b:b + 1, a * L:(a + 1) * L], embed_tokens=embed, target_hidden=hidden[b:b + 1, start:p])
+    torch.testing.assert_close(got[0], want[b, a * L:(a + 1) * L], rtol=1e-5, atol=1e-5)
+    return p, start
