@@ -1,7 +1,7 @@
 """The stage CLIs the testbed runs, each in a process of its own (`python -m stages.<name>`: `stage`): the caches'
-extraction (`extract`), one drafter's training and export (`train_export`) and its evaluation (`evaluate`); what a
-drafter is made from (`Job`, `job_identity`: RUN/testbed-job.json) and the removal of a run made from anything else
-(`fresh_run`)."""
+extraction (`extract`), one drafter's training and export (`train_export`; the export, CPU work, runs in this process)
+and its evaluation (`evaluate`); what a drafter is made from (`Job`, `job_identity`: RUN/testbed-job.json) and the
+removal of a run made from anything else (`fresh_run`)."""
 
 from __future__ import annotations
 
@@ -104,9 +104,28 @@ def train_export(cfg: TestbedConfig, run: Path, cache: Path, seed: int, settings
     logf = (lambda name: log_dir / f"{name}.log") if log_dir else (lambda name: None)
     args = train_args(cfg, run, cache, seed, settings) + [f"--resume={int((run / 'checkpoints').is_dir())}"]
     train = stage("stages.train", *args, log_file=logf("train"), env=env)
-    export = stage("stages.export", f"--run={run}", f"--export={run / 'export'}", "--force=1", log_file=logf("export"),
-                   env=env)
-    return {"train": train, "export": export}
+    return {"train": train, "export": export_here(run, logf("export"))}
+
+
+def export_here(run: Path, log_file: Path | None) -> float:
+    """`stages.export --run=RUN --export=RUN/export --force=1` in this process (CPU work: the weights read, cast and
+    written; a process of its own paid 10–15 s of start and imports a drafter on the H200 host); returns seconds."""
+    from dflash_offline.export import export
+
+    t0, msg = time.perf_counter(), f"export of {run} stopped"
+    try:
+        out = export(run, run / "export", force=True)
+        msg = f"exported {run} -> {out} ({time.perf_counter() - t0:.1f}s)"
+    except Exception as e:
+        msg = f"export of {run} failed: {type(e).__name__}: {e}"
+        raise RuntimeError(msg + (f" (log: {log_file})" if log_file else "")) from e
+    finally:
+        if log_file is not None:
+            log_file.parent.mkdir(parents=True, exist_ok=True)
+            log_file.write_text(msg + "\n")
+        else:
+            log(msg)
+    return time.perf_counter() - t0
 
 
 def evaluate(cfg: TestbedConfig, p: Paths, run: Path, dev: str, untrained: bool, log_file: Path | None,
