@@ -30,6 +30,9 @@ EXTRACT_LAYER_PARAMS = 23_597_668_128  # parameters of the decoder layers it ran
 # read check every run does costs ≤ 0.5 % (bench/results/train-read-check-h200.json: 10,053 and 10,014 with it,
 # 10,088 without, one call). A plan takes the slowest: a GPU-hour budget should not assume the fastest GPU.
 TRAIN_TOK_S = 9_633
+# precision=fp8 (float8 linears, tensorwise): 12,313 vs bf16's 10,053 in one call on one H200 (the same drafter and
+# rows; bench/results/bench-train-fp8-h200.json, 2026-12-01): a plan of an fp8 run takes the bf16 rate × this
+TRAIN_FP8_SPEEDUP = 12_313 / 10_053
 TRAIN_SEQ_LEN = 2048
 TRAIN_DRAFTER = SimpleNamespace(hidden_size=5120, intermediate_size=17408, vocab_size=248320, num_layers=5,
                                 num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, num_anchors=512,
@@ -87,21 +90,24 @@ def drafter_shape(train, hidden: int, intermediate: int, vocab: int, layer_ids: 
 
 
 def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.0, train_tok_s: float = 0.0,
-          regen_tok_s: float = 0.0) -> dict:
+          regen_tok_s: float = 0.0, precision: str = "bf16") -> dict:
     """Tokens/s per GPU for both stages, each with where it comes from: given (> 0), or the measured H200 rate
     scaled by work per token (`factor` 1.0 at the measured shapes: "measured" only there, extraction also at its row
-    length); and regeneration's generated tokens/s when given (no measured rate: no entry otherwise)."""
+    length) and, for a `precision="fp8"` training, by fp8's measured speed-up (`fp8`); and regeneration's generated
+    tokens/s when given (no measured rate: no entry otherwise)."""
     from .metrics import flops_per_row
 
     per_tok = flops_per_row(drafter, seq_len, drafter.num_anchors) / seq_len
     ref_per_tok = flops_per_row(TRAIN_DRAFTER, TRAIN_SEQ_LEN, TRAIN_DRAFTER.num_anchors) / TRAIN_SEQ_LEN
     out, work = {}, {"extract": EXTRACT_LAYER_PARAMS / layer_params, "train": ref_per_tok / per_tok}
     same = {"extract": seq_len == EXTRACT_SEQ_LEN, "train": True}  # (training's row length is in its FLOPs)
+    fp8 = TRAIN_FP8_SPEEDUP if precision == "fp8" else 1.0
     for stage, given, measured in (("extract", extract_tok_s, EXTRACT_TOK_S), ("train", train_tok_s, TRAIN_TOK_S)):
         factor = work[stage]
         out[stage] = {"tok_s": given, "source": "given"} if given else \
-            {"tok_s": measured * factor, "source": "measured" if abs(factor - 1) < 0.01 and same[stage] else "scaled",
-             "factor": factor, "measured_tok_s": measured}
+            {"tok_s": measured * factor * (fp8 if stage == "train" else 1.0),
+             "source": "measured" if abs(factor - 1) < 0.01 and same[stage] else "scaled",
+             "factor": factor, "measured_tok_s": measured, **({"fp8": fp8} if stage == "train" and fp8 != 1 else {})}
     if regen_tok_s:
         out["regen"] = {"tok_s": regen_tok_s, "source": "given"}
     return out
@@ -205,6 +211,8 @@ def describe_rate(stage: str, r: dict) -> str:
     at, by = MEASURED_AT[stage]
     how = f"measured at {at}, docs/benchmarks.md" if r["source"] == "measured" else \
         f"estimate: {r['measured_tok_s']:,} measured at {at}, scaled ×{r['factor']:.3g} by {by}"
+    if r.get("fp8"):
+        how += f"; ×{r['fp8']:.3g} for precision=fp8, its measured speed-up there"
     return f"{stage} {r['tok_s']:,.0f} {unit} per H200 ({how})"
 
 
@@ -306,7 +314,7 @@ def plan_lines(cfg, p, train) -> list[str]:
     drafter = drafter_shape(train, info.hidden_size, info.intermediate_size, info.vocab_size, ids)
     rate = rates(layer_params=target_layer_params(p.ckpt, max(ids) + 1), drafter=drafter, seq_len=seq_len,
                  extract_tok_s=cfg.plan_extract_tok_s, train_tok_s=cfg.plan_train_tok_s,
-                 regen_tok_s=cfg.plan_regen_tok_s)
+                 regen_tok_s=cfg.plan_regen_tok_s, precision=train.compute.precision if train else "bf16")
     shards, per_shard = p.tokens_manifest["shards"], VerifyConfig(cache="").rows  # verify's default ROWS=
     sp = storage_plan(rows=rows, seq_len=seq_len, doc_tokens=sum(s["tokens"] for s in shards),
                       answer_tokens=sum(s["supervised_tokens"] for s in shards),

@@ -142,9 +142,12 @@ def test_a_27b_plan_from_shapes_alone(tmp_path, capsys):
     assert params == storage.EXTRACT_LAYER_PARAMS
     train = storage.recipe_train(str(REPO / "manifests/qwen3.6-27b.toml"))
     drafter = storage.drafter_shape(train, 5120, 17408, 248320, [1, 16, 31, 46, 61])
-    rate = storage.rates(layer_params=params, drafter=drafter, seq_len=4096)
+    assert train.compute.precision == "fp8"  # (the recipe's: at parity on the testbed, 1.22× bf16's step)
+    bf16 = storage.rates(layer_params=params, drafter=drafter, seq_len=4096)["train"]
+    rate = storage.rates(layer_params=params, drafter=drafter, seq_len=4096, precision=train.compute.precision)
     assert rate["extract"]["source"] == "measured" and rate["train"]["source"] == "scaled"
-    assert 18_000 < rate["train"]["tok_s"] < 20_000  # rows of 4096: ≈ half the FLOPs per token of rows of 2048
+    assert 18_000 < bf16["tok_s"] < 20_000  # rows of 4096: ≈ half the FLOPs per token of rows of 2048
+    assert rate["train"]["tok_s"] == pytest.approx(bf16["tok_s"] * 12_313 / 10_053)
     rows = 390_625  # × 4096 = 1.6B tokens
     # 16 rows a shard: 24,414 full shards and one of 1 row; verify recomputes 2 rows of each. 1,500 answer tokens of
     # each of 800K samples of 2,000 tokens (docs/full-run.md's assumption)
@@ -166,13 +169,14 @@ def test_a_27b_plan_from_shapes_alone(tmp_path, capsys):
     text = "\n".join(lines)
     assert "81.9 TB" in text and "41.0 TB" in text and "a real run is refused (--allow_overfill=1" in text
     assert re.search(r"\n  fp8 \(chosen\) +25,620 +41\.0 TB .*parity\n", text)
-    assert "GPU-hours: extract 36.9 (4.6 h on 8), verify 4.6 (on 1), train 6 epochs 142.7 (17.8 h on 8); total " \
-           "184.2 GPU-h without regen" in text
+    assert "GPU-hours: extract 36.9 (4.6 h on 8), verify 4.6 (on 1), train 6 epochs 116.5 (14.6 h on 8); total " \
+           "158.0 GPU-h without regen, 25.2 h end to end" in text  # (as docs/extract.md and docs/full-run.md)
     # verify: the whole cache re-hashed at SHA-256's rate × 8 threads (41.0 TB / 8 GB/s), 48,829 rows recomputed
     assert "verify: re-hashes 41.0 TB (1.4 h at 8 GB/s = 8 threads × SHA-256" in text and "recomputes 48,829 rows" in text
     assert "regen: 1,200,000,000 answer tokens" in text and "--plan_regen_tok_s=R" in text
     assert "extract 12,045 row tok/s per H200 (measured at Qwen3.5-27B shapes" in text
-    assert re.search(rf"train 1[89],\d{{3}} context tok/s per H200 \(estimate: {storage.TRAIN_TOK_S:,} measured at the 27B drafter", text)
+    assert re.search(rf"train 22,\d{{3}} context tok/s per H200 \(estimate: {storage.TRAIN_TOK_S:,} measured at the 27B "
+                     r"drafter.*; ×1\.22 for precision=fp8", text)
 
 
 # --- the stage: real shard bytes, refusals, dry runs -----------------------------------------------------------
@@ -285,3 +289,28 @@ def test_the_plan_marks_each_encodings_testbed_verdict_as_the_results_file_recor
         quant = tomllib.loads((Path(__file__).resolve().parents[1] / "manifests" / f"{recipe}.toml").read_text())[
             "extract"]["quant"]
         assert storage.TESTBED_TAU.get(quant) in ("reference", "parity"), recipe
+
+
+def test_a_recipe_trains_in_fp8_only_where_the_yardstick_judged_it_at_parity():
+    """The production recipes' `precision` is the reference (bf16, the default) or fp8, and fp8 only because the
+    frozen yardstick results (bench/results/testbed-sweep-h200-0f164ec.json) rank `precision=fp8` at parity, every
+    seed lossless, with both checks passed; the plan then counts fp8's measured speed-up."""
+    import json
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    res = json.loads((root / "bench/results/testbed-sweep-h200-0f164ec.json").read_text())
+    arm = {a["label"]: a for a in res["arms"]}.get("precision=fp8")
+    judged = (res["discriminating"] and res["null_arm"]["ci_low"] < 0 < res["null_arm"]["ci_high"]
+              and res["bad_arm"]["ci_high"] < 0 and arm is not None and arm["lossless"] and arm["verdict"] == "parity")
+    seen = {}
+    for recipe in ("qwen3.5-27b", "qwen3.6-27b", "qwen3.8-27b-dflash2", "qwen3-8b"):
+        path = root / "manifests" / f"{recipe}.toml"
+        seen[recipe] = tomllib.loads(path.read_text())["train"].get("precision", "auto")
+        assert seen[recipe] in ("auto", "bf16") or (seen[recipe] == "fp8" and judged), recipe
+        train = storage.recipe_train(str(path))
+        rate = storage.rates(layer_params=storage.EXTRACT_LAYER_PARAMS, drafter=storage.TRAIN_DRAFTER, seq_len=2048,
+                             precision=train.compute.precision)["train"]
+        assert rate["tok_s"] == pytest.approx(storage.TRAIN_TOK_S * (storage.TRAIN_FP8_SPEEDUP if seen[recipe] == "fp8"
+                                                                      else 1.0))
+    assert seen["qwen3.6-27b"] == seen["qwen3.5-27b"] == "fp8"
