@@ -162,7 +162,7 @@ def full_precision_state_dict(model, optimizer=None) -> dict[str, torch.Tensor]:
 
 def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """safetensors' writer; its I/O failures (Rust errors, not OSError) become the OSError they are, so that a full
-    disk reads as one line (`progress.run_cli`) like any other failed write."""
+    disk reads as one line (`cli.run_cli`) like any other failed write."""
     try:
         save_file(tensors, str(path), metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
     except SafetensorError as e:

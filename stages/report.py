@@ -179,6 +179,6 @@ def main(argv: list[str]) -> Path:
 
 
 if __name__ == "__main__":
-    from dflash_offline.progress import run_cli
+    from dflash_offline.cli import run_cli
 
     run_cli(main)

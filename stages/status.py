@@ -216,6 +216,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from dflash_offline.progress import run_cli
+    from dflash_offline.cli import run_cli
 
     run_cli(main)
