@@ -36,7 +36,6 @@ from __future__ import annotations
 import errno
 import json
 import random
-import shutil
 import time
 import warnings
 from pathlib import Path
@@ -46,7 +45,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .cache.fsio import atomic_dir, hash_obj, publish, sha256_file, temp_path
+from .cache.fsio import atomic_dir, hash_obj, publish, remove_dir, sha256_file, temp_path
 
 FORMAT = "dflash-checkpoint"
 FORMAT_VERSION = 1
@@ -109,9 +108,8 @@ def save_checkpoint(run_dir, step: int, model, optimizer=None, scheduler=None, d
     publish(t, latest)
     if keep_last:
         for _, _, path in list_checkpoints(run_dir)[:-keep_last]:
-            if path != final:  # renamed away first: a kill mid-delete never leaves a half checkpoint under its name
-                gone = path.rename(temp_path(path))
-                shutil.rmtree(gone, ignore_errors=True)
+            if path != final:  # (a kill mid-delete never leaves a half checkpoint under its name)
+                remove_dir(path)
     return final
 
 
