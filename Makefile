@@ -89,7 +89,7 @@ style: setup  ## rewrite style
 	$(PYTHON) -m ruff format dflash_offline stages testbed fixtures tests bench
 
 tiny: setup  ## build the embedded default target + tokenizer + bundled corpus into $(DEMO_DIR)
-	$(PYTHON) -m stages.build_tiny --out $(DEMO_DIR)/target $(ARGS)
+	$(PYTHON) -m stages.build_tiny --out=$(DEMO_DIR)/target $(ARGS)
 
 # a variable renamed for a target: one line naming the new one (renamed TARGET,OLD,NEW,what it names) — only when the
 # old one is given on the command line and the new one is not (an OUT or CACHE in the environment, or one meant for
@@ -152,7 +152,7 @@ status: setup  ## shard table and summary of CACHE= (a cache or a directory of c
 
 demo: setup  ## the whole pipeline on the embedded default, on CPU: build, regen, extract, train, export, eval
 	$(PYTHON) -m stages.demo_outputs --dir=$(DEMO_DIR)
-	$(DEMO_ENV) $(PYTHON) -m stages.build_tiny --out $(DEMO_DIR)/target --train-steps 300
+	$(DEMO_ENV) $(PYTHON) -m stages.build_tiny --out=$(DEMO_DIR)/target --train_steps=300
 	$(DEMO_ENV) $(PYTHON) -m stages.regen --target=$(DEMO_DIR)/target --corpus=$(DEMO_DIR)/target/corpus/train.jsonl --out=$(DEMO_DIR)/regen.jsonl --num_docs=600 --max_new_tokens=256 --batch_size=32 --thinking=on --device=cpu
 	$(DEMO_ENV) $(PYTHON) -m stages.extract --recipe=manifests/demo.toml --corpus=$(DEMO_DIR)/regen.jsonl --tokenizer=$(DEMO_DIR)/target --target=$(DEMO_DIR)/target --tokens=$(DEMO_DIR)/cache/tokens --cache=$(DEMO_DIR)/cache/hidden
 	$(DEMO_ENV) $(PYTHON) -m stages.verify --cache=$(DEMO_DIR)/cache/hidden --rows=1 --device=cpu

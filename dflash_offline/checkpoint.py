@@ -36,7 +36,6 @@ from __future__ import annotations
 import errno
 import json
 import random
-import shutil
 import time
 import warnings
 from pathlib import Path
@@ -46,7 +45,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .cache.fsio import atomic_dir, hash_obj, publish, sha256_file, temp_path
+from .cache.fsio import atomic_dir, hash_obj, publish, remove_dir, sha256_file, temp_path
 
 FORMAT = "dflash-checkpoint"
 FORMAT_VERSION = 1
@@ -109,9 +108,8 @@ def save_checkpoint(run_dir, step: int, model, optimizer=None, scheduler=None, d
     publish(t, latest)
     if keep_last:
         for _, _, path in list_checkpoints(run_dir)[:-keep_last]:
-            if path != final:  # renamed away first: a kill mid-delete never leaves a half checkpoint under its name
-                gone = path.rename(temp_path(path))
-                shutil.rmtree(gone, ignore_errors=True)
+            if path != final:  # (a kill mid-delete never leaves a half checkpoint under its name)
+                remove_dir(path)
     return final
 
 
@@ -162,7 +160,7 @@ def full_precision_state_dict(model, optimizer=None) -> dict[str, torch.Tensor]:
 
 def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """safetensors' writer; its I/O failures (Rust errors, not OSError) become the OSError they are, so that a full
-    disk reads as one line (`progress.run_cli`) like any other failed write."""
+    disk reads as one line (`cli.run_cli`) like any other failed write."""
     try:
         save_file(tensors, str(path), metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
     except SafetensorError as e:

@@ -260,7 +260,7 @@ def compose(cls, values: dict):
 
 
 def parse_shard_list(text: str) -> list[int]:
-    """'0-3,7' → [0, 1, 2, 3, 7] (the SHARD= syntax)."""
+    """'0-3,7' → [0, 1, 2, 3, 7] (the SHARD= syntax; `cache.manifest.shard_list` writes it)."""
     out: list[int] = []
     for part in filter(None, (p.strip() for p in str(text).split(","))):
         try:
@@ -274,17 +274,6 @@ def parse_shard_list(text: str) -> list[int]:
         except ValueError:
             raise ConfigError(f"SHARD={text!r}: expected shard numbers and ranges like 3 or 0-4,7") from None
     return sorted(set(out))
-
-
-def shard_list(indices) -> str:
-    """[0, 1, 2, 3, 7] → '0-3,7': the SHARD= syntax that `parse_shard_list` reads."""
-    runs: list[list[int]] = []
-    for i in sorted(set(indices)):
-        if runs and i == runs[-1][-1] + 1:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

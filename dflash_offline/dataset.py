@@ -51,6 +51,7 @@ from .cache.manifest import (
     missing_files,
     read_manifest,
     require,
+    shard_list,
     token_cache,
 )
 from .cache.shards import (
@@ -61,7 +62,6 @@ from .cache.shards import (
     read_token_shard,
     token_shard_name,
 )
-from .config import shard_list
 
 STATE_VERSION = 1
 TOKEN_KEYS = ("input_ids", "loss_mask", "position_ids", "doc_ids")

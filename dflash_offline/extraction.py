@@ -17,7 +17,7 @@ import socket
 from .cache.claims import claimed_shards, release_held
 from .cache.fsio import worker_info
 from .cache.manifest import committed
-from .cache.shards import ROW_FILL, read_token_shard, token_shard_name
+from .cache.shards import ROW_FILL, pad_rows, read_token_shard, token_shard_name
 from .config import ExtractConfig
 from .extract_plan import ExtractPlan
 from .progress import Progress, log
@@ -41,9 +41,10 @@ def extract_shards(cfg: ExtractConfig, plan: ExtractPlan, model, rank: int, worl
                         cache / f"status-{who['host']}-{who['pid']}.json")
     progress.extra.update(who, lease_s=cfg.lease_s)
     writer = HiddenShardWriter(cache, plan.key, cfg.quant, plan.layer_ids, cfg.write_queue, redo, rank, device,
-                               projection)
+                               projection, log)
     shards = claimed_shards(cache, todo, lambda i: read_token_shard(tokens_dir / token_shard_name(i), tok_sha[i], fix),
-                            rank=rank, world=world, lease_s=cfg.lease_s, redo=redo, wait_claims=cfg.wait_claims)
+                            rank=rank, world=world, lease_s=cfg.lease_s, redo=redo, wait_claims=cfg.wait_claims,
+                            log=log)
     froze = gc.get_freeze_count() == 0  # (a caller's own frozen objects are left as they are)
     reserved, current = [], None  # current: the claim of the shard being computed, until the writer has it
     try:
@@ -90,16 +91,6 @@ def token_checksums(entries: dict, tokens_dir, fix: str) -> dict[int, str]:
             raise ValueError(f"{tokens_dir}/manifest.json: shard {i} lists {sorted(e['files'])}, not "
                              f"{token_shard_name(i)}: {fix}")
     return {i: e["files"][token_shard_name(i)]["sha256"] for i, e in entries.items()}
-
-
-def pad_rows(x, b: int, fill: int):
-    import numpy as np
-
-    if x.shape[0] == b:
-        return np.array(x)  # a writable copy of the memory-mapped rows
-    out = np.full((b, *x.shape[1:]), fill, dtype=x.dtype)
-    out[: x.shape[0]] = x
-    return out
 
 
 def report(progress, io_wait: float, timings: list, reserved: list, rank: int, cuda: bool) -> dict:

@@ -1,4 +1,4 @@
-"""Visible progress: an unbuffered progress bar with tokens/s and ETA, plus a status JSON others can read.
+"""Visible progress: a progress bar with tokens/s and ETA, plus a status JSON others can read; `log`, a timed line.
 
 `status.json` (in the cache or run directory) is rewritten atomically at most every `every_s` seconds with the
 stage, counts, rates, ETA and reserved GPU memory; `make status` prints it while a job runs. The writes happen on
@@ -8,7 +8,6 @@ second while the disk flushes shards or checkpoints (the kernel throttles writer
 
 from __future__ import annotations
 
-import errno
 import os
 import sys
 import time
@@ -18,53 +17,6 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .cache.fsio import write_json_atomic
-
-
-def unbuffered() -> None:
-    """Line-buffer stdout/stderr so logs appear as they happen, also when piped to a file."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.reconfigure(line_buffering=True)
-        except AttributeError:
-            pass
-
-
-def private_compile_caches(rank: int | None = None) -> dict[str, str]:
-    """One Triton and one Inductor cache directory per process rank, persistent across runs (a re-run on the same
-    machine skips the compilation): concurrent autotuning must not race on shared cache files. Call it before
-    anything compiles; explicit TRITON_CACHE_DIR / TORCHINDUCTOR_CACHE_DIR settings win."""
-    if rank is None:
-        rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
-    base = Path(os.environ.get("DFLASH_COMPILE_CACHE", Path.home() / ".cache" / "dflash_offline"))
-    os.environ.setdefault("TRITON_CACHE_DIR", str(base / f"triton-rank{rank}"))
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(base / f"inductor-rank{rank}"))
-    return {k: os.environ[k] for k in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
-
-
-DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG}
-
-
-def run_cli(main) -> None:
-    """A stage's `__main__`: run `main(argv)`; a ValueError (config, corpus, manifest, shard, target errors all carry
-    their own advice) or a failed write (full disk, I/O error) becomes one line `error: ...` and exit status 2
-    instead of a traceback; an int result is the exit code. Triton autotuner choices are recorded or pinned first when
-    the environment asks (`dflash_offline.autotune`)."""
-    from .autotune import from_env
-
-    from_env()
-    try:
-        code = main(sys.argv[1:])
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except OSError as e:
-        if e.errno not in DISK_ERRORS:
-            raise
-        print(f"error: writing {e.filename or 'a file'} failed: {e.strerror} (errno {e.errno}). Everything "
-              f"committed before it is kept and nothing half-written is left: fix the disk, then rerun the same "
-              f"command", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(code if isinstance(code, int) else 0)
 
 
 def log(msg: str) -> None:

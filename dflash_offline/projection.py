@@ -232,8 +232,7 @@ def calibration_batches(cfg, plan):
     import numpy as np
 
     from .cache.manifest import committed
-    from .cache.shards import ROW_FILL, read_token_shard, token_shard_name
-    from .extraction import pad_rows
+    from .cache.shards import ROW_FILL, pad_rows, read_token_shard, token_shard_name
 
     entries, want, taken = committed(plan.tokens_manifest), cfg.project_rows, []
     for i in sorted(entries):

@@ -6,7 +6,7 @@ template and vocabulary, the corpus hash, seq_len, packing, chat rules) — its 
 directory `<cache_root>/tokens-<key12>` (`cache_dir_for`). `run` writes the cache (temp → fsync → rename →
 manifest commit per shard; a cache complete for its key is reused, damaged shards of one are redone) and returns
 its directory; `dry_run` returns the manifest `run` would leave, writing nothing. Both stream the corpus through the
-tokenizer workers and the packer (`tokenize_corpus`), counting what they skip in `tokens.Tally`. `stages/tokenize.py`
+tokenizer workers and the packer (`tokenize_corpus`), counting what they skip in `tokenize_counts.Tally`. `stages/tokenize.py`
 is the command line; stage 1b (`plan.token_cache`) runs or reads the token cache through the same two functions.
 """
 
@@ -36,7 +36,7 @@ from .config import TokenizeConfig, as_dict
 from .corpus import Skip, Tokens, check_tokenizer, corpus_hash, expand_paths, iter_records, tokenize_stream
 from .packing import PACKING_RULE, Doc, Packer, split_long
 from .progress import Progress, log
-from .tokens import Tally, dry_manifest, shard_entry, summarize
+from .tokenize_counts import Tally, dry_manifest, shard_entry, summarize
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "vocab.json", "merges.txt")

@@ -1,6 +1,6 @@
 """Build the embedded default: a tiny Qwen target + tokenizer trained locally, and the bundled demo corpus.
 
-    python -m stages.build_tiny --out build/tiny-qwen3_5 --arch qwen3_5 [--seed 0] [--train-steps N]
+    python -m stages.build_tiny --out=build/tiny-qwen3_5 [--arch=qwen3_5] [--seed=0] [--train_steps=N]
 
 Writes into OUT: the model (`config.json`, `model.safetensors`, `generation_config.json`), the tokenizer
 (`tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`), `dflash_target.json` (mask token id and the
@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dflash_offline.cache.fsio import atomic_dir
+from dflash_offline.cli import run_cli
+from dflash_offline.config import ConfigError
 from fixtures import democorpus, tiny
 
 log = functools.partial(print, flush=True)
@@ -42,14 +44,18 @@ def parse_args(argv: list[str] | None = None) -> BuildTinyConfig:
     p.add_argument("--out", type=Path, required=True, help="output directory, e.g. build/tiny-qwen3_5")
     p.add_argument("--arch", choices=tiny.ARCHS, default="qwen3_5", help="target architecture (default qwen3_5)")
     p.add_argument("--seed", type=int, default=0, help="seed for corpus, tokenizer, init, training (default 0)")
-    p.add_argument("--train-steps", type=int, default=0,
+    p.add_argument("--train_steps", type=int, default=0,
                    help="train the tiny target N steps of 8x256 tokens on the demo corpus (default 0: random init)")
-    p.add_argument("--corpus-docs", type=int, default=4000, help="demo corpus documents (default 4000)")
-    p.add_argument("--eval-docs", type=int, default=200, help="held-out demo documents (default 200)")
+    p.add_argument("--corpus_docs", type=int, default=4000, help="demo corpus documents (default 4000)")
+    p.add_argument("--eval_docs", type=int, default=200, help="held-out demo documents (default 200)")
     p.add_argument("--force", action="store_true", help="replace OUT when it holds a different build")
+    argv = sys.argv[1:] if argv is None else argv
+    for arg in argv:
+        if (old := arg.split("=", 1)[0]) in ("--train-steps", "--corpus-docs", "--eval-docs"):
+            raise ConfigError(f"build_tiny: {old} is now --{old[2:].replace('-', '_')} (underscores, as every stage)")
     a = p.parse_args(argv)
     if a.train_steps < 0 or a.corpus_docs < 1 or a.eval_docs < 0:
-        p.error("--train-steps must be >= 0, --corpus-docs >= 1, --eval-docs >= 0")
+        p.error("--train_steps must be >= 0, --corpus_docs >= 1, --eval_docs >= 0")
     return BuildTinyConfig(out=a.out, arch=a.arch, seed=a.seed, train_steps=a.train_steps,
                            corpus_docs=a.corpus_docs, eval_docs=a.eval_docs, force=a.force)
 
@@ -102,4 +108,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main)

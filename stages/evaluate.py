@@ -49,7 +49,7 @@ from dflash_offline.evaluation import table
 
 
 def main(argv: list[str]) -> int:
-    from dflash_offline.progress import unbuffered
+    from dflash_offline.cli import unbuffered
 
     unbuffered()
     cfg = config_from_argv(EvalConfig, "eval", argv, __doc__)
@@ -66,6 +66,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from dflash_offline.progress import run_cli
+    from dflash_offline.cli import run_cli
 
     run_cli(main)

@@ -29,7 +29,7 @@ def run(cfg: ExportConfig) -> Path:
 
 
 def main(argv: list[str]) -> None:
-    from dflash_offline.progress import unbuffered
+    from dflash_offline.cli import unbuffered
 
     unbuffered()
     (cfg,) = configs_from_argv([(ExportConfig, "export")], argv, __doc__)
@@ -37,6 +37,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from dflash_offline.progress import run_cli
+    from dflash_offline.cli import run_cli
 
     run_cli(main)

@@ -41,10 +41,11 @@ from pathlib import Path
 
 from dflash_offline.cache.claims import sweep
 from dflash_offline.cache.manifest import open_cache, requeue_missing
+from dflash_offline.cli import private_compile_caches, run_cli, unbuffered
 from dflash_offline.config import ExtractConfig, TokenizeConfig, as_dict, configs_from_argv, parse_overrides
 from dflash_offline.devices import cpu_threads, dist_env, pick_device
 from dflash_offline.extract_plan import OVERFILL, ExtractPlan, plan_run, recorded_config
-from dflash_offline.progress import log, private_compile_caches, run_cli, unbuffered
+from dflash_offline.progress import log
 from dflash_offline.storage import plan_lines, recipe_train
 
 # --- config --------------------------------------------------------------------------------------------------

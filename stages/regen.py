@@ -25,8 +25,8 @@ import argparse
 import dataclasses
 import typing
 
+from dflash_offline.cli import run_cli, unbuffered
 from dflash_offline.config import field_help
-from dflash_offline.progress import run_cli, unbuffered
 from dflash_offline.regenrun import RegenConfig, run
 
 # --- command line --------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import argparse
 import math
 from pathlib import Path
 
+from dflash_offline.config import ConfigError
 from dflash_offline.plots import (
     plot_accuracy,
     plot_accuracy_final,
@@ -162,9 +163,12 @@ def main(argv: list[str]) -> Path:
     p.add_argument("--run", default="", help="training run directory (holds metrics.jsonl)")
     p.add_argument("--out", default="", help="report directory (default RUN/report)")
     p.add_argument("--smooth", default="", help="EMA span in log records (default 0 = automatic, 1 = none)")
-    p.add_argument("run_pos", nargs="?", default="", help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
-    run_dir = a.run or a.run_pos
+    a, rest = p.parse_known_args(argv)
+    if positional := [x for x in rest if not x.startswith("-")]:
+        raise ConfigError(f"report: the run is now --run={positional[0]} (a positional directory is not read)")
+    if rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    run_dir = a.run
     if not run_dir:
         raise ValueError("no run: pass --run=DIR (RUN= in make), the directory make train wrote")
     try:
@@ -179,6 +183,6 @@ def main(argv: list[str]) -> Path:
 
 
 if __name__ == "__main__":
-    from dflash_offline.progress import run_cli
+    from dflash_offline.cli import run_cli
 
     run_cli(main)

@@ -23,9 +23,10 @@ from dflash_offline.cache.manifest import (
     hidden_num_shards,
     missing_files,
     read_manifest,
+    shard_list,
     token_cache,
 )
-from dflash_offline.config import ConfigError, shard_list
+from dflash_offline.config import ConfigError
 
 FLAGS = ("--json", "--all")
 STALE_S = 300.0  # a running writer with no lease of its own that has not updated its status this long is stale
@@ -216,6 +217,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from dflash_offline.progress import run_cli
+    from dflash_offline.cli import run_cli
 
     run_cli(main)

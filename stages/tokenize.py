@@ -16,8 +16,8 @@ single document is an error before the cache is marked complete. The run is `dfl
 
 from __future__ import annotations
 
+from dflash_offline.cli import run_cli, unbuffered
 from dflash_offline.config import TokenizeConfig, config_from_argv
-from dflash_offline.progress import run_cli, unbuffered
 from dflash_offline.tokenization import run
 
 

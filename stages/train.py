@@ -160,7 +160,7 @@ def build_model(cfg: TrainConfig, s: TrainSetup, dc, target, device, log=None):
 
 
 def main(argv: list[str]) -> int:
-    from dflash_offline.progress import private_compile_caches, unbuffered
+    from dflash_offline.cli import private_compile_caches, unbuffered
 
     private_compile_caches()  # before anything compiles: per-rank caches, no autotuner races between processes
     unbuffered()
@@ -184,6 +184,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from dflash_offline.progress import run_cli
+    from dflash_offline.cli import run_cli
 
     run_cli(main)

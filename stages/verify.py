@@ -36,12 +36,14 @@ from dflash_offline.cache.manifest import (
     hidden_num_shards,
     read_manifest,
     require,
+    shard_list,
     token_cache,
     update_manifest,
 )
-from dflash_offline.config import VerifyConfig, config_from_argv, shard_list
+from dflash_offline.cli import private_compile_caches, unbuffered
+from dflash_offline.config import VerifyConfig, config_from_argv
 from dflash_offline.devices import pick_device
-from dflash_offline.progress import log, private_compile_caches, unbuffered
+from dflash_offline.progress import log
 from dflash_offline.verification import check_files, recompute, sample_rows
 
 # --- the run -------------------------------------------------------------------------------------------------
@@ -143,6 +145,6 @@ def report(cache: str, v: dict) -> None:
 
 
 if __name__ == "__main__":
-    from dflash_offline.progress import run_cli
+    from dflash_offline.cli import run_cli
 
     run_cli(main)

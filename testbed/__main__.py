@@ -1,6 +1,6 @@
 """`python -m testbed`: the testbed's command line (`testbed.cli`)."""
 
-from dflash_offline.progress import run_cli
+from dflash_offline.cli import run_cli
 from testbed.cli import main
 
 run_cli(main)

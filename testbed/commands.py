@@ -5,7 +5,6 @@ removal of a run made from anything else (`fresh_run`)."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -15,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_offline.cache.fsio import sha256_file
+from dflash_offline.cache.manifest import has_manifest, read_manifest
 
 from .config import TestbedConfig
 from .runs import Paths, drafter_code_digest, stale_job
@@ -79,10 +79,9 @@ def train_args(cfg: TestbedConfig, run: Path, cache: Path, seed: int, settings: 
 def job_identity(cfg: TestbedConfig, p: Paths, j: Job) -> dict:
     """What a drafter is made from: its training arguments and recipe, its cache (key), the evaluation's prompts and
     budget, the drafter code (`RUN/testbed-job.json`; a run made from anything else is stale)."""
-    manifest = j.cache / "manifest.json"
     return {"train": train_args(cfg, j.run, j.cache, j.seed, j.settings),
             "recipe_sha256": sha256_file(cfg.drafter_recipe),
-            "cache_key": json.loads(manifest.read_text())["key"] if manifest.is_file() else None,
+            "cache_key": read_manifest(j.cache)["key"] if has_manifest(j.cache) else None,
             "eval": {"prompts_sha256": sha256_file(p.eval_prompts) if p.eval_prompts.is_file() else None,
                      "num_prompts": cfg.eval_prompts, "max_new_tokens": cfg.eval_tokens},
             "code_sha256": drafter_code_digest()}

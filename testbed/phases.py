@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from dflash_offline.cache.fsio import atomic_dir
+from dflash_offline.cache.manifest import read_manifest
 
 from .commands import Job, Stopped, extract, job_identity, log, stage
 from .config import TestbedConfig
@@ -86,7 +87,6 @@ def choose_prompts(cfg: TestbedConfig, p: Paths, dev: str) -> dict:
 def projection_summary(cache: Path) -> dict:
     """Per k: the least energy a top-k projection keeps, and the most it loses on held-out rows, over the taps
     (`projection.measure_taps`, as `bench.projection` reports it: two calibration shards, the last shard held out)."""
-    from dflash_offline.cache.manifest import read_manifest
     from dflash_offline.dataset import open_hidden_cache
     from dflash_offline.projection import measure_taps
 
@@ -134,7 +134,7 @@ def testbed(cfg: TestbedConfig, p: Paths, dev: str, device, more: list[Job] = ()
                        "eval_prompts": chosen})
     if "extract" not in ph:
         secs = extract(cfg, p, {}, "", dev)
-        m = json.loads((p.hidden() / "manifest.json").read_text())
+        m = read_manifest(p.hidden())
         rows = sum(s["rows"] for s in m["shards"])
         seq = m["producer"]["tokens"]["producer"]["seq_len"]
         done("extract", {"seconds": secs, "rows": rows, "tokens": rows * seq, "tok_per_s_wall": rows * seq / secs,

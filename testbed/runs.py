@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from dflash_offline.cache.fsio import write_json_atomic
+from dflash_offline.cache.manifest import has_manifest, read_manifest
 from dflash_offline.config import ConfigError, as_dict, did_you_mean
 
 PHASES = ("target", "regen", "extract", "train", "export", "eval")
@@ -237,7 +238,7 @@ def slug(text: str) -> str:
 
 
 def cache_complete(cache: Path) -> bool:
-    if not (cache / "manifest.json").is_file():
+    if not has_manifest(cache):
         return False
-    m = json.loads((cache / "manifest.json").read_text())
+    m = read_manifest(cache)
     return all(s["status"] == "committed" for s in m["shards"]) and len(m["shards"]) == m["num_shards"]

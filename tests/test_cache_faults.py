@@ -24,7 +24,7 @@ ENV = dict(os.environ, DFLASH_NO_BAR="1", PYTHONPATH=str(REPO))
 SCRIPT = """
 import sys
 {patch}
-from dflash_offline.progress import run_cli
+from dflash_offline.cli import run_cli
 from stages import extract
 sys.argv = ["extract"] + sys.argv[1:]
 run_cli(extract.main)

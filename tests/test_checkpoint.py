@@ -320,7 +320,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_pat
 
 def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint_and_says_so(tmp_path, monkeypatch):
     """safetensors reports a full disk as its own (Rust) error: it becomes OSError ENOSPC, which the stages print
-    as one line (`progress.run_cli`); the failed save leaves no temp directory, and `latest` names the step before."""
+    as one line (`cli.run_cli`); the failed save leaves no temp directory, and `latest` names the step before."""
     import errno
 
     from safetensors import SafetensorError

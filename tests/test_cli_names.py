@@ -65,6 +65,16 @@ def test_status_takes_its_cache_as_cache(hidden_cache):
     assert old.stderr.count("\n") == 1
 
 
+def test_report_takes_its_run_as_run(tmp_path):
+    from stages import report
+
+    with pytest.raises(ConfigError) as e:
+        report.main([str(tmp_path / "run")])
+    assert str(e.value) == f"report: the run is now --run={tmp_path / 'run'} (a positional directory is not read)"
+    with pytest.raises(ConfigError, match="^report: the run is now --run=runs/x "):
+        report.main(["--smooth=3", "runs/x"])
+
+
 @pytest.mark.parametrize(("stage", "old", "new", "what"), [
     ("extract", "hidden_out", "cache", "the hidden cache written"),
     ("extract", "out", "tokens", "the token cache written"),

@@ -76,7 +76,7 @@ REFUSE_SCRIPT = """
 import sys
 from dflash_offline import drafter
 drafter.load_target_embeddings = lambda *a: sys.exit("weights loaded before the refusal")
-from dflash_offline.progress import run_cli
+from dflash_offline.cli import run_cli
 from stages import train
 sys.argv = ["train"] + sys.argv[1:]
 run_cli(train.main)

@@ -197,7 +197,8 @@ def test_a_cache_extracted_without_a_mask_token_is_valid(tmp_path):
 
 
 def test_the_shard_list_syntax_round_trips():
-    from dflash_offline.config import parse_shard_list, shard_list
+    from dflash_offline.cache.manifest import shard_list
+    from dflash_offline.config import parse_shard_list
 
     for ids in ([], [3], [0, 1, 2, 3, 7], [5, 6, 9, 10, 11, 40], list(range(100))):
         text = shard_list(ids)

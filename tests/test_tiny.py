@@ -174,7 +174,7 @@ def test_missing_sidecar_is_actionable(tmp_path):
 
 def test_stage_is_idempotent_and_atomic(tmp_path, capsys):
     out = tmp_path / "tiny"
-    args = ["--out", str(out), "--arch", "qwen3", "--corpus-docs", str(DOCS), "--eval-docs", "20"]
+    args = [f"--out={out}", "--arch=qwen3", f"--corpus_docs={DOCS}", "--eval_docs=20"]
     assert build_tiny.main(args) == 0
     side = tiny.read_sidecar(out)
     assert side["params"]["eval_docs"] == 20 and (out / "corpus" / "eval.jsonl").is_file()
@@ -185,7 +185,9 @@ def test_stage_is_idempotent_and_atomic(tmp_path, capsys):
     assert build_tiny.main(args) == 0
     assert "nothing to do" in capsys.readouterr().out and _hashes(out) == before
     with pytest.raises(SystemExit, match="--force"):
-        build_tiny.main(args[:-2] + ["--eval-docs", "21"])
+        build_tiny.main(args[:-1] + ["--eval_docs=21"])
     with pytest.raises(SystemExit) as e:
         build_tiny.main(["--help"])
     assert e.value.code == 0
+    with pytest.raises(ValueError, match=r"^build_tiny: --eval-docs is now --eval_docs \(underscores"):
+        build_tiny.main([*args[:-1], "--eval-docs=21"])

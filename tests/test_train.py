@@ -501,7 +501,7 @@ def test_golden_losses(tmp_path, hidden_cache):
 
 
 def test_each_rank_gets_its_own_persistent_compile_cache(monkeypatch, tmp_path):
-    from dflash_offline.progress import private_compile_caches
+    from dflash_offline.cli import private_compile_caches
 
     monkeypatch.setenv("DFLASH_COMPILE_CACHE", str(tmp_path))
     dirs = {}

@@ -32,10 +32,9 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..progress import log
 from . import fsio
 from .fsio import locked, pid_alive, remove_dead_temps, write_json_atomic
-from .manifest import committed, read_manifest
+from .manifest import committed, read_manifest, shard_list
 
 # --- one claim -----------------------------------------------------------------------------------------------
 
@@ -166,10 +165,11 @@ def shard_order(todo: list[int], rank: int, world: int) -> list[int]:
 
 
 def claimed_shards(cache: Path, todo: list[int], load: Callable[[int], object], *, rank: int, world: int,
-                   lease_s: float, redo: bool, wait_claims: bool) -> Iterator[tuple[Claim, object]]:
+                   lease_s: float, redo: bool, wait_claims: bool, log=print) -> Iterator[tuple[Claim, object]]:
     """(claim, `load(index)`) of each shard of `todo` this worker gets, until every one is committed or (unless
     waiting) held by another live process. `redo`: committed shards are claimed (and redone) too. The caller keeps
-    (`Claim.keep`) and releases each claim, or hands it to whoever does (the shard writer)."""
+    (`Claim.keep`) and releases each claim, or hands it to whoever does (the shard writer). `log` says what is
+    waited for."""
 
     def prepare(index: int):
         """(claim, loaded input) of shard `index`, claimed for this worker; None when it is committed or another live
@@ -197,7 +197,7 @@ def claimed_shards(cache: Path, todo: list[int], load: Callable[[int], object], 
                 if got is not None:
                     handed.add(index)
                     yield got
-            order = unfinished(cache, [i for i in todo if i not in handed], rank, lease_s, wait_claims)
+            order = unfinished(cache, [i for i in todo if i not in handed], rank, lease_s, wait_claims, log)
     finally:  # done, or stopped (an error, an interrupt): a shard claimed here and never handed out is released
         if waiting is not None:
             try:
@@ -209,7 +209,7 @@ def claimed_shards(cache: Path, todo: list[int], load: Callable[[int], object], 
         ahead.shutdown()
 
 
-def unfinished(cache: Path, todo: list[int], rank: int, lease_s: float, wait_claims: bool) -> list[int]:
+def unfinished(cache: Path, todo: list[int], rank: int, lease_s: float, wait_claims: bool, log=print) -> list[int]:
     """The shards of `todo` still not committed that this worker can take now (their holder died or its lease
     expired). Shards that other live processes hold are waited for when they belong to this job (its ranks) or
     with `wait_claims`; otherwise the run stops with an error naming them and their holders."""
@@ -223,8 +223,6 @@ def unfinished(cache: Path, todo: list[int], rank: int, lease_s: float, wait_cla
             return []
         job = fsio.worker_info()["job"]
         if not (wait_claims or all(job and c.get("job") == job for c in held.values())):
-            from ..config import shard_list
-
             who = sorted({f"{c.get('worker')} (rank {c.get('rank', '?')})" for c in held.values()})
             until = max(c["expires"] for c in held.values())
             raise IncompleteRun(

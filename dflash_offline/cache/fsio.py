@@ -2,8 +2,9 @@
 process liveness and the debris of dead writers.
 
 Writes are temp → fsync → rename (`publish`, `atomic_path`, `write_json_atomic`, `write_text_atomic`, `atomic_dir`):
-readers see the old or the new file, never a partial one. Every temp name carries its writer's host, pid and pid space
-(`temp_path`), so that `remove_dead_temps` can tell a dead writer's debris from a live writer's work.
+readers see the old or the new file, never a partial one; a directory is renamed away before it is deleted
+(`remove_dir`). Every temp name carries its writer's host, pid and pid space (`temp_path`), so that
+`remove_dead_temps` can tell a dead writer's debris from a live writer's work.
 
 The lock (`locked`) lives here, not in the manifest module: it is a plain cross-process lock on a directory, taken
 by the manifest's read-modify-writes and by the claims alike (both of which import this module, never each other's
@@ -115,6 +116,12 @@ def atomic_dir(final: Path):
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_dir(path: Path) -> None:
+    """Delete a directory without ever leaving half of it under its name: renamed to a temp name first (a kill
+    mid-delete leaves debris named for its writer, which `remove_dead_temps` sweeps), then deleted."""
+    shutil.rmtree(path.rename(temp_path(path)), ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -295,6 +295,17 @@ def cache_kind(d: Path) -> str | None:
     return kind if kind in ("tokens", "hidden") else None
 
 
+def shard_list(indices) -> str:
+    """[0, 1, 2, 3, 7] → '0-3,7': the SHARD= syntax (`config.parse_shard_list` reads it)."""
+    runs: list[list[int]] = []
+    for i in sorted(set(indices)):
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
 def committed(m: dict) -> dict[int, dict]:
     return {s["index"]: s for s in m["shards"] if s["status"] == "committed"}
 

@@ -69,6 +69,15 @@ TOKEN_COLUMNS = {
 ROW_FILL = (("input_ids", 0), ("position_ids", 0), ("doc_ids", -1))
 
 
+def pad_rows(x, b: int, fill: int) -> np.ndarray:
+    """Rows `x` of one column as a batch of `b` rows, the missing ones `fill` (that column's `ROW_FILL`)."""
+    if x.shape[0] == b:
+        return np.array(x)  # a writable copy of the memory-mapped rows
+    out = np.full((b, *x.shape[1:]), fill, dtype=x.dtype)
+    out[: x.shape[0]] = x
+    return out
+
+
 def token_schema(seq_len: int, metadata: dict) -> pa.Schema:
     fields = [pa.field(n, pa.list_(t, seq_len), nullable=False) for n, (t, _) in TOKEN_COLUMNS.items()]
     fields.append(pa.field("doc_sources", pa.list_(pa.int64()), nullable=False))  # corpus ordinal of each doc

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-from ..progress import log
 from . import shards
 from .claims import release_claim
 from .encodings import encode_layer
@@ -86,7 +85,8 @@ class HiddenShardWriter:
     """Writes and commits the shards of one cache, `depth` at once, on background threads."""
 
     def __init__(self, cache: Path, key: str, quant: str, layer_ids: list[int], depth: int, redo: bool, rank: int,
-                 device: torch.device, projection: dict | None = None):
+                 device: torch.device, projection: dict | None = None, log=print):
+        self.log = log  # a line per committed shard and per failed write
         self.cache, self.key, self.quant, self.layer_ids = cache, key, quant, layer_ids
         # a projected cache: {"P": layer id → P [H, k] on the device, "sha256": its file's}, recorded in every shard
         self.projection = projection
@@ -138,7 +138,7 @@ class HiddenShardWriter:
                 self.timings.append(f.result())
             except Exception as e:  # noqa: BLE001
                 errors.append(e)
-                log(f"[rank {self.rank}] a shard write failed: {e!r}")
+                self.log(f"[rank {self.rank}] a shard write failed: {e!r}")
         self.pending.clear()
         self.io.shutdown()
         self.waited_s += time.time() - t
@@ -182,6 +182,6 @@ class HiddenShardWriter:
         finally:  # committed or failed, the shard is no longer this worker's
             release_claim(self.cache, index)
         write_s = time.time() - t
-        log(f"[rank {self.rank}] shard {index} committed ({files[name]['bytes'] / 1e6:.1f} MB, "
+        self.log(f"[rank {self.rank}] shard {index} committed ({files[name]['bytes'] / 1e6:.1f} MB, "
             f"{entry['compute_seconds']:.1f}s compute, {write_s:.1f}s write)")
         return entry["compute_seconds"], write_s, computed_at

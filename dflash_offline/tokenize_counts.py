@@ -1,7 +1,7 @@
 """Stage 1a's accounting: the tally of skipped records, a token shard's manifest entry, the run's summary.
 
-`stages/tokenize.py` streams records through the tokenizer workers and the packer; what it counts on the way lives
-here, as plain values. `Tally` is the one owner of skipped records: each is counted per reason with its first
+`tokenization.py` streams records through the tokenizer workers and the packer; what it counts on the way lives here,
+as plain values. `Tally` is the one owner of skipped records: each is counted per reason with its first
 file:line examples and logged to `skips.jsonl` — or, in strict mode, raised — and per file it counts documents, so
 that a file none of whose records became a document is reported loudly and a corpus without a single document is
 an error that says what was skipped and why. `shard_entry` turns a shard's packed rows into its arrays and its

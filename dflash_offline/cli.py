@@ -1,0 +1,61 @@
+"""A stage's command-line runtime: what every `python -m stages.<name>` does around its `main(argv)`.
+
+`run_cli(main)` turns a ValueError (config, corpus, manifest, shard and target errors carry their own advice) or a
+failed write into one line `error: ...` and exit status 2; `unbuffered()` makes logs appear as they happen;
+`private_compile_caches()` gives each process rank its own Triton and Inductor caches. The settings themselves are
+parsed by `config.configs_from_argv`.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+from pathlib import Path
+
+
+def unbuffered() -> None:
+    """Line-buffer stdout/stderr so logs appear as they happen, also when piped to a file."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(line_buffering=True)
+        except AttributeError:
+            pass
+
+
+def private_compile_caches(rank: int | None = None) -> dict[str, str]:
+    """One Triton and one Inductor cache directory per process rank, persistent across runs (a re-run on the same
+    machine skips the compilation): concurrent autotuning must not race on shared cache files. Call it before
+    anything compiles; explicit TRITON_CACHE_DIR / TORCHINDUCTOR_CACHE_DIR settings win."""
+    if rank is None:
+        rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
+    base = Path(os.environ.get("DFLASH_COMPILE_CACHE", Path.home() / ".cache" / "dflash_offline"))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(base / f"triton-rank{rank}"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(base / f"inductor-rank{rank}"))
+    return {k: os.environ[k] for k in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
+
+
+DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG}
+
+
+def run_cli(main) -> None:
+    """A stage's `__main__`: run `main(argv)`; a ValueError (config, corpus, manifest, shard, target errors all carry
+    their own advice) or a failed write (full disk, I/O error) becomes one line `error: ...` and exit status 2
+    instead of a traceback; an int result is the exit code. Triton autotuner choices are recorded or pinned first when
+    the environment asks (`dflash_offline.autotune`)."""
+    from .autotune import from_env
+
+    from_env()
+    try:
+        code = main(sys.argv[1:])
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:
+        if e.errno not in DISK_ERRORS:
+            raise
+        print(f"error: writing {e.filename or 'a file'} failed: {e.strerror} (errno {e.errno}). Everything "
+              f"committed before it is kept and nothing half-written is left: fix the disk, then rerun the same "
+              f"command", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(code if isinstance(code, int) else 0)
