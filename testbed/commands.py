@@ -1,10 +1,11 @@
 """The stage CLIs the testbed runs, each in a process of its own (`python -m stages.<name>`: `stage`): the caches'
 extraction (`extract`), one drafter's training and export (`train_export`; the export, CPU work, runs in this process)
-and its evaluation (`evaluate`); what a drafter is made from (`Job`, `job_identity`: RUN/testbed-job.json) and the
+and its evaluation (`evaluate`: all of an invocation's in one process of their own, `EvalWorker`); what a drafter is made from (`Job`, `job_identity`: RUN/testbed-job.json) and the
 removal of a run made from anything else (`fresh_run`)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -127,22 +128,81 @@ def export_here(run: Path, log_file: Path | None) -> float:
     return time.perf_counter() - t0
 
 
-def evaluate(cfg: TestbedConfig, p: Paths, run: Path, dev: str, untrained: bool, log_file: Path | None,
-             env: dict, check: int = 0) -> float:
-    """Speculative decoding of `eval_prompts` held-out prompts in exact mode (exit 1 = not lossless: recorded in the
-    run's eval JSON, not fatal here) — in an A/B with `replay`, τ replayed on the target-alone decodes, `check`
-    prompts also decoded for real."""
+class EvalWorker:
+    """The evaluations of this invocation, one after another in one process (`testbed/evalworker.py`: the start-up
+    and the target's loading paid once), started at the first and again after one that died."""
+
+    def __init__(self):
+        import threading
+
+        self.proc, self.lock = None, threading.Lock()
+
+    def run(self, args: list[str], log_file: Path | None, env: dict | None) -> int:
+        """`python -m stages.evaluate args`'s exit status, its output in `log_file` (None: this process's stderr)."""
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None:
+                self.proc = subprocess.Popen([sys.executable, "-m", "testbed.evalworker"], stdin=subprocess.PIPE,
+                                             stdout=subprocess.PIPE, text=True,
+                                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+            if log_file is not None:
+                log_file.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                self.proc.stdin.write(json.dumps({"argv": args, "log": str(log_file) if log_file else None}) + "\n")
+                self.proc.stdin.flush()
+                line = self.proc.stdout.readline()
+            except BrokenPipeError:
+                line = ""
+            if not line:  # it died (killed, out of memory): the next evaluation starts another
+                rc = self.proc.wait()
+                self.proc = None
+                return rc if rc not in (0, 1) else 3
+            return json.loads(line)["rc"]
+
+    def close(self) -> None:
+        """Ends the process (at the end of the drafters)."""
+        with self.lock:
+            if self.proc is not None:
+                self.proc.stdin.close()
+                try:
+                    self.proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                self.proc = None
+
+
+EVAL_WORKER = EvalWorker()
+
+
+def evaluate_args(cfg: TestbedConfig, p: Paths, run: Path, dev: str, untrained: bool, check: int = 0) -> list[str]:
+    """stages.evaluate's arguments for `run`'s drafter (its untrained one: `untrained`), `check` prompts decoded for
+    real beside the replay."""
     args = [f"--run={run}", f"--prompts={p.eval_prompts}", f"--num_prompts={cfg.eval_prompts}", "--dtype=float32",
             f"--device={dev}", "--tf_batches=2", f"--max_new_tokens={cfg.eval_tokens}",
             f"--baseline={p.baseline(cfg.eval_tokens)}"]
     replay = cfg.replay and bool(cfg.arms or cfg.sweep)
     if replay:  # the untrained drafter then replays every prompt too
         args += ["--replay=1", f"--check_prompts={check}"]
-    args += (["--untrained=1"] + ([] if replay else [f"--spec_prompts={cfg.untrained_prompts}"]) if untrained
-             else [f"--export={run / 'export'}"])
+    return args + (["--untrained=1"] + ([] if replay else [f"--spec_prompts={cfg.untrained_prompts}"]) if untrained
+                   else [f"--export={run / 'export'}"])
+
+
+def evaluate(cfg: TestbedConfig, p: Paths, run: Path, dev: str, untrained: bool, log_file: Path | None,
+             env: dict, check: int = 0) -> float:
+    """Speculative decoding of `eval_prompts` held-out prompts in exact mode (exit 1 = not lossless: recorded in the
+    run's eval JSON, not fatal here) — in an A/B with `replay`, τ replayed on the target-alone decodes, `check`
+    prompts also decoded for real; in `EVAL_WORKER` unless `eval_worker` is off."""
+    args = evaluate_args(cfg, p, run, dev, untrained, check)
     out = run / ("eval-untrained.json" if untrained else "eval.json")
     out.unlink(missing_ok=True)  # exit status 1 is "not lossless" and also an uncaught error: the JSON tells them apart
-    secs = stage("stages.evaluate", *args, log_file=log_file, env=env, ok=(0, 1))
+    t0 = time.perf_counter()
+    if cfg.eval_worker:
+        rc = EVAL_WORKER.run(args, log_file, env)
+        if rc not in (0, 1):
+            raise RuntimeError(f"stages.evaluate --run={run} ... failed with exit status {rc}"
+                               + (f" (log: {log_file})" if log_file else ""))
+    else:
+        stage("stages.evaluate", *args, log_file=log_file, env=env, ok=(0, 1))
+    secs = time.perf_counter() - t0
     if not out.is_file():
         raise RuntimeError(f"stages.evaluate ... failed without writing {out}" + (f" (log: {log_file})" if log_file else ""))
     return secs

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from dflash_offline.cache.fsio import write_json_atomic
 
-from .commands import STARTED, Job, evaluate, extract, fresh_run, job_identity, log, train_export
+from .commands import EVAL_WORKER, STARTED, Job, evaluate, extract, fresh_run, job_identity, log, train_export
 from .config import TestbedConfig
 from .runs import JOB_FILE, Paths, cache_complete, eval_summary
 
@@ -223,13 +223,17 @@ def run_drafters(cfg: TestbedConfig, p: Paths, dev: str, jobs: list[Job], parall
     side = threading.Thread(target=d.untrained, daemon=True)
     side.start()
     threading.Thread(target=d.extract_caches, daemon=True).start()
-    with ThreadPoolExecutor(parallel) as pool:
-        list(pool.map(d.guarded, jobs))
-    if d.retry and not d.failed.is_set():
-        log(f"trying again {len(d.retry)} drafter(s) that ran out of GPU memory, {max(1, parallel // 2)} at a time")
-        with ThreadPoolExecutor(max(1, parallel // 2)) as pool:
-            list(pool.map(lambda j: d.guarded(j, last=True), d.retry))
-    side.join()
+    try:
+        with ThreadPoolExecutor(parallel) as pool:
+            list(pool.map(d.guarded, jobs))
+        if d.retry and not d.failed.is_set():
+            log(f"trying again {len(d.retry)} drafter(s) that ran out of GPU memory, {max(1, parallel // 2)} at a "
+                f"time")
+            with ThreadPoolExecutor(max(1, parallel // 2)) as pool:
+                list(pool.map(lambda j: d.guarded(j, last=True), d.retry))
+        side.join()
+    finally:
+        EVAL_WORKER.close()
     if d.failed.is_set() or base in d.errors:
         raise RuntimeError(d.errors.get(base) or f"the untrained drafter's evaluation failed (log: {d.untrained_log})")
     for run, e in d.errors.items():

@@ -274,6 +274,33 @@ def _testbed(root: Path, *args: str) -> subprocess.CompletedProcess:
                           cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
+def untimed(report: dict) -> dict:
+    """An evaluation's report without what differs between two evaluations of the same drafter: its timings, when
+    it was written, where (`out`), and the baseline's reuse."""
+    if isinstance(report, dict):
+        return {k: untimed(v) for k, v in report.items()
+                if k not in ("time", "out", "baseline", "reused") and not k.endswith(("_ms", "_s", "ms_per_token"))
+                and "speedup" not in k}
+    return [untimed(x) for x in report] if isinstance(report, list) else report
+
+
+def test_the_evaluation_worker_answers_each_request_and_keeps_serving_after_a_refused_one(tmp_path):
+    """testbed.evalworker: each request's output goes into its log, the answer is the exit status
+    `python -m stages.evaluate` would have (2: a refused input), and the process serves the next request; closing its
+    input ends it."""
+    w = commands.EvalWorker()
+    try:
+        assert w.run(["--bogus=1"], tmp_path / "a.log", None) == 2
+        assert "--bogus" in (tmp_path / "a.log").read_text()
+        pid = w.proc.pid
+        assert w.run([f"--run={tmp_path / 'none'}"], tmp_path / "b.log", None) == 2  # no such run: one line
+        assert w.proc.pid == pid and "error:" in (tmp_path / "b.log").read_text()
+    finally:
+        proc = w.proc
+        w.close()
+    assert proc.returncode == 0 and w.proc is None
+
+
 def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     root = tmp_path / "tb"
     r = _testbed(root)
@@ -296,6 +323,14 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     assert untrained["baseline"] == {"file": str(root / "baseline-12.json"), "reused": False, "prompts": 3}
     assert untrained["num_prompts"] == 2 and json.loads((run / "eval.json").read_text())["num_prompts"] == 3
     assert json.loads((run / "eval.json").read_text())["baseline"]["reused"] is True
+    # the evaluations ran in one process of their own (testbed.evalworker): the trained one reports what
+    # `python -m stages.evaluate` reports as a process of its own, timings aside
+    cfg = config.apply_preset(config.TestbedConfig(dir=str(root), preset="micro", device="cpu"), [])
+    args = commands.evaluate_args(cfg, Paths(root), run, "cpu", False, 0)
+    alone = subprocess.run([sys.executable, "-m", "stages.evaluate", *args, f"--out={root / 'alone.json'}"], cwd=REPO,
+                           capture_output=True, text=True, timeout=300)
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    assert untimed(json.loads((root / "alone.json").read_text())) == untimed(json.loads((run / "eval.json").read_text()))
 
     # a rerun does nothing; from_phase=train redoes the drafter only (target and cache untouched)
     stamps = {p: p.stat().st_mtime_ns for p in [root / "target" / "model.safetensors", root / "regen.jsonl",
