@@ -342,7 +342,8 @@ def parse_overrides(argv: list[str]) -> tuple[str | None, dict[str, str]]:
     recipe, out = None, {}
     for arg in argv:
         if not arg.startswith("--") or "=" not in arg:
-            raise ConfigError(f"argument {arg!r}: expected --key=value (see --help)")
+            form = f"{arg}=VALUE, one argument" if arg.startswith("--") else "--key=value"
+            raise ConfigError(f"argument {arg!r}: expected {form} (see --help)")
         key, value = arg[2:].split("=", 1)
         key = key.replace("-", "_")
         if key == "recipe":
