@@ -10,7 +10,7 @@ S = 2048, 512 anchors, block 16 (random weights and random cached states).
     python -m bench.train --precision=fp8 --alone --skip_baseline   (ours in fp8 only: one run a process, as
                                                `bench.train_compare` runs each variant)
 
-Ours: `stages.train.run` as a user runs it (compiled flex attention, chunked one-pass lm_head + CE, streaming
+Ours: `dflash_offline.trainrun.run` as a user runs it (compiled flex attention, chunked one-pass lm_head + CE, streaming
 loader) on a synthetic hidden cache and a synthetic target holding only embed + lm_head. Baseline, same process:
 a straightforward in-tree step — the eager drafter with the dense-mask SDPA path and full-vocabulary logits
 computed chunk by chunk under activation checkpointing. Reports context tokens/s, ms/step, fraction of the FLOP
@@ -100,8 +100,8 @@ def synthetic_cache(root: Path, text: dict, target: Path, rows: int, seq_len: in
 
 
 def run_ours(args, cache: Path, drafter: dict, precision: str = "auto", name: str = "run") -> dict:
+    from dflash_offline.trainrun import run as train_run
     from dflash_offline.trainsetup import BenchSwitches, TrainConfig
-    from stages import train
 
     run = args.workdir / name
     shutil.rmtree(run, ignore_errors=True)
@@ -123,7 +123,7 @@ def run_ours(args, cache: Path, drafter: dict, precision: str = "auto", name: st
     sampler = GpuSampler()
     try:
         with read_check(args.read_check) as hashed:
-            train.run(cfg, switches)
+            train_run(cfg, switches)
     finally:
         sampler.stop()
     shutil.rmtree(run / "checkpoints", ignore_errors=True)  # (its last step's: ~25 GB at the 27B shapes, a disk per run)

@@ -31,6 +31,8 @@ class ConfigError(ValueError):
 # every recipe table some stage reads (tokenize; extract reads [extract] + [tokenize]; verify; train; evaluate reads
 # [eval]; export): any other section in a recipe is a typo, refused rather than silently ignored
 RECIPE_SECTIONS = ("tokenize", "extract", "verify", "train", "eval", "export", "testbed")
+# the configs of stages whose settings come from the command line only (no recipe table: `--recipe` is refused)
+COMMAND_LINE_SECTIONS = ("regen", "report", "build_tiny", "demo_outputs")
 
 # the make variable that sets a field (Makefile): messages about that field name both spellings. One name per
 # concept on every stage: --cache (CACHE=) a hidden-state cache, read or written; --tokens (TOKENS=) a token cache;
@@ -45,6 +47,10 @@ MAKE_VARS = {
     "eval": {"run": "RUN", "export": "EXPORT", "prompts": "PROMPTS", "untrained": "UNTRAINED", "cache": "CACHE"},
     "export": {"run": "RUN", "export": "EXPORT", "step": "STEP", "dtype": "DTYPE"},
     "testbed": {"dir": "TESTBED_DIR", "from_phase": "TESTBED_FROM", "seeds": "SEEDS"},
+    "regen": {"target": "TARGET", "engine": "ENGINE", "model": "MODEL", "corpus": "CORPUS", "out": "OUT",
+              "thinking": "THINKING"},
+    "report": {"run": "RUN"},
+    "demo_outputs": {"dir": "DEMO_DIR"},
 }
 
 
@@ -336,7 +342,8 @@ def parse_overrides(argv: list[str]) -> tuple[str | None, dict[str, str]]:
     recipe, out = None, {}
     for arg in argv:
         if not arg.startswith("--") or "=" not in arg:
-            raise ConfigError(f"argument {arg!r}: expected --key=value (see --help)")
+            form = f"{arg}=VALUE, one argument" if arg.startswith("--") else "--key=value"
+            raise ConfigError(f"argument {arg!r}: expected {form} (see --help)")
         key, value = arg[2:].split("=", 1)
         key = key.replace("-", "_")
         if key == "recipe":
@@ -400,7 +407,8 @@ def check_overrides(overrides: dict[str, str], classes: list, sections: tuple[st
 
 def build_config(cls, section: str, values: dict):
     """`cls` from checked values: types coerced, required fields present, each in its group, then `resolve()`."""
-    assert section in RECIPE_SECTIONS, f"[{section}] is read by a stage: add it to RECIPE_SECTIONS"
+    assert section in RECIPE_SECTIONS + COMMAND_LINE_SECTIONS, \
+        f"[{section}] is read by a stage: add it to RECIPE_SECTIONS (or COMMAND_LINE_SECTIONS)"
     known = setting_names(cls)
     unknown = sorted(set(values) - set(known))
     if unknown:
@@ -440,8 +448,13 @@ def configs_from_argv(specs: list[tuple[type, str]], argv: list[str], doc: str, 
         print(doc.strip() + "\n\n" + "\n\n".join(f"[{sec}] " + describe(cls, sec) for cls, sec in specs))
         sys.exit(0)
     recipe, overrides = parse_overrides(argv)
-    check_renamed(overrides, specs, specs[0][1])
+    where = specs[0][1]
+    if recipe is not None and not any(sec in RECIPE_SECTIONS for _, sec in specs):
+        raise ConfigError(f"{where}: --recipe is not read (its settings are given on the command line only: see "
+                          f"--help)")
+    check_renamed(overrides, specs, where)
     check_overrides(overrides, [cls for cls, _ in specs], tuple(sec for _, sec in specs))
+    check_repeated(argv, specs, where)
     tables = read_recipe(recipe) if recipe else {}
     out, earlier = [], {}
     for cls, sec in specs:
@@ -455,12 +468,25 @@ def configs_from_argv(specs: list[tuple[type, str]], argv: list[str], doc: str, 
     return out
 
 
+def check_repeated(argv: list[str], specs: list, where: str) -> None:
+    """Refuse a list setting given twice (the later one would silently replace the earlier), in one line:
+    '<where>: --corpus is given 2 times: give its values comma separated in one, --corpus=a,b'."""
+    lists = {name for cls, _ in specs for name, typ in setting_types(cls).items()
+             if typing.get_origin(typ) in (list, tuple)}
+    given = [a[2:].split("=", 1)[0].replace("-", "_") for a in argv]
+    for name in sorted(lists):
+        if given.count(name) > 1:
+            raise ConfigError(f"{where}: --{name} is given {given.count(name)} times: give its values comma separated "
+                              f"in one, --{name}=a,b")
+
+
 def config_from_argv(cls, section: str, argv: list[str], doc: str):
     """The stage scripts' front door: `--help` prints the fields with their comments."""
     if any(a in ("-h", "--help") for a in argv):
         print(doc.strip() + "\n\n" + describe(cls, section))
         sys.exit(0)
     recipe, overrides = parse_overrides(argv)
+    check_repeated(argv, [(cls, section)], section)
     return load_config(cls, section, recipe, overrides)
 
 
@@ -490,7 +516,8 @@ def describe(cls, section: str = "") -> str:
     helps = field_help(cls)
     fields = [f for f, _, _ in settings(cls)]
     width = max(len(f.name) for f in fields) + 2
-    rows = ["options (--key=value, or --recipe=manifests/NAME.toml for a recipe):"]
+    recipe = "" if section in COMMAND_LINE_SECTIONS else ", or --recipe=manifests/NAME.toml for a recipe"
+    rows = [f"options (--key=value{recipe}):"]
     for f in fields:
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             default = "REQUIRED"
@@ -512,6 +539,7 @@ def as_dict(cfg) -> dict:
 
 
 __all__ = [
+    "COMMAND_LINE_SECTIONS",
     "ConfigError",
     "ExtractConfig",
     "RECIPE_SECTIONS",
@@ -522,6 +550,7 @@ __all__ = [
     "parse_shard_list",
     "as_dict",
     "check_renamed",
+    "check_repeated",
     "compose",
     "is_group",
     "setting_names",

@@ -5,7 +5,7 @@ the accelerator, the model as trained (DDP-wrapped or FSDP-sharded) and as a pla
 optimizer and schedule, the target's frozen embedding and lm_head, the hidden-state stream — and its methods are
 the loop's pieces: `train_step` (the step's micro-batches drawn first, then forward + backward each, then the
 update), `save` (a checkpoint), `stop` (a signal's checkpoint and `runguard.Interrupted`), `run` (the loop, its
-metric windows, checkpoints and stop vote). `stages/train.py` checks the inputs, owns the run directory, builds
+metric windows, checkpoints and stop vote). `trainrun.run` checks the inputs, owns the run directory, builds
 the model and hands it here (torchtitan's `Trainer`, without callbacks).
 
 Fixed shapes everywhere: B rows per micro-batch, A anchors per row (padded with a keep mask, resampled every step),

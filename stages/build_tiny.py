@@ -1,6 +1,6 @@
 """Build the embedded default: a tiny Qwen target + tokenizer trained locally, and the bundled demo corpus.
 
-    python -m stages.build_tiny --out=build/tiny-qwen3_5 [--arch=qwen3_5] [--seed=0] [--train_steps=N]
+    python -m stages.build_tiny --out=build/tiny-qwen3_5 [--arch=qwen3_5] [--seed=0] [--train_steps=N] [--force=1]
 
 Writes into OUT: the model (`config.json`, `model.safetensors`, `generation_config.json`), the tokenizer
 (`tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`), `dflash_target.json` (mask token id and the
@@ -11,53 +11,43 @@ temporary sibling directory that is renamed onto OUT at the end, so OUT is eithe
 
 from __future__ import annotations
 
-import argparse
 import functools
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dflash_offline.cache.fsio import atomic_dir
 from dflash_offline.cli import run_cli
-from dflash_offline.config import ConfigError
+from dflash_offline.config import ConfigError, check_choice, configs_from_argv
 from fixtures import democorpus, tiny
 
 log = functools.partial(print, flush=True)
 EVAL_SEED_OFFSET = 1_000_003  # the eval corpus is drawn with seed + this, disjoint from the training seed
 
 
-@dataclass
+@dataclass(frozen=True)
 class BuildTinyConfig:
-    out: Path  # directory to create (complete or absent: built elsewhere, then renamed)
-    arch: str = "qwen3_5"  # qwen3_5 (hybrid Gated DeltaNet, VL checkpoint layout) or qwen3 (dense)
+    out: str  # directory to create, e.g. build/tiny-qwen3_5 (complete or absent: built elsewhere, then renamed)
+    arch: str = "qwen3_5"  # "qwen3_5" (hybrid Gated DeltaNet, VL checkpoint layout) or "qwen3" (dense)
     seed: int = 0  # seeds the corpus, the tokenizer's training text, the init and the training order
-    train_steps: int = 0  # >0: train the target this many steps on the corpus (300 for non-degenerate demos)
+    train_steps: int = 0  # >0: train the target this many steps of 8x256 tokens on the corpus (300 for non-degenerate demos); 0 = random init
     corpus_docs: int = 4000  # demo documents (tokenizer + target training text, written to corpus/train.jsonl)
     eval_docs: int = 200  # held-out demo documents (corpus/eval.jsonl)
     force: bool = False  # replace OUT if it holds a build with other parameters
 
+    def resolve(self) -> BuildTinyConfig:
+        check_choice("build_tiny.arch", self.arch, tiny.ARCHS)
+        if self.train_steps < 0 or self.corpus_docs < 1 or self.eval_docs < 0:
+            raise ConfigError("build_tiny: --train_steps must be >= 0, --corpus_docs >= 1, --eval_docs >= 0")
+        return self
 
-def parse_args(argv: list[str] | None = None) -> BuildTinyConfig:
-    p = argparse.ArgumentParser(prog="python -m stages.build_tiny", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True, help="output directory, e.g. build/tiny-qwen3_5")
-    p.add_argument("--arch", choices=tiny.ARCHS, default="qwen3_5", help="target architecture (default qwen3_5)")
-    p.add_argument("--seed", type=int, default=0, help="seed for corpus, tokenizer, init, training (default 0)")
-    p.add_argument("--train_steps", type=int, default=0,
-                   help="train the tiny target N steps of 8x256 tokens on the demo corpus (default 0: random init)")
-    p.add_argument("--corpus_docs", type=int, default=4000, help="demo corpus documents (default 4000)")
-    p.add_argument("--eval_docs", type=int, default=200, help="held-out demo documents (default 200)")
-    p.add_argument("--force", action="store_true", help="replace OUT when it holds a different build")
-    argv = sys.argv[1:] if argv is None else argv
+
+def parse_args(argv: list[str]) -> BuildTinyConfig:
     for arg in argv:
         if (old := arg.split("=", 1)[0]) in ("--train-steps", "--corpus-docs", "--eval-docs"):
             raise ConfigError(f"build_tiny: {old} is now --{old[2:].replace('-', '_')} (underscores, as every stage)")
-    a = p.parse_args(argv)
-    if a.train_steps < 0 or a.corpus_docs < 1 or a.eval_docs < 0:
-        p.error("--train_steps must be >= 0, --corpus_docs >= 1, --eval_docs >= 0")
-    return BuildTinyConfig(out=a.out, arch=a.arch, seed=a.seed, train_steps=a.train_steps,
-                           corpus_docs=a.corpus_docs, eval_docs=a.eval_docs, force=a.force)
+    (cfg,) = configs_from_argv([(BuildTinyConfig, "build_tiny")], argv, __doc__)
+    return cfg
 
 
 def existing_params(out: Path) -> dict | None:
@@ -68,12 +58,12 @@ def existing_params(out: Path) -> dict | None:
         return None
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str]) -> int:
     from dflash_offline.devices import quiet_cpu_kernel_notes
 
     cfg = parse_args(argv)
     quiet_cpu_kernel_notes(log)  # (the tiny build runs on the CPU)
-    out = cfg.out
+    out = Path(cfg.out)
     params = {**tiny.build_params(cfg.arch, cfg.seed, cfg.train_steps, cfg.corpus_docs), "eval_docs": cfg.eval_docs}
     log(f"build_tiny: {asdict(cfg)}")
 
@@ -85,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not cfg.force:
             what = f"a build with other parameters {have}" if have is not None else "something that is no tiny build"
-            raise SystemExit(f"error: {out} holds {what}; wanted {params}. Remove it or pass --force.")
+            raise SystemExit(f"error: {out} holds {what}; wanted {params}. Remove it or pass --force=1.")
 
     t0 = time.perf_counter()
     with atomic_dir(out) as tmp:  # published onto OUT when finished, removed when not

@@ -10,14 +10,24 @@ parameters and is kept. Unchanged code: nothing is removed, the demo resumes whe
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+
+from dflash_offline.config import configs_from_argv
 
 REPO = Path(__file__).resolve().parents[1]
 STAMP = ".code-stamp"
 OUTPUTS = ("cache", "run", "export", "regen.jsonl", "regen.jsonl.stats.json")
+
+
+@dataclass(frozen=True)
+class DemoOutputsConfig:
+    dir: str  # the demo's directory: its outputs made by other code are removed, then it is stamped
+
+    def resolve(self) -> DemoOutputsConfig:
+        return self
 
 
 def code_hash(repo: Path = REPO) -> str:
@@ -54,11 +64,12 @@ def prepare(demo_dir: Path, current: str | None = None) -> list[str]:
     return removed
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dir", type=Path, required=True)
-    prepare(p.parse_args().dir)
+def main(argv: list[str]) -> None:
+    (cfg,) = configs_from_argv([(DemoOutputsConfig, "demo_outputs")], argv, __doc__)
+    prepare(Path(cfg.dir))
 
 
 if __name__ == "__main__":
-    main()
+    from dflash_offline.cli import run_cli
+
+    run_cli(main)

@@ -21,43 +21,15 @@ SHA-256 of its first user turn), unanswered, for `make eval`. Then: `make extrac
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import typing
-
 from dflash_offline.cli import run_cli, unbuffered
-from dflash_offline.config import field_help
+from dflash_offline.config import configs_from_argv
 from dflash_offline.regenrun import RegenConfig, run
-
-# --- command line --------------------------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str]) -> RegenConfig:
-    """The fields of `RegenConfig` as `--name=value` options, each with its comment as help; empty = default."""
-    p = argparse.ArgumentParser(prog="python -m stages.regen", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Empty values (as make passes for unset variables) mean the default.")
-    helps, hints = field_help(RegenConfig), typing.get_type_hints(RegenConfig)
-    for f in dataclasses.fields(RegenConfig):
-        default = "required" if f.default is dataclasses.MISSING else f"default {f.default!r}"
-        p.add_argument(f"--{f.name}", default=[] if f.name == "corpus" else "",
-                       action="append" if f.name == "corpus" else "store", help=f"{helps[f.name]} [{default}]")
-    values = {}
-    for name, text in vars(p.parse_args(argv)).items():
-        if name == "corpus":
-            values[name] = [c for arg in text for c in arg.split(",") if c]
-        elif text != "":
-            values[name] = coerce(name, text, hints[name])
-    return RegenConfig(**values).resolve()
-
-
-def coerce(name: str, text: str, kind) -> object:
-    if kind is bool:
-        return text.lower() not in ("0", "false", "no", "off")
-    try:
-        return kind(text)
-    except ValueError:
-        raise ValueError(f"--{name}={text!r}: expected {'an integer' if kind is int else 'a number'}") from None
+    """`RegenConfig` from `--name=value` options (`--help` lists them with their comments); empty = default."""
+    (cfg,) = configs_from_argv([(RegenConfig, "regen")], argv, __doc__)
+    return cfg
 
 
 def main(argv: list[str]) -> dict:

@@ -28,11 +28,11 @@ backend: no display).
 
 from __future__ import annotations
 
-import argparse
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_offline.config import ConfigError
+from dflash_offline.config import ConfigError, configs_from_argv
 from dflash_offline.plots import (
     plot_accuracy,
     plot_accuracy_final,
@@ -44,6 +44,17 @@ from dflash_offline.plots import (
     pyplot,
 )
 from dflash_offline.runlog import auto_span, eval_tau, final_slot_acc, read_eval, read_metrics, tail_median
+
+
+@dataclass(frozen=True)
+class ReportConfig:
+    run: str  # training run directory (holds metrics.jsonl): the directory make train wrote
+    out: str = ""  # report directory written; empty = RUN/report
+    smooth: int = 0  # EMA span in log records; 0 = automatic, 1 = none
+
+    def resolve(self) -> ReportConfig:
+        return self
+
 
 # --- summary page --------------------------------------------------------------------------------------------
 
@@ -158,24 +169,14 @@ def run(run_dir: str | Path, out: str | Path | None = None, smooth: int = 0) -> 
 
 
 def main(argv: list[str]) -> Path:
-    p = argparse.ArgumentParser(prog="python -m stages.report", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", default="", help="training run directory (holds metrics.jsonl)")
-    p.add_argument("--out", default="", help="report directory (default RUN/report)")
-    p.add_argument("--smooth", default="", help="EMA span in log records (default 0 = automatic, 1 = none)")
-    a, rest = p.parse_known_args(argv)
-    if positional := [x for x in rest if not x.startswith("-")]:
+    if positional := [x for x in argv if not x.startswith("-")]:
         raise ConfigError(f"report: the run is now --run={positional[0]} (a positional directory is not read)")
-    if rest:
-        p.error(f"unrecognized arguments: {' '.join(rest)}")
-    run_dir = a.run
-    if not run_dir:
-        raise ValueError("no run: pass --run=DIR (RUN= in make), the directory make train wrote")
+    (cfg,) = configs_from_argv([(ReportConfig, "report")], argv, __doc__)
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         raise ValueError("matplotlib is not installed: pip install -e '.[report]' (or make setup)") from None
-    out = run(run_dir, a.out or None, int(a.smooth or 0))
+    out = run(cfg.run, cfg.out or None, cfg.smooth)
     for f in sorted(out.iterdir()):
         print(f"  {f.name}")
     print(out)

@@ -23,14 +23,20 @@ from dflash_offline.config import (
 )
 from dflash_offline.evalrun import EvalConfig
 from dflash_offline.export import ExportConfig
+from dflash_offline.regenrun import RegenConfig
 from dflash_offline.trainsetup import TrainConfig
+from stages.build_tiny import BuildTinyConfig
+from stages.demo_outputs import DemoOutputsConfig
+from stages.report import ReportConfig
 
 REPO = Path(__file__).resolve().parents[1]
 # each stage's configs, as its command line reads them
 STAGES = {"tokenize": [(TokenizeConfig, "tokenize")],
           "extract": [(ExtractConfig, "extract"), (TokenizeConfig, "tokenize")],
           "verify": [(VerifyConfig, "verify")], "train": [(TrainConfig, "train")],
-          "evaluate": [(EvalConfig, "eval")], "export": [(ExportConfig, "export")]}
+          "evaluate": [(EvalConfig, "eval")], "export": [(ExportConfig, "export")],
+          "regen": [(RegenConfig, "regen")], "report": [(ReportConfig, "report")],
+          "build_tiny": [(BuildTinyConfig, "build_tiny")], "demo_outputs": [(DemoOutputsConfig, "demo_outputs")]}
 
 
 def help_flags(specs) -> dict[str, str]:
@@ -73,6 +79,17 @@ def test_report_takes_its_run_as_run(tmp_path):
     assert str(e.value) == f"report: the run is now --run={tmp_path / 'run'} (a positional directory is not read)"
     with pytest.raises(ConfigError, match="^report: the run is now --run=runs/x "):
         report.main(["--smooth=3", "runs/x"])
+
+
+@pytest.mark.parametrize("stage", ["report", "regen", "build_tiny", "demo_outputs"])
+def test_every_stage_takes_key_equals_value_only(stage):
+    """One argv style: `--run X` (a space) is refused naming the one form; a recipe is refused where the stage's
+    settings are command-line only."""
+    specs = STAGES[stage]
+    with pytest.raises(ConfigError, match=r"^argument '--out': expected --out=VALUE, one argument"):
+        configs_from_argv(specs, ["--out", "x"], "")
+    with pytest.raises(ConfigError, match=rf"^{stage}: --recipe is not read"):
+        configs_from_argv(specs, ["--recipe=manifests/demo.toml"], "")
 
 
 @pytest.mark.parametrize(("stage", "old", "new", "what"), [

@@ -290,8 +290,12 @@ def test_split_reasoning():
 def test_cli_checks_before_loading(tmp_path, chat_corpus):
     with pytest.raises(ValueError, match="thinking"):
         regen.parse_args(["--target=x", f"--corpus={chat_corpus}", "--thinking=maybe"])
-    with pytest.raises(ValueError, match="no corpus"):
+    with pytest.raises(ValueError, match=r"^missing required regen setting\(s\): --corpus \(make CORPUS=\)$"):
         regen.parse_args(["--target=x", "--corpus="])
+    with pytest.raises(ValueError, match=r"^regen: --corpus is given 2 times: give its values comma separated in one"):
+        regen.parse_args(["--target=x", f"--corpus={chat_corpus}", f"--corpus={chat_corpus}"])
+    with pytest.raises(ValueError, match=r"^regen: --recipe is not read"):
+        regen.parse_args(["--target=x", f"--corpus={chat_corpus}", "--recipe=manifests/demo.toml"])
     cfg = regen.parse_args(["--target=/ckpt/Qwen3-8B/", f"--corpus={chat_corpus},{chat_corpus}", "--out=",
                             "--max_new_tokens=", "--batch_size=3"])
     assert cfg.out == "regen/Qwen3-8B-thinking_on.jsonl" and cfg.batch_size == 3 and cfg.max_new_tokens == 2048
@@ -300,7 +304,7 @@ def test_cli_checks_before_loading(tmp_path, chat_corpus):
                       ([], r"pass --target=DIR .* or --engine=URL --model=NAME"),
                       (["--target=t", "--heldout_out=h.jsonl"], r"needs --heldout_every=N"),
                       (["--target=t", "--heldout_every=1"], r"expected 0 \(none\) or N >= 2"),
-                      (["--target=t", "--concurrency=x"], r"--concurrency='x': expected an integer")):
+                      (["--target=t", "--concurrency=x"], r"--concurrency: expected an integer, got 'x'")):
         with pytest.raises(ValueError, match=fix):
             regen.parse_args([f"--corpus={chat_corpus}", *args])
     cfg = regen.parse_args([f"--corpus={chat_corpus}", "--engine=http://h:8000/v1", "--target=/ckpt/Q", "--out=r/a.jsonl",
