@@ -556,14 +556,16 @@ def test_every_preset_arm_resolves_against_the_testbed_recipe():
             assert as_dict(t)[k] != as_dict(base[1])[k], (arm, k)  # (flat: each key in its group)
 
 
-def test_an_evaluation_that_exits_1_without_its_json_is_a_failure_not_a_result(tmp_path, monkeypatch):
+@pytest.mark.parametrize("worker", [True, False])
+def test_an_evaluation_that_exits_1_without_its_json_is_a_failure_not_a_result(tmp_path, monkeypatch, worker):
     """stages.evaluate exits 1 both when the output is not lossless (its JSON says so) and on an uncaught error:
-    a JSON left from an earlier evaluation must not pass for this one's."""
-    cfg, p = config.TestbedConfig(dir=str(tmp_path)), Paths(str(tmp_path))
+    a JSON left from an earlier evaluation must not pass for this one's (in the evaluation worker or a process)."""
+    cfg, p = config.TestbedConfig(dir=str(tmp_path), eval_worker=worker), Paths(str(tmp_path))
     run = p.run("", 0)
     run.mkdir(parents=True)
     (run / "eval.json").write_text("{}")  # an earlier evaluation's
     monkeypatch.setattr(commands, "stage", lambda *a, **k: 1.0)  # exits 1 (accepted) and writes nothing
+    monkeypatch.setattr(commands.EVAL_WORKER, "run", lambda *a, **k: 1)
     with pytest.raises(RuntimeError, match=r"failed without writing .*eval.json \(log: .*eval.log\)"):
         commands.evaluate(cfg, p, run, "cpu", False, run / "logs" / "eval.log", {})
     assert not (run / "eval.json").exists()
