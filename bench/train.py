@@ -9,6 +9,9 @@ S = 2048, 512 anchors, block 16 (random weights and random cached states).
     python -m bench.train --project_dims=2560 --quant=fp8   (GPU: the same with projected taps, k a tap; no baseline)
     python -m bench.train --precision=fp8 --alone --skip_baseline   (ours in fp8 only: one run a process, as
                                                `bench.train_compare` runs each variant)
+    python -m bench.train --recipe=manifests/qwen3.8-27b-dflash2.toml --seq_len=4096 --anchors=64 --skip_baseline
+                                              (GPU: the recipe's drafter — block 8, 5 sliding layers, DFlash2 — as
+                                               DFlash, then as DFlash2: the DFlash2 / DFlash rates at its shapes)
 
 Ours: `dflash_offline.trainrun.run` as a user runs it (compiled flex attention, chunked one-pass lm_head + CE, streaming
 loader) on a synthetic hidden cache and a synthetic target holding only embed + lm_head. Baseline, same process:
@@ -20,6 +23,11 @@ encoding other than bf16 (`--quant`, `--project_dims`) runs ours on a bf16 cache
 gives the encoded / bf16-cache ratios (what decoding on the reader's side stream costs the step). Compared runs go
 A, B, A: the bf16 run again last, the ratios against the mean of its two runs, and their own ratio as the drift.
 All in one process: `bench.train_compare` runs each precision variant in a process of its own (`--alone`).
+`--recipe=FILE` takes the drafter a recipe's [train] trains (its DrafterSettings but the taps and mask token, which
+are the synthetic cache's, and its γ and selector weight; --tiny keeps the tiny sizes) in place of the default
+shape; a DFlash2 drafter (`--variant=dflash2`, or the recipe's) is timed against DFlash at the same shapes (A, B, A:
+DFlash, DFlash2, DFlash again) unless `--alone`. Its FLOP fraction counts DFlash's FLOPs (the conv and the selector
+are not in `metrics.flops_per_row`): read its cost from the rates.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ from fixtures.fake_cache import make_fake_cache
 
 DRAFTER_27B = dict(num_layers=5, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=17408)
 DRAFTER_TINY = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128)
+SIZES = tuple(DRAFTER_27B)  # what --tiny keeps its own of, whatever the recipe says
 LAYERS = [1, 16, 31, 46, 61]
 
 
@@ -99,6 +108,20 @@ def synthetic_cache(root: Path, text: dict, target: Path, rows: int, seq_len: in
     return cache
 
 
+def recipe_drafter(recipe: str, tiny: bool) -> dict:
+    """The drafter settings of a recipe's [train] (`drafter.DrafterSettings`: shape, variant and its conv and
+    selector, attention layout) with its γ and selector weight; not its taps and mask token (the synthetic cache's),
+    nor, with `tiny`, its sizes (`SIZES`)."""
+    import dataclasses
+
+    from dflash_offline.config import read_recipe
+    from dflash_offline.drafter import DrafterSettings
+
+    keys = {f.name for f in dataclasses.fields(DrafterSettings)} - {"layer_ids", "mask_token_id"}
+    keys = (keys | {"gamma", "selector_weight"}) - (set(SIZES) if tiny else set())
+    return {k: v for k, v in read_recipe(recipe).get("train", {}).items() if k in keys}
+
+
 def run_ours(args, cache: Path, drafter: dict, precision: str = "auto", name: str = "run") -> dict:
     from dflash_offline.trainrun import run as train_run
     from dflash_offline.trainsetup import BenchSwitches, TrainConfig
@@ -106,12 +129,11 @@ def run_ours(args, cache: Path, drafter: dict, precision: str = "auto", name: st
     run = args.workdir / name
     shutil.rmtree(run, ignore_errors=True)
     cfg = TrainConfig.of(cache=str(cache), run=str(run), steps=args.steps, batch_rows=1, num_anchors=args.anchors,
-                      block_size=16, log_every=args.log_every, ckpt_every=10**9, trackers="none",
-                      attn=args.attn, profile_steps=args.profile_steps,
+                      log_every=args.log_every, ckpt_every=10**9, trackers="none", attn=args.attn, profile_steps=args.profile_steps,
                       master_weights=args.master_weights, global_batch_tokens=args.accum * args.seq_len,
                       loss_logits=args.loss_logits, precision=precision, fp8_recipe=args.fp8_recipe,
                       **({} if args.loss_chunk_tokens is None else {"loss_chunk_tokens": args.loss_chunk_tokens}),
-                      **drafter).resolve()
+                      **{"block_size": 16, **drafter}).resolve()
     # the A/B switches that are not trainer options (within the run-to-run spread: docs/benchmarks.md)
     switches = BenchSwitches(tf32=args.tf32 == "on",
                              fp8_emulate=args.tiny and not torch.cuda.is_available())  # (the CPU smoke run)
@@ -151,7 +173,7 @@ def run_ours(args, cache: Path, drafter: dict, precision: str = "auto", name: st
             "recompiles": recs[-1]["recompiles"], "first_window_ms": recs[0]["ms_per_step"], "gpu": clocks,
             "master_weights": derived["master_weights"],
             "attn": derived["attn"], "loss_logits": derived["loss_logits"], "tf32": derived["tf32"],
-            "precision": derived["precision"], "fp8_recipe": derived["fp8_recipe"],
+            "precision": derived["precision"], "fp8_recipe": derived["fp8_recipe"], "variant": cfg.drafter.variant,
             "loss_chunk_tokens": cfg.loss.loss_chunk_tokens, "loss": [r["loss"] for r in recs], "pid": os.getpid(),
             "read_check": args.read_check, "read_check_ms_per_step": 1000 * hashed["s"] / args.steps,
             "read_check_gb_per_step": hashed["bytes"] / 1e9 / args.steps,
@@ -201,14 +223,16 @@ def run_baseline(args, cache: Path, target: Path, drafter: dict, device) -> dict
     from dflash_offline.loss import slot_weights
     from dflash_offline.trainsetup import TrainConfig, cache_defaults, drafter_config
 
-    cfg = TrainConfig.of(cache=str(cache), batch_rows=1, num_anchors=args.anchors, **drafter).resolve()
+    cfg = TrainConfig.of(cache=str(cache), batch_rows=1, num_anchors=args.anchors,
+                         **{"block_size": 16, **drafter, "variant": "dflash"}).resolve()
     c = cache_defaults(cfg)
     dc = drafter_config(cfg, c)
+    L = dc.block_size
     model = DFlashDrafter(dc).to(device)
     embed, head = (w.to(device, torch.bfloat16) for w in load_target_embeddings(target))
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, fused=device.type == "cuda")
     stream = HiddenStream(open_hidden_cache(cache, c["layer_ids"]), 1, device=device)
-    w_L = slot_weights(16, None, device)
+    w_L = slot_weights(L, cfg.loss.gamma or None, device)
 
     def chunk_loss(h, labels, weights):
         logits = (h @ head.T).float()
@@ -216,13 +240,13 @@ def run_baseline(args, cache: Path, target: Path, drafter: dict, device) -> dict
 
     def step():
         b = next(stream)
-        a, keep = anc.sample_anchors(b["loss_mask"], b["doc_ids"], args.anchors, 16)
-        labels = anc.block_labels(b["input_ids"], b["loss_mask"], b["doc_ids"], a, keep, 16).reshape(-1)
+        a, keep = anc.sample_anchors(b["loss_mask"], b["doc_ids"], args.anchors, L)
+        labels = anc.block_labels(b["input_ids"], b["loss_mask"], b["doc_ids"], a, keep, L).reshape(-1)
         masks = model.build_masks(b["doc_ids"], a, keep, "dense")
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             h = model(b["hidden"], b["input_ids"], b["position_ids"], a, keep, embed, masks, "dense")
         h = h.reshape(-1, h.shape[-1]).to(torch.bfloat16)
-        weights = torch.where(labels >= 0, w_L.repeat(labels.numel() // 16), 0.0)
+        weights = torch.where(labels >= 0, w_L.repeat(labels.numel() // L), 0.0)
         total = sum(checkpoint(chunk_loss, h[i:i + 2048], labels[i:i + 2048], weights[i:i + 2048],
                                use_reentrant=False) for i in range(0, h.shape[0], 2048))
         loss = total / weights.sum()
@@ -284,6 +308,12 @@ def main() -> None:
                    help="projected taps: the synthetic cache stores k values a tap (extract.project_dims); 0 = full")
     p.add_argument("--read_check", default="on", choices=["on", "off"],
                    help="off: the stream skips its per-row checksums (the A/B reference for their cost)")
+    p.add_argument("--recipe", default=None,
+                   help="the drafter of this recipe's [train] (shape, variant, attention layout, γ) instead of the "
+                        "default 27B shape; the target stays the synthetic 27B (--tiny: the tiny one, tiny sizes)")
+    p.add_argument("--variant", default=None, choices=["dflash", "dflash2"],
+                   help="the drafter variant (default: the recipe's, else dflash); dflash2: DFlash2 timed against "
+                        "DFlash at the same shapes (A, B, A), unless --alone")
     p.add_argument("--workdir", type=Path, default=Path("build/bench-train"))
     p.add_argument("--out", type=Path, default=None)
     from dflash_offline.config import REMOVED, REMOVED_CHOICES
@@ -296,6 +326,10 @@ def main() -> None:
     shutil.rmtree(args.workdir, ignore_errors=True)
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     text, drafter = (TEXT_TINY, DRAFTER_TINY) if args.tiny else (TEXT_27B, DRAFTER_27B)
+    drafter = {**drafter, **(recipe_drafter(args.recipe, args.tiny) if args.recipe else {})}
+    drafter["variant"] = args.variant or drafter.get("variant", "dflash")
+    dflash2 = drafter["variant"] == "dflash2" and not args.alone  # DFlash2 against DFlash, same shapes
+    reference = {**drafter, "variant": "dflash"} if dflash2 else drafter
     if args.tiny:  # (fp8: 16 anchors, so that the token counts are multiples of 16, as float8 GEMMs need)
         args.seq_len, args.anchors = 128, args.anchors or (16 if args.precision == "fp8" else 8)
     args.anchors = args.anchors or 512
@@ -304,29 +338,31 @@ def main() -> None:
     encoded = (args.quant != "bf16" or args.project_dims > 0) and not args.alone  # (alone: "ours" runs on `cache`)
     bf16_cache = synthetic_cache(args.workdir / "bf16", text, target, 8, args.seq_len, args.rows) if encoded else cache
     res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
-           "shape": {"hidden": text["hidden_size"], "seq_len": args.seq_len, "anchors": args.anchors, "block": 16,
-                     **drafter}, "rows": args.rows, "attn": args.attn, "quant": args.quant,
+           "shape": {"hidden": text["hidden_size"], "seq_len": args.seq_len, "anchors": args.anchors,
+                     "block": drafter.get("block_size", 16), **drafter}, "recipe": args.recipe, "rows": args.rows, "attn": args.attn, "quant": args.quant,
            "project_dims": args.project_dims}
     # the baseline first: it needs no compilation, so a run cut short by a time limit still has it (JSON after each)
     if not args.skip_baseline:
-        res["baseline"] = run_baseline(args, bf16_cache, target, drafter, device)
+        res["baseline"] = run_baseline(args, bf16_cache, target, reference, device)
         print(json.dumps(res["baseline"]), flush=True)
         if args.out:
             args.out.write_text(json.dumps(res, indent=1))
         if device.type == "cuda":
             torch.cuda.empty_cache()
     precision = "bf16" if args.precision == "fp8" and not args.alone else args.precision
-    runs = [("ours", precision, "run", bf16_cache)]
+    runs = [("ours", precision, "run", bf16_cache, reference)]
     if args.precision == "fp8" and not args.alone:
-        runs.append(("ours_fp8", "fp8", "run-fp8", bf16_cache))
+        runs.append(("ours_fp8", "fp8", "run-fp8", bf16_cache, reference))
     if encoded:
-        runs.append(("ours_encoded", precision, "run-encoded", cache))
+        runs.append(("ours_encoded", precision, "run-encoded", cache, reference))
+    if dflash2:
+        runs.append(("ours_dflash2", precision, "run-dflash2", bf16_cache, drafter))
     if len(runs) > 1:  # the reference again, last: the ratios take both (A, B, A), the pair bounds the drift
-        runs.append(("ours_again", precision, "run-again", bf16_cache))
-    for key, precision, name, on in runs:
+        runs.append(("ours_again", precision, "run-again", bf16_cache, reference))
+    for key, precision, name, on, settings in runs:
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        res[key] = run_ours(args, on, drafter, precision, name)
+        res[key] = run_ours(args, on, settings, precision, name)
         print(json.dumps({k: v for k, v in res[key].items() if k != "profile"}), flush=True)
         if res[key]["profile"]:
             print(res[key]["profile"], flush=True)
@@ -358,12 +394,15 @@ def ratio(x: dict, ref: dict) -> str:
 def print_table(res: dict, args) -> None:
     """One column per run of ours (bf16; fp8 with --precision=fp8; on the encoded cache with --quant/--project_dims),
     then the baseline's."""
-    keys = [k for k in ("ours", "ours_fp8", "ours_encoded", "ours_again") if k in res]
+    keys = [k for k in ("ours", "ours_fp8", "ours_encoded", "ours_dflash2", "ours_again") if k in res]
     ours = [res[k] for k in keys]
     b = res.get("baseline", {})
     cache = f"{args.quant}" + (f" k={args.project_dims}" if args.project_dims else "")
     label = {"ours": f"ours {res['ours']['precision']}" if "ours_fp8" in res else "ours, bf16 cache",
-             "ours_fp8": "ours fp8", "ours_encoded": f"ours, {cache} cache", "ours_again": "the first again"}
+             "ours_fp8": "ours fp8", "ours_encoded": f"ours, {cache} cache", "ours_dflash2": "ours DFlash2",
+             "ours_again": "the first again"}
+    if "ours_dflash2" in res:
+        label["ours"] += ", DFlash"
     names = ["ours"] if len(ours) == 1 else [label[k] + (f" ({res[k]['fp8_recipe']})" if res[k]["fp8_recipe"] else "")
                                              for k in keys]
 
@@ -383,6 +422,11 @@ def print_table(res: dict, args) -> None:
         peak = f["peak_gb"] / ref["peak_gb"] if ref["peak_gb"] else 0.0
         row("fp8 / bf16 (its two runs): tok/s, peak GB", [f"{ratio(f, ref)}, {peak:.3f}" if k == "ours_fp8" else ""
                                                          for k in keys])
+    if "ours_dflash2" in res:  # DFlash2's step / DFlash's at the same shapes
+        d = res["ours_dflash2"]
+        peak = d["peak_gb"] / ref["peak_gb"] if ref["peak_gb"] else 0.0
+        row("DFlash2 / DFlash (its two runs): tok/s, peak GB", [f"{ratio(d, ref)}, {peak:.3f}"
+                                                               if k == "ours_dflash2" else "" for k in keys])
     if "ours_encoded" in res:  # the same training on the encoded cache / on the bf16 cache
         row(f"{cache} cache / bf16 cache (its two runs): tok/s", [ratio(res["ours_encoded"], ref)
                                                                   if k == "ours_encoded" else "" for k in keys])
@@ -401,6 +445,8 @@ def print_table(res: dict, args) -> None:
             [f"{g['sm_mhz']:.0f} ({g['sm_mhz_min']:.0f}), {g['power_w']:.0f}" if (g := x.get("gpu")) else ""
              for x in ours], f"{bg['sm_mhz']:.0f} ({bg['sm_mhz_min']:.0f}), {bg['power_w']:.0f}" if bg else "")
     row("first window (compilation), s", [f"{x['first_window_ms'] * args.log_every / 1000:.0f}" for x in ours])
+    row("drafter: variant, block, layers", [f"{x['variant']}, {res['shape']['block']}, {res['shape']['num_layers']}"
+                                            for x in ours])
     row("rows per optimizer step, master weights", [f"{args.accum}, {x['master_weights']}" for x in ours])
     row("rows, attn, loss logits, TF32, loss chunk tokens",
         [f"{args.rows}, {x['attn']}, {x['loss_logits']}, {x['tf32']}, {x['loss_chunk_tokens']}" for x in ours])

@@ -15,6 +15,8 @@ SWEEPS = {  # --sweep=NAME[,NAME…]: the union of their arms, the recipe first
     "encodings": ["", "quant=fp8", "quant=fp4", "project_dims=384", "project_dims=384 quant=fp8",
                   "project_dims=192 quant=fp8"],
     "fp8": ["", "precision=fp8", "loss_logits=fp8", "precision=fp8 loss_logits=fp8"],
+    # DFlash2 against the recipe's DFlash at the recipe's block 16, γ, anchors and steps: the variant alone differs
+    "dflash2": ["", "variant=dflash2"],
 }
 PRESETS = {  # sizes: full (make testbed), short (the GPU test, ≤ 2 min), micro (the CPU test: the pipeline's logic)
     "full": {},
@@ -61,7 +63,7 @@ class TestbedConfig:
     device: str = "auto"  # auto | cuda | cpu
     seed: int = 0  # target build and the first drafter seed
     arms: str = ""  # A/B: arms separated by ';', each space-separated key=value settings ('' = the recipe)
-    sweep: str = ""  # A/B presets, comma-separated: options (γ, anchors, noise, D-PACE, fp8 cache) | encodings | fp8
+    sweep: str = ""  # A/B presets, comma-separated: options (γ, anchors, noise, D-PACE, fp8 cache) | encodings | fp8 | dflash2
     seeds: int = 2  # A/B: drafter seeds per arm
     parallel: int = 0  # A/B: drafter jobs at once; 0 = 1 (on one GPU, processes take turns: two at once were slower)
     label: str = ""  # A/B: result name (DIR/ab/<label>.json); empty = sweep name or 'ab'

@@ -149,3 +149,24 @@ def test_bench_train_tiny_on_a_projected_fp8_cache(tmp_path):
     assert f"| fp8 k=32 cache / bf16 cache (its two runs): tok/s | | {want:.3f} | |" in stdout
     drift = res["ours_again"]["tok_per_s"] / res["ours"]["tok_per_s"]
     assert f"| the first run again / the first: tok/s (drift over the call) | | | {drift:.3f} |" in stdout
+
+
+def test_bench_train_tiny_times_dflash2_against_dflash_at_a_recipe_s_shapes(tmp_path):
+    """--recipe=manifests/qwen3.8-27b-dflash2.toml: the recipe's drafter (block 8, every layer sliding over 2048,
+    bidirectional in the block, γ 4, the conv and selector settings) at the tiny sizes, timed as DFlash, as DFlash2,
+    then as DFlash again (A, B, A); the table gives DFlash2 / DFlash against the mean of the DFlash runs."""
+    res, stdout = run_bench("bench.train", tmp_path, "--steps=4", "--log_every=2", "--skip_baseline",
+                            f"--recipe={REPO / 'manifests' / 'qwen3.8-27b-dflash2.toml'}")
+    assert [res[k]["variant"] for k in ("ours", "ours_dflash2", "ours_again")] == ["dflash", "dflash2", "dflash"]
+    assert "baseline" not in res and res["shape"]["block"] == 8
+    for name in ("run", "run-dflash2", "run-again"):
+        cfg = json.loads((tmp_path / "w" / name / "config.json").read_text())
+        d = cfg["drafter"]
+        assert (d["block_size"], d["block_attention"], d["sliding_window"]) == (8, "bidirectional", 2048), name
+        assert d["layer_types"] == ["sliding_attention"] * 2 and d["hidden_size"] == 64, name  # (the tiny sizes)
+        assert cfg["train"]["gamma"] == 4.0 and res["ours"]["recompiles"] == 0
+    assert (d["selector_rank"], d["selector_top_k"]) == (256, 16)
+    ref = (res["ours"]["tok_per_s"] + res["ours_again"]["tok_per_s"]) / 2
+    assert f"| DFlash2 / DFlash (its two runs): tok/s, peak GB | | {res['ours_dflash2']['tok_per_s'] / ref:.3f}, " \
+           in stdout
+    assert "| drafter: variant, block, layers | dflash, 8, 2 | dflash2, 8, 2 | dflash, 8, 2 |" in stdout

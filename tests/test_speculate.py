@@ -457,18 +457,11 @@ def test_evaluate_measures_the_export(tmp_path, hidden_cache):
         evaluate.main(args + ["--check_prompts=1"])
 
 
-def test_evaluate_a_dflash2_run_drafts_with_the_selector_losslessly(tmp_path, hidden_cache, monkeypatch):
-    """A tiny DFlash2 run trained, exported and evaluated end to end: the export loads as DFlash2DraftModel, every
-    draft is its selector's walk (`draft_tokens`, as the engines draft), the decodes are lossless, the replay takes
-    the decodes' steps, and the teacher-forced estimate runs on the same weights."""
+def count_selector_walks(monkeypatch) -> dict:
+    """From now on, the exported drafters' drafting steps (`ExportedDrafter.draft`) are counted, with the classes
+    that drafted and their candidate selectors' walks: {"drafts", "walks", "classes"}."""
     from dflash_offline import speculate
-    from dflash_offline.trainsetup import TrainConfig
-    from stages import evaluate, train
 
-    run = tmp_path / "run"
-    train.run(TrainConfig.of(cache=str(hidden_cache), run=str(run), num_layers=1, num_heads=4, num_kv_heads=2,
-                          head_dim=16, num_anchors=8, batch_rows=2, log_every=1, trackers="none", block_size=8,
-                          steps=2, ckpt_every=2, variant="dflash2", selector_rank=8, selector_top_k=4).resolve())
     seen = {"drafts": 0, "walks": 0, "classes": set()}
     draft = speculate.ExportedDrafter.draft
 
@@ -483,6 +476,21 @@ def test_evaluate_a_dflash2_run_drafts_with_the_selector_losslessly(tmp_path, hi
         return draft(self, *a, **kw)
 
     monkeypatch.setattr(speculate.ExportedDrafter, "draft", counting)
+    return seen
+
+
+def test_evaluate_a_dflash2_run_drafts_with_the_selector_losslessly(tmp_path, hidden_cache, monkeypatch):
+    """A tiny DFlash2 run trained, exported and evaluated end to end: the export loads as DFlash2DraftModel, every
+    draft is its selector's walk (`draft_tokens`, as the engines draft), the decodes are lossless, the replay takes
+    the decodes' steps, and the teacher-forced estimate runs on the same weights."""
+    from dflash_offline.trainsetup import TrainConfig
+    from stages import evaluate, train
+
+    run = tmp_path / "run"
+    train.run(TrainConfig.of(cache=str(hidden_cache), run=str(run), num_layers=1, num_heads=4, num_kv_heads=2,
+                          head_dim=16, num_anchors=8, batch_rows=2, log_every=1, trackers="none", block_size=8,
+                          steps=2, ckpt_every=2, variant="dflash2", selector_rank=8, selector_top_k=4).resolve())
+    seen = count_selector_walks(monkeypatch)
     prompts = prompts_with_categories(tmp_path / "eval.jsonl", 3)
     assert evaluate.main([f"--run={run}", f"--prompts={prompts}", "--num_prompts=3", "--max_new_tokens=12",
                           "--tf_batches=1", "--tf_rows=2", "--replay=1", "--check_prompts=3"]) == 0

@@ -530,21 +530,25 @@ def test_sweep_presets_combine_without_repeating_an_arm():
         config.TestbedConfig(sweep="options,bogus").resolve()
 
 
+def recipe_configs(ext: dict, train: dict):
+    """(ExtractConfig, TrainConfig) of manifests/testbed.toml with an arm's settings, as the stages apply them."""
+    from dflash_offline.config import ExtractConfig, config_from_argv
+    from dflash_offline.trainsetup import TrainConfig
+
+    recipe = str(REPO / "manifests" / "testbed.toml")
+    return (config_from_argv(ExtractConfig, "extract", [f"--recipe={recipe}", *(f"--{k}={v}" for k, v in
+                                                                              ext.items())], ""),
+            config_from_argv(TrainConfig, "train", [f"--recipe={recipe}", "--cache=x", *(f"--{k}={v}" for k, v in
+                                                                                       train.items())], ""))
+
+
 def test_every_preset_arm_resolves_against_the_testbed_recipe():
     """Each sweep arm's settings, applied to manifests/testbed.toml as the stages apply them, make a valid [extract] /
     [train] config (a typo or a bad value in a preset fails here, not after the testbed's phases on a GPU)."""
-    from dflash_offline.config import ExtractConfig, as_dict, config_from_argv
-    from dflash_offline.trainsetup import TrainConfig
+    from dflash_offline.config import as_dict
     from testbed.target import DIMS
 
-    recipe = str(REPO / "manifests" / "testbed.toml")
-
-    def configs(ext, train):
-        return (config_from_argv(ExtractConfig, "extract", [f"--recipe={recipe}", *(f"--{k}={v}" for k, v in
-                                                                                  ext.items())], ""),
-                config_from_argv(TrainConfig, "train", [f"--recipe={recipe}", "--cache=x", *(f"--{k}={v}" for k, v in
-                                                                                           train.items())], ""))
-
+    configs = recipe_configs
     base = configs({}, {})
     for arm in testbed_ab.sweep_arms(",".join(config.SWEEPS), cuda=True):
         ext, train = runs.parse_arm(arm)
@@ -554,6 +558,38 @@ def test_every_preset_arm_resolves_against_the_testbed_recipe():
             assert getattr(e, k) != getattr(base[0], k), (arm, k)
         for k in train:
             assert as_dict(t)[k] != as_dict(base[1])[k], (arm, k)  # (flat: each key in its group)
+
+
+def test_the_dflash2_arm_is_the_recipe_as_dflash2_at_the_same_budget():
+    """`--sweep=dflash2` / `--arms=";variant=dflash2"`: the arm's settings change the recipe's variant only (block 16,
+    γ 7, 512 anchors, 600 steps × 4 rows: the same budget), build a DFlash2 drafter at the testbed's width (its conv
+    groups divide 768, its selector spans the testbed's vocabulary) and at the micro preset's, and its checks follow
+    it; a block-8 pair (DFlash and DFlash2 both at DFlash2's published block) is expressible as arms too."""
+    import torch
+
+    from dflash_offline.config import as_dict
+    from dflash_offline.drafter import DFlashDrafter, DrafterConfig
+    from testbed.target import DIMS
+
+    assert config.SWEEPS["dflash2"] == ["", "variant=dflash2"]
+    ext, train = runs.parse_arm("variant=dflash2")
+    assert (ext, train) == ({}, {"variant": "dflash2"})
+    base, arm = as_dict(recipe_configs({}, {})[1]), as_dict(recipe_configs(ext, train)[1].resolve())
+    assert {k for k in arm if arm[k] != base[k]} == {"variant"}
+    assert (arm["block_size"], arm["gamma"], arm["num_anchors"], arm["steps"]) == (16, 7.0, 512, 600)
+    for hidden, vocab in ((DIMS["hidden_size"], config.TestbedConfig().vocab), (64, config.PRESETS["micro"]["vocab"])):
+        with torch.device("meta"):
+            model = DFlashDrafter(DrafterConfig(
+                hidden_size=hidden, intermediate_size=128, vocab_size=vocab, target_layer_ids=[1, 3, 5, 7, 9],
+                num_target_layers=12, mask_token_id=vocab - 1, num_layers=arm["num_layers"], num_heads=4,
+                num_kv_heads=2, head_dim=16, block_size=arm["block_size"], variant=arm["variant"],
+                conv_kernel_size=arm["conv_kernel_size"], conv_group_size=arm["conv_group_size"],
+                selector_rank=arm["selector_rank"], selector_top_k=arm["selector_top_k"]))
+        assert model.candidate_selector.successor_codebook.shape == (vocab, 256)
+    assert testbed_ab.check_arms(config.TestbedConfig(), "variant=dflash2") == (
+        "(variant=dflash2, other seeds)", "variant=dflash2 steps=150")
+    pair = [runs.parse_arm(a)[1] for a in ("block_size=8 gamma=4", "variant=dflash2 block_size=8 gamma=4")]
+    assert [as_dict(recipe_configs({}, t)[1].resolve())["block_size"] for t in pair] == [8, 8]
 
 
 @pytest.mark.parametrize("worker", [True, False])
