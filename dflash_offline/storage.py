@@ -31,7 +31,9 @@ EXTRACT_LAYER_PARAMS = 23_597_668_128  # parameters of the decoder layers it ran
 # 10,088 without, one call). A plan takes the slowest: a GPU-hour budget should not assume the fastest GPU.
 TRAIN_TOK_S = 9_633
 # precision=fp8 (float8 linears, tensorwise): 12,313 vs bf16's 10,053 in one call on one H200 (the same drafter and
-# rows; bench/results/bench-train-fp8-h200.json, 2026-12-01): a plan of an fp8 run takes the bf16 rate × this
+# rows; bench/results/bench-train-fp8-h200.json, 2026-12-01; the bf16 run after it in the same process was slower,
+# 8,239: not a drift control, so one process per variant, `bench.train_compare`, is to replace this figure; against
+# the four bf16 calls above, 9,633-10,088, fp8 is 1.22-1.28x): a plan of an fp8 run takes the bf16 rate × this
 TRAIN_FP8_SPEEDUP = 12_313 / 10_053
 TRAIN_SEQ_LEN = 2048
 TRAIN_DRAFTER = SimpleNamespace(hidden_size=5120, intermediate_size=17408, vocab_size=248320, num_layers=5,
@@ -212,7 +214,7 @@ def describe_rate(stage: str, r: dict) -> str:
     how = f"measured at {at}, docs/benchmarks.md" if r["source"] == "measured" else \
         f"estimate: {r['measured_tok_s']:,} measured at {at}, scaled ×{r['factor']:.3g} by {by}"
     if r.get("fp8"):
-        how += f"; ×{r['fp8']:.3g} for precision=fp8, its measured speed-up there"
+        how += f"; ×{r['fp8']:.3g} for precision=fp8, its speed-up there in one H200 call"
     return f"{stage} {r['tok_s']:,.0f} {unit} per H200 ({how})"
 
 

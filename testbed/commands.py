@@ -156,18 +156,25 @@ class EvalWorker:
                 rc = self.proc.wait()
                 self.proc = None
                 return rc if rc not in (0, 1) else 3
-            return json.loads(line)["rc"]
+            answer = json.loads(line)
+            if answer.get("fatal"):  # it ends now: wait for that, so that the next request starts a new one
+                self._end()
+            return answer["rc"]
+
+    def _end(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
 
     def close(self) -> None:
         """Ends the process (at the end of the drafters)."""
         with self.lock:
             if self.proc is not None:
-                self.proc.stdin.close()
-                try:
-                    self.proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                self.proc = None
+                self._end()
 
 
 EVAL_WORKER = EvalWorker()

@@ -6,9 +6,10 @@ Protocol: one JSON object a line on stdin, `{"argv": [stages.evaluate's argument
 evaluation's output (file descriptors 1 and 2: Python's, the libraries' and C's alike) goes into PATH (null: this
 process's stderr), and the answer is one line `{"rc": N}` on the original stdout, N as `python -m stages.evaluate`
 would exit (0, 1 = not lossless, 2 = a refused input). An unexpected error is written into the log as a traceback and
-answered rc 1; the process then exits (its CUDA state may be broken), and the next request starts a new one. The
-target is loaded once per (checkpoint, device, dtype) and kept: evaluations only read it (an evaluation that changed
-it would fail its lossless check against the target-alone decodes, made in another process)."""
+answered `{"rc": 1, "fatal": true}`; the process then exits (its CUDA state may be broken), and the caller starts a
+new one for the next request. The target is loaded once per (checkpoint, device, dtype) and kept: evaluations only
+read it (the drafter reads its embedding and lm_head; each decode has caches of its own; every testbed evaluation
+runs in the same exact mode) — the CPU test compares an evaluation here with one in a process of its own."""
 
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ def main() -> None:
         job = json.loads(line)
         rc, fatal = run_one(evaluate.main, job["argv"], job.get("log"), err_fd)
         free_memory()
-        reply.write(json.dumps({"rc": rc}) + "\n")
+        reply.write(json.dumps({"rc": rc, "fatal": fatal}) + "\n")
         if fatal:
             break
 

@@ -286,7 +286,8 @@ def untimed(report: dict) -> dict:
 
 def test_the_evaluation_worker_answers_each_request_and_keeps_serving_after_a_refused_one(tmp_path):
     """testbed.evalworker: each request's output goes into its log, the answer is the exit status
-    `python -m stages.evaluate` would have (2: a refused input), and the process serves the next request; closing its
+    `python -m stages.evaluate` would have (2: a refused input), and the process serves the next request; after an
+    unexpected error (1, its traceback logged) that process ends and the next request gets a new one; closing its
     input ends it."""
     w = commands.EvalWorker()
     try:
@@ -295,6 +296,13 @@ def test_the_evaluation_worker_answers_each_request_and_keeps_serving_after_a_re
         pid = w.proc.pid
         assert w.run([f"--run={tmp_path / 'none'}"], tmp_path / "b.log", None) == 2  # no such run: one line
         assert w.proc.pid == pid and "error:" in (tmp_path / "b.log").read_text()
+        broken = tmp_path / "broken"  # a run whose config.json holds nothing: an unexpected error (a KeyError)
+        broken.mkdir()
+        (broken / "config.json").write_text("{}")
+        assert w.run([f"--run={broken}"], tmp_path / "c.log", None) == 1
+        assert "Traceback" in (tmp_path / "c.log").read_text() and w.proc is None  # that process has ended
+        assert w.run(["--bogus=1"], tmp_path / "d.log", None) == 2  # the next request: a new process answers it
+        assert w.proc.pid != pid
     finally:
         proc = w.proc
         w.close()
