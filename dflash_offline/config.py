@@ -93,7 +93,12 @@ def check_renamed(names, specs: list, where: str) -> None:
         for old in sorted(set(names) & set(RENAMED.get(sec, {})) - current):
             new, what = RENAMED[sec][old]
             dash = "" if where.startswith("recipe") else "--"
-            raise ConfigError(f"{where}: {dash}{old} is now {dash}{new} ({what})")
+            raise is_now(where, f"{dash}{old}", f"{dash}{new}", what)
+
+
+def is_now(where: str, old: str, new: str, what: str) -> ConfigError:
+    """The one-line refusal of an old spelling, naming the one to use: '<where>: <old> is now <new> (<what>)'."""
+    return ConfigError(f"{where + ': ' if where else ''}{old} is now {new} ({what})")
 
 
 def upgrade_recorded(section: str, values: dict) -> dict:
@@ -337,15 +342,18 @@ def _check_type(section: str, name: str, value, typ) -> object:
     return value
 
 
-def parse_overrides(argv: list[str]) -> tuple[str | None, dict[str, str]]:
-    """Split `--recipe=path` and `--key=value` arguments; anything else is an error."""
+def parse_overrides(argv: list[str], where: str = "") -> tuple[str | None, dict[str, str]]:
+    """Split `--recipe=path` and `--key=value` arguments; anything else is an error. One spelling per setting on
+    every stage: a hyphenated name (`--eval-docs=3`) is refused in one line naming the underscore one (`where`: the
+    stage, its prefix)."""
     recipe, out = None, {}
     for arg in argv:
+        if arg.startswith("--") and "-" in (name := arg[2:].split("=", 1)[0]):
+            raise is_now(where, f"--{name}", f"--{name.replace('-', '_')}", "underscores, as every stage")
         if not arg.startswith("--") or "=" not in arg:
             form = f"{arg}=VALUE, one argument" if arg.startswith("--") else "--key=value"
             raise ConfigError(f"argument {arg!r}: expected {form} (see --help)")
         key, value = arg[2:].split("=", 1)
-        key = key.replace("-", "_")
         if key == "recipe":
             recipe = value
         else:
@@ -447,8 +455,8 @@ def configs_from_argv(specs: list[tuple[type, str]], argv: list[str], doc: str, 
     if any(a in ("-h", "--help") for a in argv):
         print(doc.strip() + "\n\n" + "\n\n".join(f"[{sec}] " + describe(cls, sec) for cls, sec in specs))
         sys.exit(0)
-    recipe, overrides = parse_overrides(argv)
     where = specs[0][1]
+    recipe, overrides = parse_overrides(argv, where)
     if recipe is not None and not any(sec in RECIPE_SECTIONS for _, sec in specs):
         raise ConfigError(f"{where}: --recipe is not read (its settings are given on the command line only: see "
                           f"--help)")
@@ -473,7 +481,7 @@ def check_repeated(argv: list[str], specs: list, where: str) -> None:
     '<where>: --corpus is given 2 times: give its values comma separated in one, --corpus=a,b'."""
     lists = {name for cls, _ in specs for name, typ in setting_types(cls).items()
              if typing.get_origin(typ) in (list, tuple)}
-    given = [a[2:].split("=", 1)[0].replace("-", "_") for a in argv]
+    given = [a[2:].split("=", 1)[0] for a in argv]
     for name in sorted(lists):
         if given.count(name) > 1:
             raise ConfigError(f"{where}: --{name} is given {given.count(name)} times: give its values comma separated "
@@ -485,7 +493,7 @@ def config_from_argv(cls, section: str, argv: list[str], doc: str):
     if any(a in ("-h", "--help") for a in argv):
         print(doc.strip() + "\n\n" + describe(cls, section))
         sys.exit(0)
-    recipe, overrides = parse_overrides(argv)
+    recipe, overrides = parse_overrides(argv, section)
     check_repeated(argv, [(cls, section)], section)
     return load_config(cls, section, recipe, overrides)
 

@@ -109,6 +109,36 @@ def test_an_old_flag_is_refused_naming_the_new_one(stage, old, new, what):
         assert str(e.value) == msg
 
 
+@pytest.mark.parametrize(("stage", "arg", "name"), [
+    ("train", "--global-batch-tokens=4096", "global_batch_tokens"),
+    ("tokenize", "--seq-len=64", "seq_len"),
+    ("extract", "--batch-rows=2", "batch_rows"),
+    ("evaluate", "--max-new-tokens", "max_new_tokens"),  # (no value: the name is what is told)
+])
+def test_a_hyphenated_setting_is_refused_naming_the_underscore_one(stage, arg, name):
+    """One name per setting on every stage: `--a-b=` is refused in one line, never read as `--a_b=`."""
+    sec = STAGES[stage][0][1]
+    msg = f"{sec}: --{name.replace('_', '-')} is now --{name} (underscores, as every stage)"
+    with pytest.raises(ConfigError) as e:
+        configs_from_argv(STAGES[stage], ["--run=r", arg], "")
+    assert str(e.value) == msg
+    with pytest.raises(ConfigError) as e:
+        config_from_argv(*STAGES[stage][0], [arg], "")
+    assert str(e.value) == msg
+
+
+def test_a_value_keeps_its_hyphens():
+    assert configs_from_argv(STAGES["extract"], ["--target=t", "--corpus=a", "--tokenizer=t", "--shards=0-4"],
+                             "")[0].shards == "0-4"
+
+
+def test_a_hyphenated_setting_on_extracts_command_line_is_one_line_and_exit_2(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "stages.extract", f"--cache={tmp_path}", "--dry-run=1"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip() == "error: extract: --dry-run is now --dry_run (underscores, as every stage)", res.stderr
+
+
 def test_an_old_flag_on_the_command_line_is_one_line_and_exit_2():
     res = subprocess.run([sys.executable, "-m", "stages.extract", "--hidden_out=/nowhere"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
