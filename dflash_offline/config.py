@@ -342,14 +342,19 @@ def _check_type(section: str, name: str, value, typ) -> object:
     return value
 
 
-def parse_overrides(argv: list[str], where: str = "") -> tuple[str | None, dict[str, str]]:
+def parse_overrides(argv: list[str], specs: list = ()) -> tuple[str | None, dict[str, str]]:
     """Split `--recipe=path` and `--key=value` arguments; anything else is an error. One spelling per setting on
-    every stage: a hyphenated name (`--eval-docs=3`) is refused in one line naming the underscore one (`where`: the
-    stage, its prefix)."""
+    every stage: a hyphenated name (`--eval-docs=3`) or a bare switch (`--json`, a 0/1 setting of `specs`) is refused
+    in one line naming the one to use (`--eval_docs=3`, `--json=1`), prefixed by the stage (`specs`: its (cls,
+    section) pairs)."""
+    where = specs[0][1] if specs else ""
+    switches = {name for cls, _ in specs for name, typ in setting_types(cls).items() if typ is bool}
     recipe, out = None, {}
     for arg in argv:
         if arg.startswith("--") and "-" in (name := arg[2:].split("=", 1)[0]):
             raise is_now(where, f"--{name}", f"--{name.replace('-', '_')}", "underscores, as every stage")
+        if arg.startswith("--") and arg[2:] in switches:
+            raise is_now(where, arg, f"{arg}=1", "every setting is --key=value; a switch's value is 1 or 0")
         if not arg.startswith("--") or "=" not in arg:
             form = f"{arg}=VALUE, one argument" if arg.startswith("--") else "--key=value"
             raise ConfigError(f"argument {arg!r}: expected {form} (see --help)")
@@ -456,7 +461,7 @@ def configs_from_argv(specs: list[tuple[type, str]], argv: list[str], doc: str, 
         print(doc.strip() + "\n\n" + "\n\n".join(f"[{sec}] " + describe(cls, sec) for cls, sec in specs))
         sys.exit(0)
     where = specs[0][1]
-    recipe, overrides = parse_overrides(argv, where)
+    recipe, overrides = parse_overrides(argv, specs)
     if recipe is not None and not any(sec in RECIPE_SECTIONS for _, sec in specs):
         raise ConfigError(f"{where}: --recipe is not read (its settings are given on the command line only: see "
                           f"--help)")
@@ -493,7 +498,7 @@ def config_from_argv(cls, section: str, argv: list[str], doc: str):
     if any(a in ("-h", "--help") for a in argv):
         print(doc.strip() + "\n\n" + describe(cls, section))
         sys.exit(0)
-    recipe, overrides = parse_overrides(argv, section)
+    recipe, overrides = parse_overrides(argv, [(cls, section)])
     check_repeated(argv, [(cls, section)], section)
     return load_config(cls, section, recipe, overrides)
 

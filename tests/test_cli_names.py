@@ -127,6 +127,16 @@ def test_a_hyphenated_setting_is_refused_naming_the_underscore_one(stage, arg, n
     assert str(e.value) == msg
 
 
+@pytest.mark.parametrize(("stage", "switch"), [("build_tiny", "force"), ("extract", "dry_run"), ("train", "resume")])
+def test_a_bare_switch_is_refused_naming_its_value(stage, switch):
+    """A 0/1 setting takes a value as every setting does (`--json=1`); a bare `--json` is told so in one line."""
+    sec = STAGES[stage][0][1]
+    with pytest.raises(ConfigError) as e:
+        configs_from_argv(STAGES[stage], [f"--{switch}"], "")
+    assert str(e.value) == f"{sec}: --{switch} is now --{switch}=1 (every setting is --key=value; a switch's value " \
+                           f"is 1 or 0)"
+
+
 def test_a_value_keeps_its_hyphens():
     assert configs_from_argv(STAGES["extract"], ["--target=t", "--corpus=a", "--tokenizer=t", "--shards=0-4"],
                              "")[0].shards == "0-4"
