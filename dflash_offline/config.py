@@ -32,7 +32,7 @@ class ConfigError(ValueError):
 # [eval]; export): any other section in a recipe is a typo, refused rather than silently ignored
 RECIPE_SECTIONS = ("tokenize", "extract", "verify", "train", "eval", "export", "testbed")
 # the configs of stages whose settings come from the command line only (no recipe table: `--recipe` is refused)
-COMMAND_LINE_SECTIONS = ("regen", "report", "build_tiny", "demo_outputs")
+COMMAND_LINE_SECTIONS = ("regen", "report", "build_tiny", "demo_outputs", "status")
 
 # the make variable that sets a field (Makefile): messages about that field name both spellings. One name per
 # concept on every stage: --cache (CACHE=) a hidden-state cache, read or written; --tokens (TOKENS=) a token cache;
@@ -50,6 +50,7 @@ MAKE_VARS = {
     "regen": {"target": "TARGET", "engine": "ENGINE", "model": "MODEL", "corpus": "CORPUS", "out": "OUT",
               "thinking": "THINKING"},
     "report": {"run": "RUN"},
+    "status": {"cache": "CACHE", "json": "JSON"},
     "demo_outputs": {"dir": "DEMO_DIR"},
 }
 
