@@ -147,8 +147,8 @@ bench-train-loss:  ## lm_head + block CE alone, fwd+bwd, per epilogue (Triton / 
 bench-projection: setup  ## per tapped layer of CACHE=: energy kept and held-out loss of a top-k projection, bytes/token per k (the projected-taps encoding's starting point)
 	$(PYTHON) -m bench.projection --cache=$(CACHE) $(ARGS)
 
-status: setup  ## shard table and summary of CACHE= (a cache or a directory of caches)
-	$(PYTHON) -m stages.status --cache=$(or $(CACHE),cache) $(if $(JSON),--json) $(ARGS)
+status: setup  ## shard table and summary of CACHE= (a cache or a directory of caches; JSON=1 prints JSON)
+	$(PYTHON) -m stages.status --cache=$(or $(CACHE),cache) $(if $(JSON),--json=$(JSON)) $(ARGS)
 
 demo: setup  ## the whole pipeline on the embedded default, on CPU: build, regen, extract, train, export, eval
 	$(PYTHON) -m stages.demo_outputs --dir=$(DEMO_DIR)

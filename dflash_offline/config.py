@@ -32,7 +32,7 @@ class ConfigError(ValueError):
 # [eval]; export): any other section in a recipe is a typo, refused rather than silently ignored
 RECIPE_SECTIONS = ("tokenize", "extract", "verify", "train", "eval", "export", "testbed")
 # the configs of stages whose settings come from the command line only (no recipe table: `--recipe` is refused)
-COMMAND_LINE_SECTIONS = ("regen", "report", "build_tiny", "demo_outputs")
+COMMAND_LINE_SECTIONS = ("regen", "report", "build_tiny", "demo_outputs", "status")
 
 # the make variable that sets a field (Makefile): messages about that field name both spellings. One name per
 # concept on every stage: --cache (CACHE=) a hidden-state cache, read or written; --tokens (TOKENS=) a token cache;
@@ -50,6 +50,7 @@ MAKE_VARS = {
     "regen": {"target": "TARGET", "engine": "ENGINE", "model": "MODEL", "corpus": "CORPUS", "out": "OUT",
               "thinking": "THINKING"},
     "report": {"run": "RUN"},
+    "status": {"cache": "CACHE", "json": "JSON"},
     "demo_outputs": {"dir": "DEMO_DIR"},
 }
 
@@ -93,7 +94,12 @@ def check_renamed(names, specs: list, where: str) -> None:
         for old in sorted(set(names) & set(RENAMED.get(sec, {})) - current):
             new, what = RENAMED[sec][old]
             dash = "" if where.startswith("recipe") else "--"
-            raise ConfigError(f"{where}: {dash}{old} is now {dash}{new} ({what})")
+            raise is_now(where, f"{dash}{old}", f"{dash}{new}", what)
+
+
+def is_now(where: str, old: str, new: str, what: str) -> ConfigError:
+    """The one-line refusal of an old spelling, naming the one to use: '<where>: <old> is now <new> (<what>)'."""
+    return ConfigError(f"{where + ': ' if where else ''}{old} is now {new} ({what})")
 
 
 def upgrade_recorded(section: str, values: dict) -> dict:
@@ -337,15 +343,23 @@ def _check_type(section: str, name: str, value, typ) -> object:
     return value
 
 
-def parse_overrides(argv: list[str]) -> tuple[str | None, dict[str, str]]:
-    """Split `--recipe=path` and `--key=value` arguments; anything else is an error."""
+def parse_overrides(argv: list[str], specs: list = ()) -> tuple[str | None, dict[str, str]]:
+    """Split `--recipe=path` and `--key=value` arguments; anything else is an error. One spelling per setting on
+    every stage: a hyphenated name (`--eval-docs=3`) or a bare switch (`--json`, a 0/1 setting of `specs`) is refused
+    in one line naming the one to use (`--eval_docs=3`, `--json=1`), prefixed by the stage (`specs`: its (cls,
+    section) pairs)."""
+    where = specs[0][1] if specs else ""
+    switches = {name for cls, _ in specs for name, typ in setting_types(cls).items() if typ is bool}
     recipe, out = None, {}
     for arg in argv:
+        if arg.startswith("--") and "-" in (name := arg[2:].split("=", 1)[0]):
+            raise is_now(where, f"--{name}", f"--{name.replace('-', '_')}", "underscores, as every stage")
+        if arg.startswith("--") and arg[2:] in switches:
+            raise is_now(where, arg, f"{arg}=1", "every setting is --key=value; a switch's value is 1 or 0")
         if not arg.startswith("--") or "=" not in arg:
             form = f"{arg}=VALUE, one argument" if arg.startswith("--") else "--key=value"
             raise ConfigError(f"argument {arg!r}: expected {form} (see --help)")
         key, value = arg[2:].split("=", 1)
-        key = key.replace("-", "_")
         if key == "recipe":
             recipe = value
         else:
@@ -447,8 +461,8 @@ def configs_from_argv(specs: list[tuple[type, str]], argv: list[str], doc: str, 
     if any(a in ("-h", "--help") for a in argv):
         print(doc.strip() + "\n\n" + "\n\n".join(f"[{sec}] " + describe(cls, sec) for cls, sec in specs))
         sys.exit(0)
-    recipe, overrides = parse_overrides(argv)
     where = specs[0][1]
+    recipe, overrides = parse_overrides(argv, specs)
     if recipe is not None and not any(sec in RECIPE_SECTIONS for _, sec in specs):
         raise ConfigError(f"{where}: --recipe is not read (its settings are given on the command line only: see "
                           f"--help)")
@@ -473,7 +487,7 @@ def check_repeated(argv: list[str], specs: list, where: str) -> None:
     '<where>: --corpus is given 2 times: give its values comma separated in one, --corpus=a,b'."""
     lists = {name for cls, _ in specs for name, typ in setting_types(cls).items()
              if typing.get_origin(typ) in (list, tuple)}
-    given = [a[2:].split("=", 1)[0].replace("-", "_") for a in argv]
+    given = [a[2:].split("=", 1)[0] for a in argv]
     for name in sorted(lists):
         if given.count(name) > 1:
             raise ConfigError(f"{where}: --{name} is given {given.count(name)} times: give its values comma separated "
@@ -485,7 +499,7 @@ def config_from_argv(cls, section: str, argv: list[str], doc: str):
     if any(a in ("-h", "--help") for a in argv):
         print(doc.strip() + "\n\n" + describe(cls, section))
         sys.exit(0)
-    recipe, overrides = parse_overrides(argv)
+    recipe, overrides = parse_overrides(argv, [(cls, section)])
     check_repeated(argv, [(cls, section)], section)
     return load_config(cls, section, recipe, overrides)
 

@@ -81,8 +81,9 @@ def recorded_config(argv: list[str]) -> ExtractConfig | None:
     `make extract CACHE=DIR SHARD=k` works as printed. None otherwise."""
     if any(a in ("-h", "--help") for a in argv):
         return None
-    recipe, overrides = parse_overrides(argv)
-    check_renamed(overrides, [(ExtractConfig, "extract"), (TokenizeConfig, "tokenize")], "extract")
+    specs = [(ExtractConfig, "extract"), (TokenizeConfig, "tokenize")]
+    recipe, overrides = parse_overrides(argv, specs)
+    check_renamed(overrides, specs, "extract")
     out = overrides.get("cache", "")
     if recipe or not out or not has_manifest(out):
         return None

@@ -43,9 +43,6 @@ class BuildTinyConfig:
 
 
 def parse_args(argv: list[str]) -> BuildTinyConfig:
-    for arg in argv:
-        if (old := arg.split("=", 1)[0]) in ("--train-steps", "--corpus-docs", "--eval-docs"):
-            raise ConfigError(f"build_tiny: {old} is now --{old[2:].replace('-', '_')} (underscores, as every stage)")
     (cfg,) = configs_from_argv([(BuildTinyConfig, "build_tiny")], argv, __doc__)
     return cfg
 

@@ -1,16 +1,16 @@
 """Print a cache's shard table and summary, and any live status of a job writing it.
 
-    python -m stages.status --cache=DIR [--json] [--all]        (make status CACHE=DIR)
+    python -m stages.status --cache=DIR [--json=1] [--all=1]        (make status CACHE=DIR [JSON=1])
 
 DIR is a token or hidden-state cache directory (or a parent directory: every cache below it is listed).
-`--json` prints one machine-readable JSON object instead; `--all` lists every shard instead of a compact table.
+`--json=1` prints one machine-readable JSON object instead; `--all=1` lists every shard instead of a compact table.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_offline.cache.claims import claim_state, read_claim
@@ -26,10 +26,19 @@ from dflash_offline.cache.manifest import (
     shard_list,
     token_cache,
 )
-from dflash_offline.config import ConfigError
+from dflash_offline.config import ConfigError, configs_from_argv
 
-FLAGS = ("--json", "--all")
 STALE_S = 300.0  # a running writer with no lease of its own that has not updated its status this long is stale
+
+
+@dataclass(frozen=True)
+class StatusConfig:
+    cache: str  # a token or hidden-state cache directory, or a directory of caches (each one below it is listed)
+    json: bool = False  # print one machine-readable JSON object (a list of them for several caches) instead of the table
+    all: bool = False  # list every shard, not the first 10 and last 5 of more than 20
+
+    def resolve(self) -> StatusConfig:
+        return self
 
 
 def live_status(cache: Path) -> list[dict]:
@@ -157,7 +166,7 @@ def print_report(r: dict, show_all: bool) -> None:
         print(f"  {s['index']:>5} {s['status']:<10} {s.get('rows', 0):>6} {s.get('tokens', 0):>10,} "
               f"{fmt_bytes(size):>9} {shard_seconds(s):>7.3g}  {sha}")
     if len(rows) < len(r["shards"]):
-        print(f"  … {len(r['shards']) - len(rows)} more (use --all)")
+        print(f"  … {len(r['shards']) - len(rows)} more (use --all=1)")
     if r["pending"]:
         print(f"  pending shards: {shard_list(r['pending'])}")
     if r["damaged"]:
@@ -193,27 +202,19 @@ def find_caches(root: Path) -> list[Path]:
 
 
 def main(argv: list[str]) -> None:
-    if not argv or any(a in ("-h", "--help") for a in argv):
-        print(__doc__.strip())
-        sys.exit(0)
-    if argv[0] and not argv[0].startswith("-"):
-        raise ConfigError(f"status: the cache is now --cache={argv[0]} (a positional directory is not read)")
-    caches_given = [a.split("=", 1)[1] for a in argv if a.startswith("--cache=")]
-    if unknown := [a for a in argv if a not in FLAGS and not a.startswith("--cache=")]:
-        raise ConfigError(f"stages.status: unknown option(s) {' '.join(unknown)}; the options are --cache=DIR, "
-                          f"{', '.join(FLAGS)} (make status ARGS=--all)")
-    if len(caches_given) != 1 or not caches_given[0]:
-        raise ConfigError("stages.status: give one cache: --cache=DIR (make status CACHE=DIR)")
-    root = Path(caches_given[0])
+    if positional := [x for x in argv if not x.startswith("-")]:
+        raise ConfigError(f"status: the cache is now --cache={positional[0]} (a positional directory is not read)")
+    (cfg,) = configs_from_argv([(StatusConfig, "status")], argv or ["--help"], __doc__)
+    root = Path(cfg.cache)
     caches = find_caches(root)
     if not caches:
         raise ManifestError(f"no cache at {root} (no {MANIFEST} there or one level below)")
     reports = [report(c) for c in caches]
-    if "--json" in argv:
+    if cfg.json:
         print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=1, sort_keys=True))
         return
     for r in reports:
-        print_report(r, "--all" in argv)
+        print_report(r, cfg.all)
 
 
 if __name__ == "__main__":

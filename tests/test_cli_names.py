@@ -28,6 +28,7 @@ from dflash_offline.trainsetup import TrainConfig
 from stages.build_tiny import BuildTinyConfig
 from stages.demo_outputs import DemoOutputsConfig
 from stages.report import ReportConfig
+from stages.status import StatusConfig
 
 REPO = Path(__file__).resolve().parents[1]
 # each stage's configs, as its command line reads them
@@ -36,7 +37,8 @@ STAGES = {"tokenize": [(TokenizeConfig, "tokenize")],
           "verify": [(VerifyConfig, "verify")], "train": [(TrainConfig, "train")],
           "evaluate": [(EvalConfig, "eval")], "export": [(ExportConfig, "export")],
           "regen": [(RegenConfig, "regen")], "report": [(ReportConfig, "report")],
-          "build_tiny": [(BuildTinyConfig, "build_tiny")], "demo_outputs": [(DemoOutputsConfig, "demo_outputs")]}
+          "build_tiny": [(BuildTinyConfig, "build_tiny")], "demo_outputs": [(DemoOutputsConfig, "demo_outputs")],
+          "status": [(StatusConfig, "status")]}
 
 
 def help_flags(specs) -> dict[str, str]:
@@ -63,9 +65,13 @@ def test_help_has_one_name_per_concept(stage):
 
 def test_status_takes_its_cache_as_cache(hidden_cache):
     run = [sys.executable, "-m", "stages.status"]
-    ok = subprocess.run([*run, f"--cache={hidden_cache}", "--json"], cwd=REPO, capture_output=True, text=True,
+    ok = subprocess.run([*run, f"--cache={hidden_cache}", "--json=1"], cwd=REPO, capture_output=True, text=True,
                         timeout=120)
     assert ok.returncode == 0 and json.loads(ok.stdout), ok.stderr
+    bare = subprocess.run([*run, f"--cache={hidden_cache}", "--json"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert bare.returncode == 2 and bare.stderr == ("error: status: --json is now --json=1 (every setting is "
+                                                    "--key=value; a switch's value is 1 or 0)\n"), bare.stderr
     old = subprocess.run([*run, str(hidden_cache)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert old.returncode == 2 and f"status: the cache is now --cache={hidden_cache}" in old.stderr, old.stderr
     assert old.stderr.count("\n") == 1
@@ -81,7 +87,7 @@ def test_report_takes_its_run_as_run(tmp_path):
         report.main(["--smooth=3", "runs/x"])
 
 
-@pytest.mark.parametrize("stage", ["report", "regen", "build_tiny", "demo_outputs"])
+@pytest.mark.parametrize("stage", ["report", "regen", "build_tiny", "demo_outputs", "status"])
 def test_every_stage_takes_key_equals_value_only(stage):
     """One argv style: `--run X` (a space) is refused naming the one form; a recipe is refused where the stage's
     settings are command-line only."""
@@ -107,6 +113,67 @@ def test_an_old_flag_is_refused_naming_the_new_one(stage, old, new, what):
         with pytest.raises(ConfigError) as e:
             config_from_argv(*STAGES[stage][0], [f"--{old}=x"], "")
         assert str(e.value) == msg
+
+
+@pytest.mark.parametrize(("stage", "arg", "name"), [
+    ("train", "--global-batch-tokens=4096", "global_batch_tokens"),
+    ("tokenize", "--seq-len=64", "seq_len"),
+    ("extract", "--batch-rows=2", "batch_rows"),
+    ("evaluate", "--max-new-tokens", "max_new_tokens"),  # (no value: the name is what is told)
+])
+def test_a_hyphenated_setting_is_refused_naming_the_underscore_one(stage, arg, name):
+    """One name per setting on every stage: `--a-b=` is refused in one line, never read as `--a_b=`."""
+    sec = STAGES[stage][0][1]
+    msg = f"{sec}: --{name.replace('_', '-')} is now --{name} (underscores, as every stage)"
+    with pytest.raises(ConfigError) as e:
+        configs_from_argv(STAGES[stage], ["--run=r", arg], "")
+    assert str(e.value) == msg
+    with pytest.raises(ConfigError) as e:
+        config_from_argv(*STAGES[stage][0], [arg], "")
+    assert str(e.value) == msg
+
+
+@pytest.mark.parametrize(("stage", "switch"), [("status", "json"), ("status", "all"), ("build_tiny", "force"),
+                                               ("extract", "dry_run"), ("train", "resume")])
+def test_a_bare_switch_is_refused_naming_its_value(stage, switch):
+    """A 0/1 setting takes a value as every setting does (`--json=1`); a bare `--json` is told so in one line."""
+    sec = STAGES[stage][0][1]
+    with pytest.raises(ConfigError) as e:
+        configs_from_argv(STAGES[stage], [f"--{switch}"], "")
+    assert str(e.value) == f"{sec}: --{switch} is now --{switch}=1 (every setting is --key=value; a switch's value " \
+                           f"is 1 or 0)"
+
+
+def test_status_reads_its_switches(hidden_cache, capsys, monkeypatch):
+    """--all=1 lists every shard of a cache with more than a compact table's 20; --json=1 prints JSON instead."""
+    from stages import status
+
+    def doubled(cache):  # (the fixture's 19 shards listed twice: 38)
+        r = real(cache)
+        return {**r, "shards": r["shards"] * 2}
+
+    real = status.report
+    monkeypatch.setattr(status, "report", doubled)
+    status.main([f"--cache={hidden_cache}"])
+    assert "  … 23 more (use --all=1)\n" in capsys.readouterr().out
+    status.main([f"--cache={hidden_cache}", "--all=1", "--json=0"])
+    table = capsys.readouterr().out
+    assert table.startswith(f"{hidden_cache}  [hidden cache, key ") and "more (use" not in table
+    assert sum(" committed " in line for line in table.splitlines()) == 38
+    status.main([f"--cache={hidden_cache}", "--json=1", "--all=0"])
+    assert len(json.loads(capsys.readouterr().out)["shards"]) == 38
+
+
+def test_a_value_keeps_its_hyphens():
+    assert configs_from_argv(STAGES["extract"], ["--target=t", "--corpus=a", "--tokenizer=t", "--shards=0-4"],
+                             "")[0].shards == "0-4"
+
+
+def test_a_hyphenated_setting_on_extracts_command_line_is_one_line_and_exit_2(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "stages.extract", f"--cache={tmp_path}", "--dry-run=1"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip() == "error: extract: --dry-run is now --dry_run (underscores, as every stage)", res.stderr
 
 
 def test_an_old_flag_on_the_command_line_is_one_line_and_exit_2():
@@ -191,6 +258,7 @@ def test_make_variables_name_what_they_hold():
     line = make("extract", "CACHE=c", "TOKENS=t").stdout
     assert "--cache=c " in line and "--tokens=t " in line and "hidden_out" not in line
     assert "stages.status --cache=c" in make("status", "CACHE=c").stdout
+    assert "stages.status --cache=c --json=1" in make("status", "CACHE=c", "JSON=1").stdout
     # only a command line's old variable is refused, and not beside the new one (a shell's OUT or CACHE is left alone)
     env = {**os.environ, "OUT": "/tmp/out", "CACHE": "/tmp/c"}
     assert subprocess.run(["make", "-n", "-o", ".venv/.installed", "eval", "RUN=r"], cwd=REPO, env=env,

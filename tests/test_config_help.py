@@ -28,14 +28,16 @@ from dflash_offline.trainsetup import TrainConfig
 from stages.build_tiny import BuildTinyConfig
 from stages.demo_outputs import DemoOutputsConfig
 from stages.report import ReportConfig
+from stages.status import StatusConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = [(TokenizeConfig, "tokenize"), (ExtractConfig, "extract"), (VerifyConfig, "verify"),
            (TrainConfig, "train"), (EvalConfig, "eval"), (ExportConfig, "export"), (RegenConfig, "regen"),
-           (BuildTinyConfig, "build_tiny"), (ReportConfig, "report"), (DemoOutputsConfig, "demo_outputs")]
+           (BuildTinyConfig, "build_tiny"), (ReportConfig, "report"), (DemoOutputsConfig, "demo_outputs"),
+           (StatusConfig, "status")]
 IDS = [section for _, section in CONFIGS]
-# the configs with a setting of fixed values (report's and demo_outputs' have none)
-CHOICES = [(cls, section) for cls, section in CONFIGS if section not in ("report", "demo_outputs")]
+# the configs with a setting of fixed values (report's, demo_outputs' and status' have none)
+CHOICES = [(cls, section) for cls, section in CONFIGS if section not in ("report", "demo_outputs", "status")]
 
 
 def required(cls) -> dict:

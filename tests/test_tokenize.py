@@ -279,7 +279,7 @@ def test_status_prints_table_and_json(tmp_path, qwen35_dir, chat_corpus):
     out = subprocess.run([sys.executable, "-m", "stages.status", f"--cache={cache}"], capture_output=True, text=True,
                          check=True).stdout
     assert "committed" in out and "padding_fraction" in out and "complete" in out
-    js = json.loads(subprocess.run([sys.executable, "-m", "stages.status", f"--cache={cache}", "--json"],
+    js = json.loads(subprocess.run([sys.executable, "-m", "stages.status", f"--cache={cache}", "--json=1"],
                                    capture_output=True, text=True, check=True).stdout)
     assert js["complete"] and js["committed"] == len(js["shards"]) > 0 and js["kind"] == "tokens"
     assert np.isclose(js["summary"]["padding_fraction"],
