@@ -138,7 +138,9 @@ def main() -> None:
                     return fn(q, *kv, bm)
 
             def fwd_bwd(fn=fn, bm=bm):
-                o = fn(q, *kv, bm)
+                # (CPU: no backward, so no grad either: the grad mode fwd runs under, one compiled graph, not two)
+                with torch.set_grad_enabled(cuda):
+                    o = fn(q, *kv, bm)
                 if cuda:
                     o.backward(do)
 

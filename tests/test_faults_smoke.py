@@ -27,8 +27,11 @@ SUMMARY = (r"faults: 2 kills \(1 extract, 1 train; (\d) SIGKILL, (\d) SIGTERM\),
 
 
 @pytest.fixture(scope="module")
-def harness(tmp_path_factory):
+def harness(tmp_path_factory, qwen35_dir):
     out = tmp_path_factory.mktemp("faults")
+    # the suite's tiny Qwen3.5 target is the harness's (same build parameters, so its sidecar matches and the harness
+    # reuses it, as on a second `make faults`): no second build of the same bytes
+    shutil.copytree(qwen35_dir, out / "target")
     res = subprocess.run([sys.executable, "-m", "bench.faults", "--kills=2", "--seed=14", f"--out={out}"], cwd=REPO,
                          env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=300)
     return out, res
