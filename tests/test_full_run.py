@@ -42,8 +42,9 @@ SUBS = [
     ("cache/hidden-<key12>", "{cache}"),  # what `make extract` printed
 ]
 EXTRA = {  # make target → ARGS= appended (the page's command has none): the 3.6 recipe's drafter at the stand-in's width
+    # (and in the CPU's precision: the recipe's float8 linears need a GPU, as the page says)
     "train": "--num_heads=4 --num_kv_heads=2 --head_dim=16 --intermediate_size=128 --num_anchors=16 "
-             "--global_batch_tokens=8192 --epochs=4 --log_every=1",
+             "--global_batch_tokens=8192 --epochs=4 --log_every=1 --precision=auto",
     "eval": "--num_prompts=2 --max_new_tokens=8",
 }
 PIPELINE = ["shuf", "regen", "extract", "extract", "verify", "status", "train", "train", "export", "eval", "eval",
