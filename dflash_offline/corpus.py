@@ -370,17 +370,28 @@ def tokenize_stream(
         for chunk in _chunks(records, chunk_docs):
             yield from process_chunk(chunk)
         return
-    # forkserver, not fork: the stage's process has threads by now (tqdm's monitor, the libraries' own), and a child
-    # forked while one of them held a lock can hang on it (seen: `make extract DRY_RUN=1` waiting forever on a pool
-    # whose workers had hung or died). The server starts clean and forks the workers; the suite's tokenize tests took
-    # 60 s with it vs 57 s with fork (2 workers, 2 cores).
-    ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
-    ctx.set_forkserver_preload(["dflash_offline.corpus"]) if ctx.get_start_method() == "forkserver" else None
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer_dir, opts)) as pool:
-        pending: deque = deque()
-        for chunk in _chunks(records, chunk_docs):
-            pending.append(pool.apply_async(process_chunk, (chunk,)))
-            if len(pending) >= 2 * workers:
-                yield from pending.popleft().get()
-        while pending:
-            yield from pending.popleft().get()
+    # fork: workers inherit the imported libraries (a spawned or forkserver worker spends seconds importing
+    # transformers, in every stage that tokenizes). A worker that dies (killed, out of memory) fails the stage with
+    # that said — a multiprocessing.Pool waited forever on its lost chunk instead (seen once in `make extract
+    # DRY_RUN=1`); the shards committed before it are kept and a rerun continues.
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    try:
+        with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                                 initargs=(tokenizer_dir, opts)) as pool:
+            pending: deque = deque()
+            try:
+                for chunk in _chunks(records, chunk_docs):
+                    pending.append(pool.submit(process_chunk, chunk))
+                    if len(pending) >= 2 * workers:
+                        yield from pending.popleft().result()
+                while pending:
+                    yield from pending.popleft().result()
+            finally:  # (a reader that stops early does not wait for the chunks queued ahead)
+                for f in pending:
+                    f.cancel()
+    except BrokenProcessPool as e:
+        raise RuntimeError(f"a tokenizer worker process died ({e}): the shards written before it are kept; rerun the "
+                           f"same command (if it recurs, fewer workers: --workers=N)") from None

@@ -2,10 +2,11 @@
 the tokenizer cannot encode, huge lines, corpora with no document; and a dry run of stage 1b that writes nothing."""
 
 import json
+import os
 
 import pytest
 
-from dflash_offline import tokenization
+from dflash_offline import corpus, tokenization
 from dflash_offline.cache.manifest import read_manifest
 from dflash_offline.config import ExtractConfig, TokenizeConfig
 from dflash_offline.corpus import CorpusError
@@ -191,3 +192,36 @@ def test_reasoning_left_in_content_is_split_or_stripped_never_answer(tmp_path, q
     else:
         assert trained == ["<|im_end|>", "<|im_end|>", "It is 4.<|im_end|>", "Yes.<|im_end|>"]
         assert read_manifest(cache)["summary"]["chat"]["think_blocks"]["stripped"] == 4
+
+
+_PARENT, _PROCESS_CHUNK = os.getpid(), corpus.process_chunk
+
+
+def _dies_at_line_2(chunk):
+    """process_chunk, except that a worker process given line 2 exits at once (forked workers inherit the patch)."""
+    if os.getpid() != _PARENT and any(r.line == 2 for r in chunk):
+        os._exit(9)
+    return _PROCESS_CHUNK(chunk)
+
+
+def test_a_tokenizer_worker_that_dies_fails_the_stage_in_seconds_instead_of_hanging(tmp_path, qwen35_dir, monkeypatch):
+    """A worker process killed mid-chunk (the OOM killer, a crash) stops stage 1a with an error that says so; the
+    process pool used before waited forever on the chunk it lost."""
+    import threading
+
+    monkeypatch.setattr(corpus, "process_chunk", _dies_at_line_2)
+    src = tmp_path / "a.jsonl"
+    src.write_bytes(b"\n".join(lines(GOOD)) + b"\n")
+    raised = []
+
+    def stage():
+        try:
+            run(tmp_path / "d", [src], qwen35_dir, workers=2, chunk_docs=1)
+        except Exception as e:  # noqa: BLE001
+            raised.append(e)
+
+    t = threading.Thread(target=stage, daemon=True)
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), "stage 1a hung on a dead worker"
+    assert raised and "a tokenizer worker process died" in str(raised[0]) and "rerun" in str(raised[0])
