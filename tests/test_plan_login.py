@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -79,7 +80,16 @@ def make_dry_run(root: Path, corpus: Path, hub: Path, target: str) -> tuple[subp
     cmd = ["make", "-s", "-o", ".venv/.installed", "extract", "DRY_RUN=1", f"RECIPE={RECIPE}", f"TARGET={target}",
            f"CORPUS={corpus}", f"ARGS=--cache_root={root / 'cache'}", f"PYTHON={sys.executable}", "VENV=.venv"]
     t0 = time.perf_counter()
-    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    # its own process group: a time-out ends the stage's processes too, not make alone (a hung stage was left behind)
+    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    res = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     return res, time.perf_counter() - t0
 
 
