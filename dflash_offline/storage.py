@@ -45,10 +45,21 @@ TRAIN_DRAFTER = SimpleNamespace(hidden_size=5120, intermediate_size=17408, vocab
 # read rate caps (`plan_read_gb_s=` gives that rate).
 HASH_GB_S_PER_THREAD = 1.0
 # What each encoding costs in τ on the GPU yardstick, as the testbed's verdict says it (docs/testbed.md: A/B with 2
-# seeds, a null and a known-bad arm, a 124M target, DFlash drafters; bench/results/testbed-sweep-h200-419204b.json,
-# 2026-12-02): "parity" = Δ τ vs bf16 inside the null arm's interval (fp8: +0.02, 95 % −0.28 … +0.32, the null arm
-# ±0.30 — a loss under ≈ 7 % would go unseen). An encoding or projection not listed was not judged.
-TESTBED_TAU = {"bf16": "reference", "fp8": "parity"}
+# seeds, a null and a known-bad arm, a 124M target of hidden 768, DFlash drafters): "parity" = Δ τ vs bf16 inside the
+# null arm's interval, every seed lossless. fp8: +0.02 (95 % −0.28 … +0.32; bench/results/testbed-sweep-h200-419204b.json);
+# fp4: −0.01 (−0.23 … +0.21) and taps projected to half the width in fp8 ("fp8 k=1/2", project_dims=384 of 768): −0.06
+# (−0.28 … +0.16), both in bench/results/testbed-sweep-h200-9b6a2b6.json (2026-12-03), whose null arm spans ±0.22 — a
+# loss under ≈ 6 % would go unseen. A projection is keyed by its share of the width; one not listed was not judged.
+TESTBED_TAU = {"bf16": "reference", "fp8": "parity", "fp4": "parity", "fp8 k=1/2": "parity"}
+
+
+def testbed_tau(name: str, hidden: int, kk: int = 0) -> str:
+    """The yardstick's verdict on encoding `name` of taps of width `hidden`, projected to `kk` dims (0: not projected):
+    projections are judged by their share of the width (k=1/2), which a 124M target and a 27B one share."""
+    if not kk or kk == hidden:
+        return TESTBED_TAU.get(name, "not judged")
+    share = f"{name} k=1/{hidden // kk}" if hidden % kk == 0 else ""
+    return TESTBED_TAU.get(share, "not judged")
 
 
 def projected_widths(hidden: int) -> list[int]:
@@ -155,13 +166,13 @@ def storage_plan(*, rows: int, seq_len: int, doc_tokens: int, k: int, hidden: in
     tokens = rows * seq_len
     todo_tokens = tokens if todo_rows is None else todo_rows * seq_len
     enc = {name: {"what": e.what, "bytes_per_token": e.size(k, hidden), "total_bytes": tokens * e.size(k, hidden),
-                  "testbed_tau": TESTBED_TAU.get(name, "not judged") if not projected_from else "not judged"}
+                  "testbed_tau": testbed_tau(name, projected_from or hidden, hidden)}
            for name, e in ENCODINGS.items()}
     if not projected_from:  # the same encodings of taps projected to half and a quarter of the width (project_dims)
         for kk in projected_widths(hidden):
             enc.update({f"{name} k={kk}": {"what": f"{e.what}, {kk} projected dims a tap (project_dims={kk})",
                                            "bytes_per_token": e.size(k, kk), "total_bytes": tokens * e.size(k, kk),
-                                           "testbed_tau": "not judged"}
+                                           "testbed_tau": testbed_tau(name, hidden, kk)}
                         for name, e in ENCODINGS.items()})
     shown = {s: r for s, r in rate.items() if gpu or r["source"] == "given"}
     train = shown.get("train")

@@ -98,8 +98,8 @@ def check_plan(out: str) -> None:
     assert "no GPU here: kernels and timing not checked" in out, out
     assert "dry run without weights" in out
     assert "storage plan: " in out and " × 4,096 = " in out and "5 taps × hidden 5,120" in out
-    assert "  bf16                  51,200" in out and "  fp8 (chosen)          25,620" in out  # (the recipe: fp8)
-    assert re.search(r"fp8 \(chosen\).*  parity\n", out) and re.search(r"  fp4 .*  not judged\n", out), out
+    assert "  bf16                  51,200" in out and "  fp4 (chosen)          14,420" in out  # (the recipe: fp4)
+    assert re.search(r"fp4 \(chosen\).*  parity\n", out) and re.search(r"  fp4 k=1280 .*  not judged\n", out), out
     assert "training reads at 8 GPUs" in out
     assert "free where the cache goes" in out and "→ fits, keeping min_free_gb=2" in out
     assert "rate: extract 12,045 row tok/s per H200 (measured at Qwen3.5-27B shapes" in out
