@@ -310,11 +310,64 @@ def shards_to_do(cfg: ExtractConfig, plan: ExtractPlan) -> dict:
     if any(i >= plan.num_shards for i in redo):
         raise ValueError(f"SHARD={cfg.shards}: the cache has shards 0..{plan.num_shards - 1}")
     existing = read_manifest(cache) if has_manifest(cache) else None
-    done = committed(existing) if existing and existing["key"] == plan.key else {}
+    if existing and existing["key"] != plan.key:
+        raise ConfigError(another_cache(cache, existing, plan.producer))
+    if existing is None and not cfg.cache:
+        note_sibling_caches(cfg, plan.producer)
+    done = committed(existing) if existing else {}
     damaged = {b["shard"]: b["reason"] for b in missing_files(cache, existing)} if done else {}
     todo = redo or [i for i in range(plan.num_shards) if i not in done or i in damaged]
     shard_rows = {s["index"]: s["rows"] for s in plan.tokens_manifest["shards"]}
     return {"cache": cache, "todo": todo, "redo": bool(redo), "todo_rows": sum(shard_rows[i] for i in todo)}
+
+
+# producer fields a run chooses (its [extract] settings) → the option that sets them
+CHOSEN = {"quant": "quant", "dtype": "dtype", "layer_ids": "layer_ids", "projection.dims": "project_dims",
+          "projection.rows": "project_rows"}
+
+
+def chosen_diff(there: dict, here: dict) -> tuple[list[str], list[str]]:
+    """(the producer fields that differ, `--option=value` giving `there`'s value for those a run chooses)."""
+    from .cache.manifest import diff_producers
+
+    fields, args = diff_producers(there, here), []
+    for f in fields:
+        value = there
+        for part in f.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if f in CHOSEN and value is not None:
+            args.append(f"--{CHOSEN[f]}={','.join(map(str, value)) if isinstance(value, list) else value}")
+        elif f == "projection":
+            args.append("--project_dims=0" if "projection" not in there else
+                        f"--project_dims={there['projection']['dims']} --project_rows={there['projection']['rows']}")
+    return fields, args
+
+
+def another_cache(cache: Path, m: dict, producer: dict) -> str:
+    """The refusal when CACHE= names a cache this run's settings do not make: what differs and how to continue it."""
+    fields, args = chosen_diff(m.get("producer", {}), producer)
+    done = len(committed(m))
+    cont = (f"to continue it ({done}/{m.get('num_shards', '?')} shards done), run with its settings: `make extract "
+            f"CACHE={cache}` without RECIPE= takes them from its manifest"
+            + (f", or add ARGS=\"{' '.join(args)}\"" if args and len(args) == len(fields) else ""))
+    return (f"{cache} holds another hidden cache (key {m['key'][:12]} ≠ this run's {hash_obj(producer)[:12]}; differs "
+            f"in: {', '.join(fields) or 'code format'}); {cont}; to extract anew, name another CACHE= (or delete that "
+            f"one deliberately)")
+
+
+def note_sibling_caches(cfg: ExtractConfig, producer: dict) -> None:
+    """A new cache whose settings differ from a cache already under `cache_root` only in what a run chooses (its
+    encoding, projection, dtype, taps): say so, with the options that continue that one (e.g. a recipe now storing
+    fp4 beside an fp8 cache extracted under the recipe before)."""
+    for d in sorted(Path(cfg.cache_root).glob("hidden-*")):
+        m = read_manifest(d) if has_manifest(d) else None
+        if not m or m.get("kind") != "hidden":
+            continue
+        fields, args = chosen_diff(m.get("producer", {}), producer)
+        if fields and len(args) == len(fields):
+            log(f"note: {d} holds this extraction with other settings ({', '.join(fields)}; "
+                f"{len(committed(m))}/{m.get('num_shards', '?')} shards done); this run starts a new cache — to "
+                f"continue that one instead, add ARGS=\"{' '.join(args)}\" (or CACHE={d} without RECIPE=)")
 
 
 def disk_room(cfg: ExtractConfig, plan: ExtractPlan, rank: int) -> dict:

@@ -168,13 +168,31 @@ def test_dry_run_and_fail_fast_before_weights_load(tmp_path, qwen35_dir, chat_co
     assert not list((tmp_path / "cache").glob("hidden-*"))  # nothing was created by the refused runs
 
 
-def test_cache_with_another_key_is_never_overwritten(tmp_path, qwen35_dir, qwen3_dir, chat_corpus):
+def test_cache_with_another_key_is_never_overwritten(tmp_path, qwen35_dir, qwen3_dir, chat_corpus, capsys):
+    """CACHE= naming a cache these settings do not make is refused before any disk check or weight load — also by a
+    dry run — with what differs and the options that continue it; a new cache beside one that differs only in what a
+    run chooses (a recipe now storing fp4 beside the fp8 cache extracted under it before) says how to continue that."""
     out = tmp_path / "pinned"
     extract_run(tmp_path, qwen35_dir, chat_corpus, cache=str(out))
     before = (out / "manifest.json").read_text()
-    with pytest.raises(ValueError, match="already holds a different hidden cache"):
-        extract_run(tmp_path, qwen35_dir, chat_corpus, cache=str(out), quant="fp8")
+    want = (r"holds another hidden cache .*differs in: quant\); to continue it \(\d+/\d+ shards done\), run with its "
+            r"settings: `make extract CACHE=.*` without RECIPE= takes them from its manifest, or add "
+            r'ARGS="--quant=bf16"')
+    for dry in (True, False):  # (min_free_gb: the disk check would refuse first, were it checked first)
+        with pytest.raises(ValueError, match=want):
+            extract_run(tmp_path, qwen35_dir, chat_corpus, cache=str(out), quant="fp8", dry_run=dry, min_free_gb=1e9)
     assert (out / "manifest.json").read_text() == before
+    taps = ",".join(map(str, read_manifest(out)["producer"]["layer_ids"]))  # (its own: not 0,1,2)
+    with pytest.raises(ValueError, match=rf"differs in: layer_ids, quant\).*ARGS=\"--layer_ids={taps} --quant=bf16\""):
+        extract_run(tmp_path, qwen35_dir, chat_corpus, cache=str(out), quant="fp8", layer_ids=[0, 1, 2],
+                    dry_run=True)
+    extract_run(tmp_path, qwen35_dir, chat_corpus)  # under cache_root, bf16
+    capsys.readouterr()
+    extract_run(tmp_path, qwen35_dir, chat_corpus, quant="fp8", dry_run=True)
+    note = capsys.readouterr()
+    assert re.search(r"note: .*hidden-\w+ holds this extraction with other settings \(quant; (\d+)/\1 shards done\); "
+                     r'this run starts a new cache — to continue that one instead, add ARGS="--quant=bf16"',
+                     note.out + note.err), note
 
 
 SCRIPT = """
