@@ -46,16 +46,26 @@ def compiled_graphs() -> int:
 
 
 def flops_per_row(dc, seq_len: int, num_anchors: int) -> float:
-    """Model FLOPs of one training row (forward + backward; lm_head: logits + input gradient only)."""
-    H, L, Q = dc.hidden_size, dc.block_size, num_anchors * dc.block_size
+    """Model FLOPs of one training row, forward + backward: the sum of `flop_terms`."""
+    return sum(flop_terms(dc, seq_len, num_anchors).values())
+
+
+def flop_terms(dc, seq_len: int, num_anchors: int) -> dict[str, float]:
+    """A training row's FLOPs by part, as the training step computes them (2 a multiply-add; backward twice the
+    forward where weights and inputs both take a gradient): `layers` the decoder layers' linears on the block tokens
+    (the last MLP on the scored slots only), `context` the fc (no input gradient: the cache's states) and each
+    layer's context K/V, `attention` an estimate (the block's queries see about half the row), `head` the lm_head's
+    logits and input gradient (it is frozen) at the scored slots. Every term but `attention` is every matmul the
+    step runs (tests/test_train.py counts them with torch's FLOP counter)."""
+    H, L, layers = dc.hidden_size, dc.block_size, dc.num_layers
+    Q, n = num_anchors * L, num_anchors * (L - 1)  # block tokens, scored slots
     k, qd, kvd = len(dc.target_layer_ids), dc.num_heads * dc.head_dim, dc.num_kv_heads * dc.head_dim
-    per_layer = H * (qd + 2 * kvd) + qd * H + 3 * H * dc.intermediate_size
-    layers = 6 * Q * per_layer * dc.num_layers
-    ctx_kv = 6 * seq_len * H * 2 * kvd * dc.num_layers
-    fc = 4 * seq_len * k * (getattr(dc, "tap_width", 0) or H) * H  # (a projected cache: k × tap_width inputs)
-    attn = 3 * 4 * Q * (seq_len / 2 + L) * qd * dc.num_layers  # ~half the row visible on average
-    head = 4 * num_anchors * (L - 1) * H * dc.vocab_size
-    return layers + ctx_kv + fc + attn + head
+    attn, mlp = H * (qd + 2 * kvd) + qd * H, 3 * H * dc.intermediate_size
+    return {"layers": 6 * (Q * (attn + mlp) * layers - (Q - n) * mlp),
+            "context": 6 * seq_len * H * 2 * kvd * layers
+                       + 4 * seq_len * k * (getattr(dc, "tap_width", 0) or H) * H,  # (projected: k × tap_width)
+            "attention": 3 * 4 * Q * (seq_len / 2 + L) * qd * layers,  # ~half the row visible on average
+            "head": 4 * n * H * dc.vocab_size}
 
 
 # --- a window of steps -------------------------------------------------------------------------------------------

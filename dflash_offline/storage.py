@@ -206,7 +206,7 @@ MEASURED_AT = {"extract": ("Qwen3.5-27B shapes, rows of 4096", "the parameters o
 
 
 def describe_rate(stage: str, r: dict) -> str:
-    """'train 18,685 context tok/s per H200 (estimate: … scaled ×1.94 by …)'."""
+    """'train 18,681 context tok/s per H200 (estimate: … scaled ×1.94 by …)'."""
     unit = "row tok/s" if stage == "extract" else "context tok/s"
     if r["source"] == "given":
         return f"{stage} {r['tok_s']:,.0f} {unit} per GPU (given)"

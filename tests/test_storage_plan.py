@@ -170,7 +170,7 @@ def test_a_27b_plan_from_shapes_alone(tmp_path, capsys):
     assert "81.9 TB" in text and "41.0 TB" in text and "a real run is refused (--allow_overfill=1" in text
     assert re.search(r"\n  fp8 \(chosen\) +25,620 +41\.0 TB .*parity\n", text)
     assert "GPU-hours: extract 36.9 (4.6 h on 8), verify 4.6 (on 1), train 6 epochs 116.5 (14.6 h on 8); total " \
-           "158.0 GPU-h without regen, 25.2 h end to end" in text  # (as docs/extract.md and docs/full-run.md)
+           "158.1 GPU-h without regen, 25.2 h end to end" in text  # (as docs/extract.md and docs/full-run.md)
     # verify: the whole cache re-hashed at SHA-256's rate × 8 threads (41.0 TB / 8 GB/s), 48,829 rows recomputed
     assert "verify: re-hashes 41.0 TB (1.4 h at 8 GB/s = 8 threads × SHA-256" in text and "recomputes 48,829 rows" in text
     assert "regen: 1,200,000,000 answer tokens" in text and "--plan_regen_tok_s=R" in text

@@ -164,6 +164,33 @@ def test_a_run_ends_with_one_summary_line(tmp_path, hidden_cache, capsys):
     assert "train done: 2 steps (4 → 6), " in last and last.endswith("step-00000006")
 
 
+def test_the_flop_fraction_counts_every_matmul_a_training_step_runs(tmp_path, hidden_cache, monkeypatch):
+    """`metrics.flops_per_row`, which a run's `flop_frac` divides by, against torch's FLOP counter around the
+    trainer's micro-batch (the drafter's forward and backward, the lm_head CE): equal but for attention, which the
+    counter does not see (CPU SDPA is not counted; the formula's is an estimate)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    seen, counters, per_row, micro_batch = {}, [], metrics.flops_per_row, Trainer.micro_batch
+
+    def recorded(dc, seq_len, num_anchors):
+        seen.update(dc=dc, seq_len=seq_len, anchors=num_anchors)
+        return per_row(dc, seq_len, num_anchors)
+
+    def counted(self, *args, **kw):
+        with FlopCounterMode(display=False) as counter:
+            out = micro_batch(self, *args, **kw)
+        counters.append(counter)
+        return out
+
+    monkeypatch.setattr(metrics, "flops_per_row", recorded)
+    monkeypatch.setattr(Trainer, "micro_batch", counted)
+    train.run(cfg(hidden_cache, tmp_path / "r", steps=1, ckpt_every=1))
+    (counter,) = counters  # one step of one micro-batch
+    assert {str(op) for op in counter.get_flop_counts()["Global"]} <= {"aten.mm", "aten.bmm"}  # no attention op
+    terms = metrics.flop_terms(seen["dc"], seen["seq_len"], seen["anchors"])
+    assert counter.get_total_flops() / TINY["batch_rows"] == sum(terms.values()) - terms["attention"]
+
+
 WORKER = """
 import sys
 from stages import train
