@@ -38,7 +38,7 @@ TRAIN_FP8_SPEEDUP = 12_313 / 10_053
 TRAIN_SEQ_LEN = 2048
 TRAIN_DRAFTER = SimpleNamespace(hidden_size=5120, intermediate_size=17408, vocab_size=248320, num_layers=5,
                                 num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, num_anchors=512,
-                                target_layer_ids=[1, 16, 31, 46, 61])  # the drafter that rate was measured at
+                                target_layer_ids=[1, 16, 31, 46, 61], variant="dflash")  # the drafter it was measured at
 # make verify re-hashes every shard file: SHA-256 (hashlib, 4 MiB reads, fsio.sha256_file) on HASH_THREADS
 # threads. 1.0 GB/s a thread: one core of a shared 2-vCPU AMD EPYC with SHA-NI, files in the page cache (2026-12-02;
 # 0.99-1.07 GB/s over four runs). Not measured on a GPU host: a plan takes that × the threads, which the filesystem's
@@ -88,7 +88,9 @@ def drafter_shape(train, hidden: int, intermediate: int, vocab: int, layer_ids: 
     return SimpleNamespace(hidden_size=hidden, intermediate_size=d.intermediate_size or intermediate,
                            vocab_size=vocab, num_layers=d.num_layers, num_heads=d.num_heads,
                            num_kv_heads=d.num_kv_heads, head_dim=d.head_dim, block_size=d.block_size,
-                           num_anchors=t.loss.num_anchors, target_layer_ids=list(d.layer_ids) or layer_ids)
+                           num_anchors=t.loss.num_anchors, target_layer_ids=list(d.layer_ids) or layer_ids,
+                           variant=d.variant, conv_kernel_size=d.conv_kernel_size, conv_group_size=d.conv_group_size,
+                           selector_rank=d.selector_rank, selector_top_k=d.selector_top_k)
 
 
 def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.0, train_tok_s: float = 0.0,
