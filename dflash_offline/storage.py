@@ -6,7 +6,8 @@ Every number is a product of a few inputs: the rows and tokens stage 1a packs (i
 in-memory manifest), the bytes per token of an encoding (the registry `cache.encodings.ENCODINGS`: a new encoding is
 one more entry there, and a row of the plan), and two rates measured on one H200 (`EXTRACT_TOK_S`, `TRAIN_TOK_S`, sources beside them). A target
 or drafter of other shapes gets those rates scaled by work per token — the extraction by the parameters of the
-target layers it runs, the training by the drafter's FLOPs per context token (`metrics.flops_per_row`) — and the
+target layers it runs, the training by the drafter's FLOPs per context token (`metrics.flops_per_row`; a DFlash2
+drafter's FLOPs count its conv and selector, but its rate is DFlash's, scaled: no DFlash2 step is measured) — and the
 plan says so; `plan_extract_tok_s=` / `plan_train_tok_s=` replace them with your own. The read bandwidth is bytes per
 token × training tokens/s per GPU × GPUs. Regeneration is the corpus's answer tokens (its supervised tokens) at an
 engine rate this repository has not measured (`plan_regen_tok_s=` gives it); verification re-hashes the whole cache
@@ -97,21 +98,24 @@ def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.
           regen_tok_s: float = 0.0, precision: str = "bf16") -> dict:
     """Tokens/s per GPU for both stages, each with where it comes from: given (> 0), or the measured H200 rate
     scaled by work per token (`factor` 1.0 at the measured shapes: "measured" only there, extraction also at its row
-    length) and, for a `precision="fp8"` training, by fp8's measured speed-up (`fp8`); and regeneration's generated
-    tokens/s when given (no measured rate: no entry otherwise)."""
+    length) and, for a `precision="fp8"` training, by fp8's measured speed-up (`fp8`); a drafter of another variant
+    than the measured one's (DFlash2) is always "scaled" and named (`variant`); and regeneration's generated tokens/s
+    when given (no measured rate: no entry otherwise)."""
     from .metrics import flops_per_row
 
     per_tok = flops_per_row(drafter, seq_len, drafter.num_anchors) / seq_len
     ref_per_tok = flops_per_row(TRAIN_DRAFTER, TRAIN_SEQ_LEN, TRAIN_DRAFTER.num_anchors) / TRAIN_SEQ_LEN
     out, work = {}, {"extract": EXTRACT_LAYER_PARAMS / layer_params, "train": ref_per_tok / per_tok}
-    same = {"extract": seq_len == EXTRACT_SEQ_LEN, "train": True}  # (training's row length is in its FLOPs)
-    fp8 = TRAIN_FP8_SPEEDUP if precision == "fp8" else 1.0
-    for stage, given, measured in (("extract", extract_tok_s, EXTRACT_TOK_S), ("train", train_tok_s, TRAIN_TOK_S)):
+    variant = drafter.variant if drafter.variant != TRAIN_DRAFTER.variant else None  # (DFlash2: DFlash's rate, scaled)
+    same = {"extract": seq_len == EXTRACT_SEQ_LEN, "train": variant is None}  # (training's row length is in its FLOPs)
+    train = {**({"fp8": TRAIN_FP8_SPEEDUP} if precision == "fp8" else {}), **({"variant": variant} if variant else {})}
+    for stage, given, measured, extra in (("extract", extract_tok_s, EXTRACT_TOK_S, {}),
+                                          ("train", train_tok_s, TRAIN_TOK_S, train)):
         factor = work[stage]
         out[stage] = {"tok_s": given, "source": "given"} if given else \
-            {"tok_s": measured * factor * (fp8 if stage == "train" else 1.0),
+            {"tok_s": measured * factor * extra.get("fp8", 1.0),
              "source": "measured" if abs(factor - 1) < 0.01 and same[stage] else "scaled",
-             "factor": factor, "measured_tok_s": measured, **({"fp8": fp8} if stage == "train" and fp8 != 1 else {})}
+             "factor": factor, "measured_tok_s": measured, **extra}
     if regen_tok_s:
         out["regen"] = {"tok_s": regen_tok_s, "source": "given"}
     return out
@@ -213,6 +217,9 @@ def describe_rate(stage: str, r: dict) -> str:
     if r["source"] == "given":
         return f"{stage} {r['tok_s']:,.0f} {unit} per GPU (given)"
     at, by = MEASURED_AT[stage]
+    if r.get("variant"):  # (DFlash2: DFlash's rate, scaled by FLOPs that count its conv and selector)
+        at, by = f"{at}, a DFlash step (no variant={r['variant']} step is measured on a GPU yet)", \
+            f"{by} (its conv and selector included)"
     how = f"measured at {at}, docs/benchmarks.md" if r["source"] == "measured" else \
         f"estimate: {r['measured_tok_s']:,} measured at {at}, scaled ×{r['factor']:.3g} by {by}"
     if r.get("fp8"):
