@@ -63,7 +63,8 @@ def flop_terms(dc, seq_len: int, num_anchors: int) -> dict[str, float]:
     k, qd, kvd = len(dc.target_layer_ids), dc.num_heads * dc.head_dim, dc.num_kv_heads * dc.head_dim
     attn, mlp = H * (qd + 2 * kvd) + qd * H, 3 * H * dc.intermediate_size
     d2 = dc.variant == "dflash2"
-    terms = {"layers": 6 * (Q * (attn + mlp) * layers - (Q - (Q if d2 else n)) * mlp),
+    last_mlp = Q if d2 else n  # the tokens of the last layer's MLP
+    terms = {"layers": 6 * (Q * (attn + mlp) * (layers - 1) + Q * attn + last_mlp * mlp),
              "context": 6 * seq_len * H * 2 * kvd * layers
                         + 4 * seq_len * k * (getattr(dc, "tap_width", 0) or H) * H,  # (projected: k × tap_width)
              "attention": 3 * 4 * Q * (seq_len / 2 + L) * qd * layers,  # ~half the row visible on average
