@@ -26,8 +26,8 @@ All in one process: `bench.train_compare` runs each precision variant in a proce
 `--recipe=FILE` takes the drafter a recipe's [train] trains (its DrafterSettings but the taps and mask token, which
 are the synthetic cache's, and its γ and selector weight; --tiny keeps the tiny sizes) in place of the default
 shape; a DFlash2 drafter (`--variant=dflash2`, or the recipe's) is timed against DFlash at the same shapes (A, B, A:
-DFlash, DFlash2, DFlash again) unless `--alone`. Its FLOP fraction counts DFlash's FLOPs (the conv and the selector
-are not in `metrics.flops_per_row`): read its cost from the rates.
+DFlash, DFlash2, DFlash again) unless `--alone`. Each FLOP fraction counts its own variant's FLOPs
+(`metrics.flop_terms`: DFlash2's with its conv and selector); the rates give what they cost.
 """
 
 from __future__ import annotations

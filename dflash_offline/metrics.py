@@ -46,16 +46,44 @@ def compiled_graphs() -> int:
 
 
 def flops_per_row(dc, seq_len: int, num_anchors: int) -> float:
-    """Model FLOPs of one training row (forward + backward; lm_head: logits + input gradient only)."""
-    H, L, Q = dc.hidden_size, dc.block_size, num_anchors * dc.block_size
+    """Model FLOPs of one training row, forward + backward: the sum of `flop_terms`."""
+    return sum(flop_terms(dc, seq_len, num_anchors).values())
+
+
+def flop_terms(dc, seq_len: int, num_anchors: int) -> dict[str, float]:
+    """A training row's FLOPs by part, as the training step computes them (2 a multiply-add; backward twice the
+    forward where weights and inputs both take a gradient): `layers` the decoder layers' linears on the block tokens
+    (DFlash skips slot 0 before the last MLP, DFlash2 after it: its convolution reads slot 0), `context` the fc (no
+    input gradient: the cache's states) and each layer's context K/V, `attention` an estimate (the block's queries
+    see about half the row), `head` the lm_head's logits and input gradient (it is frozen) at the scored slots; a
+    DFlash2 drafter adds `dflash2_flop_terms`. Every term but `attention` and `conv` is every matmul the step runs
+    (tests/test_train.py counts them with torch's FLOP counter)."""
+    H, L, layers = dc.hidden_size, dc.block_size, dc.num_layers
+    Q, n = num_anchors * L, num_anchors * (L - 1)  # block tokens, scored slots
     k, qd, kvd = len(dc.target_layer_ids), dc.num_heads * dc.head_dim, dc.num_kv_heads * dc.head_dim
-    per_layer = H * (qd + 2 * kvd) + qd * H + 3 * H * dc.intermediate_size
-    layers = 6 * Q * per_layer * dc.num_layers
-    ctx_kv = 6 * seq_len * H * 2 * kvd * dc.num_layers
-    fc = 4 * seq_len * k * (getattr(dc, "tap_width", 0) or H) * H  # (a projected cache: k × tap_width inputs)
-    attn = 3 * 4 * Q * (seq_len / 2 + L) * qd * dc.num_layers  # ~half the row visible on average
-    head = 4 * num_anchors * (L - 1) * H * dc.vocab_size
-    return layers + ctx_kv + fc + attn + head
+    attn, mlp = H * (qd + 2 * kvd) + qd * H, 3 * H * dc.intermediate_size
+    d2 = dc.variant == "dflash2"
+    last_mlp = Q if d2 else n  # the tokens of the last layer's MLP
+    terms = {"layers": 6 * (Q * (attn + mlp) * (layers - 1) + Q * attn + last_mlp * mlp),
+             "context": 6 * seq_len * H * 2 * kvd * layers
+                        + 4 * seq_len * k * (getattr(dc, "tap_width", 0) or H) * H,  # (projected: k × tap_width)
+             "attention": 3 * 4 * Q * (seq_len / 2 + L) * qd * layers,  # ~half the row visible on average
+             "head": 4 * n * H * dc.vocab_size}
+    return {**terms, **dflash2_flop_terms(dc, Q, n)} if d2 else terms
+
+
+def dflash2_flop_terms(dc, Q: int, n: int) -> dict[str, float]:
+    """What DFlash2 adds to a row of `Q` block tokens and `n` scored slots (`dflash2`): `conv_projection` the
+    dynamic taps (a Linear(H, 2·J·G) around every attention and MLP), `conv` the depthwise convolutions themselves
+    (pre and post around each sublayer, J multiply-adds a channel; elementwise ops, counted as a depthwise conv is),
+    `selector` its CE: the top-k search over the full vocabulary (logits without gradient), the candidates'
+    logits (gathered lm_head rows, input gradient only), hidden_projection, and the pair scores against the gathered
+    codebook rows (the codebooks are gathered, never multiplied in full)."""
+    H, J, K, R = dc.hidden_size, dc.conv_kernel_size, dc.selector_top_k, dc.selector_rank
+    convs = 2 * dc.num_layers  # one around each attention and each MLP
+    return {"conv_projection": convs * 6 * Q * H * 2 * J * (H // dc.conv_group_size),
+            "conv": convs * 2 * 6 * Q * J * H,
+            "selector": 2 * n * H * dc.vocab_size + 4 * n * K * H + 6 * n * H * R + 6 * n * K * R}
 
 
 # --- a window of steps -------------------------------------------------------------------------------------------

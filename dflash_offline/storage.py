@@ -6,7 +6,8 @@ Every number is a product of a few inputs: the rows and tokens stage 1a packs (i
 in-memory manifest), the bytes per token of an encoding (the registry `cache.encodings.ENCODINGS`: a new encoding is
 one more entry there, and a row of the plan), and two rates measured on one H200 (`EXTRACT_TOK_S`, `TRAIN_TOK_S`, sources beside them). A target
 or drafter of other shapes gets those rates scaled by work per token — the extraction by the parameters of the
-target layers it runs, the training by the drafter's FLOPs per context token (`metrics.flops_per_row`) — and the
+target layers it runs, the training by the drafter's FLOPs per context token (`metrics.flops_per_row`; a DFlash2
+drafter's FLOPs count its conv and selector, but its rate is DFlash's, scaled: no DFlash2 step is measured) — and the
 plan says so; `plan_extract_tok_s=` / `plan_train_tok_s=` replace them with your own. The read bandwidth is bytes per
 token × training tokens/s per GPU × GPUs. Regeneration is the corpus's answer tokens (its supervised tokens) at an
 engine rate this repository has not measured (`plan_regen_tok_s=` gives it); verification re-hashes the whole cache
@@ -38,7 +39,7 @@ TRAIN_FP8_SPEEDUP = 12_313 / 10_053
 TRAIN_SEQ_LEN = 2048
 TRAIN_DRAFTER = SimpleNamespace(hidden_size=5120, intermediate_size=17408, vocab_size=248320, num_layers=5,
                                 num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, num_anchors=512,
-                                target_layer_ids=[1, 16, 31, 46, 61])  # the drafter that rate was measured at
+                                target_layer_ids=[1, 16, 31, 46, 61], variant="dflash")  # the drafter it was measured at
 # make verify re-hashes every shard file: SHA-256 (hashlib, 4 MiB reads, fsio.sha256_file) on HASH_THREADS
 # threads. 1.0 GB/s a thread: one core of a shared 2-vCPU AMD EPYC with SHA-NI, files in the page cache (2026-12-02;
 # 0.99-1.07 GB/s over four runs). Not measured on a GPU host: a plan takes that × the threads, which the filesystem's
@@ -99,28 +100,33 @@ def drafter_shape(train, hidden: int, intermediate: int, vocab: int, layer_ids: 
     return SimpleNamespace(hidden_size=hidden, intermediate_size=d.intermediate_size or intermediate,
                            vocab_size=vocab, num_layers=d.num_layers, num_heads=d.num_heads,
                            num_kv_heads=d.num_kv_heads, head_dim=d.head_dim, block_size=d.block_size,
-                           num_anchors=t.loss.num_anchors, target_layer_ids=list(d.layer_ids) or layer_ids)
+                           num_anchors=t.loss.num_anchors, target_layer_ids=list(d.layer_ids) or layer_ids,
+                           variant=d.variant, conv_kernel_size=d.conv_kernel_size, conv_group_size=d.conv_group_size,
+                           selector_rank=d.selector_rank, selector_top_k=d.selector_top_k)
 
 
 def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.0, train_tok_s: float = 0.0,
           regen_tok_s: float = 0.0, precision: str = "bf16") -> dict:
     """Tokens/s per GPU for both stages, each with where it comes from: given (> 0), or the measured H200 rate
     scaled by work per token (`factor` 1.0 at the measured shapes: "measured" only there, extraction also at its row
-    length) and, for a `precision="fp8"` training, by fp8's measured speed-up (`fp8`); and regeneration's generated
-    tokens/s when given (no measured rate: no entry otherwise)."""
+    length) and, for a `precision="fp8"` training, by fp8's measured speed-up (`fp8`); a drafter of another variant
+    than the measured one's (DFlash2) is always "scaled" and named (`variant`); and regeneration's generated tokens/s
+    when given (no measured rate: no entry otherwise)."""
     from .metrics import flops_per_row
 
     per_tok = flops_per_row(drafter, seq_len, drafter.num_anchors) / seq_len
     ref_per_tok = flops_per_row(TRAIN_DRAFTER, TRAIN_SEQ_LEN, TRAIN_DRAFTER.num_anchors) / TRAIN_SEQ_LEN
     out, work = {}, {"extract": EXTRACT_LAYER_PARAMS / layer_params, "train": ref_per_tok / per_tok}
-    same = {"extract": seq_len == EXTRACT_SEQ_LEN, "train": True}  # (training's row length is in its FLOPs)
-    fp8 = TRAIN_FP8_SPEEDUP if precision == "fp8" else 1.0
-    for stage, given, measured in (("extract", extract_tok_s, EXTRACT_TOK_S), ("train", train_tok_s, TRAIN_TOK_S)):
+    variant = drafter.variant if drafter.variant != TRAIN_DRAFTER.variant else None  # (DFlash2: DFlash's rate, scaled)
+    same = {"extract": seq_len == EXTRACT_SEQ_LEN, "train": variant is None}  # (training's row length is in its FLOPs)
+    train = {**({"fp8": TRAIN_FP8_SPEEDUP} if precision == "fp8" else {}), **({"variant": variant} if variant else {})}
+    for stage, given, measured, extra in (("extract", extract_tok_s, EXTRACT_TOK_S, {}),
+                                          ("train", train_tok_s, TRAIN_TOK_S, train)):
         factor = work[stage]
         out[stage] = {"tok_s": given, "source": "given"} if given else \
-            {"tok_s": measured * factor * (fp8 if stage == "train" else 1.0),
+            {"tok_s": measured * factor * extra.get("fp8", 1.0),
              "source": "measured" if abs(factor - 1) < 0.01 and same[stage] else "scaled",
-             "factor": factor, "measured_tok_s": measured, **({"fp8": fp8} if stage == "train" and fp8 != 1 else {})}
+             "factor": factor, "measured_tok_s": measured, **extra}
     if regen_tok_s:
         out["regen"] = {"tok_s": regen_tok_s, "source": "given"}
     return out
@@ -217,11 +223,14 @@ MEASURED_AT = {"extract": ("Qwen3.5-27B shapes, rows of 4096", "the parameters o
 
 
 def describe_rate(stage: str, r: dict) -> str:
-    """'train 18,685 context tok/s per H200 (estimate: … scaled ×1.94 by …)'."""
+    """'train 18,681 context tok/s per H200 (estimate: … scaled ×1.94 by …)'."""
     unit = "row tok/s" if stage == "extract" else "context tok/s"
     if r["source"] == "given":
         return f"{stage} {r['tok_s']:,.0f} {unit} per GPU (given)"
     at, by = MEASURED_AT[stage]
+    if r.get("variant"):  # (DFlash2: DFlash's rate, scaled by FLOPs that count its conv and selector)
+        at, by = f"{at}, a DFlash step (no variant={r['variant']} step is measured on a GPU yet)", \
+            f"{by} (its conv and selector included)"
     how = f"measured at {at}, docs/benchmarks.md" if r["source"] == "measured" else \
         f"estimate: {r['measured_tok_s']:,} measured at {at}, scaled ×{r['factor']:.3g} by {by}"
     if r.get("fp8"):

@@ -93,6 +93,33 @@ def test_rates_are_the_measured_ones_at_their_shapes_scaled_elsewhere_and_given_
     assert "estimate" in line and f"{storage.TRAIN_TOK_S:,}" in line
 
 
+def test_a_dflash2_plan_counts_its_conv_and_selector_and_says_its_rate_is_a_dflash_steps():
+    """The Qwen3.8-27B DFlash2 recipe's plan sizes its DFlash2 drafter (conv kernel 2, group 16, selector rank 256,
+    top-16): more FLOPs per context token than the same drafter as DFlash (2.986 vs 2.632 G at rows of 4096, 64
+    anchors, block 8: docs/benchmarks.md), so a slower estimate, scaled from the DFlash measurement, as its line says
+    (no DFlash2 step is measured on a GPU yet; docs/extract.md)."""
+    from types import SimpleNamespace
+
+    from dflash_offline.metrics import flops_per_row
+
+    train = storage.recipe_train(str(REPO / "manifests/qwen3.8-27b-dflash2.toml"))
+    d2 = storage.drafter_shape(train, 5120, 17408, 248320, [5, 19, 33, 47, 61])
+    assert (d2.variant, d2.conv_kernel_size, d2.conv_group_size, d2.selector_rank, d2.selector_top_k, d2.block_size,
+            d2.num_anchors) == ("dflash2", 2, 16, 256, 16, 8, 64)
+    d1 = SimpleNamespace(**{**vars(d2), "variant": "dflash"})
+    per_tok = [flops_per_row(d, 4096, d.num_anchors) / 4096 for d in (d1, d2)]
+    assert [round(f / 1e9, 3) for f in per_tok] == [2.632, 2.986]
+    r1, r2 = (storage.rates(layer_params=storage.EXTRACT_LAYER_PARAMS, drafter=d, seq_len=4096,
+                            precision=train.compute.precision)["train"] for d in (d1, d2))
+    assert r2["tok_s"] == pytest.approx(r1["tok_s"] * per_tok[0] / per_tok[1])
+    assert (r2["source"], r2["variant"]) == ("scaled", "dflash2") and "variant" not in r1
+    assert storage.describe_rate("train", r1).endswith("scaled ×22.4 by the drafter's FLOPs per context token)")
+    assert storage.describe_rate("train", r2) == (
+        "train 190,051 context tok/s per H200 (estimate: 9,633 measured at the 27B drafter, rows of 2048, a DFlash step "
+        "(no variant=dflash2 step is measured on a GPU yet), scaled ×19.7 by the drafter's FLOPs per context token (its "
+        "conv and selector included))")
+
+
 def test_epochs_come_from_the_recipes_train_table():
     from dflash_offline.trainsetup import TrainConfig
 
@@ -171,7 +198,7 @@ def test_a_27b_plan_from_shapes_alone(tmp_path, capsys):
     assert re.search(r"\n  fp4 \(chosen\) +14,420 +23\.1 TB .*parity\n", text)
     assert re.search(r"\n  fp8 k=2560 +12,820 +20\.5 TB .*parity\n", text)  # (judged at half the width; not chosen)
     assert "GPU-hours: extract 36.9 (4.6 h on 8), verify 4.6 (on 1), train 6 epochs 116.5 (14.6 h on 8); total " \
-           "158.0 GPU-h without regen, 24.6 h end to end" in text  # (as docs/extract.md and docs/full-run.md)
+           "158.1 GPU-h without regen, 24.6 h end to end" in text  # (as docs/extract.md and docs/full-run.md)
     # verify: the whole cache re-hashed at SHA-256's rate × 8 threads (23.1 TB / 8 GB/s), 48,829 rows recomputed
     assert "verify: re-hashes 23.1 TB (48 min at 8 GB/s = 8 threads × SHA-256" in text and "recomputes 48,829 rows" in text
     assert "regen: 1,200,000,000 answer tokens" in text and "--plan_regen_tok_s=R" in text

@@ -164,6 +164,44 @@ def test_a_run_ends_with_one_summary_line(tmp_path, hidden_cache, capsys):
     assert "train done: 2 steps (4 → 6), " in last and last.endswith("step-00000006")
 
 
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+def test_the_flop_fraction_counts_every_matmul_a_training_step_runs(tmp_path, hidden_cache, monkeypatch, variant):
+    """`metrics.flops_per_row`, which a run's `flop_frac` divides by, against torch's FLOP counter around the
+    trainer's micro-batch (the drafter's forward and backward, the lm_head CE and, DFlash2, the selector CE): equal
+    but for two terms the counter does not see — attention (CPU SDPA is not counted; the formula's is an estimate)
+    and DFlash2's depthwise convolutions (elementwise ops; counted as the counter counts a depthwise conv1d)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    seen, counters, per_row, micro_batch = {}, [], metrics.flops_per_row, Trainer.micro_batch
+
+    def recorded(dc, seq_len, num_anchors):
+        seen.update(dc=dc, seq_len=seq_len, anchors=num_anchors)
+        return per_row(dc, seq_len, num_anchors)
+
+    def counted(self, *args, **kw):
+        with FlopCounterMode(display=False) as counter:
+            out = micro_batch(self, *args, **kw)
+        counters.append(counter)
+        return out
+
+    monkeypatch.setattr(metrics, "flops_per_row", recorded)
+    monkeypatch.setattr(Trainer, "micro_batch", counted)
+    d2 = dict(variant="dflash2", selector_rank=8) if variant == "dflash2" else {}
+    train.run(cfg(hidden_cache, tmp_path / "r", steps=1, ckpt_every=1, **d2))
+    (counter,) = counters  # one step of one micro-batch
+    assert {str(op) for op in counter.get_flop_counts()["Global"]} <= {"aten.mm", "aten.bmm"}  # no attention op
+    dc, terms = seen["dc"], metrics.flop_terms(seen["dc"], seen["seq_len"], seen["anchors"])
+    unseen = terms["attention"] + terms.get("conv", 0)
+    assert counter.get_total_flops() / TINY["batch_rows"] == sum(terms.values()) - unseen
+    if d2:  # each of 2 × layers sublayers between two convolutions of J taps over the row's A·L block tokens,
+        # backward twice the forward (the counter's formula for a grouped conv's backward counts it as dense)
+        J, Q = dc.conv_kernel_size, seen["anchors"] * dc.block_size
+        with FlopCounterMode(display=False) as conv:
+            torch.nn.functional.conv1d(torch.randn(1, dc.hidden_size, Q + J - 1), torch.randn(dc.hidden_size, 1, J),
+                                       groups=dc.hidden_size)
+        assert terms["conv"] == 2 * 2 * dc.num_layers * 3 * conv.get_total_flops()
+
+
 WORKER = """
 import sys
 from stages import train
