@@ -179,7 +179,7 @@ def test_a_27b_plan_from_shapes_alone(tmp_path, capsys):
     # 16 rows a shard: 24,414 full shards and one of 1 row; verify recomputes 2 rows of each. 1,500 answer tokens of
     # each of 800K samples of 2,000 tokens (docs/full-run.md's assumption)
     quant = tomllib.loads((REPO / "manifests/qwen3.6-27b.toml").read_text())["extract"]["quant"]
-    assert quant == "fp4"  # (the recipe's: the smallest encoding at parity on the testbed)
+    assert quant == "fp4"  # (the recipe's: the smallest unprojected encoding at parity on the testbed)
     p = storage.storage_plan(rows=rows, seq_len=4096, doc_tokens=rows * 4000, k=5, hidden=5120, quant=quant,
                              need=rows * 4096 * 14_420, shards="24,415/24,415", free=20 * 10**12, fits=False,
                              min_free_gb=2.0, allow_overfill=False, gpus=8,
@@ -196,7 +196,7 @@ def test_a_27b_plan_from_shapes_alone(tmp_path, capsys):
     text = "\n".join(lines)
     assert "81.9 TB" in text and "23.1 TB" in text and "a real run is refused (--allow_overfill=1" in text
     assert re.search(r"\n  fp4 \(chosen\) +14,420 +23\.1 TB .*parity\n", text)
-    assert re.search(r"\n  fp8 k=2560 +12,820 +20\.5 TB .*parity\n", text)  # (judged at half the width; not chosen)
+    assert re.search(r"\n  fp8 k=2560 +12,820 +20\.5 TB .*  parity at 1/2 the width on the testbed\n", text)  # (not chosen)
     assert "GPU-hours: extract 36.9 (4.6 h on 8), verify 4.6 (on 1), train 6 epochs 116.5 (14.6 h on 8); total " \
            "158.1 GPU-h without regen, 24.6 h end to end" in text  # (as docs/extract.md and docs/full-run.md)
     # verify: the whole cache re-hashed at SHA-256's rate × 8 threads (23.1 TB / 8 GB/s), 48,829 rows recomputed
@@ -302,31 +302,49 @@ def test_the_plan_marks_each_encodings_testbed_verdict_as_the_results_files_reco
     import tomllib
 
     root = Path(__file__).resolve().parents[1]
+    from testbed.target import DIMS
+
     verdicts = {}
     for commit in ("419204b", "9b6a2b6"):
         res = json.loads((root / f"bench/results/testbed-sweep-h200-{commit}.json").read_text())
         assert res["discriminating"] and res["null_arm"]["ci_low"] < 0 < res["null_arm"]["ci_high"]
         assert res["bad_arm"]["ci_high"] < 0
-        verdicts.update({a["label"]: a["verdict"] for a in res["arms"] if a["lossless"] and a["verdict"]})
-    hidden = 768  # the testbed target's (testbed/target.py DIMS)
+        ranked = {a["label"]: a["verdict"] for a in res["arms"] if a["lossless"] and a["verdict"]}
+        assert all(verdicts.get(k, v) == v for k, v in ranked.items()), (commit, ranked, verdicts)  # no file contradicts
+        verdicts.update(ranked)
+    hidden = DIMS["hidden_size"]  # the testbed target's width (768)
+    # TESTBED_TAU holds exactly what the files ranked: "fp8 k=1/2" from project_dims=384 quant=fp8, and so on
+    ranked_keys = {"bf16": "reference"}
+    for label, verdict in verdicts.items():
+        opts = dict(o.split("=") for o in label.split())
+        if set(opts) <= {"quant", "project_dims"}:
+            kk = int(opts.get("project_dims", 0))
+            share = f" k=1/{hidden // kk}" if kk else ""
+            ranked_keys[opts.get("quant", "bf16") + share] = verdict
+    assert storage.TESTBED_TAU == ranked_keys
     for name in encodings.ENCODINGS:
-        want = "reference" if name == "bf16" else verdicts.get(f"quant={name}")  # (as the testbed wrote it)
-        assert storage.TESTBED_TAU.get(name) == want, name
         for kk in storage.projected_widths(hidden):
             label = f"project_dims={kk}" + ("" if name == "bf16" else f" quant={name}")
-            assert storage.testbed_tau(name, hidden, kk) == verdicts.get(label, "not judged"), label
+            want = f"{verdicts[label]} at 1/{hidden // kk} the width on the testbed" if label in verdicts else "not judged"
+            assert storage.testbed_tau(name, hidden, kk) == want, label
     assert verdicts["quant=fp4"] == verdicts["project_dims=384 quant=fp8"] == "parity"
+    # at the 27B width: half is judged (as a share), a width that is no share of it, or another share, is not
+    assert storage.testbed_tau("fp8", 5120, 2560) == "parity at 1/2 the width on the testbed"
+    assert {storage.testbed_tau("fp8", 5120, kk) for kk in (2048, 3072, 640, 1280)} == {"not judged"}
+    assert storage.testbed_tau("fp4", 5120, 5120) == "parity" and storage.testbed_tau("fp4", 5120, 2560) == "not judged"
     p = small_plan(quant="fp8")
     marks = {name: e["testbed_tau"] for name, e in p["encodings"].items()}
     assert marks["bf16"] == "reference" and marks["fp4"] == marks["fp8"] == "parity"
     half = storage.projected_widths(p["hidden"])[0]
-    assert marks[f"fp8 k={half}"] == "parity" and marks[f"fp4 k={half}"] == marks[f"bf16 k={half}"] == "not judged"
+    assert marks[f"fp8 k={half}"] == "parity at 1/2 the width on the testbed"
+    assert marks[f"fp4 k={half}"] == marks[f"bf16 k={half}"] == "not judged"
     assert all(v == "not judged" for n, v in marks.items() if " k=" in n and n != f"fp8 k={half}")
     assert any(re.match(r"\s+fp8 \(chosen\)\s.*parity$", line) for line in storage.render(p, Path("/c"))), \
         storage.render(p, Path("/c"))
     # a cache already projected to half the width is judged as such, to a quarter is not
     projected = small_plan(quant="fp8", hidden=half, projected_from=p["hidden"])["encodings"]
-    assert projected["fp8"]["testbed_tau"] == "parity" and projected["fp4"]["testbed_tau"] == "not judged"
+    assert projected["fp8"]["testbed_tau"] == "parity at 1/2 the width on the testbed"
+    assert projected["fp4"]["testbed_tau"] == "not judged"
     for recipe in ("qwen3.5-27b", "qwen3.6-27b", "qwen3.8-27b-dflash2", "qwen3-8b"):
         quant = tomllib.loads((root / "manifests" / f"{recipe}.toml").read_text())["extract"]["quant"]
         assert storage.TESTBED_TAU.get(quant) in ("reference", "parity"), recipe
