@@ -7,7 +7,7 @@ shard it was computed from hashed against the entry's `tokens_sha256`; files are
 threads (hashlib releases the GIL: reads and hashing overlap). `sample_rows` picks the rows to recompute (the same
 for the same cache every time) and `recompute` compares them with a fresh forward of the target, `batch_rows` rows
 per forward in the extraction's one shape, the next batch's stored rows read on a side thread (`read_batch`): the
-relative L2 error over real tokens, per layer (`layer_errors`); a projected cache is compared in its stored width.
+RMS over real tokens of each token's relative L2 error, per layer (`layer_errors`); a projected cache is compared in its stored width.
 """
 
 from __future__ import annotations
@@ -153,5 +153,9 @@ def recompute(cache: Path, m: dict, tokens_dir: Path, model, picked: list[tuple[
 
 
 def layer_errors(a, b, k: int) -> list[float]:
+    """Per layer of `k` ([tokens, k·H] stored `a` vs recomputed `b`): the RMS over tokens of each token's relative L2
+    error. Not the row's ‖a − b‖ / ‖b‖: a few tokens of large norm (a Qwen target's attention sinks carry
+    activations hundreds of times the others') would dominate it and hide altered values on every other token."""
     a, b = a.float().chunk(k, dim=-1), b.float().chunk(k, dim=-1)
-    return [((x - y).norm() / y.norm().clamp_min(1e-12)).item() for x, y in zip(a, b, strict=True)]
+    return [((x - y).norm(dim=-1) / y.norm(dim=-1).clamp_min(1e-12)).square().mean().sqrt().item()
+            for x, y in zip(a, b, strict=True)]

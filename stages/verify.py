@@ -7,7 +7,7 @@ and lists the one file training opens, `hidden-NNNNN.safetensors`; that this fil
 its header says it is that shard of this cache (key, encoding, projection), of the size, rows, layers and tensor
 layout the manifest implies (`dataset.open_shard`, training's own check); that the token shard it was computed from
 still hashes to the entry's `tokens_sha256`; and that `rows` sampled rows per shard equal a fresh
-forward of the target within `tol` (relative L2 error over real tokens, per layer; FP8 and FP4 caches are held to
+forward of the target within `tol` (the RMS over real tokens of each token's relative L2 error, per layer; FP8 and FP4 caches are held to
 their round-trip bound, the encoding's `rel_tol`, where it is larger). A projected cache (`[extract] project_dims`) is compared
 in its stored width: the fresh states are projected with the cache's P (its file checked against the manifest
 first), z = h @ P in fp32 as extraction computes it, so the same tolerances hold. The verdict goes into the manifest (`verified`), which

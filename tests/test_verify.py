@@ -59,6 +59,25 @@ def test_changed_values_with_a_matching_checksum_name_the_shard_and_row(hidden_c
     assert set(v["phase_seconds"]) == {"hash", "load", "recompute"}
 
 
+def test_a_few_tokens_of_large_norm_do_not_hide_altered_values_on_the_others():
+    """An attention-sink-like token (norm ×300) dominates a row's ‖a − b‖ / ‖b‖: every other token altered by 30 %
+    moved that by < 0.01, under even bf16's tol. Per token, then RMS over tokens, the change shows at its size; an
+    unaltered row, or the sink alone altered by 1 %, stays at that size too."""
+    g = torch.Generator().manual_seed(0)
+    fresh = torch.randn(64, 2 * 32, generator=g)  # 64 tokens, 2 layers × 32
+    fresh[0] *= 300
+    stored = fresh.clone()
+    stored[1:] *= 1.3
+    row = [((x - y).norm() / y.norm()).item() for x, y in zip(stored.chunk(2, -1), fresh.chunk(2, -1), strict=True)]
+    assert max(row) < 0.01  # what the row-wide error said
+    errs = verification.layer_errors(stored, fresh, 2)
+    assert errs == pytest.approx([0.3 * (63 / 64) ** 0.5] * 2, rel=1e-4)
+    assert verification.layer_errors(fresh, fresh, 2) == [0.0, 0.0]
+    sink = fresh.clone()
+    sink[0] *= 1.01
+    assert verification.layer_errors(sink, fresh, 2) == pytest.approx([0.01 / 64**0.5] * 2, rel=1e-3)
+
+
 def test_batched_recompute_equals_row_by_row_with_one_forward_per_batch(hidden_cache, tmp_path):
     from dflash_offline.target import load_target
 
