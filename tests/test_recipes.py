@@ -12,6 +12,7 @@ Qwen3.5 drafters (all layers full attention).
 """
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -264,11 +265,12 @@ def test_the_qwen38_recipe_tokenizes_with_its_template_settings_and_has_a_storag
     drafter = storage.drafter_shape(train, 5120, 17408, 248320, layer_ids)
     rate = storage.rates(layer_params=storage.EXTRACT_LAYER_PARAMS, drafter=drafter, seq_len=4096)
     rows = 1000
-    p = storage.storage_plan(rows=rows, seq_len=4096, doc_tokens=rows * 4000, k=5, hidden=5120, quant="bf16",
-                             need=rows * 4096 * 51_200, shards="63/63", free=10**15, fits=True, min_free_gb=2.0,
+    quant = tables["extract"]["quant"]  # the recipe's (fp4: at parity on the testbed)
+    p = storage.storage_plan(rows=rows, seq_len=4096, doc_tokens=rows * 4000, k=5, hidden=5120, quant=quant,
+                             need=rows * 4096 * 14_420, shards="63/63", free=10**15, fits=True, min_free_gb=2.0,
                              allow_overfill=False, gpus=8, epochs=storage.plan_epochs(train, rows, 4096, 8),
                              rate=rate, gpu=True, answer_tokens=0, verify_rows=2 * 63)
     assert p["encodings"]["bf16"]["bytes_per_token"] == 51_200 and p["encodings"]["fp8"]["bytes_per_token"] == 25_620
     text = "\n".join(storage.render(p, Path("/data/cache/hidden")))
     print(text)
-    assert "51,200" in text and "6 epochs" in text
+    assert "51,200" in text and "6 epochs" in text and re.search(r"\n  fp4 \(chosen\) +14,420 .*  parity\n", text)
