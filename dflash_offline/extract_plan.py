@@ -26,7 +26,7 @@ from pathlib import Path
 
 from . import storage
 from .cache.fsio import hash_obj
-from .cache.manifest import committed, has_manifest, missing_files, read_manifest
+from .cache.manifest import committed, diff_producers, has_manifest, missing_files, read_manifest
 from .config import (
     ConfigError,
     ExtractConfig,
@@ -311,7 +311,7 @@ def shards_to_do(cfg: ExtractConfig, plan: ExtractPlan) -> dict:
         raise ValueError(f"SHARD={cfg.shards}: the cache has shards 0..{plan.num_shards - 1}")
     existing = read_manifest(cache) if has_manifest(cache) else None
     if existing and existing["key"] != plan.key:
-        raise ConfigError(another_cache(cache, existing, plan.producer))
+        raise ConfigError(another_cache(cache, existing, plan))
     if existing is None and not cfg.cache:
         note_sibling_caches(cfg, plan.producer)
     done = committed(existing) if existing else {}
@@ -327,9 +327,8 @@ CHOSEN = {"quant": "quant", "dtype": "dtype", "layer_ids": "layer_ids", "project
 
 
 def chosen_diff(there: dict, here: dict) -> tuple[list[str], list[str]]:
-    """(the producer fields that differ, `--option=value` giving `there`'s value for those a run chooses)."""
-    from .cache.manifest import diff_producers
-
+    """(the producer fields that differ, the `--option=value`s that give `there`'s values — empty unless a run's
+    settings choose every field that differs, i.e. unless options alone make `here` into `there`)."""
     fields, args = diff_producers(there, here), []
     for f in fields:
         value = there
@@ -340,17 +339,17 @@ def chosen_diff(there: dict, here: dict) -> tuple[list[str], list[str]]:
         elif f == "projection":
             args.append("--project_dims=0" if "projection" not in there else
                         f"--project_dims={there['projection']['dims']} --project_rows={there['projection']['rows']}")
-    return fields, args
+    return fields, args if len(args) == len(fields) else []
 
 
-def another_cache(cache: Path, m: dict, producer: dict) -> str:
+def another_cache(cache: Path, m: dict, plan: ExtractPlan) -> str:
     """The refusal when CACHE= names a cache this run's settings do not make: what differs and how to continue it."""
-    fields, args = chosen_diff(m.get("producer", {}), producer)
+    fields, args = chosen_diff(m.get("producer", {}), plan.producer)
     done = len(committed(m))
     cont = (f"to continue it ({done}/{m.get('num_shards', '?')} shards done), run with its settings: `make extract "
             f"CACHE={cache}` without RECIPE= takes them from its manifest"
-            + (f", or add ARGS=\"{' '.join(args)}\"" if args and len(args) == len(fields) else ""))
-    return (f"{cache} holds another hidden cache (key {m['key'][:12]} ≠ this run's {hash_obj(producer)[:12]}; differs "
+            + (f", or add ARGS=\"{' '.join(args)}\"" if args else ""))
+    return (f"{cache} holds another hidden cache (key {m['key'][:12]} ≠ this run's {plan.key[:12]}; differs "
             f"in: {', '.join(fields) or 'code format'}); {cont}; to extract anew, name another CACHE= (or delete that "
             f"one deliberately)")
 
@@ -364,7 +363,7 @@ def note_sibling_caches(cfg: ExtractConfig, producer: dict) -> None:
         if not m or m.get("kind") != "hidden":
             continue
         fields, args = chosen_diff(m.get("producer", {}), producer)
-        if fields and len(args) == len(fields):
+        if args:
             log(f"note: {d} holds this extraction with other settings ({', '.join(fields)}; "
                 f"{len(committed(m))}/{m.get('num_shards', '?')} shards done); this run starts a new cache — to "
                 f"continue that one instead, add ARGS=\"{' '.join(args)}\" (or CACHE={d} without RECIPE=)")

@@ -302,6 +302,7 @@ def test_the_plan_marks_each_encodings_testbed_verdict_as_the_results_files_reco
     import tomllib
 
     root = Path(__file__).resolve().parents[1]
+    from testbed.runs import parse_arm
     from testbed.target import DIMS
 
     verdicts = {}
@@ -316,8 +317,8 @@ def test_the_plan_marks_each_encodings_testbed_verdict_as_the_results_files_reco
     # TESTBED_TAU holds exactly what the files ranked: "fp8 k=1/2" from project_dims=384 quant=fp8, and so on
     ranked_keys = {"bf16": "reference"}
     for label, verdict in verdicts.items():
-        opts = dict(o.split("=") for o in label.split())
-        if set(opts) <= {"quant", "project_dims"}:
+        opts, train_opts = parse_arm(label)
+        if not train_opts and set(opts) <= {"quant", "project_dims"}:
             kk = int(opts.get("project_dims", 0))
             share = f" k=1/{hidden // kk}" if kk else ""
             ranked_keys[opts.get("quant", "bf16") + share] = verdict
