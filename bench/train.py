@@ -1,5 +1,6 @@
 """Benchmark stage 2 at the 27B drafter shapes: H 5120, 5 layers, 32/8 heads × 128, FFN 17408, vocab 248320,
-S = 2048, 512 anchors, block 16 (random weights and random cached states).
+S = 2048, 512 anchors, block 16 (random weights and random cached states); `--shape=testbed` at the testbed's
+(H 768, 12/4 heads × 64, FFN 2560, vocab 16384, 4 rows a step: where its drafters' time goes).
 
     python -m bench.train [--steps=40]        (GPU)
     python -m bench.train --precision=fp8     (GPU: ours in bf16, then in fp8; fp8 / bf16 rates)
@@ -61,6 +62,19 @@ SIZES = tuple(DRAFTER_27B)  # what --tiny keeps its own of, whatever the recipe 
 LAYERS = [1, 16, 31, 46, 61]
 
 
+TESTBED_RECIPE = "manifests/testbed.toml"
+
+
+def testbed_shape() -> tuple[dict, dict]:
+    """The testbed's target text config (`testbed.target.DIMS`, vocabulary 16,384) and its drafter's sizes (the
+    target's FFN width; layers and heads from the testbed recipe)."""
+    from testbed.config import TestbedConfig
+    from testbed.target import DIMS
+
+    text = {**TEXT_27B, **DIMS, "vocab_size": TestbedConfig().vocab, "eos_token_id": 2}
+    return text, {**DRAFTER_27B, "intermediate_size": DIMS["intermediate_size"]}
+
+
 def synthetic_target(path: Path, text: dict, device) -> Path:
     """config.json + a safetensors file with just the embedding and lm_head (all the trainer reads)."""
     write_config(path, text)
@@ -94,7 +108,7 @@ def synthetic_cache(root: Path, text: dict, target: Path, rows: int, seq_len: in
                     quant: str = "bf16", project_dims: int = 0):
     """A hidden cache of random states in encoding `quant` (projected to `project_dims` a tap when set) over `kind`
     rows: "bench" (`fixtures.fake_cache.fake_token_rows`) or "chat" (`chat_token_rows`)."""
-    layers = [1, 2, 3, 4, 5] if text is TEXT_TINY else LAYERS
+    layers = [1, 2, 3, 4, 5] if text["num_hidden_layers"] < 16 else LAYERS
     token_rows = None
     if kind == "chat":
         token_rows = functools.partial(chat_token_rows, vocab=text["vocab_size"] - 300)  # (below the mask token)
@@ -128,9 +142,10 @@ def run_ours(args, cache: Path, drafter: dict, precision: str = "auto", name: st
 
     run = args.workdir / name
     shutil.rmtree(run, ignore_errors=True)
-    cfg = TrainConfig.of(cache=str(cache), run=str(run), steps=args.steps, batch_rows=1, num_anchors=args.anchors,
-                      log_every=args.log_every, ckpt_every=10**9, trackers="none", attn=args.attn, profile_steps=args.profile_steps,
-                      master_weights=args.master_weights, global_batch_tokens=args.accum * args.seq_len,
+    cfg = TrainConfig.of(cache=str(cache), run=str(run), steps=args.steps, batch_rows=args.batch_rows,
+                      num_anchors=args.anchors, log_every=args.log_every, ckpt_every=10**9, trackers="none",
+                      attn=args.attn, profile_steps=args.profile_steps, master_weights=args.master_weights,
+                      global_batch_tokens=args.accum * args.batch_rows * args.seq_len,
                       loss_logits=args.loss_logits, precision=precision, fp8_recipe=args.fp8_recipe,
                       **({} if args.loss_chunk_tokens is None else {"loss_chunk_tokens": args.loss_chunk_tokens}),
                       **{"block_size": 16, **drafter}).resolve()
@@ -290,7 +305,11 @@ def main() -> None:
                    help="bench: the synthetic two-document rows of every earlier figure; chat: packed single-turn "
                         "chat documents (log-normal lengths, answers supervised)")
     p.add_argument("--attn", default="auto", choices=["auto", "flex"], help="the trainer's attn")
-    p.add_argument("--accum", type=int, default=1, help="micro-batches (rows) per optimizer step")
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--batch_rows", type=int, default=None, help="rows per micro-batch (default 1; --shape=testbed 4)")
+    p.add_argument("--shape", default="27b", choices=["27b", "testbed"],
+                   help="27b: the 27B drafter on a synthetic 27B target; testbed: the testbed's drafter "
+                        "(manifests/testbed.toml's [train], 4 rows a step) at its target's width and vocabulary")
     p.add_argument("--master_weights", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--loss_logits", default="fp32", choices=["fp32", "bf16", "fp8"],
                    help="the trainer's loss_logits (fp8: both lm_head GEMMs in float8)")
@@ -326,6 +345,10 @@ def main() -> None:
     shutil.rmtree(args.workdir, ignore_errors=True)
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     text, drafter = (TEXT_TINY, DRAFTER_TINY) if args.tiny else (TEXT_27B, DRAFTER_27B)
+    if args.shape == "testbed" and not args.tiny:
+        text, drafter = testbed_shape()
+        args.recipe = args.recipe or TESTBED_RECIPE
+    args.batch_rows = args.batch_rows or (4 if args.shape == "testbed" else 1)
     drafter = {**drafter, **(recipe_drafter(args.recipe, args.tiny) if args.recipe else {})}
     drafter["variant"] = args.variant or drafter.get("variant", "dflash")
     dflash2 = drafter["variant"] == "dflash2" and not args.alone  # DFlash2 against DFlash, same shapes
@@ -447,7 +470,7 @@ def print_table(res: dict, args) -> None:
     row("first window (compilation), s", [f"{x['first_window_ms'] * args.log_every / 1000:.0f}" for x in ours])
     row("drafter: variant, block, layers", [f"{x['variant']}, {res['shape']['block']}, {res['shape']['num_layers']}"
                                             for x in ours])
-    row("rows per optimizer step, master weights", [f"{args.accum}, {x['master_weights']}" for x in ours])
+    row("rows per optimizer step, master weights", [f"{args.accum * args.batch_rows}, {x['master_weights']}" for x in ours])
     row("rows, attn, loss logits, TF32, loss chunk tokens",
         [f"{args.rows}, {x['attn']}, {x['loss_logits']}, {x['tf32']}, {x['loss_chunk_tokens']}" for x in ours])
 
