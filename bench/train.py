@@ -150,7 +150,7 @@ def run_ours(args, cache: Path, drafter: dict, precision: str = "auto", name: st
                       **({} if args.loss_chunk_tokens is None else {"loss_chunk_tokens": args.loss_chunk_tokens}),
                       **{"block_size": 16, **drafter}).resolve()
     # the A/B switches that are not trainer options (within the run-to-run spread: docs/benchmarks.md)
-    switches = BenchSwitches(tf32=args.tf32 == "on",
+    switches = BenchSwitches(tf32=args.tf32 == "on", resident=args.resident == "on",
                              fp8_emulate=args.tiny and not torch.cuda.is_available())  # (the CPU smoke run)
     gc.collect()  # an earlier run's drafter (a reference cycle through its compiled method) goes before the peak resets
     t0 = time.time()
@@ -190,7 +190,7 @@ def run_ours(args, cache: Path, drafter: dict, precision: str = "auto", name: st
             "attn": derived["attn"], "loss_logits": derived["loss_logits"], "tf32": derived["tf32"],
             "precision": derived["precision"], "fp8_recipe": derived["fp8_recipe"], "variant": cfg.drafter.variant,
             "loss_chunk_tokens": cfg.loss.loss_chunk_tokens, "loss": [r["loss"] for r in recs], "pid": os.getpid(),
-            "read_check": args.read_check, "read_check_ms_per_step": 1000 * hashed["s"] / args.steps,
+            "resident": args.resident, "read_check": args.read_check, "read_check_ms_per_step": 1000 * hashed["s"] / args.steps,
             "read_check_gb_per_step": hashed["bytes"] / 1e9 / args.steps,
             "profile": (run / "profile.txt").read_text() if (run / "profile.txt").exists() else None}
 
@@ -325,6 +325,11 @@ def main() -> None:
                    help="encoding of the synthetic hidden cache (extract.quant): the trainer's reader decodes it")
     p.add_argument("--project_dims", type=int, default=0,
                    help="projected taps: the synthetic cache stores k values a tap (extract.project_dims); 0 = full")
+    p.add_argument("--cache_rows", type=int, default=8,
+                   help="rows in the synthetic cache (even; the stream cycles through them)")
+    p.add_argument("--resident", default="off", choices=["on", "off"],
+                   help="on: the stream reads the whole cache onto the GPU once and gathers each batch there "
+                        "(no reader thread, no copies a step)")
     p.add_argument("--read_check", default="on", choices=["on", "off"],
                    help="off: the stream skips its per-row checksums (the A/B reference for their cost)")
     p.add_argument("--recipe", default=None,
@@ -357,9 +362,11 @@ def main() -> None:
         args.seq_len, args.anchors = 128, args.anchors or (16 if args.precision == "fp8" else 8)
     args.anchors = args.anchors or 512
     target = synthetic_target(args.workdir / "target", text, device)
-    cache = synthetic_cache(args.workdir, text, target, 8, args.seq_len, args.rows, args.quant, args.project_dims)
+    cache = synthetic_cache(args.workdir, text, target, args.cache_rows, args.seq_len, args.rows, args.quant,
+                            args.project_dims)
     encoded = (args.quant != "bf16" or args.project_dims > 0) and not args.alone  # (alone: "ours" runs on `cache`)
-    bf16_cache = synthetic_cache(args.workdir / "bf16", text, target, 8, args.seq_len, args.rows) if encoded else cache
+    bf16_cache = (synthetic_cache(args.workdir / "bf16", text, target, args.cache_rows, args.seq_len, args.rows)
+                  if encoded else cache)
     res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
            "shape": {"hidden": text["hidden_size"], "seq_len": args.seq_len, "anchors": args.anchors,
                      "block": drafter.get("block_size", 16), **drafter}, "recipe": args.recipe, "rows": args.rows, "attn": args.attn, "quant": args.quant,

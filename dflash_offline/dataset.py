@@ -160,6 +160,14 @@ def stored_width(producer: dict) -> int:
     return int((producer.get("projection") or {}).get("dims") or producer["target"]["hidden_size"])
 
 
+def resident_bytes(info: CacheInfo) -> int:
+    """Bytes a stream with `resident=True` holds on its device for `info`: every row of the layers read, in their
+    stored encoding, and the token rows (int64 ids, positions and documents, a bool mask)."""
+    enc, S, k = ENCODINGS[info.quant], info.seq_len, len(info.layer_ids)
+    per_token = k * sum(width(info.width) * dtype.itemsize for dtype, width in enc.tensors.values())
+    return info.num_rows * S * (per_token + 3 * 8 + 1)
+
+
 def cache_info(cache: Path, m: dict, layer_ids, n: int) -> CacheInfo:
     """The `CacheInfo` of a hidden cache of `n` shards (its manifest checked by `open_hidden_cache`; `make verify`
     builds one for the shards that are committed: the others get 0 rows and no file record)."""
@@ -290,7 +298,7 @@ class HiddenStream:
     """
 
     def __init__(self, info: CacheInfo, batch_rows: int, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 device="cpu", prefetch: int = 2):
+                 device="cpu", prefetch: int = 2, resident: bool = False):
         if batch_rows < 1 or world_size < 1 or not 0 <= rank < world_size or prefetch < 0:
             raise ValueError(f"need batch_rows >= 1, 0 <= rank < world_size, prefetch >= 0; got "
                              f"batch_rows={batch_rows} rank={rank} world_size={world_size} prefetch={prefetch}")
@@ -313,6 +321,9 @@ class HiddenStream:
         self._staged = None  # CUDA: (next batch on the device, its copy event), copied one step ahead
         self._unstaged = None  # CUDA: the next batch's host tensors, when copying it ahead failed (done in its turn)
         self._copy_stream = None
+        self.resident = resident
+        self._held: dict[str, torch.Tensor] | None = None  # resident: every row of the cache on `device`
+        self._first_row: np.ndarray | None = None  # resident: shard i's first row in `_held`
 
     # -- iteration --
 
@@ -321,7 +332,9 @@ class HiddenStream:
 
     def __next__(self) -> dict[str, torch.Tensor]:
         t0 = time.perf_counter()
-        if self.pin and self.prefetch > 0:  # CUDA: this batch was copied during the previous step
+        if self.resident:
+            batch = self._gather(self.epoch, self.batch)
+        elif self.pin and self.prefetch > 0:  # CUDA: this batch was copied during the previous step
             if self._staged is None:
                 host, self._unstaged = self._unstaged if self._unstaged is not None else self._take(), None
                 self._staged = self._stage(host)
@@ -455,10 +468,55 @@ class HiddenStream:
                 self._tokens.popitem(last=False)
         return self._tokens[shard]
 
+    # -- resident: the whole cache on the device, read once --
+
+    def _gather(self, epoch: int, batch: int) -> dict[str, torch.Tensor]:
+        """The batch `_read` + `_to_device` would make, taken from the rows held on the device."""
+        if self._held is None:
+            self._held = self._hold()
+        rows = [int(self._first_row[shard]) + row for shard, row in self.rows_of(epoch, batch)]
+        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        picked = {name: t.index_select(0, idx) for name, t in self._held.items()}
+        return self._to_device(picked, non_blocking=False)
+
+    def _hold(self, chunk_rows: int = 8) -> dict[str, torch.Tensor]:
+        """Every row of the cache (the layers read, in their stored encoding; the token rows, as `_to_device` makes
+        them) read once — each row checked against its digest as a streamed read is — into tensors on the device,
+        `chunk_rows` rows at a time through one host buffer."""
+        info, S, k, H = self.info, self.info.seq_len, len(self.info.layer_ids), self.info.width
+        enc, N = ENCODINGS[info.quant], info.num_rows
+        shapes = {name: (dtype, width(H)) for name, (dtype, width) in enc.tensors.items()}
+        held = {name: torch.empty((N, S, k, w), dtype=dtype, device=self.device) for name, (dtype, w) in shapes.items()}
+        host = {name: torch.empty((chunk_rows, S, k, w), dtype=dtype) for name, (dtype, w) in shapes.items()}
+        tokens = {name: [] for name in TOKEN_KEYS}
+        first = np.concatenate([[0], np.cumsum(np.asarray(info.shard_rows, dtype=np.int64))])
+        for shard, rows in enumerate(info.shard_rows):
+            for a in range(0, rows, chunk_rows):
+                n = min(chunk_rows, rows - a)
+                self._read_hidden_rows(shard, [(a + i, i) for i in range(n)], host)
+                for name, t in host.items():
+                    held[name][first[shard] + a:first[shard] + a + n].copy_(t[:n])
+            arrays = self._token_arrays(shard)
+            for name in TOKEN_KEYS:
+                tokens[name].append(np.asarray(arrays[name]))
+        while self._files:
+            self._files.popitem()[1].close()
+        self._tokens.clear()
+        for name in TOKEN_KEYS:
+            t = torch.from_numpy(np.concatenate(tokens[name]))
+            held[name] = (t.bool() if name == "loss_mask" else t.long()).to(self.device)
+        self._first_row = first
+        return held
+
+    def resident_bytes(self) -> int:
+        """What `resident=True` holds on the device: the cache's rows of the layers read, as stored, and the tokens."""
+        return resident_bytes(self.info)
+
     # -- to the device (calling thread) --
 
-    def _to_device(self, host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        dev, nb, enc = self.device, self.pin, ENCODINGS[self.info.quant]
+    def _to_device(self, host: dict[str, torch.Tensor], non_blocking: bool | None = None) -> dict[str, torch.Tensor]:
+        dev, enc = self.device, ENCODINGS[self.info.quant]
+        nb = self.pin if non_blocking is None else non_blocking
         (B, S), k, H = host["input_ids"].shape, len(self.info.layer_ids), self.info.width
         hidden_BSkH = enc.to_device({name: host[name] for name in enc.tensors}, H, dev, nb)
         out = {"hidden": hidden_BSkH.view(B, S, k * H)}

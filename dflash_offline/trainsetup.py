@@ -111,6 +111,7 @@ STEPS_DEFAULT = next(f.default for f in dataclasses.fields(TrainConfig) if f.nam
 class BenchSwitches:
     tf32: bool = False  # CUDA: TF32 tensor cores for fp32 matmuls (in bf16 runs: the dense block part of attn=flex)
     fp8_emulate: bool = False  # precision=fp8 without CUDA: float8 casts with fp32 matmuls (tests, CPU smoke runs)
+    resident: bool = False  # the whole cache read once onto the device, batches gathered there (`HiddenStream`)
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,7 @@ class TrainSetup:
     warmup: int  # learning-rate warm-up steps
     steps_per_epoch: float  # optimizer steps in one pass over the cache (0: the cache's rows were not given)
     fp8_emulate: bool = False  # precision=fp8 emulated (no CUDA; tests only)
+    resident: bool = False  # the cache held on the device (BenchSwitches.resident)
 
     @property
     def bf16(self) -> bool:
@@ -196,7 +198,7 @@ def resolve_train(cfg: TrainConfig, *, cuda: bool, world: int, seq_len: int, row
     return TrainSetup(world=world, precision=precision, attn=attn, compile=use_compile, epilogue=epilogue,
                       tf32=switches.tf32, accum=accum, sharded=sharded, master=master, reduced_accum=reduced_accum,
                       steps=steps, warmup=warmup, steps_per_epoch=per_epoch,
-                      fp8_emulate=precision == "fp8" and switches.fp8_emulate)
+                      fp8_emulate=precision == "fp8" and switches.fp8_emulate, resident=switches.resident)
 
 
 def schedule(cfg: TrainConfig, world: int, accum: int, rows: int) -> tuple[int, int, float]:

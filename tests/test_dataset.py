@@ -383,6 +383,47 @@ def test_locate_matches_a_literal_concatenation():
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+@pytest.mark.parametrize("quant", ["bf16", "fp8", "fp4"])
+def test_a_resident_stream_gives_the_streamed_batches(tmp_path, quant):
+    """resident=True (the cache read once onto the device) hands out exactly the batches of the streaming reader —
+    across epochs, with a layer subset in another order, for every encoding — and holds what resident_bytes says."""
+    cache = fake_cache.make_fake_cache(tmp_path / quant, len(ROWS), ROWS, S, 32, LAYERS, quant, seed=5)
+    layers = [4, 0]
+    streamed = take(stream(cache, 4, seed=2, layers=layers), 20)  # 7 batches an epoch: three epochs
+    with stream(cache, 4, seed=2, layers=layers, resident=True) as s:
+        held = take(s, 20)
+        assert sum(t.numel() * t.element_size() for t in s._held.values()) == s.resident_bytes()
+    for a, b in zip(streamed, held, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+
+
+def test_a_resident_stream_resumes_exactly_and_checks_every_row_once(bf16_cache, monkeypatch):
+    with stream(bf16_cache, 2, seed=9) as s:
+        full = take(s, 18)
+    reads = []
+    real = ds.HiddenShardFile.read_row
+    monkeypatch.setattr(ds.HiddenShardFile, "read_row", lambda f, *a: reads.append((f.path.name, *a[:2])) or real(f, *a))
+    s = stream(bf16_cache, 2, seed=9, resident=True)
+    take(s, 13)  # (13 + 5 crosses the epoch boundary at 15 batches)
+    assert len(reads) == len(LAYERS) * sum(ROWS) == len(set(reads))  # every row of every layer, once
+    state = s.state_dict()
+    s.load_state_dict(json.loads(json.dumps(state)))  # (as a resume in the same stream)
+    fresh = stream(bf16_cache, 2, seed=9, resident=True)
+    fresh.load_state_dict(state)
+    for a, b, c in zip(full[13:], take(s, 5), take(fresh, 5), strict=True):
+        assert all(torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]) for k in a)
+
+
+def test_a_resident_stream_refuses_a_damaged_row_when_it_reads_the_cache(tmp_path):
+    cache = fake_cache.make_fake_cache(tmp_path / "c", 3, 4, S, H, LAYERS, "bf16", seed=1)
+    path = cache / hidden_shard_name(1)
+    flip_byte(path, data_offset(path, "hidden.L0", row=2) + 3)
+    with pytest.raises(ShardError, match=r"hidden-00001.safetensors has row 2 of hidden.L0 .*SHARD=1"):
+        next(stream(cache, 2, resident=True))
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("quant", ["bf16", "fp8"])
@@ -391,6 +432,20 @@ def test_cuda_stream_equals_cpu_stream(request, quant):
     cpu = take(stream(cache, 3, seed=1, layers=[4, 0]), 12)
     with stream(cache, 3, seed=1, layers=[4, 0], device="cuda") as s:
         gpu = take(s, 12)
+    for a, b in zip(cpu, gpu, strict=True):
+        for key in a:
+            assert b[key].is_cuda and b[key].dtype == a[key].dtype and torch.equal(a[key], b[key].cpu()), key
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("quant", ["bf16", "fp8"])
+def test_a_resident_cuda_stream_equals_the_cpu_stream(request, quant):
+    cache = request.getfixturevalue(f"{quant}_cache")
+    cpu = take(stream(cache, 3, seed=1, layers=[4, 0]), 12)
+    with stream(cache, 3, seed=1, layers=[4, 0], device="cuda", resident=True) as s:
+        gpu = take(s, 12)
+        assert all(t.is_cuda for t in s._held.values())
     for a, b in zip(cpu, gpu, strict=True):
         for key in a:
             assert b[key].is_cuda and b[key].dtype == a[key].dtype and torch.equal(a[key], b[key].cpu()), key
