@@ -475,7 +475,8 @@ class HiddenStream:
         if self._held is None:
             self._held = self._hold()
         rows = [int(self._first_row[shard]) + row for shard, row in self.rows_of(epoch, batch)]
-        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        idx = torch.tensor(rows, dtype=torch.long)
+        idx = idx.pin_memory().to(self.device, non_blocking=True) if self.pin else idx.to(self.device)
         picked = {name: t.index_select(0, idx) for name, t in self._held.items()}
         return self._to_device(picked, non_blocking=False)
 

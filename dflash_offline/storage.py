@@ -31,11 +31,10 @@ EXTRACT_LAYER_PARAMS = 23_597_668_128  # parameters of the decoder layers it ran
 # read check every run does costs ≤ 0.5 % (bench/results/train-read-check-h200.json: 10,053 and 10,014 with it,
 # 10,088 without, one call). A plan takes the slowest: a GPU-hour budget should not assume the fastest GPU.
 TRAIN_TOK_S = 9_633
-# precision=fp8 (float8 linears, tensorwise): 12,313 vs bf16's 10,053 in one call on one H200 (the same drafter and
-# rows; bench/results/bench-train-fp8-h200.json, 2026-12-01; the bf16 run after it in the same process was slower,
-# 8,239: not a drift control, so one process per variant, `bench.train_compare`, is to replace this figure; against
-# the four bf16 calls above, 9,633-10,088, fp8 is 1.22-1.28x): a plan of an fp8 run takes the bf16 rate × this
-TRAIN_FP8_SPEEDUP = 12_313 / 10_053
+# precision=fp8 (float8 linears, tensorwise) over bf16, one process a run on one H200, bf16 first and last (drift
+# 0.04 %): 12,084 vs 9,858 and 9,854 ctx tok/s (bench/results/bench-train-precision-h200.json, 2026-12-03,
+# `bench.train_compare`): a plan of an fp8 run takes the bf16 rate × this
+TRAIN_FP8_SPEEDUP = 12_084 / ((9_858 + 9_854) / 2)
 TRAIN_SEQ_LEN = 2048
 TRAIN_DRAFTER = SimpleNamespace(hidden_size=5120, intermediate_size=17408, vocab_size=248320, num_layers=5,
                                 num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, num_anchors=512,
@@ -237,7 +236,7 @@ def describe_rate(stage: str, r: dict) -> str:
     how = f"measured at {at}, docs/benchmarks.md" if r["source"] == "measured" else \
         f"estimate: {r['measured_tok_s']:,} measured at {at}, scaled ×{r['factor']:.3g} by {by}"
     if r.get("fp8"):
-        how += f"; ×{r['fp8']:.3g} for precision=fp8, its speed-up there in one H200 call"
+        how += f"; ×{r['fp8']:.3g} for precision=fp8, its speed-up there on an H200"
     return f"{stage} {r['tok_s']:,.0f} {unit} per H200 ({how})"
 
 
