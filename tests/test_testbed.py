@@ -11,7 +11,7 @@ import pytest
 
 from dflash_offline.config import ConfigError
 from testbed import ab as testbed_ab
-from testbed import cli, commands, config, runs, scheduler, sources, target
+from testbed import cli, commands, config, runs, scheduler, sources, target, worker
 from testbed.commands import Job
 from testbed.runs import Paths
 
@@ -284,29 +284,45 @@ def untimed(report: dict) -> dict:
     return [untimed(x) for x in report] if isinstance(report, list) else report
 
 
-def test_the_evaluation_worker_answers_each_request_and_keeps_serving_after_a_refused_one(tmp_path):
-    """testbed.evalworker: each request's output goes into its log, the answer is the exit status
-    `python -m stages.evaluate` would have (2: a refused input), and the process serves the next request; after an
-    unexpected error (1, its traceback logged) that process ends and the next request gets a new one; closing its
-    input ends it."""
-    w = commands.EvalWorker()
+def _eval_requests(tmp_path, request):
+    """(a refused request, one that fails unexpectedly) of stages.evaluate."""
+    broken = tmp_path / "broken"  # a run whose config.json holds nothing: a KeyError
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    return [f"--run={tmp_path / 'none'}"], [f"--run={broken}"]
+
+
+@pytest.mark.parametrize("module, client, requests", [("testbed.evalworker", worker.Worker, _eval_requests)])
+def test_a_worker_answers_each_request_and_keeps_serving_after_a_refused_one(tmp_path, request, module, client,
+                                                                              requests):
+    """testbed.evalworker, through the client the testbed uses (`commands.EVAL_WORKER`, one process): each
+    request's output goes into its log, the answer is the exit status `python -m stages.<name>` would have (2: a
+    refused input), and the process serves the next request; after an unexpected error (1, its traceback logged) that
+    process ends and the next request gets a new one; a request with another environment gets a process of its own;
+    closing ends it."""
+    refused, broken = requests(tmp_path, request)
+    w = client(module)
+
+    def pids():
+        return {x.proc.pid for x in [w] if x.proc is not None}
+
     try:
-        assert w.run(["--bogus=1"], tmp_path / "a.log", None) == 2
+        assert w.run(["--bogus=1"], tmp_path / "a.log") == 2
         assert "--bogus" in (tmp_path / "a.log").read_text()
-        pid = w.proc.pid
-        assert w.run([f"--run={tmp_path / 'none'}"], tmp_path / "b.log", None) == 2  # no such run: one line
-        assert w.proc.pid == pid and "error:" in (tmp_path / "b.log").read_text()
-        broken = tmp_path / "broken"  # a run whose config.json holds nothing: an unexpected error (a KeyError)
-        broken.mkdir()
-        (broken / "config.json").write_text("{}")
-        assert w.run([f"--run={broken}"], tmp_path / "c.log", None) == 1
-        assert "Traceback" in (tmp_path / "c.log").read_text() and w.proc is None  # that process has ended
-        assert w.run(["--bogus=1"], tmp_path / "d.log", None) == 2  # the next request: a new process answers it
-        assert w.proc.pid != pid
+        (pid,) = pids()
+        assert w.run(refused, tmp_path / "b.log") == 2  # a ValueError: one line
+        assert pids() == {pid} and "error:" in (tmp_path / "b.log").read_text()
+        assert w.run(broken, tmp_path / "c.log") == 1
+        assert "Traceback" in (tmp_path / "c.log").read_text() and not pids()  # that process has ended
+        assert w.run(["--bogus=1"], tmp_path / "d.log") == 2  # the next request: a new process answers it
+        (pid,) = pids() - {pid}
+        assert w.run(["--bogus=1"], tmp_path / "e.log", {"DFLASH_TEST_WORKER": "1"}) == 2
+        assert pids() - {pid} and pid not in pids()
+        assert w.run(["--bogus=1"], tmp_path / "f.log") == 2 and pid not in pids()
+        procs = [x.proc for x in [w]]
     finally:
-        proc = w.proc
         w.close()
-    assert proc.returncode == 0 and w.proc is None
+    assert all(p.returncode == 0 for p in procs) and not pids()
 
 
 def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
@@ -608,7 +624,7 @@ def test_an_evaluation_that_exits_1_without_its_json_is_a_failure_not_a_result(t
     run = p.run("", 0)
     run.mkdir(parents=True)
     (run / "eval.json").write_text("{}")  # an earlier evaluation's
-    monkeypatch.setattr(commands, "stage", lambda *a, **k: 1.0)  # exits 1 (accepted) and writes nothing
+    monkeypatch.setattr(commands.subprocess, "call", lambda *a, **k: 1)  # exits 1 (accepted) and writes nothing
     monkeypatch.setattr(commands.EVAL_WORKER, "run", lambda *a, **k: 1)
     with pytest.raises(RuntimeError, match=r"failed without writing .*eval.json \(log: .*eval.log\)"):
         commands.evaluate(cfg, p, run, "cpu", False, run / "logs" / "eval.log", {})
