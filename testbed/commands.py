@@ -1,8 +1,9 @@
 """The stage CLIs the testbed runs (`python -m stages.<name>`: `stage`), each in a process of its own or in a
 long-lived worker process (`testbed/worker.py`): the caches' extraction (`extract`), one drafter's training
-(`train_export`) and export (CPU work, in this process), its evaluation (`evaluate`: all of an invocation's in
-`EVAL_WORKER` unless `eval_worker` is off); what a drafter is made from (`Job`, `job_identity`: RUN/testbed-job.json)
-and the removal of a run made from anything else (`fresh_run`)."""
+(`train_export`: an invocation's trainings in `TRAIN_WORKERS` unless `train_worker` is off) and export (CPU work, in
+this process), its evaluation (`evaluate`: all of an invocation's in `EVAL_WORKER` unless `eval_worker` is off); what
+a drafter is made from (`Job`, `job_identity`: RUN/testbed-job.json) and the removal of a run made from anything else
+(`fresh_run`)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from dflash_offline.cache.manifest import has_manifest, read_manifest
 
 from .config import TestbedConfig
 from .runs import Paths, drafter_code_digest, stale_job
-from .worker import Worker
+from .worker import Worker, Workers
 
 STARTED = time.monotonic()  # (this invocation's start, for --stop_after_s)
 
@@ -33,10 +34,11 @@ def log(msg: str) -> None:
 
 
 EVAL_WORKER = Worker("testbed.evalworker")  # the evaluations of this invocation, one after another in one process
+TRAIN_WORKERS = Workers("testbed.trainworker")  # its trainings: a process per training at once and per environment
 
 
 def stage(module: str, *args: str, log_file: Path | None = None, ok=(0,), env: dict | None = None,
-          worker: Worker | None = None) -> float:
+          worker: Worker | Workers | None = None) -> float:
     """Run `python -m module args` (its output streamed, or into `log_file`; `env` added to this environment), or
     the same in one of `worker`'s processes (`testbed/worker.py`: streamed output goes to this process's stderr);
     returns seconds; an exit status not in `ok` stops here (evaluation exits 1 when the lossless check fails:
@@ -112,7 +114,8 @@ def train_export(cfg: TestbedConfig, run: Path, cache: Path, seed: int, settings
     """Train (resumed where it stopped) and export one drafter; returns seconds per phase."""
     logf = (lambda name: log_dir / f"{name}.log") if log_dir else (lambda name: None)
     args = train_args(cfg, run, cache, seed, settings) + [f"--resume={int((run / 'checkpoints').is_dir())}"]
-    train = stage("stages.train", *args, log_file=logf("train"), env=env)
+    train = stage("stages.train", *args, log_file=logf("train"), env=env,
+                  worker=TRAIN_WORKERS if cfg.train_worker else None)
     return {"train": train, "export": export_here(run, logf("export"))}
 
 

@@ -1,7 +1,7 @@
 """Long-lived processes that run one stage's `main(argv)` for request after request, so that an invocation of the
 testbed pays Python's, torch's, transformers' and CUDA's start-up once per process rather than once per drafter: the
-evaluations (`testbed/evalworker.py`). The worker's side is `serve`, the testbed's `Worker` (one process, its requests
-one at a time).
+evaluations (`testbed/evalworker.py`) and the trainings (`testbed/trainworker.py`). The worker's side is `serve`, the
+testbed's `Worker` (one process, its requests one at a time) and `Workers` (one process per request in flight).
 
 Protocol: one JSON object a line on the worker's stdin, `{"argv": [the stage's arguments], "log": PATH or null}`; the
 stage's output (file descriptors 1 and 2: Python's, the libraries' and C's alike) goes into PATH (null: the worker's
@@ -145,3 +145,30 @@ class Worker:
             if self.proc is not None:
                 self._end()
 
+
+class Workers:
+    """`Worker`s of one module, as many as requests in flight: a request takes an idle one started with its
+    environment, or a new one; no two requests share one at a time."""
+
+    def __init__(self, module: str):
+        self.module, self.idle, self.lock = module, [], threading.Lock()
+
+    def run(self, args: list[str], log_file: Path | None, env: dict | None = None) -> int:
+        """As `Worker.run`."""
+        with self.lock:
+            same = [w for w in self.idle if w.env == (env or {})]
+            w = same[0] if same else Worker(self.module)
+            if same:
+                self.idle.remove(w)
+        try:
+            return w.run(args, log_file, env)
+        finally:
+            with self.lock:
+                self.idle.append(w)
+
+    def close(self) -> None:
+        """Ends every process (at the end of the drafters)."""
+        with self.lock:
+            idle, self.idle = self.idle, []
+        for w in idle:
+            w.close()
