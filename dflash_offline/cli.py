@@ -1,9 +1,9 @@
 """A stage's command-line runtime: what every `python -m stages.<name>` does around its `main(argv)`.
 
 `run_cli(main)` turns a ValueError (config, corpus, manifest, shard and target errors carry their own advice) or a
-failed write into one line `error: ...` and exit status 2; `unbuffered()` makes logs appear as they happen;
-`private_compile_caches()` gives each process rank its own Triton and Inductor caches. The settings themselves are
-parsed by `config.configs_from_argv`.
+failed write into one line `error: ...` and exit status 2 (`refusal`: that line, for a caller that runs a stage's `main`
+itself); `unbuffered()` makes logs appear as they happen; `private_compile_caches()` gives each process rank its own
+Triton and Inductor caches. The settings themselves are parsed by `config.configs_from_argv`.
 """
 
 from __future__ import annotations
@@ -39,23 +39,30 @@ DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG}
 
 
 def run_cli(main) -> None:
-    """A stage's `__main__`: run `main(argv)`; a ValueError (config, corpus, manifest, shard, target errors all carry
-    their own advice) or a failed write (full disk, I/O error) becomes one line `error: ...` and exit status 2
-    instead of a traceback; an int result is the exit code. Triton autotuner choices are recorded or pinned first when
-    the environment asks (`dflash_offline.autotune`)."""
+    """A stage's `__main__`: run `main(argv)`; a refused input or a failed write (`refusal`) becomes one line and exit
+    status 2 instead of a traceback; an int result is the exit code. Triton autotuner choices are recorded or pinned
+    first when the environment asks (`dflash_offline.autotune`)."""
     from .autotune import from_env
 
     from_env()
     try:
         code = main(sys.argv[1:])
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except OSError as e:
-        if e.errno not in DISK_ERRORS:
+    except (ValueError, OSError) as e:
+        line = refusal(e)
+        if line is None:
             raise
-        print(f"error: writing {e.filename or 'a file'} failed: {e.strerror} (errno {e.errno}). Everything "
-              f"committed before it is kept and nothing half-written is left: fix the disk, then rerun the same "
-              f"command", file=sys.stderr)
+        print(line, file=sys.stderr)
         sys.exit(2)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def refusal(e: BaseException) -> str | None:
+    """The one line a stage ends with, exit status 2, for `e`: a ValueError (config, corpus, manifest, shard and target
+    errors all carry their own advice) or a failed write (full disk, I/O error); None for any other error."""
+    if isinstance(e, ValueError):
+        return f"error: {e}"
+    if isinstance(e, OSError) and e.errno in DISK_ERRORS:
+        return (f"error: writing {e.filename or 'a file'} failed: {e.strerror} (errno {e.errno}). Everything "
+                f"committed before it is kept and nothing half-written is left: fix the disk, then rerun the same "
+                f"command")
+    return None

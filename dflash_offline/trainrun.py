@@ -3,7 +3,10 @@ sections: config → compute → model → optimizer → data → loop. `run` ch
 the run directory (rank 0 holds its lock: `runguard`), builds the accelerator and what the settings mean on it
 (`trainsetup.TrainSetup`), resumes from the newest intact checkpoint, writes the resolved config, builds the drafter
 and the target's frozen embedding and lm_head, and hands them to `trainer.Trainer`, whose loop runs to the end. The
-process is left as the run found it; SIGTERM/SIGINT stop it after the step in flight with a final checkpoint.
+process's settings are left as the run found them (`trainsetup.kept_process_state`, the signal handlers); what
+torch.compile (its compiled graphs), accelerate (its state singletons) and the CUDA allocator (its cache, its peak
+statistics) keep stays in the process: a caller that trains several drafters in one process resets those between
+runs. SIGTERM/SIGINT stop a run after the step in flight with a final checkpoint.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ from dflash_offline.trainsetup import (
 
 
 def run(cfg: TrainConfig, switches: BenchSwitches = BenchSwitches()) -> Path:
-    """Train; `switches` are bench.train's A/B switches (not options). The process is left as the run found it.
-    SIGTERM/SIGINT stop it after the step in flight with a final checkpoint (`runguard`): it raises `Interrupted`."""
+    """Train; `switches` are bench.train's A/B switches (not options). The process's settings are left as the run
+    found them (the module doc says what stays). SIGTERM/SIGINT stop it after the step in flight with a final
+    checkpoint (`runguard`): it raises `Interrupted`."""
     check_run_dir(Path(cfg.run))
     rank, stopped = int(os.environ.get("RANK", 0)), None
     try:

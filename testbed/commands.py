@@ -1,11 +1,12 @@
-"""The stage CLIs the testbed runs, each in a process of its own (`python -m stages.<name>`: `stage`): the caches'
-extraction (`extract`), one drafter's training and export (`train_export`; the export, CPU work, runs in this process)
-and its evaluation (`evaluate`: all of an invocation's in one process of their own, `EvalWorker`); what a drafter is made from (`Job`, `job_identity`: RUN/testbed-job.json) and the
-removal of a run made from anything else (`fresh_run`)."""
+"""The stage CLIs the testbed runs (`python -m stages.<name>`: `stage`), each in a process of its own or in a
+long-lived worker process (`testbed/worker.py`): the caches' extraction (`extract`), one drafter's training
+(`train_export`: an invocation's trainings in `TRAIN_WORKERS` unless `train_worker` is off) and export (CPU work, in
+this process), its evaluation (`evaluate`: all of an invocation's in `EVAL_WORKER` unless `eval_worker` is off); what
+a drafter is made from (`Job`, `job_identity`: RUN/testbed-job.json) and the removal of a run made from anything else
+(`fresh_run`)."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -19,6 +20,7 @@ from dflash_offline.cache.manifest import has_manifest, read_manifest
 
 from .config import TestbedConfig
 from .runs import Paths, drafter_code_digest, stale_job
+from .worker import Worker, Workers
 
 STARTED = time.monotonic()  # (this invocation's start, for --stop_after_s)
 
@@ -31,20 +33,29 @@ def log(msg: str) -> None:
     print(f"[testbed {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def stage(module: str, *args: str, log_file: Path | None = None, ok=(0,), env: dict | None = None) -> float:
-    """Run `python -m module args` (its output streamed, or into `log_file`; `env` added to this environment);
+EVAL_WORKER = Worker("testbed.evalworker")  # the evaluations of this invocation, one after another in one process
+TRAIN_WORKERS = Workers("testbed.trainworker")  # its trainings: a process per training at once and per environment
+
+
+def stage(module: str, *args: str, log_file: Path | None = None, ok=(0,), env: dict | None = None,
+          worker: Worker | Workers | None = None) -> float:
+    """Run `python -m module args` (its output streamed, or into `log_file`; `env` added to this environment), or
+    the same in one of `worker`'s processes (`testbed/worker.py`: streamed output goes to this process's stderr);
     returns seconds; an exit status not in `ok` stops here (evaluation exits 1 when the lossless check fails:
     recorded in its JSON, not fatal here)."""
-    cmd = [sys.executable, "-m", module, *args]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    t0 = time.perf_counter()
+    cmd, t0 = [sys.executable, "-m", module, *args], time.perf_counter()
     if log_file is None:
         log(" ".join(cmd[2:]))
-        rc = subprocess.call(cmd, env=env)
     else:
         log_file.parent.mkdir(parents=True, exist_ok=True)
+    if worker is not None:
+        rc = worker.run(list(args), log_file, env)
+    elif log_file is None:
+        rc = subprocess.call(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    else:
         with open(log_file, "w") as f:
-            rc = subprocess.call(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+            rc = subprocess.call(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, stdout=f,
+                                 stderr=subprocess.STDOUT)
     if rc not in ok:
         where = f" (log: {log_file})" if log_file else ""
         raise RuntimeError(f"{' '.join(cmd[2:4])} ... failed with exit status {rc}{where}")
@@ -103,7 +114,8 @@ def train_export(cfg: TestbedConfig, run: Path, cache: Path, seed: int, settings
     """Train (resumed where it stopped) and export one drafter; returns seconds per phase."""
     logf = (lambda name: log_dir / f"{name}.log") if log_dir else (lambda name: None)
     args = train_args(cfg, run, cache, seed, settings) + [f"--resume={int((run / 'checkpoints').is_dir())}"]
-    train = stage("stages.train", *args, log_file=logf("train"), env=env)
+    train = stage("stages.train", *args, log_file=logf("train"), env=env,
+                  worker=TRAIN_WORKERS if cfg.train_worker else None)
     return {"train": train, "export": export_here(run, logf("export"))}
 
 
@@ -128,58 +140,6 @@ def export_here(run: Path, log_file: Path | None) -> float:
     return time.perf_counter() - t0
 
 
-class EvalWorker:
-    """The evaluations of this invocation, one after another in one process (`testbed/evalworker.py`: the start-up
-    and the target's loading paid once), started at the first and again after one that died."""
-
-    def __init__(self):
-        import threading
-
-        self.proc, self.lock = None, threading.Lock()
-
-    def run(self, args: list[str], log_file: Path | None, env: dict | None) -> int:
-        """`python -m stages.evaluate args`'s exit status, its output in `log_file` (None: this process's stderr)."""
-        with self.lock:
-            if self.proc is None or self.proc.poll() is not None:
-                self.proc = subprocess.Popen([sys.executable, "-m", "testbed.evalworker"], stdin=subprocess.PIPE,
-                                             stdout=subprocess.PIPE, text=True,
-                                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-            if log_file is not None:
-                log_file.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                self.proc.stdin.write(json.dumps({"argv": args, "log": str(log_file) if log_file else None}) + "\n")
-                self.proc.stdin.flush()
-                line = self.proc.stdout.readline()
-            except BrokenPipeError:
-                line = ""
-            if not line:  # it died (killed, out of memory): the next evaluation starts another
-                rc = self.proc.wait()
-                self.proc = None
-                return rc if rc not in (0, 1) else 3
-            answer = json.loads(line)
-            if answer.get("fatal"):  # it ends now: wait for that, so that the next request starts a new one
-                self._end()
-            return answer["rc"]
-
-    def _end(self) -> None:
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
-
-    def close(self) -> None:
-        """Ends the process (at the end of the drafters)."""
-        with self.lock:
-            if self.proc is not None:
-                self._end()
-
-
-EVAL_WORKER = EvalWorker()
-
-
 def evaluate_args(cfg: TestbedConfig, p: Paths, run: Path, dev: str, untrained: bool, check: int = 0) -> list[str]:
     """stages.evaluate's arguments for `run`'s drafter (its untrained one: `untrained`), `check` prompts decoded for
     real beside the replay."""
@@ -201,15 +161,8 @@ def evaluate(cfg: TestbedConfig, p: Paths, run: Path, dev: str, untrained: bool,
     args = evaluate_args(cfg, p, run, dev, untrained, check)
     out = run / ("eval-untrained.json" if untrained else "eval.json")
     out.unlink(missing_ok=True)  # exit status 1 is "not lossless" and also an uncaught error: the JSON tells them apart
-    t0 = time.perf_counter()
-    if cfg.eval_worker:
-        rc = EVAL_WORKER.run(args, log_file, env)
-        if rc not in (0, 1):
-            raise RuntimeError(f"stages.evaluate --run={run} ... failed with exit status {rc}"
-                               + (f" (log: {log_file})" if log_file else ""))
-    else:
-        stage("stages.evaluate", *args, log_file=log_file, env=env, ok=(0, 1))
-    secs = time.perf_counter() - t0
+    secs = stage("stages.evaluate", *args, log_file=log_file, env=env, ok=(0, 1),
+                 worker=EVAL_WORKER if cfg.eval_worker else None)
     if not out.is_file():
         raise RuntimeError(f"stages.evaluate ... failed without writing {out}" + (f" (log: {log_file})" if log_file else ""))
     return secs

@@ -69,6 +69,7 @@ class TestbedConfig:
     label: str = ""  # A/B: result name (DIR/ab/<label>.json); empty = sweep name or 'ab'
     replay: bool = True  # A/B: τ replayed on the target's greedy outputs (one target forward per prompt, not one or two per step: the same steps); each arm's first drafter also decodes check_prompts for real
     eval_worker: bool = True  # every evaluation of an invocation in one long-lived process (start-up and the target's loading paid once); 0 = a process each
+    train_worker: bool = True  # every drafter's training of an invocation in one long-lived process (start-up paid once; one per concurrent job with --parallel); 0 = a process each
     check_prompts: int = 8  # A/B with replay: prompts each arm's first drafter also decodes for real (lossless check, replay = decode checked)
     checks: bool = True  # A/B: add the null arm (the recipe under other seeds) and the known-bad arm (¼ of the steps); rank arms only when both behave
     stop_after_s: float = 0.0  # A drafter is not started when its expected time (the longest drafter of this invocation, FIRST_DRAFTER_S before one ended) would end past this many seconds of it: the call stops early (exit 3), a rerun resumes; 0 = no limit

@@ -1,9 +1,9 @@
 """The drafters' scheduler (`run_drafters`): `--parallel` jobs at a time, in the order given, beside the untrained
 drafter's evaluation and the arms' cache extraction; the first job compiles alone and opens the gate for the others
-after its first step; a job out of GPU memory is tried again after the others. Every job's work runs in processes of
-its own, the stage CLIs (`testbed.commands`: training, export, evaluation); a pool thread per job only waits on them
-and shares the events the jobs wait for (the gate, the target-alone decodes, a failure), which processes could share
-only through pickled proxies."""
+after its first step; a job out of GPU memory is tried again after the others. A job's training and evaluation run in
+other processes, the stage CLIs (`testbed.commands`: in long-lived workers, one per training at once, or a process
+each), its export in this one; a pool thread per job only waits on them and shares the events the jobs wait for (the
+gate, the target-alone decodes, a failure), which processes could share only through pickled proxies."""
 
 from __future__ import annotations
 
@@ -14,7 +14,18 @@ from pathlib import Path
 
 from dflash_offline.cache.fsio import write_json_atomic
 
-from .commands import EVAL_WORKER, STARTED, Job, evaluate, extract, fresh_run, job_identity, log, train_export
+from .commands import (
+    EVAL_WORKER,
+    STARTED,
+    TRAIN_WORKERS,
+    Job,
+    evaluate,
+    extract,
+    fresh_run,
+    job_identity,
+    log,
+    train_export,
+)
 from .config import TestbedConfig
 from .runs import JOB_FILE, Paths, cache_complete, eval_summary
 
@@ -233,6 +244,7 @@ def run_drafters(cfg: TestbedConfig, p: Paths, dev: str, jobs: list[Job], parall
                 list(pool.map(lambda j: d.guarded(j, last=True), d.retry))
         side.join()
     finally:
+        TRAIN_WORKERS.close()
         EVAL_WORKER.close()
     if d.failed.is_set() or base in d.errors:
         raise RuntimeError(d.errors.get(base) or f"the untrained drafter's evaluation failed (log: {d.untrained_log})")

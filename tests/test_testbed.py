@@ -3,6 +3,7 @@ trained on, the whole pipeline's logic (phases, resume, the reused target-alone 
 cache) — the GPU run itself is tests/test_testbed_gpu.py."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 
 from dflash_offline.config import ConfigError
 from testbed import ab as testbed_ab
-from testbed import cli, commands, config, runs, scheduler, sources, target
+from testbed import cli, commands, config, runs, scheduler, sources, target, worker
 from testbed.commands import Job
 from testbed.runs import Paths
 
@@ -284,32 +285,94 @@ def untimed(report: dict) -> dict:
     return [untimed(x) for x in report] if isinstance(report, list) else report
 
 
-def test_the_evaluation_worker_answers_each_request_and_keeps_serving_after_a_refused_one(tmp_path):
-    """testbed.evalworker: each request's output goes into its log, the answer is the exit status
-    `python -m stages.evaluate` would have (2: a refused input), and the process serves the next request; after an
-    unexpected error (1, its traceback logged) that process ends and the next request gets a new one; closing its
-    input ends it."""
-    w = commands.EvalWorker()
+def _eval_requests(tmp_path, request):
+    """(a refused request, one that fails unexpectedly) of stages.evaluate."""
+    broken = tmp_path / "broken"  # a run whose config.json holds nothing: a KeyError
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    return [f"--run={tmp_path / 'none'}"], [f"--run={broken}"]
+
+
+def _train_requests(tmp_path, request):
+    """(a refused request, one that fails unexpectedly) of stages.train."""
+    (tmp_path / "file").touch()  # a run directory under a file: a NotADirectoryError
+    return ([f"--cache={tmp_path / 'none'}", f"--run={tmp_path / 'r'}"],
+            [f"--cache={request.getfixturevalue('hidden_cache')}", f"--run={tmp_path / 'file' / 'run'}"])
+
+
+@pytest.mark.parametrize("module, client, requests", [("testbed.evalworker", worker.Worker, _eval_requests),
+                                                      ("testbed.trainworker", worker.Workers, _train_requests)])
+def test_a_worker_answers_each_request_and_keeps_serving_after_a_refused_one(tmp_path, request, module, client,
+                                                                              requests):
+    """testbed.evalworker and testbed.trainworker, through the clients the testbed uses (`commands.EVAL_WORKER`, one
+    process; `commands.TRAIN_WORKERS`, one per request in flight): each request's output goes into its log, the
+    answer is the exit status `python -m stages.<name>` would have (2: a refused input), and the process serves the
+    next request; after an unexpected error (1, its traceback logged) that process ends and the next request gets a
+    new one; a request with another environment gets a process of its own (`Workers` keeps the other for later);
+    closing ends them all."""
+    refused, broken = requests(tmp_path, request)
+    w = client(module)
+
+    def pids():
+        return {x.proc.pid for x in (w.idle if isinstance(w, worker.Workers) else [w]) if x.proc is not None}
+
     try:
-        assert w.run(["--bogus=1"], tmp_path / "a.log", None) == 2
+        assert w.run(["--bogus=1"], tmp_path / "a.log") == 2
         assert "--bogus" in (tmp_path / "a.log").read_text()
-        pid = w.proc.pid
-        assert w.run([f"--run={tmp_path / 'none'}"], tmp_path / "b.log", None) == 2  # no such run: one line
-        assert w.proc.pid == pid and "error:" in (tmp_path / "b.log").read_text()
-        broken = tmp_path / "broken"  # a run whose config.json holds nothing: an unexpected error (a KeyError)
-        broken.mkdir()
-        (broken / "config.json").write_text("{}")
-        assert w.run([f"--run={broken}"], tmp_path / "c.log", None) == 1
-        assert "Traceback" in (tmp_path / "c.log").read_text() and w.proc is None  # that process has ended
-        assert w.run(["--bogus=1"], tmp_path / "d.log", None) == 2  # the next request: a new process answers it
-        assert w.proc.pid != pid
+        (pid,) = pids()
+        assert w.run(refused, tmp_path / "b.log") == 2  # a ValueError: one line
+        assert pids() == {pid} and "error:" in (tmp_path / "b.log").read_text()
+        assert w.run(broken, tmp_path / "c.log") == 1
+        assert "Traceback" in (tmp_path / "c.log").read_text() and not pids()  # that process has ended
+        assert w.run(["--bogus=1"], tmp_path / "d.log") == 2  # the next request: a new process answers it
+        (pid,) = pids() - {pid}
+        assert w.run(["--bogus=1"], tmp_path / "e.log", {"DFLASH_TEST_WORKER": "1"}) == 2
+        assert pids() - {pid} and (pid in pids()) == (client is worker.Workers)
+        assert w.run(["--bogus=1"], tmp_path / "f.log") == 2 and (pid in pids()) == (client is worker.Workers)
+        procs = [x.proc for x in (w.idle if isinstance(w, worker.Workers) else [w])]
     finally:
-        proc = w.proc
         w.close()
-    assert proc.returncode == 0 and w.proc is None
+    assert all(p.returncode == 0 for p in procs) and not pids()
+
+
+def test_a_drafter_trained_in_the_training_worker_equals_its_twin_trained_in_a_process_of_its_own(tmp_path,
+                                                                                                  hidden_cache):
+    """testbed.trainworker trains the same drafter as `python -m stages.train` (same seed, cache and settings): equal
+    weights. The second drafter of one worker too, after one with other settings (seed, steps, learning rate) of the
+    same shapes, compiled: each run compiles its own graphs as a process of its own does (kept from the first run,
+    the second would have compiled none, and a sweep's drafters would add up to dynamo's recompile limit)."""
+    import torch
+    from safetensors.torch import load_file
+
+    tiny = [f"--cache={hidden_cache}", "--compile=on", "--num_layers=2", "--num_heads=4", "--num_kv_heads=2",
+            "--head_dim=16", "--num_anchors=8", "--batch_rows=2", "--log_every=1", "--trackers=none"]
+    drafters = {"first": (2, ["--seed=1", "--steps=2", "--ckpt_every=2", "--lr=1e-3"]),
+             "second": (3, ["--seed=0", "--steps=3", "--ckpt_every=3", "--lr=3e-3"])}
+    w = worker.Worker("testbed.trainworker")
+    try:
+        for name, (_, args) in drafters.items():
+            assert w.run([*tiny, *args, f"--run={tmp_path / 'worker' / name}"], tmp_path / "worker" / f"{name}.log") == 0
+    finally:
+        w.close()
+    for name, (steps, args) in drafters.items():
+        r = subprocess.run([sys.executable, "-m", "stages.train", *tiny, *args, f"--run={tmp_path / 'alone' / name}"],
+                           cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        (tmp_path / "alone" / f"{name}.log").write_text(r.stdout + r.stderr)
+        a, b = (load_file(tmp_path / where / name / "checkpoints" / f"step-{steps:08d}" / "model.safetensors")
+                for where in ("worker", "alone"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+        graphs, recompiles = ([re.findall(pattern, (tmp_path / where / f"{name}.log").read_text())
+                               for where in ("worker", "alone")]
+                              for pattern in (r"warm-up step compiled (\d+) graphs", r"recompiles (\d+);"))
+        assert graphs[0] == graphs[1] and int(graphs[0][0]) > 0, (name, graphs)
+        assert recompiles == [["0"], ["0"]], (name, recompiles)
 
 
 def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
     root = tmp_path / "tb"
     r = _testbed(root)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -353,9 +416,16 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     r = _testbed(root)
     assert r.returncode == 0 and "stages.train" not in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
     assert json.loads((root / "state.json").read_text())["phases"]["eval"]["trained"]["tau_mean"] >= 1
-    r = _testbed(root, "--from_phase=train")
+    # (the drafter was trained in the training worker; trained again in a process of its own, it is the same drafter
+    # and its evaluation reports the same)
+    weights = lambda: load_file(sorted((run / "checkpoints").glob("step-*"))[-1] / "model.safetensors")  # noqa: E731
+    in_worker, evaluated = weights(), untimed(json.loads((run / "eval.json").read_text()))
+    r = _testbed(root, "--from_phase=train", "--train_worker=0")
     assert r.returncode == 0 and "stages.train" in r.stdout and "stages.extract" not in r.stdout
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+    again = weights()
+    assert again.keys() == in_worker.keys() and all(torch.equal(again[k], in_worker[k]) for k in again)
+    assert untimed(json.loads((run / "eval.json").read_text())) == evaluated
     # … and its evaluations reuse the target-alone decodes made the first time
     assert json.loads((run / "eval.json").read_text())["baseline"]["reused"] is True
     assert json.loads((run / "eval-untrained.json").read_text())["baseline"]["reused"] is True
@@ -608,7 +678,7 @@ def test_an_evaluation_that_exits_1_without_its_json_is_a_failure_not_a_result(t
     run = p.run("", 0)
     run.mkdir(parents=True)
     (run / "eval.json").write_text("{}")  # an earlier evaluation's
-    monkeypatch.setattr(commands, "stage", lambda *a, **k: 1.0)  # exits 1 (accepted) and writes nothing
+    monkeypatch.setattr(commands.subprocess, "call", lambda *a, **k: 1)  # exits 1 (accepted) and writes nothing
     monkeypatch.setattr(commands.EVAL_WORKER, "run", lambda *a, **k: 1)
     with pytest.raises(RuntimeError, match=r"failed without writing .*eval.json \(log: .*eval.log\)"):
         commands.evaluate(cfg, p, run, "cpu", False, run / "logs" / "eval.log", {})

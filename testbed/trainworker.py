@@ -1,0 +1,60 @@
+"""One process for the drafters' trainings of a testbed invocation (`python -m testbed.trainworker`, started by
+`commands.TRAIN_WORKERS`, `worker.Workers`: the protocol is `testbed/worker.py`'s), `stages.train.main` for one
+request after another: a process per drafter pays Python's, torch's, transformers' and CUDA's start each time; here
+once. Each training still loads the target's embedding and lm_head itself. Exit statuses as `python -m stages.train`'s
+(2 = a refused input, 128 + the signal when a signal stopped the run).
+
+Between two trainings the process is put back as a fresh one would be for the next (`fresh_process`). What
+`trainrun.run` leaves behind, found by training one drafter after another in one process:
+- torch.compile's in-memory state: `torch._dynamo.reset()`. Left, the next drafter of the same shapes ran the last
+  one's compiled graphs (its warm-up step compiled none), and each drafter of other shapes would add graphs to the
+  same functions until dynamo's `recompile_limit` (8 a function) turned the rest eager or into an error under
+  `fullgraph`. Reset, each run compiles its own graphs, so its warm-up count and `recompiles` (differences of one
+  process-wide counter, `metrics.compiled_graphs`) are its own. Inductor's and Triton's on-disk caches and the
+  kernels already imported stay: a fresh process would load the same.
+- accelerate's singletons (`AcceleratorState`, `PartialState`, `GradientState`): reset. A second `Accelerator` with
+  the same settings works on the kept ones, but they keep the first run's settings: an `Accelerator` with others
+  is refused ("already initialized").
+- the CUDA allocator: its cache emptied (other processes share the GPU) and its peak statistics reset: a run's
+  `peak_gb` and final "peak … GB allocated" are torch's peak since the last reset, which would otherwise be the
+  largest of every earlier run.
+Put back by the run itself (`trainsetup.kept_process_state`, `runguard.StopSignals`): the recompile guard, TF32,
+the GC's freeze and callbacks, the SIGTERM/SIGINT handlers. Not reset, and need not be: the random generators
+(every run seeds Python's, numpy's and torch's, CPU and CUDA, before its first draw: accelerate's `set_seed`), the
+environment (the run sets only the compile cache directories, with setdefault: the same each time); a run leaves no
+thread of its own (tqdm's monitor and Inductor's compile threads stay, for the next run) and no open file. What still
+differs from a process of its own: a warning Python shows once per process appears in the first training's log only,
+and off CUDA the "peak RSS" of a run's last line is the worker's. The CPU tests compare drafters trained here, first
+and second in one worker, with their twins trained by `python -m stages.train`: equal weights, the same graphs
+compiled."""
+
+from __future__ import annotations
+
+from .worker import serve
+
+
+def load():
+    """stages.train's main."""
+    from stages import train
+
+    return train.main
+
+
+def fresh_process() -> None:
+    """What a training leaves in the process, reset (see the module doc)."""
+    import gc
+
+    import torch
+    from accelerate.state import AcceleratorState, GradientState
+
+    torch._dynamo.reset()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+if __name__ == "__main__":
+    serve(load, fresh_process)

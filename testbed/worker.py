@@ -1,0 +1,174 @@
+"""Long-lived processes that run one stage's `main(argv)` for request after request, so that an invocation of the
+testbed pays Python's, torch's, transformers' and CUDA's start-up once per process rather than once per drafter: the
+evaluations (`testbed/evalworker.py`) and the trainings (`testbed/trainworker.py`). The worker's side is `serve`, the
+testbed's `Worker` (one process, its requests one at a time) and `Workers` (one process per request in flight).
+
+Protocol: one JSON object a line on the worker's stdin, `{"argv": [the stage's arguments], "log": PATH or null}`; the
+stage's output (file descriptors 1 and 2: Python's, the libraries' and C's alike) goes into PATH (null: the worker's
+stderr), and the answer is one line `{"rc": N, "fatal": false}` on the worker's original stdout, N as
+`python -m stages.<name>` would exit: what `main` returns, 2 for a refused input (a bad flag, a ValueError, a failed
+write: `cli.refusal`'s one line in the log). An unexpected error is written into the log as a traceback and answered
+`{"rc": 1, "fatal": true}`; the worker then exits (its CUDA state may be broken), and the caller starts a new one for
+the next request. After each other request the worker runs its stage's `between` (at least: the memory the request
+held, given back) before it answers.
+A worker's environment is fixed at its start: `Worker` starts another for a request with another environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+
+def run_one(main, argv: list[str], log: str | None, err_fd: int) -> tuple[int, bool]:
+    """(exit status, fatal) of `main(argv)` with fds 1 and 2 in `log` (or `err_fd`)."""
+    from dflash_offline.cli import refusal
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if log else os.dup(err_fd)
+    saved = os.dup(1), os.dup(2)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    rc, fatal = 1, False
+    try:
+        rc = main(argv) or 0
+    except SystemExit as e:  # (the config parser's exit on a bad flag)
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr)
+    except BaseException as e:  # noqa: BLE001
+        line = refusal(e)
+        if line is None:
+            traceback.print_exc()
+            rc, fatal = 1, True
+        else:  # as run_cli: one line
+            print(line, file=sys.stderr)
+            rc = 2
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+    return rc, fatal
+
+
+def free_memory() -> None:
+    """What the request just ended held, given back (other processes share the GPU)."""
+    import gc
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def serve(load: Callable[[], Callable], between: Callable[[], None] = free_memory) -> None:
+    """A worker's `main`: answer the requests on stdin (see the module doc) with the stage's main function, which
+    `load()` imports once the file descriptors are set (an import's output never reaches the answers); `between()`
+    after each request that was not fatal."""
+    reply = os.fdopen(os.dup(1), "w", buffering=1)  # the answers; fd 1 itself goes to the logs from now on
+    err_fd = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)  # (a stray print between requests never reaches the answer channel)
+    os.close(null)
+    from dflash_offline.autotune import from_env
+
+    from_env()  # (what run_cli does before a stage's main)
+    main = load()
+    for line in sys.stdin:
+        job = json.loads(line)
+        rc, fatal = run_one(main, job["argv"], job.get("log"), err_fd)
+        if not fatal:  # (a fatal one's process ends here)
+            between()
+        reply.write(json.dumps({"rc": rc, "fatal": fatal}) + "\n")
+        if fatal:
+            break
+
+
+class Worker:
+    """One process of `python -m module` (a `serve` loop) answering requests one at a time (callers on several
+    threads queue), started at the first request and again after one that died or for a request with another
+    environment."""
+
+    def __init__(self, module: str):
+        self.module, self.proc, self.env, self.lock = module, None, {}, threading.Lock()
+
+    def run(self, args: list[str], log_file: Path | None, env: dict | None = None) -> int:
+        """`python -m stages.<name> args`'s exit status, its output in `log_file` (None: this process's stderr), `env`
+        added to this process's environment."""
+        with self.lock:
+            if self.proc is not None and (self.proc.poll() is not None or (env or {}) != self.env):
+                self._end()
+            if self.proc is None:
+                self.env = dict(env or {})
+                self.proc = subprocess.Popen([sys.executable, "-m", self.module], stdin=subprocess.PIPE,
+                                             stdout=subprocess.PIPE, text=True,
+                                             env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
+            if log_file is not None:
+                log_file.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                self.proc.stdin.write(json.dumps({"argv": args, "log": str(log_file) if log_file else None}) + "\n")
+                self.proc.stdin.flush()
+                line = self.proc.stdout.readline()
+            except BrokenPipeError:
+                line = ""
+            if not line:  # it died (killed, out of memory): the next request starts another
+                rc = self.proc.wait()
+                self.proc = None
+                return rc if rc not in (0, 1) else 3  # (a failure, whatever the status it died with)
+            answer = json.loads(line)
+            if answer.get("fatal"):  # it ends now: wait for that, so that the next request starts a new one
+                self._end()
+            return answer["rc"]
+
+    def _end(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def close(self) -> None:
+        """Ends the process (at the end of the drafters)."""
+        with self.lock:
+            if self.proc is not None:
+                self._end()
+
+
+class Workers:
+    """`Worker`s of one module, as many as requests in flight: a request takes an idle one started with its
+    environment, or a new one; no two requests share one at a time."""
+
+    def __init__(self, module: str):
+        self.module, self.idle, self.lock = module, [], threading.Lock()
+
+    def run(self, args: list[str], log_file: Path | None, env: dict | None = None) -> int:
+        """As `Worker.run`."""
+        with self.lock:
+            same = [w for w in self.idle if w.env == (env or {})]
+            w = same[0] if same else Worker(self.module)
+            if same:
+                self.idle.remove(w)
+        try:
+            return w.run(args, log_file, env)
+        finally:
+            with self.lock:
+                self.idle.append(w)
+
+    def close(self) -> None:
+        """Ends every process (at the end of the drafters)."""
+        with self.lock:
+            idle, self.idle = self.idle, []
+        for w in idle:
+            w.close()
