@@ -49,6 +49,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from bench import git_commit
 from bench.extract import TEXT_27B, TEXT_TINY, write_config
 from bench.gpu import GpuSampler
 from dflash_offline.cache.encodings import ENCODINGS
@@ -367,7 +368,8 @@ def main() -> None:
     encoded = (args.quant != "bf16" or args.project_dims > 0) and not args.alone  # (alone: "ours" runs on `cache`)
     bf16_cache = (synthetic_cache(args.workdir / "bf16", text, target, args.cache_rows, args.seq_len, args.rows)
                   if encoded else cache)
-    res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+    res = {"commit": git_commit(), "command": " ".join(["python -m bench.train", *sys.argv[1:]]),
+           "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
            "shape": {"hidden": text["hidden_size"], "seq_len": args.seq_len, "anchors": args.anchors,
                      "block": drafter.get("block_size", 16), **drafter}, "recipe": args.recipe, "rows": args.rows, "attn": args.attn, "quant": args.quant,
            "project_dims": args.project_dims}

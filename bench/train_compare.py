@@ -22,6 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench import git_commit
+
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = "bf16"
 MAX_DRIFT = 0.03  # bf16 first vs last, relative to their mean: above it the comparison is not trustworthy
@@ -95,11 +97,6 @@ def summary(runs: list[dict]) -> dict:
         return {"ratios": None, "drift": None, "drift_ok": None}
     d, ok = drift(refs[0]["tok_per_s"], refs[1]["tok_per_s"])
     return {"ratios": ratios(runs), "drift": d, "drift_ok": ok}
-
-
-def git_commit() -> str | None:
-    p = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return p.stdout.strip() if p.returncode == 0 else None
 
 
 def fmt(x: float | None, spec: str) -> str:

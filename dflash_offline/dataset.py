@@ -388,7 +388,9 @@ class HiddenStream:
         return batch, ready
 
     def close(self) -> None:
-        """Stop the reader (pending reads are dropped); iterating again restarts it at the current position."""
+        """Stop the reader (pending reads are dropped); iterating again restarts it at the current position. A
+        resident stream keeps the rows it holds (a resume, `load_state_dict`, reads nothing again) until it is
+        dropped."""
         self._staged = self._unstaged = None
         for f in self._pending:
             f.cancel()
@@ -486,6 +488,12 @@ class HiddenStream:
         `chunk_rows` rows at a time through one host buffer."""
         info, S, k, H = self.info, self.info.seq_len, len(self.info.layer_ids), self.info.width
         enc, N = ENCODINGS[info.quant], info.num_rows
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            if resident_bytes(info) > free // 2:
+                raise ValueError(f"{info.cache_dir}: holding the cache on {self.device} takes "
+                                 f"{resident_bytes(info) / 1e9:.1f} GB, more than half of its {free / 1e9:.1f} GB "
+                                 f"free: stream it (resident off)")
         shapes = {name: (dtype, width(H)) for name, (dtype, width) in enc.tensors.items()}
         held = {name: torch.empty((N, S, k, w), dtype=dtype, device=self.device) for name, (dtype, w) in shapes.items()}
         host = {name: torch.empty((chunk_rows, S, k, w), dtype=dtype) for name, (dtype, w) in shapes.items()}

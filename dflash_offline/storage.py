@@ -33,7 +33,9 @@ EXTRACT_LAYER_PARAMS = 23_597_668_128  # parameters of the decoder layers it ran
 TRAIN_TOK_S = 9_633
 # precision=fp8 (float8 linears, tensorwise) over bf16, one process a run on one H200, bf16 first and last (drift
 # 0.04 %): 12,084 vs 9,858 and 9,854 ctx tok/s (bench/results/bench-train-precision-h200.json, 2026-12-03,
-# `bench.train_compare`): a plan of an fp8 run takes the bf16 rate × this
+# `bench.train_compare`): a plan of an fp8 run takes the bf16 rate × this. The ratio of rates, not per clock (1.196):
+# every run sat at the 700 W limit, where float8's lower power per operation holds a higher clock — on any GPU that
+# runs at its power limit, as these steps do
 TRAIN_FP8_SPEEDUP = 12_084 / ((9_858 + 9_854) / 2)
 TRAIN_SEQ_LEN = 2048
 TRAIN_DRAFTER = SimpleNamespace(hidden_size=5120, intermediate_size=17408, vocab_size=248320, num_layers=5,

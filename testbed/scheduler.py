@@ -164,6 +164,7 @@ class Drafters:
         finally:
             if j.run == self.leader:
                 self.warm.set()  # (the first step never ran, or the training is over)
+                TRAIN_WORKERS.discard(env)  # (its environment, all the CPUs for compiling, is no other job's)
         t0 = time.perf_counter()
         self.ready.wait()
         if self.failed.is_set():
@@ -238,6 +239,7 @@ def run_drafters(cfg: TestbedConfig, p: Paths, dev: str, jobs: list[Job], parall
         with ThreadPoolExecutor(parallel) as pool:
             list(pool.map(d.guarded, jobs))
         if d.retry and not d.failed.is_set():
+            TRAIN_WORKERS.close()  # (their GPU memory is what the jobs tried again need)
             log(f"trying again {len(d.retry)} drafter(s) that ran out of GPU memory, {max(1, parallel // 2)} at a "
                 f"time")
             with ThreadPoolExecutor(max(1, parallel // 2)) as pool:

@@ -24,6 +24,8 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+DIED = 70  # what a request answers when its worker died without answering, having exited 0 or 1 (EX_SOFTWARE)
+
 
 def run_one(main, argv: list[str], log: str | None, err_fd: int) -> tuple[int, bool]:
     """(exit status, fatal) of `main(argv)` with fds 1 and 2 in `log` (or `err_fd`)."""
@@ -124,7 +126,7 @@ class Worker:
             if not line:  # it died (killed, out of memory): the next request starts another
                 rc = self.proc.wait()
                 self.proc = None
-                return rc if rc not in (0, 1) else 3  # (a failure, whatever the status it died with)
+                return rc if rc not in (0, 1) else DIED  # (a failure, whatever the status it died with)
             answer = json.loads(line)
             if answer.get("fatal"):  # it ends now: wait for that, so that the next request starts a new one
                 self._end()
@@ -166,8 +168,18 @@ class Workers:
             with self.lock:
                 self.idle.append(w)
 
+    def discard(self, env: dict | None) -> None:
+        """Ends the idle processes started with `env` (one no later request asks for: their GPU context and compile
+        workers given back)."""
+        with self.lock:
+            gone = [w for w in self.idle if w.env == (env or {})]
+            self.idle = [w for w in self.idle if w not in gone]
+        for w in gone:
+            w.close()
+
     def close(self) -> None:
-        """Ends every process (at the end of the drafters)."""
+        """Ends every process (at the end of the drafters, and before jobs that ran out of GPU memory are tried
+        again)."""
         with self.lock:
             idle, self.idle = self.idle, []
         for w in idle:

@@ -308,8 +308,8 @@ def test_a_worker_answers_each_request_and_keeps_serving_after_a_refused_one(tmp
     process; `commands.TRAIN_WORKERS`, one per request in flight): each request's output goes into its log, the
     answer is the exit status `python -m stages.<name>` would have (2: a refused input), and the process serves the
     next request; after an unexpected error (1, its traceback logged) that process ends and the next request gets a
-    new one; a request with another environment gets a process of its own (`Workers` keeps the other for later);
-    closing ends them all."""
+    new one; a request with another environment gets a process of its own (`Workers` keeps the other for later, and
+    `discard` ends the idle ones of one environment); closing ends them all."""
     refused, broken = requests(tmp_path, request)
     w = client(module)
 
@@ -330,6 +330,10 @@ def test_a_worker_answers_each_request_and_keeps_serving_after_a_refused_one(tmp
         assert pids() - {pid} and (pid in pids()) == (client is worker.Workers)
         assert w.run(["--bogus=1"], tmp_path / "f.log") == 2 and (pid in pids()) == (client is worker.Workers)
         procs = [x.proc for x in (w.idle if isinstance(w, worker.Workers) else [w])]
+        if client is worker.Workers:  # the leader's environment, once done: its process ends, the others stay
+            other = pids() - {pid}
+            w.discard({"DFLASH_TEST_WORKER": "1"})
+            assert other and pids() == {pid} and all(p.returncode == 0 for p in procs if p.pid in other)
     finally:
         w.close()
     assert all(p.returncode == 0 for p in procs) and not pids()
