@@ -147,7 +147,7 @@ def run_ours(args, cache: Path, drafter: dict, precision: str = "auto", name: st
                       num_anchors=args.anchors, log_every=args.log_every, ckpt_every=10**9, trackers="none",
                       attn=args.attn, profile_steps=args.profile_steps, master_weights=args.master_weights,
                       global_batch_tokens=args.accum * args.batch_rows * args.seq_len,
-                      loss_logits=args.loss_logits, precision=precision, fp8_recipe=args.fp8_recipe,
+                      loss_logits=args.loss_logits, precision=precision,
                       **({} if args.loss_chunk_tokens is None else {"loss_chunk_tokens": args.loss_chunk_tokens}),
                       **{"block_size": 16, **drafter}).resolve()
     # the A/B switches that are not trainer options (within the run-to-run spread: docs/benchmarks.md)
@@ -189,7 +189,7 @@ def run_ours(args, cache: Path, drafter: dict, precision: str = "auto", name: st
             "recompiles": recs[-1]["recompiles"], "first_window_ms": recs[0]["ms_per_step"], "gpu": clocks,
             "master_weights": derived["master_weights"],
             "attn": derived["attn"], "loss_logits": derived["loss_logits"], "tf32": derived["tf32"],
-            "precision": derived["precision"], "fp8_recipe": derived["fp8_recipe"], "variant": cfg.drafter.variant,
+            "precision": derived["precision"], "variant": cfg.drafter.variant,
             "loss_chunk_tokens": cfg.loss.loss_chunk_tokens, "loss": [r["loss"] for r in recs], "pid": os.getpid(),
             "resident": args.resident, "read_check": args.read_check, "read_check_ms_per_step": 1000 * hashed["s"] / args.steps,
             "read_check_gb_per_step": hashed["bytes"] / 1e9 / args.steps,
@@ -317,8 +317,6 @@ def main() -> None:
     p.add_argument("--tf32", default="off", choices=["on", "off"], help="on: TF32 tensor cores for fp32 matmuls")
     p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp8"],
                    help="the trainer's precision; fp8: ours in bf16, then ours in fp8 (float8 linears), one call")
-    p.add_argument("--fp8_recipe", default="tensorwise", choices=["tensorwise", "rowwise"],
-                   help="the trainer's fp8_recipe (with --precision=fp8)")
     p.add_argument("--loss_chunk_tokens", type=int, default=None,
                    help="the trainer's loss_chunk_tokens (query tokens per lm_head chunk; default: the trainer's)")
     p.add_argument("--profile_steps", type=int, default=0, help="print a kernel table of that many steps")
@@ -435,8 +433,7 @@ def print_table(res: dict, args) -> None:
              "ours_again": "the first again"}
     if "ours_dflash2" in res:
         label["ours"] += ", DFlash"
-    names = ["ours"] if len(ours) == 1 else [label[k] + (f" ({res[k]['fp8_recipe']})" if res[k]["fp8_recipe"] else "")
-                                             for k in keys]
+    names = ["ours"] if len(ours) == 1 else [label[k] for k in keys]
 
     def row(label: str, cells: list[str], base: str = "") -> None:
         print("|" + "".join(f" {c} |" if c else " |" for c in (label, *cells, base)))

@@ -2,13 +2,13 @@
 
 `convert` swaps the context projection `fc` and every decoder layer's q/k/v/o_proj and gate/up/down_proj for
 torchao `Float8Linear`s. Each of their three GEMMs (output, input gradient, weight gradient) casts both operands
-to float8 with scales computed from the tensors themselves (dynamic scaling: e4m3 inputs and weights, e5m2 output
-gradients per tensor with `tensorwise`; e4m3 with per-row power-of-2 scales with `rowwise`) and runs
-`torch._scaled_mm`. Nothing else changes from a bf16 run: attention (flex/SDPA and its fp32 block part), the norms,
-RoPE and the residual stream, the frozen embedding and lm_head (plain tensors that `loss.block_ce_loss` uses
-functionally, never modules), the loss, the optimizer and its fp32 master weights. A `Float8Linear` keeps the
-linear's `.weight` parameter as it was (fp32, or MasterAdamW's bf16 copy), so state_dict keys, shapes and dtypes
-are a bf16 run's: checkpoints, resume and export are unchanged.
+to float8 with scales computed from the tensors themselves (torchao's `tensorwise` recipe: dynamic scaling, one
+scale per tensor, e4m3 inputs and weights, e5m2 output gradients) and runs `torch._scaled_mm`. Nothing else
+changes from a bf16 run: attention (flex/SDPA and its fp32 block part), the norms, RoPE and the residual stream,
+the frozen embedding and lm_head (plain tensors that `loss.block_ce_loss` uses functionally, never modules), the
+loss, the optimizer and its fp32 master weights. A `Float8Linear` keeps the linear's `.weight` parameter as it was
+(fp32, or MasterAdamW's bf16 copy), so state_dict keys, shapes and dtypes are a bf16 run's: checkpoints, resume
+and export are unchanged.
 
 `torch._scaled_mm` wants both dimensions of a weight to be multiples of 16; a linear whose are not stays bf16 and
 is named in the log. torchao's order: convert before `fully_shard` and before `torch.compile`. `emulate=True`
@@ -21,7 +21,7 @@ import dataclasses
 import importlib.util
 from collections.abc import Callable
 
-RECIPES = ("tensorwise", "rowwise")
+RECIPE = "tensorwise"  # torchao's float8 scaling (27B linears on an H200: 1.51x bf16; rowwise 1.11x, docs/benchmarks.md)
 LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                  "mlp.up_proj", "mlp.down_proj")
 MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0) and later
@@ -66,11 +66,9 @@ def fits(linear) -> bool:
     return linear.in_features % 16 == 0 and linear.out_features % 16 == 0
 
 
-def convert(model, recipe: str, emulate: bool = False, log: Callable[[str], None] | None = None) -> list[str]:
+def convert(model, emulate: bool = False, log: Callable[[str], None] | None = None) -> list[str]:
     """Swap `model`'s fc and decoder-layer linears for float8 ones in place (see the module doc); returns the names
     converted. Call it before sharding and compiling the model."""
-    if recipe not in RECIPES:
-        raise ValueError(f"fp8_recipe={recipe!r} is not one of {', '.join(RECIPES)}")
     from torchao.float8 import (  # (its import notes: dflash_offline)
         Float8LinearConfig,
         convert_to_float8_training,
@@ -78,11 +76,11 @@ def convert(model, recipe: str, emulate: bool = False, log: Callable[[str], None
     modules = dict(model.named_modules())
     names = [n for n in candidates(model) if fits(modules[n])]
     skipped = [n for n in candidates(model) if not fits(modules[n])]
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(RECIPE), emulate=emulate)
     chosen = set(names)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda _, fqn: fqn in chosen)
     if log is not None:
-        log(f"fp8 ({recipe}{', emulated' if emulate else ''}): {len(names)} of {len(names) + len(skipped)} linears "
+        log(f"fp8 ({RECIPE}{', emulated' if emulate else ''}): {len(names)} of {len(names) + len(skipped)} linears "
             f"in float8 (fc, the layers' q/k/v/o and gate/up/down)"
             + (f"; left in bf16 (dimensions not multiples of 16): {', '.join(skipped)}" if skipped else ""))
     return names

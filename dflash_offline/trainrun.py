@@ -148,7 +148,7 @@ def build_model(cfg: TrainConfig, s: TrainSetup, dc, target, device, log=None):
     if s.precision == "fp8":
         from dflash_offline.fp8 import convert
 
-        convert(model, cfg.compute.fp8_recipe, emulate=s.fp8_emulate, log=log)
+        convert(model, emulate=s.fp8_emulate, log=log)
     embed, head = load_target_embeddings(target)
     wdtype = torch.bfloat16 if s.bf16 else torch.float32
     return model, embed.to(device, wdtype).requires_grad_(False), head.to(device, wdtype).requires_grad_(False)

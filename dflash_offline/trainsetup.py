@@ -28,6 +28,7 @@ from pathlib import Path
 
 from dflash_offline.config import ConfigError, check_choice, flag
 from dflash_offline.drafter import DrafterSettings
+from dflash_offline.fp8 import RECIPE as FP8_RECIPE
 from dflash_offline.loss import LossSettings
 from dflash_offline.optim import OptimSettings
 
@@ -38,7 +39,6 @@ class ComputeSettings:
 
     fsdp: bool = False  # 1 = shard weights, gradients and AdamW state over the processes (FSDP2); 0 = replicate (DDP)
     precision: str = "auto"  # "bf16" (autocast), "fp32" or "fp8" (decoder linears + fc in float8 via torchao, bf16 elsewhere; CUDA only); auto = bf16 on CUDA, fp32 elsewhere
-    fp8_recipe: str = "tensorwise"  # precision=fp8 scaling: "tensorwise" or "rowwise" (H200 probe of the 27B linears: 1.51x, 1.11x over bf16)
     master_weights: str = "auto"  # bf16: "on" = bf16 weights + fp32 masters, "off" = fp32; auto = on (off: FSDP, DDP+accum)
     attn: str = "auto"  # "flex" (compiled flex_attention; CUDA) or "dense" (SDPA reference); auto = flex on CUDA
     compile: str = "auto"  # "on" or "off"; auto = on with CUDA. After warm-up a recompile is an error
@@ -46,7 +46,6 @@ class ComputeSettings:
 
     def resolve(self) -> ComputeSettings:
         check_choice("train.precision", self.precision, ("auto", "bf16", "fp32", "fp8"))
-        check_choice("train.fp8_recipe", self.fp8_recipe, ("tensorwise", "rowwise"))
         check_choice("train.master_weights", self.master_weights, ("auto", "on", "off"))
         check_choice("train.attn", self.attn, ("auto", "flex", "dense"))
         check_choice("train.compile", self.compile, ("auto", "on", "off"))
@@ -143,7 +142,6 @@ class TrainSetup:
                 "precision": self.precision, "attn": self.attn, "compile": self.compile,
                 "master_weights": self.master, "loss_epilogue": self.epilogue,
                 "loss_logits": cfg.loss.loss_logits, "tf32": self.tf32,
-                "fp8_recipe": cfg.compute.fp8_recipe if self.precision == "fp8" else None,
                 "global_batch_rows": cfg.batch_rows * self.world * self.accum, "cache_key": cache_key,
                 "steps": self.steps, "warmup_steps": self.warmup, "steps_per_epoch": self.steps_per_epoch,
                 "epochs": self.steps / self.steps_per_epoch if self.steps_per_epoch else None}
@@ -152,7 +150,7 @@ class TrainSetup:
         """One line for the log: processes, rows, accumulation and the compute path."""
         return (f"{self.world} process(es) × {cfg.batch_rows} rows × accum {self.accum}"
                 f"{', FSDP-sharded' if self.sharded else ''}; {self.precision}"
-                f"{f' ({cfg.compute.fp8_recipe}, bf16 elsewhere)' if self.precision == 'fp8' else ''}"
+                f"{f' ({FP8_RECIPE}, bf16 elsewhere)' if self.precision == 'fp8' else ''}"
                 f"{' (bf16 weights, fp32 masters)' if self.master else ''}"
                 f"{', TF32' if self.tf32 else ''}, attn {self.attn}, compile {self.compile}")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from dflash_offline.cache.fsio import write_json_atomic
 from dflash_offline.cache.manifest import has_manifest, read_manifest
-from dflash_offline.config import ConfigError, as_dict, did_you_mean
+from dflash_offline.config import ConfigError, as_dict, did_you_mean, removed
 
 PHASES = ("target", "regen", "extract", "train", "export", "eval")
 
@@ -200,7 +200,7 @@ def parse_arm(text: str) -> tuple[dict, dict]:
             train[key] = value
         else:
             raise ConfigError(f"testbed arm {text!r}: {key!r} is no extract or train setting"
-                              f"{did_you_mean(key, sorted(ext_keys | train_keys))}")
+                              f"{removed('train', key) or did_you_mean(key, sorted(ext_keys | train_keys))}")
     return ext, train
 
 

@@ -138,7 +138,7 @@ def test_an_unreadable_value_names_the_flag_and_the_make_variable():
         configs_from_argv([(TrainConfig, "train")], ["--cache=c", "--steps=1e3"], "")
 
 
-@pytest.mark.parametrize("gone", ["optimizer_overlap", "tf32", "compile_scope"])
+@pytest.mark.parametrize("gone", ["optimizer_overlap", "tf32", "compile_scope", "fp8_recipe"])
 def test_removed_train_options_are_refused(tmp_path, gone):
     """Performance switches that measured within the run-to-run spread are bench.train flags, not options: a recipe
     or command line that still sets one is told so (unknown setting), not silently ignored."""
@@ -151,8 +151,9 @@ def test_removed_train_options_are_refused(tmp_path, gone):
 
 
 def test_removed_switches_say_what_the_code_does_now(tmp_path):
-    """The optimizer update overlapping the forward and the joint flex call lost their A/Bs and were removed: one line
-    says so and what runs instead, from a command line, a recipe and bench.train."""
+    """The optimizer update overlapping the forward and the joint flex call lost their A/Bs and were removed, and so
+    was the choice of float8 scaling (rowwise could not win): one line says so and what runs instead, from a command
+    line, a recipe and bench.train."""
     import subprocess
 
     for argv in (["--cache=c", "--optimizer_overlap=on"], [recipe(tmp_path, "[train]\noptimizer_overlap = 'on'\n")]):
@@ -160,11 +161,20 @@ def test_removed_switches_say_what_the_code_does_now(tmp_path):
                                               r"update overlapping the next forward was removed .*: the update runs "
                                               r"after the backward"):
             configs_from_argv([(TrainConfig, "train")], argv, "")
+    for argv in (["--cache=c", "--fp8_recipe=rowwise"], ["--cache=c", "--fp8_recipe=tensorwise"],
+                 [recipe(tmp_path, "[train]\nprecision = 'fp8'\nfp8_recipe = 'tensorwise'\n")]):
+        with pytest.raises(ConfigError, match=r"^(--fp8_recipe: unknown setting|recipe .*: unknown setting fp8_recipe "
+                                              r"in \[train\]): the choice of float8 scaling was removed \(rowwise ran "
+                                              r"the 27B drafter's linears at 1\.11x bf16 against tensorwise's 1\.51x "
+                                              r"on an H200, docs/benchmarks\.md\): precision=fp8 scales tensorwise; "
+                                              r"drop the setting$"):
+            configs_from_argv([(TrainConfig, "train")], argv, "")
     with pytest.raises(ConfigError, match=r"^train\.attn='flex_joint' is not one of auto, flex, dense: the joint flex "
                                           r"call .* was removed .*: attn=flex runs flex over the context keys"):
         configs_from_argv([(TrainConfig, "train")], ["--cache=c", "--attn=flex_joint"], "")
     for arg, what in (("--optimizer_overlap=on", "the update runs after the backward"),
-                      ("--attn=flex_joint", "attn=flex runs flex over the context keys")):
+                      ("--attn=flex_joint", "attn=flex runs flex over the context keys"),
+                      ("--fp8_recipe=rowwise", "precision=fp8 scales tensorwise")):
         r = subprocess.run([sys.executable, "-m", "bench.train", "--tiny", arg], capture_output=True, text=True)
         assert r.returncode == 2 and what in r.stderr.splitlines()[-1], r.stderr
 

@@ -84,7 +84,7 @@ def test_help_lists_the_settings_with_defaults_and_make_variables():
     assert lines["--cache"].endswith("[REQUIRED; make CACHE=]") and lines["--run"].endswith("; make RUN=]")
     assert lines["--fsdp"].endswith("[0]") and lines["--loss_chunk_tokens"].endswith("[4096]")
     assert '"flex"' in lines["--attn"] and '"dense"' in lines["--attn"] and "auto" in lines["--attn"]
-    for gone in ("--optimizer_overlap", "--tf32", "--compile_scope"):  # bench.train switches, not options
+    for gone in ("--optimizer_overlap", "--tf32", "--compile_scope", "--fp8_recipe"):  # bench switches or removed
         assert gone not in lines
 
 

@@ -100,15 +100,15 @@ def test_fp8_is_refused_without_cuda_in_one_line_before_any_weights_load(tmp_pat
 
 def test_fp8_settings_are_bf16_settings_with_float8_linears(hidden_cache, tmp_path):
     """With CUDA (resolved here without one): bf16 autocast, bf16 weights + fp32 masters where bf16 has them, the
-    recipe in the derived block; master_weights=on is refused where bf16 refuses it; an unknown recipe is refused."""
+    tensorwise scaling in the log line; master_weights=on is refused where bf16 refuses it."""
     c = cfg(hidden_cache, tmp_path / "x", precision="fp8")
     gpu = resolve_train(c, cuda=True, world=1, seq_len=128)
     assert (gpu.precision, gpu.bf16, gpu.master, gpu.fp8_emulate) == ("fp8", True, True, False)
     d = gpu.derived(c, "k")
-    assert (d["precision"], d["fp8_recipe"], d["master_weights"]) == ("fp8", "tensorwise", True)
+    assert (d["precision"], d["master_weights"]) == ("fp8", True) and "fp8_recipe" not in d
     assert "fp8 (tensorwise, bf16 elsewhere) (bf16 weights, fp32 masters)" in gpu.describe(c)
     bf16 = resolve_train(cfg(hidden_cache, tmp_path / "x", precision="bf16"), cuda=True, world=1, seq_len=128)
-    assert bf16.derived(c, "k")["fp8_recipe"] is None and bf16.bf16
+    assert bf16.bf16
     sharded = resolve_train(cfg(hidden_cache, tmp_path / "x", precision="fp8", fsdp=True), cuda=True, world=2,
                             seq_len=128)
     assert (sharded.sharded, sharded.master) == (True, False)
@@ -118,8 +118,6 @@ def test_fp8_settings_are_bf16_settings_with_float8_linears(hidden_cache, tmp_pa
     with pytest.raises(ValueError, match="needs CUDA"):
         resolve_train(c, cuda=False, world=1, seq_len=128)
     assert resolve_train(c, cuda=False, world=1, seq_len=128, switches=EMULATE).fp8_emulate
-    with pytest.raises(ValueError, match="fp8_recipe='blockwise' is not one of tensorwise, rowwise"):
-        cfg(hidden_cache, tmp_path / "x", precision="fp8", fp8_recipe="blockwise")
 
 
 def test_fp8_without_torchao_is_refused_naming_the_extra(monkeypatch):
@@ -135,18 +133,25 @@ def test_fp8_without_torchao_is_refused_naming_the_extra(monkeypatch):
 
 
 def test_convert_takes_fc_and_every_decoder_linear_and_keeps_the_weights():
-    """Same parameters (the optimizer built afterwards holds them), same state_dict; norms untouched."""
+    """Same parameters (the optimizer built afterwards holds them), same state_dict; norms untouched; every float8
+    linear scales per tensor (torchao's tensorwise recipe, not its rowwise one)."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig
     from torchao.float8.float8_linear import Float8Linear
 
     model = tiny_drafter()
     before = {k: (v.shape, v.dtype, v.data_ptr()) for k, v in model.state_dict().items()}
     params = {n: p for n, p in model.named_parameters()}
     logged = []
-    names = fp8.convert(model, "tensorwise", emulate=True, log=logged.append)
+    names = fp8.convert(model, emulate=True, log=logged.append)
     assert set(names) == LINEARS and len(names) == 15
     mods = dict(model.named_modules())
     assert {n for n, m in mods.items() if isinstance(m, Float8Linear)} == LINEARS
     assert not any(isinstance(m, torch.nn.Linear) and not isinstance(m, Float8Linear) for m in mods.values())
+    tensorwise = dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"), emulate=True)
+    assert tensorwise != dataclasses.replace(Float8LinearConfig.from_recipe_name("rowwise"), emulate=True)
+    assert all(mods[n].config == tensorwise for n in LINEARS)
     assert {k: (v.shape, v.dtype, v.data_ptr()) for k, v in model.state_dict().items()} == before
     assert all(p is params[n] for n, p in model.named_parameters())
     assert logged == ["fp8 (tensorwise, emulated): 15 of 15 linears in float8 (fc, the layers' q/k/v/o and "
@@ -158,21 +163,20 @@ def test_convert_leaves_linears_off_multiples_of_16_in_bf16_and_names_them():
 
     model = tiny_drafter(intermediate_size=72)  # gate/up: 64 -> 72, down: 72 -> 64
     logged = []
-    names = fp8.convert(model, "rowwise", emulate=True, log=logged.append)
+    names = fp8.convert(model, emulate=True, log=logged.append)
     mlp = {f"layers.{i}.mlp.{n}" for i in range(2) for n in ("gate_proj", "up_proj", "down_proj")}
     assert set(names) == LINEARS - mlp
     assert not any(isinstance(m, Float8Linear) for n, m in model.named_modules() if n in mlp)
-    assert "9 of 15 linears" in logged[0] and "layers.0.mlp.gate_proj" in logged[0] and "rowwise" in logged[0]
+    assert "9 of 15 linears" in logged[0] and "layers.0.mlp.gate_proj" in logged[0]
 
 
-@pytest.mark.parametrize("recipe", fp8.RECIPES)
-def test_emulated_float8_linears_are_close_to_bf16_but_not_equal(recipe):
+def test_emulated_float8_linears_are_close_to_bf16_but_not_equal():
     """The casts really happen (the outputs move) and stay within e4m3's rounding: 3 mantissa bits, 3.6 % RMS per
     operand element, ~5 % for a GEMM of two rounded operands (measured: 4 % for the context projection, 6-8 % for
     the MLP's three GEMMs in a row and the weight gradients); a wrong or missing scale is off by 100 % or more.
     The context projection and a decoder layer's MLP, forward and weight gradient."""
     ref, model = tiny_drafter(), tiny_drafter()
-    fp8.convert(model, recipe, emulate=True)
+    fp8.convert(model, emulate=True)
     g = torch.Generator().manual_seed(0)
     hidden, x, r = (torch.randn(2, 32, n, generator=g) for n in (128, 64, 64))
 
@@ -201,7 +205,7 @@ def test_emulated_fp8_trains_like_bf16(runs):
     assert set(seen["names"]) == LINEARS  # fc and every decoder linear, nothing else
     assert {n for n, t in seen["types"].items() if t == "Float8Linear"} == LINEARS
     derived = json.loads((run / "config.json").read_text())["derived"]
-    assert (derived["precision"], derived["fp8_recipe"], derived["master_weights"]) == ("fp8", "tensorwise", True)
+    assert (derived["precision"], derived["master_weights"]) == ("fp8", True)
     a, b = records(bf16), records(run)
     assert len(a) == len(b) == 20
     la, lb = [r["loss"] for r in a], [r["loss"] for r in b]
@@ -279,9 +283,9 @@ def test_bench_train_fp8_runs_bf16_and_fp8_in_one_call(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
     assert (res["ours"]["precision"], res["ours_fp8"]["precision"]) == ("bf16", "fp8")
-    assert res["ours_fp8"]["fp8_recipe"] == "tensorwise" and res["ours_fp8"]["recompiles"] == 0
+    assert res["ours_fp8"]["recompiles"] == 0 and "fp8_recipe" not in res["ours_fp8"]
     assert res["ours"]["tok_per_s"] > 0 and res["ours_fp8"]["tok_per_s"] > 0
-    assert "| training, cpu | ours bf16 | ours fp8 (tensorwise) | the first again | baseline |" in p.stdout
+    assert "| training, cpu | ours bf16 | ours fp8 | the first again | baseline |" in p.stdout
     assert "| fp8 / bf16 (its two runs): tok/s, peak GB | | " in p.stdout and res["ours_again"]["precision"] == "bf16"
 
 

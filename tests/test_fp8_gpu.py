@@ -1,8 +1,8 @@
 """GPU checks of precision=fp8 (make test-gpu-train): torchao's float8 linears with real float8 GEMMs
 (torch._scaled_mm, no emulation), compiled with flex attention and bf16 master weights, the CUDA defaults otherwise.
-Each recipe trains like the bf16 run within a stated tolerance, with no recompile after warm-up and flat reserved
-memory; the checkpoint round trip is exact and a resumed run ends where the uninterrupted one did; the export has
-the bf16 run's format; on 2 GPUs, DDP and FSDP train like one GPU. The CPU suite checks the same through torchao's
+It trains like the bf16 run within a stated tolerance, with no recompile after warm-up and flat reserved memory; the
+checkpoint round trip is exact and a resumed run ends where the uninterrupted one did; the export has the bf16
+run's format; on 2 GPUs, DDP and FSDP train like one GPU. The CPU suite checks the same through torchao's
 emulation (tests/test_fp8.py)."""
 
 import json
@@ -41,23 +41,22 @@ def weights(run, step: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module", autouse=True)
 def many_compiled_trainers():
-    """This module runs several compiled trainers of different structure in one process (bf16, and float8 linears
-    per recipe): each is a new compiled entry of the same layer code, which dynamo counts toward its recompile
-    limit (8 per code object). A trainer process builds one drafter."""
+    """This module runs several compiled trainers of different structure in one process (bf16, and float8 linears):
+    each is a new compiled entry of the same layer code, which dynamo counts toward its recompile limit (8 per code
+    object). A trainer process builds one drafter."""
     with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
         yield
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, hidden_cache):
-    """runs(precision, recipe): a 20-step run of the tiny drafter on the CUDA defaults (compiled flex, bf16 weights +
-    fp32 masters), checkpoints at steps 10 and 20; made once per module. For fp8 runs, also the names
-    `fp8.convert` returned and the module types it left."""
+    """runs(precision): a 20-step run of the tiny drafter on the CUDA defaults (compiled flex, bf16 weights + fp32
+    masters), checkpoints at steps 10 and 20; made once per module. For fp8 runs, also the names `fp8.convert`
+    returned and the module types it left."""
     root, done = tmp_path_factory.mktemp("fp8-gpu"), {}
 
-    def get(precision: str, recipe: str = "tensorwise"):
-        key = f"{precision}-{recipe}" if precision == "fp8" else precision
-        if key not in done:
+    def get(precision: str):
+        if precision not in done:
             real, seen = fp8.convert, {}
 
             def convert(model, *a, **kw):
@@ -67,28 +66,26 @@ def runs(tmp_path_factory, hidden_cache):
 
             fp8.convert = convert
             try:
-                train.run(cfg(hidden_cache, root / key, precision=precision, fp8_recipe=recipe))
+                train.run(cfg(hidden_cache, root / precision, precision=precision))
             finally:
                 fp8.convert = real
-            done[key] = (root / key, seen)
-        return done[key]
+            done[precision] = (root / precision, seen)
+        return done[precision]
 
     return get
 
 
-@pytest.mark.parametrize("recipe", fp8.RECIPES)
-def test_fp8_trains_like_bf16_compiled_without_recompiles(runs, recipe):
-    """Tolerance: each step's loss within 0.05 of the bf16 run's over 20 steps (the CPU emulation measures ≤ 0.004
-    for tensorwise; here the bf16 reference has bf16 GEMMs, the compiled backward is not bitwise deterministic, and
-    the output GEMM accumulates with fast accumulation), about a sixth of what the loss falls in those steps. A
+def test_fp8_trains_like_bf16_compiled_without_recompiles(runs):
+    """Tolerance: each step's loss within 0.05 of the bf16 run's over 20 steps (the CPU emulation measures ≤ 0.004;
+    here the bf16 reference has bf16 GEMMs, the compiled backward is not bitwise deterministic, and the output GEMM
+    accumulates with fast accumulation), about a sixth of what the loss falls in those steps. A
     float8 path that learned differently (a wrong scale, a lost gradient) leaves it within the run."""
     bf16, _ = runs("bf16")
-    run, seen = runs("fp8", recipe)
+    run, seen = runs("fp8")
     assert set(seen["names"]) == LINEARS
     assert {n for n, t in seen["types"].items() if t == "Float8Linear"} == LINEARS
     d = json.loads((run / "config.json").read_text())["derived"]
-    assert (d["precision"], d["fp8_recipe"], d["attn"], d["compile"], d["master_weights"]) == (
-        "fp8", recipe, "flex", True, True)
+    assert (d["precision"], d["attn"], d["compile"], d["master_weights"]) == ("fp8", "flex", True, True)
     a, b = records(bf16), records(run)
     la, lb = [r["loss"] for r in a], [r["loss"] for r in b]
     assert lb == pytest.approx(la, abs=0.05)
@@ -110,7 +107,7 @@ def test_fp8_checkpoint_round_trip_is_exact(runs, tmp_path):
     run, _ = runs("fp8")
     dc = DrafterConfig(**json.loads((run / "config.json").read_text())["drafter"])
     model = DFlashDrafter(dc).cuda()
-    fp8.convert(model, "tensorwise")
+    fp8.convert(model)
     opt = MasterAdamW(model.parameters(), lr=TINY["lr"], betas=(0.9, 0.95), max_grad_norm=TINY["grad_clip"],
                       low_dtype=torch.bfloat16)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)

@@ -259,6 +259,9 @@ def test_arms_are_checked_before_anything_runs():
         runs.parse_arm("num_anchor=256")
     with pytest.raises(ConfigError, match="not key=value"):
         runs.parse_arm("gamma")
+    with pytest.raises(ConfigError, match="'fp8_recipe' is no extract or train setting: the choice of float8 scaling "
+                                          "was removed .*: precision=fp8 scales tensorwise"):
+        runs.parse_arm("precision=fp8 fp8_recipe=rowwise")
 
 
 def test_the_full_testbed_is_refused_at_once_without_a_gpu(tmp_path, monkeypatch, capsys):

@@ -132,6 +132,38 @@ def test_a_resume_with_other_drafter_settings_is_refused(tmp_path, hidden_cache)
     assert len(losses(run)) == 3
 
 
+@pytest.mark.parametrize("recorded", ["tensorwise", "rowwise"])
+def test_a_run_recorded_with_the_removed_fp8_recipe_resumes_exports_and_reads(tmp_path, hidden_cache, recorded,
+                                                                                capsys):
+    """A run whose config.json and checkpoints record `fp8_recipe` (the removed choice of float8 scaling: the train
+    settings, and the derived block of an fp8 run) is read as any other: the recipe decided how the linears' GEMMs
+    were computed, never a tensor of the checkpoint, so nothing that reads a run looks at it. Either value is
+    accepted: a `rowwise` run resumes in tensorwise, as a run resumed with another precision continues in that one;
+    only a user who sets it (`--fp8_recipe`, a recipe) is refused (tests/test_config_faults.py)."""
+    from dflash_offline.evaluation import run_info
+    from dflash_offline.export import export
+
+    run = tmp_path / "run"
+    train.run(cfg(hidden_cache, run, steps=3))
+    record = json.loads((run / "config.json").read_text())
+    record["train"]["fp8_recipe"] = record["derived"]["fp8_recipe"] = recorded
+    (run / "config.json").write_text(json.dumps(record))
+    meta_file = run / "checkpoints" / "step-00000003" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["config"]["train"]["fp8_recipe"] = recorded  # (meta.json's own bytes are in no digest)
+    meta_file.write_text(json.dumps(meta))
+    assert run_info(run)["train"]["fp8_recipe"] == recorded  # evaluation reads the run
+    exported = export(run, tmp_path / "export")
+    assert json.loads((exported / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+    capsys.readouterr()
+    train.run(cfg(hidden_cache, run, steps=6, resume=True))
+    assert f"resumed {run} at step 3 (step-00000003)" in capsys.readouterr().out
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4,
+                                                                                                       5, 6]
+    rewritten = json.loads((run / "config.json").read_text())
+    assert "fp8_recipe" not in rewritten["train"] and "fp8_recipe" not in rewritten["derived"]
+
+
 def test_existing_run_needs_resume(tmp_path, hidden_cache):
     train.run(cfg(hidden_cache, tmp_path / "r", steps=3))
     with pytest.raises(ValueError, match=r"resume=1 \(make RESUME=1\) to continue it, or choose another --run "
