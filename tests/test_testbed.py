@@ -345,8 +345,8 @@ def test_a_worker_answers_each_request_and_keeps_serving_after_a_refused_one(tmp
 def test_a_drafter_trained_in_the_training_worker_equals_its_twin_trained_in_a_process_of_its_own(tmp_path,
                                                                                                   hidden_cache):
     """testbed.trainworker trains the same drafter as `python -m stages.train` (same seed, cache and settings): equal
-    weights. The second drafter of one worker too, after one with other settings (seed, steps, learning rate) of the
-    same shapes, compiled: each run compiles its own graphs as a process of its own does (kept from the first run,
+    weights — the second drafter of one worker, after one with other settings (seed, steps, learning rate) of the
+    same shapes, compiled (a first drafter: the micro testbed's worker-vs-process rerun below): each run compiles its own graphs as a process of its own does (kept from the first run,
     the second would have compiled none, and a sweep's drafters would add up to dynamo's recompile limit)."""
     import torch
     from safetensors.torch import load_file
@@ -361,7 +361,7 @@ def test_a_drafter_trained_in_the_training_worker_equals_its_twin_trained_in_a_p
             assert w.run([*tiny, *args, f"--run={tmp_path / 'worker' / name}"], tmp_path / "worker" / f"{name}.log") == 0
     finally:
         w.close()
-    for name, (steps, args) in drafters.items():
+    for name, (steps, args) in [("second", drafters["second"])]:  # (the state a first one may leave is what it checks)
         r = subprocess.run([sys.executable, "-m", "stages.train", *tiny, *args, f"--run={tmp_path / 'alone' / name}"],
                            cwd=REPO, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
