@@ -427,25 +427,14 @@ def test_a_resident_stream_refuses_a_damaged_row_when_it_reads_the_cache(tmp_pat
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("quant", ["bf16", "fp8"])
-def test_cuda_stream_equals_cpu_stream(request, quant):
+@pytest.mark.parametrize("resident", [False, True])
+def test_cuda_stream_equals_cpu_stream(request, quant, resident):
+    """Streamed to the GPU, or held there (`resident`): the CPU stream's batches, on the device."""
     cache = request.getfixturevalue(f"{quant}_cache")
     cpu = take(stream(cache, 3, seed=1, layers=[4, 0]), 12)
-    with stream(cache, 3, seed=1, layers=[4, 0], device="cuda") as s:
+    with stream(cache, 3, seed=1, layers=[4, 0], device="cuda", resident=resident) as s:
         gpu = take(s, 12)
-    for a, b in zip(cpu, gpu, strict=True):
-        for key in a:
-            assert b[key].is_cuda and b[key].dtype == a[key].dtype and torch.equal(a[key], b[key].cpu()), key
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("quant", ["bf16", "fp8"])
-def test_a_resident_cuda_stream_equals_the_cpu_stream(request, quant):
-    cache = request.getfixturevalue(f"{quant}_cache")
-    cpu = take(stream(cache, 3, seed=1, layers=[4, 0]), 12)
-    with stream(cache, 3, seed=1, layers=[4, 0], device="cuda", resident=True) as s:
-        gpu = take(s, 12)
-        assert all(t.is_cuda for t in s._held.values())
+        assert not resident or all(t.is_cuda for t in s._held.values())
     for a, b in zip(cpu, gpu, strict=True):
         for key in a:
             assert b[key].is_cuda and b[key].dtype == a[key].dtype and torch.equal(a[key], b[key].cpu()), key
