@@ -168,6 +168,14 @@ def resident_bytes(info: CacheInfo) -> int:
     return info.num_rows * S * (per_token + 3 * 8 + 1)
 
 
+def stored_buffers(info: CacheInfo, rows: int, **where) -> dict[str, torch.Tensor]:
+    """One empty tensor per tensor the encoding stores for a layer, [rows, S, k, width] each (bf16: `hidden`
+    [rows, S, k, H]), for the layers read; `where`: torch.empty's device / pin_memory."""
+    S, k = info.seq_len, len(info.layer_ids)
+    return {name: torch.empty((rows, S, k, width(info.width)), dtype=dtype, **where)
+            for name, (dtype, width) in ENCODINGS[info.quant].tensors.items()}
+
+
 def cache_info(cache: Path, m: dict, layer_ids, n: int) -> CacheInfo:
     """The `CacheInfo` of a hidden cache of `n` shards (its manifest checked by `open_hidden_cache`; `make verify`
     builds one for the shards that are committed: the others get 0 rows and no file record)."""
@@ -415,11 +423,8 @@ class HiddenStream:
         return locate(self.info.shard_rows, self.seed, epoch, a, a + self.B)
 
     def _read(self, epoch: int, batch: int) -> dict[str, torch.Tensor]:
-        info, B, S = self.info, self.B, self.info.seq_len
-        k, H = len(info.layer_ids), info.width
-        # one buffer per tensor the encoding stores for a layer, [B, S, k, width(H)] (bf16: `hidden` [B, S, k, H])
-        host = {name: torch.empty((B, S, k, width(H)), dtype=dtype, pin_memory=self.pin)
-                for name, (dtype, width) in ENCODINGS[info.quant].tensors.items()}
+        info, B = self.info, self.B
+        host = stored_buffers(info, B, pin_memory=self.pin)
         by_shard: dict[int, list[tuple[int, int]]] = {}
         for slot, (shard, row) in enumerate(self.rows_of(epoch, batch)):
             by_shard.setdefault(shard, []).append((row, slot))
@@ -486,17 +491,14 @@ class HiddenStream:
         """Every row of the cache (the layers read, in their stored encoding; the token rows, as `_to_device` makes
         them) read once — each row checked against its digest as a streamed read is — into tensors on the device,
         `chunk_rows` rows at a time through one host buffer."""
-        info, S, k, H = self.info, self.info.seq_len, len(self.info.layer_ids), self.info.width
-        enc, N = ENCODINGS[info.quant], info.num_rows
+        info = self.info
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             if resident_bytes(info) > free // 2:
                 raise ValueError(f"{info.cache_dir}: holding the cache on {self.device} takes "
                                  f"{resident_bytes(info) / 1e9:.1f} GB, more than half of its {free / 1e9:.1f} GB "
                                  f"free: stream it (resident off)")
-        shapes = {name: (dtype, width(H)) for name, (dtype, width) in enc.tensors.items()}
-        held = {name: torch.empty((N, S, k, w), dtype=dtype, device=self.device) for name, (dtype, w) in shapes.items()}
-        host = {name: torch.empty((chunk_rows, S, k, w), dtype=dtype) for name, (dtype, w) in shapes.items()}
+        held, host = stored_buffers(info, info.num_rows, device=self.device), stored_buffers(info, chunk_rows)
         tokens = {name: [] for name in TOKEN_KEYS}
         first = np.concatenate([[0], np.cumsum(np.asarray(info.shard_rows, dtype=np.int64))])
         for shard, rows in enumerate(info.shard_rows):
@@ -516,10 +518,6 @@ class HiddenStream:
             held[name] = (t.bool() if name == "loss_mask" else t.long()).to(self.device)
         self._first_row = first
         return held
-
-    def resident_bytes(self) -> int:
-        """What `resident=True` holds on the device: the cache's rows of the layers read, as stored, and the tokens."""
-        return resident_bytes(self.info)
 
     # -- to the device (calling thread) --
 

@@ -30,7 +30,7 @@ compiled."""
 
 from __future__ import annotations
 
-from .worker import serve
+from .worker import free_memory, serve
 
 
 def load():
@@ -42,17 +42,14 @@ def load():
 
 def fresh_process() -> None:
     """What a training leaves in the process, reset (see the module doc)."""
-    import gc
-
     import torch
     from accelerate.state import AcceleratorState, GradientState
 
     torch._dynamo.reset()
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    gc.collect()
+    free_memory()
     if torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
 
 

@@ -392,7 +392,7 @@ def test_a_resident_stream_gives_the_streamed_batches(tmp_path, quant):
     streamed = take(stream(cache, 4, seed=2, layers=layers), 20)  # 7 batches an epoch: three epochs
     with stream(cache, 4, seed=2, layers=layers, resident=True) as s:
         held = take(s, 20)
-        assert sum(t.numel() * t.element_size() for t in s._held.values()) == s.resident_bytes()
+        assert sum(t.numel() * t.element_size() for t in s._held.values()) == ds.resident_bytes(s.info)
     for a, b in zip(streamed, held, strict=True):
         assert a.keys() == b.keys()
         for key in a:
