@@ -21,6 +21,7 @@ export PYTHONUNBUFFERED=1 DFLASH_AUTOTUNE_RECORD=$PWD/build/autotune
 export DFLASH_AUTOTUNE_PIN=${DFLASH_AUTOTUNE_PIN-$PWD/bench/autotune}
 nvidia-smi --query-gpu=name,clocks.sm,power.draw,memory.used --format=csv,noheader
 log=build/call-$(date +%s).log
+since=$(mktemp)  # (the results files written after it are this call's: only those go to $OUT, which holds 8 files)
 setsid "$@" >"$log" 2>&1 &
 pid=$!
 t0=$SECONDS
@@ -40,6 +41,6 @@ for f in testbed.json state.json wall.json; do [ -f "$DIR/$f" ] && cp "$DIR/$f" 
   runs/*/seed*/metrics.jsonl runs/*/seed*/status-rank0.json runs/*/seed*/testbed-job.json runs/*/seed*/logs \
   target/*.json 2>/dev/null)  # (the target's tokenizer and config: --summarize=1 measures the baseline's looping share)
 compgen -G "build/autotune/*.json" >/dev/null && tar czf "$OUT/autotune.tgz" build/autotune
-compgen -G "bench/results/testbed-sweep-*.json" >/dev/null && cp bench/results/testbed-sweep-*.json "$OUT/"
+find bench/results -maxdepth 1 -name "testbed-sweep-*.json" -newer "$since" -exec cp {} "$OUT/" \;
 grep -E "^\[testbed|phase|FAILED|τ|error|Error" "$log" | tail -60
 exit $rc

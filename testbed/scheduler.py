@@ -38,6 +38,11 @@ class Deferred(Exception):
     """A drafter not started: this invocation's `stop_after_s` would end before it (a rerun starts it)."""
 
 
+def job_key(j: Job) -> str:
+    """Drafters of one key train the same graphs on the same cache (an arm's seeds; the null arm's and the recipe's)."""
+    return json.dumps(j.settings, sort_keys=True) + str(j.cache)
+
+
 class Drafters:
     """What `run_drafters` shares between its threads: the settings, the events (the untrained evaluation done or
     failed, each arm cache made), and per run its seconds per phase or its error."""
@@ -55,7 +60,7 @@ class Drafters:
         # load from the compile caches it filled instead of 8 processes compiling them at once
         firsts = {}
         for j in jobs:  # each arm's first drafter (the null arm's: the first arm's settings) also decodes for real
-            firsts.setdefault(json.dumps(j.settings, sort_keys=True) + str(j.cache), j.run)
+            firsts.setdefault(job_key(j), j.run)
         self.checked = set(firsts.values())
         self.leader = jobs[0].run if parallel > 1 and len(jobs) > 1 else None
         if self.leader is None:
@@ -66,10 +71,19 @@ class Drafters:
         self.deadline = STARTED + cfg.stop_after_s if cfg.stop_after_s > 0 else None
         self.took, self.deferred, self.stopped = [], [], threading.Event()
 
+    def expected_s(self, j: Job) -> float:
+        """What `j` is expected to take: as long as the longest drafter of this invocation (`FIRST_DRAFTER_S` before
+        one ended) — the first of a setting loads or compiles its graphs and starts the workers (H200: 75–212 s) —
+        or, once a drafter of its settings ended here, as long as the longest such repeat (37–76 s)."""
+        repeats = [s for _, s, repeat in self.took if repeat]
+        if repeats and any(k == job_key(j) for k, _, _ in self.took):
+            return max(repeats)
+        return max((s for _, s, _ in self.took), default=FIRST_DRAFTER_S)
+
     def defer(self, j: Job) -> None:
-        """Raise `Deferred` when `j`, expected to take as long as the longest drafter so far (`FIRST_DRAFTER_S` before
-        one ended), would end past the deadline; the base run's deferral also stops the untrained evaluation."""
-        expect = max(self.took, default=FIRST_DRAFTER_S)
+        """Raise `Deferred` when `j` (`expected_s`) would end past the deadline; the base run's deferral also stops
+        the untrained evaluation."""
+        expect = self.expected_s(j)
         if self.deadline is None or time.monotonic() + expect <= self.deadline:
             return
         self.deferred.append(j.run)
@@ -144,7 +158,7 @@ class Drafters:
         if self.failed.is_set():
             raise RuntimeError("not started: the base drafter or the untrained evaluation failed")
         self.defer(j)
-        t_job = time.monotonic()
+        t_job, repeat = time.monotonic(), any(k == job_key(j) for k, _, _ in self.took)
         j.run.mkdir(parents=True, exist_ok=True)
         write_json_atomic(j.run / JOB_FILE, job_identity(self.cfg, self.p, j))
         logs = None if self.stream and j.run == self.base else j.run / "logs"
@@ -174,7 +188,7 @@ class Drafters:
         t["eval"] = evaluate(self.cfg, self.p, j.run, self.dev, False, (logs or j.run / "logs") / "eval.log", self.env,
                              self.cfg.check_prompts if j.run in self.checked else 0)
         t["eval_wall"] = time.perf_counter() - t0  # waiting for the baseline included
-        self.took.append(time.monotonic() - t_job)
+        self.took.append((job_key(j), time.monotonic() - t_job, repeat))
         log(f"{j.arm or '(recipe)'} seed {j.seed}: τ {eval_summary(j.run / 'eval.json')['tau_mean']:.3f} ("
             + ", ".join(f"{k} {v:.0f}s" for k, v in t.items()) + ")")
 
