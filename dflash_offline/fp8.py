@@ -34,14 +34,19 @@ def check_available(cuda: bool, emulate: bool) -> None:
         if not cuda:
             raise ValueError("precision=fp8 needs CUDA (float8 GEMMs run on GPUs of compute capability 8.9+, not on "
                              "the CPU); use precision=bf16 or auto")
-        import torch
-
-        if torch.cuda.is_available() and torch.cuda.get_device_capability() < MIN_CAPABILITY:
-            cap = ".".join(map(str, torch.cuda.get_device_capability()))
-            raise ValueError(f"precision=fp8 needs a GPU of compute capability 8.9+ (H100/H200, L40S); this one has "
-                             f"{cap}: use precision=bf16")
+        check_gpu("precision=fp8", "precision=bf16")
     if importlib.util.find_spec("torchao") is None:
         raise ValueError("precision=fp8 needs torchao: pip install -e '.[fp8]' (make setup installs it)")
+
+
+def check_gpu(what: str, instead: str) -> None:
+    """Refuse `what` on a GPU without float8 tensor cores (the CPU runs float8 GEMMs, slowly: not refused here)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < MIN_CAPABILITY:
+        cap = ".".join(map(str, torch.cuda.get_device_capability()))
+        raise ValueError(f"{what} needs a GPU of compute capability 8.9+ (H100/H200, L40S); this one has {cap}: use "
+                         f"{instead}")
 
 
 def check_token_counts(batch_rows: int, seq_len: int, num_anchors: int, block_size: int) -> None:

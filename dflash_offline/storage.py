@@ -37,6 +37,8 @@ TRAIN_TOK_S = 9_633
 # every run sat at the 700 W limit, where float8's lower power per operation holds a higher clock — on any GPU that
 # runs at its power limit, as these steps do
 TRAIN_FP8_SPEEDUP = 12_084 / ((9_858 + 9_854) / 2)
+# precision=fp8 with loss_logits=fp8 (both lm_head GEMMs in float8 as well), the same call: 13,383 ctx tok/s
+TRAIN_FP8_HEAD_SPEEDUP = 13_383 / ((9_858 + 9_854) / 2)
 TRAIN_SEQ_LEN = 2048
 TRAIN_DRAFTER = SimpleNamespace(hidden_size=5120, intermediate_size=17408, vocab_size=248320, num_layers=5,
                                 num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, num_anchors=512,
@@ -110,10 +112,11 @@ def drafter_shape(train, hidden: int, intermediate: int, vocab: int, layer_ids: 
 
 
 def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.0, train_tok_s: float = 0.0,
-          regen_tok_s: float = 0.0, precision: str = "bf16") -> dict:
+          regen_tok_s: float = 0.0, precision: str = "bf16", loss_logits: str = "fp32") -> dict:
     """Tokens/s per GPU for both stages, each with where it comes from: given (> 0), or the measured H200 rate
     scaled by work per token (`factor` 1.0 at the measured shapes: "measured" only there, extraction also at its row
-    length) and, for a `precision="fp8"` training, by fp8's measured speed-up (`fp8`); a drafter of another variant
+    length) and, for a `precision="fp8"` training, by fp8's measured speed-up (`fp8`: with `loss_logits="fp8"`,
+    that of float8 lm_head GEMMs as well; `fp8_logits`); a drafter of another variant
     than the measured one's (DFlash2) is always "scaled" and named (`variant`); and regeneration's generated tokens/s
     when given (no measured rate: no entry otherwise)."""
     from .metrics import flops_per_row
@@ -123,7 +126,9 @@ def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.
     out, work = {}, {"extract": EXTRACT_LAYER_PARAMS / layer_params, "train": ref_per_tok / per_tok}
     variant = drafter.variant if drafter.variant != TRAIN_DRAFTER.variant else None  # (DFlash2: DFlash's rate, scaled)
     same = {"extract": seq_len == EXTRACT_SEQ_LEN, "train": variant is None}  # (training's row length is in its FLOPs)
-    train = {**({"fp8": TRAIN_FP8_SPEEDUP} if precision == "fp8" else {}), **({"variant": variant} if variant else {})}
+    fp8 = ({} if precision != "fp8" else {"fp8": TRAIN_FP8_SPEEDUP} if loss_logits != "fp8" else
+           {"fp8": TRAIN_FP8_HEAD_SPEEDUP, "fp8_logits": True})  # (fp8 logits alone: not measured, no speed-up)
+    train = {**fp8, **({"variant": variant} if variant else {})}
     for stage, given, measured, extra in (("extract", extract_tok_s, EXTRACT_TOK_S, {}),
                                           ("train", train_tok_s, TRAIN_TOK_S, train)):
         factor = work[stage]
@@ -238,7 +243,8 @@ def describe_rate(stage: str, r: dict) -> str:
     how = f"measured at {at}, docs/benchmarks.md" if r["source"] == "measured" else \
         f"estimate: {r['measured_tok_s']:,} measured at {at}, scaled ×{r['factor']:.3g} by {by}"
     if r.get("fp8"):
-        how += f"; ×{r['fp8']:.3g} for precision=fp8, its speed-up there on an H200"
+        how += (f"; ×{r['fp8']:.3g} for precision=fp8" + (" loss_logits=fp8" if r.get("fp8_logits") else "")
+                + ", its speed-up there on an H200")
     return f"{stage} {r['tok_s']:,.0f} {unit} per H200 ({how})"
 
 
@@ -341,7 +347,8 @@ def plan_lines(cfg, p, train) -> list[str]:
     drafter = drafter_shape(train, info.hidden_size, info.intermediate_size, info.vocab_size, ids)
     rate = rates(layer_params=target_layer_params(p.ckpt, max(ids) + 1), drafter=drafter, seq_len=seq_len,
                  extract_tok_s=cfg.plan_extract_tok_s, train_tok_s=cfg.plan_train_tok_s,
-                 regen_tok_s=cfg.plan_regen_tok_s, precision=train.compute.precision if train else "bf16")
+                 regen_tok_s=cfg.plan_regen_tok_s, precision=train.compute.precision if train else "bf16",
+                 loss_logits=train.loss.loss_logits if train else "fp32")
     shards, per_shard = p.tokens_manifest["shards"], VerifyConfig(cache="").rows  # verify's default ROWS=
     sp = storage_plan(rows=rows, seq_len=seq_len, doc_tokens=sum(s["tokens"] for s in shards),
                       answer_tokens=sum(s["supervised_tokens"] for s in shards),

@@ -182,6 +182,10 @@ def resolve_train(cfg: TrainConfig, *, cuda: bool, world: int, seq_len: int, row
 
         check_available(cuda, switches.fp8_emulate)
         check_token_counts(cfg.batch_rows, seq_len, cfg.loss.num_anchors, cfg.drafter.block_size)
+    if cfg.loss.loss_logits == "fp8" and cuda and not switches.fp8_emulate:  # (its first step would fail, weights loaded)
+        from dflash_offline.fp8 import check_gpu
+
+        check_gpu("loss_logits=fp8 (float8 lm_head GEMMs)", "loss_logits=fp32 (and precision=bf16 if it is fp8)")
     attn, use_compile = attention(cfg, cuda)
     epilogue = resolve_epilogue(cfg.loss.loss_epilogue, cuda)  # fails here, at start, if this machine cannot run it
     if switches.tf32 and not cuda:

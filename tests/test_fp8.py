@@ -120,6 +120,23 @@ def test_fp8_settings_are_bf16_settings_with_float8_linears(hidden_cache, tmp_pa
     assert resolve_train(c, cuda=False, world=1, seq_len=128, switches=EMULATE).fp8_emulate
 
 
+def test_fp8_linears_and_fp8_logits_are_refused_at_start_on_a_gpu_without_float8_tensor_cores(monkeypatch, hidden_cache,
+                                                                                              tmp_path):
+    """On an A100 (8.0) `precision=fp8` and `loss_logits=fp8` (the 27B recipes' settings) fail at start naming what to
+    use instead, not at the first step with the weights loaded; the CPU runs float8 logits (slowly): not refused."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    with pytest.raises(ValueError, match=r"precision=fp8 needs a GPU of compute capability 8\.9\+.*8\.0: use "
+                                         r"precision=bf16"):
+        resolve_train(cfg(hidden_cache, tmp_path / "x", precision="fp8"), cuda=True, world=1, seq_len=128)
+    logits = cfg(hidden_cache, tmp_path / "x", precision="bf16", loss_logits="fp8")
+    with pytest.raises(ValueError, match=r"loss_logits=fp8 .*compute capability 8\.9\+.*use loss_logits=fp32"):
+        resolve_train(logits, cuda=True, world=1, seq_len=128)
+    assert resolve_train(logits, cuda=False, world=1, seq_len=128).precision == "bf16"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert resolve_train(logits, cuda=True, world=1, seq_len=128).precision == "bf16"
+
+
 def test_fp8_without_torchao_is_refused_naming_the_extra(monkeypatch):
     import importlib.util
 
