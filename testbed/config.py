@@ -72,7 +72,7 @@ class TestbedConfig:
     train_worker: bool = True  # every drafter's training of an invocation in one long-lived process (start-up paid once; one per concurrent job with --parallel); 0 = a process each
     check_prompts: int = 8  # A/B with replay: prompts each arm's first drafter also decodes for real (lossless check, replay = decode checked)
     checks: bool = True  # A/B: add the null arm (the recipe under other seeds) and the known-bad arm (¼ of the steps); rank arms only when both behave
-    stop_after_s: float = 0.0  # A drafter is not started when its expected time (the longest drafter of this invocation, FIRST_DRAFTER_S before one ended; an arm's further seed: the longest such repeat) would end past this many seconds of it: the call stops early (exit 3), a rerun resumes; 0 = no limit
+    stop_after_s: float = 0.0  # A drafter is not started when its expected time (the longest drafter of this invocation, FIRST_DRAFTER_S before one ended; an arm's further seed: the longest repeat of its settings, before one the longest repeat and at least half its first) would end past this many seconds of it: the call stops early (exit 3), a rerun resumes; 0 = no limit
     summarize: bool = False  # A/B: train and evaluate nothing; rank the arms whose every seed is evaluated already (a stopped sweep's) and write the results
     results: str = ""  # A/B: also write the sweep's verdicts here (e.g. bench/results/testbed-sweep-h200.json)
 

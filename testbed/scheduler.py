@@ -73,11 +73,17 @@ class Drafters:
 
     def expected_s(self, j: Job) -> float:
         """What `j` is expected to take: as long as the longest drafter of this invocation (`FIRST_DRAFTER_S` before
-        one ended) — the first of a setting loads or compiles its graphs and starts the workers (H200: 75–212 s) —
-        or, once a drafter of its settings ended here, as long as the longest such repeat (37–76 s)."""
+        one ended) — the first of a setting loads or compiles its graphs and starts the workers (H200: 75–212 s);
+        once a drafter of its settings ended here, as long as the longest repeat of its settings, or before one, the
+        longer of the longest repeat of any (37–76 s) and half its settings' first (a costlier arm's repeat is)."""
+        key = job_key(j)
+        own = [s for k, s, repeat in self.took if k == key and repeat]
+        if own:
+            return max(own)
+        firsts = [s for k, s, repeat in self.took if k == key and not repeat]
         repeats = [s for _, s, repeat in self.took if repeat]
-        if repeats and any(k == job_key(j) for k, _, _ in self.took):
-            return max(repeats)
+        if firsts and repeats:
+            return max(max(repeats), max(firsts) / 2)
         return max((s for _, s, _ in self.took), default=FIRST_DRAFTER_S)
 
     def defer(self, j: Job) -> None:

@@ -766,23 +766,27 @@ def test_a_drafter_that_would_end_past_stop_after_s_is_not_started_and_a_rerun_s
 
 def test_an_arms_further_seed_is_expected_to_take_as_long_as_a_repeat_not_as_the_first_compile(tmp_path):
     """--stop_after_s on the H200: the first drafter of a setting took 212 s (it compiled), its further seeds 52–58 s;
-    with 180 s left a further seed starts, a drafter of new settings (which may compile) does not."""
+    with 180 s left a further seed starts, a drafter of new settings (which may compile) does not. Before a repeat of
+    its own settings ended, a further seed is expected to take the longest repeat of others or half its first."""
     import time
 
     cfg, p = config.TestbedConfig(dir=str(tmp_path), stop_after_s=600), Paths(str(tmp_path))
-    jobs = _jobs(p, ["base", "other"])
-    seed1, new = Job("", p.run("", 1), p.hidden(), 1, {}), Job("gamma=5", p.run("gamma5", 0), p.hidden(), 0,
-                                                                  {"gamma": 5.0})
-    d = scheduler.Drafters(cfg, p, "cpu", jobs, 1, jobs[0].run, False, None)
+    base = _jobs(p, ["base"])[0]
+    seed1 = Job("", p.run("", 1), p.hidden(), 1, {})
+    new = Job("gamma=5", p.run("gamma5", 0), p.hidden(), 0, {"gamma": 5.0})
+    other = Job("noise_std=0.05", p.run("noise", 0), p.hidden(), 0, {"noise_std": 0.05})
+    d = scheduler.Drafters(cfg, p, "cpu", [base, seed1, new, other], 1, base.run, False, None)
     d.deadline = time.monotonic() + 180
-    d.took = [(scheduler.job_key(jobs[0]), 212.0, False)]
+    d.took = [(scheduler.job_key(base), 212.0, False)]
     with pytest.raises(scheduler.Deferred):  # no repeat ended yet: the longest drafter so far
         d.defer(seed1)
-    d.took.append((scheduler.job_key(jobs[1]), 56.0, True))
+    d.took.append((scheduler.job_key(other), 56.0, True))  # a repeat of other settings
+    assert d.expected_s(seed1) == 106.0 and d.expected_s(new) == 212.0
     d.defer(seed1)
-    assert d.expected_s(seed1) == 56.0 and d.expected_s(new) == 212.0
     with pytest.raises(scheduler.Deferred):
         d.defer(new)
+    d.took.append((scheduler.job_key(seed1), 64.0, True))  # a repeat of its own settings, once one ended
+    assert d.expected_s(seed1) == 64.0 and d.expected_s(other) == 56.0
 
 
 def test_a_base_drafter_past_stop_after_s_stops_the_untrained_evaluation_too(tmp_path, monkeypatch):
