@@ -53,8 +53,10 @@ HASH_GB_S_PER_THREAD = 1.0
 # null arm's interval, every seed lossless. fp8: +0.02 (95 % −0.28 … +0.32, null ±0.30;
 # bench/results/testbed-sweep-h200-419204b.json); fp4: −0.01 (−0.23 … +0.21) and taps projected to half the width in
 # fp8 ("fp8 k=1/2", project_dims=384 of 768): −0.06 (−0.28 … +0.16), both in bench/results/testbed-sweep-h200-9b6a2b6.json
-# (2026-12-03), null ±0.22 — a loss under ≈ 6–7 % would go unseen. A projection is keyed by its share of the width.
-TESTBED_TAU = {"bf16": "reference", "fp8": "parity", "fp4": "parity", "fp8 k=1/2": "parity"}
+# (2026-12-03), null ±0.22 — a loss under ≈ 6–7 % would go unseen; taps projected to half the width in bf16 ("bf16
+# k=1/2"): −0.07 (−0.26 … +0.13), null −0.23 … +0.17, bench/results/testbed-sweep-h200-66bb894.json (2026-12-03).
+# A projection is keyed by its share of the width.
+TESTBED_TAU = {"bf16": "reference", "fp8": "parity", "fp4": "parity", "fp8 k=1/2": "parity", "bf16 k=1/2": "parity"}
 
 
 def testbed_tau(name: str, hidden: int, kk: int = 0) -> str:
@@ -112,12 +114,14 @@ def drafter_shape(train, hidden: int, intermediate: int, vocab: int, layer_ids: 
 
 
 def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.0, train_tok_s: float = 0.0,
-          regen_tok_s: float = 0.0, precision: str = "bf16", loss_logits: str = "fp32") -> dict:
+          regen_tok_s: float = 0.0, precision: str = "bf16", loss_logits: str = "fp32",
+          weighting: str = "decay") -> dict:
     """Tokens/s per GPU for both stages, each with where it comes from: given (> 0), or the measured H200 rate
     scaled by work per token (`factor` 1.0 at the measured shapes: "measured" only there, extraction also at its row
     length) and, for a `precision="fp8"` training, by fp8's measured speed-up (`fp8`: with `loss_logits="fp8"`,
     that of float8 lm_head GEMMs as well; `fp8_logits`); a drafter of another variant
-    than the measured one's (DFlash2) is always "scaled" and named (`variant`); and regeneration's generated tokens/s
+    than the measured one's (DFlash2) is always "scaled" and named (`variant`), so is a loss weighted otherwise than
+    the measured step's decay (`weighting`: D-PACE, whose epilogue is not timed at these shapes); and regeneration's generated tokens/s
     when given (no measured rate: no entry otherwise)."""
     from .metrics import flops_per_row
 
@@ -125,10 +129,11 @@ def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.
     ref_per_tok = flops_per_row(TRAIN_DRAFTER, TRAIN_SEQ_LEN, TRAIN_DRAFTER.num_anchors) / TRAIN_SEQ_LEN
     out, work = {}, {"extract": EXTRACT_LAYER_PARAMS / layer_params, "train": ref_per_tok / per_tok}
     variant = drafter.variant if drafter.variant != TRAIN_DRAFTER.variant else None  # (DFlash2: DFlash's rate, scaled)
-    same = {"extract": seq_len == EXTRACT_SEQ_LEN, "train": variant is None}  # (training's row length is in its FLOPs)
+    same = {"extract": seq_len == EXTRACT_SEQ_LEN, "train": variant is None and weighting == "decay"}  # (training's row length is in its FLOPs)
     fp8 = ({} if precision != "fp8" else {"fp8": TRAIN_FP8_SPEEDUP} if loss_logits != "fp8" else
            {"fp8": TRAIN_FP8_HEAD_SPEEDUP, "fp8_logits": True})  # (fp8 logits alone: not measured, no speed-up)
-    train = {**fp8, **({"variant": variant} if variant else {})}
+    train = {**fp8, **({"variant": variant} if variant else {}),
+             **({"weighting": weighting} if weighting != "decay" else {})}
     for stage, given, measured, extra in (("extract", extract_tok_s, EXTRACT_TOK_S, {}),
                                           ("train", train_tok_s, TRAIN_TOK_S, train)):
         factor = work[stage]
@@ -245,6 +250,8 @@ def describe_rate(stage: str, r: dict) -> str:
     if r.get("fp8"):
         how += (f"; ×{r['fp8']:.3g} for precision=fp8" + (" loss_logits=fp8" if r.get("fp8_logits") else "")
                 + ", its speed-up there on an H200")
+    if r.get("weighting"):
+        how += f"; weighting={r['weighting']} not timed there: decay's rate"
     return f"{stage} {r['tok_s']:,.0f} {unit} per H200 ({how})"
 
 
@@ -348,7 +355,8 @@ def plan_lines(cfg, p, train) -> list[str]:
     rate = rates(layer_params=target_layer_params(p.ckpt, max(ids) + 1), drafter=drafter, seq_len=seq_len,
                  extract_tok_s=cfg.plan_extract_tok_s, train_tok_s=cfg.plan_train_tok_s,
                  regen_tok_s=cfg.plan_regen_tok_s, precision=train.compute.precision if train else "bf16",
-                 loss_logits=train.loss.loss_logits if train else "fp32")
+                 loss_logits=train.loss.loss_logits if train else "fp32",
+                 weighting=train.loss.weighting if train else "decay")
     shards, per_shard = p.tokens_manifest["shards"], VerifyConfig(cache="").rows  # verify's default ROWS=
     sp = storage_plan(rows=rows, seq_len=seq_len, doc_tokens=sum(s["tokens"] for s in shards),
                       answer_tokens=sum(s["supervised_tokens"] for s in shards),

@@ -173,7 +173,7 @@ def test_a_27b_plan_from_shapes_alone(tmp_path, capsys):
     assert train.compute.precision == "fp8" and train.loss.loss_logits == "fp8"
     bf16 = storage.rates(layer_params=params, drafter=drafter, seq_len=4096)["train"]
     rate = storage.rates(layer_params=params, drafter=drafter, seq_len=4096, precision=train.compute.precision,
-                         loss_logits=train.loss.loss_logits)
+                         loss_logits=train.loss.loss_logits, weighting=train.loss.weighting)
     assert rate["extract"]["source"] == "measured" and rate["train"]["source"] == "scaled"
     assert 18_000 < bf16["tok_s"] < 20_000  # rows of 4096: ≈ half the FLOPs per token of rows of 2048
     measured = json.loads((REPO / "bench/results/bench-train-precision-h200.json").read_text())
@@ -311,7 +311,7 @@ def test_the_plan_marks_each_encodings_testbed_verdict_as_the_results_files_reco
     from testbed.target import DIMS
 
     verdicts = {}
-    for commit in ("419204b", "9b6a2b6"):
+    for commit in ("419204b", "9b6a2b6", "66bb894"):
         res = json.loads((root / f"bench/results/testbed-sweep-h200-{commit}.json").read_text())
         assert res["discriminating"] and res["null_arm"]["ci_low"] < 0 < res["null_arm"]["ci_high"]
         assert res["bad_arm"]["ci_high"] < 0
@@ -343,8 +343,9 @@ def test_the_plan_marks_each_encodings_testbed_verdict_as_the_results_files_reco
     assert marks["bf16"] == "reference" and marks["fp4"] == marks["fp8"] == "parity"
     half = storage.projected_widths(p["hidden"])[0]
     assert marks[f"fp8 k={half}"] == "parity at 1/2 the width on the testbed"
-    assert marks[f"fp4 k={half}"] == marks[f"bf16 k={half}"] == "not judged"
-    assert all(v == "not judged" for n, v in marks.items() if " k=" in n and n != f"fp8 k={half}")
+    assert marks[f"bf16 k={half}"] == "parity at 1/2 the width on the testbed"
+    assert marks[f"fp4 k={half}"] == "not judged"
+    assert all(v == "not judged" for n, v in marks.items() if " k=" in n and n not in (f"fp8 k={half}", f"bf16 k={half}"))
     assert any(re.match(r"\s+fp8 \(chosen\)\s.*parity$", line) for line in storage.render(p, Path("/c"))), \
         storage.render(p, Path("/c"))
     # a cache already projected to half the width is judged as such, to a quarter is not
@@ -360,24 +361,27 @@ def test_the_plan_marks_each_encodings_testbed_verdict_as_the_results_files_reco
         assert quant == min(at_parity, key=lambda n: encodings.ENCODINGS[n].size(5, 5120)), recipe
 
 
-def _judged_at_parity(name: str, label: str) -> bool:
-    """Frozen yardstick results bench/results/testbed-sweep-h200-`name`.json rank arm `label` at parity, every seed
-    lossless, with both checks passed."""
+def _judged_at_parity(name: str, label: str, verdict: str = "parity") -> bool:
+    """Frozen yardstick results bench/results/testbed-sweep-h200-`name`.json rank arm `label` at parity (or
+    `verdict`), every seed lossless, with both checks passed."""
     res = json.loads((REPO / f"bench/results/testbed-sweep-h200-{name}.json").read_text())
     arm = {a["label"]: a for a in res["arms"]}.get(label)
     return (res["discriminating"] and res["null_arm"]["ci_low"] < 0 < res["null_arm"]["ci_high"]
-            and res["bad_arm"]["ci_high"] < 0 and arm is not None and arm["lossless"] and arm["verdict"] == "parity")
+            and res["bad_arm"]["ci_high"] < 0 and arm is not None and arm["lossless"] and arm["verdict"] == verdict)
 
 
 def test_a_recipe_trains_in_fp8_only_where_the_yardstick_judged_it_at_parity():
     """The production recipes' `precision` is the reference (bf16, the default) or fp8, and fp8 only because the
     frozen yardstick results rank `precision=fp8` at parity (testbed-sweep-h200-0f164ec.json); their `loss_logits`
     is fp32 (the default) or fp8 with fp8 linears, only because `precision=fp8 loss_logits=fp8` is at parity
-    (testbed-sweep-h200-80f65fe.json); the plan then counts the measured speed-up of what they train in."""
+    (testbed-sweep-h200-80f65fe.json); the plan then counts the measured speed-up of what they train in. Their loss
+    weighs slots by decay (the default) or by D-PACE, only because `weighting=dpace` ranked better
+    (testbed-sweep-h200-66bb894.json), and the plan then says its rate is decay's (D-PACE's step not timed)."""
     import tomllib
 
     judged = {"fp8": _judged_at_parity("0f164ec", "precision=fp8"),
-              "fp8 logits": _judged_at_parity("80f65fe", "precision=fp8 loss_logits=fp8")}
+              "fp8 logits": _judged_at_parity("80f65fe", "precision=fp8 loss_logits=fp8"),
+              "dpace": _judged_at_parity("66bb894", "weighting=dpace", "better")}
     seen = {}
     for recipe in ("qwen3.5-27b", "qwen3.6-27b", "qwen3.8-27b-dflash2", "qwen3-8b"):
         path = REPO / "manifests" / f"{recipe}.toml"
@@ -387,8 +391,13 @@ def test_a_recipe_trains_in_fp8_only_where_the_yardstick_judged_it_at_parity():
         assert precision in ("auto", "bf16") or (precision == "fp8" and judged["fp8"]), recipe
         assert logits == "fp32" or (logits == "fp8" and precision == "fp8" and judged["fp8 logits"]), recipe
         train = storage.recipe_train(str(path))
+        assert train.loss.weighting == "decay" or (train.loss.weighting == "dpace" and judged["dpace"]), recipe
         rate = storage.rates(layer_params=storage.EXTRACT_LAYER_PARAMS, drafter=storage.TRAIN_DRAFTER, seq_len=2048,
-                             precision=train.compute.precision, loss_logits=train.loss.loss_logits)["train"]
+                             precision=train.compute.precision, loss_logits=train.loss.loss_logits,
+                             weighting=train.loss.weighting)["train"]
+        shown = storage.describe_rate("train", rate)
+        assert (train.loss.weighting == "dpace") == ("weighting=dpace not timed" in shown), (recipe, shown)
         speedup = {("fp8", "fp8"): storage.TRAIN_FP8_HEAD_SPEEDUP, ("fp8", "fp32"): storage.TRAIN_FP8_SPEEDUP}
         assert rate["tok_s"] == pytest.approx(storage.TRAIN_TOK_S * speedup.get(seen[recipe], 1.0))
     assert seen["qwen3.6-27b"] == seen["qwen3.5-27b"] == ("fp8", "fp8")
+    assert storage.recipe_train(str(REPO / "manifests/qwen3.6-27b.toml")).loss.weighting == "dpace"

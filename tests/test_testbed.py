@@ -777,16 +777,18 @@ def test_an_arms_further_seed_is_expected_to_take_as_long_as_a_repeat_not_as_the
     other = Job("noise_std=0.05", p.run("noise", 0), p.hidden(), 0, {"noise_std": 0.05})
     d = scheduler.Drafters(cfg, p, "cpu", [base, seed1, new, other], 1, base.run, False, None)
     d.deadline = time.monotonic() + 180
-    d.took = [(scheduler.job_key(base), 212.0, False)]
+    d.took = [(scheduler.graph_key(base), 212.0, False)]
     with pytest.raises(scheduler.Deferred):  # no repeat ended yet: the longest drafter so far
         d.defer(seed1)
-    d.took.append((scheduler.job_key(other), 56.0, True))  # a repeat of other settings
+    d.took.append((scheduler.graph_key(other), 56.0, True))  # a repeat of other settings
     assert d.expected_s(seed1) == 106.0 and d.expected_s(new) == 212.0
     d.defer(seed1)
     with pytest.raises(scheduler.Deferred):
         d.defer(new)
-    d.took.append((scheduler.job_key(seed1), 64.0, True))  # a repeat of its own settings, once one ended
+    d.took.append((scheduler.graph_key(seed1), 64.0, True))  # a repeat of its own settings, once one ended
     assert d.expected_s(seed1) == 64.0 and d.expected_s(other) == 56.0
+    bad = Job("steps=150", p.run("steps150", 0), p.hidden(), 0, {"steps": 150})  # the recipe's graphs, fewer steps
+    assert d.expected_s(bad) == 64.0
 
 
 def test_a_base_drafter_past_stop_after_s_stops_the_untrained_evaluation_too(tmp_path, monkeypatch):
