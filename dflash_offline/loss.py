@@ -138,13 +138,22 @@ class Fp8Head:
 
     def logits(self, h_nH: torch.Tensor) -> torch.Tensor:
         h8, s_n1 = _rowwise_e4m3(h_nH)
-        return torch._scaled_mm(h8, self.w8_VH.t(), scale_a=s_n1, scale_b=self.s_1V, out_dtype=torch.bfloat16)
+        return _scaled_mm(h8, self.w8_VH.t(), s_n1, self.s_1V)
 
     def grad_input(self, d_nV: torch.Tensor) -> torch.Tensor:
         """dlogits @ W; `d_nV` is consumed (scaled in place, then cast: no float32 copy of a chunk's logits)."""
         s_d = _absmax(d_nV).clamp(min=1e-30) / E5M2_MAX
         d8 = d_nV.mul_(1 / s_d).to(torch.float8_e5m2)
-        return torch._scaled_mm(d8, self.w8_HV.t(), scale_a=s_d, scale_b=self.s_w, out_dtype=torch.bfloat16)
+        return _scaled_mm(d8, self.w8_HV.t(), s_d, self.s_w)
+
+
+def _scaled_mm(a8_nK: torch.Tensor, b8_KM: torch.Tensor, s_a: torch.Tensor, s_b: torch.Tensor) -> torch.Tensor:
+    """(a8 · s_a)(b8 · s_b) in bf16: `torch._scaled_mm` on CUDA. On the CPU the float32 GEMM of the dequantized
+    operands, rounded to bf16 — what torch's CPU `_scaled_mm` computes, bit for bit (torch 2.11 and 2.13, AMD EPYC
+    Zen 5), written out because torch 2.11's refuses per-row scales ("only supports per-tensor scaling")."""
+    if a8_nK.device.type != "cpu":
+        return torch._scaled_mm(a8_nK, b8_KM, scale_a=s_a, scale_b=s_b, out_dtype=torch.bfloat16)
+    return ((a8_nK.float() * s_a) @ (b8_KM.float() * s_b)).to(torch.bfloat16)
 
 
 def _logits(h_nH: torch.Tensor, w_VH: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
