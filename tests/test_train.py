@@ -558,8 +558,10 @@ def test_cache_mismatches_are_refused_by_name(tmp_path, hidden_cache, qwen3_dir,
 def test_golden_losses(tmp_path, hidden_cache):
     """A short deterministic CPU run must reproduce the committed losses (DFLASH_UPDATE_GOLDEN=1 rewrites them), to
     the rounding of another CPU's kernels, which sum in another order: λ·n·u = 1.5e-4 for n = 512 terms
-    (tests/equivalence.py). Measured: 0 on the AMD EPYC (Zen 5) that wrote them, 9e-6 to 1.1e-5 there with oneDNN
-    off (pytest --no-mkldnn) or ATen's and MKL's other kernels (ATEN_CPU_CAPABILITY, MKL_CBWR)."""
+    (tests/equivalence.py). Measured on the AMD EPYC (Zen 5) that wrote them: 0 with torch 2.13 and 2.11, 0 with
+    oneDNN off (pytest --no-mkldnn), 2.6e-5 with ATen's default kernels (ATEN_CPU_CAPABILITY=default); a planted bug
+    (γ doubled) is 8.2e-4. (The tiny target itself must not depend on torch: its bf16 init drawn by torch 2.11 gave
+    other weights, 8e-3 here, until fixtures/tiny.py drew it in float32.)"""
     train.run(cfg(hidden_cache, tmp_path / "g", steps=5, ckpt_every=5))
     got = losses(tmp_path / "g")
     if os.environ.get("DFLASH_UPDATE_GOLDEN") == "1":
