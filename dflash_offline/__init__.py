@@ -1,6 +1,9 @@
 """dflash_offline: offline, two-stage training of DFlash speculative-decoding drafters for Qwen targets."""
 
+import importlib.abc as _abc
+import importlib.machinery as _machinery
 import logging as _logging
+import sys as _sys
 
 __version__ = "0.1.0"
 
@@ -18,3 +21,41 @@ class _ImportNotes(_logging.Filter):
 
 for _name in ("torchao", "torch.utils._pytree"):
     _logging.getLogger(_name).addFilter(_ImportNotes())
+
+
+# transformers' modeling modules whose kernel choice `target.route_gated_deltanet_by_device` corrects
+_ROUTED = ("transformers.models.qwen3_5.modeling_qwen3_5",)
+
+
+def _route(module) -> None:
+    from dflash_offline.target import route_gated_deltanet_by_device
+
+    route_gated_deltanet_by_device(module)
+
+
+class _RouteOnImport(_abc.MetaPathFinder):
+    """Whenever transformers imports a module of `_ROUTED` in a process that imported dflash_offline (every stage,
+    test and benchmark; also a model loaded directly through transformers there), its Gated DeltaNet functions are
+    routed by device right after the module runs: CPU tensors take the torch path even where fla imports (Triton
+    installed, no GPU). Imports nothing itself: torch and transformers load as they would."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in _ROUTED:
+            return None
+        spec = _machinery.PathFinder.find_spec(name, path, target)
+        if spec is not None and spec.loader is not None:
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                _route(module)
+
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+if not any(isinstance(f, _RouteOnImport) for f in _sys.meta_path):
+    _sys.meta_path.insert(0, _RouteOnImport())
+for _name in _ROUTED:
+    if _name in _sys.modules:  # imported before dflash_offline
+        _route(_sys.modules[_name])

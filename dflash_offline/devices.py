@@ -14,7 +14,7 @@ thread; more threads mostly wait on each other, and oversubscribe a small machin
 
 On the CPU, transformers runs its reference PyTorch kernels for the Gated DeltaNet layers (fla's are Triton kernels
 for GPUs) and warns, once per kernel, to install flash-linear-attention — which is installed. `quiet_cpu_kernel_notes`
-replaces those notes with one accurate line.
+replaces those notes with one accurate line, and drops fla's own note where Triton is installed but finds no GPU.
 """
 
 from __future__ import annotations
@@ -98,10 +98,17 @@ class _CpuKernelNotes:
         return False
 
 
+# fla's note when it is imported where Triton finds no GPU (Triton installed on a CPU-only machine, or the GPU
+# hidden): CPU tensors take transformers' torch functions there (target.route_gated_deltanet_by_device)
+FLA_CPU_NOTE = "Triton is not supported on current platform, roll back to CPU"
+
+
 def quiet_cpu_kernel_notes(log: Callable[[str], None] = print) -> None:
-    """Install `_CpuKernelNotes` on transformers' kernel logger (once per process)."""
+    """Install `_CpuKernelNotes` on transformers' kernel logger (once per process), and drop fla's `FLA_CPU_NOTE`."""
     import logging
+    import warnings
 
     logger = logging.getLogger("transformers.integrations.hub_kernels")
     if not any(isinstance(f, _CpuKernelNotes) for f in logger.filters):
         logger.addFilter(_CpuKernelNotes(log))
+    warnings.filterwarnings("ignore", message=FLA_CPU_NOTE, category=UserWarning)

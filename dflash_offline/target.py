@@ -28,7 +28,7 @@ import functools
 import json
 import logging
 from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -181,10 +181,46 @@ def _load_tensors(path: Path, model_type: str, names, device, dtype) -> dict[str
     return tensors
 
 
+# transformers' Gated DeltaNet functions that it binds to a kernel package's (fla, causal_conv1d) where one imports
+KERNEL_BOUND = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                "causal_conv1d_update")
+
+
+def route_gated_deltanet_by_device(module) -> None:
+    """transformers binds Qwen3.5's Gated DeltaNet functions once, when it imports `module` (modeling_qwen3_5): to
+    fla's Triton kernels wherever fla imports — also on a machine whose Triton finds no GPU, and for a model on the
+    CPU beside one on a GPU; a CPU forward then fails in Triton ("0 active drivers"). Here each bound function is
+    replaced by one that chooses per call by the device of its first tensor: the CPU → transformers' pure-torch
+    function (its `__wrapped__`, which `torch_gated_deltanet_kernels` and the per-segment references also take), a
+    GPU → the kernel transformers bound (the GPU path as it was). A function transformers left on its torch path is
+    left as it is. Idempotent; importing `dflash_offline` has it run when transformers imports the module."""
+    for name in KERNEL_BOUND:
+        bound = getattr(module, name, None)
+        torch_fn = getattr(bound, "__wrapped__", None)
+        if torch_fn is None or getattr(bound, "routed_by_device", False) or not _binds_a_kernel(bound, torch_fn):
+            continue
+
+        def routed(x, *args, _kernel=bound, _torch=torch_fn, **kwargs):
+            return (_torch if x.device.type == "cpu" else _kernel)(x, *args, **kwargs)
+
+        functools.update_wrapper(routed, torch_fn)  # __wrapped__: the torch function
+        routed.routed_by_device = True
+        setattr(module, name, routed)
+
+
+def _binds_a_kernel(fn, torch_fn) -> bool:
+    """Whether transformers' wrapper `fn` calls another implementation than `torch_fn` (its
+    `use_kernel_func_from_hub_with_fallback` keeps the choice in its closure as `implementation`); True where that
+    cannot be read (routing is then harmless: CPU tensors take the torch function, as they would)."""
+    code = getattr(fn, "__code__", None)
+    cells = dict(zip(code.co_freevars, fn.__closure__ or (), strict=True)) if code else {}
+    return "implementation" not in cells or cells["implementation"].cell_contents is not torch_fn
+
+
 @contextmanager
 def torch_gated_deltanet_kernels():
-    """transformers binds its Gated DeltaNet kernels at import: fla's wherever fla imports, even for CPU tensors
-    (Triton then fails). Off CUDA, have its modules call their pure-torch functions for the duration."""
+    """transformers' pure-torch Gated DeltaNet functions for the duration, also for CUDA tensors (CPU tensors take
+    them anyway: `route_gated_deltanet_by_device`)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 
     saved = {name: getattr(m, name) for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")}
@@ -605,8 +641,7 @@ class Target:
         for sp in spans:
             if not sp.pad:
                 by_length.setdefault(max(16, 1 << (sp.end - sp.start - 1).bit_length()), []).append(sp)
-        torch_kernels = self.device.type != "cuda" and self.info.arch == "qwen3_5"
-        with torch.inference_mode(), torch_gated_deltanet_kernels() if torch_kernels else nullcontext():
+        with torch.inference_mode():
             out = torch.zeros(B, S, self.out_dim, device=self.device, dtype=self.dtype)
             for P, group in by_length.items():
                 ids_nP = torch.zeros(len(group), P, dtype=ids_BS.dtype, device=self.device)

@@ -28,14 +28,21 @@ def executable() -> str | None:
     return exe if exe and is_serve_available() else None
 
 
+# the `transformers` command, in a Python that imported dflash_offline first: a Qwen3.5's Gated DeltaNet then runs
+# transformers' torch functions on the CPU also where fla imports (Triton installed, no GPU), as in every stage
+# (target.route_gated_deltanet_by_device); the server is transformers' own all the same
+TRANSFORMERS_CLI = ("import sys, dflash_offline; from transformers.cli.transformers import main; "
+                    "sys.argv[0] = 'transformers'; sys.exit(main())")
+
+
 def serve(model: Path | str, port: int, log: Path, env: dict) -> subprocess.Popen:
     """`transformers serve model` on 127.0.0.1:port; returns once /health answers (at most 120 s), else fails the test
     with the end of the server's log."""
-    exe = executable()
-    assert exe, "transformers[serving] is not installed: make setup (pip install -e '.[dev]')"
+    assert executable(), "transformers[serving] is not installed: make setup (pip install -e '.[dev]')"
     with open(log, "w") as f:
-        proc = subprocess.Popen([exe, "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--device",
-                                 "cpu", "--dtype", "float32"], stdout=f, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen([sys.executable, "-c", TRANSFORMERS_CLI, "serve", str(model), "--host", "127.0.0.1",
+                                 "--port", str(port), "--device", "cpu", "--dtype", "float32"],
+                                stdout=f, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 120
     while True:
         try:
