@@ -4,6 +4,7 @@ import importlib.abc as _abc
 import importlib.machinery as _machinery
 import logging as _logging
 import sys as _sys
+import warnings as _warnings
 
 __version__ = "0.1.0"
 
@@ -21,6 +22,9 @@ class _ImportNotes(_logging.Filter):
 
 for _name in ("torchao", "torch.utils._pytree"):
     _logging.getLogger(_name).addFilter(_ImportNotes())
+# and Python 3.12's SyntaxWarning for the invalid escapes in torchao's docstrings, printed when a first import compiles
+# them (where the install did not write their bytecode)
+_warnings.filterwarnings("ignore", category=SyntaxWarning, module=r".*[/\\]torchao[/\\]")
 
 
 # transformers' modeling modules whose kernel choice `target.route_gated_deltanet_by_device` corrects
