@@ -4,7 +4,10 @@ giving every document exactly the hidden states it has alone (checked against th
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -281,6 +284,48 @@ def test_mode_packed_needs_cuda(ckpt):
         load_target(ckpt("qwen3"), [1], "cpu", torch.float32, mode="packed")
     with pytest.raises(ValueError, match="layer_ids"):
         load_target(ckpt("qwen3"), [1, 6], "cpu", torch.float32)
+
+
+# a stand-in for fla where it imports but its Triton kernels cannot run (Triton installed, no GPU): transformers binds
+# its functions to the Gated DeltaNet layers all the same
+FAKE_FLA = "def chunk_gated_delta_rule(*a, **k):\n    raise RuntimeError('a stand-in fla kernel was called')\n\n" \
+    "fused_recurrent_gated_delta_rule = chunk_gated_delta_rule\n"
+ROUTED_RUN = """import sys, torch
+if sys.argv[1] == "with":
+    import dflash_offline
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[2], dtype=torch.float32).eval()
+ids = torch.arange(3, 40)[None]
+with torch.no_grad():
+    out = model.generate(ids, max_new_tokens=4, do_sample=False)  # prefill: chunked rule; each new token: recurrent
+    torch.save((model(ids).logits, out), sys.argv[3])
+"""
+
+
+def test_a_cpu_forward_takes_the_torch_functions_where_transformers_bound_fla_kernels(tmp_path, ckpt):
+    """Where fla imports, transformers binds its Triton kernels to Qwen3.5's Gated DeltaNet whatever the device; in a
+    process that imported dflash_offline a CPU forward and a CPU decode run transformers' torch functions instead
+    (`route_gated_deltanet_by_device`), with the logits and tokens of the torch path. Without dflash_offline, the
+    stand-in kernels are reached."""
+    pkg = tmp_path / "site" / "fla" / "ops" / "gated_delta_rule"
+    pkg.mkdir(parents=True)
+    for d in (pkg.parents[1], pkg.parent):
+        (d / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text(FAKE_FLA)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    runs = {}
+    for mode in ("with", "without"):
+        out = tmp_path / f"{mode}.pt"
+        runs[mode] = subprocess.run([sys.executable, "-c", ROUTED_RUN, mode, str(ckpt("qwen3_5")), str(out)],
+                                    env=env, capture_output=True, text=True, timeout=300)
+    assert runs["without"].returncode != 0 and "a stand-in fla kernel was called" in runs["without"].stderr
+    assert runs["with"].returncode == 0, runs["with"].stderr[-3000:]
+    logits, tokens = torch.load(tmp_path / "with.pt")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt("qwen3_5")), dtype=torch.float32).eval()
+    ids = torch.arange(3, 40)[None]
+    with torch.no_grad(), torch_gated_deltanet_kernels():
+        assert torch.equal(logits, model(ids).logits)
+        assert torch.equal(tokens, model.generate(ids, max_new_tokens=4, do_sample=False))
 
 
 # --------------------------------------------------------------------------------------------------------------
