@@ -20,6 +20,7 @@ from .cache.manifest import committed
 from .cache.shards import ROW_FILL, pad_rows, read_token_shard, token_shard_name
 from .config import ExtractConfig
 from .extract_plan import ExtractPlan
+from .metrics import only_interpreter_frozen
 from .progress import Progress, log
 
 
@@ -45,7 +46,7 @@ def extract_shards(cfg: ExtractConfig, plan: ExtractPlan, model, rank: int, worl
     shards = claimed_shards(cache, todo, lambda i: read_token_shard(tokens_dir / token_shard_name(i), tok_sha[i], fix),
                             rank=rank, world=world, lease_s=cfg.lease_s, redo=redo, wait_claims=cfg.wait_claims,
                             log=log)
-    froze = gc.get_freeze_count() == 0  # (a caller's own frozen objects are left as they are)
+    froze = only_interpreter_frozen()  # (a caller's own frozen objects are left as they are)
     reserved, current = [], None  # current: the claim of the shard being computed, until the writer has it
     try:
         for n, (current, rows) in enumerate(shards):
@@ -77,7 +78,7 @@ def extract_shards(cfg: ExtractConfig, plan: ExtractPlan, model, rank: int, worl
         try:
             shards.close()
         finally:
-            if froze and gc.get_freeze_count():
+            if froze and not only_interpreter_frozen():
                 gc.unfreeze()
     timings = writer.drain()
     return report(progress, writer.waited_s, timings, reserved, rank, cuda)

@@ -409,10 +409,10 @@ def kept_process_state():
 
     import torch
 
-    from dflash_offline.metrics import GC_CLOCK
+    from dflash_offline.metrics import GC_CLOCK, only_interpreter_frozen
 
     strict, tf32 = torch._dynamo.config.error_on_recompile, tf32_setting()
-    frozen = gc.get_freeze_count()
+    ours = only_interpreter_frozen()  # (else a caller froze: `end_warm_up` does not freeze)
     gc.callbacks.append(GC_CLOCK)
     try:
         yield
@@ -420,7 +420,7 @@ def kept_process_state():
         gc.callbacks.remove(GC_CLOCK)
         torch._dynamo.config.error_on_recompile = strict
         setattr(torch.backends.cuda.matmul, *tf32)
-        if not frozen and gc.get_freeze_count():
+        if ours and not only_interpreter_frozen():
             gc.unfreeze()
         gc.collect()
 
@@ -447,7 +447,9 @@ def end_warm_up(compiling: bool) -> None:
 
     import torch
 
-    if gc.get_freeze_count() == 0:
+    from dflash_offline.metrics import only_interpreter_frozen
+
+    if only_interpreter_frozen():
         gc.freeze()
     if compiling:
         torch._dynamo.config.error_on_recompile = True
