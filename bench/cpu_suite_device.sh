@@ -13,12 +13,14 @@ if [ "${1:-}" = "--pack" ]; then
   test -f build/fixtures/READY.json || { echo "no build/fixtures: run make fixtures first" >&2; exit 2; }
   tar cJf build/fixtures.tar.xz.tmp -C build fixtures
   mv build/fixtures.tar.xz.tmp build/fixtures.tar.xz
-  # transformers[serving]'s packages (the regen tests' `transformers serve`), same versions as the venv here
+  # transformers[serving]'s packages (the regen tests' `transformers serve`), same versions as the venv here, with
+  # those of their requirements the image lacks: fastapi's opentelemetry-api (itself needing typing-extensions, there),
+  # openai's httpx2 and its httpcore2 and truststore (h11, anyio, idna: there)
   mkdir -p build/wheels-cpu
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform any -d build/wheels-cpu $(.venv/bin/python -m pip list --format=freeze 2>/dev/null \
-      | grep -i -E "^(openai|pydantic|pydantic.core|annotated.types|typing.inspection|uvicorn|fastapi|starlette|distro|jiter|sniffio|annotated.doc)==")
+      | grep -i -E "^(openai|pydantic|pydantic.core|annotated.types|typing.inspection|uvicorn|fastapi|starlette|distro|jiter|sniffio|annotated.doc|opentelemetry.api|httpx2|httpcore2|truststore)==")
   du -ch build/fixtures.tar.xz build/wheels-cpu .whl | tail -1
   exit 0
 fi
@@ -28,9 +30,10 @@ mkdir -p "$OUT" "$res"
 export CUDA_VISIBLE_DEVICES=  # the CPU suite: a test must not find (nor take memory on) the GPU
 test -f build/fixtures/READY.json || tar xJf build/fixtures.tar.xz -C build
 # the carried wheels into the image's interpreter (itself a venv: a venv made from it would not see its packages),
-# the repository on its path as `pip install -e .` puts it (the tests' subprocesses inherit both)
+# the repository on its path as `pip install -e .` puts it (the tests' subprocesses inherit both); their bytecode
+# compiled here, once, not by each of the suite's processes that first imports them, all at once
 py=python3
-$py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade .whl/*.whl build/wheels-cpu/*.whl
+$py -m pip install -q --no-index --no-deps --no-cache-dir --upgrade .whl/*.whl build/wheels-cpu/*.whl
 echo "$PWD" > "$($py -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/dflash-repo.pth"
 { lscpu | grep -E "Model name|^CPU\(s\)" || true; for f in avx2 avx512f amx_tile; do
     grep -qw "$f" /proc/cpuinfo && echo "flag $f: yes" || echo "flag $f: no"; done
