@@ -38,7 +38,8 @@ class GcClock:
 GC_CLOCK = GcClock()
 
 # gc.freeze's permanent generation as this process held it when this module was imported: the interpreter's own
-# objects (none on CPython 3.11 and 3.13, 375 of its static tuples on 3.12), or more where a caller froze first
+# objects (none on CPython 3.11 and 3.13; on 3.12 375 of its static tuples, which every full collection puts back
+# there), or more where a caller froze first
 INTERPRETER_FROZEN = gc.get_freeze_count()
 
 

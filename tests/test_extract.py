@@ -321,7 +321,12 @@ def test_the_heap_leaves_the_gc_after_the_first_shard_and_comes_back_at_the_end(
     monkeypatch.setattr(gc, "freeze", lambda: (calls.append(1), real_freeze())[1])
     cache = extract_run(tmp_path, qwen35_dir, chat_corpus)
     assert len(read_manifest(cache)["shards"]) > 1 and calls == [1]  # once, after the first shard
-    assert gc.get_freeze_count() == 0
+    frozen = gc.get_freeze_count()
+    gc.unfreeze()
+    gc.collect()
+    # no more than the interpreter keeps frozen itself: nothing before Python 3.12; on 3.12 its static tuples, which
+    # every full collection puts back
+    assert frozen <= gc.get_freeze_count()
 
 
 def test_a_failure_mid_shard_keeps_finished_shards_and_releases_both_claims(tmp_path, qwen35_dir, chat_corpus,

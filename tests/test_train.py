@@ -660,7 +660,12 @@ def test_long_lived_objects_leave_the_gc_after_warm_up_and_come_back_at_the_end(
     monkeypatch.setattr(gc, "freeze", lambda: (calls.append(len(calls)), real_freeze())[1])
     train.run(cfg(hidden_cache, tmp_path / "r", steps=3))
     assert calls == [0]  # once, after the warm-up step
-    assert gc.get_freeze_count() == 0
+    frozen = gc.get_freeze_count()
+    gc.unfreeze()
+    gc.collect()
+    # no more than the interpreter keeps frozen itself: nothing before Python 3.12; on 3.12 its static tuples, which
+    # every full collection puts back
+    assert frozen <= gc.get_freeze_count()
     recs = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert all(0 <= r["gc_frac"] < 1 for r in recs)  # time the feeding thread spent in the GC, per window
     assert metrics.GC_CLOCK not in gc.callbacks  # removed when the run ends
@@ -759,7 +764,10 @@ def test_a_finished_run_leaves_no_model_behind(tmp_path, hidden_cache):
         train.run(cfg(hidden_cache, tmp_path / "r", steps=2, ckpt_every=2, compile="on"))
     finally:
         drafter.DFlashDrafter.__init__ = init
-    assert gc.get_freeze_count() == 0 and len(live) == 0
+    frozen = gc.get_freeze_count()
+    gc.unfreeze()
+    gc.collect()
+    assert frozen <= gc.get_freeze_count() and len(live) == 0  # (the interpreter's own frozen objects: as above)
 
 
 @pytest.mark.parametrize("master", ["off", "on"])
