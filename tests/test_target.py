@@ -312,7 +312,7 @@ def test_a_cpu_forward_takes_the_torch_functions_where_transformers_bound_fla_ke
     for d in (pkg.parents[1], pkg.parent):
         (d / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text(FAKE_FLA)
-    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(tmp_path / "site"), str(Path(__file__).parents[1])))}
     runs = {}
     for mode in ("with", "without"):
         out = tmp_path / f"{mode}.pt"
