@@ -41,6 +41,6 @@ for f in testbed.json state.json wall.json; do [ -f "$DIR/$f" ] && cp "$DIR/$f" 
   runs/*/seed*/metrics.jsonl runs/*/seed*/status-rank0.json runs/*/seed*/testbed-job.json runs/*/seed*/logs \
   target/*.json 2>/dev/null)  # (the target's tokenizer and config: --summarize=1 measures the baseline's looping share)
 compgen -G "build/autotune/*.json" >/dev/null && tar czf "$OUT/autotune.tgz" build/autotune
-find bench/results -maxdepth 1 -name "testbed-sweep-*.json" -newer "$since" -exec cp {} "$OUT/" \;
+find bench/results -maxdepth 1 -name "testbed-*.json" -newer "$since" -exec cp {} "$OUT/" \;
 grep -E "^\[testbed|phase|FAILED|τ|error|Error" "$log" | tail -60
 exit $rc

@@ -376,7 +376,10 @@ def test_a_recipe_trains_in_fp8_only_where_the_yardstick_judged_it_at_parity():
     is fp32 (the default) or fp8 with fp8 linears, only because `precision=fp8 loss_logits=fp8` is at parity
     (testbed-sweep-h200-80f65fe.json); the plan then counts the measured speed-up of what they train in. Their loss
     weighs slots by decay (the default) or by D-PACE, only because `weighting=dpace` ranked better
-    (testbed-sweep-h200-66bb894.json), and the plan then says its rate is decay's (D-PACE's step not timed)."""
+    (testbed-sweep-h200-66bb894.json), and the plan then says its rate is decay's (D-PACE's step not timed). A recipe
+    that combines them — D-PACE with float8 linears and lm_head GEMMs on its cache's encoding — does so because that
+    combination was judged at parity with D-PACE in bf16 on a bf16 cache (testbed-sweep-h200-85a5cb0.json, whose
+    first arm and checks are D-PACE's)."""
     import tomllib
 
     judged = {"fp8": _judged_at_parity("0f164ec", "precision=fp8"),
@@ -392,6 +395,11 @@ def test_a_recipe_trains_in_fp8_only_where_the_yardstick_judged_it_at_parity():
         assert logits == "fp32" or (logits == "fp8" and precision == "fp8" and judged["fp8 logits"]), recipe
         train = storage.recipe_train(str(path))
         assert train.loss.weighting == "decay" or (train.loss.weighting == "dpace" and judged["dpace"]), recipe
+        if train.loss.weighting == "dpace" and precision == "fp8":
+            quant = tomllib.loads(path.read_text())["extract"]["quant"]
+            combined = f"weighting=dpace precision=fp8 loss_logits={logits}" + ("" if quant == "bf16" else
+                                                                               f" quant={quant}")
+            assert _judged_at_parity("85a5cb0", combined), (recipe, combined)
         rate = storage.rates(layer_params=storage.EXTRACT_LAYER_PARAMS, drafter=storage.TRAIN_DRAFTER, seq_len=2048,
                              precision=train.compute.precision, loss_logits=train.loss.loss_logits,
                              weighting=train.loss.weighting)["train"]
