@@ -16,6 +16,8 @@ Weighting (`weighting=`):
   weights here leave out that factor, as SpecForge does). Weights are detached; loss = sum(w*ce) / (number of blocks
   with >= 1 label) — a mean over blocks, where SpecForge divides by rows (its loss and gradient are ~blocks per row
   larger, e.g. ~512x: with grad_clip=1.0 it clips nearly every step, this one seldom; Adam is otherwise blind to it).
+  Its weights need the chunk's CE first, so a chunk runs the same epilogue twice: CE without dlogits, then dlogits
+  with those weights (the Triton kernel on CUDA: three reads of the logits and one write, where decay's is two and one).
 The denominator (`loss_weight`) is the batch's by default; training divides every micro-batch by its optimizer
 step's, over all its micro-batches and processes (`step_normalizer`).
 
@@ -240,30 +242,20 @@ class _ChunkedBlockCE(torch.autograd.Function):
             val_n = valid_XK[c0:c1].reshape(-1)
             h_nH = h_XKH[c0:c1].reshape(-1, H)
             z_nV = head.logits(h_nH) if head is not None else _logits(h_nH, w_VH, logits_dtype)
+            run = _epilogue(epilogue)
             if dpace_alpha is None:
                 w_n = (slot_w_K * valid_XK[c0:c1]).reshape(-1)
-                ce_n, pred_n, d_nV = _epilogue(epilogue)(z_nV, lab_n, w_n, need_grad, w_VH.dtype)
-                del z_nV
-                correct_XK[c0:c1] = ((pred_n == lab_n) & val_n).view(c1 - c0, K)
-                loss += (w_n * ce_n).sum()
-                if need_grad:
-                    grad_into(d_nV, grad_XKH[c0:c1].view(-1, H))
-                continue
-            z_nV = z_nV.float()  # D-PACE works in place on an fp32 chunk
-            z_max, pred_n = z_nV.max(-1, keepdim=True)
-            correct_XK[c0:c1] = ((pred_n.squeeze(1) == lab_n) & val_n).view(c1 - c0, K)
-            z_lab = z_nV.gather(1, lab_n[:, None]).squeeze(1)
-            z_nV.sub_(z_max).exp_()  # in place: exp(z - max)
-            z_sum = z_nV.sum(-1, keepdim=True)
-            ce_n = (z_max + z_sum.log()).squeeze(1) - z_lab
-            q = torch.exp(-ce_n).view(c1 - c0, K)
-            w_n = dpace_weights(q, valid_XK[c0:c1], dpace_alpha).reshape(-1)
+                ce_n, pred_n, d_nV = run(z_nV, lab_n, w_n, need_grad, w_VH.dtype)
+            else:  # D-PACE: the weights come from the chunk's own CE, so the epilogue runs twice: CE, then dlogits
+                ce_n, pred_n, _ = run(z_nV, lab_n, val_n.float(), False, w_VH.dtype)
+                q = torch.exp(-ce_n).view(c1 - c0, K)
+                w_n = dpace_weights(q, valid_XK[c0:c1], dpace_alpha).reshape(-1)
+                d_nV = run(z_nV, lab_n, w_n, True, w_VH.dtype)[2] if need_grad else None
+            del z_nV
+            correct_XK[c0:c1] = ((pred_n == lab_n) & val_n).view(c1 - c0, K)
             loss += (w_n * ce_n).sum()
             if need_grad:  # dlogits = w * (softmax - onehot), unnormalized; 1/norm is applied in backward
-                z_nV.mul_(w_n[:, None] / z_sum)
-                z_nV.scatter_add_(1, lab_n[:, None], -w_n[:, None])
-                grad_into(z_nV.to(w_VH.dtype), grad_XKH[c0:c1].view(-1, H))
-            del z_nV
+                grad_into(d_nV, grad_XKH[c0:c1].view(-1, H))
         ctx.mark_non_differentiable(correct_XK)
         if need_grad:
             ctx.save_for_backward(grad_XKH, norm)
@@ -340,7 +332,7 @@ def block_ce_loss(
     `chunk_tokens` bounds the query tokens per chunk (rounded down to whole blocks of L-1 scored slots): the
     logits buffer is chunk_tokens x V x 4 bytes (2 with `logits="bf16"`). `normalizer` overrides the denominator
     (training passes its optimizer step's, `step_normalizer`); by default it is this batch's `loss_weight`.
-    `epilogue` picks the decay-weighting epilogue's implementation (`resolve_epilogue`; D-PACE has its own).
+    `epilogue` picks the epilogue's implementation (`resolve_epilogue`; D-PACE runs it twice a chunk).
     `logits` is the dtype the chunk's logits are stored in, "fp32" or "bf16" (`LOGITS_DTYPES`; the epilogue computes
     in fp32 either way), or "fp8": both lm_head GEMMs in float8 (`Fp8Head`), bf16 logits.
     """
@@ -350,8 +342,7 @@ def block_ce_loss(
     if logits not in LOGITS_DTYPES:
         raise ValueError(f"logits must be one of {tuple(LOGITS_DTYPES)}, got {logits!r}")
     dpace = weighting == "dpace"
-    if not dpace:  # (D-PACE has its own epilogue)
-        epilogue = resolve_epilogue(epilogue, hidden_BQH.is_cuda)
+    epilogue = resolve_epilogue(epilogue, hidden_BQH.is_cuda)
     slot_w_L = slot_weights(L, gamma, labels_BAL.device) if not dpace else torch.ones(L, device=labels_BAL.device)
     norm = _norm(labels_BAL, gamma, weighting, normalizer)
     chunk_blocks = max(1, chunk_tokens // (L - 1))
