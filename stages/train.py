@@ -23,10 +23,12 @@ import sys
 from dflash_offline.config import configs_from_argv
 from dflash_offline.runguard import Interrupted
 from dflash_offline.trainrun import run
-from dflash_offline.trainsetup import TrainConfig
+from dflash_offline.trainsetup import BenchSwitches, TrainConfig
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], switches: BenchSwitches = BenchSwitches()) -> int:
+    """The stage on `argv`; `switches` are benchmarks' performance switches (the testbed's training worker passes
+    them), not options."""
     from dflash_offline.cli import private_compile_caches, unbuffered
 
     private_compile_caches()  # before anything compiles: per-rank caches, no autotuner races between processes
@@ -34,7 +36,7 @@ def main(argv: list[str]) -> int:
     (cfg,) = configs_from_argv([(TrainConfig, "train")], argv, __doc__)
     code = 0
     try:
-        out = run(cfg)
+        out = run(cfg, switches)
         if int(os.environ.get("RANK", 0)) == 0:
             print(out)
     except Interrupted as e:  # one line, no traceback; 128 + the signal

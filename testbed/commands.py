@@ -20,6 +20,7 @@ from dflash_offline.cache.manifest import has_manifest, read_manifest
 
 from .config import TestbedConfig
 from .runs import Paths, drafter_code_digest, stale_job
+from .trainworker import RESIDENT
 from .worker import Worker, Workers
 
 STARTED = time.monotonic()  # (this invocation's start, for --stop_after_s)
@@ -114,6 +115,8 @@ def train_export(cfg: TestbedConfig, run: Path, cache: Path, seed: int, settings
     """Train (resumed where it stopped) and export one drafter; returns seconds per phase."""
     logf = (lambda name: log_dir / f"{name}.log") if log_dir else (lambda name: None)
     args = train_args(cfg, run, cache, seed, settings) + [f"--resume={int((run / 'checkpoints').is_dir())}"]
+    if cfg.resident:  # (not in the job's identity: the same batches, so the same drafter)
+        args.append(RESIDENT)
     train = stage("stages.train", *args, log_file=logf("train"), env=env,
                   worker=TRAIN_WORKERS if cfg.train_worker else None)
     return {"train": train, "export": export_here(run, logf("export"))}

@@ -32,12 +32,18 @@ from __future__ import annotations
 
 from .worker import free_memory, serve
 
+RESIDENT = "--bench_resident=1"  # a request's argument (first-class in no stage): BenchSwitches(resident=True)
+
 
 def load():
-    """stages.train's main."""
+    """stages.train's main, with the bench switch `RESIDENT` taken out of a request's arguments."""
+    from dflash_offline.trainsetup import BenchSwitches
     from stages import train
 
-    return train.main
+    def main(argv: list[str]) -> int:
+        return train.main([a for a in argv if a != RESIDENT], BenchSwitches(resident=RESIDENT in argv))
+
+    return main
 
 
 def fresh_process() -> None:

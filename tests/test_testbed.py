@@ -347,7 +347,9 @@ def test_a_drafter_trained_in_the_training_worker_equals_its_twin_trained_in_a_p
     """testbed.trainworker trains the same drafter as `python -m stages.train` (same seed, cache and settings): equal
     weights — the second drafter of one worker, after one with other settings (seed, steps, learning rate) of the
     same shapes, compiled (a first drafter: the micro testbed's worker-vs-process rerun below): each run compiles its own graphs as a process of its own does (kept from the first run,
-    the second would have compiled none, and a sweep's drafters would add up to dynamo's recompile limit)."""
+    the second would have compiled none, and a sweep's drafters would add up to dynamo's recompile limit). The
+    second trains with its cache resident (the testbed's `--resident=1`: the bench switch the worker takes out of its
+    request), its twin streams it: the same batches, so the same weights."""
     import torch
     from safetensors.torch import load_file
 
@@ -355,12 +357,18 @@ def test_a_drafter_trained_in_the_training_worker_equals_its_twin_trained_in_a_p
             "--head_dim=16", "--num_anchors=8", "--batch_rows=2", "--log_every=1", "--trackers=none"]
     drafters = {"first": (2, ["--seed=1", "--steps=2", "--ckpt_every=2", "--lr=1e-3"]),
              "second": (3, ["--seed=0", "--steps=3", "--ckpt_every=3", "--lr=3e-3"])}
+    from testbed.trainworker import RESIDENT
+
     w = worker.Worker("testbed.trainworker")
     try:
         for name, (_, args) in drafters.items():
-            assert w.run([*tiny, *args, f"--run={tmp_path / 'worker' / name}"], tmp_path / "worker" / f"{name}.log") == 0
+            bench = [RESIDENT] if name == "second" else []
+            assert w.run([*tiny, *args, f"--run={tmp_path / 'worker' / name}", *bench],
+                         tmp_path / "worker" / f"{name}.log") == 0
     finally:
         w.close()
+    assert "the cache resident on the device" in (tmp_path / "worker" / "second.log").read_text()
+    assert "the cache resident" not in (tmp_path / "worker" / "first.log").read_text()
     for name, (steps, args) in [("second", drafters["second"])]:  # (the state a first one may leave is what it checks)
         r = subprocess.run([sys.executable, "-m", "stages.train", *tiny, *args, f"--run={tmp_path / 'alone' / name}"],
                            cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -613,6 +621,8 @@ def test_sweep_presets_combine_without_repeating_an_arm():
     assert config.TestbedConfig(sweep="options,fp8").resolve().sweep == "options,fp8"
     with pytest.raises(ConfigError, match="testbed.sweep"):
         config.TestbedConfig(sweep="options,bogus").resolve()
+    with pytest.raises(ConfigError, match="keep train_worker=1"):  # the resident switch goes through the worker
+        config.TestbedConfig(resident=True, train_worker=False).resolve()
 
 
 def recipe_configs(ext: dict, train: dict):
