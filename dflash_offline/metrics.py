@@ -12,9 +12,11 @@ freeze its heap, the compiled-graph counter behind `recompiles`, and the profile
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib.util
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,17 +39,22 @@ class GcClock:
 
 GC_CLOCK = GcClock()
 
-# gc.freeze's permanent generation as this process held it when this module was imported: the interpreter's own
-# objects (none on CPython 3.11 and 3.13; on 3.12 375 of its static tuples, which every full collection puts back
-# there), or more where a caller froze first
-INTERPRETER_FROZEN = gc.get_freeze_count()
+@functools.cache
+def interpreter_frozen() -> int:
+    """The objects the interpreter itself keeps in gc.freeze's permanent generation: none on CPython 3.11 and 3.13;
+    on 3.12 its static tuples (375 on 3.12.1), which every full collection puts back there. Counted in a fresh,
+    isolated interpreter of the same executable, so that nothing this process or its caller froze is mistaken for
+    them (once per process)."""
+    out = subprocess.run([sys.executable, "-I", "-c", "import gc; gc.collect(); print(gc.get_freeze_count())"],
+                         capture_output=True, text=True, timeout=60)
+    return int(out.stdout) if out.returncode == 0 and out.stdout.strip().isdigit() else 0
 
 
 def only_interpreter_frozen() -> bool:
     """Whether no caller has frozen a heap (gc.freeze): a run may then freeze its own after warm-up and unfreeze the
     permanent generation when it ends — the interpreter's objects with it, as CPython's own test of gc.freeze does.
     Where a caller froze, a run does neither and leaves the caller's objects as they are."""
-    return gc.get_freeze_count() <= INTERPRETER_FROZEN
+    return gc.get_freeze_count() <= interpreter_frozen()
 
 
 def compiled_graphs() -> int:

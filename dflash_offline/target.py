@@ -200,12 +200,24 @@ def route_gated_deltanet_by_device(module) -> None:
         if torch_fn is None or getattr(bound, "routed_by_device", False) or not _binds_a_kernel(bound, torch_fn):
             continue
 
-        def routed(x, *args, _kernel=bound, _torch=torch_fn, **kwargs):
-            return (_torch if x.device.type == "cpu" else _kernel)(x, *args, **kwargs)
+        def routed(*args, _kernel=bound, _torch=torch_fn, _params=_keyword_filter(torch_fn), **kwargs):
+            first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+            if first is None or first.device.type != "cpu":
+                return _kernel(*args, **kwargs)
+            # (transformers' wrapper passes the torch function only the keywords it takes: so does this)
+            return _torch(*args, **(kwargs if _params is None else {k: v for k, v in kwargs.items() if k in _params}))
 
         functools.update_wrapper(routed, torch_fn)  # __wrapped__: the torch function
         routed.routed_by_device = True
         setattr(module, name, routed)
+
+
+def _keyword_filter(fn) -> frozenset | None:
+    """The parameter names `fn` takes, or None where it takes any keyword (**kwargs)."""
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    return None if any(p.kind is p.VAR_KEYWORD for p in params.values()) else frozenset(params)
 
 
 def _binds_a_kernel(fn, torch_fn) -> bool:

@@ -400,6 +400,9 @@ def same_start_on_every_rank(acc, start: Path | None, run_dir, info) -> None:
 # --- the process -------------------------------------------------------------------------------------------------
 
 
+_MAY_FREEZE: list[bool] = []  # per `kept_process_state` entered: whether its run may freeze the heap
+
+
 @contextlib.contextmanager
 def kept_process_state():
     """While a run runs, the GC clock counts; afterwards the process is as the run found it: the recompile guard and
@@ -413,11 +416,13 @@ def kept_process_state():
     from dflash_offline.metrics import GC_CLOCK, only_interpreter_frozen
 
     strict, tf32 = torch._dynamo.config.error_on_recompile, tf32_setting()
-    ours = only_interpreter_frozen()  # (else a caller froze: `end_warm_up` does not freeze)
+    ours = only_interpreter_frozen()  # decided once: where a caller froze, `end_warm_up` does not freeze
+    _MAY_FREEZE.append(ours)
     gc.callbacks.append(GC_CLOCK)
     try:
         yield
     finally:
+        _MAY_FREEZE.pop()
         gc.callbacks.remove(GC_CLOCK)
         torch._dynamo.config.error_on_recompile = strict
         setattr(torch.backends.cuda.matmul, *tf32)
@@ -443,14 +448,13 @@ def end_warm_up(compiling: bool) -> None:
     """After the run's first step: everything built so far (modules, compiled graphs, the dynamo/inductor caches:
     millions of objects) lives until the end, so keep it out of the cyclic GC's full passes, which would otherwise
     walk it all every so often on the thread that feeds the GPU; with compilation, a recompile from now on is an
-    error (a new shape is a bug, not a slowdown). `kept_process_state` undoes both."""
+    error (a new shape is a bug, not a slowdown). `kept_process_state` undoes both; outside one, or where a caller
+    had frozen a heap when it began, the heap is not frozen."""
     import gc
 
     import torch
 
-    from dflash_offline.metrics import only_interpreter_frozen
-
-    if only_interpreter_frozen():
+    if _MAY_FREEZE and _MAY_FREEZE[-1]:
         gc.freeze()
     if compiling:
         torch._dynamo.config.error_on_recompile = True

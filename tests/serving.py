@@ -3,7 +3,6 @@ extra) on a free loopback port, float32 on the CPU — what `make regen ENGINE=`
 
 from __future__ import annotations
 
-import shutil
 import socket
 import subprocess
 import sys
@@ -21,11 +20,14 @@ def free_port() -> int:
 
 
 def executable() -> str | None:
-    """The `transformers` command beside this Python, when its serving extra is installed."""
+    """The Python that runs `transformers serve` (`TRANSFORMERS_CLI`): this one, when transformers' CLI and its
+    serving extra import here."""
+    import importlib.util
+
     from transformers.utils.import_utils import is_serve_available
 
-    exe = shutil.which("transformers", path=str(Path(sys.executable).parent))
-    return exe if exe and is_serve_available() else None
+    cli = importlib.util.find_spec("transformers.cli.transformers") is not None
+    return sys.executable if cli and is_serve_available() else None
 
 
 # the `transformers` command, in a Python that imported dflash_offline first: a Qwen3.5's Gated DeltaNet then runs
@@ -38,9 +40,10 @@ TRANSFORMERS_CLI = ("import sys, dflash_offline; from transformers.cli.transform
 def serve(model: Path | str, port: int, log: Path, env: dict) -> subprocess.Popen:
     """`transformers serve model` on 127.0.0.1:port; returns once /health answers (at most 120 s), else fails the test
     with the end of the server's log."""
-    assert executable(), "transformers[serving] is not installed: make setup (pip install -e '.[dev]')"
+    exe = executable()
+    assert exe, "transformers[serving] is not installed: make setup (pip install -e '.[dev]')"
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-c", TRANSFORMERS_CLI, "serve", str(model), "--host", "127.0.0.1",
+        proc = subprocess.Popen([exe, "-c", TRANSFORMERS_CLI, "serve", str(model), "--host", "127.0.0.1",
                                  "--port", str(port), "--device", "cpu", "--dtype", "float32"],
                                 stdout=f, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 120

@@ -299,6 +299,15 @@ ids = torch.arange(3, 40)[None]
 with torch.no_grad():
     out = model.generate(ids, max_new_tokens=4, do_sample=False)  # prefill: chunked rule; each new token: recurrent
     torch.save((model(ids).logits, out), sys.argv[3])
+if sys.argv[1] == "with":  # every argument by keyword (the device read from the first tensor), one it does not name
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 8, 2, 16, generator=g) for _ in range(3))
+    decay, beta = -torch.rand(1, 8, 2, generator=g), torch.rand(1, 8, 2, generator=g)
+    fn = m.torch_chunk_gated_delta_rule
+    got = fn(query=q, key=k, value=v, g=decay, beta=beta, output_final_state=True, cu_seqlens=None)
+    want = fn.__wrapped__(q, k, v, decay, beta, output_final_state=True)
+    assert fn.routed_by_device and all(torch.equal(a, b) for a, b in zip(got, want)), "keyword call"
 """
 
 
@@ -312,7 +321,8 @@ def test_a_cpu_forward_takes_the_torch_functions_where_transformers_bound_fla_ke
     for d in (pkg.parents[1], pkg.parent):
         (d / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text(FAKE_FLA)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(tmp_path / "site"), str(Path(__file__).parents[1])))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        (str(tmp_path / "site"), str(Path(__file__).parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])))}
     runs = {}
     for mode in ("with", "without"):
         out = tmp_path / f"{mode}.pt"

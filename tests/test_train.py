@@ -650,6 +650,22 @@ def test_compiled_graph_counter_counts_new_graphs():
     assert compiled_graphs() == g0 + 2
 
 
+def test_a_heap_the_caller_froze_before_importing_us_is_neither_refrozen_nor_unfrozen():
+    """A process that froze its own heap (gc.freeze) before dflash_offline's modules were imported: a run there
+    (`kept_process_state` around `end_warm_up`, as `trainrun.run` has them) freezes nothing and leaves the caller's
+    frozen objects frozen — the interpreter's own frozen objects (Python 3.12's static tuples) are counted in a fresh
+    interpreter, not taken from this process when a module happens to be imported."""
+    # (a frozen object still dies when its last reference goes: the count may fall a little, never to 0 nor rise by
+    # the hundreds of thousands of objects that importing torch adds)
+    code = ("import gc; keep = [[i] for i in range(5000)]; gc.freeze(); n = gc.get_freeze_count()\n"
+            "from dflash_offline.trainsetup import end_warm_up, kept_process_state\n"
+            "with kept_process_state():\n"
+            "    end_warm_up(False); assert n - 1000 < gc.get_freeze_count() <= n, ('refrozen', n, gc.get_freeze_count())\n"
+            "assert n - 1000 < gc.get_freeze_count() <= n, ('unfrozen', n, gc.get_freeze_count())\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def test_long_lived_objects_leave_the_gc_after_warm_up_and_come_back_at_the_end(tmp_path, hidden_cache, monkeypatch):
     """After the warm-up step the heap built so far is frozen (full GC passes on the feeding thread stay short);
     when the run ends it is unfrozen, so the process is as it was."""
