@@ -10,6 +10,9 @@ S = 2048, 512 anchors, block 16 (random weights and random cached states); `--sh
     python -m bench.train --project_dims=2560 --quant=fp8   (GPU: the same with projected taps, k a tap; no baseline)
     python -m bench.train --precision=fp8 --alone --skip_baseline   (ours in fp8 only: one run a process, as
                                                `bench.train_compare` runs each variant)
+    python -m bench.train --precision=fp8 --loss_logits=fp8 --weighting=dpace --quant=fp4 --alone --skip_baseline
+                                              (GPU: the Qwen3.5/3.6-27B recipes' step; --weighting=decay: theirs
+                                               with decay's epilogue)
     python -m bench.train --recipe=manifests/qwen3.8-27b-dflash2.toml --seq_len=4096 --anchors=64 --skip_baseline
                                               (GPU: the recipe's drafter — block 8, 5 sliding layers, DFlash2 — as
                                                DFlash, then as DFlash2: the DFlash2 / DFlash rates at its shapes)
@@ -147,7 +150,7 @@ def run_ours(args, cache: Path, drafter: dict, precision: str = "auto", name: st
                       num_anchors=args.anchors, log_every=args.log_every, ckpt_every=10**9, trackers="none",
                       attn=args.attn, profile_steps=args.profile_steps, master_weights=args.master_weights,
                       global_batch_tokens=args.accum * args.batch_rows * args.seq_len,
-                      loss_logits=args.loss_logits, precision=precision,
+                      loss_logits=args.loss_logits, precision=precision, weighting=args.weighting,
                       **({} if args.loss_chunk_tokens is None else {"loss_chunk_tokens": args.loss_chunk_tokens}),
                       **{"block_size": 16, **drafter}).resolve()
     # the A/B switches that are not trainer options (within the run-to-run spread: docs/benchmarks.md)
@@ -189,7 +192,7 @@ def run_ours(args, cache: Path, drafter: dict, precision: str = "auto", name: st
             "recompiles": recs[-1]["recompiles"], "first_window_ms": recs[0]["ms_per_step"], "gpu": clocks,
             "master_weights": derived["master_weights"],
             "attn": derived["attn"], "loss_logits": derived["loss_logits"], "tf32": derived["tf32"],
-            "precision": derived["precision"], "variant": cfg.drafter.variant,
+            "precision": derived["precision"], "variant": cfg.drafter.variant, "weighting": cfg.loss.weighting,
             "loss_chunk_tokens": cfg.loss.loss_chunk_tokens, "loss": [r["loss"] for r in recs], "pid": os.getpid(),
             "resident": args.resident, "read_check": args.read_check, "read_check_ms_per_step": 1000 * hashed["s"] / args.steps,
             "read_check_gb_per_step": hashed["bytes"] / 1e9 / args.steps,
@@ -314,6 +317,8 @@ def main() -> None:
     p.add_argument("--master_weights", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--loss_logits", default="fp32", choices=["fp32", "bf16", "fp8"],
                    help="the trainer's loss_logits (fp8: both lm_head GEMMs in float8)")
+    p.add_argument("--weighting", default="decay", choices=["decay", "dpace"],
+                   help="ours' slot weighting (dpace: the epilogue runs twice a chunk); the baseline's stays decay")
     p.add_argument("--tf32", default="off", choices=["on", "off"], help="on: TF32 tensor cores for fp32 matmuls")
     p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp8"],
                    help="the trainer's precision; fp8: ours in bf16, then ours in fp8 (float8 linears), one call")

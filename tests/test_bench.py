@@ -51,9 +51,12 @@ def test_gpu_sampler_averages_the_samples_of_a_time_range():
 @pytest.mark.parametrize("rows", ["bench", "chat"])
 def test_bench_train_tiny_with_profile_and_accumulation(tmp_path, rows):
     chunk = 60 if rows == "chat" else None  # 4 blocks of 15 scored slots per lm_head chunk: the tiny run has 2
+    weighting = "dpace" if rows == "chat" else "decay"  # (D-PACE's epilogue, run twice a chunk, in the timed step)
     res, stdout = run_bench("bench.train", tmp_path, "--steps=8", "--log_every=2", "--profile_steps=2", "--accum=2",
-                            f"--rows={rows}", *([f"--loss_chunk_tokens={chunk}"] if chunk else []))
+                            f"--rows={rows}", f"--weighting={weighting}",
+                            *([f"--loss_chunk_tokens={chunk}"] if chunk else []))
     ours = res["ours"]
+    assert ours["weighting"] == weighting
     chunk = chunk or TrainConfig.of(cache="").loss.loss_chunk_tokens  # the trainer's default
     assert res["rows"] == rows and ours["loss_chunk_tokens"] == chunk
     assert f"| rows, attn, loss logits, TF32, loss chunk tokens | {rows}, dense, fp32, False, {chunk} |" in stdout
