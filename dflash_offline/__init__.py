@@ -66,7 +66,7 @@ class _RouteOnImport(_abc.MetaPathFinder):
             return None
         for finder in _sys.meta_path:
             find = getattr(finder, "find_spec", None)
-            if finder is self or isinstance(finder, _RouteOnImport) or find is None:
+            if isinstance(finder, _RouteOnImport) or find is None:  # (itself among them)
                 continue
             spec = find(name, path, target)
             if spec is not None:
