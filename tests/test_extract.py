@@ -237,19 +237,65 @@ def test_kill_9_then_rerun_completes_without_partial_shards(tmp_path, qwen35_dir
     assert verify.verify(cache, VerifyConfig(cache=str(cache), rows=1, device="cpu").resolve())["ok"]
 
 
+class LineWatch:
+    """Reads a process's stdout on a thread (all of it kept) and says when a line matching a pattern has come."""
+
+    def __init__(self, proc, pattern: str):
+        import threading
+
+        self.lines, self.seen, self.pattern = [], threading.Event(), re.compile(pattern)
+        self.thread = threading.Thread(target=self._read, args=(proc.stdout,), daemon=True)
+        self.thread.start()
+
+    def _read(self, stream):
+        for line in stream:
+            self.lines.append(line)
+            if self.pattern.search(line):
+                self.seen.set()
+
+    def text(self) -> str:
+        self.thread.join(timeout=60)
+        return "".join(self.lines)
+
+
 def test_two_concurrent_extractors_split_the_shards(tmp_path, qwen35_dir, chat_corpus):
-    env = dict(os.environ, DFLASH_NO_BAR="1", PYTHONPATH=str(REPO))
+    """Both workers commit shards, none twice, none missing. Their overlap is made, not hoped for: on a fast CPU the
+    first one started could do every shard before the second had loaded its model, so it is paused (SIGSTOP, its
+    claim still live) after its first commit until the second has committed one of its own."""
+    env = dict(os.environ, DFLASH_NO_BAR="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
     # stage 1a first, so both workers start on the same token cache (as machines sharing a filesystem would)
     subprocess.run([sys.executable, "-m", "stages.tokenize", f"--corpus={chat_corpus}", f"--tokenizer={qwen35_dir}",
                     f"--cache_root={tmp_path / 'cache'}", "--seq_len=128", "--rows_per_shard=2", "--max_docs=60",
                     "--workers=1"], cwd=REPO, env=env, check=True, capture_output=True)
-    procs = [subprocess.Popen(cli(tmp_path, qwen35_dir, chat_corpus, "--wait_claims=1"), cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
-    import re
 
-    sets = [{int(x) for x in re.findall(r"shard (\d+) committed", o[0])} for o in outs]
+    def start(i):  # (stderr to a file: the watcher alone reads the pipe)
+        with open(tmp_path / f"worker{i}.err", "w") as err:
+            proc = subprocess.Popen(cli(tmp_path, qwen35_dir, chat_corpus, "--wait_claims=1"), cwd=REPO, env=env,
+                                    stdout=subprocess.PIPE, stderr=err, text=True)
+        return proc, LineWatch(proc, r"shard \d+ committed")
+
+    def err(i):
+        return (tmp_path / f"worker{i}.err").read_text()[-2000:]
+
+    procs, watches = [], []
+    try:
+        for i in range(2):
+            proc, watch = start(i)
+            procs.append(proc)
+            watches.append(watch)
+            assert watch.seen.wait(timeout=240), f"worker {i} committed no shard: {err(i)}"
+            if i == 0:
+                proc.send_signal(signal.SIGSTOP)
+        procs[0].send_signal(signal.SIGCONT)
+        for p in procs:
+            p.wait(timeout=300)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), [err(i) for i in range(2)]
+    sets = [{int(x) for x in re.findall(r"shard (\d+) committed", w.text())} for w in watches]
     cache = next((tmp_path / "cache").glob("hidden-*"))
     m = read_manifest(cache)
     assert not sets[0] & sets[1], sets  # never the same shard twice
