@@ -39,6 +39,12 @@ TRAIN_TOK_S = 9_633
 TRAIN_FP8_SPEEDUP = 12_084 / ((9_858 + 9_854) / 2)
 # precision=fp8 with loss_logits=fp8 (both lm_head GEMMs in float8 as well), the same call: 13,383 ctx tok/s
 TRAIN_FP8_HEAD_SPEEDUP = 13_383 / ((9_858 + 9_854) / 2)
+# weighting=dpace over decay, each with float8 linears and lm_head GEMMs on an fp4 cache (the Qwen3.5/3.6-27B
+# recipes' step), one process each, two H200s of one session (1678 and 1670 MHz; 2026-12-04, `0b2900e`,
+# bench/results/bench-train-{dpace,decay}-fp8-fp4-h200.json): 13,257 vs 13,482 ctx tok/s — D-PACE's epilogue runs
+# twice a chunk. A plan of a D-PACE run takes its rate × this (a cost within the spread between H200s, kept: a budget
+# should not round a measured cost away)
+TRAIN_DPACE_FACTOR = 13_257 / 13_482
 TRAIN_SEQ_LEN = 2048
 TRAIN_DRAFTER = SimpleNamespace(hidden_size=5120, intermediate_size=17408, vocab_size=248320, num_layers=5,
                                 num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, num_anchors=512,
@@ -121,24 +127,24 @@ def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.
     length) and, for a `precision="fp8"` training, by fp8's measured speed-up (`fp8`: with `loss_logits="fp8"`,
     that of float8 lm_head GEMMs as well; `fp8_logits`); a drafter of another variant
     than the measured one's (DFlash2) is always "scaled" and named (`variant`), so is a loss weighted otherwise than
-    the measured step's decay (`weighting`: D-PACE, whose epilogue is not timed at these shapes); and regeneration's generated tokens/s
-    when given (no measured rate: no entry otherwise)."""
+    the measured step's decay, whose rate is then × D-PACE's measured cost (`weighting`, `dpace`); and
+    regeneration's generated tokens/s when given (no measured rate: no entry otherwise)."""
     from .metrics import flops_per_row
 
     per_tok = flops_per_row(drafter, seq_len, drafter.num_anchors) / seq_len
     ref_per_tok = flops_per_row(TRAIN_DRAFTER, TRAIN_SEQ_LEN, TRAIN_DRAFTER.num_anchors) / TRAIN_SEQ_LEN
     out, work = {}, {"extract": EXTRACT_LAYER_PARAMS / layer_params, "train": ref_per_tok / per_tok}
     variant = drafter.variant if drafter.variant != TRAIN_DRAFTER.variant else None  # (DFlash2: DFlash's rate, scaled)
-    same = {"extract": seq_len == EXTRACT_SEQ_LEN, "train": variant is None and weighting == "decay"}  # (training's row length is in its FLOPs)
+    same = {"extract": seq_len == EXTRACT_SEQ_LEN, "train": variant is None}  # (training's row length is in its FLOPs)
     fp8 = ({} if precision != "fp8" else {"fp8": TRAIN_FP8_SPEEDUP} if loss_logits != "fp8" else
            {"fp8": TRAIN_FP8_HEAD_SPEEDUP, "fp8_logits": True})  # (fp8 logits alone: not measured, no speed-up)
     train = {**fp8, **({"variant": variant} if variant else {}),
-             **({"weighting": weighting} if weighting != "decay" else {})}
+             **({"weighting": weighting, "dpace": TRAIN_DPACE_FACTOR} if weighting == "dpace" else {})}
     for stage, given, measured, extra in (("extract", extract_tok_s, EXTRACT_TOK_S, {}),
                                           ("train", train_tok_s, TRAIN_TOK_S, train)):
         factor = work[stage]
         out[stage] = {"tok_s": given, "source": "given"} if given else \
-            {"tok_s": measured * factor * extra.get("fp8", 1.0),
+            {"tok_s": measured * factor * extra.get("fp8", 1.0) * extra.get("dpace", 1.0),
              "source": "measured" if abs(factor - 1) < 0.01 and same[stage] else "scaled",
              "factor": factor, "measured_tok_s": measured, **extra}
     if regen_tok_s:
@@ -250,8 +256,8 @@ def describe_rate(stage: str, r: dict) -> str:
     if r.get("fp8"):
         how += (f"; ×{r['fp8']:.3g} for precision=fp8" + (" loss_logits=fp8" if r.get("fp8_logits") else "")
                 + ", its speed-up there on an H200")
-    if r.get("weighting"):
-        how += f"; weighting={r['weighting']} not timed there: decay's rate"
+    if r.get("dpace"):
+        how += f"; ×{r['dpace']:.3g} for weighting=dpace, its cost against decay there"
     return f"{stage} {r['tok_s']:,.0f} {unit} per H200 ({how})"
 
 

@@ -178,8 +178,9 @@ def test_a_27b_plan_from_shapes_alone(tmp_path, capsys):
     assert 18_000 < bf16["tok_s"] < 20_000  # rows of 4096: ≈ half the FLOPs per token of rows of 2048
     measured = json.loads((REPO / "bench/results/bench-train-precision-h200.json").read_text())
     assert measured["drift_ok"] and measured["runs"][0]["variant"] == measured["runs"][-1]["variant"] == "bf16"
-    assert rate["train"]["tok_s"] == pytest.approx(bf16["tok_s"] * measured["ratios"]["fp8+fp8head"]["tok_per_s"],
-                                                   rel=1e-4)
+    assert train.loss.weighting == "dpace"  # (and D-PACE's measured cost against decay, the same float8 step)
+    assert rate["train"]["tok_s"] == pytest.approx(bf16["tok_s"] * measured["ratios"]["fp8+fp8head"]["tok_per_s"]
+                                                   * storage.TRAIN_DPACE_FACTOR, rel=1e-4)
     rows = 390_625  # × 4096 = 1.6B tokens
     # 16 rows a shard: 24,414 full shards and one of 1 row; verify recomputes 2 rows of each. 1,500 answer tokens of
     # each of 800K samples of 2,000 tokens (docs/full-run.md's assumption)
@@ -202,13 +203,13 @@ def test_a_27b_plan_from_shapes_alone(tmp_path, capsys):
     assert "81.9 TB" in text and "23.1 TB" in text and "a real run is refused (--allow_overfill=1" in text
     assert re.search(r"\n  fp4 \(chosen\) +14,420 +23\.1 TB .*parity\n", text)
     assert re.search(r"\n  fp8 k=2560 +12,820 +20\.5 TB .*  parity at 1/2 the width on the testbed\n", text)  # (not chosen)
-    assert "GPU-hours: extract 36.9 (4.6 h on 8), verify 4.6 (on 1), train 6 epochs 105.1 (13.1 h on 8); total " \
-           "146.6 GPU-h without regen, 23.2 h end to end" in text  # (as docs/extract.md and docs/full-run.md)
+    assert "GPU-hours: extract 36.9 (4.6 h on 8), verify 4.6 (on 1), train 6 epochs 106.9 (13.4 h on 8); total " \
+           "148.4 GPU-h without regen, 23.4 h end to end" in text  # (as docs/extract.md and docs/full-run.md)
     # verify: the whole cache re-hashed at SHA-256's rate × 8 threads (23.1 TB / 8 GB/s), 48,829 rows recomputed
     assert "verify: re-hashes 23.1 TB (48 min at 8 GB/s = 8 threads × SHA-256" in text and "recomputes 48,829 rows" in text
     assert "regen: 1,200,000,000 answer tokens" in text and "--plan_regen_tok_s=R" in text
     assert "extract 12,045 row tok/s per H200 (measured at Qwen3.5-27B shapes" in text
-    assert re.search(rf"train 25,366 context tok/s per H200 \(estimate: {storage.TRAIN_TOK_S:,} measured at the 27B "
+    assert re.search(rf"train 24,942 context tok/s per H200 \(estimate: {storage.TRAIN_TOK_S:,} measured at the 27B "
                      r"drafter.*; ×1\.36 for precision=fp8 loss_logits=fp8", text)
 
 
@@ -376,7 +377,8 @@ def test_a_recipe_trains_in_fp8_only_where_the_yardstick_judged_it_at_parity():
     is fp32 (the default) or fp8 with fp8 linears, only because `precision=fp8 loss_logits=fp8` is at parity
     (testbed-sweep-h200-80f65fe.json); the plan then counts the measured speed-up of what they train in. Their loss
     weighs slots by decay (the default) or by D-PACE, only because `weighting=dpace` ranked better
-    (testbed-sweep-h200-66bb894.json), and the plan then says its rate is decay's (D-PACE's step not timed). A recipe
+    (testbed-sweep-h200-66bb894.json), and the plan then counts D-PACE's measured cost (its step against decay's,
+    bench-train-{dpace,decay}-fp8-fp4-h200.json: the factor must be the ratio of those files' rates). A recipe
     that combines them — D-PACE with float8 linears and lm_head GEMMs on its cache's encoding — does so because that
     combination was judged at parity with D-PACE in bf16 on a bf16 cache (testbed-sweep-h200-85a5cb0.json, whose
     first arm and checks are D-PACE's)."""
@@ -404,8 +406,15 @@ def test_a_recipe_trains_in_fp8_only_where_the_yardstick_judged_it_at_parity():
                              precision=train.compute.precision, loss_logits=train.loss.loss_logits,
                              weighting=train.loss.weighting)["train"]
         shown = storage.describe_rate("train", rate)
-        assert (train.loss.weighting == "dpace") == ("weighting=dpace not timed" in shown), (recipe, shown)
+        assert (train.loss.weighting == "dpace") == ("for weighting=dpace" in shown), (recipe, shown)
         speedup = {("fp8", "fp8"): storage.TRAIN_FP8_HEAD_SPEEDUP, ("fp8", "fp32"): storage.TRAIN_FP8_SPEEDUP}
-        assert rate["tok_s"] == pytest.approx(storage.TRAIN_TOK_S * speedup.get(seen[recipe], 1.0))
+        dpace = storage.TRAIN_DPACE_FACTOR if train.loss.weighting == "dpace" else 1.0
+        assert rate["tok_s"] == pytest.approx(storage.TRAIN_TOK_S * speedup.get(seen[recipe], 1.0) * dpace)
     assert seen["qwen3.6-27b"] == seen["qwen3.5-27b"] == ("fp8", "fp8")
     assert storage.recipe_train(str(REPO / "manifests/qwen3.6-27b.toml")).loss.weighting == "dpace"
+    measured = {w: json.loads((REPO / "bench/results" / f"bench-train-{w}-fp8-fp4-h200.json").read_text())["ours"]
+                for w in ("dpace", "decay")}
+    assert all(m["precision"] == "fp8" and m["loss_logits"] == "fp8" and m["weighting"] == w
+               for w, m in measured.items())
+    assert storage.TRAIN_DPACE_FACTOR == pytest.approx(round(measured["dpace"]["tok_per_s"])
+                                                       / round(measured["decay"]["tok_per_s"]))
