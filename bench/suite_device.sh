@@ -8,8 +8,12 @@
 #   bash bench/suite_device.sh [PYTEST ARGS]            # there, with carry .whl build/fixtures.tar.xz build/wheels-cpu
 #   MARK=gpu bash bench/suite_device.sh tests/test_drafter_gpu.py ...   # there: GPU tests (the same carry)
 # There the suite runs with the image's interpreter (the CPU suite with no GPU visible); JUnit XML, the log and the
-# machine's CPU (and GPU) go into one tarball in $OUT: cpu-suite.tgz or gpu-suite.tgz. SUITE_LIMIT=S interrupts it
-# after S seconds (SIGINT: pytest still reports the tests that ran); WORKERS=N processes (CPU suite: all cores).
+# machine's CPU (and GPU) go into one tarball in $OUT: cpu-suite.tgz or gpu-suite.tgz. The GPU tests pin fla's autotuner
+# choices from bench/autotune/ and record theirs: gpu-suite/autotune.json, to fold in here with
+#   .venv/bin/python -m dflash_offline.autotune merge --first_wins=1 --out=bench/autotune/T.json bench/autotune/T.json \
+#     build/gpu-suite/autotune.json      (T: the table of that GPU, Triton and fla)
+# SUITE_LIMIT=S interrupts it after S seconds (SIGINT: pytest still reports the tests that ran); WORKERS=N processes
+# (CPU suite: all cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--pack" ]; then
@@ -32,7 +36,10 @@ MARK=${MARK:-cpu}
 case "$MARK" in
   cpu) export CUDA_VISIBLE_DEVICES=  # the CPU suite: a test must not find (nor take memory on) the GPU
        select="not gpu" workers=${WORKERS:-$(nproc)} ;;
-  gpu) select="gpu" workers=${WORKERS:-0} ;;  # (one process: the GPU tests size their work to one GPU)
+  gpu) select="gpu" workers=${WORKERS:-0}  # (one process: the GPU tests size their work to one GPU)
+       # fla's autotuner choices recorded on earlier calls pinned (a cold machine otherwise times every candidate
+       # config of every shape: ≈ 160 s for an exact-mode evaluation's float32 kernels), this call's recorded
+       export DFLASH_AUTOTUNE_PIN=${DFLASH_AUTOTUNE_PIN-$PWD/bench/autotune} DFLASH_AUTOTUNE_RECORD=$PWD/build/autotune ;;
   *) echo "MARK=cpu or MARK=gpu, got $MARK" >&2; exit 2 ;;
 esac
 res=build/$MARK-suite
@@ -57,5 +64,10 @@ args=("$@")  # pytest arguments; the whole tests/ where they name no file or fol
 ${SUITE_LIMIT:+timeout -s INT -k 30 "$SUITE_LIMIT"} $py -m pytest -q -m "$select" -n "$workers" --dist loadfile \
   -p no:cacheprovider -rfEs --junitxml="$res/junit.xml" --durations=15 "${args[@]}" >"$res/pytest.log" 2>&1 || rc=$?
 tail -40 "$res/pytest.log"
+# the choices this call's autotuners made, as one table (merge it into bench/autotune/'s with --first_wins=1: the
+# file's header says how) — the next cold machine then pins the tests' shapes too
+if compgen -G "build/autotune/*.json" >/dev/null; then
+  $py -m dflash_offline.autotune merge --out="$res/autotune.json" $(ls build/autotune/*.json | sort -t/ -k3 -n) || true
+fi
 tar czf "$OUT/$MARK-suite.tgz" -C build "$MARK-suite"
 exit $rc

@@ -25,6 +25,11 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     if config.getoption("--no-mkldnn"):
         no_mkldnn_anywhere()
+    # DFLASH_AUTOTUNE_PIN / _RECORD (bench/suite_device.sh sets them for the GPU tests) reach the stages the tests run
+    # in this process as they reach a stage's CLI; subprocesses inherit the variables. Unset: nothing happens.
+    from dflash_offline import autotune
+
+    autotune.from_env()
 
 
 def no_mkldnn_anywhere():
