@@ -58,6 +58,7 @@ transformers.__version__)"
   [ "$MARK" = gpu ] && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 } | tee "$res/machine.txt"
 rc=0
+rm -rf build/autotune "$res/autotune.json"  # (a warm machine's earlier call: not this call's choices)
 # SUITE_LIMIT=S: interrupted after S seconds (SIGINT: pytest still writes the report of the tests that ran)
 args=("$@")  # pytest arguments; the whole tests/ where they name no file or folder of it
 [[ " $* " == *" tests"* ]] || args=(tests "${args[@]}")
@@ -67,7 +68,8 @@ tail -40 "$res/pytest.log"
 # the choices this call's autotuners made, as one table (merge it into bench/autotune/'s with --first_wins=1: the
 # file's header says how) — the next cold machine then pins the tests' shapes too
 if compgen -G "build/autotune/*.json" >/dev/null; then
-  $py -m dflash_offline.autotune merge --out="$res/autotune.json" $(ls build/autotune/*.json | sort -t/ -k3 -n) || true
+  $py -m dflash_offline.autotune merge --first_wins=1 --out="$res/autotune.json" \
+    $(ls build/autotune/*.json | sort -t/ -k3 -n) || true  # (two processes choosing apart: the first's kept)
 fi
 tar czf "$OUT/$MARK-suite.tgz" -C build "$MARK-suite"
 exit $rc

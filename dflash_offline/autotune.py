@@ -142,11 +142,10 @@ def pin(table_file: str) -> int:
     pinned, and that is said)."""
     import inspect
 
+    if versions()["triton"] is None:  # (no Triton here: no kernel to pin)
+        return 0
     import triton
     from triton.runtime.autotuner import Autotuner
-
-    if versions()["triton"] is None:
-        return 0
     found, table = table_for(table_file)
     if found is None:
         return 0

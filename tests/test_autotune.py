@@ -97,3 +97,15 @@ def test_the_pinned_table_of_a_directory_is_the_matching_file_and_junk_there_is_
     err = capsys.readouterr().err
     assert "a-list.json: unreadable" in err and "b-cut.json: unreadable" in err and "c-h200.json" in err
     assert autotune.table_for(str(tmp_path / "missing.json"), warn=False) == (None, {})
+
+
+def test_a_pin_asked_for_where_triton_is_absent_pins_nothing_and_raises_nothing(tmp_path, monkeypatch):
+    """`DFLASH_AUTOTUNE_PIN` set on a machine without Triton (a CPU venv: the test session's conftest and every stage
+    call `from_env`): nothing is pinned, nothing is imported that is not there."""
+    from dflash_offline import autotune
+
+    monkeypatch.setattr(autotune, "versions", lambda: {"triton": None, "fla": None, "gpu": "cpu"})
+    monkeypatch.setitem(__import__("sys").modules, "triton", None)  # (import triton → ImportError, as without it)
+    monkeypatch.setenv("DFLASH_AUTOTUNE_PIN", str(tmp_path))
+    assert autotune.pin(str(tmp_path)) == 0
+    autotune.from_env()

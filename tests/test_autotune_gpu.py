@@ -37,8 +37,11 @@ print(json.dumps({"benched": len(benched), "best": double.best_config.kwargs, "o
 
 
 def _run(env: dict) -> dict:
+    """The kernel in a process of its own with `env` — and none of the caller's DFLASH_AUTOTUNE_* (a suite that
+    records or pins its own choices must not record this test's, nor pin them here)."""
+    base = {k: v for k, v in __import__("os").environ.items() if not k.startswith("DFLASH_AUTOTUNE_")}
     r = subprocess.run([sys.executable, "-c", KERNEL], cwd=REPO, capture_output=True, text=True, timeout=300,
-                       env={**__import__("os").environ, **env})
+                       env={**base, **env})
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
