@@ -1,6 +1,7 @@
 """Stage 1b end to end on CPU: exact hidden states, reruns, SHARD= redo, kill -9, concurrent extractors, verify, FP8,
 fail-fast checks."""
 
+import contextlib
 import json
 import os
 import re
@@ -277,15 +278,49 @@ def test_two_concurrent_extractors_split_the_shards(tmp_path, qwen35_dir, chat_c
     def err(i):
         return (tmp_path / f"worker{i}.err").read_text()[-2000:]
 
+    def first_commit(i, proc, watch):  # (a worker that dies before it fails the test at once)
+        deadline = time.monotonic() + 240
+        while not watch.seen.wait(timeout=0.2):
+            assert proc.poll() is None and time.monotonic() < deadline, f"worker {i} committed no shard: {err(i)}"
+
+    def holds_the_lock(proc) -> bool:  # (the cache's lock: a short read-modify-write of the manifest or a claim)
+        return any(lock.read_text().split(":")[1:2] == [str(proc.pid)]
+                   for lock in (tmp_path / "cache").glob("*/.lock") if lock.is_file())
+
+    def pause(proc):
+        """SIGSTOP, but never inside the lock (the other worker would wait for it, then break it as stale and race
+        the paused one's write): a stopped process cannot take the lock, so what is read after the stop holds."""
+        def stopped() -> bool:  # (every thread: a signal is delivered, not obeyed, when send_signal returns)
+            if not Path("/proc/self/task").is_dir():  # (no procfs: a moment is all it can wait)
+                time.sleep(0.05)
+                return True
+            states = []
+            for stat in Path(f"/proc/{proc.pid}/task").glob("*/stat"):
+                with contextlib.suppress(OSError):
+                    states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+            return bool(states) and all(x in "tT" for x in states)
+
+        for _ in range(500):
+            proc.send_signal(signal.SIGSTOP)
+            deadline = time.monotonic() + 10
+            while not stopped():
+                assert proc.poll() is None and time.monotonic() < deadline, f"worker 0 did not stop: {err(0)}"
+                time.sleep(0.001)
+            if not holds_the_lock(proc):
+                return
+            proc.send_signal(signal.SIGCONT)
+            time.sleep(0.02)
+        raise AssertionError("worker 0 held the cache's lock at each of 500 pauses")
+
     procs, watches = [], []
     try:
         for i in range(2):
             proc, watch = start(i)
             procs.append(proc)
             watches.append(watch)
-            assert watch.seen.wait(timeout=240), f"worker {i} committed no shard: {err(i)}"
+            first_commit(i, proc, watch)
             if i == 0:
-                proc.send_signal(signal.SIGSTOP)
+                pause(proc)
         procs[0].send_signal(signal.SIGCONT)
         for p in procs:
             p.wait(timeout=300)
@@ -294,6 +329,7 @@ def test_two_concurrent_extractors_split_the_shards(tmp_path, qwen35_dir, chat_c
             if p.poll() is None:
                 p.send_signal(signal.SIGCONT)
                 p.kill()
+                p.wait()
     assert all(p.returncode == 0 for p in procs), [err(i) for i in range(2)]
     sets = [{int(x) for x in re.findall(r"shard (\d+) committed", w.text())} for w in watches]
     cache = next((tmp_path / "cache").glob("hidden-*"))
