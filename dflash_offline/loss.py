@@ -14,8 +14,10 @@ Weighting (`weighting=`):
   P_j = prod_{i<=j} s_i and w_k = valid_k * sum_{j>=k} valid_j * P_j: a surrogate of the smoothed expected acceptance
   length sum_j P_j (whose gradient is sum_k w_k * dlog s_k, and dlog s_k = (1-alpha) q_k / s_k * dlog q_k: the CE
   weights here leave out that factor, as SpecForge does). Weights are detached; loss = sum(w*ce) / (number of blocks
-  with >= 1 label) — a mean over blocks, where SpecForge divides by rows (its loss and gradient are ~blocks per row
-  larger, e.g. ~512x: with grad_clip=1.0 it clips nearly every step, this one seldom; Adam is otherwise blind to it).
+  with >= 1 label) — a mean over blocks, where SpecForge divides by rows: its loss and gradient are larger by the mean
+  number of labelled blocks a row (at most num_anchors: 512 on full rows of the 27B recipes), so with grad_clip=1.0
+  its updates are clipped far more often than these (not measured here); Adam is otherwise blind to the scale.
+  alpha: `train.dpace_alpha` (0.5, SpecForge's default).
   Its weights need the chunk's CE first, so a chunk runs the same epilogue twice: CE without dlogits, then dlogits
   with those weights (the Triton kernel on CUDA: three reads of the logits and one write, where decay's is two and one).
 The denominator (`loss_weight`) is the batch's by default; training divides every micro-batch by its optimizer
@@ -46,6 +48,7 @@ class LossSettings:
     num_anchors: int = 512  # anchors per row, resampled every step (padded with a keep mask)
     gamma: float = 0.0  # slot-weight decay exp(-(k-1)/gamma); 0 = 7 for block 16, 4 for block 8; inf = no decay
     weighting: str = "decay"  # slot weights: "decay" (exp(-(k-1)/gamma)) or "dpace"
+    dpace_alpha: float = 0.5  # weighting=dpace: each slot's factor (1-alpha)*p(label) + alpha, alpha in [0, 1] (SpecForge's dpace_alpha)
     noise_std: float = 0.0  # Gaussian noise on the context hidden states (relative to their RMS); 0 = off
     selector_weight: float = 1.0  # dflash2: weight of the selector CE added to the block CE
     loss_chunk_tokens: int = 4096  # query tokens per lm_head chunk (logits: chunk x vocab x 4 bytes; 2 if bf16)
@@ -58,6 +61,9 @@ class LossSettings:
         check_choice("train.loss_logits", self.loss_logits, ("fp32", "bf16", "fp8"))
         if self.num_anchors <= 0:
             raise ConfigError(f"train.num_anchors must be > 0, got {self.num_anchors}")
+        if not 0.0 <= self.dpace_alpha <= 1.0:  # (NaN too)
+            raise ConfigError(f"train.dpace_alpha={self.dpace_alpha}: give a value in [0, 1] (0: the product of the "
+                              f"label probabilities, 1: every slot weighted by its depth alone)")
         if not self.gamma >= 0:  # (NaN too)
             raise ConfigError(f"train.gamma={self.gamma}: give a decay length > 0, inf for no decay, or 0 for the "
                               f"default (7 for block 16, 4 for block 8)")

@@ -224,7 +224,8 @@ class Trainer:
                 h = self.model(batch["hidden"], batch["input_ids"], batch["position_ids"], a_BA, keep_BA, self.embed,
                                masks, s.attn, scored_only=True, out_dtype=self.head.dtype)  # slots 1..L-1: scored
             out = block_ce_loss(h, self.head, batch["labels"], gamma=cfg.loss.gamma or None,
-                                weighting=cfg.loss.weighting, chunk_tokens=cfg.loss.loss_chunk_tokens,
+                                weighting=cfg.loss.weighting, dpace_alpha=cfg.loss.dpace_alpha,
+                                chunk_tokens=cfg.loss.loss_chunk_tokens,
                                 normalizer=norm, epilogue=s.epilogue, logits=cfg.loss.loss_logits)
             sel = self._selector_loss(h, batch, norm)
             if sel is not None:

@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 
 from dflash_offline import metrics
 from dflash_offline.cache.manifest import update_manifest
+from dflash_offline.config import ConfigError
 from dflash_offline.trainer import Trainer
 from dflash_offline.trainsetup import (
     BenchSwitches,
@@ -475,6 +476,20 @@ def test_bf16_logits_reach_the_loss(tmp_path, hidden_cache):
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["derived"]["loss_logits"] == "bf16"
     a, b = losses(tmp_path / "fp32"), losses(tmp_path / "bf16")
     assert a != b and b == pytest.approx(a, rel=1e-2)
+
+
+def test_dpace_alpha_reaches_the_loss_and_is_refused_outside_0_1(tmp_path, hidden_cache):
+    """train.dpace_alpha: the default run equals dpace_alpha=0.5's bit for bit, other values weigh the slots
+    otherwise (the first step's loss, before any update, already differs); outside [0, 1] it is refused by name."""
+    for name, kw in (("default", {}), ("half", {"dpace_alpha": 0.5}), ("zero", {"dpace_alpha": 0.0}),
+                     ("one", {"dpace_alpha": 1.0})):
+        train.run(cfg(hidden_cache, tmp_path / name, steps=1, ckpt_every=10, weighting="dpace", **kw))
+    first = {name: losses(tmp_path / name)[0] for name in ("default", "half", "zero", "one")}
+    assert first["default"] == first["half"]
+    assert len({first["half"], first["zero"], first["one"]}) == 3, first
+    for bad in (1.5, -0.1, float("nan")):
+        with pytest.raises(ConfigError, match="train.dpace_alpha"):
+            cfg(hidden_cache, tmp_path / "bad", weighting="dpace", dpace_alpha=bad)
 
 
 def test_fp8_logits_reach_the_loss(tmp_path, hidden_cache):
