@@ -136,6 +136,15 @@ def test_chunked_loss_equals_reference_on_gpu(epilogue, weighting, logits):
     labels = block_labels(ids % Vb, lm, doc, anc, keep, L)
     hidden = torch.randn(B, A * L, Hb, device=DEV, generator=g).bfloat16()
     w = (torch.randn(Vb, Hb, device=DEV, generator=g) * 0.05).bfloat16()
+    # every other block's labelled slots made likely (p(label) 0.8-0.99), the others left near 1/V: D-PACE's weights
+    # then hang on q, where with q near 0 everywhere they would be alpha's powers alone and a kernel that lost the
+    # q -> weight link would still pass
+    lab = labels.reshape(B, A * L)
+    strong = (lab >= 0) & (torch.arange(A * L, device=DEV) // L % 2 == 0)
+    hidden = torch.where(strong[..., None], 6.0 * w.float()[lab.clamp(min=0)], hidden.float()).bfloat16()
+    q = torch.log_softmax(hidden[strong].float() @ w.float().T, -1).gather(1, lab[strong][:, None]).exp()
+    assert float(q.median()) > 0.5 and 0.2 < float(strong.sum() / (lab >= 0).sum()) < 0.8
+    del q
     h1 = hidden.clone().requires_grad_(True)
     ref = reference_block_ce_loss(h1, w, labels, weighting=weighting, logits=logits)
     ref.loss.backward()
