@@ -63,7 +63,7 @@ class LossSettings:
             raise ConfigError(f"train.num_anchors must be > 0, got {self.num_anchors}")
         if not 0.0 <= self.dpace_alpha <= 1.0:  # (NaN too)
             raise ConfigError(f"train.dpace_alpha={self.dpace_alpha}: give a value in [0, 1] (0: the product of the "
-                              f"label probabilities, 1: every slot weighted by its depth alone)")
+                              f"label probabilities, 1: the count of labelled slots from each to its block's end)")
         if not self.gamma >= 0:  # (NaN too)
             raise ConfigError(f"train.gamma={self.gamma}: give a decay length > 0, inf for no decay, or 0 for the "
                               f"default (7 for block 16, 4 for block 8)")

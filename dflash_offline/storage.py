@@ -40,7 +40,7 @@ TRAIN_FP8_SPEEDUP = 12_084 / ((9_858 + 9_854) / 2)
 # precision=fp8 with loss_logits=fp8 (both lm_head GEMMs in float8 as well), the same call: 13,383 ctx tok/s
 TRAIN_FP8_HEAD_SPEEDUP = 13_383 / ((9_858 + 9_854) / 2)
 # weighting=dpace over decay, each with float8 linears and lm_head GEMMs on an fp4 cache (the Qwen3.5/3.6-27B
-# recipes' step), one process each, two H200s of one session (1678 and 1670 MHz; 2026-12-04, `0b2900e`,
+# recipes' step), one process each, two H200s (1678 and 1670 MHz; 2026-12-04, `0b2900e`,
 # bench/results/bench-train-{dpace,decay}-fp8-fp4-h200.json): 13,257 vs 13,482 ctx tok/s — D-PACE's epilogue runs
 # twice a chunk. A plan of a D-PACE run takes its rate × this (a cost within the spread between H200s, kept: a budget
 # should not round a measured cost away)
@@ -125,10 +125,9 @@ def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.
     """Tokens/s per GPU for both stages, each with where it comes from: given (> 0), or the measured H200 rate
     scaled by work per token (`factor` 1.0 at the measured shapes: "measured" only there, extraction also at its row
     length) and, for a `precision="fp8"` training, by fp8's measured speed-up (`fp8`: with `loss_logits="fp8"`,
-    that of float8 lm_head GEMMs as well; `fp8_logits`); a drafter of another variant
-    than the measured one's (DFlash2) is always "scaled" and named (`variant`), so is a loss weighted otherwise than
-    the measured step's decay, whose rate is then × D-PACE's measured cost (`weighting`, `dpace`); and
-    regeneration's generated tokens/s when given (no measured rate: no entry otherwise)."""
+    that of float8 lm_head GEMMs as well; `fp8_logits`), and for `weighting="dpace"` by D-PACE's measured cost against
+    decay (`dpace`); a drafter of another variant than the measured one's (DFlash2) is always "scaled" and named
+    (`variant`); and regeneration's generated tokens/s when given (no measured rate: no entry otherwise)."""
     from .metrics import flops_per_row
 
     per_tok = flops_per_row(drafter, seq_len, drafter.num_anchors) / seq_len
@@ -139,7 +138,7 @@ def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.
     fp8 = ({} if precision != "fp8" else {"fp8": TRAIN_FP8_SPEEDUP} if loss_logits != "fp8" else
            {"fp8": TRAIN_FP8_HEAD_SPEEDUP, "fp8_logits": True})  # (fp8 logits alone: not measured, no speed-up)
     train = {**fp8, **({"variant": variant} if variant else {}),
-             **({"weighting": weighting, "dpace": TRAIN_DPACE_FACTOR} if weighting == "dpace" else {})}
+             **({"dpace": TRAIN_DPACE_FACTOR} if weighting == "dpace" else {})}
     for stage, given, measured, extra in (("extract", extract_tok_s, EXTRACT_TOK_S, {}),
                                           ("train", train_tok_s, TRAIN_TOK_S, train)):
         factor = work[stage]
