@@ -4,15 +4,17 @@ before anything runs, from the target's config.json and tokenizer alone (weights
 
 Every number is a product of a few inputs: the rows and tokens stage 1a packs (its real counts, from the dry run's
 in-memory manifest), the bytes per token of an encoding (the registry `cache.encodings.ENCODINGS`: a new encoding is
-one more entry there, and a row of the plan), and two rates measured on one H200 (`EXTRACT_TOK_S`, `TRAIN_TOK_S`, sources beside them). A target
-or drafter of other shapes gets those rates scaled by work per token — the extraction by the parameters of the
-target layers it runs, the training by the drafter's FLOPs per context token (`metrics.flops_per_row`; a DFlash2
-drafter's FLOPs count its conv and selector, but its rate is DFlash's, scaled: no DFlash2 step is measured) — and the
-plan says so; `plan_extract_tok_s=` / `plan_train_tok_s=` replace them with your own. The read bandwidth is bytes per
-token × training tokens/s per GPU × GPUs. Regeneration is the corpus's answer tokens (its supervised tokens) at an
-engine rate this repository has not measured (`plan_regen_tok_s=` gives it); verification re-hashes the whole cache
-(`HASH_GB_S_PER_THREAD`, or `plan_read_gb_s=`) and recomputes `make verify`'s sampled rows at the extraction rate. `storage_plan` takes plain values and `render` prints them, so both are
-tested without a checkpoint; `stages/extract.py` composes them with `extract_plan.plan_run`'s `ExtractPlan`.
+one more entry there, and a row of the plan), and rates measured on one H200 (`EXTRACT_TOK_S`, `TRAIN_TOK_S`,
+`TRAIN_SMALL_TOK_S`, sources beside them). A target or drafter of other shapes gets those rates scaled by work per
+token — the extraction by the parameters of the target layers it runs, the training by the drafter's FLOPs per context
+token (`metrics.flops_per_row`, from the nearer of two measured drafters: the 27B bench shape and the Qwen3.8-27B
+recipe's; a DFlash2 drafter as DFlash, then × DFlash2's measured cost against DFlash) — and the plan says so;
+`plan_extract_tok_s=` / `plan_train_tok_s=` replace them with your own. The read bandwidth is bytes per token ×
+training tokens/s per GPU × GPUs. Regeneration is the corpus's answer tokens (its supervised tokens) at an engine rate
+this repository has not measured (`plan_regen_tok_s=` gives it); verification re-hashes the whole cache
+(`HASH_GB_S_PER_THREAD`, or `plan_read_gb_s=`) and recomputes `make verify`'s sampled rows at the extraction rate.
+`storage_plan` takes plain values and `render` prints them, so both are tested without a checkpoint;
+`stages/extract.py` composes them with `extract_plan.plan_run`'s `ExtractPlan`.
 """
 
 from __future__ import annotations
@@ -49,6 +51,26 @@ TRAIN_SEQ_LEN = 2048
 TRAIN_DRAFTER = SimpleNamespace(hidden_size=5120, intermediate_size=17408, vocab_size=248320, num_layers=5,
                                 num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, num_anchors=512,
                                 target_layer_ids=[1, 16, 31, 46, 61], variant="dflash")  # the drafter it was measured at
+# stage 2 at the Qwen3.8-27B DFlash2 recipe's drafter (the same widths; block 8, 64 anchors a row of 4096, every layer
+# sliding over 2048, the whole block visible), bf16, the cache resident on the GPU (the step, not the reader: with a
+# bf16 cache streamed and its read check on, the reader set the pace there, 36-56 % of the wall time waiting):
+# `python -m bench.train --recipe=manifests/qwen3.8-27b-dflash2.toml --seq_len=4096 --anchors=64 --skip_baseline
+# --resident=on --read_check=off`, one H200, 2026-12-04, commit ec85964, bench/results/bench-train-dflash2-h200.json:
+# as DFlash 118,113 then 104,285 ctx tok/s (1868 / 1935 MHz: a 12 % drift within the call), as DFlash2 84,748
+# (1956 MHz). A plan takes the slower DFlash run. FLOPs scaled from the bench shape above would have said 215,563
+# for this DFlash: small blocks (64 anchors × 8) use the GPU half as well (FLOP fraction 0.35-0.39 in bf16)
+TRAIN_SMALL_TOK_S = 104_285
+TRAIN_SMALL_AT = "the Qwen3.8-27B recipe's drafter (block 8, 64 anchors, rows of 4096)"
+TRAIN_SMALL_SEQ_LEN = 4096
+TRAIN_SMALL_DRAFTER = SimpleNamespace(**{**vars(TRAIN_DRAFTER), "block_size": 8, "num_anchors": 64})
+# DFlash2 over DFlash at those shapes, against the mean of the DFlash runs (A, B, A): its conv and selector take 31 %
+# more time a context token where they add 13 % of the FLOPs (the selector's top-16 search over the vocabulary). A
+# plan of a DFlash2 run takes its drafter's rate as DFlash × this
+TRAIN_DFLASH2_FACTOR = 84_748 / ((118_113 + 104_285) / 2)
+# the measured training points: (where, drafter, row length, rate); a plan scales the nearer one in FLOPs per token
+TRAIN_POINTS = (("the 27B drafter, rows of 2048", TRAIN_DRAFTER, TRAIN_SEQ_LEN, TRAIN_TOK_S),
+                (TRAIN_SMALL_AT, TRAIN_SMALL_DRAFTER,
+                 TRAIN_SMALL_SEQ_LEN, TRAIN_SMALL_TOK_S))
 # make verify re-hashes every shard file: SHA-256 (hashlib, 4 MiB reads, fsio.sha256_file) on HASH_THREADS
 # threads. 1.0 GB/s a thread: one core of a shared 2-vCPU AMD EPYC with SHA-NI, files in the page cache (2026-12-02;
 # 0.99-1.07 GB/s over four runs). Not measured on a GPU host: a plan takes that × the threads, which the filesystem's
@@ -122,28 +144,39 @@ def drafter_shape(train, hidden: int, intermediate: int, vocab: int, layer_ids: 
 def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.0, train_tok_s: float = 0.0,
           regen_tok_s: float = 0.0, precision: str = "bf16", loss_logits: str = "fp32",
           weighting: str = "decay") -> dict:
-    """Tokens/s per GPU for both stages, each with where it comes from: given (> 0), or the measured H200 rate
-    scaled by work per token (`factor` 1.0 at the measured shapes: "measured" only there, extraction also at its row
-    length) and, for a `precision="fp8"` training, by fp8's measured speed-up (`fp8`: with `loss_logits="fp8"`,
-    that of float8 lm_head GEMMs as well; `fp8_logits`), and for `weighting="dpace"` by D-PACE's measured cost against
-    decay (`dpace`); a drafter of another variant than the measured one's (DFlash2) is always "scaled" and named
-    (`variant`); and regeneration's generated tokens/s when given (no measured rate: no entry otherwise)."""
+    """Tokens/s per GPU for both stages, each with where it comes from: given (> 0), or a measured H200 rate scaled
+    by work per token (`factor` 1.0 at the measured shapes: "measured" only there, extraction also at its row
+    length; training from the measured point of `TRAIN_POINTS` nearest in FLOPs per context token, named in `at`)
+    and, for a `precision="fp8"` training, by fp8's measured speed-up (`fp8`: with `loss_logits="fp8"`, that of
+    float8 lm_head GEMMs as well; `fp8_logits`), for `weighting="dpace"` by D-PACE's measured cost against decay
+    (`dpace`) — both measured at the 27B bench shape, so elsewhere "scaled" — and for a DFlash2 drafter by its
+    measured cost against DFlash (`variant`, `variant_factor`; its FLOPs counted as DFlash's); and regeneration's
+    generated tokens/s when given (no measured rate: no entry otherwise)."""
+    from math import log
+
     from .metrics import flops_per_row
 
-    per_tok = flops_per_row(drafter, seq_len, drafter.num_anchors) / seq_len
-    ref_per_tok = flops_per_row(TRAIN_DRAFTER, TRAIN_SEQ_LEN, TRAIN_DRAFTER.num_anchors) / TRAIN_SEQ_LEN
+    as_dflash = SimpleNamespace(**{**vars(drafter), "variant": "dflash"})
+    per_tok = flops_per_row(as_dflash, seq_len, drafter.num_anchors) / seq_len
+    points = [(flops_per_row(d, n, d.num_anchors) / n, at, rate) for at, d, n, rate in TRAIN_POINTS]
+    ref_per_tok, at, train_measured = min(points, key=lambda p: abs(log(p[0] / per_tok)))
+    nearest_is_first = at == TRAIN_POINTS[0][0]
     out, work = {}, {"extract": EXTRACT_LAYER_PARAMS / layer_params, "train": ref_per_tok / per_tok}
-    variant = drafter.variant if drafter.variant != TRAIN_DRAFTER.variant else None  # (DFlash2: DFlash's rate, scaled)
-    same = {"extract": seq_len == EXTRACT_SEQ_LEN, "train": variant is None}  # (training's row length is in its FLOPs)
+    variant = drafter.variant if drafter.variant != "dflash" else None
     fp8 = ({} if precision != "fp8" else {"fp8": TRAIN_FP8_SPEEDUP} if loss_logits != "fp8" else
            {"fp8": TRAIN_FP8_HEAD_SPEEDUP, "fp8_logits": True})  # (fp8 logits alone: not measured, no speed-up)
-    train = {**fp8, **({"variant": variant} if variant else {}),
+    train = {**fp8, "at": at, **({"variant": variant, "variant_factor": TRAIN_DFLASH2_FACTOR} if variant else {}),
              **({"dpace": TRAIN_DPACE_FACTOR} if weighting == "dpace" else {})}
+    # (extraction's row length is not in its work; training's is in its FLOPs. fp8 and D-PACE were measured at the
+    # first point only, DFlash2's cost at the second only)
+    same = {"extract": seq_len == EXTRACT_SEQ_LEN,
+            "train": (nearest_is_first or not (fp8 or weighting == "dpace")) and not (variant and nearest_is_first)}
     for stage, given, measured, extra in (("extract", extract_tok_s, EXTRACT_TOK_S, {}),
-                                          ("train", train_tok_s, TRAIN_TOK_S, train)):
+                                          ("train", train_tok_s, train_measured, train)):
         factor = work[stage]
         out[stage] = {"tok_s": given, "source": "given"} if given else \
-            {"tok_s": measured * factor * extra.get("fp8", 1.0) * extra.get("dpace", 1.0),
+            {"tok_s": measured * factor * extra.get("fp8", 1.0) * extra.get("dpace", 1.0)
+             * extra.get("variant_factor", 1.0),
              "source": "measured" if abs(factor - 1) < 0.01 and same[stage] else "scaled",
              "factor": factor, "measured_tok_s": measured, **extra}
     if regen_tok_s:
@@ -238,7 +271,7 @@ def hours(h: float) -> str:
 
 
 MEASURED_AT = {"extract": ("Qwen3.5-27B shapes, rows of 4096", "the parameters of the target layers it runs"),
-               "train": ("the 27B drafter, rows of 2048", "the drafter's FLOPs per context token")}
+               "train": (TRAIN_POINTS[0][0], "the drafter's FLOPs per context token")}
 
 
 def describe_rate(stage: str, r: dict) -> str:
@@ -247,14 +280,17 @@ def describe_rate(stage: str, r: dict) -> str:
     if r["source"] == "given":
         return f"{stage} {r['tok_s']:,.0f} {unit} per GPU (given)"
     at, by = MEASURED_AT[stage]
-    if r.get("variant"):  # (DFlash2: DFlash's rate, scaled by FLOPs that count its conv and selector)
-        at, by = f"{at}, a DFlash step (no variant={r['variant']} step is measured on a GPU yet)", \
-            f"{by} (its conv and selector included)"
+    at = r.get("at", at)
+    if r.get("variant"):  # (its rate: that drafter's as DFlash, × DFlash2's measured cost)
+        at, by = f"{at} as DFlash", f"{by} (counted as DFlash)"
     how = f"measured at {at}, docs/benchmarks.md" if r["source"] == "measured" else \
         f"estimate: {r['measured_tok_s']:,} measured at {at}, scaled ×{r['factor']:.3g} by {by}"
+    if r.get("variant"):
+        how += (f"; ×{r['variant_factor']:.3g} for variant={r['variant']}, its cost against DFlash "
+                + ("there" if r["at"] == TRAIN_SMALL_AT else f"at {TRAIN_SMALL_AT}"))
     if r.get("fp8"):
         how += (f"; ×{r['fp8']:.3g} for precision=fp8" + (" loss_logits=fp8" if r.get("fp8_logits") else "")
-                + ", its speed-up there on an H200")
+                + f", its speed-up at {TRAIN_POINTS[0][0]} on an H200")
     if r.get("dpace"):
         how += f"; ×{r['dpace']:.3g} for weighting=dpace, its cost against decay there"
     return f"{stage} {r['tok_s']:,.0f} {unit} per H200 ({how})"
