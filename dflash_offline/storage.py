@@ -7,8 +7,9 @@ in-memory manifest), the bytes per token of an encoding (the registry `cache.enc
 one more entry there, and a row of the plan), and rates measured on one H200 (`EXTRACT_TOK_S`, `TRAIN_TOK_S`,
 `TRAIN_SMALL_TOK_S`, sources beside them). A target or drafter of other shapes gets those rates scaled by work per
 token — the extraction by the parameters of the target layers it runs, the training by the drafter's FLOPs per context
-token (`metrics.flops_per_row`, from the nearer of two measured drafters: the 27B bench shape and the Qwen3.8-27B
-recipe's; a DFlash2 drafter as DFlash, then × DFlash2's measured cost against DFlash) — and the plan says so;
+token (`metrics.flops_per_row`) at the FLOP rate measured for its block tokens a row (`train_flop_rate`: the 27B
+bench drafter's and the Qwen3.8-27B recipe's, interpolated between; a DFlash2 drafter as DFlash, then × DFlash2's
+measured cost against DFlash) — and the plan says so;
 `plan_extract_tok_s=` / `plan_train_tok_s=` replace them with your own. The read bandwidth is bytes per token ×
 training tokens/s per GPU × GPUs. Regeneration is the corpus's answer tokens (its supervised tokens) at an engine rate
 this repository has not measured (`plan_regen_tok_s=` gives it); verification re-hashes the whole cache
@@ -55,10 +56,11 @@ TRAIN_DRAFTER = SimpleNamespace(hidden_size=5120, intermediate_size=17408, vocab
 # sliding over 2048, the whole block visible), bf16, the cache resident on the GPU (the step, not the reader: with a
 # bf16 cache streamed and its read check on, the reader set the pace there, 36-56 % of the wall time waiting):
 # `python -m bench.train --recipe=manifests/qwen3.8-27b-dflash2.toml --seq_len=4096 --anchors=64 --skip_baseline
-# --resident=on --read_check=off`, one H200, 2026-12-04, commit ec85964, bench/results/bench-train-dflash2-h200.json:
-# as DFlash 118,113 then 104,285 ctx tok/s (1868 / 1935 MHz: a 12 % drift within the call), as DFlash2 84,748
-# (1956 MHz). A plan takes the slower DFlash run. FLOPs scaled from the bench shape above would have said 215,563
-# for this DFlash: small blocks (64 anchors × 8) use the GPU half as well (FLOP fraction 0.35-0.39 in bf16)
+# --resident=on --read_check=off`, one H200, 2026-12-04, commit ec85964,
+# bench/results/bench-train-dflash2-resident-h200.json: as DFlash 118,113 then 104,285 ctx tok/s (the second 12 %
+# slower at a 3.6 % higher mean clock, 1935 vs 1868 MHz: a drift within the call not explained by the clock), as
+# DFlash2 84,748 (1956 MHz). A plan takes the slower DFlash run. FLOPs scaled from the bench shape above would have
+# said 215,563 for this DFlash: small blocks (64 anchors × 8) use the GPU half as well (FLOP fraction 0.35-0.39 in bf16)
 TRAIN_SMALL_TOK_S = 104_285
 TRAIN_SMALL_AT = "the Qwen3.8-27B recipe's drafter (block 8, 64 anchors, rows of 4096)"
 TRAIN_SMALL_SEQ_LEN = 4096
@@ -67,10 +69,12 @@ TRAIN_SMALL_DRAFTER = SimpleNamespace(**{**vars(TRAIN_DRAFTER), "block_size": 8,
 # more time a context token where they add 13 % of the FLOPs (the selector's top-16 search over the vocabulary). A
 # plan of a DFlash2 run takes its drafter's rate as DFlash × this
 TRAIN_DFLASH2_FACTOR = 84_748 / ((118_113 + 104_285) / 2)
-# the measured training points: (where, drafter, row length, rate); a plan scales the nearer one in FLOPs per token
+TRAIN_VARIANT_FACTOR = {"dflash": 1.0, "dflash2": TRAIN_DFLASH2_FACTOR}
+# the measured training points (where, drafter, row length, rate), most block tokens a row (anchors × block) first:
+# a plan takes the model FLOP rate (tok/s × FLOPs per context token) of the point its drafter's block tokens reach or
+# pass, between them the two interpolated in log block tokens, and divides it by its drafter's FLOPs per token
 TRAIN_POINTS = (("the 27B drafter, rows of 2048", TRAIN_DRAFTER, TRAIN_SEQ_LEN, TRAIN_TOK_S),
-                (TRAIN_SMALL_AT, TRAIN_SMALL_DRAFTER,
-                 TRAIN_SMALL_SEQ_LEN, TRAIN_SMALL_TOK_S))
+                (TRAIN_SMALL_AT, TRAIN_SMALL_DRAFTER, TRAIN_SMALL_SEQ_LEN, TRAIN_SMALL_TOK_S))
 # make verify re-hashes every shard file: SHA-256 (hashlib, 4 MiB reads, fsio.sha256_file) on HASH_THREADS
 # threads. 1.0 GB/s a thread: one core of a shared 2-vCPU AMD EPYC with SHA-NI, files in the page cache (2026-12-02;
 # 0.99-1.07 GB/s over four runs). Not measured on a GPU host: a plan takes that × the threads, which the filesystem's
@@ -141,41 +145,68 @@ def drafter_shape(train, hidden: int, intermediate: int, vocab: int, layer_ids: 
                            selector_rank=d.selector_rank, selector_top_k=d.selector_top_k)
 
 
-def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.0, train_tok_s: float = 0.0,
-          regen_tok_s: float = 0.0, precision: str = "bf16", loss_logits: str = "fp32",
-          weighting: str = "decay") -> dict:
-    """Tokens/s per GPU for both stages, each with where it comes from: given (> 0), or a measured H200 rate scaled
-    by work per token (`factor` 1.0 at the measured shapes: "measured" only there, extraction also at its row
-    length; training from the measured point of `TRAIN_POINTS` nearest in FLOPs per context token, named in `at`)
-    and, for a `precision="fp8"` training, by fp8's measured speed-up (`fp8`: with `loss_logits="fp8"`, that of
-    float8 lm_head GEMMs as well; `fp8_logits`), for `weighting="dpace"` by D-PACE's measured cost against decay
-    (`dpace`) — both measured at the 27B bench shape, so elsewhere "scaled" — and for a DFlash2 drafter by its
-    measured cost against DFlash (`variant`, `variant_factor`; its FLOPs counted as DFlash's); and regeneration's
-    generated tokens/s when given (no measured rate: no entry otherwise)."""
-    from math import log
+def train_flop_rate(block_tokens: int) -> tuple[float, int | None]:
+    """The model FLOP/s of a bf16 DFlash training step with `block_tokens` (anchors × block) a row, from
+    `TRAIN_POINTS`: a point's own where the drafter's block tokens reach it (the first's at or above, the last's at or
+    below; the point's index), else the two around it interpolated in log block tokens (None)."""
+    from math import exp, log
 
     from .metrics import flops_per_row
 
+    pts = [(d.num_anchors * d.block_size, rate * flops_per_row(d, n, d.num_anchors) / n)
+           for _, d, n, rate in TRAIN_POINTS]
+    if block_tokens >= pts[0][0]:
+        return pts[0][1], 0
+    for (q_hi, f_hi), (q_lo, f_lo) in zip(pts, pts[1:], strict=False):
+        if block_tokens > q_lo:
+            w = log(block_tokens / q_lo) / log(q_hi / q_lo)
+            return exp(log(f_lo) + w * (log(f_hi) - log(f_lo))), None
+    return pts[-1][1], len(pts) - 1
+
+
+def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.0, train_tok_s: float = 0.0,
+          regen_tok_s: float = 0.0, precision: str = "bf16", loss_logits: str = "fp32",
+          weighting: str = "decay") -> dict:
+    """Tokens/s per GPU for both stages, each with where it comes from: given (> 0), or measured H200 rates scaled
+    by work per token — extraction by the parameters of the target layers it runs ("measured" at its shapes and row
+    length); training by the drafter's FLOPs per context token, from the FLOP rate measured at its block tokens a
+    row (`train_flop_rate`; `at` names the point, or `interpolated` between two; "measured" at a point's own
+    drafter) — and, for a `precision="fp8"` training, by fp8's measured speed-up (`fp8`: with `loss_logits="fp8"`,
+    that of float8 lm_head GEMMs as well; `fp8_logits`), for `weighting="dpace"` by D-PACE's measured cost against
+    decay (`dpace`) — both measured at the first point, so elsewhere "scaled" — and for a DFlash2 drafter by its
+    measured cost against DFlash at the second (`variant`, `variant_factor`; its FLOPs counted as DFlash's, its rate
+    always "scaled": a product of measurements); and regeneration's generated tokens/s when given."""
+    from .metrics import flops_per_row
+
+    if drafter.variant not in TRAIN_VARIANT_FACTOR:
+        raise ValueError(f"no measured training rate for variant={drafter.variant!r} (measured: "
+                         f"{', '.join(TRAIN_VARIANT_FACTOR)}): give plan_train_tok_s=")
     as_dflash = SimpleNamespace(**{**vars(drafter), "variant": "dflash"})
     per_tok = flops_per_row(as_dflash, seq_len, drafter.num_anchors) / seq_len
-    points = [(flops_per_row(d, n, d.num_anchors) / n, at, rate) for at, d, n, rate in TRAIN_POINTS]
-    ref_per_tok, at, train_measured = min(points, key=lambda p: abs(log(p[0] / per_tok)))
-    nearest_is_first = at == TRAIN_POINTS[0][0]
-    out, work = {}, {"extract": EXTRACT_LAYER_PARAMS / layer_params, "train": ref_per_tok / per_tok}
+    flop_rate, point = train_flop_rate(drafter.num_anchors * drafter.block_size)
     variant = drafter.variant if drafter.variant != "dflash" else None
     fp8 = ({} if precision != "fp8" else {"fp8": TRAIN_FP8_SPEEDUP} if loss_logits != "fp8" else
            {"fp8": TRAIN_FP8_HEAD_SPEEDUP, "fp8_logits": True})  # (fp8 logits alone: not measured, no speed-up)
-    train = {**fp8, "at": at, **({"variant": variant, "variant_factor": TRAIN_DFLASH2_FACTOR} if variant else {}),
+    train = {**fp8, **({"variant": variant, "variant_factor": TRAIN_VARIANT_FACTOR[variant]} if variant else {}),
              **({"dpace": TRAIN_DPACE_FACTOR} if weighting == "dpace" else {})}
+    if point is None:
+        train.update(interpolated=drafter.num_anchors * drafter.block_size)
+        train_measured, factor = tuple(p[3] for p in TRAIN_POINTS), flop_rate / per_tok / TRAIN_TOK_S
+    else:
+        train_measured = TRAIN_POINTS[point][3]
+        train.update(at=TRAIN_POINTS[point][0])
+        factor = flop_rate / per_tok / train_measured
+    out, work = {}, {"extract": EXTRACT_LAYER_PARAMS / layer_params, "train": factor}
     # (extraction's row length is not in its work; training's is in its FLOPs. fp8 and D-PACE were measured at the
-    # first point only, DFlash2's cost at the second only)
+    # first point only)
     same = {"extract": seq_len == EXTRACT_SEQ_LEN,
-            "train": (nearest_is_first or not (fp8 or weighting == "dpace")) and not (variant and nearest_is_first)}
+            "train": point is not None and not variant and (point == 0 or not (fp8 or weighting == "dpace"))}
     for stage, given, measured, extra in (("extract", extract_tok_s, EXTRACT_TOK_S, {}),
                                           ("train", train_tok_s, train_measured, train)):
         factor = work[stage]
+        base = measured[0] if isinstance(measured, tuple) else measured
         out[stage] = {"tok_s": given, "source": "given"} if given else \
-            {"tok_s": measured * factor * extra.get("fp8", 1.0) * extra.get("dpace", 1.0)
+            {"tok_s": base * factor * extra.get("fp8", 1.0) * extra.get("dpace", 1.0)
              * extra.get("variant_factor", 1.0),
              "source": "measured" if abs(factor - 1) < 0.01 and same[stage] else "scaled",
              "factor": factor, "measured_tok_s": measured, **extra}
@@ -281,18 +312,26 @@ def describe_rate(stage: str, r: dict) -> str:
         return f"{stage} {r['tok_s']:,.0f} {unit} per GPU (given)"
     at, by = MEASURED_AT[stage]
     at = r.get("at", at)
-    if r.get("variant"):  # (its rate: that drafter's as DFlash, × DFlash2's measured cost)
-        at, by = f"{at} as DFlash", f"{by} (counted as DFlash)"
-    how = f"measured at {at}, docs/benchmarks.md" if r["source"] == "measured" else \
-        f"estimate: {r['measured_tok_s']:,} measured at {at}, scaled ×{r['factor']:.3g} by {by}"
+    as_dflash = " as DFlash" if r.get("variant") else ""  # (its rate: that drafter's as DFlash, × DFlash2's cost)
+    if r.get("interpolated"):
+        (hi, lo), (q_hi, q_lo) = r["measured_tok_s"], [d.num_anchors * d.block_size for _, d, _, _ in TRAIN_POINTS]
+        how = (f"estimate: {hi:,} and {lo:,} measured at {TRAIN_POINTS[0][0]} ({q_hi:,} block tokens a row) and "
+               f"{TRAIN_SMALL_AT} ({q_lo:,}), their FLOP rates interpolated at {r['interpolated']:,}, divided by "
+               f"{by}{as_dflash}")
+    elif r["source"] == "measured":
+        how = f"measured at {at}, docs/benchmarks.md"
+    else:
+        how = f"estimate: {r['measured_tok_s']:,} measured at {at}, scaled ×{r['factor']:.3g} by {by}{as_dflash}"
     if r.get("variant"):
         how += (f"; ×{r['variant_factor']:.3g} for variant={r['variant']}, its cost against DFlash "
-                + ("there" if r["at"] == TRAIN_SMALL_AT else f"at {TRAIN_SMALL_AT}"))
+                + ("there" if r.get("at") == TRAIN_SMALL_AT else f"at {TRAIN_SMALL_AT}"))
+    first = TRAIN_POINTS[0][0]
     if r.get("fp8"):
         how += (f"; ×{r['fp8']:.3g} for precision=fp8" + (" loss_logits=fp8" if r.get("fp8_logits") else "")
-                + f", its speed-up at {TRAIN_POINTS[0][0]} on an H200")
+                + f", its speed-up at {first} on an H200")
     if r.get("dpace"):
-        how += f"; ×{r['dpace']:.3g} for weighting=dpace, its cost against decay there"
+        how += f"; ×{r['dpace']:.3g} for weighting=dpace, its cost against decay " + \
+            ("there" if r.get("fp8") or (r.get("at") == first and not r.get("variant")) else f"at {first}")
     return f"{stage} {r['tok_s']:,.0f} {unit} per H200 ({how})"
 
 
