@@ -328,7 +328,7 @@ def describe_rate(stage: str, r: dict) -> str:
     first = TRAIN_POINTS[0][0]
     if r.get("fp8"):
         how += (f"; ×{r['fp8']:.3g} for precision=fp8" + (" loss_logits=fp8" if r.get("fp8_logits") else "")
-                + f", its speed-up at {first} on an H200")
+                + f", its speed-up {'there' if r.get('at') == first and not r.get('variant') else f'at {first}'} on an H200")
     if r.get("dpace"):
         how += f"; ×{r['dpace']:.3g} for weighting=dpace, its cost against decay " + \
             ("there" if r.get("fp8") or (r.get("at") == first and not r.get("variant")) else f"at {first}")
