@@ -74,6 +74,36 @@ def test_read_bandwidth_scales_with_the_gpus_and_gpu_hours_do_not():
     assert eight["gpu_hours"]["train"] == pytest.approx(2 * 1280 / storage.TRAIN_TOK_S / 3600)  # 2 epochs
 
 
+def test_the_plan_says_when_the_chosen_encoding_asks_a_gpus_reader_for_more_than_one_was_seen_to_deliver():
+    """`READER_GB_S` is the slowest rate at which one trainer's reader fed the GPU where it set the pace (the
+    streamed DFlash2 bench: data waits of 36-56 %); a plan whose chosen encoding asks a GPU for more says training
+    would wait and names the encodings that ask less — per GPU, so more GPUs do not raise it — and is silent
+    otherwise. The Qwen3.8 recipe's drafter: bf16 asks 4.1 GB/s a GPU (warned), fp8 2.0 and its fp4 1.1 (not)."""
+    res = json.loads((REPO / "bench/results/bench-train-dflash2-h200.json").read_text())
+    runs = [res[k] for k in ("ours", "ours_dflash2", "ours_again")]
+    assert "--resident" not in res["command"] and res["quant"] == "bf16" and all(r["read_check"] == "on" for r in runs)
+    assert all(r["data_wait_frac"] > 0.3 for r in runs)  # (the reader set the pace in every run)
+    bf16 = encodings.bytes_per_token("bf16", 5, 5120)
+    assert storage.READER_GB_S == pytest.approx(min(round(r["tok_per_s"]) for r in runs) * bf16 / 1e9)
+
+    fast = storage.rates(layer_params=1, drafter=storage.TRAIN_DRAFTER, seq_len=2048, train_tok_s=1e7)
+    for quant, gpus in (("bf16", 1), ("bf16", 8)):  # 384 B a token × 1e7 tok/s = 3.84 GB/s a GPU
+        line = storage.reader_line(small_plan(quant=quant, gpus=gpus, rate=fast))
+        assert line.startswith("reader: bf16 asks 3.84 GB/s a GPU") and line.endswith("; fp8, fp4 ask less"), line
+    assert storage.reader_line(small_plan(quant="fp8", rate=fast)) is None  # 204 B a token: 2.04 GB/s
+    assert storage.reader_line(small_plan(quant="bf16")) is None  # the measured 27B rate: 3.7 MB/s
+    assert any(x.startswith("  reader: bf16 asks") for x in storage.render(small_plan(quant="bf16", rate=fast),
+                                                                          Path("/c")))
+    train = storage.recipe_train(str(REPO / "manifests/qwen3.8-27b-dflash2.toml"))
+    d2 = storage.drafter_shape(train, 5120, 17408, 248320, [5, 19, 33, 47, 61])
+    rate = storage.rates(layer_params=storage.EXTRACT_LAYER_PARAMS, drafter=d2, seq_len=4096)
+    for quant, warned in (("bf16", True), ("fp8", False), ("fp4", False)):  # 4.07, 2.04, 1.15 GB/s a GPU
+        plan = storage.storage_plan(rows=1000, seq_len=4096, doc_tokens=4_000_000, k=5, hidden=5120, quant=quant,
+                                    need=0, shards="1/1", free=10**15, fits=True, min_free_gb=2.0,
+                                    allow_overfill=False, gpus=8, epochs=6.0, rate=rate, gpu=True)
+        assert (storage.reader_line(plan) is not None) == warned, (quant, storage.reader_line(plan))
+
+
 def test_rates_are_the_measured_ones_at_their_shapes_scaled_elsewhere_and_given_ones_win():
     at = storage.rates(layer_params=storage.EXTRACT_LAYER_PARAMS, drafter=storage.TRAIN_DRAFTER,
                        seq_len=storage.TRAIN_SEQ_LEN)  # training's shapes; extraction was measured on rows of 4096
