@@ -155,6 +155,7 @@ def run_ours(args, cache: Path, drafter: dict, precision: str = "auto", name: st
                       **{"block_size": 16, **drafter}).resolve()
     # the A/B switches that are not trainer options (within the run-to-run spread: docs/benchmarks.md)
     switches = BenchSwitches(tf32=args.tf32 == "on", resident=args.resident == "on",
+                             reader_threads=args.reader_threads,
                              fp8_emulate=args.tiny and not torch.cuda.is_available())  # (the CPU smoke run)
     gc.collect()  # an earlier run's drafter (a reference cycle through its compiled method) goes before the peak resets
     t0 = time.time()
@@ -194,7 +195,8 @@ def run_ours(args, cache: Path, drafter: dict, precision: str = "auto", name: st
             "attn": derived["attn"], "loss_logits": derived["loss_logits"], "tf32": derived["tf32"],
             "precision": derived["precision"], "variant": cfg.drafter.variant, "weighting": cfg.loss.weighting,
             "loss_chunk_tokens": cfg.loss.loss_chunk_tokens, "loss": [r["loss"] for r in recs], "pid": os.getpid(),
-            "resident": args.resident, "read_check": args.read_check, "read_check_ms_per_step": 1000 * hashed["s"] / args.steps,
+            "resident": args.resident, "reader_threads": args.reader_threads, "read_check": args.read_check,
+            "read_check_ms_per_step": 1000 * hashed["s"] / args.steps,
             "read_check_gb_per_step": hashed["bytes"] / 1e9 / args.steps,
             "profile": (run / "profile.txt").read_text() if (run / "profile.txt").exists() else None}
 
@@ -334,6 +336,8 @@ def main() -> None:
     p.add_argument("--resident", default="off", choices=["on", "off"],
                    help="on: the stream reads the whole cache onto the GPU once and gathers each batch there "
                         "(no reader thread, no copies a step)")
+    p.add_argument("--reader_threads", type=int, default=1,
+                   help="threads the stream reads the next batches with at once (1: the trainer's one reader)")
     p.add_argument("--read_check", default="on", choices=["on", "off"],
                    help="off: the stream skips its per-row checksums (the A/B reference for their cost)")
     p.add_argument("--recipe", default=None,
@@ -471,8 +475,9 @@ def print_table(res: dict, args) -> None:
     row("host: data wait, GC (fraction of wall time)", [f"{x['data_wait_frac']:.3f}, {x['gc_frac']:.3f}" for x in ours])
     row("hidden cache encoding (decoded by the reader)",
         [cache if k == "ours_encoded" or args.alone else "bf16" for k in keys])
-    row("read check: reader-thread ms/step hashing (GB/step)",
-        [f"{x['read_check']}: {x['read_check_ms_per_step']:.2f} ({x['read_check_gb_per_step']:.3f})" for x in ours])
+    row("read check: reader-thread ms/step hashing (GB/step); reader threads",
+        [f"{x['read_check']}: {x['read_check_ms_per_step']:.2f} ({x['read_check_gb_per_step']:.3f}); "
+         f"{'resident' if x['resident'] == 'on' else x.get('reader_threads', 1)}" for x in ours])
     bg = b.get("gpu") or {}
     if any(x.get("gpu") for x in ours):
         row("SM clock MHz (min), board power W",

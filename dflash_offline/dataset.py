@@ -10,7 +10,8 @@ epoch e visits the shards in a permutation drawn from (seed, e) and each shard's
 concatenation of the W processes' batches. The last, partial global batch of an epoch (< G rows) is dropped to keep
 shapes fixed; the order changes every epoch, so a different tail is dropped each time.
 
-I/O — no DataLoader workers. One background thread reads the next `prefetch` batches — memory-mapped safetensors
+I/O — no DataLoader workers. A background thread reads the next `prefetch` batches (`reader_threads` of them read
+several at once, each with its own open files: a benchmark switch so far, `bench.train --reader_threads`) — safetensors
 slices of only the requested layers, in their stored encoding (FP8 and FP4 stay encoded: a half and ~0.28 of bf16's
 bytes), and the Arrow token rows — into pinned host buffers. The calling thread copies them to the device
 (`non_blocking`) and decodes FP8 / FP4 there, one layer at a time; on CUDA it does so one batch ahead on a side
@@ -33,6 +34,7 @@ import functools
 import json
 import math
 import os
+import threading
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
@@ -306,10 +308,11 @@ class HiddenStream:
     """
 
     def __init__(self, info: CacheInfo, batch_rows: int, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 device="cpu", prefetch: int = 2, resident: bool = False):
-        if batch_rows < 1 or world_size < 1 or not 0 <= rank < world_size or prefetch < 0:
-            raise ValueError(f"need batch_rows >= 1, 0 <= rank < world_size, prefetch >= 0; got "
-                             f"batch_rows={batch_rows} rank={rank} world_size={world_size} prefetch={prefetch}")
+                 device="cpu", prefetch: int = 2, resident: bool = False, reader_threads: int = 1):
+        if batch_rows < 1 or world_size < 1 or not 0 <= rank < world_size or prefetch < 0 or reader_threads < 1:
+            raise ValueError(f"need batch_rows >= 1, 0 <= rank < world_size, prefetch >= 0, reader_threads >= 1; got "
+                             f"batch_rows={batch_rows} rank={rank} world_size={world_size} prefetch={prefetch} "
+                             f"reader_threads={reader_threads}")
         self.info, self.B, self.rank, self.W, self.seed = info, batch_rows, rank, world_size, seed
         self.G = batch_rows * world_size
         self.batches_per_epoch = info.num_rows // self.G
@@ -319,13 +322,17 @@ class HiddenStream:
         self.device = torch.device(device)
         self.pin = self.device.type == "cuda"
         self.prefetch = prefetch
+        # reader threads reading the next batches at once (each its own open files; batches still handed out in
+        # order); 1 = one reader (BenchSwitches.reader_threads: a benchmark switch, not a trainer option)
+        self.reader_threads = reader_threads
         self.epoch, self.batch = 0, 0  # position of the next batch handed out
         self.last_wait_s, self.total_wait_s = 0.0, 0.0
         self._pending: deque = deque()  # futures of the batches after the position, in order
         self._ahead = (0, 0)  # position of the next batch to submit to the reader
         self._pool: ThreadPoolExecutor | None = None
-        self._tokens: OrderedDict = OrderedDict()  # shard → token arrays (reader thread only)
-        self._files: OrderedDict = OrderedDict()  # shard → open HiddenShardFile (reader thread only)
+        self._local = threading.local()  # a reading thread's open shard files and token arrays (`_caches`)
+        self._opened: list[OrderedDict] = []  # every thread's open files, closed by `close`
+        self._opened_lock = threading.Lock()
         self._staged = None  # CUDA: (next batch on the device, its copy event), copied one step ahead
         self._unstaged = None  # CUDA: the next batch's host tensors, when copying it ahead failed (done in its turn)
         self._copy_stream = None
@@ -370,7 +377,7 @@ class HiddenStream:
         if self.prefetch == 0:
             return self._read(self.epoch, self.batch)
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hidden-reader")
+            self._pool = ThreadPoolExecutor(max_workers=self.reader_threads, thread_name_prefix="hidden-reader")
             self._ahead = (self.epoch, self.batch)
         while len(self._pending) < self.prefetch + 1:
             self._pending.append(self._pool.submit(self._read, *self._ahead))
@@ -406,8 +413,12 @@ class HiddenStream:
             self._pool.shutdown(wait=True)
         self._pending.clear()
         self._pool = None
-        while self._files:
-            self._files.popitem()[1].close()
+        with self._opened_lock:
+            for files in self._opened:
+                while files:
+                    files.popitem()[1].close()
+            self._opened.clear()
+        self._local = threading.local()
 
     def __enter__(self):
         return self
@@ -449,18 +460,29 @@ class HiddenStream:
                 for row, slot in picks:
                     f.read_row(f"{dst}.L{lid}", row, host[dst][slot, :, j])
 
+    def _caches(self) -> tuple[OrderedDict, OrderedDict]:
+        """This thread's (shard → open HiddenShardFile, shard → token arrays): a file's read buffer is its own."""
+        local = self._local
+        if not hasattr(local, "files"):
+            local.files, local.tokens = OrderedDict(), OrderedDict()
+            with self._opened_lock:
+                self._opened.append(local.files)
+        return local.files, local.tokens
+
     def _hidden_file(self, shard: int) -> HiddenShardFile:
         """The shard's file, opened and checked against the manifest (the last two stay open)."""
-        if shard in self._files:
-            self._files.move_to_end(shard)
-            return self._files[shard]
-        f = self._files[shard] = open_shard(self.info, shard)
-        while len(self._files) > 2:
-            self._files.popitem(last=False)[1].close()
+        files = self._caches()[0]
+        if shard in files:
+            files.move_to_end(shard)
+            return files[shard]
+        f = files[shard] = open_shard(self.info, shard)
+        while len(files) > 2:
+            files.popitem(last=False)[1].close()
         return f
 
     def _token_arrays(self, shard: int) -> dict:
-        if shard not in self._tokens:
+        tokens = self._caches()[1]
+        if shard not in tokens:
             path = self.info.tokens_dir / token_shard_name(shard)
             redo = (f"it is not the token shard the hidden states were computed from; restore the token cache "
                     f"{self.info.tokens_dir} (rebuild it with the recipe and corpus it was made from)")
@@ -470,10 +492,10 @@ class HiddenStream:
                                                                self.info.shard_rows[shard]):
                 raise ShardError(f"{path}: not token shard {shard} of the cache's token cache "
                                  f"{self.info.tokens_key[:12]} with {self.info.shard_rows[shard]} rows")
-            self._tokens[shard] = arrays
-            while len(self._tokens) > 2:
-                self._tokens.popitem(last=False)
-        return self._tokens[shard]
+            tokens[shard] = arrays
+            while len(tokens) > 2:
+                tokens.popitem(last=False)
+        return tokens[shard]
 
     # -- resident: the whole cache on the device, read once --
 
@@ -510,9 +532,10 @@ class HiddenStream:
             arrays = self._token_arrays(shard)
             for name in TOKEN_KEYS:
                 tokens[name].append(np.asarray(arrays[name]))
-        while self._files:
-            self._files.popitem()[1].close()
-        self._tokens.clear()
+        files, token_arrays = self._caches()
+        while files:
+            files.popitem()[1].close()
+        token_arrays.clear()
         for name in TOKEN_KEYS:
             t = torch.from_numpy(np.concatenate(tokens[name]))
             held[name] = (t.bool() if name == "loss_mask" else t.long()).to(self.device)

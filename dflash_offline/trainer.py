@@ -44,7 +44,7 @@ class Trainer:
         self._build_optimizer(model)  # after sharding when FSDP is on: it must hold the sharded parameters
         compile_model(self.raw, s)
         self.stream = HiddenStream(info, cfg.batch_rows, rank=acc.process_index, world_size=s.world, seed=cfg.seed,
-                                   device=acc.device, resident=s.resident)
+                                   device=acc.device, resident=s.resident, reader_threads=s.reader_threads)
 
     # --- model and optimizer -----------------------------------------------------------------------------------
 

@@ -111,6 +111,7 @@ class BenchSwitches:
     tf32: bool = False  # CUDA: TF32 tensor cores for fp32 matmuls (in bf16 runs: the dense block part of attn=flex)
     fp8_emulate: bool = False  # precision=fp8 without CUDA: float8 casts with fp32 matmuls (tests, CPU smoke runs)
     resident: bool = False  # the whole cache read once onto the device, batches gathered there (`HiddenStream`)
+    reader_threads: int = 1  # threads reading the next batches at once (`HiddenStream`; one = the trainer's reader)
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,7 @@ class TrainSetup:
     steps_per_epoch: float  # optimizer steps in one pass over the cache (0: the cache's rows were not given)
     fp8_emulate: bool = False  # precision=fp8 emulated (no CUDA; tests only)
     resident: bool = False  # the cache held on the device (BenchSwitches.resident)
+    reader_threads: int = 1  # the stream's reading threads (BenchSwitches.reader_threads)
 
     @property
     def bf16(self) -> bool:
@@ -201,7 +203,8 @@ def resolve_train(cfg: TrainConfig, *, cuda: bool, world: int, seq_len: int, row
     return TrainSetup(world=world, precision=precision, attn=attn, compile=use_compile, epilogue=epilogue,
                       tf32=switches.tf32, accum=accum, sharded=sharded, master=master, reduced_accum=reduced_accum,
                       steps=steps, warmup=warmup, steps_per_epoch=per_epoch,
-                      fp8_emulate=precision == "fp8" and switches.fp8_emulate, resident=switches.resident)
+                      fp8_emulate=precision == "fp8" and switches.fp8_emulate, resident=switches.resident,
+                      reader_threads=switches.reader_threads)
 
 
 def schedule(cfg: TrainConfig, world: int, accum: int, rows: int) -> tuple[int, int, float]:

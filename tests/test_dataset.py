@@ -3,6 +3,7 @@ the field, resume by equality, and a start-up that reads the manifest only."""
 
 import itertools
 import json
+import os
 import shutil
 import time
 
@@ -286,6 +287,38 @@ def test_resume_continues_exactly(bf16_cache, n):
     fresh.load_state_dict(state)
     for a, b in zip(full[n:], take(fresh, 5), strict=True):
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("quant", ["bf16", "fp8"])
+def test_several_reader_threads_hand_out_the_batches_one_reader_does_and_close_every_file(
+        bf16_cache, fp8_cache, tmp_path, quant):
+    """`reader_threads=3` (bench.train --reader_threads): three batches read at once, each thread with its own open
+    shard files (a file's read buffer is its own), handed out in order — the same batches as one reader over two and a
+    half epochs, a resume from the same position the same; `close` closes every thread's files (no descriptor left);
+    a damaged row still stops the stream naming its shard."""
+    cache = bf16_cache if quant == "bf16" else fp8_cache
+    n = 40  # 15 batches of 2 an epoch
+    one = take(stream(cache, 2, seed=5), n)
+    fds = len(os.listdir("/proc/self/fd"))
+    s = stream(cache, 2, seed=5, prefetch=4, reader_threads=3)
+    many = take(s, 25)
+    assert len(s._opened) >= 2  # (reads ran on more than one thread, each with its own files)
+    state = json.loads(json.dumps(s.state_dict()))
+    s.close()
+    assert len(os.listdir("/proc/self/fd")) == fds
+    again = stream(cache, 2, seed=5, prefetch=4, reader_threads=3)
+    again.load_state_dict(state)
+    many += take(again, n - 25)
+    again.close()
+    for a, b in zip(one, many, strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="reader_threads >= 1"):
+        stream(cache, 2, reader_threads=0)
+    damaged = fake_cache.make_fake_cache(tmp_path / "c", 3, 4, S, H, LAYERS, quant, seed=1)
+    path = damaged / hidden_shard_name(1)
+    flip_byte(path, data_offset(path, "hidden.L2", row=2) + 3)
+    with pytest.raises(ShardError, match=r"hidden-00001.safetensors has row 2 of hidden.L2"):
+        whole_epoch(damaged, prefetch=4, reader_threads=3)
 
 
 def test_a_failed_read_is_raised_again_not_skipped(bf16_cache, monkeypatch):
