@@ -203,20 +203,25 @@ def run_ours(args, cache: Path, drafter: dict, precision: str = "auto", name: st
 
 @contextlib.contextmanager
 def read_check(mode: str):
-    """The stream's row checks as they are ("on"), timing each digest on the reader thread, or with the shards'
+    """The stream's row checks as they are ("on"), timing each digest on its reader thread, or with the shards'
     row digests dropped ("off", the A/B reference; headers and sizes are still checked). Yields
-    {"s": seconds hashing, "bytes": bytes hashed}."""
+    {"s": seconds hashing, summed over the reader threads, "bytes": bytes hashed}."""
+    import threading
+
     from dflash_offline import dataset
     from dflash_offline.cache import shards
 
     hashed = {"s": 0.0, "bytes": 0}
     real_hash, real_open = shards.xxhash, dataset.open_shard
+    lock = threading.Lock()  # (several reader threads: --reader_threads)
 
     def timed(buf):
         t = time.perf_counter()
         out = real_hash.xxh3_64_hexdigest(buf)
-        hashed["s"] += time.perf_counter() - t
-        hashed["bytes"] += len(buf)
+        dt = time.perf_counter() - t
+        with lock:
+            hashed["s"] += dt
+            hashed["bytes"] += len(buf)
         return out
 
     def unchecked(info, shard):
@@ -475,7 +480,7 @@ def print_table(res: dict, args) -> None:
     row("host: data wait, GC (fraction of wall time)", [f"{x['data_wait_frac']:.3f}, {x['gc_frac']:.3f}" for x in ours])
     row("hidden cache encoding (decoded by the reader)",
         [cache if k == "ours_encoded" or args.alone else "bf16" for k in keys])
-    row("read check: reader-thread ms/step hashing (GB/step); reader threads",
+    row("read check: ms/step hashing, summed over the reader threads (GB/step); reader threads",
         [f"{x['read_check']}: {x['read_check_ms_per_step']:.2f} ({x['read_check_gb_per_step']:.3f}); "
          f"{'resident' if x['resident'] == 'on' else x.get('reader_threads', 1)}" for x in ours])
     bg = b.get("gpu") or {}

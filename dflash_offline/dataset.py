@@ -379,7 +379,7 @@ class HiddenStream:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=self.reader_threads, thread_name_prefix="hidden-reader")
             self._ahead = (self.epoch, self.batch)
-        while len(self._pending) < self.prefetch + 1:
+        while len(self._pending) < max(self.prefetch + 1, self.reader_threads):  # (every reader busy)
             self._pending.append(self._pool.submit(self._read, *self._ahead))
             self._ahead = self._after(*self._ahead)
         host = self._pending[0].result()  # (a failed read stays first: `next` raises again rather than skip it)

@@ -155,7 +155,8 @@ class TrainSetup:
                 f"{f' ({FP8_RECIPE}, bf16 elsewhere)' if self.precision == 'fp8' else ''}"
                 f"{' (bf16 weights, fp32 masters)' if self.master else ''}"
                 f"{', TF32' if self.tf32 else ''}, attn {self.attn}, compile {self.compile}"
-                f"{', the cache resident on the device' if self.resident else ''}")
+                f"{', the cache resident on the device' if self.resident else ''}"
+                f"{f', {self.reader_threads} reader threads' if self.reader_threads > 1 else ''}")
 
     def describe_schedule(self, cfg: TrainConfig, seq_len: int) -> str:
         """One line for the log: the run's length in epochs and steps, the global batch, the warm-up; e.g.

@@ -5,6 +5,7 @@ import itertools
 import json
 import os
 import shutil
+import threading
 import time
 
 import numpy as np
@@ -291,18 +292,39 @@ def test_resume_continues_exactly(bf16_cache, n):
 
 @pytest.mark.parametrize("quant", ["bf16", "fp8"])
 def test_several_reader_threads_hand_out_the_batches_one_reader_does_and_close_every_file(
-        bf16_cache, fp8_cache, tmp_path, quant):
-    """`reader_threads=3` (bench.train --reader_threads): three batches read at once, each thread with its own open
-    shard files (a file's read buffer is its own), handed out in order — the same batches as one reader over two and a
+        bf16_cache, fp8_cache, tmp_path, monkeypatch, quant):
+    """`reader_threads=3` (bench.train --reader_threads): three batches read at once (made to overlap), even with
+    prefetch=1, each thread with its own open shard files (a file's read buffer is its own: no file read by two
+    threads), handed out in order — the same batches as one reader over two and a
     half epochs, a resume from the same position the same; `close` closes every thread's files (no descriptor left);
     a damaged row still stops the stream naming its shard."""
     cache = bf16_cache if quant == "bf16" else fp8_cache
     n = 40  # 15 batches of 2 an epoch
-    one = take(stream(cache, 2, seed=5), n)
+    with stream(cache, 2, seed=5) as ref:  # (closed: its reader must not read on once the reads are watched)
+        one = take(ref, n)
+    # the first three reading threads each wait at their first row until all three are there: reads overlap, always
+    # (three at once with prefetch=1: every reader is given a batch, not only prefetch + 1 of them)
+    real_read, barrier, lock, first, used = ds.HiddenShardFile.read_row, threading.Barrier(3, timeout=10), \
+        threading.Lock(), set(), []
+
+    def overlapping(f, name, row, out):
+        t = threading.get_ident()
+        with lock:
+            wait = t not in first and len(first) < 3
+            first.add(t)
+            used.append((t, f))  # (the file objects kept: no id reused)
+        if wait:
+            barrier.wait()
+        return real_read(f, name, row, out)
+
+    monkeypatch.setattr(ds.HiddenShardFile, "read_row", overlapping)
     fds = len(os.listdir("/proc/self/fd"))
-    s = stream(cache, 2, seed=5, prefetch=4, reader_threads=3)
+    s = stream(cache, 2, seed=5, prefetch=1, reader_threads=3)
     many = take(s, 25)
-    assert len(s._opened) >= 2  # (reads ran on more than one thread, each with its own files)
+    readers: dict[int, set] = {}
+    for t, f in used:
+        readers.setdefault(id(f), set()).add(t)
+    assert len({t for t, _ in used}) == 3 and all(len(ts) == 1 for ts in readers.values())  # no file shared
     state = json.loads(json.dumps(s.state_dict()))
     s.close()
     assert len(os.listdir("/proc/self/fd")) == fds
