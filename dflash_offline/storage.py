@@ -196,27 +196,26 @@ def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.
            {"fp8": TRAIN_FP8_HEAD_SPEEDUP, "fp8_logits": True})  # (fp8 logits alone: not measured, no speed-up)
     train = {**fp8, **({"variant": variant, "variant_factor": TRAIN_VARIANT_FACTOR[variant]} if variant else {}),
              **({"dpace": TRAIN_DPACE_FACTOR} if weighting == "dpace" else {})}
+    train_tok_per_s = flop_rate / per_tok  # (bf16 DFlash at this drafter's FLOPs and block tokens)
     if point is None:
         train.update(interpolated=drafter.num_anchors * drafter.block_size)
-        train_measured, factor = tuple(p[3] for p in TRAIN_POINTS), flop_rate / per_tok / TRAIN_TOK_S
+        measured, factor = tuple(p[3] for p in TRAIN_POINTS), train_tok_per_s / TRAIN_TOK_S
     else:
-        train_measured = TRAIN_POINTS[point][3]
+        measured = TRAIN_POINTS[point][3]
         train.update(at=TRAIN_POINTS[point][0])
-        factor = flop_rate / per_tok / train_measured
-    out, work = {}, {"extract": EXTRACT_LAYER_PARAMS / layer_params, "train": factor}
-    # (extraction's row length is not in its work; training's is in its FLOPs. fp8 and D-PACE were measured at the
-    # first point only)
-    same = {"extract": seq_len == EXTRACT_SEQ_LEN,
-            "train": point is not None and not variant and (point == 0 or not (fp8 or weighting == "dpace"))}
-    for stage, given, measured, extra in (("extract", extract_tok_s, EXTRACT_TOK_S, {}),
-                                          ("train", train_tok_s, train_measured, train)):
-        factor = work[stage]
-        base = measured[0] if isinstance(measured, tuple) else measured
-        out[stage] = {"tok_s": given, "source": "given"} if given else \
-            {"tok_s": base * factor * extra.get("fp8", 1.0) * extra.get("dpace", 1.0)
-             * extra.get("variant_factor", 1.0),
-             "source": "measured" if abs(factor - 1) < 0.01 and same[stage] else "scaled",
-             "factor": factor, "measured_tok_s": measured, **extra}
+        factor = train_tok_per_s / measured
+    # (fp8 and D-PACE were measured at the first point only, DFlash2's cost at the second only)
+    train_same = point is not None and not variant and (point == 0 or not (fp8 or weighting == "dpace"))
+    ex = EXTRACT_LAYER_PARAMS / layer_params  # (extraction's row length is not in its work: measured at its own)
+    out = {"extract": {"tok_s": extract_tok_s, "source": "given"} if extract_tok_s else
+           {"tok_s": EXTRACT_TOK_S * ex,
+            "source": "measured" if abs(ex - 1) < 0.01 and seq_len == EXTRACT_SEQ_LEN else "scaled",
+            "factor": ex, "measured_tok_s": EXTRACT_TOK_S},
+           "train": {"tok_s": train_tok_s, "source": "given"} if train_tok_s else
+           {"tok_s": train_tok_per_s * train.get("fp8", 1.0) * train.get("dpace", 1.0)
+            * train.get("variant_factor", 1.0),
+            "source": "measured" if abs(factor - 1) < 0.01 and train_same else "scaled",
+            "factor": factor, "measured_tok_s": measured, **train}}
     if regen_tok_s:
         out["regen"] = {"tok_s": regen_tok_s, "source": "given"}
     return out
