@@ -1,6 +1,6 @@
 """The testbed's phases (`testbed`, see `testbed.cli`): target, regen, extract, then train, export and eval of the
-base drafter (with the A/B arms' drafters beside it: `testbed.scheduler`), each skipped when DIR/state.json records it
-done."""
+testbed's own drafter (in an A/B, its first drafter: `own_drafter`; the arms' drafters beside it: `testbed.scheduler`),
+each skipped when DIR/state.json records it done."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from .runs import (
     result,
     run_metrics,
     stale_job,
+    testbed_run,
     write_state,
 )
 from .scheduler import run_drafters
@@ -97,6 +98,24 @@ def projection_summary(cache: Path) -> dict:
                 "heldout_lost_max": max(x["heldout_loss"].get(k, 0.0) for x in layers)} for k in layers[0]["retained"]}
 
 
+def own_drafter(cfg: TestbedConfig, p: Paths, more: list[Job]) -> Job:
+    """The drafter the testbed's train/export/eval phases stand for when they are still to do: in an A/B, the first
+    of its drafters with the testbed's seed on the testbed's cache (the first arm's, unless that arm has a cache of its
+    own), so that no drafter trains for the testbed alone; else the recipe's."""
+    return next((j for j in more if j.seed == cfg.seed and j.cache == p.hidden()),
+                Job("", p.run("", cfg.seed), p.hidden(), cfg.seed, {}))
+
+
+def recorded_stale(cfg: TestbedConfig, p: Paths, run: Path, jobs: list[Job]) -> str | None:
+    """Why the testbed's recorded drafter (`run`) no longer stands for this testbed: made with other settings than
+    the job of this invocation that has its run asks, or — an earlier A/B's drafter that no job here asks for — with
+    another recipe, cache, prompts or code; None when it still does."""
+    job = next((j for j in jobs if j.run == run), None)
+    if job is not None:
+        return stale_job(run, job_identity(cfg, p, job))
+    return stale_job(run, job_identity(cfg, p, Job("", run, p.hidden(), cfg.seed, {})), ignore=("train",))
+
+
 def testbed(cfg: TestbedConfig, p: Paths, dev: str, device, more: list[Job] = (), parallel: int = 1,
             caches: dict | None = None) -> tuple[dict, dict]:
     """Phases 1–6, each skipped when state.json says it is done; `more` drafters (A/B arms, on caches extracted
@@ -106,7 +125,6 @@ def testbed(cfg: TestbedConfig, p: Paths, dev: str, device, more: list[Job] = ()
     if cfg.from_phase:
         forget_from(p, st, cfg.from_phase)
     ph = st["phases"]
-    run = p.run("", cfg.seed)
     if earlier := [n for n in PHASES if n in ph]:
         log(f"done earlier ({p.state}): {', '.join(earlier)}; --from_phase= (TESTBED_FROM=) redoes one and the later")
 
@@ -140,12 +158,14 @@ def testbed(cfg: TestbedConfig, p: Paths, dev: str, device, more: list[Job] = ()
         done("extract", {"seconds": secs, "rows": rows, "tokens": rows * seq, "tok_per_s_wall": rows * seq / secs,
                          "layer_ids": m["config"].get("layer_ids"), "projection": projection_summary(p.hidden())})
         free_device_memory()
-    base = Job("", run, p.hidden(), cfg.seed, {})
-    if "eval" in ph and (why := stale_job(run, job_identity(cfg, p, base))):  # other settings or code since
-        log(f"the testbed's drafter {run}: {why}: trained again")
+    recipe = Job("", p.run("", cfg.seed), p.hidden(), cfg.seed, {})
+    if "eval" in ph and (why := recorded_stale(cfg, p, testbed_run(p, ph, cfg.seed), [recipe, *more])):
+        log(f"the testbed's drafter {testbed_run(p, ph, cfg.seed)}: {why}: its phases are done again")
         for name in ("train", "export", "eval"):
             ph.pop(name, None)
         write_state(p, st)
+    base = own_drafter(cfg, p, list(more)) if "eval" not in ph else recipe
+    run = base.run
     jobs = ([] if "eval" in ph else [base]) + \
         [j for j in more if j.run != run or "eval" in ph]
     times = {}
@@ -160,7 +180,7 @@ def testbed(cfg: TestbedConfig, p: Paths, dev: str, device, more: list[Job] = ()
             ph["train"] = {"seconds": t.get("train", 0.0), "steps": m.get("step"), "loss": m.get("loss"),
                            "tok_per_s": m.get("tok_per_s"), "acc": m.get("acc")}
             ph["export"] = {"seconds": t.get("export", 0.0)}
-            done("eval", {"seconds": t.get("eval_wall", 0.0),
+            done("eval", {"seconds": t.get("eval_wall", 0.0), "run": str(run.relative_to(p.root)),
                           "untrained_seconds": t.get("untrained"), "trained": eval_summary(run / "eval.json"),
                           "untrained": eval_summary(run / "eval-untrained.json")})
     return result(cfg, p, st), times

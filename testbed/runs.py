@@ -42,6 +42,13 @@ class Paths:
         return self.root / "runs" / (arm or "base") / f"seed{seed}"
 
 
+def testbed_run(p: Paths, ph: dict, seed: int) -> Path:
+    """The testbed's own drafter's run: the one its eval phase recorded (an A/B's first drafter on the testbed's
+    cache, see `phases.own_drafter`), else the recipe's (`runs/base/seed<seed>`)."""
+    rel = ph.get("eval", {}).get("run")
+    return p.root / rel if rel else p.run("", seed)
+
+
 def read_state(p: Paths) -> dict:
     return json.loads(p.state.read_text()) if p.state.is_file() else {"phases": {}}
 
@@ -220,16 +227,16 @@ def drafter_code_digest() -> str:
     return h.hexdigest()
 
 
-def stale_job(run: Path, identity: dict) -> str | None:
-    """Why the drafter in `run` was made from something else than `identity` (its settings, cache, prompts, code),
-    or None when it was not (or there is none yet)."""
+def stale_job(run: Path, identity: dict, ignore: tuple[str, ...] = ()) -> str | None:
+    """Why the drafter in `run` was made from something else than `identity` (its settings, cache, prompts, code;
+    not the keys in `ignore`), or None when it was not (or there is none yet)."""
     if not run.exists():
         return None
     f = run / JOB_FILE
     if not f.is_file():
         return f"{f.name} is missing (made by older code)"
     before = json.loads(f.read_text())
-    changed = [k for k in sorted(set(before) | set(identity)) if before.get(k) != identity.get(k)]
+    changed = [k for k in sorted(set(before) | set(identity)) if before.get(k) != identity.get(k) and k not in ignore]
     return f"made with another {', '.join(changed)}" if changed else None
 
 

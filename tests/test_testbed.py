@@ -812,3 +812,35 @@ def test_a_base_drafter_past_stop_after_s_stops_the_untrained_evaluation_too(tmp
     times = scheduler.run_drafters(cfg, p, "cpu", jobs, 1, jobs[0].run)
     assert time.time() - t0 < 10 and times[jobs[0].run] == {"deferred": 1.0} == times[jobs[1].run]
     assert not (p.run("", 0) / "eval-untrained.json").exists()
+
+
+def test_an_ab_s_first_drafter_is_the_testbed_s_own_and_no_drafter_trains_for_the_testbed_alone(tmp_path,
+                                                                                              monkeypatch):
+    """In an A/B whose first arm is not the recipe, the testbed's train/export/eval phases are its first drafter's
+    (the untrained evaluation beside it): no recipe drafter trains for the testbed alone. A later A/B with another
+    first arm keeps the recorded drafter (no second untrained evaluation); new drafter code makes it stale, and the
+    phases are done again by that A/B's first drafter. An arm with a cache of its own never stands for the testbed."""
+    from testbed import phases
+
+    calls = _fake_stages(monkeypatch, {})
+    monkeypatch.setattr(phases, "result", lambda cfg, p, st: st)
+    monkeypatch.setattr(phases, "run_metrics", lambda run: {"step": 6})
+    cfg, p = config.TestbedConfig(dir=str(tmp_path)), Paths(str(tmp_path))
+    runs.write_state(p, {"phases": {name: {"seconds": 1.0} for name in ("target", "regen", "extract")}})
+    job = lambda arm, seed, cache="": Job(arm, p.run(arm, seed), p.hidden(cache), seed, {})  # noqa: E731
+    phases.testbed(cfg, p, "cpu", None, [job("a", 0), job("a", 1), job("b", 0)])
+    assert calls == ["a/seed0", "a/seed1", "b/seed0"] and not p.run("", 0).exists()
+    ph = runs.read_state(p)["phases"]
+    assert ph["eval"]["run"] == "runs/a/seed0" and ph["eval"]["trained"]["tau_mean"] == 2.0
+    assert ph["eval"]["untrained"]["tau_mean"] == 1.0 and (p.run("a", 0) / "eval-untrained.json").is_file()
+    assert testbed_ab.summary_record(cfg, p)[0]["tau_trained"] == 2.0
+    phases.testbed(cfg, p, "cpu", None, [job("c", 0)])
+    assert calls[3:] == ["c/seed0"] and not (p.run("c", 0) / "eval-untrained.json").exists()
+    assert runs.read_state(p)["phases"]["eval"]["run"] == "runs/a/seed0"
+    monkeypatch.setattr(runs, "drafter_code_digest", lambda: "other code")
+    monkeypatch.setattr(commands, "drafter_code_digest", lambda: "other code")
+    phases.testbed(cfg, p, "cpu", None, [job("c", 0)])
+    assert calls[4:] == ["c/seed0"] and (p.run("c", 0) / "eval-untrained.json").is_file()
+    assert runs.read_state(p)["phases"]["eval"]["run"] == "runs/c/seed0"
+    assert phases.own_drafter(cfg, p, [job("q", 0, "quantfp8"), job("r", 1)]).run == p.run("", 0)
+    assert phases.own_drafter(cfg, p, [job("q", 0, "quantfp8"), job("r", 0)]).run == p.run("r", 0)
