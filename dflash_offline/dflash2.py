@@ -30,7 +30,8 @@ codebook's gradient is not zero (with two zero factors of the trilinear term no 
 Training objective (`selector_ce_loss`, our choice; z-lab publishes no training code; docs/training.md): DFlash's
 block CE, which trains everything but the selector, plus a CE over each labelled slot's candidates scored after its
 *true* predecessor (the token before it in the data), against the true token's place among them; a slot whose true
-token is not a candidate has nothing to select and is left out. Slot weights and denominator are the block CE's.
+token is not a candidate has nothing to select and is left out. Slot weights (decay's or D-PACE's) and denominator
+are the block CE's.
 
 Shape legend: B rows, Q = A*L block tokens, A blocks per row, L block length, H hidden, G groups, C channels per
 group, J kernel taps, n scored slots, K candidates, R selector rank, V vocab.
@@ -153,17 +154,23 @@ def top_candidates(h_nH: torch.Tensor, lm_head_VH: torch.Tensor, k: int, chunk_t
 def selector_ce_loss(selector: CandidateSelector, hidden_BQH: torch.Tensor, lm_head_VH: torch.Tensor,
                      labels_BAL: torch.Tensor, input_ids_BS: torch.Tensor, anchor_pos_BA: torch.Tensor, *,
                      gamma: float | None = None, normalizer: torch.Tensor | float | None = None,
-                     chunk_tokens: int = 4096) -> SelectorLoss:
+                     chunk_tokens: int = 4096, weighting: str = "decay",
+                     slot_w_BAL: torch.Tensor | None = None) -> SelectorLoss:
     """The selector's CE on the drafter's outputs [B, A*(L-1), H] (scored slots, `scored_only=True`) or [B, A*L, H].
 
     Per labelled slot k: its candidates are the top-k tokens of its logits (found without gradient, chunked); their
     logits are recomputed from the gathered lm_head rows, so the gradient reaches the drafter through them as well
     as through `hidden_projection` (as `F.cross_entropy` over top-k logits would, without [n, V] logits in the
     graph: the gathered rows, n x K x H, are what backward keeps). The predecessor is the token at anchor + k - 1 in
-    the row (the anchor's for k = 1). Weights: the block CE's decay slot weights; the denominator: `normalizer` (the
-    optimizer step's, `loss.step_normalizer`) or this batch's decay loss weight.
+    the row (the anchor's for k = 1). Weights: the block CE's — `slot_w_BAL`, the weights it used
+    (`loss.BlockLoss.weights_BAL`: D-PACE's come from the drafter's own probabilities, so `weighting="dpace"` needs
+    them), else decay's; the denominator: `normalizer` (the optimizer step's, `loss.step_normalizer`) or this batch's
+    loss weight under `weighting`.
     """
     B, A, L = labels_BAL.shape
+    if weighting == "dpace" and slot_w_BAL is None:
+        raise ValueError("selector_ce_loss: weighting='dpace' weighs the slots as the block CE did: pass its "
+                         "weights (slot_w_BAL=BlockLoss.weights_BAL)")
     H, S = hidden_BQH.shape[-1], input_ids_BS.shape[1]
     h_XKH = hidden_BQH.reshape(B * A, -1, H)
     if h_XKH.shape[1] == L:
@@ -177,8 +184,9 @@ def selector_ce_loss(selector: CandidateSelector, hidden_BQH: torch.Tensor, lm_h
     hit_nK = cand_nK == lab_n[:, None]
     has_n = hit_nK.any(-1) & (lab_n >= 0)
     ce_n = F.cross_entropy(scores_nK.float(), hit_nK.int().argmax(-1), reduction="none")
-    w_n = slot_weights(L, gamma, h_nH.device)[1:].repeat(B * A) * has_n
-    norm = _norm(labels_BAL, gamma, "decay", normalizer)
+    w_n = (slot_weights(L, gamma, h_nH.device)[1:].repeat(B * A) if slot_w_BAL is None
+           else slot_w_BAL[:, :, 1:].reshape(-1).float()) * has_n
+    norm = _norm(labels_BAL, gamma, weighting, normalizer)
     picked_n = cand_nK.gather(1, scores_nK.argmax(-1, keepdim=True))[:, 0]
     correct = ((picked_n == lab_n) & (lab_n >= 0)).view(B, A, L - 1)
     recall = has_n.sum().float() / (lab_n >= 0).sum().clamp(min=1)

@@ -241,6 +241,7 @@ class _ChunkedBlockCE(torch.autograd.Function):
         valid_XK = labels_XK >= 0
         safe_XK = labels_XK.clamp(min=0)
         correct_XK = torch.empty(X, K, dtype=torch.bool, device=h_XKH.device)
+        weight_XK = torch.empty(X, K, dtype=torch.float32, device=h_XKH.device)  # each slot's weight, as used
         loss = torch.zeros((), dtype=torch.float32, device=h_XKH.device)
         for c0 in range(0, X, chunk_blocks):
             c1 = min(c0 + chunk_blocks, X)
@@ -259,16 +260,17 @@ class _ChunkedBlockCE(torch.autograd.Function):
                 d_nV = run(z_nV, lab_n, w_n, True, w_VH.dtype)[2] if need_grad else None
             del z_nV
             correct_XK[c0:c1] = ((pred_n == lab_n) & val_n).view(c1 - c0, K)
+            weight_XK[c0:c1] = w_n.view(c1 - c0, K)
             loss += (w_n * ce_n).sum()
             if need_grad:  # dlogits = w * (softmax - onehot), unnormalized; 1/norm is applied in backward
                 grad_into(d_nV, grad_XKH[c0:c1].view(-1, H))
-        ctx.mark_non_differentiable(correct_XK)
+        ctx.mark_non_differentiable(correct_XK, weight_XK)
         if need_grad:
             ctx.save_for_backward(grad_XKH, norm)
-        return loss / norm, correct_XK
+        return loss / norm, correct_XK, weight_XK
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_correct):
+    def backward(ctx, grad_loss, _grad_correct, _grad_weight):
         grad_XKH, norm = ctx.saved_tensors
         return (grad_XKH.float() * (grad_loss / norm)).to(grad_XKH.dtype), None, None, None, None, None, None, None, None, \
             None, None
@@ -279,6 +281,7 @@ class BlockLoss(NamedTuple):
     correct_BAL: torch.Tensor  # bool, argmax == label (False where no label)
     valid_BAL: torch.Tensor  # bool, slot has a label
     norm: torch.Tensor  # scalar fp32, the denominator used
+    weights_BAL: torch.Tensor  # fp32, each slot's weight in the loss (decay's or D-PACE's; 0 at slot 0 and unlabelled)
 
 
 def _check(hidden_BQH, labels_BAL):
@@ -355,7 +358,7 @@ def block_ce_loss(
     h_XKH = hidden_BQH.reshape(B * A, -1, hidden_BQH.shape[-1])
     if h_XKH.shape[1] == L:
         h_XKH = h_XKH[:, 1:]  # slot 0 is never scored
-    loss, correct_XK = _ChunkedBlockCE.apply(
+    loss, correct_XK, weight_XK = _ChunkedBlockCE.apply(
         h_XKH,
         lm_head_VH,
         labels_BAL.reshape(B * A, L)[:, 1:],
@@ -369,7 +372,8 @@ def block_ce_loss(
         logits == "fp8",
     )
     correct_BAL = torch.cat([torch.zeros_like(correct_XK[:, :1]), correct_XK], 1).view(B, A, L)
-    return BlockLoss(loss, correct_BAL, labels_BAL >= 0, norm)
+    weights_BAL = torch.cat([torch.zeros_like(weight_XK[:, :1]), weight_XK], 1).view(B, A, L)
+    return BlockLoss(loss, correct_BAL, labels_BAL >= 0, norm, weights_BAL)
 
 
 def reference_block_ce_loss(
@@ -402,7 +406,7 @@ def reference_block_ce_loss(
     else:
         w = slot_w_L * valid
     correct = (z.argmax(-1) == flat).view(B, A, L) & valid
-    return BlockLoss((w * ce).sum() / norm, correct, valid, norm)
+    return BlockLoss((w * ce).sum() / norm, correct, valid, norm, w.detach().float())
 
 
 # --- metrics ---------------------------------------------------------------------------------------------

@@ -227,21 +227,23 @@ class Trainer:
                                 weighting=cfg.loss.weighting, dpace_alpha=cfg.loss.dpace_alpha,
                                 chunk_tokens=cfg.loss.loss_chunk_tokens,
                                 normalizer=norm, epilogue=s.epilogue, logits=cfg.loss.loss_logits)
-            sel = self._selector_loss(h, batch, norm)
+            sel = self._selector_loss(h, batch, norm, out.weights_BAL)
             if sel is not None:
                 out = out._replace(loss=out.loss + cfg.loss.selector_weight * sel.loss)
             acc.backward(out.loss)
         return out, (sel, batch["labels"], norm) if sel is not None else None
 
-    def _selector_loss(self, h, batch: dict, norm):
-        """DFlash2: the candidate selector's CE (`dflash2.selector_ce_loss`); None for a DFlash drafter."""
+    def _selector_loss(self, h, batch: dict, norm, slot_w_BAL):
+        """DFlash2: the candidate selector's CE (`dflash2.selector_ce_loss`), its slots weighed as the block CE
+        weighed them (`slot_w_BAL`) under the same normalizer; None for a DFlash drafter."""
         if self.raw.candidate_selector is None:
             return None
         from dflash_offline.dflash2 import selector_ce_loss
 
         return selector_ce_loss(self.raw.candidate_selector, h, self.head, batch["labels"], batch["input_ids"],
                                 batch["anchors"], gamma=self.cfg.loss.gamma or None, normalizer=norm,
-                                chunk_tokens=self.cfg.loss.loss_chunk_tokens)
+                                chunk_tokens=self.cfg.loss.loss_chunk_tokens, weighting=self.cfg.loss.weighting,
+                                slot_w_BAL=slot_w_BAL)
 
     def optimizer_step(self):
         """Clip, update, schedule, zero; returns the global gradient norm before clipping. A step whose norm is not

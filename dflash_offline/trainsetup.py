@@ -89,10 +89,9 @@ class TrainConfig:
         for group in (self.drafter, self.loss, self.optim, self.compute):
             group.resolve()
         d, lo = self.drafter, self.loss
-        if d.variant == "dflash2" and (lo.weighting != "decay" or self.compute.fsdp or not lo.selector_weight >= 0):
-            raise ConfigError(f"train.variant=dflash2 trains with weighting=decay (got {lo.weighting}), fsdp=0 (got "
-                              f"{int(self.compute.fsdp)}; its selector runs outside the sharded forward) and "
-                              f"selector_weight >= 0 (got {lo.selector_weight})")
+        if d.variant == "dflash2" and (self.compute.fsdp or not lo.selector_weight >= 0):
+            raise ConfigError(f"train.variant=dflash2 trains with fsdp=0 (got {int(self.compute.fsdp)}; its selector "
+                              f"runs outside the sharded forward) and selector_weight >= 0 (got {lo.selector_weight})")
         for name in ("steps", "batch_rows", "ckpt_every", "log_every"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name} must be > 0, got {getattr(self, name)}")

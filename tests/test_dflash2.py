@@ -4,6 +4,7 @@ shapes, a convolution that stays inside its block, the training forward equal to
 
 import dataclasses
 import json
+import math
 import time
 
 import pytest
@@ -402,13 +403,17 @@ def test_spec_generate_with_the_selector_is_lossless(tmp_path, qwen3_dir, attent
 # --- the training objective --------------------------------------------------------------------------------------
 
 
-def reference_selector_ce(selector, h_XKH, head, labels_XL, prev_XK, gamma):
-    """The selector CE written out slot by slot: full logits, the top-k, the score formula, F.cross_entropy."""
+def reference_selector_ce(selector, h_XKH, head, labels_XL, prev_XK, gamma, w_XL=None, norm=None):
+    """The selector CE written out slot by slot: full logits, the top-k, the score formula, F.cross_entropy; slot k
+    of block x weighs w_XL[x, k] (default: decay's slot weights) and the sum is divided by `norm` (default: decay's
+    loss weight)."""
     from dflash_offline.loss import slot_weights
 
     L = labels_XL.shape[1]
-    w = slot_weights(L, gamma)
-    total, norm = 0.0, (w * (labels_XL >= 0)).sum()
+    if w_XL is None:
+        w_XL = slot_weights(L, gamma).expand(labels_XL.shape)
+        norm = (w_XL * (labels_XL >= 0)).sum()
+    total = 0.0
     P, S, Wh = selector.predecessor_codebook, selector.successor_codebook, selector.hidden_projection.weight
     for x in range(h_XKH.shape[0]):
         for k in range(1, L):
@@ -420,12 +425,15 @@ def reference_selector_ce(selector, h_XKH, head, labels_XL, prev_XK, gamma):
             if y not in cand.tolist():
                 continue
             s = torch.stack([z[c] + (P[prev_XK[x, k - 1]] * (Wh @ h_XKH[x, k - 1]) * S[c]).sum() for c in cand])
-            total = total + w[k] * torch.nn.functional.cross_entropy(s[None], torch.tensor([cand.tolist().index(y)]))
+            total = total + w_XL[x, k] * torch.nn.functional.cross_entropy(
+                s[None], torch.tensor([cand.tolist().index(y)]))
     return total / norm
 
 
-def test_selector_ce_equals_a_slot_by_slot_reference_and_trains_the_selector():
-    from dflash_offline.dflash2 import CandidateSelector, selector_ce_loss
+def _selector_case():
+    """A selector (its successor codebook off the identity), scored-slot outputs h, an lm_head, a row's tokens,
+    anchors, labels (half of them made candidates, a block running past the row) and each slot's true predecessor."""
+    from dflash_offline.dflash2 import CandidateSelector
 
     torch.manual_seed(0)
     B, A, S, K = 2, 3, 40, 4
@@ -446,6 +454,15 @@ def test_selector_ce_equals_a_slot_by_slot_reference_and_trains_the_selector():
         labels[:, :, 1:] = torch.where(torch.rand(B, A, L - 1) < 0.5, z.argmax(-1), labels[:, :, 1:])
         labels[1, 2, 3:] = -100
     prev = ids.gather(1, pos.view(B, -1)).view(B * A, L)[:, :-1]
+    return sel, h, head, ids, anc, labels, prev
+
+
+def test_selector_ce_equals_a_slot_by_slot_reference_and_trains_the_selector():
+    from dflash_offline.dflash2 import selector_ce_loss
+
+    sel, h, head, ids, anc, labels, prev = _selector_case()
+    B, A = anc.shape
+    K = sel.top_k
     got = selector_ce_loss(sel, h, head, labels, ids, anc, gamma=4.0)
     want = reference_selector_ce(sel, h.view(B * A, L - 1, H), head, labels.view(B * A, L), prev, 4.0)
     torch.testing.assert_close(got.loss, want, rtol=1e-5, atol=1e-6)
@@ -471,6 +488,72 @@ def test_selector_ce_equals_a_slot_by_slot_reference_and_trains_the_selector():
         opt.step()
     last = selector_ce_loss(sel, h, head, labels, ids, anc, gamma=4.0)
     assert last.loss < 0.5 * first.loss and last.correct_BAL.sum() > first.correct_BAL.sum()
+
+
+def test_under_dpace_the_selector_ce_weighs_its_slots_as_the_block_ce_did():
+    """weighting=dpace: each slot's selector CE weighs what that slot weighed in the block CE (D-PACE's weights, from
+    the drafter's own probabilities; `BlockLoss.weights_BAL`) and the sum is divided by D-PACE's normalizer (the
+    labelled blocks): equal to the slot-by-slot reference with those weights, and not decay's figure."""
+    from dflash_offline.dflash2 import selector_ce_loss
+    from dflash_offline.loss import block_ce_loss, reference_block_ce_loss
+
+    sel, h, head, ids, anc, labels, prev = _selector_case()
+    B, A = anc.shape
+    blk = block_ce_loss(h, head, labels, weighting="dpace")
+    full = torch.cat([torch.zeros(B * A, 1, H), h.detach().view(B * A, L - 1, H)], 1).view(B, A * L, H)
+    torch.testing.assert_close(blk.weights_BAL, reference_block_ce_loss(full, head, labels,
+                                                                        weighting="dpace").weights_BAL)
+    got = selector_ce_loss(sel, h, head, labels, ids, anc, weighting="dpace", slot_w_BAL=blk.weights_BAL)
+    blocks = (labels >= 0).any(-1).sum().float()
+    want = reference_selector_ce(sel, h.view(B * A, L - 1, H), head, labels.view(B * A, L), prev, None,
+                                 blk.weights_BAL.view(B * A, L), blocks)
+    torch.testing.assert_close(got.loss, want, rtol=1e-5, atol=1e-6)
+    g_got, g_want = (torch.autograd.grad(x, [h, *sel.parameters()]) for x in (got.loss, want))
+    for a, b in zip(g_got, g_want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    decay = selector_ce_loss(sel, h, head, labels, ids, anc, gamma=4.0)
+    assert abs(float(got.loss) / float(decay.loss) - 1) > 0.1  # (D-PACE's weights and normalizer are not decay's)
+    with pytest.raises(ValueError, match="slot_w_BAL"):
+        selector_ce_loss(sel, h, head, labels, ids, anc, weighting="dpace")
+
+
+def test_a_dflash2_drafter_trains_with_dpace_its_selector_weighed_by_the_block_ce_s_weights(tmp_path, hidden_cache,
+                                                                                           monkeypatch):
+    """variant=dflash2 weighting=dpace through the trainer: every micro-batch's selector CE gets the weights the
+    block CE used and the step's (D-PACE) normalizer; the loss stays finite and the selector leaves the identity."""
+    from safetensors.torch import load_file
+
+    from dflash_offline import dflash2, loss
+    from dflash_offline.trainsetup import TrainConfig
+    from stages import train
+
+    blocks, selectors = [], []
+
+    def block(*args, **kw):
+        out = block_ce(*args, **kw)
+        blocks.append((out, kw["weighting"]))
+        return out
+
+    def selector(*args, **kw):
+        selectors.append(kw)
+        return selector_ce(*args, **kw)
+
+    block_ce, selector_ce = loss.block_ce_loss, dflash2.selector_ce_loss
+    monkeypatch.setattr(loss, "block_ce_loss", block)
+    monkeypatch.setattr(dflash2, "selector_ce_loss", selector)
+    tiny = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_anchors=8, batch_rows=2, log_every=1,
+                trackers="none", lr=1e-2, warmup_steps=1, steps=4, ckpt_every=4)
+    run = train.run(TrainConfig.of(cache=str(hidden_cache), run=str(tmp_path / "run"), variant="dflash2",
+                                   weighting="dpace", **tiny).resolve())
+    assert len(blocks) == len(selectors) == 4
+    for (out, weighting), kw in zip(blocks, selectors, strict=True):
+        assert weighting == kw["weighting"] == "dpace" and kw["slot_w_BAL"] is out.weights_BAL
+        assert torch.equal(kw["normalizer"], out.norm)
+        decay = loss.slot_weights(out.weights_BAL.shape[-1], None) * out.valid_BAL
+        assert not torch.allclose(out.weights_BAL, decay)  # (D-PACE's weights, not decay's)
+    assert all(math.isfinite(json.loads(x)["loss"]) for x in (run / "metrics.jsonl").read_text().splitlines())
+    sd = load_file(str(run / "checkpoints" / "step-00000004" / "model.safetensors"))
+    assert sd["candidate_selector.successor_codebook"].abs().sum() > 0
 
 
 def test_train_a_dflash2_drafter_on_a_cache(tmp_path, hidden_cache, monkeypatch):
@@ -526,9 +609,10 @@ def test_dflash2_training_settings_are_checked():
     from dflash_offline.config import ConfigError
     from dflash_offline.trainsetup import TrainConfig
 
-    for bad in (dict(weighting="dpace"), dict(fsdp=True), dict(selector_weight=-1.0), dict(variant="dflash3")):
+    for bad in (dict(fsdp=True), dict(selector_weight=-1.0), dict(variant="dflash3")):
         with pytest.raises(ConfigError, match="variant"):
             TrainConfig.of(cache="c", run="r", **{"variant": "dflash2", **bad}).resolve()
+    assert TrainConfig.of(cache="c", run="r", variant="dflash2", weighting="dpace").resolve().loss.weighting == "dpace"
 
 
 def shipped_block_equals(hf, want, bids, embed, batch, b: int, a: int, L: int):

@@ -66,6 +66,9 @@ def test_chunked_equals_reference(chunk_tokens, weighting):
     assert torch.equal(out.correct_BAL, ref.correct_BAL)
     assert torch.equal(out.valid_BAL, labels >= 0)
     assert out.correct_BAL.any()  # the comparison is not vacuous
+    # the weights each slot had in the loss (DFlash2's selector CE takes them): the reference's, 0 where unlabelled
+    torch.testing.assert_close(out.weights_BAL, ref.weights_BAL, rtol=1e-5, atol=1e-7)
+    assert not out.weights_BAL[labels < 0].any() and out.weights_BAL[labels >= 0].min() > 0
 
 
 @pytest.mark.parametrize("weighting", ["decay", "dpace"])
