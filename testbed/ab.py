@@ -67,7 +67,7 @@ def summary_record(cfg: TestbedConfig, p: Paths) -> tuple[dict, dict]:
     base = testbed_run(p, ph, cfg.seed)
     tau = {k: eval_summary(base / f).get("tau_mean") if (base / f).is_file() else None
            for k, f in (("tau_trained", "eval.json"), ("tau_untrained", "eval-untrained.json"))}
-    return {"regen": ph.get("regen"), "looping_frac_eval": looping, **tau,
+    return {"regen": ph.get("regen"), "looping_frac_eval": looping, **tau, "drafter_run": ph.get("eval", {}).get("run"),
             "seconds": {k: round(v.get("seconds", 0), 1) for k, v in ph.items()}}, {}
 
 

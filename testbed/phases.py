@@ -99,21 +99,34 @@ def projection_summary(cache: Path) -> dict:
 
 
 def own_drafter(cfg: TestbedConfig, p: Paths, more: list[Job]) -> Job:
-    """The drafter the testbed's train/export/eval phases stand for when they are still to do: in an A/B, the first
-    of its drafters with the testbed's seed on the testbed's cache (the first arm's, unless that arm has a cache of its
-    own), so that no drafter trains for the testbed alone; else the recipe's."""
-    return next((j for j in more if j.seed == cfg.seed and j.cache == p.hidden()),
-                Job("", p.run("", cfg.seed), p.hidden(), cfg.seed, {}))
+    """The drafter the testbed's train/export/eval phases stand for when they are still to do: in an A/B whose first
+    drafter has the testbed's seed and cache (its first arm has no cache of its own), that drafter, so that none trains
+    for the testbed alone; else the recipe's."""
+    first = more[0] if more else None
+    if first is not None and first.seed == cfg.seed and first.cache == p.hidden():
+        return first
+    return Job("", p.run("", cfg.seed), p.hidden(), cfg.seed, {})
 
 
-def recorded_stale(cfg: TestbedConfig, p: Paths, run: Path, jobs: list[Job]) -> str | None:
-    """Why the testbed's recorded drafter (`run`) no longer stands for this testbed: made with other settings than
-    the job of this invocation that has its run asks, or — an earlier A/B's drafter that no job here asks for — with
-    another recipe, cache, prompts or code; None when it still does."""
-    job = next((j for j in jobs if j.run == run), None)
-    if job is not None:
-        return stale_job(run, job_identity(cfg, p, job))
-    return stale_job(run, job_identity(cfg, p, Job("", run, p.hidden(), cfg.seed, {})), ignore=("train",))
+def recorded_job(cfg: TestbedConfig, p: Paths, ph: dict) -> Job:
+    """The drafter the recorded eval phase stands for (`own_drafter`'s job, as `testbed` recorded it; the recipe's
+    where the record names none)."""
+    rec = ph.get("eval", {})
+    if "job" not in rec:
+        return Job("", p.run("", cfg.seed), p.hidden(), cfg.seed, {})
+    j = rec["job"]
+    return Job(j["arm"], p.root / rec["run"], p.hidden(), j["seed"], j["settings"])
+
+
+def recorded_stale(cfg: TestbedConfig, p: Paths, job: Job, more: list[Job]) -> str | None:
+    """Why the testbed's recorded drafter (`job`) no longer stands for this invocation: its run is gone, it is an A/B
+    arm's while no arm is asked for (a testbed alone reports the recipe's drafter), or it was made from other
+    settings, cache, prompts or code than its job asks now; None when it still stands."""
+    if not job.run.is_dir():
+        return "its run is gone"
+    if job.arm and not more:
+        return f"it is the A/B arm {job.arm}'s and a testbed without arms reports the recipe's"
+    return stale_job(job.run, job_identity(cfg, p, job))
 
 
 def testbed(cfg: TestbedConfig, p: Paths, dev: str, device, more: list[Job] = (), parallel: int = 1,
@@ -158,13 +171,12 @@ def testbed(cfg: TestbedConfig, p: Paths, dev: str, device, more: list[Job] = ()
         done("extract", {"seconds": secs, "rows": rows, "tokens": rows * seq, "tok_per_s_wall": rows * seq / secs,
                          "layer_ids": m["config"].get("layer_ids"), "projection": projection_summary(p.hidden())})
         free_device_memory()
-    recipe = Job("", p.run("", cfg.seed), p.hidden(), cfg.seed, {})
-    if "eval" in ph and (why := recorded_stale(cfg, p, testbed_run(p, ph, cfg.seed), [recipe, *more])):
+    if "eval" in ph and (why := recorded_stale(cfg, p, recorded_job(cfg, p, ph), list(more))):
         log(f"the testbed's drafter {testbed_run(p, ph, cfg.seed)}: {why}: its phases are done again")
         for name in ("train", "export", "eval"):
             ph.pop(name, None)
         write_state(p, st)
-    base = own_drafter(cfg, p, list(more)) if "eval" not in ph else recipe
+    base = own_drafter(cfg, p, list(more))
     run = base.run
     jobs = ([] if "eval" in ph else [base]) + \
         [j for j in more if j.run != run or "eval" in ph]
@@ -181,6 +193,7 @@ def testbed(cfg: TestbedConfig, p: Paths, dev: str, device, more: list[Job] = ()
                            "tok_per_s": m.get("tok_per_s"), "acc": m.get("acc")}
             ph["export"] = {"seconds": t.get("export", 0.0)}
             done("eval", {"seconds": t.get("eval_wall", 0.0), "run": str(run.relative_to(p.root)),
+                          "job": {"arm": base.arm, "seed": base.seed, "settings": base.settings},
                           "untrained_seconds": t.get("untrained"), "trained": eval_summary(run / "eval.json"),
                           "untrained": eval_summary(run / "eval-untrained.json")})
     return result(cfg, p, st), times

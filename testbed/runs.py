@@ -155,7 +155,7 @@ def result(cfg, p: Paths, st: dict) -> dict:
         "target": {k: ph["target"].get(k) for k in ("steps", "tokens", "tok_per_s", "heldout_loss_before",
                                                     "heldout_loss_after", "train_loss_last")},
         "regen": ph.get("regen"), "extract": ph.get("extract"), "train": ph.get("train"),
-        "tau_trained": tr.get("tau_mean"), "tau_untrained": un.get("tau_mean"),
+        "tau_trained": tr.get("tau_mean"), "tau_untrained": un.get("tau_mean"), "drafter_run": ev.get("run"),
         "tau_emitted_trained": tr.get("tau_emitted"), "tau_emitted_untrained": un.get("tau_emitted"),
         "tau_ratio": tr["tau_mean"] / un["tau_mean"] if tr and un else None,
         "looping_frac_eval": eval_looping_share(p.baseline(cfg.eval_tokens), p.target),
@@ -227,16 +227,16 @@ def drafter_code_digest() -> str:
     return h.hexdigest()
 
 
-def stale_job(run: Path, identity: dict, ignore: tuple[str, ...] = ()) -> str | None:
-    """Why the drafter in `run` was made from something else than `identity` (its settings, cache, prompts, code;
-    not the keys in `ignore`), or None when it was not (or there is none yet)."""
+def stale_job(run: Path, identity: dict) -> str | None:
+    """Why the drafter in `run` was made from something else than `identity` (its settings, cache, prompts, code),
+    or None when it was not (or there is none yet)."""
     if not run.exists():
         return None
     f = run / JOB_FILE
     if not f.is_file():
         return f"{f.name} is missing (made by older code)"
     before = json.loads(f.read_text())
-    changed = [k for k in sorted(set(before) | set(identity)) if before.get(k) != identity.get(k) and k not in ignore]
+    changed = [k for k in sorted(set(before) | set(identity)) if before.get(k) != identity.get(k)]
     return f"made with another {', '.join(changed)}" if changed else None
 
 

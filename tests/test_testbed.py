@@ -818,8 +818,10 @@ def test_an_ab_s_first_drafter_is_the_testbed_s_own_and_no_drafter_trains_for_th
                                                                                               monkeypatch):
     """In an A/B whose first arm is not the recipe, the testbed's train/export/eval phases are its first drafter's
     (the untrained evaluation beside it): no recipe drafter trains for the testbed alone. A later A/B with another
-    first arm keeps the recorded drafter (no second untrained evaluation); new drafter code makes it stale, and the
-    phases are done again by that A/B's first drafter. An arm with a cache of its own never stands for the testbed."""
+    first arm keeps the recorded drafter (no second untrained evaluation) while it stands: made as its own settings
+    ask now (other --train_steps or drafter code: done again, by that A/B's first drafter), its run still there. A
+    testbed without arms reports the recipe's drafter, never an arm's. A first arm with a cache of its own does not
+    stand for the testbed."""
     from testbed import phases
 
     calls = _fake_stages(monkeypatch, {})
@@ -827,7 +829,9 @@ def test_an_ab_s_first_drafter_is_the_testbed_s_own_and_no_drafter_trains_for_th
     monkeypatch.setattr(phases, "run_metrics", lambda run: {"step": 6})
     cfg, p = config.TestbedConfig(dir=str(tmp_path)), Paths(str(tmp_path))
     runs.write_state(p, {"phases": {name: {"seconds": 1.0} for name in ("target", "regen", "extract")}})
-    job = lambda arm, seed, cache="": Job(arm, p.run(arm, seed), p.hidden(cache), seed, {})  # noqa: E731
+    job = lambda arm, seed, cache="": Job(arm, p.run(arm, seed), p.hidden(cache), seed,  # noqa: E731
+                                          {"gamma": 5.0} if arm == "a" else {})
+    evaluated = lambda: runs.read_state(p)["phases"]["eval"]["run"]  # noqa: E731
     phases.testbed(cfg, p, "cpu", None, [job("a", 0), job("a", 1), job("b", 0)])
     assert calls == ["a/seed0", "a/seed1", "b/seed0"] and not p.run("", 0).exists()
     ph = runs.read_state(p)["phases"]
@@ -836,11 +840,24 @@ def test_an_ab_s_first_drafter_is_the_testbed_s_own_and_no_drafter_trains_for_th
     assert testbed_ab.summary_record(cfg, p)[0]["tau_trained"] == 2.0
     phases.testbed(cfg, p, "cpu", None, [job("c", 0)])
     assert calls[3:] == ["c/seed0"] and not (p.run("c", 0) / "eval-untrained.json").exists()
-    assert runs.read_state(p)["phases"]["eval"]["run"] == "runs/a/seed0"
-    monkeypatch.setattr(runs, "drafter_code_digest", lambda: "other code")
-    monkeypatch.setattr(commands, "drafter_code_digest", lambda: "other code")
+    assert evaluated() == "runs/a/seed0"
+    # other --train_steps: the recorded drafter (arm a's, rebuilt with its settings) is stale, the phases are c's
+    cfg = config.TestbedConfig(dir=str(tmp_path), train_steps=7)
     phases.testbed(cfg, p, "cpu", None, [job("c", 0)])
     assert calls[4:] == ["c/seed0"] and (p.run("c", 0) / "eval-untrained.json").is_file()
-    assert runs.read_state(p)["phases"]["eval"]["run"] == "runs/c/seed0"
-    assert phases.own_drafter(cfg, p, [job("q", 0, "quantfp8"), job("r", 1)]).run == p.run("", 0)
-    assert phases.own_drafter(cfg, p, [job("q", 0, "quantfp8"), job("r", 0)]).run == p.run("r", 0)
+    assert evaluated() == "runs/c/seed0"
+    monkeypatch.setattr(runs, "drafter_code_digest", lambda: "other code")
+    monkeypatch.setattr(commands, "drafter_code_digest", lambda: "other code")
+    phases.testbed(cfg, p, "cpu", None, [job("d", 0)])
+    assert calls[5:] == ["d/seed0"] and evaluated() == "runs/d/seed0"
+    # its run removed (to redo the arm): the record does not outlive it
+    import shutil
+
+    shutil.rmtree(p.run("d", 0))
+    phases.testbed(cfg, p, "cpu", None, [job("e", 0)])
+    assert calls[6:] == ["e/seed0"] and evaluated() == "runs/e/seed0"
+    # a testbed without arms: the recipe's drafter, trained now, not arm e's
+    phases.testbed(cfg, p, "cpu", None, [])
+    assert calls[7:] == ["base/seed0"] and evaluated() == "runs/base/seed0"
+    assert phases.own_drafter(cfg, p, [job("q", 0, "quantfp8"), job("r", 0)]).run == p.run("", 0)
+    assert phases.own_drafter(cfg, p, [job("r", 1)]).run == p.run("", 0)
