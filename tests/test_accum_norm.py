@@ -230,3 +230,29 @@ def test_the_trainers_step_of_four_micro_batches_is_that_of_one_batch_of_their_r
     assert json.loads((tmp_path / "two" / "config.json").read_text())["derived"]["grad_accum"] == 2
     check("gradient norm, 2 processes", abs(two["grad_norm"] / want[0] - 1), norm_tol)
     check("loss, 2 processes", abs(two["loss"] / want[1] - 1), loss_tol)
+
+
+@pytest.mark.parametrize("weighting", ["decay", "dpace"])
+def test_a_dflash2_step_of_four_micro_batches_equals_one_batch_of_their_rows(tmp_path, hidden_cache, weighting):
+    """DFlash2: the selector CE shares the block CE's step normalizer, so the trainer's first step over 4 micro-batches
+    of one row logs the loss, gradient norm and selector CE of one batch of the same 4 rows (the same blocks), with
+    decay's and with D-PACE's weights; a selector CE divided by each micro-batch's own weight would not. Tolerances
+    as in the DFlash test above (the same sums in another order)."""
+    from test_train import TINY
+
+    from dflash_offline.trainsetup import TrainConfig
+    from stages import train
+
+    kw = {**TINY, "variant": "dflash2", "weighting": weighting, "steps": 1, "ckpt_every": 1,
+          "global_batch_tokens": 4 * 128}
+    logged = {}
+    for name, rows in (("batch", 4), ("micro", 1)):
+        cfg = TrainConfig.of(cache=str(hidden_cache), run=str(tmp_path / name), **{**kw, "batch_rows": rows}).resolve()
+        train.run(cfg)
+        logged[name] = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
+    assert json.loads((tmp_path / "micro" / "config.json").read_text())["derived"]["grad_accum"] == 4
+    norm_tol, loss_tol = scalar_rtol(4 * 256), loss_rtol(4 * TINY["num_anchors"] * 15, 2048)
+    one, four = logged["batch"], logged["micro"]
+    check("gradient norm", abs(four["grad_norm"] / one["grad_norm"] - 1), norm_tol)
+    check("loss", abs(four["loss"] / one["loss"] - 1), loss_tol)
+    check("selector CE", abs(four["selector_ce"] / one["selector_ce"] - 1), loss_tol)
