@@ -157,6 +157,9 @@ def test_chunked_loss_equals_reference_on_gpu(epilogue, weighting, logits):
     assert rel(h2.grad, h1.grad) < 1e-2
     mismatch = (out.correct_BAL != ref.correct_BAL).float().mean().item()
     assert mismatch < 1e-3  # argmax ties/rounding only
+    # each slot's weight as used (DFlash2's selector CE takes them): D-PACE's from q = exp(-CE), a product of up to 15
+    # factors (1 - α)q + α, each q within the CE's rounding of the reference's
+    torch.testing.assert_close(out.weights_BAL, ref.weights_BAL, rtol=2e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize("V_,dtype", [(248320, torch.float32), (1000, torch.float32), (4096 * 3, torch.float32),
