@@ -11,17 +11,8 @@ from dflash_offline.config import ConfigError, as_dict
 
 from .commands import Job, Stopped, log
 from .config import SWEEPS, TestbedConfig
-from .phases import testbed
-from .runs import (
-    Paths,
-    eval_looping_share,
-    eval_summary,
-    parse_arm,
-    read_state,
-    run_metrics,
-    slug,
-    testbed_run,
-)
+from .phases import recorded_job, testbed
+from .runs import Paths, eval_looping_share, eval_summary, parse_arm, read_state, run_metrics, slug
 from .scheduler import default_parallel
 from .stats import NULL_ARM, arm_rows, eval_record, failed_runs, judge
 
@@ -64,7 +55,7 @@ def summary_record(cfg: TestbedConfig, p: Paths) -> tuple[dict, dict]:
         raise ConfigError(f"testbed.summarize: {p.state} records no phase: nothing to summarize under {p.root}")
     looping = (eval_looping_share(p.baseline(cfg.eval_tokens), p.target) if (p.target / "tokenizer.json").is_file()
                else None)
-    base = testbed_run(p, ph, cfg.seed)
+    base = recorded_job(cfg, p, ph).run
     tau = {k: eval_summary(base / f).get("tau_mean") if (base / f).is_file() else None
            for k, f in (("tau_trained", "eval.json"), ("tau_untrained", "eval-untrained.json"))}
     return {"regen": ph.get("regen"), "looping_frac_eval": looping, **tau, "drafter_run": ph.get("eval", {}).get("run"),

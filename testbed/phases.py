@@ -24,7 +24,6 @@ from .runs import (
     result,
     run_metrics,
     stale_job,
-    testbed_run,
     write_state,
 )
 from .scheduler import run_drafters
@@ -98,6 +97,11 @@ def projection_summary(cache: Path) -> dict:
                 "heldout_lost_max": max(x["heldout_loss"].get(k, 0.0) for x in layers)} for k in layers[0]["retained"]}
 
 
+def recipe_job(cfg: TestbedConfig, p: Paths) -> Job:
+    """The recipe's drafter of the testbed's seed on its cache (`runs/base/seed<seed>`)."""
+    return Job("", p.run("", cfg.seed), p.hidden(), cfg.seed, {})
+
+
 def own_drafter(cfg: TestbedConfig, p: Paths, more: list[Job]) -> Job:
     """The drafter the testbed's train/export/eval phases stand for when they are still to do: in an A/B whose first
     drafter has the testbed's seed and cache (its first arm has no cache of its own), that drafter, so that none trains
@@ -105,7 +109,7 @@ def own_drafter(cfg: TestbedConfig, p: Paths, more: list[Job]) -> Job:
     first = more[0] if more else None
     if first is not None and first.seed == cfg.seed and first.cache == p.hidden():
         return first
-    return Job("", p.run("", cfg.seed), p.hidden(), cfg.seed, {})
+    return recipe_job(cfg, p)
 
 
 def recorded_job(cfg: TestbedConfig, p: Paths, ph: dict) -> Job:
@@ -113,7 +117,7 @@ def recorded_job(cfg: TestbedConfig, p: Paths, ph: dict) -> Job:
     where the record names none)."""
     rec = ph.get("eval", {})
     if "job" not in rec:
-        return Job("", p.run("", cfg.seed), p.hidden(), cfg.seed, {})
+        return recipe_job(cfg, p)
     j = rec["job"]
     return Job(j["arm"], p.root / rec["run"], p.hidden(), j["seed"], j["settings"])
 
@@ -171,8 +175,8 @@ def testbed(cfg: TestbedConfig, p: Paths, dev: str, device, more: list[Job] = ()
         done("extract", {"seconds": secs, "rows": rows, "tokens": rows * seq, "tok_per_s_wall": rows * seq / secs,
                          "layer_ids": m["config"].get("layer_ids"), "projection": projection_summary(p.hidden())})
         free_device_memory()
-    if "eval" in ph and (why := recorded_stale(cfg, p, recorded_job(cfg, p, ph), list(more))):
-        log(f"the testbed's drafter {testbed_run(p, ph, cfg.seed)}: {why}: its phases are done again")
+    if "eval" in ph and (why := recorded_stale(cfg, p, recorded := recorded_job(cfg, p, ph), list(more))):
+        log(f"the testbed's drafter {recorded.run}: {why}: its phases are done again")
         for name in ("train", "export", "eval"):
             ph.pop(name, None)
         write_state(p, st)

@@ -42,13 +42,6 @@ class Paths:
         return self.root / "runs" / (arm or "base") / f"seed{seed}"
 
 
-def testbed_run(p: Paths, ph: dict, seed: int) -> Path:
-    """The testbed's own drafter's run: the one its eval phase recorded (an A/B's first drafter on the testbed's
-    cache, see `phases.own_drafter`), else the recipe's (`runs/base/seed<seed>`)."""
-    rel = ph.get("eval", {}).get("run")
-    return p.root / rel if rel else p.run("", seed)
-
-
 def read_state(p: Paths) -> dict:
     return json.loads(p.state.read_text()) if p.state.is_file() else {"phases": {}}
 
