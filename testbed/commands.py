@@ -86,7 +86,7 @@ def train_args(cfg: TestbedConfig, run: Path, cache: Path, seed: int, settings: 
     args = [f"--recipe={cfg.drafter_recipe}", f"--cache={cache}", f"--run={run}", f"--seed={seed}"]
     if cfg.train_steps:
         args.append(f"--steps={cfg.train_steps}")
-    return args + [f"--{kv}" for kv in cfg.train_args.split()] + [f"--{k}={v}" for k, v in settings.items()]
+    return args + [f"--{kv}" for kv in cfg.train_args.split()] + [f"--{k}={v}" for k, v in sorted(settings.items())]
 
 
 def job_identity(cfg: TestbedConfig, p: Paths, j: Job) -> dict:

@@ -861,3 +861,25 @@ def test_an_ab_s_first_drafter_is_the_testbed_s_own_and_no_drafter_trains_for_th
     assert calls[7:] == ["base/seed0"] and evaluated() == "runs/base/seed0"
     assert phases.own_drafter(cfg, p, [job("q", 0, "quantfp8"), job("r", 0)]).run == p.run("", 0)
     assert phases.own_drafter(cfg, p, [job("r", 1)]).run == p.run("", 0)
+
+
+def test_a_rerun_keeps_the_first_arm_s_recorded_drafter_whatever_the_order_of_its_settings(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """state.json stores an arm's settings sorted by name; an arm written in another order (`weighting=dpace
+    precision=fp8`) is still the drafter recorded: a rerun of the same sweep neither calls it stale nor redoes the
+    testbed's phases."""
+    from testbed import phases
+
+    calls = _fake_stages(monkeypatch, {})
+    monkeypatch.setattr(phases, "result", lambda cfg, p, st: st)
+    monkeypatch.setattr(phases, "run_metrics", lambda run: {"step": 6})
+    cfg, p = config.TestbedConfig(dir=str(tmp_path)), Paths(str(tmp_path))
+    runs.write_state(p, {"phases": {name: {"seconds": 1.0} for name in ("target", "regen", "extract")}})
+    first = Job("a", p.run("a", 0), p.hidden(), 0, {"weighting": "dpace", "precision": "fp8"})
+    phases.testbed(cfg, p, "cpu", None, [first])
+    eval_before = runs.read_state(p)["phases"]["eval"]
+    assert calls == ["a/seed0"] and list(eval_before["job"]["settings"]) == ["precision", "weighting"]
+    capsys.readouterr()
+    phases.testbed(cfg, p, "cpu", None, [first])
+    assert "done again" not in "".join(capsys.readouterr())
+    assert calls == ["a/seed0"] and runs.read_state(p)["phases"]["eval"] == eval_before
