@@ -44,7 +44,7 @@ SUBS = [
 EXTRA = {  # make target → ARGS= appended (the page's command has none): the 3.6 recipe's drafter at the stand-in's width
     # (and in the CPU's precision: the recipe's float8 linears need a GPU, as the page says)
     "train": "--num_heads=4 --num_kv_heads=2 --head_dim=16 --intermediate_size=128 --num_anchors=16 "
-             "--global_batch_tokens=8192 --epochs=4 --log_every=1 --precision=auto",
+             "--selector_rank=16 --global_batch_tokens=8192 --epochs=4 --log_every=1 --precision=auto",
     "eval": "--num_prompts=2 --max_new_tokens=8",
 }
 PIPELINE = ["shuf", "regen", "extract", "extract", "verify", "status", "train", "train", "export", "eval", "eval",
@@ -162,9 +162,12 @@ def test_the_documented_full_run_runs(site):
     # 3: the recipe's drafter (5 layers, the last full, the others sliding over 2048) trained a few steps; resumed
     cfg = json.loads((work / "runs" / "q36-pilot" / "config.json").read_text())
     assert cfg["train"]["sliding_window"] == 2048 and cfg["train"]["num_layers"] == 5
+    assert cfg["train"]["variant"] == "dflash2" and cfg["train"]["weighting"] == "dpace"  # (the recipe's drafter)
     assert "train done: 2 steps (0 → 2)" in out[6] and "resumed runs/q36-pilot at step 2" in out[7]
     # 4-5: the export, and the page's serving lines are what it prints
     assert {"config.json", "model.safetensors", "dflash.py"} <= {p.name for p in (work / "export" / "q36-pilot").iterdir()}
+    exported = json.loads((work / "export" / "q36-pilot" / "config.json").read_text())
+    assert exported["architectures"] == ["DFlash2DraftModel"] and exported["dflash_config"]["selector_top_k"] == 16
     serving = [c for body in blocks(text, "bash") for c in commands(body) if "speculative" in c]
     printed = [re.sub(r" \[.*\]$", "", line.split(":", 1)[1].strip()) for line in out[8].splitlines()
                if line.strip().startswith(("vLLM:", "SGLang:"))]

@@ -8,7 +8,8 @@ The reference values are literals copied from sgl-project/SpecForge at commit
 a6b6b0230009d15ec2a97a57384e6f53f0f96946 (2026-08-08); the targets' config.json fields are the published ones the
 pipeline reads. There is no reference for Qwen3.5-27B (see manifests/qwen3.5-27b.toml): its recipe is checked
 against the Qwen3.6-27B reference (same shapes) except the attention fields, which are those of SpecForge's
-Qwen3.5 drafters (all layers full attention).
+Qwen3.5 drafters (all layers full attention). The Qwen3.5/3.6-27B recipes train that shape as DFlash2 (z-lab's
+class and conv/selector fields added, `references`); with `--variant=dflash` their export is SpecForge's drafter.
 """
 
 import json
@@ -121,6 +122,24 @@ RECIPES = {
 }
 
 
+# z-lab's DFlash2 conv and selector settings (the published Qwen3.8-27B drafter's), which the Qwen3.5/3.6-27B recipes
+# train DFlash2 with on SpecForge's DFlash shape
+DFLASH2_FIELDS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+
+
+def references(recipe: str, target: Path) -> list[tuple[dict, dict]]:
+    """(train overrides, reference drafter config) pairs a recipe is checked against: its reference; for a recipe
+    that trains DFlash2 on a DFlash reference's shape, that shape as DFlash2 (z-lab's DFlash2 class, the four DFlash2
+    fields in dflash_config) and, with `--variant=dflash`, the DFlash reference itself, field for field."""
+    _, ref, attention, _ = RECIPES[recipe]
+    ref = {**ref, **attention}
+    if resolved_drafter(recipe, target).variant == "dflash" or ref["architectures"] != ["DFlashDraftModel"]:
+        return [({}, ref)]
+    as_dflash2 = {**ref, "architectures": ["DFlash2DraftModel"], "auto_map": {"AutoModel": "dflash.DFlash2DraftModel"},
+                  "dflash_config": {**ref["dflash_config"], "block_size": ref["block_size"], **DFLASH2_FIELDS}}
+    return [({}, as_dflash2), ({"variant": "dflash"}, ref)]
+
+
 def target_dir(root: Path, config: dict, tokenizer_json: Path | None = None) -> Path:
     """A target checkpoint directory holding only config.json (+ the tokenizer): the config level."""
     root.mkdir(parents=True)
@@ -131,10 +150,11 @@ def target_dir(root: Path, config: dict, tokenizer_json: Path | None = None) -> 
     return root
 
 
-def resolved_drafter(recipe: str, target: Path):
-    """The recipe's DrafterConfig as `make train` resolves it, with the cache's facts taken from the recipe."""
+def resolved_drafter(recipe: str, target: Path, **overrides):
+    """The recipe's DrafterConfig as `make train` resolves it (`overrides`: as ARGS="--key=value" would), with the
+    cache's facts taken from the recipe."""
     tables = read_recipe(str(REPO / "manifests" / f"{recipe}.toml"))
-    cfg = build_config(TrainConfig, "train", {**tables["train"], "cache": "unused"})
+    cfg = build_config(TrainConfig, "train", {**tables["train"], "cache": "unused", **overrides})
     text = json.loads((target / "config.json").read_text())
     text = text.get("text_config") or text
     facts = {"target": str(target), "layer_ids": tables["extract"]["layer_ids"], "mask_token_id": cfg.drafter.mask_token_id,
@@ -142,9 +162,9 @@ def resolved_drafter(recipe: str, target: Path):
     return drafter_config(cfg, facts)
 
 
-def exported_config(recipe: str, target: Path) -> dict:
+def exported_config(recipe: str, target: Path, **overrides) -> dict:
     """config.json of the recipe's drafter, as `export.export` writes it (same three calls)."""
-    dc = resolved_drafter(recipe, target)
+    dc = resolved_drafter(recipe, target, **overrides)
     tgt = target_fields(str(target))
     tgt["mask_token"] = mask_token_for(tgt["tokenizer"], dc.mask_token_id)
     return zlab_config(dc, tgt, "bfloat16")
@@ -152,46 +172,51 @@ def exported_config(recipe: str, target: Path) -> dict:
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_the_export_has_the_reference_drafters_fields(recipe, tmp_path):
-    target_cfg, ref, attention, _ = RECIPES[recipe]
-    out = exported_config(recipe, target_dir(tmp_path / "target", target_cfg))
-    expected = {**ref, **attention}
-    for key, want in expected.items():
-        if key in NOT_COMPARED:
-            continue
-        if key == "dflash_config":  # the export adds block_size and the mask token's string
-            assert {k: out[key][k] for k in want} == want, recipe
+    target = target_dir(tmp_path / "target", RECIPES[recipe][0])
+    for overrides, ref in references(recipe, target):
+        out = exported_config(recipe, target, **overrides)
+        for key, want in ref.items():
+            if key in NOT_COMPARED:
+                continue
+            if key == "dflash_config":  # the export adds block_size and the mask token's string
+                assert {k: out[key][k] for k in want} == want, recipe
+            else:
+                assert out[key] == want, (recipe, overrides, key, out[key], want)
+        assert out["rope_parameters"] == {"rope_type": "default", "rope_theta": ref["rope_theta"]}
+        assert out["dflash_config"]["block_size"] == out["block_size"] == ref.get("block_size",
+                                                                               ref["dflash_config"].get("block_size"))
+        if ref["architectures"] == ["DFlash2DraftModel"]:  # every field z-lab's dflash_config holds, and no other
+            assert {k: v for k, v in out["dflash_config"].items() if k != "mask_token"} == ref["dflash_config"]
+            assert out["auto_map"] == {"AutoModel": "dflash.DFlash2DraftModel"}
         else:
-            assert out[key] == want, (recipe, key, out[key], want)
-    assert out["rope_parameters"] == {"rope_type": "default", "rope_theta": ref["rope_theta"]}
-    assert out["dflash_config"]["block_size"] == out["block_size"] == ref.get("block_size",
-                                                                           ref["dflash_config"].get("block_size"))
-    if ref["architectures"] == ["DFlash2DraftModel"]:  # every field z-lab's dflash_config holds, and no other
-        assert {k: v for k, v in out["dflash_config"].items() if k != "mask_token"} == ref["dflash_config"]
-        assert out["auto_map"] == {"AutoModel": "dflash.DFlash2DraftModel"}
-    # bidirectional blocks are declared (is_causal false) exactly where the reference declares them: not for DFlash
-    assert out.get("is_causal") is ref.get("is_causal"), recipe
+            assert not set(DFLASH2_FIELDS) & set(out["dflash_config"]), (recipe, overrides)
+        # bidirectional blocks are declared (is_causal false) exactly where the reference declares them: not for DFlash
+        assert out.get("is_causal") is ref.get("is_causal"), recipe
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_the_drafter_fits_a_model_built_from_the_reference_config(recipe, tmp_path):
     """Tensor names and shapes of the recipe's drafter = those of z-lab's DFlashDraftModel (the modeling file the
-    export ships) built from the reference config.json: the checkpoint loads where the reference's does."""
+    export ships; DFlash2DraftModel for a DFlash2 reference) built from the reference config.json: the checkpoint
+    loads where the reference's does."""
     from transformers import Qwen3Config
 
     from dflash_offline import zlab_dflash
 
-    target_cfg, ref, attention, _ = RECIPES[recipe]
-    dc = resolved_drafter(recipe, target_dir(tmp_path / "target", target_cfg))
-    fields = {k: v for k, v in {**ref, **attention}.items() if k not in NOT_COMPARED}
-    config = Qwen3Config(**{"intermediate_size": dc.intermediate_size, **fields})  # (a DFlash2 ref has no width)
-    with torch.device("meta"):
-        ours = {k: tuple(v.shape) for k, v in DFlashDrafter(dc).state_dict().items()}
-        theirs = {k: tuple(v.shape) for k, v in
-                  getattr(zlab_dflash, ref["architectures"][0])(config).state_dict().items()}
-    assert ours == theirs
-    hidden, taps = ref["hidden_size"], len(ref["dflash_config"]["target_layer_ids"])
-    assert ours["fc.weight"] == (hidden, taps * hidden) and len({k.split(".")[1] for k in ours if
-                                                                  k.startswith("layers.")}) == 5
+    target = target_dir(tmp_path / "target", RECIPES[recipe][0])
+    for overrides, ref in references(recipe, target):
+        dc = resolved_drafter(recipe, target, **overrides)
+        fields = {k: v for k, v in ref.items() if k not in NOT_COMPARED}
+        config = Qwen3Config(**{"intermediate_size": dc.intermediate_size, **fields})  # (a DFlash2 ref has no width)
+        with torch.device("meta"):
+            ours = {k: tuple(v.shape) for k, v in DFlashDrafter(dc).state_dict().items()}
+            theirs = {k: tuple(v.shape) for k, v in
+                      getattr(zlab_dflash, ref["architectures"][0])(config).state_dict().items()}
+        assert ours == theirs, (recipe, overrides)
+        hidden, taps = ref["hidden_size"], len(ref["dflash_config"]["target_layer_ids"])
+        assert ours["fc.weight"] == (hidden, taps * hidden) and len({k.split(".")[1] for k in ours if
+                                                                      k.startswith("layers.")}) == 5
+        assert any("candidate_selector" in k for k in ours) == (ref["architectures"] == ["DFlash2DraftModel"])
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
