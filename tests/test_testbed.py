@@ -883,3 +883,16 @@ def test_a_rerun_keeps_the_first_arm_s_recorded_drafter_whatever_the_order_of_it
     phases.testbed(cfg, p, "cpu", None, [first])
     assert "done again" not in "".join(capsys.readouterr())
     assert calls == ["a/seed0"] and runs.read_state(p)["phases"]["eval"] == eval_before
+    # a run recorded with the settings in the arm's own order (before they were sorted) is the same drafter; another
+    # value is not
+    job_file = first.run / runs.JOB_FILE
+    recorded = json.loads(job_file.read_text())
+    unsorted = [a for a in recorded["train"] if not a.startswith(("--weighting", "--precision"))] + [
+        "--weighting=dpace", "--precision=fp8"]
+    assert unsorted != recorded["train"]
+    job_file.write_text(json.dumps({**recorded, "train": unsorted}))
+    assert runs.stale_job(first.run, commands.job_identity(cfg, p, first)) is None
+    job_file.write_text(json.dumps({**recorded, "train": [a.replace("fp8", "bf16") for a in unsorted]}))
+    assert runs.stale_job(first.run, commands.job_identity(cfg, p, first)) == "made with another train"
+    with pytest.raises(ConfigError, match="'gamma' is given twice"):
+        runs.parse_arm("gamma=5 weighting=dpace gamma=6")
