@@ -70,6 +70,12 @@ TRAIN_SMALL_DRAFTER = SimpleNamespace(**{**vars(TRAIN_DRAFTER), "block_size": 8,
 # plan of a DFlash2 run takes its drafter's rate as DFlash × this
 TRAIN_DFLASH2_FACTOR = 84_748 / ((118_113 + 104_285) / 2)
 TRAIN_VARIANT_FACTOR = {"dflash": 1.0, "dflash2": TRAIN_DFLASH2_FACTOR}
+# the DFlash2 drafter that cost was measured at (the Qwen3.8-27B recipe's conv and selector). Elsewhere its conv and
+# selector add another share of the FLOPs (more anchors × block: more top-k searches over the vocabulary); a plan
+# keeps their measured time per FLOP against DFlash's (31 % more time for 13 % more FLOPs) and scales the extra time
+# by the extra FLOPs (`dflash2_factor`)
+TRAIN_DFLASH2_DRAFTER = SimpleNamespace(**{**vars(TRAIN_SMALL_DRAFTER), "variant": "dflash2", "conv_kernel_size": 2,
+                                           "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16})
 # the measured training points (where, drafter, row length, rate), most block tokens a row (anchors × block) first:
 # a plan takes the model FLOP rate (tok/s × FLOPs per context token) of the point its drafter's block tokens reach or
 # pass, between them the two interpolated in log block tokens, and divides it by its drafter's FLOPs per token
@@ -171,6 +177,24 @@ def train_flop_rate(block_tokens: int) -> tuple[float, int | None]:
     return pts[-1][1], len(pts) - 1
 
 
+def dflash2_flop_share(drafter, seq_len: int) -> float:
+    """The FLOPs a DFlash2 drafter's conv and selector add to a training row, as a share of its FLOPs as DFlash."""
+    from .metrics import flops_per_row
+
+    as_dflash = SimpleNamespace(**{**vars(drafter), "variant": "dflash"})
+    return flops_per_row(drafter, seq_len, drafter.num_anchors) / flops_per_row(as_dflash, seq_len,
+                                                                                 drafter.num_anchors) - 1
+
+
+def dflash2_factor(drafter, seq_len: int) -> float:
+    """DFlash2's training rate against DFlash's for `drafter`: the measured `TRAIN_DFLASH2_FACTOR` where its conv and
+    selector add the measured drafter's share of the FLOPs; elsewhere that extra time × (its share / the measured
+    share)."""
+    extra_time = 1 / TRAIN_DFLASH2_FACTOR - 1
+    return 1 / (1 + extra_time * dflash2_flop_share(drafter, seq_len)
+                / dflash2_flop_share(TRAIN_DFLASH2_DRAFTER, TRAIN_SMALL_SEQ_LEN))
+
+
 def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.0, train_tok_s: float = 0.0,
           regen_tok_s: float = 0.0, precision: str = "bf16", loss_logits: str = "fp32",
           weighting: str = "decay") -> dict:
@@ -181,8 +205,9 @@ def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.
     drafter) — and, for a `precision="fp8"` training, by fp8's measured speed-up (`fp8`: with `loss_logits="fp8"`,
     that of float8 lm_head GEMMs as well; `fp8_logits`), for `weighting="dpace"` by D-PACE's measured cost against
     decay (`dpace`) — both measured at the first point, so elsewhere "scaled" — and for a DFlash2 drafter by its
-    measured cost against DFlash at the second (`variant`, `variant_factor`; its FLOPs counted as DFlash's, its rate
-    always "scaled": a product of measurements); and regeneration's generated tokens/s when given."""
+    measured cost against DFlash at the second (`variant`, `variant_factor`: `dflash2_factor`, scaled by the share of
+    FLOPs its conv and selector add, `variant_share`; its FLOPs counted as DFlash's, its rate always "scaled": a
+    product of measurements); and regeneration's generated tokens/s when given."""
     from .metrics import flops_per_row
 
     if drafter.variant not in TRAIN_VARIANT_FACTOR:
@@ -194,7 +219,8 @@ def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.
     variant = drafter.variant if drafter.variant != "dflash" else None
     fp8 = ({} if precision != "fp8" else {"fp8": TRAIN_FP8_SPEEDUP} if loss_logits != "fp8" else
            {"fp8": TRAIN_FP8_HEAD_SPEEDUP, "fp8_logits": True})  # (fp8 logits alone: not measured, no speed-up)
-    train = {**fp8, **({"variant": variant, "variant_factor": TRAIN_VARIANT_FACTOR[variant]} if variant else {}),
+    train = {**fp8, **({"variant": variant, "variant_factor": dflash2_factor(drafter, seq_len),
+                        "variant_share": dflash2_flop_share(drafter, seq_len)} if variant else {}),
              **({"dpace": TRAIN_DPACE_FACTOR} if weighting == "dpace" else {})}
     train_tok_per_s = flop_rate / per_tok  # (bf16 DFlash at this drafter's FLOPs and block tokens)
     if point is None:
@@ -329,8 +355,14 @@ def describe_rate(stage: str, r: dict) -> str:
     else:
         how = f"estimate: {r['measured_tok_s']:,} measured at {at}, scaled ×{r['factor']:.3g} by {by}{as_dflash}"
     if r.get("variant"):
-        how += (f"; ×{r['variant_factor']:.3g} for variant={r['variant']}, its cost against DFlash "
-                + ("there" if r.get("at") == TRAIN_SMALL_AT else f"at {TRAIN_SMALL_AT}"))
+        there = dflash2_flop_share(TRAIN_DFLASH2_DRAFTER, TRAIN_SMALL_SEQ_LEN)
+        if abs(r["variant_share"] / there - 1) < 0.01:
+            how += (f"; ×{r['variant_factor']:.3g} for variant={r['variant']}, its cost against DFlash "
+                    + ("there" if r.get("at") == TRAIN_SMALL_AT else f"at {TRAIN_SMALL_AT}"))
+        else:
+            how += (f"; ×{r['variant_factor']:.3g} for variant={r['variant']}: its conv and selector add "
+                    f"{100 * r['variant_share']:.0f} % to the FLOPs here, {100 * there:.0f} % at {TRAIN_SMALL_AT}, "
+                    f"where they cost ×{TRAIN_DFLASH2_FACTOR:.3g} (their time per FLOP kept)")
     first = TRAIN_POINTS[0][0]
     if r.get("fp8"):
         how += (f"; ×{r['fp8']:.3g} for precision=fp8" + (" loss_logits=fp8" if r.get("fp8_logits") else "")
@@ -358,8 +390,9 @@ def render(p: dict, cache: Path, cpu_estimate_min: float | None = None) -> list[
     if line := reader_line(p):
         lines.append("  " + line)
     if any(" k=" in name for name in p["encodings"]):
-        lines.append("  (k=…: taps projected to k dims, project_dims=k; τ on the testbed: vs bf16 at 2 seeds, docs/testbed.md;"
-                     " a projection's loss also depends on the target's spectrum: calibration logs the energy kept)")
+        lines.append("  (k=…: taps projected to k dims, project_dims=k; τ on the testbed: vs bf16 at 2 seeds, DFlash drafters, "
+                     "docs/testbed.md; a projection's loss also depends on the target's spectrum: calibration logs the "
+                     "energy kept)")
     keep = f"keeping min_free_gb={p['min_free_gb']:g}"
     verdict = f"fits, {keep} ({size(p['free_bytes'] - p['need_bytes'])} left after it)" if p["fits"] else \
         f"does not fit, {keep}: " + ("allow_overfill=1 starts a real run anyway" if p["allow_overfill"] else

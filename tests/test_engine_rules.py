@@ -543,18 +543,26 @@ REAL_TARGETS = {"qwen3.6": (QWEN36_27B["text_config"], "qwen3_5"), "qwen3.5": (Q
                 "qwen3.8": (QWEN36_27B["text_config"], "qwen3_5"), "qwen3": (QWEN3_8B, "qwen3")}
 
 
-def real_export(recipe: str, tmp_path: Path, fixtures: Path) -> tuple[dict, dict, Target]:
+def real_export(recipe: str, tmp_path: Path, fixtures: Path, **overrides) -> tuple[dict, dict, Target]:
     target_cfg, _, _, tokenizer = RECIPES[recipe]
     tdir = target_dir(tmp_path / "target", target_cfg, fixtures / tokenizer / "tokenizer.json")
     text, arch = REAL_TARGETS[tokenizer]
-    drafter = dataclasses.asdict(resolved_drafter(recipe, tdir))
+    drafter = dataclasses.asdict(resolved_drafter(recipe, tdir, **overrides))
     target = Target(text["num_hidden_layers"], text["vocab_size"], arch, str(fixtures / tokenizer))
-    return exported_config(recipe, tdir), drafter, target
+    return exported_config(recipe, tdir, **overrides), drafter, target
 
 
-@pytest.mark.parametrize("recipe", list(RECIPES))
-def test_recipe_export_is_served_as_trained(recipe, tmp_path, real_fixtures):
-    config, drafter, target = real_export(recipe, tmp_path, real_fixtures)
+# every recipe as it trains, and the Qwen3.5/3.6-27B recipes' DFlash drafter (ARGS="--variant=dflash") as well
+EXPORTS = list(RECIPES) + ["qwen3.5-27b variant=dflash", "qwen3.6-27b variant=dflash"]
+
+
+@pytest.mark.parametrize("case", EXPORTS)
+def test_recipe_export_is_served_as_trained(case, tmp_path, real_fixtures):
+    recipe, _, setting = case.partition(" ")
+    overrides = dict([setting.split("=")]) if setting else {}
+    config, drafter, target = real_export(recipe, tmp_path, real_fixtures, **overrides)
+    assert config["architectures"] == ["DFlashDraftModel" if overrides or recipe == "qwen3-8b" else
+                                       "DFlash2DraftModel"], case
     assert serve(config, drafter, target) == AS_TRAINED
     with torch.device("meta"):  # the tensors export writes: the drafter's state dict, names as they are
         names = list(DFlashDrafter(DrafterConfig(**drafter)).state_dict())

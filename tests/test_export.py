@@ -206,7 +206,8 @@ def test_the_provenance_holds_no_path_of_the_exporting_machine_and_survives_a_mo
 
 def test_docs_serving_gives_the_command_lines_make_export_prints_for_a_qwen36_27b_export(tmp_path):
     """docs/serving.md's vLLM and SGLang lines for the Qwen3.6-27B recipe are `usage`'s, as `make export` prints them
-    (vLLM: num_speculative_tokens = block_size - 1 = 15, the V2 runner for the mixed sliding/full layers)."""
+    (vLLM: num_speculative_tokens = block_size - 1 = 15, the V2 runner for a DFlash2 drafter and for mixed
+    sliding/full layers)."""
     from test_recipes import QWEN36_27B, resolved_drafter, target_dir
 
     drafter = dataclasses.asdict(resolved_drafter("qwen3.6-27b", target_dir(tmp_path / "t", QWEN36_27B)))
@@ -216,6 +217,12 @@ def test_docs_serving_gives_the_command_lines_make_export_prints_for_a_qwen36_27
     doc = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text().splitlines()
     assert vllm in doc and vllm.startswith("VLLM_USE_V2_MODEL_RUNNER=1 vllm serve /ckpt/Qwen3.6-27B ")
     assert sglang.removesuffix(" [--speculative-dflash-block-size 16]") in doc
+    # the Qwen3.5-27B recipe's drafter (full attention in every layer) needs the V2 runner as DFlash2, not as DFlash
+    for variant, v2 in (("dflash2", True), ("dflash", False)):
+        d35 = dataclasses.asdict(resolved_drafter("qwen3.5-27b", target_dir(tmp_path / variant, QWEN36_27B),
+                                                  **({} if variant == "dflash2" else {"variant": variant})))
+        assert d35["variant"] == variant and set(d35["layer_types"] or ["full_attention"]) == {"full_attention"}
+        assert ("VLLM_USE_V2_MODEL_RUNNER=1" in usage(Path("e"), d35)[0]) is v2, variant
 
 
 # --- synthetic runs (no training): sliding window, cache, speculative decoding, CLI ----------------------------
