@@ -207,7 +207,9 @@ def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.
     decay (`dpace`) — both measured at the first point, so elsewhere "scaled" — and for a DFlash2 drafter by its
     measured cost against DFlash at the second (`variant`, `variant_factor`: `dflash2_factor`, scaled by the share of
     FLOPs its conv and selector add, `variant_share`; its FLOPs counted as DFlash's, its rate always "scaled": a
-    product of measurements); and regeneration's generated tokens/s when given."""
+    product of measurements; float8 and D-PACE scale DFlash's share of the step only: DFlash2's added time — its conv,
+    selector and the selector's top-k search, a bf16 GEMM under any `loss_logits` — is counted as measured in bf16);
+    and regeneration's generated tokens/s when given."""
     from .metrics import flops_per_row
 
     if drafter.variant not in TRAIN_VARIANT_FACTOR:
@@ -238,8 +240,8 @@ def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.
             "source": "measured" if abs(ex - 1) < 0.01 and seq_len == EXTRACT_SEQ_LEN else "scaled",
             "factor": ex, "measured_tok_s": EXTRACT_TOK_S},
            "train": {"tok_s": train_tok_s, "source": "given"} if train_tok_s else
-           {"tok_s": train_tok_per_s * train.get("fp8", 1.0) * train.get("dpace", 1.0)
-            * train.get("variant_factor", 1.0),
+           {"tok_s": train_tok_per_s / (1 / (train.get("fp8", 1.0) * train.get("dpace", 1.0))
+                                        + 1 / train.get("variant_factor", 1.0) - 1),
             "source": "measured" if abs(factor - 1) < 0.01 and train_same else "scaled",
             "factor": factor, "measured_tok_s": measured, **train}}
     if regen_tok_s:
@@ -370,6 +372,9 @@ def describe_rate(stage: str, r: dict) -> str:
     if r.get("dpace"):
         how += f"; ×{r['dpace']:.3g} for weighting=dpace, its cost against decay " + \
             ("there" if r.get("fp8") or (r.get("at") == first and not r.get("variant")) else f"at {first}")
+    if r.get("variant") and (r.get("fp8") or r.get("dpace")):
+        how += (f"; {' and '.join(n for n, k in (('float8', 'fp8'), ('D-PACE', 'dpace')) if r.get(k))} scale DFlash's "
+                f"share of the step only: DFlash2's added time (conv, selector, its bf16 top-k search) as in bf16")
     return f"{stage} {r['tok_s']:,.0f} {unit} per H200 ({how})"
 
 
