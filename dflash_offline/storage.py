@@ -20,6 +20,7 @@ this repository has not measured (`plan_regen_tok_s=` gives it); verification re
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -186,13 +187,18 @@ def dflash2_flop_share(drafter, seq_len: int) -> float:
                                                                                  drafter.num_anchors) - 1
 
 
+@functools.cache
+def measured_dflash2_share() -> float:
+    """`dflash2_flop_share` of the drafter DFlash2's cost was measured at (`TRAIN_DFLASH2_DRAFTER`)."""
+    return dflash2_flop_share(TRAIN_DFLASH2_DRAFTER, TRAIN_SMALL_SEQ_LEN)
+
+
 def dflash2_factor(drafter, seq_len: int) -> float:
     """DFlash2's training rate against DFlash's for `drafter`: the measured `TRAIN_DFLASH2_FACTOR` where its conv and
     selector add the measured drafter's share of the FLOPs; elsewhere that extra time × (its share / the measured
     share)."""
     extra_time = 1 / TRAIN_DFLASH2_FACTOR - 1
-    return 1 / (1 + extra_time * dflash2_flop_share(drafter, seq_len)
-                / dflash2_flop_share(TRAIN_DFLASH2_DRAFTER, TRAIN_SMALL_SEQ_LEN))
+    return 1 / (1 + extra_time * dflash2_flop_share(drafter, seq_len) / measured_dflash2_share())
 
 
 def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.0, train_tok_s: float = 0.0,
@@ -357,7 +363,7 @@ def describe_rate(stage: str, r: dict) -> str:
     else:
         how = f"estimate: {r['measured_tok_s']:,} measured at {at}, scaled ×{r['factor']:.3g} by {by}{as_dflash}"
     if r.get("variant"):
-        there = dflash2_flop_share(TRAIN_DFLASH2_DRAFTER, TRAIN_SMALL_SEQ_LEN)
+        there = measured_dflash2_share()
         if abs(r["variant_share"] / there - 1) < 0.01:
             how += (f"; ×{r['variant_factor']:.3g} for variant={r['variant']}, its cost against DFlash "
                     + ("there" if r.get("at") == TRAIN_SMALL_AT else f"at {TRAIN_SMALL_AT}"))
