@@ -146,23 +146,26 @@ class Trainer:
         """The step's metrics; a window's end at a log step or a checkpoint, the checkpoint. Returns: saved."""
         cfg, s = self.cfg, self.s
         self.meter.step(cfg.batch_rows * s.accum * s.world, grad_norm)  # (reads the last window's report)
-        checkpoint = self.step % cfg.ckpt_every == 0 or self.step == s.steps
-        if self.step % cfg.log_every == 0 or checkpoint:  # a window also ends at a checkpoint: its time is not training
-            self.meter.end_window(self.step, self.sched.get_last_lr()[0], self.skipped_steps, read_now=checkpoint)
+        last = self.step == s.steps
+        checkpoint = self.step % cfg.ckpt_every == 0 or (last and s.final_checkpoint)
+        if self.step % cfg.log_every == 0 or checkpoint or last:  # a window also ends at a checkpoint (its time is not
+            read_now = checkpoint or last  # training) and at the end; its record is then read at once
+            self.meter.end_window(self.step, self.sched.get_last_lr()[0], self.skipped_steps, read_now=read_now)
         if checkpoint:
             self.save()
             self.meter.restart()  # the window starts after the checkpoint
         return checkpoint
 
     def _finish(self, t0: float) -> None:
-        from dflash_offline.checkpoint import find_checkpoint
+        from dflash_offline.checkpoint import find_checkpoint, list_checkpoints
         from dflash_offline.progress import log
 
         self.stream.close()
         self.progress.close("done")
         self.meter.close()
         if self.acc.process_index == 0:
-            log(self.meter.summary(time.time() - t0, find_checkpoint(self.run_dir)))
+            saved = self.s.final_checkpoint or list_checkpoints(self.run_dir)  # (a bench run may have none)
+            log(self.meter.summary(time.time() - t0, find_checkpoint(self.run_dir) if saved else "none"))
         for tracker in self.acc.trackers:  # `acc.end_training()` without its process-group destruction: see `run`
             tracker.finish()
 

@@ -111,6 +111,7 @@ class BenchSwitches:
     fp8_emulate: bool = False  # precision=fp8 without CUDA: float8 casts with fp32 matmuls (tests, CPU smoke runs)
     resident: bool = False  # the whole cache read once onto the device, batches gathered there (`HiddenStream`)
     reader_threads: int = 1  # threads reading the next batches at once (`HiddenStream`; one = the trainer's reader)
+    final_checkpoint: bool = True  # the last step saves a checkpoint (bench.train: off; ≈ 25 GB at the 27B shapes)
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,7 @@ class TrainSetup:
     fp8_emulate: bool = False  # precision=fp8 emulated (no CUDA; tests only)
     resident: bool = False  # the cache held on the device (BenchSwitches.resident)
     reader_threads: int = 1  # the stream's reading threads (BenchSwitches.reader_threads)
+    final_checkpoint: bool = True  # the last step saves a checkpoint (BenchSwitches.final_checkpoint)
 
     @property
     def bf16(self) -> bool:
@@ -204,7 +206,7 @@ def resolve_train(cfg: TrainConfig, *, cuda: bool, world: int, seq_len: int, row
                       tf32=switches.tf32, accum=accum, sharded=sharded, master=master, reduced_accum=reduced_accum,
                       steps=steps, warmup=warmup, steps_per_epoch=per_epoch,
                       fp8_emulate=precision == "fp8" and switches.fp8_emulate, resident=switches.resident,
-                      reader_threads=switches.reader_threads)
+                      reader_threads=switches.reader_threads, final_checkpoint=switches.final_checkpoint)
 
 
 def schedule(cfg: TrainConfig, world: int, accum: int, rows: int) -> tuple[int, int, float]:

@@ -740,6 +740,20 @@ def test_window_reports_are_read_after_the_next_step_is_queued_and_windows_tile_
     assert all(50 <= r["ms_per_step"] < 3 * min(x["ms_per_step"] for x in recs[1:]) for r in recs[1:])
 
 
+def test_a_bench_run_without_its_final_checkpoint_still_records_its_last_window(tmp_path, hidden_cache):
+    """bench.train's switch (`BenchSwitches.final_checkpoint=False`): the last step writes no checkpoint (≈ 25 GB at
+    the 27B shapes, a minute of a timed call that is not the step), and its last, shorter window is still recorded.
+    A run as users run it saves its last step."""
+    kw = dict(steps=5, log_every=2, ckpt_every=10**9)
+    train.run(cfg(hidden_cache, tmp_path / "bench", **kw), BenchSwitches(final_checkpoint=False))
+    train.run(cfg(hidden_cache, tmp_path / "user", **kw))
+    steps = {r: [json.loads(x)["step"] for x in (tmp_path / r / "metrics.jsonl").read_text().splitlines()]
+             for r in ("bench", "user")}
+    assert steps == {"bench": [2, 4, 5], "user": [2, 4, 5]}
+    assert not list((tmp_path / "bench").glob("checkpoints/step-*"))
+    assert [p.name for p in (tmp_path / "user").glob("checkpoints/step-*")] == ["step-00000005"]
+
+
 def test_training_on_a_shard_altered_after_extraction_stops_with_one_line_naming_the_fix(tmp_path, hidden_cache,
                                                                                         copy_cache):
     """The read check is the guarantee: no verify verdict needed, and a past 'ok' verdict is no substitute."""
