@@ -543,9 +543,10 @@ def test_a_recipe_trains_dflash2_only_where_the_yardstick_ranked_it_better_in_it
     or by decay, at block 16 against the Qwen3.5/3.6-27B recipes' DFlash training (D-PACE, float8 linears and
     logits: testbed-sweep-h200-7284dea-dflash2-recipes.json). Any other combination (D-PACE in bf16, float8 linears
     with fp32 logits, float8 at block 8) is not judged and fails here. The Qwen3.5/3.6-27B recipes train DFlash2 so
-    (their training the judged one); the Qwen3.8-27B recipe the published drafter's block 8. (Their other settings —
-    sliding window, in-block attention, anchors, the fp4 cache — are the published shape or judged for DFlash, not
-    as DFlash2.)"""
+    (their training the judged one), and on the cache encoding they store (testbed-sweep-h200-5d5decc-dflash2-fp4.json:
+    DFlash2 against that DFlash training, both on that encoding); the Qwen3.8-27B recipe the published drafter's
+    block 8. (Its other settings — sliding window, in-block attention, anchors, the fp4 cache — are the published
+    shape or judged for DFlash, not as DFlash2.)"""
     recipes = "7284dea-dflash2-recipes"
     judged = {(16, "decay", "bf16", "fp32"): _judged_at_parity("443d86b-dflash2", "variant=dflash2", "better"),
               (8, "decay", "bf16", "fp32"): _judged_at_parity("443d86b-dflash2-block8",
@@ -572,3 +573,13 @@ def test_a_recipe_trains_dflash2_only_where_the_yardstick_ranked_it_better_in_it
         assert d.variant == "dflash" or dflash2(train) == dflash2(tb) == (2, 16, 256, 16, 1.0), recipe
     assert variants["qwen3.8-27b-dflash2"][:2] == ("dflash2", 8)
     assert variants["qwen3.5-27b"] == variants["qwen3.6-27b"] == ("dflash2", 16, "dpace", "fp8", "fp8")
+    # and on the cache they store: DFlash2 against their DFlash training on that encoding, the recipes as they train
+    # (testbed-sweep-h200-5d5decc-dflash2-fp4.json, whose first arm and checks are that DFlash training)
+    on_cache = "5d5decc-dflash2-fp4"
+    res = json.loads((REPO / f"bench/results/testbed-sweep-h200-{on_cache}.json").read_text())
+    for recipe in ("qwen3.5-27b", "qwen3.6-27b"):
+        quant = tomllib.loads((REPO / "manifests" / f"{recipe}.toml").read_text())["extract"]["quant"]
+        training = f"weighting=dpace precision=fp8 loss_logits=fp8 quant={quant}"
+        assert res["arms"][0]["label"] == training, recipe
+        assert set(res["bad_arm"]["label"].split()) == {*training.split(), "steps=150"}, recipe  # (in another order)
+        assert _judged_at_parity(on_cache, f"variant=dflash2 {training}", "better"), recipe
