@@ -104,22 +104,23 @@ def recipe_job(cfg: TestbedConfig, p: Paths) -> Job:
 
 def own_drafter(cfg: TestbedConfig, p: Paths, more: list[Job]) -> Job:
     """The drafter the testbed's train/export/eval phases stand for when they are still to do: in an A/B whose first
-    drafter has the testbed's seed and cache (its first arm has no cache of its own), that drafter, so that none trains
-    for the testbed alone; else the recipe's."""
+    drafter has the testbed's seed, that drafter — on the first arm's cache, the testbed's or one of its own — so
+    that none trains for the testbed alone; else the recipe's."""
     first = more[0] if more else None
-    if first is not None and first.seed == cfg.seed and first.cache == p.hidden():
+    if first is not None and first.seed == cfg.seed:
         return first
     return recipe_job(cfg, p)
 
 
 def recorded_job(cfg: TestbedConfig, p: Paths, ph: dict) -> Job:
-    """The drafter the recorded eval phase stands for (`own_drafter`'s job, as `testbed` recorded it; the recipe's
-    where the record names none)."""
+    """The drafter the recorded eval phase stands for (`own_drafter`'s job, as `testbed` recorded it, on the cache it
+    records — the testbed's where it names none; the recipe's where the record names no job)."""
     rec = ph.get("eval", {})
     if "job" not in rec:
         return recipe_job(cfg, p)
     j = rec["job"]
-    return Job(j["arm"], p.root / rec["run"], p.hidden(), j["seed"], j["settings"])
+    cache = p.root / j["cache"] if "cache" in j else p.hidden()
+    return Job(j["arm"], p.root / rec["run"], cache, j["seed"], j["settings"])
 
 
 def recorded_stale(cfg: TestbedConfig, p: Paths, job: Job, more: list[Job]) -> str | None:
@@ -197,7 +198,8 @@ def testbed(cfg: TestbedConfig, p: Paths, dev: str, device, more: list[Job] = ()
                            "tok_per_s": m.get("tok_per_s"), "acc": m.get("acc")}
             ph["export"] = {"seconds": t.get("export", 0.0)}
             done("eval", {"seconds": t.get("eval_wall", 0.0), "run": str(run.relative_to(p.root)),
-                          "job": {"arm": base.arm, "seed": base.seed, "settings": base.settings},
+                          "job": {"arm": base.arm, "seed": base.seed, "settings": base.settings,
+                                  "cache": str(base.cache.relative_to(p.root))},
                           "untrained_seconds": t.get("untrained"), "trained": eval_summary(run / "eval.json"),
                           "untrained": eval_summary(run / "eval-untrained.json")})
     return result(cfg, p, st), times

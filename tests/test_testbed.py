@@ -820,8 +820,8 @@ def test_an_ab_s_first_drafter_is_the_testbed_s_own_and_no_drafter_trains_for_th
     (the untrained evaluation beside it): no recipe drafter trains for the testbed alone. A later A/B with another
     first arm keeps the recorded drafter (no second untrained evaluation) while it stands: made as its own settings
     ask now (other --train_steps or drafter code: done again, by that A/B's first drafter), its run still there. A
-    testbed without arms reports the recipe's drafter, never an arm's. A first arm with a cache of its own does not
-    stand for the testbed."""
+    testbed without arms reports the recipe's drafter, never an arm's. A first arm with a cache of its own stands for
+    the testbed too (its cache recorded: a rerun keeps it); one whose first seed is not the testbed's does not."""
     from testbed import phases
 
     calls = _fake_stages(monkeypatch, {})
@@ -859,8 +859,17 @@ def test_an_ab_s_first_drafter_is_the_testbed_s_own_and_no_drafter_trains_for_th
     # a testbed without arms: the recipe's drafter, trained now, not arm e's
     phases.testbed(cfg, p, "cpu", None, [])
     assert calls[7:] == ["base/seed0"] and evaluated() == "runs/base/seed0"
-    assert phases.own_drafter(cfg, p, [job("q", 0, "quantfp8"), job("r", 0)]).run == p.run("", 0)
     assert phases.own_drafter(cfg, p, [job("r", 1)]).run == p.run("", 0)
+    # a first arm on a cache of its own: its first drafter is the testbed's, on that cache, kept by a rerun
+    shutil.rmtree(p.run("", 0))
+    phases.testbed(cfg, p, "cpu", None, [job("q", 0, "quantfp8"), job("q", 1, "quantfp8")])
+    assert calls[8:] == ["q/seed0", "q/seed1"] and evaluated() == "runs/q/seed0"
+    assert runs.read_state(p)["phases"]["eval"]["job"]["cache"] == "cache/hidden-quantfp8"
+    assert (p.run("q", 0) / "eval-untrained.json").is_file() and not p.run("", 0).exists()
+    recorded = phases.recorded_job(cfg, p, runs.read_state(p)["phases"])
+    assert (recorded.run, recorded.cache) == (p.run("q", 0), p.hidden("quantfp8"))
+    phases.testbed(cfg, p, "cpu", None, [job("q", 0, "quantfp8"), job("q", 1, "quantfp8")])
+    assert calls[10:] == [] and evaluated() == "runs/q/seed0"
 
 
 def test_a_rerun_keeps_the_first_arm_s_recorded_drafter_whatever_the_order_of_its_settings(tmp_path, monkeypatch,
