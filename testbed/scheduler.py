@@ -143,9 +143,17 @@ class Drafters:
                 self.made[c].set()
 
     def job(self, j: Job) -> None:
-        """`run_job`; the leading job opens the gate for the others however it ends."""
+        """`run_job`; the leading job opens the gate for the others however it ends; the base run failing at any
+        point (its cache not extracted, before its training writes the config.json the untrained evaluation waits
+        for) fails the drafters, so that nothing waits on it."""
         try:
             self.run_job(j)
+        except Deferred:
+            raise
+        except BaseException:
+            if j.run == self.base:
+                self.failed.set()
+            raise
         finally:
             if j.run == self.leader:
                 self.warm.set()
@@ -183,10 +191,6 @@ class Drafters:
                              {"TORCHINDUCTOR_COMPILE_THREADS": str(os.cpu_count() or 1)})}
         try:
             self.times[j.run].update(train_export(self.cfg, j.run, j.cache, j.seed, j.settings, env, logs))
-        except BaseException:
-            if j.run == self.base:
-                self.failed.set()
-            raise
         finally:
             if j.run == self.leader:
                 self.warm.set()  # (the first step never ran, or the training is over)

@@ -537,6 +537,35 @@ def _fake_stages(monkeypatch, fail: dict):
     return calls
 
 
+def test_a_first_arm_whose_own_cache_cannot_be_extracted_fails_the_sweep_at_once(tmp_path, monkeypatch):
+    """The first arm's first drafter is the testbed's own, on that arm's cache: when the cache cannot be extracted,
+    the untrained evaluation (waiting for that run's training to start) and the other drafters (waiting for it) must
+    not wait forever — the sweep fails with the cache's error."""
+    import threading
+
+    from testbed import phases
+
+    calls = _fake_stages(monkeypatch, {})
+    monkeypatch.setattr(scheduler, "extract", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no room left")))
+    cfg, p = config.TestbedConfig(dir=str(tmp_path)), Paths(str(tmp_path))
+    runs.write_state(p, {"phases": {name: {"seconds": 1.0} for name in ("target", "regen", "extract")}})
+    jobs = [Job("q", p.run("q", 0), p.hidden("q"), 0, {}), Job("q", p.run("q", 1), p.hidden("q"), 1, {}),
+            Job("r", p.run("r", 0), p.hidden(), 0, {"gamma": 5.0})]
+    out = {}
+
+    def sweep():
+        try:
+            phases.testbed(cfg, p, "cpu", None, jobs, 1, {"q": {"quant": "fp4"}})
+        except Exception as e:  # noqa: BLE001
+            out["error"] = str(e)
+
+    th = threading.Thread(target=sweep, daemon=True)
+    th.start()
+    th.join(30)
+    assert not th.is_alive(), "the sweep waits forever on a base run that never starts"
+    assert "no room left" in out["error"] and "q/seed0" not in calls
+
+
 def _jobs(p, names):
     return [Job(n, p.run("" if n == "base" else n, 0), p.hidden(), 0, {}) for n in names]
 
