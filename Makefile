@@ -136,7 +136,7 @@ bench-extract-layers:  ## where extraction time goes: one layer of each type per
 bench-train:  ## drafter training throughput at 27B drafter shapes vs an eager chunked baseline; ARGS=--precision=fp8 adds an fp8 run and the fp8/bf16 ratio, ARGS=--quant=fp4 (or --project_dims=k) a run on that cache and its ratio to the bf16 cache (GPU)
 	$(PYTHON) -m bench.train $(ARGS)
 
-bench-train-compare:  ## variants of the training step, each in its own process, the reference (bf16) first and last: ratios to its mean, drift (ARGS=--variants=bf16,fp8,fp8+fp8head [--reference=fp8+fp8head+dflash --variants=fp8+fp8head+dflash2] --out=...; GPU, --tiny on CPU)
+bench-train-compare:  ## variants of the training step, each in its own process, the reference (bf16) first and last: ratios to its mean, drift (ARGS="--variants=bf16,fp8,fp8+fp8head --out=..."; a variant joins bf16/fp8, fp8head, dflash/dflash2 by +, --reference= another first and last; GPU, --tiny on CPU)
 	$(PYTHON) -m bench.train_compare $(ARGS)
 
 bench-train-attention:  ## the drafter's attention alone, fwd+bwd: split/joint, GQA/K-V per head, kernel options (GPU)

@@ -3,13 +3,15 @@
     python -m bench.train_compare --variants=bf16,fp8,fp8+fp8head [--steps=40] [--out=FILE]    (GPU)
     python -m bench.train_compare --variants=bf16,fp8 --tiny --steps=4 --log_every=2          (CPU smoke run)
     python -m bench.train_compare --reference=fp8+fp8head+dflash --variants=fp8+fp8head+dflash2 \
-        --recipe=manifests/qwen3.6-27b.toml --seq_len=4096 --weighting=dpace --quant=fp4     (GPU: DFlash2 against
-                                                   DFlash in the Qwen3.5/3.6-27B recipes' training, at its shapes)
+        --recipe=manifests/qwen3.6-27b.toml --seq_len=4096 --weighting=dpace --quant=fp4 --steps=20 --log_every=10
+                                                  (GPU: DFlash2 against DFlash in the Qwen3.5/3.6-27B recipes'
+                                                   training, at its shapes)
 
 Each run is `python -m bench.train --alone --skip_baseline` (ours only, no baseline) in a fresh process, one after
 the other on the same GPU: the reference (`--reference`, bf16 by default) first, the other variants in the order
-given, the reference again last. A variant is trainer settings joined by "+": bf16 or fp8 (linears), fp8head
-(float8 lm_head GEMMs), dflash or dflash2 (the drafter; by default the recipe's, else DFlash). Whatever a run leaves
+given, the reference again last. A variant is trainer settings joined by "+" in any order, each set by one part at
+most: bf16 or fp8 (linears), fp8head (float8 lm_head GEMMs; fp32 logits without it), dflash or dflash2 (the drafter;
+without either the recipe's, else DFlash). Whatever a run leaves
 behind in its process (`bench.train --precision=fp8` ran its second bf16 run, after the fp8 one, 18 % slower than
 its first; the cause is not found) cannot reach the next run. Each variant is compared with the mean of the two
 reference runs, in tok/s and per clock (tok/s per SM MHz), and the two reference runs with each other: their drift
@@ -32,36 +34,52 @@ from bench import git_commit
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = "bf16"  # the default reference: run first and last
 MAX_DRIFT = 0.03  # the reference's first vs last run, relative to their mean: above it the comparison is not trustworthy
-SETTINGS = {  # a variant's parts (joined by "+") → the trainer options they set (dflash_offline/trainsetup.py)
-    "bf16": {"precision": "bf16", "loss_logits": "fp32"},
-    "fp8": {"precision": "fp8", "loss_logits": "fp32"},
+SETTINGS = {  # a variant's parts (joined by "+", in any order) → the trainer option each sets (trainsetup.py)
+    "bf16": {"precision": "bf16"},
+    "fp8": {"precision": "fp8"},
     "fp8head": {"loss_logits": "fp8"},
     "dflash": {"variant": "dflash"},
     "dflash2": {"variant": "dflash2"},
 }
+DEFAULTS = {"loss_logits": "fp32"}  # what a variant that names no part for it runs with
 OWN_OPTIONS = ("precision", "loss_logits", "variant", "alone", "skip_baseline", "workdir", "out")
 
 
 def options(variant: str) -> dict:
-    """The trainer options of `variant` (its parts' in order, a later part's over an earlier one's), or ValueError."""
+    """The trainer options of `variant` (`DEFAULTS` and its parts', whatever their order), or ValueError for an
+    unknown part or two parts setting one option (bf16+fp8, dflash+dflash2)."""
     parts = variant.split("+")
     unknown = [s for s in parts if s not in SETTINGS]
     if unknown:
         raise ValueError(f"unknown {', '.join(unknown)} in {variant!r}; known: {', '.join(SETTINGS)} (joined by +)")
-    return {k: v for s in parts for k, v in SETTINGS[s].items()}
+    out, by = dict(DEFAULTS), {}
+    for s in parts:
+        for k, v in SETTINGS[s].items():
+            if k in by:
+                raise ValueError(f"{by[k]} and {s} in {variant!r} both set {k}: name one")
+            out[k], by[k] = v, s
+    return out
 
 
 def run_order(variants: list[str], reference: str = REFERENCE) -> list[str]:
-    """The reference first, the other variants once each in the order given, the reference again last."""
-    bad = []
-    for v in [reference, *variants]:
+    """The reference first, the other variants once each in the order given, the reference again last; variants
+    that run with the same options (fp8head+fp8 = fp8+fp8head) are one variant, its first spelling."""
+    try:
+        ref = options(reference)
+    except ValueError as e:
+        raise ValueError(f"--reference: {e}") from None
+    bad, seen, others = [], [ref], []
+    for v in variants:
         try:
-            options(v)
+            o = options(v)
         except ValueError as e:
             bad.append(str(e))
+            continue
+        if o not in seen:
+            seen.append(o)
+            others.append(v)
     if bad:
         raise ValueError(f"--variants: {'; '.join(bad)}")
-    others = [v for v in dict.fromkeys(variants) if v != reference]
     if not others:
         raise ValueError(f"--variants: name a variant besides {reference} (it runs first and last anyway)")
     return [reference, *others, reference]
@@ -149,7 +167,8 @@ def print_table(res: dict) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)  # (--variant is bench.train's, refused here: not --variants)
     p.add_argument("--variants", default="bf16,fp8,fp8+fp8head",
                    help=f"comma-separated; each of {', '.join(SETTINGS)} joined by + (e.g. fp8+fp8head+dflash2)")
     p.add_argument("--reference", default=REFERENCE,

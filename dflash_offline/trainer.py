@@ -127,7 +127,8 @@ class Trainer:
                 self.meter.warmed_up(s.compile)
             saved = self._after_step(grad_norm)
             if stopper is not None and (signum := vote(stopper.requested)):  # (every process at the same step)
-                self.stop(signum, saved=saved)
+                # (a bench run's last step writes no checkpoint, stopped or not; its window is recorded already)
+                self.stop(signum, saved=saved or (self.step == s.steps and not s.final_checkpoint))
         self._finish(t0)
 
     def _start(self, seq_len: int, t0: float) -> None:

@@ -90,12 +90,20 @@ def test_a_variant_is_settings_joined_by_plus_and_any_variant_can_be_the_referen
     earlier one; the reference runs first and last whatever it is, and is checked like a variant."""
     assert options("fp8+fp8head") == {"precision": "fp8", "loss_logits": "fp8"}
     assert options("fp8+fp8head+dflash2") == {"precision": "fp8", "loss_logits": "fp8", "variant": "dflash2"}
-    assert options("fp8head+fp8") == {"precision": "fp8", "loss_logits": "fp32"}  # (fp8 sets fp32 logits, later)
-    assert options("dflash") == {"variant": "dflash"}  # (precision as bench.train's default)
+    assert options("fp8head+fp8") == options("fp8+fp8head")  # (in any order)
+    assert options("fp8") == {"precision": "fp8", "loss_logits": "fp32"}  # (fp32 logits unless fp8head)
+    assert options("dflash") == {"variant": "dflash", "loss_logits": "fp32"}  # (precision as bench.train's default)
+    for clash in ("bf16+fp8", "dflash+dflash2", "fp8+fp8"):
+        with pytest.raises(ValueError, match="both set"):
+            options(clash)
+    # variants that run alike are one (its first spelling), and one like the reference is the reference
+    assert run_order(["fp8+fp8head", "fp8head+fp8", "bf16"]) == ["bf16", "fp8+fp8head", "bf16"]
     ref = "fp8+fp8head+dflash"
     assert run_order(["fp8+fp8head+dflash2", ref], ref) == [ref, "fp8+fp8head+dflash2", ref]
-    with pytest.raises(ValueError, match="unknown dflash3 in 'fp8\\+dflash3'"):
+    with pytest.raises(ValueError, match="^--reference: unknown dflash3 in 'fp8\\+dflash3'"):
         run_order(["bf16"], "fp8+dflash3")
+    with pytest.raises(ValueError, match="besides fp8head\\+dflash\\+fp8"):
+        run_order([ref], "fp8head+dflash+fp8")
     with pytest.raises(ValueError, match=f"besides {re.escape(ref)}"):
         run_order([ref], ref)
 
@@ -119,3 +127,7 @@ def test_compare_refuses_an_unknown_variant_before_any_run(tmp_path):
     p = subprocess.run([sys.executable, "-m", "bench.train_compare", "--variants=fp8+fp4", "--tiny",
                         f"--workdir={tmp_path / 'w'}"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "unknown fp4 in 'fp8+fp4'" in p.stderr and not (tmp_path / "w").exists()
+    # bench.train's --variant is no abbreviation of --variants here: refused as set by the compare
+    p = subprocess.run([sys.executable, "-m", "bench.train_compare", "--variant=dflash2", "--tiny",
+                        f"--workdir={tmp_path / 'w'}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "--variant=dflash2 is set per variant" in p.stderr and not (tmp_path / "w").exists()
