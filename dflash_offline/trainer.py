@@ -184,10 +184,12 @@ class Trainer:
             self.save()
         self.progress.close("interrupted")
         self.meter.close()
-        name, step = signal.Signals(signum).name, self.step
-        raise Interrupted(signum, f"stopped on {name} at step {step} of {self.s.steps}: checkpoint "
-                                  f"{step_dir(self.run_dir, step)}; continue with --resume=1 (make RESUME=1); exit "
-                                  f"status {128 + signum}")
+        name, step, s = signal.Signals(signum).name, self.step, self.s
+        unsaved = step == s.steps and not s.final_checkpoint and step % self.cfg.ckpt_every  # (a bench run's end)
+        where = ("its steps all done, no checkpoint (a bench run)" if unsaved else
+                 f"checkpoint {step_dir(self.run_dir, step)}; continue with --resume=1 (make RESUME=1)")
+        raise Interrupted(signum, f"stopped on {name} at step {step} of {self.s.steps}: {where}; exit status "
+                                  f"{128 + signum}")
 
     # --- one step ----------------------------------------------------------------------------------------------
 

@@ -120,6 +120,29 @@ def test_sigint_stops_after_the_step_in_flight_with_one_line_and_exit_130(tmp_pa
     assert signal.getsignal(signal.SIGINT) is before  # the handlers are put back
 
 
+def test_a_bench_run_stopped_at_its_last_step_writes_no_checkpoint_and_says_so(tmp_path, hidden_cache, monkeypatch):
+    """bench.train's runs write no final checkpoint (`BenchSwitches.final_checkpoint=False`), also when a time limit's
+    SIGTERM/SIGINT lands in the last step: the stop names no checkpoint, and the last window is recorded."""
+    from dflash_offline.trainrun import run as train_run
+    from dflash_offline.trainsetup import BenchSwitches
+
+    real = Trainer.optimizer_step
+    calls = []
+
+    def interrupted_step(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*a, **k)
+
+    monkeypatch.setattr(Trainer, "optimizer_step", interrupted_step)
+    run = tmp_path / "run"
+    with pytest.raises(runguard.Interrupted, match="at step 3 of 3: its steps all done, no checkpoint"):
+        train_run(cfg(hidden_cache, run, steps=3, ckpt_every=10**9, log_every=2), BenchSwitches(final_checkpoint=False))
+    assert not list(run.glob("checkpoints/step-*"))
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [2, 3]
+
+
 @pytest.mark.parametrize("log_every", [1, 2])
 def test_a_stop_between_checkpoints_writes_its_steps_metrics_and_a_resume_matches_an_uninterrupted_run(
         tmp_path, hidden_cache, monkeypatch, log_every):
