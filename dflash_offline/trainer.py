@@ -127,8 +127,7 @@ class Trainer:
                 self.meter.warmed_up(s.compile)
             saved = self._after_step(grad_norm)
             if stopper is not None and (signum := vote(stopper.requested)):  # (every process at the same step)
-                # (a bench run's last step writes no checkpoint, stopped or not; its window is recorded already)
-                self.stop(signum, saved=saved or (self.step == s.steps and not s.final_checkpoint))
+                self.stop(signum, saved=saved)
         self._finish(t0)
 
     def _start(self, seq_len: int, t0: float) -> None:
@@ -177,16 +176,17 @@ class Trainer:
 
         from dflash_offline.checkpoint import step_dir
 
-        if not saved:  # as at a checkpoint: the window ends at this step and its record is written before the save
+        # a bench run's last step writes no checkpoint, stopped or not (its window is recorded already)
+        bench_end = self.step == self.s.steps and not self.s.final_checkpoint and not saved
+        if not saved and not bench_end:  # as at a checkpoint: the window ends here, its record written before the save
             if self.meter.window.steps:  # (a resume starts after this step: a record pending or unended would be lost)
                 self.meter.end_window(self.step, self.sched.get_last_lr()[0], self.skipped_steps)
             self.meter.read()
             self.save()
         self.progress.close("interrupted")
         self.meter.close()
-        name, step, s = signal.Signals(signum).name, self.step, self.s
-        unsaved = step == s.steps and not s.final_checkpoint and step % self.cfg.ckpt_every  # (a bench run's end)
-        where = ("its steps all done, no checkpoint (a bench run)" if unsaved else
+        name, step = signal.Signals(signum).name, self.step
+        where = ("its steps all done, no checkpoint (a bench run)" if bench_end else
                  f"checkpoint {step_dir(self.run_dir, step)}; continue with --resume=1 (make RESUME=1)")
         raise Interrupted(signum, f"stopped on {name} at step {step} of {self.s.steps}: {where}; exit status "
                                   f"{128 + signum}")

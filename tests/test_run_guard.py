@@ -95,20 +95,26 @@ def test_two_processes_stop_together_when_one_is_signalled(tmp_path, hidden_cach
     assert status(run)["state"] == "interrupted" and not (run / ".run.lock").exists()
 
 
-def test_sigint_stops_after_the_step_in_flight_with_one_line_and_exit_130(tmp_path, hidden_cache, monkeypatch,
-                                                                           capsys):
-    """Ctrl-C mid-step (here: inside step 2's optimizer update) is no KeyboardInterrupt: step 2 finishes, is
-    checkpointed, and `main` returns 130 after one line on stderr."""
+def sigint_in_step(monkeypatch, n: int) -> list:
+    """Ctrl-C inside the `n`-th optimizer step (its update still runs); returns the list of steps taken."""
     real = Trainer.optimizer_step
     calls = []
 
     def interrupted_step(*a, **k):
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == n:
             os.kill(os.getpid(), signal.SIGINT)
         return real(*a, **k)
 
     monkeypatch.setattr(Trainer, "optimizer_step", interrupted_step)
+    return calls
+
+
+def test_sigint_stops_after_the_step_in_flight_with_one_line_and_exit_130(tmp_path, hidden_cache, monkeypatch,
+                                                                           capsys):
+    """Ctrl-C mid-step (here: inside step 2's optimizer update) is no KeyboardInterrupt: step 2 finishes, is
+    checkpointed, and `main` returns 130 after one line on stderr."""
+    calls = sigint_in_step(monkeypatch, 2)
     run = tmp_path / "run"
     before = signal.getsignal(signal.SIGINT)  # (default_int_handler; SIG_IGN in a pytest-xdist worker)
     assert train.main(cli_args(hidden_cache, run, steps=50, ckpt_every=50)) == 130
@@ -126,16 +132,7 @@ def test_a_bench_run_stopped_at_its_last_step_writes_no_checkpoint_and_says_so(t
     from dflash_offline.trainrun import run as train_run
     from dflash_offline.trainsetup import BenchSwitches
 
-    real = Trainer.optimizer_step
-    calls = []
-
-    def interrupted_step(*a, **k):
-        calls.append(1)
-        if len(calls) == 3:
-            os.kill(os.getpid(), signal.SIGINT)
-        return real(*a, **k)
-
-    monkeypatch.setattr(Trainer, "optimizer_step", interrupted_step)
+    sigint_in_step(monkeypatch, 3)
     run = tmp_path / "run"
     with pytest.raises(runguard.Interrupted, match="at step 3 of 3: its steps all done, no checkpoint"):
         train_run(cfg(hidden_cache, run, steps=3, ckpt_every=10**9, log_every=2), BenchSwitches(final_checkpoint=False))
