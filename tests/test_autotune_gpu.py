@@ -2,6 +2,7 @@
 recorded config without timing the candidates, and computes the same numbers."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,12 +37,17 @@ print(json.dumps({"benched": len(benched), "best": double.best_config.kwargs, "o
 '''
 
 
-def _run(env: dict) -> dict:
+def _run(script: Path, env: dict) -> dict:
     """The kernel in a process of its own with `env` — and none of the caller's DFLASH_AUTOTUNE_* (a suite that
-    records or pins its own choices must not record this test's, nor pin them here)."""
-    base = {k: v for k, v in __import__("os").environ.items() if not k.startswith("DFLASH_AUTOTUNE_")}
-    r = subprocess.run([sys.executable, "-c", KERNEL], cwd=REPO, capture_output=True, text=True, timeout=300,
-                       env={**base, **env})
+    records or pins its own choices must not record this test's, nor pin them here). From a file: Triton reads a
+    @jit function's source, so `python -c` fails ("@jit functions should be defined in a Python file")."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_AUTOTUNE_")}
+    # (the script's folder is sys.path[0], not the repo's: the repo goes first on PYTHONPATH)
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    if not script.exists():
+        script.write_text(KERNEL)
+    r = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={**base, "PYTHONPATH": path, **env})
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -49,14 +55,14 @@ def _run(env: dict) -> dict:
 def test_a_recorded_choice_is_pinned_in_a_later_process_without_autotuning(tmp_path):
     from dflash_offline.autotune import merge
 
-    rec = _run({"DFLASH_AUTOTUNE_RECORD": str(tmp_path / "rec"), "TRITON_CACHE_DIR": str(tmp_path / "t1")})
+    rec = _run(tmp_path / "kernel.py", {"DFLASH_AUTOTUNE_RECORD": str(tmp_path / "rec"), "TRITON_CACHE_DIR": str(tmp_path / "t1")})
     assert rec["benched"] > 0 and rec["ok"]
     table = merge(sorted((tmp_path / "rec").glob("*.json")))
     (tmp_path / "table.json").write_text(json.dumps(table))
     assert any(name.endswith(".double") for name in table["kernels"])
-    pinned = _run({"DFLASH_AUTOTUNE_PIN": str(tmp_path / "table.json"), "TRITON_CACHE_DIR": str(tmp_path / "t2")})
+    pinned = _run(tmp_path / "kernel.py", {"DFLASH_AUTOTUNE_PIN": str(tmp_path / "table.json"), "TRITON_CACHE_DIR": str(tmp_path / "t2")})
     assert pinned == {"benched": 0, "best": rec["best"], "ok": True}
     other = {**table, "triton": "0.0"}  # recorded with another Triton: ignored, the kernel autotunes again
     (tmp_path / "other.json").write_text(json.dumps(other))
-    again = _run({"DFLASH_AUTOTUNE_PIN": str(tmp_path / "other.json"), "TRITON_CACHE_DIR": str(tmp_path / "t3")})
+    again = _run(tmp_path / "kernel.py", {"DFLASH_AUTOTUNE_PIN": str(tmp_path / "other.json"), "TRITON_CACHE_DIR": str(tmp_path / "t3")})
     assert again["benched"] > 0

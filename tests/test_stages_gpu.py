@@ -47,7 +47,8 @@ def test_a_step_of_four_micro_batches_is_that_of_one_batch_of_their_rows(tmp_pat
     d = json.loads((tmp_path / "r" / "config.json").read_text())["derived"]
     assert (d["grad_accum"], d["master_weights"], d["attn"], d["compile"]) == (4, True, "flex", True)
     logged = json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[0])
-    grad_norm, loss = reference_step(*trainer_blocks(cfg, torch.device("cuda")))
+    micros, model, embed, head = trainer_blocks(cfg, torch.device("cuda"))
+    grad_norm, loss = reference_step(model, embed, head, micros)
     assert logged["loss"] == pytest.approx(loss, rel=2e-2)
     assert logged["grad_norm"] == pytest.approx(grad_norm, rel=3e-2)
 
@@ -74,7 +75,13 @@ def test_bf16_master_weights_train_like_fp32_weights_on_cuda(tmp_path, hidden_ca
     assert json.loads((tmp_path / "on" / "config.json").read_text())["derived"]["master_weights"] is True
     on, off = runs["on"], runs["off"]
     assert [r["loss"] for r in on] == pytest.approx([r["loss"] for r in off], rel=5e-3)
-    assert [r["grad_norm"] for r in on[:3]] == pytest.approx([r["grad_norm"] for r in off[:3]], rel=1e-3)
+    # the first step's gradients come from the same weights (rounded to bf16 in both) and agree to bf16 noise; the
+    # next steps' from weights that Adam's first update moved by ±lr each, whatever the size of the gradient, so a
+    # weight whose gradient is noise-sized moves one way in one run and the other in the other: 0.45 % apart at
+    # step 2 on an H200 (torch 2.11), 4e-5 eager on the CPU, where the two runs' arithmetic is the same. A gradient
+    # of the wrong scale or a sum not cleared between steps is far outside either bound.
+    assert on[0]["grad_norm"] == pytest.approx(off[0]["grad_norm"], rel=1e-3)
+    assert [r["grad_norm"] for r in on[1:3]] == pytest.approx([r["grad_norm"] for r in off[1:3]], rel=1e-2)
     assert on[-1]["recompiles"] == 0 and on[-1]["skipped_steps"] == 0
     w_on = load_file(str(tmp_path / "on" / "checkpoints" / "step-00000012" / "model.safetensors"))
     w_off = load_file(str(tmp_path / "off" / "checkpoints" / "step-00000012" / "model.safetensors"))
