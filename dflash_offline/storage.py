@@ -71,12 +71,27 @@ TRAIN_SMALL_DRAFTER = SimpleNamespace(**{**vars(TRAIN_DRAFTER), "block_size": 8,
 # plan of a DFlash2 run takes its drafter's rate as DFlash × this
 TRAIN_DFLASH2_FACTOR = 84_748 / ((118_113 + 104_285) / 2)
 TRAIN_VARIANT_FACTOR = {"dflash": 1.0, "dflash2": TRAIN_DFLASH2_FACTOR}
-# the DFlash2 drafter that cost was measured at (the Qwen3.8-27B recipe's conv and selector). Elsewhere its conv and
-# selector add another share of the FLOPs (more anchors × block: more top-k searches over the vocabulary); a plan
-# keeps their measured time per FLOP against DFlash's (31 % more time for 13 % more FLOPs) and scales the extra time
-# by the extra FLOPs (`dflash2_factor`)
+# the DFlash2 drafter that cost was measured at (the Qwen3.8-27B recipe's conv and selector)
 TRAIN_DFLASH2_DRAFTER = SimpleNamespace(**{**vars(TRAIN_SMALL_DRAFTER), "variant": "dflash2", "conv_kernel_size": 2,
                                            "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16})
+# DFlash2 against DFlash in the Qwen3.5/3.6-27B recipes' own training (their drafter, the same conv and selector: block
+# 16, 512 anchors, rows of 4096; float8 linears and lm_head GEMMs, D-PACE, a streamed fp4 cache), one process a run on
+# one H200, DFlash first and last (drift 0.2 %): DFlash 25,106 and 25,168, DFlash2 18,143 ctx tok/s, ×0.722 (peak
+# 48.5 vs 42.2 GB): `python -m bench.train_compare --reference=fp8+fp8head+dflash --variants=fp8+fp8head+dflash2
+# --recipe=manifests/qwen3.6-27b.toml --seq_len=4096 --weighting=dpace --quant=fp4 --steps=40`, 2026-12-04, commit
+# 68852ee, bench/results/bench-train-compare-dflash2-qwen36-h200.json. Its conv and selector (in bf16 under
+# precision=fp8: no float8 there) add 19 % to the FLOPs and 15.3 µs a context token, less time per FLOP than at
+# the Qwen3.8 recipe's drafter (larger GEMMs)
+TRAIN_DFLASH2_BIG_TOK_S = {"dflash": (25_106 + 25_168) / 2, "dflash2": 18_143}
+TRAIN_DFLASH2_BIG_AT = "the Qwen3.5/3.6-27B recipes' drafter (block 16, 512 anchors, rows of 4096)"
+TRAIN_DFLASH2_BIG_SEQ_LEN = 4096
+TRAIN_DFLASH2_BIG_DRAFTER = SimpleNamespace(**{**vars(TRAIN_DRAFTER), **{k: getattr(TRAIN_DFLASH2_DRAFTER, k) for k in (
+    "variant", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")}})
+# DFlash2's added time (conv, selector, the selector's top-k search) is counted in units of DFlash's bf16 step at the
+# same drafter: at the Qwen3.8 recipe's drafter 1/×0.762 − 1 (measured in bf16), at the Qwen3.5/3.6 recipes' the
+# measured 15.3 µs a token × the plan's bf16 DFlash rate there. A plan divides that by the share of FLOPs they add
+# there (their time per FLOP), takes it at its drafter's block tokens a row (the two interpolated in log block tokens,
+# as `train_flop_rate`; the nearer one beyond them) and multiplies it by its drafter's share (`dflash2_factor`)
 # the measured training points (where, drafter, row length, rate), most block tokens a row (anchors × block) first:
 # a plan takes the model FLOP rate (tok/s × FLOPs per context token) of the point its drafter's block tokens reach or
 # pass, between them the two interpolated in log block tokens, and divides it by its drafter's FLOPs per token
@@ -188,17 +203,42 @@ def dflash2_flop_share(drafter, seq_len: int) -> float:
 
 
 @functools.cache
-def measured_dflash2_share() -> float:
-    """`dflash2_flop_share` of the drafter DFlash2's cost was measured at (`TRAIN_DFLASH2_DRAFTER`)."""
-    return dflash2_flop_share(TRAIN_DFLASH2_DRAFTER, TRAIN_SMALL_SEQ_LEN)
+def dflash2_points() -> tuple[tuple[str, int, float, float], ...]:
+    """The two drafters DFlash2's cost was measured at, most block tokens a row first: (where, block tokens a row,
+    the share of FLOPs its conv and selector add there, their time as a fraction of DFlash's bf16 step there)."""
+    from .metrics import flops_per_row
+
+    big, n = TRAIN_DFLASH2_BIG_DRAFTER, TRAIN_DFLASH2_BIG_SEQ_LEN
+    as_dflash = SimpleNamespace(**{**vars(big), "variant": "dflash"})
+    bf16_tok_s = train_flop_rate(big.num_anchors * big.block_size)[0] / (flops_per_row(as_dflash, n,
+                                                                                        big.num_anchors) / n)
+    added_s = 1 / TRAIN_DFLASH2_BIG_TOK_S["dflash2"] - 1 / TRAIN_DFLASH2_BIG_TOK_S["dflash"]
+    small = TRAIN_DFLASH2_DRAFTER
+    return ((TRAIN_DFLASH2_BIG_AT, big.num_anchors * big.block_size, dflash2_flop_share(big, n), added_s * bf16_tok_s),
+            (TRAIN_SMALL_AT, small.num_anchors * small.block_size, dflash2_flop_share(small, TRAIN_SMALL_SEQ_LEN),
+             1 / TRAIN_DFLASH2_FACTOR - 1))
+
+
+def dflash2_time_per_share(block_tokens: int) -> tuple[float, int | None]:
+    """The time DFlash2's conv and selector take, as a fraction of DFlash's bf16 step, per unit of the FLOP share they
+    add, at `block_tokens` a row: a `dflash2_points` point's own at or beyond it (with its index), else the two
+    interpolated in log block tokens (None)."""
+    from math import exp, log
+
+    (_, q_hi, s_hi, t_hi), (_, q_lo, s_lo, t_lo) = dflash2_points()
+    if block_tokens >= q_hi:
+        return t_hi / s_hi, 0
+    if block_tokens <= q_lo:
+        return t_lo / s_lo, 1
+    w = log(block_tokens / q_lo) / log(q_hi / q_lo)
+    return exp(log(t_lo / s_lo) + w * (log(t_hi / s_hi) - log(t_lo / s_lo))), None
 
 
 def dflash2_factor(drafter, seq_len: int) -> float:
-    """DFlash2's training rate against DFlash's for `drafter`: the measured `TRAIN_DFLASH2_FACTOR` where its conv and
-    selector add the measured drafter's share of the FLOPs; elsewhere that extra time × (its share / the measured
-    share)."""
-    extra_time = 1 / TRAIN_DFLASH2_FACTOR - 1
-    return 1 / (1 + extra_time * dflash2_flop_share(drafter, seq_len) / measured_dflash2_share())
+    """DFlash2's training rate against DFlash's bf16 step for `drafter`: 1 / (1 + its conv and selector's time), that
+    time = their time per FLOP share at its block tokens (`dflash2_time_per_share`) × the share they add here."""
+    per_share, _ = dflash2_time_per_share(drafter.num_anchors * drafter.block_size)
+    return 1 / (1 + per_share * dflash2_flop_share(drafter, seq_len))
 
 
 def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.0, train_tok_s: float = 0.0,
@@ -211,8 +251,9 @@ def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.
     drafter) — and, for a `precision="fp8"` training, by fp8's measured speed-up (`fp8`: with `loss_logits="fp8"`,
     that of float8 lm_head GEMMs as well; `fp8_logits`), for `weighting="dpace"` by D-PACE's measured cost against
     decay (`dpace`) — both measured at the first point, so elsewhere "scaled" — and for a DFlash2 drafter by its
-    measured cost against DFlash at the second (`variant`, `variant_factor`: `dflash2_factor`, scaled by the share of
-    FLOPs its conv and selector add, `variant_share`; its FLOPs counted as DFlash's, its rate always "scaled": a
+    measured cost against DFlash (`variant`, `variant_factor`: `dflash2_factor`, the time per FLOP of its conv and
+    selector measured at two drafters, `variant_point` the one taken, None: interpolated at `variant_block_tokens`,
+    × the share of FLOPs they add here, `variant_share`; its FLOPs counted as DFlash's, its rate always "scaled": a
     product of measurements; float8 and D-PACE scale DFlash's share of the step only: DFlash2's added time — its conv,
     selector and the selector's top-k search, a bf16 GEMM under any `loss_logits` — is counted as measured in bf16);
     and regeneration's generated tokens/s when given."""
@@ -223,12 +264,14 @@ def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.
                          f"{', '.join(TRAIN_VARIANT_FACTOR)}): give plan_train_tok_s=")
     as_dflash = SimpleNamespace(**{**vars(drafter), "variant": "dflash"})
     per_tok = flops_per_row(as_dflash, seq_len, drafter.num_anchors) / seq_len
-    flop_rate, point = train_flop_rate(drafter.num_anchors * drafter.block_size)
+    block_tokens = drafter.num_anchors * drafter.block_size
+    flop_rate, point = train_flop_rate(block_tokens)
     variant = drafter.variant if drafter.variant != "dflash" else None
     fp8 = ({} if precision != "fp8" else {"fp8": TRAIN_FP8_SPEEDUP} if loss_logits != "fp8" else
            {"fp8": TRAIN_FP8_HEAD_SPEEDUP, "fp8_logits": True})  # (fp8 logits alone: not measured, no speed-up)
     train = {**fp8, **({"variant": variant, "variant_factor": dflash2_factor(drafter, seq_len),
-                        "variant_share": dflash2_flop_share(drafter, seq_len)} if variant else {}),
+                        "variant_share": dflash2_flop_share(drafter, seq_len), "variant_block_tokens": block_tokens,
+                        "variant_point": dflash2_time_per_share(block_tokens)[1]} if variant else {}),
              **({"dpace": TRAIN_DPACE_FACTOR} if weighting == "dpace" else {})}
     train_tok_per_s = flop_rate / per_tok  # (bf16 DFlash at this drafter's FLOPs and block tokens)
     if point is None:
@@ -363,14 +406,15 @@ def describe_rate(stage: str, r: dict) -> str:
     else:
         how = f"estimate: {r['measured_tok_s']:,} measured at {at}, scaled ×{r['factor']:.3g} by {by}{as_dflash}"
     if r.get("variant"):
-        there = measured_dflash2_share()
-        if abs(r["variant_share"] / there - 1) < 0.01:
+        points, i = dflash2_points(), r["variant_point"]
+        if i is not None and abs(r["variant_share"] / points[i][2] - 1) < 0.01:  # (a drafter it was measured at)
             how += (f"; ×{r['variant_factor']:.3g} for variant={r['variant']}, its cost against DFlash "
-                    + ("there" if r.get("at") == TRAIN_SMALL_AT else f"at {TRAIN_SMALL_AT}"))
+                    + ("there" if r.get("at") == points[i][0] else f"at {points[i][0]}"))
         else:
+            where = points[i][0] if i is not None else (
+                f"{points[0][0]} and {points[1][0]}, interpolated at {r['variant_block_tokens']:,} block tokens a row")
             how += (f"; ×{r['variant_factor']:.3g} for variant={r['variant']}: its conv and selector add "
-                    f"{100 * r['variant_share']:.0f} % to the FLOPs here, {100 * there:.0f} % at {TRAIN_SMALL_AT}, "
-                    f"where they cost ×{TRAIN_DFLASH2_FACTOR:.3g} (their time per FLOP kept)")
+                    f"{100 * r['variant_share']:.0f} % to the FLOPs here, at their time per FLOP measured at {where}")
     first = TRAIN_POINTS[0][0]
     if r.get("fp8"):
         how += (f"; ×{r['fp8']:.3g} for precision=fp8" + (" loss_logits=fp8" if r.get("fp8_logits") else "")
