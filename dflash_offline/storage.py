@@ -67,8 +67,8 @@ TRAIN_SMALL_AT = "the Qwen3.8-27B recipe's drafter (block 8, 64 anchors, rows of
 TRAIN_SMALL_SEQ_LEN = 4096
 TRAIN_SMALL_DRAFTER = SimpleNamespace(**{**vars(TRAIN_DRAFTER), "block_size": 8, "num_anchors": 64})
 # DFlash2 over DFlash at those shapes, against the mean of the DFlash runs (A, B, A): its conv and selector take 31 %
-# more time a context token where they add 13 % of the FLOPs (the selector's top-16 search over the vocabulary). A
-# plan of a DFlash2 run takes its drafter's rate as DFlash × this
+# more time a context token where they add 13 % of the FLOPs (the selector's top-16 search over the vocabulary): one
+# of the two measured costs of DFlash2 (`dflash2_points`)
 TRAIN_DFLASH2_FACTOR = 84_748 / ((118_113 + 104_285) / 2)
 TRAIN_VARIANT_FACTOR = {"dflash": 1.0, "dflash2": TRAIN_DFLASH2_FACTOR}
 # the DFlash2 drafter that cost was measured at (the Qwen3.8-27B recipe's conv and selector)
@@ -88,8 +88,10 @@ TRAIN_DFLASH2_BIG_SEQ_LEN = 4096
 TRAIN_DFLASH2_BIG_DRAFTER = SimpleNamespace(**{**vars(TRAIN_DRAFTER), **{k: getattr(TRAIN_DFLASH2_DRAFTER, k) for k in (
     "variant", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")}})
 # DFlash2's added time (conv, selector, the selector's top-k search) is counted in units of DFlash's bf16 step at the
-# same drafter: at the Qwen3.8 recipe's drafter 1/×0.762 − 1 (measured in bf16), at the Qwen3.5/3.6 recipes' the
-# measured 15.3 µs a token × the plan's bf16 DFlash rate there. A plan divides that by the share of FLOPs they add
+# same drafter: at the Qwen3.8 recipe's drafter 1/×0.762 − 1 (measured in bf16, against the mean of the two DFlash
+# runs, where the plan takes the slower run's rate: 79,479 planned for the 84,748 measured, a budget on the safe
+# side), at the Qwen3.5/3.6 recipes' the measured 15.3 µs a token × the plan's bf16 DFlash rate there (so the plan's
+# DFlash2 step there is its DFlash step + the measured 15.3 µs). A plan divides that by the share of FLOPs they add
 # there (their time per FLOP), takes it at its drafter's block tokens a row (the two interpolated in log block tokens,
 # as `train_flop_rate`; the nearer one beyond them) and multiplies it by its drafter's share (`dflash2_factor`)
 # the measured training points (where, drafter, row length, rate), most block tokens a row (anchors × block) first:
@@ -281,7 +283,7 @@ def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.
         measured = TRAIN_POINTS[point][3]
         train.update(at=TRAIN_POINTS[point][0])
         factor = train_tok_per_s / measured
-    # (fp8 and D-PACE were measured at the first point only, DFlash2's cost at the second only)
+    # (fp8 and D-PACE were measured at the first point only; a DFlash2 rate is always a product of measurements)
     train_same = point is not None and not variant and (point == 0 or not (fp8 or weighting == "dpace"))
     ex = EXTRACT_LAYER_PARAMS / layer_params  # (extraction's row length is not in its work: measured at its own)
     out = {"extract": {"tok_s": extract_tok_s, "source": "given"} if extract_tok_s else
@@ -407,9 +409,12 @@ def describe_rate(stage: str, r: dict) -> str:
         how = f"estimate: {r['measured_tok_s']:,} measured at {at}, scaled ×{r['factor']:.3g} by {by}{as_dflash}"
     if r.get("variant"):
         points, i = dflash2_points(), r["variant_point"]
-        if i is not None and abs(r["variant_share"] / points[i][2] - 1) < 0.01:  # (a drafter it was measured at)
+        if i == 1 and abs(r["variant_share"] / points[i][2] - 1) < 0.01:  # (the drafter its ratio was measured at)
             how += (f"; ×{r['variant_factor']:.3g} for variant={r['variant']}, its cost against DFlash "
                     + ("there" if r.get("at") == points[i][0] else f"at {points[i][0]}"))
+        elif i == 0 and abs(r["variant_share"] / points[i][2] - 1) < 0.01:  # (its added time measured there)
+            how += (f"; ×{r['variant_factor']:.3g} for variant={r['variant']} against DFlash's bf16 step: its added "
+                    f"time as measured at {points[i][0]} in their float8 training")
         else:
             where = points[i][0] if i is not None else (
                 f"{points[0][0]} and {points[1][0]}, interpolated at {r['variant_block_tokens']:,} block tokens a row")

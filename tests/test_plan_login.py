@@ -106,7 +106,8 @@ def check_plan(out: str) -> None:
     # (the recipe trains DFlash2 in fp8 with fp8 logits and D-PACE: bf16 DFlash's 18,681 × their speed-up × D-PACE's
     # cost, plus DFlash2's added time — as measured in that training — not sped up by float8)
     assert "rate: train 18,041 context tok/s per H200 (estimate: 9,633 measured" in out
-    assert "×0.777 for variant=dflash2, its cost against DFlash at the Qwen3.5/3.6-27B recipes' drafter" in out
+    assert ("×0.777 for variant=dflash2 against DFlash's bf16 step: its added time as measured at the Qwen3.5/3.6-27B "
+            "recipes' drafter") in out
     assert "×1.36 for precision=fp8 loss_logits=fp8" in out and "DFlash2's added time" in out
     assert "regen: " in out and "answer tokens in this corpus" in out and "--plan_regen_tok_s=R" in out
     assert "verify: re-hashes " in out and "GPU-h at the extraction rate, on one GPU" in out

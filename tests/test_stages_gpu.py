@@ -79,9 +79,9 @@ def test_bf16_master_weights_train_like_fp32_weights_on_cuda(tmp_path, hidden_ca
     # next steps' from weights that Adam's first update moved by ±lr each, whatever the size of the gradient, so a
     # weight whose gradient is noise-sized moves one way in one run and the other in the other: 0.45 % apart at
     # step 2 on an H200 (torch 2.11), 4e-5 eager on the CPU, where the two runs' arithmetic is the same. A gradient
-    # of the wrong scale or a sum not cleared between steps is far outside either bound.
+    # of the wrong scale or a sum not cleared between steps (2× or more) is far outside either bound.
     assert on[0]["grad_norm"] == pytest.approx(off[0]["grad_norm"], rel=1e-3)
-    assert [r["grad_norm"] for r in on[1:3]] == pytest.approx([r["grad_norm"] for r in off[1:3]], rel=1e-2)
+    assert [r["grad_norm"] for r in on[1:3]] == pytest.approx([r["grad_norm"] for r in off[1:3]], rel=2e-2)
     assert on[-1]["recompiles"] == 0 and on[-1]["skipped_steps"] == 0
     w_on = load_file(str(tmp_path / "on" / "checkpoints" / "step-00000012" / "model.safetensors"))
     w_off = load_file(str(tmp_path / "off" / "checkpoints" / "step-00000012" / "model.safetensors"))

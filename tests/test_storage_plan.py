@@ -306,10 +306,20 @@ def test_the_qwen35_36_recipes_dflash2_step_is_planned_from_its_cost_measured_in
         as_dflash = SimpleNamespace(**{**vars(drafter), "variant": "dflash"})
         assert plan(as_dflash) == pytest.approx((tok[0] + tok[2]) / 2, rel=0.02)
         assert plan(drafter) == pytest.approx(tok[1], rel=0.01)
+        # (its DFlash2 step is its DFlash step + the added time measured there: 15.3 µs a context token)
+        assert 1 / plan(drafter) - 1 / plan(as_dflash) == pytest.approx(1 / tok[1] - 2 / (tok[0] + tok[2]), rel=1e-3)
     # between the two drafters DFlash2's cost was measured at, its time per FLOP is interpolated in block tokens a row
     (_, q_hi, _, _), (_, q_lo, _, _) = storage.dflash2_points()
     hi, lo, mid = (storage.dflash2_time_per_share(q) for q in (q_hi, q_lo, 2048))
-    assert hi[1] == 0 and lo[1] == 1 and mid[1] is None and min(hi[0], lo[0]) < mid[0] < max(hi[0], lo[0])
+    assert hi[1] == 0 and lo[1] == 1 and mid[1] is None
+    assert mid[0] == pytest.approx((hi[0] * lo[0]) ** 0.5)  # (2048: halfway between 512 and 8192 in log block tokens)
+    d128 = SimpleNamespace(**{**vars(storage.TRAIN_DFLASH2_BIG_DRAFTER), "num_anchors": 128})
+    r = storage.rates(layer_params=storage.EXTRACT_LAYER_PARAMS, drafter=d128, seq_len=4096)["train"]
+    assert (r["variant_point"], r["variant_block_tokens"]) == (None, 2048)
+    assert r["variant_factor"] == pytest.approx(1 / (1 + mid[0] * storage.dflash2_flop_share(d128, 4096)))
+    assert (f"×{r['variant_factor']:.3g} for variant=dflash2: its conv and selector add 18 % to the FLOPs here, at "
+            f"their time per FLOP measured at {storage.TRAIN_DFLASH2_BIG_AT} and {storage.TRAIN_SMALL_AT}, "
+            "interpolated at 2,048 block tokens a row") in storage.describe_rate("train", r)
     assert storage.dflash2_time_per_share(4 * q_hi) == hi and storage.dflash2_time_per_share(q_lo // 4) == lo
 
 
@@ -369,8 +379,9 @@ def test_a_27b_plan_from_shapes_alone(tmp_path, capsys):
     assert "regen: 1,200,000,000 answer tokens" in text and "--plan_regen_tok_s=R" in text
     assert "extract 12,045 row tok/s per H200 (measured at Qwen3.5-27B shapes" in text
     assert re.search(rf"train 18,041 context tok/s per H200 \(estimate: {storage.TRAIN_TOK_S:,} measured at the 27B "
-                     r"drafter.*; ×0\.777 for variant=dflash2, its cost against DFlash at the Qwen3\.5/3\.6-27B "
-                     r"recipes' drafter \(block 16, 512 anchors, rows of 4096\); ×1\.36 for precision=fp8 "
+                     r"drafter.*; ×0\.777 for variant=dflash2 against DFlash's bf16 step: its added time as measured "
+                     r"at the Qwen3\.5/3\.6-27B recipes' drafter \(block 16, 512 anchors, rows of 4096\) in their float8 "
+                     r"training; ×1\.36 for precision=fp8 "
                      r"loss_logits=fp8.*; "
                      r"float8 and D-PACE scale DFlash's share of the step only: DFlash2's added time", text)
 
