@@ -176,31 +176,40 @@ def drafter_shape(train, hidden: int, intermediate: int, vocab: int, layer_ids: 
                            selector_rank=d.selector_rank, selector_top_k=d.selector_top_k)
 
 
-def train_flop_rate(block_tokens: int) -> tuple[float, int | None]:
-    """The model FLOP/s of a bf16 DFlash training step with `block_tokens` (anchors × block) a row, from
-    `TRAIN_POINTS`: a point's own where the drafter's block tokens reach it (the first's at or above, the last's at or
-    below; the point's index), else the two around it interpolated in log block tokens (None)."""
+def as_dflash(drafter) -> SimpleNamespace:
+    """`drafter` as DFlash: its shape without DFlash2's conv and selector (for `metrics.flops_per_row`)."""
+    return SimpleNamespace(**{**vars(drafter), "variant": "dflash"})
+
+
+def log_interpolated(block_tokens: int, points: list[tuple[int, float]]) -> tuple[float, int | None]:
+    """A value at `block_tokens` a row from measured (block tokens, value) `points`, most block tokens first: a
+    point's own where `block_tokens` reach it (the first's at or above, the last's at or below; the point's index),
+    else the two around it interpolated in log block tokens (None)."""
     from math import exp, log
 
-    from .metrics import flops_per_row
-
-    pts = [(d.num_anchors * d.block_size, rate * flops_per_row(d, n, d.num_anchors) / n)
-           for _, d, n, rate in TRAIN_POINTS]
-    if block_tokens >= pts[0][0]:
-        return pts[0][1], 0
-    for (q_hi, f_hi), (q_lo, f_lo) in zip(pts, pts[1:], strict=False):
+    if block_tokens >= points[0][0]:
+        return points[0][1], 0
+    for (q_hi, f_hi), (q_lo, f_lo) in zip(points, points[1:], strict=False):
         if block_tokens > q_lo:
             w = log(block_tokens / q_lo) / log(q_hi / q_lo)
             return exp(log(f_lo) + w * (log(f_hi) - log(f_lo))), None
-    return pts[-1][1], len(pts) - 1
+    return points[-1][1], len(points) - 1
+
+
+def train_flop_rate(block_tokens: int) -> tuple[float, int | None]:
+    """The model FLOP/s of a bf16 DFlash training step with `block_tokens` (anchors × block) a row, from
+    `TRAIN_POINTS` (`log_interpolated`: the point's index, or None between two)."""
+    from .metrics import flops_per_row
+
+    return log_interpolated(block_tokens, [(d.num_anchors * d.block_size, rate * flops_per_row(d, n, d.num_anchors) / n)
+                                           for _, d, n, rate in TRAIN_POINTS])
 
 
 def dflash2_flop_share(drafter, seq_len: int) -> float:
     """The FLOPs a DFlash2 drafter's conv and selector add to a training row, as a share of its FLOPs as DFlash."""
     from .metrics import flops_per_row
 
-    as_dflash = SimpleNamespace(**{**vars(drafter), "variant": "dflash"})
-    return flops_per_row(drafter, seq_len, drafter.num_anchors) / flops_per_row(as_dflash, seq_len,
+    return flops_per_row(drafter, seq_len, drafter.num_anchors) / flops_per_row(as_dflash(drafter), seq_len,
                                                                                  drafter.num_anchors) - 1
 
 
@@ -211,8 +220,7 @@ def dflash2_points() -> tuple[tuple[str, int, float, float], ...]:
     from .metrics import flops_per_row
 
     big, n = TRAIN_DFLASH2_BIG_DRAFTER, TRAIN_DFLASH2_BIG_SEQ_LEN
-    as_dflash = SimpleNamespace(**{**vars(big), "variant": "dflash"})
-    bf16_tok_s = train_flop_rate(big.num_anchors * big.block_size)[0] / (flops_per_row(as_dflash, n,
+    bf16_tok_s = train_flop_rate(big.num_anchors * big.block_size)[0] / (flops_per_row(as_dflash(big), n,
                                                                                         big.num_anchors) / n)
     added_s = 1 / TRAIN_DFLASH2_BIG_TOK_S["dflash2"] - 1 / TRAIN_DFLASH2_BIG_TOK_S["dflash"]
     small = TRAIN_DFLASH2_DRAFTER
@@ -223,17 +231,8 @@ def dflash2_points() -> tuple[tuple[str, int, float, float], ...]:
 
 def dflash2_time_per_share(block_tokens: int) -> tuple[float, int | None]:
     """The time DFlash2's conv and selector take, as a fraction of DFlash's bf16 step, per unit of the FLOP share they
-    add, at `block_tokens` a row: a `dflash2_points` point's own at or beyond it (with its index), else the two
-    interpolated in log block tokens (None)."""
-    from math import exp, log
-
-    (_, q_hi, s_hi, t_hi), (_, q_lo, s_lo, t_lo) = dflash2_points()
-    if block_tokens >= q_hi:
-        return t_hi / s_hi, 0
-    if block_tokens <= q_lo:
-        return t_lo / s_lo, 1
-    w = log(block_tokens / q_lo) / log(q_hi / q_lo)
-    return exp(log(t_lo / s_lo) + w * (log(t_hi / s_hi) - log(t_lo / s_lo))), None
+    add, at `block_tokens` a row (`log_interpolated` over `dflash2_points`: the point's index, or None between)."""
+    return log_interpolated(block_tokens, [(q, time / share) for _, q, share, time in dflash2_points()])
 
 
 def dflash2_factor(drafter, seq_len: int) -> float:
@@ -264,8 +263,7 @@ def rates(*, layer_params: int, drafter, seq_len: int, extract_tok_s: float = 0.
     if drafter.variant not in TRAIN_VARIANT_FACTOR:
         raise ValueError(f"no measured training rate for variant={drafter.variant!r} (measured: "
                          f"{', '.join(TRAIN_VARIANT_FACTOR)}): give plan_train_tok_s=")
-    as_dflash = SimpleNamespace(**{**vars(drafter), "variant": "dflash"})
-    per_tok = flops_per_row(as_dflash, seq_len, drafter.num_anchors) / seq_len
+    per_tok = flops_per_row(as_dflash(drafter), seq_len, drafter.num_anchors) / seq_len
     block_tokens = drafter.num_anchors * drafter.block_size
     flop_rate, point = train_flop_rate(block_tokens)
     variant = drafter.variant if drafter.variant != "dflash" else None
@@ -409,10 +407,11 @@ def describe_rate(stage: str, r: dict) -> str:
         how = f"estimate: {r['measured_tok_s']:,} measured at {at}, scaled ×{r['factor']:.3g} by {by}{as_dflash}"
     if r.get("variant"):
         points, i = dflash2_points(), r["variant_point"]
-        if i == 1 and abs(r["variant_share"] / points[i][2] - 1) < 0.01:  # (the drafter its ratio was measured at)
+        measured_share = i is not None and abs(r["variant_share"] / points[i][2] - 1) < 0.01
+        if i == 1 and measured_share:  # (the drafter its ratio was measured at)
             how += (f"; ×{r['variant_factor']:.3g} for variant={r['variant']}, its cost against DFlash "
                     + ("there" if r.get("at") == points[i][0] else f"at {points[i][0]}"))
-        elif i == 0 and abs(r["variant_share"] / points[i][2] - 1) < 0.01:  # (its added time measured there)
+        elif i == 0 and measured_share:  # (its added time measured there)
             how += (f"; ×{r['variant_factor']:.3g} for variant={r['variant']} against DFlash's bf16 step: its added "
                     f"time as measured at {points[i][0]} in their float8 training")
         else:
