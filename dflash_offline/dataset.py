@@ -109,10 +109,8 @@ def open_hidden_cache(cache_dir, layer_ids, hidden_size: int | None = None, seq_
     """Check that a hidden cache fits the drafter, reading only `manifest.json`; refusals name the field. Reads,
     never writes: a read-only cache (a shared one) trains as well."""
     cache = Path(cache_dir)
-    m = read_manifest(cache)
+    m = read_manifest(cache, kind="hidden")
     where = cache / MANIFEST
-    if m.get("kind") != "hidden":
-        raise ManifestError(f"{where}: kind {m.get('kind')!r}, expected 'hidden': pass the cache `make extract` made")
     prod = require(m, where, HIDDEN_NEEDS)["producer"]
     have, want = [int(i) for i in prod["layer_ids"]], [int(i) for i in layer_ids]
     if not want or len(set(want)) != len(want):

@@ -136,7 +136,7 @@ def check_cache_target(cache: str, target_dir: Path) -> None:
     from dflash_offline.cache.manifest import read_manifest
     from dflash_offline.targetid import TargetError, target_mismatch
 
-    m = read_manifest(cache)
+    m = read_manifest(cache, kind="hidden")
     if diff := target_mismatch(str(target_dir), m["producer"]["target"]):
         raise TargetError(f"--cache={cache} was extracted from {m['config']['extract']['target']}, not from the eval "
                           f"target {target_dir} ({'; '.join(diff)}): pass --cache= a cache extracted from it (make "

@@ -107,6 +107,17 @@ def target_needs(cfg: ExtractConfig) -> tuple[str, ...]:
     return ("config",) if cfg.dry_run else ("config", "weights")
 
 
+def weights_missing(ckpt: Path) -> str:
+    """'' when `ckpt` holds its whole set of weight files (`targetid.weight_files`), else what is missing."""
+    from .targetid import TargetError, weight_files
+
+    try:
+        weight_files(ckpt)
+    except TargetError as e:
+        return str(e).split("; ")[0]
+    return ""
+
+
 def make_plan(cfg: ExtractConfig, tokens: Path | dict) -> ExtractPlan:
     """The facts about the cache; `tokens`: the token cache's directory, or (dry run) the manifest stage 1a would
     write."""
@@ -118,7 +129,8 @@ def make_plan(cfg: ExtractConfig, tokens: Path | dict) -> ExtractPlan:
     if tm["kind"] != "tokens" or not tm.get("complete"):
         raise ShardError(f"{tokens} is not a complete token cache: run `make tokenize` (or extract) again")
     ckpt = resolve_checkpoint(cfg.target, target_needs(cfg), "extract.target")
-    weights = any(ckpt.glob("*.safetensors"))  # a dry run plans from config.json alone; its key then lacks them
+    weights = not cfg.dry_run or not weights_missing(ckpt)  # a dry run plans from config.json alone; its key then
+    # lacks them
     info = read_target_info(ckpt)
     layer_ids = list(cfg.layer_ids) or default_layer_ids(info.num_layers, cfg.num_draft_layers)
     bad = [i for i in layer_ids if not 0 <= i < info.num_layers]
@@ -190,10 +202,12 @@ def check_disk(cache: Path, need_bytes: int, min_free_gb: float) -> None:
 def plan_run(cfg: ExtractConfig, tok_cfg: TokenizeConfig | None, rank: int, world: int, local_rank: int) -> ExtractPlan:
     """The plan plus this run's cache, device, shards to do and the kernel check: everything that can fail before the
     weights load, in seconds (stage 1a runs first when the token cache is not there yet)."""
-    from .targetid import check_seq_len, resolve_checkpoint
+    from .targetid import check_seq_len, resolve_checkpoint, weight_files
 
     t0 = time.time()
     ckpt = resolve_checkpoint(cfg.target, target_needs(cfg), "extract.target")  # a wrong path fails before stage 1a
+    if not cfg.dry_run:
+        weight_files(ckpt)  # and so does a checkpoint cut short (a file its index lists absent or truncated)
     device = pick_device(cfg.device, "extract.device", local_rank)
     if tok_cfg is not None and not cfg.tokens:
         check_seq_len(tok_cfg.seq_len, ckpt)
@@ -208,7 +222,7 @@ def plan_run(cfg: ExtractConfig, tok_cfg: TokenizeConfig | None, rank: int, worl
         f"{len(plan.todo)}/{plan.num_shards} shards to do, "
         f"{plan.need / 1e9:.2f} GB; device {device}")
     if cfg.dry_run and not plan.weights:
-        log(f"[rank {rank}] dry run without weights ({plan.ckpt} holds no *.safetensors): the cache's key, and "
+        log(f"[rank {rank}] dry run without weights ({weights_missing(plan.ckpt)}): the cache's key, and "
             f"so its directory and the shards already done, are the real run's only once the weights are there")
     return replace(plan, **check_kernels(cfg, plan, rank, world))
 

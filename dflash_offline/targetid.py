@@ -2,7 +2,8 @@
 
 A name or path is not an identity (a fine-tune keeps the architecture and file layout), and a sample of the bytes is
 not one either (a copy with embedding rows changed between the samples kept the old fingerprint). The fingerprint is
-the SHA-256 of `config.json` and of every safetensors file's name, size and full SHA-256 (`weights_hash` "sha256").
+the SHA-256 of `config.json` and of every weight file's name, size and full SHA-256 (`weights_hash` "sha256"): the
+files the shard index lists (or the one model.safetensors), each checked whole first (`weight_files`).
 Each file's hash is computed once, on a pool of threads, and remembered by the file's (size, mtime, ctime, inode) in
 `.dflash_offline-sha256.json` beside the weights, or, where that directory is read-only or a snapshot of the HF hub
 cache (huggingface_hub's files), under `$XDG_CACHE_HOME/dflash_offline` (else `~/.cache/dflash_offline`): a rerun
@@ -130,10 +131,35 @@ def weight_map(ckpt: Path) -> dict[str, Path]:
 
 
 def weight_files(ckpt: Path) -> list[Path]:
-    files = sorted(ckpt.glob("*.safetensors"))
-    if not files:
-        raise TargetError(f"{ckpt}: no *.safetensors weights (only safetensors checkpoints are supported)")
+    """The checkpoint's weight files — those its shard index lists, else its one model.safetensors — each checked
+    whole (`check_whole`): an interrupted download is refused before anything is tokenized, hashed or loaded, naming
+    the file. Other *.safetensors beside them are not the checkpoint's (the loaders never read them) and count for
+    nothing, the fingerprint included."""
+    files = sorted(set(weight_map(ckpt).values()))
+    for f in files:
+        check_whole(ckpt, f)
     return files
+
+
+def check_whole(ckpt: Path, path: Path) -> None:
+    """Refuse a weight file that is absent, or shorter than its header says its tensors need (a download cut short)."""
+    redo = (f"the checkpoint {ckpt} is incomplete (an interrupted download or copy?): download or copy it again "
+            f"(huggingface-cli download resumes), then rerun")
+    if not path.is_file():
+        raise TargetError(f"{path}: missing, though {ckpt.name}'s model.safetensors.index.json lists it; {redo}")
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if 8 + header_len > size:
+                raise ValueError
+            header = json.loads(f.read(header_len))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (struct.error, ValueError, KeyError, TypeError, IndexError):
+        raise TargetError(f"{path}: not a whole safetensors file ({size:,} bytes, its header unreadable); {redo}") \
+            from None
+    if size < 8 + header_len + end:
+        raise TargetError(f"{path}: {size:,} bytes where its header's tensors need {8 + header_len + end:,}; {redo}")
 
 
 def file_fingerprint(path: Path) -> str:

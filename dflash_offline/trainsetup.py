@@ -284,9 +284,8 @@ def cache_defaults(cfg: TrainConfig) -> dict:
 
     m = read_manifest(cfg.cache, need=("config.extract.target", "config.layer_ids", "config.mask_token_id",
                                        "producer.target.hidden_size", "producer.target.num_layers",
-                                       "producer.target.vocab_size", "producer.tokens.producer.seq_len"))
-    if m["kind"] != "hidden":
-        raise ValueError(f"{cfg.cache} is a {m['kind']} cache: train on a hidden-state cache (make extract output)")
+                                       "producer.target.vocab_size", "producer.tokens.producer.seq_len"),
+                      kind="hidden")
     tgt = m["producer"]["target"]
     return {
         "target": cfg.target or m["config"]["extract"]["target"], "cache_target": m["config"]["extract"]["target"],

@@ -61,9 +61,7 @@ def verify(cache: Path, cfg: VerifyConfig) -> dict:
     from dflash_offline.targetid import resolve_checkpoint
 
     device = pick_device(cfg.device, "verify.device")
-    m = read_manifest(cache)
-    if m["kind"] != "hidden":
-        raise ValueError(f"{cache} is a {m['kind']} cache; verify checks hidden-state caches (make extract output)")
+    m = read_manifest(cache, kind="hidden")
     require(m, cache / MANIFEST, HIDDEN_NEEDS + VERIFY_NEEDS + (("config.extract.target",) if cfg.rows > 0 else ()))
     if m["producer"]["quant"] not in ENCODINGS:
         raise ValueError(f"{cache / MANIFEST}: producer.quant is {m['producer']['quant']!r}, this code reads "

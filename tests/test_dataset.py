@@ -132,7 +132,8 @@ def small(tmp_path):
 
 
 def test_refusals_name_the_field(small):
-    with pytest.raises(ManifestError, match="kind 'tokens'"):
+    with pytest.raises(ManifestError, match=r"tokens is a token cache \(stage 1a: token rows, no hidden states\); "
+                                            r"pass the hidden-state cache extracted from it .*: .*/h\b"):
         ds.open_hidden_cache(small / "tokens", [1])
     with pytest.raises(ManifestError, match=r"producer.layer_ids \[1, 3\] lacks \[2\]"):
         ds.open_hidden_cache(small, [1, 2])

@@ -224,3 +224,70 @@ def test_eval_refuses_a_held_out_cache_of_another_target(tmp_path, hidden_cache,
     assert "\n" not in msg and f"--cache={hidden_cache} was extracted from {qwen35_dir}, not from the eval target " \
                               f"{other} (weights_fingerprint" in msg
     evalrun.check_cache_target(str(hidden_cache), qwen35_dir)
+
+
+def sharded_copy(src, dst):
+    """The tiny target as released checkpoints are: its tensors in two files that model.safetensors.index.json lists."""
+    from safetensors.torch import load_file, save_file
+
+    dst = copy_target(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    (dst / "model.safetensors").unlink()
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for f, keys in halves.items():
+        save_file({k: tensors[k] for k in keys}, str(dst / f), metadata={"format": "pt"})
+    (dst / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: f for f, keys in halves.items() for k in keys}}))
+    return dst
+
+
+def test_a_checkpoint_cut_short_is_refused_before_stage_1a_naming_the_file(tmp_path, qwen35_dir, chat_corpus,
+                                                                           no_weights):
+    """A weight file the index lists that is absent, or shorter than its header's tensors need (an interrupted
+    download), is refused in one line naming it, before a record is tokenized; a *.safetensors the index does not
+    list is not the checkpoint's and leaves its fingerprint alone; a dry run plans without the weights."""
+    ckpt = sharded_copy(qwen35_dir, tmp_path / "t")
+    whole = target_fingerprint(ckpt)
+    second = ckpt / "model-00002-of-00002.safetensors"
+    data = second.read_bytes()
+    shutil.copy(second, ckpt / "consolidated.safetensors")  # not listed: the loaders never read it
+    assert target_fingerprint(ckpt) == whole
+    for damage, want in ((lambda: second.unlink(), "missing, though t's model.safetensors.index.json lists it"),
+                         (lambda: second.write_bytes(data[:-100]), f"{len(data) - 100:,} bytes where its header's "
+                                                                   f"tensors need {len(data):,}"),
+                         (lambda: second.write_bytes(data[:5]), "not a whole safetensors file")):
+        damage()
+        ext, tok = configs(tmp_path, ckpt, chat_corpus)
+        with pytest.raises(TargetError) as e:
+            extract.run(ext, tok)
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith(f"{second}: {want}") and "download or copy it again" in msg, msg
+        assert not (tmp_path / "cache").exists()  # nothing tokenized, no cache begun
+        with pytest.raises(TargetError, match="incomplete"):  # the trainer's check of a cache's target says so too
+            targetid.check_same_target(str(ckpt), whole, "cache/x", str(ckpt))
+    ext, tok = configs(tmp_path, ckpt, chat_corpus, dry_run=True)
+    extract.run(ext, tok)  # the storage plan, from config.json and the tokenizer
+    second.write_bytes(data)
+    assert target_fingerprint(ckpt) == whole
+
+
+def test_a_token_cache_where_a_hidden_one_is_wanted_names_the_hidden_cache_made_from_it(tmp_path, hidden_cache,
+                                                                                       qwen35_dir):
+    """Training, the eval's teacher-forced estimate and verify read hidden states: given the token cache they were
+    extracted from, each says so and names the hidden cache beside it, before a run directory exists (not "the
+    manifest was edited or damaged", which would send a user to rebuild it)."""
+    from dflash_offline import evalrun
+    from dflash_offline.cache.manifest import ManifestError, read_manifest
+    from stages import train, verify
+
+    tokens = (hidden_cache / read_manifest(hidden_cache)["config"]["tokens_dir"]).resolve()
+    want = (f"{tokens} is a token cache (stage 1a: token rows, no hidden states); pass the hidden-state cache "
+            f"extracted from it (make extract writes cache/hidden-<key12>): {hidden_cache.resolve()}")
+    for call in (lambda: train.main([f"--cache={tokens}", f"--run={tmp_path / 'r'}", "--steps=1"]),
+                 lambda: evalrun.check_cache_target(str(tokens), qwen35_dir),
+                 lambda: verify.main([f"--cache={tokens}", "--rows=0"])):
+        with pytest.raises(ManifestError) as e:
+            call()
+        assert str(e.value) == want
+    assert not (tmp_path / "r").exists()

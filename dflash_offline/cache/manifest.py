@@ -33,10 +33,11 @@ def has_manifest(cache: str | Path) -> bool:
     return (Path(cache) / MANIFEST).is_file()
 
 
-def read_manifest(cache: str | Path, need: tuple[str, ...] = ()) -> dict:
+def read_manifest(cache: str | Path, need: tuple[str, ...] = (), kind: str = "") -> dict:
     """The manifest of `cache`, every field it has checked for type (`schema_error`) before any is used: a hand-edited
     or damaged one is one error naming the file, the field, what was found and what to do. `need`: dotted fields
-    (`OPTIONAL_FIELDS`) the caller reads, refused when absent."""
+    (`OPTIONAL_FIELDS`) the caller reads, refused when absent; `kind` ("tokens", "hidden"): the kind of cache the
+    caller reads, the other refused first (`wrong_kind`)."""
     path = Path(cache) / MANIFEST
     if not path.is_file():
         raise ManifestError(f"{path} not found: {cache} is not a cache (run `make tokenize` / `make extract`)")
@@ -49,7 +50,29 @@ def read_manifest(cache: str | Path, need: tuple[str, ...] = ()) -> dict:
                             f"reads {MANIFEST_VERSION}")
     if bad := schema_error(m):
         raise ManifestError(f"{path}: {bad}: the manifest was edited or damaged; restore it (or rebuild the cache)")
+    if kind and m["kind"] != kind:
+        raise ManifestError(wrong_kind(Path(cache), m, kind))
     return require(m, path, need)
+
+
+def wrong_kind(cache: Path, m: dict, want: str) -> str:
+    """Why a cache of the other kind cannot be read, and which to pass: for a token cache (stage 1a) where a hidden
+    one is wanted, the hidden caches beside it extracted from it."""
+    if want == "tokens":
+        return (f"{cache} is a hidden-state cache (stage 1b); pass a token cache (make tokenize writes "
+                f"cache/tokens-<key12>)")
+    made = []
+    for d in sorted(cache.resolve().parent.glob("hidden-*")):
+        try:
+            h = json.loads((d / MANIFEST).read_text())
+            if h["producer"]["tokens"]["key"] == m["key"]:
+                done, n = len([x for x in h["shards"] if x["status"] == "committed"]), h["num_shards"]
+                made.append(f"{d}" + ("" if done == n else f" ({done} of {n} shards done)"))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return (f"{cache} is a token cache (stage 1a: token rows, no hidden states); pass the hidden-state cache extracted "
+            f"from it (make extract writes cache/hidden-<key12>): "
+            + (", ".join(made) if made else "none is beside it: make extract TOKENS=" + str(cache)))
 
 
 def require(m: dict, path: Path, need: tuple[str, ...]) -> dict:
