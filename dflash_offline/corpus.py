@@ -101,6 +101,37 @@ def expand_paths(patterns: list[str]) -> list[Path]:
     return out
 
 
+HELDOUT_KEY = "heldout"  # the mark `make regen` gives the records it holds out: {"every", "of", "template"}
+
+
+def heldout_mark(obj: dict) -> dict | None:
+    """The held-out mark of a record (`HELDOUT_KEY`), or None."""
+    mark = obj.get(HELDOUT_KEY)
+    return mark if isinstance(mark, dict) else None
+
+
+def heldout_refusal(where: str, mark: dict) -> str:
+    return (f"{where}: a record `make regen` held out for evaluation (of {mark.get('of', '?')}): training on it would "
+            f"measure τ on prompts the drafter learned; take the held-out file out of the corpus (CORPUS=, or the "
+            f"recipe's [tokenize] corpus globs)")
+
+
+def check_not_heldout(paths: list[Path]) -> None:
+    """Refuse, before a record is tokenized, a JSONL corpus file whose first record carries the held-out mark (the
+    file `make regen --heldout_every` writes); a marked record elsewhere is skipped (`heldout`)."""
+    for path in paths:
+        if file_kind(path) != "jsonl":
+            continue
+        for line_no, raw in jsonl_lines(path):
+            try:
+                mark = heldout_mark(parse(raw))
+            except RecordError:
+                mark = None
+            if mark is not None:
+                raise CorpusError(heldout_refusal(f"{path}:{line_no}", mark))
+            break
+
+
 def file_kind(path: Path) -> str:
     name = path.name.lower()
     if name.endswith((".jsonl", ".json", ".jsonl.txt")):
@@ -297,6 +328,9 @@ def render(rec: Record) -> Rendered | Tokens | Skip:
         obj = parse(rec.raw)
         if "messages" not in obj and "input_ids" in obj:
             return Tokens(rec.file, rec.line, rec.ordinal, [validate_tokens(obj, _OPTS["vocab_size"])], Counter())
+        if (mark := heldout_mark(obj)) is not None:
+            raise RecordError("heldout", f"held out for evaluation by make regen (of {mark.get('of', '?')}): never "
+                                         f"trained on")
         counts = Counter()
         msgs = prepare_messages(validate_messages(obj, counts), _OPTS["thinking"], counts)
         samples = conversation_samples(_TOK, msgs, validate_tools(obj), _OPTS["turns"], _OPTS["empty_think"], counts,

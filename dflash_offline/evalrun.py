@@ -119,15 +119,13 @@ def load_drafter(cfg: EvalConfig, ri: dict, run_dir: Path, device, dtype, log):
 
 
 def load_target(target_dir: Path, device, dtype):
-    """(tokenizer, target) in `dtype`, loaded as HF loads them."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """The target in `dtype`, loaded as HF loads it."""
+    from transformers import AutoModelForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(str(target_dir))
     if device.type == "cpu":
-        target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype).eval()
-    else:  # straight onto the device (a 27B target never passes through host memory in full)
-        target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype, device_map=str(device)).eval()
-    return tok, target
+        return AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype).eval()
+    # straight onto the device (a 27B target never passes through host memory in full)
+    return AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype, device_map=str(device)).eval()
 
 
 def check_cache_target(cache: str, target_dir: Path) -> None:
@@ -279,6 +277,11 @@ def evaluate(cfg: EvalConfig) -> dict:
         raise ValueError(f"prompts file {prompts_file} does not exist: pass --prompts= a chat JSONL")
     device, dtype_name = compute(cfg, target_dir)
     dtype, exact = getattr(torch, dtype_name), dtype_name == "float32"
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target_dir))  # the prompts, checked before anything large loads
+    prompts = read_prompts(prompts_file, cfg.num_prompts, cfg.turn, tok, parse_settings(cfg.template_kwargs,
+                                                                                         "eval.template_kwargs"))
 
     # --- the drafter: the shipped artifact (small; validates the run before the target is loaded)
     model, artifact, dc = load_drafter(cfg, ri, run_dir, device, dtype, log)
@@ -288,16 +291,16 @@ def evaluate(cfg: EvalConfig) -> dict:
     # --- target
     log(f"loading target {target_dir} ({info.arch}, {info.num_layers} layers) on {device} in {dtype_name}"
         f"{' (exact mode)' if exact else f' (ties up to a logit margin of {cfg.tie_tol:g} allowed)'}")
-    tok, target = load_target(target_dir, device, dtype)
+    target = load_target(target_dir, device, dtype)
     tf = estimate(cfg, ri, model, dc, target)
 
     eos = eos_ids(target, tok)
-    prompts = read_prompts(prompts_file, cfg.num_prompts, cfg.turn, tok, parse_settings(cfg.template_kwargs,
-                                                                                         "eval.template_kwargs"))
     drafter = ExportedDrafter(model, target)
+    templates = sorted({json.dumps(p["template"], sort_keys=True) if p["template"] else "the template's defaults"
+                        for p in prompts})
     log(f"{len(prompts)} prompts from {prompts_file} (mean {sum(len(p['ids']) for p in prompts) / len(prompts):.0f} "
-        f"tokens), ≤ {cfg.max_new_tokens} new tokens, block {dc.block_size}, eos {eos}, drafter "
-        f"{artifact['path'] or 'untrained'}")
+        f"tokens; chat template settings {' / '.join(templates)}), ≤ {cfg.max_new_tokens} new tokens, block "
+        f"{dc.block_size}, eos {eos}, drafter {artifact['path'] or 'untrained'}")
 
     key = baseline_key(cfg, target_dir, prompts, eos, dtype_name, device) if cfg.baseline else None
     reuse = read_baseline(Path(cfg.baseline), key, log) if cfg.baseline else None

@@ -79,22 +79,28 @@ def render_prompt(messages: list[dict], tokenizer, turn: str = "first", tools=No
 
 def read_prompts(path: Path, n: int, turn: str, tokenizer, settings: dict | None = None) -> list[dict]:
     """The first `n` usable chats as {"ids": messages up to the first/last user turn + the generation prompt,
-    "category": the record's `category` or None}."""
+    "category": the record's `category` or None, "template": the chat template settings it was rendered with}. A
+    record `make regen` held out is rendered as its answers were generated (its mark's `template`, e.g.
+    enable_thinking), `settings` (--template_kwargs) over it. A line that is not a chat record is one error naming
+    file:line and what is wrong (read before the target loads, so in seconds)."""
+    from .chat import RecordError, validate_messages
+    from .corpus import heldout_mark, jsonl_lines, parse
+
     out = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if len(out) >= n:
-                break
-            if not line.strip():
-                continue
-            rec = json.loads(line)
-            msgs = rec.get("messages")
-            if not isinstance(msgs, list):
-                raise ValueError(f"{path}:{lineno}: no 'messages' list (prompts must be chat records)")
-            ids = render_prompt(msgs, tokenizer, turn, rec.get("tools"), settings)
-            if ids is not None:
-                cat = rec.get("category")
-                out.append({"ids": ids, "category": None if cat is None else str(cat)})
+    for lineno, raw in jsonl_lines(path):
+        if len(out) >= n:
+            break
+        try:
+            rec = parse(raw)
+            validate_messages(rec, answered=False)
+        except RecordError as e:
+            raise ValueError(f"{path}:{lineno}: {e.reason}: {e.detail} (prompts must be chat records, one JSON "
+                             f"object a line: fix or remove the line)") from None
+        template = {**((heldout_mark(rec) or {}).get("template") or {}), **(settings or {})}
+        ids = render_prompt(rec["messages"], tokenizer, turn, rec.get("tools"), template)
+        if ids is not None:
+            cat = rec.get("category")
+            out.append({"ids": ids, "category": None if cat is None else str(cat), "template": template})
     if not out:
         raise ValueError(f"{path}: no chat with a user turn")
     return out

@@ -27,14 +27,14 @@ from pathlib import Path
 
 from .cache.fsio import write_json_atomic
 from .chat import RecordError, validate_messages, validate_tools
-from .corpus import iter_records, parse
+from .corpus import HELDOUT_KEY, heldout_mark, iter_records, parse
 from .progress import log
 
 STATS_VERSION = 1
 MAX_SKIP_EXAMPLES = 20
-# settings that change the output bytes: a resume must use the same ones (the corpus files' sizes: one edited in place
-# would be resumed by record position; the dtype the target decodes in: bf16 and fp32 give other greedy answers)
-RESUME_FIELDS = ("target", "corpus", "corpus_bytes", "thinking", "max_new_tokens", "keep", "on_truncated", "on_empty",
+# settings that change the output bytes: a resume must use the same ones (the corpus files' sizes and contents: one
+# edited in place would be resumed by record position; the dtype the target decodes in: bf16 and fp32 give other greedy answers)
+RESUME_FIELDS = ("target", "corpus", "corpus_bytes", "corpus_sha256", "thinking", "max_new_tokens", "keep", "on_truncated", "on_empty",
                  "dtype", "sampling", "heldout", "template_kwargs")
 OPTIONAL_FIELDS = ("sampling", "heldout", "template_kwargs")  # recorded only when on: absent = off (older outputs' digests unchanged)
 PROMPT_ENDS = ("user", "tool")  # the roles a prompt (a record without an assistant turn) may end with
@@ -171,6 +171,8 @@ class Job:
 
 def make_job(rec, keep: str) -> Job:
     obj = parse(rec.raw)
+    if (mark := heldout_mark(obj)) is not None:  # (answered, it would become training data)
+        raise RecordError("heldout", f"held out for evaluation by an earlier make regen (of {mark.get('of', '?')})")
     msgs = validate_messages(obj, answered=False)
     validate_tools(obj)  # a `tools` that is not a list of schemas: stage 1a would skip the record after its GPU time
     turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
@@ -421,8 +423,9 @@ class Writer:
         for e in items:
             if isinstance(e, Skipped):
                 self.tally.skip(e.reason, e.detail, e.source)
-            elif isinstance(e, Heldout):
-                held.append(e.obj)
+            elif isinstance(e, Heldout):  # marked: stage 1a refuses it, the eval renders it as OUT was generated
+                held.append({**e.obj, HELDOUT_KEY: {"every": self.conf["heldout"]["every"], "of": str(self.out_path),
+                                                    "template": self.template}})
             else:
                 self.tally.counts.update(e.counts)
                 new_tokens += e.counts.get("new_tokens", 0)

@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 
 from dflash_offline import engine
 from dflash_offline.chat import parse_settings
-from dflash_offline.corpus import check_tokenizer, expand_paths
+from dflash_offline.corpus import check_not_heldout, check_tokenizer, corpus_hash, expand_paths
 from dflash_offline.devices import check_setting, pick_device
 from dflash_offline.progress import Progress, log
 from dflash_offline.regen import (
@@ -64,7 +64,7 @@ class RegenConfig:
     top_p: float = 1.0  # nucleus sampling mass (with temperature > 0)
     seed: int = 0  # sampling seed
     heldout_every: int = 0  # hold out 1 record in N (by SHA-256 of its first user turn), unanswered (0 = none)
-    heldout_out: str = ""  # held-out records' JSONL ("" → OUT's name with .heldout.jsonl)
+    heldout_out: str = ""  # held-out records' JSONL ("" → heldout/ beside OUT, under OUT's name: out of a corpus glob)
     progress: bool = True  # show the progress bar
 
     def resolve(self) -> RegenConfig:
@@ -99,7 +99,7 @@ class RegenConfig:
             name = Path((self.model or self.target).rstrip("/")).name or "target"
             self.out = str(Path("regen") / f"{name}-thinking_{self.thinking}.jsonl")
         if self.heldout_every and not self.heldout_out:
-            self.heldout_out = str(Path(self.out).with_suffix("")) + ".heldout.jsonl"
+            self.heldout_out = str(Path(self.out).parent / "heldout" / Path(self.out).name)  # (outside OUT's glob)
         if self.heldout_out and (not self.heldout_every or Path(self.heldout_out).resolve() == Path(self.out).resolve()):
             raise ValueError(f"heldout_out={self.heldout_out!r}: needs --heldout_every=N (1 record in N, N >= 2) and "
                              f"a file other than --out")
@@ -113,7 +113,8 @@ def config_record(cfg: RegenConfig, paths: list[Path], dtype: str) -> dict:
     sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed,  # (local: seeded per batch)
                 **({} if cfg.engine else {"batch_size": cfg.batch_size})}
     conf = {"target": target, "corpus": [str(p.resolve()) for p in paths],
-            "corpus_bytes": [p.stat().st_size for p in paths], "thinking": cfg.thinking,
+            "corpus_bytes": [p.stat().st_size for p in paths], "corpus_sha256": corpus_hash(paths),
+            "thinking": cfg.thinking,
             "max_new_tokens": cfg.max_new_tokens, "keep": cfg.keep, "on_truncated": cfg.on_truncated,
             "on_empty": cfg.on_empty, "num_docs": cfg.num_docs, "dtype": dtype,
             **({"engine": cfg.engine, "concurrency": cfg.concurrency} if cfg.engine else {"batch_size": cfg.batch_size})}
@@ -135,6 +136,7 @@ def run(cfg: RegenConfig, model=None, tokenizer=None) -> dict:
     cfg.resolve()
     warn_ignored(cfg)
     paths = expand_paths(cfg.corpus)  # everything cheap is checked before any weight loads or request is sent
+    check_not_heldout(paths)
     out, heldout = Path(cfg.out), Path(cfg.heldout_out) if cfg.heldout_every else None
     if cfg.engine:
         client = engine.Client(cfg.engine, cfg.model, cfg.timeout_s, cfg.retries, cfg.backoff_s)
@@ -143,7 +145,8 @@ def run(cfg: RegenConfig, model=None, tokenizer=None) -> dict:
     else:
         tokenizer, device, dtype = local_setup(cfg, model, tokenizer)
     conf = config_record(cfg, paths, str(dtype).removeprefix("torch."))
-    out.parent.mkdir(parents=True, exist_ok=True)
+    for d in {out.parent, *([heldout.parent] if heldout else [])}:
+        d.mkdir(parents=True, exist_ok=True)
     files = [out, stats_path(out), Path(f"{out}.answers.jsonl")] + ([heldout] if heldout else [])
     state = resume_state(out, conf, heldout)
     n = count_records(paths)

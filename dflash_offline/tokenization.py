@@ -33,7 +33,16 @@ from .cache.manifest import (
 )
 from .cache.shards import TOKENS_FORMAT_VERSION, token_shard_name, write_token_shard
 from .config import TokenizeConfig, as_dict
-from .corpus import Skip, Tokens, check_tokenizer, corpus_hash, expand_paths, iter_records, tokenize_stream
+from .corpus import (
+    Skip,
+    Tokens,
+    check_not_heldout,
+    check_tokenizer,
+    corpus_hash,
+    expand_paths,
+    iter_records,
+    tokenize_stream,
+)
 from .packing import PACKING_RULE, Doc, Packer, split_long
 from .progress import Progress, log
 from .tokenize_counts import Tally, dry_manifest, shard_entry, summarize
@@ -99,6 +108,7 @@ def identify(cfg: TokenizeConfig) -> tuple[list[Path], object, dict, str, Path]:
     from .targetid import check_seq_len, resolve_checkpoint
 
     paths = expand_paths(cfg.corpus)
+    check_not_heldout(paths)
     tok_dir = resolve_checkpoint(cfg.tokenizer, need=("tokenizer",), field="tokenize.tokenizer")
     if (tok_dir / "config.json").is_file():  # the tokenizer is a target's: its rows must fit that target
         check_seq_len(cfg.seq_len, tok_dir)

@@ -433,3 +433,18 @@ def test_eval_prompts_render_with_the_served_template_settings(tmp_path, toks):
     default, low = (tok.decode(read_prompts(path, 1, "first", tok, s)[0]["ids"])
                     for s in (None, {"reasoning_effort": "low"}))
     assert "set to xhigh" in default and "set to low" in low and low.endswith("<|im_start|>assistant\n<think>\n")
+
+
+def test_held_out_prompts_render_as_their_answers_were_generated(tmp_path, toks):
+    """A record `make regen THINKING=off` held out carries the template settings its corpus was answered with: the
+    eval renders it so (Qwen3.6: the empty think block), not in the template's default thinking mode; an explicit
+    --template_kwargs wins."""
+    from dflash_offline.evaluation import read_prompts
+
+    tok = toks["qwen3.6"]
+    held = {**PLAIN, "heldout": {"every": 100, "of": "data/regen/q36.jsonl", "template": {"enable_thinking": False}}}
+    path = write_corpus(tmp_path / "p.jsonl", [held, PLAIN])
+    off, default = (tok.decode(p["ids"]) for p in read_prompts(path, 2, "first", tok))
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") and default.endswith("assistant\n<think>\n")
+    on = read_prompts(path, 1, "first", tok, {"enable_thinking": True})[0]
+    assert tok.decode(on["ids"]) == default and on["template"] == {"enable_thinking": True}

@@ -158,6 +158,50 @@ def test_a_resume_checks_the_settings_even_without_the_stats_file_and_sees_an_ed
         go(qwen3_dir, corpus, out, q3, batch_size=2, num_docs=6)
 
 
+def test_a_resume_refuses_a_corpus_rewritten_to_the_same_size(tmp_path, qwen3_dir, chat_corpus, q3):
+    """The resume continues by record position: a corpus whose lines were reordered (same files, same sizes) would
+    have some prompts answered twice and others never; its content hash refuses it."""
+    lines = Path(chat_corpus).read_text().splitlines(keepends=True)[:6]
+    corpus, out = tmp_path / "c.jsonl", tmp_path / "o.jsonl"
+    corpus.write_text("".join(lines))
+    go(qwen3_dir, corpus, out, q3, batch_size=2, num_docs=2)
+    corpus.write_text("".join(lines[::-1]))
+    with pytest.raises(ValueError, match=r"generated with corpus_sha256='[0-9a-f]{64}', not '[0-9a-f]{64}'"):
+        go(qwen3_dir, corpus, out, q3, batch_size=2, num_docs=6)
+    assert len(read(out)) == 2
+
+
+def test_held_out_records_never_reach_training(tmp_path, qwen3_dir, chat_corpus, q3):
+    """The held-out file in stage 1a's corpus (a recipe's glob takes every JSONL of a directory) is refused before a
+    record is tokenized, naming it; a held-out record copied into another file is skipped as `heldout`; fed back to
+    regen, the held-out file is refused too (answered, it would become training data)."""
+    from dflash_offline import tokenization
+    from dflash_offline.config import TokenizeConfig
+    from dflash_offline.corpus import CorpusError
+
+    out = tmp_path / "regen" / "o.jsonl"
+    go(qwen3_dir, chat_corpus, out, q3, num_docs=12, heldout_every=3, max_new_tokens=2, on_empty="keep")
+    held = tmp_path / "regen" / "heldout" / "o.jsonl"
+    assert len(read(held)) >= 1 and not (tmp_path / "regen" / "o.heldout.jsonl").exists()
+
+    def tokenize(*corpus):
+        return tokenization.run(TokenizeConfig(corpus=[str(c) for c in corpus], tokenizer=str(qwen3_dir),
+                                               cache_root=str(tmp_path / "cache"), seq_len=256, rows_per_shard=4,
+                                               workers=1).resolve())
+
+    with pytest.raises(CorpusError) as e:
+        tokenize(out, tmp_path / "regen" / "**" / "*.jsonl")
+    assert str(e.value).startswith(f"{held}:1: a record `make regen` held out for evaluation (of {out})")
+    assert not (tmp_path / "cache").exists()
+    with pytest.raises(CorpusError, match=f"^{held}:1: a record `make regen` held out"):
+        go(qwen3_dir, held, tmp_path / "again.jsonl", q3)
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(out.read_text() + held.read_text().splitlines(keepends=True)[0])
+    cache = tokenize(mixed)
+    summary = json.loads((cache / "manifest.json").read_text())["summary"]
+    assert summary["docs_skipped"]["heldout"] == 1 and summary["docs_read"] == len(read(out)) + 1
+
+
 def test_malformed_lines_are_counted_with_file_line(tmp_path, qwen3_dir, chat_corpus, q3):
     good = Path(chat_corpus).read_text().splitlines()
     bad = tmp_path / "bad.jsonl"
@@ -232,9 +276,11 @@ def test_prompts_get_the_answer_a_conversation_gets_in_place_of_its_first_turn(t
 
 
 def test_heldout_records_are_split_off_by_a_stable_hash_of_the_first_user_turn(tmp_path, qwen3_dir, chat_corpus, q3):
-    """--heldout_every=N: about 1 record in N goes, unanswered and verbatim, to the held-out file; which ones depends
-    on the first user turn alone (another order, another run, a repeated prompt: the same side), so evaluation prompts
-    never reach OUT. A resume keeps the split; a resume with another N is refused."""
+    """--heldout_every=N: about 1 record in N goes, unanswered and verbatim but for the held-out mark (what stage 1a
+    refuses and the eval renders by), to the held-out file (by default heldout/ beside OUT: outside a glob of OUT's
+    directory); which ones depends on the first user turn alone (another order, another run, a repeated prompt: the
+    same side), so evaluation prompts never reach OUT. A resume keeps the split; a resume with another N is
+    refused."""
     src = source_records(chat_corpus, 24)
     first_user = lambda r: next(m["content"] for m in r["messages"] if m["role"] == "user")  # noqa: E731
     out, held = tmp_path / "o.jsonl", tmp_path / "held.jsonl"
@@ -243,20 +289,23 @@ def test_heldout_records_are_split_off_by_a_stable_hash_of_the_first_user_turn(t
     train, heldout = read(out), read(held)
     assert st["heldout"] == len(heldout) and st["written"] == len(train) and len(train) + len(heldout) == 24
     assert 3 <= len(heldout) <= 14  # (about 8 of 24)
+    assert {json.dumps(h.pop("heldout"), sort_keys=True) for h in heldout} == {json.dumps(
+        {"every": 3, "of": str(out), "template": train[0]["regen"]["template"]}, sort_keys=True)}
     assert heldout == [r for r in src if first_user(r) in {first_user(h) for h in heldout}]  # verbatim, in order
     assert not {first_user(r) for r in train} & {first_user(h) for h in heldout}
     # the same split for the records in another order, with a repeated prompt, in another run
     shuffled = tmp_path / "shuffled.jsonl"
     shuffled.write_text("".join(json.dumps(r) + "\n" for r in [*src[::-1], heldout[0]]))
     go(qwen3_dir, shuffled, tmp_path / "s.jsonl", q3, num_docs=0, **kw)
-    assert read(tmp_path / "s.heldout.jsonl") == [*heldout[::-1], heldout[0]]
+    assert [{k: v for k, v in r.items() if k != "heldout"} for r in read(tmp_path / "heldout" / "s.jsonl")] == [
+        *heldout[::-1], heldout[0]]
     # resumed after 12 records, with a held-out line cut off by a kill past the commit point: the same two files
     part, part_held = tmp_path / "p.jsonl", tmp_path / "ph.jsonl"
     go(qwen3_dir, chat_corpus, part, q3, num_docs=12, heldout_out=str(part_held), **kw)
     with open(part_held, "a") as f:
         f.write(json.dumps(heldout[-1]) + "\n" + '{"messages": [{"ro')
     go(qwen3_dir, chat_corpus, part, q3, num_docs=24, heldout_out=str(part_held), **kw)
-    assert read(part_held) == heldout and [r["messages"] for r in read(part)] == [r["messages"] for r in train]
+    assert [{k: v for k, v in r.items() if k != "heldout"} for r in read(part_held)] == heldout and [r["messages"] for r in read(part)] == [r["messages"] for r in train]
     with pytest.raises(ValueError, match="heldout"):
         go(qwen3_dir, chat_corpus, out, q3, num_docs=30, heldout_out=str(held), **{**kw, "heldout_every": 4})
 
@@ -309,7 +358,7 @@ def test_cli_checks_before_loading(tmp_path, chat_corpus):
             regen.parse_args([f"--corpus={chat_corpus}", *args])
     cfg = regen.parse_args([f"--corpus={chat_corpus}", "--engine=http://h:8000/v1", "--target=/ckpt/Q", "--out=r/a.jsonl",
                             "--heldout_every=50"])
-    assert (cfg.model, cfg.heldout_out) == ("/ckpt/Q", "r/a.heldout.jsonl")  # the served name defaults to the target
+    assert (cfg.model, cfg.heldout_out) == ("/ckpt/Q", "r/heldout/a.jsonl")  # the served name defaults to the target
 
 
 def test_main_logs_the_counts_once_and_prints_the_output_path_last(tmp_path, qwen3_dir, chat_corpus, capsys):

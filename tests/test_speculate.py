@@ -456,6 +456,19 @@ def test_evaluate_measures_the_export(tmp_path, hidden_cache):
     with pytest.raises(ConfigError, match="needs --replay=1"):
         evaluate.main(args + ["--check_prompts=1"])
 
+    # a prompts file with a bad line: one error naming file:line, before the target loads
+    from dflash_offline import evalrun
+
+    bad = tmp_path / "bad.jsonl"
+    good = prompts.read_text().splitlines()[0]
+    for line, want in (('{"messages": [{"role": "user"', "invalid_json: .* at column"),
+                       ('{"messages": [{"role": "user"}]}', r"non_string_content: messages\[0\].content is NoneType")):
+        bad.write_text(f"{good}\n\n{line}\n")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(evalrun, "load_target", lambda *a: pytest.fail("the target loaded before the prompts were read"))
+            with pytest.raises(ValueError, match=rf"^{bad}:3: {want}.*fix or remove the line"):
+                evaluate.main(args + [f"--prompts={bad}", f"--export={run / 'eval-export'}"])
+
 
 def count_selector_walks(monkeypatch) -> dict:
     """From now on, the exported drafters' drafting steps (`ExportedDrafter.draft`) are counted, with the classes
