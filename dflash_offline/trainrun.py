@@ -53,7 +53,8 @@ def run(cfg: TrainConfig, switches: BenchSwitches = BenchSwitches()) -> Path:
 def _run(cfg: TrainConfig, switches: BenchSwitches, stopper: StopSignals) -> Path:
     # --- config: everything checked before any weights load; then the run is this trainer's (rank 0 holds its lock)
     t0, run_dir = time.time(), Path(cfg.run)
-    c, dc, info = check_inputs(cfg, run_dir)  # (also removes what a killed run left half-written)
+    c, dc, info = check_inputs(cfg, run_dir, switches.final_checkpoint)  # (also removes what a killed run left
+    # half-written)
     with owned(run_dir, int(os.environ.get("RANK", 0)), lost=lambda held: os._exit(1)):  # (another owns it now)
         return _train(cfg, switches, stopper, t0, c, dc, info)
 

@@ -338,7 +338,51 @@ def drafter_config(cfg: TrainConfig, c: dict):
     )
 
 
-def check_inputs(cfg: TrainConfig, run_dir):
+CHECKPOINT_ROOM_GB = 1.0  # free space a run keeps beyond its checkpoints (metrics, logs, trackers)
+
+
+def checkpoint_bytes(dc) -> int:
+    """The bytes of one checkpoint of a drafter `dc` (counted on the meta device, nothing allocated): its weights as
+    trained (fp32) and AdamW's two fp32 moments per trainable weight; the rest (RNG, JSON) is kilobytes."""
+    import torch
+
+    from dflash_offline.drafter import DFlashDrafter
+
+    with torch.device("meta"):
+        model = DFlashDrafter(dc)
+    weights = sum(t.numel() for t in model.state_dict().values())
+    return 4 * weights + 8 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def check_checkpoint_room(cfg: TrainConfig, dc, run_dir: Path, final: bool = True) -> None:
+    """Refuse, before any weight loads, a run whose checkpoints would not fit where RUN= is (the main process writes
+    them): at most the newest `keep_last` plus the one being written, less those already there (a resume), keeping
+    CHECKPOINT_ROOM_GB for logs and metrics. A run that found no room at its first save would have trained ckpt_every steps for nothing."""
+    import os
+
+    from dflash_offline.checkpoint import list_checkpoints
+    from dflash_offline.extract_plan import free_space
+    from dflash_offline.storage import size
+
+    if int(os.environ.get("RANK", 0)) != 0:
+        return
+    saves = math.inf if cfg.epochs else cfg.steps // cfg.ckpt_every + int(final)  # (epochs: the steps are not known yet)
+    peak = min(saves, cfg.keep_last + 1) if cfg.keep_last else saves
+    if peak == 0:
+        return
+    there = len(list_checkpoints(run_dir))
+    per = checkpoint_bytes(dc)
+    need = max(peak - there, 1) * per if peak != math.inf else per
+    free = free_space(run_dir)
+    if free - need < CHECKPOINT_ROOM_GB * 1e9:
+        kept = f"keep_last={cfg.keep_last} kept plus the one being written" if cfg.keep_last else "keep_last=0: all kept"
+        raise ValueError(f"{run_dir}: its checkpoints need {size(need)} ({size(per)} each; {kept}"
+                         f"{f', {there} there already' if there else ''}) but the filesystem has {size(free)} free "
+                         f"(keeping {CHECKPOINT_ROOM_GB:g} GB for the rest): free space, put RUN= elsewhere, or lower "
+                         f"keep_last")
+
+
+def check_inputs(cfg: TrainConfig, run_dir, final_checkpoint: bool = True):
     """(cache facts, drafter config, opened cache): a cache, target or run directory that does not fit is refused."""
     from dflash_offline.dataset import open_hidden_cache
     from dflash_offline.export import check_servable_taps
@@ -363,6 +407,7 @@ def check_inputs(cfg: TrainConfig, run_dir):
     if list_checkpoints(run_dir) and not cfg.resume:
         raise ValueError(f"{run_dir} already holds checkpoints: pass --resume=1 (make RESUME=1) to continue it, or "
                          f"choose another {flag('train', 'run')}")
+    check_checkpoint_room(cfg, dc, run_dir, final_checkpoint)
     return c, dc, info
 
 

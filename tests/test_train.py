@@ -172,6 +172,36 @@ def test_existing_run_needs_resume(tmp_path, hidden_cache):
         train.run(cfg(hidden_cache, tmp_path / "r", steps=3))
 
 
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+def test_a_run_whose_checkpoints_would_not_fit_is_refused_before_weights_load(tmp_path, hidden_cache, monkeypatch,
+                                                                               variant):
+    """The size start-up counts for a checkpoint is what one weighs (its weights and AdamW's moments, within their
+    files' headers); a run whose newest keep_last + 1 checkpoints would not fit where RUN= is, less those a resume
+    finds there, is refused before the target's tables load, naming the sizes; with room, it goes on."""
+    from dflash_offline import drafter, extract_plan, trainsetup
+
+    run = tmp_path / "r"
+    train.run(cfg(hidden_cache, run, steps=3, variant=variant))
+    d = run / "checkpoints" / "step-00000003"
+    weighed = sum((d / f).stat().st_size for f in ("model.safetensors", "optimizer.safetensors"))
+    c = cfg(hidden_cache, tmp_path / "x", variant=variant)
+    counted = trainsetup.checkpoint_bytes(trainsetup.drafter_config(c, trainsetup.cache_defaults(c)))
+    assert counted <= weighed <= counted + 64 * 1024
+    monkeypatch.setattr(drafter, "load_target_embeddings", lambda *a: pytest.fail("the target's tables loaded"))
+    room = trainsetup.CHECKPOINT_ROOM_GB * 1e9
+    long = dict(steps=30, keep_last=3, variant=variant)  # 11 saves: 4 checkpoints on disk at the peak
+    monkeypatch.setattr(extract_plan, "free_space", lambda p: room + 3.5 * counted)
+    with pytest.raises(ValueError, match=r"/new: its checkpoints need .* each; keep_last=3 kept plus the one being "
+                                         r"written\) but the filesystem has .* free"):
+        train.run(cfg(hidden_cache, tmp_path / "new", **long))
+    assert not (tmp_path / "new" / "checkpoints").exists()
+    with pytest.raises(pytest.fail.Exception, match="tables loaded"):  # a resume: 1 there, 3 more fit
+        train.run(cfg(hidden_cache, run, resume=True, **long))
+    monkeypatch.setattr(extract_plan, "free_space", lambda p: room + 2.5 * counted)
+    with pytest.raises(ValueError, match=r"1 there already\) but the filesystem has"):
+        train.run(cfg(hidden_cache, run, resume=True, **long))
+
+
 def test_adamw_betas_are_a_setting(tmp_path, hidden_cache):
     """`--betas` reaches AdamW and its checkpoint. The default stays (0.9, 0.95); the reference recipe (SpecForge)
     runs torch's (0.9, 0.999) — docs/full-run.md#differences-from-the-reference-recipe-specforge."""
