@@ -112,8 +112,12 @@ def validate_message(m, i: int, counts: Counter) -> dict:
     content = m.get("content")
     if content is None and m["role"] == "assistant" and (m.get("tool_calls") or any(m.get(k) for k in REASONING_KEYS)):
         content = ""  # what servers return for a turn that only calls tools, or only thought (cut off)
+    if isinstance(content, list):
+        content = text_parts(content, i)
+        counts["content_parts_joined"] += 1
     if not isinstance(content, str):
-        raise RecordError("non_string_content", f"messages[{i}].content is {type(content).__name__}; expected a string")
+        raise RecordError("non_string_content", f"messages[{i}].content is {type(content).__name__}; expected a string "
+                                                f"(or a list of text parts)")
     msg = {"role": m["role"], "content": content}
     for key in REASONING_KEYS:
         if m.get(key) is not None:
@@ -126,6 +130,20 @@ def validate_message(m, i: int, counts: Counter) -> dict:
     if m["role"] == "tool":
         msg.update({k: m[k] for k in ("tool_call_id", "name") if m.get(k) is not None})
     return msg
+
+
+def text_parts(parts: list, i: int) -> str:
+    """OpenAI-style content parts (`[{"type": "text", "text": ...}, ...]`) as the one string Qwen3.5/3.6's templates
+    render them as (the texts joined; Qwen3's template would drop them); any other part is refused: the drafter
+    learns the text stack."""
+    texts = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or not isinstance(part.get("text"), str) or part.get("type", "text") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise RecordError("non_text_content", f"messages[{i}].content[{j}] is a {kind!r} part; only text parts "
+                                                  f"({{\"type\": \"text\", \"text\": ...}}) are read")
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def tool_calls(calls, i: int, counts: Counter) -> list[dict]:

@@ -3,7 +3,7 @@ processes, and yield each record's documents (input_ids + assistant-only loss_ma
 file:line.
 
 Record kinds (per record, so one JSONL may mix them):
-- chat: `{"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str, "reasoning_content": str?,
+- chat: `{"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str (or text parts), "reasoning_content": str?,
   "tool_calls": [...]?}], "tools": [JSON schema, ...]?}`, rendered with the target's chat template into one sample
   per record or one per assistant turn, supervised from the conversation's structure (see `chat.py`);
 - pre-tokenized: `{"input_ids": [int], "loss_mask": [0|1]}`.

@@ -92,12 +92,12 @@ def read_prompts(path: Path, n: int, turn: str, tokenizer, settings: dict | None
             break
         try:
             rec = parse(raw)
-            validate_messages(rec, answered=False)
+            msgs = validate_messages(rec, answered=False)  # (rendered as stage 1a renders a record's turns)
         except RecordError as e:
             raise ValueError(f"{path}:{lineno}: {e.reason}: {e.detail} (prompts must be chat records, one JSON "
                              f"object a line: fix or remove the line)") from None
         template = {**((heldout_mark(rec) or {}).get("template") or {}), **(settings or {})}
-        ids = render_prompt(rec["messages"], tokenizer, turn, rec.get("tools"), template)
+        ids = render_prompt(msgs, tokenizer, turn, rec.get("tools"), template)
         if ids is not None:
             cat = rec.get("category")
             out.append({"ids": ids, "category": None if cat is None else str(cat), "template": template})

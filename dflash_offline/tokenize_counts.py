@@ -143,6 +143,7 @@ def chat_summary(stats: Counter) -> dict:
         "think_blocks": {k: stats[f"think_{k}"] for k in ("kept", "stripped", "empty", "dropped_by_template")},
         "tool_calls": stats["tool_calls"],
         "tool_arguments_parsed": stats["tool_arguments_parsed"],
+        "content_parts_joined": stats["content_parts_joined"],  # messages whose content was a list of text parts
         "truncated_turns": stats["truncated_turns"],  # cut at max_new_tokens by make regen: supervised up to the cut
     }
 

@@ -425,6 +425,23 @@ def test_a_regenerated_record_renders_with_the_settings_it_was_answered_under(tm
         run(tmp_path / "typo", fixtures / "qwen3.8", [PLAIN], template_kwargs='{"thinking": false}')
 
 
+@pytest.mark.parametrize("name", ["qwen3", "qwen3.6"])
+def test_openai_content_parts_train_as_their_joined_text(tmp_path, fixtures, name):
+    """Content given as OpenAI text parts trains exactly as its joined string (Qwen3.6's template joins them; Qwen3's
+    would render nothing), counted; a record with an image part is skipped, named."""
+    def split(m):
+        return {**m, "content": [{"type": "text", "text": m["content"][:3]}, {"text": m["content"][3:]}]}
+
+    parts = {"messages": [split(m) for m in PLAIN["messages"]]}
+    image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+                          {"role": "assistant", "content": "A cat."}]}
+    summary, docs = run(tmp_path, fixtures / name, [parts, PLAIN, image])
+    (_, a, ma), (_, b, mb) = docs
+    assert a.tolist() == b.tolist() and ma.tolist() == mb.tolist() and ma.sum() > 0
+    assert summary["chat"]["content_parts_joined"] == len(PLAIN["messages"])
+    assert summary["docs_skipped"] == {"non_text_content": 1}
+
+
 def test_eval_prompts_render_with_the_served_template_settings(tmp_path, toks):
     from dflash_offline.evaluation import read_prompts
 
