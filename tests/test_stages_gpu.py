@@ -1,8 +1,7 @@
-"""GPU end-to-end checks of the training stage (make test-gpu-train): the compiled
-flex trainer (and bench.train's joint flex call) equals the eager dense one, with flat reserved memory and no
-recompiles; a step of 4 accumulated micro-batches is that of one batch of their rows; bf16 master weights, and
-bench.train's overlapped optimizer update, train like the plain ones; on 2 GPUs, DDP (also accumulating with master
-weights) and FSDP train like one GPU."""
+"""GPU end-to-end checks of the training stage (make test-gpu-train): the compiled flex trainer equals the eager
+dense one, with flat reserved memory and no recompiles; a step of 4 accumulated micro-batches is that of one batch of
+their rows; bf16 master weights train like fp32 weights; TF32, bf16 and fp8 logits train like the defaults; a
+non-finite step is skipped; on 2 GPUs, DDP (also accumulating with master weights) and FSDP train like one GPU."""
 
 import json
 
