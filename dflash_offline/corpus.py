@@ -223,7 +223,26 @@ def parse(raw: bytes | dict | None) -> dict:
         raise RecordError("invalid_json", f"{type(e).__name__}: {str(e)[:200]}") from None
     if not isinstance(obj, dict):
         raise RecordError("not_an_object", f"got a JSON {type(obj).__name__}; expected an object with 'messages'")
+    if "messages" not in obj and isinstance(obj.get("conversations"), list):
+        return {**{k: v for k, v in obj.items() if k != "conversations"}, "messages": sharegpt_messages(obj)}
     return obj
+
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
+                  "chatgpt": "assistant", "system": "system", "tool": "tool", "observation": "tool"}
+
+
+def sharegpt_messages(obj: dict) -> list[dict]:
+    """ShareGPT's `conversations: [{"from": "human"|"gpt"|"system"|..., "value": str}]` as `messages`."""
+    out = []
+    for i, turn in enumerate(obj["conversations"]):
+        who = turn.get("from") if isinstance(turn, dict) else None
+        if who not in SHAREGPT_ROLES or not isinstance(turn.get("value"), str):
+            raise RecordError("invalid_conversations", f"conversations[{i}] is {str(turn)[:80]}; expected "
+                                                       f"{{\"from\": one of {', '.join(SHAREGPT_ROLES)}, \"value\": "
+                                                       f"a string}} (ShareGPT) or a 'messages' list")
+        out.append({"role": SHAREGPT_ROLES[who], "content": turn["value"]})
+    return out
 
 
 def decode_utf8(raw: bytes) -> str:

@@ -442,6 +442,19 @@ def test_openai_content_parts_train_as_their_joined_text(tmp_path, fixtures, nam
     assert summary["docs_skipped"] == {"non_text_content": 1}
 
 
+def test_sharegpt_conversations_train_as_their_messages(tmp_path, fixtures):
+    """ShareGPT's `conversations` (`from` human/gpt/system, `value`) trains exactly as the same chat in `messages`; a
+    turn from an unknown speaker skips the record, named."""
+    names = {"user": "human", "assistant": "gpt", "system": "system"}
+    chat = {"messages": [{"role": "system", "content": "Be terse."}, *PLAIN["messages"]]}
+    share = {"id": 3, "conversations": [{"from": names[m["role"]], "value": m["content"]} for m in chat["messages"]]}
+    bad = {"conversations": [{"from": "narrator", "value": "Once"}, {"from": "gpt", "value": "upon"}]}
+    summary, docs = run(tmp_path, fixtures / "qwen3.6", [share, chat, bad])
+    (_, a, ma), (_, b, mb) = docs
+    assert a.tolist() == b.tolist() and ma.tolist() == mb.tolist() and ma.sum() > 0
+    assert summary["docs_skipped"] == {"invalid_conversations": 1}
+
+
 def test_eval_prompts_render_with_the_served_template_settings(tmp_path, toks):
     from dflash_offline.evaluation import read_prompts
 
