@@ -62,7 +62,7 @@ THINK_RE = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 # same-length stand-ins for the turn markers inside record strings (Unicode private-use characters)
 PLACEHOLDERS = {IM_START: "\ue000" * len(IM_START), IM_END: "\ue001" * len(IM_END)}
 # identity of the rendering and masking rules below; part of the token cache key (change it with the rules)
-RULES = "chat/v5: content kept verbatim beside given reasoning, tool calls normalized, think tags split, structural spans, empty think block masked by option, truncated regen turns end at their last generated character, <think> opened by the generation prompt masked"
+RULES = "chat/v6: OpenAI text parts joined, ShareGPT conversations read as messages; content kept verbatim beside given reasoning, tool calls normalized, think tags split, structural spans, empty think block masked by option, truncated regen turns end at their last generated character, <think> opened by the generation prompt masked"
 THINK_OPEN_LINE = THINK_OPEN + "\n"
 
 

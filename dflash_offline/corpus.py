@@ -122,6 +122,9 @@ def check_not_heldout(paths: list[Path]) -> None:
     for path in paths:
         if file_kind(path) != "jsonl":
             continue
+        if path.name.endswith(".heldout.jsonl"):  # what make regen named them before it marked them
+            raise CorpusError(heldout_refusal(str(path), {"of": f"{path.name.removesuffix('.heldout.jsonl')}.jsonl, "
+                                                                f"by its name"}))
         for line_no, raw in jsonl_lines(path):
             try:
                 mark = heldout_mark(parse(raw))
@@ -224,7 +227,8 @@ def parse(raw: bytes | dict | None) -> dict:
     if not isinstance(obj, dict):
         raise RecordError("not_an_object", f"got a JSON {type(obj).__name__}; expected an object with 'messages'")
     if "messages" not in obj and isinstance(obj.get("conversations"), list):
-        return {**{k: v for k, v in obj.items() if k != "conversations"}, "messages": sharegpt_messages(obj)}
+        return {**{k: v for k, v in obj.items() if k not in ("conversations", "system")},
+                "messages": sharegpt_messages(obj)}
     return obj
 
 
@@ -242,6 +246,8 @@ def sharegpt_messages(obj: dict) -> list[dict]:
                                                        f"{{\"from\": one of {', '.join(SHAREGPT_ROLES)}, \"value\": "
                                                        f"a string}} (ShareGPT) or a 'messages' list")
         out.append({"role": SHAREGPT_ROLES[who], "content": turn["value"]})
+    if isinstance(obj.get("system"), str) and obj["system"] and (not out or out[0]["role"] != "system"):
+        out.insert(0, {"role": "system", "content": obj["system"]})  # (LLaMA-Factory's record-level system prompt)
     return out
 
 

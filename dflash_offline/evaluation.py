@@ -96,7 +96,11 @@ def read_prompts(path: Path, n: int, turn: str, tokenizer, settings: dict | None
         except RecordError as e:
             raise ValueError(f"{path}:{lineno}: {e.reason}: {e.detail} (prompts must be chat records, one JSON "
                              f"object a line: fix or remove the line)") from None
-        template = {**((heldout_mark(rec) or {}).get("template") or {}), **(settings or {})}
+        held = (heldout_mark(rec) or {}).get("template") or {}
+        if not isinstance(held, dict):
+            raise ValueError(f"{path}:{lineno}: heldout.template is a {type(held).__name__}; expected the chat "
+                             f"template settings make regen wrote (an object): fix or remove the line")
+        template = {**held, **(settings or {})}
         ids = render_prompt(msgs, tokenizer, turn, rec.get("tools"), template)
         if ids is not None:
             cat = rec.get("category")

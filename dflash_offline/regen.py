@@ -36,6 +36,7 @@ MAX_SKIP_EXAMPLES = 20
 # edited in place would be resumed by record position; the dtype the target decodes in: bf16 and fp32 give other greedy answers)
 RESUME_FIELDS = ("target", "corpus", "corpus_bytes", "corpus_sha256", "thinking", "max_new_tokens", "keep", "on_truncated", "on_empty",
                  "dtype", "sampling", "heldout", "template_kwargs")
+UNDIGESTED = ("corpus_sha256",)  # checked from the stats only: outputs made before it keep their records' digest
 OPTIONAL_FIELDS = ("sampling", "heldout", "template_kwargs")  # recorded only when on: absent = off (older outputs' digests unchanged)
 PROMPT_ENDS = ("user", "tool")  # the roles a prompt (a record without an assistant turn) may end with
 
@@ -48,7 +49,7 @@ def hash_seed(*parts: int) -> int:
 def settings_digest(conf: dict) -> str:
     """A short digest of the resume settings, written into every output record (`regen.settings`): what a resume
     without its stats file checks the output against."""
-    fields = [k for k in RESUME_FIELDS if k not in OPTIONAL_FIELDS or conf.get(k)]
+    fields = [k for k in RESUME_FIELDS if (k not in OPTIONAL_FIELDS or conf.get(k)) and k not in UNDIGESTED]
     return hashlib.sha256(json.dumps([conf.get(k) for k in fields]).encode()).hexdigest()[:16]
 
 

@@ -99,7 +99,9 @@ class RegenConfig:
             name = Path((self.model or self.target).rstrip("/")).name or "target"
             self.out = str(Path("regen") / f"{name}-thinking_{self.thinking}.jsonl")
         if self.heldout_every and not self.heldout_out:
-            self.heldout_out = str(Path(self.out).parent / "heldout" / Path(self.out).name)  # (outside OUT's glob)
+            old = str(Path(self.out).with_suffix("")) + ".heldout.jsonl"  # (the default before: a run begun with it
+            # continues there; stage 1a refuses the name in a corpus)
+            self.heldout_out = old if Path(old).exists() else str(Path(self.out).parent / "heldout" / Path(self.out).name)
         if self.heldout_out and (not self.heldout_every or Path(self.heldout_out).resolve() == Path(self.out).resolve()):
             raise ValueError(f"heldout_out={self.heldout_out!r}: needs --heldout_every=N (1 record in N, N >= 2) and "
                              f"a file other than --out")
@@ -145,10 +147,11 @@ def run(cfg: RegenConfig, model=None, tokenizer=None) -> dict:
     else:
         tokenizer, device, dtype = local_setup(cfg, model, tokenizer)
     conf = config_record(cfg, paths, str(dtype).removeprefix("torch."))
-    for d in {out.parent, *([heldout.parent] if heldout else [])}:
-        d.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     files = [out, stats_path(out), Path(f"{out}.answers.jsonl")] + ([heldout] if heldout else [])
     state = resume_state(out, conf, heldout)
+    if heldout:  # (after the resume check: a refused rerun leaves no folder behind)
+        heldout.parent.mkdir(parents=True, exist_ok=True)
     n = count_records(paths)
     total = min(cfg.num_docs, n) if cfg.num_docs and n is not None else (cfg.num_docs or n)
     if total is not None and state["records_read"] >= total and state["records_read"]:

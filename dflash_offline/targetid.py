@@ -135,6 +135,9 @@ def weight_files(ckpt: Path) -> list[Path]:
     whole (`check_whole`): an interrupted download is refused before anything is tokenized, hashed or loaded, naming
     the file. Other *.safetensors beside them are not the checkpoint's (the loaders never read them) and count for
     nothing, the fingerprint included."""
+    single = ckpt / "model.safetensors"
+    if not (ckpt / "model.safetensors.index.json").is_file() and single.is_file():
+        check_whole(ckpt, single)  # (before its header is read for the tensor names)
     files = sorted(set(weight_map(ckpt).values()))
     for f in files:
         check_whole(ckpt, f)
@@ -220,31 +223,39 @@ def write_memo(ckpt: Path, memo: dict) -> None:
             continue
 
 
+def rel_name(ckpt: Path, f: Path) -> str:
+    """A weight file's name in the fingerprint and the memo: its path under `ckpt` (its bare name for the usual flat
+    checkpoint, so existing fingerprints stay what they were; an index may name files in subfolders)."""
+    return f.relative_to(ckpt).as_posix()
+
+
 def weight_hashes(ckpt: Path, files: list[Path], threads: int = HASH_THREADS) -> dict[str, str]:
-    """File name → full SHA-256 of each of `files` (in `ckpt`): remembered ones whose stamp still matches, the others
-    hashed on `threads` threads (hashlib releases the GIL) and remembered."""
-    stamps = {f.name: file_stamp(f) for f in files}
+    """File name (`rel_name`) → full SHA-256 of each of `files` (in `ckpt`): remembered ones whose stamp still
+    matches, the others hashed on `threads` threads (hashlib releases the GIL) and remembered."""
+    names = {f: rel_name(ckpt, f) for f in files}
+    stamps = {names[f]: file_stamp(f) for f in files}
     memo = {}
     for table in reversed(read_memo(ckpt)):  # (current entries of either place; beside the weights wins a tie)
         memo.update({k: v for k, v in table.items() if isinstance(v, dict) and v.get("stamp") == stamps.get(k)})
-    todo = [f for f in files if f.name not in memo]
+    todo = [f for f in files if names[f] not in memo]
     if todo:
         with ThreadPoolExecutor(max_workers=max(1, min(threads, len(todo)))) as pool:
             for f, digest in zip(todo, pool.map(sha256_file, todo), strict=True):
-                memo[f.name] = {"stamp": stamps[f.name], "sha256": digest}
+                memo[names[f]] = {"stamp": stamps[names[f]], "sha256": digest}
         write_memo(ckpt, memo)
-    return {f.name: memo[f.name]["sha256"] for f in files}
+    return {names[f]: memo[names[f]]["sha256"] for f in files}
 
 
-def target_fingerprint(ckpt: Path, weights: bool = True, scheme: str = WEIGHTS_HASH) -> dict:
+def target_fingerprint(ckpt: Path, weights: bool = True, scheme: str = WEIGHTS_HASH, every_file: bool = False) -> dict:
     """{"config_sha256", "weights_fingerprint", "weights_hash"}; `weights` False (a storage plan from config.json
     alone): the weights' fingerprint is None. `scheme` "sampled": the fingerprint of caches made before full hashes
-    (their producer has no `weights_hash`, and neither has this result)."""
+    (their producer has no `weights_hash`, and neither has this result). `every_file`: over every *.safetensors in
+    `ckpt`, as caches made before the fingerprint took the index's files only (`target_mismatch` tries it)."""
     cfg = ckpt / "config.json"
     if not cfg.is_file():
         raise TargetError(f"{ckpt}: no config.json; is this a Hugging Face checkpoint directory?")
     config_text = json.dumps(json.loads(cfg.read_text()), sort_keys=True)
-    files = weight_files(ckpt) if weights else []
+    files = (sorted(ckpt.glob("*.safetensors")) if every_file else weight_files(ckpt)) if weights else []
     fingerprint = hashlib.sha256()
     if scheme == "sampled":
         for f in files:
@@ -260,9 +271,15 @@ def target_fingerprint(ckpt: Path, weights: bool = True, scheme: str = WEIGHTS_H
 def target_mismatch(target: str, recorded: dict) -> list[str]:
     """How `target`'s fingerprint differs from `recorded` (a cache's producer.target, in its own scheme), one phrase a
     field; [] when it is the same target."""
-    got = target_fingerprint(resolve_checkpoint(target), scheme=recorded.get("weights_hash", "sampled"))
-    return [f"{k} {got[k][:16]} here, {str(recorded.get(k))[:16]} in the cache" for k in FINGERPRINT_KEYS
+    ckpt, scheme = resolve_checkpoint(target), recorded.get("weights_hash", "sampled")
+    got = target_fingerprint(ckpt, scheme=scheme)
+    diff = [f"{k} {got[k][:16]} here, {str(recorded.get(k))[:16]} in the cache" for k in FINGERPRINT_KEYS
             if got[k] != recorded.get(k)]
+    if diff and sorted(ckpt.glob("*.safetensors")) != weight_files(ckpt):  # a cache fingerprinted over every file
+        legacy = target_fingerprint(ckpt, scheme=scheme, every_file=True)
+        if all(legacy[k] == recorded.get(k) for k in FINGERPRINT_KEYS):
+            return []
+    return diff
 
 
 def check_same_target(target: str, recorded: dict, cache: str, cache_target: str) -> None:

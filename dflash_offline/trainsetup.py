@@ -366,7 +366,8 @@ def check_checkpoint_room(cfg: TrainConfig, dc, run_dir: Path, final: bool = Tru
 
     if int(os.environ.get("RANK", 0)) != 0:
         return
-    saves = math.inf if cfg.epochs else cfg.steps // cfg.ckpt_every + int(final)  # (epochs: the steps are not known yet)
+    saves = math.inf if cfg.epochs else cfg.steps // cfg.ckpt_every + int(final and cfg.steps % cfg.ckpt_every > 0)
+    # (epochs: the steps are not known yet; a last step on a ckpt_every boundary saves once)
     peak = min(saves, cfg.keep_last + 1) if cfg.keep_last else saves
     if peak == 0:
         return
@@ -378,8 +379,8 @@ def check_checkpoint_room(cfg: TrainConfig, dc, run_dir: Path, final: bool = Tru
         kept = f"keep_last={cfg.keep_last} kept plus the one being written" if cfg.keep_last else "keep_last=0: all kept"
         raise ValueError(f"{run_dir}: its checkpoints need {size(need)} ({size(per)} each; {kept}"
                          f"{f', {there} there already' if there else ''}) but the filesystem has {size(free)} free "
-                         f"(keeping {CHECKPOINT_ROOM_GB:g} GB for the rest): free space, put RUN= elsewhere, or lower "
-                         f"keep_last")
+                         f"(keeping {CHECKPOINT_ROOM_GB:g} GB for the rest): free space, put RUN= elsewhere, or "
+                         + ("lower keep_last" if cfg.keep_last else "keep fewer (keep_last=N)"))
 
 
 def check_inputs(cfg: TrainConfig, run_dir, final_checkpoint: bool = True):

@@ -253,6 +253,9 @@ def test_a_checkpoint_cut_short_is_refused_before_stage_1a_naming_the_file(tmp_p
     data = second.read_bytes()
     shutil.copy(second, ckpt / "consolidated.safetensors")  # not listed: the loaders never read it
     assert target_fingerprint(ckpt) == whole
+    before = target_fingerprint(ckpt, every_file=True)  # a cache made when the fingerprint took every file
+    assert before != whole
+    targetid.check_same_target(str(ckpt), before, "cache/x", str(ckpt))  # is still this target's
     for damage, want in ((lambda: second.unlink(), "missing, though t's model.safetensors.index.json lists it"),
                          (lambda: second.write_bytes(data[:-100]), f"{len(data) - 100:,} bytes where its header's "
                                                                    f"tensors need {len(data):,}"),
@@ -291,3 +294,26 @@ def test_a_token_cache_where_a_hidden_one_is_wanted_names_the_hidden_cache_made_
             call()
         assert str(e.value) == want
     assert not (tmp_path / "r").exists()
+
+
+def test_a_single_file_checkpoint_cut_short_and_files_in_subfolders(tmp_path, qwen35_dir, chat_corpus, no_weights):
+    """A lone model.safetensors cut short is refused naming it (its header is not read first), a dry run plans
+    without it; an index may list files in a subfolder, fingerprinted by their path there."""
+    ckpt = copy_target(qwen35_dir, tmp_path / "t")
+    weights = ckpt / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    ext, tok = configs(tmp_path, ckpt, chat_corpus)
+    with pytest.raises(TargetError, match=rf"^{weights}: .* bytes where its header's tensors need"):
+        extract.run(ext, tok)
+    ext, tok = configs(tmp_path, ckpt, chat_corpus, dry_run=True)
+    extract.run(ext, tok)
+    sub = sharded_copy(qwen35_dir, tmp_path / "s")
+    index = json.loads((sub / "model.safetensors.index.json").read_text())
+    (sub / "w").mkdir()
+    for f in set(index["weight_map"].values()):
+        (sub / f).rename(sub / "w" / f)
+    index["weight_map"] = {k: f"w/{f}" for k, f in index["weight_map"].items()}
+    (sub / "model.safetensors.index.json").write_text(json.dumps(index))
+    got = target_fingerprint(sub)
+    assert got["weights_fingerprint"] and json.loads((sub / targetid.HASH_MEMO).read_text()).keys() >= {
+        "w/model-00001-of-00002.safetensors", "w/model-00002-of-00002.safetensors"}

@@ -443,11 +443,12 @@ def test_openai_content_parts_train_as_their_joined_text(tmp_path, fixtures, nam
 
 
 def test_sharegpt_conversations_train_as_their_messages(tmp_path, fixtures):
-    """ShareGPT's `conversations` (`from` human/gpt/system, `value`) trains exactly as the same chat in `messages`; a
-    turn from an unknown speaker skips the record, named."""
+    """ShareGPT's `conversations` (`from` human/gpt/system, `value`; a record-level `system`) trains exactly as the
+    same chat in `messages`; a turn from an unknown speaker skips the record, named."""
     names = {"user": "human", "assistant": "gpt", "system": "system"}
     chat = {"messages": [{"role": "system", "content": "Be terse."}, *PLAIN["messages"]]}
-    share = {"id": 3, "conversations": [{"from": names[m["role"]], "value": m["content"]} for m in chat["messages"]]}
+    share = {"id": 3, "system": "Be terse.",  # (LLaMA-Factory's record-level system prompt)
+             "conversations": [{"from": names[m["role"]], "value": m["content"]} for m in PLAIN["messages"]]}
     bad = {"conversations": [{"from": "narrator", "value": "Once"}, {"from": "gpt", "value": "upon"}]}
     summary, docs = run(tmp_path, fixtures / "qwen3.6", [share, chat, bad])
     (_, a, ma), (_, b, mb) = docs

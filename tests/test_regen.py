@@ -169,6 +169,8 @@ def test_a_resume_refuses_a_corpus_rewritten_to_the_same_size(tmp_path, qwen3_di
     with pytest.raises(ValueError, match=r"generated with corpus_sha256='[0-9a-f]{64}', not '[0-9a-f]{64}'"):
         go(qwen3_dir, corpus, out, q3, batch_size=2, num_docs=6)
     assert len(read(out)) == 2
+    conf = json.loads(Path(f"{out}.stats.json").read_text())["config"]  # outputs made before the hash keep their
+    assert settings_digest(conf) == settings_digest({k: v for k, v in conf.items() if k != "corpus_sha256"})  # digest
 
 
 def test_held_out_records_never_reach_training(tmp_path, qwen3_dir, chat_corpus, q3):
@@ -195,6 +197,12 @@ def test_held_out_records_never_reach_training(tmp_path, qwen3_dir, chat_corpus,
     assert not (tmp_path / "cache").exists()
     with pytest.raises(CorpusError, match=f"^{held}:1: a record `make regen` held out"):
         go(qwen3_dir, held, tmp_path / "again.jsonl", q3)
+    old = tmp_path / "regen" / "p.heldout.jsonl"  # the name held-out files had before they were marked
+    old.write_text(held.read_text().replace('"heldout"', '"was"'))
+    with pytest.raises(CorpusError, match=f"^{old}: a record `make regen` held out"):
+        tokenize(out, old)
+    assert regenrun.RegenConfig(target="t", corpus=["c"], out=str(tmp_path / "regen" / "p.jsonl"),
+                                heldout_every=3).resolve().heldout_out == str(old)  # a run begun there continues
     mixed = tmp_path / "mixed.jsonl"
     mixed.write_text(out.read_text() + held.read_text().splitlines(keepends=True)[0])
     cache = tokenize(mixed)

@@ -189,7 +189,7 @@ def test_a_run_whose_checkpoints_would_not_fit_is_refused_before_weights_load(tm
     assert counted <= weighed <= counted + 64 * 1024
     monkeypatch.setattr(drafter, "load_target_embeddings", lambda *a: pytest.fail("the target's tables loaded"))
     room = trainsetup.CHECKPOINT_ROOM_GB * 1e9
-    long = dict(steps=30, keep_last=3, variant=variant)  # 11 saves: 4 checkpoints on disk at the peak
+    long = dict(steps=30, keep_last=3, variant=variant)  # 10 saves: 4 checkpoints on disk at the peak
     monkeypatch.setattr(extract_plan, "free_space", lambda p: room + 3.5 * counted)
     with pytest.raises(ValueError, match=r"/new: its checkpoints need .* each; keep_last=3 kept plus the one being "
                                          r"written\) but the filesystem has .* free"):
@@ -200,6 +200,8 @@ def test_a_run_whose_checkpoints_would_not_fit_is_refused_before_weights_load(tm
     monkeypatch.setattr(extract_plan, "free_space", lambda p: room + 2.5 * counted)
     with pytest.raises(ValueError, match=r"1 there already\) but the filesystem has"):
         train.run(cfg(hidden_cache, run, resume=True, **long))
+    with pytest.raises(pytest.fail.Exception, match="tables loaded"):  # steps 3 and 6 save, the end no third time
+        train.run(cfg(hidden_cache, tmp_path / "two", steps=6, keep_last=0, variant=variant))
 
 
 def test_adamw_betas_are_a_setting(tmp_path, hidden_cache):
