@@ -125,7 +125,7 @@ def make_plan(cfg: ExtractConfig, tokens: Path | dict) -> ExtractPlan:
     from .target import default_layer_ids, read_target_info
     from .targetid import resolve_checkpoint, target_fingerprint
 
-    tm = tokens if isinstance(tokens, dict) else read_manifest(tokens)
+    tm = tokens if isinstance(tokens, dict) else read_manifest(tokens, kind="tokens")
     if tm["kind"] != "tokens" or not tm.get("complete"):
         raise ShardError(f"{tokens} is not a complete token cache: run `make tokenize` (or extract) again")
     ckpt = resolve_checkpoint(cfg.target, target_needs(cfg), "extract.target")
@@ -283,7 +283,7 @@ def check_tokens_fit(ckpt: Path, tokens: Path | dict, rank: int) -> None:
     target's tokenizer (`targetid`); say what could not be checked. Seconds, before the fingerprint and the weights."""
     from .targetid import check_seq_len, check_tokenizer_fits
 
-    tm = tokens if isinstance(tokens, dict) else read_manifest(tokens)
+    tm = tokens if isinstance(tokens, dict) else read_manifest(tokens, kind="tokens")
     label = "(in memory)" if isinstance(tokens, dict) else str(tokens)
     check_seq_len(tm["producer"]["seq_len"], ckpt, f"token cache {label}: seq_len")
     rec = tm.get("tokenizer_vocab")

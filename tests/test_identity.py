@@ -294,6 +294,10 @@ def test_a_token_cache_where_a_hidden_one_is_wanted_names_the_hidden_cache_made_
             call()
         assert str(e.value) == want
     assert not (tmp_path / "r").exists()
+    ext = ExtractConfig(target=str(qwen35_dir), cache_root=str(tmp_path / "c"), tokens=str(hidden_cache),
+                        num_draft_layers=3, device="cpu").resolve()  # and the other way round
+    with pytest.raises(ManifestError, match=rf"^{hidden_cache} is a hidden-state cache \(stage 1b\); pass a token "):
+        extract.run(ext, None)
 
 
 def test_a_single_file_checkpoint_cut_short_and_files_in_subfolders(tmp_path, qwen35_dir, chat_corpus, no_weights):
