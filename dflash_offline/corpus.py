@@ -110,6 +110,13 @@ def heldout_mark(obj: dict) -> dict | None:
     return mark if isinstance(mark, dict) else None
 
 
+def skip_heldout(obj: dict) -> None:
+    """A record `make regen` held out is never trained on, nor answered to be (its skip: `heldout`)."""
+    if (mark := heldout_mark(obj)) is not None:
+        raise RecordError("heldout", f"held out for evaluation by make regen (of {mark.get('of', '?')}): never "
+                                     f"trained on")
+
+
 def heldout_refusal(where: str, mark: dict) -> str:
     return (f"{where}: a record `make regen` held out for evaluation (of {mark.get('of', '?')}): training on it would "
             f"measure τ on prompts the drafter learned; take the held-out file out of the corpus (CORPUS=, or the "
@@ -353,9 +360,7 @@ def render(rec: Record) -> Rendered | Tokens | Skip:
         obj = parse(rec.raw)
         if "messages" not in obj and "input_ids" in obj:
             return Tokens(rec.file, rec.line, rec.ordinal, [validate_tokens(obj, _OPTS["vocab_size"])], Counter())
-        if (mark := heldout_mark(obj)) is not None:
-            raise RecordError("heldout", f"held out for evaluation by make regen (of {mark.get('of', '?')}): never "
-                                         f"trained on")
+        skip_heldout(obj)
         counts = Counter()
         msgs = prepare_messages(validate_messages(obj, counts), _OPTS["thinking"], counts)
         samples = conversation_samples(_TOK, msgs, validate_tools(obj), _OPTS["turns"], _OPTS["empty_think"], counts,

@@ -19,13 +19,12 @@ the repair command that training and verify print works as printed.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import storage
-from .cache.fsio import hash_obj
+from .cache.fsio import free_space, hash_obj
 from .cache.manifest import committed, diff_producers, has_manifest, missing_files, read_manifest
 from .config import (
     ConfigError,
@@ -126,7 +125,7 @@ def make_plan(cfg: ExtractConfig, tokens: Path | dict) -> ExtractPlan:
     from .targetid import resolve_checkpoint, target_fingerprint
 
     tm = tokens if isinstance(tokens, dict) else read_manifest(tokens, kind="tokens")
-    if tm["kind"] != "tokens" or not tm.get("complete"):
+    if not tm.get("complete"):
         raise ShardError(f"{tokens} is not a complete token cache: run `make tokenize` (or extract) again")
     ckpt = resolve_checkpoint(cfg.target, target_needs(cfg), "extract.target")
     weights = not cfg.dry_run or not weights_missing(ckpt)  # a dry run plans from config.json alone; its key then
@@ -172,14 +171,6 @@ def make_plan(cfg: ExtractConfig, tokens: Path | dict) -> ExtractPlan:
 
 
 OVERFILL = "--allow_overfill=1 (make ARGS=--allow_overfill=1) starts it anyway"  # the override a refusal names
-
-
-def free_space(cache: Path) -> int:
-    """Free bytes on the filesystem `cache` goes to (a dry run creates nothing: the nearest existing folder's)."""
-    where = cache
-    while not where.exists() and where != where.parent:
-        where = where.parent
-    return shutil.disk_usage(where).free
 
 
 def disk_refusal(cache: Path, need_bytes: int, free_bytes: int, min_free_gb: float) -> str:

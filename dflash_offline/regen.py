@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .cache.fsio import write_json_atomic
 from .chat import RecordError, validate_messages, validate_tools
-from .corpus import HELDOUT_KEY, heldout_mark, iter_records, parse
+from .corpus import HELDOUT_KEY, iter_records, parse, skip_heldout
 from .progress import log
 
 STATS_VERSION = 1
@@ -172,8 +172,7 @@ class Job:
 
 def make_job(rec, keep: str) -> Job:
     obj = parse(rec.raw)
-    if (mark := heldout_mark(obj)) is not None:  # (answered, it would become training data)
-        raise RecordError("heldout", f"held out for evaluation by an earlier make regen (of {mark.get('of', '?')})")
+    skip_heldout(obj)  # (answered, it would become training data)
     msgs = validate_messages(obj, answered=False)
     validate_tools(obj)  # a `tools` that is not a list of schemas: stage 1a would skip the record after its GPU time
     turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]

@@ -357,11 +357,12 @@ def checkpoint_bytes(dc) -> int:
 def check_checkpoint_room(cfg: TrainConfig, dc, run_dir: Path, final: bool = True) -> None:
     """Refuse, before any weight loads, a run whose checkpoints would not fit where RUN= is (the main process writes
     them): at most the newest `keep_last` plus the one being written, less those already there (a resume), keeping
-    CHECKPOINT_ROOM_GB for logs and metrics. A run that found no room at its first save would have trained ckpt_every steps for nothing."""
+    CHECKPOINT_ROOM_GB for logs and metrics. A run that found no room at its first save would have trained
+    ckpt_every steps for nothing."""
     import os
 
+    from dflash_offline.cache.fsio import free_space
     from dflash_offline.checkpoint import list_checkpoints
-    from dflash_offline.extract_plan import free_space
     from dflash_offline.storage import size
 
     if int(os.environ.get("RANK", 0)) != 0:

@@ -178,7 +178,8 @@ def test_a_run_whose_checkpoints_would_not_fit_is_refused_before_weights_load(tm
     """The size start-up counts for a checkpoint is what one weighs (its weights and AdamW's moments, within their
     files' headers); a run whose newest keep_last + 1 checkpoints would not fit where RUN= is, less those a resume
     finds there, is refused before the target's tables load, naming the sizes; with room, it goes on."""
-    from dflash_offline import drafter, extract_plan, trainsetup
+    from dflash_offline import drafter, trainsetup
+    from dflash_offline.cache import fsio
 
     run = tmp_path / "r"
     train.run(cfg(hidden_cache, run, steps=3, variant=variant))
@@ -190,14 +191,14 @@ def test_a_run_whose_checkpoints_would_not_fit_is_refused_before_weights_load(tm
     monkeypatch.setattr(drafter, "load_target_embeddings", lambda *a: pytest.fail("the target's tables loaded"))
     room = trainsetup.CHECKPOINT_ROOM_GB * 1e9
     long = dict(steps=30, keep_last=3, variant=variant)  # 10 saves: 4 checkpoints on disk at the peak
-    monkeypatch.setattr(extract_plan, "free_space", lambda p: room + 3.5 * counted)
+    monkeypatch.setattr(fsio, "free_space", lambda p: room + 3.5 * counted)
     with pytest.raises(ValueError, match=r"/new: its checkpoints need .* each; keep_last=3 kept plus the one being "
                                          r"written\) but the filesystem has .* free"):
         train.run(cfg(hidden_cache, tmp_path / "new", **long))
     assert not (tmp_path / "new" / "checkpoints").exists()
     with pytest.raises(pytest.fail.Exception, match="tables loaded"):  # a resume: 1 there, 3 more fit
         train.run(cfg(hidden_cache, run, resume=True, **long))
-    monkeypatch.setattr(extract_plan, "free_space", lambda p: room + 2.5 * counted)
+    monkeypatch.setattr(fsio, "free_space", lambda p: room + 2.5 * counted)
     with pytest.raises(ValueError, match=r"1 there already\) but the filesystem has"):
         train.run(cfg(hidden_cache, run, resume=True, **long))
     with pytest.raises(pytest.fail.Exception, match="tables loaded"):  # steps 3 and 6 save, the end no third time

@@ -320,3 +320,11 @@ def remove_dead_temps(d: Path, name: str = "") -> tuple[int, int]:
                 p.unlink()
             count += 1
     return count, nbytes
+
+
+def free_space(path: Path) -> int:
+    """Free bytes on the filesystem `path` goes to (it may not exist yet: the nearest existing folder's)."""
+    where = Path(path)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    return shutil.disk_usage(where).free

@@ -64,12 +64,12 @@ def wrong_kind(cache: Path, m: dict, want: str) -> str:
     made = []
     for d in sorted(cache.resolve().parent.glob("hidden-*")):
         try:
-            h = json.loads((d / MANIFEST).read_text())
-            if h["producer"]["tokens"]["key"] == m["key"]:
-                done, n = len([x for x in h["shards"] if x["status"] == "committed"]), h["num_shards"]
-                made.append(f"{d}" + ("" if done == n else f" ({done} of {n} shards done)"))
-        except (OSError, ValueError, KeyError, TypeError):
+            h = read_manifest(d, kind="hidden")
+        except (OSError, ManifestError):
             continue
+        if (h["producer"].get("tokens") or {}).get("key") == m["key"]:
+            done, n = len(committed(h)), h["num_shards"]
+            made.append(f"{d}" + ("" if done == n else f" ({done} of {n} shards done)"))
     return (f"{cache} is a token cache (stage 1a: token rows, no hidden states); pass the hidden-state cache extracted "
             f"from it (make extract writes cache/hidden-<key12>): "
             + (", ".join(made) if made else "none is beside it: make extract TOKENS=" + str(cache)))
