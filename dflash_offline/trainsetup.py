@@ -354,11 +354,11 @@ def checkpoint_bytes(dc) -> int:
     return 4 * weights + 8 * sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def check_checkpoint_room(cfg: TrainConfig, dc, run_dir: Path, final: bool = True) -> None:
+def check_checkpoint_room(cfg: TrainConfig, dc, run_dir: Path, steps: int, final: bool = True) -> None:
     """Refuse, before any weight loads, a run whose checkpoints would not fit where RUN= is (the main process writes
-    them): at most the newest `keep_last` plus the one being written, less those already there (a resume), keeping
-    CHECKPOINT_ROOM_GB for logs and metrics. A run that found no room at its first save would have trained
-    ckpt_every steps for nothing."""
+    them): at most the newest `keep_last` (keep_last=0: every one the run's `steps` save) plus the one being written,
+    less those already there (a resume), keeping CHECKPOINT_ROOM_GB for logs and metrics. A run that found no room at
+    its first save would have trained ckpt_every steps for nothing."""
     import os
 
     from dflash_offline.cache.fsio import free_space
@@ -367,14 +367,13 @@ def check_checkpoint_room(cfg: TrainConfig, dc, run_dir: Path, final: bool = Tru
 
     if int(os.environ.get("RANK", 0)) != 0:
         return
-    saves = math.inf if cfg.epochs else cfg.steps // cfg.ckpt_every + int(final and cfg.steps % cfg.ckpt_every > 0)
-    # (epochs: the steps are not known yet; a last step on a ckpt_every boundary saves once)
+    saves = steps // cfg.ckpt_every + int(final and steps % cfg.ckpt_every > 0)  # a last step on a boundary saves once
     peak = min(saves, cfg.keep_last + 1) if cfg.keep_last else saves
     if peak == 0:
         return
     there = len(list_checkpoints(run_dir))
     per = checkpoint_bytes(dc)
-    need = max(peak - there, 1) * per if peak != math.inf else per
+    need = max(peak - there, 1) * per
     free = free_space(run_dir)
     if free - need < CHECKPOINT_ROOM_GB * 1e9:
         kept = f"keep_last={cfg.keep_last} kept plus the one being written" if cfg.keep_last else "keep_last=0: all kept"
@@ -386,6 +385,8 @@ def check_checkpoint_room(cfg: TrainConfig, dc, run_dir: Path, final: bool = Tru
 
 def check_inputs(cfg: TrainConfig, run_dir, final_checkpoint: bool = True):
     """(cache facts, drafter config, opened cache): a cache, target or run directory that does not fit is refused."""
+    import os
+
     from dflash_offline.dataset import open_hidden_cache
     from dflash_offline.export import check_servable_taps
     from dflash_offline.targetid import check_same_target
@@ -409,7 +410,9 @@ def check_inputs(cfg: TrainConfig, run_dir, final_checkpoint: bool = True):
     if list_checkpoints(run_dir) and not cfg.resume:
         raise ValueError(f"{run_dir} already holds checkpoints: pass --resume=1 (make RESUME=1) to continue it, or "
                          f"choose another {flag('train', 'run')}")
-    check_checkpoint_room(cfg, dc, run_dir, final_checkpoint)
+    world = int(os.environ.get("WORLD_SIZE", 1))  # (the launcher's; the Accelerator is not made yet)
+    steps = schedule(cfg, world, grad_accum(cfg, world, c["seq_len"]), info.num_rows)[0]
+    check_checkpoint_room(cfg, dc, run_dir, steps, final_checkpoint)
     return c, dc, info
 
 

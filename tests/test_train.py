@@ -203,6 +203,15 @@ def test_a_run_whose_checkpoints_would_not_fit_is_refused_before_weights_load(tm
         train.run(cfg(hidden_cache, run, resume=True, **long))
     with pytest.raises(pytest.fail.Exception, match="tables loaded"):  # steps 3 and 6 save, the end no third time
         train.run(cfg(hidden_cache, tmp_path / "two", steps=6, keep_last=0, variant=variant))
+    # epochs: the run's steps come from the cache's rows; keep_last=0 keeps every checkpoint the run saves
+    from dflash_offline.dataset import open_hidden_cache
+
+    per_epoch = open_hidden_cache(hidden_cache, trainsetup.cache_defaults(c)["layer_ids"]).num_rows // 2
+    three = dict(epochs=2.5 / per_epoch, keep_last=0, variant=variant)  # 3 steps (rounded up)
+    with pytest.raises(ValueError, match=r"keep_last=0: all kept\) but the filesystem has"):  # 3 saves, room for 2
+        train.run(cfg(hidden_cache, tmp_path / "ep", ckpt_every=1, **three))
+    with pytest.raises(pytest.fail.Exception, match="tables loaded"):  # steps 2 and 3 save
+        train.run(cfg(hidden_cache, tmp_path / "ep", ckpt_every=2, **three))
 
 
 def test_adamw_betas_are_a_setting(tmp_path, hidden_cache):
