@@ -205,15 +205,35 @@ def iter_records(paths: list[Path], max_docs: int = 0) -> Iterator[Record]:
 
 def corpus_hash(paths: list[Path]) -> str:
     """Content hash of the corpus: the bytes of every file, in order (names do not matter, contents do)."""
+    return hash_and_count(paths)[0]
+
+
+def hash_and_count(paths: list[Path]) -> tuple[str, int | None]:
+    """(`corpus_hash`, the input records) in one read of the corpus: the non-blank lines of JSONL files, the rows
+    Parquet's metadata records; None records where a file is neither (a progress bar then has no total)."""
     import hashlib
 
-    h = hashlib.sha256()
+    h, records = hashlib.sha256(), 0
     for p in paths:
         h.update(b"\x00file\x00")
+        name = p.name.lower()
+        lines = name.endswith((".jsonl", ".json", ".jsonl.txt"))
+        if name.endswith(".parquet") and records is not None:
+            import pyarrow.parquet as pq
+
+            records += pq.ParquetFile(p).metadata.num_rows
+        elif not lines:
+            records = None
+        tail = b""
         with open(p, "rb") as f:
             while chunk := f.read(1 << 22):
                 h.update(chunk)
-    return h.hexdigest()
+                if lines and records is not None:
+                    *whole, tail = (tail + chunk).split(b"\n")
+                    records += sum(1 for line in whole if line.strip())
+        if lines and records is not None and tail.strip():
+            records += 1
+    return h.hexdigest(), records
 
 
 # --- validation ----------------------------------------------------------------------------------------------

@@ -224,23 +224,6 @@ def batches(items: Iterator, size: int) -> Iterator[list]:
         yield batch
 
 
-def count_records(paths: list[Path]) -> int | None:
-    """Input records for the progress bar's total (cheap: newlines of JSONL, metadata of Parquet)."""
-    total = 0
-    for p in paths:
-        name = p.name.lower()
-        if name.endswith(".parquet"):
-            import pyarrow.parquet as pq
-
-            total += pq.ParquetFile(p).metadata.num_rows
-        elif name.endswith((".jsonl", ".json", ".jsonl.txt")):
-            with open(p, "rb") as f:
-                total += sum(1 for line in f if line.strip())
-        else:
-            return None
-    return total
-
-
 # --- stats and resume ----------------------------------------------------------------------------------------
 
 

@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 
 from dflash_offline import engine
 from dflash_offline.chat import parse_settings
-from dflash_offline.corpus import check_not_heldout, check_tokenizer, corpus_hash, expand_paths
+from dflash_offline.corpus import check_not_heldout, check_tokenizer, expand_paths, hash_and_count
 from dflash_offline.devices import check_setting, pick_device
 from dflash_offline.progress import Progress, log
 from dflash_offline.regen import (
@@ -23,7 +23,6 @@ from dflash_offline.regen import (
     batches,
     check_usable,
     commit,
-    count_records,
     entries,
     resume_state,
     settings_digest,
@@ -108,14 +107,14 @@ class RegenConfig:
         return self
 
 
-def config_record(cfg: RegenConfig, paths: list[Path], dtype: str) -> dict:
+def config_record(cfg: RegenConfig, paths: list[Path], corpus_sha256: str, dtype: str) -> dict:
     """The run's settings, as the stats record them (`RESUME_FIELDS` of them are checked on a resume); `dtype`: the
     one the target decodes in ("engine" when a server answers)."""
     target = cfg.model if cfg.engine else str(Path(cfg.target).resolve())
     sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed,  # (local: seeded per batch)
                 **({} if cfg.engine else {"batch_size": cfg.batch_size})}
     conf = {"target": target, "corpus": [str(p.resolve()) for p in paths],
-            "corpus_bytes": [p.stat().st_size for p in paths], "corpus_sha256": corpus_hash(paths),
+            "corpus_bytes": [p.stat().st_size for p in paths], "corpus_sha256": corpus_sha256,
             "thinking": cfg.thinking,
             "max_new_tokens": cfg.max_new_tokens, "keep": cfg.keep, "on_truncated": cfg.on_truncated,
             "on_empty": cfg.on_empty, "num_docs": cfg.num_docs, "dtype": dtype,
@@ -146,13 +145,13 @@ def run(cfg: RegenConfig, model=None, tokenizer=None) -> dict:
         dtype, device = "engine", None
     else:
         tokenizer, device, dtype = local_setup(cfg, model, tokenizer)
-    conf = config_record(cfg, paths, str(dtype).removeprefix("torch."))
+    corpus_sha256, n = hash_and_count(paths)  # (one read of the corpus: its hash for a resume, its records counted)
+    conf = config_record(cfg, paths, corpus_sha256, str(dtype).removeprefix("torch."))
     out.parent.mkdir(parents=True, exist_ok=True)
     files = [out, stats_path(out), Path(f"{out}.answers.jsonl")] + ([heldout] if heldout else [])
     state = resume_state(out, conf, heldout)
     if heldout:  # (after the resume check: a refused rerun leaves no folder behind)
         heldout.parent.mkdir(parents=True, exist_ok=True)
-    n = count_records(paths)
     total = min(cfg.num_docs, n) if cfg.num_docs and n is not None else (cfg.num_docs or n)
     if total is not None and state["records_read"] >= total and state["records_read"]:
         log(f"{out}: all {total} records already done")

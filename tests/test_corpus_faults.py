@@ -225,3 +225,28 @@ def test_a_tokenizer_worker_that_dies_fails_the_stage_in_seconds_instead_of_hang
     t.join(120)
     assert not t.is_alive(), "stage 1a hung on a dead worker"
     assert raised and "a tokenizer worker process died" in str(raised[0]) and "rerun" in str(raised[0])
+
+
+def test_one_read_gives_the_corpus_hash_and_its_records(tmp_path):
+    """Regen's start-up reads the corpus once for its resume hash and its progress total: the hash is SHA-256 over
+    each file's bytes after a separator, and the records are the non-blank lines (counted across read chunks: a line
+    straddling 4 MiB, CRLF, blank lines, no final newline) and Parquet's rows; any other file leaves no total."""
+    import hashlib
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    big = tmp_path / "a.jsonl"
+    line = json.dumps({"text": "x" * 3000}) + "\r\n"
+    with open(big, "w", newline="") as f:
+        f.write(line * 1400 + "\n  \n" + line * 100 + json.dumps({"text": "last"}))  # 1,501 records, 4.4 MB
+    assert big.stat().st_size > 1 << 22
+    table = tmp_path / "b.parquet"
+    pq.write_table(pa.table({"text": ["p", "q", "r"]}), table)
+    paths = [big, table]
+    expect = hashlib.sha256(b"".join(b"\x00file\x00" + p.read_bytes() for p in paths)).hexdigest()
+    assert corpus.hash_and_count(paths) == (expect, 1501 + 3)
+    assert corpus.corpus_hash(paths) == expect
+    other = tmp_path / "c.txt"
+    other.write_text("plain\n")
+    assert corpus.hash_and_count([big, other])[1] is None
