@@ -303,9 +303,11 @@ def apply(tok, messages: list[dict], tools: list | None, settings: dict | None =
     return tok.apply_chat_template(messages, tokenize=False, **({"tools": tools} if tools else {}), **(settings or {}))
 
 
-def record_settings(obj: dict, base: dict | None) -> dict | None:
-    """The template settings a record renders with: a regenerated record's own (`regen.template`, what the target
-    answered under: make regen writes it) over `base` (tokenize.template_kwargs)."""
+def record_settings(obj: dict, base: dict | None, tok=None) -> dict | None:
+    """The template settings a record renders with: a regenerated record's own (`regen.template`, all it was answered
+    under: make regen writes it; a setting it does not name was the template's default), else `base`
+    (tokenize.template_kwargs). With `tok`, a record whose own settings render otherwise than with `base` over them
+    is refused (`template_mismatch`): the cache key and the manifest name `base`, and it is what will be served."""
     regen = obj.get("regen")
     own = regen.get("template") if isinstance(regen, dict) else None
     if own is None:
@@ -313,7 +315,32 @@ def record_settings(obj: dict, base: dict | None) -> dict | None:
     if not isinstance(own, dict) or any(not isinstance(v, str | bool | int | float) for v in own.values()):
         raise RecordError("invalid_regen_template", "regen.template must be an object of the chat template's "
                                                     "settings (strings, booleans, numbers)")
-    return {**(base or {}), **own}
+    if tok is not None and base and not settings_agree(tok, own, base):
+        raise RecordError("template_mismatch", mismatch(own, base))
+    return own
+
+
+_AGREE: dict = {}  # (own, base) → whether they render alike (a regen output's records share one `own`)
+PROBE = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hi."},
+         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Again?"}]
+
+
+def settings_agree(tok, own: dict, base: dict) -> bool:
+    """Whether the template renders a short conversation (and its generation prompt) alike under `own` and under
+    `base` over `own`: a setting `own` leaves to the template's default agrees with a `base` value equal to it."""
+    key = (id(tok), json.dumps(own, sort_keys=True), json.dumps(base, sort_keys=True))
+    if key not in _AGREE:
+        both = {**own, **base}
+        _AGREE[key] = all(apply(tok, PROBE, None, {**own, **gen}) == apply(tok, PROBE, None, {**both, **gen})
+                          for gen in ({}, {"add_generation_prompt": True}))
+    return _AGREE[key]
+
+
+def mismatch(own: dict, base: dict) -> str:
+    return (f"answered under the chat template settings {json.dumps(own, sort_keys=True)} (regen.template; a setting "
+            f"not named there was the template's default), which render otherwise than tokenize.template_kwargs "
+            f"{json.dumps(base, sort_keys=True)}: set template_kwargs to what the corpus was regenerated with (it keys "
+            f"the cache and is what you will serve), or regenerate with --template_kwargs")
 
 
 def template_reads(tok, names) -> list[str]:

@@ -132,14 +132,35 @@ def check_not_heldout(paths: list[Path]) -> None:
         if path.name.endswith(".heldout.jsonl"):  # what make regen named them before it marked them
             raise CorpusError(heldout_refusal(str(path), {"of": f"{path.name.removesuffix('.heldout.jsonl')}.jsonl, "
                                                                 f"by its name"}))
-        for line_no, raw in jsonl_lines(path):
+        line_no, obj = first_record(path)
+        if (mark := heldout_mark(obj)) is not None:
+            raise CorpusError(heldout_refusal(f"{path}:{line_no}", mark))
+
+
+def first_record(path: Path) -> tuple[int, dict]:
+    """(line, record) of a JSONL file's first record; {} where there is none or it does not parse (its own skip)."""
+    for line_no, raw in jsonl_lines(path):
+        try:
+            return line_no, parse(raw)
+        except RecordError:
+            return line_no, {}
+    return 0, {}
+
+
+def check_settings_agree(paths: list[Path], tok, base: dict) -> None:
+    """Refuse, before a record is tokenized, a JSONL corpus file (a make regen output) whose first record was answered
+    under other chat template settings than `base` (tokenize.template_kwargs); a record elsewhere that was is skipped
+    (`template_mismatch`)."""
+    if not base:
+        return
+    for path in paths:
+        if file_kind(path) == "jsonl":
+            line_no, obj = first_record(path)
             try:
-                mark = heldout_mark(parse(raw))
-            except RecordError:
-                mark = None
-            if mark is not None:
-                raise CorpusError(heldout_refusal(f"{path}:{line_no}", mark))
-            break
+                record_settings(obj, base, tok)
+            except RecordError as e:
+                if e.reason == "template_mismatch":
+                    raise CorpusError(f"{path}:{line_no}: {e.detail}") from None
 
 
 def file_kind(path: Path) -> str:
@@ -322,16 +343,16 @@ def mask_from_offsets(offsets: list[tuple[int, int]], spans: list[tuple[int, int
     return ok.astype(np.uint8)
 
 
-def check_tokenizer(tok, settings: dict | None = None) -> None:
+def check_tokenizer(tok, settings: dict | None = None, field: str = "tokenize.template_kwargs") -> None:
     """Fail fast if the tokenizer cannot render Qwen chats with single-token turn markers, or its template ignores or
-    refuses one of `settings` (its keyword arguments: tokenize.template_kwargs)."""
+    refuses one of `settings` (its keyword arguments, given as `field`)."""
     template = getattr(tok, "chat_template", None)
     if not template:
         raise CorpusError("the tokenizer has no chat template: point TOKENIZER/TARGET at the target checkpoint")
     from .chat import template_reads
 
     if unread := sorted(set(settings or {}) - set(template_reads(tok, list(settings or {})))):
-        raise CorpusError(f"tokenize.template_kwargs: the chat template of {tok.name_or_path} does not read "
+        raise CorpusError(f"{field}: the chat template of {tok.name_or_path} does not read "
                           f"{', '.join(unread)} (it would change nothing but the cache key): remove it")
     if not settings:
         return
@@ -340,7 +361,7 @@ def check_tokenizer(tok, settings: dict | None = None) -> None:
 
         apply(tok, [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}], None, settings)
     except Exception as e:  # noqa: BLE001 - the template's own refusal (raise_exception) is the message
-        raise CorpusError(f"tokenize.template_kwargs: the chat template of {tok.name_or_path} refuses "
+        raise CorpusError(f"{field}: the chat template of {tok.name_or_path} refuses "
                           f"{json.dumps(settings)}: {e}") from None
     for marker in ("<|im_start|>", "<|im_end|>"):
         ids = tok.convert_tokens_to_ids(marker)
@@ -385,7 +406,7 @@ def render(rec: Record) -> Rendered | Tokens | Skip:
         msgs = prepare_messages(validate_messages(obj, counts), _OPTS["thinking"], counts)
         samples = conversation_samples(_TOK, msgs, validate_tools(obj), _OPTS["turns"], _OPTS["empty_think"], counts,
                                        truncated_turns(obj, msgs), _OPTS["opens_think"],
-                                       record_settings(obj, _OPTS.get("settings")))
+                                       record_settings(obj, _OPTS.get("settings"), _TOK))
         return Rendered(rec, samples, counts)
     except RecordError as e:
         return Skip(e.reason, e.detail, rec.file, rec.line)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from dflash_offline.chat import parse_settings
 from dflash_offline.config import ConfigError, as_dict, check_choice
+from dflash_offline.corpus import check_tokenizer
 from dflash_offline.devices import check_setting
 from dflash_offline.evaluation import (
     baseline_key,
@@ -280,8 +281,9 @@ def evaluate(cfg: EvalConfig) -> dict:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(target_dir))  # the prompts, checked before anything large loads
-    prompts = read_prompts(prompts_file, cfg.num_prompts, cfg.turn, tok, parse_settings(cfg.template_kwargs,
-                                                                                         "eval.template_kwargs"))
+    settings = parse_settings(cfg.template_kwargs, "eval.template_kwargs")
+    check_tokenizer(tok, settings, "eval.template_kwargs")
+    prompts = read_prompts(prompts_file, cfg.num_prompts, cfg.turn, tok, settings, ri["template_kwargs"])
 
     # --- the drafter: the shipped artifact (small; validates the run before the target is loaded)
     model, artifact, dc = load_drafter(cfg, ri, run_dir, device, dtype, log)

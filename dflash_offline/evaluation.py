@@ -37,8 +37,21 @@ def run_info(run_dir: Path) -> dict:
     cfg = json.loads(cfg_file.read_text())
     train = cfg["train"]
     target = train.get("target") or read_manifest(train["cache"])["config"]["extract"]["target"]
-    return {"config": cfg, "train": train, "cache": train["cache"],
+    return {"config": cfg, "train": train, "cache": train["cache"], "template_kwargs": trained_settings(cfg, train),
             "target": resolve_checkpoint(target, need=("config", "weights", "tokenizer"), field="eval target")}
+
+
+def trained_settings(cfg: dict, train: dict) -> dict:
+    """The chat template settings the run's corpus was rendered with (tokenize.template_kwargs): its config.json's,
+    else (a run made before it recorded them) its cache's while the cache is there, else none."""
+    from .cache.manifest import read_manifest
+
+    if "template_kwargs" in cfg:
+        return cfg["template_kwargs"] or {}
+    try:
+        return read_manifest(train["cache"])["producer"]["tokens"]["producer"].get("template_kwargs") or {}
+    except (ValueError, KeyError, TypeError, OSError):
+        return {}
 
 
 def export_for_eval(export_dir: str, step: int, run_dir: Path, log) -> Path:
@@ -77,12 +90,14 @@ def render_prompt(messages: list[dict], tokenizer, turn: str = "first", tools=No
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def read_prompts(path: Path, n: int, turn: str, tokenizer, settings: dict | None = None) -> list[dict]:
+def read_prompts(path: Path, n: int, turn: str, tokenizer, settings: dict | None = None,
+                 trained: dict | None = None) -> list[dict]:
     """The first `n` usable chats as {"ids": messages up to the first/last user turn + the generation prompt,
     "category": the record's `category` or None, "template": the chat template settings it was rendered with}. A
     record `make regen` held out is rendered as its answers were generated (its mark's `template`, e.g.
-    enable_thinking), `settings` (--template_kwargs) over it. A line that is not a chat record is one error naming
-    file:line and what is wrong (read before the target loads, so in seconds)."""
+    enable_thinking), any other with `trained` (the settings the training corpus was rendered with), `settings`
+    (--template_kwargs) over either. A line that is not a chat record is one error naming file:line and what is
+    wrong (read before the target loads, so in seconds)."""
     from .chat import RecordError, validate_messages
     from .corpus import heldout_mark, jsonl_lines, parse
 
@@ -100,7 +115,7 @@ def read_prompts(path: Path, n: int, turn: str, tokenizer, settings: dict | None
         if not isinstance(held, dict):
             raise ValueError(f"{path}:{lineno}: heldout.template is a {type(held).__name__}; expected the chat "
                              f"template settings make regen wrote (an object): fix or remove the line")
-        template = {**held, **(settings or {})}
+        template = {**(held if heldout_mark(rec) else trained or {}), **(settings or {})}
         ids = render_prompt(msgs, tokenizer, turn, rec.get("tools"), template)
         if ids is not None:
             cat = rec.get("category")

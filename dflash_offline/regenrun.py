@@ -189,7 +189,7 @@ def local_setup(cfg: RegenConfig, model, tokenizer):
     if model is None:
         resolve_checkpoint(cfg.target, need=("config", "weights", "tokenizer"), field="regen --target")
     tokenizer = tokenizer or AutoTokenizer.from_pretrained(cfg.target)
-    check_tokenizer(tokenizer, parse_settings(cfg.template_kwargs, "regen.template_kwargs"))
+    check_tokenizer(tokenizer, parse_settings(cfg.template_kwargs, "regen.template_kwargs"), "regen.template_kwargs")
     device = pick_device(cfg.device, "regen --device") if model is None else next(model.parameters()).device
     dtype = next(model.parameters()).dtype if model is not None else pick_dtype(cfg.dtype, device)
     return tokenizer, device, dtype

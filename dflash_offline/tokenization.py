@@ -37,6 +37,7 @@ from .corpus import (
     Skip,
     Tokens,
     check_not_heldout,
+    check_settings_agree,
     check_tokenizer,
     corpus_hash,
     expand_paths,
@@ -113,7 +114,8 @@ def identify(cfg: TokenizeConfig) -> tuple[list[Path], object, dict, str, Path]:
     if (tok_dir / "config.json").is_file():  # the tokenizer is a target's: its rows must fit that target
         check_seq_len(cfg.seq_len, tok_dir)
     tok = AutoTokenizer.from_pretrained(tok_dir)
-    check_tokenizer(tok, chat.parse_settings(cfg.template_kwargs))
+    check_tokenizer(tok, settings := chat.parse_settings(cfg.template_kwargs))
+    check_settings_agree(paths, tok, settings)  # a regen output answered under other settings: refused now
     producer = producer_for(cfg, tok, paths)
     key = hash_obj(producer)
     return paths, tok, producer, key, cache_dir_for(cfg, key)

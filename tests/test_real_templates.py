@@ -404,25 +404,53 @@ def test_qwen38_reasoning_effort_is_rendered_keyed_and_checked_before_any_record
 
 def test_a_regenerated_record_renders_with_the_settings_it_was_answered_under(tmp_path, fixtures, toks):
     """make regen records the template settings of every answer (regen.template); stage 1a renders the record with
-    them over template_kwargs: Qwen3.8 answered with thinking off has no reasoning-effort instruction in its system
-    turn, one answered at low effort has the low one (masks equal the reference rendered so). A setting whose name
-    only appears inside another one (`thinking` in enable_thinking) is not one the template reads: refused."""
+    exactly them (a setting they do not name was the template's default): Qwen3.8 answered with thinking off has no
+    reasoning-effort instruction in its system turn, one answered at low effort the low one (masks equal the
+    reference rendered so). A setting whose name only appears inside another one (`thinking` in enable_thinking) is
+    not one the template reads: refused."""
     tok = toks["qwen3.8"]
     off = {**PLAIN, "regen": {"template": {"enable_thinking": False}}}
     low = {**PLAIN, "regen": {"template": {"enable_thinking": True, "reasoning_effort": "low"}}}
-    _, docs = run(tmp_path / "each", fixtures / "qwen3.8", [off, low, PLAIN],
-                  template_kwargs='{"reasoning_effort": "medium"}')
+    default = {**PLAIN, "regen": {"template": {"enable_thinking": True}}}  # regen without --template_kwargs
+    _, docs = run(tmp_path / "each", fixtures / "qwen3.8", [off, low, default, PLAIN])
     texts = [tok.decode(ids) for _, ids, _ in docs]
-    # (medium writes no instruction; the template's default, xhigh, would)
-    assert "Reasoning effort" not in texts[0] and "set to low" in texts[1] and "Reasoning effort" not in texts[2]
+    assert "Reasoning effort" not in texts[0] and "set to low" in texts[1]
     for (_, ids, mask), settings in zip(docs, ({"enable_thinking": False}, low["regen"]["template"],
-                                               {"reasoning_effort": "medium"}), strict=True):
+                                               {"enable_thinking": True}, {}), strict=True):
         ref_ids, ref_mask = reference_samples(tok, PLAIN, settings=settings)[-1]
         assert ids.tolist() == ref_ids and mask.tolist() == ref_mask
+    assert texts[2] == texts[3] and "Reasoning effort" in texts[2]  # (the default, xhigh, writes one)
     summary, _ = run(tmp_path / "bad", fixtures / "qwen3.8", [{**PLAIN, "regen": {"template": ["off"]}}, PLAIN])
     assert summary["docs_skipped"] == {"invalid_regen_template": 1}
     with pytest.raises(Exception, match="does not read thinking"):
         run(tmp_path / "typo", fixtures / "qwen3.8", [PLAIN], template_kwargs='{"thinking": false}')
+
+
+def test_a_corpus_answered_under_other_template_settings_than_the_cache_names_is_refused(tmp_path, fixtures, toks):
+    """tokenize.template_kwargs keys the cache, the manifest records it, and it is what will be served: a regen output
+    answered under settings that render otherwise — at low effort, or at the template's default (xhigh) when the
+    recipe says medium — is refused before a record is tokenized, naming file:line; a record so answered further in a
+    file is skipped (`template_mismatch`), never rendered with settings it was not answered under. Settings that
+    render alike agree: the default named (xhigh) or left out, any effort with thinking off."""
+    low = {**PLAIN, "regen": {"template": {"enable_thinking": True, "reasoning_effort": "low"}}}
+    default = {**PLAIN, "regen": {"template": {"enable_thinking": True}}}
+    off = {**PLAIN, "regen": {"template": {"enable_thinking": False}}}
+    medium = '{"reasoning_effort": "medium"}'
+    for first in (low, default):
+        with pytest.raises(Exception, match=r"chats.jsonl:1: answered under the chat template settings .* render "
+                                            r"otherwise than tokenize.template_kwargs \{\"reasoning_effort\": "
+                                            r"\"medium\"\}: set template_kwargs to what the corpus was regenerated "
+                                            r"with"):
+            run(tmp_path / f"first-{len(first['regen']['template'])}", fixtures / "qwen3.8", [first, PLAIN],
+                template_kwargs=medium)
+    assert not (tmp_path / "first-1" / "cache").exists()
+    summary, docs = run(tmp_path / "mixed", fixtures / "qwen3.8", [off, low, default, PLAIN], template_kwargs=medium)
+    assert summary["docs_skipped"] == {"template_mismatch": 2} and len(docs) == 2
+    summary, docs = run(tmp_path / "xhigh", fixtures / "qwen3.8", [default, low, PLAIN],
+                        template_kwargs='{"reasoning_effort": "xhigh"}')
+    assert summary["docs_skipped"] == {"template_mismatch": 1}
+    tok = toks["qwen3.8"]
+    assert tok.decode(docs[0][1]) == tok.decode(docs[1][1])  # the default as answered = xhigh as named
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3.6"])
@@ -479,3 +507,23 @@ def test_held_out_prompts_render_as_their_answers_were_generated(tmp_path, toks)
     assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") and default.endswith("assistant\n<think>\n")
     on = read_prompts(path, 1, "first", tok, {"enable_thinking": True})[0]
     assert tok.decode(on["ids"]) == default and on["template"] == {"enable_thinking": True}
+
+
+def test_plain_eval_prompts_render_with_the_settings_the_run_trained_on(tmp_path, toks):
+    """A run records the chat template settings its corpus was rendered with (tokenize.template_kwargs; config.json,
+    else, for a run made before, its cache's manifest): eval renders plain prompts with them — a Qwen3.8 drafter
+    trained at low effort is measured at low, not the template's default xhigh; a held-out prompt keeps its mark's;
+    --template_kwargs wins over both."""
+    from dflash_offline.evaluation import read_prompts, trained_settings
+
+    tok = toks["qwen3.8"]
+    held = {**PLAIN, "heldout": {"every": 100, "of": "q38.jsonl", "template": {"enable_thinking": True}}}
+    path = write_corpus(tmp_path / "p.jsonl", [PLAIN, held])
+    low = {"reasoning_effort": "low"}
+    plain, marked = (tok.decode(p["ids"]) for p in read_prompts(path, 2, "first", tok, None, low))
+    assert "set to low" in plain and "set to xhigh" in marked
+    medium = read_prompts(path, 2, "first", tok, {"reasoning_effort": "medium"}, low)
+    assert [p["template"] for p in medium] == [{"reasoning_effort": "medium"},
+                                               {"enable_thinking": True, "reasoning_effort": "medium"}]
+    assert trained_settings({"template_kwargs": low}, {"cache": str(tmp_path / "gone")}) == low
+    assert trained_settings({}, {"cache": str(tmp_path / "gone")}) == {}  # an old run whose cache is gone

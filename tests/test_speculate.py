@@ -468,6 +468,12 @@ def test_evaluate_measures_the_export(tmp_path, hidden_cache):
             mp.setattr(evalrun, "load_target", lambda *a: pytest.fail("the target loaded before the prompts were read"))
             with pytest.raises(ValueError, match=rf"^{bad}:3: {want}.*fix or remove the line"):
                 evaluate.main(args + [f"--prompts={bad}", f"--export={run / 'eval-export'}"])
+    # a template setting the target's template does not read (a typo): refused by name, before the target loads
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(evalrun, "load_target", lambda *a: pytest.fail("the target loaded before the settings were checked"))
+        with pytest.raises(ValueError, match=r"eval.template_kwargs: the chat template of .* does not read "
+                                             r"reasoning_efort"):
+            evaluate.main(args + ['--template_kwargs={"reasoning_efort": "low"}', f"--export={run / 'eval-export'}"])
 
 
 def count_selector_walks(monkeypatch) -> dict:
