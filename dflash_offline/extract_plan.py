@@ -96,8 +96,39 @@ def recorded_config(argv: list[str]) -> ExtractConfig | None:
     values = {**upgrade_recorded("extract", m["config"]["extract"]), "shards": "", "dry_run": False,
               "allow_overfill": False, "cache": out,
               "tokens": str((Path(out) / m["config"]["tokens_dir"]).resolve())}
+    check_stage_1a_unchanged(out, values["tokens"], {k: v for k, v in overrides.items()
+                                                     if k not in ExtractConfig.__dataclass_fields__ and v != ""})
     values.update({k: v for k, v in overrides.items() if k in ExtractConfig.__dataclass_fields__ and v != ""})
     return load_config(ExtractConfig, "extract", None, {}, values)
+
+
+# stage 1a's settings that make its token cache (`tokenization.producer_for`); the others (workers, strict, …) only
+# say how a token cache is made
+TOKEN_KEY_SETTINGS = ("tokenizer", "corpus", "seq_len", "open_rows", "long_doc", "rows_per_shard", "thinking", "turns",
+                      "empty_think", "max_docs", "template_kwargs")
+
+
+def check_stage_1a_unchanged(cache: str, tokens: str, given: dict[str, str]) -> None:
+    """An existing hidden cache continues from the token cache it was extracted from: a stage 1a setting given now
+    (CORPUS=, --seq_len, …) that differs from the one that token cache was made with would be silently ignored (the
+    user then trains on the old corpus), so it is refused naming it."""
+    if not (given := {k: v for k, v in given.items() if k in TOKEN_KEY_SETTINGS}):
+        return
+    try:
+        recorded = read_manifest(tokens, kind="tokens")["config"]
+    except (ValueError, KeyError, OSError):  # (a missing token cache is said so by the plan, naming it)
+        return
+    base = load_config(TokenizeConfig, "tokenize", None, {}, recorded)
+    now = load_config(TokenizeConfig, "tokenize", None, given, recorded)
+    def same(k):  # (the corpus by the files its patterns name from here: a relative spelling of the same is not new)
+        a, b = getattr(now, k), getattr(base, k)
+        return a == b or (k == "corpus" and [Path(x).resolve() for x in a] == [Path(x).resolve() for x in b])
+
+    if diff := [k for k in given if not same(k)]:
+        said = ", ".join(f"{k}={getattr(now, k)!r} (made with {getattr(base, k)!r})" for k in diff)
+        raise ConfigError(f"{cache} continues from its token cache {tokens}, which stage 1a made with other settings: "
+                          f"{said}. An existing cache's data cannot change: drop them to continue or repair this "
+                          f"cache, or leave CACHE= out (RECIPE= and these settings) to extract a new one")
 
 
 def target_needs(cfg: ExtractConfig) -> tuple[str, ...]:
@@ -122,7 +153,7 @@ def make_plan(cfg: ExtractConfig, tokens: Path | dict) -> ExtractPlan:
     write."""
     from .cache.shards import HIDDEN_LAYOUT_VERSION, ShardError
     from .target import default_layer_ids, read_target_info
-    from .targetid import resolve_checkpoint, target_fingerprint
+    from .targetid import check_mask_token, resolve_checkpoint, target_fingerprint
 
     tm = tokens if isinstance(tokens, dict) else read_manifest(tokens, kind="tokens")
     if not tm.get("complete"):
@@ -141,11 +172,7 @@ def make_plan(cfg: ExtractConfig, tokens: Path | dict) -> ExtractPlan:
     mask_id = cfg.mask_token_id if cfg.mask_token_id >= 0 else (
         json.loads(sidecar.read_text()).get("mask_token_id") if sidecar.is_file() else None)
     if mask_id is not None:
-        eos = info.eos_token_id if isinstance(info.eos_token_id, list) else [info.eos_token_id]
-        specials = {info.pad_token_id, *eos, tm["producer"]["tokenizer"]["pad_id"]} - {None}
-        if not 0 <= mask_id < info.vocab_size or mask_id in specials:
-            raise ValueError(f"extract.mask_token_id={mask_id} must be a real embedding row in [0, {info.vocab_size}) "
-                             f"that is not pad/eos ({sorted(specials)}); Qwen3 uses 151669, Qwen3.5/3.6 use 248070")
+        check_mask_token(mask_id, ckpt, info, "extract.mask_token_id", (tm["producer"]["tokenizer"]["pad_id"],))
     if vocab > info.vocab_size:
         raise ValueError(f"tokenizer has {vocab} tokens but {ckpt} embeds only {info.vocab_size}: wrong tokenizer?")
     k, hidden = len(layer_ids), info.hidden_size

@@ -282,9 +282,10 @@ def target_mismatch(target: str, recorded: dict) -> list[str]:
     return diff
 
 
-def check_same_target(target: str, recorded: dict, cache: str, cache_target: str) -> None:
+def check_same_target(target: str, recorded: dict, cache: str, cache_target: str, use: str = "train") -> None:
     """Refuse `target` unless its fingerprint equals `recorded`, the producer.target of the cache at `cache`, which was
-    extracted from `cache_target`. The whole fingerprint counts: the cache's hidden states came from all weights."""
+    extracted from `cache_target`. The whole fingerprint counts: the cache's hidden states came from all weights.
+    `use`: what the caller does with it (train, verify), for the message."""
     if not (diff := target_mismatch(target, recorded)):
         return
     if target == cache_target or Path(target).resolve() == Path(cache_target).resolve():
@@ -292,7 +293,7 @@ def check_same_target(target: str, recorded: dict, cache: str, cache_target: str
         fix = "put back the checkpoint the cache was extracted from"
     else:
         what = f"target {target} is not the target {cache} was extracted from ({cache_target})"
-        fix = f"train with the target the cache was extracted from (target={cache_target})"
+        fix = f"{use} with the target the cache was extracted from (target={cache_target})"
     raise TargetError(f"{what}: {'; '.join(diff)}; its hidden states came from other weights. Either {fix}, or "
                       f"re-extract the cache from this target (make extract TARGET={target})")
 
@@ -345,3 +346,37 @@ def check_seq_len(seq_len: int, ckpt: Path, field: str = "tokenize.seq_len") -> 
         raise TargetError(f"{field}={seq_len} is longer than {ckpt}'s max_position_embeddings={limit}: the target "
                           f"was not made for positions past {limit}; use seq_len ≤ {limit} (--seq_len=, make "
                           f"ARGS=--seq_len=N)")
+
+
+def special_ids(ckpt: Path, info) -> set[int]:
+    """The checkpoint's pad and end ids: config.json's (`info`), generation_config.json's (what generation stops on:
+    Qwen3.5/3.6 list <|im_end|> there) and the tokenizer's pad/eos tokens (tokenizer_config.json, by their ids in its
+    added tokens)."""
+    ids: set = set()
+
+    def add(v):
+        ids.update(v if isinstance(v, list) else [v])
+
+    add(info.eos_token_id), add(info.pad_token_id)
+    gen = ckpt / "generation_config.json"
+    if gen.is_file():
+        g = json.loads(gen.read_text())
+        add(g.get("eos_token_id")), add(g.get("pad_token_id"))
+    tc, tj = ckpt / "tokenizer_config.json", ckpt / "tokenizer.json"
+    if tc.is_file():
+        t = json.loads(tc.read_text())
+        names = {v.get("content") if isinstance(v, dict) else v for v in (t.get("eos_token"), t.get("pad_token"))}
+        added = [(int(i), tok) for i, tok in (t.get("added_tokens_decoder") or {}).items()]
+        if not added and tj.is_file():  # (the fast tokenizer's file lists them)
+            added = [(tok.get("id"), tok) for tok in json.loads(tj.read_text()).get("added_tokens") or []]
+        add([i for i, tok in added if isinstance(tok, dict) and tok.get("content") in names - {None}])
+    return {int(i) for i in ids if isinstance(i, int)}
+
+
+def check_mask_token(mask_id: int, ckpt: Path, info, field: str, also: tuple = ()) -> None:
+    """Refuse a mask token that is not a real embedding row of the target, or that is one of its pad/end tokens
+    (`special_ids`, and `also`): the drafter's every masked slot would read as one."""
+    specials = special_ids(ckpt, info) | ({*also} - {None})
+    if not 0 <= mask_id < info.vocab_size or mask_id in specials:
+        raise ValueError(f"{field}={mask_id} must be a real embedding row in [0, {info.vocab_size}) of {ckpt} that is "
+                         f"not pad/eos ({sorted(specials)}); Qwen3 uses 151669, Qwen3.5/3.6 use 248070")

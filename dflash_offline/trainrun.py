@@ -123,6 +123,7 @@ def write_resolved(cfg: TrainConfig, s: TrainSetup, dc, c: dict, cache_key: str,
     from dflash_offline.progress import log
 
     resolved = {"train": as_dict(cfg), "drafter": as_dict(dc), "derived": s.derived(cfg, cache_key),
+                "template_kwargs": c["template_kwargs"],
                 **({"projection": c["projection"]} if c.get("projection") else {})}
     write_json_atomic(run_dir / "config.json", resolved)  # a reader never sees half of it
     if c.get("projection"):  # the run keeps the P it trains on: export and eval then need no cache

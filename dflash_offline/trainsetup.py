@@ -294,10 +294,34 @@ def cache_defaults(cfg: TrainConfig) -> dict:
         "mask_token_id": cfg.drafter.mask_token_id if cfg.drafter.mask_token_id >= 0 else m["config"]["mask_token_id"],
         "hidden_size": tgt["hidden_size"], "num_target_layers": tgt["num_layers"], "vocab_size": tgt["vocab_size"],
         "seq_len": m["producer"]["tokens"]["producer"]["seq_len"],
+        # the chat template settings the corpus was rendered with: eval renders plain prompts with them
+        "template_kwargs": m["producer"]["tokens"]["producer"].get("template_kwargs") or {},
         # a projected cache: the fc reads k values a tap, and the run records the projection it trained on
         "tap_width": int((m["producer"].get("projection") or {}).get("dims", 0)),
         "projection": run_projection(m, cfg.cache) if m["producer"].get("projection") else None,
     }
+
+
+def check_recipe_taps(argv: list[str], cfg: TrainConfig) -> None:
+    """`make train RECIPE=` on a cache extracted with other taps than the recipe's [extract] layer_ids (an extraction
+    without the recipe takes the default spread) would train, and export for serving, a drafter on taps the recipe
+    does not publish: refused, unless train.layer_ids says which taps to train on."""
+    from dflash_offline.cache.manifest import read_manifest
+    from dflash_offline.config import parse_overrides, read_recipe
+
+    recipe = parse_overrides(argv)[0]
+    want = (read_recipe(recipe).get("extract") or {}).get("layer_ids") if recipe else None
+    if not want or cfg.drafter.layer_ids or not cfg.cache:
+        return
+    try:
+        have = read_manifest(cfg.cache, kind="hidden")["config"]["layer_ids"]
+    except (ValueError, KeyError, OSError):  # (said, naming the field, when the run opens the cache)
+        return
+    if list(have) != list(want):
+        raise ConfigError(f"{cfg.cache} holds taps {list(have)}, not the layer_ids {list(want)} of {recipe}'s "
+                          f"[extract]: the drafter would train and be served on other taps than the recipe's. Extract "
+                          f"the cache with RECIPE={recipe}, or pass --layer_ids= (a subset of the cache's) to train on "
+                          f"those knowingly")
 
 
 def run_projection(m: dict, cache) -> dict:
@@ -311,12 +335,15 @@ def drafter_config(cfg: TrainConfig, c: dict):
     """The drafter's `DrafterConfig` from `cfg`, the cache's facts `c` and the target checkpoint's config."""
     from dflash_offline.drafter import DrafterConfig
     from dflash_offline.target import read_target_info
-    from dflash_offline.targetid import resolve_checkpoint
+    from dflash_offline.targetid import check_mask_token, resolve_checkpoint
 
-    info = read_target_info(resolve_checkpoint(c["target"], field="train.target" if cfg.target else
-                                               f"train.target (empty: the target {cfg.cache} was extracted from)"))
+    ckpt = resolve_checkpoint(c["target"], field="train.target" if cfg.target else
+                              f"train.target (empty: the target {cfg.cache} was extracted from)")
+    info = read_target_info(ckpt)
     if c["mask_token_id"] is None:
         raise ValueError("no mask token: pass mask_token_id= (Qwen3 151669, Qwen3.5/3.6 248070)")
+    check_mask_token(int(c["mask_token_id"]), ckpt, info, "train.mask_token_id" if cfg.drafter.mask_token_id >= 0 else
+                     f"the mask token of {cfg.cache} (train.mask_token_id to override)")
     if info.hidden_size != c["hidden_size"] or info.num_layers != c["num_target_layers"]:
         raise ValueError(f"target {c['target']} (hidden {info.hidden_size}, {info.num_layers} layers) is not the "
                          f"target the cache was extracted from (hidden {c['hidden_size']}, "

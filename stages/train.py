@@ -23,7 +23,7 @@ import sys
 from dflash_offline.config import configs_from_argv
 from dflash_offline.runguard import Interrupted
 from dflash_offline.trainrun import run
-from dflash_offline.trainsetup import BenchSwitches, TrainConfig
+from dflash_offline.trainsetup import BenchSwitches, TrainConfig, check_recipe_taps
 
 
 def main(argv: list[str], switches: BenchSwitches = BenchSwitches()) -> int:
@@ -34,6 +34,7 @@ def main(argv: list[str], switches: BenchSwitches = BenchSwitches()) -> int:
     private_compile_caches()  # before anything compiles: per-rank caches, no autotuner races between processes
     unbuffered()
     (cfg,) = configs_from_argv([(TrainConfig, "train")], argv, __doc__)
+    check_recipe_taps(argv, cfg)
     code = 0
     try:
         out = run(cfg, switches)

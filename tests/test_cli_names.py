@@ -5,6 +5,7 @@ directory, `--out` only a file a stage writes that is none of these. An old name
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -212,6 +213,26 @@ def test_a_manifest_recorded_under_the_old_name_is_rerun(tmp_path, hidden_cache,
     (cache / "manifest.json").write_text(json.dumps(m))
     cfg = recorded_config([f"--cache={cache}"])
     assert cfg is not None and cfg.cache == str(cache) and not hasattr(cfg, "hidden_out")
+
+
+def test_an_existing_cache_refuses_stage_1a_settings_it_was_not_made_with(tmp_path, hidden_cache, chat_corpus):
+    """`make extract CACHE=DIR CORPUS=new` (no recipe) continues DIR from its token cache: another corpus or any
+    stage 1a setting that makes the tokens would be ignored ("nothing to do", then training on the old corpus), so it is
+    refused naming it; the same corpus (spelt relative) and settings that only say how tokens are made pass."""
+    from dflash_offline.config import ConfigError
+    from dflash_offline.extract_plan import recorded_config
+
+    cache = hidden_cache
+    other = tmp_path / "more.jsonl"
+    other.write_text(Path(chat_corpus).read_text() * 2)
+    for arg, said in ((f"--corpus={other}", "corpus="), ("--seq_len=256", "seq_len=256 (made with 128)"),
+                      ('--template_kwargs={"a": 1}', "template_kwargs=")):
+        with pytest.raises(ConfigError, match=rf"{cache} continues from its token cache .* made with other settings: "
+                                              rf"{re.escape(said)}.*drop them to continue or repair this cache"):
+            recorded_config([f"--cache={cache}", arg])
+    rel = os.path.relpath(chat_corpus)
+    for arg in (f"--corpus={rel}", "--workers=3", "--seq_len=128", "--shards=1"):
+        assert recorded_config([f"--cache={cache}", arg]).cache == str(cache)
 
 
 def test_extract_tokens_names_where_stage_1a_writes_and_what_it_reads(tmp_path, qwen35_dir, chat_corpus,

@@ -5,6 +5,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -164,6 +165,12 @@ def test_dry_run_and_fail_fast_before_weights_load(tmp_path, qwen35_dir, chat_co
         extract_run(tmp_path, qwen35_dir, chat_corpus, layer_ids=[1, 99])
     with pytest.raises(ValueError, match="mask_token_id=1988 must be a real embedding row"):
         extract_run(tmp_path, qwen35_dir, chat_corpus, mask_token_id=1988)  # <|im_end|> = eos
+    stops = tmp_path / "stops"  # a target whose generation stops on one more token (Qwen3.6 lists two there)
+    shutil.copytree(qwen35_dir, stops)
+    (stops / "generation_config.json").write_text(json.dumps({"eos_token_id": [1988, 1987]}))
+    with pytest.raises(ValueError, match=r"mask_token_id=1987 must be a real embedding row .* not pad/eos "
+                                         r"\(\[1986, 1987, 1988\]\)"):
+        extract_run(tmp_path, stops, chat_corpus, mask_token_id=1987, dry_run=True)
     with pytest.raises(ValueError, match="free"):
         extract_run(tmp_path, qwen35_dir, chat_corpus, min_free_gb=1e9)
     assert not list((tmp_path / "cache").glob("hidden-*"))  # nothing was created by the refused runs

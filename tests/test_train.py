@@ -165,6 +165,44 @@ def test_a_run_recorded_with_the_removed_fp8_recipe_resumes_exports_and_reads(tm
     assert "fp8_recipe" not in rewritten["train"] and "fp8_recipe" not in rewritten["derived"]
 
 
+def test_a_mask_token_that_is_no_embedding_row_or_an_end_token_is_refused_before_weights_load(tmp_path, hidden_cache,
+                                                                                              monkeypatch):
+    """train.mask_token_id (a recipe's, set by hand) gets extraction's check: an id past the vocabulary (another
+    family's recipe) or the target's eos/pad would train, then crash in the embedding or ship an end token as the
+    mask; both are refused naming the field, before the target's tables load."""
+    from dflash_offline import drafter
+
+    monkeypatch.setattr(drafter, "load_target_embeddings", lambda *a: pytest.fail("the target's tables loaded"))
+    for mask, why in ((248070, r"\[0, 2048\)"), (1988, r"not pad/eos \(\[1986, 1988\]\)")):
+        with pytest.raises(ValueError, match=rf"train.mask_token_id={mask} must be a real embedding row in .*{why}"):
+            train.run(cfg(hidden_cache, tmp_path / str(mask), mask_token_id=mask))
+        assert not (tmp_path / str(mask)).exists()
+
+
+def test_a_recipes_taps_are_not_silently_replaced_by_the_caches(tmp_path, hidden_cache):
+    """`make train RECIPE=` on a cache extracted with other taps than the recipe's [extract] layer_ids would train and
+    export a drafter on the cache's taps: refused before anything is made, naming both; the recipe's taps, or
+    train.layer_ids given, pass the check."""
+    from stages import train as train_stage
+
+    taps = json.loads((hidden_cache / "manifest.json").read_text())["config"]["layer_ids"]
+    run = tmp_path / "r"
+    args = [f"--cache={hidden_cache}", f"--run={run}", *(f"--{k}={v}" for k, v in TINY.items()), "--steps=1"]
+    for want, ok in ((taps, True), ([0, 2, 4], False)):
+        recipe = tmp_path / "recipe.toml"
+        recipe.write_text(f"[extract]\nlayer_ids = {want}\n")
+        if ok:
+            assert train_stage.main([f"--recipe={recipe}", *args]) == 0
+        else:
+            args[1] = f"--run={tmp_path / 'r2'}"
+            with pytest.raises(ValueError, match=rf"holds taps {re.escape(str(taps))}, not the layer_ids \[0, 2, 4\] "
+                                                 rf"of {recipe}'s \[extract\]"):
+                train_stage.main([f"--recipe={recipe}", *args])
+            assert not (tmp_path / "r2").exists()
+    subset = ",".join(map(str, taps[:2]))
+    assert train_stage.main([f"--recipe={recipe}", *args, f"--run={tmp_path / 'sub'}", f"--layer_ids={subset}"]) == 0
+
+
 def test_existing_run_needs_resume(tmp_path, hidden_cache):
     train.run(cfg(hidden_cache, tmp_path / "r", steps=3))
     with pytest.raises(ValueError, match=r"resume=1 \(make RESUME=1\) to continue it, or choose another --run "
