@@ -174,5 +174,8 @@ testbed-ab:  ## A/B on the testbed: drafters with ARGS_A vs ARGS_B (key=value se
 testbed-sweep:  ## testbed A/B presets, SWEEP=options (γ, anchors, noise, D-PACE, fp8 cache),encodings (fp8/fp4/projected caches),fp8 (float8 training); SEEDS= seeds each; a null and a known-bad arm decide whether arms are ranked
 	$(PYTHON) -m testbed --dir=$(TESTBED_DIR) --sweep=$(SWEEP) --seeds=$(SEEDS) $(ARGS)
 
-clean:  ## remove build outputs and caches made by the demo (never touches CACHE=)
-	rm -rf build/demo .pytest_cache
+clean:  ## remove the demo's outputs (DEMO_DIR=) and pytest's cache; refused when CACHE= or TOKENS= lies inside DEMO_DIR
+	@d=$$(realpath -m -- "$(DEMO_DIR)" 2>/dev/null); case "$$(realpath .)/" in "$$d"/*) d=/;; esac; \
+	case "$$d" in ""|/|"$$(realpath -m -- "$$HOME")") echo "make clean: DEMO_DIR=$(DEMO_DIR) is not a demo directory; nothing removed" >&2; exit 2;; esac; \
+	for keep in $(CACHE) $(TOKENS); do case "$$(realpath -m -- "$$keep")/" in "$$d"/*) echo "make clean: $$keep lies inside DEMO_DIR=$(DEMO_DIR), which clean removes; nothing removed (move it out, or remove it by hand)" >&2; exit 2;; esac; done; \
+	echo "rm -rf $$d .pytest_cache"; rm -rf -- "$$d" .pytest_cache

@@ -1,6 +1,7 @@
 """The Makefile is the user's interface: `ARGS=` reaches every stage a target runs, and `make setup` installs again
 when the torch it is asked for changes (`TORCH_SPEC=`), not only when pyproject.toml does."""
 
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -11,9 +12,9 @@ NOT_STAGES = {"help", "setup", "fixtures", "test", "test-gpu", "test-gpu-extract
               "clean", "demo"}
 
 
-def make(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+def make(*args: str, cwd: Path = REPO, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(["make", "--no-print-directory", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env=env)
 
 
 def stage_targets() -> list[str]:
@@ -73,3 +74,24 @@ def test_the_demo_reads_and_writes_only_under_DEMO_DIR():
         assert flag in extract, (flag, extract)
     recipe = (REPO / "manifests" / "demo.toml").read_text()
     assert "build/demo/target" in recipe  # (what the stage would read without those flags)
+
+
+def test_clean_removes_the_demo_dir_given_and_never_a_cache_inside_it_or_the_repo(tmp_path):
+    """`make clean` removes DEMO_DIR= (not a fixed build/demo), refuses when CACHE= or TOKENS= lies inside it (the
+    help promised never to touch CACHE=), and never removes /, the home directory, the repository or a folder above
+    it."""
+    demo = tmp_path / "demo"
+    (demo / "cache" / "hidden").mkdir(parents=True)
+    for keep in (f"CACHE={demo / 'cache' / 'hidden'}", f"TOKENS={demo / 'cache'}"):
+        res = make("-s", "clean", f"DEMO_DIR={demo}", keep)
+        assert res.returncode == 2 and "lies inside DEMO_DIR" in res.stderr and demo.is_dir()
+    home = tmp_path / "home"  # (a stand-in home: were the check wrong, only it would go)
+    (home / "keep").mkdir(parents=True)
+    env = {**os.environ, "HOME": str(home)}
+    for bad in ("/", str(REPO), str(REPO.parent), str(home), "~", ""):
+        res = make("-s", "clean", f"DEMO_DIR={bad}", env=env)
+        assert res.returncode in (0, 2) and (home / "keep").is_dir(), bad  # ("~" is a folder of that name here)
+        assert bad == "~" or "is not a demo directory; nothing removed" in res.stderr, bad
+    assert (REPO / "Makefile").is_file()
+    assert make("-s", "clean", f"DEMO_DIR={demo}", f"CACHE={tmp_path / 'elsewhere'}").returncode == 0
+    assert not demo.exists()
