@@ -375,13 +375,31 @@ _TOK = None
 _OPTS: dict = {}
 
 
-def _init_worker(tokenizer_dir: str, opts: dict) -> None:
+def _init_worker(tokenizer_dir: str, opts: dict, pool: bool = False) -> None:
     global _TOK, _OPTS
+    if pool:
+        exit_with_parent()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from transformers import AutoTokenizer
 
     _TOK = AutoTokenizer.from_pretrained(tokenizer_dir)
     _OPTS = dict(opts, opens_think=template_opens_think(_TOK))
+
+
+def exit_with_parent(every_s: float = 1.0) -> None:
+    """A pool worker ends within `every_s` of the stage that started it: after a kill -9 of the stage, its workers
+    (hundreds of MB each, blocked on a pipe) were left to init forever."""
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def process_chunk(chunk: list[Record]) -> list[Tokens | Skip]:
@@ -485,7 +503,7 @@ def tokenize_stream(
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     try:
         with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                                 initargs=(tokenizer_dir, opts)) as pool:
+                                 initargs=(tokenizer_dir, opts, True)) as pool:
             pending: deque = deque()
             try:
                 for chunk in _chunks(records, chunk_docs):

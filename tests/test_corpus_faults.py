@@ -3,6 +3,7 @@ the tokenizer cannot encode, huge lines, corpora with no document; and a dry run
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -225,6 +226,54 @@ def test_a_tokenizer_worker_that_dies_fails_the_stage_in_seconds_instead_of_hang
     t.join(120)
     assert not t.is_alive(), "stage 1a hung on a dead worker"
     assert raised and "a tokenizer worker process died" in str(raised[0]) and "rerun" in str(raised[0])
+
+
+KILLED_STAGE = """
+import sys, time
+from dflash_offline import corpus, tokenization
+from dflash_offline.config import TokenizeConfig
+def slow(chunk):  # (a worker at work when the stage is killed; by reference, as the pool sends it)
+    time.sleep(600)
+corpus.process_chunk = slow
+tokenization.run(TokenizeConfig(corpus=[sys.argv[1]], tokenizer=sys.argv[2], cache_root=sys.argv[3], seq_len=128,
+                                rows_per_shard=2, workers=2, chunk_docs=1).resolve())
+"""
+
+
+def test_a_killed_stage_leaves_no_tokenizer_worker_behind(tmp_path, qwen35_dir):
+    """kill -9 of stage 1a (a scheduler's, a user's) while its workers tokenize: they end within seconds; they were
+    left blocked on a pipe, hundreds of MB each, for good."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    src = tmp_path / "a.jsonl"
+    src.write_bytes(b"\n".join(lines(GOOD)) + b"\n")
+    stage = subprocess.Popen([sys.executable, "-c", KILLED_STAGE, str(src), str(qwen35_dir), str(tmp_path / "c")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def children() -> set[int]:
+        found = set()
+        for task in Path(f"/proc/{stage.pid}/task").glob("*"):
+            found |= {int(c) for c in (task / "children").read_text().split()}
+        return found
+
+    deadline, workers = time.time() + 120, set()
+    while time.time() < deadline and len(workers) < 2:
+        time.sleep(0.2)
+        workers = children()
+    assert len(workers) == 2, "the stage started no workers"
+    time.sleep(3)  # (they are in their initializer or tokenizing)
+    stage.send_signal(signal.SIGKILL)
+    stage.wait()
+    deadline = time.time() + 15
+    while time.time() < deadline and any(Path(f"/proc/{w}").exists() for w in workers):
+        time.sleep(0.2)
+    alive = [w for w in workers if Path(f"/proc/{w}").exists()]
+    for w in alive:
+        os.kill(w, signal.SIGKILL)
+    assert not alive, f"tokenizer workers {alive} outlived the killed stage"
 
 
 def test_one_read_gives_the_corpus_hash_and_its_records(tmp_path):
