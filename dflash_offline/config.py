@@ -274,20 +274,20 @@ def compose(cls, values: dict):
     return cls(**own, **{g: groups[g](**kw) for g, kw in parts.items()})
 
 
-def parse_shard_list(text: str) -> list[int]:
-    """'0-3,7' → [0, 1, 2, 3, 7] (the SHARD= syntax; `cache.manifest.shard_list` writes it)."""
+def parse_shard_list(text: str, num_shards: int | None = None) -> list[int]:
+    """'0-3,7' → [0, 1, 2, 3, 7] (the SHARD= syntax; `cache.manifest.shard_list` writes it); with `num_shards`, a
+    number past the cache's last shard is refused (before a range is expanded: SHARD=0-99999999999 is one line)."""
     out: list[int] = []
     for part in filter(None, (p.strip() for p in str(text).split(","))):
         try:
-            if "-" in part:
-                a, b = (int(x) for x in part.split("-", 1))
-                if b < a:
-                    raise ValueError
-                out += range(a, b + 1)
-            else:
-                out.append(int(part))
+            a, b = (int(x) for x in part.split("-", 1)) if "-" in part else (int(part),) * 2
+            if b < a or a < 0:
+                raise ValueError
         except ValueError:
             raise ConfigError(f"SHARD={text!r}: expected shard numbers and ranges like 3 or 0-4,7") from None
+        if num_shards is not None and b >= num_shards:
+            raise ConfigError(f"SHARD={text}: the cache has shards 0..{num_shards - 1}")
+        out += range(a, b + 1) if num_shards is not None or b - a < 1 << 20 else (a, b)  # (checked, not listed)
     return sorted(set(out))
 
 

@@ -338,12 +338,10 @@ def shards_to_do(cfg: ExtractConfig, plan: ExtractPlan) -> dict:
     """This run's cache, its shards to do and their rows: those SHARD= names (redone), else every shard not committed
     under this key or committed but damaged on disk."""
     cache = cache_dir(cfg, plan.key)
-    redo = parse_shard_list(cfg.shards)
-    if any(i >= plan.num_shards for i in redo):
-        raise ValueError(f"SHARD={cfg.shards}: the cache has shards 0..{plan.num_shards - 1}")
     existing = read_manifest(cache) if has_manifest(cache) else None
-    if existing and existing["key"] != plan.key:
+    if existing and existing["key"] != plan.key:  # (first: SHARD= numbers mean nothing against another cache)
         raise ConfigError(another_cache(cache, existing, plan))
+    redo = parse_shard_list(cfg.shards, plan.num_shards)
     if existing is None and not cfg.cache:
         note_sibling_caches(cfg, plan.producer)
     done = committed(existing) if existing else {}

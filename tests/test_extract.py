@@ -189,6 +189,8 @@ def test_cache_with_another_key_is_never_overwritten(tmp_path, qwen35_dir, qwen3
     for dry in (True, False):  # (min_free_gb: the disk check would refuse first, were it checked first)
         with pytest.raises(ValueError, match=want):
             extract_run(tmp_path, qwen35_dir, chat_corpus, cache=str(out), quant="fp8", dry_run=dry, min_free_gb=1e9)
+    with pytest.raises(ValueError, match=want):  # SHARD= numbers are not judged against another cache's count
+        extract_run(tmp_path, qwen35_dir, chat_corpus, cache=str(out), quant="fp8", shards="999", dry_run=True)
     assert (out / "manifest.json").read_text() == before
     taps = ",".join(map(str, read_manifest(out)["producer"]["layer_ids"]))  # (its own: not 0,1,2)
     with pytest.raises(ValueError, match=rf"differs in: layer_ids, quant\).*ARGS=\"--layer_ids={taps} --quant=bf16\""):

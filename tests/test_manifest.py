@@ -204,6 +204,15 @@ def test_the_shard_list_syntax_round_trips():
         text = shard_list(ids)
         assert parse_shard_list(text) == ids
     assert shard_list({7, 0, 2, 1, 3}) == "0-3,7"
+    # a range past the cache is one line, before anything is listed (SHARD=0-99999999999 raised MemoryError)
+    from dflash_offline.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"SHARD=2,0-99999999999: the cache has shards 0..3"):
+        parse_shard_list("2,0-99999999999", num_shards=4)
+    assert len(parse_shard_list("0-99999999999")) == 2  # (the settings' own check: the syntax, nothing listed)
+    for bad in ("-1", "3-1", "x"):
+        with pytest.raises(ConfigError, match="expected shard numbers and ranges like 3 or 0-4,7"):
+            parse_shard_list(bad)
 
 
 def test_a_token_caches_count_is_bounded_by_its_entries(tmp_path):
