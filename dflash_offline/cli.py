@@ -47,6 +47,9 @@ def run_cli(main) -> None:
     from_env()
     try:
         code = main(sys.argv[1:])
+    except BrokenPipeError:  # `| head`: the reader has what it wanted; no traceback, the shell's status for SIGPIPE
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit's flush would raise again)
+        sys.exit(141)
     except (ValueError, OSError) as e:
         line = refusal(e)
         if line is None:

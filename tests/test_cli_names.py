@@ -285,3 +285,14 @@ def test_make_variables_name_what_they_hold():
     assert subprocess.run(["make", "-n", "-o", ".venv/.installed", "eval", "RUN=r"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120).returncode == 0
     assert make("tokenize", "extract", "TOKENS=t", "CACHE=h").returncode == 0
+
+
+def test_a_stage_piped_into_head_ends_without_a_traceback():
+    """`make status ... | head`: the reader closes the pipe while the stage still writes; the stage (its front door,
+    run_cli) ends quietly with the shell's SIGPIPE status, not a BrokenPipeError traceback."""
+    stage = ("from dflash_offline.cli import run_cli\n"
+             "def main(argv):\n    for i in range(100000):\n        print('shard', i, 'ok' * 20)\n    return 0\n"
+             "run_cli(main)")
+    res = subprocess.run(f"{sys.executable} -c \"{stage}\" | head -1; echo \"status ${{PIPESTATUS[0]}}\"", shell=True,
+                         executable="/bin/bash", capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert res.stdout.splitlines()[-1] == "status 141" and "Traceback" not in res.stderr, (res.stdout, res.stderr)
