@@ -51,10 +51,12 @@ from .cache.manifest import (
     committed,
     hidden_num_shards,
     missing_files,
+    not_covered,
     read_manifest,
     require,
     shard_list,
     token_cache,
+    verdict_now,
 )
 from .cache.shards import (
     SAFETENSORS_DTYPES,
@@ -128,7 +130,7 @@ def open_hidden_cache(cache_dir, layer_ids, hidden_size: int | None = None, seq_
     if bad := next(((i, why) for i in range(n) if (why := entry_error(done[i], i))), None):
         raise ManifestError(f"{where}: shards[{bad[0]}] {bad[1]}: the manifest was edited or damaged; restore it, or "
                             f"redo the shard with `make extract CACHE={cache} SHARD={bad[0]}`")
-    _check_verdict(cache, m.get("verified"), require_verified)
+    _check_verdict(cache, m, require_verified)
     width = stored_width(prod)
     enc = ENCODINGS.get(prod.get("quant"))
     if enc is None or width % enc.align:
@@ -250,20 +252,30 @@ def _check_equal(where, field: str, have, want) -> None:
         raise ManifestError(f"{where}: {field} is {have} but the drafter expects {want}; use a cache built for it")
 
 
-def _check_verdict(cache: Path, verdict: dict | None, require: bool) -> None:
-    if verdict is None:
+def _check_verdict(cache: Path, m: dict, require: bool) -> None:
+    """The recorded verdict judged against the shards as they are now (`verdict_now`): refused where it found the
+    projection not the cache's, or shards bad that are still as it saw them (naming the `SHARD=` that redoes them);
+    with `require`, also where there is none, or it does not cover every shard (some (re)committed since it was
+    taken, a repair among them): then only `make verify` is asked for, never a redo of work already done."""
+    v = verdict_now(m)
+    if v is None:
         if require:
             raise ManifestError(f"{cache}/manifest.json: verified is absent (never verified); "
                                 f"run `make verify CACHE={cache}` first")
         return
-    if not verdict.get("ok") and verdict.get("projection"):  # every shard depends on it: none to redo alone
-        raise ManifestError(f"{cache}/manifest.json: verified.ok is false: {verdict['projection']}")
-    if not verdict.get("ok"):
-        bad = verdict.get("bad", [])
+    if not v.get("ok") and v.get("projection"):  # every shard depends on it: none to redo alone
+        raise ManifestError(f"{cache}/manifest.json: verified.ok is false: {v['projection']}")
+    if bad := v["bad"]:
         shards = shard_list({b["shard"] for b in bad if "shard" in b})
         why = "; ".join(f"shard {b.get('shard')}: {b.get('reason')}" for b in bad[:5])
-        raise ManifestError(f"{cache}/manifest.json: verified.ok is false ({why}{' …' if len(bad) > 5 else ''}); "
+        also = f"; {not_covered(v)}" if v["since"] else ""
+        raise ManifestError(f"{cache}/manifest.json: verified.ok is false ({why}{' …' if len(bad) > 5 else ''}{also}); "
                             f"redo them with `make extract CACHE={cache} SHARD={shards}`, then `make verify`")
+    if require and (v["since"] or not v.get("ok")):
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(v.get("at", 0)))
+        raise ManifestError(f"{cache}/manifest.json: verified (at {when}) does not cover the cache as it is now: "
+                            f"{not_covered(v)}; nothing to redo: run `make verify CACHE={cache}` (require_verified=1 "
+                            f"trains only on what a verdict covers)")
 
 
 # --- the order of an epoch (pure functions) ----------------------------------------------------------------

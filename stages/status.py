@@ -22,9 +22,11 @@ from dflash_offline.cache.manifest import (
     has_manifest,
     hidden_num_shards,
     missing_files,
+    not_covered,
     read_manifest,
     shard_list,
     token_cache,
+    verdict_now,
 )
 from dflash_offline.config import ConfigError, configs_from_argv
 
@@ -73,7 +75,9 @@ def claims(cache: Path) -> list[dict]:
 
 
 def report(cache: Path) -> dict:
-    """Reads only (a read-only cache is reported as well)."""
+    """Reads only (a read-only cache is reported as well). `verified`: the recorded verdict judged against the shards
+    as they are now (`verdict_now`: `bad` the shards still to redo, `redone` and `since` the ones (re)committed since,
+    which it does not cover)."""
     m = read_manifest(cache)
     done = committed(m)
     total, tokens_error = shard_count(cache, m)
@@ -90,7 +94,7 @@ def report(cache: Path) -> dict:
         "damaged": damaged,
         "pending": None if total is None else sorted(set(range(total)) - set(done)),
         "summary": m.get("summary") or (hidden_summary(m, done) if m["kind"] == "hidden" else {}),
-        "verified": m.get("verified"),
+        "verified": verdict_now(m),
         "shards": m["shards"],
         "live": live_status(cache),
         "claims": claims(cache),
@@ -134,16 +138,26 @@ def shard_seconds(s: dict) -> float:
     return s.get("seconds") or max(s.get("compute_seconds", 0.0), s.get("write_seconds", 0.0))
 
 
-def fmt_verdict(v: dict | None) -> str:
+def fmt_verdict(v: dict | None, cache: str = "...") -> str:
+    """The verdict as `verdict_now` judges it (a recorded one is shown as it stands): ok; FAILED, naming the shards
+    still as it found them and the command that redoes them; or, where every shard it named was (re)committed since,
+    the repair awaiting `make verify` — never a redo of what was redone. Shards (re)committed since are named as not
+    covered."""
     if not v:
-        return "never verified (make verify CACHE=...)"
+        return f"never verified (make verify CACHE={cache})"
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(v.get("at", 0)))
+    verify = f"make verify CACHE={cache}"
+    since = f"; not covered: {not_covered(v)}" if v.get("since") else ""
     if v.get("ok"):
         err = f", max rel err {v['max_rel_err']:.2e}" if v.get("max_rel_err") is not None else ""
-        return f"ok at {when} ({v.get('rows_per_shard')} rows/shard recomputed{err})"
+        return f"ok at {when} ({v.get('rows_per_shard')} rows/shard recomputed{err}){since and f'{since} ({verify})'}"
     if v.get("projection"):
         return f"FAILED at {when}: {v['projection']}"
-    return f"FAILED at {when}: shards {shard_list({b['shard'] for b in v.get('bad', []) if 'shard' in b})}"
+    if bad := shard_list({b["shard"] for b in v.get("bad", []) if "shard" in b}):
+        return f"FAILED at {when}: shards {bad} (redo: make extract CACHE={cache} SHARD={bad}, then make verify){since}"
+    if not v.get("redone"):  # (a verdict edited by hand: no result to show)
+        return f"FAILED at {when}, naming no shard ({verify})"
+    return f"repaired, awaiting {verify}: the verdict of {when} is out of date: {not_covered(v)}"
 
 
 def fmt_bytes(n: float) -> str:
@@ -176,7 +190,7 @@ def print_report(r: dict, show_all: bool) -> None:
     if r["tokens_error"]:
         print(f"  shard count unchecked: {r['tokens_error']}")
     if r["kind"] == "hidden":
-        print(f"  verified: {fmt_verdict(r['verified'])}")
+        print(f"  verified: {fmt_verdict(r['verified'], r['cache'])}")
     for k, v in r["summary"].items():
         print(f"  {k}: {v:.4g}" if isinstance(v, float) else f"  {k}: {v}")
     for st in r["live"]:

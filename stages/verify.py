@@ -12,6 +12,9 @@ their round-trip bound, the encoding's `rel_tol`, where it is larger). A project
 in its stored width: the fresh states are projected with the cache's P (its file checked against the manifest
 first), z = h @ P in fp32 as extraction computes it, so the same tolerances hold. The verdict goes into the manifest (`verified`), which
 training reads: a cache that failed is refused. Every bad shard is named with the command that redoes it. Exit status 1 if any is bad.
+The verdict records what it judged (`seen`: each shard's `committed_at` as it read them): a shard (re)committed later
+— a repair, or one not committed then — is no longer judged by it (`manifest.verdict_now`): training and `make status`
+then ask for `make verify`, not for the shard to be redone.
 Verify reads only, then records: on a read-only cache it prints the verdict all the same and says it is not recorded.
 
 Three phases (their checks are `dflash_offline/verification.py`'s), each timed in the verdict (`phase_seconds`) and in
@@ -37,6 +40,7 @@ from dflash_offline.cache.manifest import (
     read_manifest,
     require,
     shard_list,
+    shard_stamps,
     token_cache,
     update_manifest,
 )
@@ -58,7 +62,7 @@ def verify(cache: Path, cfg: VerifyConfig) -> dict:
     a read-only cache is verified all the same."""
     from dflash_offline.cache.encodings import ENCODINGS
     from dflash_offline.dataset import HIDDEN_NEEDS
-    from dflash_offline.targetid import resolve_checkpoint
+    from dflash_offline.targetid import check_same_target, resolve_checkpoint
 
     device = pick_device(cfg.device, "verify.device")
     m = read_manifest(cache, kind="hidden")
@@ -67,9 +71,12 @@ def verify(cache: Path, cfg: VerifyConfig) -> dict:
         raise ValueError(f"{cache / MANIFEST}: producer.quant is {m['producer']['quant']!r}, this code reads "
                          f"{', '.join(ENCODINGS)}: extract the cache again with this code")
     tokens_dir = token_cache(cache, m)[0]
-    hidden_num_shards(cache, m, read_manifest(tokens_dir))  # a count edited into the manifest: refused before hashing
+    n = hidden_num_shards(cache, m, read_manifest(tokens_dir))  # a count edited into the manifest: refused before hashing
+    seen = shard_stamps(m, n)  # the shards this verdict judges: one (re)committed later is not covered by it
     # a missing target fails now, not after hours of hashing
     ckpt = resolve_checkpoint(cfg.target or m["config"]["extract"]["target"]) if cfg.rows > 0 else None
+    if ckpt is not None:  # other weights would mark every shard bad in a shared cache's recorded verdict
+        check_same_target(str(ckpt), m["producer"]["target"], str(cache), m["config"]["extract"]["target"], "verify")
     Ps = None  # a projected cache: its P per tapped layer (the file checked against the manifest), before any hashing
     if m["producer"].get("projection"):
         from dflash_offline.projection import ProjectionError, read_projection
@@ -77,7 +84,7 @@ def verify(cache: Path, cfg: VerifyConfig) -> dict:
         try:
             Ps = read_projection(cache, m["config"]["layer_ids"], m.get("projection"))
         except ProjectionError as e:  # every shard depends on it: the verdict is recorded, no shard is worth redoing
-            return record(cache, {"ok": False, "bad": [], "projection": str(e), "at": time.time(),
+            return record(cache, {"ok": False, "bad": [], "projection": str(e), "at": time.time(), "seen": seen,
                                   "rows_per_shard": cfg.rows, "max_rel_err": None, "seconds": 0.0, "phase_seconds": {}})
     t0 = time.time()
     bad = check_files(cache, m, tokens_dir)
@@ -99,7 +106,7 @@ def verify(cache: Path, cfg: VerifyConfig) -> dict:
                                 projection)
         phases["recompute"] = time.time() - t
         bad += more
-    return record(cache, {"ok": not bad, "bad": bad, "at": time.time(), "rows_per_shard": cfg.rows,
+    return record(cache, {"ok": not bad, "bad": bad, "at": time.time(), "seen": seen, "rows_per_shard": cfg.rows,
                           "max_rel_err": worst, "seconds": time.time() - t0, "phase_seconds": phases})
 
 

@@ -226,6 +226,28 @@ def test_eval_refuses_a_held_out_cache_of_another_target(tmp_path, hidden_cache,
     evalrun.check_cache_target(str(hidden_cache), qwen35_dir)
 
 
+def test_verify_with_another_target_is_refused_before_it_records_a_verdict(tmp_path, hidden_cache, qwen35_dir,
+                                                                            copy_cache, monkeypatch):
+    """`make verify TARGET=` other weights would recompute every sampled row wrong, mark every shard bad in the shared
+    manifest, and send every training to re-extract: refused in one line before the target loads, nothing recorded."""
+    from dflash_offline import target as target_module
+    from dflash_offline.config import VerifyConfig
+    from stages import verify
+
+    cache = copy_cache(hidden_cache, tmp_path / "cache")
+    before = (cache / "manifest.json").read_bytes()
+    other = copy_target(qwen35_dir, tmp_path / "other")
+    weights = other / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[unsampled_offset(weights)] ^= 0x10
+    weights.write_bytes(bytes(data))
+    monkeypatch.setattr(target_module, "load_target", lambda *a, **k: pytest.fail("the target loaded"))
+    with pytest.raises(TargetError, match=rf"target {other} is not the target {cache} was extracted from .*verify with "
+                                          rf"the target the cache was extracted from"):
+        verify.verify(cache, VerifyConfig(cache=str(cache), rows=1, device="cpu", target=str(other)).resolve())
+    assert (cache / "manifest.json").read_bytes() == before
+
+
 def sharded_copy(src, dst):
     """The tiny target as released checkpoints are: its tensors in two files that model.safetensors.index.json lists."""
     from safetensors.torch import load_file, save_file

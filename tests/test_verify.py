@@ -283,3 +283,95 @@ def test_verify_status_and_training_work_on_a_read_only_cache(hidden_cache, tmp_
     with HiddenStream(open_hidden_cache(cache, ids), batch_rows=4, prefetch=0) as stream:
         assert next(stream)["hidden"].shape == (4, 128, 3 * 64)
     assert (cache / "manifest.json").read_text() == before
+
+
+# --- a verdict judged against the shards as they are now ----------------------------------------------------
+
+
+def redo(cache, shards: str = "") -> None:
+    """`make extract CACHE=<cache> [SHARD=<shards>]`, the command verify and training print, run in-process: the
+    cache rerun from the inputs its manifest records, exactly those shards (or every uncommitted one)."""
+    from dflash_offline.extract_plan import recorded_config
+    from stages import extract
+
+    extract.run(recorded_config([f"--cache={cache}"] + ([f"--shards={shards}"] if shards else [])), None)
+
+
+def judged(cache, capsys) -> tuple[str, str, str]:
+    """What a user is told now: `make status`'s verdict line, training's refusal (or "" where it opens the cache),
+    and the same with require_verified=1."""
+    from dflash_offline.cache.manifest import ManifestError
+    from dflash_offline.dataset import open_hidden_cache
+    from stages import status
+
+    status.main([f"--cache={cache}"])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("  verified: "))
+    refusals = []
+    for require in (False, True):
+        try:
+            open_hidden_cache(cache, read_manifest(cache)["config"]["layer_ids"], require_verified=require)
+            refusals.append("")
+        except ManifestError as e:
+            refusals.append(str(e))
+    return line, *refusals
+
+
+def test_a_repaired_shard_awaits_verify_not_another_redo(hidden_cache, tmp_path, capsys):
+    """Shards 1 and 2 corrupted, verify FAILED naming SHARD=1-2, shard 1 redone with the printed command (the same
+    bytes again): status still said "FAILED … shards 1-2" and training "redo them … SHARD=1-2", so a user redid
+    work already done. Now only shard 2 is to redo; once it is redone too, status says the repair awaits
+    `make verify` and training asks for that alone (it trains without require_verified: nothing is known bad); a
+    verdict recorded by older code (no `seen`) is judged alike; and a fresh verify judges the repaired cache as it
+    judges a copy never damaged."""
+    cache = copy_cache(hidden_cache, tmp_path)
+    for shard in (1, 2):
+        flip_a_byte(cache / hidden_shard_name(shard))
+    assert [b["shard"] for b in hashes_only(cache)["bad"]] == [1, 2]
+    line, train, strict = judged(cache, capsys)
+    assert re.search(r"FAILED at .*: shards 1-2", line) and "SHARD=1-2`" in train and "SHARD=1-2`" in strict, line
+
+    redo(cache, "1")
+    line, train, strict = judged(cache, capsys)
+    assert re.search(r"FAILED at .*: shards 2 \(redo: make extract CACHE=\S+ SHARD=2, then make verify", line), line
+    assert "not covered: shards 1 that it named have been (re)committed since" in line, line
+    for refusal in (train, strict):
+        assert "shard 2: hidden-00002.safetensors does not match its checksum" in refusal, refusal
+        assert f"make extract CACHE={cache} SHARD=2`" in refusal and "shard 1:" not in refusal, refusal
+
+    redo(cache, "2")
+    assert all((cache / hidden_shard_name(i)).read_bytes() == (hidden_cache / hidden_shard_name(i)).read_bytes()
+               for i in (1, 2))
+    line, train, strict = judged(cache, capsys)
+    assert line.startswith(f"  verified: repaired, awaiting make verify CACHE={cache}: the verdict of "), line
+    assert line.endswith("is out of date: shards 1-2 that it named have been (re)committed since"), line
+    assert "FAILED" not in line and "SHARD=" not in line and train == ""
+    assert "does not cover the cache as it is now: shards 1-2 that it named have been (re)committed since" in strict
+    assert f"run `make verify CACHE={cache}`" in strict and "SHARD=" not in strict and "make extract" not in strict
+    edit_manifest(cache, lambda m: m["verified"].pop("seen"))  # as older code recorded it: judged by its `at`
+    assert judged(cache, capsys) == (line, train, strict)
+
+    clean = copy_cache(hidden_cache, tmp_path / "clean")
+    for c in (cache, clean):
+        assert hashes_only(c)["ok"]
+    def same(c):  # (the paths and the minute each verdict was taken at set aside)
+        at = r"\d{4}-\d\d-\d\d \d\d:\d\d"
+        return tuple(re.sub(at, "<at>", x.replace(str(c), "<cache>")) for x in judged(c, capsys))
+
+    assert same(cache) == same(clean)
+    assert judged(cache, capsys)[1:] == ("", "") and "verified: ok at" in judged(cache, capsys)[0]
+
+
+def test_a_verdict_taken_before_shards_were_committed_does_not_prescribe_redoing_them(hidden_cache, tmp_path,
+                                                                                      capsys):
+    """Verify run while extraction was unfinished recorded "shard 4-6: not committed"; once the extraction finished
+    them, training told the user to redo shards 4-6. Now the verdict no longer covers them: `make verify` only."""
+    cache = copy_cache(hidden_cache, tmp_path)
+    edit_manifest(cache, lambda m: m.update(shards=[s for s in m["shards"] if s["index"] not in (4, 5, 6)]))
+    v = hashes_only(cache)
+    assert [(b["shard"], b["reason"]) for b in v["bad"]] == [(i, "not committed") for i in (4, 5, 6)]
+    redo(cache)  # the extraction finishes: every uncommitted shard
+    line, train, strict = judged(cache, capsys)
+    assert line.startswith(f"  verified: repaired, awaiting make verify CACHE={cache}"), line
+    assert "shards 4-6 that it named have been (re)committed since" in line and "SHARD=" not in line
+    assert train == "" and f"run `make verify CACHE={cache}`" in strict and "SHARD=" not in strict, strict
+    assert hashes_only(cache)["ok"] and judged(cache, capsys)[1:] == ("", "")

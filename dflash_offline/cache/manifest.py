@@ -128,6 +128,8 @@ OPTIONAL_FIELDS = {
     "verified.at": (_is_num, "a number"),
     "verified.max_rel_err": (lambda v: v is None or _is_num(v), "a number or null"),
     "verified.projection": (lambda v: isinstance(v, str), "a string"),
+    "verified.seen": (lambda v: isinstance(v, list) and all(x is None or _is_num(x) for x in v),
+                      "a list of numbers or nulls (each shard's committed_at as the verdict saw it)"),
     "projection": (lambda v: v is None or isinstance(v, dict), "an object or null"),
     "projection.sha256": (_is_sha, "a 64-character hex digest"),
     "projection.dims": (lambda v: _is_int(v, 1), "an integer ≥ 1"),
@@ -150,7 +152,7 @@ OPTIONAL_FIELDS = {
 }
 SHARD_OPTIONAL = {"tokens": (_is_int, "an integer ≥ 0"), "tokens_sha256": (_is_sha, "a 64-character hex digest"),
                   "reason": (lambda v: isinstance(v, str), "a string"),
-                  **{k: (_is_num, "a number") for k in ("seconds", "compute_seconds", "write_seconds")}}
+                  **{k: (_is_num, "a number") for k in ("seconds", "compute_seconds", "write_seconds", "committed_at")}}
 _ABSENT = object()
 
 
@@ -361,3 +363,53 @@ def requeue_missing(cache: Path) -> list[dict]:
             shards = [dict(s, status="missing", reason=why[s["index"]]) if s["index"] in why else s for s in m["shards"]]
             write_json_atomic(cache / MANIFEST, dict(m, shards=shards))
     return bad
+
+
+# --- a recorded verdict, judged against the shards as they are now -------------------------------------------
+
+
+def shard_stamps(m: dict, n: int) -> list:
+    """What a verdict saw of shards 0..n-1, recorded as its `seen`: each committed shard's `committed_at` (0 for an
+    entry without one), null for a shard not committed. A shard whose stamp is another now was (re)committed since;
+    stamps are compared, never clocks, so hosts whose clocks differ agree."""
+    done = committed(m)
+    return [done[i].get("committed_at", 0) if i in done else None for i in range(n)]
+
+
+def committed_since(m: dict, v: dict) -> list[int]:
+    """The committed shards that verdict `v` does not cover, having been (re)committed since it read the manifest:
+    those whose stamp is not the one its `seen` recorded. A verdict recorded without `seen` (by older code): those
+    committed after its `at` (none where it has no `at`)."""
+    seen, at = v.get("seen"), v.get("at")
+
+    def since(i: int, s: dict) -> bool:
+        stamp = s.get("committed_at", 0)
+        if seen is not None:
+            return stamp != (seen[i] if i < len(seen) else None)
+        return at is not None and stamp > at
+
+    return sorted(i for i, s in committed(m).items() if since(i, s))
+
+
+def verdict_now(m: dict) -> dict | None:
+    """The manifest's verdict (`verified`) judged against the shards as they are now, None where there is none: a
+    copy whose `bad` keeps only the shards it named that are still as it saw them (to redo), with `redone`: the ones
+    it named that were (re)committed since (a repair, or a shard not committed then: only `make verify` judges them
+    now), and `since`: every shard (re)committed since, which it does not cover."""
+    v = m.get("verified")
+    if not v:
+        return None
+    since = committed_since(m, v)
+    bad, now = v.get("bad", []), set(since)
+    return dict(v, bad=[b for b in bad if b.get("shard") not in now],
+                redone=[b for b in bad if b.get("shard") in now], since=since)
+
+
+def not_covered(v: dict) -> str:
+    """What verdict `v` (`verdict_now`'s) no longer covers, said for a person: the shards it named that were redone
+    since, and the others (re)committed since."""
+    redone = sorted({b["shard"] for b in v.get("redone", [])})
+    others = sorted(set(v.get("since", [])) - set(redone))
+    parts = ([f"shards {shard_list(redone)} that it named have been (re)committed since"] if redone else []) + \
+            ([f"shards {shard_list(others)} have been (re)committed since it was taken"] if others else [])
+    return "; ".join(parts) or "it names no bad shard"
