@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import storage
-from .cache.fsio import free_space, hash_obj
+from .cache.fsio import free_space, hash_obj, remove_dead_temps
 from .cache.manifest import committed, diff_producers, has_manifest, missing_files, read_manifest
 from .config import (
     ConfigError,
@@ -407,7 +407,8 @@ def disk_room(cfg: ExtractConfig, plan: ExtractPlan, rank: int) -> dict:
     token_bytes = plan.rows * plan.seq_len * storage.token_bytes_per_token() if plan.tokens_manifest.get(
         "dry_run") else 0
     need += token_bytes
-    free = free_space(plan.cache)
+    # what dead writers left is removed before the first shard (`claims.sweep`): room this run will have
+    free = free_space(plan.cache) + sum(remove_dead_temps(d, dry=True)[1] for d in (plan.cache, plan.cache / "claims"))
     refusal = disk_refusal(plan.cache, need, free, cfg.min_free_gb)
     if refusal and not cfg.dry_run:
         if not cfg.allow_overfill:

@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -92,6 +93,27 @@ def test_rerun_skips_and_shard_redo_replaces_exactly_that_shard(tmp_path, qwen35
     assert [i for i in after if after[i] != stamp[i]] == [2]
     entry = read_manifest(cache)["shards"][2]
     assert entry["committed_at"] > before["committed_at"] and entry["files"] == before["files"]  # same bytes
+
+
+def test_a_rerun_counts_the_room_a_dead_writers_temp_file_will_give_back(tmp_path, qwen35_dir, chat_corpus,
+                                                                          monkeypatch):
+    """After a crash on a tight disk the rerun needs the room the dead writer's half-written shard holds: it counts it
+    (the rerun removes it before the first shard) instead of refusing for lack of room it would itself free."""
+    from dflash_offline import extract_plan
+    from dflash_offline.cache.fsio import TEMP_MARK, boot_tag
+
+    cache = extract_run(tmp_path, qwen35_dir, chat_corpus)
+    one = shard_files(cache)[1]
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    debris = one.with_name(f".{one.name}{TEMP_MARK}{socket.gethostname()}~{dead.pid}~{boot_tag()}~deadbeef")
+    debris.write_bytes(b"\0" * (one.stat().st_size + 4096))
+    monkeypatch.setattr(extract_plan, "free_space", lambda p: 1000)  # (less than one shard)
+    extract_run(tmp_path, qwen35_dir, chat_corpus, shards="1", min_free_gb=0.0)
+    assert not debris.exists()
+    debris.write_bytes(b"\0" * 10)  # too small to make room: refused, naming the sizes
+    with pytest.raises(ValueError, match="free"):
+        extract_run(tmp_path, qwen35_dir, chat_corpus, shards="1", min_free_gb=0.0)
 
 
 def test_flipped_byte_is_caught_by_verify_and_redo_repairs_it(tmp_path, qwen35_dir, chat_corpus):

@@ -300,10 +300,10 @@ def pid_alive(host: str, pid, boot: str | None = None) -> bool:
 OTHER_HOST_TEMP_AGE_S = 86400.0  # a temp file from another host untouched this long belongs to a dead writer
 
 
-def remove_dead_temps(d: Path, name: str = "") -> tuple[int, int]:
+def remove_dead_temps(d: Path, name: str = "", dry: bool = False) -> tuple[int, int]:
     """Remove the temp files and directories in `d` (not below; `name`: only those of that final name) whose writer
     is dead: same host and pid space, its pid is gone; another host or pid space (a container with this hostname),
-    untouched for a day. (count, bytes) removed."""
+    untouched for a day. (count, bytes) removed (`dry`: counted, left in place)."""
     count, nbytes, now = 0, 0, time.time()
     for p in d.glob(f".{glob.escape(name) if name else '*'}{TEMP_MARK}*") if d.is_dir() else []:
         host, pid, tag = temp_writer(p) or ("", "", None)
@@ -312,13 +312,15 @@ def remove_dead_temps(d: Path, name: str = "") -> tuple[int, int]:
             st = p.stat()
             if pid_alive(host, pid) if here else now - st.st_mtime <= OTHER_HOST_TEMP_AGE_S:
                 continue
+            count += 1
             if p.is_dir():
                 nbytes += sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
-                shutil.rmtree(p, ignore_errors=True)
+                if not dry:
+                    shutil.rmtree(p, ignore_errors=True)
             else:
                 nbytes += st.st_size
-                p.unlink()
-            count += 1
+                if not dry:
+                    p.unlink()
     return count, nbytes
 
 
