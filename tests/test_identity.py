@@ -316,6 +316,12 @@ def test_a_token_cache_where_a_hidden_one_is_wanted_names_the_hidden_cache_made_
             call()
         assert str(e.value) == want
     assert not (tmp_path / "r").exists()
+    side = tmp_path / "side"  # a hidden cache pinned under any name (CACHE=) beside its token cache is named too
+    shutil.copytree(tokens, side / tokens.name)
+    shutil.copytree(hidden_cache, side / "my-run-cache")
+    with pytest.raises(ManifestError, match=rf"pass the hidden-state cache extracted from it .*: "
+                                            rf"{side / 'my-run-cache'}$"):
+        verify.main([f"--cache={side / tokens.name}", "--rows=0"])
     ext = ExtractConfig(target=str(qwen35_dir), cache_root=str(tmp_path / "c"), tokens=str(hidden_cache),
                         num_draft_layers=3, device="cpu").resolve()  # and the other way round
     with pytest.raises(ManifestError, match=rf"^{hidden_cache} is a hidden-state cache \(stage 1b\); pass a token "):

@@ -57,17 +57,18 @@ def read_manifest(cache: str | Path, need: tuple[str, ...] = (), kind: str = "")
 
 def wrong_kind(cache: Path, m: dict, want: str) -> str:
     """Why a cache of the other kind cannot be read, and which to pass: for a token cache (stage 1a) where a hidden
-    one is wanted, the hidden caches beside it extracted from it."""
+    one is wanted, the hidden caches beside it extracted from it (any sibling holding a manifest: CACHE= pins any
+    name)."""
     if want == "tokens":
         return (f"{cache} is a hidden-state cache (stage 1b); pass a token cache (make tokenize writes "
                 f"cache/tokens-<key12>)")
     made = []
-    for d in sorted(cache.resolve().parent.glob("hidden-*")):
+    for d in sorted(p.parent for p in cache.resolve().parent.glob(f"*/{MANIFEST}")):
         try:
-            h = read_manifest(d, kind="hidden")
+            h = read_manifest(d)  # (no kind: a sibling token cache is passed over, not explained)
         except (OSError, ManifestError):
             continue
-        if (h["producer"].get("tokens") or {}).get("key") == m["key"]:
+        if h["kind"] == "hidden" and (h["producer"].get("tokens") or {}).get("key") == m["key"]:
             done, n = len(committed(h)), h["num_shards"]
             made.append(f"{d}" + ("" if done == n else f" ({done} of {n} shards done)"))
     return (f"{cache} is a token cache (stage 1a: token rows, no hidden states); pass the hidden-state cache extracted "
