@@ -215,7 +215,7 @@ def find_caches(root: Path) -> list[Path]:
     return sorted(p for p in root.glob("*") if has_manifest(p))
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str]) -> int:
     if positional := [x for x in argv if not x.startswith("-")]:
         raise ConfigError(f"status: the cache is now --cache={positional[0]} (a positional directory is not read)")
     (cfg,) = configs_from_argv([(StatusConfig, "status")], argv or ["--help"], __doc__)
@@ -223,12 +223,28 @@ def main(argv: list[str]) -> None:
     caches = find_caches(root)
     if not caches:
         raise ManifestError(f"no cache at {root} (no {MANIFEST} there or one level below)")
-    reports = [report(c) for c in caches]
+    if len(caches) == 1:  # (one cache: its error is the stage's one line)
+        reports = [report(caches[0])]
+    else:  # a directory of caches: one unreadable manifest is reported in its place, the others still are
+        reports = [readable(c) for c in caches]
     if cfg.json:
         print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=1, sort_keys=True))
-        return
-    for r in reports:
-        print_report(r, cfg.all)
+    else:
+        for r in reports:
+            print(f"{r['cache']}: error: {r['error']}") if "error" in r else print_report(r, cfg.all)
+    return 2 if any("error" in r for r in reports) else 0
+
+
+def readable(cache: Path) -> dict:
+    """`report(cache)`, or {"cache", "error"} for a cache whose manifest cannot be read (its one line)."""
+    try:
+        return report(cache)
+    except (ValueError, OSError) as e:
+        from dflash_offline.cli import refusal
+
+        if (line := refusal(e)) is None:
+            raise
+        return {"cache": str(cache), "error": line.removeprefix("error: ")}
 
 
 if __name__ == "__main__":

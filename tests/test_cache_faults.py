@@ -274,3 +274,20 @@ def test_the_manifest_records_a_relative_target_by_its_absolute_path(clean, qwen
     """Training, verify and the repair command read the target from the manifest, from any directory: the clean
     cache was extracted with a target path relative to the working directory."""
     assert read_manifest(clean)["config"]["extract"]["target"] == str(Path(qwen35_dir).resolve())
+
+
+def test_status_of_a_directory_reports_every_cache_around_a_broken_one(tmp_path, clean):
+    """`make status CACHE=<directory of caches>`: one cache whose manifest cannot be read is one line in its place;
+    the others are still reported, and the status says something failed (2)."""
+    import shutil
+
+    root = tmp_path / "caches"
+    for name in ("a-good", "b-broken", "c-good"):
+        shutil.copytree(clean, root / name)
+    (root / "b-broken" / "manifest.json").write_text("{ not json")
+    res = subprocess.run([sys.executable, "-m", "stages.status", f"--cache={root}"], capture_output=True, text=True,
+                         cwd=REPO, timeout=120)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    lines = res.stdout.splitlines()
+    broken = [x for x in lines if x.startswith(f"{root / 'b-broken'}: error: ")]
+    assert len(broken) == 1 and sum(str(root / n) in res.stdout for n in ("a-good", "c-good")) == 2, res.stdout
