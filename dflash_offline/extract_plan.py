@@ -148,11 +148,29 @@ def weights_missing(ckpt: Path) -> str:
     return ""
 
 
+def target_settings(cfg: ExtractConfig, ckpt: Path) -> tuple:
+    """(target info, taps, mask token id or None) with the taps and the mask token checked against the target's
+    config alone: run before stage 1a, so a bad one fails in seconds, not after the corpus is tokenized."""
+    from .target import default_layer_ids, read_target_info
+    from .targetid import check_mask_token
+
+    info = read_target_info(ckpt)
+    layer_ids = list(cfg.layer_ids) or default_layer_ids(info.num_layers, cfg.num_draft_layers)
+    bad = [i for i in layer_ids if not 0 <= i < info.num_layers]
+    if bad:
+        raise ValueError(f"extract.layer_ids {bad} out of range: {ckpt} has layers 0..{info.num_layers - 1}")
+    sidecar = ckpt / "dflash_target.json"  # the tiny targets name their mask token there
+    mask_id = cfg.mask_token_id if cfg.mask_token_id >= 0 else (
+        json.loads(sidecar.read_text()).get("mask_token_id") if sidecar.is_file() else None)
+    if mask_id is not None:
+        check_mask_token(mask_id, ckpt, info, "extract.mask_token_id")
+    return info, layer_ids, mask_id
+
+
 def make_plan(cfg: ExtractConfig, tokens: Path | dict) -> ExtractPlan:
     """The facts about the cache; `tokens`: the token cache's directory, or (dry run) the manifest stage 1a would
     write."""
     from .cache.shards import HIDDEN_LAYOUT_VERSION, ShardError
-    from .target import default_layer_ids, read_target_info
     from .targetid import check_mask_token, resolve_checkpoint, target_fingerprint
 
     tm = tokens if isinstance(tokens, dict) else read_manifest(tokens, kind="tokens")
@@ -161,17 +179,10 @@ def make_plan(cfg: ExtractConfig, tokens: Path | dict) -> ExtractPlan:
     ckpt = resolve_checkpoint(cfg.target, target_needs(cfg), "extract.target")
     weights = not cfg.dry_run or not weights_missing(ckpt)  # a dry run plans from config.json alone; its key then
     # lacks them
-    info = read_target_info(ckpt)
-    layer_ids = list(cfg.layer_ids) or default_layer_ids(info.num_layers, cfg.num_draft_layers)
-    bad = [i for i in layer_ids if not 0 <= i < info.num_layers]
-    if bad:
-        raise ValueError(f"extract.layer_ids {bad} out of range: {ckpt} has layers 0..{info.num_layers - 1}")
+    info, layer_ids, mask_id = target_settings(cfg, ckpt)
     seq_len = tm["producer"]["seq_len"]
     vocab = tm["producer"]["tokenizer"]["vocab_size"]
-    sidecar = ckpt / "dflash_target.json"  # the tiny targets name their mask token there
-    mask_id = cfg.mask_token_id if cfg.mask_token_id >= 0 else (
-        json.loads(sidecar.read_text()).get("mask_token_id") if sidecar.is_file() else None)
-    if mask_id is not None:
+    if mask_id is not None:  # (again with the token cache's pad id)
         check_mask_token(mask_id, ckpt, info, "extract.mask_token_id", (tm["producer"]["tokenizer"]["pad_id"],))
     if vocab > info.vocab_size:
         raise ValueError(f"tokenizer has {vocab} tokens but {ckpt} embeds only {info.vocab_size}: wrong tokenizer?")
@@ -227,6 +238,7 @@ def plan_run(cfg: ExtractConfig, tok_cfg: TokenizeConfig | None, rank: int, worl
     if not cfg.dry_run:
         weight_files(ckpt)  # and so does a checkpoint cut short (a file its index lists absent or truncated)
     device = pick_device(cfg.device, "extract.device", local_rank)
+    target_settings(cfg, ckpt)  # taps and mask token: before stage 1a tokenizes the corpus
     if tok_cfg is not None and not cfg.tokens:
         check_seq_len(tok_cfg.seq_len, ckpt)
     tokens_dir = token_cache(cfg, tok_cfg, rank)

@@ -193,6 +193,7 @@ def test_dry_run_and_fail_fast_before_weights_load(tmp_path, qwen35_dir, chat_co
     with pytest.raises(ValueError, match=r"mask_token_id=1987 must be a real embedding row .* not pad/eos "
                                          r"\(\[1986, 1987, 1988\]\)"):
         extract_run(tmp_path, stops, chat_corpus, mask_token_id=1987, dry_run=True)
+    assert not list((tmp_path / "cache").glob("tokens-*"))  # taps and mask refused before stage 1a tokenized
     with pytest.raises(ValueError, match="free"):
         extract_run(tmp_path, qwen35_dir, chat_corpus, min_free_gb=1e9)
     assert not list((tmp_path / "cache").glob("hidden-*"))  # nothing was created by the refused runs
