@@ -183,7 +183,7 @@ def cache_info(cache: Path, m: dict, layer_ids, n: int) -> CacheInfo:
     builds one for the shards that are committed: the others get 0 rows and no file record)."""
     prod, done = m["producer"], committed(m)
     return CacheInfo(
-        cache_dir=cache, tokens_dir=cache / m["config"]["tokens_dir"], key=m["key"], tokens_key=prod["tokens"]["key"],
+        cache_dir=cache, tokens_dir=token_cache(cache, m)[0], key=m["key"], tokens_key=prod["tokens"]["key"],
         layer_ids=tuple(layer_ids), cache_layer_ids=tuple(int(i) for i in prod["layer_ids"]), quant=prod["quant"],
         hidden_size=int(prod["target"]["hidden_size"]), seq_len=int(prod["tokens"]["producer"]["seq_len"]),
         shard_rows=tuple(done[i]["rows"] if i in done else 0 for i in range(n)),

@@ -291,3 +291,34 @@ def test_status_of_a_directory_reports_every_cache_around_a_broken_one(tmp_path,
     lines = res.stdout.splitlines()
     broken = [x for x in lines if x.startswith(f"{root / 'b-broken'}: error: ")]
     assert len(broken) == 1 and sum(str(root / n) in res.stdout for n in ("a-good", "c-good")) == 2, res.stdout
+
+
+def test_a_hidden_cache_without_its_token_cache_says_which_one_and_where(tmp_path, hidden_cache):
+    """A hidden cache reads its token rows from the token cache it was extracted from. Moved alone, it is refused
+    naming that cache's key and where it was looked for (not "X is not a cache: run make tokenize"); with another
+    token cache there, refused naming both keys (not "the manifest was edited or damaged", and not at the first read
+    of a training run); put back, it reads."""
+    import shutil
+
+    from dflash_offline.cache.manifest import ManifestError, read_manifest
+    from dflash_offline.dataset import open_hidden_cache
+
+    m = read_manifest(hidden_cache)
+    tokens = (hidden_cache / m["config"]["tokens_dir"]).resolve()
+    taps = m["config"]["layer_ids"]
+    alone = tmp_path / "moved" / "hidden"
+    shutil.copytree(hidden_cache, alone)
+    want = m["producer"]["tokens"]["key"][:12]
+    with pytest.raises(ManifestError, match=rf"{alone}'s token cache \(key {want}\), which it reads its token rows "
+                                            rf"from, is not at .*move together; put it back there"):
+        open_hidden_cache(alone, taps)
+    other = tmp_path / "moved" / tokens.name
+    shutil.copytree(tokens, other)
+    om = json.loads((other / "manifest.json").read_text())
+    om["key"] = "f" * 64
+    (other / "manifest.json").write_text(json.dumps(om))
+    with pytest.raises(ManifestError, match=rf"is not at {other}: that holds another tokens cache \(key ffffffffffff\)"):
+        open_hidden_cache(alone, taps)
+    shutil.rmtree(other)
+    shutil.copytree(tokens, other)
+    assert open_hidden_cache(alone, taps).num_rows > 0

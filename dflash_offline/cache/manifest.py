@@ -205,10 +205,25 @@ def schema_error(m: dict) -> str | None:
 
 
 def token_cache(cache: Path, m: dict) -> tuple[Path, dict]:
-    """A hidden cache's token cache: its directory (`config.tokens_dir`, relative to the cache) and its manifest."""
+    """A hidden cache's token cache: its directory (`config.tokens_dir`, relative to the cache; else the absolute
+    `config.extract.tokens` it was given, when the cache was moved alone) and its manifest, which must be the one the
+    cache was extracted from (`producer.tokens.key`): another there is refused naming both keys."""
     require(m, Path(cache) / MANIFEST, ("config.tokens_dir",))
-    tokens_dir = (Path(cache) / m["config"]["tokens_dir"]).resolve()
-    return tokens_dir, read_manifest(tokens_dir)
+    rel = m["config"]["tokens_dir"]
+    tokens_dir = (Path(cache) / rel).resolve()
+    given = (m["config"].get("extract") or {}).get("tokens") or ""
+    if not has_manifest(tokens_dir) and given and has_manifest(given):
+        tokens_dir = Path(given).resolve()
+    want = ((m.get("producer") or {}).get("tokens") or {}).get("key")
+    where = f"{cache}'s token cache{f' (key {want[:12]})' if want else ''}, which it reads its token rows from,"
+    if not has_manifest(tokens_dir):
+        raise ManifestError(f"{where} is not at {tokens_dir} ({rel} from the cache): a hidden cache and its token "
+                            f"cache move together; put it back there (or extract the cache again)")
+    tm = read_manifest(tokens_dir)
+    if want and tm.get("key") != want:
+        raise ManifestError(f"{where} is not at {tokens_dir}: that holds another {tm.get('kind')} cache (key "
+                            f"{str(tm.get('key'))[:12]}); put the one it was extracted from there")
+    return tokens_dir, tm
 
 
 def hidden_num_shards(cache: Path, m: dict, tokens_m: dict) -> int:
