@@ -36,6 +36,7 @@ from .config import (
     parse_shard_list,
     upgrade_recorded,
 )
+from .corpus import CorpusError
 from .devices import pick_device
 from .progress import log
 
@@ -294,8 +295,16 @@ def check_tokens_dir(d: Path, tok_cfg: TokenizeConfig) -> None:
 
     if has_manifest(d):
         m = read_manifest(d)
-        key = tokenization.identify(tok_cfg)[3]
-        if m.get("kind") == "tokens" and m.get("complete") and m.get("key") != key:
+        complete = m.get("kind") == "tokens" and m.get("complete")
+        try:
+            key = tokenization.identify(tok_cfg)[3]
+        except CorpusError as e:  # a complete token cache copied to a machine without the corpus reads as it is
+            if not complete:
+                raise
+            log(f"--tokens={d}: its token cache (key {str(m.get('key'))[:12]}) is read as it is; the corpus and "
+                f"[tokenize] settings were not compared with it ({e})")
+            return
+        if complete and m.get("key") != key:
             log(f"--tokens={d}: its token cache (key {str(m.get('key'))[:12]}) is read as it is, with the [tokenize] "
                 f"settings it was made with — this corpus and these settings would make key {key[:12]} (leave "
                 f"--tokens empty to make that one)")

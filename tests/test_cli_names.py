@@ -257,6 +257,11 @@ def test_extract_tokens_names_where_stage_1a_writes_and_what_it_reads(tmp_path, 
     assert f"--tokens={tokens}: its token cache (key " in said.out + said.err
     assert json.loads((tmp_path / "hid2" / "manifest.json").read_text())["producer"]["tokens"]["producer"][
         "seq_len"] == 128
+    # a complete token cache copied to a machine without the corpus: read as it is, said so
+    gone = [a if not a.startswith("--corpus=") else f"--corpus={tmp_path / 'not-here.jsonl'}" for a in argv]
+    assert extract.run(*configs_from_argv(STAGES["extract"], [*gone, "--dry_run=1"], "")) is None
+    said = capsys.readouterr()
+    assert "the corpus and [tokenize] settings were not compared with it (corpus" in said.out + said.err
     root = tmp_path / "cache-root"
     (root / "hidden-abc").mkdir(parents=True)
     with pytest.raises(ConfigError, match=r"holds no token cache \(no manifest.json\) and is not empty"):
