@@ -81,7 +81,7 @@ def _train(cfg: TrainConfig, switches: BenchSwitches, stopper: StopSignals, t0: 
         check_same_projection(start, run_dir, c.get("projection"))
         check_same_drafter(start, run_dir, dc)
     if rank == 0:
-        write_resolved(cfg, s, dc, c, info.key, run_dir)
+        write_resolved(cfg, s, dc, c, info.key, run_dir, start)
 
     # --- model
     model, embed, head = build_model(cfg, s, dc, c["target"], device, log if rank == 0 else None)
@@ -118,13 +118,40 @@ def accelerator(cfg: TrainConfig, switches: BenchSwitches, seq_len: int, rows: i
     return acc, s, trackers
 
 
-def write_resolved(cfg: TrainConfig, s: TrainSetup, dc, c: dict, cache_key: str, run_dir: Path) -> None:
-    """RUN/config.json (the resolved config, what it means here, the cache's projection) and the run's P; logged."""
+IGNORED_ON_RESUME = {"resume", "steps", "epochs"}  # (a resume says resume=1; a longer run is what a resume is for)
+
+
+def keep_earlier_config(run_dir: Path, resolved: dict, start: Path, log) -> None:
+    """A resume whose settings differ from those RUN/config.json records: the earlier file is kept as
+    config.until-<step>.json (the steps before were trained with it) and the differences are logged."""
+    import json
+
+    old_path = run_dir / "config.json"
+    try:
+        old = json.loads(old_path.read_text())
+    except (OSError, ValueError):
+        return
+    before, now = old.get("train", {}), resolved["train"]
+    changed = sorted(k for k in set(before) | set(now) if k not in IGNORED_ON_RESUME and before.get(k) != now.get(k))
+    if not changed:
+        return
+    step = start.name.removeprefix("step-")
+    write_json_atomic(run_dir / f"config.until-{step}.json", old)
+    log(f"resumed with other settings than {old_path}: "
+        + ", ".join(f"{k} {before.get(k)!r} → {now.get(k)!r}" for k in changed)
+        + f"; the earlier config is kept as config.until-{step}.json")
+
+
+def write_resolved(cfg: TrainConfig, s: TrainSetup, dc, c: dict, cache_key: str, run_dir: Path, start=None) -> None:
+    """RUN/config.json (the resolved config, what it means here, the cache's projection) and the run's P; logged. A
+    resume with other settings keeps the earlier ones (`keep_earlier_config`)."""
     from dflash_offline.progress import log
 
     resolved = {"train": as_dict(cfg), "drafter": as_dict(dc), "derived": s.derived(cfg, cache_key),
                 "template_kwargs": c["template_kwargs"],
                 **({"projection": c["projection"]} if c.get("projection") else {})}
+    if start is not None:
+        keep_earlier_config(run_dir, resolved, start, log)
     write_json_atomic(run_dir / "config.json", resolved)  # a reader never sees half of it
     if c.get("projection"):  # the run keeps the P it trains on: export and eval then need no cache
         from dflash_offline.projection import copy_to_run

@@ -203,6 +203,23 @@ def test_a_recipes_taps_are_not_silently_replaced_by_the_caches(tmp_path, hidden
     assert train_stage.main([f"--recipe={recipe}", *args, f"--run={tmp_path / 'sub'}", f"--layer_ids={subset}"]) == 0
 
 
+def test_a_resume_with_other_settings_keeps_the_earlier_config_and_says_what_changed(tmp_path, hidden_cache, capsys):
+    """RUN/config.json is the resumed run's; the settings the steps before were trained with are kept beside it
+    (config.until-<step>.json) and the differences logged — they were overwritten, unsaid. A resume that only runs
+    longer keeps no copy."""
+    run = tmp_path / "r"
+    train.run(cfg(hidden_cache, run, steps=3))
+    train.run(cfg(hidden_cache, run, steps=6, resume=True))
+    assert not list(run.glob("config.until-*"))
+    capsys.readouterr()
+    train.run(cfg(hidden_cache, run, steps=9, resume=True, lr=1e-2, gamma=5.0))
+    said = capsys.readouterr().out
+    assert re.search(r"resumed with other settings than .*config.json: gamma .* → 5.0, lr 0.003 → 0.01; the earlier "
+                     r"config is kept as config.until-00000006.json", said), said
+    kept = json.loads((run / "config.until-00000006.json").read_text())["train"]
+    assert kept["lr"] == 3e-3 and json.loads((run / "config.json").read_text())["train"]["lr"] == 1e-2
+
+
 def test_existing_run_needs_resume(tmp_path, hidden_cache):
     train.run(cfg(hidden_cache, tmp_path / "r", steps=3))
     with pytest.raises(ValueError, match=r"resume=1 \(make RESUME=1\) to continue it, or choose another --run "
