@@ -40,6 +40,9 @@ class Trainer:
         self.cfg, self.s, self.acc, self.run_dir, self.projection = cfg, s, acc, Path(run_dir), projection
         self.embed, self.head = embed, head  # the target's frozen embedding and lm_head
         self.step = 0  # optimizer steps done
+        self.saved_step = None  # the step of the newest checkpoint this run wrote or resumed from
+        self.step_data = None  # the stream's position while the step in flight draws its batches (`train_step`)
+        self.ended = None  # how the status file was closed: "done", "interrupted", "failed" (None: not yet)
         self.progress = self.meter = None  # the loop's (`run`)
         self._build_optimizer(model)  # after sharding when FSDP is on: it must hold the sharded parameters
         compile_model(self.raw, s)
@@ -94,7 +97,7 @@ class Trainer:
         state = load_checkpoint(self.run_dir, self.raw, self.opt, self.sched, step=int(start.name.split("-")[1]),
                                 sharded=self.s.sharded, verify=False)  # (verified by resume_point)
         self.stream.load_state_dict(state["data_state"])
-        self.step = state["step"]
+        self.step = self.saved_step = state["step"]
         log(f"[rank {rank}] resumed {self.run_dir} at step {self.step} ({state['dir'].name})")
 
     # --- the loop ----------------------------------------------------------------------------------------------
@@ -102,9 +105,19 @@ class Trainer:
     def run(self, seq_len: int, t0: float, stopper=None) -> None:
         """Step to the run's end: metric windows every log_every steps, a checkpoint every ckpt_every and at the end;
         a stop signal (`stopper`: a `runguard.StopSignals`) ends the run after the step in flight, every process at
-        the same step. The stream is closed however it ends (a failed step too: its queued reads dropped)."""
+        the same step. The stream is closed however it ends (a failed step too: its queued reads dropped), and a
+        failure marks the status file `failed`; a shard that fails its read check first gets a checkpoint of the
+        last finished step (`read_failed`)."""
+        from dflash_offline.cache.shards import ShardError
+
         try:
             self._loop(seq_len, t0, stopper)
+        except ShardError as e:
+            raise self.read_failed(e) from None
+        except BaseException as e:  # (a stop, `Interrupted`, has closed it already)
+            if self.progress is not None and self.ended is None:
+                self._close_progress("interrupted" if isinstance(e, KeyboardInterrupt) else "failed")
+            raise
         finally:
             self.stream.close()
 
@@ -161,7 +174,7 @@ class Trainer:
         from dflash_offline.progress import log
 
         self.stream.close()
-        self.progress.close("done")
+        self._close_progress("done")
         self.meter.close()
         if self.acc.process_index == 0:
             saved = self.s.final_checkpoint or list_checkpoints(self.run_dir)  # (a bench run may have none)
@@ -183,13 +196,57 @@ class Trainer:
                 self.meter.end_window(self.step, self.sched.get_last_lr()[0], self.skipped_steps)
             self.meter.read()
             self.save()
-        self.progress.close("interrupted")
+        self._close_progress("interrupted")
         self.meter.close()
         name, step = signal.Signals(signum).name, self.step
         where = ("its steps all done, no checkpoint (a bench run)" if bench_end else
                  f"checkpoint {step_dir(self.run_dir, step)}; continue with --resume=1 (make RESUME=1)")
         raise Interrupted(signum, f"stopped on {name} at step {step} of {self.s.steps}: {where}; exit status "
                                   f"{128 + signum}")
+
+    def read_failed(self, e):
+        """A shard failed its read check while a step drew its batches (`HiddenStream` raises `ShardError` before
+        handing the batch out; the step draws all its micro-batches before any forward, so nothing of it has been
+        computed or accumulated): a checkpoint of the last finished step — its data position the step's first batch
+        (`step_data`), so a resume re-reads the failed batch and continues as an uninterrupted run would — unless
+        that step is checkpointed already or is step 0; the status file says `failed`. Returns the `ShardError` to
+        raise: its line, plus the checkpoint and how to continue once the shard is redone.
+
+        One process only: with several, the others do not know this one failed (they are in the step's forward,
+        waiting for it in its collectives), and a save is a collective they would not join; this process ends
+        without a checkpoint and the launcher stops the others: the run continues from its last checkpoint."""
+        from dflash_offline.cache.shards import ShardError
+        from dflash_offline.checkpoint import step_dir
+
+        step, s = self.step, self.s
+        if self.meter is None:  # (before the loop started: nothing done)
+            if self.progress is not None:
+                self._close_progress("failed")
+            return e
+        if s.world == 1 and step and step != self.saved_step and self.step_data is not None:
+            try:  # as a stop does: the window ends here, its record written before the save
+                if self.meter.window.steps:
+                    self.meter.end_window(step, self.sched.get_last_lr()[0], self.skipped_steps)
+                self.meter.read()
+                self.save(data_state=self.step_data)
+            except Exception:
+                self._close_progress("failed")
+                raise
+        self._close_progress("failed")
+        self.meter.close()
+        if self.saved_step == step:
+            where = f"checkpoint step {step} ({step_dir(self.run_dir, step)})"
+        else:  # several processes (or step 0): the last checkpoint, if any, is where it continues
+            where = (f"last checkpoint step {self.saved_step} ({step_dir(self.run_dir, self.saved_step)})"
+                     if self.saved_step is not None else "no checkpoint yet (a resume starts at step 0)")
+            if s.world > 1 and step:
+                where += f"; with {s.world} processes none is written on a failed read"
+        return ShardError(f"{e} — training stopped after step {step} of {s.steps}, {where}: once the shard is "
+                          f"redone, `make train RESUME=1` (--resume=1, the same RUN=) continues from there")
+
+    def _close_progress(self, state: str) -> None:
+        self.ended = state
+        self.progress.close(state)
 
     # --- one step ----------------------------------------------------------------------------------------------
 
@@ -199,8 +256,10 @@ class Trainer:
         from dflash_offline.loss import loss_weight, step_normalizer
 
         cfg, s = self.cfg, self.s
+        self.step_data = self.stream.state_dict()  # (a failed read: `read_failed` checkpoints this position)
         micros = [next_micro(cfg, s, self.acc, self.stream, self.step * s.accum + m, self.raw.cfg)
                   for m in range(s.accum)]
+        self.step_data = None  # (drawn: from here on a failure is not a failed read)
         norm = step_normalizer([loss_weight(b["labels"], cfg.loss.gamma or None, cfg.loss.weighting) for b, _ in micros],
                                s.world)
         for m, (batch, wait_s) in enumerate(micros):
@@ -284,8 +343,9 @@ class Trainer:
             self.opt.step()
         return grad_norm
 
-    def save(self) -> None:
-        """A checkpoint of this step (every process takes part; rank 0 writes)."""
+    def save(self, data_state: dict | None = None) -> None:
+        """A checkpoint of this step (every process takes part; rank 0 writes); `data_state`: the stream's position
+        to record, if not its current one."""
         from dflash_offline.checkpoint import gather_full_state, save_checkpoint
 
         acc, raw = self.acc, self.raw
@@ -294,9 +354,11 @@ class Trainer:
         if acc.process_index == 0:
             config = {"train": as_dict(self.cfg), "drafter": as_dict(raw.cfg),
                       **({"projection": self.projection} if self.projection else {})}
-            save_checkpoint(self.run_dir, self.step, raw, self.opt, self.sched, data_state=self.stream.state_dict(),
-                            config=config, keep_last=self.cfg.keep_last, states=states)
+            save_checkpoint(self.run_dir, self.step, raw, self.opt, self.sched,
+                            data_state=data_state or self.stream.state_dict(), config=config,
+                            keep_last=self.cfg.keep_last, states=states)
         acc.wait_for_everyone()
+        self.saved_step = self.step
 
 
 # --- the pieces ------------------------------------------------------------------------------------------------
