@@ -175,7 +175,8 @@ testbed-sweep:  ## testbed A/B presets, SWEEP=options (γ, anchors, noise, D-PAC
 	$(PYTHON) -m testbed --dir=$(TESTBED_DIR) --sweep=$(SWEEP) --seeds=$(SEEDS) $(ARGS)
 
 clean:  ## remove the demo's outputs (DEMO_DIR=) and pytest's cache; refused when CACHE= or TOKENS= lies inside DEMO_DIR
-	@d=$$(realpath -m -- "$(DEMO_DIR)" 2>/dev/null); case "$$(realpath .)/" in "$$d"/*) d=/;; esac; \
-	case "$$d" in ""|/|"$$(realpath -m -- "$$HOME")") echo "make clean: DEMO_DIR=$(DEMO_DIR) is not a demo directory; nothing removed" >&2; exit 2;; esac; \
+	@d=$$(realpath -m -- "$(DEMO_DIR)" 2>/dev/null); for inside in "$$(realpath .)" "$$(realpath -m -- "$$HOME")"; do case "$$inside/" in "$$d"/*) d=/;; esac; done; \
+	case "$$d" in /*/*) ;; *) d=/;; esac; \
+	case "$$d" in ""|/) echo "make clean: DEMO_DIR=$(DEMO_DIR) is not a demo directory; nothing removed" >&2; exit 2;; esac; \
 	for keep in $(CACHE) $(TOKENS); do case "$$(realpath -m -- "$$keep")/" in "$$d"/*) echo "make clean: $$keep lies inside DEMO_DIR=$(DEMO_DIR), which clean removes; nothing removed (move it out, or remove it by hand)" >&2; exit 2;; esac; done; \
 	echo "rm -rf $$d .pytest_cache"; rm -rf -- "$$d" .pytest_cache

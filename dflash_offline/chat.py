@@ -315,8 +315,14 @@ def record_settings(obj: dict, base: dict | None, tok=None) -> dict | None:
     if not isinstance(own, dict) or any(not isinstance(v, str | bool | int | float) for v in own.values()):
         raise RecordError("invalid_regen_template", "regen.template must be an object of the chat template's "
                                                     "settings (strings, booleans, numbers)")
-    if tok is not None and base and not settings_agree(tok, own, base):
-        raise RecordError("template_mismatch", mismatch(own, base))
+    if tok is not None:
+        try:
+            agree = settings_agree(tok, own, base or {})
+        except Exception as e:  # noqa: BLE001 - the template's own refusal of the record's settings
+            raise RecordError("template_error", f"the chat template refuses regen.template {json.dumps(own)}: "
+                                                f"{type(e).__name__}: {e}") from None
+        if not agree:
+            raise RecordError("template_mismatch", mismatch(own, base or {}))
     return own
 
 
@@ -327,12 +333,18 @@ PROBE = [{"role": "system", "content": "You are helpful."}, {"role": "user", "co
 
 def settings_agree(tok, own: dict, base: dict) -> bool:
     """Whether the template renders a short conversation (and its generation prompt) alike under `own` and under
-    `base` over `own`: a setting `own` leaves to the template's default agrees with a `base` value equal to it."""
-    key = (id(tok), json.dumps(own, sort_keys=True), json.dumps(base, sort_keys=True))
+    `base` with `own`'s enable_thinking (THINKING= of regen, which stage 1a's `thinking` handles): a setting either
+    leaves to the template's default agrees with the other's value equal to it. Raises the template's refusal."""
+    key = (id(tok), tok.chat_template, json.dumps(own, sort_keys=True), json.dumps(base, sort_keys=True))
     if key not in _AGREE:
-        both = {**own, **base}
-        _AGREE[key] = all(apply(tok, PROBE, None, {**own, **gen}) == apply(tok, PROBE, None, {**both, **gen})
-                          for gen in ({}, {"add_generation_prompt": True}))
+        both = {**base, **{k: own[k] for k in ("enable_thinking",) if k in own}}
+        try:
+            _AGREE[key] = all(apply(tok, PROBE, None, {**own, **gen}) == apply(tok, PROBE, None, {**both, **gen})
+                              for gen in ({}, {"add_generation_prompt": True}))
+        except Exception as e:  # noqa: BLE001 - remembered too: a refusal is not rendered again for every record
+            _AGREE[key] = e
+    if isinstance(_AGREE[key], Exception):
+        raise _AGREE[key]
     return _AGREE[key]
 
 

@@ -151,15 +151,13 @@ def check_settings_agree(paths: list[Path], tok, base: dict) -> None:
     """Refuse, before a record is tokenized, a JSONL corpus file (a make regen output) whose first record was answered
     under other chat template settings than `base` (tokenize.template_kwargs); a record elsewhere that was is skipped
     (`template_mismatch`)."""
-    if not base:
-        return
     for path in paths:
         if file_kind(path) == "jsonl":
             line_no, obj = first_record(path)
             try:
                 record_settings(obj, base, tok)
             except RecordError as e:
-                if e.reason == "template_mismatch":
+                if e.reason in ("template_mismatch", "template_error"):
                     raise CorpusError(f"{path}:{line_no}: {e.detail}") from None
 
 

@@ -121,9 +121,24 @@ def check_stage_1a_unchanged(cache: str, tokens: str, given: dict[str, str]) -> 
         return
     base = load_config(TokenizeConfig, "tokenize", None, {}, recorded)
     now = load_config(TokenizeConfig, "tokenize", None, given, recorded)
-    def same(k):  # (the corpus by the files its patterns name from here: a relative spelling of the same is not new)
+    def same(k):  # by meaning: the files a corpus names, a tokenizer's directory, the settings' object
         a, b = getattr(now, k), getattr(base, k)
-        return a == b or (k == "corpus" and [Path(x).resolve() for x in a] == [Path(x).resolve() for x in b])
+        if a == b:
+            return True
+        try:
+            if k == "corpus":
+                from .corpus import expand_paths
+
+                return [p.resolve() for p in expand_paths(a)] == [p.resolve() for p in expand_paths(b)]
+            if k == "tokenizer":
+                return Path(a).resolve() == Path(b).resolve()
+            if k == "template_kwargs":
+                from .chat import parse_settings
+
+                return parse_settings(a) == parse_settings(b)
+        except ValueError:  # (a corpus not here, settings not JSON: not the same)
+            return False
+        return False
 
     if diff := [k for k in given if not same(k)]:
         said = ", ".join(f"{k}={getattr(now, k)!r} (made with {getattr(base, k)!r})" for k in diff)

@@ -136,7 +136,8 @@ def keep_earlier_config(run_dir: Path, resolved: dict, start: Path, log) -> None
     if not changed:
         return
     step = start.name.removeprefix("step-")
-    write_json_atomic(run_dir / f"config.until-{step}.json", old)
+    if not (run_dir / f"config.until-{step}.json").exists():  # (a second resume from that step: the first is the truth)
+        write_json_atomic(run_dir / f"config.until-{step}.json", old)
     log(f"resumed with other settings than {old_path}: "
         + ", ".join(f"{k} {before.get(k)!r} → {now.get(k)!r}" for k in changed)
         + f"; the earlier config is kept as config.until-{step}.json")

@@ -242,8 +242,7 @@ def readable(cache: Path) -> dict:
     except (ValueError, OSError) as e:
         from dflash_offline.cli import refusal
 
-        if (line := refusal(e)) is None:
-            raise
+        line = refusal(e) or f"error: {type(e).__name__}: {e}"  # (an unreadable file: its line too)
         return {"cache": str(cache), "error": line.removeprefix("error: ")}
 
 

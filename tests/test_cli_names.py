@@ -231,7 +231,8 @@ def test_an_existing_cache_refuses_stage_1a_settings_it_was_not_made_with(tmp_pa
                                               rf"{re.escape(said)}.*drop them to continue or repair this cache"):
             recorded_config([f"--cache={cache}", arg])
     rel = os.path.relpath(chat_corpus)
-    for arg in (f"--corpus={rel}", "--workers=3", "--seq_len=128", "--shards=1"):
+    for arg in (f"--corpus={rel}", f"--corpus={Path(chat_corpus).parent}/*{Path(chat_corpus).suffix}", "--workers=3",
+                "--seq_len=128", "--shards=1"):
         assert recorded_config([f"--cache={cache}", arg]).cache == str(cache)
 
 

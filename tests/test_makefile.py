@@ -88,7 +88,7 @@ def test_clean_removes_the_demo_dir_given_and_never_a_cache_inside_it_or_the_rep
     home = tmp_path / "home"  # (a stand-in home: were the check wrong, only it would go)
     (home / "keep").mkdir(parents=True)
     env = {**os.environ, "HOME": str(home)}
-    for bad in ("/", str(REPO), str(REPO.parent), str(home), "~", ""):
+    for bad in ("/", str(REPO), str(REPO.parent), str(home), str(home.parent), "/etc", "~", ""):
         res = make("-s", "clean", f"DEMO_DIR={bad}", env=env)
         assert res.returncode in (0, 2) and (home / "keep").is_dir(), bad  # ("~" is a folder of that name here)
         assert bad == "~" or "is not a demo directory; nothing removed" in res.stderr, bad

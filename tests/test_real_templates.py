@@ -412,7 +412,10 @@ def test_a_regenerated_record_renders_with_the_settings_it_was_answered_under(tm
     off = {**PLAIN, "regen": {"template": {"enable_thinking": False}}}
     low = {**PLAIN, "regen": {"template": {"enable_thinking": True, "reasoning_effort": "low"}}}
     default = {**PLAIN, "regen": {"template": {"enable_thinking": True}}}  # regen without --template_kwargs
-    _, docs = run(tmp_path / "each", fixtures / "qwen3.8", [off, low, default, PLAIN])
+    summary, docs = run(tmp_path / "each", fixtures / "qwen3.8", [off, low, default, PLAIN])
+    assert summary["docs_skipped"] == {"template_mismatch": 1}  # low, where template_kwargs leave xhigh
+    _, low_docs = run(tmp_path / "low", fixtures / "qwen3.8", [low], template_kwargs='{"reasoning_effort": "low"}')
+    docs = [docs[0], low_docs[0], *docs[1:]]
     texts = [tok.decode(ids) for _, ids, _ in docs]
     assert "Reasoning effort" not in texts[0] and "set to low" in texts[1]
     for (_, ids, mask), settings in zip(docs, ({"enable_thinking": False}, low["regen"]["template"],
@@ -420,6 +423,11 @@ def test_a_regenerated_record_renders_with_the_settings_it_was_answered_under(tm
         ref_ids, ref_mask = reference_samples(tok, PLAIN, settings=settings)[-1]
         assert ids.tolist() == ref_ids and mask.tolist() == ref_mask
     assert texts[2] == texts[3] and "Reasoning effort" in texts[2]  # (the default, xhigh, writes one)
+    ultra = {**PLAIN, "regen": {"template": {"enable_thinking": True, "reasoning_effort": "ultra"}}}
+    with pytest.raises(Exception, match=r"chats.jsonl:1: .*the chat template refuses regen.template"):
+        run(tmp_path / "ultra", fixtures / "qwen3.8", [ultra, PLAIN])
+    summary, _ = run(tmp_path / "ultra2", fixtures / "qwen3.8", [PLAIN, ultra])
+    assert summary["docs_skipped"] == {"template_error": 1}
     summary, _ = run(tmp_path / "bad", fixtures / "qwen3.8", [{**PLAIN, "regen": {"template": ["off"]}}, PLAIN])
     assert summary["docs_skipped"] == {"invalid_regen_template": 1}
     with pytest.raises(Exception, match="does not read thinking"):

@@ -218,6 +218,9 @@ def test_a_resume_with_other_settings_keeps_the_earlier_config_and_says_what_cha
                      r"config is kept as config.until-00000006.json", said), said
     kept = json.loads((run / "config.until-00000006.json").read_text())["train"]
     assert kept["lr"] == 3e-3 and json.loads((run / "config.json").read_text())["train"]["lr"] == 1e-2
+    shutil.rmtree(run / "checkpoints" / "step-00000009")  # a crash before the next checkpoint: resumed at 6 again
+    train.run(cfg(hidden_cache, run, steps=9, resume=True, lr=5e-2))
+    assert json.loads((run / "config.until-00000006.json").read_text())["train"]["lr"] == 3e-3  # still the truth
 
 
 def test_existing_run_needs_resume(tmp_path, hidden_cache):
