@@ -24,6 +24,9 @@ from .cache.manifest import committed, hidden_num_shards, read_manifest
 # --- hash ----------------------------------------------------------------------------------------------------
 
 
+NOT_COMMITTED = "not committed"  # the reason of a shard the extraction has not made (yet): nothing to redo
+
+
 def check_files(cache: Path, m: dict, tokens_dir: Path) -> list[dict]:
     """Every shard 0..N-1 checked as training reads it: committed, listing exactly the file training opens
     (`dataset.entry_error`), that file's SHA-256, header and size, rows and tensor layout against the manifest
@@ -39,7 +42,7 @@ def check_files(cache: Path, m: dict, tokens_dir: Path) -> list[dict]:
         sha = dict(zip(paths, pool.map(file_sha256, paths), strict=True))
     bad = []
     for i in range(n):
-        why = "not committed" if i not in done else entry_error(done[i], i) or shard_error(info, m, i, sha)
+        why = NOT_COMMITTED if i not in done else entry_error(done[i], i) or shard_error(info, m, i, sha)
         if why:
             bad.append({"shard": i, "reason": why})
         elif sha[tokens_dir / token_shard_name(i)] != done[i]["tokens_sha256"]:

@@ -11,7 +11,9 @@ forward of the target within `tol` (the RMS over real tokens of each token's rel
 their round-trip bound, the encoding's `rel_tol`, where it is larger). A projected cache (`[extract] project_dims`) is compared
 in its stored width: the fresh states are projected with the cache's P (its file checked against the manifest
 first), z = h @ P in fp32 as extraction computes it, so the same tolerances hold. The verdict goes into the manifest (`verified`), which
-training reads: a cache that failed is refused. Every bad shard is named with the command that redoes it. Exit status 1 if any is bad.
+training reads: a cache that failed is refused. Every bad shard is named with the command that redoes it; shards not
+committed yet (an extraction unfinished or running) are named apart, with the command that finishes it. Exit status 1
+if any is bad or not committed.
 The verdict records what it judged (`seen`: each shard's `committed_at` as it read them): a shard (re)committed later
 — a repair, or one not committed then — is no longer judged by it (`manifest.verdict_now`): training and `make status`
 then ask for `make verify`, not for the shard to be redone.
@@ -48,7 +50,7 @@ from dflash_offline.cli import private_compile_caches, unbuffered
 from dflash_offline.config import VerifyConfig, config_from_argv
 from dflash_offline.devices import pick_device
 from dflash_offline.progress import log
-from dflash_offline.verification import check_files, recompute, sample_rows
+from dflash_offline.verification import NOT_COMMITTED, check_files, recompute, sample_rows
 
 # --- the run -------------------------------------------------------------------------------------------------
 
@@ -138,12 +140,19 @@ def report(cache: str, v: dict) -> None:
     if v.get("projection"):
         print(f"BAD projection: {v['projection']}")
         sys.exit(1)
-    for b in v["bad"]:
+    pending = {b["shard"] for b in v["bad"] if b["reason"] == NOT_COMMITTED}
+    bad = [b for b in v["bad"] if b["shard"] not in pending]
+    for b in bad:
         print(f"BAD shard {b['shard']}: {b['reason']}")
     took = f"{v['seconds']:.1f}s: " + ", ".join(f"{k} {s:.1f}s" for k, s in v["phase_seconds"].items())
+    if pending:  # an extraction not finished (or still running): nothing to redo, its shards are to be made
+        print(f"{len(pending)} shard(s) not committed yet ({shard_list(pending)}): the extraction has not finished; "
+              f"`make extract CACHE={cache}` makes them (it continues where it stopped; if one is running, wait for "
+              f"it), then run make verify again")
+    if bad:
+        shards = shard_list({b["shard"] for b in bad})
+        print(f"{len(bad)} problem(s) ({took}). Redo them with: make extract CACHE={cache} SHARD={shards}")
     if v["bad"]:
-        shards = shard_list({b["shard"] for b in v["bad"]})
-        print(f"{len(v['bad'])} problem(s) ({took}). Redo them with: make extract CACHE={cache} SHARD={shards}")
         sys.exit(1)
     err = f", max rel err {v['max_rel_err']:.2e}" if v["max_rel_err"] is not None else ""
     log(f"{cache}: every shard committed, hashed and matching{err} ({took})")

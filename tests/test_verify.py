@@ -361,6 +361,27 @@ def test_a_repaired_shard_awaits_verify_not_another_redo(hidden_cache, tmp_path,
     assert judged(cache, capsys)[1:] == ("", "") and "verified: ok at" in judged(cache, capsys)[0]
 
 
+def test_shards_not_committed_are_told_to_finish_the_extraction_not_redone(hidden_cache, tmp_path, capsys):
+    """Verify on an unfinished extraction said "Redo them with: make extract SHARD=4-6" for shards never made (a
+    SHARD= redo while another extraction holds them); a damaged shard beside them still gets its redo command."""
+    cache = copy_cache(hidden_cache, tmp_path)
+    edit_manifest(cache, lambda m: m.update(shards=[s for s in m["shards"] if s["index"] not in (4, 5, 6)]))
+    (cache / hidden_shard_name(1)).write_bytes(b"x")
+    with pytest.raises(SystemExit) as exit_:
+        verify.main([f"--cache={cache}", "--rows=0", "--device=cpu"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 1
+    assert "3 shard(s) not committed yet (4-6)" in out and f"`make extract CACHE={cache}` makes them" in out, out
+    assert "1 problem(s)" in out and "SHARD=1\n" in out and "BAD shard 1:" in out, out
+    assert "BAD shard 4" not in out and "SHARD=1,4" not in out and "SHARD=4" not in out, out
+    (cache / hidden_shard_name(1)).write_bytes((hidden_cache / hidden_shard_name(1)).read_bytes())
+    with pytest.raises(SystemExit):
+        verify.main([f"--cache={cache}", "--rows=0", "--device=cpu"])
+    out = capsys.readouterr().out
+    assert "not committed yet (4-6)" in out and "problem(s)" not in out and "SHARD=" not in out, out
+    assert [b["shard"] for b in read_manifest(cache)["verified"]["bad"]] == [4, 5, 6]
+
+
 def test_a_verdict_taken_before_shards_were_committed_does_not_prescribe_redoing_them(hidden_cache, tmp_path,
                                                                                       capsys):
     """Verify run while extraction was unfinished recorded "shard 4-6: not committed"; once the extraction finished
