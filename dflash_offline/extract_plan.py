@@ -25,7 +25,14 @@ from pathlib import Path
 
 from . import storage
 from .cache.fsio import free_space, hash_obj, remove_dead_temps
-from .cache.manifest import committed, diff_producers, has_manifest, missing_files, read_manifest
+from .cache.manifest import (
+    committed,
+    diff_producers,
+    has_manifest,
+    missing_files,
+    projection_problem,
+    read_manifest,
+)
 from .config import (
     ConfigError,
     ExtractConfig,
@@ -381,6 +388,10 @@ def shards_to_do(cfg: ExtractConfig, plan: ExtractPlan) -> dict:
     if existing is None and not cfg.cache:
         note_sibling_caches(cfg, plan.producer)
     done = committed(existing) if existing else {}
+    from .projection import ProjectionError
+
+    if existing and (why := projection_problem(cache, existing, check_sha=True)):  # (before the target loads: the
+        raise ProjectionError(why)  # shards to come would be projected with a P the committed ones were not)
     damaged = {b["shard"]: b["reason"] for b in missing_files(cache, existing)} if done else {}
     todo = redo or [i for i in range(plan.num_shards) if i not in done or i in damaged]
     shard_rows = {s["index"]: s["rows"] for s in plan.tokens_manifest["shards"]}

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
+from .cache.manifest import PROJECTION_FILE, restore_advice
 from .progress import log
 
-PROJECTION_FILE = "projection.safetensors"
 PROJECTION_FORMAT = "dflash-projection"
 PROJECTION_ALIGN = 32  # project_dims must be a multiple of it: whole fp4 blocks and bytes, as for the hidden size
 PROJECTION_WAIT_S = 1800.0  # how long ranks > 0 wait for rank 0 to record the cache's projection
@@ -123,8 +123,7 @@ def read_projection(cache, layer_ids, record: dict | None = None) -> list[torch.
     cache = Path(cache)
     rec = record if record is not None else read_manifest(cache).get("projection")
     path = cache / PROJECTION_FILE
-    fix = (f"restore it from a copy, or extract the cache again (delete {cache}; a new projection changes every "
-           f"stored value, so the shards cannot be kept)")
+    fix = restore_advice(cache, rec)
     if not rec:
         raise ProjectionError(f"{cache}/manifest.json records no projection file, yet the cache stores projected taps; "
                               f"{fix}")

@@ -23,6 +23,7 @@ from dflash_offline.cache.manifest import (
     hidden_num_shards,
     missing_files,
     not_covered,
+    projection_problem,
     read_manifest,
     shard_list,
     token_cache,
@@ -82,16 +83,18 @@ def report(cache: Path) -> dict:
     done = committed(m)
     total, tokens_error = shard_count(cache, m)
     damaged = missing_files(cache, m)
+    projection = projection_problem(cache, m) if m["kind"] == "hidden" else None
     return {
         "cache": str(cache),
         "kind": m["kind"],
         "key": m["key"],
-        "complete": not damaged and not tokens_error and (bool(m.get("complete")) or
+        "complete": not damaged and not tokens_error and not projection and (bool(m.get("complete")) or
                                                           (total is not None and len(done) == total)),
         "tokens_error": tokens_error,
         "num_shards": total,
         "committed": len(done),
         "damaged": damaged,
+        "projection_error": projection,
         "pending": None if total is None else sorted(set(range(total)) - set(done)),
         "summary": m.get("summary") or (hidden_summary(m, done) if m["kind"] == "hidden" else {}),
         "verified": verdict_now(m),
@@ -170,7 +173,7 @@ def fmt_bytes(n: float) -> str:
 
 def print_report(r: dict, show_all: bool) -> None:
     total = "?" if r["num_shards"] is None else r["num_shards"]
-    state = "complete" if r["complete"] else "DAMAGED" if r["damaged"] else "incomplete"
+    state = "complete" if r["complete"] else "DAMAGED" if r["damaged"] or r["projection_error"] else "incomplete"
     print(f"{r['cache']}  [{r['kind']} cache, key {r['key'][:12]}, {r['committed']}/{total} shards committed, {state}]")
     rows = r["shards"] if show_all or len(r["shards"]) <= 20 else r["shards"][:10] + r["shards"][-5:]
     print(f"  {'shard':>5} {'status':<10} {'rows':>6} {'tokens':>10} {'bytes':>9} {'sec':>7}  sha256")
@@ -187,6 +190,8 @@ def print_report(r: dict, show_all: bool) -> None:
         bad = sorted({b["shard"] for b in r["damaged"]})
         print(f"  {len(bad)} committed shard(s) damaged on disk: {shard_list(bad)} ({r['damaged'][0]['reason']}"
               f"{' …' if len(r['damaged']) > 1 else ''}); `make extract CACHE={r['cache']}` redoes them")
+    if r["projection_error"]:
+        print(f"  BAD projection: {r['projection_error']}")
     if r["tokens_error"]:
         print(f"  shard count unchecked: {r['tokens_error']}")
     if r["kind"] == "hidden":

@@ -306,6 +306,53 @@ def test_a_projection_file_not_the_manifests_is_refused_by_the_trainer_and_expor
         export(run, tmp_path / "out")
 
 
+def test_a_missing_or_replaced_projection_file_is_shown_by_status_and_refused_by_extract_before_load(
+        caches, runs, copy_cache, qwen35_dir, chat_corpus, tmp_path, monkeypatch, capsys):
+    """A projected cache whose projection.safetensors was deleted read "complete" in `make status`, and
+    `make extract CACHE=` said nothing to do (or, unfinished, loaded the target first). Now status says DAMAGED with
+    the fix (a run's copy), and extract refuses it before any weight loads; a run's copy put back makes it whole."""
+    from dflash_offline import target
+    from stages import status
+
+    cache = copy_cache(caches["proj"], tmp_path / "cache")
+    sha = read_manifest(cache)["projection"]["sha256"]
+    ext, tok = configs(tmp_path, qwen35_dir, chat_corpus, project_dims=K, project_rows=ROWS, cache=str(cache))
+    assert status.report(cache)["complete"] and status.report(cache)["projection_error"] is None
+
+    def no_load(*a, **k):
+        raise AssertionError("weights loaded")
+
+    monkeypatch.setattr(target, "load_target", no_load)
+    (cache / PROJECTION_FILE).unlink()
+    r = status.report(cache)
+    assert not r["complete"] and f"{cache / PROJECTION_FILE} is missing" in r["projection_error"]
+    status.print_report(r, False)
+    out = capsys.readouterr().out
+    assert "DAMAGED]" in out and f"BAD projection: {cache / PROJECTION_FILE} is missing" in out, out
+    assert f"RUN/{PROJECTION_FILE}: copy back the one whose SHA-256 is {sha[:12]}" in out, out
+    with pytest.raises(ProjectionError, match=rf"{cache / PROJECTION_FILE} is missing.*copy back the one whose "
+                                              rf"SHA-256 is {sha[:12]}"):
+        extract.run(ext, tok)
+    write_projection(cache, {lid: -P for lid, P in projections(caches["proj"]).items()}, {"dims": K})
+    assert "the manifest records" in status.report(cache)["projection_error"]  # another size
+    with pytest.raises(ProjectionError, match=r"is \d+ bytes, the manifest records \d+"):
+        extract.run(ext, tok)
+    data = bytearray((caches["proj"] / PROJECTION_FILE).read_bytes())
+    data[-1] ^= 1  # the same size: status stats only, extract hashes it
+    (cache / PROJECTION_FILE).write_bytes(bytes(data))
+    assert status.report(cache)["projection_error"] is None
+    with pytest.raises(ProjectionError, match=r"has SHA-256 .* the manifest records"):
+        extract.run(ext, tok)
+    shutil.copy(runs["proj"] / PROJECTION_FILE, cache / PROJECTION_FILE)  # the run's copy, put back
+    assert status.report(cache)["complete"]
+    assert extract.run(ext, tok) == cache  # nothing to do, and no weights loaded
+    edit = read_manifest(cache)
+    edit["projection"] = None
+    (cache / "manifest.json").write_text(json.dumps(edit))
+    assert "records no projection file, yet its committed shards" in status.report(cache)["projection_error"]
+    assert status.report(caches["full"])["projection_error"] is None
+
+
 # --- (f) verify ----------------------------------------------------------------------------------------------------
 
 

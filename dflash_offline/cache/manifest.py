@@ -18,10 +18,11 @@ import re
 import time
 from pathlib import Path
 
-from .fsio import ManifestError, locked, write_json_atomic
+from .fsio import ManifestError, locked, sha256_file, write_json_atomic
 
 MANIFEST_VERSION = 1
 MANIFEST = "manifest.json"
+PROJECTION_FILE = "projection.safetensors"  # a projected cache's P per tap (`projection.py`), beside its shards
 
 
 # --- read / create / merge -----------------------------------------------------------------------------------
@@ -367,6 +368,39 @@ def missing_files(cache: Path, m: dict) -> list[dict]:
             if size != rec["bytes"]:
                 bad.append({"shard": i, "reason": f"{name} is {size} bytes, the manifest says {rec['bytes']}"})
     return bad
+
+
+def restore_advice(cache: Path, rec: dict | None) -> str:
+    """What to do about a projected cache's missing or changed projection file (`rec`: the manifest's record)."""
+    copy = (f"every training run on this cache keeps a copy, RUN/{PROJECTION_FILE}: copy back the one whose SHA-256 "
+            f"is {rec['sha256'][:12]}…, " if rec and rec.get("sha256") else "")
+    return (f"restore it ({copy}or a backup), or extract the cache again (delete {cache}; a new projection changes "
+            f"every stored value, so the shards cannot be kept)")
+
+
+def projection_problem(cache, m: dict, check_sha: bool = False) -> str | None:
+    """Why a projected cache's committed shards cannot be read back to full width — its projection file missing,
+    not recorded, or not the size (with `check_sha`, the SHA-256) the manifest records — with what to do; None for an
+    unprojected cache, or one whose projection is not calibrated yet and no shard committed. Stats only unless
+    `check_sha` (the file is H × k × taps × 4 bytes: ≈ 0.26 GB at the 27B shapes)."""
+    if not m["producer"].get("projection"):
+        return None
+    cache, rec = Path(cache), m.get("projection")
+    path = cache / PROJECTION_FILE
+    if not rec:
+        if not committed(m):
+            return None
+        why = f"{cache}/manifest.json records no projection file, yet its committed shards store projected taps"
+    elif not path.is_file():
+        why = f"{path} is missing: the cache's projected taps cannot be unfolded without it"
+    elif (size := path.stat().st_size) != rec["bytes"]:
+        why = f"{path} is {size} bytes, the manifest records {rec['bytes']}: it is not the cache's projection"
+    elif check_sha and (got := sha256_file(path)) != rec["sha256"]:
+        why = (f"{path} has SHA-256 {got[:12]}…, the manifest records {rec['sha256'][:12]}…: it is not the projection "
+               f"the cache's shards were computed with")
+    else:
+        return None
+    return f"{why}; {restore_advice(cache, rec)}"
 
 
 def requeue_missing(cache: Path) -> list[dict]:
