@@ -37,8 +37,9 @@ DEMO_DIR ?= build/demo
 DEMO_ENV ?= OMP_NUM_THREADS=1
 LAUNCH_ARGS ?=
 # NPROC > 1: that many processes through accelerate (torchrun underneath), --multi_gpu also on a machine with one GPU
-# or none; several machines: LAUNCH_ARGS="--num_machines N --machine_rank i --main_process_ip HOST --main_process_port P"
-LAUNCH = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/accelerate launch --multi_gpu --num_processes $(NPROC) $(LAUNCH_ARGS) -m,$(PYTHON) -m)
+# or none; several machines: LAUNCH_ARGS="--num_machines N --machine_rank i --main_process_ip HOST --main_process_port P".
+# dflash_offline/launch.py runs the launcher: a stop or a rank's error ends as one process's would (exit status, one line)
+LAUNCH = $(if $(filter-out 1,$(NPROC)),$(PYTHON) -m dflash_offline.launch --num_processes $(NPROC) $(LAUNCH_ARGS) -m,$(PYTHON) -m)
 export PYTHONUNBUFFERED := 1
 
 .PHONY: FORCE setup fixtures test test-gpu test-gpu-extract test-gpu-train faults lint style demo tiny tokenize extract verify train regen report export eval status bench-extract bench-extract-layers bench-train bench-train-compare bench-train-attention bench-train-loss bench-projection testbed testbed-ab testbed-sweep clean help

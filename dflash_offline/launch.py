@@ -1,0 +1,178 @@
+"""`NPROC>1` in the Makefile: `python -m dflash_offline.launch ARGS` runs `accelerate launch --multi_gpu ARGS` and
+makes its end read like one process's.
+
+Without it, a stop (SIGTERM from a scheduler, Ctrl-C) ended in the launcher's ~20-frame `SignalException` traceback and
+exit status 1 after the workers' own one line, and a rank's one-line error in a `ChildFailedError` traceback and a
+box of its exit codes. Here:
+- the launcher runs in a process group of its own, so that a signal reaches it once: SIGTERM and SIGINT sent to this
+  process (or to its group: Ctrl-C) are forwarded to the launcher, which forwards them to the workers (they finish
+  the step in flight and checkpoint, `runguard`); were this process killed, the launcher gets SIGTERM (Linux's
+  parent-death signal), never left behind;
+- its stderr passes through as it comes (progress bars included), but for tracebacks, held until their exception
+  line: the launcher's own (`SignalException`, `ChildFailedError`) are dropped with what it prints after them, and
+  their exit codes read; any other traceback (a worker's) is passed on whole;
+- the exit status is one process's: 128 + the signal after a stop (143, 130), a failed rank's own status (2 for a
+  refused input) with one line naming the rank where its status is not a stop's, 128 + N for a rank killed by
+  signal N (out of memory: SIGKILL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+TRACEBACK = b"Traceback (most recent call last):"
+LAUNCHER_ERRORS = ("SignalException", "ChildFailedError")  # torch.distributed.elastic's, raised by the launcher
+
+
+class LauncherFilter:
+    """The launcher's stderr, fed in chunks (`feed`), written to `out` (a binary stream) as it comes except for
+    tracebacks, held until their exception line; the launcher's own are dropped with everything after them, and what
+    they say is kept: `signal` (the launcher's stop), `failures` [(rank, exit code)] with `root` the first
+    observed failure's."""
+
+    def __init__(self, out):
+        self.out, self.pending, self.held, self.dropping, self.line_start = out, b"", None, False, True
+        self.signal, self.failures, self.root, self._rank, self._is_root = None, [], None, None, False
+
+    def feed(self, data: bytes) -> None:
+        buf, self.pending = self.pending + data, b""
+        while buf:
+            nl = buf.find(b"\n")
+            if nl < 0:  # a partial line: through at once (a progress bar), unless it may open a traceback
+                if self.dropping or self.held is not None or (self.line_start and (
+                        TRACEBACK.startswith(buf) or buf.startswith(TRACEBACK))):
+                    self.pending = buf
+                else:
+                    self.write(buf)
+                    self.line_start = False
+                return
+            self.line(buf[:nl + 1])
+            buf = buf[nl + 1:]
+
+    def close(self) -> None:
+        if self.pending:
+            self.line(self.pending)
+        if self.held:
+            self.write(b"".join(self.held))
+        self.held, self.pending = None, b""
+
+    def write(self, data: bytes) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.out.write(data)
+            self.out.flush()
+
+    def line(self, line: bytes) -> None:
+        if not self.line_start:  # the rest of a line whose start went through
+            self.line_start = True
+            return self.write(line)
+        text = line.decode(errors="replace").rstrip("\r\n")
+        if self.dropping:
+            return self.parse(text)
+        if self.held is None:
+            if line.startswith(TRACEBACK):
+                self.held = [line]
+            else:
+                self.write(line)
+            return
+        self.held.append(line)
+        if not text or text[0] in " \t":  # a frame, its source, its carets
+            return
+        name = text.split(":", 1)[0]
+        if name.startswith("torch.distributed.elastic.") and name.rsplit(".", 1)[-1] in LAUNCHER_ERRORS:
+            self.held, self.dropping = None, True
+            self.parse(text)
+        else:  # a worker's traceback (or a line between the frames): passed on whole
+            self.write(b"".join(self.held))
+            self.held = None
+
+    def parse(self, text: str) -> None:
+        if m := re.search(r"got signal: (\d+)", text):
+            self.signal = int(m[1])
+        elif text.startswith("Root Cause"):
+            self._is_root = True
+        elif m := re.match(r"\s*rank\s*:\s*(\d+)", text):
+            self._rank = int(m[1])
+        elif (m := re.match(r"\s*exitcode\s*:\s*(-?\d+)", text)) and self._rank is not None:
+            self.failures.append((self._rank, int(m[1])))
+            if self._is_root:
+                self.root, self._is_root = (self._rank, int(m[1])), False
+
+
+def signal_name(n: int) -> str:
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
+
+
+def outcome(rc: int, stopped: int, f: LauncherFilter) -> tuple[int, str | None]:
+    """(exit status, the line to print or None) for a launcher that exited `rc`, this process having forwarded
+    signal `stopped` (0: none)."""
+    if rc == 0:
+        return 0, None
+    if stopped or f.signal:  # a stop: the workers said where they stopped and how to continue
+        return 128 + (stopped or f.signal), None
+    if f.failures:
+        rank, code = f.root or f.failures[0]
+        if code < 0:
+            return 128 - code, (f"error: rank {rank} was killed by {signal_name(-code)}"
+                                f"{' (out of memory?)' if code == -signal.SIGKILL else ''}; the other ranks were "
+                                f"stopped")
+        if code in (128 + signal.SIGTERM, 128 + signal.SIGINT):
+            return code, None
+        return code, f"error: rank {rank} ended with exit status {code} (its message is above); the other ranks were stopped"
+    return rc, None
+
+
+def parent_death_signal() -> None:
+    """In the launcher, before it runs: its own process group, and SIGTERM should this process die (Linux)."""
+    os.setpgrp()
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def main(argv: list[str]) -> int:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", *argv]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, preexec_fn=parent_death_signal)  # noqa: PLW1509
+    stopped = 0
+
+    def forward(signum, frame) -> None:
+        nonlocal stopped
+        stopped = stopped or signum
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    f = LauncherFilter(sys.stderr.buffer)
+
+    def pump() -> None:
+        while data := os.read(proc.stderr.fileno(), 65536):
+            f.feed(data)
+
+    reader = threading.Thread(target=pump, name="launcher-stderr", daemon=True)
+    reader.start()
+    while True:
+        try:
+            rc = proc.wait()
+            break
+        except InterruptedError:  # (a forwarded signal during the wait)
+            continue
+    reader.join(timeout=10)
+    f.close()
+    code, line = outcome(rc, stopped, f)
+    if line:
+        print(line, file=sys.stderr, flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
