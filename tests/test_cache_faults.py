@@ -34,12 +34,12 @@ run_cli(extract.main)
 FULL_DISK_AT_SHARD_2 = """
 import errno
 from dflash_offline.cache import shards
-_publish = shards.publish
-def publish(tmp, final):
-    if final.name == "hidden-00002.safetensors":
+_fsync = shards.fsync_path
+def fsync_path(path):  # the disk fills while shard 2's file is written out
+    if "hidden-00002.safetensors" in path.name:
         raise OSError(errno.ENOSPC, "No space left on device")
-    _publish(tmp, final)
-shards.publish = publish
+    _fsync(path)
+shards.fsync_path = fsync_path
 """
 
 

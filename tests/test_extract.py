@@ -381,7 +381,7 @@ def test_background_writes_overlap_up_to_write_queue_and_change_no_byte(tmp_path
 
     from dflash_offline.cache import shards
 
-    real, lock, state = shards.write_hidden_shard, threading.Lock(), {"now": 0, "max": 0}
+    real, lock, state = shards.stage_hidden_shard, threading.Lock(), {"now": 0, "max": 0}
 
     def slow_write(*a, **kw):
         with lock:
@@ -395,7 +395,7 @@ def test_background_writes_overlap_up_to_write_queue_and_change_no_byte(tmp_path
                 state["now"] -= 1
 
     ref = extract_run(tmp_path / "ref", qwen35_dir, chat_corpus, write_queue=1)
-    monkeypatch.setattr(shards, "write_hidden_shard", slow_write)
+    monkeypatch.setattr(shards, "stage_hidden_shard", slow_write)
     got = extract_run(tmp_path / "got", qwen35_dir, chat_corpus, write_queue=depth)
     want, have = read_manifest(ref), read_manifest(got)
     assert have["num_shards"] == want["num_shards"] >= 2 * depth + 1

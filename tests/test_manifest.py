@@ -330,3 +330,42 @@ def test_an_atomic_write_removes_its_name_s_temps_left_by_killed_writers(tmp_pat
         (d / "f").write_text("y")
     assert not left["a.json"].exists() and not left["target"].exists() and left["b.json"].exists() and live.exists()
     assert json.loads((tmp_path / "a.json").read_text()) == {"k": 1} and (tmp_path / "target" / "f").is_file()
+
+
+def staged(tmp_path, name: str, data: bytes):
+    tmp = tmp_path / f".{name}.staged"
+    tmp.write_bytes(data)
+    return {name: tmp}
+
+
+def test_a_staged_shard_is_published_with_its_entry_and_never_over_a_committed_one_it_cannot_replace(tmp_path,
+                                                                                                    monkeypatch):
+    """The file of a shard used to be renamed into place before its entry was committed: a commit then refused
+    (another writer's bytes, without SHARD=) left new bytes under the old entry, and a kill between the two after a
+    redo did the same — a shard looking damaged, which only a checksum (not `make status`) finds. Now the rename
+    happens under the lock, after the entry is accepted; a redo first marks the old entry `missing`."""
+    mf.open_cache(tmp_path, "hidden", "k", {}, {}, 3)
+    mf.commit_shard(tmp_path, entry(0, sha="a" * 64), staged=staged(tmp_path, "f0", b"old"))
+    assert (tmp_path / "f0").read_bytes() == b"old" and mf.committed(mf.read_manifest(tmp_path))[0]
+    with pytest.raises(mf.ManifestError, match="already committed with other bytes"):
+        mf.commit_shard(tmp_path, entry(0, sha="b" * 64), staged=staged(tmp_path, "f0", b"new"))
+    assert (tmp_path / "f0").read_bytes() == b"old"  # refused: the committed file is untouched
+    assert not list(tmp_path.glob(".*.staged"))  # and the staged one removed
+
+    real, writes = mf.write_json_atomic, []
+
+    def killed_on_the_commit(path, obj, *a, **k):  # the process dies after the rename, before the entry is written
+        writes.append(obj)
+        if len(writes) == 2:
+            raise KeyboardInterrupt
+        return real(path, obj, *a, **k)
+
+    monkeypatch.setattr(mf, "write_json_atomic", killed_on_the_commit)
+    with pytest.raises(KeyboardInterrupt):
+        mf.commit_shard(tmp_path, entry(0, sha="b" * 64), redo=True, staged=staged(tmp_path, "f0", b"new"))
+    monkeypatch.setattr(mf, "write_json_atomic", real)
+    m = mf.read_manifest(tmp_path)
+    assert (tmp_path / "f0").read_bytes() == b"new"
+    assert 0 not in mf.committed(m) and m["shards"][0]["status"] == "missing"  # to do again, not damaged
+    mf.commit_shard(tmp_path, entry(0, sha="b" * 64), redo=True, staged=staged(tmp_path, "f0", b"new"))
+    assert mf.committed(mf.read_manifest(tmp_path))[0]["files"]["f0"]["sha256"] == "b" * 64

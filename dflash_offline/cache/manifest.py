@@ -14,11 +14,12 @@ shard file names inside the cache, and bounds counts by what the manifest lists 
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from pathlib import Path
 
-from .fsio import ManifestError, locked, sha256_file, write_json_atomic
+from .fsio import ManifestError, fsync_path, locked, sha256_file, write_json_atomic
 
 MANIFEST_VERSION = 1
 MANIFEST = "manifest.json"
@@ -297,13 +298,30 @@ def merge_shard(m: dict, entry: dict, redo: bool = False) -> dict:
     return dict(m, shards=shards)
 
 
-def commit_shard(cache: Path, entry: dict, redo: bool = False, summary: dict | None = None) -> dict:
-    """Add one shard's entry (files already published) to the manifest under the lock."""
-    with locked(cache):
-        m = merge_shard(read_manifest(cache), entry, redo=redo)
-        if summary is not None:
-            m["summary"] = summary
-        write_json_atomic(cache / MANIFEST, m)
+def commit_shard(cache: Path, entry: dict, redo: bool = False, summary: dict | None = None,
+                 staged: dict[str, Path] | None = None) -> dict:
+    """Add one shard's entry to the manifest under the lock: its files already published, or `staged` (file name →
+    its fsynced temp file) published here, under the lock and only once the entry is accepted — a commit refused
+    leaves the files in place untouched. Where the shard was committed (a redo), its entry is first marked `missing`,
+    so that no moment shows new bytes against the old entry: a kill in between leaves the shard to do again."""
+    try:
+        with locked(cache):
+            before = read_manifest(cache)
+            m = merge_shard(before, entry, redo=redo)
+            if staged:
+                if entry["index"] in committed(before):
+                    write_json_atomic(cache / MANIFEST, dict(before, shards=[
+                        dict(s, status="missing", reason="being redone") if s["index"] == entry["index"] else s
+                        for s in before["shards"]]))
+                for name, tmp in staged.items():
+                    os.replace(tmp, cache / name)
+                fsync_path(cache)
+            if summary is not None:
+                m["summary"] = summary
+            write_json_atomic(cache / MANIFEST, m)
+    finally:  # (a staged file not published: the commit was refused or failed)
+        for tmp in (staged or {}).values():
+            Path(tmp).unlink(missing_ok=True)
     return m
 
 

@@ -33,7 +33,7 @@ import xxhash
 from safetensors import safe_open
 
 from .encodings import decode_layer, get
-from .fsio import publish, sha256_file, temp_path
+from .fsio import fsync_path, publish, sha256_file, temp_path
 
 TOKENS_FORMAT = "dflash-tokens"
 TOKENS_FORMAT_VERSION = 1
@@ -147,6 +147,18 @@ def hidden_shard_metadata(index: int, key: str, projection_sha256: str | None = 
 def write_hidden_shard(path: Path, tensors: dict[str, torch.Tensor], quant: str, layer_ids: list[int],
                        metadata: dict) -> dict:
     """Write encoded per-layer tensors atomically (temp → fsync → rename); returns the file's manifest record."""
+    tmp, rec = stage_hidden_shard(path, tensors, quant, layer_ids, metadata)
+    try:
+        publish(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return rec
+
+
+def stage_hidden_shard(path: Path, tensors: dict[str, torch.Tensor], quant: str, layer_ids: list[int],
+                       metadata: dict) -> tuple[Path, dict]:
+    """`write_hidden_shard` up to the rename: (the fsynced temp file beside `path`, its manifest record). The caller
+    publishes it (`manifest.commit_shard(staged=)`, with the entry under the lock) or removes it."""
     meta = {
         "format": HIDDEN_FORMAT,
         "format_version": str(HIDDEN_FORMAT_VERSION),
@@ -157,7 +169,7 @@ def write_hidden_shard(path: Path, tensors: dict[str, torch.Tensor], quant: str,
     }
     meta.update({k: str(v) for k, v in metadata.items()})
     # One key holding sorted JSON: a deterministic header, so identical shards have identical bytes.
-    return write_safetensors(path, tensors, {META_KEY: json.dumps(meta, sort_keys=True)})
+    return stage_safetensors(path, tensors, {META_KEY: json.dumps(meta, sort_keys=True)})
 
 
 SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
@@ -168,7 +180,18 @@ WRITE_CHUNK = 64 << 20
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict:
     """Write CPU tensors as one safetensors file atomically (temp → fsync → rename) and return its manifest record
-    {"bytes", "sha256", "header_sha256"}. Streams each tensor's memory straight to the file (no serialized copy of the whole file
+    {"bytes", "sha256", "header_sha256"} (`stage_safetensors`, then the rename)."""
+    tmp, rec = stage_safetensors(path, tensors, metadata)
+    try:
+        publish(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return rec
+
+
+def stage_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[Path, dict]:
+    """Write CPU tensors as one safetensors file into a temp file beside `path`, fsynced, not renamed: (its path, its
+    manifest record {"bytes", "sha256", "header_sha256"}); a failed write removes it. Streams each tensor's memory straight to the file (no serialized copy of the whole file
     in memory) and hashes the same bytes on a second thread as they go out (no re-read). Deterministic: tensors
     in name order, compact header JSON padded to 8 bytes, as the safetensors format specifies."""
     names = sorted(tensors)
@@ -198,13 +221,14 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
                     pending.pop(0).result()
             for p in pending:
                 p.result()
-        publish(tmp, path)
+        fsync_path(tmp)
     except BaseException as e:
         tmp.unlink(missing_ok=True)  # a failed write (a full disk, EIO, an interrupt) leaves no debris
         if isinstance(e, OSError) and not e.filename:
             raise OSError(e.errno, e.strerror, str(path)) from None  # name the file the write was for
         raise
-    return {"bytes": len(head) + offset, "sha256": digest.hexdigest(), "header_sha256": hashlib.sha256(head).hexdigest()}
+    return tmp, {"bytes": len(head) + offset, "sha256": digest.hexdigest(),
+                 "header_sha256": hashlib.sha256(head).hexdigest()}
 
 
 def row_digests(t: torch.Tensor) -> list[str]:

@@ -175,10 +175,11 @@ class HiddenShardWriter:
         try:
             if nonfinite.any():
                 raise self.nonfinite_error(index, nonfinite)
-            files = {name: shards.write_hidden_shard(self.cache / name, tensors, self.quant, self.layer_ids,
-                                                     self.shard_metadata(index))}
+            tmp, rec = shards.stage_hidden_shard(self.cache / name, tensors, self.quant, self.layer_ids,
+                                                 self.shard_metadata(index))
+            files = {name: rec}  # published with its entry, under the lock (`commit_shard`)
             commit_shard(self.cache, dict(entry, files=files, write_seconds=time.time() - t, committed_at=time.time()),
-                         redo=self.redo)
+                         redo=self.redo, staged={name: tmp})
         finally:  # committed or failed, the shard is no longer this worker's
             release_claim(self.cache, index)
         write_s = time.time() - t
