@@ -323,3 +323,20 @@ def test_block_attention_is_checked_when_the_train_config_resolves():
     with pytest.raises(ConfigError, match=r"bidirectional needs sliding_window >= block_size \(got 8 < 16\)"):
         TrainConfig.of(cache="c", block_attention="bidirectional", sliding_window=8, block_size=16).resolve()
     assert TrainConfig.of(cache="c", block_attention="bidirectional", sliding_window=16, block_size=16).resolve()
+
+
+def test_template_kwargs_as_a_toml_table_is_the_json_object_it_spells(tmp_path):
+    """`template_kwargs = {reasoning_effort = "low"}` (TOML's own table) was refused "expected str"; it is the
+    same setting as the JSON string, in every recipe section that takes one, and a table of other values is still refused."""
+    from dflash_offline.chat import parse_settings
+
+    required = {"tokenize": ["--corpus=c", "--tokenizer=t"], "eval": ["--run=r"]}
+    for cls, section in ((TokenizeConfig, "tokenize"), (EvalConfig, "eval")):  # (regen has no recipe section)
+        table = recipe(tmp_path, f'[{section}]\ntemplate_kwargs = {{reasoning_effort = "low", x = 1}}\n')
+        cfg = config_from_argv(cls, section, [table, *required[section]], "")
+        as_json = recipe(tmp_path, f"[{section}]\ntemplate_kwargs = '{{\"x\": 1, \"reasoning_effort\": \"low\"}}'\n")
+        assert parse_settings(cfg.template_kwargs) == parse_settings(config_from_argv(
+            cls, section, [as_json, *required[section]], "").template_kwargs) == {"reasoning_effort": "low", "x": 1}
+    nested = recipe(tmp_path, "[tokenize]\ntemplate_kwargs = {a = {b = 1}}\n")
+    with pytest.raises((ConfigError, ValueError), match=r"template_kwargs.*not an object of strings, booleans"):
+        config_from_argv(TokenizeConfig, "tokenize", [nested, "--corpus=c", "--tokenizer=t"], "").resolve()
