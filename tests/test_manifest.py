@@ -369,3 +369,15 @@ def test_a_staged_shard_is_published_with_its_entry_and_never_over_a_committed_o
     assert 0 not in mf.committed(m) and m["shards"][0]["status"] == "missing"  # to do again, not damaged
     mf.commit_shard(tmp_path, entry(0, sha="b" * 64), redo=True, staged=staged(tmp_path, "f0", b"new"))
     assert mf.committed(mf.read_manifest(tmp_path))[0]["files"]["f0"]["sha256"] == "b" * 64
+
+
+def test_a_wait_on_another_hosts_fresh_lock_says_whose_it_is_then_breaks_it(tmp_path, monkeypatch, capsys):
+    """A fresh lock left by a process of another host (its liveness unknown here) made `make verify` and commits
+    wait `stale_s` without a word; after LOCK_SAY_AFTER_S the wait says whose lock it is and when it breaks."""
+    monkeypatch.setattr(fsio, "LOCK_SAY_AFTER_S", 0.2)
+    (tmp_path / ".lock").write_text("elsewhere:4242:token:otherboot")
+    with fsio.locked(tmp_path, stale_s=1.0):
+        pass
+    out = capsys.readouterr().out
+    assert f"waiting for {tmp_path / '.lock'}, held by elsewhere:4242 for 0s" in out and "broken once 1s old" in out
+    assert out.count("waiting for") == 1 and "breaking the stale lock" in out

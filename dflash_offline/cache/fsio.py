@@ -159,6 +159,9 @@ def write_text_atomic(path: Path, text: str, durable: bool = True) -> None:
 # --- the lock ------------------------------------------------------------------------------------------------
 
 
+LOCK_SAY_AFTER_S = 3.0  # a wait for the cache lock longer than this says whose lock it is
+
+
 @contextlib.contextmanager
 def locked(cache: Path, stale_s: float = 60.0, timeout_s: float = 120.0):
     """Hold `<cache>/.lock` for a short read-modify-write. A lock whose holder is gone is broken: at once when the
@@ -166,12 +169,18 @@ def locked(cache: Path, stale_s: float = 60.0, timeout_s: float = 120.0):
     both say so. Every wait ends by `timeout_s`; a `.lock` that is not a file this code writes (a symlink, a
     directory) is refused at once."""
     lock = cache / ".lock"
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
+    deadline, said = start + timeout_s, False
     token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}:{boot_id()}"
     while not _try_lock(lock, token):
         holder = _lock_holder(lock)
         if holder is not None and _break_if_stale(lock, *holder, stale_s):
             continue
+        if holder is not None and not said and time.monotonic() - start > LOCK_SAY_AFTER_S:  # (a wait is ms)
+            said = True
+            print(f"waiting for {lock}, held by {holder[0]}:{holder[1]} for {holder[3]:.0f}s (a lock is held for "
+                  f"milliseconds: its holder is stuck, or gone on a host or container whose processes cannot be seen "
+                  f"from here); it is broken once {stale_s:.0f}s old", flush=True)
         if time.monotonic() > deadline:
             who, age = (f"{holder[0]}:{holder[1]}", holder[3]) if holder else ("a process that keeps replacing it", 0)
             raise ManifestError(f"{lock} has been held by {who} for {age:.0f}s; if no process is writing this cache, "
