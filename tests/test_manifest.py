@@ -125,12 +125,18 @@ def test_sweep_removes_dead_writers_debris_and_keeps_live_ones(tmp_path):
     (tmp_path / "claims" / "shard-00001.json").write_text(json.dumps({"worker": "elsewhere:1", "index": 1,
                                                                        "expires": time.time() - 1}))
     assert claims.try_claim(tmp_path, 2, lease_s=60)
+    # status files: a killed writer's (`make status` showed it "dead" for good), a finished one's, a live one's and
+    # one of another host (its liveness unknown here)
+    for who, pid, state in (("dead", dead, "running"), ("done", dead, "done"), ("live", live, "running"),
+                            ("elsewhere", dead, "running")):
+        (tmp_path / f"status-{who}.json").write_text(json.dumps(
+            {"state": state, "host": "elsewhere" if who == "elsewhere" else host, "pid": pid}))
     removed = claims.sweep(tmp_path, log=lambda m: None)
-    assert removed == {"temp_files": 2, "temp_bytes": 1001, "claims": 2}
+    assert removed == {"temp_files": 2, "temp_bytes": 1001, "claims": 2, "status_files": 1}
     left = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
     assert left == sorted([f".hidden-00002.safetensors.tmp~{host}~{live}~abcd1234",
                            f".hidden-00003.safetensors.tmp~elsewhere~{dead}~abcd1234", "manifest.json",
-                           "shard-00002.json"])
+                           "shard-00002.json", "status-done.json", "status-live.json", "status-elsewhere.json"])
     claim = json.loads((tmp_path / "claims" / "shard-00002.json").read_text())
     assert (claim["host"], claim["pid"], claim["rank"]) == (host, live, 0)
 

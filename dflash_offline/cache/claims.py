@@ -107,7 +107,7 @@ def sweep(cache: Path, log=print) -> dict:
     """Remove what dead writers left in `cache`: temp files (same host: pid gone; other hosts: untouched for a day),
     claims whose worker is dead or whose lease expired, and status files of dead same-host processes that never
     finished. Returns counts; logs one line when it removed anything."""
-    removed = {"temp_files": 0, "temp_bytes": 0, "claims": 0}
+    removed = {"temp_files": 0, "temp_bytes": 0, "claims": 0, "status_files": 0}
     for d in (cache, cache / "claims"):
         n, nbytes = remove_dead_temps(d)
         removed["temp_files"] += n
@@ -117,9 +117,16 @@ def sweep(cache: Path, log=print) -> dict:
             if claim_state(read_claim(p)) != "live":
                 p.unlink(missing_ok=True)
                 removed["claims"] += 1
-    if removed["temp_files"] or removed["claims"]:
+    for p in sorted(cache.glob("status-*.json")):  # `make status` would show them as dead writers for good
+        with contextlib.suppress(OSError, ValueError):
+            st = json.loads(p.read_text())
+            if st.get("state") == "running" and not pid_alive(st.get("host", ""), st.get("pid", ""), st.get("boot")):
+                p.unlink(missing_ok=True)
+                removed["status_files"] += 1
+    if any(removed[k] for k in ("temp_files", "claims", "status_files")):
         log(f"{cache}: removed what dead writers left: {removed['temp_files']} temp file(s) "
-            f"({removed['temp_bytes'] / 1e6:.1f} MB), {removed['claims']} expired or dead claim(s)")
+            f"({removed['temp_bytes'] / 1e6:.1f} MB), {removed['claims']} expired or dead claim(s), "
+            f"{removed['status_files']} status file(s)")
     return removed
 
 
