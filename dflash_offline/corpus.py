@@ -227,6 +227,9 @@ def corpus_hash(paths: list[Path]) -> str:
     return hash_and_count(paths)[0]
 
 
+READ_CHUNK = 1 << 22  # bytes a read of `hash_and_count`
+
+
 def hash_and_count(paths: list[Path]) -> tuple[str, int | None]:
     """(`corpus_hash`, the input records) in one read of the corpus: the non-blank lines of JSONL files, the rows
     Parquet's metadata records; None records where a file is neither (a progress bar then has no total)."""
@@ -243,14 +246,18 @@ def hash_and_count(paths: list[Path]) -> tuple[str, int | None]:
             records += pq.ParquetFile(p).metadata.num_rows
         elif not lines:
             records = None
-        tail = b""
+        open_line = False  # the line not ended yet has a non-blank byte (not kept: a huge line costs no copies)
         with open(p, "rb") as f:
-            while chunk := f.read(1 << 22):
+            while chunk := f.read(READ_CHUNK):
                 h.update(chunk)
                 if lines and records is not None:
-                    *whole, tail = (tail + chunk).split(b"\n")
-                    records += sum(1 for line in whole if line.strip())
-        if lines and records is not None and tail.strip():
+                    first, *rest = chunk.split(b"\n")
+                    open_line = open_line or bool(first.strip())
+                    if rest:
+                        *whole, last = rest
+                        records += open_line + sum(1 for line in whole if line.strip())
+                        open_line = bool(last.strip())
+        if lines and records is not None and open_line:
             records += 1
     return h.hexdigest(), records
 

@@ -299,3 +299,19 @@ def test_one_read_gives_the_corpus_hash_and_its_records(tmp_path):
     other = tmp_path / "c.txt"
     other.write_text("plain\n")
     assert corpus.hash_and_count([big, other])[1] is None
+
+
+def test_the_record_count_is_the_non_blank_lines_whatever_the_reads(tmp_path, monkeypatch):
+    """Counted in reads of any size, equal to the non-blank lines of the whole file: lines and runs of blanks longer
+    than a read, a line ending exactly at a read's end, no final newline. (It kept the unfinished line and copied it
+    at every read: a corpus of one huge line took time quadratic in its size.)"""
+    import random
+
+    rng = random.Random(0)
+    path = tmp_path / "x.jsonl"
+    for trial in range(200):
+        data = bytes(rng.choice(b"ab \t\r\n\n") for _ in range(rng.randrange(0, 60)))
+        path.write_bytes(data)
+        monkeypatch.setattr(corpus, "READ_CHUNK", rng.randrange(1, 9))
+        want = sum(1 for line in data.split(b"\n") if line.strip())
+        assert corpus.hash_and_count([path])[1] == want, (trial, data)
