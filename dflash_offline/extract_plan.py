@@ -33,6 +33,7 @@ from .cache.manifest import (
     projection_problem,
     read_manifest,
 )
+from .cache.manifest import token_cache as hidden_token_cache
 from .config import (
     ConfigError,
     ExtractConfig,
@@ -103,7 +104,7 @@ def recorded_config(argv: list[str]) -> ExtractConfig | None:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; see --help")
     values = {**upgrade_recorded("extract", m["config"]["extract"]), "shards": "", "dry_run": False,
               "allow_overfill": False, "cache": out,
-              "tokens": str((Path(out) / m["config"]["tokens_dir"]).resolve())}
+              "tokens": str(hidden_token_cache(Path(out), m)[0])}  # (moved alone: the absolute --tokens it was given)
     check_stage_1a_unchanged(out, values["tokens"], {k: v for k, v in overrides.items()
                                                      if k not in ExtractConfig.__dataclass_fields__ and v != ""})
     values.update({k: v for k, v in overrides.items() if k in ExtractConfig.__dataclass_fields__ and v != ""})

@@ -322,3 +322,23 @@ def test_a_hidden_cache_without_its_token_cache_says_which_one_and_where(tmp_pat
     shutil.rmtree(other)
     shutil.copytree(tokens, other)
     assert open_hidden_cache(alone, taps).num_rows > 0
+
+
+def test_a_hidden_cache_moved_alone_reruns_from_the_token_cache_it_was_given(tmp_path, hidden_cache):
+    """Extracted with an absolute --tokens, a hidden cache moved alone still finds its token cache there (training
+    and verify did); `make extract CACHE=<moved> SHARD=k` — the command verify prints — read the recorded settings
+    with the relative tokens_dir alone, which no longer exists."""
+    import shutil
+
+    from dflash_offline.cache.manifest import read_manifest
+    from dflash_offline.extract_plan import recorded_config
+
+    m = read_manifest(hidden_cache)
+    tokens = (hidden_cache / m["config"]["tokens_dir"]).resolve()
+    alone = tmp_path / "moved" / "hidden"
+    shutil.copytree(hidden_cache, alone)
+    mm = json.loads((alone / "manifest.json").read_text())
+    mm["config"]["extract"]["tokens"] = str(tokens)  # as extraction records an absolute --tokens (TOKENS=)
+    (alone / "manifest.json").write_text(json.dumps(mm))
+    cfg = recorded_config([f"--cache={alone}", "--shards=0"])
+    assert cfg is not None and cfg.tokens == str(tokens) and cfg.cache == str(alone)
