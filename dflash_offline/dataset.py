@@ -52,6 +52,7 @@ from .cache.manifest import (
     hidden_num_shards,
     missing_files,
     not_covered,
+    projection_problem,
     read_manifest,
     require,
     shard_list,
@@ -264,6 +265,11 @@ def _check_verdict(cache: Path, m: dict, require: bool) -> None:
                                 f"run `make verify CACHE={cache}` first")
         return
     if not v.get("ok") and v.get("projection"):  # every shard depends on it: none to redo alone
+        if projection_problem(cache, m, check_sha=True) is None:  # the file put back since: only verify is asked for
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(v.get("at", 0)))
+            raise ManifestError(f"{cache}/manifest.json: verified (at {when}) found the projection file bad "
+                                f"({v['projection'].split(';')[0]}); it matches the manifest now: run "
+                                f"`make verify CACHE={cache}`")
         raise ManifestError(f"{cache}/manifest.json: verified.ok is false: {v['projection']}")
     if bad := v["bad"]:
         shards = shard_list({b["shard"] for b in bad if "shard" in b})

@@ -19,12 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from .cache.fsio import HASH_THREADS, sha256_file
-from .cache.manifest import committed, hidden_num_shards, read_manifest
+from .cache.manifest import NOT_COMMITTED, committed, hidden_num_shards, read_manifest
 
 # --- hash ----------------------------------------------------------------------------------------------------
-
-
-NOT_COMMITTED = "not committed"  # the reason of a shard the extraction has not made (yet): nothing to redo
 
 
 def check_files(cache: Path, m: dict, tokens_dir: Path) -> list[dict]:

@@ -17,6 +17,7 @@ from dflash_offline.cache.claims import claim_state, read_claim
 from dflash_offline.cache.fsio import pid_alive
 from dflash_offline.cache.manifest import (
     MANIFEST,
+    NOT_COMMITTED,
     ManifestError,
     committed,
     has_manifest,
@@ -83,7 +84,9 @@ def report(cache: Path) -> dict:
     done = committed(m)
     total, tokens_error = shard_count(cache, m)
     damaged = missing_files(cache, m)
-    projection = projection_problem(cache, m) if m["kind"] == "hidden" else None
+    # (stats only, unless a verdict found the file bad: then hashed, to tell whether it was put back since)
+    projection = projection_problem(cache, m, check_sha=bool((m.get("verified") or {}).get("projection"))) \
+        if m["kind"] == "hidden" else None
     return {
         "cache": str(cache),
         "kind": m["kind"],
@@ -141,11 +144,12 @@ def shard_seconds(s: dict) -> float:
     return s.get("seconds") or max(s.get("compute_seconds", 0.0), s.get("write_seconds", 0.0))
 
 
-def fmt_verdict(v: dict | None, cache: str = "...") -> str:
+def fmt_verdict(v: dict | None, cache: str = "...", projection_ok: bool = False) -> str:
     """The verdict as `verdict_now` judges it (a recorded one is shown as it stands): ok; FAILED, naming the shards
     still as it found them and the command that redoes them; or, where every shard it named was (re)committed since,
     the repair awaiting `make verify` — never a redo of what was redone. Shards (re)committed since are named as not
-    covered."""
+    covered; shards it found not committed are to be finished, not redone; a projection file it found bad that
+    `projection_ok` says matches the manifest now awaits `make verify`."""
     if not v:
         return f"never verified (make verify CACHE={cache})"
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(v.get("at", 0)))
@@ -155,9 +159,19 @@ def fmt_verdict(v: dict | None, cache: str = "...") -> str:
         err = f", max rel err {v['max_rel_err']:.2e}" if v.get("max_rel_err") is not None else ""
         return f"ok at {when} ({v.get('rows_per_shard')} rows/shard recomputed{err}){since and f'{since} ({verify})'}"
     if v.get("projection"):
+        if projection_ok:  # (the file hashes as the manifest records it again: put back since)
+            return (f"FAILED at {when} on the projection file, which matches the manifest now: put back since? run "
+                    f"{verify} ({v['projection'].split(';')[0]})")
         return f"FAILED at {when}: {v['projection']}"
-    if bad := shard_list({b["shard"] for b in v.get("bad", []) if "shard" in b}):
-        return f"FAILED at {when}: shards {bad} (redo: make extract CACHE={cache} SHARD={bad}, then make verify){since}"
+    found = [b for b in v.get("bad", []) if "shard" in b]
+    pending = shard_list({b["shard"] for b in found if b.get("reason") == NOT_COMMITTED})
+    if bad := shard_list({b["shard"] for b in found if b.get("reason") != NOT_COMMITTED}):
+        also = f"; shards {pending} not committed then" if pending else ""
+        return (f"FAILED at {when}: shards {bad} (redo: make extract CACHE={cache} SHARD={bad}, then make verify)"
+                f"{also}{since}")
+    if pending:
+        return (f"FAILED at {when}: shards {pending} were not committed yet (finish the extraction: make extract "
+                f"CACHE={cache}, then make verify){since}")
     if not v.get("redone"):  # (a verdict edited by hand: no result to show)
         return f"FAILED at {when}, naming no shard ({verify})"
     return f"repaired, awaiting {verify}: the verdict of {when} is out of date: {not_covered(v)}"
@@ -195,7 +209,7 @@ def print_report(r: dict, show_all: bool) -> None:
     if r["tokens_error"]:
         print(f"  shard count unchecked: {r['tokens_error']}")
     if r["kind"] == "hidden":
-        print(f"  verified: {fmt_verdict(r['verified'], r['cache'])}")
+        print(f"  verified: {fmt_verdict(r['verified'], r['cache'], r['projection_error'] is None)}")
     for k, v in r["summary"].items():
         print(f"  {k}: {v:.4g}" if isinstance(v, float) else f"  {k}: {v}")
     for st in r["live"]:

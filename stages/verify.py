@@ -38,6 +38,7 @@ from pathlib import Path
 
 from dflash_offline.cache.manifest import (
     MANIFEST,
+    NOT_COMMITTED,
     hidden_num_shards,
     read_manifest,
     require,
@@ -50,7 +51,7 @@ from dflash_offline.cli import private_compile_caches, unbuffered
 from dflash_offline.config import VerifyConfig, config_from_argv
 from dflash_offline.devices import pick_device
 from dflash_offline.progress import log
-from dflash_offline.verification import NOT_COMMITTED, check_files, recompute, sample_rows
+from dflash_offline.verification import check_files, recompute, sample_rows
 
 # --- the run -------------------------------------------------------------------------------------------------
 
@@ -152,6 +153,8 @@ def report(cache: str, v: dict) -> None:
     if bad:
         shards = shard_list({b["shard"] for b in bad})
         print(f"{len(bad)} problem(s) ({took}). Redo them with: make extract CACHE={cache} SHARD={shards}")
+    elif pending:
+        print(f"({took})")
     if v["bad"]:
         sys.exit(1)
     err = f", max rel err {v['max_rel_err']:.2e}" if v["max_rel_err"] is not None else ""

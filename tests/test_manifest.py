@@ -387,3 +387,21 @@ def test_a_wait_on_another_hosts_fresh_lock_says_whose_it_is_then_breaks_it(tmp_
     out = capsys.readouterr().out
     assert f"waiting for {tmp_path / '.lock'}, held by elsewhere:4242 for 0s" in out and "broken once 1s old" in out
     assert out.count("waiting for") == 1 and "breaking the stale lock" in out
+
+
+def test_a_redo_whose_rename_fails_leaves_the_committed_shard_as_it_was(tmp_path, monkeypatch):
+    """An I/O error renaming a redone shard into place (not a kill) left the good shard marked `missing`."""
+    import errno
+
+    mf.open_cache(tmp_path, "hidden", "k", {}, {}, 3)
+    mf.commit_shard(tmp_path, entry(0, sha="a" * 64), staged=staged(tmp_path, "f0", b"old"))
+    before = mf.read_manifest(tmp_path)
+
+    def no_rename(*a):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(mf.os, "replace", no_rename)
+    with pytest.raises(PermissionError):
+        mf.commit_shard(tmp_path, entry(0, sha="b" * 64), redo=True, staged=staged(tmp_path, "f0", b"new"))
+    assert mf.read_manifest(tmp_path) == before and (tmp_path / "f0").read_bytes() == b"old"
+    assert not list(tmp_path.glob(".*.staged"))

@@ -410,6 +410,20 @@ def test_verify_records_a_damaged_projection_file_as_a_failed_verdict(caches, co
                                          r"cache again"):
         train.run(TrainConfig.of(cache=str(cache), run=str(tmp_path / "run"), **TINY).resolve())
     assert not (tmp_path / "run" / "checkpoints").exists()
+    # the advised fix, the file put back: make verify is what is asked for, not the restore again
+    shutil.copy(caches["proj"] / PROJECTION_FILE, path)
+    line = status.fmt_verdict(read_manifest(cache)["verified"], str(cache), status.report(cache)["projection_error"]
+                              is None)
+    assert "which matches the manifest now: put back since? run make verify CACHE=" in line, line
+    with pytest.raises(ValueError, match=r"found the projection file bad \(.*has SHA-256.*\); it matches the manifest "
+                                         r"now: run `make verify CACHE="):
+        train.run(TrainConfig.of(cache=str(cache), run=str(tmp_path / "run"), **TINY).resolve())
+    assert verify.verify(cache, VerifyConfig(cache=str(cache), rows=0, device="cpu").resolve())["ok"]
+    m = read_manifest(cache)  # a projection record without its size: one line, not a KeyError
+    del m["projection"]["bytes"]
+    (cache / "manifest.json").write_text(json.dumps(m, sort_keys=True))
+    with pytest.raises(ValueError, match=r"projection.bytes is missing"):
+        status.report(cache)
 
 
 # --- (g) the storage plan ------------------------------------------------------------------------------------------

@@ -379,7 +379,11 @@ def test_shards_not_committed_are_told_to_finish_the_extraction_not_redone(hidde
         verify.main([f"--cache={cache}", "--rows=0", "--device=cpu"])
     out = capsys.readouterr().out
     assert "not committed yet (4-6)" in out and "problem(s)" not in out and "SHARD=" not in out, out
+    assert "hash " in out  # (the timing line all the same)
     assert [b["shard"] for b in read_manifest(cache)["verified"]["bad"]] == [4, 5, 6]
+    line = judged(cache, capsys)[0]  # make status says the same
+    assert "shards 4-6 were not committed yet (finish the extraction: make extract CACHE=" in line, line
+    assert "SHARD=" not in line and "redo" not in line, line
 
 
 def test_a_verdict_taken_before_shards_were_committed_does_not_prescribe_redoing_them(hidden_cache, tmp_path,

@@ -13,6 +13,7 @@ shard file names inside the cache, and bounds counts by what the manifest lists 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -23,6 +24,7 @@ from .fsio import ManifestError, fsync_path, locked, sha256_file, write_json_ato
 
 MANIFEST_VERSION = 1
 MANIFEST = "manifest.json"
+NOT_COMMITTED = "not committed"  # a verdict's reason for a shard the extraction had not made: nothing to redo
 PROJECTION_FILE = "projection.safetensors"  # a projected cache's P per tap (`projection.py`), beside its shards
 
 
@@ -135,6 +137,7 @@ OPTIONAL_FIELDS = {
                       "a list of numbers or nulls (each shard's committed_at as the verdict saw it)"),
     "projection": (lambda v: v is None or isinstance(v, dict), "an object or null"),
     "projection.sha256": (_is_sha, "a 64-character hex digest"),
+    "projection.bytes": (lambda v: _is_int(v, 0), "an integer ≥ 0"),
     "projection.dims": (lambda v: _is_int(v, 1), "an integer ≥ 1"),
     "projection.retained": (lambda v: isinstance(v, dict) and all(map(_is_num, v.values())),
                             "an object of numbers"),
@@ -309,13 +312,22 @@ def commit_shard(cache: Path, entry: dict, redo: bool = False, summary: dict | N
             before = read_manifest(cache)
             m = merge_shard(before, entry, redo=redo)
             if staged:
-                if entry["index"] in committed(before):
+                marked = entry["index"] in committed(before)
+                if marked:
                     write_json_atomic(cache / MANIFEST, dict(before, shards=[
                         dict(s, status="missing", reason="being redone") if s["index"] == entry["index"] else s
                         for s in before["shards"]]))
-                for name, tmp in staged.items():
-                    os.replace(tmp, cache / name)
-                fsync_path(cache)
+                published = []
+                try:
+                    for name, tmp in staged.items():
+                        os.replace(tmp, cache / name)
+                        published.append(name)
+                    fsync_path(cache)
+                except Exception:  # (an I/O error, not a kill) before anything moved: the shard stays as it was
+                    if marked and not published:
+                        with contextlib.suppress(OSError):
+                            write_json_atomic(cache / MANIFEST, before)
+                    raise
             if summary is not None:
                 m["summary"] = summary
             write_json_atomic(cache / MANIFEST, m)
@@ -405,6 +417,8 @@ def projection_problem(cache, m: dict, check_sha: bool = False) -> str | None:
         return None
     cache, rec = Path(cache), m.get("projection")
     path = cache / PROJECTION_FILE
+    if rec:
+        require(m, cache / MANIFEST, ("projection.sha256", "projection.bytes"))
     if not rec:
         if not committed(m):
             return None
