@@ -8,6 +8,7 @@ Triton and Inductor caches. The settings themselves are parsed by `config.config
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import sys
@@ -38,12 +39,37 @@ def private_compile_caches(rank: int | None = None) -> dict[str, str]:
 DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG}
 
 
+UNDER_LAUNCH = "DFLASH_UNDER_LAUNCH"  # set by `launch.py` for the processes it starts
+
+
+class QuietOnClosedPipe:
+    """A text stream whose writes never raise OSError: a worker whose stderr is a pipe read by `launch.py` keeps
+    training — and stops cleanly on the SIGTERM that follows — when that process was killed (its reader gone)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        with contextlib.suppress(OSError, ValueError):
+            return self._stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self._stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
 def run_cli(main) -> None:
     """A stage's `__main__`: run `main(argv)`; a refused input or a failed write (`refusal`) becomes one line and exit
     status 2 instead of a traceback; an int result is the exit code. Triton autotuner choices are recorded or pinned
     first when the environment asks (`dflash_offline.autotune`)."""
     from .autotune import from_env
 
+    if os.environ.get(UNDER_LAUNCH):  # a worker of `launch.py`: its stderr is that process's pipe
+        sys.stderr = QuietOnClosedPipe(sys.stderr)
     from_env()
     try:
         code = main(sys.argv[1:])

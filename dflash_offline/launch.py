@@ -6,11 +6,14 @@ exit status 1 after the workers' own one line, and a rank's one-line error in a 
 box of its exit codes. Here:
 - the launcher runs in a process group of its own, so that a signal reaches it once: SIGTERM and SIGINT sent to this
   process (or to its group: Ctrl-C) are forwarded to the launcher, which forwards them to the workers (they finish
-  the step in flight and checkpoint, `runguard`); were this process killed, the launcher gets SIGTERM (Linux's
-  parent-death signal), never left behind;
+  the step in flight and checkpoint, `runguard`) — a repeat within `runguard.REPEAT_S` is not (torch's launcher
+  stops waiting for its workers on a third), a later one is (a stop at once); SIGHUP (the terminal closed) is
+  forwarded as SIGTERM; were this process killed, the launcher gets SIGTERM (Linux's parent-death signal), and the
+  workers, whose stderr was this process's pipe, write on (`cli.QuietOnClosedPipe`) and stop with a checkpoint;
 - its stderr passes through as it comes (progress bars included), but for tracebacks, held until their exception
-  line: the launcher's own (`SignalException`, `ChildFailedError`) are dropped with what it prints after them, and
-  their exit codes read; any other traceback (a worker's) is passed on whole;
+  line: the launcher's own (`SignalException`, `ChildFailedError` and its box) are dropped, and their exit codes
+  read; any other traceback (a worker's) is passed on whole; it is read until every writer closed it (≤ 35 s after
+  the launcher: a worker ending its stop);
 - the exit status is one process's: 128 + the signal after a stop (143, 130), a failed rank's own status (2 for a
   refused input) with one line naming the rank where its status is not a stop's, 128 + N for a rank killed by
   signal N (out of memory: SIGKILL).
@@ -25,8 +28,10 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 TRACEBACK = b"Traceback (most recent call last):"
+READ_AFTER_S = 35.0  # how long the launcher's stderr is read after it exits (a worker ending its stop: ≤ 30 s)
 LAUNCHER_ERRORS = ("SignalException", "ChildFailedError")  # torch.distributed.elastic's, raised by the launcher
 
 
@@ -39,6 +44,7 @@ class LauncherFilter:
     def __init__(self, out):
         self.out, self.pending, self.held, self.dropping, self.line_start = out, b"", None, False, True
         self.signal, self.failures, self.root, self._rank, self._is_root = None, [], None, None, False
+        self._rules = 0  # the ==== lines of ChildFailedError's box seen: it ends at the second
 
     def feed(self, data: bytes) -> None:
         buf, self.pending = self.pending + data, b""
@@ -72,8 +78,12 @@ class LauncherFilter:
             self.line_start = True
             return self.write(line)
         text = line.decode(errors="replace").rstrip("\r\n")
-        if self.dropping:
-            return self.parse(text)
+        if self.dropping:  # ChildFailedError's box, up to its closing rule; then lines pass again
+            self.parse(text)
+            if text.startswith("=" * 20):
+                self._rules += 1
+                self.dropping = self._rules < 2
+            return
         if self.held is None:
             if line.startswith(TRACEBACK):
                 self.held = [line]
@@ -85,7 +95,7 @@ class LauncherFilter:
             return
         name = text.split(":", 1)[0]
         if name.startswith("torch.distributed.elastic.") and name.rsplit(".", 1)[-1] in LAUNCHER_ERRORS:
-            self.held, self.dropping = None, True
+            self.held, self.dropping, self._rules = None, name.endswith("ChildFailedError"), 0
             self.parse(text)
         else:  # a worker's traceback (or a line between the frames): passed on whole
             self.write(b"".join(self.held))
@@ -133,6 +143,8 @@ def outcome(rc: int, stopped: int, f: LauncherFilter) -> tuple[int, str | None]:
 def parent_death_signal() -> None:
     """In the launcher, before it runs: its own process group, and SIGTERM should this process die (Linux)."""
     os.setpgrp()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # (ignored here while it started: not inherited)
+        signal.signal(sig, signal.SIG_DFL)
     with contextlib.suppress(OSError, AttributeError):
         import ctypes
 
@@ -140,17 +152,28 @@ def parent_death_signal() -> None:
 
 
 def main(argv: list[str]) -> int:
+    from .cli import UNDER_LAUNCH
+    from .runguard import REPEAT_S
+
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", *argv]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, preexec_fn=parent_death_signal)  # noqa: PLW1509
-    stopped = 0
+    stopped, first_at = 0, 0.0
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, preexec_fn=parent_death_signal,  # noqa: PLW1509
+                            env=dict(os.environ, **{UNDER_LAUNCH: "1"}))
 
     def forward(signum, frame) -> None:
-        nonlocal stopped
-        stopped = stopped or signum
+        """To the launcher: the first signal, and a later one (a stop at once); not a repeat within REPEAT_S of the
+        first (a group's Ctrl-C or a scheduler signalling every process), which would make torch's launcher give up
+        waiting for its workers. SIGHUP (the terminal closed) is a SIGTERM: the workers stop with a checkpoint."""
+        nonlocal stopped, first_at
+        signum = signal.SIGTERM if signum == signal.SIGHUP else signum
+        if stopped and time.monotonic() - first_at <= REPEAT_S:
+            return
+        stopped, first_at = stopped or signum, first_at or time.monotonic()
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signum)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in old:  # (ignored from before the launcher started: no window where a signal kills this process alone)
         signal.signal(sig, forward)
     f = LauncherFilter(sys.stderr.buffer)
 
@@ -166,11 +189,11 @@ def main(argv: list[str]) -> int:
             break
         except InterruptedError:  # (a forwarded signal during the wait)
             continue
-    reader.join(timeout=10)
+    reader.join(timeout=READ_AFTER_S)  # (EOF at once, unless a worker outlived the launcher)
     f.close()
     code, line = outcome(rc, stopped, f)
     if line:
-        print(line, file=sys.stderr, flush=True)
+        f.write(f"{line}\n".encode())
     return code
 
 

@@ -238,8 +238,9 @@ class StopSignals:
                 self.on_timeout(signum, "a second signal")
             return
         self.requested, self._at = signum, time.monotonic()
-        os.write(2, (f"{signal.Signals(signum).name}: stopping after this step (a final checkpoint within "
-                     f"{self.grace_s:g}s; signal again after {REPEAT_S:g}s to stop at once without one)\n").encode())
+        with contextlib.suppress(OSError):  # (stderr a pipe whose reader is gone: the stop goes on)
+            os.write(2, (f"{signal.Signals(signum).name}: stopping after this step (a final checkpoint within "
+                         f"{self.grace_s:g}s; signal again after {REPEAT_S:g}s to stop at once without one)\n").encode())
         self._timer = threading.Timer(self.grace_s, self.on_timeout, (signum, f"the {self.grace_s:g}s stop grace"))
         self._timer.daemon = True
         self._timer.start()

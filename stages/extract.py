@@ -138,8 +138,9 @@ def stop_on_signals():
     they started (writes drained, claims released, status written) is not cut short."""
 
     def stopping(signum, frame):  # (os.write: a print here could re-enter a print the signal interrupted)
-        os.write(2, f"{signal.Signals(signum).name}: already stopping (releasing claims, finishing shard writes)\n"
-                 .encode())
+        with contextlib.suppress(OSError):  # (stderr a pipe whose reader is gone: the stop goes on)
+            os.write(2, f"{signal.Signals(signum).name}: already stopping (releasing claims, finishing shard "
+                        f"writes)\n".encode())
 
     def stop(signum, frame):
         for s in old:

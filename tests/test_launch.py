@@ -1,6 +1,7 @@
 """`make ... NPROC=2` (dflash_offline/launch.py): a stop or a rank's error ends as one process's would — its exit
 status, its one line — not in the launcher's traceback; the launcher's stderr otherwise passes through as it comes."""
 
+import contextlib
 import io
 import os
 import re
@@ -41,9 +42,11 @@ def filtered(text: str, chunk: int) -> tuple[str, LauncherFilter]:
 
 @pytest.mark.parametrize("chunk", [1, 7, 1 << 16])
 def test_the_launchers_tracebacks_are_dropped_and_read_and_the_rest_passes_whole(chunk):
-    out, f = filtered(KEPT + SIGNALLED, chunk)
-    assert out == KEPT and f.signal == 15 and not f.failures
+    out, f = filtered(KEPT + SIGNALLED + KEPT, chunk)  # (workers still writing after it: passed on)
+    assert out == KEPT + KEPT and f.signal == 15 and not f.failures
     assert outcome(1, 0, f) == (143, None)
+    out, f = filtered(KEPT + FAILED + KEPT, chunk)
+    assert out == KEPT + KEPT and f.root == (0, 2)
     out, f = filtered(KEPT + FAILED, chunk)
     assert out == KEPT and f.failures == [(1, -9), (0, 2)] and f.root == (0, 2)
     code, line = outcome(1, 0, f)
@@ -109,3 +112,47 @@ def test_make_train_nproc_2_stopped_by_sigterm_ends_like_one_process_and_resumes
     assert "Traceback" not in err and "ChildFailedError" not in err, err[-3000:]
     assert "no-cache/manifest.json not found" in err and "ended with exit status 2 (its message is above)" in err
     assert "Error 2" in err
+
+
+def test_a_worker_whose_stderr_reader_is_gone_writes_on():
+    from dflash_offline.cli import QuietOnClosedPipe
+
+    class Closed(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    quiet = QuietOnClosedPipe(Closed())
+    assert quiet.write("step 3\n") == 7
+    quiet.flush()
+
+
+def test_the_run_stops_with_a_checkpoint_when_the_launch_process_is_killed(tmp_path, hidden_cache):
+    """SIGKILL of `dflash_offline.launch` (or the terminal closing on it): the launcher gets SIGTERM, the workers
+    stop after their step with a checkpoint — not `failed` on writing their stop line to the dead process's pipe."""
+    import json
+    import sys
+    import time
+
+    run = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "dflash_offline.launch", "--num_processes", "2", "--num_machines", "1",
+                          "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "stages.train",
+                          *cli_args(hidden_cache, run, steps=100_000, ckpt_every=100_000)],
+                         cwd=REPO, env=dict(os.environ, DFLASH_NO_BAR="0", OMP_NUM_THREADS="1"),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: status(run).get("done", 0) >= 1, proc=p)
+        p.kill()
+        p.wait(timeout=10)
+        states = lambda: [json.loads(f.read_text()).get("state") for f in sorted(run.glob("status-rank*.json"))]  # noqa: E731
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and any(s == "running" for s in states()):
+            time.sleep(0.2)
+        assert states() == ["interrupted", "interrupted"], states()
+        assert (run / "checkpoints" / "latest").is_file() and not (run / ".run.lock").exists()
+    finally:
+        for f in run.glob("status-rank*.json"):  # (workers left behind by a failure here)
+            with contextlib.suppress(OSError, ValueError, ProcessLookupError):
+                os.kill(int(json.loads(f.read_text())["pid"]), signal.SIGKILL)
