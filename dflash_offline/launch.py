@@ -16,7 +16,8 @@ box of its exit codes. Here:
   the launcher: a worker ending its stop);
 - the exit status is one process's: 128 + the signal after a stop (143, 130), a failed rank's own status (2 for a
   refused input) with one line naming the rank where its status is not a stop's, 128 + N for a rank killed by
-  signal N (out of memory: SIGKILL).
+  signal N (out of memory: SIGKILL);
+- a stage's `--help` is printed by one process, once (`help_asked`), not by every rank after the launcher's warning.
 """
 
 from __future__ import annotations
@@ -151,10 +152,21 @@ def parent_death_signal() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def help_asked(argv: list[str]) -> list[str] | None:
+    """`python -m MODULE ARGS` where the stage's ARGS (after `-m MODULE`, the Makefile's form) ask for its help: one
+    process prints it once, where N ranks printed it N times after the launcher's defaults warning."""
+    i = next((k for k, a in enumerate(argv) if a in ("-m", "--module")), None)
+    if i is None or i + 1 >= len(argv) or not {"-h", "--help"} & set(argv[i + 2:]):
+        return None
+    return [sys.executable, "-m", *argv[i + 1:]]
+
+
 def main(argv: list[str]) -> int:
     from .cli import UNDER_LAUNCH
     from .runguard import REPEAT_S
 
+    if one := help_asked(argv):
+        return subprocess.run(one).returncode
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", *argv]
     stopped, first_at = 0, 0.0
     old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}

@@ -13,7 +13,7 @@ import pytest
 from test_run_guard import status, wait_for
 from test_train import REPO, cli_args
 
-from dflash_offline.launch import LauncherFilter, outcome
+from dflash_offline.launch import LauncherFilter, help_asked, outcome
 
 FRAMES = ('  File "/venv/lib/python3.11/site-packages/torch/distributed/elastic/agent/server/api.py", line 923, in x\n'
           "    time.sleep(monitor_interval)\n"
@@ -156,3 +156,17 @@ def test_the_run_stops_with_a_checkpoint_when_the_launch_process_is_killed(tmp_p
         for f in run.glob("status-rank*.json"):  # (workers left behind by a failure here)
             with contextlib.suppress(OSError, ValueError, ProcessLookupError):
                 os.kill(int(json.loads(f.read_text())["pid"]), signal.SIGKILL)
+
+
+def test_a_stages_help_under_nproc_2_is_printed_once_by_one_process():
+    """`make train NPROC=2 ARGS=--help` printed the stage's help once per rank, after accelerate's defaults warning."""
+    import sys
+
+    assert help_asked(["--num_processes", "2", "-m", "stages.extract", "--cache=x", "-h"]) == [
+        sys.executable, "-m", "stages.extract", "--cache=x", "-h"]
+    assert help_asked(["--num_processes", "2", "-m", "stages.train", "--cache=x"]) is None
+    assert help_asked(["--help"]) is None  # (the launcher's own help: accelerate's)
+    r = subprocess.run([sys.executable, "-m", "dflash_offline.launch", "--num_processes", "2", "-m", "stages.train",
+                        "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("Stage 2: train") == 1 and "accelerate launch" not in r.stderr
