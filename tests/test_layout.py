@@ -1,0 +1,39 @@
+"""Where code lives (docs/DESIGN: the cache package is the only writer and reader of a cache's files): stage files stay
+thin, the library imports nothing above it, and no module outside the cache package renames files into place."""
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STAGE_LINES = 250  # a stage parses its settings and calls the library; its logic lives there
+
+
+def sources(*dirs: str) -> list[Path]:
+    return [p for d in dirs for p in sorted((ROOT / d).rglob("*.py"))]
+
+
+def test_every_stage_file_is_thin():
+    long = {p.name: n for p in sources("stages") if (n := len(p.read_text().splitlines())) > STAGE_LINES}
+    assert not long, f"stage files over {STAGE_LINES} lines (move their logic into dflash_offline/): {long}"
+
+
+def test_the_library_imports_no_stage_testbed_bench_or_test_module():
+    upward = []
+    for p in sources("dflash_offline"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            upward += [f"{p.relative_to(ROOT)}: {n}" for n in names
+                       if n.split(".")[0] in ("stages", "testbed", "bench", "tests", "fixtures")]
+    assert not upward, f"the library imports modules above it: {upward}"
+
+
+def test_files_are_renamed_into_place_only_by_the_cache_package():
+    """An atomic write is `cache.fsio`'s (temp name, fsync, rename, the directory's fsync): a hand-made one elsewhere
+    is a fifth temp-name scheme and a missing fsync."""
+    cache = ROOT / "dflash_offline" / "cache"
+    found = [f"{p.relative_to(ROOT)}:{i}" for p in sources("dflash_offline", "stages", "testbed", "bench", "fixtures")
+             if cache not in p.parents for i, line in enumerate(p.read_text().splitlines(), 1)
+             if re.search(r"\bos\.(replace|rename)\(|\.rename\(", line)]
+    assert not found, f"renames outside dflash_offline/cache/ (use cache.fsio's atomic writes): {found}"
