@@ -24,6 +24,8 @@ import functools
 from pathlib import Path
 from types import SimpleNamespace
 
+from .cache.fsio import size  # (bytes in decimal units: the plan's figures)
+
 # Measured rates, one NVIDIA H200 at the Qwen3.5/3.6-27B shapes, random weights (docs/benchmarks.md):
 # stage 1b, row tok/s per GPU including shard writes (bf16), 4 rows of 4096 a forward, taps [1, 16, 31, 46, 61]:
 # `make bench-extract`, 2026-11-30, commit f18a350, bench/results/bench-extract-h200.json ("row_tok_per_s")
@@ -369,15 +371,6 @@ def storage_plan(*, rows: int, seq_len: int, doc_tokens: int, k: int, hidden: in
             "token_bytes": token_bytes, "free_bytes": free, "fits": fits,
             "min_free_gb": min_free_gb, "allow_overfill": allow_overfill, "gpus": gpus, "epochs": epochs,
             "rates": shown, "gpu": gpu, "gpu_hours": gpu_h, "answer_tokens": answer_tokens, "verify": verify}
-
-
-def size(n: float) -> str:
-    """Bytes in decimal units: '81.9 TB', '3.40 GB', '512 kB'."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            v = n / scale
-            return f"{v:.{1 if v >= 10 else 2}f} {unit}"
-    return f"{n:.0f} B"
 
 
 def hours(h: float) -> str:

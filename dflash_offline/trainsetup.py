@@ -388,9 +388,8 @@ def check_checkpoint_room(cfg: TrainConfig, dc, run_dir: Path, steps: int, final
     its first save would have trained ckpt_every steps for nothing."""
     import os
 
-    from dflash_offline.cache.fsio import free_space
+    from dflash_offline.cache.fsio import free_space, size
     from dflash_offline.checkpoint import list_checkpoints
-    from dflash_offline.storage import size
 
     if int(os.environ.get("RANK", 0)) != 0:
         return

@@ -37,3 +37,42 @@ def test_files_are_renamed_into_place_only_by_the_cache_package():
              if cache not in p.parents for i, line in enumerate(p.read_text().splitlines(), 1)
              if re.search(r"\bos\.(replace|rename)\(|\.rename\(", line)]
     assert not found, f"renames outside dflash_offline/cache/ (use cache.fsio's atomic writes): {found}"
+
+
+def imports_of(p: Path, module: str) -> set[str]:
+    """The modules `p` (module `module`) imports anywhere in it, function-local imports included, relative ones
+    resolved; `from X import y` also names X.y (a submodule, where it is one)."""
+    pkg = module if p.name == "__init__.py" else module.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(p.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1] if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else []))
+            out |= {mod} | {f"{mod}.{a.name}" for a in node.names}
+    return out
+
+
+def test_the_librarys_import_graph_has_no_cycle():
+    """A cycle, even through a function-local import, is two modules that cannot be understood (or moved) apart."""
+    mods = {}
+    for p in sources("dflash_offline"):
+        name = ".".join(p.relative_to(ROOT).with_suffix("").parts)
+        mods[name.removesuffix(".__init__")] = p
+    graph = {m: {t for t in imports_of(p, m) if t in mods and t != m} for m, p in mods.items()}
+    cycles, state = [], {}
+
+    def visit(m: str, path: list[str]) -> None:  # depth-first; a module met again on the path closes a cycle
+        state[m] = "open"
+        for t in sorted(graph[m]):
+            if state.get(t) == "open":
+                cycles.append(path[path.index(t):] + [t])
+            elif t not in state:
+                visit(t, path + [t])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, f"import cycles in dflash_offline: {cycles}"

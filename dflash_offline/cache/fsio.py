@@ -339,3 +339,12 @@ def free_space(path: Path) -> int:
     while not where.exists() and where != where.parent:
         where = where.parent
     return shutil.disk_usage(where).free
+
+
+def size(n: float) -> str:
+    """Bytes in decimal units: '81.9 TB', '3.40 GB', '512 kB'."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            v = n / scale
+            return f"{v:.{1 if v >= 10 else 2}f} {unit}"
+    return f"{n:.0f} B"
