@@ -76,3 +76,12 @@ def test_the_librarys_import_graph_has_no_cycle():
         if m not in state:
             visit(m, [m])
     assert not cycles, f"import cycles in dflash_offline: {cycles}"
+
+
+def test_no_module_outside_the_cache_package_reads_a_manifest_raw():
+    """`cache.manifest.read_manifest` checks the schema and the version; a raw `json.loads` of manifest.json does not."""
+    cache = ROOT / "dflash_offline" / "cache"
+    raw = [f"{p.relative_to(ROOT)}:{i}" for p in sources("dflash_offline", "stages", "testbed", "bench", "fixtures")
+           if cache not in p.parents for i, line in enumerate(p.read_text().splitlines(), 1)
+           if re.search(r"manifest|MANIFEST", line) and re.search(r"read_text\(|json\.load|\bopen\(", line)]
+    assert not raw, f"manifest.json read outside dflash_offline/cache/ (use cache.manifest.read_manifest): {raw}"
