@@ -6,12 +6,16 @@ once. Each training still loads the target's embedding and lm_head itself. Exit 
 
 Between two trainings the process is put back as a fresh one would be for the next (`fresh_process`). What
 `trainrun.run` leaves behind, found by training one drafter after another in one process:
-- torch.compile's in-memory state: `torch._dynamo.reset()`. Left, the next drafter of the same shapes ran the last
-  one's compiled graphs (its warm-up step compiled none), and each drafter of other shapes would add graphs to the
-  same functions until dynamo's `recompile_limit` (8 a function) turned the rest eager or into an error under
-  `fullgraph`. Reset, each run compiles its own graphs, so its warm-up count and `recompiles` (differences of one
-  process-wide counter, `metrics.compiled_graphs`) are its own. Inductor's and Triton's on-disk caches and the
-  kernels already imported stay: a fresh process would load the same.
+- torch.compile's in-memory state: `torch._dynamo.reset()` before a training whose graphs may differ from the last
+  one's. Left, each drafter of other shapes or settings would add graphs to the same functions until dynamo's
+  `recompile_limit` (8 a function) turned the rest eager or into an error under `fullgraph`; reset, such a run
+  compiles its own graphs (or loads them from Inductor's caches: 15–22 s a drafter on the H200), so its warm-up count
+  and `recompiles` (differences of one process-wide counter, `metrics.compiled_graphs`) are its own. A request that
+  differs from the last one only in `SAME_GRAPHS` (an arm's further seed, the null arm after the recipe, the known-bad
+  arm's fewer steps) runs the last one's compiled graphs instead (dynamo's guards still decide: its warm-up step
+  compiles what they reject), at most `REUSE_MAX` times in a row, which keeps a function's graphs far below that
+  limit. Inductor's and Triton's on-disk caches and the kernels already imported stay: a fresh process would load the
+  same.
 - accelerate's singletons (`AcceleratorState`, `PartialState`, `GradientState`): reset. A second `Accelerator` with
   the same settings works on the kept ones, but they keep the first run's settings: an `Accelerator` with others
   is refused ("already initialized").
@@ -33,6 +37,9 @@ from __future__ import annotations
 from .worker import free_memory, serve
 
 RESIDENT = "--bench_resident=1"  # a request's argument (first-class in no stage): BenchSwitches(resident=True)
+SAME_GRAPHS = ("--run", "--seed", "--steps", "--resume")  # settings a training's compiled graphs do not depend on
+REUSE_MAX = 3  # trainings in a row that run the graphs of the one before them (then dynamo is reset)
+_last = {"graphs": None, "reused": 0}  # the last request's `graph_identity` (None: reset before the next)
 
 
 def load():
@@ -41,9 +48,33 @@ def load():
     from stages import train
 
     def main(argv: list[str]) -> int:
-        return train.main([a for a in argv if a != RESIDENT], BenchSwitches(resident=RESIDENT in argv))
+        keep_graphs(graph_identity(argv))
+        rc = 1
+        try:
+            rc = train.main([a for a in argv if a != RESIDENT], BenchSwitches(resident=RESIDENT in argv))
+            return rc
+        finally:
+            if rc:  # (refused, stopped or failed: the next training resets)
+                _last["graphs"] = None
 
     return main
+
+
+def graph_identity(argv: list[str]) -> tuple[str, ...]:
+    """A request's arguments but those its compiled graphs do not depend on (`SAME_GRAPHS`)."""
+    return tuple(a for a in argv if a.split("=", 1)[0] not in SAME_GRAPHS)
+
+
+def keep_graphs(identity: tuple[str, ...]) -> bool:
+    """Before a training: keep dynamo's compiled graphs where the last training (which ended with status 0) had the
+    same `identity` and fewer than `REUSE_MAX` trainings in a row kept them; else reset them. Whether they were kept."""
+    import torch
+
+    keep = identity == _last["graphs"] and _last["reused"] < REUSE_MAX
+    if not keep:
+        torch._dynamo.reset()
+    _last.update(graphs=identity, reused=_last["reused"] + 1 if keep else 0)
+    return keep
 
 
 def fresh_process() -> None:
@@ -51,7 +82,6 @@ def fresh_process() -> None:
     import torch
     from accelerate.state import AcceleratorState, GradientState
 
-    torch._dynamo.reset()
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     free_memory()

@@ -346,30 +346,35 @@ def test_a_drafter_trained_in_the_training_worker_equals_its_twin_trained_in_a_p
                                                                                                   hidden_cache):
     """testbed.trainworker trains the same drafter as `python -m stages.train` (same seed, cache and settings): equal
     weights — the second drafter of one worker, after one with other settings (seed, steps, learning rate) of the
-    same shapes, compiled (a first drafter: the micro testbed's worker-vs-process rerun below): each run compiles its own graphs as a process of its own does (kept from the first run,
-    the second would have compiled none, and a sweep's drafters would add up to dynamo's recompile limit). The
-    second trains with its cache resident (the testbed's `--resident=1`: the bench switch the worker takes out of its
-    request), its twin streams it: the same batches, so the same weights."""
+    same shapes, compiled (a first drafter: the micro testbed's worker-vs-process rerun below): it compiles its own
+    graphs as a process of its own does (kept from the first run, it would have compiled none, and a sweep's drafters
+    would add up to dynamo's recompile limit). The third differs from the second only in its seed, run and steps (an
+    arm's further seed): it runs the second's compiled graphs (its warm-up compiles none, where its twin's compiles
+    them) and still trains its twin's weights, recompiling nothing. The second trains with its cache resident (the
+    testbed's `--resident=1`: the bench switch the worker takes out of its request), its twin streams it: the same
+    batches, so the same weights."""
     import torch
     from safetensors.torch import load_file
 
     tiny = [f"--cache={hidden_cache}", "--compile=on", "--num_layers=2", "--num_heads=4", "--num_kv_heads=2",
             "--head_dim=16", "--num_anchors=8", "--batch_rows=2", "--log_every=1", "--trackers=none"]
     drafters = {"first": (2, ["--seed=1", "--steps=2", "--ckpt_every=2", "--lr=1e-3"]),
-             "second": (3, ["--seed=0", "--steps=3", "--ckpt_every=3", "--lr=3e-3"])}
+                "second": (3, ["--seed=0", "--steps=3", "--ckpt_every=3", "--lr=3e-3"]),
+                "third": (2, ["--seed=2", "--steps=2", "--ckpt_every=3", "--lr=3e-3"])}
     from testbed.trainworker import RESIDENT
 
     w = worker.Worker("testbed.trainworker")
     try:
         for name, (_, args) in drafters.items():
-            bench = [RESIDENT] if name == "second" else []
+            bench = [RESIDENT] if name != "first" else []
             assert w.run([*tiny, *args, f"--run={tmp_path / 'worker' / name}", *bench],
                          tmp_path / "worker" / f"{name}.log") == 0
     finally:
         w.close()
     assert "the cache resident on the device" in (tmp_path / "worker" / "second.log").read_text()
     assert "the cache resident" not in (tmp_path / "worker" / "first.log").read_text()
-    for name, (steps, args) in [("second", drafters["second"])]:  # (the state a first one may leave is what it checks)
+    for name in ("second", "third"):  # (the state a first one may leave is what it checks)
+        steps, args = drafters[name]
         r = subprocess.run([sys.executable, "-m", "stages.train", *tiny, *args, f"--run={tmp_path / 'alone' / name}"],
                            cwd=REPO, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
@@ -380,8 +385,25 @@ def test_a_drafter_trained_in_the_training_worker_equals_its_twin_trained_in_a_p
         graphs, recompiles = ([re.findall(pattern, (tmp_path / where / f"{name}.log").read_text())
                                for where in ("worker", "alone")]
                               for pattern in (r"warm-up step compiled (\d+) graphs", r"recompiles (\d+);"))
-        assert graphs[0] == graphs[1] and int(graphs[0][0]) > 0, (name, graphs)
+        assert int(graphs[1][0]) > 0 and graphs[0] == (graphs[1] if name == "second" else ["0"]), (name, graphs)
         assert recompiles == [["0"], ["0"]], (name, recompiles)
+
+
+def test_the_training_worker_keeps_compiled_graphs_only_for_an_arms_further_seed_and_not_too_often(monkeypatch):
+    """Graphs are kept for a training that differs from the last one only in its run, seed, steps or resume, at
+    most REUSE_MAX times in a row; another setting, or a last training that did not end with status 0, resets them."""
+    from testbed import trainworker as tw
+
+    monkeypatch.setattr(tw, "_last", {"graphs": None, "reused": 0})
+    base = ["--cache=c", "--lr=1e-3"]
+    ident = [tw.graph_identity([*base, f"--run=r{i}", f"--seed={i}", f"--steps={100 * i}", "--resume=0"])
+             for i in range(6)]
+    assert len(set(ident)) == 1 and tw.graph_identity([*base, "--quant=fp8"]) != ident[0]
+    kept = [tw.keep_graphs(x) for x in ident]
+    assert kept == [False] + [True] * tw.REUSE_MAX + [False] + [True] * (5 - tw.REUSE_MAX - 1)
+    assert not tw.keep_graphs(tw.graph_identity([*base, "--lr=2e-3"]))
+    tw._last["graphs"] = None  # (what a training that ended otherwise than with status 0 leaves)
+    assert not tw.keep_graphs(tw.graph_identity([*base, "--lr=2e-3"]))
 
 
 def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
