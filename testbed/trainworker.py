@@ -4,18 +4,19 @@ request after another: a process per drafter pays Python's, torch's, transformer
 once. Each training still loads the target's embedding and lm_head itself. Exit statuses as `python -m stages.train`'s
 (2 = a refused input, 128 + the signal when a signal stopped the run).
 
-Between two trainings the process is put back as a fresh one would be for the next (`fresh_process`). What
+Between two trainings the process is put back as a fresh one would be for the next (`fresh_process`; dynamo's state
+before the next, where its graphs differ: `keep_graphs`). What
 `trainrun.run` leaves behind, found by training one drafter after another in one process:
 - torch.compile's in-memory state: `torch._dynamo.reset()` before a training whose graphs may differ from the last
   one's. Left, each drafter of other shapes or settings would add graphs to the same functions until dynamo's
   `recompile_limit` (8 a function) turned the rest eager or into an error under `fullgraph`; reset, such a run
   compiles its own graphs (or loads them from Inductor's caches: 15–22 s a drafter on the H200), so its warm-up count
   and `recompiles` (differences of one process-wide counter, `metrics.compiled_graphs`) are its own. A request that
-  differs from the last one only in `SAME_GRAPHS` (an arm's further seed, the null arm after the recipe, the known-bad
-  arm's fewer steps) runs the last one's compiled graphs instead (dynamo's guards still decide: its warm-up step
-  compiles what they reject), at most `REUSE_MAX` times in a row, which keeps a function's graphs far below that
-  limit. Inductor's and Triton's on-disk caches and the kernels already imported stay: a fresh process would load the
-  same.
+  differs from the last one only in `SAME_GRAPHS` (an arm's further seed, the null arm after the first arm, the
+  known-bad arm's fewer steps, a resume) runs the last one's compiled graphs instead (`keep_graphs`; its log says so,
+  and its warm-up step compiles none). Dynamo's guards still decide: where they reject the kept graphs, that run
+  compiles its own beside them and the next one resets, so a function never holds more than twice one run's graphs.
+  Inductor's and Triton's on-disk caches and the kernels already imported stay: a fresh process would load the same.
 - accelerate's singletons (`AcceleratorState`, `PartialState`, `GradientState`): reset. A second `Accelerator` with
   the same settings works on the kept ones, but they keep the first run's settings: an `Accelerator` with others
   is refused ("already initialized").
@@ -28,9 +29,9 @@ the GC's freeze and callbacks, the SIGTERM/SIGINT handlers. Not reset, and need 
 environment (the run sets only the compile cache directories, with setdefault: the same each time); a run leaves no
 thread of its own (tqdm's monitor and Inductor's compile threads stay, for the next run) and no open file. What still
 differs from a process of its own: a warning Python shows once per process appears in the first training's log only,
-and off CUDA the "peak RSS" of a run's last line is the worker's. The CPU tests compare drafters trained here, first
-and second in one worker, with their twins trained by `python -m stages.train`: equal weights, the same graphs
-compiled."""
+and off CUDA the "peak RSS" of a run's last line is the worker's. The CPU tests compare drafters trained here, the second
+of a worker (after one with other settings: the same graphs compiled) and a third that differs from it only in its
+seed and steps (no graph compiled), with their twins trained by `python -m stages.train`: equal weights."""
 
 from __future__ import annotations
 
@@ -38,8 +39,7 @@ from .worker import free_memory, serve
 
 RESIDENT = "--bench_resident=1"  # a request's argument (first-class in no stage): BenchSwitches(resident=True)
 SAME_GRAPHS = ("--run", "--seed", "--steps", "--resume")  # settings a training's compiled graphs do not depend on
-REUSE_MAX = 3  # trainings in a row that run the graphs of the one before them (then dynamo is reset)
-_last = {"graphs": None, "reused": 0}  # the last request's `graph_identity` (None: reset before the next)
+_last = {"graphs": None}  # the last request's `graph_identity`, or None: reset dynamo before the next
 
 
 def load():
@@ -48,14 +48,22 @@ def load():
     from stages import train
 
     def main(argv: list[str]) -> int:
-        keep_graphs(graph_identity(argv))
-        rc = 1
+        from dflash_offline.metrics import compiled_graphs
+        from dflash_offline.progress import log
+
+        kept = keep_graphs(graph_identity(argv))
+        if kept:
+            log(f"[worker] the last training's {kept} compiled graphs kept (its settings but seed, run, steps or "
+                f"resume): dynamo's guards decide whether they run; the warm-up step compiles what they reject")
+        rc, before = 1, compiled_graphs()
         try:
             rc = train.main([a for a in argv if a != RESIDENT], BenchSwitches(resident=RESIDENT in argv))
             return rc
         finally:
-            if rc:  # (refused, stopped or failed: the next training resets)
-                _last["graphs"] = None
+            graphs = compiled_graphs() - before
+            # refused, stopped or failed; or the kept graphs rejected (graphs compiled beside them): the next resets
+            _last.update(graphs=None if rc or (kept and graphs) else _last["graphs"],
+                         count=kept if kept and not graphs else graphs)
 
     return main
 
@@ -65,16 +73,16 @@ def graph_identity(argv: list[str]) -> tuple[str, ...]:
     return tuple(a for a in argv if a.split("=", 1)[0] not in SAME_GRAPHS)
 
 
-def keep_graphs(identity: tuple[str, ...]) -> bool:
-    """Before a training: keep dynamo's compiled graphs where the last training (which ended with status 0) had the
-    same `identity` and fewer than `REUSE_MAX` trainings in a row kept them; else reset them. Whether they were kept."""
+def keep_graphs(identity: tuple[str, ...]) -> int:
+    """Before a training: keep dynamo's compiled graphs where the last training had the same `identity` (and ended
+    with status 0, its graphs accepted: else `main` forgot it), else reset them. The graphs kept (0: reset)."""
     import torch
 
-    keep = identity == _last["graphs"] and _last["reused"] < REUSE_MAX
-    if not keep:
+    kept = _last.get("count", 0) or 1 if identity == _last["graphs"] else 0
+    if not kept:
         torch._dynamo.reset()
-    _last.update(graphs=identity, reused=_last["reused"] + 1 if keep else 0)
-    return keep
+    _last["graphs"] = identity
+    return kept
 
 
 def fresh_process() -> None:

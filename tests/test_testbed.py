@@ -373,6 +373,9 @@ def test_a_drafter_trained_in_the_training_worker_equals_its_twin_trained_in_a_p
         w.close()
     assert "the cache resident on the device" in (tmp_path / "worker" / "second.log").read_text()
     assert "the cache resident" not in (tmp_path / "worker" / "first.log").read_text()
+    kept = [re.findall(r"\[worker\] the last training's (\d+) compiled graphs kept",
+                       (tmp_path / "worker" / f"{name}.log").read_text()) for name in drafters]
+    assert kept[:2] == [[], []] and int(kept[2][0]) > 0, kept  # (the third says it runs the second's graphs)
     for name in ("second", "third"):  # (the state a first one may leave is what it checks)
         steps, args = drafters[name]
         r = subprocess.run([sys.executable, "-m", "stages.train", *tiny, *args, f"--run={tmp_path / 'alone' / name}"],
@@ -389,21 +392,41 @@ def test_a_drafter_trained_in_the_training_worker_equals_its_twin_trained_in_a_p
         assert recompiles == [["0"], ["0"]], (name, recompiles)
 
 
-def test_the_training_worker_keeps_compiled_graphs_only_for_an_arms_further_seed_and_not_too_often(monkeypatch):
-    """Graphs are kept for a training that differs from the last one only in its run, seed, steps or resume, at
-    most REUSE_MAX times in a row; another setting, or a last training that did not end with status 0, resets them."""
+def test_the_training_worker_keeps_compiled_graphs_only_for_an_arms_further_seed_whose_last_run_ended_well(
+        monkeypatch):
+    """Graphs are kept for a training that differs from the last one only in its run, seed, steps or resume; another
+    setting resets them, and so does a last training that did not end with status 0 or whose warm-up compiled graphs
+    beside kept ones (dynamo's guards rejected them: kept again, a function's graphs would pile up towards dynamo's
+    recompile limit, past which it runs eager)."""
+    import torch
+
+    from stages import train
     from testbed import trainworker as tw
 
-    monkeypatch.setattr(tw, "_last", {"graphs": None, "reused": 0})
+    resets, outcome = [], {}
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
+    monkeypatch.setattr(tw, "_last", {"graphs": None})
+
+    def fake_main(argv, bench):  # a training: its exit status, and the graphs its warm-up compiles
+        from torch._dynamo.utils import counters
+
+        counters["stats"]["unique_graphs"] += outcome["graphs"]
+        return outcome["rc"]
+
+    monkeypatch.setattr(train, "main", fake_main)
+    main = tw.load()
     base = ["--cache=c", "--lr=1e-3"]
-    ident = [tw.graph_identity([*base, f"--run=r{i}", f"--seed={i}", f"--steps={100 * i}", "--resume=0"])
-             for i in range(6)]
-    assert len(set(ident)) == 1 and tw.graph_identity([*base, "--quant=fp8"]) != ident[0]
-    kept = [tw.keep_graphs(x) for x in ident]
-    assert kept == [False] + [True] * tw.REUSE_MAX + [False] + [True] * (5 - tw.REUSE_MAX - 1)
-    assert not tw.keep_graphs(tw.graph_identity([*base, "--lr=2e-3"]))
-    tw._last["graphs"] = None  # (what a training that ended otherwise than with status 0 leaves)
-    assert not tw.keep_graphs(tw.graph_identity([*base, "--lr=2e-3"]))
+    seed = [[*base, f"--run=r{i}", f"--seed={i}", f"--steps={100 * i}", "--resume=0"] for i in range(6)]
+    assert len({tw.graph_identity(a) for a in seed}) == 1 and tw.graph_identity([*base, "--lr=2e-3"]) != \
+        tw.graph_identity(seed[0])
+    for argv, rc, graphs, reset in [(seed[0], 0, 7, True), (seed[1], 0, 0, False), (seed[2], 0, 0, False),
+                                    ([*base, "--lr=2e-3"], 0, 7, True), (seed[3], 0, 7, True),
+                                    (seed[4], 2, 0, False),  # refused: the next resets
+                                    (seed[5], 0, 7, True), (seed[0], 0, 3, False),  # kept but rejected: the next resets
+                                    (seed[1], 0, 3, True), (seed[2], 0, 0, False)]:
+        outcome.update(rc=rc, graphs=graphs)
+        n = len(resets)
+        assert main(argv) == rc and (len(resets) > n) == reset, (argv, rc, graphs)
 
 
 def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
