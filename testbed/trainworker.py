@@ -39,7 +39,7 @@ from .worker import free_memory, serve
 
 RESIDENT = "--bench_resident=1"  # a request's argument (first-class in no stage): BenchSwitches(resident=True)
 SAME_GRAPHS = ("--run", "--seed", "--steps", "--resume")  # settings a training's compiled graphs do not depend on
-_last = {"graphs": None}  # the last request's `graph_identity`, or None: reset dynamo before the next
+_last = {"graphs": None, "count": 0}  # the last request's `graph_identity` (None: reset before the next), its graphs
 
 
 def load():
@@ -78,7 +78,7 @@ def keep_graphs(identity: tuple[str, ...]) -> int:
     with status 0, its graphs accepted: else `main` forgot it), else reset them. The graphs kept (0: reset)."""
     import torch
 
-    kept = _last.get("count", 0) or 1 if identity == _last["graphs"] else 0
+    kept = _last["count"] if identity == _last["graphs"] else 0  # (none compiled: nothing to keep)
     if not kept:
         torch._dynamo.reset()
     _last["graphs"] = identity

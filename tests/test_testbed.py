@@ -405,7 +405,7 @@ def test_the_training_worker_keeps_compiled_graphs_only_for_an_arms_further_seed
 
     resets, outcome = [], {}
     monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
-    monkeypatch.setattr(tw, "_last", {"graphs": None})
+    monkeypatch.setattr(tw, "_last", {"graphs": None, "count": 0})
 
     def fake_main(argv, bench):  # a training: its exit status, and the graphs its warm-up compiles
         from torch._dynamo.utils import counters
