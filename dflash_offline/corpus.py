@@ -380,14 +380,18 @@ _TOK = None
 _OPTS: dict = {}
 
 
-def _init_worker(tokenizer_dir: str, opts: dict, pool: bool = False) -> None:
+def _init_worker(tokenizer, opts: dict, pool: bool = False) -> None:
+    """A worker's tokenizer: `tokenizer` loaded from its directory in a pool's process, or the stage's own (already
+    loaded: a second load of a real Qwen tokenizer costs ≈ 1 s) when the records are tokenized inline."""
     global _TOK, _OPTS
     if pool:
         exit_with_parent()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    from transformers import AutoTokenizer
+    if isinstance(tokenizer, str | os.PathLike):
+        from transformers import AutoTokenizer
 
-    _TOK = AutoTokenizer.from_pretrained(tokenizer_dir)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+    _TOK = tokenizer
     _OPTS = dict(opts, opens_think=template_opens_think(_TOK))
 
 
@@ -490,11 +494,13 @@ def _chunks(records: Iterator[Record], size: int) -> Iterator[list[Record]]:
 
 
 def tokenize_stream(
-    records: Iterator[Record], tokenizer_dir: str, opts: dict, workers: int, chunk_docs: int
+    records: Iterator[Record], tok, opts: dict, workers: int, chunk_docs: int
 ) -> Iterator[Tokens | Skip]:
-    """Results in corpus order, computed by `workers` processes with a bounded number of chunks in flight."""
+    """Results in corpus order, computed by `workers` processes with a bounded number of chunks in flight. `tok`: the
+    loaded tokenizer, used as it is inline (workers ≤ 1); each pool process loads its own from `tok.name_or_path`
+    (a fast tokenizer used before a fork is not safe to use after it)."""
     if workers <= 1:
-        _init_worker(tokenizer_dir, opts)
+        _init_worker(tok, opts)
         for chunk in _chunks(records, chunk_docs):
             yield from process_chunk(chunk)
         return
@@ -508,7 +514,7 @@ def tokenize_stream(
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     try:
         with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                                 initargs=(tokenizer_dir, opts, True)) as pool:
+                                 initargs=(str(tok.name_or_path), opts, True)) as pool:
             pending: deque = deque()
             try:
                 for chunk in _chunks(records, chunk_docs):

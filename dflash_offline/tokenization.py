@@ -202,7 +202,7 @@ def tokenize_corpus(cfg: TokenizeConfig, paths: list[Path], tok, progress: Progr
     t0 = time.time()
     opts = {"thinking": cfg.thinking, "turns": cfg.turns, "empty_think": cfg.empty_think, "vocab_size": len(tok),
             "settings": chat.parse_settings(cfg.template_kwargs)}
-    stream = tokenize_stream(iter_records(paths, cfg.max_docs), tok.name_or_path, opts, workers_for(cfg),
+    stream = tokenize_stream(iter_records(paths, cfg.max_docs), tok, opts, workers_for(cfg),
                              cfg.chunk_docs)
     packer = Packer(cfg.seq_len, cfg.open_rows)
     stats, tally, pending, entries = Counter(), Tally(cfg.strict, skip_log), [], []

@@ -182,6 +182,15 @@ def test_same_inputs_same_key_and_bytes_and_workers_do_not_matter(tmp_path, qwen
         assert whole[i] == tok.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"]
 
 
+def test_a_run_tokenizing_inline_loads_its_tokenizer_once(tmp_path, qwen35_dir, chat_corpus, monkeypatch):
+    """workers=1 tokenizes with the tokenizer the stage loaded to check it (a real Qwen tokenizer costs ≈ 1 s a load);
+    the test above shows its shards equal a pool's, whose processes load their own."""
+    loads, real = [], AutoTokenizer.from_pretrained.__func__
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: loads.append(a) or real(cls, *a, **k)))
+    assert read_manifest(run(tmp_path, [chat_corpus], qwen35_dir))["complete"] and len(loads) == 1, loads
+
+
 def test_key_changes_with_every_input(tmp_path, qwen35_dir, chat_corpus):
     base = read_manifest(run(tmp_path / "0", [chat_corpus], qwen35_dir))["key"]
     other_corpus = tmp_path / "other.jsonl"
