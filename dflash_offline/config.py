@@ -464,7 +464,8 @@ def configs_from_argv(specs: list[tuple[type, str]], argv: list[str], doc: str, 
     extract.target); `earlier` maps section → config.
     """
     if any(a in ("-h", "--help") for a in argv):
-        print(doc.strip() + "\n\n" + "\n\n".join(f"[{sec}] " + describe(cls, sec) for cls, sec in specs))
+        print(doc.strip() + "\n\n" + "\n\n".join(f"[{sec}] " * (len(specs) > 1) + describe(cls, sec)
+                                               for cls, sec in specs))
         sys.exit(0)
     where = specs[0][1]
     recipe, overrides = parse_overrides(argv, specs)
@@ -500,13 +501,8 @@ def check_repeated(argv: list[str], specs: list, where: str) -> None:
 
 
 def config_from_argv(cls, section: str, argv: list[str], doc: str):
-    """The stage scripts' front door: `--help` prints the fields with their comments."""
-    if any(a in ("-h", "--help") for a in argv):
-        print(doc.strip() + "\n\n" + describe(cls, section))
-        sys.exit(0)
-    recipe, overrides = parse_overrides(argv, [(cls, section)])
-    check_repeated(argv, [(cls, section)], section)
-    return load_config(cls, section, recipe, overrides)
+    """One stage config from its command line: `configs_from_argv` with one config."""
+    return configs_from_argv([(cls, section)], argv, doc)[0]
 
 
 def field_help(cls) -> dict[str, str]:
