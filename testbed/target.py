@@ -172,7 +172,7 @@ def build_target(out: Path, files: sources.FileList, *, dims: dict, vocab: int, 
     text_config = config.get_text_config()
     params = sum(p.numel() for p in model.parameters())
     tiny.write_json(out / tiny.SIDECAR, {
-        "built_by": "dflash_offline.testbed", "arch": "qwen3_5", "model_class": type(model).__name__,
+        "built_by": "testbed.target", "arch": "qwen3_5", "model_class": type(model).__name__,
         "mask_token": tiny.MASK_TOKEN, "mask_token_id": tokenizer.convert_tokens_to_ids(tiny.MASK_TOKEN),
         "pad_token_id": pad, "eos_token_id": eos, "tokenizer_size": len(tokenizer),
         "vocab_size": text_config.vocab_size, "hidden_size": text_config.hidden_size,

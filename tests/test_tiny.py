@@ -110,7 +110,7 @@ def test_special_tokens_and_mask(targets):
         gen = json.loads((d / "generation_config.json").read_text())
         assert gen["eos_token_id"] == tok.convert_tokens_to_ids("<|im_end|>") == model_cfg.eos_token_id
         side = tiny.read_sidecar(d)
-        assert side["arch"] == arch and side["built_by"] == "dflash_offline.tiny" and side["vocab_size"] == 2048
+        assert side["arch"] == arch and side["built_by"] == "fixtures.tiny" and side["vocab_size"] == 2048
         # think / tool tags are added tokens that decoding keeps (as in Qwen), the ChatML markers are special
         text = tok.decode(tok.encode("<think>x</think><|im_end|>", add_special_tokens=False), skip_special_tokens=True)
         assert text == "<think>x</think>"
