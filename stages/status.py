@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_offline.cache.manifest import MANIFEST, NOT_COMMITTED, ManifestError, not_covered, shard_list
-from dflash_offline.cache.report import find_caches, readable, report
+from dflash_offline.cache.report import find_caches, report
+from dflash_offline.cli import refusal
 from dflash_offline.config import ConfigError, configs_from_argv
 
 
@@ -115,6 +116,15 @@ def print_report(r: dict, show_all: bool) -> None:
                 "expired": f"lease expired {-left:.0f}s ago: the next run takes it over"}[c["state"]]
         print(f"  claimed: shard {c['index']} by {c.get('worker')} rank {c.get('rank', '?')} ({c['state']}), {what}")
 
+
+def readable(cache: Path) -> dict:
+    """`report(cache)`, or {"cache", "error"} for a cache whose manifest cannot be read (the line a stage would end
+    with for it)."""
+    try:
+        return report(cache)
+    except (ValueError, OSError) as e:
+        line = refusal(e) or f"error: {type(e).__name__}: {e}"  # (an unreadable file: its line too)
+        return {"cache": str(cache), "error": line.removeprefix("error: ")}
 
 
 def main(argv: list[str]) -> int:

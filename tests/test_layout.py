@@ -85,3 +85,12 @@ def test_no_module_outside_the_cache_package_reads_a_manifest_raw():
            if cache not in p.parents for i, line in enumerate(p.read_text().splitlines(), 1)
            if re.search(r"manifest|MANIFEST", line) and re.search(r"read_text\(|json\.load|\bopen\(", line)]
     assert not raw, f"manifest.json read outside dflash_offline/cache/ (use cache.manifest.read_manifest): {raw}"
+
+
+def test_the_cache_package_imports_nothing_of_the_library_outside_it():
+    """The cache contract is one unit that stage 1 writes through and stage 2 reads through: it depends on no other
+    module of the library (which may depend on it), function-local imports included."""
+    found = {f"{p.relative_to(ROOT)}: {t}" for p in sources("dflash_offline/cache")
+             for t in imports_of(p, ".".join(p.relative_to(ROOT).with_suffix("").parts))
+             if t.startswith("dflash_offline") and not t.startswith("dflash_offline.cache")}
+    assert not found, f"the cache package imports library modules outside it: {sorted(found)}"

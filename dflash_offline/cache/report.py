@@ -125,14 +125,3 @@ def find_caches(root: Path) -> list[Path]:
     if has_manifest(root):
         return [root]
     return sorted(p for p in root.glob("*") if has_manifest(p))
-
-
-def readable(cache: Path) -> dict:
-    """`report(cache)`, or {"cache", "error"} for a cache whose manifest cannot be read (its one line)."""
-    try:
-        return report(cache)
-    except (ValueError, OSError) as e:
-        from dflash_offline.cli import refusal
-
-        line = refusal(e) or f"error: {type(e).__name__}: {e}"  # (an unreadable file: its line too)
-        return {"cache": str(cache), "error": line.removeprefix("error: ")}
