@@ -63,6 +63,7 @@ def tiny_target(arch: str) -> Path:
     """Build (or reuse an identical earlier build of) the embedded tiny target of `arch`."""
     import fcntl
 
+    from dflash_offline.cache.fsio import atomic_dir
     from fixtures import tiny
 
     out = BUILD / arch
@@ -72,11 +73,8 @@ def tiny_target(arch: str) -> Path:
         sidecar = out / "dflash_target.json"
         if sidecar.is_file() and json.loads(sidecar.read_text()).get("params") == tiny.build_params(arch):
             return out
-        tmp = BUILD / f".{arch}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tiny.build_target(tmp, arch, log=lambda m: None)
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
+        with atomic_dir(out) as tmp:  # (a build killed half-way is never taken for one)
+            tiny.build_target(tmp, arch, log=lambda m: None)
         return out
 
 
