@@ -141,7 +141,7 @@ def open_hidden_cache(cache_dir, layer_ids, hidden_size: int | None = None, seq_
                             f"extract the cache again with this code")
     projection = m.get("projection") if prod.get("projection") else None
     if prod.get("projection"):  # a projection file that is not the one the shards were computed with: refused now
-        from .projection import read_projection
+        from .cache.projection_file import read_projection
 
         read_projection(cache, want, projection)
     info = cache_info(cache, m, want, n)

@@ -217,7 +217,8 @@ def teacher_forced(model, embed_VH, lm_head_VH, cache_dir, gamma, batches: int, 
     stream = HiddenStream(info, rows, seed=seed, device=dev, prefetch=0)
     lift = None
     if info.projection and not cfg.tap_width:
-        from .projection import lift, read_projection
+        from .cache.projection_file import read_projection
+        from .projection import lift
 
         Ps = read_projection(cache_dir, cfg.target_layer_ids, info.projection)
     g = torch.Generator(device=dev).manual_seed(seed)

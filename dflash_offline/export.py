@@ -316,7 +316,8 @@ def export(run_dir, out_dir, step: int | None = None, dtype: str = "bfloat16", t
                           f"unexpected {extra[:5]}, wrong shape {bad[:5]}")
     projection = (meta.get("config") or {}).get("projection") or run_cfg.get("projection")
     if dc.tap_width:  # trained on projected taps: fc' folded into the full-width fc (in fp64)
-        from dflash_offline.projection import ProjectionError, fold_state, run_projections
+        from dflash_offline.cache.projection_file import ProjectionError
+        from dflash_offline.projection import fold_state, run_projections
 
         if not projection:
             raise ExportError(f"{ckpt}: the drafter reads {dc.tap_width} values a tap (projected taps) but neither its "

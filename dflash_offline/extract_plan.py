@@ -389,7 +389,7 @@ def shards_to_do(cfg: ExtractConfig, plan: ExtractPlan) -> dict:
     if existing is None and not cfg.cache:
         note_sibling_caches(cfg, plan.producer)
     done = committed(existing) if existing else {}
-    from .projection import ProjectionError
+    from .cache.projection_file import ProjectionError
 
     if existing and (why := projection_problem(cache, existing, check_sha=True)):  # (before the target loads: the
         raise ProjectionError(why)  # shards to come would be projected with a P the committed ones were not)

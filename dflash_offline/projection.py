@@ -16,31 +16,27 @@ k for a cache, with the bytes per token each k would take (`bench/projection.py`
 The cache side (`[extract] project_dims=k`): extraction estimates P_t on its first `project_rows` rows (`projection_for`,
 once the weights are loaded: the manifest's P, else `calibrate`'s, recorded under the cache's lock; `top_k`:
 the top-k eigenvectors, each column's sign fixed so that its largest-magnitude component is positive, so the same
-moment gives the same bytes), writes them to CACHE/projection.safetensors (`write_projection`: `P.L{id}` float32
-[H, k], metadata k, rows, tokens and the energy each layer keeps) and records the file's SHA-256 in the manifest
-(`projection`); every reader (`read_projection`) checks the file against that record. Training reads z, export and
-the untrained drafter fold fc' with P (`fold`, `fold_state`), and the teacher-forced estimate of a full-width drafter
-on a projected cache lifts z back to P z (`lift`: fc(P z) = fc' Pᵀ P z = fc' z).
+moment gives the same bytes), writes them to CACHE/projection.safetensors (`cache.projection_file.write_projection`:
+`P.L{id}` float32 [H, k], metadata k, rows, tokens and the energy each layer keeps) and records the file's SHA-256 in
+the manifest (`projection`); every reader (`cache.projection_file.read_projection`) checks the file against that
+record. Training reads z, export and the untrained drafter fold fc' with P (`fold`, `fold_state`), and the
+teacher-forced estimate of a full-width drafter on a projected cache lifts z back to P z (`lift`: fc(P z) = fc' Pᵀ P z
+= fc' z).
 """
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import torch
 
-from .cache.manifest import PROJECTION_FILE, restore_advice
+from .cache.manifest import PROJECTION_FILE
+from .cache.projection_file import ProjectionError, read_projection, write_projection
 from .progress import log
 
-PROJECTION_FORMAT = "dflash-projection"
 PROJECTION_ALIGN = 32  # project_dims must be a multiple of it: whole fp4 blocks and bytes, as for the hidden size
 PROJECTION_WAIT_S = 1800.0  # how long ranks > 0 wait for rank 0 to record the cache's projection
-
-
-class ProjectionError(ValueError):
-    """A cache's projection file is missing or is not the one its manifest records; the message says what to do."""
 
 
 class SecondMoment:
@@ -102,43 +98,6 @@ def top_k(mom: SecondMoment, k: int) -> tuple[torch.Tensor, float]:
     return P.to(torch.float32).cpu().contiguous(), retained(evals, k)
 
 
-def write_projection(cache: Path, projections: dict[int, torch.Tensor], meta: dict) -> dict:
-    """Write CACHE/projection.safetensors atomically: `P.L{id}` float32 [H, k] per tapped layer, `meta` (sorted JSON)
-    in its header; returns its record {"bytes", "sha256", "header_sha256"}."""
-    from .cache.shards import META_KEY, write_safetensors
-
-    tensors = {f"P.L{lid}": P.to(torch.float32).contiguous() for lid, P in projections.items()}
-    head = {META_KEY: json.dumps(dict(meta, format=PROJECTION_FORMAT), sort_keys=True)}
-    return write_safetensors(Path(cache) / PROJECTION_FILE, tensors, head)
-
-
-def read_projection(cache, layer_ids, record: dict | None = None) -> list[torch.Tensor]:
-    """P [H, k] float32 of each layer of `layer_ids` (in that order) from a projected cache, after checking the file's
-    SHA-256 against the manifest's record (`record`: the manifest's `projection` block, read when not given)."""
-    from safetensors import safe_open
-
-    from .cache.fsio import sha256_file
-    from .cache.manifest import read_manifest
-
-    cache = Path(cache)
-    rec = record if record is not None else read_manifest(cache).get("projection")
-    path = cache / PROJECTION_FILE
-    fix = restore_advice(cache, rec)
-    if not rec:
-        raise ProjectionError(f"{cache}/manifest.json records no projection file, yet the cache stores projected taps; "
-                              f"{fix}")
-    if not path.is_file():
-        raise ProjectionError(f"{path} is missing: the cache's projected taps cannot be unfolded without it; {fix}")
-    if (got := sha256_file(path)) != rec["sha256"]:
-        raise ProjectionError(f"{path} has SHA-256 {got[:12]}…, the manifest records {rec['sha256'][:12]}…: it is not "
-                              f"the projection the cache's shards were computed with; {fix}")
-    with safe_open(str(path), framework="pt") as f:
-        have = {name for name in f.keys()}
-        if missing := [lid for lid in layer_ids if f"P.L{lid}" not in have]:
-            raise ProjectionError(f"{path} holds no projection for layers {missing}; {fix}")
-        return [f.get_tensor(f"P.L{lid}") for lid in layer_ids]
-
-
 def run_projections(rec: dict, layer_ids, run_dir=None) -> list[torch.Tensor]:
     """P of each of `layer_ids` for a run trained on a projected cache: `rec` is what the run recorded (its cache,
     the projection file's SHA-256). The run's own copy (RUN/projection.safetensors, made when training started) is
@@ -159,25 +118,6 @@ def run_projections(rec: dict, layer_ids, run_dir=None) -> list[torch.Tensor]:
         raise ProjectionError(f"{cache}/{PROJECTION_FILE} is {have['sha256'][:12]}…, the run trained on "
                               f"{rec['sha256'][:12]}…: the cache was extracted again since; restore the run's cache")
     return read_projection(cache, layer_ids, have)
-
-
-def copy_to_run(rec: dict, run_dir) -> Path:
-    """RUN/projection.safetensors: the cache's projection file the run trains on (atomic copy, checked against `rec`;
-    kept when already there), so that the run's fc can be folded without its cache."""
-    import shutil
-
-    from .cache.fsio import atomic_path, sha256_file
-
-    dst = Path(run_dir) / PROJECTION_FILE
-    if dst.is_file() and sha256_file(dst) == rec["sha256"]:
-        return dst
-    src = Path(rec["cache"]) / PROJECTION_FILE
-    with atomic_path(dst) as tmp:  # (a copy that does not match is removed, never published)
-        shutil.copyfile(src, tmp)
-        if (got := sha256_file(tmp)) != rec["sha256"]:
-            raise ProjectionError(f"{src} has SHA-256 {got[:12]}…, the cache's manifest records "
-                                  f"{rec['sha256'][:12]}…; restore it or extract the cache again")
-    return dst
 
 
 def fold_state(state: dict[str, torch.Tensor], projections: list[torch.Tensor]) -> dict[str, torch.Tensor]:

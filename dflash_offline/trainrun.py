@@ -155,7 +155,7 @@ def write_resolved(cfg: TrainConfig, s: TrainSetup, dc, c: dict, cache_key: str,
         keep_earlier_config(run_dir, resolved, start, log)
     write_json_atomic(run_dir / "config.json", resolved)  # a reader never sees half of it
     if c.get("projection"):  # the run keeps the P it trains on: export and eval then need no cache
-        from dflash_offline.projection import copy_to_run
+        from dflash_offline.cache.projection_file import copy_to_run
 
         copy_to_run(c["projection"], run_dir)
     log(f"drafter {dc.num_layers}×(H {dc.hidden_size}, {dc.num_heads}/{dc.num_kv_heads} heads × "

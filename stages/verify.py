@@ -82,7 +82,7 @@ def verify(cache: Path, cfg: VerifyConfig) -> dict:
         check_same_target(str(ckpt), m["producer"]["target"], str(cache), m["config"]["extract"]["target"], "verify")
     Ps = None  # a projected cache: its P per tapped layer (the file checked against the manifest), before any hashing
     if m["producer"].get("projection"):
-        from dflash_offline.projection import ProjectionError, read_projection
+        from dflash_offline.cache.projection_file import ProjectionError, read_projection
 
         try:
             Ps = read_projection(cache, m["config"]["layer_ids"], m.get("projection"))

@@ -16,22 +16,15 @@ from safetensors.torch import load_file
 from dflash_offline import projection, verification
 from dflash_offline.anchors import block_input_ids, block_position_ids
 from dflash_offline.cache import encodings
-from dflash_offline.cache.manifest import read_manifest
+from dflash_offline.cache.manifest import PROJECTION_FILE, read_manifest
+from dflash_offline.cache.projection_file import ProjectionError, read_projection, write_projection
 from dflash_offline.cache.shards import hidden_shard_name, read_hidden, read_token_shard, token_shard_name
 from dflash_offline.config import ConfigError, ExtractConfig, TokenizeConfig, VerifyConfig
 from dflash_offline.dataset import open_hidden_cache
 from dflash_offline.drafter import DFlashDrafter, DrafterConfig, load_target_embeddings
 from dflash_offline.export import ExportError, export
 from dflash_offline.extract_plan import make_plan
-from dflash_offline.projection import (
-    PROJECTION_FILE,
-    ProjectionError,
-    SecondMoment,
-    read_projection,
-    retained,
-    top_k,
-    write_projection,
-)
+from dflash_offline.projection import SecondMoment, retained, top_k
 from dflash_offline.trainsetup import TrainConfig
 from stages import extract, train, verify
 
