@@ -315,10 +315,11 @@ def plan_epochs(train, rows: int, seq_len: int, gpus: int) -> float | None:
     batch: global_batch_tokens, else batch_rows on each of `gpus` processes). None without a [train] table."""
     if train is None or not rows:
         return None
-    if train.epochs:
-        return train.epochs
-    step_rows = train.global_batch_tokens / seq_len if train.global_batch_tokens else train.batch_rows * gpus
-    return train.steps * step_rows / rows
+    sch = train.schedule
+    if sch.epochs:
+        return sch.epochs
+    step_rows = sch.global_batch_tokens / seq_len if sch.global_batch_tokens else sch.batch_rows * gpus
+    return sch.steps * step_rows / rows
 
 
 def storage_plan(*, rows: int, seq_len: int, doc_tokens: int, k: int, hidden: int, quant: str, need: int,

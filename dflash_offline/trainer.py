@@ -46,8 +46,9 @@ class Trainer:
         self.progress = self.meter = None  # the loop's (`run`)
         self._build_optimizer(model)  # after sharding when FSDP is on: it must hold the sharded parameters
         compile_model(self.raw, s)
-        self.stream = HiddenStream(info, cfg.batch_rows, rank=acc.process_index, world_size=s.world, seed=cfg.seed,
-                                   device=acc.device, resident=s.resident, reader_threads=s.reader_threads)
+        self.stream = HiddenStream(info, cfg.schedule.batch_rows, rank=acc.process_index, world_size=s.world,
+                                   seed=cfg.seed, device=acc.device, resident=s.resident,
+                                   reader_threads=s.reader_threads)
 
     # --- model and optimizer -----------------------------------------------------------------------------------
 
@@ -157,11 +158,11 @@ class Trainer:
 
     def _after_step(self, grad_norm) -> bool:
         """The step's metrics; a window's end at a log step or a checkpoint, the checkpoint. Returns: saved."""
-        cfg, s = self.cfg, self.s
-        self.meter.step(cfg.batch_rows * s.accum * s.world, grad_norm)  # (reads the last window's report)
+        sch, s = self.cfg.schedule, self.s
+        self.meter.step(sch.batch_rows * s.accum * s.world, grad_norm)  # (reads the last window's report)
         last = self.step == s.steps
-        checkpoint = self.step % cfg.ckpt_every == 0 or (last and s.final_checkpoint)
-        if self.step % cfg.log_every == 0 or checkpoint or last:  # a window also ends at a checkpoint (its time is not
+        checkpoint = self.step % sch.ckpt_every == 0 or (last and s.final_checkpoint)
+        if self.step % sch.log_every == 0 or checkpoint or last:  # a window also ends at a checkpoint (its time is not
             read_now = checkpoint or last  # training) and at the end; its record is then read at once
             self.meter.end_window(self.step, self.sched.get_last_lr()[0], self.skipped_steps, read_now=read_now)
         if checkpoint:
@@ -356,7 +357,7 @@ class Trainer:
                       **({"projection": self.projection} if self.projection else {})}
             save_checkpoint(self.run_dir, self.step, raw, self.opt, self.sched,
                             data_state=data_state or self.stream.state_dict(), config=config,
-                            keep_last=self.cfg.keep_last, states=states)
+                            keep_last=self.cfg.schedule.keep_last, states=states)
         acc.wait_for_everyone()
         self.saved_step = self.step
 

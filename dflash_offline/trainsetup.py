@@ -21,7 +21,6 @@ performance switch: `fp8_emulate` lets precision=fp8 run on the CPU (float8 cast
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +52,27 @@ class ComputeSettings:
 
 
 @dataclass
+class ScheduleSettings:
+    """The run's length, batch and cadence (`train` settings; the optimizer steps they come to: `schedule`)."""
+
+    steps: int = 1000  # optimizer steps (unused when epochs > 0)
+    epochs: float = 0.0  # > 0: passes over the cache; sets steps = epochs × optimizer steps per epoch
+    batch_rows: int = 1  # rows per micro-batch per process (fixed shape)
+    global_batch_tokens: int = 0  # row tokens per optimizer step over all processes; 0 = one micro-batch each
+    ckpt_every: int = 500  # checkpoint every N steps (and at the end)
+    keep_last: int = 3  # checkpoints kept
+    log_every: int = 10  # metrics line every N steps
+
+    def resolve(self) -> ScheduleSettings:
+        for name in ("steps", "batch_rows", "ckpt_every", "log_every"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"train.{name} must be > 0, got {getattr(self, name)}")
+        if self.epochs < 0:
+            raise ConfigError(f"train.epochs must be >= 0 (0 = run `steps` steps), got {self.epochs}")
+        return self
+
+
+@dataclass
 class TrainConfig:
     """Stage 2's settings (the recipe's [train] table): the run's own, and the groups declared beside the code that
     owns them (flat everywhere a user meets them: `config.compose`, `config.as_dict`)."""
@@ -62,18 +82,12 @@ class TrainConfig:
     target: str = ""  # target checkpoint for the frozen embedding + lm_head; empty = the cache's target
     resume: bool = False  # continue the run in `run` from its latest checkpoint (exact data position and RNG)
     seed: int = 0  # data order, anchors, noise and init
-    steps: int = 1000  # optimizer steps (unused when epochs > 0)
-    epochs: float = 0.0  # > 0: passes over the cache; sets steps = epochs × optimizer steps per epoch
-    batch_rows: int = 1  # rows per micro-batch per process (fixed shape)
-    global_batch_tokens: int = 0  # row tokens per optimizer step over all processes; 0 = one micro-batch each
+    schedule: ScheduleSettings = field(default_factory=ScheduleSettings)  # length, batch, checkpoint and log cadence (here)
     drafter: DrafterSettings = field(default_factory=DrafterSettings)  # the drafter's shape (dflash_offline/drafter.py)
     loss: LossSettings = field(default_factory=LossSettings)  # the objective and its computation (dflash_offline/loss.py)
     optim: OptimSettings = field(default_factory=OptimSettings)  # AdamW and the learning-rate schedule (dflash_offline/optim.py)
     compute: ComputeSettings = field(default_factory=ComputeSettings)  # precision, attention, compilation, sharding (here)
-    ckpt_every: int = 500  # checkpoint every N steps (and at the end)
-    keep_last: int = 3  # checkpoints kept
     stop_grace_s: float = 25.0  # on SIGTERM/SIGINT: seconds to finish the step and write a checkpoint (exit 143/130); under torchrun and Slurm's default KillWait, SIGKILL follows after 30 s
-    log_every: int = 10  # metrics line every N steps
     trackers: str = "tensorboard"  # accelerate trackers ("tensorboard", "wandb", comma list; "none" = JSONL only)
     require_verified: bool = False  # refuse a cache never verified (a cache that failed verify is always refused)
 
@@ -86,23 +100,18 @@ class TrainConfig:
 
     def resolve(self) -> TrainConfig:
         """Each group checks its own settings; what spans groups, and the run's own, is checked here."""
-        for group in (self.drafter, self.loss, self.optim, self.compute):
+        for group in (self.schedule, self.drafter, self.loss, self.optim, self.compute):
             group.resolve()
         d, lo = self.drafter, self.loss
         if d.variant == "dflash2" and (self.compute.fsdp or not lo.selector_weight >= 0):
             raise ConfigError(f"train.variant=dflash2 trains with fsdp=0 (got {int(self.compute.fsdp)}; its selector "
                               f"runs outside the sharded forward) and selector_weight >= 0 (got {lo.selector_weight})")
-        for name in ("steps", "batch_rows", "ckpt_every", "log_every"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"train.{name} must be > 0, got {getattr(self, name)}")
-        if self.epochs < 0:
-            raise ConfigError(f"train.epochs must be >= 0 (0 = run `steps` steps), got {self.epochs}")
         if lo.gamma == 0 and d.block_size not in (8, 16) and lo.weighting == "decay":
             raise ConfigError(f"train.gamma: no default for block_size {d.block_size}; set gamma explicitly")
         return self
 
 
-STEPS_DEFAULT = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == "steps")
+STEPS_DEFAULT = ScheduleSettings.steps
 
 
 @dataclass(frozen=True)
@@ -145,13 +154,13 @@ class TrainSetup:
                 "precision": self.precision, "attn": self.attn, "compile": self.compile,
                 "master_weights": self.master, "loss_epilogue": self.epilogue,
                 "loss_logits": cfg.loss.loss_logits, "tf32": self.tf32,
-                "global_batch_rows": cfg.batch_rows * self.world * self.accum, "cache_key": cache_key,
+                "global_batch_rows": cfg.schedule.batch_rows * self.world * self.accum, "cache_key": cache_key,
                 "steps": self.steps, "warmup_steps": self.warmup, "steps_per_epoch": self.steps_per_epoch,
                 "epochs": self.steps / self.steps_per_epoch if self.steps_per_epoch else None}
 
     def describe(self, cfg: TrainConfig) -> str:
         """One line for the log: processes, rows, accumulation and the compute path."""
-        return (f"{self.world} process(es) × {cfg.batch_rows} rows × accum {self.accum}"
+        return (f"{self.world} process(es) × {cfg.schedule.batch_rows} rows × accum {self.accum}"
                 f"{', FSDP-sharded' if self.sharded else ''}; {self.precision}"
                 f"{f' ({FP8_RECIPE}, bf16 elsewhere)' if self.precision == 'fp8' else ''}"
                 f"{' (bf16 weights, fp32 masters)' if self.master else ''}"
@@ -162,17 +171,17 @@ class TrainSetup:
     def describe_schedule(self, cfg: TrainConfig, seq_len: int) -> str:
         """One line for the log: the run's length in epochs and steps, the global batch, the warm-up; e.g.
         'schedule: 6 epochs × 1,234 steps = 7,404 steps (global batch 8 rows × 4096), warmup 296 (4 %)'."""
-        per = f"{self.steps_per_epoch:,.1f}".removesuffix(".0")
-        if cfg.epochs:
-            length = f"{cfg.epochs:g} epochs × {per} steps = {self.steps:,} steps"
+        per, sch = f"{self.steps_per_epoch:,.1f}".removesuffix(".0"), cfg.schedule
+        if sch.epochs:
+            length = f"{sch.epochs:g} epochs × {per} steps = {self.steps:,} steps"
         elif self.steps_per_epoch:
             length = f"{self.steps:,} steps = {self.steps / self.steps_per_epoch:.3g} epochs of {per} steps"
         else:
             length = f"{self.steps:,} steps"
-        ignored = cfg.epochs and cfg.steps != STEPS_DEFAULT
-        return (f"schedule: {length} (global batch {cfg.batch_rows * self.world * self.accum} rows × {seq_len}), "
+        ignored = sch.epochs and sch.steps != STEPS_DEFAULT
+        return (f"schedule: {length} (global batch {sch.batch_rows * self.world * self.accum} rows × {seq_len}), "
                 f"warmup {self.warmup:,} ({100 * self.warmup / self.steps:.3g} %)"
-                f"{f'; steps={cfg.steps} ignored: epochs sets the length' if ignored else ''}")
+                f"{f'; steps={sch.steps} ignored: epochs sets the length' if ignored else ''}")
 
 
 def resolve_train(cfg: TrainConfig, *, cuda: bool, world: int, seq_len: int, rows: int = 0,
@@ -186,7 +195,7 @@ def resolve_train(cfg: TrainConfig, *, cuda: bool, world: int, seq_len: int, row
         from dflash_offline.fp8 import check_available, check_token_counts
 
         check_available(cuda, switches.fp8_emulate)
-        check_token_counts(cfg.batch_rows, seq_len, cfg.loss.num_anchors, cfg.drafter.block_size)
+        check_token_counts(cfg.schedule.batch_rows, seq_len, cfg.loss.num_anchors, cfg.drafter.block_size)
     if cfg.loss.loss_logits == "fp8" and cuda and not switches.fp8_emulate:  # (its first step would fail, weights loaded)
         from dflash_offline.fp8 import check_gpu
 
@@ -216,12 +225,13 @@ def schedule(cfg: TrainConfig, world: int, accum: int, rows: int) -> tuple[int, 
     micro-batches (the last, partial global batch is dropped), `accum` of them per optimizer step. `epochs` > 0
     rounds its steps up (the last may reach into the next epoch); the warm-up is warmup_ratio × steps rounded
     down (SpecForge's rule), at least 1 when the ratio is > 0."""
-    micro_per_epoch = rows // (cfg.batch_rows * world)
+    sch = cfg.schedule
+    micro_per_epoch = rows // (sch.batch_rows * world)
     per_epoch = micro_per_epoch / accum
-    if cfg.epochs and not micro_per_epoch:
-        raise ValueError(f"epochs={cfg.epochs:g}: the cache holds {rows} rows, fewer than one global batch of "
-                         f"{cfg.batch_rows * world} (batch_rows {cfg.batch_rows} × {world} processes)")
-    steps = max(1, math.ceil(cfg.epochs * per_epoch - 1e-9)) if cfg.epochs else cfg.steps
+    if sch.epochs and not micro_per_epoch:
+        raise ValueError(f"epochs={sch.epochs:g}: the cache holds {rows} rows, fewer than one global batch of "
+                         f"{sch.batch_rows * world} (batch_rows {sch.batch_rows} × {world} processes)")
+    steps = max(1, math.ceil(sch.epochs * per_epoch - 1e-9)) if sch.epochs else sch.steps
     if cfg.optim.warmup_steps >= 0:
         warmup = cfg.optim.warmup_steps
     else:
@@ -244,12 +254,13 @@ def attention(cfg: TrainConfig, cuda: bool) -> tuple[str, bool]:
 
 def grad_accum(cfg: TrainConfig, world: int, seq_len: int) -> int:
     """Micro-batches per optimizer step on each process, from global_batch_tokens (0: one)."""
-    if not cfg.global_batch_tokens:
+    sch = cfg.schedule
+    if not sch.global_batch_tokens:
         return 1
-    rows_per_micro = cfg.batch_rows * seq_len
-    accum, rem = divmod(cfg.global_batch_tokens, rows_per_micro * world)
+    rows_per_micro = sch.batch_rows * seq_len
+    accum, rem = divmod(sch.global_batch_tokens, rows_per_micro * world)
     if rem or accum < 1:
-        raise ValueError(f"global_batch_tokens={cfg.global_batch_tokens} must be a multiple of batch_rows × "
+        raise ValueError(f"global_batch_tokens={sch.global_batch_tokens} must be a multiple of batch_rows × "
                          f"seq_len × processes = {rows_per_micro * world}")
     return accum
 
@@ -393,8 +404,8 @@ def check_checkpoint_room(cfg: TrainConfig, dc, run_dir: Path, steps: int, final
 
     if int(os.environ.get("RANK", 0)) != 0:
         return
-    saves = steps // cfg.ckpt_every + int(final and steps % cfg.ckpt_every > 0)  # a last step on a boundary saves once
-    peak = min(saves, cfg.keep_last + 1) if cfg.keep_last else saves
+    saves = steps // cfg.schedule.ckpt_every + int(final and steps % cfg.schedule.ckpt_every > 0)  # a last step on a boundary saves once
+    peak = min(saves, cfg.schedule.keep_last + 1) if cfg.schedule.keep_last else saves
     if peak == 0:
         return
     there = len(list_checkpoints(run_dir))
@@ -402,11 +413,11 @@ def check_checkpoint_room(cfg: TrainConfig, dc, run_dir: Path, steps: int, final
     need = max(peak - there, 1) * per
     free = free_space(run_dir)
     if free - need < CHECKPOINT_ROOM_GB * 1e9:
-        kept = f"keep_last={cfg.keep_last} kept plus the one being written" if cfg.keep_last else "keep_last=0: all kept"
+        kept = f"keep_last={cfg.schedule.keep_last} kept plus the one being written" if cfg.schedule.keep_last else "keep_last=0: all kept"
         raise ValueError(f"{run_dir}: its checkpoints need {size(need)} ({size(per)} each; {kept}"
                          f"{f', {there} there already' if there else ''}) but the filesystem has {size(free)} free "
                          f"(keeping {CHECKPOINT_ROOM_GB:g} GB for the rest): free space, put RUN= elsewhere, or "
-                         + ("lower keep_last" if cfg.keep_last else "keep fewer (keep_last=N)"))
+                         + ("lower keep_last" if cfg.schedule.keep_last else "keep fewer (keep_last=N)"))
 
 
 def check_inputs(cfg: TrainConfig, run_dir, final_checkpoint: bool = True):

@@ -179,7 +179,7 @@ def trainer_blocks(cfg, device):
     torch.manual_seed(cfg.seed)
     model = DFlashDrafter(dc).to(device)
     embed, head = (t.to(device, torch.float32) for t in load_target_embeddings(c["target"]))
-    stream = HiddenStream(info, cfg.batch_rows, seed=cfg.seed, device=device)
+    stream = HiddenStream(info, cfg.schedule.batch_rows, seed=cfg.seed, device=device)
     acc = SimpleNamespace(device=device, process_index=0)
     micros = [next_micro(cfg, s, acc, stream, i, dc)[0] for i in range(s.accum)]
     stream.close()

@@ -254,12 +254,12 @@ def test_the_recipe_trains_as_the_reference_training_config(recipe):
     tok = build_config(TokenizeConfig, "tokenize", tables["tokenize"])
     train = build_config(TrainConfig, "train", {**tables["train"], "cache": "unused"})
     assert tok.seq_len == ref["max_length"] and tok.long_doc == "truncate"  # max_length truncates a sample
-    assert (train.epochs, train.optim.lr, train.optim.warmup_ratio, train.optim.warmup_steps, train.optim.grad_clip) == (
+    assert (train.schedule.epochs, train.optim.lr, train.optim.warmup_ratio, train.optim.warmup_steps, train.optim.grad_clip) == (
         ref["num_epochs"], ref["learning_rate"], ref["warmup_ratio"], -1, ref["max_grad_norm"])
     assert (train.loss.num_anchors, train.loss.gamma, train.drafter.block_size) == (ref["num_anchors"], ref["loss_decay_gamma"],
                                                                   ref.get("block_size", 16))
     # the reference's global batch in rows, on any number of processes
-    assert train.global_batch_tokens == ref["batch_size"] * ref["gpus"] * tok.seq_len
+    assert train.schedule.global_batch_tokens == ref["batch_size"] * ref["gpus"] * tok.seq_len
 
 
 def test_the_qwen38_recipe_tokenizes_with_its_template_settings_and_has_a_storage_plan(tmp_path, real_fixtures,

@@ -649,7 +649,7 @@ def test_the_recipes_dflash2_beats_dflash_given_its_compute():
     whose first arm and checks are that DFlash training at the matched steps), lossless, both checks passed."""
     name = "8f72974-dflash2-equal-compute"
     res = json.loads((REPO / f"bench/results/testbed-sweep-h200-{name}.json").read_text())
-    steps = storage.recipe_train(str(REPO / "manifests/testbed.toml")).steps
+    steps = storage.recipe_train(str(REPO / "manifests/testbed.toml")).schedule.steps
     cost = storage.TRAIN_DFLASH2_BIG_TOK_S["dflash"] / storage.TRAIN_DFLASH2_BIG_TOK_S["dflash2"]
     matched = round(steps * cost)
     assert matched > steps
