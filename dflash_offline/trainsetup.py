@@ -1,8 +1,9 @@
 """Training's settings, and what they mean on this machine: the settings derived from the config and the run's facts.
 
-`TrainConfig` holds stage 2's settings: the run's own and, as groups declared beside the code that owns them, the
-drafter's (`drafter.DrafterSettings`), the loss's (`loss.LossSettings`), the optimizer's (`optim.OptimSettings`) and
-the compute setup's (`ComputeSettings`, here); a user names each by its own name (`config.compose`, `config.as_dict`).
+`TrainConfig` holds stage 2's settings: the run's own and, as groups declared beside the code that owns them, its
+length, batch and cadence (`ScheduleSettings`, here), the drafter's (`drafter.DrafterSettings`), the loss's
+(`loss.LossSettings`), the optimizer's (`optim.OptimSettings`) and the compute setup's (`ComputeSettings`, here); a
+user names each by its own name (`config.compose`, `config.as_dict`).
 `TrainConfig.resolve()` checks what the user typed; `resolve_train` turns it into what the run does, given what only
 the run knows (CUDA or not, the number of processes, the cache's rows and their length): precision, attention,
 compilation, the loss epilogue, gradient accumulation, FSDP sharding, master weights, the run's length (epochs →

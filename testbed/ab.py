@@ -21,15 +21,14 @@ def recipe_steps(cfg, settings: dict) -> int:
     """The steps a drafter of these [train] `settings` trains: theirs, else `train_args`', else `train_steps`, else
     the recipe's, else TrainConfig's default."""
     from dflash_offline.config import read_recipe
-    from dflash_offline.trainsetup import TrainConfig
+    from dflash_offline.trainsetup import STEPS_DEFAULT
 
     if "steps" in settings:
         return int(settings["steps"])
     for kv in cfg.train_args.split():
         if kv.startswith("steps="):
             return int(kv.split("=", 1)[1])
-    return cfg.train_steps or int(read_recipe(cfg.drafter_recipe).get("train", {}).get(
-        "steps", TrainConfig.__dataclass_fields__["steps"].default))
+    return cfg.train_steps or int(read_recipe(cfg.drafter_recipe).get("train", {}).get("steps", STEPS_DEFAULT))
 
 
 def check_arms(cfg, first: str) -> tuple[str, str]:

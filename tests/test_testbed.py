@@ -242,7 +242,7 @@ def test_the_interval_holds_95_percent_of_null_differences_with_the_seeds_varian
     assert outside <= 0.15 * reps
 
 
-def test_the_checks_follow_the_first_arm():
+def test_the_checks_follow_the_first_arm(tmp_path):
     cfg = config.TestbedConfig(train_steps=600)
     assert testbed_ab.check_arms(cfg, "") == ("(recipe, other seeds)", "steps=150")
     assert testbed_ab.check_arms(cfg, "gamma=5 quant=fp8") == ("(gamma=5 quant=fp8, other seeds)",
@@ -250,6 +250,8 @@ def test_the_checks_follow_the_first_arm():
     assert testbed_ab.check_arms(cfg, "steps=400")[1] == "steps=100"
     assert testbed_ab.check_arms(config.TestbedConfig(train_args="steps=40"), "")[1] == "steps=10"
     assert testbed_ab.check_arms(config.TestbedConfig(), "")[1] == "steps=150"  # the recipe's 600
+    (tmp_path / "r.toml").write_text("[train]\nlr = 1e-3\n")  # a recipe that leaves the steps to training's default
+    assert testbed_ab.check_arms(config.TestbedConfig(drafter_recipe=str(tmp_path / "r.toml")), "")[1] == "steps=250"
 
 
 def test_arms_are_checked_before_anything_runs():
