@@ -6,9 +6,9 @@ one-line comment, which `--help` shows (`field_help`); required fields have no d
 A config may be composed of groups of settings declared beside the code that owns them (a field whose default is
 another config dataclass: `is_group`); training's `TrainConfig` (`dflash_offline.trainsetup`) is, with the drafter's
 settings in `drafter.py`, the loss's in `loss.py`, the optimizer's in `optim.py`, the schedule's and the compute
-setup's in `trainsetup.py`. Settings stay flat wherever a user meets them: a recipe's table, `--key=value`, `--help` and a run's
-recorded config (`as_dict`) name each by its own name, unique over the groups (`settings`), and `compose` routes
-each to the group that declares it; code reads them by their group (`cfg.optim.lr`).
+setup's in `trainsetup.py`. Settings stay flat wherever a user meets them: a recipe's table, `--key=value`, `--help`
+and a run's recorded config (`as_dict`) name each by its own name, unique over the groups (`settings`), and `compose`
+routes each to the group that declares it; code reads them by their group (`cfg.optim.lr`).
 """
 
 from __future__ import annotations

@@ -405,8 +405,9 @@ def check_checkpoint_room(cfg: TrainConfig, dc, run_dir: Path, steps: int, final
 
     if int(os.environ.get("RANK", 0)) != 0:
         return
-    saves = steps // cfg.schedule.ckpt_every + int(final and steps % cfg.schedule.ckpt_every > 0)  # a last step on a boundary saves once
-    peak = min(saves, cfg.schedule.keep_last + 1) if cfg.schedule.keep_last else saves
+    every, keep = cfg.schedule.ckpt_every, cfg.schedule.keep_last
+    saves = steps // every + int(final and steps % every > 0)  # a last step on a boundary saves once
+    peak = min(saves, keep + 1) if keep else saves
     if peak == 0:
         return
     there = len(list_checkpoints(run_dir))
@@ -414,11 +415,11 @@ def check_checkpoint_room(cfg: TrainConfig, dc, run_dir: Path, steps: int, final
     need = max(peak - there, 1) * per
     free = free_space(run_dir)
     if free - need < CHECKPOINT_ROOM_GB * 1e9:
-        kept = f"keep_last={cfg.schedule.keep_last} kept plus the one being written" if cfg.schedule.keep_last else "keep_last=0: all kept"
+        kept = f"keep_last={keep} kept plus the one being written" if keep else "keep_last=0: all kept"
         raise ValueError(f"{run_dir}: its checkpoints need {size(need)} ({size(per)} each; {kept}"
                          f"{f', {there} there already' if there else ''}) but the filesystem has {size(free)} free "
                          f"(keeping {CHECKPOINT_ROOM_GB:g} GB for the rest): free space, put RUN= elsewhere, or "
-                         + ("lower keep_last" if cfg.schedule.keep_last else "keep fewer (keep_last=N)"))
+                         + ("lower keep_last" if keep else "keep fewer (keep_last=N)"))
 
 
 def check_inputs(cfg: TrainConfig, run_dir, final_checkpoint: bool = True):
