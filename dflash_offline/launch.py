@@ -16,7 +16,7 @@ box of its exit codes. Here:
   the launcher: a worker ending its stop);
 - the exit status is one process's: 128 + the signal after a stop (143, 130), a failed rank's own status (2 for a
   refused input) with one line naming the rank where its status is not a stop's, 128 + N for a rank killed by
-  signal N (out of memory: SIGKILL);
+  signal N (out of memory: SIGKILL) — a rank that failed so during a stop too: its failure, not the stop's status;
 - a stage's `--help` is printed by one process, once (`help_asked`), not by every rank after the launcher's warning.
 """
 
@@ -127,18 +127,17 @@ def outcome(rc: int, stopped: int, f: LauncherFilter) -> tuple[int, str | None]:
     signal `stopped` (0: none)."""
     if rc == 0:
         return 0, None
-    if stopped or f.signal:  # a stop: the workers said where they stopped and how to continue
-        return 128 + (stopped or f.signal), None
-    if f.failures:
-        rank, code = f.root or f.failures[0]
+    # the first observed failure (the others' may be the launcher stopping them after it), during a stop too
+    rank, code = f.root or (f.failures[0] if f.failures else (None, None))
+    if code is not None and code not in (128 + signal.SIGTERM, 128 + signal.SIGINT):
         if code < 0:
             return 128 - code, (f"error: rank {rank} was killed by {signal_name(-code)}"
                                 f"{' (out of memory?)' if code == -signal.SIGKILL else ''}; the other ranks were "
                                 f"stopped")
-        if code in (128 + signal.SIGTERM, 128 + signal.SIGINT):
-            return code, None
         return code, f"error: rank {rank} ended with exit status {code} (its message is above); the other ranks were stopped"
-    return rc, None
+    if stopped or f.signal:  # a stop: the workers said where they stopped and how to continue
+        return 128 + (stopped or f.signal), None
+    return (rc if code is None else code), None
 
 
 def parent_death_signal() -> None:

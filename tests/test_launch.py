@@ -74,6 +74,21 @@ def test_a_rank_killed_by_a_signal_or_stopped_gives_one_process_status():
     assert outcome(0, 0, LauncherFilter(io.BytesIO())) == (0, None)
 
 
+def test_a_rank_that_fails_during_a_stop_gives_its_failure_not_the_stops_status():
+    """Ctrl-C, then a rank fails writing its final checkpoint (disk full: its exit status 1) or is killed (out of
+    memory) while the others stop: the run did not stop cleanly, and a script reading 130 would take it for a stop
+    to resume."""
+    box = FAILED.replace("exitcode  : -9", "exitcode  : 130")  # rank 1 stopped; rank 0, the root cause, failed
+    _, f = filtered(box.replace("exitcode  : 2", "exitcode  : 1"), 1 << 16)
+    code, line = outcome(1, signal.SIGINT, f)
+    assert code == 1 and line.startswith("error: rank 0 ended with exit status 1 (its message is above)")
+    _, f = filtered(box.replace("exitcode  : 2", "exitcode  : -9"), 1 << 16)
+    code, line = outcome(1, signal.SIGTERM, f)
+    assert code == 137 and "rank 0 was killed by SIGKILL" in line
+    _, f = filtered(box.replace("exitcode  : 2", "exitcode  : 130"), 1 << 16)  # every rank stopped: the stop's status
+    assert outcome(1, signal.SIGINT, f) == (130, None)
+
+
 def make_train(cache, run, *extra, **kw) -> subprocess.Popen:
     args = " ".join(a for a in cli_args(cache, run, **kw) if not a.startswith(("--cache=", "--run=")))
     return subprocess.Popen(["make", "--no-print-directory", "-o", ".venv/.installed", "train", "NPROC=2", "RECIPE=",
