@@ -31,6 +31,7 @@ from .runs import JOB_FILE, Paths, cache_complete, eval_summary
 
 JOB_GB = 12  # GPU memory one drafter job of the testbed recipe may take (training, then evaluation)
 WARM_WAIT_S = 900  # how long the other drafters wait for the first one's compiled first step at most
+WARM_POLL_S = 1.0  # how often the leading job's status file is read for its first step
 FIRST_DRAFTER_S = 240  # what a drafter is expected to take before one has ended in this invocation (H200, cold: 215 s)
 
 
@@ -223,7 +224,7 @@ class Drafters:
                         self.warm.set()
                 except (OSError, ValueError):
                     pass
-                time.sleep(1)
+                time.sleep(WARM_POLL_S)
 
         threading.Thread(target=watch, daemon=True).start()
 

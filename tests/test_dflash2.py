@@ -5,7 +5,6 @@ shapes, a convolution that stays inside its block, the training forward equal to
 import dataclasses
 import json
 import math
-import time
 
 import pytest
 import torch
@@ -277,7 +276,6 @@ def test_compiled_forward_equals_eager_without_recompiling():
     second batch of the same shapes compiles nothing."""
     model, embed = dflash2(std=0.3)
     compiled = torch.compile(model, dynamic=False)
-    t0 = time.time()
     for seed in (0, 1):
         ids, pos, doc, lm, hidden, anc, keep = packed_batch(seed)
         masks = model.build_masks(doc, anc, keep, "dense")
@@ -288,8 +286,6 @@ def test_compiled_forward_equals_eager_without_recompiling():
         # (Inductor's fused float32 sums run in another order: up to 1.4e-5 apart here, on outputs of order 1)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         assert got.shape == (2, A * (L - 1), H)
-    if time.time() - t0 > 120:
-        pytest.fail(f"compiling took {time.time() - t0:.0f} s")
 
 
 def test_scored_only_keeps_slot_0_for_the_convolution():

@@ -100,7 +100,7 @@ def test_a_lock_left_by_a_dead_process_is_broken_at_once_with_a_message(tmp_path
     os.utime(tmp_path / ".lock", (old, old))
     t = time.perf_counter()
     mf.commit_shard(tmp_path, entry(0))
-    assert time.perf_counter() - t < 1.0  # not the 60 s a stale-by-age lock waits
+    assert time.perf_counter() - t < 10.0  # not the 60 s a stale-by-age lock waits
     assert "breaking the stale lock" in capsys.readouterr().out
     # a lock held by a live process (this one) from another token is waited for, then reported with its holder
     (tmp_path / ".lock").write_text(f"{socket.gethostname()}:{os.getpid()}:other")

@@ -26,7 +26,7 @@ def test_a_slow_disk_never_blocks_update_and_the_final_status_is_complete(tmp_pa
     t0 = time.perf_counter()
     for i in range(20):
         p.update(1, tokens=10, last=i)
-    assert time.perf_counter() - t0 < 0.2  # 20 updates, none waited for a 0.3 s write
+    assert time.perf_counter() - t0 < 0.29  # 20 updates, none waited for a 0.3 s write
     snap = p.close("done")
     final = json.loads(status.read_text())
     assert final == json.loads(json.dumps(snap)) and final["done"] == 20 and final["state"] == "done"

@@ -647,6 +647,7 @@ def test_the_other_drafters_start_once_the_first_has_compiled_its_first_step(tmp
         return fake(cfg, run, cache, seed, settings, env, log_dir)
 
     monkeypatch.setattr(scheduler, "train_export", train_export)
+    monkeypatch.setattr(scheduler, "WARM_POLL_S", 0.05)  # (the status file read once a second: up to 1 s late)
     cfg, p = config.TestbedConfig(dir=str(tmp_path)), Paths(str(tmp_path))
     jobs = _jobs(p, ["base", "a", "b"])
     jobs[0].run.mkdir(parents=True)  # a run killed after its training: same settings (kept), its status says 600
@@ -831,13 +832,13 @@ def test_a_drafter_that_would_end_past_stop_after_s_is_not_started_and_a_rerun_s
     fake = scheduler.train_export
 
     def slow(cfg, run, cache, seed, settings, env, log_dir):
-        time.sleep(0.6)
+        time.sleep(1.2)
         return fake(cfg, run, cache, seed, settings, env, log_dir)
 
     monkeypatch.setattr(scheduler, "train_export", slow)
-    monkeypatch.setattr(scheduler, "FIRST_DRAFTER_S", 0.7)
+    monkeypatch.setattr(scheduler, "FIRST_DRAFTER_S", 1.4)  # (the first starts if set-up takes < 1.6 s: a loaded box)
     monkeypatch.setattr(scheduler, "STARTED", time.monotonic())
-    cfg, p = config.TestbedConfig(dir=str(tmp_path), stop_after_s=1.5), Paths(str(tmp_path))
+    cfg, p = config.TestbedConfig(dir=str(tmp_path), stop_after_s=3.0), Paths(str(tmp_path))
     jobs = _jobs(p, ["base", "a", "b", "c"])
     times = scheduler.run_drafters(cfg, p, "cpu", jobs, 1, jobs[0].run)
     done = [j.run for j in jobs if (j.run / "eval.json").is_file()]
