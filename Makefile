@@ -42,7 +42,7 @@ LAUNCH_ARGS ?=
 LAUNCH = $(if $(filter-out 1,$(NPROC)),$(PYTHON) -m dflash_offline.launch --num_processes $(NPROC) $(LAUNCH_ARGS) -m,$(PYTHON) -m)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: FORCE setup fixtures test test-gpu test-gpu-extract test-gpu-train faults lint style demo tiny tokenize extract verify train regen report export eval status bench-extract bench-extract-layers bench-train bench-train-compare bench-train-attention bench-train-loss bench-projection testbed testbed-ab testbed-sweep clean help
+.PHONY: FORCE setup fixtures test test-gpu test-gpu-extract test-gpu-train faults lint style demo tiny tokenize extract verify train regen report export eval status bench-extract bench-extract-layers bench-train bench-train-compare bench-train-attention bench-train-loss bench-manifest bench-projection testbed testbed-ab testbed-sweep clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -145,6 +145,9 @@ bench-train-attention:  ## the drafter's attention alone, fwd+bwd: split/joint, 
 
 bench-train-loss:  ## lm_head + block CE alone, fwd+bwd, per epilogue (Triton / compiled) and chunk size (GPU)
 	$(PYTHON) -m bench.train_loss $(ARGS)
+
+bench-manifest: setup  ## the cache manifest at a full run's shard count (SHARDS=, default 24414): a read, a commit, a claim, a rank's run; CPU, minutes
+	$(PYTHON) -m bench.manifest --shards=$(or $(SHARDS),24414) $(ARGS)
 
 bench-projection: setup  ## per tapped layer of CACHE=: energy kept and held-out loss of a top-k projection, bytes/token per k (the projected-taps encoding's starting point)
 	$(PYTHON) -m bench.projection --cache=$(CACHE) $(ARGS)

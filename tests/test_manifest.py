@@ -54,6 +54,34 @@ def test_concurrent_commits_lose_nothing(tmp_path):
     assert sorted(mf.committed(mf.read_manifest(tmp_path))) == list(range(40))
 
 
+def test_a_rank_past_its_stripe_takes_the_rest_from_the_end_and_no_lock_for_what_others_committed(tmp_path,
+                                                                                                   monkeypatch):
+    """8 GPUs on a cache of 24K shards: a rank that walked the others' stripes shard by shard read the whole manifest
+    under the cache's one lock for each (0.5–0.8 s a read there), nearly all of them committed already."""
+    import contextlib
+
+    mf.open_cache(tmp_path, "hidden", "k", {}, {}, 10)
+    locks, real = [], claims.locked
+
+    @contextlib.contextmanager
+    def counted(cache, *a, **k):
+        locks.append(cache)
+        with real(cache, *a, **k):
+            yield
+
+    monkeypatch.setattr(claims, "locked", counted)
+    walk = lambda: [c.index for c, _ in claims.claimed_shards(  # noqa: E731
+        tmp_path, list(range(10)), lambda i: i, rank=0, world=2, lease_s=60, redo=False, wait_claims=False)]
+    assert walk() == [0, 2, 4, 6, 8, 9, 7, 5, 3, 1]  # its stripe, then the others' from their end
+    assert len(locks) == 10  # one a claim
+    for i in range(10):
+        claims.release_claim(tmp_path, i)
+        if i % 2:  # rank 1 committed its stripe
+            mf.commit_shard(tmp_path, entry(i))
+    locks.clear()
+    assert walk() == [0, 2, 4, 6, 8] and len(locks) == 5
+
+
 def test_claims_lease_and_takeover(tmp_path, monkeypatch):
     mf.open_cache(tmp_path, "hidden", "k", {}, {}, 2)
     assert claims.try_claim(tmp_path, 0, lease_s=60)
@@ -358,18 +386,18 @@ def test_a_staged_shard_is_published_with_its_entry_and_never_over_a_committed_o
     assert (tmp_path / "f0").read_bytes() == b"old"  # refused: the committed file is untouched
     assert not list(tmp_path.glob(".*.staged"))  # and the staged one removed
 
-    real, writes = mf.write_json_atomic, []
+    real, writes = mf.write_manifest, []
 
-    def killed_on_the_commit(path, obj, *a, **k):  # the process dies after the rename, before the entry is written
-        writes.append(obj)
+    def killed_on_the_commit(cache, m):  # the process dies after the rename, before the entry is written
+        writes.append(m)
         if len(writes) == 2:
             raise KeyboardInterrupt
-        return real(path, obj, *a, **k)
+        return real(cache, m)
 
-    monkeypatch.setattr(mf, "write_json_atomic", killed_on_the_commit)
+    monkeypatch.setattr(mf, "write_manifest", killed_on_the_commit)
     with pytest.raises(KeyboardInterrupt):
         mf.commit_shard(tmp_path, entry(0, sha="b" * 64), redo=True, staged=staged(tmp_path, "f0", b"new"))
-    monkeypatch.setattr(mf, "write_json_atomic", real)
+    monkeypatch.setattr(mf, "write_manifest", real)
     m = mf.read_manifest(tmp_path)
     assert (tmp_path / "f0").read_bytes() == b"new"
     assert 0 not in mf.committed(m) and m["shards"][0]["status"] == "missing"  # to do again, not damaged
@@ -405,3 +433,10 @@ def test_a_redo_whose_rename_fails_leaves_the_committed_shard_as_it_was(tmp_path
         mf.commit_shard(tmp_path, entry(0, sha="b" * 64), redo=True, staged=staged(tmp_path, "f0", b"new"))
     assert mf.read_manifest(tmp_path) == before and (tmp_path / "f0").read_bytes() == b"old"
     assert not list(tmp_path.glob(".*.staged"))
+
+
+def test_bench_manifest_runs_and_rank_0_claims_exactly_its_stripe():
+    from bench import manifest as bench
+
+    res = bench.main(["--shards=60", "--rank_shards=10", "--repeats=1"])
+    assert res["world"] == 6 and res["rank0_shards"] == 10 and res["read_s"] > 0 and res["commit_s"] > 0

@@ -232,6 +232,38 @@ def test_rerun_reuses_and_interrupted_run_completes_identically(tmp_path, qwen35
     assert {n: (cache / n).read_bytes() for s in m2["shards"] for n in s["files"]} == files
 
 
+def test_shards_are_committed_in_batches_and_an_interrupted_run_commits_those_it_wrote(tmp_path, qwen35_dir,
+                                                                                          chat_corpus, monkeypatch):
+    """A commit rewrites the whole manifest (15 MB at 24K shards): one a shard made tokenization quadratic in its
+    shards. The run's shards are committed in a few batches; one stopped (Ctrl-C) commits the shards it wrote first,
+    and a rerun keeps them and ends with the same cache."""
+    from dflash_offline.cache import manifest as mf
+
+    writes, real = [], mf.write_manifest
+    monkeypatch.setattr(mf, "write_manifest", lambda cache, m: (writes.append(len(m["shards"])), real(cache, m)))
+    ref = run(tmp_path / "ref", [chat_corpus], qwen35_dir, rows_per_shard=1)
+    n = read_manifest(ref)["num_shards"]
+    assert n >= 20 and len(writes) <= 4, (n, writes)  # (open, vocabulary, the batch, complete)
+    want = {p.name: p.read_bytes() for p in ref.glob("tokens-*.arrow")}
+
+    calls, write = [], tokenization.write_token_shard
+
+    def stopped(path, *a, **k):
+        calls.append(path)
+        if len(calls) == 7:
+            raise KeyboardInterrupt
+        return write(path, *a, **k)
+
+    monkeypatch.setattr(tokenization, "write_token_shard", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path, [chat_corpus], qwen35_dir, rows_per_shard=1)
+    cache = next((tmp_path / "c").glob("tokens-*"))
+    assert sorted(mf.committed(read_manifest(cache))) == list(range(6))  # the six it wrote
+    monkeypatch.setattr(tokenization, "write_token_shard", write)
+    assert run(tmp_path, [chat_corpus], qwen35_dir, rows_per_shard=1) == cache
+    assert {p.name: p.read_bytes() for p in cache.glob("tokens-*.arrow")} == want
+
+
 def test_parquet_arrow_pretokenized_and_globs(tmp_path, qwen35_dir):
     recs = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"answer {i}"}]}
             for i in range(6)]

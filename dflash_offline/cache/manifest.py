@@ -20,7 +20,7 @@ import re
 import time
 from pathlib import Path
 
-from .fsio import ManifestError, fsync_path, locked, sha256_file, write_json_atomic
+from .fsio import ManifestError, fsync_path, locked, sha256_file, write_text_atomic
 
 MANIFEST_VERSION = 1
 MANIFEST = "manifest.json"
@@ -35,6 +35,16 @@ def has_manifest(cache: str | Path) -> bool:
     """Whether `cache` holds a manifest (a cache, of either kind): what a caller asks before `read_manifest` where no
     cache is no error."""
     return (Path(cache) / MANIFEST).is_file()
+
+
+def manifest_stamp(cache: str | Path) -> tuple | None:
+    """What changes whenever the manifest is replaced (every write renames a new file over it): taken before a read,
+    an equal stamp later means the same manifest. None where there is none."""
+    try:
+        st = os.stat(Path(cache) / MANIFEST)
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size
 
 
 def read_manifest(cache: str | Path, need: tuple[str, ...] = (), kind: str = "") -> dict:
@@ -101,14 +111,18 @@ def _is_ints(v) -> bool:
     return isinstance(v, list) and all(_is_int(x) for x in v)
 
 
+_SHA = re.compile(r"[0-9a-f]{64}")
+_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
+
+
 def _is_sha(v) -> bool:
-    return isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
+    return isinstance(v, str) and _SHA.fullmatch(v) is not None
 
 
 def is_file_name(name: str) -> bool:
     """A shard file name a manifest may list: a plain name inside the cache directory (letters, digits, `._-`, not
     starting with a dot: no separators, no `..`, no absolute path, none of the hidden temp and lock files)."""
-    return isinstance(name, str) and bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}", name))
+    return isinstance(name, str) and _FILE_NAME.fullmatch(name) is not None
 
 
 _OBJ = (lambda v: isinstance(v, dict), "an object")
@@ -164,6 +178,8 @@ _ABSENT = object()
 
 def field(m: dict, dotted: str):
     """`m["a"]["b"]` for "a.b"; `_ABSENT` where a level is missing or not an object."""
+    if "." not in dotted:  # (a shard's fields: the check of a manifest of 24K shards reads 300K of them)
+        return m.get(dotted, _ABSENT) if isinstance(m, dict) else _ABSENT
     for name in dotted.split("."):
         if not isinstance(m, dict) or name not in m:
             return _ABSENT
@@ -269,7 +285,7 @@ def open_cache(cache: Path, kind: str, key: str, producer: dict, config: dict, n
             "summary": {},
             "created_at": time.time(),
         }
-        write_json_atomic(cache / MANIFEST, m)
+        write_manifest(cache, m)
         return m
 
 
@@ -283,6 +299,20 @@ def diff_producers(a: dict, b: dict, prefix: str = "") -> list[str]:
         elif va != vb:
             out.append(f"{prefix}{k}")
     return out
+
+
+def write_manifest(cache: Path, m: dict) -> None:
+    """Publish `m` as the manifest (temp → fsync → rename): its fields sorted and indented, each entry of `shards` on
+    one line — readable and greppable, and written by json's C encoder (a manifest of 24K shards, 15 MB, is
+    rewritten at every commit under the lock: indented whole, that took 0.9 s)."""
+    def fields(d: dict) -> list[str]:  # ' "key": value' items of an indented object
+        return [json.dumps(d, sort_keys=True, indent=1, ensure_ascii=False)[2:-2]] if d else []
+
+    rows = ",\n  ".join(json.dumps(s, sort_keys=True, ensure_ascii=False) for s in m["shards"])
+    shards = f' "shards": [\n  {rows}\n ]' if rows else ' "shards": []'
+    items = (fields({k: v for k, v in m.items() if k < "shards"}) + [shards]
+             + fields({k: v for k, v in m.items() if k > "shards"}))
+    write_text_atomic(cache / MANIFEST, "{\n" + ",\n".join(items) + "\n}\n")
 
 
 def merge_shard(m: dict, entry: dict, redo: bool = False) -> dict:
@@ -314,7 +344,7 @@ def commit_shard(cache: Path, entry: dict, redo: bool = False, summary: dict | N
             if staged:
                 marked = entry["index"] in committed(before)
                 if marked:
-                    write_json_atomic(cache / MANIFEST, dict(before, shards=[
+                    write_manifest(cache, dict(before, shards=[
                         dict(s, status="missing", reason="being redone") if s["index"] == entry["index"] else s
                         for s in before["shards"]]))
                 published = []
@@ -326,14 +356,25 @@ def commit_shard(cache: Path, entry: dict, redo: bool = False, summary: dict | N
                 except Exception:  # (an I/O error, not a kill) before anything moved: the shard stays as it was
                     if marked and not published:
                         with contextlib.suppress(OSError):
-                            write_json_atomic(cache / MANIFEST, before)
+                            write_manifest(cache, before)
                     raise
             if summary is not None:
                 m["summary"] = summary
-            write_json_atomic(cache / MANIFEST, m)
+            write_manifest(cache, m)
     finally:  # (a staged file not published: the commit was refused or failed)
         for tmp in (staged or {}).values():
             Path(tmp).unlink(missing_ok=True)
+    return m
+
+
+def commit_shards(cache: Path, entries: list[dict]) -> dict:
+    """Add several shards' entries (their files already published) under one lock, one manifest write: a single
+    writer's batch (tokenization), where a commit a shard would rewrite the whole manifest once per shard."""
+    with locked(cache):
+        m = read_manifest(cache)
+        for entry in entries:
+            m = merge_shard(m, entry)
+        write_manifest(cache, m)
     return m
 
 
@@ -341,7 +382,7 @@ def update_manifest(cache: Path, **fields) -> dict:
     with locked(cache):
         m = read_manifest(cache)
         m.update(fields)
-        write_json_atomic(cache / MANIFEST, m)
+        write_manifest(cache, m)
     return m
 
 
@@ -353,7 +394,7 @@ def record_once(cache: Path, name: str, make) -> dict:
         if m.get(name):
             return m[name]
         m[name] = make()
-        write_json_atomic(cache / MANIFEST, m)
+        write_manifest(cache, m)
     return m[name]
 
 
@@ -443,7 +484,7 @@ def requeue_missing(cache: Path) -> list[dict]:
         if bad:
             why = {b["shard"]: b["reason"] for b in bad}
             shards = [dict(s, status="missing", reason=why[s["index"]]) if s["index"] in why else s for s in m["shards"]]
-            write_json_atomic(cache / MANIFEST, dict(m, shards=shards))
+            write_manifest(cache, dict(m, shards=shards))
     return bad
 
 
