@@ -112,18 +112,18 @@ verify: setup  ## re-hash every shard of CACHE= and recompute sampled rows with 
 	$(PYTHON) -m stages.verify --cache=$(CACHE) --rows=$(ROWS) $(ARGS)
 
 train: setup  ## train a drafter on CACHE= into RUN= (RESUME=1 continues it; NPROC= processes)
-	$(LAUNCH) stages.train --recipe=$(RECIPE) --cache=$(CACHE) --run=$(RUN) --resume=$(RESUME) $(ARGS)
+	$(LAUNCH) stages.train --recipe=$(RECIPE) --target=$(TARGET) --cache=$(CACHE) --run=$(RUN) --resume=$(RESUME) $(ARGS)
 
 regen: setup  ## the target's answers to CORPUS='s prompts (or in place of its answers) into OUT=: TARGET= here, or ENGINE=http://host:port/v1 MODEL= through a vLLM/SGLang server (THINKING=on|off)
 	$(PYTHON) -m stages.regen --target=$(TARGET) --engine=$(ENGINE) --model=$(MODEL) --corpus=$(CORPUS) --out=$(OUT) --thinking=$(THINKING) $(ARGS)
 
 export: setup  ## z-lab-format drafter (config.json, model.safetensors, dflash.py) from RUN= into EXPORT= (STEP=, DTYPE=)
 	$(call renamed,export,OUT,EXPORT,the export directory written)
-	$(PYTHON) -m stages.export --run=$(RUN) --export=$(EXPORT) --step=$(STEP) --dtype=$(DTYPE) $(ARGS)
+	$(PYTHON) -m stages.export --run=$(RUN) --target=$(TARGET) --export=$(EXPORT) --step=$(STEP) --dtype=$(DTYPE) $(ARGS)
 
 eval: setup  ## real speculative decoding with RUN='s export (EXPORT=; else STEP= exported into RUN/eval-export) on PROMPTS= vs the target alone (UNTRAINED=1: untrained baseline)
 	$(call renamed,eval,OUT,EXPORT,the export measured; the report's path is ARGS=--out=)
-	$(PYTHON) -m stages.evaluate --run=$(RUN) --export=$(EXPORT) --step=$(STEP) --prompts=$(PROMPTS) --untrained=$(UNTRAINED) --cache=$(CACHE) $(ARGS)
+	$(PYTHON) -m stages.evaluate --run=$(RUN) --target=$(TARGET) --export=$(EXPORT) --step=$(STEP) --prompts=$(PROMPTS) --untrained=$(UNTRAINED) --cache=$(CACHE) $(ARGS)
 
 report: setup  ## PNG plots of RUN='s metrics (loss, accuracy per block position, τ, throughput, GPU memory when the run was on a GPU) and eval.json (acceptance per position and category)
 	$(PYTHON) -m stages.report --run=$(RUN) $(ARGS)

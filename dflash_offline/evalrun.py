@@ -38,6 +38,7 @@ from dflash_offline.evaluation import (
 @dataclass
 class EvalConfig:
     run: str  # run directory (config.json + checkpoints/) written by make train
+    target: str = ""  # target checkpoint (directory or hub id); empty = the run's (RUN/config.json records it)
     export: str = ""  # export directory measured (make export's); empty = export --step into RUN/eval-export first
     prompts: str = ""  # chat JSONL; empty = corpus/eval.jsonl beside the target (the demo target has one)
     num_prompts: int = 16  # prompts taken from the start of the file
@@ -269,10 +270,14 @@ def evaluate(cfg: EvalConfig) -> dict:
     from dflash_offline.target import read_target_info
 
     run_dir = Path(cfg.run)
-    ri = run_info(run_dir)
+    ri = run_info(run_dir, cfg.target)
     target_dir = ri["target"]
     if cfg.cache and cfg.tf_batches:
         check_cache_target(cfg.cache, target_dir)
+    elif cfg.tf_batches and not (Path(ri["cache"]) / "manifest.json").is_file():
+        raise ValueError(f"the teacher-forced estimate reads the run's training cache {ri['cache']}, which is gone: "
+                         f"pass --tf_batches=0 (make eval ARGS=--tf_batches=0) to measure without it, or --cache= "
+                         f"(make eval CACHE=) a hidden cache of this target")
     prompts_file = Path(cfg.prompts) if cfg.prompts else target_dir / "corpus" / "eval.jsonl"
     if not prompts_file.is_file():
         raise ValueError(f"prompts file {prompts_file} does not exist: pass --prompts= a chat JSONL")

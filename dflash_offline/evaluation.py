@@ -26,9 +26,11 @@ MARGIN_EDGES = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0, 2.0)  # bf16 l
 # --- the run, the artifact, the prompts ------------------------------------------------------------------------
 
 
-def run_info(run_dir: Path) -> dict:
-    """The run's resolved config, its training cache and its target checkpoint."""
-    from .cache.manifest import read_manifest
+def run_info(run_dir: Path, target: str = "") -> dict:
+    """The run's resolved config, its training cache and its target checkpoint: `target` (eval's --target), else the
+    run's (its config.json records it; a run made before it did: its cache's, while the cache is there). The cache:
+    as the run named it, else its absolute path as recorded (another working directory)."""
+    from .cache.manifest import has_manifest, read_manifest
     from .targetid import resolve_checkpoint
 
     cfg_file = run_dir / "config.json"
@@ -36,8 +38,13 @@ def run_info(run_dir: Path) -> dict:
         raise ValueError(f"{cfg_file} does not exist: pass --run= a run directory written by make train")
     cfg = json.loads(cfg_file.read_text())
     train = cfg["train"]
-    target = train.get("target") or read_manifest(train["cache"])["config"]["extract"]["target"]
-    return {"config": cfg, "train": train, "cache": train["cache"], "template_kwargs": trained_settings(cfg, train),
+    cache = next((c for c in (train["cache"], cfg.get("cache_dir")) if c and has_manifest(c)), train["cache"])
+    if not (target := target or train.get("target") or cfg.get("target")):
+        if not has_manifest(cache):
+            raise ValueError(f"{run_dir} names no target and its training cache {train['cache']} is gone: pass "
+                             f"--target= (make eval ARGS=--target=DIR) the checkpoint it was trained for")
+        target = read_manifest(cache)["config"]["extract"]["target"]
+    return {"config": cfg, "train": train, "cache": cache, "template_kwargs": trained_settings(cfg, train),
             "target": resolve_checkpoint(target, need=("config", "weights", "tokenizer"), field="eval target")}
 
 
@@ -49,8 +56,9 @@ def trained_settings(cfg: dict, train: dict) -> dict:
     if "template_kwargs" in cfg:
         return cfg["template_kwargs"] or {}
     try:
-        return read_manifest(train["cache"])["producer"]["tokens"]["producer"].get("template_kwargs") or {}
-    except (ValueError, KeyError, TypeError, OSError):
+        cache = next(c for c in (train["cache"], cfg.get("cache_dir")) if c and (Path(c) / "manifest.json").is_file())
+        return read_manifest(cache)["producer"]["tokens"]["producer"].get("template_kwargs") or {}
+    except (ValueError, KeyError, TypeError, OSError, StopIteration):
         return {}
 
 

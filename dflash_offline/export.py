@@ -80,17 +80,18 @@ def _read_json(path: Path, what: str) -> dict:
 
 
 def run_target(run_dir: Path, run_cfg: dict, override: str = "") -> str:
-    """The target checkpoint a run trained against: explicit > the run's train.target > its cache's target."""
+    """The target checkpoint a run trained against: explicit > the run's train.target > the one its config.json
+    records > its cache's target (a run made before config.json recorded it: while the cache is there)."""
     if override:
         return override
     train = run_cfg.get("train") or {}
-    if train.get("target"):
-        return train["target"]
+    if train.get("target") or run_cfg.get("target"):
+        return train.get("target") or run_cfg["target"]
     cache = train.get("cache")
-    if cache:
+    for where in (cache, run_cfg.get("cache_dir")):
         try:
-            return read_manifest(cache)["config"]["extract"]["target"]
-        except (OSError, ValueError, KeyError):
+            return read_manifest(where)["config"]["extract"]["target"]
+        except (OSError, ValueError, KeyError, TypeError):
             pass
     raise ExportError(f"{run_dir}: cannot tell which target the run trained against (its cache {cache!r} is gone "
                       f"or unreadable); pass --target=/path/to/target/checkpoint")

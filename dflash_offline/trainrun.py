@@ -148,7 +148,10 @@ def write_resolved(cfg: TrainConfig, s: TrainSetup, dc, c: dict, cache_key: str,
     resume with other settings keeps the earlier ones (`keep_earlier_config`)."""
     from dflash_offline.progress import log
 
-    resolved = {"train": as_dict(cfg), "drafter": as_dict(dc), "derived": s.derived(cfg, cache_key),
+    # the target and the cache as paths from anywhere: eval finds the target once the cache is deleted or moved
+    where = {"target": str(Path(c["target"]).resolve()) if Path(c["target"]).exists() else c["target"],
+             "cache_dir": str(Path(cfg.cache).resolve())}
+    resolved = {"train": as_dict(cfg), "drafter": as_dict(dc), "derived": s.derived(cfg, cache_key), **where,
                 "template_kwargs": c["template_kwargs"],
                 **({"projection": c["projection"]} if c.get("projection") else {})}
     if start is not None:

@@ -261,8 +261,13 @@ def grad_accum(cfg: TrainConfig, world: int, seq_len: int) -> int:
     rows_per_micro = sch.batch_rows * seq_len
     accum, rem = divmod(sch.global_batch_tokens, rows_per_micro * world)
     if rem or accum < 1:
-        raise ValueError(f"global_batch_tokens={sch.global_batch_tokens} must be a multiple of batch_rows × "
-                         f"seq_len × processes = {rows_per_micro * world}")
+        unit, (rows, left) = rows_per_micro * world, divmod(sch.global_batch_tokens, rows_per_micro)
+        fits = [str(w) for w in range(1, rows + 1) if rows % w == 0] if not left else []
+        raise ValueError(
+            f"global_batch_tokens={sch.global_batch_tokens} must be a multiple of batch_rows × seq_len × processes = "
+            f"{unit} ({world} processes); " + (f"it fits {', '.join(fits)} processes; " if fits else "")
+            + f"on {world}, pass --global_batch_tokens={-(-sch.global_batch_tokens // unit) * unit} (a step of other "
+            f"tokens: match its lr and steps to it)")
     return accum
 
 

@@ -149,7 +149,7 @@ def test_the_documented_full_run_runs(site):
     out = {i: o for i, (_, _, o) in enumerate(ran)}
 
     # 0-1: the pilot's prompts, answered by the server, a few set aside for the evaluation
-    pilot, held = jsonl(work / "data" / "prompts" / "pilot.jsonl"), jsonl(work / "data" / "heldout.jsonl")
+    pilot, held = jsonl(work / "data" / "prompts" / "pilot.jsonl"), jsonl(work / "data" / "heldout-pilot.jsonl")
     answered = jsonl(work / "data" / "regen" / "pilot.jsonl")
     assert len(pilot) == PILOT and len(answered) + len(held) == PILOT
     assert len(held) >= 2, f"{len(held)} held-out prompts for make eval's 2: raise PILOT, or lower --heldout_every in SUBS"

@@ -7,6 +7,7 @@ rounding tie in bfloat16)."""
 import dataclasses
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -474,6 +475,25 @@ def test_evaluate_measures_the_export(tmp_path, hidden_cache):
         with pytest.raises(ValueError, match=r"eval.template_kwargs: the chat template of .* does not read "
                                              r"reasoning_efort"):
             evaluate.main(args + ['--template_kwargs={"reasoning_efort": "low"}', f"--export={run / 'eval-export'}"])
+
+    # the training cache deleted (23 TB for a 27B run) or the run read from elsewhere: eval finds the target the run
+    # recorded; only the teacher-forced estimate needs the cache, and says so before anything loads
+    recorded = json.loads((run / "config.json").read_text())
+    assert recorded["target"] == str(Path(recorded["target"]).resolve()) and Path(recorded["target"]).is_dir()
+    gone = dict(recorded, train=dict(recorded["train"], cache=str(tmp_path / "gone")), cache_dir=str(tmp_path / "gone"))
+    (run / "config.json").write_text(json.dumps(gone))
+    quick = [f"--run={run}", f"--prompts={prompts}", "--num_prompts=1", "--max_new_tokens=4",
+             f"--export={run / 'eval-export'}", f"--out={tmp_path / 'gone.json'}"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(evalrun, "load_target", lambda *a: pytest.fail("the target loaded before the cache was looked for"))
+        with pytest.raises(ValueError, match=r"reads the run's training cache .*gone, which is gone: pass "
+                                             r"--tf_batches=0"):
+            evaluate.main(quick)
+    assert evaluate.main(quick + ["--tf_batches=0"]) == 0 and json.loads((tmp_path / "gone.json").read_text())["lossless"]
+    (run / "config.json").write_text(json.dumps({k: v for k, v in gone.items() if k != "target"}))  # an older run
+    with pytest.raises(ValueError, match=r"names no target and its training cache .* is gone: pass --target="):
+        evaluate.main(quick + ["--tf_batches=0"])
+    assert evaluate.main(quick + ["--tf_batches=0", f"--target={recorded['target']}"]) == 0
 
 
 def count_selector_walks(monkeypatch) -> dict:

@@ -126,8 +126,10 @@ def test_a_resume_with_other_drafter_settings_is_refused(tmp_path, hidden_cache)
                                                                          "'sliding_attention']"),
             ({"num_layers": 3}, f"num_layers=2, layer_types={sliding_full}", "num_layers=3, layer_types=")):
         with pytest.raises(ValueError, match=rf"^{run} trained a drafter with {re.escape(was)} \(step-00000002\) and "
-                                             rf"this run asks for {re.escape(now)}.*: resume with the run's settings "
-                                             rf"\(RUN/config.json\) or start a new RUN=$"):
+                                             rf"this run asks for {re.escape(now)}.*: resume with the recipe and settings "
+                                             rf"it started with \(make train RECIPE=\.\.\. ARGS=\.\.\.: "
+                                             rf"{re.escape(str(run / 'config.json'))} records them; without RECIPE=, "
+                                             rf"make trains the demo recipe\) or start a new RUN=$"):
             train.run(cfg(hidden_cache, run, steps=3, resume=True, **{**d2, **change}))
     train.run(cfg(hidden_cache, run, steps=3, resume=True, **d2))
     assert len(losses(run)) == 3
@@ -540,7 +542,8 @@ def test_settings_resolve_for_the_machine_and_the_processes(hidden_cache, tmp_pa
     assert (sharded.sharded, sharded.master, sharded.reduced_accum) == (True, False, False)
     tf32 = resolve_train(c, cuda=True, world=1, seq_len=128, switches=BenchSwitches(tf32=True))
     assert (tf32.attn, tf32.tf32) == ("flex", True)
-    with pytest.raises(ValueError, match="must be a multiple of batch_rows × seq_len × processes = 768"):
+    with pytest.raises(ValueError, match=r"must be a multiple of batch_rows × seq_len × processes = 768 \(3 processes\); "
+                                         r"it fits 1, 2, 4 processes; on 3, pass --global_batch_tokens=1536 "):
         resolve_train(cfg(hidden_cache, tmp_path / "x", **accum), cuda=False, world=3, seq_len=128)
 
 
