@@ -39,7 +39,7 @@ def run_info(run_dir: Path, target: str = "") -> dict:
     cfg = json.loads(cfg_file.read_text())
     train = cfg["train"]
     cache = next((c for c in (train["cache"], cfg.get("cache_dir")) if c and has_manifest(c)), train["cache"])
-    if not (target := target or train.get("target") or cfg.get("target")):
+    if not (target := target or cfg.get("target") or train.get("target")):  # (recorded: an absolute path)
         if not has_manifest(cache):
             raise ValueError(f"{run_dir} names no target and its training cache {train['cache']} is gone: pass "
                              f"--target= (make eval ARGS=--target=DIR) the checkpoint it was trained for")

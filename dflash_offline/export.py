@@ -80,13 +80,13 @@ def _read_json(path: Path, what: str) -> dict:
 
 
 def run_target(run_dir: Path, run_cfg: dict, override: str = "") -> str:
-    """The target checkpoint a run trained against: explicit > the run's train.target > the one its config.json
-    records > its cache's target (a run made before config.json recorded it: while the cache is there)."""
+    """The target checkpoint a run trained against: explicit > the one its config.json records (an absolute path) >
+    its train.target > its cache's target (a run made before config.json recorded it: while the cache is there)."""
     if override:
         return override
     train = run_cfg.get("train") or {}
-    if train.get("target") or run_cfg.get("target"):
-        return train.get("target") or run_cfg["target"]
+    if run_cfg.get("target") or train.get("target"):
+        return run_cfg.get("target") or train["target"]
     cache = train.get("cache")
     for where in (cache, run_cfg.get("cache_dir")):
         try:

@@ -284,14 +284,14 @@ class Commits:
 
     def flush(self, quiet: bool = False) -> None:
         t = time.monotonic()
-        if self.pending:
+        pending, self.pending = self.pending, []  # (a commit that failed is not tried again)
+        if pending:
             try:
-                commit_shards(self.cache, self.pending)
+                commit_shards(self.cache, pending)
             except Exception as e:  # noqa: BLE001 - (quiet: the run fails already, with its own error)
                 if not quiet:
                     raise
-                log(f"token cache {self.cache}: the last {len(self.pending)} shard(s) were not committed ({e})")
-            self.pending = []
+                log(f"token cache {self.cache}: the last {len(pending)} shard(s) were not committed ({e})")
         self.last, self.took = time.monotonic(), time.monotonic() - t
 
 

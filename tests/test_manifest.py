@@ -80,6 +80,12 @@ def test_a_rank_past_its_stripe_takes_the_rest_from_the_end_and_no_lock_for_what
             mf.commit_shard(tmp_path, entry(i))
     locks.clear()
     assert walk() == [0, 2, 4, 6, 8] and len(locks) == 5
+    for i in range(0, 10, 2):
+        claims.release_claim(tmp_path, i)
+    # a rerun whose shards left were one rank's (it died): every rank helps, not that one alone
+    helped = [c.index for c, _ in claims.claimed_shards(tmp_path, [2, 4, 8], lambda i: i, rank=1, world=2, lease_s=60,
+                                                       redo=False, wait_claims=False)]
+    assert helped == [8, 4, 2]
 
 
 def test_claims_lease_and_takeover(tmp_path, monkeypatch):

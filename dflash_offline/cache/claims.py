@@ -2,7 +2,7 @@
 computed, so ranks of one job and machines sharing the cache never compute a shard twice.
 
 `claimed_shards` yields the shards this worker gets: each rank starts on its own stripe, then helps with the rest,
-two shards at a time from the end of the list, planned again from the manifest each time. A shard is claimed and its input loaded one shard ahead, on a thread of its own: a
+a shard a process at a time from the end of the list, planned again from the manifest each time. A shard is claimed and its input loaded one shard ahead, on a thread of its own: a
 claim is fsynced, and an fsync can wait behind a shard write's flush — the thread that feeds the device must not.
 After a pass, the shards still not committed are looked at again (`unfinished`): a dead holder's or an expired lease's
 are taken over; those that other live processes hold are waited for when they belong to this job (its ranks) or with
@@ -34,7 +34,7 @@ from pathlib import Path
 
 from . import fsio
 from .fsio import locked, pid_alive, remove_dead_temps, write_json_atomic
-from .manifest import committed, manifest_stamp, read_manifest, shard_list
+from .manifest import committed, read_manifest, shard_list
 
 # --- one claim -----------------------------------------------------------------------------------------------
 
@@ -66,15 +66,13 @@ def claim_state(claim: dict | None) -> str:
 
 
 def try_claim(cache: Path, index: int, lease_s: float, redo: bool = False) -> bool:
-    """Claim shard `index` unless it is committed (and not being redone) or someone holds a live lease on it. The
-    manifest is read before the lock is taken (a shard committed already costs no lock) and again under it only where
-    it changed meanwhile: at 24K shards a read takes 0.5 s, and every writer of the cache waits on the one lock."""
-    if not redo:
-        seen = manifest_stamp(cache)
-        if index in committed(read_manifest(cache)):
-            return False
+    """Claim shard `index` unless it is committed (and not being redone) or someone holds a live lease on it. A shard
+    committed already costs no lock (the manifest is read before it is taken); the decision is made on a read under
+    the lock (a file's attributes can be cached on a shared filesystem: only its contents tell)."""
+    if not redo and index in committed(read_manifest(cache)):
+        return False
     with locked(cache):
-        if not redo and manifest_stamp(cache) != seen and index in committed(read_manifest(cache)):
+        if not redo and index in committed(read_manifest(cache)):
             return False
         held = read_claim(_claim_path(cache, index))
         if held is not None and held.get("worker") != fsio.worker_id() and claim_state(held) == "live":
@@ -195,10 +193,17 @@ def claimed_shards(cache: Path, todo: list[int], load: Callable[[int], object], 
             claim.release()
             raise
 
-    order = shard_order(todo, rank, world)
+    def rest() -> list[int]:
+        """The shards left, `world` at a time from the end of the list (the stripes' owners work from their starts),
+        planned again from the manifest each time: a plan made once would walk thousands of shards other ranks have
+        committed since."""
+        left = unfinished(cache, [i for i in todo if i not in handed], rank, lease_s, wait_claims, log)
+        return left[: -max(2, world) - 1: -1]
+
+    handed = set()  # shards this worker computed (their writes may still be in flight)
+    order = shard_order(todo, rank, world) or rest()  # (an empty stripe: a rerun whose shards were one rank's)
     ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-claim")  # claims and input reads only
     waiting = None  # (index, future) not handed out
-    handed = set()  # shards this worker computed (their writes may still be in flight)
     try:
         while order:
             waiting = (order[0], ahead.submit(prepare, order[0]))
@@ -209,9 +214,7 @@ def claimed_shards(cache: Path, todo: list[int], load: Callable[[int], object], 
                 if got is not None:
                     handed.add(index)
                     yield got
-            # then the rest, from its end (the stripes' owners work from their starts), planned again after each
-            # shard taken: a plan made once would walk thousands of shards other ranks have committed since
-            order = unfinished(cache, [i for i in todo if i not in handed], rank, lease_s, wait_claims, log)[:-3:-1]
+            order = rest()
     finally:  # done, or stopped (an error, an interrupt): a shard claimed here and never handed out is released
         if waiting is not None:
             try:

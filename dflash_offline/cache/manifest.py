@@ -37,16 +37,6 @@ def has_manifest(cache: str | Path) -> bool:
     return (Path(cache) / MANIFEST).is_file()
 
 
-def manifest_stamp(cache: str | Path) -> tuple | None:
-    """What changes whenever the manifest is replaced (every write renames a new file over it): taken before a read,
-    an equal stamp later means the same manifest. None where there is none."""
-    try:
-        st = os.stat(Path(cache) / MANIFEST)
-    except FileNotFoundError:
-        return None
-    return st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size
-
-
 def read_manifest(cache: str | Path, need: tuple[str, ...] = (), kind: str = "") -> dict:
     """The manifest of `cache`, every field it has checked for type (`schema_error`) before any is used: a hand-edited
     or damaged one is one error naming the file, the field, what was found and what to do. `need`: dotted fields
