@@ -265,6 +265,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     """The report of one evaluation (`stages/evaluate.py`'s docstring says what it measures)."""
     import torch
 
+    from dflash_offline.cache.manifest import has_manifest
     from dflash_offline.progress import log
     from dflash_offline.speculate import ExportedDrafter
     from dflash_offline.target import read_target_info
@@ -274,7 +275,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     target_dir = ri["target"]
     if cfg.cache and cfg.tf_batches:
         check_cache_target(cfg.cache, target_dir)
-    elif cfg.tf_batches and not (Path(ri["cache"]) / "manifest.json").is_file():
+    elif cfg.tf_batches and not has_manifest(ri["cache"]):
         raise ValueError(f"the teacher-forced estimate reads the run's training cache {ri['cache']}, which is gone: "
                          f"pass --tf_batches=0 (make eval ARGS=--tf_batches=0) to measure without it, or --cache= "
                          f"(make eval CACHE=) a hidden cache of this target")

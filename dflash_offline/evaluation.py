@@ -30,7 +30,8 @@ def run_info(run_dir: Path, target: str = "") -> dict:
     """The run's resolved config, its training cache and its target checkpoint: `target` (eval's --target), else the
     run's (its config.json records it; a run made before it did: its cache's, while the cache is there). The cache:
     as the run named it, else its absolute path as recorded (another working directory)."""
-    from .cache.manifest import has_manifest, read_manifest
+    from .cache.manifest import read_manifest
+    from .export import run_cache
     from .targetid import resolve_checkpoint
 
     cfg_file = run_dir / "config.json"
@@ -38,9 +39,9 @@ def run_info(run_dir: Path, target: str = "") -> dict:
         raise ValueError(f"{cfg_file} does not exist: pass --run= a run directory written by make train")
     cfg = json.loads(cfg_file.read_text())
     train = cfg["train"]
-    cache = next((c for c in (train["cache"], cfg.get("cache_dir")) if c and has_manifest(c)), train["cache"])
+    cache = run_cache(cfg) or train["cache"]
     if not (target := target or cfg.get("target") or train.get("target")):  # (recorded: an absolute path)
-        if not has_manifest(cache):
+        if not run_cache(cfg):
             raise ValueError(f"{run_dir} names no target and its training cache {train['cache']} is gone: pass "
                              f"--target= (make eval ARGS=--target=DIR) the checkpoint it was trained for")
         target = read_manifest(cache)["config"]["extract"]["target"]
@@ -55,10 +56,12 @@ def trained_settings(cfg: dict, train: dict) -> dict:
 
     if "template_kwargs" in cfg:
         return cfg["template_kwargs"] or {}
+    from .export import run_cache
+
     try:
-        cache = next(c for c in (train["cache"], cfg.get("cache_dir")) if c and (Path(c) / "manifest.json").is_file())
-        return read_manifest(cache)["producer"]["tokens"]["producer"].get("template_kwargs") or {}
-    except (ValueError, KeyError, TypeError, OSError, StopIteration):
+        return read_manifest(run_cache(dict(cfg, train=train)))["producer"]["tokens"]["producer"].get(
+            "template_kwargs") or {}
+    except (ValueError, KeyError, TypeError, OSError):  # (TypeError: no cache, None)
         return {}
 
 

@@ -79,6 +79,15 @@ def _read_json(path: Path, what: str) -> dict:
         raise ExportError(f"{path}: unreadable ({e}); {what}") from None
 
 
+def run_cache(run_cfg: dict) -> str | None:
+    """The run's training cache where it is: as the run named it, else the absolute path its config.json records
+    (read from another working directory); None when it is gone."""
+    from .cache.manifest import has_manifest
+
+    names = ((run_cfg.get("train") or {}).get("cache"), run_cfg.get("cache_dir"))
+    return next((c for c in names if c and has_manifest(c)), None)
+
+
 def run_target(run_dir: Path, run_cfg: dict, override: str = "") -> str:
     """The target checkpoint a run trained against: explicit > the one its config.json records (an absolute path) >
     its train.target > its cache's target (a run made before config.json recorded it: while the cache is there)."""
@@ -88,10 +97,10 @@ def run_target(run_dir: Path, run_cfg: dict, override: str = "") -> str:
     if run_cfg.get("target") or train.get("target"):
         return run_cfg.get("target") or train["target"]
     cache = train.get("cache")
-    for where in (cache, run_cfg.get("cache_dir")):
+    if where := run_cache(run_cfg):
         try:
             return read_manifest(where)["config"]["extract"]["target"]
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError):
             pass
     raise ExportError(f"{run_dir}: cannot tell which target the run trained against (its cache {cache!r} is gone "
                       f"or unreadable); pass --target=/path/to/target/checkpoint")

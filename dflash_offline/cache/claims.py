@@ -2,8 +2,8 @@
 computed, so ranks of one job and machines sharing the cache never compute a shard twice.
 
 `claimed_shards` yields the shards this worker gets: each rank starts on its own stripe, then helps with the rest,
-a shard a process at a time from the end of the list, planned again from the manifest each time. A shard is claimed and its input loaded one shard ahead, on a thread of its own: a
-claim is fsynced, and an fsync can wait behind a shard write's flush — the thread that feeds the device must not.
+a shard a process at a time from the end of the list, planned again from the manifest each time. A shard is claimed
+and its input loaded one shard ahead, on a thread of its own: a claim is fsynced, and an fsync can wait behind a shard write's flush — the thread that feeds the device must not.
 After a pass, the shards still not committed are looked at again (`unfinished`): a dead holder's or an expired lease's
 are taken over; those that other live processes hold are waited for when they belong to this job (its ranks) or with
 `wait_claims`, and otherwise end the run with an error (`IncompleteRun`) that names them and their holders.
