@@ -50,15 +50,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from bench import git_commit
 from bench.extract import TEXT_27B, TEXT_TINY, write_config
 from bench.gpu import GpuSampler
 from dflash_offline.cache.encodings import ENCODINGS
-from dflash_offline.cache.manifest import read_manifest, update_manifest
-from dflash_offline.targetid import target_fingerprint
-from fixtures.fake_cache import make_fake_cache
+from fixtures.fake_cache import bind_to_target, fake_target, make_fake_cache
 
 DRAFTER_27B = dict(num_layers=5, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=17408)
 DRAFTER_TINY = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128)
@@ -82,12 +79,7 @@ def testbed_shape() -> tuple[dict, dict]:
 def synthetic_target(path: Path, text: dict, device) -> Path:
     """config.json + a safetensors file with just the embedding and lm_head (all the trainer reads)."""
     write_config(path, text)
-    g = torch.Generator(device=device).manual_seed(0)
-    V, H = text["vocab_size"], text["hidden_size"]
-    t = {k: (torch.randn(V, H, generator=g, device=device) * 0.02).to(torch.bfloat16).cpu()
-         for k in ("model.embed_tokens.weight", "lm_head.weight")}
-    save_file(t, str(path / "model.safetensors"))
-    return path
+    return fake_target(path, text["vocab_size"], text["hidden_size"], device)
 
 
 def chat_token_rows(first_id: int, n: int, seq_len: int, gen: torch.Generator, vocab: int) -> dict:
@@ -118,12 +110,7 @@ def synthetic_cache(root: Path, text: dict, target: Path, rows: int, seq_len: in
         token_rows = functools.partial(chat_token_rows, vocab=text["vocab_size"] - 300)  # (below the mask token)
     cache = make_fake_cache(root / "hidden", 2, rows // 2, seq_len, text["hidden_size"], layers, quant=quant,
                             token_rows=token_rows, project_dims=project_dims)
-    m = read_manifest(cache)
-    producer = dict(m["producer"], target=dict(m["producer"]["target"], num_layers=text["num_hidden_layers"],
-                                               vocab_size=text["vocab_size"], **target_fingerprint(target)))
-    update_manifest(cache, producer=producer,
-                    config=dict(m["config"], extract={"target": str(target)}, mask_token_id=text["vocab_size"] - 250))
-    return cache
+    return bind_to_target(cache, target, text["num_hidden_layers"], text["vocab_size"], text["vocab_size"] - 250)
 
 
 def recipe_drafter(recipe: str, tiny: bool) -> dict:

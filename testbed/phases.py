@@ -5,6 +5,7 @@ each skipped when DIR/state.json records it done."""
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from dflash_offline.cache.manifest import read_manifest
 
 from .commands import Job, Stopped, extract, job_identity, log, stage
 from .config import TestbedConfig
+from .precompile import Precompile
 from .runs import (
     PHASES,
     Paths,
@@ -42,8 +44,9 @@ def free_device_memory() -> None:
         log(f"GPU memory this process still holds: {torch.cuda.memory_reserved() / 2**30:.2f} GB reserved")
 
 
-def build(cfg: TestbedConfig, p: Paths, device) -> dict:
-    """Phase 1: sources → corpora, tokenizer, trained target (into a temporary sibling, renamed when complete)."""
+def build(cfg: TestbedConfig, p: Paths, device, planned=None) -> dict:
+    """Phase 1: sources → corpora, tokenizer, trained target (into a temporary sibling, renamed when complete);
+    `planned` as `target.build_target`'s."""
     from fixtures import tiny
 
     from . import sources, target
@@ -63,7 +66,7 @@ def build(cfg: TestbedConfig, p: Paths, device) -> dict:
         rec = target.build_target(tmp, files, dims=dims, vocab=cfg.vocab, tokenizer_bytes=cfg.tokenizer_mb << 20,
                                   seq_len=cfg.target_rows, batch=cfg.target_batch, lr=cfg.target_lr,
                                   budget_s=cfg.target_s, max_steps=cfg.target_steps, seed=cfg.seed, device=device,
-                                  log=log)
+                                  log=log, planned=planned)
         (tmp / "files.json").write_text(json.dumps({**s, "files": [[f.name, f.sha256]
                                                                   for f in files.train + files.heldout]}))
     return {**rec, "sources": {k: v for k, v in s.items() if k != "roots"}, "regen_prompts": n, "eval_prompts": m}
@@ -137,14 +140,35 @@ def recorded_stale(cfg: TestbedConfig, p: Paths, job: Job, more: list[Job]) -> s
 def testbed(cfg: TestbedConfig, p: Paths, dev: str, device, more: list[Job] = (), parallel: int = 1,
             caches: dict | None = None) -> tuple[dict, dict]:
     """Phases 1–6, each skipped when state.json says it is done; `more` drafters (A/B arms, on caches extracted
-    first: `caches` = {name: [extract] settings}) train beside the base one. Returns (result record, {run: seconds
-    per phase})."""
+    first: `caches` = {name: [extract] settings}) train beside the base one; with `precompile`, their graphs compile
+    on stand-ins beside the phases (`testbed.precompile`). Returns (result record, {run: seconds per phase})."""
+    from fixtures import tiny
+
     st = read_state(p)
     if cfg.from_phase:
         forget_from(p, st, cfg.from_phase)
     ph = st["phases"]
     if earlier := [n for n in PHASES if n in ph]:
         log(f"done earlier ({p.state}): {', '.join(earlier)}; --from_phase= (TESTBED_FROM=) redoes one and the later")
+
+    pre = None
+    if cfg.precompile and not ("eval" in ph and all((j.run / "eval.json").is_file() for j in more)):
+        pre = Precompile(cfg, p, [own_drafter(cfg, p, list(more)), *more],
+                         {p.hidden(name): settings for name, settings in (caches or {}).items()})
+        if "target" in ph:  # (its config and mask token are the trained target's)
+            pre.start(lambda d: shutil.copy(p.target / "config.json", d / "config.json"),
+                      json.loads((p.target / tiny.SIDECAR).read_text())["mask_token_id"])
+    try:
+        return phases(cfg, p, dev, device, st, more, parallel, caches, pre)
+    finally:
+        if pre is not None:
+            pre.stop()
+
+
+def phases(cfg: TestbedConfig, p: Paths, dev: str, device, st: dict, more: list[Job], parallel: int,
+           caches: dict | None, pre: Precompile | None) -> tuple[dict, dict]:
+    """`testbed`'s phases from `st` (DIR/state.json) on, the stand-ins of `pre` compiling beside them."""
+    ph = st["phases"]
 
     def done(name: str, record: dict) -> None:
         ph[name] = record
@@ -153,7 +177,7 @@ def testbed(cfg: TestbedConfig, p: Paths, dev: str, device, more: list[Job] = ()
 
     if "target" not in ph:
         t0 = time.perf_counter()
-        rec = build(cfg, p, device)
+        rec = build(cfg, p, device, pre and pre.start)
         free_device_memory()  # (the drafters' processes need what the target's training held in this one)
         done("target", {**rec, "seconds": time.perf_counter() - t0})
     if "regen" not in ph:
@@ -188,7 +212,8 @@ def testbed(cfg: TestbedConfig, p: Paths, dev: str, device, more: list[Job] = ()
     times = {}
     if jobs:
         times = run_drafters(cfg, p, dev, jobs, parallel, None if "eval" in ph else run, stream=not more,
-                             caches={p.hidden(name): settings for name, settings in (caches or {}).items()})
+                             caches={p.hidden(name): settings for name, settings in (caches or {}).items()},
+                             precompile=pre)
         if "eval" not in ph and "deferred" in times.get(run, {}):
             raise Stopped(f"stopped before the testbed's drafter ({run}): --stop_after_s={cfg.stop_after_s:g} would "
                           f"end before it; a rerun resumes")

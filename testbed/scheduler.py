@@ -55,10 +55,11 @@ class Drafters:
     failed, each arm cache made), and per run its seconds per phase or its error."""
 
     def __init__(self, cfg: TestbedConfig, p: Paths, dev: str, jobs: list[Job], parallel: int, base: Path | None,
-                 stream: bool, caches: dict | None):
+                 stream: bool, caches: dict | None, precompile=None):
         import threading
 
         self.cfg, self.p, self.dev, self.base, self.stream, self.caches = cfg, p, dev, base, stream, caches or {}
+        self.precompile = precompile  # (testbed.precompile.Precompile, or None)
         self.env = {}
         if parallel > 1 and "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
             self.env["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, (os.cpu_count() or 1) // parallel))
@@ -178,6 +179,8 @@ class Drafters:
             self.times[j.run]["wait_warm"] = time.perf_counter() - t0
         if self.failed.is_set():
             raise RuntimeError("not started: the base drafter or the untrained evaluation failed")
+        if self.precompile is not None and (waited := self.precompile.before(j.run)) >= 1:
+            self.times[j.run]["wait_precompile"] = waited
         self.defer(j)
         t_job, repeat = time.monotonic(), any(k == graph_key(j) for k, _, _ in self.took)
         j.run.mkdir(parents=True, exist_ok=True)
@@ -244,7 +247,7 @@ class Drafters:
 
 
 def run_drafters(cfg: TestbedConfig, p: Paths, dev: str, jobs: list[Job], parallel: int, base: Path | None,
-                 stream: bool = False, caches: dict | None = None) -> dict:
+                 stream: bool = False, caches: dict | None = None, precompile=None) -> dict:
     """Train, export and evaluate `jobs` (each skipped when its eval.json exists), `parallel` at a time, while the
     untrained drafter of run `base` (one of them, or None) is evaluated alongside: it waits only for that run's
     config.json, and its decodes of the target alone (DIR/baseline-<tokens>.json) are reused by every trained
@@ -254,7 +257,8 @@ def run_drafters(cfg: TestbedConfig, p: Paths, dev: str, jobs: list[Job], parall
     another beside the drafters, each job on one of them waiting for it. A drafter that fails (or whose cache does)
     is logged and recorded (`error`) while the others go on, except that one which ran out of GPU memory is tried
     once more after the others, half as many at a time; when the base run or the untrained evaluation fails, no
-    further job starts and that failure raises.
+    further job starts and that failure raises. `precompile` (`testbed.precompile.Precompile`): a job waits for its
+    graphs' stand-in while it compiles, and drops it while still queued.
     Returns {run: seconds per phase (train, export, eval, and untrained for `base`), or its error}."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
@@ -262,7 +266,7 @@ def run_drafters(cfg: TestbedConfig, p: Paths, dev: str, jobs: list[Job], parall
     for j in jobs:  # runs made from other settings or code go before anything reads them (the untrained evaluation
         if j.run == base or cache_complete(j.cache):  # reads the base run's): the others' caches may come later
             fresh_run(cfg, p, j)
-    d = Drafters(cfg, p, dev, jobs, parallel, base, stream, caches)
+    d = Drafters(cfg, p, dev, jobs, parallel, base, stream, caches, precompile)
     side = threading.Thread(target=d.untrained, daemon=True)
     side.start()
     threading.Thread(target=d.extract_caches, daemon=True).start()

@@ -79,8 +79,11 @@ def held_out_loss(model, rows_NT: torch.Tensor, batch: int, autocast: bool) -> f
 
 
 def train_target(model, rows_NT: torch.Tensor, held_NT: torch.Tensor, *, budget_s: float, max_steps: int,
-                 batch: int, lr: float, seed: int, log: Callable[[str], None] = print) -> dict:
-    """Train `model` (fp32 weights, on its device) on random batches of `rows_NT`; see the module doc."""
+                 batch: int, lr: float, seed: int, log: Callable[[str], None] = print,
+                 planned: Callable[[], None] | None = None) -> dict:
+    """Train `model` (fp32 weights, on its device) on random batches of `rows_NT`; see the module doc. `planned()` is
+    called once the number of steps is fixed (or, where the plan is never timed, once the steps are done): from
+    then on, other work on the machine slows the training but does not shorten it."""
     dev = next(model.parameters()).device
     cuda = dev.type == "cuda"
     rows_NT, held_NT = rows_NT.to(dev), held_NT.to(dev)
@@ -119,12 +122,17 @@ def train_target(model, rows_NT: torch.Tensor, held_NT: torch.Tensor, *, budget_
             total = max(step + 1, min(max_steps, step + int(left / per_step)))
             log(f"  {per_step * 1000:.0f} ms/step ({batch * rows_NT.shape[1] / per_step / 1000:.0f}K tok/s): "
                 f"{total} steps fit in {budget_s:.0f}s")
+            if planned is not None:
+                planned()
+                planned = None
         if step % max(1, total // 10) == 0 or step == total:
             losses.append(loss.item())
             log(f"  step {step}/{total} loss {losses[-1]:.3f} ({time.perf_counter() - t0:.0f}s)")
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
+    if planned is not None:
+        planned()
     after = held_out_loss(model, held_NT, batch, cuda)
     return {"steps": step, "batch_rows": batch, "seq_len": rows_NT.shape[1], "lr": lr,
             "tokens": step * batch * rows_NT.shape[1], "train_loss_last": round(losses[-1], 4) if losses else None,
@@ -134,8 +142,10 @@ def train_target(model, rows_NT: torch.Tensor, held_NT: torch.Tensor, *, budget_
 
 def build_target(out: Path, files: sources.FileList, *, dims: dict, vocab: int, tokenizer_bytes: int,
                  seq_len: int, batch: int, lr: float, budget_s: float, max_steps: int, seed: int, device,
-                 log: Callable[[str], None] = print) -> dict:
-    """Tokenizer + trained model + sidecar into `out`; returns the build record (timings, losses)."""
+                 log: Callable[[str], None] = print, planned: Callable | None = None) -> dict:
+    """Tokenizer + trained model + sidecar into `out`; returns the build record (timings, losses). `planned(
+    write_config, mask_token_id)` once the training's steps are fixed (`train_target`): `write_config(dir)` writes
+    the target's config.json into `dir`."""
     from transformers import GenerationConfig
 
     t0 = time.perf_counter()
@@ -163,8 +173,10 @@ def build_target(out: Path, files: sources.FileList, *, dims: dict, vocab: int, 
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     with torch_gated_deltanet_kernels():  # fla 0.6's gated backward refuses Hopper with Triton < 3.7.1 (its #640)
+        mask = tokenizer.convert_tokens_to_ids(tiny.MASK_TOKEN)
         train = train_target(model, rows_NT, held_NT, budget_s=budget_s, max_steps=max_steps, batch=batch, lr=lr,
-                             seed=seed, log=log)
+                             seed=seed, log=log,
+                             planned=planned and (lambda: planned(lambda d: config.save_pretrained(str(d)), mask)))
     model = model.to("cpu", torch.bfloat16)
     eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad, do_sample=False)

@@ -982,3 +982,60 @@ def test_a_rerun_keeps_the_first_arm_s_recorded_drafter_whatever_the_order_of_it
     assert runs.stale_job(first.run, commands.job_identity(cfg, p, first)) == "made with another train"
     with pytest.raises(ConfigError, match="'gamma' is given twice"):
         runs.parse_arm("gamma=5 weighting=dpace gamma=6")
+
+
+MICRO_COMPILED = ("--train_args=num_layers=2 num_heads=4 num_kv_heads=2 head_dim=16 num_anchors=16 batch_rows=2 "
+                  "log_every=2 compile=on")  # (the micro preset's drafter, compiled as on a GPU)
+
+
+def test_precompiled_stand_ins_leave_every_drafter_graph_in_the_compile_caches(tmp_path):
+    """`--precompile=1`: each drafter setting's graphs compile on a stand-in (random target weights and states of the
+    same shapes) beside the phases; the real drafters then find every Inductor graph in the (cold at the start)
+    compile caches instead of compiling it — a stand-in of other shapes, encoding or mask token would miss."""
+    import os
+
+    root = tmp_path / "tb"
+    env = {**os.environ, "DFLASH_COMPILE_CACHE": str(tmp_path / "compile-cache")}  # (cold: nothing compiled yet)
+    r = subprocess.run([sys.executable, "-m", "testbed", "--preset=micro", f"--dir={root}", "--arms=;gamma=5",
+                        "--seeds=1", "--checks=0", "--precompile=1", MICRO_COMPILED], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rec = json.loads((root / "logs" / "precompile.json").read_text())
+    assert [(v["variant"], v["state"], v["runs"]) for v in rec] == [
+        ("(recipe)", "done", ["runs/base/seed0"]), ("gamma=5", "done", ["runs/gamma5/seed0"])]
+    for run in ("base", "gamma5"):
+        log = (root / "runs" / run / "seed0" / "logs" / "train.log").read_text()
+        hits, misses = map(int, re.search(r"graph cache: (\d+) hits, (\d+) misses", log).groups())
+        assert hits > 0 and misses == 0, (run, hits, misses)
+    assert not (root / "precompile" / "runs").exists() or not any((root / "precompile" / "runs").iterdir())
+
+
+def test_a_drafter_drops_its_stand_in_still_queued_and_waits_for_one_compiling(tmp_path):
+    """The stand-ins never hold a drafter up for long: one not yet started is dropped when its drafter is about to
+    train (the drafter compiles its own graphs), one compiling is waited for (not compiled twice at once); a stop
+    drops the rest. Variants are the distinct [train] settings but steps × cache encodings, in the jobs' order."""
+    import threading
+    import time
+
+    from testbed.precompile import Precompile
+
+    p = Paths(tmp_path)
+    cfg = config.TestbedConfig(dir=str(tmp_path))
+    jobs = [Job("", p.run("", 0), p.hidden(), 0, {}), Job("", p.run("", 1), p.hidden(), 1, {}),
+            Job("steps=150", p.run("steps150", 0), p.hidden(), 0, {"steps": 150}),
+            Job("gamma=5", p.run("gamma5", 0), p.hidden(), 0, {"gamma": 5.0}),
+            Job("quant=fp8", p.run("quantfp8", 0), p.hidden("quantfp8"), 0, {}),
+            Job("num_anchors=256", p.run("num_anchors256", 0), p.hidden(), 0, {"num_anchors": 256})]
+    pre = Precompile(cfg, p, jobs, {p.hidden("quantfp8"): {"quant": "fp8"}})
+    assert [len(v.runs) for v in pre.variants] == [3, 1, 1, 1]  # (the recipe's seeds and its fewer steps: one)
+    assert pre.variants[2].cache == {"quant": "fp8"}
+    recipe, gamma, fp8, anchors = pre.variants
+    assert pre.before(p.run("gamma5", 0)) < 1 and gamma.state == "dropped"
+    recipe.state = "running"
+    threading.Timer(0.5, lambda: (setattr(recipe, "state", "done"), pre.write())).start()
+    t0 = time.perf_counter()
+    pre.before(p.run("", 1))
+    assert time.perf_counter() - t0 >= 0.4 and recipe.state == "done"
+    pre.stop()
+    assert (fp8.state, anchors.state) == ("dropped", "dropped")
+    assert [v["state"] for v in json.loads(pre.record.read_text())] == ["done", "dropped", "dropped", "dropped"]

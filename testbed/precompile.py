@@ -1,0 +1,232 @@
+"""Compiling the drafters' graphs while the testbed's own phases run (`--precompile=1`, a bench switch).
+
+A drafter's first training step compiles its graphs (on a cold H200 ≈ 85 s for the recipe's 7, as long again for each
+arm whose settings change them), and nothing else needs the 16 CPUs of the GPU host while the target trains,
+regenerates its corpus and is extracted (≈ 360 s). So, once the target's training has fixed its number of steps
+(contention after that costs the phase time, not the target's quality), each distinct compiled-graph setting of the
+invocation's drafters (`Variant`: an arm's [train] settings but its steps, and its cache's encoding) trains
+`WARMUP_STEPS` steps on a **stand-in** of the same shapes: the target's config.json with a random embedding and
+lm_head (all the trainer reads of a target) and a fake hidden cache of the arm's encoding, bound to that stand-in
+with the real tokenizer's mask token (a constant of the graphs). Inductor's and Triton's on-disk caches, which every
+training of the machine shares (`cli.private_compile_caches`), then hold the graphs: the real drafter loads them
+(Inductor's graph cache hits, which its training log counts) instead of compiling them. Graphs are keyed on the code,
+shapes, dtypes and constants, not on the weights or the data: the CPU test's drafter took 41 s cold, 6 s after a
+stand-in of other weights, data, seed and steps.
+
+The variants go in the order the drafters need them, `PARALLEL` at a time, each in a process of its own
+(`python -m testbed.precompile`: the training worker's `main`), never in the way of the drafters: when a drafter is
+about to train (`before`), its variant still queued is dropped (the drafter compiles its own graphs), and one being
+compiled is waited for (compiling it twice at once would take longer than waiting). A stand-in that fails is logged
+(DIR/logs/precompile-*.log) and changes nothing but the time. The record of what each variant did is
+DIR/logs/precompile.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash_offline.cache.fsio import write_json_atomic
+
+from .commands import Job, log, train_args
+from .config import TestbedConfig
+from .runs import Paths, slug
+from .trainworker import RESIDENT
+
+WARMUP_STEPS = 2  # a stand-in's steps: the first compiles the training's graphs, the second runs them (guards)
+PARALLEL = 2  # stand-ins compiling at once (each with its share of the CPUs but `SPARE_CPUS`)
+SPARE_CPUS = 4  # CPUs left to the phase running beside them (the target's training, regeneration, extraction)
+STANDIN_SHARDS, STANDIN_ROWS = 2, 4  # a stand-in cache's shards and rows a shard (a drafter step reads batch_rows)
+ENCODING_KEYS = ("quant", "project_dims", "layer_ids", "num_draft_layers")  # [extract] settings a drafter's graphs see
+
+
+@dataclass
+class Variant:
+    """One compiled-graph setting of the invocation's drafters: `train` ([train] settings but steps), `cache` (the
+    [extract] settings of its cache that shape what the drafter reads), the runs it is compiled for."""
+
+    key: str
+    train: dict
+    cache: dict
+    runs: list[Path] = field(default_factory=list)
+    state: str = "queued"  # queued → running → done | failed; queued → dropped (its drafter came first)
+    seconds: float = 0.0
+
+
+def variant_key(train: dict, cache: dict) -> str:
+    return json.dumps({"train": {k: v for k, v in train.items() if k != "steps"}, "cache": cache}, sort_keys=True)
+
+
+def plan(jobs: list[Job], caches: dict[Path, dict]) -> list[Variant]:
+    """The distinct variants of `jobs` not yet evaluated, in the order of their first job (`caches`: the arms' caches'
+    [extract] settings by path; any other cache is the recipe's)."""
+    out: dict[str, Variant] = {}
+    for j in jobs:
+        if (j.run / "eval.json").is_file():
+            continue
+        cache = {k: v for k, v in caches.get(j.cache, {}).items() if k in ENCODING_KEYS}
+        train = {k: v for k, v in j.settings.items() if k != "steps"}
+        v = out.setdefault(variant_key(train, cache), Variant(variant_key(train, cache), train, cache))
+        if j.run not in v.runs:  # (the testbed's own drafter is also an A/B's first)
+            v.runs.append(j.run)
+    return list(out.values())
+
+
+class Precompile:
+    """The stand-ins of `plan(jobs, caches)`; `start` once the target's config and mask token are known, `before`
+    each drafter's training, `stop` when the drafters are done."""
+
+    def __init__(self, cfg: TestbedConfig, p: Paths, jobs: list[Job], caches: dict[Path, dict]):
+        self.cfg, self.p, self.root = cfg, p, p.root / "precompile"
+        self.variants = plan(jobs, caches)
+        self.by_run = {r: v for v in self.variants for r in v.runs}
+        self.cond = threading.Condition()
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.stopping, self.threads, self.cache_locks = False, [], {}
+        self.record = p.root / "logs" / "precompile.json"
+
+    def start(self, write_config, mask_token_id: int) -> None:
+        """Begin: `write_config(dir)` writes the target's config.json into the stand-in target's directory."""
+        if not self.variants:
+            return
+        from dflash_offline.config import read_recipe
+        from fixtures.fake_cache import fake_target
+
+        shutil.rmtree(self.root, ignore_errors=True)
+        target = self.root / "target"
+        target.mkdir(parents=True)
+        write_config(target)
+        text = json.loads((target / "config.json").read_text())
+        text = text.get("text_config", text)
+        fake_target(target, text["vocab_size"], text["hidden_size"])
+        recipe = read_recipe(self.cfg.drafter_recipe)
+        shape = {"target": target, "text": text, "mask": mask_token_id, "extract": recipe.get("extract", {}),
+                 "seq_len": self.cfg.recipe_seq_len or int(recipe.get("tokenize", {}).get("seq_len", 2048))}
+        log(f"precompiling {len(self.variants)} drafter graph setting(s) on stand-ins, {PARALLEL} at a time "
+            f"(logs: {self.p.root / 'logs'}/precompile-*.log)")
+        for _ in range(min(PARALLEL, len(self.variants))):
+            t = threading.Thread(target=self.serve, args=(shape,), daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def take(self) -> Variant | None:
+        with self.cond:
+            v = next((v for v in self.variants if v.state == "queued"), None)
+            if v is None or self.stopping:
+                return None
+            v.state = "running"
+            return v
+
+    def serve(self, shape: dict) -> None:
+        while (v := self.take()) is not None:
+            t0 = time.perf_counter()
+            try:
+                ok = self.compile(v, shape)
+            except Exception as e:  # noqa: BLE001  (a stand-in changes nothing but the time)
+                log(f"precompile {self.label(v)}: failed ({type(e).__name__}: {e})")
+                ok = False
+            with self.cond:
+                v.state = "done" if ok else "stopped" if self.stopping else "failed"
+                v.seconds = time.perf_counter() - t0
+                self.cond.notify_all()
+            log(f"precompile {self.label(v)}: {v.state} in {v.seconds:.0f}s")
+            self.write()
+
+    def label(self, v: Variant) -> str:
+        s = " ".join(f"{k}={x}" for k, x in {**v.cache, **v.train}.items())
+        return s or "(recipe)"
+
+    def compile(self, v: Variant, shape: dict) -> bool:
+        """One stand-in: its cache (made once per encoding), then `WARMUP_STEPS` steps of the variant's training."""
+        ext = {**shape["extract"], **v.cache}
+        name = slug(" ".join(f"{k}={x}" for k, x in sorted(v.cache.items()))) or "recipe"
+        cache = self.root / "caches" / name
+        with self.cond:
+            lock = self.cache_locks.setdefault(name, threading.Lock())
+        with lock:  # (two variants on one encoding: one makes it, the other waits)
+            self.standin_cache(cache, ext, shape)
+        run = self.root / "runs" / str(self.variants.index(v))
+        shutil.rmtree(run, ignore_errors=True)
+        args = [a for a in train_args(self.cfg, run, cache, self.cfg.seed, v.train) if not a.startswith("--steps=")]
+        args += [f"--steps={WARMUP_STEPS}", "--resume=0"] + ([RESIDENT] if self.cfg.resident else [])
+        threads = max(1, ((os.cpu_count() or 2) - SPARE_CPUS) // PARALLEL)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_COMPILE_THREADS": str(threads)}
+        logf = self.p.root / "logs" / f"precompile-{self.variants.index(v)}.log"
+        logf.parent.mkdir(parents=True, exist_ok=True)
+        with open(logf, "w") as f:
+            f.write(f"# {self.label(v)}\n")
+            f.flush()
+            with self.cond:
+                if self.stopping:
+                    return False
+                proc = self.procs[v.key] = subprocess.Popen([sys.executable, "-m", "testbed.precompile", *args],
+                                                            env=env, stdout=f, stderr=subprocess.STDOUT)
+            rc = proc.wait()
+        shutil.rmtree(run, ignore_errors=True)  # (its checkpoint: nothing reads it)
+        return rc == 0
+
+    def standin_cache(self, cache: Path, ext: dict, shape: dict) -> None:
+        """A fake hidden cache of the encoding `ext` ([extract] settings) at the testbed's shapes, bound to the
+        stand-in target, unless made already."""
+        from dflash_offline.target import default_layer_ids
+        from fixtures.fake_cache import bind_to_target, make_fake_cache
+
+        if (cache / "manifest.json").is_file():
+            return
+        text = shape["text"]
+        layers = ext.get("layer_ids") or default_layer_ids(text["num_hidden_layers"],
+                                                           int(ext.get("num_draft_layers", 5)))
+        if isinstance(layers, str):
+            layers = [int(x) for x in layers.split(",")]
+        tmp = cache.with_name(cache.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        make_fake_cache(tmp, STANDIN_SHARDS, STANDIN_ROWS, shape["seq_len"], text["hidden_size"], layers,
+                        quant=ext.get("quant", "bf16"), project_dims=int(ext.get("project_dims", 0)))
+        bind_to_target(tmp, shape["target"], text["num_hidden_layers"], text["vocab_size"], shape["mask"])
+        tmp.rename(cache)
+
+    def before(self, run: Path) -> float:
+        """Before `run`'s drafter trains: drop its variant if still queued, wait for it while it compiles; returns
+        the seconds waited."""
+        v, t0 = self.by_run.get(run), time.perf_counter()
+        if v is None:
+            return 0.0
+        with self.cond:
+            if v.state == "queued":
+                v.state = "dropped"
+            while v.state == "running":
+                self.cond.wait(1.0)
+        return time.perf_counter() - t0
+
+    def stop(self) -> None:
+        """No further stand-in; the running ones ended (their graphs are no drafter's any more)."""
+        with self.cond:
+            self.stopping = True
+            for v in self.variants:
+                if v.state == "queued":
+                    v.state = "dropped"
+            for proc in self.procs.values():
+                if proc.poll() is None:
+                    proc.terminate()
+        for t in self.threads:
+            t.join(timeout=30)
+        self.write()
+
+    def write(self) -> None:
+        with self.cond:
+            rec = [{"variant": self.label(v), "state": v.state, "seconds": round(v.seconds, 1),
+                    "runs": [str(r.relative_to(self.p.root)) for r in v.runs]} for v in self.variants]
+        self.record.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.record, rec)
+
+
+if __name__ == "__main__":  # one stand-in's training: stages.train's main as the training worker runs it
+    from .trainworker import load
+
+    sys.exit(load()(sys.argv[1:]))
