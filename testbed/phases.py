@@ -64,7 +64,8 @@ def build(cfg: TestbedConfig, p: Paths, device, planned=None) -> dict:
     dims = tiny.TINY_DIMS if cfg.dims == "tiny" else target.DIMS
     with atomic_dir(p.target) as tmp:  # published onto DIR/target when complete, removed when not
         rec = target.build_target(tmp, files, dims=dims, vocab=cfg.vocab, tokenizer_bytes=cfg.tokenizer_mb << 20,
-                                  seq_len=cfg.target_rows, batch=cfg.target_batch, lr=cfg.target_lr,
+                                  seq_len=cfg.target_rows, batch=cfg.target_batch,
+                                  micro_batch=cfg.target_micro_batch, lr=cfg.target_lr,
                                   budget_s=cfg.target_s, max_steps=cfg.target_steps, seed=cfg.seed, device=device,
                                   log=log, planned=planned)
         (tmp / "files.json").write_text(json.dumps({**s, "files": [[f.name, f.sha256]

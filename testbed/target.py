@@ -78,14 +78,27 @@ def held_out_loss(model, rows_NT: torch.Tensor, batch: int, autocast: bool) -> f
     return sum(losses) / len(losses)
 
 
+def accumulate(model, rows_BT: torch.Tensor, micro_batch: int, autocast: bool) -> torch.Tensor:
+    """The batch's mean loss, its gradient accumulated over micro-batches of `micro_batch` rows (each weighted by its
+    share of the batch: the batch's gradient, in a fraction of the activations' memory); returns the loss, detached."""
+    total = rows_BT.new_zeros((), dtype=torch.float32)
+    for rows in rows_BT.split(micro_batch):
+        loss = _loss(model, rows, autocast) * (len(rows) / len(rows_BT))
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
 def train_target(model, rows_NT: torch.Tensor, held_NT: torch.Tensor, *, budget_s: float, max_steps: int,
                  batch: int, lr: float, seed: int, log: Callable[[str], None] = print,
-                 planned: Callable[[], None] | None = None) -> dict:
-    """Train `model` (fp32 weights, on its device) on random batches of `rows_NT`; see the module doc. `planned()` is
+                 planned: Callable[[], None] | None = None, micro_batch: int = 0) -> dict:
+    """Train `model` (fp32 weights, on its device) on random batches of `rows_NT`, each in micro-batches of
+    `micro_batch` rows (0: the whole batch at once); see the module doc. `planned()` is
     called once the number of steps is fixed (or, where the plan is never timed, once the steps are done): from
     then on, other work on the machine slows the training but does not shorten it."""
     dev = next(model.parameters()).device
     cuda = dev.type == "cuda"
+    micro_batch = micro_batch or batch
     rows_NT, held_NT = rows_NT.to(dev), held_NT.to(dev)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
@@ -105,9 +118,8 @@ def train_target(model, rows_NT: torch.Tensor, held_NT: torch.Tensor, *, budget_
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         idx = torch.randint(len(rows_NT), (batch,), generator=gen).to(dev)
-        loss = _loss(model, rows_NT[idx], cuda)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = accumulate(model, rows_NT[idx], micro_batch, cuda)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
@@ -134,7 +146,7 @@ def train_target(model, rows_NT: torch.Tensor, held_NT: torch.Tensor, *, budget_
     if planned is not None:
         planned()
     after = held_out_loss(model, held_NT, batch, cuda)
-    return {"steps": step, "batch_rows": batch, "seq_len": rows_NT.shape[1], "lr": lr,
+    return {"steps": step, "batch_rows": batch, "micro_batch_rows": micro_batch, "seq_len": rows_NT.shape[1], "lr": lr,
             "tokens": step * batch * rows_NT.shape[1], "train_loss_last": round(losses[-1], 4) if losses else None,
             "heldout_loss_before": round(before, 4), "heldout_loss_after": round(after, 4),
             "seconds": round(seconds, 1), "tok_per_s": round(step * batch * rows_NT.shape[1] / seconds)}
@@ -142,7 +154,7 @@ def train_target(model, rows_NT: torch.Tensor, held_NT: torch.Tensor, *, budget_
 
 def build_target(out: Path, files: sources.FileList, *, dims: dict, vocab: int, tokenizer_bytes: int,
                  seq_len: int, batch: int, lr: float, budget_s: float, max_steps: int, seed: int, device,
-                 log: Callable[[str], None] = print, planned: Callable | None = None) -> dict:
+                 log: Callable[[str], None] = print, planned: Callable | None = None, micro_batch: int = 0) -> dict:
     """Tokenizer + trained model + sidecar into `out`; returns the build record (timings, losses). `planned(
     write_config, mask_token_id)` once the training's steps are fixed (`train_target`): `write_config(dir)` writes
     the target's config.json into `dir`."""
@@ -175,7 +187,7 @@ def build_target(out: Path, files: sources.FileList, *, dims: dict, vocab: int, 
     with torch_gated_deltanet_kernels():  # fla 0.6's gated backward refuses Hopper with Triton < 3.7.1 (its #640)
         mask = tokenizer.convert_tokens_to_ids(tiny.MASK_TOKEN)
         train = train_target(model, rows_NT, held_NT, budget_s=budget_s, max_steps=max_steps, batch=batch, lr=lr,
-                             seed=seed, log=log,
+                             seed=seed, log=log, micro_batch=micro_batch,
                              planned=planned and (lambda: planned(lambda d: config.save_pretrained(str(d)), mask)))
     model = model.to("cpu", torch.bfloat16)
     eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")

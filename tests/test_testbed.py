@@ -1039,3 +1039,31 @@ def test_a_drafter_drops_its_stand_in_still_queued_and_waits_for_one_compiling(t
     pre.stop()
     assert (fp8.state, anchors.state) == ("dropped", "dropped")
     assert [v["state"] for v in json.loads(pre.record.read_text())] == ["done", "dropped", "dropped", "dropped"]
+
+
+def test_the_targets_gradient_accumulated_over_micro_batches_is_the_whole_batchs():
+    """The target trains in micro-batches (64 rows at once do not fit an H100): the same loss and gradient as the
+    batch at once, up to float rounding."""
+    import types
+
+    import torch
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.out = torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50)
+
+        def forward(self, input_ids):
+            return types.SimpleNamespace(logits=self.out(torch.tanh(self.emb(input_ids).cumsum(1))))
+
+    torch.manual_seed(0)
+    model, rows = Tiny(), torch.randint(0, 50, (12, 9), dtype=torch.int32)
+    grads = []
+    for micro in (12, 4, 5):
+        model.zero_grad()
+        loss = target.accumulate(model, rows, micro, False)
+        grads.append((loss, [p.grad.clone() for p in model.parameters()]))
+    (loss0, g0), *others = grads
+    for loss, g in others:
+        assert torch.allclose(loss, loss0, atol=1e-6) and all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g, g0))
+    assert loss0 > 0 and any(g.abs().sum() > 0 for g in g0)
