@@ -201,6 +201,7 @@ class Drafters:
                 TRAIN_WORKERS.discard(env)  # (its environment, all the CPUs for compiling, is no other job's)
         t0 = time.perf_counter()
         self.ready.wait()
+        baseline_wait = time.perf_counter() - t0  # (the untrained evaluation's target-alone decodes: once a sweep)
         if self.failed.is_set():
             raise RuntimeError(f"the untrained drafter's evaluation, which makes the target-alone decodes, failed "
                                f"(log: {self.untrained_log})")
@@ -208,7 +209,7 @@ class Drafters:
         t["eval"] = evaluate(self.cfg, self.p, j.run, self.dev, False, (logs or j.run / "logs") / "eval.log", self.env,
                              self.cfg.check_prompts if j.run in self.checked else 0)
         t["eval_wall"] = time.perf_counter() - t0  # waiting for the baseline included
-        self.took.append((graph_key(j), time.monotonic() - t_job, repeat))
+        self.took.append((graph_key(j), time.monotonic() - t_job - baseline_wait, repeat))
         log(f"{j.arm or '(recipe)'} seed {j.seed}: τ {eval_summary(j.run / 'eval.json')['tau_mean']:.3f} ("
             + ", ".join(f"{k} {v:.0f}s" for k, v in t.items()) + ")")
 
