@@ -28,12 +28,19 @@ def private_compile_caches(rank: int | None = None) -> dict[str, str]:
     """One Triton and one Inductor cache directory per process rank, persistent across runs (a re-run on the same
     machine skips the compilation): concurrent autotuning must not race on shared cache files. Call it before
     anything compiles; explicit TRITON_CACHE_DIR / TORCHINDUCTOR_CACHE_DIR settings win."""
+    for k, v in compile_cache_dirs(rank).items():
+        os.environ.setdefault(k, v)
+    return {k: os.environ[k] for k in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
+
+
+def compile_cache_dirs(rank: int | None = None) -> dict[str, str]:
+    """The compile cache directories `private_compile_caches` gives process rank `rank` (from RANK / LOCAL_RANK
+    when None) in this environment, nothing set."""
     if rank is None:
         rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
     base = Path(os.environ.get("DFLASH_COMPILE_CACHE", Path.home() / ".cache" / "dflash_offline"))
-    os.environ.setdefault("TRITON_CACHE_DIR", str(base / f"triton-rank{rank}"))
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(base / f"inductor-rank{rank}"))
-    return {k: os.environ[k] for k in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
+    return {k: os.environ.get(k, str(base / f"{name}-rank{rank}"))
+            for k, name in (("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"))}
 
 
 DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG}

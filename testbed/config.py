@@ -72,7 +72,7 @@ class TestbedConfig:
     eval_worker: bool = True  # every evaluation of an invocation in one long-lived process (start-up and the target's loading paid once); 0 = a process each
     train_worker: bool = True  # every drafter's training of an invocation in one long-lived process (start-up paid once; one per concurrent job with --parallel); 0 = a process each
     resident: bool = False  # bench switch: each drafter's training reads its cache once onto the device and gathers its batches there instead of streaming them (BenchSwitches.resident: the same batches; needs train_worker)
-    precompile: bool = False  # bench switch: while the target trains, regenerates and is extracted, compile each drafter setting's graphs on a stand-in of its shapes (random weights and states), so that the drafters load them from the compile caches (testbed/precompile.py)
+    precompile: str = "auto"  # on | off | auto (= on where the drafters compile: CUDA, or compile=on in train_args): while the target trains, regenerates and is extracted, compile each drafter setting's graphs on a stand-in of its shapes (random weights and states), so that the drafters load them from the compile caches (testbed/precompile.py)
     check_prompts: int = 8  # A/B with replay: prompts each arm's first drafter also decodes for real (lossless check, replay = decode checked)
     checks: bool = True  # A/B: add the null arm (the recipe under other seeds) and the known-bad arm (¼ of the steps); rank arms only when both behave
     stop_after_s: float = 0.0  # A drafter is not started when its expected time (the longest drafter of this invocation, FIRST_DRAFTER_S before one ended; an arm's further seed: the longest repeat of its settings, before one the longest repeat and at least half its first) would end past this many seconds of it: the call stops early (exit 3), a rerun resumes; 0 = no limit
@@ -89,6 +89,7 @@ class TestbedConfig:
                 check_choice("testbed.sweep", name, tuple(SWEEPS))
         if self.seeds < 1 or self.eval_prompts < 1 or self.regen_docs < 1 or self.eval_candidates < 1:
             raise ConfigError("testbed.seeds, eval_prompts, eval_candidates and regen_docs must be >= 1")
+        check_choice("testbed.precompile", self.precompile, ("auto", "on", "off"))
         if self.resident and not self.train_worker:
             raise ConfigError("testbed.resident is a switch of the training worker: keep train_worker=1 with it")
         return self

@@ -153,7 +153,9 @@ def testbed(cfg: TestbedConfig, p: Paths, dev: str, device, more: list[Job] = ()
         log(f"done earlier ({p.state}): {', '.join(earlier)}; --from_phase= (TESTBED_FROM=) redoes one and the later")
 
     pre = None
-    if cfg.precompile and not ("eval" in ph and all((j.run / "eval.json").is_file() for j in more)):
+    compiled = device.type == "cuda" or "compile=on" in cfg.train_args.split()
+    if (cfg.precompile == "on" or cfg.precompile == "auto" and compiled) and \
+            not ("eval" in ph and all((j.run / "eval.json").is_file() for j in more)):
         pre = Precompile(cfg, p, [own_drafter(cfg, p, list(more)), *more],
                          {p.hidden(name): settings for name, settings in (caches or {}).items()})
         if "target" in ph:  # (its config and mask token are the trained target's)

@@ -55,8 +55,22 @@ class Variant:
     train: dict
     cache: dict
     runs: list[Path] = field(default_factory=list)
-    state: str = "queued"  # queued → running → done | failed; queued → dropped (its drafter came first)
+    state: str = "queued"  # queued → running → done | failed; queued → dropped (its drafter came
+    # first); earlier: done by an earlier invocation into the same compile caches (`where_compiled`)
     seconds: float = 0.0
+
+
+def where_compiled() -> dict:
+    """What a stand-in compiled into, which an earlier invocation's must match to be skipped: this boot of the
+    machine, the compile caches the drafters read (`cli.compile_cache_dirs`), the drafter code (`drafter_code_digest`;
+    its graphs are keyed on it)."""
+    from dflash_offline.cli import compile_cache_dirs
+
+    from .runs import drafter_code_digest
+
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    return {"boot": boot.read_text().strip() if boot.is_file() else "", "caches": compile_cache_dirs(0),
+            "code": drafter_code_digest()}
 
 
 def variant_key(train: dict, cache: dict) -> str:
@@ -85,6 +99,11 @@ class Precompile:
     def __init__(self, cfg: TestbedConfig, p: Paths, jobs: list[Job], caches: dict[Path, dict]):
         self.cfg, self.p, self.root = cfg, p, p.root / "precompile"
         self.variants = plan(jobs, caches)
+        self.stamp, self.done_file = where_compiled(), self.root / "done.json"
+        done = json.loads(self.done_file.read_text()) if self.done_file.is_file() else {}
+        for v in self.variants:  # (compiled by an earlier invocation into the caches this one's drafters read)
+            if done.get(v.key) == self.stamp:
+                v.state = "earlier"
         self.by_run = {r: v for v in self.variants for r in v.runs}
         self.cond = threading.Condition()
         self.procs: dict[str, subprocess.Popen] = {}
@@ -93,12 +112,13 @@ class Precompile:
 
     def start(self, write_config, mask_token_id: int) -> None:
         """Begin: `write_config(dir)` writes the target's config.json into the stand-in target's directory."""
-        if not self.variants:
+        if not any(v.state == "queued" for v in self.variants):
             return
         from dflash_offline.config import read_recipe
         from fixtures.fake_cache import fake_target
 
-        shutil.rmtree(self.root, ignore_errors=True)
+        for d in ("target", "caches", "runs"):
+            shutil.rmtree(self.root / d, ignore_errors=True)
         target = self.root / "target"
         target.mkdir(parents=True)
         write_config(target)
@@ -135,6 +155,9 @@ class Precompile:
                 v.state = "done" if ok else "stopped" if self.stopping else "failed"
                 v.seconds = time.perf_counter() - t0
                 self.cond.notify_all()
+                if ok:
+                    done = json.loads(self.done_file.read_text()) if self.done_file.is_file() else {}
+                    write_json_atomic(self.done_file, {**done, v.key: self.stamp})
             log(f"precompile {self.label(v)}: {v.state} in {v.seconds:.0f}s")
             self.write()
 

@@ -989,7 +989,7 @@ MICRO_COMPILED = ("--train_args=num_layers=2 num_heads=4 num_kv_heads=2 head_dim
 
 
 def test_precompiled_stand_ins_leave_every_drafter_graph_in_the_compile_caches(tmp_path):
-    """`--precompile=1`: each drafter setting's graphs compile on a stand-in (random target weights and states of the
+    """`--precompile=auto` with the drafters compiled: each drafter setting's graphs compile on a stand-in (random target weights and states of the
     same shapes) beside the phases; the real drafters then find every Inductor graph in the (cold at the start)
     compile caches instead of compiling it — a stand-in of other shapes, encoding or mask token would miss."""
     import os
@@ -997,7 +997,7 @@ def test_precompiled_stand_ins_leave_every_drafter_graph_in_the_compile_caches(t
     root = tmp_path / "tb"
     env = {**os.environ, "DFLASH_COMPILE_CACHE": str(tmp_path / "compile-cache")}  # (cold: nothing compiled yet)
     r = subprocess.run([sys.executable, "-m", "testbed", "--preset=micro", f"--dir={root}", "--arms=;gamma=5",
-                        "--seeds=1", "--checks=0", "--precompile=1", MICRO_COMPILED], cwd=REPO, env=env,
+                        "--seeds=1", "--checks=0", MICRO_COMPILED], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rec = json.loads((root / "logs" / "precompile.json").read_text())
@@ -1008,6 +1008,13 @@ def test_precompiled_stand_ins_leave_every_drafter_graph_in_the_compile_caches(t
         hits, misses = map(int, re.search(r"graph cache: (\d+) hits, (\d+) misses", log).groups())
         assert hits > 0 and misses == 0, (run, hits, misses)
     assert not (root / "precompile" / "runs").exists() or not any((root / "precompile" / "runs").iterdir())
+    # the drafters again, into the same compile caches: nothing compiled twice
+    r = subprocess.run([sys.executable, "-m", "testbed", "--preset=micro", f"--dir={root}", "--arms=;gamma=5",
+                        "--seeds=1", "--checks=0", "--from_phase=train", MICRO_COMPILED], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert [v["state"] for v in json.loads((root / "logs" / "precompile.json").read_text())] == ["earlier"] * 2
+    assert "precompiling" not in r.stdout
 
 
 def test_a_drafter_drops_its_stand_in_still_queued_and_waits_for_one_compiling(tmp_path):
@@ -1065,5 +1072,5 @@ def test_the_targets_gradient_accumulated_over_micro_batches_is_the_whole_batchs
         grads.append((loss, [p.grad.clone() for p in model.parameters()]))
     (loss0, g0), *others = grads
     for loss, g in others:
-        assert torch.allclose(loss, loss0, atol=1e-6) and all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g, g0))
+        assert torch.allclose(loss, loss0, atol=1e-6) and all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g, g0, strict=True))
     assert loss0 > 0 and any(g.abs().sum() > 0 for g in g0)
