@@ -51,6 +51,7 @@ from .runs import Paths, table
 
 
 def main(argv: list[str]) -> int:
+    from dflash_offline.cli import private_compile_caches
     from dflash_offline.devices import pick_device
 
     cfg = apply_preset(config_from_argv(TestbedConfig, "testbed", argv, __doc__), argv).resolve()
@@ -61,6 +62,10 @@ def main(argv: list[str]) -> int:
                           "this machine has none (--preset=micro runs the phases' logic at toy sizes on a CPU)")
     p = Paths(cfg.dir)
     p.root.mkdir(parents=True, exist_ok=True)
+    # the compile caches every stage and drafter of the invocation shares, fixed before anything compiles here (the
+    # target's training in this process would otherwise set Inductor's default, /tmp/torchinductor_<user>, into the
+    # environment the later processes inherit: the stand-ins compiled there, the drafters of a rerun read elsewhere)
+    private_compile_caches(0)
     if cfg.from_phase == "target":
         p.wall.unlink(missing_ok=True)
     if not cfg.summarize:

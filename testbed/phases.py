@@ -153,14 +153,18 @@ def testbed(cfg: TestbedConfig, p: Paths, dev: str, device, more: list[Job] = ()
         log(f"done earlier ({p.state}): {', '.join(earlier)}; --from_phase= (TESTBED_FROM=) redoes one and the later")
 
     pre = None
-    compiled = device.type == "cuda" or "compile=on" in cfg.train_args.split()
+    args = cfg.train_args.split()
+    compiled = "compile=on" in args or getattr(device, "type", None) == "cuda" and "compile=off" not in args
     if (cfg.precompile == "on" or cfg.precompile == "auto" and compiled) and \
             not ("eval" in ph and all((j.run / "eval.json").is_file() for j in more)):
         pre = Precompile(cfg, p, [own_drafter(cfg, p, list(more)), *more],
                          {p.hidden(name): settings for name, settings in (caches or {}).items()})
         if "target" in ph:  # (its config and mask token are the trained target's)
-            pre.start(lambda d: shutil.copy(p.target / "config.json", d / "config.json"),
-                      json.loads((p.target / tiny.SIDECAR).read_text())["mask_token_id"])
+            try:
+                mask = json.loads((p.target / tiny.SIDECAR).read_text())["mask_token_id"]
+                pre.start(lambda d: shutil.copy(p.target / "config.json", d / "config.json"), mask)
+            except (OSError, ValueError, KeyError) as e:
+                log(f"precompile: not started ({type(e).__name__}: {e}); the drafters compile their own graphs")
     try:
         return phases(cfg, p, dev, device, st, more, parallel, caches, pre)
     finally:

@@ -14,10 +14,13 @@ shapes, dtypes and constants, not on the weights or the data: the CPU test's dra
 stand-in of other weights, data, seed and steps.
 
 The variants go in the order the drafters need them, `PARALLEL` at a time, each in a process of its own
-(`python -m testbed.precompile`: the training worker's `main`), never in the way of the drafters: when a drafter is
-about to train (`before`), its variant still queued is dropped (the drafter compiles its own graphs), and one being
-compiled is waited for (compiling it twice at once would take longer than waiting). A stand-in that fails is logged
-(DIR/logs/precompile-*.log) and changes nothing but the time. The record of what each variant did is
+(`python -m testbed.precompile`: the training worker's `main`). Those not done when the phases end go on beside the
+drafters (on CPUs the training leaves idle; some GPU memory and time): when a drafter is about to train (`before`),
+its variant still queued is dropped (the drafter compiles its own graphs), and one being compiled is waited for
+(compiling it twice at once would take longer), `WAIT_S` at most. A stand-in that fails, or a start that does, is
+logged (DIR/logs/precompile-*.log) and changes nothing but the time. An invocation skips the variants an earlier one
+compiled from the same inputs into the same caches in this boot of the machine (`where_compiled`, DIR/precompile/
+done.json). The record of what each variant did is
 DIR/logs/precompile.json."""
 
 from __future__ import annotations
@@ -40,10 +43,11 @@ from .runs import Paths, slug
 from .trainworker import RESIDENT
 
 WARMUP_STEPS = 2  # a stand-in's steps: the first compiles the training's graphs, the second runs them (guards)
+WAIT_S = 300.0  # a drafter waits at most this long for its stand-in (a cold compile took 108 s beside the target)
 PARALLEL = 2  # stand-ins compiling at once (each with its share of the CPUs but `SPARE_CPUS`)
 SPARE_CPUS = 4  # CPUs left to the phase running beside them (the target's training, regeneration, extraction)
 STANDIN_SHARDS, STANDIN_ROWS = 2, 4  # a stand-in cache's shards and rows a shard (a drafter step reads batch_rows)
-ENCODING_KEYS = ("quant", "project_dims", "layer_ids", "num_draft_layers")  # [extract] settings a drafter's graphs see
+ENCODING_KEYS = ("quant", "project_dims", "layer_ids", "num_draft_layers", "mask_token_id")  # [extract] settings a drafter's graphs see
 
 
 @dataclass
@@ -60,17 +64,29 @@ class Variant:
     seconds: float = 0.0
 
 
-def where_compiled() -> dict:
-    """What a stand-in compiled into, which an earlier invocation's must match to be skipped: this boot of the
-    machine, the compile caches the drafters read (`cli.compile_cache_dirs`), the drafter code (`drafter_code_digest`;
-    its graphs are keyed on it)."""
+def where_compiled(cfg: TestbedConfig, config_text: str, mask_token_id: int) -> dict:
+    """What a stand-in was compiled from and into, which an earlier invocation's must match to be skipped: this
+    boot of the machine and the compile caches the drafters read (`cli.compile_cache_dirs`; still there), torch's
+    version, the drafter code (`drafter_code_digest`), the recipe, the train arguments, row length and residency of
+    every drafter, the target's config and mask token (what the graphs are keyed on besides a variant's settings)."""
+    import hashlib
+
+    import torch
+
+    from dflash_offline.cache.fsio import sha256_file
     from dflash_offline.cli import compile_cache_dirs
 
     from .runs import drafter_code_digest
 
     boot = Path("/proc/sys/kernel/random/boot_id")
-    return {"boot": boot.read_text().strip() if boot.is_file() else "", "caches": compile_cache_dirs(0),
-            "code": drafter_code_digest()}
+    caches = compile_cache_dirs(0)
+    text = json.loads(config_text)
+    text = text.get("text_config", text)  # (the shapes a stand-in takes from it: its dtype field changes on saving)
+    shape = {k: text.get(k) for k in ("vocab_size", "hidden_size", "num_hidden_layers")}
+    inputs = json.dumps([sha256_file(cfg.drafter_recipe), cfg.train_args, cfg.recipe_seq_len, cfg.train_steps,
+                         cfg.resident, shape, mask_token_id], sort_keys=True)
+    return {"boot": boot.read_text().strip() if boot.is_file() else "", "caches": caches, "torch": torch.__version__,
+            "code": drafter_code_digest(), "inputs": hashlib.sha256(inputs.encode()).hexdigest()}
 
 
 def variant_key(train: dict, cache: dict) -> str:
@@ -99,11 +115,7 @@ class Precompile:
     def __init__(self, cfg: TestbedConfig, p: Paths, jobs: list[Job], caches: dict[Path, dict]):
         self.cfg, self.p, self.root = cfg, p, p.root / "precompile"
         self.variants = plan(jobs, caches)
-        self.stamp, self.done_file = where_compiled(), self.root / "done.json"
-        done = json.loads(self.done_file.read_text()) if self.done_file.is_file() else {}
-        for v in self.variants:  # (compiled by an earlier invocation into the caches this one's drafters read)
-            if done.get(v.key) == self.stamp:
-                v.state = "earlier"
+        self.stamp, self.done_file = {}, self.root / "done.json"
         self.by_run = {r: v for v in self.variants for r in v.runs}
         self.cond = threading.Condition()
         self.procs: dict[str, subprocess.Popen] = {}
@@ -111,17 +123,41 @@ class Precompile:
         self.record = p.root / "logs" / "precompile.json"
 
     def start(self, write_config, mask_token_id: int) -> None:
-        """Begin: `write_config(dir)` writes the target's config.json into the stand-in target's directory."""
-        if not any(v.state == "queued" for v in self.variants):
-            return
+        """Begin: `write_config(dir)` writes the target's config.json into the stand-in target's directory. Whatever
+        goes wrong here is logged and leaves the drafters to compile their own graphs (the testbed goes on)."""
+        try:
+            self.begin(write_config, mask_token_id)
+        except Exception as e:  # noqa: BLE001
+            log(f"precompile: not started ({type(e).__name__}: {e}); the drafters compile their own graphs")
+            with self.cond:
+                self.stopping = True
+
+    def done(self) -> dict:
+        """{variant key: where it was compiled} of the earlier invocations (none where the record is unreadable)."""
+        try:
+            return json.loads(self.done_file.read_text()) if self.done_file.is_file() else {}
+        except (OSError, ValueError):
+            return {}
+
+    def begin(self, write_config, mask_token_id: int) -> None:
         from dflash_offline.config import read_recipe
         from fixtures.fake_cache import fake_target
 
+        config = self.root / "config.json"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        write_config(self.root)  # (the target's config: part of what a stand-in was compiled from)
+        self.stamp = where_compiled(self.cfg, config.read_text(), mask_token_id)
+        done = self.done() if Path(self.stamp["caches"]["TORCHINDUCTOR_CACHE_DIR"]).is_dir() else {}
+        for v in self.variants:  # (compiled by an earlier invocation into the caches this one's drafters read)
+            if done.get(v.key) == self.stamp and v.state == "queued":
+                v.state = "earlier"
+        if not any(v.state == "queued" for v in self.variants):
+            return
         for d in ("target", "caches", "runs"):
             shutil.rmtree(self.root / d, ignore_errors=True)
         target = self.root / "target"
         target.mkdir(parents=True)
-        write_config(target)
+        shutil.copy(config, target / "config.json")
         text = json.loads((target / "config.json").read_text())
         text = text.get("text_config", text)
         fake_target(target, text["vocab_size"], text["hidden_size"])
@@ -156,8 +192,7 @@ class Precompile:
                 v.seconds = time.perf_counter() - t0
                 self.cond.notify_all()
                 if ok:
-                    done = json.loads(self.done_file.read_text()) if self.done_file.is_file() else {}
-                    write_json_atomic(self.done_file, {**done, v.key: self.stamp})
+                    write_json_atomic(self.done_file, {**self.done(), v.key: self.stamp})
             log(f"precompile {self.label(v)}: {v.state} in {v.seconds:.0f}s")
             self.write()
 
@@ -211,7 +246,8 @@ class Precompile:
         shutil.rmtree(tmp, ignore_errors=True)
         make_fake_cache(tmp, STANDIN_SHARDS, STANDIN_ROWS, shape["seq_len"], text["hidden_size"], layers,
                         quant=ext.get("quant", "bf16"), project_dims=int(ext.get("project_dims", 0)))
-        bind_to_target(tmp, shape["target"], text["num_hidden_layers"], text["vocab_size"], shape["mask"])
+        bind_to_target(tmp, shape["target"], text["num_hidden_layers"], text["vocab_size"],
+                       int(ext.get("mask_token_id", shape["mask"])))
         tmp.rename(cache)
 
     def before(self, run: Path) -> float:
@@ -223,8 +259,12 @@ class Precompile:
         with self.cond:
             if v.state == "queued":
                 v.state = "dropped"
-            while v.state == "running":
+            while v.state == "running" and time.perf_counter() - t0 < WAIT_S:
                 self.cond.wait(1.0)
+            if v.state == "running":  # (hung, or far slower than a compile: the drafter compiles its own)
+                log(f"precompile {self.label(v)}: still compiling after {WAIT_S:.0f}s; stopped, its drafter compiles")
+                if (proc := self.procs.get(v.key)) is not None and proc.poll() is None:
+                    proc.terminate()
         return time.perf_counter() - t0
 
     def stop(self) -> None:

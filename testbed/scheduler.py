@@ -179,9 +179,9 @@ class Drafters:
             self.times[j.run]["wait_warm"] = time.perf_counter() - t0
         if self.failed.is_set():
             raise RuntimeError("not started: the base drafter or the untrained evaluation failed")
+        self.defer(j)
         if self.precompile is not None and (waited := self.precompile.before(j.run)) >= 1:
             self.times[j.run]["wait_precompile"] = waited
-        self.defer(j)
         t_job, repeat = time.monotonic(), any(k == graph_key(j) for k, _, _ in self.took)
         j.run.mkdir(parents=True, exist_ok=True)
         write_json_atomic(j.run / JOB_FILE, job_identity(self.cfg, self.p, j))

@@ -1015,6 +1015,9 @@ def test_precompiled_stand_ins_leave_every_drafter_graph_in_the_compile_caches(t
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert [v["state"] for v in json.loads((root / "logs" / "precompile.json").read_text())] == ["earlier"] * 2
     assert "precompiling" not in r.stdout
+    for run in ("base", "gamma5"):
+        log = (root / "runs" / run / "seed0" / "logs" / "train.log").read_text()
+        assert re.search(r"graph cache: [1-9]\d* hits, 0 misses", log), run
 
 
 def test_a_drafter_drops_its_stand_in_still_queued_and_waits_for_one_compiling(tmp_path):
@@ -1039,7 +1042,12 @@ def test_a_drafter_drops_its_stand_in_still_queued_and_waits_for_one_compiling(t
     recipe, gamma, fp8, anchors = pre.variants
     assert pre.before(p.run("gamma5", 0)) < 1 and gamma.state == "dropped"
     recipe.state = "running"
-    threading.Timer(0.5, lambda: (setattr(recipe, "state", "done"), pre.write())).start()
+    def compiled():
+        with pre.cond:
+            recipe.state = "done"
+            pre.cond.notify_all()
+
+    threading.Timer(0.5, compiled).start()
     t0 = time.perf_counter()
     pre.before(p.run("", 1))
     assert time.perf_counter() - t0 >= 0.4 and recipe.state == "done"
