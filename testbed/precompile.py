@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_offline.cache.fsio import write_json_atomic
+from dflash_offline.cache.fsio import atomic_dir, write_json_atomic
 
 from .commands import Job, log, train_args
 from .config import TestbedConfig
@@ -242,13 +242,11 @@ class Precompile:
                                                            int(ext.get("num_draft_layers", 5)))
         if isinstance(layers, str):
             layers = [int(x) for x in layers.split(",")]
-        tmp = cache.with_name(cache.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        make_fake_cache(tmp, STANDIN_SHARDS, STANDIN_ROWS, shape["seq_len"], text["hidden_size"], layers,
-                        quant=ext.get("quant", "bf16"), project_dims=int(ext.get("project_dims", 0)))
-        bind_to_target(tmp, shape["target"], text["num_hidden_layers"], text["vocab_size"],
-                       int(ext.get("mask_token_id", shape["mask"])))
-        tmp.rename(cache)
+        with atomic_dir(cache) as tmp:  # (published when complete: a stand-in cache is complete or absent)
+            make_fake_cache(tmp, STANDIN_SHARDS, STANDIN_ROWS, shape["seq_len"], text["hidden_size"], layers,
+                            quant=ext.get("quant", "bf16"), project_dims=int(ext.get("project_dims", 0)))
+            bind_to_target(tmp, shape["target"], text["num_hidden_layers"], text["vocab_size"],
+                           int(ext.get("mask_token_id", shape["mask"])))
 
     def before(self, run: Path) -> float:
         """Before `run`'s drafter trains: drop its variant if still queued, wait for it while it compiles; returns
