@@ -164,9 +164,10 @@ class Precompile:
         recipe = read_recipe(self.cfg.drafter_recipe)
         shape = {"target": target, "text": text, "mask": mask_token_id, "extract": recipe.get("extract", {}),
                  "seq_len": self.cfg.recipe_seq_len or int(recipe.get("tokenize", {}).get("seq_len", 2048))}
-        log(f"precompiling {len(self.variants)} drafter graph setting(s) on stand-ins, {PARALLEL} at a time "
+        queued = sum(v.state == "queued" for v in self.variants)
+        log(f"precompiling {queued} drafter graph setting(s) on stand-ins, {PARALLEL} at a time "
             f"(logs: {self.p.root / 'logs'}/precompile-*.log)")
-        for _ in range(min(PARALLEL, len(self.variants))):
+        for _ in range(min(PARALLEL, queued)):
             t = threading.Thread(target=self.serve, args=(shape,), daemon=True)
             t.start()
             self.threads.append(t)
