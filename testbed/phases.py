@@ -5,7 +5,6 @@ each skipped when DIR/state.json records it done."""
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -143,8 +142,6 @@ def testbed(cfg: TestbedConfig, p: Paths, dev: str, device, more: list[Job] = ()
     """Phases 1–6, each skipped when state.json says it is done; `more` drafters (A/B arms, on caches extracted
     first: `caches` = {name: [extract] settings}) train beside the base one; with `precompile`, their graphs compile
     on stand-ins beside the phases (`testbed.precompile`). Returns (result record, {run: seconds per phase})."""
-    from fixtures import tiny
-
     st = read_state(p)
     if cfg.from_phase:
         forget_from(p, st, cfg.from_phase)
@@ -160,11 +157,7 @@ def testbed(cfg: TestbedConfig, p: Paths, dev: str, device, more: list[Job] = ()
         pre = Precompile(cfg, p, [own_drafter(cfg, p, list(more)), *more],
                          {p.hidden(name): settings for name, settings in (caches or {}).items()})
         if "target" in ph:  # (its config and mask token are the trained target's)
-            try:
-                mask = json.loads((p.target / tiny.SIDECAR).read_text())["mask_token_id"]
-                pre.start(lambda d: shutil.copy(p.target / "config.json", d / "config.json"), mask)
-            except (OSError, ValueError, KeyError) as e:
-                log(f"precompile: not started ({type(e).__name__}: {e}); the drafters compile their own graphs")
+            pre.start_from(p.target)
     try:
         return phases(cfg, p, dev, device, st, more, parallel, caches, pre)
     finally:

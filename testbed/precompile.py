@@ -102,7 +102,8 @@ def plan(jobs: list[Job], caches: dict[Path, dict]) -> list[Variant]:
             continue
         cache = {k: v for k, v in caches.get(j.cache, {}).items() if k in ENCODING_KEYS}
         train = {k: v for k, v in j.settings.items() if k != "steps"}
-        v = out.setdefault(variant_key(train, cache), Variant(variant_key(train, cache), train, cache))
+        key = variant_key(train, cache)
+        v = out.setdefault(key, Variant(key, train, cache))
         if j.run not in v.runs:  # (the testbed's own drafter is also an A/B's first)
             v.runs.append(j.run)
     return list(out.values())
@@ -128,9 +129,23 @@ class Precompile:
         try:
             self.begin(write_config, mask_token_id)
         except Exception as e:  # noqa: BLE001
-            log(f"precompile: not started ({type(e).__name__}: {e}); the drafters compile their own graphs")
-            with self.cond:
-                self.stopping = True
+            self.not_started(e)
+
+    def start_from(self, target: Path) -> None:
+        """`start` with a trained target's config.json and mask token (its phase done by an earlier invocation)."""
+        from fixtures import tiny
+
+        try:
+            mask = json.loads((target / tiny.SIDECAR).read_text())["mask_token_id"]
+        except (OSError, ValueError, KeyError) as e:
+            self.not_started(e)
+            return
+        self.start(lambda d: shutil.copy(target / "config.json", d / "config.json"), mask)
+
+    def not_started(self, e: Exception) -> None:
+        log(f"precompile: not started ({type(e).__name__}: {e}); the drafters compile their own graphs")
+        with self.cond:
+            self.stopping = True
 
     def done(self) -> dict:
         """{variant key: where it was compiled} of the earlier invocations (none where the record is unreadable)."""
