@@ -111,8 +111,10 @@ extract: setup  ## token shards → hidden-state shards into CACHE=; runs tokeni
 verify: setup  ## re-hash every shard of CACHE= and recompute sampled rows with the target (ROWS= per shard)
 	$(PYTHON) -m stages.verify --cache=$(CACHE) --rows=$(ROWS) $(ARGS)
 
-train: setup  ## train a drafter on CACHE= into RUN= (RESUME=1 continues it; NPROC= processes)
-	$(LAUNCH) stages.train --recipe=$(RECIPE) --target=$(TARGET) --cache=$(CACHE) --run=$(RUN) --resume=$(RESUME) $(ARGS)
+# a resume (RESUME=1) of a run that recorded its settings, RECIPE= not given: the run's own settings, not the default's
+TRAIN_RECIPE = $(if $(and $(filter 1,$(RESUME)),$(filter file,$(origin RECIPE)),$(wildcard $(RUN)/config.json)),,$(RECIPE))
+train: setup  ## train a drafter on CACHE= into RUN= (RESUME=1 continues it, with its recorded settings unless RECIPE= is given; NPROC= processes)
+	$(LAUNCH) stages.train --recipe=$(TRAIN_RECIPE) --target=$(TARGET) --cache=$(CACHE) --run=$(RUN) --resume=$(RESUME) $(ARGS)
 
 regen: setup  ## the target's answers to CORPUS='s prompts (or in place of its answers) into OUT=: TARGET= here, or ENGINE=http://host:port/v1 MODEL= through a vLLM/SGLang server (THINKING=on|off)
 	$(PYTHON) -m stages.regen --target=$(TARGET) --engine=$(ENGINE) --model=$(MODEL) --corpus=$(CORPUS) --out=$(OUT) --thinking=$(THINKING) $(ARGS)

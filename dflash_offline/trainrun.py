@@ -118,6 +118,41 @@ def accelerator(cfg: TrainConfig, switches: BenchSwitches, seq_len: int, rows: i
     return acc, s, trackers
 
 
+def recorded_settings(argv: list[str]):
+    """For `configs_from_argv`: a resume (`--resume=1`) given no `--recipe` whose RUN/config.json exists continues
+    with the settings recorded there — the cache where it was — under those of the command line; None otherwise
+    (a recipe given is read as always: a changed setting is then logged and the earlier config kept). Without it,
+    `make train RUN= RESUME=1` resumed a run under the Makefile's default recipe."""
+    import json
+
+    from dflash_offline.config import ConfigError, parse_overrides, setting_names
+
+    recipe, given = parse_overrides(argv)
+    if recipe or given.get("resume", "0").lower() not in ("1", "true") or not given.get("run"):
+        return None
+    path = Path(given["run"]) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        rec = json.loads(path.read_text())
+        train = {k: v for k, v in rec["train"].items() if k in setting_names(TrainConfig) and k != "resume"}
+    except (OSError, ValueError, KeyError, AttributeError) as e:
+        raise ConfigError(f"train: {path} is not a run's config ({e}): the resume takes its settings from it when no "
+                          f"--recipe is given; pass --recipe= (make RECIPE=) with the run's recipe") from None
+    if rec.get("cache_dir"):
+        train["cache"] = rec["cache_dir"]
+
+    def fill(section, values, earlier) -> None:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"[train] resuming with the settings {path} records (no --recipe given)"
+                  + (f"; from the command line: {', '.join(sorted(k for k in values if k != 'resume'))}"
+                     if set(values) - {"resume"} else ""), flush=True)
+        for k, v in train.items():
+            values.setdefault(k, v)
+
+    return fill
+
+
 IGNORED_ON_RESUME = {"resume", "steps", "epochs"}  # (a resume says resume=1; a longer run is what a resume is for)
 
 

@@ -10,7 +10,8 @@ accelerator.prepare). Each row's anchors and noise come from a generator seeded 
 run's sequence of rows), so resumed, 1-process and N-process runs — also a resume on another processes × batch_rows
 split of the same global batch — see the same anchors for the same rows. A step draws the blocks of all its
 micro-batches first, and divides each one's loss by the step's loss weight over all its micro-batches and processes
-(`loss.step_normalizer`). The run, in those sections: `dflash_offline.trainrun`; the loop:
+(`loss.step_normalizer`). A resume given no recipe (`make train RUN= RESUME=1`) continues with the settings
+RUN/config.json records, the command line's replacing theirs (`trainrun.recorded_settings`). The run, in those sections: `dflash_offline.trainrun`; the loop:
 `dflash_offline.trainer.Trainer`; what the settings mean on this machine: `dflash_offline.trainsetup`; the metrics
 windows and the run's last line: `dflash_offline.metrics`.
 """
@@ -22,7 +23,7 @@ import sys
 
 from dflash_offline.config import configs_from_argv
 from dflash_offline.runguard import Interrupted
-from dflash_offline.trainrun import run
+from dflash_offline.trainrun import recorded_settings, run
 from dflash_offline.trainsetup import BenchSwitches, TrainConfig, check_recipe_taps
 
 
@@ -33,7 +34,7 @@ def main(argv: list[str], switches: BenchSwitches = BenchSwitches()) -> int:
 
     private_compile_caches()  # before anything compiles: per-rank caches, no autotuner races between processes
     unbuffered()
-    (cfg,) = configs_from_argv([(TrainConfig, "train")], argv, __doc__)
+    (cfg,) = configs_from_argv([(TrainConfig, "train")], argv, __doc__, defaults=recorded_settings(argv))
     check_recipe_taps(argv, cfg)
     code = 0
     try:

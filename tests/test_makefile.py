@@ -38,6 +38,25 @@ def test_every_target_that_runs_a_stage_passes_ARGS_through():
     assert not dropped, f"these targets drop ARGS=: {dropped}"
 
 
+def test_a_resume_without_RECIPE_passes_no_recipe_where_the_run_recorded_its_settings(tmp_path):
+    """`make train RUN= RESUME=1` with RECIPE= not given would resume a run under the default (demo) recipe's
+    settings: where RUN/config.json exists it passes no recipe (the stage takes the run's); a RECIPE= given, a
+    run not started yet, or no resume pass the recipe as always."""
+    run = tmp_path / "r"
+    run.mkdir()
+
+    def recipe_flag(*args: str) -> str:
+        res = make("-n", "-o", ".venv/.installed", "train", "CACHE=c", *args)
+        assert res.returncode == 0, res.stderr
+        return re.search(r"--recipe=(\S*)", res.stdout).group(1)
+
+    assert recipe_flag(f"RUN={run}", "RESUME=1") == "manifests/demo.toml"  # (no config.json yet: a fresh start)
+    (run / "config.json").write_text("{}")
+    assert recipe_flag(f"RUN={run}", "RESUME=1") == ""
+    assert recipe_flag(f"RUN={run}", "RESUME=1", "RECIPE=manifests/x.toml") == "manifests/x.toml"
+    assert recipe_flag(f"RUN={run}") == "manifests/demo.toml"
+
+
 def test_setup_installs_again_when_TORCH_SPEC_changes(tmp_path):
     venv, log = tmp_path / "venv", tmp_path / "pip.log"
     (venv / "bin").mkdir(parents=True)

@@ -225,6 +225,32 @@ def test_a_resume_with_other_settings_keeps_the_earlier_config_and_says_what_cha
     assert json.loads((run / "config.until-00000006.json").read_text())["train"]["lr"] == 3e-3  # still the truth
 
 
+def test_a_resume_given_no_recipe_continues_with_the_runs_own_settings(tmp_path, hidden_cache, capsys):
+    """`make train RUN= RESUME=1` without RECIPE= (the Makefile then passes none) resumes with the settings
+    RUN/config.json records and the cache it names — not the defaults: nothing changed, no earlier config kept — the
+    command line's settings over theirs."""
+    from stages import train as train_stage
+
+    run = tmp_path / "r"
+    given = {**TINY, "gamma": 5.0, "seed": 3}
+    assert train_stage.main([f"--cache={hidden_cache}", f"--run={run}", *(f"--{k}={v}" for k, v in given.items()),
+                             "--steps=3"]) == 0
+    before = json.loads((run / "config.json").read_text())["train"]
+    capsys.readouterr()
+    assert train_stage.main([f"--run={run}", "--resume=1", "--recipe=", "--steps=5"]) == 0
+    said = capsys.readouterr().out
+    assert f"resuming with the settings {run / 'config.json'} records (no --recipe given); from the command line: " \
+           "run, steps" in said, said
+    after = json.loads((run / "config.json").read_text())["train"]
+    assert not list(run.glob("config.until-*")) and "resumed with other settings" not in said
+    assert {k: v for k, v in after.items() if k not in ("steps", "resume")} == \
+           {k: v for k, v in before.items() if k not in ("steps", "resume")}
+    assert after["steps"] == 5 and (run / "checkpoints" / "step-00000005").is_dir()
+    assert train_stage.main([f"--run={run}", "--resume=1", "--steps=6", "--lr=1e-2"]) == 0  # the command line wins
+    assert json.loads((run / "config.json").read_text())["train"]["lr"] == 1e-2
+    assert json.loads((run / "config.until-00000005.json").read_text())["train"]["gamma"] == 5.0
+
+
 def test_existing_run_needs_resume(tmp_path, hidden_cache):
     train.run(cfg(hidden_cache, tmp_path / "r", steps=3))
     with pytest.raises(ValueError, match=r"resume=1 \(make RESUME=1\) to continue it, or choose another --run "
