@@ -33,15 +33,16 @@ from dflash_offline.trainsetup import (
 # --- the run ---------------------------------------------------------------------------------------------------
 
 
-def run(cfg: TrainConfig, switches: BenchSwitches = BenchSwitches()) -> Path:
-    """Train; `switches` are bench.train's A/B switches (not options). The process's settings are left as the run
+def run(cfg: TrainConfig, switches: BenchSwitches = BenchSwitches(), note: str = "") -> Path:
+    """Train; `switches` are bench.train's A/B switches (not options); `note` is logged once the run is this
+    trainer's (where its settings came from). The process's settings are left as the run
     found them (the module doc says what stays). SIGTERM/SIGINT stop it after the step in flight with a final
     checkpoint (`runguard`): it raises `Interrupted`."""
     check_run_dir(Path(cfg.run))
     rank, stopped = int(os.environ.get("RANK", 0)), None
     try:
         with kept_process_state(), StopSignals(cfg.stop_grace_s, ender(Path(cfg.run), rank)) as stopper:
-            run_dir = _run(cfg, switches, stopper)
+            run_dir = _run(cfg, switches, stopper, note)
     except Interrupted as e:
         stopped = e.with_traceback(None)  # its traceback would keep `_run`'s frame, and the DDP model, alive
     release_process_group()  # after `_run`'s frame is gone
@@ -50,12 +51,14 @@ def run(cfg: TrainConfig, switches: BenchSwitches = BenchSwitches()) -> Path:
     return run_dir
 
 
-def _run(cfg: TrainConfig, switches: BenchSwitches, stopper: StopSignals) -> Path:
+def _run(cfg: TrainConfig, switches: BenchSwitches, stopper: StopSignals, note: str = "") -> Path:
     # --- config: everything checked before any weights load; then the run is this trainer's (rank 0 holds its lock)
     t0, run_dir = time.time(), Path(cfg.run)
     c, dc, info = check_inputs(cfg, run_dir, switches.final_checkpoint)  # (also removes what a killed run left
     # half-written)
     with owned(run_dir, int(os.environ.get("RANK", 0)), lost=lambda held: os._exit(1)):  # (another owns it now)
+        if note and int(os.environ.get("RANK", 0)) == 0:
+            print(f"[train] {note}", flush=True)
         return _train(cfg, switches, stopper, t0, c, dc, info)
 
 
@@ -127,7 +130,10 @@ def recorded_settings(argv: list[str]):
 
     from dflash_offline.config import ConfigError, parse_overrides, setting_names
 
-    recipe, given = parse_overrides(argv)
+    try:
+        recipe, given = parse_overrides(argv)
+    except ConfigError:  # (--help, or a malformed argument: configs_from_argv answers it)
+        return None
     if recipe or given.get("resume", "0").lower() not in ("1", "true") or not given.get("run"):
         return None
     path = Path(given["run"]) / "config.json"
@@ -143,13 +149,13 @@ def recorded_settings(argv: list[str]):
         train["cache"] = rec["cache_dir"]
 
     def fill(section, values, earlier) -> None:
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"[train] resuming with the settings {path} records (no --recipe given)"
-                  + (f"; from the command line: {', '.join(sorted(k for k in values if k != 'resume'))}"
-                     if set(values) - {"resume"} else ""), flush=True)
+        fill.note = (f"resuming with the settings {path} records (no --recipe given)"  # (`run` logs it, once the run
+                     + (f"; from the command line: {', '.join(sorted(k for k in values if k != 'resume'))}"  # is its)
+                        if set(values) - {"resume"} else ""))
         for k, v in train.items():
             values.setdefault(k, v)
 
+    fill.note = ""
     return fill
 
 

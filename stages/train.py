@@ -34,11 +34,12 @@ def main(argv: list[str], switches: BenchSwitches = BenchSwitches()) -> int:
 
     private_compile_caches()  # before anything compiles: per-rank caches, no autotuner races between processes
     unbuffered()
-    (cfg,) = configs_from_argv([(TrainConfig, "train")], argv, __doc__, defaults=recorded_settings(argv))
+    recorded = recorded_settings(argv)
+    (cfg,) = configs_from_argv([(TrainConfig, "train")], argv, __doc__, defaults=recorded)
     check_recipe_taps(argv, cfg)
     code = 0
     try:
-        out = run(cfg, switches)
+        out = run(cfg, switches, recorded.note if recorded else "")
         if int(os.environ.get("RANK", 0)) == 0:
             print(out)
     except Interrupted as e:  # one line, no traceback; 128 + the signal
