@@ -158,6 +158,16 @@ def arm_rows(arms: list[str], results: dict) -> list[dict]:
     return rows
 
 
+def null_remedy(seeds: int) -> str:
+    """What to do when the null arm's interval misses 0: a 95 % interval does so in one sweep of 20 by chance (and
+    more often when its seeds' variance, estimated from few seeds, came out small); more seeds settle it, and a
+    rerun keeps every drafter done (a run is keyed by its settings and seed, not by the arm it serves: the recipe
+    takes seeds 0…N−1, the null arm N…2N−1)."""
+    more = f"--seeds={seeds + 1}" if seeds else "more --seeds"
+    return (f" (by chance in one sweep of 20, or the seeds' variance was underestimated: rerun with {more} (SEEDS=); "
+            f"every drafter done is kept)")
+
+
 NULL_ARM = "(recipe, other seeds)"  # the null arm's label: the recipe again under seeds no other arm uses
 
 
@@ -178,7 +188,8 @@ def judge(rows: list[dict], null: str | None, bad: str | None) -> dict:
         if not checks[name]["passed"]:
             what = "not run" if not ci else f"interval [{ci[0]:+.3f}, {ci[1]:+.3f}]"
             want = "contains 0" if name == "null" else "lies below 0"
-            why.append(f"the {name} arm ({label}): {what}, where its interval must be one that {want}")
+            why.append(f"the {name} arm ({label}): {what}, where its interval must be one that {want}"
+                       + (null_remedy(len(rows[0].get("taus") or ())) if name == "null" and ci else ""))
     ranked = not why
     null_ci = checks["null"]["ci95"]
     for r in rows[1:]:

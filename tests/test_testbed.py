@@ -215,8 +215,28 @@ def test_arms_are_ranked_only_when_the_null_arm_holds_0_and_the_known_bad_arm_li
             r = [x for x in r if x["arm"] != "steps=150"]  # (its drafters failed: no row)
         j = judge(r, NULL_ARM, "steps=150")
         assert not j["discriminating"] and j["why_not"][0].startswith(f"the {culprit} arm")
+        assert ("rerun with --seeds=2 (SEEDS=); every drafter done is kept" in j["why_not"][0]) == (culprit == "null")
         assert {x.get("verdict") for x in r[1:3]} == {"unranked"} and "within_null" not in r[1]
         assert "NOT DISCRIMINATING, arms not ranked" in ab_table({"arms": r, "judgement": j})
+
+
+def test_a_sweep_rerun_with_more_seeds_keeps_every_drafter_it_made():
+    """What a failed null check advises (rerun with one seed more) costs only the new drafters: every run of the sweep
+    at N seeds is a run of the sweep at N + 1 with the same training arguments (a run is keyed by its settings and
+    seed; the null arm's seeds N…2N−1 become the recipe's and the null arm's at N + 1)."""
+    from testbed.commands import train_args
+
+    def sweep(seeds: int) -> dict:
+        cfg, p = config.TestbedConfig(dir="d", seeds=seeds), Paths("d")
+        arms = ["", "quant=fp8", "gamma=5"]
+        null, bad = testbed_ab.check_arms(cfg, arms[0])
+        jobs, _ = testbed_ab.sweep_jobs(cfg, p, [*arms, bad], null, bad)
+        return {j.run: train_args(cfg, j.run, j.cache, j.seed, j.settings) for j in jobs}
+
+    for n in (1, 2, 3):
+        now, more = sweep(n), sweep(n + 1)
+        assert len(now) == 5 * n and len(more) == 5 * (n + 1)
+        assert {run: more.get(run) for run in now} == now, n
 
 
 def test_the_interval_holds_95_percent_of_null_differences_with_the_seeds_variance_pooled_over_arms():
