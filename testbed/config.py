@@ -46,7 +46,7 @@ class TestbedConfig:
     dims: str = "testbed"  # target shape: testbed (hidden 768, 12 layers) | tiny (the embedded demo's)
     target_rows: int = 1024  # target training row length (tokens)
     target_batch: int = 64  # target training rows per step
-    target_micro_batch: int = 16  # rows a forward/backward of the target's training (its gradient accumulated over the step's batch): 64 at once needs more than an H100's 80 GB
+    target_micro_batch: int = 0  # rows a forward/backward of the target's training (its gradient accumulated over the step's batch); 0 = the whole batch, halved while it runs out of GPU memory (64 rows fit an H200, not an H100)
     target_lr: float = 1e-3  # target peak learning rate
     target_s: float = 150.0  # target training time budget (seconds; the step count is fitted to it)
     target_steps: int = 4000  # target training steps at most

@@ -1096,3 +1096,53 @@ def test_the_targets_gradient_accumulated_over_micro_batches_is_the_whole_batchs
     for loss, g in others:
         assert torch.allclose(loss, loss0, atol=1e-6) and all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g, g0, strict=True))
     assert loss0 > 0 and any(g.abs().sum() > 0 for g in g0)
+
+
+def test_the_target_halves_its_micro_batch_when_out_of_memory_and_trains_as_if_it_had_started_there(monkeypatch):
+    """By default the target's step runs the whole batch at once (its PyTorch Gated DeltaNet is launch-bound: on an
+    H200, 4 micro-batches of 16 rows took twice the time of 64 at once, and the time budget then bought half the
+    steps) and halves it each time the GPU runs out of memory — also after a micro-batch's gradient was accumulated:
+    the step is redone from nothing, so the weights equal those of a run given the micro-batch that fit; a
+    micro-batch given explicitly is not shrunk."""
+    import types
+
+    import torch
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.out = torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50)
+
+        def forward(self, input_ids):
+            return types.SimpleNamespace(logits=self.out(torch.tanh(self.emb(input_ids).cumsum(1))))
+
+    real, seen = target._loss, []
+
+    def fits_4(model, rows, autocast):  # 16 rows fail at once; 8 fit once, then the step's second 8 fail
+        if torch.is_grad_enabled():
+            seen.append(len(rows))
+            if len(rows) == 16 or (len(rows) == 8 and seen.count(8) == 2):
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(model, rows, autocast)
+
+    rows, held = torch.randint(0, 50, (64, 9)), torch.randint(0, 50, (8, 9))
+
+    def train(micro: int):
+        torch.manual_seed(0)
+        model, said = Tiny(), []
+        rec = target.train_target(model, rows, held, budget_s=60, max_steps=3, batch=16, lr=1e-2, seed=0,
+                                  log=said.append, micro_batch=micro)
+        return rec, model.state_dict(), said
+
+    monkeypatch.setattr(target, "_loss", fits_4)
+    rec, weights, said = train(0)
+    assert rec["micro_batch_rows"] == 4 and rec["steps"] == 3 and seen[:4] == [16, 8, 8, 4]
+    assert [x for x in said if "out of GPU memory" in x] == [
+        "  out of GPU memory with 16 rows a forward/backward: 8 from now on",
+        "  out of GPU memory with 8 rows a forward/backward: 4 from now on"]
+    with pytest.raises(torch.OutOfMemoryError):
+        train(16)
+    monkeypatch.setattr(target, "_loss", real)
+    rec4, weights4, _ = train(4)
+    assert rec4["micro_batch_rows"] == 4
+    assert all(torch.equal(weights[k], weights4[k]) for k in weights4)
