@@ -112,7 +112,7 @@ verify: setup  ## re-hash every shard of CACHE= and recompute sampled rows with 
 	$(PYTHON) -m stages.verify --cache=$(CACHE) --rows=$(ROWS) $(ARGS)
 
 # a resume (RESUME=1) of a run that recorded its settings, RECIPE= not given: the run's own settings, not the default's
-TRAIN_RECIPE = $(if $(and $(filter 1,$(RESUME)),$(filter file,$(origin RECIPE)),$(wildcard $(RUN)/config.json)),,$(RECIPE))
+TRAIN_RECIPE = $(if $(and $(filter 1 true yes on,$(RESUME)),$(filter file,$(origin RECIPE)),$(wildcard $(RUN)/config.json)),,$(RECIPE))
 train: setup  ## train a drafter on CACHE= into RUN= (RESUME=1 continues it, with its recorded settings unless RECIPE= is given; NPROC= processes)
 	$(LAUNCH) stages.train --recipe=$(TRAIN_RECIPE) --target=$(TARGET) --cache=$(CACHE) --run=$(RUN) --resume=$(RESUME) $(ARGS)
 

@@ -123,18 +123,23 @@ def accelerator(cfg: TrainConfig, switches: BenchSwitches, seq_len: int, rows: i
 
 def recorded_settings(argv: list[str]):
     """For `configs_from_argv`: a resume (`--resume=1`) given no `--recipe` whose RUN/config.json exists continues
-    with the settings recorded there — the cache where it was — under those of the command line; None otherwise
-    (a recipe given is read as always: a changed setting is then logged and the earlier config kept). Without it,
-    `make train RUN= RESUME=1` resumed a run under the Makefile's default recipe."""
+    with the settings recorded there — the cache as the run named it where it is still there, else the absolute path
+    recorded beside (`export.run_cache`) — under those of the command line (its `steps` or `epochs` replacing both);
+    None otherwise (a recipe given is read as always: a changed setting is then logged and the earlier config kept).
+    Without it, `make train RUN= RESUME=1` resumed a run under the Makefile's default recipe. The function returned
+    holds, once called, `note`: where the settings came from (`run` logs it once the run is the trainer's, and
+    `stages.train` adds it to a setting refused)."""
     import json
 
-    from dflash_offline.config import ConfigError, parse_overrides, setting_names
+    from dflash_offline.config import ConfigError, _coerce, parse_overrides, setting_names
+    from dflash_offline.export import run_cache
 
     try:
         recipe, given = parse_overrides(argv)
+        resume = _coerce("resume", given.get("resume") or "0", bool)
     except ConfigError:  # (--help, or a malformed argument: configs_from_argv answers it)
         return None
-    if recipe or given.get("resume", "0").lower() not in ("1", "true") or not given.get("run"):
+    if recipe or not resume or not given.get("run"):
         return None
     path = Path(given["run"]) / "config.json"
     if not path.is_file():
@@ -142,16 +147,24 @@ def recorded_settings(argv: list[str]):
     try:
         rec = json.loads(path.read_text())
         train = {k: v for k, v in rec["train"].items() if k in setting_names(TrainConfig) and k != "resume"}
-    except (OSError, ValueError, KeyError, AttributeError) as e:
-        raise ConfigError(f"train: {path} is not a run's config ({e}): the resume takes its settings from it when no "
-                          f"--recipe is given; pass --recipe= (make RECIPE=) with the run's recipe") from None
-    if rec.get("cache_dir"):
-        train["cache"] = rec["cache_dir"]
+    except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
+        raise ConfigError(f"train: {path} is not a run's config ({type(e).__name__}: {e}): a resume given no --recipe "
+                          f"takes its settings from it; pass --recipe= (make RECIPE=) with the run's recipe") from None
+    if not given.get("cache"):
+        cache = run_cache(rec)
+        if cache is None:
+            named = ", ".join(dict.fromkeys(c for c in (train.get("cache"), rec.get("cache_dir")) if c))
+            raise ConfigError(f"train: the cache {path} records ({named or 'none'}) is not there: pass the run's cache "
+                              f"with --cache= (make CACHE=)")
+        train["cache"] = cache
+    if {"steps", "epochs"} & set(given):  # (a longer run: the length given, not half of it recorded)
+        train.pop("steps", None)
+        train.pop("epochs", None)
 
     def fill(section, values, earlier) -> None:
-        fill.note = (f"resuming with the settings {path} records (no --recipe given)"  # (`run` logs it, once the run
-                     + (f"; from the command line: {', '.join(sorted(k for k in values if k != 'resume'))}"  # is its)
-                        if set(values) - {"resume"} else ""))
+        mine = sorted(k for k in values if k not in ("resume", "run"))
+        fill.note = (f"resuming with the settings {path} records (no --recipe given)"
+                     + (f"; from the command line: {', '.join(mine)}" if mine else ""))
         for k, v in train.items():
             values.setdefault(k, v)
 

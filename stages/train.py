@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import sys
 
-from dflash_offline.config import configs_from_argv
+from dflash_offline.config import ConfigError, configs_from_argv
 from dflash_offline.runguard import Interrupted
 from dflash_offline.trainrun import recorded_settings, run
 from dflash_offline.trainsetup import BenchSwitches, TrainConfig, check_recipe_taps
@@ -35,7 +35,12 @@ def main(argv: list[str], switches: BenchSwitches = BenchSwitches()) -> int:
     private_compile_caches()  # before anything compiles: per-rank caches, no autotuner races between processes
     unbuffered()
     recorded = recorded_settings(argv)
-    (cfg,) = configs_from_argv([(TrainConfig, "train")], argv, __doc__, defaults=recorded)
+    try:
+        (cfg,) = configs_from_argv([(TrainConfig, "train")], argv, __doc__, defaults=recorded)
+    except ConfigError as e:
+        if recorded and recorded.note:  # (a setting that run recorded, refused now: say where it came from)
+            raise ConfigError(f"{e} ({recorded.note}: give that setting on the command line, or --recipe=)") from None
+        raise
     check_recipe_taps(argv, cfg)
     code = 0
     try:

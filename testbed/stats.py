@@ -165,7 +165,7 @@ def null_remedy(seeds: int) -> str:
     takes seeds 0…N−1, the null arm N…2N−1)."""
     more = f"--seeds={seeds + 1}" if seeds else "more --seeds"
     return (f" (by chance in one sweep of 20, or the seeds' variance was underestimated: rerun with {more} (SEEDS=); "
-            f"every drafter done is kept)")
+            f"in the same --dir every drafter done is kept)")
 
 
 NULL_ARM = "(recipe, other seeds)"  # the null arm's label: the recipe again under seeds no other arm uses

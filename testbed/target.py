@@ -99,8 +99,8 @@ def accumulate_fitting(model, rows_BT: torch.Tensor, micro_batch: int, autocast:
     while True:
         try:
             return accumulate(model, rows_BT, micro_batch, autocast), micro_batch
-        except torch.OutOfMemoryError:
-            if not shrink or micro_batch <= 1:
+        except RuntimeError as e:  # (torch.OutOfMemoryError, or cuBLAS/cuDNN failing to allocate its workspace)
+            if not shrink or micro_batch <= 1 or not (isinstance(e, torch.OutOfMemoryError) or "ALLOC_FAILED" in str(e)):
                 raise
         # (outside the handler: the failed step's activations, held by its traceback, are freed by now)
         model.zero_grad(set_to_none=True)

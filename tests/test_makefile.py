@@ -52,7 +52,7 @@ def test_a_resume_without_RECIPE_passes_no_recipe_where_the_run_recorded_its_set
 
     assert recipe_flag(f"RUN={run}", "RESUME=1") == "manifests/demo.toml"  # (no config.json yet: a fresh start)
     (run / "config.json").write_text("{}")
-    assert recipe_flag(f"RUN={run}", "RESUME=1") == ""
+    assert recipe_flag(f"RUN={run}", "RESUME=1") == "" and recipe_flag(f"RUN={run}", "RESUME=true") == ""
     assert recipe_flag(f"RUN={run}", "RESUME=1", "RECIPE=manifests/x.toml") == "manifests/x.toml"
     assert recipe_flag(f"RUN={run}") == "manifests/demo.toml"
 

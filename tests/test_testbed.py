@@ -215,7 +215,7 @@ def test_arms_are_ranked_only_when_the_null_arm_holds_0_and_the_known_bad_arm_li
             r = [x for x in r if x["arm"] != "steps=150"]  # (its drafters failed: no row)
         j = judge(r, NULL_ARM, "steps=150")
         assert not j["discriminating"] and j["why_not"][0].startswith(f"the {culprit} arm")
-        assert ("rerun with --seeds=2 (SEEDS=); every drafter done is kept" in j["why_not"][0]) == (culprit == "null")
+        assert ("rerun with --seeds=2 (SEEDS=); in the same --dir every drafter done is kept" in j["why_not"][0]) == (culprit == "null")
         assert {x.get("verdict") for x in r[1:3]} == {"unranked"} and "within_null" not in r[1]
         assert "NOT DISCRIMINATING, arms not ranked" in ab_table({"arms": r, "judgement": j})
 
@@ -1101,7 +1101,7 @@ def test_the_targets_gradient_accumulated_over_micro_batches_is_the_whole_batchs
 def test_the_target_halves_its_micro_batch_when_out_of_memory_and_trains_as_if_it_had_started_there(monkeypatch):
     """By default the target's step runs the whole batch at once (its PyTorch Gated DeltaNet is launch-bound: on an
     H200, 4 micro-batches of 16 rows took twice the time of 64 at once, and the time budget then bought half the
-    steps) and halves it each time the GPU runs out of memory — also after a micro-batch's gradient was accumulated:
+    steps) and halves it each time the GPU runs out of memory (or cuBLAS cannot allocate) — also after a micro-batch's gradient was accumulated:
     the step is redone from nothing, so the weights equal those of a run given the micro-batch that fit; a
     micro-batch given explicitly is not shrunk."""
     import types
@@ -1121,8 +1121,10 @@ def test_the_target_halves_its_micro_batch_when_out_of_memory_and_trains_as_if_i
     def fits_4(model, rows, autocast):  # 16 rows fail at once; 8 fit once, then the step's second 8 fail
         if torch.is_grad_enabled():
             seen.append(len(rows))
-            if len(rows) == 16 or (len(rows) == 8 and seen.count(8) == 2):
+            if len(rows) == 16:
                 raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            if len(rows) == 8 and seen.count(8) == 2:
+                raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
         return real(model, rows, autocast)
 
     rows, held = torch.randint(0, 50, (64, 9)), torch.randint(0, 50, (8, 9))
@@ -1142,6 +1144,9 @@ def test_the_target_halves_its_micro_batch_when_out_of_memory_and_trains_as_if_i
         "  out of GPU memory with 8 rows a forward/backward: 4 from now on"]
     with pytest.raises(torch.OutOfMemoryError):
         train(16)
+    monkeypatch.setattr(target, "_loss", lambda *a: (_ for _ in ()).throw(RuntimeError("an illegal memory access")))
+    with pytest.raises(RuntimeError, match="illegal memory access"):  # (not a shortage of memory: not retried)
+        train(0)
     monkeypatch.setattr(target, "_loss", real)
     rec4, weights4, _ = train(4)
     assert rec4["micro_batch_rows"] == 4

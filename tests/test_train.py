@@ -225,30 +225,45 @@ def test_a_resume_with_other_settings_keeps_the_earlier_config_and_says_what_cha
     assert json.loads((run / "config.until-00000006.json").read_text())["train"]["lr"] == 3e-3  # still the truth
 
 
-def test_a_resume_given_no_recipe_continues_with_the_runs_own_settings(tmp_path, hidden_cache, capsys):
+def test_a_resume_given_no_recipe_continues_with_the_runs_own_settings(tmp_path, hidden_cache, capsys, monkeypatch):
     """`make train RUN= RESUME=1` without RECIPE= (the Makefile then passes none) resumes with the settings
-    RUN/config.json records and the cache it names — not the defaults: nothing changed, no earlier config kept — the
-    command line's settings over theirs."""
+    RUN/config.json records and the cache as the run named it (relative here) — not the defaults: nothing changed,
+    no earlier config kept — the command line's settings over theirs; a cache gone, or a recorded setting refused
+    now, is said in one line naming where the settings came from."""
+    import os
+
+    from dflash_offline.config import ConfigError
     from stages import train as train_stage
 
-    run = tmp_path / "r"
+    monkeypatch.chdir(tmp_path)
+    cache, run = os.path.relpath(hidden_cache, tmp_path), Path("r")
     given = {**TINY, "gamma": 5.0, "seed": 3}
-    assert train_stage.main([f"--cache={hidden_cache}", f"--run={run}", *(f"--{k}={v}" for k, v in given.items()),
+    assert train_stage.main([f"--cache={cache}", f"--run={run}", *(f"--{k}={v}" for k, v in given.items()),
                              "--steps=3"]) == 0
     before = json.loads((run / "config.json").read_text())["train"]
     capsys.readouterr()
-    assert train_stage.main([f"--run={run}", "--resume=1", "--recipe=", "--steps=5"]) == 0
+    assert train_stage.main([f"--run={run}", "--resume=on", "--recipe=", "--steps=5"]) == 0
     said = capsys.readouterr().out
     assert f"resuming with the settings {run / 'config.json'} records (no --recipe given); from the command line: " \
-           "run, steps" in said, said
+           "steps\n" in said, said
     after = json.loads((run / "config.json").read_text())["train"]
-    assert not list(run.glob("config.until-*")) and "resumed with other settings" not in said
+    assert not list(run.glob("config.until-*")) and "resumed with other settings" not in said, said
     assert {k: v for k, v in after.items() if k not in ("steps", "resume")} == \
            {k: v for k, v in before.items() if k not in ("steps", "resume")}
-    assert after["steps"] == 5 and (run / "checkpoints" / "step-00000005").is_dir()
+    assert after["cache"] == cache and after["steps"] == 5 and (run / "checkpoints" / "step-00000005").is_dir()
     assert train_stage.main([f"--run={run}", "--resume=1", "--steps=6", "--lr=1e-2"]) == 0  # the command line wins
     assert json.loads((run / "config.json").read_text())["train"]["lr"] == 1e-2
     assert json.loads((run / "config.until-00000005.json").read_text())["train"]["gamma"] == 5.0
+
+    rec = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**rec, "train": {**rec["train"], "cache": "gone"}, "cache_dir": "/gone"}))
+    with pytest.raises(ConfigError, match=r"the cache r/config.json records \(gone, /gone\) is not there: pass the "
+                                          r"run's cache with --cache="):
+        train_stage.main([f"--run={run}", "--resume=1", "--steps=7"])
+    (run / "config.json").write_text(json.dumps({**rec, "train": {**rec["train"], "weighting": "bogus"}}))
+    with pytest.raises(ConfigError, match=r"bogus.*\(resuming with the settings r/config.json records \(no --recipe "
+                                          r"given\); from the command line: steps: give that setting"):
+        train_stage.main([f"--run={run}", "--resume=1", "--steps=7"])
 
 
 def test_existing_run_needs_resume(tmp_path, hidden_cache):
