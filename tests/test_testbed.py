@@ -1070,9 +1070,8 @@ def test_a_drafter_drops_its_stand_in_still_queued_and_waits_for_one_compiling(t
     assert [v["state"] for v in json.loads(pre.record.read_text())] == ["done", "dropped", "dropped", "dropped"]
 
 
-def test_the_targets_gradient_accumulated_over_micro_batches_is_the_whole_batchs():
-    """The target trains in micro-batches (64 rows at once do not fit an H100): the same loss and gradient as the
-    batch at once, up to float rounding."""
+def _tiny_lm():
+    """A language model of a few parameters: what the target's training loop needs of one (logits of input_ids)."""
     import types
 
     import torch
@@ -1085,8 +1084,17 @@ def test_the_targets_gradient_accumulated_over_micro_batches_is_the_whole_batchs
         def forward(self, input_ids):
             return types.SimpleNamespace(logits=self.out(torch.tanh(self.emb(input_ids).cumsum(1))))
 
+    return Tiny()
+
+
+def test_the_targets_gradient_accumulated_over_micro_batches_is_the_whole_batchs():
+    """The target may train in micro-batches (64 rows at once do not fit an H100): the same loss and gradient as the
+    batch at once, up to float rounding."""
+
+    import torch
+
     torch.manual_seed(0)
-    model, rows = Tiny(), torch.randint(0, 50, (12, 9), dtype=torch.int32)
+    model, rows = _tiny_lm(), torch.randint(0, 50, (12, 9), dtype=torch.int32)
     grads = []
     for micro in (12, 4, 5):
         model.zero_grad()
@@ -1104,17 +1112,8 @@ def test_the_target_halves_its_micro_batch_when_out_of_memory_and_trains_as_if_i
     steps) and halves it each time the GPU runs out of memory (or cuBLAS cannot allocate) — also after a micro-batch's gradient was accumulated:
     the step is redone from nothing, so the weights equal those of a run given the micro-batch that fit; a
     micro-batch given explicitly is not shrunk."""
-    import types
 
     import torch
-
-    class Tiny(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb, self.out = torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50)
-
-        def forward(self, input_ids):
-            return types.SimpleNamespace(logits=self.out(torch.tanh(self.emb(input_ids).cumsum(1))))
 
     real, seen = target._loss, []
 
@@ -1131,7 +1130,7 @@ def test_the_target_halves_its_micro_batch_when_out_of_memory_and_trains_as_if_i
 
     def train(micro: int):
         torch.manual_seed(0)
-        model, said = Tiny(), []
+        model, said = _tiny_lm(), []
         rec = target.train_target(model, rows, held, budget_s=60, max_steps=3, batch=16, lr=1e-2, seed=0,
                                   log=said.append, micro_batch=micro)
         return rec, model.state_dict(), said
