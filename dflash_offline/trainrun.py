@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from dflash_offline.cache.fsio import write_json_atomic
@@ -121,14 +122,14 @@ def accelerator(cfg: TrainConfig, switches: BenchSwitches, seq_len: int, rows: i
     return acc, s, trackers
 
 
-def recorded_settings(argv: list[str]):
+def recorded_settings(argv: list[str]) -> tuple[Callable | None, str]:
     """For `configs_from_argv`: a resume (`--resume=1`) given no `--recipe` whose RUN/config.json exists continues
     with the settings recorded there — the cache as the run named it where it is still there, else the absolute path
     recorded beside (`export.run_cache`) — under those of the command line (its `steps` or `epochs` replacing both);
     None otherwise (a recipe given is read as always: a changed setting is then logged and the earlier config kept).
-    Without it, `make train RUN= RESUME=1` resumed a run under the Makefile's default recipe. The function returned
-    holds, once called, `note`: where the settings came from (`run` logs it once the run is the trainer's, and
-    `stages.train` adds it to a setting refused)."""
+    Without it, `make train RUN= RESUME=1` resumed a run under the Makefile's default recipe. Returns (the
+    `defaults` function or None, a note of where the settings came from: `run` logs it once the run is the trainer's,
+    `stages.train` adds it to a setting refused; '' with None)."""
     import json
 
     from dflash_offline.config import ConfigError, _coerce, parse_overrides, setting_names
@@ -138,12 +139,12 @@ def recorded_settings(argv: list[str]):
         recipe, given = parse_overrides(argv)
         resume = _coerce("resume", given.get("resume") or "0", bool)
     except ConfigError:  # (--help, or a malformed argument: configs_from_argv answers it)
-        return None
+        return None, ""
     if recipe or not resume or not given.get("run"):
-        return None
+        return None, ""
     path = Path(given["run"]) / "config.json"
     if not path.is_file():
-        return None
+        return None, ""
     try:
         rec = json.loads(path.read_text())
         train = {k: v for k, v in rec["train"].items() if k in setting_names(TrainConfig) and k != "resume"}
@@ -162,14 +163,12 @@ def recorded_settings(argv: list[str]):
         train.pop("epochs", None)
 
     def fill(section, values, earlier) -> None:
-        mine = sorted(k for k in values if k not in ("resume", "run"))
-        fill.note = (f"resuming with the settings {path} records (no --recipe given)"
-                     + (f"; from the command line: {', '.join(mine)}" if mine else ""))
         for k, v in train.items():
             values.setdefault(k, v)
 
-    fill.note = ""
-    return fill
+    mine = sorted(k for k, v in given.items() if v != "" and k not in ("resume", "run"))  # (empty: not given)
+    return fill, (f"resuming with the settings {path} records (no --recipe given)"
+                  + (f"; from the command line: {', '.join(mine)}" if mine else ""))
 
 
 IGNORED_ON_RESUME = {"resume", "steps", "epochs"}  # (a resume says resume=1; a longer run is what a resume is for)

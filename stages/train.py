@@ -34,17 +34,17 @@ def main(argv: list[str], switches: BenchSwitches = BenchSwitches()) -> int:
 
     private_compile_caches()  # before anything compiles: per-rank caches, no autotuner races between processes
     unbuffered()
-    recorded = recorded_settings(argv)
+    recorded, note = recorded_settings(argv)
     try:
         (cfg,) = configs_from_argv([(TrainConfig, "train")], argv, __doc__, defaults=recorded)
     except ConfigError as e:
-        if recorded and recorded.note:  # (a setting that run recorded, refused now: say where it came from)
-            raise ConfigError(f"{e} ({recorded.note}: give that setting on the command line, or --recipe=)") from None
+        if note:  # (a setting that run recorded, refused now: say where it came from)
+            raise ConfigError(f"{e} ({note}: give that setting on the command line, or --recipe=)") from None
         raise
     check_recipe_taps(argv, cfg)
     code = 0
     try:
-        out = run(cfg, switches, recorded.note if recorded else "")
+        out = run(cfg, switches, note)
         if int(os.environ.get("RANK", 0)) == 0:
             print(out)
     except Interrupted as e:  # one line, no traceback; 128 + the signal
