@@ -332,6 +332,8 @@ def _coerce(name: str, text: str, typ, section: str = "") -> object:
 def _check_type(section: str, name: str, value, typ) -> object:
     if typ is str and name == "template_kwargs" and isinstance(value, dict):  # a TOML table: the JSON object it is
         return json.dumps(value, sort_keys=True)
+    if isinstance(value, str) and (value == "~" or value.startswith("~/")):  # (a path after `--x=`: the shell left ~)
+        value = str(Path(value).expanduser())
     if isinstance(value, str) and typ is not str:
         return _coerce(name, value, typ, section)
     origin = typing.get_origin(typ) or typ

@@ -142,7 +142,7 @@ def recorded_settings(argv: list[str]) -> tuple[Callable | None, str]:
         return None, ""
     if recipe or not resume or not given.get("run"):
         return None, ""
-    path = Path(given["run"]) / "config.json"
+    path = Path(given["run"]).expanduser() / "config.json"
     if not path.is_file():
         return None, ""
     try:

@@ -340,3 +340,14 @@ def test_template_kwargs_as_a_toml_table_is_the_json_object_it_spells(tmp_path):
     nested = recipe(tmp_path, "[tokenize]\ntemplate_kwargs = {a = {b = 1}}\n")
     with pytest.raises((ConfigError, ValueError), match=r"template_kwargs.*not an object of strings, booleans"):
         config_from_argv(TokenizeConfig, "tokenize", [nested, "--corpus=c", "--tokenizer=t"], "").resolve()
+
+
+def test_a_path_given_with_a_tilde_after_the_equals_sign_is_under_home(tmp_path, monkeypatch):
+    """`--run=~/runs/a` reaches the stage with `~` as typed (the shell expands it only at a word's start), and the
+    run was made in a directory named `~` under the working directory; make's RUN=~/… is expanded by make already."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    cfg = config_from_argv(VerifyConfig, "verify", ["--cache=~/caches/c"], "")
+    assert cfg.cache == str(tmp_path / "home" / "caches" / "c")
+    (train_cfg,) = configs_from_argv([(TrainConfig, "train")], ["--cache=~", "--run=~/runs/a"], "")
+    assert (train_cfg.cache, train_cfg.run) == (str(tmp_path / "home"), str(tmp_path / "home" / "runs" / "a"))
+    assert config_from_argv(VerifyConfig, "verify", ["--cache=a~/b"], "").cache == "a~/b"  # (only a leading ~)

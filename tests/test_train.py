@@ -227,7 +227,7 @@ def test_a_resume_with_other_settings_keeps_the_earlier_config_and_says_what_cha
 
 def test_a_resume_given_no_recipe_continues_with_the_runs_own_settings(tmp_path, hidden_cache, capsys, monkeypatch):
     """`make train RUN= RESUME=1` without RECIPE= (the Makefile then passes none) resumes with the settings
-    RUN/config.json records and the cache as the run named it (relative here) — not the defaults: nothing changed,
+    RUN/config.json records (RUN= spelt with `~` too) and the cache as the run named it (relative here) — not the defaults: nothing changed,
     no earlier config kept — the command line's settings over theirs; a cache gone, or a recorded setting refused
     now, is said in one line naming where the settings came from."""
     import os
@@ -254,6 +254,8 @@ def test_a_resume_given_no_recipe_continues_with_the_runs_own_settings(tmp_path,
     assert train_stage.main([f"--run={run}", "--resume=1", "--steps=6", "--lr=1e-2"]) == 0  # the command line wins
     assert json.loads((run / "config.json").read_text())["train"]["lr"] == 1e-2
     assert json.loads((run / "config.until-00000005.json").read_text())["train"]["gamma"] == 5.0
+    monkeypatch.setenv("HOME", str(tmp_path))  # `--run=~/r` (the shell leaves `~` after `=`) is the same run
+    assert train_stage.main(["--run=~/r", "--resume=1", "--steps=7"]) == 0 and (run / "checkpoints" / "step-00000007").is_dir()
 
     rec = json.loads((run / "config.json").read_text())
     (run / "config.json").write_text(json.dumps({**rec, "train": {**rec["train"], "cache": "gone"}, "cache_dir": "/gone"}))
