@@ -125,7 +125,7 @@ def accelerator(cfg: TrainConfig, switches: BenchSwitches, seq_len: int, rows: i
 def recorded_settings(argv: list[str]) -> tuple[Callable | None, str]:
     """For `configs_from_argv`: a resume (`--resume=1`) given no `--recipe` whose RUN/config.json exists continues
     with the settings recorded there — the cache as the run named it where it is still there, else the absolute path
-    recorded beside (`export.run_cache`) — under those of the command line (its `steps` or `epochs` replacing both);
+    recorded beside (`export.run_cache`), its target likewise — under those of the command line (its `steps` or `epochs` replacing both);
     None otherwise (a recipe given is read as always: a changed setting is then logged and the earlier config kept).
     Without it, `make train RUN= RESUME=1` resumed a run under the Makefile's default recipe. Returns (the
     `defaults` function or None, a note of where the settings came from: `run` logs it once the run is the trainer's,
@@ -158,6 +158,9 @@ def recorded_settings(argv: list[str]) -> tuple[Callable | None, str]:
             raise ConfigError(f"train: the cache {path} records ({named or 'none'}) is not there: pass the run's cache "
                               f"with --cache= (make CACHE=)")
         train["cache"] = cache
+    here = train.get("target")  # (named relative to where the run began: the absolute path recorded beside, if so)
+    if here and not given.get("target") and not Path(here).exists() and Path(rec.get("target") or "").is_dir():
+        train["target"] = rec["target"]
     if {"steps", "epochs"} & set(given):  # (a longer run: the length given, not half of it recorded)
         train.pop("steps", None)
         train.pop("epochs", None)

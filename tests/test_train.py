@@ -268,6 +268,23 @@ def test_a_resume_given_no_recipe_continues_with_the_runs_own_settings(tmp_path,
         train_stage.main([f"--run={run}", "--resume=1", "--steps=7"])
 
 
+def test_a_resume_given_no_recipe_from_another_directory_finds_the_target_named_relative(tmp_path, hidden_cache,
+                                                                                          qwen35_dir, monkeypatch):
+    """A run begun in one directory with a relative --target (TARGET=) resumes from another, given no recipe: the
+    target is the absolute path RUN/config.json records beside the one as named, which is not there from here."""
+    from stages import train as train_stage
+
+    shutil.copytree(qwen35_dir, tmp_path / "a" / "t")  # (the cache's target, named "t" from a/)
+    monkeypatch.chdir(tmp_path / "a")
+    target = "t"
+    assert train_stage.main([f"--cache={hidden_cache}", "--run=r", f"--target={target}", "--steps=2",
+                             *(f"--{k}={v}" for k, v in TINY.items())]) == 0
+    monkeypatch.chdir(tmp_path)
+    assert not Path(target).exists()
+    assert train_stage.main(["--run=a/r", "--resume=1", "--steps=3"]) == 0
+    assert (tmp_path / "a" / "r" / "checkpoints" / "step-00000003").is_dir()
+
+
 def test_existing_run_needs_resume(tmp_path, hidden_cache):
     train.run(cfg(hidden_cache, tmp_path / "r", steps=3))
     with pytest.raises(ValueError, match=r"resume=1 \(make RESUME=1\) to continue it, or choose another --run "
