@@ -5,7 +5,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from equivalence import (
     update_distance,
 )
 from safetensors.torch import load_file
+from serving import free_port
 
 from dflash_offline import metrics
 from dflash_offline.cache.manifest import update_manifest
@@ -407,12 +407,6 @@ train.main(sys.argv[1:])
 def cli_args(cache, run, **kw):
     args = {**TINY, "steps": 4, "ckpt_every": 4, **kw}
     return [f"--cache={cache}", f"--run={run}"] + [f"--{k}={v}" for k, v in args.items()]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_two(cache, run, worker=WORKER, **kw):
