@@ -64,12 +64,39 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def inductor_cache() -> tuple[int, int]:
-    """(hits, misses) of Inductor's FX graph cache in this process so far: a graph found there skips Inductor's
-    lowering and its kernels' compilation (what a warm cache saves: 41 s → 6 s for the CPU test's drafter)."""
-    from torch._dynamo.utils import counters
+# torch.compile's phases as its own timers name them (seconds summed over this process's compiles; they nest):
+# Dynamo tracing the Python, AOTAutograd building the joint graph and compiling the forward (a hit of its cache skips
+# both), Inductor compiling a backward, loading compiled modules, and waiting for kernels compiled in parallel
+COMPILE_PHASES = {"Dynamo": "bytecode_tracing", "AOTAutograd": "create_aot_dispatcher_function",
+                  "backward": "compile_fx.<locals>.bw_compiler", "loading": "PyCodeCache.load_by_key_path",
+                  "kernels": "async_compile.wait"}
 
-    return int(counters["inductor"]["fxgraph_cache_hit"]), int(counters["inductor"]["fxgraph_cache_miss"])
+
+def compile_state() -> dict[str, float]:
+    """torch.compile's record in this process so far: hits and misses of Inductor's FX graph cache (a graph found
+    there skips Inductor's lowering and its kernels' compilation: what a warm cache saves, 41 s → 6 s for the CPU
+    test's drafter) and of AOTAutograd's cache (a hit also skips building the joint graph; a bypass: a graph it
+    cannot cache), and the seconds of each of `COMPILE_PHASES`."""
+    from torch._dynamo.utils import compile_times, counters
+
+    try:
+        names, secs = compile_times(repr="csv", aggregate=True)
+        spent = dict(zip(names, map(float, secs), strict=True))
+    except (TypeError, ValueError):  # (another torch's format: the counts still tell hits from misses)
+        spent = {}
+    fx, aot = counters["inductor"], counters["aot_autograd"]
+    return {"hits": fx["fxgraph_cache_hit"], "misses": fx["fxgraph_cache_miss"], "aot_hits": aot["autograd_cache_hit"],
+            "aot_misses": aot["autograd_cache_miss"], "aot_bypasses": aot["autograd_cache_bypass"],
+            **{k: spent.get(v, 0.0) for k, v in COMPILE_PHASES.items()}}
+
+
+def describe_compile(since: dict[str, float]) -> str:
+    """What compiling did since `since` (a `compile_state`), for the warm-up step's line."""
+    d = {k: v - since.get(k, 0) for k, v in compile_state().items()}
+    phases = ", ".join(f"{k} {d[k]:.0f}s" for k in COMPILE_PHASES if d[k] >= 0.5)
+    return (f"Inductor's graph cache: {d['hits']:.0f} hits, {d['misses']:.0f} misses; AOTAutograd's: "
+            f"{d['aot_hits']:.0f} hits, {d['aot_misses']:.0f} misses, {d['aot_bypasses']:.0f} bypassed"
+            + (f"; {phases}" if phases else ""))
 
 
 def flops_per_row(dc, seq_len: int, num_anchors: int) -> float:
@@ -285,7 +312,7 @@ class Meter:
         self.window, self.pending = Window().begin(self.device), None
         self.graphs0: int | None = None  # compiled graphs at the end of the warm-up step (None: not compiling)
         self.first_step = self.last_step = first_step
-        self.t_loop, self.graphs_start, self.cache_start = time.time(), compiled_graphs(), inductor_cache()
+        self.t_loop, self.graphs_start, self.cache_start = time.time(), compiled_graphs(), compile_state()
         self.windows, self.last = [], None  # windows: (steps, seconds, tokens); the last record
 
     def add(self, out, keep_BA, wait_s: float, selector=None) -> None:
@@ -320,9 +347,8 @@ class Meter:
 
         if compiling:
             self.graphs0 = compiled_graphs()
-            hits, misses = (now - then for now, then in zip(inductor_cache(), self.cache_start, strict=True))
             log(f"[rank {self.acc.process_index}] warm-up step compiled {self.graphs0 - self.graphs_start} graphs in "
-                f"{time.time() - self.t_loop:.0f}s (Inductor's graph cache: {hits} hits, {misses} misses)")
+                f"{time.time() - self.t_loop:.0f}s ({describe_compile(self.cache_start)})")
 
     def restart(self) -> None:
         """Start the open window's clocks again (after a checkpoint)."""
