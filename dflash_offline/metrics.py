@@ -341,14 +341,17 @@ class Meter:
         if read_now:
             self.read()
 
-    def warmed_up(self, compiling: bool) -> None:
-        """After the first step: from here on, a compiled graph is a recompile (reported as `recompiles`)."""
+    def warmed_up(self, compiling: bool, parts: dict | None = None) -> None:
+        """After the first step: from here on, a compiled graph is a recompile (reported as `recompiles`). `parts`:
+        the step's seconds by part (`Trainer._warm_mark`), said after the compile's record."""
         from dflash_offline.progress import log
 
         if compiling:
             self.graphs0 = compiled_graphs()
+            split = ", ".join(f"{k} {v:.1f}s" for k, v in (parts or {}).items() if not k.startswith("_"))
             log(f"[rank {self.acc.process_index}] warm-up step compiled {self.graphs0 - self.graphs_start} graphs in "
-                f"{time.time() - self.t_loop:.0f}s ({describe_compile(self.cache_start)})")
+                f"{time.time() - self.t_loop:.0f}s ({describe_compile(self.cache_start)})"
+                + (f"; the step's parts: {split}" if split else ""))
 
     def restart(self) -> None:
         """Start the open window's clocks again (after a checkpoint)."""

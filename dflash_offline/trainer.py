@@ -44,6 +44,7 @@ class Trainer:
         self.step_data = None  # the stream's position while the step in flight draws its batches (`train_step`)
         self.ended = None  # how the status file was closed: "done", "interrupted", "failed" (None: not yet)
         self.progress = self.meter = None  # the loop's (`run`)
+        self.warm_marks: dict | None = None  # (the warm-up step's seconds by part: `_warm_mark`)
         self._build_optimizer(model)  # after sharding when FSDP is on: it must hold the sharded parameters
         compile_model(self.raw, s)
         self.stream = HiddenStream(info, cfg.schedule.batch_rows, rank=acc.process_index, world_size=s.world,
@@ -128,6 +129,7 @@ class Trainer:
         cfg, s, cuda = self.cfg, self.s, self.acc.device.type == "cuda"
         self._start(seq_len, t0)
         warm_step, vote, profiler = self.step + 1, StopVote(self.acc), None  # the first step compiles (resumed too)
+        self.warm_marks = {} if s.compile else None  # (the first step's seconds by part, for the warm-up's line)
         while self.step < s.steps:
             if cfg.compute.profile_steps and self.acc.process_index == 0 and profiler is None \
                     and self.step == max(2, s.steps - cfg.compute.profile_steps):  # the last steps, after warm-up
@@ -138,7 +140,8 @@ class Trainer:
                 profiler = None
             if self.step == warm_step:
                 end_warm_up(s.compile)  # freeze the heap built so far; with compilation, a recompile is now an error
-                self.meter.warmed_up(s.compile)
+                self.meter.warmed_up(s.compile, self.warm_marks)
+                self.warm_marks = None
             saved = self._after_step(grad_norm)
             if stopper is not None and (signum := vote(stopper.requested)):  # (every process at the same step)
                 self.stop(signum, saved=saved)
@@ -257,18 +260,35 @@ class Trainer:
         from dflash_offline.loss import loss_weight, step_normalizer
 
         cfg, s = self.cfg, self.s
+        mark = self._warm_mark
         self.step_data = self.stream.state_dict()  # (a failed read: `read_failed` checkpoints this position)
         micros = [next_micro(cfg, s, self.acc, self.stream, self.step * s.accum + m, self.raw.cfg)
                   for m in range(s.accum)]
         self.step_data = None  # (drawn: from here on a failure is not a failed read)
+        mark("batches")
         norm = step_normalizer([loss_weight(b["labels"], cfg.loss.gamma or None, cfg.loss.weighting) for b, _ in micros],
                                s.world)
         for m, (batch, wait_s) in enumerate(micros):
             out, sel = self.micro_batch(batch, norm, last=m == s.accum - 1)
             self.meter.add(out, batch["keep"], wait_s, sel)
+        mark("forward/backward")
         grad_norm = self.optimizer_step()
+        mark("optimizer")
         self.step += 1
         return grad_norm
+
+    def _warm_mark(self, part: str) -> None:
+        """In the warm-up step only (compiling): the seconds since the last mark, the device's work done, as `part`
+        (where the first step's time goes — compiling, loading kernels, a first batch — said by its line)."""
+        if self.warm_marks is None:
+            return
+        import torch
+
+        if self.acc.device.type == "cuda":
+            torch.cuda.synchronize(self.acc.device)
+        now = time.time()
+        self.warm_marks[part] = now - self.warm_marks.pop("_t", self.meter.t_loop)
+        self.warm_marks["_t"] = now
 
     def micro_batch(self, batch: dict, norm, last: bool):
         """Forward and backward of a `next_micro` batch (`last`: the step's last), its loss divided by `norm`, the

@@ -1025,6 +1025,8 @@ def test_precompiled_stand_ins_leave_every_drafter_graph_in_the_compile_caches(t
         hits, misses, aot_hits, aot_misses = map(int, re.search(
             r"graph cache: (\d+) hits, (\d+) misses; AOTAutograd's: (\d+) hits, (\d+) misses", r.stdout + r.stderr).groups())
         assert hits > 0 and misses == 0 and aot_hits > 0 and aot_misses == 0, (args, hits, misses, aot_hits, aot_misses)
+        assert re.search(r"; the step's parts: batches [\d.]+s, forward/backward [\d.]+s, optimizer [\d.]+s\n",
+                         r.stdout + r.stderr)  # (where a warm-up's seconds went)
         return r, [(v["variant"], v["state"], v["runs"]) for v in
                    json.loads((root / "logs" / "precompile.json").read_text())]
 
