@@ -321,7 +321,9 @@ def _coerce(name: str, text: str, typ, section: str = "") -> object:
             if low in ("0", "false", "no", "off"):
                 return False
             raise ValueError(text)
-        if typ in (int, float, str):
+        if typ is str:  # (an item of a comma-separated list: `--corpus=~/a.jsonl,~/b.jsonl`)
+            return home(text, flag(section, name))
+        if typ in (int, float):
             return typ(text)
     except ValueError:
         what = {bool: "0 or 1", int: "an integer", float: "a number"}.get(typ, f"a {typ.__name__}")
@@ -332,8 +334,8 @@ def _coerce(name: str, text: str, typ, section: str = "") -> object:
 def _check_type(section: str, name: str, value, typ) -> object:
     if typ is str and name == "template_kwargs" and isinstance(value, dict):  # a TOML table: the JSON object it is
         return json.dumps(value, sort_keys=True)
-    if isinstance(value, str) and (value == "~" or value.startswith("~/")):  # (a path after `--x=`: the shell left ~)
-        value = str(Path(value).expanduser())
+    if isinstance(value, str):  # (a recipe's path with ~; the command line's are expanded in `parse_overrides`)
+        value = home(value, flag(section, name))
     if isinstance(value, str) and typ is not str:
         return _coerce(name, value, typ, section)
     origin = typing.get_origin(typ) or typ
@@ -342,6 +344,8 @@ def _check_type(section: str, name: str, value, typ) -> object:
     if origin in (list, tuple):
         if isinstance(value, str):
             return [value]
+        if isinstance(value, list):
+            value = [home(v, flag(section, name)) if isinstance(v, str) else v for v in value]
         if not isinstance(value, list):
             raise ConfigError(f"[{section}] {name} = {value!r}: expected a list")
         return list(value)
@@ -368,10 +372,22 @@ def parse_overrides(argv: list[str], specs: list = ()) -> tuple[str | None, dict
             raise ConfigError(f"argument {arg!r}: expected {form} (see --help)")
         key, value = arg[2:].split("=", 1)
         if key == "recipe":
-            recipe = value
+            recipe = home(value, "--recipe")
         else:
-            out[key] = value
+            out[key] = home(value, f"--{key}")
     return recipe, out
+
+
+def home(text: str, where: str) -> str:
+    """`text` with a leading `~` or `~/` as the user's home: the shell expands `~` only at a word's start, so in
+    `--run=~/r` it reaches the stage as typed (and in a recipe, or quoted, always). A directory named `~` here
+    (what a path spelt so made before it was expanded) makes `~/…` ambiguous: refused, naming both."""
+    if text != "~" and not text.startswith("~/"):
+        return text
+    if Path("~").exists():
+        raise ConfigError(f"{where}={text}: there is a directory named ~ in {Path.cwd()}; give "
+                          f"{Path(text).expanduser()} or ./{text} (rename that directory to make ~/… mean the home directory again)")
+    return str(Path(text).expanduser())
 
 
 def did_you_mean(name: str, choices, fmt: str = "{}") -> str:

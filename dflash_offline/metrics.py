@@ -93,7 +93,7 @@ def compile_state() -> dict[str, float]:
 def describe_compile(since: dict[str, float]) -> str:
     """What compiling did since `since` (a `compile_state`), for the warm-up step's line."""
     d = {k: v - since.get(k, 0) for k, v in compile_state().items()}
-    phases = ", ".join(f"{k} {d[k]:.0f}s" for k in COMPILE_PHASES if d[k] >= 0.5)
+    phases = ", ".join(f"{k} {d[k]:.0f}s" for k in COMPILE_PHASES if d[k] >= 1)
     return (f"Inductor's graph cache: {d['hits']:.0f} hits, {d['misses']:.0f} misses; AOTAutograd's: "
             f"{d['aot_hits']:.0f} hits, {d['aot_misses']:.0f} misses, {d['aot_bypasses']:.0f} bypassed"
             + (f"; {phases}" if phases else ""))

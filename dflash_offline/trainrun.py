@@ -125,8 +125,9 @@ def accelerator(cfg: TrainConfig, switches: BenchSwitches, seq_len: int, rows: i
 def recorded_settings(argv: list[str]) -> tuple[Callable | None, str]:
     """For `configs_from_argv`: a resume (`--resume=1`) given no `--recipe` whose RUN/config.json exists continues
     with the settings recorded there — the cache as the run named it where it is still there, else the absolute path
-    recorded beside (`export.run_cache`), its target likewise — under those of the command line (its `steps` or `epochs` replacing both);
-    None otherwise (a recipe given is read as always: a changed setting is then logged and the earlier config kept).
+    recorded beside (`export.run_cache`), its target likewise — under those of the command line (its `steps` or
+    `epochs` replacing both); None otherwise (a recipe given is read as always: a changed setting is then logged and
+    the earlier config kept).
     Without it, `make train RUN= RESUME=1` resumed a run under the Makefile's default recipe. Returns (the
     `defaults` function or None, a note of where the settings came from: `run` logs it once the run is the trainer's,
     `stages.train` adds it to a setting refused; '' with None)."""
@@ -142,7 +143,7 @@ def recorded_settings(argv: list[str]) -> tuple[Callable | None, str]:
         return None, ""
     if recipe or not resume or not given.get("run"):
         return None, ""
-    path = Path(given["run"]).expanduser() / "config.json"
+    path = Path(given["run"]) / "config.json"
     if not path.is_file():
         return None, ""
     try:
@@ -158,9 +159,10 @@ def recorded_settings(argv: list[str]) -> tuple[Callable | None, str]:
             raise ConfigError(f"train: the cache {path} records ({named or 'none'}) is not there: pass the run's cache "
                               f"with --cache= (make CACHE=)")
         train["cache"] = cache
-    here = train.get("target")  # (named relative to where the run began: the absolute path recorded beside, if so)
-    if here and not given.get("target") and not Path(here).exists() and Path(rec.get("target") or "").is_dir():
-        train["target"] = rec["target"]
+    here, there = train.get("target"), rec.get("target")  # (named from where the run began: the absolute path beside)
+    if here and not given.get("target") and not Path(here).exists() and isinstance(there, str) and there \
+            and Path(there).is_dir():
+        train["target"] = there
     if {"steps", "epochs"} & set(given):  # (a longer run: the length given, not half of it recorded)
         train.pop("steps", None)
         train.pop("epochs", None)
@@ -174,7 +176,10 @@ def recorded_settings(argv: list[str]) -> tuple[Callable | None, str]:
                   + (f"; from the command line: {', '.join(mine)}" if mine else ""))
 
 
-IGNORED_ON_RESUME = {"resume", "steps", "epochs"}  # (a resume says resume=1; a longer run is what a resume is for)
+# (a resume says resume=1; a longer run is what a resume is for; the run is this one, however its path was spelt)
+IGNORED_ON_RESUME = {"resume", "steps", "epochs", "run"}
+# a path setting the same as before when the absolute path recorded beside it is (named from another directory)
+SAME_WHERE = {"cache": "cache_dir", "target": "target"}
 
 
 def keep_earlier_config(run_dir: Path, resolved: dict, start: Path, log) -> None:
@@ -188,7 +193,9 @@ def keep_earlier_config(run_dir: Path, resolved: dict, start: Path, log) -> None
     except (OSError, ValueError):
         return
     before, now = old.get("train", {}), resolved["train"]
-    changed = sorted(k for k in set(before) | set(now) if k not in IGNORED_ON_RESUME and before.get(k) != now.get(k))
+    moved = {k for k, top in SAME_WHERE.items() if old.get(top) and old.get(top) == resolved.get(top)}
+    changed = sorted(k for k in set(before) | set(now)
+                     if k not in IGNORED_ON_RESUME | moved and before.get(k) != now.get(k))
     if not changed:
         return
     step = start.name.removeprefix("step-")

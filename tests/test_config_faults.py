@@ -343,11 +343,30 @@ def test_template_kwargs_as_a_toml_table_is_the_json_object_it_spells(tmp_path):
 
 
 def test_a_path_given_with_a_tilde_after_the_equals_sign_is_under_home(tmp_path, monkeypatch):
-    """`--run=~/runs/a` reaches the stage with `~` as typed (the shell expands it only at a word's start), and the
-    run was made in a directory named `~` under the working directory; make's RUN=~/… is expanded by make already."""
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    """`--run=~/runs/a` reaches the stage with `~` as typed (a shell expands `~` only at a word's start or, bash
+    outside POSIX mode, in an assignment such as make's RUN=~/…; quoted, from dash or the environment, never), and the
+    run was made in a directory named `~` under the working directory. Every item of a list, a recipe's paths and
+    the recipe's own path are expanded too; with a directory named `~` here, `~/…` is refused as ambiguous."""
+    from dflash_offline.config import parse_overrides
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
     cfg = config_from_argv(VerifyConfig, "verify", ["--cache=~/caches/c"], "")
-    assert cfg.cache == str(tmp_path / "home" / "caches" / "c")
+    assert cfg.cache == str(home / "caches" / "c")
     (train_cfg,) = configs_from_argv([(TrainConfig, "train")], ["--cache=~", "--run=~/runs/a"], "")
-    assert (train_cfg.cache, train_cfg.run) == (str(tmp_path / "home"), str(tmp_path / "home" / "runs" / "a"))
+    assert (train_cfg.cache, train_cfg.run) == (str(home), str(home / "runs" / "a"))
     assert config_from_argv(VerifyConfig, "verify", ["--cache=a~/b"], "").cache == "a~/b"  # (only a leading ~)
+    tok = config_from_argv(TokenizeConfig, "tokenize", ["--corpus=~/a.jsonl,~/b.jsonl", "--tokenizer=t"], "")
+    assert tok.corpus == [str(home / "a.jsonl"), str(home / "b.jsonl")]
+    assert config_from_argv(TokenizeConfig, "tokenize", ['--corpus=["~/a.jsonl"]', "--tokenizer=t"], "").corpus == \
+        [str(home / "a.jsonl")]
+    (home / "r.toml").parent.mkdir(parents=True)
+    (home / "r.toml").write_text('[tokenize]\ncorpus = ["~/x.jsonl", "y.jsonl"]\ntokenizer = "~/tok"\n')
+    assert parse_overrides(["--recipe=~/r.toml"])[0] == str(home / "r.toml")
+    tok = config_from_argv(TokenizeConfig, "tokenize", ["--recipe=~/r.toml"], "")
+    assert (tok.corpus, tok.tokenizer) == ([str(home / "x.jsonl"), "y.jsonl"], str(home / "tok"))
+    (tmp_path / "~").mkdir()  # (made by a `--run=~/…` before ~ was expanded)
+    with pytest.raises(ConfigError, match=r"^--run=~/runs/a: there is a directory named ~ in .*; give "
+                                          rf"{re.escape(str(home / 'runs' / 'a'))} or \./~/runs/a"):
+        configs_from_argv([(TrainConfig, "train")], ["--cache=c", "--run=~/runs/a"], "")

@@ -1011,8 +1011,8 @@ MICRO_COMPILED = ("--train_args=num_layers=2 num_heads=4 num_kv_heads=2 head_dim
 def test_precompiled_stand_ins_leave_every_drafter_graph_in_the_compile_caches(tmp_path):
     """`--precompile=auto` with the drafter compiled: its graphs compile on a stand-in (random target weights and
     states of the same shapes) beside the phases; the real drafter then finds every Inductor graph in the (cold at
-    the start) compile caches instead of compiling it (AOTAutograd's joint graphs too) — a stand-in of other shapes, encoding or mask token would
-    miss; a rerun of the drafter compiles no stand-in again and still misses nothing."""
+    the start) compile caches instead of compiling it (AOTAutograd's joint graphs too) — a stand-in of other shapes,
+    encoding or mask token would miss; a rerun of the drafter compiles no stand-in again and still misses nothing."""
     import os
 
     root = tmp_path / "tb"
@@ -1023,7 +1023,8 @@ def test_precompiled_stand_ins_leave_every_drafter_graph_in_the_compile_caches(t
                            cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         hits, misses, aot_hits, aot_misses = map(int, re.search(
-            r"graph cache: (\d+) hits, (\d+) misses; AOTAutograd's: (\d+) hits, (\d+) misses", r.stdout + r.stderr).groups())
+            r"graph cache: (\d+) hits, (\d+) misses; AOTAutograd's: (\d+) hits, (\d+) misses",
+            r.stdout + r.stderr).groups())
         assert hits > 0 and misses == 0 and aot_hits > 0 and aot_misses == 0, (args, hits, misses, aot_hits, aot_misses)
         assert re.search(r"; the step's parts: batches [\d.]+s, forward/backward [\d.]+s, optimizer [\d.]+s\n",
                          r.stdout + r.stderr)  # (where a warm-up's seconds went)

@@ -227,9 +227,9 @@ def test_a_resume_with_other_settings_keeps_the_earlier_config_and_says_what_cha
 
 def test_a_resume_given_no_recipe_continues_with_the_runs_own_settings(tmp_path, hidden_cache, capsys, monkeypatch):
     """`make train RUN= RESUME=1` without RECIPE= (the Makefile then passes none) resumes with the settings
-    RUN/config.json records (RUN= spelt with `~` too) and the cache as the run named it (relative here) — not the defaults: nothing changed,
-    no earlier config kept — the command line's settings over theirs; a cache gone, or a recorded setting refused
-    now, is said in one line naming where the settings came from."""
+    RUN/config.json records (RUN= spelt with `~` too) and the cache as the run named it (relative here) — not the
+    defaults: nothing changed, no earlier config kept — the command line's settings over theirs; a cache gone, or a
+    recorded setting refused now, is said in one line naming where the settings came from."""
     import os
 
     from dflash_offline.config import ConfigError
@@ -255,7 +255,9 @@ def test_a_resume_given_no_recipe_continues_with_the_runs_own_settings(tmp_path,
     assert json.loads((run / "config.json").read_text())["train"]["lr"] == 1e-2
     assert json.loads((run / "config.until-00000005.json").read_text())["train"]["gamma"] == 5.0
     monkeypatch.setenv("HOME", str(tmp_path))  # `--run=~/r` (the shell leaves `~` after `=`) is the same run
-    assert train_stage.main(["--run=~/r", "--resume=1", "--steps=7"]) == 0 and (run / "checkpoints" / "step-00000007").is_dir()
+    assert train_stage.main(["--run=~/r", "--resume=1", "--steps=7"]) == 0
+    assert (run / "checkpoints" / "step-00000007").is_dir()
+    assert not (run / "config.until-00000006.json").exists()  # (the same settings: nothing kept, no change logged)
 
     rec = json.loads((run / "config.json").read_text())
     (run / "config.json").write_text(json.dumps({**rec, "train": {**rec["train"], "cache": "gone"}, "cache_dir": "/gone"}))
@@ -282,7 +284,22 @@ def test_a_resume_given_no_recipe_from_another_directory_finds_the_target_named_
     monkeypatch.chdir(tmp_path)
     assert not Path(target).exists()
     assert train_stage.main(["--run=a/r", "--resume=1", "--steps=3"]) == 0
-    assert (tmp_path / "a" / "r" / "checkpoints" / "step-00000003").is_dir()
+    run = tmp_path / "a" / "r"
+    assert (run / "checkpoints" / "step-00000003").is_dir() and not list(run.glob("config.until-*"))
+    rec = json.loads((run / "config.json").read_text())
+    assert rec["train"]["target"] == rec["target"] == str(tmp_path / "a" / "t")
+    # a run whose config.json recorded no absolute target (made before it did): the target as named, no traceback
+    (run / "config.json").write_text(json.dumps({k: v for k, v in rec.items() if k != "target"}))
+    from dflash_offline.trainrun import recorded_settings
+
+    values = {}
+    recorded_settings(["--run=a/r", "--resume=1"])[0]("train", values, {})
+    assert values["target"] == str(tmp_path / "a" / "t")
+    (run / "config.json").write_text(json.dumps({**{k: v for k, v in rec.items() if k != "target"},
+                                                 "train": {**rec["train"], "target": "Qwen/Qwen3-8B"}}))
+    values = {}
+    recorded_settings(["--run=a/r", "--resume=1"])[0]("train", values, {})
+    assert values["target"] == "Qwen/Qwen3-8B"
 
 
 def test_existing_run_needs_resume(tmp_path, hidden_cache):
