@@ -19,6 +19,8 @@ export PYTHONUNBUFFERED=1 DFLASH_AUTOTUNE_RECORD=$PWD/build/autotune
 # a cold machine then compiles one config per kernel for the shapes recorded there instead of timing every candidate
 # (other shapes autotune, and are recorded for the table); DFLASH_AUTOTUNE_PIN= turns it off
 export DFLASH_AUTOTUNE_PIN=${DFLASH_AUTOTUNE_PIN-$PWD/bench/autotune}
+[ -n "${DFLASH_COMMIT:-}" ] || echo "[device_call] DFLASH_COMMIT not given: the results record this copy's git" \
+  "commit ($(git rev-parse --short HEAD 2>/dev/null || echo none)), which may not be the tree's: give DFLASH_COMMIT=<sha>"
 nvidia-smi --query-gpu=name,clocks.sm,power.draw,memory.used --format=csv,noheader
 log=build/call-$(date +%s).log
 since=$(mktemp)  # (the results files written after it are this call's: only those go to $OUT, which holds 8 files)
