@@ -386,7 +386,8 @@ def home(text: str, where: str) -> str:
         return text
     if Path("~").exists():
         raise ConfigError(f"{where}={text}: there is a directory named ~ in {Path.cwd()}; give "
-                          f"{Path(text).expanduser()} or ./{text} (rename that directory to make ~/… mean the home directory again)")
+                          f"{Path(text).expanduser()} or ./{text} (rename that directory to make ~/… mean the home "
+                          f"directory again)")
     return str(Path(text).expanduser())
 
 
