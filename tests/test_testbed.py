@@ -2,6 +2,7 @@
 trained on, the whole pipeline's logic (phases, resume, the reused target-alone baseline, A/B arms with their own
 cache) — the GPU run itself is tests/test_testbed_gpu.py."""
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -484,6 +485,15 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
                            capture_output=True, text=True, timeout=300)
     assert alone.returncode == 0, alone.stderr[-2000:]
     assert untimed(json.loads((root / "alone.json").read_text())) == untimed(json.loads((run / "eval.json").read_text()))
+    # in an A/B (τ by replay) the untrained drafter too replays only `untrained_prompts` prompts, and reuses the
+    # baseline of every prompt
+    args = commands.evaluate_args(dataclasses.replace(cfg, arms=";gamma=5"), Paths(root), run, "cpu", True)
+    replayed = subprocess.run([sys.executable, "-m", "stages.evaluate", *args, f"--out={root / 'untrained.json'}"],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert replayed.returncode == 0, replayed.stderr[-2000:]
+    replayed = json.loads((root / "untrained.json").read_text())
+    assert replayed["tau_from"] == "replay" and replayed["num_prompts"] == cfg.untrained_prompts == 2
+    assert replayed["baseline"] == {"file": str(root / "baseline-12.json"), "reused": True, "prompts": 3}
 
     # a rerun does nothing; from_phase=train redoes the drafter only (target and cache untouched)
     stamps = {p: p.stat().st_mtime_ns for p in [root / "target" / "model.safetensors", root / "regen.jsonl",
