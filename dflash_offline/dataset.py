@@ -163,6 +163,33 @@ def stored_width(producer: dict) -> int:
     return int((producer.get("projection") or {}).get("dims") or producer["target"]["hidden_size"])
 
 
+_KEPT = {"on": False, "key": None, "held": None, "first": None}  # resident rows kept past their stream
+
+
+def keep_resident_rows(on: bool = True) -> None:
+    """In this process, a resident stream (`HiddenStream(resident=True)`) leaves the rows it read on its device for
+    the next resident stream on the same cache (`CacheInfo`: the same files by their digests, the same layers) and
+    device, which then reads none: the testbed's training worker, whose drafters of an arm (its seeds, the null arm,
+    the known-bad arm) train one after another on one cache (≈ 3 s a drafter for the testbed's 8.4 GB on an H100).
+    Reading another cache gives them back first; `on=False` gives them back now."""
+    _KEPT["on"] = on
+    if not on:
+        release_kept_rows()
+
+
+def release_kept_rows() -> None:
+    """The rows `keep_resident_rows` kept, given back (with the CUDA allocator's cached blocks, for other
+    processes and for a free-memory check)."""
+    if _KEPT["held"] is None:
+        return
+    _KEPT.update(key=None, held=None, first=None)
+    if torch.cuda.is_initialized():
+        import gc
+
+        gc.collect()  # (a stream still holding them, in a cycle)
+        torch.cuda.empty_cache()
+
+
 def resident_bytes(info: CacheInfo) -> int:
     """Bytes a stream with `resident=True` holds on its device for `info`: every row of the layers read, in their
     stored encoding, and the token rows (int64 ids, positions and documents, a bool mask)."""
@@ -355,6 +382,9 @@ class HiddenStream:
         self.resident = resident
         self._held: dict[str, torch.Tensor] | None = None  # resident: every row of the cache on `device`
         self._first_row: np.ndarray | None = None  # resident: shard i's first row in `_held`
+        if resident and _KEPT["key"] == (info, str(self.device)):  # the last stream's rows (`keep_resident_rows`)
+            self._held, self._first_row = _KEPT["held"], _KEPT["first"]
+        self.rows_kept = self._held is not None  # resident: the rows were held already, none is read again
 
     # -- iteration --
 
@@ -514,6 +544,7 @@ class HiddenStream:
         return tokens[shard]
 
     # -- resident: the whole cache on the device, read once --
+    # (in a process that asks for it, `keep_resident_rows`, read once for every stream of that process on that cache)
 
     def _gather(self, epoch: int, batch: int) -> dict[str, torch.Tensor]:
         """The batch `_read` + `_to_device` would make, taken from the rows held on the device."""
@@ -530,6 +561,7 @@ class HiddenStream:
         them) read once — each row checked against its digest as a streamed read is — into tensors on the device,
         `chunk_rows` rows at a time through one host buffer."""
         info = self.info
+        release_kept_rows()  # (another cache's, given back before these are read)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             if resident_bytes(info) > free // 2:
@@ -556,6 +588,8 @@ class HiddenStream:
             t = torch.from_numpy(np.concatenate(tokens[name]))
             held[name] = (t.bool() if name == "loss_mask" else t.long()).to(self.device)
         self._first_row = first
+        if _KEPT["on"]:
+            _KEPT.update(key=(info, str(self.device)), held=held, first=first)
         return held
 
     # -- to the device (calling thread) --

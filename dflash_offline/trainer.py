@@ -157,7 +157,8 @@ class Trainer:
         self.progress.update(self.step)
         self.meter = Meter(self.run_dir, self.acc, self.progress, self.step, seq_len,
                            flops_per_row(dc, seq_len, self.cfg.loss.num_anchors))
-        log(f"[rank {rank}] ready in {time.time() - t0:.1f}s{'; first step compiles' if self.s.compile else ''}")
+        kept = "; the cache's rows still on the device from the last training: none read" if self.stream.rows_kept else ""
+        log(f"[rank {rank}] ready in {time.time() - t0:.1f}s{kept}{'; first step compiles' if self.s.compile else ''}")
 
     def _after_step(self, grad_norm) -> bool:
         """The step's metrics; a window's end at a log step or a checkpoint, the checkpoint. Returns: saved."""

@@ -472,6 +472,38 @@ def test_a_resident_stream_resumes_exactly_and_checks_every_row_once(bf16_cache,
         assert all(torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]) for k in a)
 
 
+def test_kept_resident_rows_serve_the_next_stream_on_the_same_cache_without_reading(bf16_cache, tmp_path,
+                                                                                     monkeypatch):
+    """`keep_resident_rows` (the testbed's training worker): a second resident stream on the same cache and layers
+    reads no row and hands out what a stream that read them hands out; another layer subset, another cache or a
+    process that keeps none reads its own (and replaces the kept rows); `keep_resident_rows(False)` gives them back."""
+    reads = []
+    real = ds.HiddenShardFile.read_row
+    monkeypatch.setattr(ds.HiddenShardFile, "read_row", lambda f, *a: reads.append(f.path) or real(f, *a))
+    other = fake_cache.make_fake_cache(tmp_path / "other", len(ROWS), ROWS, S, H, LAYERS, "bf16", seed=4)
+    expected = {(c, seed, tuple(layers)): take(stream(c, 2, seed=seed, layers=layers, resident=True), 9)
+                for c, seed, layers in [(bf16_cache, 3, LAYERS), (bf16_cache, 5, LAYERS), (bf16_cache, 5, [4, 0]),
+                                        (other, 5, LAYERS)]}
+    reads.clear()
+    ds.keep_resident_rows()
+    try:
+        for c, seed, layers, kept in [(bf16_cache, 3, LAYERS, False), (bf16_cache, 5, LAYERS, True),
+                                      (bf16_cache, 5, [4, 0], False), (other, 5, LAYERS, False),
+                                      (other, 5, LAYERS, True)]:
+            n = len(reads)
+            s = stream(c, 2, seed=seed, layers=layers, resident=True)
+            got = take(s, 9)
+            assert s.rows_kept == kept and (len(reads) == n) == kept, (c, seed, layers)
+            for a, b in zip(expected[(c, seed, tuple(layers))], got, strict=True):
+                assert all(torch.equal(a[k], b[k]) for k in a)
+            del s
+        assert ds._KEPT["held"] is not None
+        ds.keep_resident_rows(False)
+        assert ds._KEPT["held"] is None and not stream(other, 2, resident=True).rows_kept
+    finally:
+        ds.keep_resident_rows(False)
+
+
 def test_a_resident_stream_refuses_a_damaged_row_when_it_reads_the_cache(tmp_path):
     cache = fake_cache.make_fake_cache(tmp_path / "c", 3, 4, S, H, LAYERS, "bf16", seed=1)
     path = cache / hidden_shard_name(1)

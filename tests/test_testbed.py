@@ -373,9 +373,9 @@ def test_a_drafter_trained_in_the_training_worker_equals_its_twin_trained_in_a_p
     graphs as a process of its own does (kept from the first run, it would have compiled none, and a sweep's drafters
     would add up to dynamo's recompile limit). The third differs from the second only in its seed, run and steps (an
     arm's further seed): it runs the second's compiled graphs (its warm-up compiles none, where its twin's compiles
-    them) and still trains its twin's weights, recompiling nothing. The second trains with its cache resident (the
-    testbed's `--resident=1`: the bench switch the worker takes out of its request), its twin streams it: the same
-    batches, so the same weights."""
+    them) and still trains its twin's weights, recompiling nothing. The second and third train with the cache
+    resident (the testbed's `--resident=1`: the bench switch the worker takes out of its request; the third on the
+    rows the second read), their twins stream it: the same batches, so the same weights."""
     import torch
     from safetensors.torch import load_file
 
@@ -396,6 +396,10 @@ def test_a_drafter_trained_in_the_training_worker_equals_its_twin_trained_in_a_p
         w.close()
     assert "the cache resident on the device" in (tmp_path / "worker" / "second.log").read_text()
     assert "the cache resident" not in (tmp_path / "worker" / "first.log").read_text()
+    # the third, on the same cache, trains on the rows the second read (`dataset.keep_resident_rows`)
+    held = [name for name in drafters if "still on the device from the last training: none read" in
+            (tmp_path / "worker" / f"{name}.log").read_text()]
+    assert held == ["third"], held
     kept = [re.findall(r"\[worker\] the last training's (\d+) compiled graphs kept",
                        (tmp_path / "worker" / f"{name}.log").read_text()) for name in drafters]
     assert kept[:2] == [[], []] and int(kept[2][0]) > 0, kept  # (the third says it runs the second's graphs)
