@@ -170,8 +170,10 @@ def keep_resident_rows(on: bool = True) -> None:
     """In this process, a resident stream (`HiddenStream(resident=True)`) leaves the rows it read on its device for
     the next resident stream on the same cache (`CacheInfo`: the same files by their digests, the same layers) and
     device, which then reads none: the testbed's training worker, whose drafters of an arm (its seeds, the null arm,
-    the known-bad arm) train one after another on one cache (≈ 3 s a drafter for the testbed's 8.4 GB on an H100).
-    Reading another cache gives them back first; `on=False` gives them back now."""
+    the known-bad arm) train one after another on one cache (≈ 3 s a drafter for the testbed's ≈ 8 GB on an H100).
+    The rows served are the ones read and checked against their digests the first time (a shard damaged on disk
+    since is found by the next read, not by these). Reading another cache gives them back first; `on=False` gives
+    them back now."""
     _KEPT["on"] = on
     if not on:
         release_kept_rows()
@@ -451,7 +453,8 @@ class HiddenStream:
     def close(self) -> None:
         """Stop the reader (pending reads are dropped); iterating again restarts it at the current position. A
         resident stream keeps the rows it holds (a resume, `load_state_dict`, reads nothing again) until it is
-        dropped."""
+        dropped (and past it, for the next stream on the same cache, where the process keeps them:
+        `keep_resident_rows`)."""
         self._staged = self._unstaged = None
         for f in self._pending:
             f.cancel()

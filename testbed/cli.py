@@ -14,8 +14,8 @@ Phases, each skipped when already done (a rerun resumes; `--from_phase` redoes t
 3. `extract`: token cache + hidden cache of the regenerated corpus (manifests/testbed.toml).
 4. `train` → `export` → `eval`: the drafter (the recipe's [train], compiled flex on CUDA), its z-lab export, and
    real speculative decoding on `eval_prompts` held-out prompts in exact mode (float32: any difference from the
-   target's greedy output fails); an untrained drafter of the same shape is evaluated on the same prompts while
-   the drafter trains (it needs only the run's config).
+   target's greedy output fails); an untrained drafter of the same shape is evaluated on the first
+   `untrained_prompts` of them while the drafter trains (it needs only the run's config).
 The target-alone decodes are made once, by that untrained evaluation (DIR/baseline-<tokens>.json), and reused by
 every evaluation against the same target.
 Result: DIR/testbed.json and a table (target loss, regen tokens, extraction tok/s, drafter steps and tok/s, τ

@@ -25,7 +25,9 @@ before the next, where its graphs differ: `keep_graphs`). What
   largest of every earlier run.
 Kept on purpose: a resident cache's rows (`--bench_resident=1`, the testbed's `--resident=1`) stay on the device for
 the next resident training on the same cache, which reads none (`dataset.keep_resident_rows`: the same batches; ≈ 3 s
-a drafter for the testbed's 8.4 GB on an H100), and are given back before one that reads another cache or streams.
+a drafter for the testbed's ≈ 8 GB on an H100), and are given back before a training on another `--cache=` or a
+streamed one starts (they stay held while the drafter is evaluated, in another process, and after the worker's last
+training until it ends: ≈ 8 GB of an 80 GB GPU in the testbed).
 Put back by the run itself (`trainsetup.kept_process_state`, `runguard.StopSignals`): the recompile guard, TF32,
 the GC's freeze and callbacks, the SIGTERM/SIGINT handlers. Not reset, and need not be: the random generators
 (every run seeds Python's, numpy's and torch's, CPU and CUDA, before its first draw: accelerate's `set_seed`), the
@@ -42,7 +44,8 @@ from .worker import free_memory, serve
 
 RESIDENT = "--bench_resident=1"  # a request's argument (first-class in no stage): BenchSwitches(resident=True)
 SAME_GRAPHS = ("--run", "--seed", "--steps", "--resume")  # settings a training's compiled graphs do not depend on
-_last = {"graphs": None, "count": 0}  # the last request's `graph_identity` (None: reset before the next), its graphs
+# the last request's `graph_identity` (None: reset before the next), its graphs; its --cache= when resident ("rows")
+_last = {"graphs": None, "count": 0, "rows": None}
 
 
 def load():
@@ -59,8 +62,10 @@ def load():
         from dflash_offline.metrics import compiled_graphs
         from dflash_offline.progress import log
 
-        if RESIDENT not in argv:
+        cache = next((a for a in argv if a.startswith("--cache=")), None) if RESIDENT in argv else None
+        if cache is None or cache != _last.get("rows"):  # a streamed training, or another cache's: given back first
             release_kept_rows()
+        _last["rows"] = cache
         kept = keep_graphs(graph_identity(argv))
         if kept:
             log(f"[worker] the last training's {kept} compiled graphs kept (its settings but seed, run, steps or "

@@ -64,7 +64,8 @@ def run_one(main, argv: list[str], log: str | None, err_fd: int) -> tuple[int, b
 
 
 def free_memory() -> None:
-    """What the request just ended held, given back (other processes share the GPU)."""
+    """What the request just ended held, given back (other processes share the GPU; the training worker keeps a
+    resident cache's rows on purpose: `testbed.trainworker`)."""
     import gc
 
     gc.collect()

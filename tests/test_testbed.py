@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash_offline import dataset
 from dflash_offline.config import ConfigError
 from testbed import ab as testbed_ab
 from testbed import cli, commands, config, runs, scheduler, sources, target, worker
@@ -419,6 +420,25 @@ def test_a_drafter_trained_in_the_training_worker_equals_its_twin_trained_in_a_p
         assert recompiles == [["0"], ["0"]], (name, recompiles)
 
 
+def test_the_training_worker_gives_kept_rows_back_before_a_training_on_another_cache_or_streamed(monkeypatch):
+    """A resident training on the cache of the last resident one keeps its rows; one on another cache, or one that
+    streams, starts after they are given back (not at its first batch, beside its model)."""
+    from stages import train
+    from testbed import trainworker as tw
+
+    released, kept = [], []
+    monkeypatch.setattr(tw, "_last", {"graphs": None, "count": 0, "rows": None})
+    monkeypatch.setattr(train, "main", lambda argv, bench: 0)
+    monkeypatch.setattr(dataset, "keep_resident_rows", lambda on=True: kept.append(on))
+    monkeypatch.setattr(dataset, "release_kept_rows", lambda: released.append(len(seen)))
+    main, seen = tw.load(), []
+    for argv in (["--cache=a", tw.RESIDENT], ["--cache=a", tw.RESIDENT, "--seed=1"], ["--cache=b", tw.RESIDENT],
+                 ["--cache=b"], ["--cache=b", tw.RESIDENT], ["--cache=b", tw.RESIDENT, "--steps=2"]):
+        assert main(argv) == 0
+        seen.append(argv)
+    assert kept == [True] and released == [0, 2, 3, 4]
+
+
 def test_the_training_worker_keeps_compiled_graphs_only_for_an_arms_further_seed_whose_last_run_ended_well(
         monkeypatch):
     """Graphs are kept for a training that differs from the last one only in its run, seed, steps or resume; another
@@ -441,6 +461,7 @@ def test_the_training_worker_keeps_compiled_graphs_only_for_an_arms_further_seed
         return outcome["rc"]
 
     monkeypatch.setattr(train, "main", fake_main)
+    monkeypatch.setattr(dataset, "keep_resident_rows", lambda on=True: None)  # (this process keeps no rows after)
     main = tw.load()
     base = ["--cache=c", "--lr=1e-3"]
     seed = [[*base, f"--run=r{i}", f"--seed={i}", f"--steps={100 * i}", "--resume=0"] for i in range(6)]
