@@ -387,6 +387,7 @@ class HiddenStream:
         if resident and _KEPT["key"] == (info, str(self.device)):  # the last stream's rows (`keep_resident_rows`)
             self._held, self._first_row = _KEPT["held"], _KEPT["first"]
         self.rows_kept = self._held is not None  # resident: the rows were held already, none is read again
+        self.held_read: dict | None = None  # resident: the read onto the device (bytes, seconds, copy_s), once done
 
     # -- iteration --
 
@@ -574,12 +575,15 @@ class HiddenStream:
         held, host = stored_buffers(info, info.num_rows, device=self.device), stored_buffers(info, chunk_rows)
         tokens = {name: [] for name in TOKEN_KEYS}
         first = np.concatenate([[0], np.cumsum(np.asarray(info.shard_rows, dtype=np.int64))])
+        t0, copying = time.perf_counter(), 0.0
         for shard, rows in enumerate(info.shard_rows):
             for a in range(0, rows, chunk_rows):
                 n = min(chunk_rows, rows - a)
                 self._read_hidden_rows(shard, [(a + i, i) for i in range(n)], host)
-                for name, t in host.items():
+                t1 = time.perf_counter()
+                for name, t in host.items():  # (from pageable memory: the copy is done when copy_ returns)
                     held[name][first[shard] + a:first[shard] + a + n].copy_(t[:n])
+                copying += time.perf_counter() - t1
             arrays = self._token_arrays(shard)
             for name in TOKEN_KEYS:
                 tokens[name].append(np.asarray(arrays[name]))
@@ -590,6 +594,8 @@ class HiddenStream:
         for name in TOKEN_KEYS:
             t = torch.from_numpy(np.concatenate(tokens[name]))
             held[name] = (t.bool() if name == "loss_mask" else t.long()).to(self.device)
+        total = time.perf_counter() - t0
+        self.held_read = {"bytes": resident_bytes(info), "seconds": total, "copy_s": copying}
         self._first_row = first
         if _KEPT["on"]:
             _KEPT.update(key=(info, str(self.device)), held=held, first=first)

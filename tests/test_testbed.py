@@ -401,6 +401,10 @@ def test_a_drafter_trained_in_the_training_worker_equals_its_twin_trained_in_a_p
     held = [name for name in drafters if "still on the device from the last training: none read" in
             (tmp_path / "worker" / f"{name}.log").read_text()]
     assert held == ["third"], held
+    read = [name for name in drafters if re.search(r"the cache read onto cpu: [\d.]+ GB in [\d.]+s \([\d.]+ GB/s; the "
+                                                   r"files read and checked [\d.]+s, copied [\d.]+s\)",
+                                                   (tmp_path / "worker" / f"{name}.log").read_text())]
+    assert read == ["second"], read  # (the first streams; the third reads nothing)
     kept = [re.findall(r"\[worker\] the last training's (\d+) compiled graphs kept",
                        (tmp_path / "worker" / f"{name}.log").read_text()) for name in drafters]
     assert kept[:2] == [[], []] and int(kept[2][0]) > 0, kept  # (the third says it runs the second's graphs)
