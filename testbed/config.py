@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from dflash_offline.config import ConfigError, check_choice
@@ -90,6 +91,9 @@ class TestbedConfig:
         if self.seeds < 1 or self.eval_prompts < 1 or self.regen_docs < 1 or self.eval_candidates < 1:
             raise ConfigError("testbed.seeds, eval_prompts, eval_candidates and regen_docs must be >= 1")
         check_choice("testbed.precompile", self.precompile, ("auto", "on", "off"))
+        if self.label and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", self.label):
+            raise ConfigError(f"testbed.label={self.label}: it names DIR/ab/<label>.json, so letters, digits and . _ + - "
+                              f"only (e.g. --label=fp8)")
         if self.resident and not self.train_worker:
             raise ConfigError("testbed.resident is a switch of the training worker: keep train_worker=1 with it")
         return self

@@ -4,6 +4,7 @@ cache) — the GPU run itself is tests/test_testbed_gpu.py."""
 
 import dataclasses
 import json
+import os
 import re
 import subprocess
 import sys
@@ -759,6 +760,17 @@ def test_sweep_presets_combine_without_repeating_an_arm():
         config.TestbedConfig(sweep="options,bogus").resolve()
     with pytest.raises(ConfigError, match="keep train_worker=1"):  # the resident switch goes through the worker
         config.TestbedConfig(resident=True, train_worker=False).resolve()
+    assert config.TestbedConfig(label="dflash2-fp4+equal_compute.v2").resolve().label == "dflash2-fp4+equal_compute.v2"
+    for label in ("a/b", "../x", ".hidden", "two words"):  # (a path would write the A/B record elsewhere)
+        with pytest.raises(ConfigError, match=r"testbed.label=.*letters, digits"):
+            config.TestbedConfig(label=label).resolve()
+
+
+def test_a_label_spelt_with_a_tilde_is_refused_in_a_second_not_made_a_home_path(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "testbed", f"--dir={tmp_path}", "--label=~/x", "--arms=gamma=5"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "HOME": str(tmp_path)})
+    assert r.returncode == 2 and f"testbed.label={tmp_path}/x" in r.stderr, r.stderr[-2000:]
+    assert not list(tmp_path.iterdir())  # (nothing made)
 
 
 def recipe_configs(ext: dict, train: dict):
