@@ -387,7 +387,7 @@ class HiddenStream:
         if resident and _KEPT["key"] == (info, str(self.device)):  # the last stream's rows (`keep_resident_rows`)
             self._held, self._first_row = _KEPT["held"], _KEPT["first"]
         self.rows_kept = self._held is not None  # resident: the rows were held already, none is read again
-        self.held_read: dict | None = None  # resident: the read onto the device (bytes, seconds, copy_s), once done
+        self.held_read: dict | None = None  # resident: the read onto the device (bytes, seconds, alloc_s, copy_s)
 
     # -- iteration --
 
@@ -565,6 +565,9 @@ class HiddenStream:
         them) read once — each row checked against its digest as a streamed read is — into tensors on the device,
         `chunk_rows` rows at a time through one host buffer."""
         info = self.info
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # (the work queued before is not this read's)
+        t0, copying = time.perf_counter(), 0.0
         release_kept_rows()  # (another cache's, given back before these are read)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -575,13 +578,13 @@ class HiddenStream:
         held, host = stored_buffers(info, info.num_rows, device=self.device), stored_buffers(info, chunk_rows)
         tokens = {name: [] for name in TOKEN_KEYS}
         first = np.concatenate([[0], np.cumsum(np.asarray(info.shard_rows, dtype=np.int64))])
-        t0, copying = time.perf_counter(), 0.0
+        allocating = time.perf_counter() - t0  # (freeing kept rows, the free-memory check, the device's buffers)
         for shard, rows in enumerate(info.shard_rows):
             for a in range(0, rows, chunk_rows):
                 n = min(chunk_rows, rows - a)
                 self._read_hidden_rows(shard, [(a + i, i) for i in range(n)], host)
                 t1 = time.perf_counter()
-                for name, t in host.items():  # (from pageable memory: the copy is done when copy_ returns)
+                for name, t in host.items():  # (a blocking copy_: the stream synchronized before it returns)
                     held[name][first[shard] + a:first[shard] + a + n].copy_(t[:n])
                 copying += time.perf_counter() - t1
             arrays = self._token_arrays(shard)
@@ -591,11 +594,13 @@ class HiddenStream:
         while files:
             files.popitem()[1].close()
         token_arrays.clear()
+        t1 = time.perf_counter()
         for name in TOKEN_KEYS:
             t = torch.from_numpy(np.concatenate(tokens[name]))
             held[name] = (t.bool() if name == "loss_mask" else t.long()).to(self.device)
-        total = time.perf_counter() - t0
-        self.held_read = {"bytes": resident_bytes(info), "seconds": total, "copy_s": copying}
+        copying += time.perf_counter() - t1
+        self.held_read = {"bytes": resident_bytes(info), "seconds": time.perf_counter() - t0, "alloc_s": allocating,
+                          "copy_s": copying}
         self._first_row = first
         if _KEPT["on"]:
             _KEPT.update(key=(info, str(self.device)), held=held, first=first)

@@ -45,6 +45,7 @@ class Trainer:
         self.ended = None  # how the status file was closed: "done", "interrupted", "failed" (None: not yet)
         self.progress = self.meter = None  # the loop's (`run`)
         self.warm_marks: dict | None = None  # (the warm-up step's seconds by part: `_warm_mark`)
+        self.held_said = False  # (a resident cache's read said: `_log_held_read`)
         self._build_optimizer(model)  # after sharding when FSDP is on: it must hold the sharded parameters
         compile_model(self.raw, s)
         self.stream = HiddenStream(info, cfg.schedule.batch_rows, rank=acc.process_index, world_size=s.world,
@@ -142,7 +143,6 @@ class Trainer:
                 end_warm_up(s.compile)  # freeze the heap built so far; with compilation, a recompile is now an error
                 self.meter.warmed_up(s.compile, self.warm_marks)
                 self.warm_marks = None
-                self._log_held_read()
             saved = self._after_step(grad_norm)
             if stopper is not None and (signum := vote(stopper.requested)):  # (every process at the same step)
                 self.stop(signum, saved=saved)
@@ -267,6 +267,8 @@ class Trainer:
         micros = [next_micro(cfg, s, self.acc, self.stream, self.step * s.accum + m, self.raw.cfg)
                   for m in range(s.accum)]
         self.step_data = None  # (drawn: from here on a failure is not a failed read)
+        if self.stream.held_read is not None and not self.held_said:
+            self._log_held_read()
         mark("batches")
         norm = step_normalizer([loss_weight(b["labels"], cfg.loss.gamma or None, cfg.loss.weighting) for b, _ in micros],
                                s.world)
@@ -280,17 +282,16 @@ class Trainer:
         return grad_norm
 
     def _log_held_read(self) -> None:
-        """With the cache resident, after its first step: how long reading it onto the device took (the files read
-        and checked, the copies), said once — a first drafter's batches took 20 s of its warm-up on an H100 where a
-        later read of the same cache took 3 s."""
+        """With the cache resident, once its first batch is drawn (a failing first step still says it): how long
+        reading it onto the device took — allocating, the files read and checked, the copies — once a run: a first
+        drafter's batches took 20 s of its warm-up on an H100 where a later read of the same cache took 3 s."""
         from dflash_offline.progress import log
 
-        r = self.stream.held_read
-        if r is None:
-            return
+        r, self.held_said = self.stream.held_read, True
+        read = r["seconds"] - r["alloc_s"] - r["copy_s"]
         log(f"[rank {self.acc.process_index}] the cache read onto {self.acc.device}: {r['bytes'] / 1e9:.2f} GB in "
-            f"{r['seconds']:.1f}s ({r['bytes'] / 1e9 / max(r['seconds'], 1e-9):.2f} GB/s; the files read and checked "
-            f"{r['seconds'] - r['copy_s']:.1f}s, copied {r['copy_s']:.1f}s)")
+            f"{r['seconds']:.1f}s ({r['bytes'] / 1e9 / max(r['seconds'], 1e-9):.2f} GB/s; allocating "
+            f"{r['alloc_s']:.1f}s, the files read and checked {read:.1f}s, copied {r['copy_s']:.1f}s)")
 
     def _warm_mark(self, part: str) -> None:
         """In the warm-up step only (compiling): the seconds since the last mark, the device's work done, as `part`

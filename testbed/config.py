@@ -68,7 +68,7 @@ class TestbedConfig:
     sweep: str = ""  # A/B presets, comma-separated: options (γ, anchors, noise, D-PACE, fp8 cache) | encodings | fp8 | dflash2
     seeds: int = 2  # A/B: drafter seeds per arm
     parallel: int = 0  # A/B: drafter jobs at once; 0 = 1 (on one GPU, processes take turns: two at once were slower)
-    label: str = ""  # A/B: result name (DIR/ab/<label>.json); empty = sweep name or 'ab'
+    label: str = ""  # A/B: result name (DIR/ab/<label>.json: letters, digits, . _ + -); empty = sweep name or 'ab'
     replay: bool = True  # A/B: τ replayed on the target's greedy outputs (one target forward per prompt, not one or two per step: the same steps); each arm's first drafter also decodes check_prompts for real
     eval_worker: bool = True  # every evaluation of an invocation in one long-lived process (start-up and the target's loading paid once); 0 = a process each
     train_worker: bool = True  # every drafter's training of an invocation in one long-lived process (start-up paid once; one per concurrent job with --parallel); 0 = a process each
@@ -91,9 +91,9 @@ class TestbedConfig:
         if self.seeds < 1 or self.eval_prompts < 1 or self.regen_docs < 1 or self.eval_candidates < 1:
             raise ConfigError("testbed.seeds, eval_prompts, eval_candidates and regen_docs must be >= 1")
         check_choice("testbed.precompile", self.precompile, ("auto", "on", "off"))
-        if self.label and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", self.label):
+        if self.label and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}", self.label):
             raise ConfigError(f"testbed.label={self.label}: it names DIR/ab/<label>.json, so letters, digits and . _ + - "
-                              f"only (e.g. --label=fp8)")
+                              f"only, 100 at most (e.g. --label=fp8)")
         if self.resident and not self.train_worker:
             raise ConfigError("testbed.resident is a switch of the training worker: keep train_worker=1 with it")
         return self

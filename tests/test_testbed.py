@@ -402,10 +402,10 @@ def test_a_drafter_trained_in_the_training_worker_equals_its_twin_trained_in_a_p
     held = [name for name in drafters if "still on the device from the last training: none read" in
             (tmp_path / "worker" / f"{name}.log").read_text()]
     assert held == ["third"], held
-    read = [name for name in drafters if re.search(r"the cache read onto cpu: [\d.]+ GB in [\d.]+s \([\d.]+ GB/s; the "
-                                                   r"files read and checked [\d.]+s, copied [\d.]+s\)",
-                                                   (tmp_path / "worker" / f"{name}.log").read_text())]
-    assert read == ["second"], read  # (the first streams; the third reads nothing)
+    read = {name: len(re.findall(r"the cache read onto cpu: [\d.]+ GB in [\d.]+s \([\d.]+ GB/s; allocating [\d.]+s, "
+                                 r"the files read and checked [\d.]+s, copied [\d.]+s\)",
+                                 (tmp_path / "worker" / f"{name}.log").read_text())) for name in drafters}
+    assert read == {"first": 0, "second": 1, "third": 0}, read  # (the first streams; the third reads nothing)
     kept = [re.findall(r"\[worker\] the last training's (\d+) compiled graphs kept",
                        (tmp_path / "worker" / f"{name}.log").read_text()) for name in drafters]
     assert kept[:2] == [[], []] and int(kept[2][0]) > 0, kept  # (the third says it runs the second's graphs)
@@ -761,7 +761,7 @@ def test_sweep_presets_combine_without_repeating_an_arm():
     with pytest.raises(ConfigError, match="keep train_worker=1"):  # the resident switch goes through the worker
         config.TestbedConfig(resident=True, train_worker=False).resolve()
     assert config.TestbedConfig(label="dflash2-fp4+equal_compute.v2").resolve().label == "dflash2-fp4+equal_compute.v2"
-    for label in ("a/b", "../x", ".hidden", "two words"):  # (a path would write the A/B record elsewhere)
+    for label in ("a/b", "../x", ".hidden", "two words", "x" * 101):  # (a path would write the A/B record elsewhere)
         with pytest.raises(ConfigError, match=r"testbed.label=.*letters, digits"):
             config.TestbedConfig(label=label).resolve()
 
