@@ -384,7 +384,7 @@ class HiddenStream:
         self.resident = resident
         self._held: dict[str, torch.Tensor] | None = None  # resident: every row of the cache on `device`
         self._first_row: np.ndarray | None = None  # resident: shard i's first row in `_held`
-        if resident and _KEPT["key"] == (info, str(self.device)):  # the last stream's rows (`keep_resident_rows`)
+        if resident and _KEPT["key"] == self._kept_key():  # the last stream's rows (`keep_resident_rows`)
             self._held, self._first_row = _KEPT["held"], _KEPT["first"]
         self.rows_kept = self._held is not None  # resident: the rows were held already, none is read again
         self.held_read: dict | None = None  # resident: the read onto the device (bytes, seconds, alloc_s, copy_s)
@@ -550,6 +550,11 @@ class HiddenStream:
     # -- resident: the whole cache on the device, read once --
     # (in a process that asks for it, `keep_resident_rows`, read once for every stream of that process on that cache)
 
+    def _kept_key(self) -> tuple:
+        """What kept rows must match to serve this stream: the cache (its files by their digests, the layers read)
+        and the device."""
+        return self.info, str(self.device)
+
     def _gather(self, epoch: int, batch: int) -> dict[str, torch.Tensor]:
         """The batch `_read` + `_to_device` would make, taken from the rows held on the device."""
         if self._held is None:
@@ -603,7 +608,7 @@ class HiddenStream:
                           "copy_s": copying}
         self._first_row = first
         if _KEPT["on"]:
-            _KEPT.update(key=(info, str(self.device)), held=held, first=first)
+            _KEPT.update(key=self._kept_key(), held=held, first=first)
         return held
 
     # -- to the device (calling thread) --

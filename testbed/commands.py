@@ -150,7 +150,7 @@ def evaluate_args(cfg: TestbedConfig, p: Paths, run: Path, dev: str, untrained: 
             f"--device={dev}", "--tf_batches=2", f"--max_new_tokens={cfg.eval_tokens}",
             f"--baseline={p.baseline(cfg.eval_tokens)}"]
     replay = cfg.replay and bool(cfg.arms or cfg.sweep)
-    if replay:  # the untrained drafter then replays too (`untrained_prompts` of them)
+    if replay:
         args += ["--replay=1", f"--check_prompts={check}"]
     # (the untrained drafter replays or decodes `untrained_prompts` prompts: τ ≈ 1, so each takes a step per token —
     # 64 prompts replayed took 62 s of the GPU beside the first drafter's training on an H100; the baseline it makes
