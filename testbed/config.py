@@ -76,7 +76,7 @@ class TestbedConfig:
     precompile: str = "auto"  # on | off | auto (= on where the drafters compile: CUDA, or compile=on in train_args): while the target trains, regenerates and is extracted, compile each drafter setting's graphs on a stand-in of its shapes (random weights and states), so that the drafters load them from the compile caches (testbed/precompile.py)
     check_prompts: int = 8  # A/B with replay: prompts each arm's first drafter also decodes for real (lossless check, replay = decode checked)
     checks: bool = True  # A/B: add the null arm (the recipe under other seeds) and the known-bad arm (¼ of the steps); rank arms only when both behave
-    stop_after_s: float = 0.0  # A drafter is not started when its expected time (the longest drafter of this invocation, FIRST_DRAFTER_S before one ended; an arm's further seed: the longest repeat of its settings, before one the longest repeat and at least half its first) would end past this many seconds of it: the call stops early (exit 3), a rerun resumes; 0 = no limit
+    stop_after_s: float = 0.0  # A drafter is not started when its expected time (the longest drafter of this invocation; before one ended, 140 s where a stand-in compiled its graphs, else 240 s; an arm's further seed: the longest repeat of its settings, before one the longest repeat and at least half its first) would end past this many seconds of it: the call stops early (exit 3), a rerun resumes; 0 = no limit
     summarize: bool = False  # A/B: train and evaluate nothing; rank the arms whose every seed is evaluated already (a stopped sweep's) and write the results
     results: str = ""  # A/B: also write the sweep's verdicts here (e.g. bench/results/testbed-sweep-h200.json)
 

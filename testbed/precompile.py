@@ -264,6 +264,12 @@ class Precompile:
             bind_to_target(tmp, shape["target"], text["num_hidden_layers"], text["vocab_size"],
                            int(ext.get("mask_token_id", shape["mask"])))
 
+    def compiled(self, run: Path) -> bool:
+        """Whether `run`'s graphs are in the compile caches: its stand-in done, here or by an earlier invocation."""
+        with self.cond:
+            v = self.by_run.get(run)
+            return v is not None and v.state in ("done", "earlier")
+
     def before(self, run: Path) -> float:
         """Before `run`'s drafter trains: drop its variant if still queued, wait for it while it compiles; returns
         the seconds waited."""

@@ -33,6 +33,9 @@ JOB_GB = 12  # GPU memory one drafter job of the testbed recipe may take (traini
 WARM_WAIT_S = 900  # how long the other drafters wait for the first one's compiled first step at most
 WARM_POLL_S = 1.0  # how often the leading job's status file is read for its first step
 FIRST_DRAFTER_S = 240  # what a drafter is expected to take before one has ended in this invocation (H200, cold: 215 s)
+# the same when a stand-in compiled its graphs (`testbed.precompile`): 69–125 s measured (H100 `8c73fd9`, `21931d7`;
+# H200 `92f7467`), the workers' start and the untrained evaluation beside it included
+FIRST_PRECOMPILED_S = 140
 
 
 class Deferred(Exception):
@@ -80,8 +83,9 @@ class Drafters:
         self.took, self.deferred, self.stopped = [], [], threading.Event()
 
     def expected_s(self, j: Job) -> float:
-        """What `j` is expected to take: as long as the longest drafter of this invocation (`FIRST_DRAFTER_S` before
-        one ended) — the first of a setting loads or compiles its graphs and starts the workers (H200: 75–212 s);
+        """What `j` is expected to take: as long as the longest drafter of this invocation (before one ended,
+        `FIRST_PRECOMPILED_S` where a stand-in compiled `j`'s graphs, else `FIRST_DRAFTER_S`) — the first of a setting
+        loads or compiles its graphs and starts the workers (H200: 75–212 s);
         once a drafter of its settings (`graph_key`: other steps count as the same) ended here, as long as the longest repeat of its settings, or before one, the
         longer of the longest repeat of any (37–76 s) and half its settings' first (a costlier arm's repeat is)."""
         key = graph_key(j)
@@ -92,7 +96,8 @@ class Drafters:
         repeats = [s for _, s, repeat in self.took if repeat]
         if firsts and repeats:
             return max(max(repeats), max(firsts) / 2)
-        return max((s for _, s, _ in self.took), default=FIRST_DRAFTER_S)
+        compiled = self.precompile is not None and self.precompile.compiled(j.run)
+        return max((s for _, s, _ in self.took), default=FIRST_PRECOMPILED_S if compiled else FIRST_DRAFTER_S)
 
     def defer(self, j: Job) -> None:
         """Raise `Deferred` when `j` (`expected_s`) would end past the deadline; the base run's deferral also stops

@@ -949,6 +949,35 @@ def test_an_arms_further_seed_is_expected_to_take_as_long_as_a_repeat_not_as_the
     assert d.expected_s(bad) == 64.0
 
 
+def test_a_first_drafter_whose_graphs_a_stand_in_compiled_is_expected_to_take_less(tmp_path):
+    """On the H100 the first call deferred every drafter with 217 s left, expecting 240 s of the first (a compile);
+    its stand-in had compiled the graphs, and it took 99 s. Before any drafter ended, a drafter whose stand-in is done
+    (here or in an earlier invocation) is expected to take FIRST_PRECOMPILED_S; one still to compile, FIRST_DRAFTER_S."""
+    import time
+
+    from testbed.precompile import Precompile
+
+    cfg, p = config.TestbedConfig(dir=str(tmp_path), stop_after_s=600), Paths(str(tmp_path))
+    base = _jobs(p, ["base"])[0]
+    seed1 = Job("", p.run("", 1), p.hidden(), 1, {})
+    new = Job("gamma=5", p.run("gamma5", 0), p.hidden(), 0, {"gamma": 5.0})
+    pre = Precompile(cfg, p, [base, seed1, new], {})
+    d = scheduler.Drafters(cfg, p, "cpu", [base, seed1, new], 1, base.run, False, None, pre)
+    d.deadline = time.monotonic() + 217
+    assert not pre.compiled(base.run) and d.expected_s(base) == scheduler.FIRST_DRAFTER_S
+    with pytest.raises(scheduler.Deferred):
+        d.defer(base)
+    for state in ("done", "earlier"):
+        pre.by_run[base.run].state = state  # (the recipe's variant: its seeds' too)
+        assert pre.compiled(seed1.run) and not pre.compiled(new.run)
+        assert d.expected_s(base) == scheduler.FIRST_PRECOMPILED_S < 217 and d.expected_s(new) == 240
+        d.defer(base)
+    pre.by_run[base.run].state = "failed"
+    assert d.expected_s(base) == scheduler.FIRST_DRAFTER_S
+    d.took = [(scheduler.graph_key(base), 99.0, False)]  # once one ended, what ended counts
+    assert d.expected_s(new) == 99.0
+
+
 def test_a_base_drafter_past_stop_after_s_stops_the_untrained_evaluation_too(tmp_path, monkeypatch):
     import time
 
