@@ -42,7 +42,7 @@ class EvalConfig:
     export: str = ""  # export directory measured (make export's); empty = export --step into RUN/eval-export first
     prompts: str = ""  # chat JSONL; empty = corpus/eval.jsonl beside the target (the demo target has one)
     num_prompts: int = 16  # prompts taken from the start of the file
-    max_new_tokens: int = 128  # new tokens per prompt (the first, from the prefill, counts)
+    max_new_tokens: int = 128  # new tokens per prompt, at least 2 (the first, from the prefill, counts)
     turn: str = "first"  # the prompt ends after the "first" or "last" user turn of each chat
     step: int = -1  # checkpoint step to export (when --export is empty or new); -1 = the latest
     untrained: bool = False  # measure a fresh drafter (the run's config and seed, step 0) in the same modeling code
@@ -71,9 +71,11 @@ class EvalConfig:
             raise ConfigError(str(e)) from None
         check_choice("eval.dtype", self.dtype, ("auto", "float32", "bfloat16"))
         check_setting(self.device, "eval.device")
-        for name in ("num_prompts", "max_new_tokens"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"eval.{name} must be > 0, got {getattr(self, name)}")
+        if self.num_prompts <= 0:
+            raise ConfigError(f"eval.num_prompts must be > 0, got {self.num_prompts}")
+        if self.max_new_tokens < 2:  # (one token is the prefill's: no verify step would measure the drafter)
+            raise ConfigError(f"eval.max_new_tokens must be >= 2 (the first new token comes from the target's "
+                              f"prefill, the drafter is measured from the second), got {self.max_new_tokens}")
         if self.spec_prompts < 0 or self.check_prompts < 0:
             raise ConfigError(f"eval.spec_prompts and eval.check_prompts must be >= 0, got {self.spec_prompts}, "
                               f"{self.check_prompts}")
@@ -317,6 +319,11 @@ def evaluate(cfg: EvalConfig) -> dict:
         write_baseline(Path(cfg.baseline), key, refs, alone)
     baseline_prompts = len(prompts)
     summary = decode_summary(taus, spec, alone, prompts)
+    if not summary["verify_steps"]:  # (τ = 0 tokens over 0 steps: nan)
+        raise ValueError(f"{prompts_file}: the target ended its answer to every one of the {len(taus)} prompts "
+                         f"decoded at its first token, so no verify step measured the drafter (τ undefined): check "
+                         f"the prompts and their chat template settings (--template_kwargs=, --turn=), or that the "
+                         f"target answers them (--max_new_tokens={cfg.max_new_tokens})")
     alone, prompts = alone[: len(taus)], prompts[: len(taus)]  # what both decoded
     return {
         "run": str(run_dir), "artifact": artifact, "checkpoint": artifact.get("checkpoint"),

@@ -104,6 +104,11 @@ def choose_eval_prompts(candidates: Path, greedy: Path, out: Path, n: int, budge
         raise ValueError(f"only {len(order)} held-out prompts were answered for eval_prompts={n}: lower "
                          f"heldout_every or eval_prompts")
     picked = order[:n]
+    if not any(sum(answers[i]["regen"]["new_tokens"]) for i in picked):  # (τ would be 0 tokens over 0 steps)
+        raise ValueError(f"the target answers none of the {n} evaluation prompts: its greedy answer to each ends at "
+                         f"once ({greedy}; {sum(short)} of {len(answers)} candidates stop short), so no drafter can be "
+                         f"measured against it. It is too little trained: give its phase more time (--target_s=) "
+                         f"and rerun from it (--from_phase=target)")
     out.write_text("".join(json.dumps(cands[answers[i]["regen"]["index"]]) + "\n" for i in sorted(picked)))
     return {"candidates": len(answers), "candidates_looping": round(sum(loops) / max(len(loops), 1), 4),
             "candidates_short": round(sum(short) / max(len(short), 1), 4), "chosen": n,

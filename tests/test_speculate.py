@@ -580,3 +580,36 @@ def test_evaluate_fails_on_a_difference_in_float32_and_counts_ties_in_bfloat16(t
     assert sum(r["tie_margin_hist"]["counts"]) == 1
     assert evaluate.main(args + ["--dtype=bfloat16", "--tie_tol=0"]) == 1
     assert json.loads(out.read_text())["mismatches"] == [0]
+
+
+def test_evaluate_refuses_prompts_the_target_answers_at_once_instead_of_reporting_tau_nan(tmp_path, hidden_cache,
+                                                                                        monkeypatch):
+    """Every answer ended at its first token (every id an end of turn here: a target that answers nothing, as the
+    short testbed's did on an H100): no verify step, τ undefined. The evaluation says so, naming the prompts file,
+    instead of writing τ = nan; one more token a prompt and it measures."""
+    from dflash_offline import evalrun
+    from stages import evaluate
+
+    run = tmp_path / "run"
+    run.mkdir()
+    dc = {"hidden_size": 64, "intermediate_size": 64, "vocab_size": 2048, "num_target_layers": 8,
+          "target_layer_ids": json.loads((hidden_cache / "manifest.json").read_text())["config"]["layer_ids"],
+          "mask_token_id": 1999, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "block_size": L}
+    (run / "config.json").write_text(json.dumps({"train": {"cache": str(hidden_cache), "target": "", "seed": 0},
+                                                 "drafter": dc}))
+    prompts = democorpus.write_jsonl(tmp_path / "eval.jsonl", 2, seed=1_000_003)
+    out = tmp_path / "e.json"
+    args = [f"--run={run}", f"--prompts={prompts}", "--num_prompts=2", "--max_new_tokens=6", "--tf_batches=0",
+            "--untrained=1", f"--out={out}"]
+    real = evalrun.eos_ids
+    monkeypatch.setattr(evalrun, "eos_ids", lambda target, tok: list(range(2048)))
+    with pytest.raises(ValueError, match=f"{prompts}: the target ended its answer to every one of the 2 prompts"):
+        evaluate.main(args)
+    assert not out.exists()
+    monkeypatch.setattr(evalrun, "eos_ids", real)
+    assert evaluate.main(args) == 0 and json.loads(out.read_text())["verify_steps"] > 0
+    from dflash_offline.config import ConfigError
+
+    # one new token is the prefill's: refused before anything loads
+    with pytest.raises(ConfigError, match="max_new_tokens must be >= 2"):
+        evaluate.main(args + ["--max_new_tokens=1"])

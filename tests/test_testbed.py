@@ -103,6 +103,16 @@ def test_the_evaluation_prompts_are_the_first_whose_greedy_answer_neither_loops_
     assert (got["chosen_looping"], got["chosen_short"]) == (2, 1)
     with pytest.raises(ValueError, match="eval_prompts"):
         choose_eval_prompts(c, g, out, 8, budget=48)
+    # a target that ends every answer at once (too little trained: the short preset on an H100 reported τ = nan) is
+    # refused before anything is extracted or trained
+    for a in answers:
+        a["regen"]["new_tokens"] = [0]
+    g.write_text("".join(json.dumps(x) + "\n" for x in answers))
+    with pytest.raises(ValueError, match="answers none of the 3 evaluation prompts.*--target_s"):
+        choose_eval_prompts(c, g, out, 3, budget=48)
+    answers[6]["regen"]["new_tokens"] = [1]  # one answer to measure on: τ is defined
+    g.write_text("".join(json.dumps(x) + "\n" for x in answers))
+    assert choose_eval_prompts(c, g, out, 7, budget=48)["chosen_short"] == 7
 
 
 def test_a_baseline_is_reused_only_for_the_same_key(tmp_path):
