@@ -32,6 +32,29 @@ def pytest_configure(config):
     autotune.from_env()
 
 
+def gpu_suite_problem(cuda: bool, fla: bool, env: dict) -> str | None:
+    """Why the GPU tests selected must not run here, or None: with CUDA but without fla importable, the Qwen3.5 paths
+    they exist to test (fla's packed kernels in extraction, generation and the testbed) would run transformers'
+    pure-torch Gated DeltaNet instead and pass — or fail — on the wrong code."""
+    if not cuda or fla or env.get("DFLASH_GPU_TESTS_WITHOUT_FLA") == "1":
+        return None
+    return ("the GPU tests need flash-linear-attention (fla-core and flash-linear-attention 0.6.0) importable with "
+            "Triton: without it they test transformers' pure-torch fallback, not fla's kernels. Install it (on a lent "
+            "machine, bench/device_call.sh and bench/suite_device.sh install the carried .whl/ into /tmp/site: run "
+            "pytest with PYTHONPATH=/tmp/site), or set DFLASH_GPU_TESTS_WITHOUT_FLA=1 to run them on the fallback")
+
+
+@pytest.hookimpl(trylast=True)  # (after -m's deselection: `make test`'s "not gpu" leaves none)
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available() or not any(item.get_closest_marker("gpu") for item in items):
+        return
+    from dflash_offline.target import _fla
+
+    problem = gpu_suite_problem(torch.cuda.is_available(), _fla() is not None, dict(os.environ))
+    if problem:
+        pytest.exit(f"make test-gpu: {problem}", returncode=4)
+
+
 def no_mkldnn_anywhere():
     """oneDNN off in this process and in every Python process the tests start (trainers, extractors, `accelerate
     launch`, with or without an env of their own): a sitecustomize.py that turns it off goes first on their

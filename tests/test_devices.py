@@ -3,6 +3,8 @@ naming the setting and the fix (in every stage, before anything is read or loade
 (the local rank under a launcher); a CPU run uses one thread unless told otherwise."""
 
 import inspect
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -121,3 +123,35 @@ def test_a_cpu_device_turns_transformers_install_fla_notes_into_one_accurate_lin
     assert seen == ["something else"]
     out = capsys.readouterr().out
     assert out.count("reference PyTorch kernels") == 1 and "need a GPU" in out
+
+
+def test_the_gpu_suite_refuses_a_cuda_machine_without_fla_unless_told():
+    """`make test-gpu` on an H100 without fla's wheels installed ran the short testbed on transformers' pure-torch
+    Gated DeltaNet: it now stops at collection, in seconds, saying what to install."""
+    from conftest import gpu_suite_problem
+
+    assert gpu_suite_problem(cuda=False, fla=False, env={}) is None  # (a CPU: the GPU tests skip themselves)
+    assert gpu_suite_problem(cuda=True, fla=True, env={}) is None
+    msg = gpu_suite_problem(cuda=True, fla=False, env={})
+    assert "flash-linear-attention" in msg and "PYTHONPATH=/tmp/site" in msg and "DFLASH_GPU_TESTS_WITHOUT_FLA=1" in msg
+    assert gpu_suite_problem(cuda=True, fla=False, env={"DFLASH_GPU_TESTS_WITHOUT_FLA": "1"}) is None
+
+
+def test_the_gpu_suite_stops_at_collection_on_cuda_without_fla(tmp_path):
+    """The hook itself: a pytest of GPU tests in a process that sees CUDA (stubbed) and cannot import fla exits 4 at
+    collection with the message; -m "not gpu" (make test) is not stopped."""
+    import subprocess
+    import sys
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import sys, torch\ntorch.cuda.is_available = lambda: True\n"
+                                           "sys.modules['fla'] = None\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(site), os.environ.get("PYTHONPATH"))))}
+    env.pop("DFLASH_GPU_TESTS_WITHOUT_FLA", None)
+    repo = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--co", "tests/test_testbed_gpu.py"]
+    r = subprocess.run(cmd + ["-m", "gpu"], cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 4 and "need flash-linear-attention" in r.stdout + r.stderr, r.stdout[-2000:] + r.stderr
+    r = subprocess.run(cmd + ["-m", "not gpu"], cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 5, r.stdout[-2000:] + r.stderr  # (nothing selected, nothing refused)
