@@ -375,9 +375,15 @@ def by_category(spec: list, prompts: list[dict]) -> dict:
     out = {}
     for c in cats:
         sc = summarize([st for st, p in zip(spec, prompts, strict=True) if p["category"] == c])
-        out[c] = {"prompts": sc["generations"], "verify_steps": sc["steps"], "tau_mean": sc["tau_mean"],
-                  "tau_emitted": sc["tau_emitted"], "accept_ge": sc["accept_ge"]}
+        none = not sc["steps"]  # (every answer of the category ended at its first token: τ undefined, not nan)
+        out[c] = {"prompts": sc["generations"], "verify_steps": sc["steps"],
+                  **{k: None if none else sc[k] for k in ("tau_mean", "tau_emitted", "accept_ge")}}
     return out
+
+
+def tau_text(tau) -> str:
+    """τ to two decimals; "—" where no verify step measured it (None)."""
+    return "—" if tau is None else f"{tau:.2f}"
 
 
 def table(r: dict) -> str:
@@ -396,7 +402,7 @@ def table(r: dict) -> str:
         + (" …" if len(r["accept_ge"]) > 8 else ""),
     ]
     if r["by_category"]:
-        lines.append("  τ by category  " + " · ".join(f"{c} {v['tau_mean']:.2f} ({v['prompts']})"
+        lines.append("  τ by category  " + " · ".join(f"{c} {tau_text(v['tau_mean'])} ({v['prompts']})"
                                                       for c, v in r["by_category"].items()))
     n_real = r.get("lossless_prompts", r["num_prompts"])
     if r.get("tau_from") == "replay":

@@ -80,7 +80,8 @@ def choose_prompts(cfg: TestbedConfig, p: Paths, dev: str) -> dict:
     stage("stages.regen", f"--target={p.target}", f"--corpus={p.eval_candidates}", f"--out={p.eval_greedy}",
           f"--num_docs={n}", f"--max_new_tokens={cfg.eval_tokens}", f"--batch_size={cfg.regen_batch}",
           "--thinking=on", "--on_empty=keep", f"--device={dev}", "--progress=0")
-    chosen = choose_eval_prompts(p.eval_candidates, p.eval_greedy, p.eval_prompts, cfg.eval_prompts, cfg.eval_tokens)
+    chosen = choose_eval_prompts(p.eval_candidates, p.eval_greedy, p.eval_prompts, cfg.eval_prompts, cfg.eval_tokens,
+                                 cfg.untrained_prompts)
     log(f"evaluation prompts: {chosen['chosen']} of {chosen['candidates']} held-out openings, whose greedy answers "
         f"loop in {100 * chosen['candidates_looping']:.0f} % and stop short in {100 * chosen['candidates_short']:.0f} % "
         f"({chosen['chosen_looping']} looping and {chosen['chosen_short']} short among those chosen)")

@@ -118,7 +118,7 @@ class Precompile:
         self.variants = plan(jobs, caches)
         self.stamp, self.done_file = {}, self.root / "done.json"
         self.by_run = {r: v for v in self.variants for r in v.runs}
-        self.cond = threading.Condition()
+        self.cond, self.done_lock = threading.Condition(), threading.Lock()  # (done.json: one writer at a time)
         self.procs: dict[str, subprocess.Popen] = {}
         self.stopping, self.threads, self.cache_locks = False, [], {}
         self.record = p.root / "logs" / "precompile.json"
@@ -203,12 +203,13 @@ class Precompile:
             except Exception as e:  # noqa: BLE001  (a stand-in changes nothing but the time)
                 log(f"precompile {self.label(v)}: failed ({type(e).__name__}: {e})")
                 ok = False
+            if ok:  # (recorded before it is said done, outside the lock: an fsync)
+                with self.done_lock:
+                    write_json_atomic(self.done_file, {**self.done(), v.key: self.stamp})
             with self.cond:
                 v.state = "done" if ok else "stopped" if self.stopping else "failed"
                 v.seconds = time.perf_counter() - t0
                 self.cond.notify_all()
-                if ok:
-                    write_json_atomic(self.done_file, {**self.done(), v.key: self.stamp})
             log(f"precompile {self.label(v)}: {v.state} in {v.seconds:.0f}s")
             self.write()
 

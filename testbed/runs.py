@@ -86,12 +86,13 @@ def looping_share(path: Path) -> float:
     return round(sum(map(looping, answers)) / max(len(answers), 1), 4)
 
 
-def choose_eval_prompts(candidates: Path, greedy: Path, out: Path, n: int, budget: int) -> dict:
+def choose_eval_prompts(candidates: Path, greedy: Path, out: Path, n: int, budget: int, first: int = 0) -> dict:
     """Write to `out` the `n` evaluation prompts: the candidates (held-out files' openings, in name-hash order) whose
     greedy answer by the target (`greedy`: regenerated records, `budget` new tokens at most) neither loops nor stops
-    before half the budget, in order; where fewer than `n` do, the others after them (counted). A reference that loops
-    is easy to draft for any drafter and hides the differences the A/B is after; one that stops at once has no verify
-    step to measure. Returns the counts."""
+    before half the budget, in order; where fewer than `n` do, the others after them (counted), those answered before
+    those the target ends at once. A reference that loops is easy to draft for any drafter and hides the differences
+    the A/B is after; one that stops at once has no verify step to measure: refused when no prompt of the file, or
+    of its `first` prompts (what the untrained drafter is evaluated on), has an answer. Returns the counts."""
     from .sources import looping
 
     cands = [json.loads(x) for x in candidates.read_text().splitlines() if x.strip()]
@@ -99,17 +100,21 @@ def choose_eval_prompts(candidates: Path, greedy: Path, out: Path, n: int, budge
     loops = [looping(answer_text(r)) for r in answers]
     short = [sum(r["regen"]["new_tokens"]) < max(1, budget // 2) for r in answers]
     usable = [not (a or b) for a, b in zip(loops, short, strict=True)]
-    order = [i for i, ok in enumerate(usable) if ok] + [i for i, ok in enumerate(usable) if not ok]
+    answered = [sum(r["regen"]["new_tokens"]) > 0 for r in answers]
+    order = ([i for i, ok in enumerate(usable) if ok] + [i for i, ok in enumerate(usable) if not ok and answered[i]]
+             + [i for i, ok in enumerate(usable) if not ok and not answered[i]])
     if len(order) < n:
         raise ValueError(f"only {len(order)} held-out prompts were answered for eval_prompts={n}: lower "
                          f"heldout_every or eval_prompts")
-    picked = order[:n]
-    if not any(sum(answers[i]["regen"]["new_tokens"]) for i in picked):  # (τ would be 0 tokens over 0 steps)
-        raise ValueError(f"the target answers none of the {n} evaluation prompts: its greedy answer to each ends at "
-                         f"once ({greedy}; {sum(short)} of {len(answers)} candidates stop short), so no drafter can be "
-                         f"measured against it. It is too little trained: give its phase more time (--target_s=) "
-                         f"and rerun from it (--from_phase=target)")
-    out.write_text("".join(json.dumps(cands[answers[i]["regen"]["index"]]) + "\n" for i in sorted(picked)))
+    picked = sorted(order[:n])  # (in the candidates' order)
+    head = picked[: first or n]
+    if not any(answered[i] for i in head):  # (τ would be 0 tokens over 0 steps)
+        which = f"the first {len(head)} of the {n} evaluation prompts" if len(head) < n else f"the {n} evaluation prompts"
+        raise ValueError(f"the target answers none of {which}: its greedy answer to each ends at once ({greedy}; "
+                         f"{len(answers) - sum(answered)} of {len(answers)} candidates), so no drafter can be measured "
+                         f"against it. It is too little trained: give its phase more time (--target_s=, and "
+                         f"--target_steps= where that capped it) and rerun from it (--from_phase=target)")
+    out.write_text("".join(json.dumps(cands[answers[i]["regen"]["index"]]) + "\n" for i in picked))
     return {"candidates": len(answers), "candidates_looping": round(sum(loops) / max(len(loops), 1), 4),
             "candidates_short": round(sum(short) / max(len(short), 1), 4), "chosen": n,
             "chosen_looping": sum(loops[i] for i in picked), "chosen_short": sum(short[i] for i in picked)}
@@ -166,6 +171,8 @@ def result(cfg, p: Paths, st: dict) -> dict:
 
 
 def table(r: dict) -> str:
+    from dflash_offline.evaluation import tau_text
+
     t, g, x, d = r["target"], r["regen"] or {}, r["extract"] or {}, r["train"] or {}
     rows = [
         ("target", f"{(r['target_parameters'] or 0) / 1e6:.0f}M params, {t['steps']} steps, {(t['tokens'] or 0) / 1e6:.0f}M "
@@ -179,7 +186,7 @@ def table(r: dict) -> str:
         ("real τ", f"trained {r['tau_trained'] or 0:.2f} vs untrained {r['tau_untrained'] or 0:.2f} "
                    f"(×{r['tau_ratio'] or 0:.1f}); lossless {r['lossless']}; tokens emitted per verify step "
                    f"{r.get('tau_emitted_trained') or 0:.2f} vs {r.get('tau_emitted_untrained') or 0:.2f}"),
-        ("by prompt", " · ".join(f"{k} {v['tau_mean']:.2f} ({v['prompts']})" for k, v in (r["by_category"] or {}).items())),
+        ("by prompt", " · ".join(f"{k} {tau_text(v['tau_mean'])} ({v['prompts']})" for k, v in (r["by_category"] or {}).items())),
         ("accept ≥k", " ".join(f"{a:.2f}" for a in (r["accept_ge"] or [])[:8]) + " …"),
         ("wall s", ", ".join(f"{k} {v:.0f}" for k, v in r["seconds"].items()) + f"; total {r['wall_s']:.0f}"),
     ]

@@ -101,13 +101,18 @@ class Drafters:
 
     def defer(self, j: Job) -> None:
         """Raise `Deferred` when `j` (`expected_s`) would end past the deadline; the base run's deferral also stops
-        the untrained evaluation."""
+        the untrained evaluation and, while the target-alone decodes it makes do not exist, every later drafter."""
         expect = self.expected_s(j)
-        if self.deadline is None or time.monotonic() + expect <= self.deadline:
+        # (once the base run is deferred before the target-alone decodes exist, so is every later drafter)
+        orphan = self.stopped.is_set() and not self.p.baseline(self.cfg.eval_tokens).is_file()
+        if self.deadline is None or time.monotonic() + expect <= self.deadline and not orphan:
             return
         self.deferred.append(j.run)
         if j.run == self.base:
             self.stopped.set()
+        if orphan and j.run != self.base:
+            raise Deferred("not started: the base drafter, whose untrained evaluation decodes the target alone for "
+                           "every evaluation, was not; a rerun starts both")
         raise Deferred(f"not started: it takes ≈ {expect:.0f}s and {max(0.0, self.deadline - time.monotonic()):.0f}s "
                        f"of --stop_after_s={self.cfg.stop_after_s:g} are left; a rerun starts it")
 

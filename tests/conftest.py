@@ -1,5 +1,6 @@
 """Shared fixtures: the tiny Qwen3.5 / Qwen3 targets (built once, reused across runs) and a small chat corpus."""
 
+import functools
 import json
 import os
 import shutil
@@ -33,26 +34,32 @@ def pytest_configure(config):
 
 
 def gpu_suite_problem(cuda: bool, fla: bool, env: dict) -> str | None:
-    """Why the GPU tests selected must not run here, or None: with CUDA but without fla importable, the Qwen3.5 paths
-    they exist to test (fla's packed kernels in extraction, generation and the testbed) would run transformers'
-    pure-torch Gated DeltaNet instead and pass — or fail — on the wrong code."""
+    """Why the GPU tests must not run here, or None: with CUDA but without fla importable, the Qwen3.5 paths they
+    exist to test (fla's packed kernels in extraction, generation and the testbed) would run transformers' pure-torch
+    Gated DeltaNet instead and pass — or fail — on the wrong code."""
     if not cuda or fla or env.get("DFLASH_GPU_TESTS_WITHOUT_FLA") == "1":
         return None
     return ("the GPU tests need flash-linear-attention (fla-core and flash-linear-attention 0.6.0) importable with "
             "Triton: without it they test transformers' pure-torch fallback, not fla's kernels. Install it (on a lent "
-            "machine, bench/device_call.sh and bench/suite_device.sh install the carried .whl/ into /tmp/site: run "
-            "pytest with PYTHONPATH=/tmp/site), or set DFLASH_GPU_TESTS_WITHOUT_FLA=1 to run them on the fallback")
+            "machine: MARK=gpu bash bench/suite_device.sh installs the carried .whl/; bench/device_call.sh installs "
+            "them into /tmp/site, for a pytest run with PYTHONPATH=/tmp/site), or set DFLASH_GPU_TESTS_WITHOUT_FLA=1 "
+            "to run them on the fallback")
 
 
-@pytest.hookimpl(trylast=True)  # (after -m's deselection: `make test`'s "not gpu" leaves none)
-def pytest_collection_modifyitems(config, items):
-    if not torch.cuda.is_available() or not any(item.get_closest_marker("gpu") for item in items):
-        return
+@functools.cache
+def _gpu_suite_problem() -> str | None:
+    if not torch.cuda.is_available():
+        return None
     from dflash_offline.target import _fla
 
-    problem = gpu_suite_problem(torch.cuda.is_available(), _fla() is not None, dict(os.environ))
-    if problem:
-        pytest.exit(f"make test-gpu: {problem}", returncode=4)
+    return gpu_suite_problem(True, _fla() is not None, dict(os.environ))
+
+
+def pytest_runtest_setup(item):
+    """A GPU test fails at once, before its body, where `gpu_suite_problem` says why (each test: pytest -n's workers
+    cannot end the session from collection; the CPU tests collected beside them still run)."""
+    if item.get_closest_marker("gpu") and (problem := _gpu_suite_problem()):
+        pytest.fail(problem, pytrace=False)
 
 
 def no_mkldnn_anywhere():

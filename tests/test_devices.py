@@ -137,9 +137,9 @@ def test_the_gpu_suite_refuses_a_cuda_machine_without_fla_unless_told():
     assert gpu_suite_problem(cuda=True, fla=False, env={"DFLASH_GPU_TESTS_WITHOUT_FLA": "1"}) is None
 
 
-def test_the_gpu_suite_stops_at_collection_on_cuda_without_fla(tmp_path):
-    """The hook itself: a pytest of GPU tests in a process that sees CUDA (stubbed) and cannot import fla exits 4 at
-    collection with the message; -m "not gpu" (make test) is not stopped."""
+def test_the_gpu_tests_fail_at_once_on_cuda_without_fla(tmp_path):
+    """The hook itself: in a process that sees CUDA (stubbed) and cannot import fla, a GPU test fails before its body
+    (an error at its setup) with the message, also under pytest -n; a CPU test collected beside it still runs."""
     import subprocess
     import sys
 
@@ -150,8 +150,9 @@ def test_the_gpu_suite_stops_at_collection_on_cuda_without_fla(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(site), os.environ.get("PYTHONPATH"))))}
     env.pop("DFLASH_GPU_TESTS_WITHOUT_FLA", None)
     repo = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--co", "tests/test_testbed_gpu.py"]
-    r = subprocess.run(cmd + ["-m", "gpu"], cwd=repo, env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 4 and "need flash-linear-attention" in r.stdout + r.stderr, r.stdout[-2000:] + r.stderr
-    r = subprocess.run(cmd + ["-m", "not gpu"], cwd=repo, env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 5, r.stdout[-2000:] + r.stderr  # (nothing selected, nothing refused)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", "tests/test_testbed_gpu.py",
+           "tests/test_devices.py::test_the_gpu_suite_refuses_a_cuda_machine_without_fla_unless_told"]
+    for extra in ([], ["-n", "1"]):
+        r = subprocess.run(cmd + extra, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+        out = r.stdout + r.stderr
+        assert r.returncode == 1 and "1 passed, 1 error" in out and "need flash-linear-attention" in out, out[-3000:]

@@ -613,3 +613,18 @@ def test_evaluate_refuses_prompts_the_target_answers_at_once_instead_of_reportin
     # one new token is the prefill's: refused before anything loads
     with pytest.raises(ConfigError, match="max_new_tokens must be >= 2"):
         evaluate.main(args + ["--max_new_tokens=1"])
+
+
+def test_a_category_whose_answers_all_end_at_once_has_no_tau_in_the_report_not_nan():
+    """Overall τ is refused without a verify step; a category of prompts whose every answer ended at its first token
+    reports τ None (valid JSON), shown as "—", while the others keep theirs."""
+    from dflash_offline.evaluation import by_category, tau_text
+    from dflash_offline.speculate import GenStats
+
+    stats = [GenStats(block_size=4, accepted=[2, 0], emitted=[3, 1]), GenStats(block_size=4)]
+    cats = by_category(stats, [{"category": "math"}, {"category": "words"}])
+    assert cats["math"]["tau_mean"] == 2.0 and cats["math"]["verify_steps"] == 2
+    assert cats["words"] == {"prompts": 1, "verify_steps": 0, "tau_mean": None, "tau_emitted": None,
+                             "accept_ge": None}
+    json.dumps(cats, allow_nan=False)
+    assert (tau_text(cats["math"]["tau_mean"]), tau_text(cats["words"]["tau_mean"])) == ("2.00", "—")

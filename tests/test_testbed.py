@@ -110,9 +110,15 @@ def test_the_evaluation_prompts_are_the_first_whose_greedy_answer_neither_loops_
     g.write_text("".join(json.dumps(x) + "\n" for x in answers))
     with pytest.raises(ValueError, match="answers none of the 3 evaluation prompts.*--target_s"):
         choose_eval_prompts(c, g, out, 3, budget=48)
-    answers[6]["regen"]["new_tokens"] = [1]  # one answer to measure on: τ is defined
-    g.write_text("".join(json.dumps(x) + "\n" for x in answers))
-    assert choose_eval_prompts(c, g, out, 7, budget=48)["chosen_short"] == 7
+    answers[6]["regen"]["new_tokens"] = [1]  # one answer to measure on: τ is defined, and it is taken before the
+    g.write_text("".join(json.dumps(x) + "\n" for x in answers))  # empty ones that come earlier
+    assert choose_eval_prompts(c, g, out, 3, budget=48)["chosen_short"] == 3
+    assert [json.loads(x)["messages"][0]["content"] for x in out.read_text().splitlines()] == ["f0.py\n", "f1.py\n",
+                                                                                              "f6.py\n"]
+    # the untrained drafter is evaluated on the file's first `first` prompts: one of them must be answered
+    with pytest.raises(ValueError, match="answers none of the first 2 of the 3 evaluation prompts"):
+        choose_eval_prompts(c, g, out, 3, budget=48, first=2)
+    assert choose_eval_prompts(c, g, out, 3, budget=48, first=3)["chosen"] == 3
 
 
 def test_a_baseline_is_reused_only_for_the_same_key(tmp_path):
@@ -774,6 +780,8 @@ def test_sweep_presets_combine_without_repeating_an_arm():
     for label in ("a/b", "../x", ".hidden", "two words", "x" * 101):  # (a path would write the A/B record elsewhere)
         with pytest.raises(ConfigError, match=r"testbed.label=.*letters, digits"):
             config.TestbedConfig(label=label).resolve()
+    with pytest.raises(ConfigError, match="eval_tokens must be >= 2"):  # (before the target trains, not at eval)
+        config.TestbedConfig(eval_tokens=1).resolve()
 
 
 def test_a_label_spelt_with_a_tilde_is_refused_in_a_second_not_made_a_home_path(tmp_path):
@@ -972,20 +980,38 @@ def test_a_first_drafter_whose_graphs_a_stand_in_compiled_is_expected_to_take_le
     seed1 = Job("", p.run("", 1), p.hidden(), 1, {})
     new = Job("gamma=5", p.run("gamma5", 0), p.hidden(), 0, {"gamma": 5.0})
     pre = Precompile(cfg, p, [base, seed1, new], {})
-    d = scheduler.Drafters(cfg, p, "cpu", [base, seed1, new], 1, base.run, False, None, pre)
-    d.deadline = time.monotonic() + 217
+
+    def drafters():  # (a new invocation with 217 s left)
+        d = scheduler.Drafters(cfg, p, "cpu", [base, seed1, new], 1, base.run, False, None, pre)
+        d.deadline = time.monotonic() + 217
+        return d
+
+    d = drafters()
     assert not pre.compiled(base.run) and d.expected_s(base) == scheduler.FIRST_DRAFTER_S
     with pytest.raises(scheduler.Deferred):
         d.defer(base)
     for state in ("done", "earlier"):
         pre.by_run[base.run].state = state  # (the recipe's variant: its seeds' too)
         assert pre.compiled(seed1.run) and not pre.compiled(new.run)
+        d = drafters()
         assert d.expected_s(base) == scheduler.FIRST_PRECOMPILED_S < 217 and d.expected_s(new) == 240
         d.defer(base)
     pre.by_run[base.run].state = "failed"
     assert d.expected_s(base) == scheduler.FIRST_DRAFTER_S
     d.took = [(scheduler.graph_key(base), 99.0, False)]  # once one ended, what ended counts
     assert d.expected_s(new) == 99.0
+
+    # the base run deferred (its stand-in failed: 240 s) while a later arm's graphs are compiled (140 s): that arm is
+    # deferred too while the target-alone decodes, which the base run's untrained evaluation makes, do not exist
+    d = drafters()
+    pre.by_run[new.run].state = "done"
+    with pytest.raises(scheduler.Deferred, match="takes ≈ 240s"):
+        d.defer(base)
+    assert d.stopped.is_set() and d.expected_s(new) == scheduler.FIRST_PRECOMPILED_S
+    with pytest.raises(scheduler.Deferred, match="the base drafter.*was not"):
+        d.defer(new)
+    p.baseline(cfg.eval_tokens).write_text("{}")  # (made by an earlier invocation: nothing waits on the base run)
+    d.defer(new)
 
 
 def test_a_base_drafter_past_stop_after_s_stops_the_untrained_evaluation_too(tmp_path, monkeypatch):
