@@ -90,6 +90,9 @@ class TestbedConfig:
                 check_choice("testbed.sweep", name, tuple(SWEEPS))
         if self.seeds < 1 or self.eval_prompts < 1 or self.regen_docs < 1 or self.eval_candidates < 1:
             raise ConfigError("testbed.seeds, eval_prompts, eval_candidates and regen_docs must be >= 1")
+        if self.untrained_prompts < 0 or self.check_prompts < 0:
+            raise ConfigError(f"testbed.untrained_prompts and check_prompts must be >= 0, got "
+                              f"{self.untrained_prompts}, {self.check_prompts}")
         if self.eval_tokens < 2:  # (the evaluation's own check, made before the target trains)
             raise ConfigError(f"testbed.eval_tokens must be >= 2 (the first new token comes from the target's "
                               f"prefill, the drafter is measured from the second), got {self.eval_tokens}")

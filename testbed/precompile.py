@@ -204,8 +204,11 @@ class Precompile:
                 log(f"precompile {self.label(v)}: failed ({type(e).__name__}: {e})")
                 ok = False
             if ok:  # (recorded before it is said done, outside the lock: an fsync)
-                with self.done_lock:
-                    write_json_atomic(self.done_file, {**self.done(), v.key: self.stamp})
+                try:
+                    with self.done_lock:
+                        write_json_atomic(self.done_file, {**self.done(), v.key: self.stamp})
+                except OSError as e:  # (a later invocation compiles it again: time, not the result)
+                    log(f"precompile {self.label(v)}: not recorded in {self.done_file} ({e})")
             with self.cond:
                 v.state = "done" if ok else "stopped" if self.stopping else "failed"
                 v.seconds = time.perf_counter() - t0

@@ -58,6 +58,8 @@ def forget_from(p: Paths, st: dict, phase: str) -> None:
     doomed = {"target": [p.target, p.root / "corpus"], "regen": [p.regen, Path(str(p.regen) + ".stats.json"), p.eval_prompts, p.eval_greedy,
                                                     Path(str(p.eval_greedy) + ".stats.json")],
               "extract": [p.root / "cache"], "train": [p.root / "runs", p.root / "ab"]}
+    if "regen" in later:  # (the target-alone decodes of the prompts it chose, with the target that answered them)
+        doomed["regen"] += sorted(p.root.glob("baseline-*.json"))
     for ph in later:
         for path in doomed.get(ph, []):
             if path.is_dir():
@@ -106,7 +108,7 @@ def choose_eval_prompts(candidates: Path, greedy: Path, out: Path, n: int, budge
     if len(order) < n:
         raise ValueError(f"only {len(order)} held-out prompts were answered for eval_prompts={n}: lower "
                          f"heldout_every or eval_prompts")
-    picked = sorted(order[:n])  # (in the candidates' order)
+    picked = order[:n]  # (the usable first: the untrained drafter's `first` among them)
     head = picked[: first or n]
     if not any(answered[i] for i in head):  # (τ would be 0 tokens over 0 steps)
         which = f"the first {len(head)} of the {n} evaluation prompts" if len(head) < n else f"the {n} evaluation prompts"

@@ -127,7 +127,7 @@ def test_a_cpu_device_turns_transformers_install_fla_notes_into_one_accurate_lin
 
 def test_the_gpu_suite_refuses_a_cuda_machine_without_fla_unless_told():
     """`make test-gpu` on an H100 without fla's wheels installed ran the short testbed on transformers' pure-torch
-    Gated DeltaNet: it now stops at collection, in seconds, saying what to install."""
+    Gated DeltaNet: its GPU tests now fail at once, saying what to install."""
     from conftest import gpu_suite_problem
 
     assert gpu_suite_problem(cuda=False, fla=False, env={}) is None  # (a CPU: the GPU tests skip themselves)

@@ -113,12 +113,16 @@ def test_the_evaluation_prompts_are_the_first_whose_greedy_answer_neither_loops_
     answers[6]["regen"]["new_tokens"] = [1]  # one answer to measure on: τ is defined, and it is taken before the
     g.write_text("".join(json.dumps(x) + "\n" for x in answers))  # empty ones that come earlier
     assert choose_eval_prompts(c, g, out, 3, budget=48)["chosen_short"] == 3
-    assert [json.loads(x)["messages"][0]["content"] for x in out.read_text().splitlines()] == ["f0.py\n", "f1.py\n",
-                                                                                              "f6.py\n"]
-    # the untrained drafter is evaluated on the file's first `first` prompts: one of them must be answered
-    with pytest.raises(ValueError, match="answers none of the first 2 of the 3 evaluation prompts"):
-        choose_eval_prompts(c, g, out, 3, budget=48, first=2)
-    assert choose_eval_prompts(c, g, out, 3, budget=48, first=3)["chosen"] == 3
+    assert [json.loads(x)["messages"][0]["content"] for x in out.read_text().splitlines()] == ["f6.py\n", "f0.py\n",
+                                                                                              "f1.py\n"]
+    # the untrained drafter is evaluated on the file's first `first` prompts: the answered go first, so it has one
+    assert choose_eval_prompts(c, g, out, 3, budget=48, first=1)["chosen"] == 3
+    for a in answers:  # … and where the file's first are usable, they come before any fallback, in candidate order
+        a["regen"]["new_tokens"] = [40] if a["regen"]["index"] in (5, 6) else [0]
+    g.write_text("".join(json.dumps(x) + "\n" for x in answers))
+    choose_eval_prompts(c, g, out, 4, budget=48, first=2)
+    assert [json.loads(x)["messages"][0]["content"] for x in out.read_text().splitlines()] == [
+        "f5.py\n", "f6.py\n", "f0.py\n", "f1.py\n"]
 
 
 def test_a_baseline_is_reused_only_for_the_same_key(tmp_path):
@@ -782,6 +786,8 @@ def test_sweep_presets_combine_without_repeating_an_arm():
             config.TestbedConfig(label=label).resolve()
     with pytest.raises(ConfigError, match="eval_tokens must be >= 2"):  # (before the target trains, not at eval)
         config.TestbedConfig(eval_tokens=1).resolve()
+    with pytest.raises(ConfigError, match="untrained_prompts and check_prompts must be >= 0"):
+        config.TestbedConfig(untrained_prompts=-1).resolve()
 
 
 def test_a_label_spelt_with_a_tilde_is_refused_in_a_second_not_made_a_home_path(tmp_path):
@@ -1270,3 +1276,18 @@ def test_the_target_halves_its_micro_batch_when_out_of_memory_and_trains_as_if_i
     rec4, weights4, _ = train(4)
     assert rec4["micro_batch_rows"] == 4
     assert all(torch.equal(weights[k], weights4[k]) for k in weights4)
+
+
+def test_redoing_regen_or_the_target_forgets_the_target_alone_decodes_its_prompts_had(tmp_path):
+    """baseline-<tokens>.json holds the target's decodes of the prompts regen chose: --from_phase=regen or =target
+    removes it with them (else a later drafter would take it for the untrained evaluation's, start without it and
+    decode the target alone itself); --from_phase=train keeps it."""
+    from testbed.runs import forget_from
+
+    p = Paths(str(tmp_path))
+    for phase, kept in (("train", True), ("regen", False), ("target", False)):
+        p.root.mkdir(parents=True, exist_ok=True)
+        for t in (64, 12):
+            p.baseline(t).write_text("{}")
+        forget_from(p, {"phases": {ph: {} for ph in runs.PHASES}}, phase)
+        assert p.baseline(64).is_file() == kept and p.baseline(12).is_file() == kept, phase
