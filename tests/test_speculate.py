@@ -542,6 +542,22 @@ def test_evaluate_a_dflash2_run_drafts_with_the_selector_losslessly(tmp_path, hi
     assert r["block_size"] == 8 and r["teacher_forced"]["batches"] == 1
 
 
+def untrained_eval_args(tmp_path, hidden_cache, n: int) -> tuple[list[str], Path, Path]:
+    """stages.evaluate's arguments for an untrained drafter of the test shapes on `n` demo prompts (6 new tokens, no
+    teacher-forced estimate), its JSON out and the prompts file."""
+    run = tmp_path / "run"
+    run.mkdir()
+    dc = {"hidden_size": 64, "intermediate_size": 64, "vocab_size": 2048, "num_target_layers": 8,
+          "target_layer_ids": json.loads((hidden_cache / "manifest.json").read_text())["config"]["layer_ids"],
+          "mask_token_id": 1999, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "block_size": L}
+    (run / "config.json").write_text(json.dumps({"train": {"cache": str(hidden_cache), "target": "", "seed": 0},
+                                                 "drafter": dc}))
+    prompts = democorpus.write_jsonl(tmp_path / "eval.jsonl", n, seed=1_000_003)
+    out = tmp_path / "e.json"
+    return ([f"--run={run}", f"--prompts={prompts}", f"--num_prompts={n}", "--max_new_tokens=6", "--tf_batches=0",
+             "--untrained=1", f"--out={out}"], out, prompts)
+
+
 def test_evaluate_fails_on_a_difference_in_float32_and_counts_ties_in_bfloat16(tmp_path, hidden_cache, monkeypatch):
     """A broken decoder (last token changed) must be caught: in float32 any difference fails (exit 1, lossless false
     in the JSON); in bfloat16 a difference within `tie_tol` of the target's top logit is a tie, beyond it a failure."""
@@ -555,17 +571,7 @@ def test_evaluate_fails_on_a_difference_in_float32_and_counts_ties_in_bfloat16(t
         return out[:-1] + [(out[-1] + 1) % 1900], st
 
     monkeypatch.setattr(speculate, "speculative_generate", broken)
-    run = tmp_path / "run"
-    run.mkdir()
-    dc = {"hidden_size": 64, "intermediate_size": 64, "vocab_size": 2048, "num_target_layers": 8,
-          "target_layer_ids": json.loads((hidden_cache / "manifest.json").read_text())["config"]["layer_ids"],
-          "mask_token_id": 1999, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "block_size": L}
-    (run / "config.json").write_text(json.dumps({"train": {"cache": str(hidden_cache), "target": "", "seed": 0},
-                                                 "drafter": dc}))
-    prompts = democorpus.write_jsonl(tmp_path / "eval.jsonl", 1, seed=1_000_003)
-    out = tmp_path / "e.json"
-    args = [f"--run={run}", f"--prompts={prompts}", "--num_prompts=1", "--max_new_tokens=6", "--tf_batches=0",
-            "--untrained=1", f"--out={out}"]
+    args, out, _ = untrained_eval_args(tmp_path, hidden_cache, 1)
     assert evaluate.main(args + ["--tie_tol=1e9"]) == 1  # float32 (auto on a CPU): tie_tol does not apply
     r = json.loads(out.read_text())
     assert r["dtype"] == "float32" and r["mode"] == "exact" and r["tie_tol"] is None
@@ -590,17 +596,7 @@ def test_evaluate_refuses_prompts_the_target_answers_at_once_instead_of_reportin
     from dflash_offline import evalrun
     from stages import evaluate
 
-    run = tmp_path / "run"
-    run.mkdir()
-    dc = {"hidden_size": 64, "intermediate_size": 64, "vocab_size": 2048, "num_target_layers": 8,
-          "target_layer_ids": json.loads((hidden_cache / "manifest.json").read_text())["config"]["layer_ids"],
-          "mask_token_id": 1999, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "block_size": L}
-    (run / "config.json").write_text(json.dumps({"train": {"cache": str(hidden_cache), "target": "", "seed": 0},
-                                                 "drafter": dc}))
-    prompts = democorpus.write_jsonl(tmp_path / "eval.jsonl", 2, seed=1_000_003)
-    out = tmp_path / "e.json"
-    args = [f"--run={run}", f"--prompts={prompts}", "--num_prompts=2", "--max_new_tokens=6", "--tf_batches=0",
-            "--untrained=1", f"--out={out}"]
+    args, out, prompts = untrained_eval_args(tmp_path, hidden_cache, 2)
     real = evalrun.eos_ids
     monkeypatch.setattr(evalrun, "eos_ids", lambda target, tok: list(range(2048)))
     with pytest.raises(ValueError, match=f"{prompts}: the target ended its answer to every one of the 2 prompts"):
