@@ -473,7 +473,7 @@ def test_the_dry_run_plan_on_cpu_uses_the_real_token_counts(tmp_path, qwen35_dir
 
 
 def test_the_plan_marks_each_encodings_testbed_verdict_as_the_results_files_record_it():
-    """storage.TESTBED_TAU says what the frozen yardstick results ranked (bench/results/testbed-sweep-h200-<commit>.json,
+    """storage.TESTBED_TAU says what the frozen yardstick results ranked (bench/results/testbed-sweep-<gpu>-<commit>.json,
     each with its null and known-bad checks passed): an encoding marked "parity" is an arm judged at parity there (its
     Δ inside the null arm's interval, every seed lossless), a projection by its share of the testbed's width; one no
     file ranked is "not judged" — and the production recipes store the smallest encoding at parity."""
@@ -485,8 +485,8 @@ def test_the_plan_marks_each_encodings_testbed_verdict_as_the_results_files_reco
     from testbed.target import DIMS
 
     verdicts = {}
-    for commit in ("419204b", "9b6a2b6", "66bb894"):
-        res = json.loads((root / f"bench/results/testbed-sweep-h200-{commit}.json").read_text())
+    for commit in ("h200-419204b", "h200-9b6a2b6", "h200-66bb894", "h100-21931d7-encodings"):  # (the last: 3 seeds)
+        res = json.loads((root / f"bench/results/testbed-sweep-{commit}.json").read_text())
         assert res["discriminating"] and res["null_arm"]["ci_low"] < 0 < res["null_arm"]["ci_high"]
         assert res["bad_arm"]["ci_high"] < 0
         ranked = {a["label"]: a["verdict"] for a in res["arms"] if a["lossless"] and a["verdict"]}
@@ -536,9 +536,10 @@ def test_the_plan_marks_each_encodings_testbed_verdict_as_the_results_files_reco
 
 
 def _judged_at_parity(name: str, label: str, verdict: str = "parity") -> bool:
-    """Frozen yardstick results bench/results/testbed-sweep-h200-`name`.json rank arm `label` at parity (or
-    `verdict`), every seed lossless, with both checks passed."""
-    res = json.loads((REPO / f"bench/results/testbed-sweep-h200-{name}.json").read_text())
+    """Frozen yardstick results bench/results/testbed-sweep-h200-`name`.json (or `name`.json, a file's whole stem)
+    rank arm `label` at parity (or `verdict`), every seed lossless, with both checks passed."""
+    stem = name if name.startswith("testbed-sweep-") else f"testbed-sweep-h200-{name}"
+    res = json.loads((REPO / f"bench/results/{stem}.json").read_text())
     arm = {a["label"]: a for a in res["arms"]}.get(label)
     return (res["discriminating"] and res["null_arm"]["ci_low"] < 0 < res["null_arm"]["ci_high"]
             and res["bad_arm"]["ci_high"] < 0 and arm is not None and arm["lossless"] and arm["verdict"] == verdict)
@@ -546,9 +547,9 @@ def _judged_at_parity(name: str, label: str, verdict: str = "parity") -> bool:
 
 def test_a_recipe_trains_in_fp8_only_where_the_yardstick_judged_it_at_parity():
     """The production recipes' `precision` is the reference (bf16, the default) or fp8, and fp8 only because the
-    frozen yardstick results rank `precision=fp8` at parity (testbed-sweep-h200-0f164ec.json); their `loss_logits`
-    is fp32 (the default) or fp8 with fp8 linears, only because `precision=fp8 loss_logits=fp8` is at parity
-    (testbed-sweep-h200-80f65fe.json); the plan then counts the measured speed-up of what they train in. Their loss
+    frozen yardstick results rank `precision=fp8` at parity (testbed-sweep-h200-0f164ec.json, and at 3 seeds
+    testbed-sweep-h100-8c73fd9-fp8.json); their `loss_logits` is fp32 (the default) or fp8 with fp8 linears, only
+    because `precision=fp8 loss_logits=fp8` is at parity (testbed-sweep-h200-80f65fe.json, and the 3 seeds'); the plan then counts the measured speed-up of what they train in. Their loss
     weighs slots by decay (the default) or by D-PACE, only because `weighting=dpace` ranked better
     (testbed-sweep-h200-66bb894.json), and the plan then counts D-PACE's measured cost (its step against decay's,
     bench-train-{dpace,decay}-fp8-fp4-h200.json: the factor must be the ratio of those files' rates). A recipe
@@ -557,8 +558,10 @@ def test_a_recipe_trains_in_fp8_only_where_the_yardstick_judged_it_at_parity():
     first arm and checks are D-PACE's)."""
     import tomllib
 
-    judged = {"fp8": _judged_at_parity("0f164ec", "precision=fp8"),
-              "fp8 logits": _judged_at_parity("80f65fe", "precision=fp8 loss_logits=fp8"),
+    three_seeds = "testbed-sweep-h100-8c73fd9-fp8"  # (the float8 arms again, at 3 seeds on an H100)
+    judged = {"fp8": _judged_at_parity("0f164ec", "precision=fp8") and _judged_at_parity(three_seeds, "precision=fp8"),
+              "fp8 logits": _judged_at_parity("80f65fe", "precision=fp8 loss_logits=fp8")
+              and _judged_at_parity(three_seeds, "precision=fp8 loss_logits=fp8"),
               "dpace": _judged_at_parity("66bb894", "weighting=dpace", "better")}
     seen = {}
     for recipe in ("qwen3.5-27b", "qwen3.6-27b", "qwen3.8-27b-dflash2", "qwen3-8b"):
