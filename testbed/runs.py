@@ -100,11 +100,11 @@ def choose_eval_prompts(candidates: Path, greedy: Path, out: Path, n: int, budge
     cands = [json.loads(x) for x in candidates.read_text().splitlines() if x.strip()]
     answers = [json.loads(x) for x in greedy.read_text().splitlines() if x.strip()]
     loops = [looping(answer_text(r)) for r in answers]
-    short = [sum(r["regen"]["new_tokens"]) < max(1, budget // 2) for r in answers]
+    tokens = [sum(r["regen"]["new_tokens"]) for r in answers]
+    short = [t < max(1, budget // 2) for t in tokens]
     usable = [not (a or b) for a, b in zip(loops, short, strict=True)]
-    answered = [sum(r["regen"]["new_tokens"]) > 0 for r in answers]
-    order = ([i for i, ok in enumerate(usable) if ok] + [i for i, ok in enumerate(usable) if not ok and answered[i]]
-             + [i for i, ok in enumerate(usable) if not ok and not answered[i]])
+    answered = [t > 0 for t in tokens]
+    order = sorted(range(len(answers)), key=lambda i: (not usable[i], not answered[i]))  # (stable: candidate order)
     if len(order) < n:
         raise ValueError(f"only {len(order)} held-out prompts were answered for eval_prompts={n}: lower "
                          f"heldout_every or eval_prompts")
