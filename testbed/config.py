@@ -19,9 +19,9 @@ SWEEPS = {  # --sweep=NAME[,NAME…]: the union of their arms, the recipe first
     # DFlash2 against the recipe's DFlash at the recipe's block 16, γ, anchors and steps: the variant alone differs
     "dflash2": ["", "variant=dflash2"],
 }
-PRESETS = {  # sizes: full (make testbed), short (the GPU test, ≤ 2 min), micro (the CPU test: the pipeline's logic)
+PRESETS = {  # sizes: full (make testbed), short (the GPU test, ≈ 5 min), micro (the CPU test: the pipeline's logic)
     "full": {},
-    "short": {"source_mb": 16, "tokenizer_mb": 4, "target_s": 25, "regen_docs": 512, "train_steps": 80, "eval_prompts": 16, "eval_tokens": 48},
+    "short": {"source_mb": 16, "tokenizer_mb": 4, "target_s": 70, "regen_docs": 512, "train_steps": 80, "eval_prompts": 16, "eval_tokens": 48},
     "micro": {"packages": [], "source_mb": 2, "tokenizer_mb": 1, "vocab": 1024, "dims": "tiny", "target_rows": 128,
               "target_batch": 4, "target_s": 5, "target_steps": 8, "regen_docs": 12, "regen_tokens": 24,
               "regen_batch": 12, "train_steps": 6, "eval_prompts": 3, "untrained_prompts": 2, "check_prompts": 2, "eval_tokens": 12,
@@ -35,7 +35,7 @@ PRESETS = {  # sizes: full (make testbed), short (the GPU test, ≤ 2 min), micr
 class TestbedConfig:
     dir: str = "build/testbed"  # everything goes here (target, corpora, caches, runs, results)
     from_phase: str = ""  # redo this phase and the later ones: target | regen | extract | train | export | eval
-    preset: str = "full"  # full (make testbed) | short (GPU test, ≤ 2 min) | micro (CPU test of the logic)
+    preset: str = "full"  # full (make testbed) | short (GPU test, ≈ 5 min) | micro (CPU test of the logic)
     drafter_recipe: str = "manifests/testbed.toml"  # tokenize/extract/train settings of the drafter part
     train_args: str = ""  # extra train settings for every drafter (space-separated key=value)
     packages: list[str] = field(default_factory=lambda: ["torch", "transformers", "numpy", "huggingface_hub",

@@ -17,8 +17,8 @@ REPO = Path(__file__).resolve().parents[1]
 def test_short_testbed_trains_a_drafter_that_beats_an_untrained_one_losslessly(tmp_path):
     root = tmp_path / "tb"
     r = subprocess.run([sys.executable, "-m", "testbed", "--preset=short", f"--dir={root}"], cwd=REPO,
-                       capture_output=True, text=True, timeout=570)  # (415 s cold on an H200; a lent machine's
-    # call ends at 600 s: a timeout here still reports, and a rerun on the same machine continues the phases)
+                       capture_output=True, text=True, timeout=570)  # (282 s on an H100, its target 70 s; a lent
+    # machine's call ends at 600 s: a timeout here still reports, and a rerun on the same machine continues the phases)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     res = json.loads((root / "testbed.json").read_text())
     print(json.dumps({k: res[k] for k in ("tau_trained", "tau_untrained", "lossless", "seconds", "wall_s")}))
