@@ -74,7 +74,7 @@ test-gpu:  ## GPU tests (needs CUDA): test-gpu-extract and test-gpu-train togeth
 
 GPU_EXTRACT_TESTS = tests/test_target_gpu.py tests/test_extract_gpu.py
 
-test-gpu-extract:  ## GPU tests of stage 1 only: fla packed exactness (two large cases: ~8 min on an H200), CUDA extraction
+test-gpu-extract:  ## GPU tests of stage 1 only: fla packed exactness (two large cases: ~8 min on an H200, over 9 on an H100), CUDA extraction
 	$(PYTHON) -m pytest -q -m gpu $(GPU_EXTRACT_TESTS) -s
 
 test-gpu-train:  ## GPU tests of stage 2 only: compiled flex, loss kernels, master weights, DDP/FSDP where there are 2 GPUs
