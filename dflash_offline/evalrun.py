@@ -61,6 +61,7 @@ class EvalConfig:
     draft_baseline: bool = True  # target-alone decodes that are not timed (replayed or baseline-only prompts) verified in blocks against a batched greedy draft: the same tokens, ~10x fewer forwards
     template_kwargs: str = ""  # chat template settings the prompts are rendered with as served, a JSON object, e.g. '{"reasoning_effort": "low"}' (Qwen3.8)
     check_prompts: int = 0  # with --replay: the first N prompts also decoded for real (lossless check, speed figures, replay = decode checked)
+    replay_batch: int = 0  # with --replay: the drafts at up to N anchors from one batched drafter forward (0: a drafting call a step, as a decode)
     trust_code: bool = False  # run the export's dflash.py even where it is not this version's shipped modeling code (loading runs it)
 
     def resolve(self) -> EvalConfig:
@@ -79,8 +80,10 @@ class EvalConfig:
         if self.spec_prompts < 0 or self.check_prompts < 0:
             raise ConfigError(f"eval.spec_prompts and eval.check_prompts must be >= 0, got {self.spec_prompts}, "
                               f"{self.check_prompts}")
-        if self.check_prompts and not self.replay:
-            raise ConfigError("eval.check_prompts checks a replay against real decodes: it needs --replay=1 (without "
+        if self.replay_batch < 0:
+            raise ConfigError(f"eval.replay_batch must be >= 0, got {self.replay_batch}")
+        if (self.check_prompts or self.replay_batch) and not self.replay:
+            raise ConfigError("eval.check_prompts and eval.replay_batch are a replay's: they need --replay=1 (without "
                               "it every prompt is decoded for real)")
         if self.tf_batches < 0 or self.tf_rows < 1:
             raise ConfigError(f"eval.tf_batches must be >= 0 and eval.tf_rows >= 1, got {self.tf_batches}, "
@@ -207,7 +210,7 @@ def decode(cfg: EvalConfig, target, drafter, prompts: list[dict], eos: list[int]
             continue
         rec = {"prompt_tokens": len(p["ids"]), "category": p["category"], "target_s": rs.seconds}
         if cfg.replay:
-            _, st = replay_generate(target, drafter, p["ids"], ref, cfg.max_new_tokens, eos)
+            _, st = replay_generate(target, drafter, p["ids"], ref, cfg.max_new_tokens, eos, cfg.replay_batch)
             taus.append(st)
         if i < n_real:
             out, ss = speculative_generate(target, drafter, p["ids"], cfg.max_new_tokens, eos)

@@ -18,7 +18,8 @@ floating-point rounding between a block forward and token-by-token forwards flip
 Who owns what: the drafter is the artifact users load. `load_exported` opens an export directory through
 `AutoModel.from_pretrained(..., trust_remote_code=True)` (its `dflash.py`, checked against the weights' SHA-256 in
 the export's provenance) and `ExportedDrafter` calls its `draft_tokens`, the same drafting step as its own
-`spec_generate`, with the target's embedding and lm_head. This module has no drafter code of its own: it is the
+`spec_generate`, with the target's embedding and lm_head (a replay drafting many anchors at once calls the shipped
+model's forward, with a row and a mask per anchor). This module has no drafter code of its own: it is the
 engine's side — verification, acceptance, cache rollback, timing — which engines implement themselves too.
 (`spec_generate` in dflash.py recomputes a hybrid target over the whole sequence at every block; here the target's
 cache is rolled back instead, which gives the same tokens and τ at an engine's cost per step.)
@@ -171,6 +172,55 @@ class ExportedDrafter:
     def draft(self, ctx_new_1SK: torch.Tensor, anchor_11: torch.Tensor, pos: int, block_size: int) -> torch.Tensor:
         assert self.cache.get_seq_length() + ctx_new_1SK.shape[1] == pos, "new context does not end at the anchor"
         return self.model.draft_tokens(ctx_new_1SK, anchor_11, self.cache, self.embed, self.lm_head, block_size)[0]
+
+    # --- a replay's drafts at many anchors at once (`replay_generate(anchors_at_once=N)`)
+
+    def start_replay(self, ctx_1TK: torch.Tensor, tokens_1T: torch.Tensor) -> None:
+        """A known sequence `tokens_1T` to draft along: the keys and values of its context positions (the T tapped
+        states given) computed in one drafting call, as a decode's first step computes a prompt's."""
+        self.tokens, self.cache = tokens_1T, self.model.draft_cache()
+        self.model.draft_block(ctx_1TK, tokens_1T[:, :1], self.cache, self.embed, self.lm_head)  # (block dropped)
+
+    def draft_anchors(self, anchors: list[int], block_size: int) -> list[list[int]]:
+        """The drafts a decode's step makes at each anchor position in `anchors` (its token `tokens[a]`, its context
+        every position before `a`), in one forward of the shipped model: a row per anchor, its block's queries
+        seeing the context keys before its anchor (through the model's own masks for sliding layers) and its own
+        block, as `draft_tokens` computes them at that step — the same drafts but for float rounding."""
+        m, dev, L = self.model, self.tokens.device, block_size
+        a_B, T = torch.tensor(anchors, device=dev), self.cache.get_seq_length()
+        if int(a_B.max()) > T:
+            raise ValueError(f"anchor at {int(a_B.max())}: the replay's context holds {T} positions")
+        block_BL = torch.full((len(anchors), L), m.mask_token_id, dtype=torch.long, device=dev)
+        block_BL[:, 0] = self.tokens[0, a_B]
+        pos_BL = a_B[:, None] + torch.arange(L, device=dev)
+        ctx_pos_BT = torch.arange(T, device=dev).expand(len(anchors), T)
+        seen_B1LK = torch.cat([ctx_pos_BT < a_B[:, None], torch.ones_like(pos_BL, dtype=torch.bool)], 1)[:, None,
+                                                                                                          None]
+        seen_B1LK = seen_B1LK.expand(-1, -1, L, -1)
+        masks = {kind: seen_B1LK if mask is None else mask & seen_B1LK
+                 for kind, mask in m.default_masks(torch.cat([ctx_pos_BT, pos_BL], 1), L).items()}
+        h_BLH = m(position_ids=pos_BL, noise_embedding=self.embed(block_BL), past_key_values=_SharedContext(
+            self.cache, len(anchors)), attention_mask=masks)[:, 1:]
+        logits = self.lm_head(h_BLH)
+        if hasattr(m, "candidate_selector"):  # DFlash2 drafts by its selector's walk (its `draft_tokens`)
+            return m.candidate_selector.walk(h_BLH, logits, block_BL[:, 0]).tolist()
+        return logits.argmax(-1).tolist()  # (DFlash's `draft_tokens` at temperature 0)
+
+
+class _SharedContext:
+    """One sequence's context keys and values ([1, G, T, D] a layer) before every row's block keys and values: the
+    cache a batch of blocks at different anchors reads (their masks hide what is past each one's anchor)."""
+
+    def __init__(self, cache, rows: int):
+        self.cache, self.rows = cache, rows
+
+    def update(self, k, v, layer_idx: int, *args, **kwargs):
+        kc, vc = self.cache.keys[layer_idx], self.cache.values[layer_idx]
+        return (torch.cat([kc.expand(self.rows, -1, -1, -1), k], 2),
+                torch.cat([vc.expand(self.rows, -1, -1, -1), v], 2))
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.cache.get_seq_length(layer_idx)
 
 
 # --- the target ------------------------------------------------------------------------------------------------
@@ -469,7 +519,7 @@ def speculative_generate(target, drafter, prompt_ids, max_new_tokens: int, eos_i
 
 @torch.no_grad()
 def replay_generate(target, drafter, prompt_ids, greedy: list[int], max_new_tokens: int,
-                    eos_ids=None) -> tuple[list[int], GenStats]:
+                    eos_ids=None, anchors_at_once: int = 0) -> tuple[list[int], GenStats]:
     """The verify steps `speculative_generate` would take, replayed on the target's known greedy output `greedy`
     (`greedy_generate`'s, same budget and eos) instead of verified by the target: ONE target forward over prompt +
     `greedy` gives every tapped state, then the drafter drafts step after step exactly as in a real decode (same
@@ -482,6 +532,11 @@ def replay_generate(target, drafter, prompt_ids, greedy: list[int], max_new_toke
     not checked (the target's tokens there are unknown): `accepted` of the last step may be lower than the decode's,
     `emitted` and `tau_emitted` are exact. Costs one target forward per prompt instead of one or two per step;
     there are no speed figures (`verify_ms`, `rollback_ms` empty) and no lossless check (the output is `greedy`).
+
+    `anchors_at_once=N` (a drafter with `draft_anchors`): where the walk reaches an anchor not drafted yet, the
+    drafts at it and the N-1 positions after it come from one batched forward (`ExportedDrafter.draft_anchors`)
+    instead of a drafting call a step; the drafts are equal but for float rounding (a flipped near-tie changes a
+    step), so the steps are those of the decode as the sequential replay's are; `draft_ms` is then empty.
     """
     dev, eos, L, layer_ids = _device(target), _eos_set(eos_ids), drafter.block_size, list(drafter.layer_ids)
     ids = _as_ids(prompt_ids, dev)
@@ -500,12 +555,21 @@ def replay_generate(target, drafter, prompt_ids, greedy: list[int], max_new_toke
     st.target_forwards = 1
     drafter.start()
     out, ctx, pos = greedy[:1], hid[:, :P], P  # pos: the anchor's position
+    batched, drafts, last = anchors_at_once > 0 and len(greedy) > 1, {}, P + len(greedy) - 1  # (anchors < last)
+    if batched:
+        drafter.start_replay(hid[:, : last - 1], seq)  # (the last anchor's context)
     _sync(dev)
     st.prefill_s = time.perf_counter() - t0
     while len(out) < max_new_tokens and out[-1] not in eos:
-        m0 = timer.mark()
-        d = drafter.draft(ctx, torch.tensor([[out[-1]]], device=dev), pos, L).tolist()
-        timer.step(m0, timer.mark())
+        if batched:
+            if pos not in drafts:
+                anchors = list(range(pos, min(pos + anchors_at_once, last)))
+                drafts.update(zip(anchors, drafter.draft_anchors(anchors, L), strict=True))
+            d = drafts[pos]
+        else:
+            m0 = timer.mark()
+            d = drafter.draft(ctx, torch.tensor([[out[-1]]], device=dev), pos, L).tolist()
+            timer.step(m0, timer.mark())
         truth = greedy[len(out): len(out) + L]  # the target's tokens after the anchor (L-1 drafts' and the bonus)
         m = min(L - 1, len(truth))  # drafts that can be checked
         n = next((k for k in range(m) if d[k] != truth[k]), m)

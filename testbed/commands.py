@@ -151,7 +151,7 @@ def evaluate_args(cfg: TestbedConfig, p: Paths, run: Path, dev: str, untrained: 
             f"--baseline={p.baseline(cfg.eval_tokens)}"]
     replay = cfg.replay and bool(cfg.arms or cfg.sweep)
     if replay:
-        args += ["--replay=1", f"--check_prompts={check}"]
+        args += ["--replay=1", f"--check_prompts={check}", f"--replay_batch={cfg.replay_batch}"]
     # (the untrained drafter replays or decodes `untrained_prompts` prompts: τ ≈ 1, so each takes a step per token —
     # 64 prompts replayed took 62 s of the GPU beside the first drafter's training on an H100; the baseline it makes
     # still holds every prompt)

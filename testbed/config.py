@@ -75,6 +75,7 @@ class TestbedConfig:
     resident: bool = False  # bench switch: each drafter's training reads its cache once onto the device and gathers its batches there instead of streaming them (BenchSwitches.resident: the same batches; needs train_worker, which keeps them there for its next drafter on that cache)
     precompile: str = "auto"  # on | off | auto (= on where the drafters compile: CUDA, or compile=on in train_args): while the target trains, regenerates and is extracted, compile each drafter setting's graphs on a stand-in of its shapes (random weights and states), so that the drafters load them from the compile caches (testbed/precompile.py)
     check_prompts: int = 8  # A/B with replay: prompts each arm's first drafter also decodes for real (lossless check, replay = decode checked)
+    replay_batch: int = 0  # bench switch: A/B replays draft up to N anchors in one batched forward (eval.replay_batch; 0: a drafting call a step); the real decodes check them
     checks: bool = True  # A/B: add the null arm (the recipe under other seeds) and the known-bad arm (¼ of the steps); rank arms only when both behave
     stop_after_s: float = 0.0  # A drafter is not started when its expected time (the longest drafter of this invocation; before one ended, 140 s where a stand-in compiled its graphs, else 240 s; an arm's further seed: the longest repeat of its settings, before one the longest repeat and at least half its first; none after a base drafter not started before the target-alone decodes exist) would end past this many seconds of it: the call stops early (exit 3), a rerun resumes; 0 = no limit
     summarize: bool = False  # A/B: train and evaluate nothing; rank the arms whose every seed is evaluated already (a stopped sweep's) and write the results
@@ -90,9 +91,9 @@ class TestbedConfig:
                 check_choice("testbed.sweep", name, tuple(SWEEPS))
         if self.seeds < 1 or self.eval_prompts < 1 or self.regen_docs < 1 or self.eval_candidates < 1:
             raise ConfigError("testbed.seeds, eval_prompts, eval_candidates and regen_docs must be >= 1")
-        if self.untrained_prompts < 0 or self.check_prompts < 0:
-            raise ConfigError(f"testbed.untrained_prompts and check_prompts must be >= 0, got "
-                              f"{self.untrained_prompts}, {self.check_prompts}")
+        if min(self.untrained_prompts, self.check_prompts, self.replay_batch) < 0:
+            raise ConfigError(f"testbed.untrained_prompts, check_prompts and replay_batch must be >= 0, got "
+                              f"{self.untrained_prompts}, {self.check_prompts}, {self.replay_batch}")
         if self.eval_tokens < 2:  # (the evaluation's own check, made before the target trains)
             raise ConfigError(f"testbed.eval_tokens must be >= 2 (the first new token comes from the target's "
                               f"prefill, the drafter is measured from the second), got {self.eval_tokens}")

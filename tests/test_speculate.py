@@ -309,6 +309,36 @@ def test_replay_takes_the_steps_of_a_real_decode(tmp_path, targets, qwen3_dir, q
     assert len(set(taus)) >= 3  # partial acceptances of several lengths
 
 
+@pytest.mark.parametrize("kind", ["dflash", "sliding-causal", "sliding-bidirectional", "dflash2"])
+def test_a_replay_drafting_many_anchors_at_once_takes_the_stepwise_replays_steps(tmp_path, targets, qwen35_dir, kind):
+    """`replay_generate(anchors_at_once=N)` drafts the anchors a walk may reach in batched forwards (each row's block
+    seeing only the context before its anchor) and takes the steps of the replay that drafts step by step — for
+    DFlash with full and sliding layers (causal or bidirectional in the block, a window shorter than the context)
+    and for DFlash2 (its block convolution and selector walk): whatever N, at eos and at the budget."""
+    model, tok = targets["qwen3_5"]
+    target = type(model).from_pretrained(str(qwen35_dir), dtype=torch.float32).eval()
+    two_token_head(target)
+    kw = {"dflash": {}, "dflash2": {"variant": "dflash2", "selector_rank": 8, "selector_top_k": 4},
+          "sliding-causal": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 12},
+          "sliding-bidirectional": {"layer_types": ["sliding_attention", "sliding_attention"], "sliding_window": 12,
+                                    "block_attention": "bidirectional"}}[kind]
+    drafter = ExportedDrafter(load_exported(exported(tmp_path, qwen35_dir, **kw))[0], target)
+    steps = []
+    for i, n, at_once in ((0, 30, 64), (1, 17, 5), (2, 24, 1)):
+        prompt = held_out_prompt(tok, i)
+        ref, _ = greedy_generate(target, prompt, n, eos_ids=[])
+        for eos in ([], [ref[n // 2]]):
+            greedy = ref[: ref.index(eos[0]) + 1] if eos else ref
+            stepwise = replay_generate(target, drafter, prompt, greedy, n, eos_ids=eos)[1]
+            out, batched = replay_generate(target, drafter, prompt, greedy, n, eos_ids=eos, anchors_at_once=at_once)
+            assert out == greedy and batched.accepted == stepwise.accepted and batched.emitted == stepwise.emitted
+            assert batched.target_forwards == 1 and not batched.draft_ms
+            steps += stepwise.accepted
+    # partial acceptances of several lengths: the drafts matter (DFlash2's random selector, picking among its top 4,
+    # accepts fewer)
+    assert len(set(steps)) >= (2 if kind == "dflash2" else 3)
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
 def test_greedy_by_blocks_is_the_greedy_output(targets, arch):
     """The target-alone decode verified in blocks against a batched greedy draft is `greedy_generate`'s output token
@@ -444,18 +474,20 @@ def test_evaluate_measures_the_export(tmp_path, hidden_cache):
     assert again["baseline"]["reused"] and again["num_prompts"] == 3 and again["tau_hist"] == r["tau_hist"]
 
     # τ replayed on the baseline's greedy outputs: the decode's τ; two prompts also decoded for real (the lossless
-    # check and the speed figures come from them), one not at all (no speed figures)
-    for check in (2, 0):
+    # check and the speed figures come from them), one not at all (no speed figures); drafting 4 anchors at once
+    for check, batch in ((2, 0), (0, 0), (2, 4)):
         assert evaluate.main(args + [f"--export={run / 'eval-export'}", "--tf_batches=0", f"--out={out}",
-                                     f"--baseline={base}", "--replay=1", f"--check_prompts={check}"]) == 0
+                                     f"--baseline={base}", "--replay=1", f"--check_prompts={check}",
+                                     f"--replay_batch={batch}"]) == 0
         rp = json.loads(out.read_text())
         assert rp["tau_from"] == "replay" and rp["tau_emitted"] == r["tau_emitted"]
         assert rp["verify_steps"] == r["verify_steps"] and rp["new_tokens"] == r["new_tokens"]
         assert rp["replay_check"] == {"prompts": check, "agree": check} and rp["lossless_prompts"] == check
         assert [p["emitted"] for p in rp["per_prompt"]] == [p["emitted"] for p in r["per_prompt"]]
         assert (rp["speedup"] is None) == (check == 0) and (rp["verify_ms"] is None) == (check == 0)
-    with pytest.raises(ConfigError, match="needs --replay=1"):
-        evaluate.main(args + ["--check_prompts=1"])
+    for arg in ("--check_prompts=1", "--replay_batch=4"):
+        with pytest.raises(ConfigError, match="need --replay=1"):
+            evaluate.main(args + [arg])
 
     # a prompts file with a bad line: one error naming file:line, before the target loads
     from dflash_offline import evalrun

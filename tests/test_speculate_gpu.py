@@ -80,6 +80,11 @@ def test_evaluate_on_cuda_exact_and_bf16(tmp_path, hidden_cache):
     assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
     assert r["device"].startswith("cuda") and r["draft_ms"] > 0 and r["verify_ms"] > 0 and r["speedup_engine_est"] > 0
     assert set(r["by_category"]) == {"a", "b"} and len(r["accept_ge"]) == 7
+    # τ replayed, drafting 16 anchors a forward (CUDA's attention with the rows' masks, float32): the decode's steps
+    out = tmp_path / "replay.json"
+    assert evaluate.main(args + ["--replay=1", "--check_prompts=6", "--replay_batch=16", f"--out={out}"]) == 0
+    rp = json.loads(out.read_text())
+    assert rp["replay_check"] == {"prompts": 6, "agree": 6} and rp["tau_emitted"] == r["tau_emitted"]
     out = tmp_path / "bf16.json"
     code = evaluate.main(args + ["--dtype=bfloat16", f"--out={out}"])
     b = json.loads(out.read_text())

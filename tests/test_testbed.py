@@ -536,8 +536,10 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     assert alone.returncode == 0, alone.stderr[-2000:]
     assert untimed(json.loads((root / "alone.json").read_text())) == untimed(json.loads((run / "eval.json").read_text()))
     # in an A/B (τ by replay) the untrained drafter too replays only `untrained_prompts` prompts, and reuses the
-    # baseline of every prompt
-    args = commands.evaluate_args(dataclasses.replace(cfg, arms=";gamma=5"), Paths(root), run, "cpu", True)
+    # baseline of every prompt (its drafts at 8 anchors a forward: --replay_batch)
+    args = commands.evaluate_args(dataclasses.replace(cfg, arms=";gamma=5", replay_batch=8), Paths(root), run, "cpu",
+                                  True)
+    assert "--replay_batch=8" in args
     replayed = subprocess.run([sys.executable, "-m", "stages.evaluate", *args, f"--out={root / 'untrained.json'}"],
                               cwd=REPO, capture_output=True, text=True, timeout=300)
     assert replayed.returncode == 0, replayed.stderr[-2000:]
@@ -786,8 +788,9 @@ def test_sweep_presets_combine_without_repeating_an_arm():
             config.TestbedConfig(label=label).resolve()
     with pytest.raises(ConfigError, match="eval_tokens must be >= 2"):  # (before the target trains, not at eval)
         config.TestbedConfig(eval_tokens=1).resolve()
-    with pytest.raises(ConfigError, match="untrained_prompts and check_prompts must be >= 0"):
-        config.TestbedConfig(untrained_prompts=-1).resolve()
+    for bad in ({"untrained_prompts": -1}, {"replay_batch": -1}):
+        with pytest.raises(ConfigError, match="check_prompts and replay_batch must be >= 0"):
+            config.TestbedConfig(**bad).resolve()
 
 
 def test_a_label_spelt_with_a_tilde_is_refused_in_a_second_not_made_a_home_path(tmp_path):
