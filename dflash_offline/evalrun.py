@@ -61,7 +61,7 @@ class EvalConfig:
     draft_baseline: bool = True  # target-alone decodes that are not timed (replayed or baseline-only prompts) verified in blocks against a batched greedy draft: the same tokens, ~10x fewer forwards
     template_kwargs: str = ""  # chat template settings the prompts are rendered with as served, a JSON object, e.g. '{"reasoning_effort": "low"}' (Qwen3.8)
     check_prompts: int = 0  # with --replay: the first N prompts also decoded for real (lossless check, speed figures, replay = decode checked)
-    replay_batch: int = 0  # with --replay: the drafts at up to N anchors from one batched drafter forward (0: a drafting call a step, as a decode)
+    replay_batch: int = 0  # with --replay: the drafts at up to N anchors from one batched drafter forward (0: a drafting call a step, as a decode); float32 and this version's modeling code only
     trust_code: bool = False  # run the export's dflash.py even where it is not this version's shipped modeling code (loading runs it)
 
     def resolve(self) -> EvalConfig:
@@ -272,7 +272,7 @@ def evaluate(cfg: EvalConfig) -> dict:
 
     from dflash_offline.cache.manifest import has_manifest
     from dflash_offline.progress import log
-    from dflash_offline.speculate import ExportedDrafter
+    from dflash_offline.speculate import ExportedDrafter, shipped_modeling_sha256
     from dflash_offline.target import read_target_info
 
     run_dir = Path(cfg.run)
@@ -289,6 +289,9 @@ def evaluate(cfg: EvalConfig) -> dict:
         raise ValueError(f"prompts file {prompts_file} does not exist: pass --prompts= a chat JSONL")
     device, dtype_name = compute(cfg, target_dir)
     dtype, exact = getattr(torch, dtype_name), dtype_name == "float32"
+    if cfg.replay_batch and not exact:
+        raise ConfigError(f"eval.replay_batch drafts in float32 only (in {dtype_name} its rows' masked context rounds "
+                          f"otherwise than a decode's step): pass --dtype=float32, or --replay_batch=0")
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(target_dir))  # the prompts, checked before anything large loads
@@ -298,6 +301,9 @@ def evaluate(cfg: EvalConfig) -> dict:
 
     # --- the drafter: the shipped artifact (small; validates the run before the target is loaded)
     model, artifact, dc = load_drafter(cfg, ri, run_dir, device, dtype, log)
+    if cfg.replay_batch and artifact["path"] and artifact["modeling_sha256"] != shipped_modeling_sha256():
+        raise ConfigError(f"eval.replay_batch drafts through this version's modeling code (its forward, masks and "
+                          f"cache); {artifact['path']}/dflash.py is other code (--trust_code=1): pass --replay_batch=0")
     info = read_target_info(target_dir)
     check_same_target(info, dc, target_dir)
 

@@ -19,8 +19,8 @@ Who owns what: the drafter is the artifact users load. `load_exported` opens an 
 `AutoModel.from_pretrained(..., trust_remote_code=True)` (its `dflash.py`, checked against the weights' SHA-256 in
 the export's provenance) and `ExportedDrafter` calls its `draft_tokens`, the same drafting step as its own
 `spec_generate`, with the target's embedding and lm_head (a replay drafting many anchors at once calls the shipped
-model's forward, with a row and a mask per anchor). This module has no drafter code of its own: it is the
-engine's side — verification, acceptance, cache rollback, timing — which engines implement themselves too.
+model's forward, with a row and a mask per anchor: the one place it assembles a drafting step itself). Else this
+module has no drafter code of its own: it is the engine's side — verification, acceptance, cache rollback, timing — which engines implement themselves too.
 (`spec_generate` in dflash.py recomputes a hybrid target over the whole sequence at every block; here the target's
 cache is rolled back instead, which gives the same tokens and τ at an engine's cost per step.)
 
@@ -83,13 +83,19 @@ def read_export(export_dir) -> dict:
     return prov
 
 
+def shipped_modeling_sha256() -> str:
+    """The SHA-256 of the dflash.py this version exports (its modeling code)."""
+    from dflash_offline.export import modeling_source
+
+    return hashlib.sha256(modeling_source().encode()).hexdigest()
+
+
 def check_modeling_code(d: Path, prov: dict, trust_code: bool = False, log=print) -> str:
     """The SHA-256 of the export's dflash.py, which loading runs as code on this machine: refused unless it is the
     modeling code this version ships (or `trust_code`), saying whether it changed after the export."""
-    from dflash_offline.export import MODELING_FILE, modeling_source
+    from dflash_offline.export import MODELING_FILE
 
-    sha = sha256_file(d / MODELING_FILE)
-    shipped = hashlib.sha256(modeling_source().encode()).hexdigest()
+    sha, shipped = sha256_file(d / MODELING_FILE), shipped_modeling_sha256()
     if sha == shipped:
         return sha
     recorded = prov.get("modeling_sha256")
@@ -175,6 +181,7 @@ class ExportedDrafter:
 
     # --- a replay's drafts at many anchors at once (`replay_generate(anchors_at_once=N)`)
 
+    @torch.no_grad()
     def start_replay(self, ctx_1TK: torch.Tensor, tokens_1T: torch.Tensor) -> None:
         """A known sequence `tokens_1T` to draft along: the keys and values of its context positions (the T tapped
         states given) computed in one drafting call, as a decode's first step computes a prompt's."""
@@ -183,9 +190,18 @@ class ExportedDrafter:
 
     def draft_anchors(self, anchors: list[int], block_size: int) -> list[list[int]]:
         """The drafts a decode's step makes at each anchor position in `anchors` (its token `tokens[a]`, its context
-        every position before `a`), in one forward of the shipped model: a row per anchor, its block's queries
+        every position before `a`), in batched forwards of the shipped model: a row per anchor, its block's queries
         seeing the context keys before its anchor (through the model's own masks for sliding layers) and its own
-        block, as `draft_tokens` computes them at that step — the same drafts but for float rounding."""
+        block, as `draft_tokens` computes them at that step — the same drafts but for float rounding (float32: the
+        masked context keys add exact zeros; in bfloat16 the sums round otherwise). As many rows a forward as keep
+        each layer's keys, expanded to every head, within `REPLAY_ELEMENTS`."""
+        c = self.model.config
+        rows = max(1, REPLAY_ELEMENTS // ((self.cache.get_seq_length() + block_size) * c.num_attention_heads
+                                          * c.head_dim))
+        return [d for i in range(0, len(anchors), rows) for d in self._draft_rows(anchors[i:i + rows], block_size)]
+
+    @torch.no_grad()
+    def _draft_rows(self, anchors: list[int], block_size: int) -> list[list[int]]:
         m, dev, L = self.model, self.tokens.device, block_size
         a_B, T = torch.tensor(anchors, device=dev), self.cache.get_seq_length()
         if int(a_B.max()) > T:
@@ -205,6 +221,11 @@ class ExportedDrafter:
         if hasattr(m, "candidate_selector"):  # DFlash2 drafts by its selector's walk (its `draft_tokens`)
             return m.candidate_selector.walk(h_BLH, logits, block_BL[:, 0]).tolist()
         return logits.argmax(-1).tolist()  # (DFlash's `draft_tokens` at temperature 0)
+
+
+# the most key elements (rows × keys × heads × head dim) a batched drafting forward holds a layer: 1 GiB in float32
+# (attention with a mask and grouped keys expands them to every head)
+REPLAY_ELEMENTS = 1 << 28
 
 
 class _SharedContext:

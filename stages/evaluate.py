@@ -29,6 +29,8 @@ tokens. Same steps, same emitted tokens, hence the same `tau_emitted` (the draft
 or the budget are not checked, so `tau_mean` can only be lower), at one target forward per prompt instead of one or
 two per step; the first `--check_prompts` prompts are also decoded for real — the lossless check and the speed
 figures come from them (none without), and `replay_check` counts the prompts whose replay took the decode's steps.
+`--replay_batch=N` drafts at up to N anchors in one batched forward of the shipped model instead of a call a step
+(float32 and this version's modeling code only; `speculate.ExportedDrafter.draft_anchors`).
 
 Lossless check, by `--dtype` (target and drafter compute dtype): in float32 (exact mode) every speculative output
 must equal the target's greedy output, any difference fails (TF32 is switched off on CUDA); in bfloat16 a block

@@ -310,20 +310,42 @@ def test_replay_takes_the_steps_of_a_real_decode(tmp_path, targets, qwen3_dir, q
 
 
 @pytest.mark.parametrize("kind", ["dflash", "sliding-causal", "sliding-bidirectional", "dflash2"])
-def test_a_replay_drafting_many_anchors_at_once_takes_the_stepwise_replays_steps(tmp_path, targets, qwen35_dir, kind):
+def test_a_replay_drafting_many_anchors_at_once_takes_the_stepwise_replays_steps(tmp_path, targets, qwen35_dir, kind,
+                                                                                  monkeypatch):
     """`replay_generate(anchors_at_once=N)` drafts the anchors a walk may reach in batched forwards (each row's block
-    seeing only the context before its anchor) and takes the steps of the replay that drafts step by step — for
-    DFlash with full and sliding layers (causal or bidirectional in the block, a window shorter than the context)
-    and for DFlash2 (its block convolution and selector walk): whatever N, at eos and at the budget."""
+    seeing only the context before its anchor): at every anchor the drafts a decode's step makes, through the real
+    lm_head, split into forwards of a few rows by the memory budget — for DFlash with full and sliding layers (a
+    window shorter than the block, causal; bidirectional) and DFlash2 (its block convolution and selector walk, on
+    sliding layers too) — so the replay takes the stepwise replay's steps, whatever N, at eos and at the budget."""
+    from dflash_offline import speculate
+
     model, tok = targets["qwen3_5"]
+    kw = {"dflash": {}, "sliding-causal": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5},
+          "sliding-bidirectional": {"layer_types": ["sliding_attention", "sliding_attention"], "sliding_window": 12,
+                                    "block_attention": "bidirectional"},
+          "dflash2": {"variant": "dflash2", "selector_rank": 8, "selector_top_k": 4, "sliding_window": 12,
+                      "layer_types": ["sliding_attention", "full_attention"], "block_attention": "bidirectional"}}[kind]
+    shipped = load_exported(exported(tmp_path, qwen35_dir, **kw))[0]
+    drafter = ExportedDrafter(shipped, model)  # the target's own head: drafts of every token
+    prompt = held_out_prompt(tok, 3)
+    seq = prompt + greedy_generate(model, prompt, 20, eos_ids=[])[0]
+    with torch.no_grad():
+        out = model(torch.tensor([seq]), output_hidden_states=True)
+    hid = torch.cat([out.hidden_states[i + 1] for i in drafter.layer_ids], -1)
+    anchors, stepwise, prev = list(range(len(prompt), len(seq) - 1)), [], 0
+    drafter.start()
+    for a in anchors:  # a decode whose every step accepts nothing: the next anchor is the next position
+        stepwise.append(drafter.draft(hid[:, prev:a], torch.tensor([[seq[a]]]), a, L).tolist())
+        prev = a
+    c = shipped.config
+    monkeypatch.setattr(speculate, "REPLAY_ELEMENTS", 3 * (len(seq) - 2 + L) * c.num_attention_heads * c.head_dim)
+    drafter.start_replay(hid[:, : len(seq) - 2], torch.tensor([seq]))
+    assert drafter.draft_anchors(anchors, L) == stepwise and len({tuple(d) for d in stepwise}) > len(anchors) // 2
+    monkeypatch.undo()
+
     target = type(model).from_pretrained(str(qwen35_dir), dtype=torch.float32).eval()
     two_token_head(target)
-    kw = {"dflash": {}, "dflash2": {"variant": "dflash2", "selector_rank": 8, "selector_top_k": 4},
-          "sliding-causal": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 12},
-          "sliding-bidirectional": {"layer_types": ["sliding_attention", "sliding_attention"], "sliding_window": 12,
-                                    "block_attention": "bidirectional"}}[kind]
-    drafter = ExportedDrafter(load_exported(exported(tmp_path, qwen35_dir, **kw))[0], target)
-    steps = []
+    drafter, steps = ExportedDrafter(shipped, target), []
     for i, n, at_once in ((0, 30, 64), (1, 17, 5), (2, 24, 1)):
         prompt = held_out_prompt(tok, i)
         ref, _ = greedy_generate(target, prompt, n, eos_ids=[])
@@ -453,7 +475,13 @@ def test_evaluate_measures_the_export(tmp_path, hidden_cache):
         evaluate.main(edited)
     assert evaluate.main(edited + ["--trust_code=1"]) == 0
     assert json.loads(out.read_text())["artifact"]["modeling_sha256"] != prov["modeling_sha256"]
+    # a replay drafting many anchors at once calls the modeling code's forward with its own masks: this version's
+    # code only, and in float32 only (refused before the target loads)
+    with pytest.raises(ConfigError, match="replay_batch drafts through this version's modeling code"):
+        evaluate.main(edited + ["--trust_code=1", "--replay=1", "--replay_batch=4"])
     code.write_text(shipped)
+    with pytest.raises(ConfigError, match="replay_batch drafts in float32 only"):
+        evaluate.main(edited + ["--dtype=bfloat16", "--replay=1", "--replay_batch=4"])
 
     # the untrained drafter on one prompt only (--spec_prompts=1): the baseline file still holds all three target-alone
     # decodes, and a trained evaluation reuses them
