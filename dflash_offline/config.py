@@ -130,6 +130,7 @@ class TokenizeConfig:
     turns: str = "last"  # samples per chat: "last" (the whole conversation) or "each" (one per assistant turn)
     empty_think: str = "prompt"  # an empty think block the template inserts: "prompt" (unsupervised) or "supervise"
     strict: bool = False  # stop at the first malformed record instead of skipping and counting it
+    partial_regen: bool = False  # tokenize a make regen output whose run has not finished (OUT.stats.json: complete false) instead of refusing it
     open_rows: int = 64  # packing window: rows kept open for best-fit placement (more = less padding)
     workers: int = 0  # tokenizer processes; 0 = one per CPU core
     chunk_docs: int = 256  # documents per unit of work sent to a tokenizer process

@@ -137,6 +137,25 @@ def check_not_heldout(paths: list[Path]) -> None:
             raise CorpusError(heldout_refusal(f"{path}:{line_no}", mark))
 
 
+def check_regen_finished(paths: list[Path]) -> None:
+    """Refuse a corpus file that a `make regen` still writes, or stopped writing (its `OUT.stats.json` says
+    complete: false): packing part of the answers trains on part of the data, and a rerun of regen finishes it."""
+    import json
+
+    from .regen import stats_path
+
+    for path in paths:
+        try:
+            st = json.loads(stats_path(path).read_text())
+        except (OSError, ValueError):  # (no stats: not a regen output, or one whose stats were removed)
+            continue
+        if isinstance(st, dict) and st.get("complete") is False:
+            raise CorpusError(f"{path} is the output of a make regen that has not finished ({stats_path(path)}: "
+                              f"complete false, {st.get('records_read', '?')} input records read, "
+                              f"{st.get('written', '?')} written): rerun the same make regen command to finish it "
+                              f"(it resumes), or pass --partial_regen=1 to tokenize what it has written")
+
+
 def first_record(path: Path) -> tuple[int, dict]:
     """(line, record) of a JSONL file's first record; {} where there is none or it does not parse (its own skip)."""
     for line_no, raw in jsonl_lines(path):

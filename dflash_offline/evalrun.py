@@ -148,6 +148,26 @@ def check_cache_target(cache: str, target_dir: Path) -> None:
                           f"extract TARGET={target_dir}), or leave --cache empty for the run's training cache")
 
 
+def check_run_target(ri: dict, target_dir: Path, run_dir: Path, log) -> None:
+    """The eval target must be the one the run's cache was extracted from (its drafter learned that target's states;
+    Qwen3.5- and Qwen3.6-27B have one shape): its fingerprint against the one RUN/config.json records, else the
+    training cache's while it is there; one line naming both and the fix, before anything loads."""
+    from dflash_offline.cache.manifest import has_manifest, read_manifest
+    from dflash_offline.targetid import TargetError, target_mismatch
+
+    recorded = ri["config"].get("target_id")
+    if recorded is None and has_manifest(ri["cache"]):
+        recorded = read_manifest(ri["cache"], kind="hidden")["producer"]["target"]
+    if recorded is None:
+        log(f"{run_dir} records no fingerprint of its target and its cache is gone: {target_dir} is not checked")
+        return
+    if diff := target_mismatch(str(target_dir), recorded):
+        trained = ri["config"].get("target") or ri["train"].get("target") or "its cache's target"
+        raise TargetError(f"eval target {target_dir} is not the target {run_dir} was trained for ({trained}; "
+                          f"{'; '.join(diff)}): its drafter learned that target's states. Pass --target= (make eval "
+                          f"TARGET=) the run's target, or leave it empty")
+
+
 def estimate(cfg: EvalConfig, ri: dict, model, dc, target) -> dict:
     """The teacher-forced estimate: the same weights in the training forward, on `--cache` or the run's training
     cache (then not held out)."""
@@ -277,6 +297,7 @@ def evaluate(cfg: EvalConfig) -> dict:
 
     run_dir = Path(cfg.run)
     ri = run_info(run_dir, cfg.target)
+    check_run_target(ri, ri["target"], run_dir, log)
     target_dir = ri["target"]
     if cfg.cache and cfg.tf_batches:
         check_cache_target(cfg.cache, target_dir)

@@ -37,6 +37,7 @@ from .corpus import (
     Skip,
     Tokens,
     check_not_heldout,
+    check_regen_finished,
     check_settings_agree,
     check_tokenizer,
     corpus_hash,
@@ -110,6 +111,8 @@ def identify(cfg: TokenizeConfig) -> tuple[list[Path], object, dict, str, Path]:
 
     paths = expand_paths(cfg.corpus)
     check_not_heldout(paths)
+    if not cfg.partial_regen:
+        check_regen_finished(paths)
     tok_dir = resolve_checkpoint(cfg.tokenizer, need=("tokenizer",), field="tokenize.tokenizer")
     if (tok_dir / "config.json").is_file():  # the tokenizer is a target's: its rows must fit that target
         check_seq_len(cfg.seq_len, tok_dir)

@@ -215,6 +215,7 @@ def write_resolved(cfg: TrainConfig, s: TrainSetup, dc, c: dict, cache_key: str,
     where = {"target": str(Path(c["target"]).resolve()) if Path(c["target"]).exists() else c["target"],
              "cache_dir": str(Path(cfg.cache).resolve())}
     resolved = {"train": as_dict(cfg), "drafter": as_dict(dc), "derived": s.derived(cfg, cache_key), **where,
+                "target_id": c["target_id"],  # (the cache's producer.target: eval checks its target against it)
                 "template_kwargs": c["template_kwargs"],
                 **({"projection": c["projection"]} if c.get("projection") else {})}
     if start is not None:

@@ -217,7 +217,9 @@ def test_eval_refuses_a_held_out_cache_of_another_target(tmp_path, hidden_cache,
     weights.write_bytes(bytes(data))
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config.json").write_text(json.dumps({"train": {"cache": str(hidden_cache), "target": str(other)}}))
+    # (a run of `other`: its config records other's fingerprint, which the eval target passes)
+    (run / "config.json").write_text(json.dumps({"train": {"cache": str(hidden_cache), "target": str(other)},
+                                                 "target_id": target_fingerprint(other)}))
     with pytest.raises(TargetError) as e:
         evaluate.main([f"--run={run}", f"--cache={hidden_cache}", f"--prompts={tmp_path / 'none.jsonl'}"])
     msg = str(e.value)

@@ -210,6 +210,35 @@ def test_held_out_records_never_reach_training(tmp_path, qwen3_dir, chat_corpus,
     assert summary["docs_skipped"]["heldout"] == 1 and summary["docs_read"] == len(read(out)) + 1
 
 
+def test_an_unfinished_regen_output_is_refused_as_a_corpus_until_regen_finishes_it(tmp_path, qwen3_dir, chat_corpus,
+                                                                                   q3):
+    """A regen output whose run stopped (its stats commit says complete: false, as every batch's does before the
+    last) is refused by stage 1a before a record is tokenized, naming the stats and what to do; --partial_regen=1
+    tokenizes what it has; rerunning the regen finishes it and it is taken."""
+    from dflash_offline import tokenization
+    from dflash_offline.config import TokenizeConfig
+    from dflash_offline.corpus import CorpusError
+
+    out = tmp_path / "o.jsonl"
+    go(qwen3_dir, chat_corpus, out, q3, batch_size=2, num_docs=4)
+    stats = Path(f"{out}.stats.json")
+    stats.write_text(json.dumps({**json.loads(stats.read_text()), "complete": False}))  # (a run stopped here)
+
+    def tokenize(**kw):
+        return tokenization.run(TokenizeConfig(corpus=[str(out)], tokenizer=str(qwen3_dir), workers=1, seq_len=256,
+                                               cache_root=str(tmp_path / "cache"), **kw).resolve())
+
+    with pytest.raises(CorpusError, match=f"^{out} is the output of a make regen that has not finished \\({stats}: "
+                                          f"complete false, 4 input records read, 4 written\\): rerun the same make "
+                                          f"regen command to finish it .*--partial_regen=1"):
+        tokenize()
+    assert not (tmp_path / "cache").exists()
+    partial = tokenize(partial_regen=True, tokens=str(tmp_path / "partial"))
+    assert json.loads((partial / "manifest.json").read_text())["summary"]["docs_read"] == 4
+    assert go(qwen3_dir, chat_corpus, out, q3, batch_size=2, num_docs=4)["complete"]
+    assert json.loads((tokenize() / "manifest.json").read_text())["summary"]["docs_read"] == 4
+
+
 def test_malformed_lines_are_counted_with_file_line(tmp_path, qwen3_dir, chat_corpus, q3):
     good = Path(chat_corpus).read_text().splitlines()
     bad = tmp_path / "bad.jsonl"

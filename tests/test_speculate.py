@@ -29,6 +29,7 @@ from dflash_offline.speculate import (
     untrained_model,
 )
 from dflash_offline.target import read_target_info
+from dflash_offline.targetid import TargetError
 from fixtures import democorpus
 
 L = 8  # block size of the test drafters
@@ -466,6 +467,20 @@ def test_evaluate_measures_the_export(tmp_path, hidden_cache):
         evaluate.main([f"--run={other}", f"--export={run / 'eval-export'}", f"--prompts={prompts}"])
     with pytest.raises(ValueError, match="holds step 2"):
         evaluate.main(args + [f"--export={run / 'eval-export'}", "--step=1"])
+    # the eval target must be the run's (Qwen3.5- and Qwen3.6-27B share one shape): a copy of it elsewhere is the same
+    # target; one that differs (here its config) is refused before anything loads, naming the run's
+    import shutil
+
+    trained_for = json.loads((run / "config.json").read_text())["target"]
+    twin = tmp_path / "twin"
+    shutil.copytree(trained_for, twin)
+    assert evaluate.main(args + [f"--export={run / 'eval-export'}", "--tf_batches=0", f"--out={out}",
+                                 f"--target={twin}"]) == 0
+    assert json.loads(out.read_text())["tau_hist"] == r["tau_hist"]
+    (twin / "config.json").write_text(json.dumps({**json.loads((twin / "config.json").read_text()), "note": "other"}))
+    with pytest.raises(TargetError, match=f"eval target {twin} is not the target {run} was trained for "
+                                          f"\\({trained_for}; config_sha256"):
+        evaluate.main(args + [f"--target={twin}"])
     # loading an export runs its dflash.py: an edited one is refused in one line, --trust_code=1 runs it
     code = run / "eval-export" / "dflash.py"
     shipped = code.read_text()
