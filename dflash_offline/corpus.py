@@ -291,7 +291,7 @@ def parse(raw: bytes | dict | None) -> dict:
         raise RecordError("line_too_long", f"the line is longer than {MAX_LINE_BYTES >> 20} MiB and was not read; "
                                            "each line must be one JSON object: split or drop this record")
     try:
-        obj = json.loads(decode_utf8(raw))
+        obj = json.loads(decode_utf8(raw).rstrip("\r\n"))  # (the line's own end: a cut line fails where it stops)
     except json.JSONDecodeError as e:
         raise RecordError("invalid_json", f"{e.msg} at column {e.colno}; each line must be one JSON object") from None
     except (ValueError, RecursionError) as e:  # an integer of > 4300 digits; nesting deeper than the stack

@@ -537,7 +537,7 @@ def test_evaluate_measures_the_export(tmp_path, hidden_cache):
 
     bad = tmp_path / "bad.jsonl"
     good = prompts.read_text().splitlines()[0]
-    for line, want in (('{"messages": [{"role": "user"', "invalid_json: .* at column"),
+    for line, want in (('{"messages": [{"role": "user"', "invalid_json: .* at column 30;"),
                        ('{"messages": [{"role": "user"}]}', r"non_string_content: messages\[0\].content is NoneType")):
         bad.write_text(f"{good}\n\n{line}\n")
         with pytest.MonkeyPatch.context() as mp:
