@@ -156,6 +156,20 @@ def check_regen_finished(paths: list[Path]) -> None:
                               f"(it resumes), or pass --partial_regen=1 to tokenize what it has written")
 
 
+def rendered_with(paths: list[Path], base: dict) -> dict:
+    """The chat template settings a corpus's records were rendered with where one set holds for all: `base`
+    (tokenize.template_kwargs) with the enable_thinking every file's records were answered under, when each file is a
+    make regen output (its first record's `regen.template`; the rest are held to it) and all name the same value —
+    THINKING=off leaves base silent on it. Outside the cache key: what `make eval` renders plain prompts with."""
+    values = set()
+    for path in paths:
+        own = ((first_record(path)[1].get("regen") or {}) if file_kind(path) == "jsonl" else {}).get("template")
+        if not isinstance(own, dict) or "enable_thinking" not in own:
+            return base
+        values.add(bool(own["enable_thinking"]))
+    return {**base, "enable_thinking": values.pop()} if len(values) == 1 and "enable_thinking" not in base else base
+
+
 def first_record(path: Path) -> tuple[int, dict]:
     """(line, record) of a JSONL file's first record; {} where there is none or it does not parse (its own skip)."""
     for line_no, raw in jsonl_lines(path):

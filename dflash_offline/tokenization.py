@@ -43,6 +43,7 @@ from .corpus import (
     corpus_hash,
     expand_paths,
     iter_records,
+    rendered_with,
     tokenize_stream,
 )
 from .packing import PACKING_RULE, Doc, Packer, split_long
@@ -143,6 +144,11 @@ def run(cfg: TokenizeConfig) -> Path:
         except OSError as e:
             log(f"token cache {out}: its tokenizer's vocabulary could not be recorded ({e}); extraction then warns "
                 f"that it cannot check it")
+    if m.get("rendered_with") != (settings := rendered_with(paths, chat.parse_settings(cfg.template_kwargs))):
+        try:  # (outside the key, like tokenizer_vocab: training copies it into the run for make eval)
+            m = update_manifest(out, rendered_with=settings)
+        except OSError as e:
+            log(f"token cache {out}: the settings its records were rendered with could not be recorded ({e})")
     sweep(out, log=log)
     if m.get("complete") and (bad := requeue_missing(out)):  # tokenization is deterministic: redo those shards
         log(f"token cache {out}: {len(bad)} committed shard(s) damaged on disk ({bad[0]['reason']}): redoing them")

@@ -311,12 +311,25 @@ def cache_defaults(cfg: TrainConfig) -> dict:
         "mask_token_id": cfg.drafter.mask_token_id if cfg.drafter.mask_token_id >= 0 else m["config"]["mask_token_id"],
         "hidden_size": tgt["hidden_size"], "num_target_layers": tgt["num_layers"], "vocab_size": tgt["vocab_size"],
         "seq_len": m["producer"]["tokens"]["producer"]["seq_len"],
-        # the chat template settings the corpus was rendered with: eval renders plain prompts with them
-        "template_kwargs": m["producer"]["tokens"]["producer"].get("template_kwargs") or {},
+        # the chat template settings the corpus was rendered with: eval renders plain prompts with them (the token
+        # cache's record of them, which adds regen's enable_thinking; else its key's template_kwargs)
+        "template_kwargs": rendered_with(cfg.cache, m) or m["producer"]["tokens"]["producer"].get("template_kwargs")
+        or {},
         # a projected cache: the fc reads k values a tap, and the run records the projection it trained on
         "tap_width": int((m["producer"].get("projection") or {}).get("dims", 0)),
         "projection": run_projection(m, cfg.cache) if m["producer"].get("projection") else None,
     }
+
+
+def rendered_with(cache: str, m: dict) -> dict | None:
+    """The chat template settings the token cache of hidden cache `cache` (manifest `m`) records its records were
+    rendered with (stage 1a's `rendered_with`); None where it records none or is not there (the stream says so)."""
+    from dflash_offline.cache.manifest import ManifestError, token_cache
+
+    try:
+        return token_cache(Path(cache), m)[1].get("rendered_with")
+    except (ManifestError, OSError):
+        return None
 
 
 def check_recipe_taps(argv: list[str], cfg: TrainConfig) -> None:

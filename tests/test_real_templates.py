@@ -517,6 +517,48 @@ def test_held_out_prompts_render_as_their_answers_were_generated(tmp_path, toks)
     assert tok.decode(on["ids"]) == default and on["template"] == {"enable_thinking": True}
 
 
+def test_a_corpus_regenerated_without_thinking_records_it_for_the_eval(tmp_path, fixtures, toks):
+    """`make regen THINKING=off` answers under enable_thinking false (each record's regen.template), which
+    tokenize.template_kwargs need not say: the token cache records the settings its records rendered with
+    (`rendered_with`, outside the key), so the run's eval renders plain prompts as the corpus was (Qwen3.6: the empty
+    think block), not in the template's default thinking mode. A corpus of mixed files, or a template_kwargs naming
+    enable_thinking itself, records template_kwargs as they are."""
+    from dflash_offline.cache.manifest import read_manifest
+    from dflash_offline.corpus import rendered_with
+    from dflash_offline.evaluation import read_prompts
+
+    off = {**PLAIN, "regen": {"template": {"enable_thinking": False}}}
+    run(tmp_path, fixtures / "qwen3.6", [off, off])
+    settings = read_manifest(tmp_path / "cache")["rendered_with"]
+    assert settings == {"enable_thinking": False}
+    prompt = toks["qwen3.6"].decode(read_prompts(write_corpus(tmp_path / "p.jsonl", [PLAIN]), 1, "first",
+                                                 toks["qwen3.6"], None, settings)[0]["ids"])
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n"), prompt
+    regen, plain = write_corpus(tmp_path / "r.jsonl", [off]), write_corpus(tmp_path / "plain.jsonl", [PLAIN])
+    assert rendered_with([regen, plain], {}) == {} and rendered_with([regen], {"enable_thinking": True}) == {
+        "enable_thinking": True}
+    assert rendered_with([regen, write_corpus(tmp_path / "on.jsonl", [{**PLAIN, "regen": {"template": {
+        "enable_thinking": True}}}])], {}) == {}
+
+
+def test_training_takes_the_settings_its_token_cache_rendered_with(tmp_path, hidden_cache):
+    """What RUN/config.json records for eval (`cache_defaults`' template_kwargs) is the token cache's `rendered_with`
+    where it records one (a regen corpus's enable_thinking), else its key's template_kwargs."""
+    import shutil
+
+    from dflash_offline.trainsetup import TrainConfig, cache_defaults
+
+    root = shutil.copytree(hidden_cache.parent, tmp_path / "root")
+    cache = root / hidden_cache.name
+    tokens = (cache / read_manifest(cache)["config"]["tokens_dir"]).resolve()
+    assert tokens.parent == root.resolve() and read_manifest(tokens)["rendered_with"] == {}
+    settings = lambda: cache_defaults(TrainConfig.of(cache=str(cache), run=str(tmp_path / "run")))["template_kwargs"]  # noqa: E731
+    assert settings() == {}
+    m = json.loads((tokens / "manifest.json").read_text())
+    (tokens / "manifest.json").write_text(json.dumps({**m, "rendered_with": {"enable_thinking": False}}))
+    assert settings() == {"enable_thinking": False}
+
+
 def test_plain_eval_prompts_render_with_the_settings_the_run_trained_on(tmp_path, toks):
     """A run records the chat template settings its corpus was rendered with (tokenize.template_kwargs; config.json,
     else, for a run made before, its cache's manifest): eval renders plain prompts with them — a Qwen3.8 drafter
