@@ -137,37 +137,16 @@ def check_not_heldout(paths: list[Path]) -> None:
             raise CorpusError(heldout_refusal(f"{path}:{line_no}", mark))
 
 
-def check_regen_finished(paths: list[Path]) -> None:
-    """Refuse a corpus file that a `make regen` still writes, or stopped writing (its `OUT.stats.json` says
-    complete: false): packing part of the answers trains on part of the data, and a rerun of regen finishes it."""
-    import json
-
-    from .regen import stats_path
-
-    for path in paths:
-        try:
-            st = json.loads(stats_path(path).read_text())
-        except (OSError, ValueError):  # (no stats: not a regen output, or one whose stats were removed)
-            continue
-        if isinstance(st, dict) and st.get("complete") is False:
-            raise CorpusError(f"{path} is the output of a make regen that has not finished ({stats_path(path)}: "
-                              f"complete false, {st.get('records_read', '?')} input records read, "
-                              f"{st.get('written', '?')} written): rerun the same make regen command to finish it "
-                              f"(it resumes), or pass --partial_regen=1 to tokenize what it has written")
-
-
-def rendered_with(paths: list[Path], base: dict) -> dict:
+def rendered_with(thinking: dict, base: dict) -> dict:
     """The chat template settings a corpus's records were rendered with where one set holds for all: `base`
-    (tokenize.template_kwargs) with the enable_thinking every file's records were answered under, when each file is a
-    make regen output (its first record's `regen.template`; the rest are held to it) and all name the same value —
-    THINKING=off leaves base silent on it. Outside the cache key: what `make eval` renders plain prompts with."""
-    values = set()
-    for path in paths:
-        own = ((first_record(path)[1].get("regen") or {}) if file_kind(path) == "jsonl" else {}).get("template")
-        if not isinstance(own, dict) or "enable_thinking" not in own:
-            return base
-        values.add(bool(own["enable_thinking"]))
-    return {**base, "enable_thinking": values.pop()} if len(values) == 1 and "enable_thinking" not in base else base
+    (tokenize.template_kwargs) with the enable_thinking every record was rendered under, when all were under one
+    value (`thinking`: records per value, "true" / "false" / "unset", the summary's `rendered_enable_thinking`) —
+    make regen's THINKING=off, which its records carry (regen.template) and template_kwargs need not say. Outside
+    the cache key: what `make eval` renders plain prompts with."""
+    used = {value for value, n in thinking.items() if n}
+    if "enable_thinking" in base or len(used) != 1 or used == {"unset"}:
+        return base
+    return {**base, "enable_thinking": used.pop() == "true"}
 
 
 def first_record(path: Path) -> tuple[int, dict]:
@@ -460,13 +439,16 @@ def render(rec: Record) -> Rendered | Tokens | Skip:
     try:
         obj = parse(rec.raw)
         if "messages" not in obj and "input_ids" in obj:
-            return Tokens(rec.file, rec.line, rec.ordinal, [validate_tokens(obj, _OPTS["vocab_size"])], Counter())
+            return Tokens(rec.file, rec.line, rec.ordinal, [validate_tokens(obj, _OPTS["vocab_size"])],
+                          Counter(enable_thinking_unset=1))
         skip_heldout(obj)
         counts = Counter()
         msgs = prepare_messages(validate_messages(obj, counts), _OPTS["thinking"], counts)
+        settings = record_settings(obj, _OPTS.get("settings"), _TOK)
         samples = conversation_samples(_TOK, msgs, validate_tools(obj), _OPTS["turns"], _OPTS["empty_think"], counts,
-                                       truncated_turns(obj, msgs), _OPTS["opens_think"],
-                                       record_settings(obj, _OPTS.get("settings"), _TOK))
+                                       truncated_turns(obj, msgs), _OPTS["opens_think"], settings)
+        thinking = (settings or {}).get("enable_thinking")
+        counts[f"enable_thinking_{'unset' if thinking is None else str(bool(thinking)).lower()}"] += 1
         return Rendered(rec, samples, counts)
     except RecordError as e:
         return Skip(e.reason, e.detail, rec.file, rec.line)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .cache.fsio import write_json_atomic
 from .chat import RecordError, validate_messages, validate_tools
-from .corpus import HELDOUT_KEY, iter_records, parse, skip_heldout
+from .corpus import HELDOUT_KEY, CorpusError, iter_records, parse, skip_heldout
 from .progress import log
 
 STATS_VERSION = 1
@@ -229,6 +229,21 @@ def batches(items: Iterator, size: int) -> Iterator[list]:
 
 def stats_path(out: str | Path) -> Path:
     return Path(f"{out}.stats.json")
+
+
+def check_regen_finished(paths: list[Path]) -> None:
+    """Refuse a corpus file that a `make regen` still writes, or stopped writing (its `OUT.stats.json` says
+    complete: false): packing part of the answers trains on part of the data, and a rerun of regen finishes it."""
+    for path in paths:
+        try:
+            st = json.loads(stats_path(path).read_text())
+        except (OSError, ValueError):  # (no stats: not a regen output, or one whose stats were removed)
+            continue
+        if isinstance(st, dict) and st.get("complete") is False:
+            raise CorpusError(f"{path} is the output of a make regen that has not finished ({stats_path(path)}: "
+                              f"complete false, {st.get('records_read', '?')} input records read, "
+                              f"{st.get('written', '?')} written): rerun the same make regen command to finish it "
+                              f"(it resumes), or pass --partial_regen=1 to tokenize what it has written")
 
 
 def fresh_stats() -> dict:

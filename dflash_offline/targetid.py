@@ -268,12 +268,12 @@ def target_fingerprint(ckpt: Path, weights: bool = True, scheme: str = WEIGHTS_H
     return out if scheme == "sampled" else dict(out, weights_hash=scheme)
 
 
-def target_mismatch(target: str, recorded: dict) -> list[str]:
-    """How `target`'s fingerprint differs from `recorded` (a cache's producer.target, in its own scheme), one phrase a
-    field; [] when it is the same target."""
+def target_mismatch(target: str, recorded: dict, where: str = "the cache") -> list[str]:
+    """How `target`'s fingerprint differs from `recorded` (a cache's producer.target, in its own scheme; recorded in
+    `where`), one phrase a field; [] when it is the same target."""
     ckpt, scheme = resolve_checkpoint(target), recorded.get("weights_hash", "sampled")
     got = target_fingerprint(ckpt, scheme=scheme)
-    diff = [f"{k} {got[k][:16]} here, {str(recorded.get(k))[:16]} in the cache" for k in FINGERPRINT_KEYS
+    diff = [f"{k} {got[k][:16]} here, {str(recorded.get(k))[:16]} in {where}" for k in FINGERPRINT_KEYS
             if got[k] != recorded.get(k)]
     if diff and sorted(ckpt.glob("*.safetensors")) != weight_files(ckpt):  # a cache fingerprinted over every file
         legacy = target_fingerprint(ckpt, scheme=scheme, every_file=True)

@@ -37,7 +37,6 @@ from .corpus import (
     Skip,
     Tokens,
     check_not_heldout,
-    check_regen_finished,
     check_settings_agree,
     check_tokenizer,
     corpus_hash,
@@ -48,6 +47,7 @@ from .corpus import (
 )
 from .packing import PACKING_RULE, Doc, Packer, split_long
 from .progress import Progress, log
+from .regen import check_regen_finished
 from .tokenize_counts import Tally, dry_manifest, shard_entry, summarize
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -144,11 +144,6 @@ def run(cfg: TokenizeConfig) -> Path:
         except OSError as e:
             log(f"token cache {out}: its tokenizer's vocabulary could not be recorded ({e}); extraction then warns "
                 f"that it cannot check it")
-    if m.get("rendered_with") != (settings := rendered_with(paths, chat.parse_settings(cfg.template_kwargs))):
-        try:  # (outside the key, like tokenizer_vocab: training copies it into the run for make eval)
-            m = update_manifest(out, rendered_with=settings)
-        except OSError as e:
-            log(f"token cache {out}: the settings its records were rendered with could not be recorded ({e})")
     sweep(out, log=log)
     if m.get("complete") and (bad := requeue_missing(out)):  # tokenization is deterministic: redo those shards
         log(f"token cache {out}: {len(bad)} committed shard(s) damaged on disk ({bad[0]['reason']}): redoing them")
@@ -170,7 +165,10 @@ def run(cfg: TokenizeConfig) -> Path:
         commits.flush(quiet=True)  # (the shards written so far are whole: a rerun keeps them)
         progress.close("interrupted" if isinstance(e, KeyboardInterrupt) else "failed")
         raise
-    update_manifest(out, complete=True, num_shards=summary["shards"], summary=summary)
+    # (rendered_with: outside the key, like tokenizer_vocab; training copies it into the run for make eval)
+    update_manifest(out, complete=True, num_shards=summary["shards"], summary=summary,
+                    rendered_with=rendered_with(summary["rendered_enable_thinking"],
+                                                chat.parse_settings(cfg.template_kwargs)))
     progress.extra.update(summary)
     progress.close("done")
     return out

@@ -118,6 +118,8 @@ def summarize(stats: Counter, skips: Counter, entries: list[dict], seconds: floa
         "docs_packed": stats["docs_packed"],
         "records_packed": stats["records_packed"],
         "chat": chat_summary(stats),
+        # records by the enable_thinking they were rendered under (their regen.template's, else template_kwargs')
+        "rendered_enable_thinking": {v: stats[f"enable_thinking_{v}"] for v in ("true", "false", "unset")},
         "docs_skipped": dict(sorted(skips.items())),
         "docs_skipped_total": sum(skips.values()),
         "pieces": stats["pieces"],

@@ -521,24 +521,23 @@ def test_a_corpus_regenerated_without_thinking_records_it_for_the_eval(tmp_path,
     """`make regen THINKING=off` answers under enable_thinking false (each record's regen.template), which
     tokenize.template_kwargs need not say: the token cache records the settings its records rendered with
     (`rendered_with`, outside the key), so the run's eval renders plain prompts as the corpus was (Qwen3.6: the empty
-    think block), not in the template's default thinking mode. A corpus of mixed files, or a template_kwargs naming
-    enable_thinking itself, records template_kwargs as they are."""
-    from dflash_offline.cache.manifest import read_manifest
+    think block), not in the template's default thinking mode. Records rendered under both values (an off and an on
+    regen output joined in one file), or a template_kwargs naming enable_thinking itself, record template_kwargs."""
     from dflash_offline.corpus import rendered_with
     from dflash_offline.evaluation import read_prompts
 
-    off = {**PLAIN, "regen": {"template": {"enable_thinking": False}}}
-    run(tmp_path, fixtures / "qwen3.6", [off, off])
-    settings = read_manifest(tmp_path / "cache")["rendered_with"]
-    assert settings == {"enable_thinking": False}
+    off, on = ({**PLAIN, "regen": {"template": {"enable_thinking": v}}} for v in (False, True))
+    run(tmp_path / "off", fixtures / "qwen3.6", [off, off])
+    m = read_manifest(tmp_path / "off" / "cache")
+    assert m["summary"]["rendered_enable_thinking"] == {"true": 0, "false": 2, "unset": 0}
+    assert m["rendered_with"] == {"enable_thinking": False}
     prompt = toks["qwen3.6"].decode(read_prompts(write_corpus(tmp_path / "p.jsonl", [PLAIN]), 1, "first",
-                                                 toks["qwen3.6"], None, settings)[0]["ids"])
+                                                 toks["qwen3.6"], None, m["rendered_with"])[0]["ids"])
     assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n"), prompt
-    regen, plain = write_corpus(tmp_path / "r.jsonl", [off]), write_corpus(tmp_path / "plain.jsonl", [PLAIN])
-    assert rendered_with([regen, plain], {}) == {} and rendered_with([regen], {"enable_thinking": True}) == {
-        "enable_thinking": True}
-    assert rendered_with([regen, write_corpus(tmp_path / "on.jsonl", [{**PLAIN, "regen": {"template": {
-        "enable_thinking": True}}}])], {}) == {}
+    run(tmp_path / "mixed", fixtures / "qwen3.6", [off, on, on])
+    assert read_manifest(tmp_path / "mixed" / "cache")["rendered_with"] == {}
+    assert rendered_with({"true": 0, "false": 3, "unset": 1}, {}) == {}  # (a plain record: template_kwargs')
+    assert rendered_with({"true": 0, "false": 3, "unset": 0}, {"enable_thinking": True}) == {"enable_thinking": True}
 
 
 def test_training_takes_the_settings_its_token_cache_rendered_with(tmp_path, hidden_cache):

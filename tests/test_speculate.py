@@ -419,7 +419,7 @@ def prompts_with_categories(path, n):
     return democorpus.write_jsonl(path, n, records=recs)
 
 
-def test_evaluate_measures_the_export(tmp_path, hidden_cache):
+def test_evaluate_measures_the_export(tmp_path, hidden_cache, capfd):
     from dflash_offline.config import ConfigError
     from dflash_offline.trainsetup import TrainConfig
     from stages import evaluate, train
@@ -565,10 +565,20 @@ def test_evaluate_measures_the_export(tmp_path, hidden_cache):
                                              r"--tf_batches=0"):
             evaluate.main(quick)
     assert evaluate.main(quick + ["--tf_batches=0"]) == 0 and json.loads((tmp_path / "gone.json").read_text())["lossless"]
-    (run / "config.json").write_text(json.dumps({k: v for k, v in gone.items() if k != "target"}))  # an older run
+    # the cache gone, the eval target is checked against the fingerprint the run recorded
+    with pytest.raises(TargetError, match=f"eval target {twin} is not the target {run} was trained for"):
+        evaluate.main(quick + ["--tf_batches=0", f"--target={twin}"])
+    (run / "config.json").write_text(json.dumps(dict(gone, target=str(twin))))  # its own target, changed in place
+    with pytest.raises(TargetError, match=f"target {twin} has changed since {run} was trained for it \\(config_sha256 "
+                                          f".* in {run}/config.json\\): .* put them back"):
+        evaluate.main(quick + ["--tf_batches=0"])
+    older = {k: v for k, v in gone.items() if k not in ("target", "target_id")}  # a run made before it recorded them
+    (run / "config.json").write_text(json.dumps(older))
     with pytest.raises(ValueError, match=r"names no target and its training cache .* is gone: pass --target="):
         evaluate.main(quick + ["--tf_batches=0"])
+    capfd.readouterr()
     assert evaluate.main(quick + ["--tf_batches=0", f"--target={recorded['target']}"]) == 0
+    assert f"{run} records no fingerprint of its target and its cache is gone" in "".join(capfd.readouterr())
 
 
 def count_selector_walks(monkeypatch) -> dict:
