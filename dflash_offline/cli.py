@@ -71,7 +71,7 @@ class QuietOnClosedPipe:
 
 def run_cli(main) -> None:
     """A stage's `__main__`: run `main(argv)`; a refused input or a failed write (`refusal`) becomes one line and exit
-    status 2 instead of a traceback; an int result is the exit code. Triton autotuner choices are recorded or pinned
+    status 2 instead of a traceback, Ctrl-C one line and 130; an int result is the exit code. Triton autotuner choices are recorded or pinned
     first when the environment asks (`dflash_offline.autotune`)."""
     from .autotune import from_env
 
@@ -80,6 +80,9 @@ def run_cli(main) -> None:
     from_env()
     try:
         code = main(sys.argv[1:])
+    except KeyboardInterrupt:  # Ctrl-C in a stage that does not stop between steps itself (regen, eval, export...)
+        print("stopped on SIGINT: nothing it committed is lost; rerun the same command", file=sys.stderr)
+        sys.exit(130)
     except BrokenPipeError:  # `| head`: the reader has what it wanted; no traceback, the shell's status for SIGPIPE
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit's flush would raise again)
         sys.exit(141)

@@ -302,3 +302,15 @@ def test_a_stage_piped_into_head_ends_without_a_traceback():
     res = subprocess.run(f"{sys.executable} -c \"{stage}\" | head -1; echo \"status ${{PIPESTATUS[0]}}\"", shell=True,
                          executable="/bin/bash", capture_output=True, text=True, cwd=REPO, timeout=120)
     assert res.stdout.splitlines()[-1] == "status 141" and "Traceback" not in res.stderr, (res.stdout, res.stderr)
+
+
+def test_a_stage_stopped_by_ctrl_c_says_so_in_one_line():
+    """SIGINT in a stage that does not stop between steps itself (regen, eval): one line and the shell's 130, not a
+    KeyboardInterrupt traceback."""
+    stage = ("import os, signal\nfrom dflash_offline.cli import run_cli\n"
+             "signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # (as from a shell; an xdist worker ignores it)
+             "def main(argv):\n    os.kill(os.getpid(), signal.SIGINT)\n    import time; time.sleep(30)\n"
+             "run_cli(main)")
+    res = subprocess.run([sys.executable, "-c", stage], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert res.returncode == 130 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.strip().splitlines()[-1] == "stopped on SIGINT: nothing it committed is lost; rerun the same command"
