@@ -231,7 +231,8 @@ def find_checkpoint(run_dir, step: int | None = None) -> Path:
         if (d is None or d not in {c for _, _, c in complete}) and complete:
             d = complete[-1][2]  # the newest whole one
         elif d is None:
-            raise CheckpointError(f"no checkpoint under {root}: nothing to resume (start the run without resuming)")
+            raise CheckpointError(f"no checkpoint under {root} yet: train the run first (make train RUN=), or start "
+                                  f"a new run without resuming (export and eval read its checkpoints)")
     if not (d / "meta.json").is_file():
         raise CheckpointError(f"{d} is not a complete checkpoint; steps available: {have}")
     return d
