@@ -20,7 +20,8 @@ Who owns what: the drafter is the artifact users load. `load_exported` opens an 
 the export's provenance) and `ExportedDrafter` calls its `draft_tokens`, the same drafting step as its own
 `spec_generate`, with the target's embedding and lm_head (a replay drafting many anchors at once calls the shipped
 model's forward, with a row and a mask per anchor: the one place it assembles a drafting step itself). Else this
-module has no drafter code of its own: it is the engine's side — verification, acceptance, cache rollback, timing — which engines implement themselves too.
+module has no drafter code of its own: it is the engine's side — verification, acceptance, cache rollback, timing —
+which engines implement themselves too.
 (`spec_generate` in dflash.py recomputes a hybrid target over the whole sequence at every block; here the target's
 cache is rolled back instead, which gives the same tokens and τ at an engine's cost per step.)
 

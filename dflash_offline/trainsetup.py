@@ -313,7 +313,7 @@ def cache_defaults(cfg: TrainConfig) -> dict:
         "seq_len": m["producer"]["tokens"]["producer"]["seq_len"],
         # the chat template settings the corpus was rendered with: eval renders plain prompts with them (the token
         # cache's record of them, which adds regen's enable_thinking; else its key's template_kwargs)
-        "template_kwargs": rendered_with(cfg.cache, m) or m["producer"]["tokens"]["producer"].get("template_kwargs")
+        "template_kwargs": token_cache_settings(cfg.cache, m) or m["producer"]["tokens"]["producer"].get("template_kwargs")
         or {},
         # a projected cache: the fc reads k values a tap, and the run records the projection it trained on
         "tap_width": int((m["producer"].get("projection") or {}).get("dims", 0)),
@@ -321,7 +321,7 @@ def cache_defaults(cfg: TrainConfig) -> dict:
     }
 
 
-def rendered_with(cache: str, m: dict) -> dict | None:
+def token_cache_settings(cache: str, m: dict) -> dict | None:
     """The chat template settings the token cache of hidden cache `cache` (manifest `m`) records its records were
     rendered with (stage 1a's `rendered_with`); None where it records none or is not there (the stream says so)."""
     from dflash_offline.cache.manifest import ManifestError, token_cache
