@@ -86,16 +86,18 @@ class Drafters:
         """What `j` is expected to take: as long as the longest drafter of this invocation (before one ended,
         `FIRST_PRECOMPILED_S` where a stand-in compiled `j`'s graphs, else `FIRST_DRAFTER_S`) — the first of a setting
         loads or compiles its graphs and starts the workers (H200: 75–212 s);
-        once a drafter of its settings (`graph_key`: other steps count as the same) ended here, as long as the longest repeat of its settings, or before one, the
-        longer of the longest repeat of any (37–76 s) and half its settings' first (a costlier arm's repeat is)."""
+        once a drafter of its settings (`graph_key`: other steps count as the same) ended here, as long as the longest
+        repeat of its settings, or before one, the longer of the longest repeat of any (37–76 s) and half its settings'
+        first (a costlier arm's repeat is; with no repeat ended yet, half its first: the H100's first took 102 s beside
+        the untrained evaluation, its repeats 16–21 s, `35932d4`)."""
         key = graph_key(j)
         own = [s for k, s, repeat in self.took if k == key and repeat]
         if own:
             return max(own)
         firsts = [s for k, s, repeat in self.took if k == key and not repeat]
         repeats = [s for _, s, repeat in self.took if repeat]
-        if firsts and repeats:
-            return max(max(repeats), max(firsts) / 2)
+        if firsts:
+            return max(max(repeats, default=0.0), max(firsts) / 2)
         compiled = self.precompile is not None and self.precompile.compiled(j.run)
         return max((s for _, s, _ in self.took), default=FIRST_PRECOMPILED_S if compiled else FIRST_DRAFTER_S)
 
