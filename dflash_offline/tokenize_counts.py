@@ -30,6 +30,8 @@ FILE_HINTS = {  # what to do about a file all of whose records were skipped, by 
     "invalid_json": "each line must be one JSON object (JSONL, not one JSON array)",
     "missing_messages": "records need 'messages' (chat) or 'input_ids' + 'loss_mask' (pre-tokenized)",
     "too_long": "raise seq_len or use long_doc=split",
+    "no_assistant_turn": "prompts without answers train nothing: make regen CORPUS=THIS_FILE TARGET=... writes the "
+                         "target's answers to them, which stage 1a then takes (docs/data.md, 'Regenerated data')",
 }
 
 
@@ -67,20 +69,23 @@ class Tally:
             log(f"skipped {skip.message()}")
 
     def warn_about_files(self, read_whole: list[Path] = ()) -> None:
-        """Warn about each file none of whose records became a document, and each of `read_whole` (files read to
-        their end) that held no record at all."""
+        """Warn about each file none of whose records became a document, each whose records were mostly skipped
+        (a prompts file given to stage 1a packs its few answered records and trains on next to nothing), and each of
+        `read_whole` (files read to their end) that held no record at all."""
         for file in [str(p) for p in read_whole if str(p) not in self.files]:
-            msg = f"WARNING: {file}: holds no record (empty, or blank lines only)"
-            log(msg)
-            print(msg, file=sys.stderr, flush=True)
+            warn(f"WARNING: {file}: holds no record (empty, or blank lines only)")
         for file, counts in self.files.items():
+            skips = Counter({r: n for r, n in counts.items() if r != "docs"})
+            if not skips or skips.total() <= counts["docs"]:
+                continue
+            top = skips.most_common(1)[0][0]
+            reasons = ", ".join(f"{r} ×{n}" for r, n in skips.most_common())
+            hint = FILE_HINTS.get(top, "check its records against the corpus format")
             if not counts["docs"]:
-                top = counts.most_common(1)[0][0]
-                reasons = ", ".join(f"{r} ×{n}" for r, n in counts.most_common())
-                msg = (f"WARNING: {file}: not one of its {sum(counts.values())} record(s) became a document "
-                       f"({reasons}): {FILE_HINTS.get(top, 'check its records against the corpus format')}")
-                log(msg)
-                print(msg, file=sys.stderr, flush=True)
+                warn(f"WARNING: {file}: not one of its {skips.total()} record(s) became a document ({reasons}): {hint}")
+            else:
+                warn(f"WARNING: {file}: most of its {skips.total() + counts['docs']} records were skipped "
+                     f"({reasons}; {counts['docs']} packed): {hint}")
 
     def nothing_to_train_on(self, records: int, paths: list[Path]) -> CorpusError:
         if not records:
@@ -90,6 +95,12 @@ class Tally:
         listed = f" (every skip is listed in {self.skip_log.name})" if self.skip_log is not None else ""
         return CorpusError(f"no document to train on: every record was skipped ({records} read): {why}. Fix these "
                            f"records{listed} or point CORPUS= at other files")
+
+
+def warn(msg: str) -> None:
+    """`msg` in the log and on stderr (what a user must not miss in a long run's output)."""
+    log(msg)
+    print(msg, file=sys.stderr, flush=True)
 
 
 # --- shards and the summary ---------------------------------------------------------------------------------

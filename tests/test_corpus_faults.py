@@ -105,6 +105,21 @@ def test_a_file_holding_no_record_is_said_so(tmp_path, qwen35_dir, capsys):
     assert f"WARNING: {empty}: holds no record (empty, or blank lines only)" in err and str(fine) not in err
 
 
+def test_a_file_of_mostly_unanswered_prompts_is_said_to_need_regen(tmp_path, qwen35_dir, capsys):
+    """A prompts file given to stage 1a instead of make regen: its one answered record is packed and the run goes on,
+    but the file is named loudly with what to do; a file with a minority of skips is not."""
+    prompts, mixed = tmp_path / "prompts.jsonl", tmp_path / "mixed.jsonl"
+    unanswered = [{"messages": [{"role": "user", "content": f"write function {i}"}]} for i in range(5)]
+    prompts.write_bytes(b"\n".join(lines(unanswered + GOOD[:1])) + b"\n")
+    mixed.write_bytes(b"\n".join(lines(GOOD + unanswered[:1])) + b"\n")
+    cache = run(tmp_path / "d", [prompts, mixed], qwen35_dir)
+    summary = read_manifest(cache)["summary"]
+    assert summary["docs_skipped"] == {"no_assistant_turn": 6} and summary["docs_packed"] == 4
+    err = capsys.readouterr().err
+    assert f"WARNING: {prompts}: most of its 6 records were skipped (no_assistant_turn ×5; 1 packed)" in err
+    assert "make regen CORPUS=THIS_FILE" in err and str(mixed) not in err
+
+
 def complete_caches(root) -> list:
     return [m.parent for m in root.rglob("manifest.json") if json.loads(m.read_text()).get("complete")]
 
