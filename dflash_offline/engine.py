@@ -41,6 +41,7 @@ from .regen import Job, Result, Writer, hash_seed, split_reasoning
 WINDOW = 16  # records in the window per request in flight: slack for answers that take longer than most
 MAX_WAIT_S = 60.0  # longest backoff between two attempts
 REJECT_LIMIT = 32  # records the server refuses (HTTP 400) before any answer: then the settings are wrong, not them
+CHECK_ATTEMPTS, CHECK_BACKOFF_S, CHECK_TIMEOUT_S = 3, 0.5, 30.0  # the start-up check: seconds, not --retries' minute
 COMMIT_EVERY_S = 1.0  # how often finished records at the head of the window are written and committed
 RETRYABLE = (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException, ValueError)
 
@@ -68,20 +69,24 @@ class Client:
         if os.environ.get("OPENAI_API_KEY"):
             self.headers["Authorization"] = f"Bearer {os.environ['OPENAI_API_KEY']}"
 
-    def request(self, path: str, body: dict | None = None) -> dict:
+    def request(self, path: str, body: dict | None = None, timeout_s: float | None = None) -> dict:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, headers=self.headers)
-        with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+        with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
             return json.loads(resp.read())
 
-    def call(self, path: str, body: dict | None, what: str, any_status: bool = False) -> dict:
+    def call(self, path: str, body: dict | None, what: str, any_status: bool = False,
+             quick: bool = False) -> dict:
         """The JSON reply to one request, retried as the module docstring says (`any_status`: an HTTP error status
-        is the empty reply); `Unanswered` when every attempt failed."""
+        is the empty reply; `quick`: `CHECK_ATTEMPTS` attempts, short waits and timeout); `Unanswered` when every
+        attempt failed."""
         last = ""
-        for attempt in range(self.retries + 1):
-            wait = min(MAX_WAIT_S, self.backoff_s * 2 ** attempt) * (1 + 0.1 * random.random())
+        retries, backoff = (CHECK_ATTEMPTS - 1, CHECK_BACKOFF_S) if quick else (self.retries, self.backoff_s)
+        timeout = min(self.timeout_s, CHECK_TIMEOUT_S) if quick else None
+        for attempt in range(retries + 1):
+            wait = min(MAX_WAIT_S, backoff * 2 ** attempt) * (1 + 0.1 * random.random())
             try:
-                return self.request(path, body)
+                return self.request(path, body, timeout)
             except urllib.error.HTTPError as e:
                 text = e.read()[:600].decode("utf-8", "replace").strip()
                 if any_status:
@@ -96,18 +101,19 @@ class Client:
                 wait = max(wait, min(MAX_WAIT_S, retry_after(e.headers.get("Retry-After"))))
             except RETRYABLE as e:
                 last = f"{type(e).__name__}: {e}"
-            if attempt < self.retries and self.stop.wait(wait):
+            if attempt < retries and self.stop.wait(wait):
                 break
-        n = self.retries + 1
+        n = retries + 1
         raise Unanswered(f"the engine at {self.url} failed {n} attempt{'s' * (n > 1)} (last: {last})")
 
     def check(self) -> None:
-        """Fail before the corpus is read when nothing answers at the URL, or the server lists other models."""
+        """Fail in seconds, before the corpus is read, when nothing answers at the URL (`CHECK_ATTEMPTS` quick
+        attempts, not the records' retries), or the server lists other models."""
         try:
-            reply = self.call("/models", None, "GET /models", any_status=True)
+            reply = self.call("/models", None, "GET /models", any_status=True, quick=True)
         except Unanswered as e:
-            raise EngineError(f"no server answers: {e}. Start it (docs/data.md, 'At scale: a serving engine') or fix "
-                              f"--engine (ENGINE=)") from None
+            raise EngineError(f"no server answers: {e}. Start it and wait until it reports being ready (docs/data.md, "
+                              f"'At scale: a serving engine'), or fix --engine (ENGINE=)") from None
         data = reply.get("data") if isinstance(reply, dict) else None  # (transformers serve has no usable list)
         served = [m.get("id") for m in data if isinstance(m, dict)] if isinstance(data, list) else []
         if served and self.model not in served:

@@ -17,6 +17,7 @@ the output and its resume. `regenrun.run` (`stages/regen.py`) runs it with one o
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import time
@@ -363,6 +364,10 @@ def append_records(f, records: list[dict]) -> None:
     os.fsync(f.fileno())
 
 
+RECORD_FORMAT = ("A record is a chat (JSONL line or Parquet row with 'messages'): a prompt, whose last turn is a user "
+                 "or tool turn, or a conversation whose assistant turns are replaced (docs/data.md, 'Regenerated data').")
+
+
 def check_usable(st: dict, corpus: list[str], files: list[Path]) -> None:
     """A run that wrote no record is an error: its files are removed, the message counts why and shows examples."""
     if st["written"]:
@@ -376,10 +381,29 @@ def check_usable(st: dict, corpus: list[str], files: list[Path]) -> None:
             why.append(f"{name.removesuffix('_dropped')} {st[name]} (pass {fix})")
     examples = "".join(f"\n  {e}" for e in st["skip_examples"][:5])
     raise ValueError(f"no usable record in {', '.join(corpus)}: {st['records_read']} read, none written; "
-                     f"{'; '.join(why) or 'the corpus holds no record'}{examples}\nA record is a chat (JSONL line or "
-                     f"Parquet row with 'messages'): a prompt, whose last turn is a user or tool turn, or a "
-                     f"conversation whose assistant turns are replaced (docs/data.md, 'Regenerated data'). Nothing "
-                     f"was written.")
+                     f"{'; '.join(why) or 'the corpus holds no record'}{examples}\n{RECORD_FORMAT} Nothing was "
+                     f"written.")
+
+
+PREVIEW = 1000  # records read before the target loads (or a request is sent), to refuse a corpus with none usable
+
+
+def check_first_records(paths: list[Path], corpus: list[str], start: int, num_docs: int, keep: str,
+                        heldout_every: int) -> None:
+    """Refuse a run whose first `PREVIEW` records from `start` hold none to answer (a file of another schema, a
+    prompt file of the wrong format), before a 27B target takes minutes to load only to skip them all."""
+    seen = list(itertools.islice(entries(paths, start, num_docs, keep, heldout_every), PREVIEW))
+    if not seen or any(isinstance(e, Job) for e in seen):
+        return
+    skipped = [e for e in seen if isinstance(e, Skipped)]
+    why = [f"skipped: {', '.join(f'{k} {v}' for k, v in sorted(Counter(e.reason for e in skipped).items()))}"]
+    if len(skipped) < len(seen):
+        why.append(f"held out {len(seen) - len(skipped)} (pass a larger --heldout_every)")
+    where = f"among the first {PREVIEW} records of" if len(seen) == PREVIEW else "in"
+    examples = "".join(f"\n  {e.source}: {e.reason}: {e.detail}" for e in skipped[:5])
+    raise ValueError(f"no usable record {where} {', '.join(corpus)}{f' from record {start} on' if start else ''} "
+                     f"({len(seen)} read before the target loads): {'; '.join(why)}{examples}\n{RECORD_FORMAT} "
+                     f"Nothing was loaded or written.")
 
 
 class Tally:

@@ -21,6 +21,7 @@ from dflash_offline.regen import (
     Job,
     Writer,
     batches,
+    check_first_records,
     check_usable,
     commit,
     entries,
@@ -157,6 +158,8 @@ def run(cfg: RegenConfig, model=None, tokenizer=None) -> dict:
         log(f"{out}: all {total} records already done")
         check_usable(st := commit(out, conf, state, state["elapsed_s"], complete=True), cfg.corpus, files)
         return st
+    if not state["written"]:  # (a resume that wrote some may skip the rest: it was usable)
+        check_first_records(paths, cfg.corpus, state["records_read"], cfg.num_docs, cfg.keep, cfg.heldout_every)
     if state["records_read"]:
         log(f"resuming {out}: {state['records_read']} input records done, {state['written']} written")
     writer = Writer(out, heldout, conf, state)

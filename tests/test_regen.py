@@ -271,6 +271,32 @@ def test_malformed_lines_are_counted_with_file_line(tmp_path, qwen3_dir, chat_co
     assert kept[2]["id"] == 7  # other keys of the record are kept
 
 
+def test_a_corpus_with_no_usable_record_is_refused_before_the_target_loads(tmp_path, qwen3_dir, monkeypatch):
+    """Records of another schema: refused before the weights load, naming the reasons and the first lines, with
+    nothing written; one usable record among the first PREVIEW is enough to go on."""
+    from dflash_offline import regen as regen_lib
+
+    def no_load(*a, **k):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr(regenrun, "load_model", no_load)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps({"text": f"prompt {i}"}) + "\n" for i in range(3)) + "{cut\n")
+    out = tmp_path / "o.jsonl"
+    with pytest.raises(ValueError, match=r"no usable record in .*bad\.jsonl \(4 read before the target loads\): "
+                                         r"skipped: invalid_json 1, missing_messages 3\n.*bad\.jsonl:1: missing_messa"):
+        go(qwen3_dir, bad, out, (None, None), num_docs=0)
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["bad.jsonl"]
+    one = {"messages": [{"role": "user", "content": "hi"}]}
+    bad.write_text("".join(json.dumps(r) + "\n" for r in [{"text": "x"}] * 3 + [one]))
+    monkeypatch.setattr(regen_lib, "PREVIEW", 3)
+    with pytest.raises(ValueError, match=r"no usable record among the first 3 records of .*\(3 read"):
+        go(qwen3_dir, bad, out, (None, None), num_docs=0)
+    monkeypatch.setattr(regen_lib, "PREVIEW", 4)
+    with pytest.raises(AssertionError, match="the target was loaded"):  # (record 4 is usable: the run goes on)
+        go(qwen3_dir, bad, out, (None, None), num_docs=0)
+
+
 def prompts_of(corpus, n: int) -> list[dict]:
     """The first `n` records cut before their first assistant turn: prompts, as users bring them."""
     out = []

@@ -300,9 +300,10 @@ def test_wrong_engine_settings_fail_early_with_the_fix(server, proxy, reference,
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
-    with pytest.raises(ValueError, match=r"no server answers: the engine at .* failed 2 attempts \(last: URLError.*"
+    # (the start-up check makes engine.CHECK_ATTEMPTS quick attempts, not the records' 7: seconds, not a minute)
+    with pytest.raises(ValueError, match=r"no server answers: the engine at .* failed 3 attempts \(last: URLError.*"
                                          r"Start it .* or fix --engine"):
-        go(server, corpus, tmp_path / "a.jsonl", closed, retries=1)
+        go(server, corpus, tmp_path / "a.jsonl", closed, retries=6)
     proxy.models = ["Qwen/Qwen3-8B"]
     with pytest.raises(ValueError, match=r"serves \['Qwen/Qwen3-8B'\], not --model='.*qwen3': pass one of them"):
         go(server, corpus, tmp_path / "b.jsonl", proxy.url)
