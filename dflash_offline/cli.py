@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 
@@ -69,20 +71,39 @@ class QuietOnClosedPipe:
         return getattr(self._stream, name)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's stop, spot preemption, `kill`) in a stage that does not stop between steps itself: the
+    same unwinding as Ctrl-C (a KeyboardInterrupt, which no `except Exception` swallows)."""
+
+
+def _terminate(signum, frame):
+    signal.signal(signal.SIGTERM, _stopping)  # (a later one must not cut the unwinding short)
+    raise Terminated()
+
+
+def _stopping(signum, frame):  # (os.write: a print here could re-enter a print the signal interrupted)
+    with contextlib.suppress(OSError):
+        os.write(2, b"SIGTERM: already stopping\n")
+
+
 def run_cli(main) -> None:
     """A stage's `__main__`: run `main(argv)`; a refused input or a failed write (`refusal`) becomes one line and exit
-    status 2 instead of a traceback, Ctrl-C one line and 130; an int result is the exit code. Triton autotuner choices are recorded or pinned
-    first when the environment asks (`dflash_offline.autotune`)."""
+    status 2 instead of a traceback, Ctrl-C one line and 130, SIGTERM one line and 143 (a stage's own handlers, such
+    as training's stop between steps, replace this one while they run); an int result is the exit code. Triton
+    autotuner choices are recorded or pinned first when the environment asks (`dflash_offline.autotune`)."""
     from .autotune import from_env
 
     if os.environ.get(UNDER_LAUNCH):  # a worker of `launch.py`: its stderr is that process's pipe
         sys.stderr = QuietOnClosedPipe(sys.stderr)
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminate)
     from_env()
     try:
         code = main(sys.argv[1:])
-    except KeyboardInterrupt:  # Ctrl-C in a stage that does not stop between steps itself (regen, eval, export...)
-        print("stopped on SIGINT: nothing it committed is lost; rerun the same command", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM in a stage that does not stop between steps itself (regen...)
+        name, status = ("SIGTERM", 143) if isinstance(e, Terminated) else ("SIGINT", 130)
+        print(f"stopped on {name}: nothing it committed is lost; rerun the same command", file=sys.stderr)
+        exit_now(status)
     except BrokenPipeError:  # `| head`: the reader has what it wanted; no traceback, the shell's status for SIGPIPE
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit's flush would raise again)
         sys.exit(141)
@@ -93,6 +114,20 @@ def run_cli(main) -> None:
         print(line, file=sys.stderr)
         sys.exit(2)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def exit_now(status: int) -> None:
+    """Exit after a stop without waiting for threads still blocked (regen's requests in flight to an engine: up to
+    --timeout_s each; the interpreter would join them first): `atexit` handlers run, then the process ends."""
+    if not any(t.is_alive() and not t.daemon and t is not threading.main_thread() for t in threading.enumerate()):
+        sys.exit(status)
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(status)
 
 
 def refusal(e: BaseException) -> str | None:

@@ -304,13 +304,16 @@ def test_a_stage_piped_into_head_ends_without_a_traceback():
     assert res.stdout.splitlines()[-1] == "status 141" and "Traceback" not in res.stderr, (res.stdout, res.stderr)
 
 
-def test_a_stage_stopped_by_ctrl_c_says_so_in_one_line():
-    """SIGINT in a stage that does not stop between steps itself (regen, eval): one line and the shell's 130, not a
-    KeyboardInterrupt traceback."""
+@pytest.mark.parametrize("sig,status", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_stage_stopped_by_ctrl_c_or_sigterm_says_so_in_one_line(sig, status):
+    """SIGINT or SIGTERM in a stage that does not stop between steps itself (regen, eval): one line and the shell's
+    130 / 143, not a KeyboardInterrupt traceback (SIGTERM: not a silent death), and its `finally` blocks ran."""
     stage = ("import os, signal\nfrom dflash_offline.cli import run_cli\n"
              "signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # (as from a shell; an xdist worker ignores it)
-             "def main(argv):\n    os.kill(os.getpid(), signal.SIGINT)\n    import time; time.sleep(30)\n"
+             f"def main(argv):\n    try:\n        os.kill(os.getpid(), signal.{sig})\n"
+             "        import time; time.sleep(30)\n    finally:\n        print('cleaned up')\n"
              "run_cli(main)")
     res = subprocess.run([sys.executable, "-c", stage], capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert res.returncode == 130 and "Traceback" not in res.stderr, res.stderr
-    assert res.stderr.strip().splitlines()[-1] == "stopped on SIGINT: nothing it committed is lost; rerun the same command"
+    assert res.returncode == status and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.strip().splitlines()[-1] == f"stopped on {sig}: nothing it committed is lost; rerun the same command"
+    assert res.stdout == "cleaned up\n"

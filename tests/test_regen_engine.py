@@ -229,10 +229,12 @@ def test_every_turn_and_sampling_settings_reach_the_server(server, proxy, chat_c
         m for m in conv["messages"] if m["role"] != "assistant"]
 
 
-def test_a_resume_after_a_kill_asks_no_answered_prompt_again(server, proxy, reference, tmp_path):
-    """The run is killed (SIGKILL) while the 3rd prompt's request hangs and the later ones were answered: a rerun of
-    the same command sends only the 3rd again (the answers that came ahead of their turn were kept), and the output
-    equals an uninterrupted run's."""
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_a_resume_after_a_kill_asks_no_answered_prompt_again(server, proxy, reference, tmp_path, sig):
+    """The run is killed (SIGKILL) or stopped (SIGTERM: one line, exit 143, without waiting for the request in
+    flight) while the 3rd prompt's request hangs and the later ones were answered: a rerun of the same command sends
+    only the 3rd again (the answers that came ahead of their turn were kept), and the output equals an uninterrupted
+    run's."""
     corpus, prompts, ref = reference
     out = tmp_path / "k.jsonl"
     proxy.hold = prompts[2]["messages"][-1]["content"]
@@ -243,8 +245,11 @@ def test_a_resume_after_a_kill_asks_no_answered_prompt_again(server, proxy, refe
     while not (journal.exists() and journal.read_text().count("\n") == 7):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-2000:]
         time.sleep(0.1)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc.send_signal(getattr(signal, sig))
+    said = proc.communicate(timeout=30)[0].decode()  # (SIGTERM: the request held by the server is not waited for)
+    if sig == "SIGTERM":
+        assert proc.returncode == 143 and "Traceback" not in said, said[-2000:]
+        assert said.strip().splitlines()[-1] == "stopped on SIGTERM: nothing it committed is lost; rerun the same command"
     proxy.released.set()  # the held request dies unanswered, as it would with its client gone
     st = json.loads(Path(f"{out}.stats.json").read_text())
     assert st["written"] == len(read(out)) <= 2 and not st["complete"]
