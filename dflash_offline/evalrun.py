@@ -34,6 +34,8 @@ from dflash_offline.evaluation import (
     write_baseline,
 )
 
+BASELINE_FILE = "eval-baseline.json"  # in the run: the target-alone decodes its evaluations share (--baseline)
+
 
 @dataclass
 class EvalConfig:
@@ -55,7 +57,7 @@ class EvalConfig:
     threads: int = 0  # CPU threads for torch (0 = 1 on a CPU run unless OMP_NUM_THREADS is set, else torch's default)
     out: str = ""  # JSON report path; empty = RUN/eval.json (RUN/eval-untrained.json)
     tie_tol: float = 0.25  # bfloat16: a difference where the target's top-2 logit margin is <= this is a rounding tie
-    baseline: str = ""  # JSON file of the target-alone decodes: reused when made for the same target/prompts/dtype/device, else (re)written
+    baseline: str = ""  # JSON file of the target-alone decodes: reused when made for the same target/prompts/dtype/device, else (re)written; empty = RUN/eval-baseline.json, off = none (decode the target alone anew)
     spec_prompts: int = 0  # prompts also decoded with the drafter (0 = all); the rest by the target alone, for --baseline
     replay: bool = False  # τ by replaying the target's greedy output (one target forward per prompt, the drafter stepped along it): the decode's τ, no speed figures
     draft_baseline: bool = True  # target-alone decodes that are not timed (replayed or baseline-only prompts) verified in blocks against a batched greedy draft: the same tokens, ~10x fewer forwards
@@ -90,6 +92,9 @@ class EvalConfig:
                               f"{self.tf_rows}")
         if self.tie_tol < 0:
             raise ConfigError(f"eval.tie_tol must be >= 0, got {self.tie_tol}")
+        # (the target-alone decodes are half an evaluation's target time and the same for every drafter of the run:
+        # a trained and an untrained evaluation, or one after more training, share them)
+        self.baseline = "" if self.baseline == "off" else self.baseline or str(Path(self.run) / BASELINE_FILE)
         return self
 
 

@@ -452,12 +452,22 @@ def test_evaluate_measures_the_export(tmp_path, hidden_cache, capfd):
     assert tf["batches"] == 1 and not tf["held_out"] and 1 <= tf["sim_tau"] <= 8 and len(tf["acc"]) == 7
     assert all(p["equal"] for p in r["per_prompt"])
 
+    # the target-alone decodes are kept in the run (RUN/eval-baseline.json) and the run's later evaluations reuse
+    # them (the same outputs, so the same τ); --baseline=off decodes the target alone again and keeps nothing
+    assert r["baseline"] == {"file": str(run / "eval-baseline.json"), "reused": False, "prompts": 3}
     # an existing export is measured as it is; a new directory receives an export first; another run's is refused
     out = tmp_path / "e.json"
     before = (run / "eval-export" / "model.safetensors").stat().st_mtime_ns
     assert evaluate.main(args + [f"--export={run / 'eval-export'}", "--tf_batches=0", f"--out={out}"]) == 0
     assert (run / "eval-export" / "model.safetensors").stat().st_mtime_ns == before
     assert json.loads(out.read_text())["tau_hist"] == r["tau_hist"]
+    assert json.loads(out.read_text())["baseline"]["reused"] is True
+    kept = (run / "eval-baseline.json").stat().st_mtime_ns
+    assert evaluate.main(args + [f"--export={run / 'eval-export'}", "--tf_batches=0", f"--out={out}",
+                                 "--baseline=off"]) == 0
+    off = json.loads(out.read_text())
+    assert off["baseline"] is None and off["tau_hist"] == r["tau_hist"]
+    assert (run / "eval-baseline.json").stat().st_mtime_ns == kept
     assert evaluate.main(args + [f"--export={tmp_path / 'new'}", "--tf_batches=0", f"--out={out}"]) == 0
     assert json.loads(out.read_text())["artifact"]["weights_sha256"] == prov["weights_sha256"]
     other = tmp_path / "other"
