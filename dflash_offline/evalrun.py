@@ -154,31 +154,10 @@ def check_cache_target(cache: str, target_dir: Path) -> None:
 
 
 def check_run_target(ri: dict, target_dir: Path, run_dir: Path, log) -> None:
-    """The eval target must be the one the run's cache was extracted from (its drafter learned that target's states;
-    Qwen3.5- and Qwen3.6-27B have one shape): its fingerprint against the one RUN/config.json records, else the
-    training cache's while it is there; one line naming both and the fix, before anything loads."""
-    from dflash_offline.cache.manifest import ManifestError, has_manifest, read_manifest
-    from dflash_offline.targetid import TargetError, target_mismatch
+    """The eval target must be the one the run's cache was extracted from (`export.check_trained_target`)."""
+    from dflash_offline.export import check_trained_target
 
-    recorded, where = ri["config"].get("target_id"), f"{run_dir}/config.json"
-    if recorded is None and has_manifest(ri["cache"]):
-        try:
-            recorded, where = read_manifest(ri["cache"], kind="hidden")["producer"]["target"], f"{ri['cache']}"
-        except (ManifestError, KeyError, TypeError):
-            recorded = None
-    if recorded is None:
-        log(f"{run_dir} records no fingerprint of its target and its cache is gone: {target_dir} is not checked")
-        return
-    if not (diff := target_mismatch(str(target_dir), recorded, where)):
-        return
-    trained = ri["config"].get("target") or ri["train"].get("target") or ""
-    if trained and (trained == str(target_dir) or Path(trained).resolve() == Path(target_dir).resolve()):
-        raise TargetError(f"target {target_dir} has changed since {run_dir} was trained for it ({'; '.join(diff)}): "
-                          f"its drafter learned the states of the weights it held then; put them back")
-    named = trained or "its cache's target"
-    raise TargetError(f"eval target {target_dir} is not the target {run_dir} was trained for ({named}; "
-                      f"{'; '.join(diff)}): its drafter learned that target's states. Pass --target= (make eval "
-                      f"TARGET=) the run's target, or leave it empty")
+    check_trained_target(ri["config"], ri["cache"], target_dir, run_dir, log, "eval", "make eval TARGET=")
 
 
 def estimate(cfg: EvalConfig, ri: dict, model, dc, target) -> dict:

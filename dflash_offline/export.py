@@ -106,6 +106,35 @@ def run_target(run_dir: Path, run_cfg: dict, override: str = "") -> str:
                       f"or unreadable); pass --target=/path/to/target/checkpoint")
 
 
+def check_trained_target(run_cfg: dict, cache, target_dir: Path, run_dir: Path, log, use: str, make: str) -> None:
+    """`target_dir` must be the target the run's cache was extracted from (its drafter learned that target's states;
+    Qwen3.5- and Qwen3.6-27B have one shape): its fingerprint against the one RUN/config.json records, else the
+    training cache's while it is there; one line naming both and the fix (`use`: the stage, `make`: its make
+    variable), before anything loads. A copy of the target elsewhere passes."""
+    from dflash_offline.cache.manifest import ManifestError, has_manifest
+    from dflash_offline.targetid import TargetError, target_mismatch
+
+    recorded, where = run_cfg.get("target_id"), f"{run_dir}/config.json"
+    if recorded is None and cache and has_manifest(cache):
+        try:
+            recorded, where = read_manifest(cache, kind="hidden")["producer"]["target"], f"{cache}"
+        except (ManifestError, KeyError, TypeError):
+            recorded = None
+    if recorded is None:
+        log(f"{run_dir} records no fingerprint of its target and its cache is gone: {target_dir} is not checked")
+        return
+    if not (diff := target_mismatch(str(target_dir), recorded, where)):
+        return
+    trained = run_cfg.get("target") or (run_cfg.get("train") or {}).get("target") or ""
+    if trained and (trained == str(target_dir) or Path(trained).resolve() == Path(target_dir).resolve()):
+        raise TargetError(f"target {target_dir} has changed since {run_dir} was trained for it ({'; '.join(diff)}): "
+                          f"its drafter learned the states of the weights it held then; put them back")
+    named = trained or "its cache's target"
+    raise TargetError(f"{use} target {target_dir} is not the target {run_dir} was trained for ({named}; "
+                      f"{'; '.join(diff)}): its drafter learned that target's states. Pass --target= ({make}) the "
+                      f"run's target, or leave it empty")
+
+
 def target_fields(target: str) -> dict:
     """The target's values the export copies: max_position_embeddings, RoPE theta, bos/eos/pad ids."""
     from dflash_offline.targetid import resolve_checkpoint
@@ -342,6 +371,11 @@ def export(run_dir, out_dir, step: int | None = None, dtype: str = "bfloat16", t
 
     tgt_name = run_target(run_dir, run_cfg, target)
     tgt = target_fields(tgt_name)
+    if target:  # (another location of the run's target, as when it moved: the same weights, or refused)
+        from dflash_offline.progress import log
+
+        check_trained_target(run_cfg, run_cache(run_cfg), Path(tgt["path"]), run_dir, log, "export",
+                             "make export TARGET=")
     if tgt["rope_theta"] is not None and abs(tgt["rope_theta"] - dc.rope_theta) > 1e-6 * tgt["rope_theta"]:
         raise ExportError(f"the drafter was trained with rope_theta={dc.rope_theta} but target {tgt['path']} has "
                           f"{tgt['rope_theta']}: wrong --target=?")

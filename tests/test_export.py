@@ -380,6 +380,31 @@ def test_a_target_of_other_shapes_is_refused(tmp_path, qwen3_dir):
     export(run, tmp_path / "out", target=str(qwen3_dir))  # the right one
 
 
+def test_another_location_of_the_target_must_hold_the_runs_target(tmp_path, qwen3_dir):
+    """--target= where the run's target moved: a copy of it is exported against; a checkpoint of the same shapes with
+    other weights (Qwen3.5- and Qwen3.6-27B share one) is refused by the fingerprint the run recorded, naming both."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from dflash_offline.targetid import TargetError, target_fingerprint
+
+    run, _ = fake_run(tmp_path / "run", qwen3_dir)
+    cfg = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**cfg, "target_id": target_fingerprint(qwen3_dir)}))
+    moved = tmp_path / "moved"
+    shutil.copytree(qwen3_dir, moved)
+    export(run, tmp_path / "out", target=str(moved))
+    weights = sorted(moved.glob("*.safetensors"))[0]
+    sd = load_file(str(weights))
+    name = next(iter(sd))
+    save_file({**sd, name: sd[name] + 1}, str(weights))
+    with pytest.raises(TargetError, match=rf"export target {moved} is not the target {run} was trained for "
+                                          rf"\({qwen3_dir}; weights_fingerprint .*make export TARGET="):
+        export(run, tmp_path / "out2", target=str(moved))
+    assert not (tmp_path / "out2").exists()
+
+
 def sglang_mask_token_id(config: dict, tokenizer_dir) -> int:
     """The id the string `dflash_config.mask_token` (default "<|MASK|>") stands for in the target tokenizer: looked up
     in its vocabulary, else the id adding it as a special token gives (the next id). SGLang 0.5.23 checks a string the
