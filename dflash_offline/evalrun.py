@@ -31,6 +31,7 @@ from dflash_offline.evaluation import (
     read_prompts,
     run_info,
     teacher_forced,
+    trained_on,
     write_baseline,
 )
 
@@ -300,6 +301,11 @@ def evaluate(cfg: EvalConfig) -> dict:
     prompts_file = Path(cfg.prompts) if cfg.prompts else target_dir / "corpus" / "eval.jsonl"
     if not prompts_file.is_file():
         raise ValueError(f"prompts file {prompts_file} does not exist: pass --prompts= a chat JSONL")
+    from dflash_offline.progress import warn
+
+    if seen := trained_on(prompts_file, ri["cache"]):  # (τ on them overstates the drafter on new prompts)
+        warn(f"WARNING: {seen}. τ measured on prompts the drafter was trained on overstates what it does on new "
+             f"ones: pass PROMPTS= (--prompts=) prompts held out of its training")
     device, dtype_name = compute(cfg, target_dir)
     dtype, exact = getattr(torch, dtype_name), dtype_name == "float32"
     if cfg.replay_batch and not exact:
@@ -351,6 +357,7 @@ def evaluate(cfg: EvalConfig) -> dict:
         "run": str(run_dir), "artifact": artifact, "checkpoint": artifact.get("checkpoint"),
         "step": 0 if cfg.untrained else artifact["step"], "untrained": cfg.untrained,
         "target": str(target_dir), "arch": info.arch, "prompts": str(prompts_file), "num_prompts": len(prompts),
+        "prompts_trained_on": seen,
         "prompt_ids_sha256": prompt_ids_digest(prompts),
         "max_new_tokens": cfg.max_new_tokens, "block_size": dc.block_size, "device": str(device),
         "baseline": {"file": cfg.baseline, "reused": reuse is not None, "prompts": baseline_prompts}

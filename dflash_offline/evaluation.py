@@ -16,6 +16,7 @@ report's measured fields; `table` is its printed summary. torch and transformers
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -47,6 +48,40 @@ def run_info(run_dir: Path, target: str = "") -> dict:
         target = read_manifest(cache)["config"]["extract"]["target"]
     return {"config": cfg, "train": train, "cache": cache, "template_kwargs": trained_settings(cfg, train),
             "target": resolve_checkpoint(target, need=("config", "weights", "tokenizer"), field="eval target")}
+
+
+def trained_on(prompts: Path, cache) -> str | None:
+    """Why the eval prompts are the drafter's training prompts, as the run's caches record its corpus — `prompts` is
+    one of the token cache's corpus files, or the file whose prompts `make regen` answered into one of them (its
+    stats), not only the part it held out — else None (not, or not known: a cache or the files gone)."""
+    from .cache.manifest import ManifestError, read_manifest, token_cache
+    from .corpus import expand_paths
+    from .regen import stats_path
+
+    def same(a, b) -> bool:
+        with contextlib.suppress(OSError):
+            return Path(a).samefile(b)
+        return False
+
+    try:
+        _, tm = token_cache(Path(cache), read_manifest(cache, kind="hidden"))
+        corpus = expand_paths(tm["config"]["corpus"])
+    except (ManifestError, ValueError, OSError, KeyError, TypeError):  # (CorpusError: a ValueError)
+        return None
+    for f in corpus:
+        if same(f, prompts):
+            return f"{prompts} is a file of the drafter's training corpus"
+        try:
+            conf = json.loads(stats_path(f).read_text())["config"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if any(same(src, prompts) for src in conf.get("corpus") or []):
+            held, n = conf.get("heldout") or {}, conf.get("num_docs") or 0
+            part = f"its first {n:,} records" if n else "all its records"
+            if held.get("every"):
+                part += f" but 1 in {held['every']}, which make regen held out into {held.get('out')} (pass that file)"
+            return f"{f}, which the drafter trained on, holds the target's answers to the prompts of {prompts} ({part})"
+    return None
 
 
 def trained_settings(cfg: dict, train: dict) -> dict:

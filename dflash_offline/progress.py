@@ -23,6 +23,12 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def warn(msg: str) -> None:
+    """`msg` in the log and on stderr (what a user must not miss in a long run's output)."""
+    log(msg)
+    print(msg, file=sys.stderr, flush=True)
+
+
 class Progress:
     """`update(n, tokens=...)` advances the bar; `status_path` gets a JSON snapshot every `every_s` seconds."""
 

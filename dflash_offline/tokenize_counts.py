@@ -13,14 +13,13 @@ dry run only keeps the entry. `summarize` is the manifest's `summary` from the c
 from __future__ import annotations
 
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 
 from .cache.manifest import MANIFEST_VERSION
 from .corpus import CorpusError, Skip
 from .packing import materialize
-from .progress import log
+from .progress import log, warn
 
 # --- skips -------------------------------------------------------------------------------------------------------
 
@@ -95,12 +94,6 @@ class Tally:
         listed = f" (every skip is listed in {self.skip_log.name})" if self.skip_log is not None else ""
         return CorpusError(f"no document to train on: every record was skipped ({records} read): {why}. Fix these "
                            f"records{listed} or point CORPUS= at other files")
-
-
-def warn(msg: str) -> None:
-    """`msg` in the log and on stderr (what a user must not miss in a long run's output)."""
-    log(msg)
-    print(msg, file=sys.stderr, flush=True)
 
 
 # --- shards and the summary ---------------------------------------------------------------------------------

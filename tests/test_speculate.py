@@ -419,6 +419,39 @@ def prompts_with_categories(path, n):
     return democorpus.write_jsonl(path, n, records=recs)
 
 
+def test_eval_prompts_the_drafter_trained_on_are_named(tmp_path, hidden_cache, chat_corpus):
+    """τ on training prompts overstates the drafter: a prompts file that is a training corpus file, or the file whose
+    prompts make regen answered into one (its stats say so), is named with the held-out file to pass instead; the
+    held-out file itself, another file, or a run whose caches are gone are not."""
+    import shutil
+
+    from dflash_offline.evaluation import trained_on
+
+    assert trained_on(Path(chat_corpus), hidden_cache) == f"{chat_corpus} is a file of the drafter's training corpus"
+    other = tmp_path / "other.jsonl"
+    other.write_text(Path(chat_corpus).read_text())  # (the same records elsewhere: not what the run records)
+    assert trained_on(other, hidden_cache) is None
+    assert trained_on(Path(chat_corpus), tmp_path / "gone") is None
+    # a copy of the caches' manifests whose corpus is a regen output of prompts.jsonl, 1 record in 8 held out
+    hm = json.loads((hidden_cache / "manifest.json").read_text())
+    tokens = tmp_path / "tokens"
+    shutil.copytree((hidden_cache / hm["config"]["tokens_dir"]).resolve(), tokens)
+    (tmp_path / "hidden").mkdir()
+    (tmp_path / "hidden" / "manifest.json").write_text(json.dumps({**hm, "config": {**hm["config"],
+                                                                                    "tokens_dir": "../tokens"}}))
+    regen_out, prompts, held = tmp_path / "regen.jsonl", tmp_path / "prompts.jsonl", tmp_path / "held.jsonl"
+    for f in (regen_out, prompts, held):
+        f.write_text(Path(chat_corpus).read_text())
+    tm = json.loads((tokens / "manifest.json").read_text())
+    (tokens / "manifest.json").write_text(json.dumps({**tm, "config": {**tm["config"], "corpus": [str(regen_out)]}}))
+    (tmp_path / "regen.jsonl.stats.json").write_text(json.dumps({"config": {
+        "corpus": [str(prompts)], "num_docs": 0, "heldout": {"every": 8, "out": str(held)}}}))
+    assert trained_on(prompts, tmp_path / "hidden") == (
+        f"{regen_out}, which the drafter trained on, holds the target's answers to the prompts of {prompts} (all its "
+        f"records but 1 in 8, which make regen held out into {held} (pass that file))")
+    assert trained_on(held, tmp_path / "hidden") is None
+
+
 def test_evaluate_measures_the_export(tmp_path, hidden_cache, capfd):
     from dflash_offline.config import ConfigError
     from dflash_offline.trainsetup import TrainConfig
@@ -450,7 +483,7 @@ def test_evaluate_measures_the_export(tmp_path, hidden_cache, capfd):
     assert r["rollback"] == "refeed" and r["speedup"] > 0 and r["speedup_step_est"] > 0
     tf = r["teacher_forced"]
     assert tf["batches"] == 1 and not tf["held_out"] and 1 <= tf["sim_tau"] <= 8 and len(tf["acc"]) == 7
-    assert all(p["equal"] for p in r["per_prompt"])
+    assert all(p["equal"] for p in r["per_prompt"]) and r["prompts_trained_on"] is None
 
     # the target-alone decodes are kept in the run (RUN/eval-baseline.json) and the run's later evaluations reuse
     # them (the same outputs, so the same τ); --baseline=off decodes the target alone again and keeps nothing
