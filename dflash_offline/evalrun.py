@@ -317,6 +317,11 @@ def evaluate(cfg: EvalConfig) -> dict:
     settings = parse_settings(cfg.template_kwargs, "eval.template_kwargs")
     check_tokenizer(tok, settings, "eval.template_kwargs")
     prompts = read_prompts(prompts_file, cfg.num_prompts, cfg.turn, tok, settings, ri["template_kwargs"])
+    trained_thinking = ri["template_kwargs"].get("enable_thinking")
+    if "enable_thinking" in settings and trained_thinking is not None and settings["enable_thinking"] != trained_thinking:
+        warn(f"WARNING: --template_kwargs enable_thinking={settings['enable_thinking']} renders the prompts otherwise "
+             f"than the drafter's training corpus was rendered (enable_thinking={trained_thinking}): τ then measures "
+             f"the drafter on a kind of answer it did not train on; leave enable_thinking out to render as trained")
 
     # --- the drafter: the shipped artifact (small; validates the run before the target is loaded)
     model, artifact, dc = load_drafter(cfg, ri, run_dir, device, dtype, log)

@@ -501,6 +501,15 @@ def test_evaluate_measures_the_export(tmp_path, hidden_cache, capfd):
     off = json.loads(out.read_text())
     assert off["baseline"] is None and off["tau_hist"] == r["tau_hist"]
     assert (run / "eval-baseline.json").stat().st_mtime_ns == kept
+    # --template_kwargs naming enable_thinking otherwise than the training corpus was rendered: said, not silent
+    run_cfg = (run / "config.json").read_text()
+    (run / "config.json").write_text(json.dumps({**json.loads(run_cfg), "template_kwargs": {"enable_thinking": False}}))
+    capfd.readouterr()
+    assert evaluate.main(args + [f"--export={run / 'eval-export'}", "--tf_batches=0", f"--out={out}",
+                                 '--template_kwargs={"enable_thinking": true}']) == 0
+    assert ("WARNING: --template_kwargs enable_thinking=True renders the prompts otherwise than the drafter's "
+            "training corpus was rendered (enable_thinking=False)") in capfd.readouterr().err
+    (run / "config.json").write_text(run_cfg)
     assert evaluate.main(args + [f"--export={tmp_path / 'new'}", "--tf_batches=0", f"--out={out}"]) == 0
     assert json.loads(out.read_text())["artifact"]["weights_sha256"] == prov["weights_sha256"]
     other = tmp_path / "other"
