@@ -77,28 +77,32 @@ class Terminated(KeyboardInterrupt):
 
 
 def _terminate(signum, frame):
-    signal.signal(signal.SIGTERM, _stopping)  # (a later one must not cut the unwinding short)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # (a later one, or Ctrl-C, must not cut the unwinding short)
+        signal.signal(sig, _stopping)
     raise Terminated()
 
 
 def _stopping(signum, frame):  # (os.write: a print here could re-enter a print the signal interrupted)
     with contextlib.suppress(OSError):
-        os.write(2, b"SIGTERM: already stopping\n")
+        os.write(2, f"{signal.Signals(signum).name}: already stopping\n".encode())
 
 
-def run_cli(main) -> None:
+def run_cli(main, stop_on_sigterm: bool = True) -> None:
     """A stage's `__main__`: run `main(argv)`; a refused input or a failed write (`refusal`) becomes one line and exit
     status 2 instead of a traceback, Ctrl-C one line and 130, SIGTERM one line and 143 (a stage's own handlers, such
-    as training's stop between steps, replace this one while they run); an int result is the exit code. Triton
-    autotuner choices are recorded or pinned first when the environment asks (`dflash_offline.autotune`)."""
+    as training's stop between steps, replace this one while they run; `stop_on_sigterm=False`: SIGTERM ends the
+    process at once, as for the testbed, whose reruns resume and whose unwinding would wait for a drafter in
+    flight); an int result is the exit code. Triton autotuner choices are recorded or pinned first when the
+    environment asks (`dflash_offline.autotune`)."""
     from .autotune import from_env
 
     if os.environ.get(UNDER_LAUNCH):  # a worker of `launch.py`: its stderr is that process's pipe
         sys.stderr = QuietOnClosedPipe(sys.stderr)
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+    if (stop_on_sigterm and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL):
         signal.signal(signal.SIGTERM, _terminate)
-    from_env()
     try:
+        from_env()  # (inside: a SIGTERM while it imports torch is a stop too)
         code = main(sys.argv[1:])
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM in a stage that does not stop between steps itself (regen...)
         name, status = ("SIGTERM", 143) if isinstance(e, Terminated) else ("SIGINT", 130)

@@ -112,6 +112,10 @@ class Client:
         try:
             reply = self.call("/models", None, "GET /models", any_status=True, quick=True)
         except Unanswered as e:
+            if "timed out" in str(e).lower() or "Timeout" in str(e):  # (something listens but does not answer)
+                raise EngineError(f"the server at {self.url} did not answer GET /models within "
+                                  f"{min(self.timeout_s, CHECK_TIMEOUT_S):g} s: {e}. If it is still loading the model, "
+                                  f"rerun once it reports being ready; else check --engine (ENGINE=)") from None
             raise EngineError(f"no server answers: {e}. Start it and wait until it reports being ready (docs/data.md, "
                               f"'At scale: a serving engine'), or fix --engine (ENGINE=)") from None
         data = reply.get("data") if isinstance(reply, dict) else None  # (transformers serve has no usable list)

@@ -9,6 +9,7 @@ second while the disk flushes shards or checkpoints (the kernel throttles writer
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -17,6 +18,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .cache.fsio import write_json_atomic
+
+HOST = socket.gethostname()
 
 
 def log(msg: str) -> None:
@@ -66,6 +69,7 @@ class Progress:
         snap = {
             "stage": self.stage,
             "state": state,
+            "host": HOST,
             "pid": os.getpid(),
             "done": done,
             "total": total,

@@ -17,7 +17,6 @@ the output and its resume. `regenrun.run` (`stages/regen.py`) runs it with one o
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import os
 import time
@@ -385,25 +384,38 @@ def check_usable(st: dict, corpus: list[str], files: list[Path]) -> None:
                      f"written.")
 
 
-PREVIEW = 1000  # records read before the target loads (or a request is sent), to refuse a corpus with none usable
+PREVIEW = 1000  # records of each file read before the target loads (or a request is sent), to refuse a corpus with
+# none usable
 
 
-def check_first_records(paths: list[Path], corpus: list[str], start: int, num_docs: int, keep: str,
-                        heldout_every: int) -> None:
-    """Refuse a run whose first `PREVIEW` records from `start` hold none to answer (a file of another schema, a
-    prompt file of the wrong format), before a 27B target takes minutes to load only to skip them all."""
-    seen = list(itertools.islice(entries(paths, start, num_docs, keep, heldout_every), PREVIEW))
-    if not seen or any(isinstance(e, Job) for e in seen):
+def check_first_records(paths: list[Path], corpus: list[str], num_docs: int, keep: str, heldout_every: int) -> None:
+    """Refuse a run none of whose files holds a record to answer among its first `PREVIEW` (a file of another
+    schema, a prompt file of the wrong format), before a 27B target takes minutes to load only to skip them all. It
+    stops at the first usable record; a file without one among its first `PREVIEW` is passed over for the next (a
+    corpus whose first file is bad but whose others are fine runs, counting the skips)."""
+    reasons, examples, held, seen, capped = Counter(), [], 0, 0, False
+    for path in paths:
+        n = 0
+        for e in entries([path], 0, 0, keep, heldout_every):
+            if num_docs and seen >= num_docs or n >= PREVIEW:
+                capped = capped or n >= PREVIEW
+                break
+            n, seen = n + 1, seen + 1
+            if isinstance(e, Job):
+                return
+            if isinstance(e, Heldout):
+                held += 1
+            else:
+                reasons[e.reason] += 1
+                if len(examples) < 5:
+                    examples.append(f"\n  {e.source}: {e.reason}: {e.detail}")
+    if not seen:
         return
-    skipped = [e for e in seen if isinstance(e, Skipped)]
-    why = [f"skipped: {', '.join(f'{k} {v}' for k, v in sorted(Counter(e.reason for e in skipped).items()))}"]
-    if len(skipped) < len(seen):
-        why.append(f"held out {len(seen) - len(skipped)} (pass a larger --heldout_every)")
-    where = f"among the first {PREVIEW} records of" if len(seen) == PREVIEW else "in"
-    examples = "".join(f"\n  {e.source}: {e.reason}: {e.detail}" for e in skipped[:5])
-    raise ValueError(f"no usable record {where} {', '.join(corpus)}{f' from record {start} on' if start else ''} "
-                     f"({len(seen)} read before the target loads): {'; '.join(why)}{examples}\n{RECORD_FORMAT} "
-                     f"Nothing was loaded or written.")
+    why = ([f"skipped: {', '.join(f'{k} {v}' for k, v in sorted(reasons.items()))}"] if reasons else []) + \
+        ([f"held out {held} (pass a larger --heldout_every)"] if held else [])
+    where = f"among the first {PREVIEW} records of each file of" if capped else "in"
+    raise ValueError(f"no usable record {where} {', '.join(corpus)} ({seen} read before the target loads): "
+                     f"{'; '.join(why)}{''.join(examples)}\n{RECORD_FORMAT} Nothing was loaded or written.")
 
 
 class Tally:

@@ -159,7 +159,7 @@ def run(cfg: RegenConfig, model=None, tokenizer=None) -> dict:
         check_usable(st := commit(out, conf, state, state["elapsed_s"], complete=True), cfg.corpus, files)
         return st
     if not state["written"]:  # (a resume that wrote some may skip the rest: it was usable)
-        check_first_records(paths, cfg.corpus, state["records_read"], cfg.num_docs, cfg.keep, cfg.heldout_every)
+        check_first_records(paths, cfg.corpus, cfg.num_docs, cfg.keep, cfg.heldout_every)
     if state["records_read"]:
         log(f"resuming {out}: {state['records_read']} input records done, {state['written']} written")
     writer = Writer(out, heldout, conf, state)

@@ -47,6 +47,7 @@ class Tally:
         self.skips: Counter = Counter()
         self.examples: dict[str, list[str]] = {}
         self.files: dict[str, Counter] = {}  # file → {"docs": n, <reason>: n}
+        self.policy: dict[str, Counter] = {}  # file → {<reason>: n} of the documents long_doc skipped
 
     def doc(self, file: str) -> None:
         self.files.setdefault(file, Counter())["docs"] += 1
@@ -59,6 +60,8 @@ class Tally:
             )
         self.skips[skip.reason] += 1
         self.files.setdefault(skip.file, Counter())[skip.reason] += 1
+        if policy:  # (a document of a record skipped by long_doc, not the record: turns=each packs its others)
+            self.policy.setdefault(skip.file, Counter())[skip.reason] += 1
         self.examples.setdefault(skip.reason, [])
         if len(self.examples[skip.reason]) < self.EXAMPLES:
             self.examples[skip.reason].append(f"{skip.file}:{skip.line}")
@@ -75,15 +78,16 @@ class Tally:
             warn(f"WARNING: {file}: holds no record (empty, or blank lines only)")
         for file, counts in self.files.items():
             skips = Counter({r: n for r, n in counts.items() if r != "docs"})
-            if not skips or skips.total() <= counts["docs"]:
+            records = skips - self.policy.get(file, Counter())  # (skipped records; counts["docs"]: records packed)
+            if not skips or counts["docs"] and records.total() <= counts["docs"]:
                 continue
             top = skips.most_common(1)[0][0]
             reasons = ", ".join(f"{r} ×{n}" for r, n in skips.most_common())
-            hint = FILE_HINTS.get(top, "check its records against the corpus format")
+            hint = FILE_HINTS.get(top, "check its records against the corpus format").replace("THIS_FILE", file)
             if not counts["docs"]:
                 warn(f"WARNING: {file}: not one of its {skips.total()} record(s) became a document ({reasons}): {hint}")
             else:
-                warn(f"WARNING: {file}: most of its {skips.total() + counts['docs']} records were skipped "
+                warn(f"WARNING: {file}: most of its {records.total() + counts['docs']} records were skipped "
                      f"({reasons}; {counts['docs']} packed): {hint}")
 
     def nothing_to_train_on(self, records: int, paths: list[Path]) -> CorpusError:

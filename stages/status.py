@@ -104,7 +104,8 @@ def print_report(r: dict, show_all: bool) -> None:
         print(f"  {k}: {v:.4g}" if isinstance(v, float) else f"  {k}: {v}")
     for st in r["live"]:
         age = time.time() - st.get("updated_at", 0)
-        who = f"{st.get('host', '?')}:{st.get('pid', '?')} rank {st.get('rank', '?')}"
+        rank = "" if st.get("rank") is None else f" rank {st['rank']}"
+        who = f"{st.get('host', '?')}:{st.get('pid', '?')}{rank}"
         eta = f", eta {st.get('eta_s') or 0:.0f}s" if st["liveness"] == "running" else ""
         progress = f"{st.get('done')}/{st['total']}" if st.get("total") else f"{st.get('done')}"
         print(f"  {st['liveness']:<8} {st.get('stage')} {who}: {progress} "

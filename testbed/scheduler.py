@@ -36,6 +36,11 @@ FIRST_DRAFTER_S = 240  # what a drafter is expected to take before one has ended
 # the same when a stand-in compiled its graphs (`testbed.precompile`): 69–125 s measured (H100 `8c73fd9`, `21931d7`;
 # H200 `92f7467`), the workers' start and the untrained evaluation beside it included
 FIRST_PRECOMPILED_S = 140
+# a further seed's time as a share of its settings' first (which starts the workers, loads or compiles the graphs,
+# decodes check_prompts for real): measured 0.18–0.65 on the H100 (`35932d4`: 102 s first beside the untrained
+# evaluation, repeats 16–21 s; `21931d7`: a 52 s first, repeats 32–34 s); what it underestimates past stop_after_s
+# the call's LIMIT (10 s above it) absorbs
+REPEAT_SHARE = 0.6
 
 
 class Deferred(Exception):
@@ -87,9 +92,8 @@ class Drafters:
         `FIRST_PRECOMPILED_S` where a stand-in compiled `j`'s graphs, else `FIRST_DRAFTER_S`) — the first of a setting
         loads or compiles its graphs and starts the workers (H200: 75–212 s);
         once a drafter of its settings (`graph_key`: other steps count as the same) ended here, as long as the longest
-        repeat of its settings, or before one, the longer of the longest repeat of any (37–76 s) and half its settings'
-        first (a costlier arm's repeat is; with no repeat ended yet, half its first: the H100's first took 102 s beside
-        the untrained evaluation, its repeats 16–21 s, `35932d4`)."""
+        repeat of its settings, or before one, the longer of the longest repeat of any (37–76 s) and `REPEAT_SHARE`
+        of its settings' first (a costlier arm's repeat is; with no repeat ended yet, that share of its first)."""
         key = graph_key(j)
         own = [s for k, s, repeat in self.took if k == key and repeat]
         if own:
@@ -97,7 +101,7 @@ class Drafters:
         firsts = [s for k, s, repeat in self.took if k == key and not repeat]
         repeats = [s for _, s, repeat in self.took if repeat]
         if firsts:
-            return max(max(repeats, default=0.0), max(firsts) / 2)
+            return max(max(repeats, default=0.0), REPEAT_SHARE * max(firsts))
         compiled = self.precompile is not None and self.precompile.compiled(j.run)
         return max((s for _, s, _ in self.took), default=FIRST_PRECOMPILED_S if compiled else FIRST_DRAFTER_S)
 

@@ -317,3 +317,21 @@ def test_a_stage_stopped_by_ctrl_c_or_sigterm_says_so_in_one_line(sig, status):
     assert res.returncode == status and "Traceback" not in res.stderr, res.stderr
     assert res.stderr.strip().splitlines()[-1] == f"stopped on {sig}: nothing it committed is lost; rerun the same command"
     assert res.stdout == "cleaned up\n"
+
+
+def test_a_second_signal_does_not_cut_a_sigterm_stop_short_and_the_testbed_stops_at_once():
+    """SIGTERM, then Ctrl-C while the stop unwinds: the cleanup finishes and the stop is SIGTERM's (143), the second
+    said in one line. The testbed (run_cli(..., stop_on_sigterm=False)) ends at once on SIGTERM: a rerun resumes, and
+    unwinding would wait for the drafter in flight."""
+    stage = ("import os, signal, time\nfrom dflash_offline.cli import run_cli\n"
+             "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+             "def main(argv):\n    try:\n        os.kill(os.getpid(), signal.SIGTERM)\n        time.sleep(30)\n"
+             "    finally:\n        os.kill(os.getpid(), signal.SIGINT)\n        time.sleep(0.2)\n"
+             "        print('cleaned up', flush=True)\n"
+             "run_cli(main{})")
+    res = subprocess.run([sys.executable, "-c", stage.format("")], capture_output=True, text=True, cwd=REPO,
+                         timeout=120)
+    assert res.returncode == 143 and res.stdout == "cleaned up\n" and "SIGINT: already stopping" in res.stderr
+    res = subprocess.run([sys.executable, "-c", stage.format(", stop_on_sigterm=False")], capture_output=True,
+                         text=True, cwd=REPO, timeout=120)
+    assert res.returncode == -15 and res.stdout == "", (res.returncode, res.stderr)

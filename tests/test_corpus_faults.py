@@ -117,7 +117,32 @@ def test_a_file_of_mostly_unanswered_prompts_is_said_to_need_regen(tmp_path, qwe
     assert summary["docs_skipped"] == {"no_assistant_turn": 6} and summary["docs_packed"] == 4
     err = capsys.readouterr().err
     assert f"WARNING: {prompts}: most of its 6 records were skipped (no_assistant_turn ×5; 1 packed)" in err
-    assert "make regen CORPUS=THIS_FILE" in err and str(mixed) not in err
+    assert f"make regen CORPUS={prompts} TARGET=" in err and str(mixed) not in err
+    # documents long_doc=skip drops inside packed records (turns=each: a record's others are packed) are not records
+    tally = tokenization.Tally(False, None)
+    for line in range(10):
+        tally.doc("f.jsonl")
+        for _ in range(3):
+            tally.skip(corpus.Skip("too_long", "x", "f.jsonl", line), policy=True)
+    tally.warn_about_files()
+    assert "WARNING" not in capsys.readouterr().err
+
+
+def test_make_status_names_the_tokenizing_host_and_process(tmp_path, qwen35_dir):
+    """make status on a token cache: the process that wrote it as host:pid (a single process has no rank: no
+    'rank ?' and no '?:pid')."""
+    import socket
+    import subprocess
+    import sys
+
+    fine = tmp_path / "a.jsonl"
+    fine.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in GOOD))
+    cache = run(tmp_path / "d", [fine], qwen35_dir)
+    st = json.loads((cache / "status.json").read_text())
+    assert st["host"] == socket.gethostname() and st["pid"] > 0 and "rank" not in st
+    out = subprocess.run([sys.executable, "-m", "stages.status", f"--cache={cache}"], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1], timeout=120).stdout
+    assert f"tokenize {st['host']}:{st['pid']}: 3" in out and "rank ?" not in out and "?:" not in out, out
 
 
 def complete_caches(root) -> list:

@@ -290,11 +290,23 @@ def test_a_corpus_with_no_usable_record_is_refused_before_the_target_loads(tmp_p
     one = {"messages": [{"role": "user", "content": "hi"}]}
     bad.write_text("".join(json.dumps(r) + "\n" for r in [{"text": "x"}] * 3 + [one]))
     monkeypatch.setattr(regen_lib, "PREVIEW", 3)
-    with pytest.raises(ValueError, match=r"no usable record among the first 3 records of .*\(3 read"):
+    with pytest.raises(ValueError, match=r"no usable record among the first 3 records of each file of .*\(3 read"):
         go(qwen3_dir, bad, out, (None, None), num_docs=0)
     monkeypatch.setattr(regen_lib, "PREVIEW", 4)
     with pytest.raises(AssertionError, match="the target was loaded"):  # (record 4 is usable: the run goes on)
         go(qwen3_dir, bad, out, (None, None), num_docs=0)
+    # a bad file first and a good one after it: the run goes on (the bad file's records are skipped and counted)
+    monkeypatch.setattr(regen_lib, "PREVIEW", 3)
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps(one) + "\n")
+    cfg = regenrun.RegenConfig(target=str(qwen3_dir), corpus=[str(bad), str(good)], out=str(tmp_path / "o2.jsonl"),
+                               progress=False)
+    with pytest.raises(AssertionError, match="the target was loaded"):
+        regenrun.run(cfg)
+    # every record held out: said so, without an empty 'skipped:'
+    bad.write_text(json.dumps(one) + "\n")
+    with pytest.raises(ValueError, match=r"\(1 read before the target loads\): held out 1 \(pass a larger "):
+        go(qwen3_dir, bad, tmp_path / "o3.jsonl", (None, None), num_docs=0, heldout_every=2)
 
 
 def prompts_of(corpus, n: int) -> list[dict]:

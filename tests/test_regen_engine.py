@@ -309,6 +309,13 @@ def test_wrong_engine_settings_fail_early_with_the_fix(server, proxy, reference,
     with pytest.raises(ValueError, match=r"no server answers: the engine at .* failed 3 attempts \(last: URLError.*"
                                          r"Start it .* or fix --engine"):
         go(server, corpus, tmp_path / "a.jsonl", closed, retries=6)
+    # something listening that does not answer (a server still loading): said so, not "no server answers"
+    monkeypatch.setattr(engine, "CHECK_TIMEOUT_S", 0.3)
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(8)
+        with pytest.raises(ValueError, match=r"did not answer GET /models within 0.3 s: .*still loading"):
+            go(server, corpus, tmp_path / "a.jsonl", f"http://127.0.0.1:{mute.getsockname()[1]}/v1")
     proxy.models = ["Qwen/Qwen3-8B"]
     with pytest.raises(ValueError, match=r"serves \['Qwen/Qwen3-8B'\], not --model='.*qwen3': pass one of them"):
         go(server, corpus, tmp_path / "b.jsonl", proxy.url)
