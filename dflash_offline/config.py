@@ -402,7 +402,7 @@ def read_recipe(recipe: str) -> dict:
     """A recipe's tables by section; a section no stage reads, or a key outside any section, is an error."""
     path = Path(recipe)
     if not path.is_file():
-        raise ConfigError(f"recipe {recipe} not found: pass --recipe=manifests/<name>.toml")
+        raise ConfigError(f"recipe {recipe} not found: pass --recipe=manifests/<name>.toml (RECIPE= in make)")
     try:
         tables = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:

@@ -300,7 +300,7 @@ def evaluate(cfg: EvalConfig) -> dict:
                          f"(make eval CACHE=) a hidden cache of this target")
     prompts_file = Path(cfg.prompts) if cfg.prompts else target_dir / "corpus" / "eval.jsonl"
     if not prompts_file.is_file():
-        raise ValueError(f"prompts file {prompts_file} does not exist: pass --prompts= a chat JSONL")
+        raise ValueError(f"prompts file {prompts_file} does not exist: pass --prompts= (make eval PROMPTS=) a chat JSONL")
     from dflash_offline.progress import warn
 
     if seen := trained_on(prompts_file, ri["cache"]):  # (τ on them overstates the drafter on new prompts)

@@ -103,7 +103,7 @@ def run_target(run_dir: Path, run_cfg: dict, override: str = "") -> str:
         except (OSError, ValueError, KeyError):
             pass
     raise ExportError(f"{run_dir}: cannot tell which target the run trained against (its cache {cache!r} is gone "
-                      f"or unreadable); pass --target=/path/to/target/checkpoint")
+                      f"or unreadable); pass --target=/path/to/target/checkpoint (make export TARGET=)")
 
 
 def check_trained_target(run_cfg: dict, cache, target_dir: Path, run_dir: Path, log, use: str, make: str) -> None:
@@ -142,7 +142,7 @@ def target_fields(target: str) -> dict:
     try:
         path = resolve_checkpoint(target, need=("config",))
     except ValueError as e:
-        raise ExportError(f"{e} (the export reads the target's config.json; pass --target=PATH)") from None
+        raise ExportError(f"{e} (the export reads the target's config.json; pass --target=PATH: make export TARGET=)") from None
     raw = _read_json(path / "config.json", "the target checkpoint needs its config.json")
     text = raw.get("text_config") or raw
 
@@ -310,7 +310,7 @@ def _check_out(out: Path, run_dir: Path, force: bool) -> None:
     if force or not any(out.iterdir()) or _same_run(out, run_dir):
         return
     what = "an export of another run" if (out / PROVENANCE).is_file() else "not an export of this run"
-    raise ExportError(f"{out} already exists and is {what}; choose another EXPORT= or pass --force=1 to replace it")
+    raise ExportError(f"{out} already exists and is {what}; choose another EXPORT= or pass --force=1 (make export ARGS=--force=1) to replace it")
 
 
 def export(run_dir, out_dir, step: int | None = None, dtype: str = "bfloat16", target: str = "",

@@ -243,7 +243,8 @@ def check_regen_finished(paths: list[Path]) -> None:
             raise CorpusError(f"{path} is the output of a make regen that has not finished ({stats_path(path)}: "
                               f"complete false, {st.get('records_read', '?')} input records read, "
                               f"{st.get('written', '?')} written): rerun the same make regen command to finish it "
-                              f"(it resumes), or pass --partial_regen=1 to tokenize what it has written")
+                              f"(it resumes), or pass --partial_regen=1 (make tokenize ARGS=--partial_regen=1) to "
+                              f"tokenize what it has written")
 
 
 def fresh_stats() -> dict:

@@ -104,7 +104,7 @@ def check_modeling_code(d: Path, prov: dict, trust_code: bool = False, log=print
     if not trust_code:
         raise ValueError(f"{d}/{MODELING_FILE} (sha256 {sha[:12]}…) is not the modeling code this version ships "
                          f"({shipped[:12]}…; {why}) and loading it runs it: export the run again (make export), or "
-                         f"pass --trust_code=1 if you trust that file")
+                         f"pass --trust_code=1 (make eval ARGS=--trust_code=1) if you trust that file")
     log(f"--trust_code=1: running {d}/{MODELING_FILE} (sha256 {sha[:12]}…), not this version's modeling code ({why})")
     return sha
 

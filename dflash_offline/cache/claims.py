@@ -246,6 +246,6 @@ def unfinished(cache: Path, todo: list[int], rank: int, lease_s: float, wait_cla
                 f"{cache}: this process finished its shards, but {shard_list(held)} are still claimed by "
                 f"{', '.join(who)} (leases until {time.strftime('%H:%M:%S', time.localtime(until))}): the cache "
                 f"is not complete. Rerun `make extract CACHE={cache}` when they end (a dead holder's shards are "
-                f"taken over), or pass --wait_claims=1 to wait for them")
+                f"taken over), or pass --wait_claims=1 (make extract ARGS=--wait_claims=1) to wait for them")
         log(f"[rank {rank}] waiting for shards {sorted(held)} held by other live processes")
         time.sleep(min(5.0, lease_s / 4))
