@@ -141,10 +141,11 @@ def rendered_with(thinking: dict, base: dict) -> dict:
     """The chat template settings a corpus's records were rendered with where one set holds for all: `base`
     (tokenize.template_kwargs) with the enable_thinking every record was rendered under, when all were under one
     value (`thinking`: records per value, "true" / "false" / "unset", the summary's `rendered_enable_thinking`) —
-    make regen's THINKING=off, which its records carry (regen.template) and template_kwargs need not say. Outside
-    the cache key: what `make eval` renders plain prompts with."""
+    make regen's THINKING=off, which its records carry (regen.template) and template_kwargs need not say; a record's
+    own regen.template renders it over template_kwargs, so the counts, not `base`, say what was used. Outside the
+    cache key: what `make eval` renders plain prompts with."""
     used = {value for value, n in thinking.items() if n}
-    if "enable_thinking" in base or len(used) != 1 or used == {"unset"}:
+    if len(used) != 1 or used == {"unset"}:
         return base
     return {**base, "enable_thinking": used.pop() == "true"}
 

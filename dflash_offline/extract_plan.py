@@ -340,6 +340,30 @@ def check_tokens_dir(d: Path, tok_cfg: TokenizeConfig) -> None:
                           f"token cache only into a new or empty directory — give another --tokens (TOKENS=), or none")
 
 
+def check_named_corpus(d: Path, tok_cfg: TokenizeConfig) -> None:
+    """CORPUS= named on the command line beside TOKENS= holding a complete token cache of another corpus: refused
+    (that cache would be read as it is, and the hidden cache would hold the other corpus's tokens). A corpus from the
+    recipe, other [tokenize] settings, or a corpus not on this machine keep `check_tokens_dir`'s reading as it is."""
+    from .corpus import corpus_hash, expand_paths
+
+    if not has_manifest(d):
+        return
+    m = read_manifest(d)
+    have = ((m.get("producer") or {}).get("corpus") or {}).get("sha256")
+    if m.get("kind") != "tokens" or not m.get("complete") or not have:
+        return
+    try:
+        named = corpus_hash(expand_paths(tok_cfg.corpus))
+    except CorpusError:
+        return
+    if named != have:
+        made = ", ".join((m.get("config") or {}).get("corpus") or []) or "another corpus"
+        raise ConfigError(f"--tokens={d} (TOKENS=) holds the token cache of another corpus ({made}), not of "
+                          f"CORPUS={','.join(tok_cfg.corpus)}: the extraction would read that one's tokens. Leave "
+                          f"TOKENS= empty to tokenize CORPUS= (into cache_root/tokens-<key>), give another TOKENS=, or "
+                          f"leave CORPUS= empty to extract {d} as it is")
+
+
 def check_tokens_fit(ckpt: Path, tokens: Path | dict, rank: int) -> None:
     """Refuse a token cache whose rows are longer than the target's positions or whose ids mean other tokens to the
     target's tokenizer (`targetid`); say what could not be checked. Seconds, before the fingerprint and the weights."""

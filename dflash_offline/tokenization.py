@@ -46,7 +46,7 @@ from .corpus import (
     tokenize_stream,
 )
 from .packing import PACKING_RULE, Doc, Packer, split_long
-from .progress import Progress, log
+from .progress import Progress, log, warn
 from .regen import check_regen_finished
 from .tokenize_counts import Tally, dry_manifest, shard_entry, summarize
 
@@ -165,6 +165,11 @@ def run(cfg: TokenizeConfig) -> Path:
         commits.flush(quiet=True)  # (the shards written so far are whole: a rerun keeps them)
         progress.close("interrupted" if isinstance(e, KeyboardInterrupt) else "failed")
         raise
+    asked = chat.parse_settings(cfg.template_kwargs).get("enable_thinking")
+    other = summary["rendered_enable_thinking"].get(str(not asked).lower(), 0) if asked is not None else 0
+    if other:  # (a record's own regen.template renders it: make regen's THINKING= wins over template_kwargs)
+        warn(f"WARNING: template_kwargs enable_thinking={asked} was not used for {other} record(s): their regen.template "
+             f"(make regen THINKING=) says enable_thinking={not asked}, and renders them; the cache records that")
     # (rendered_with: outside the key, like tokenizer_vocab; training copies it into the run for make eval)
     update_manifest(out, complete=True, num_shards=summary["shards"], summary=summary,
                     rendered_with=rendered_with(summary["rendered_enable_thinking"],

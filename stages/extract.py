@@ -44,7 +44,7 @@ from dflash_offline.cache.manifest import open_cache, requeue_missing
 from dflash_offline.cli import private_compile_caches, run_cli, unbuffered
 from dflash_offline.config import ExtractConfig, TokenizeConfig, as_dict, configs_from_argv, parse_overrides
 from dflash_offline.devices import cpu_threads, dist_env, pick_device
-from dflash_offline.extract_plan import OVERFILL, ExtractPlan, plan_run, recorded_config
+from dflash_offline.extract_plan import OVERFILL, ExtractPlan, check_named_corpus, plan_run, recorded_config
 from dflash_offline.progress import log
 from dflash_offline.storage import plan_lines, recipe_train
 
@@ -180,6 +180,8 @@ def extract_main(argv: list[str]) -> None:
         cfg, tok_cfg = configs_from_argv([(ExtractConfig, "extract"), (TokenizeConfig, "tokenize")], argv, __doc__,
                                          defaults=tokenizer_default(argv, why))
         train = recipe_train(parse_overrides(argv)[0]) if cfg.dry_run else None
+        if cfg.tokens and any(a.startswith("--corpus=") and a != "--corpus=" for a in argv):
+            check_named_corpus(Path(cfg.tokens), tok_cfg)
         if not cfg.tokens and rank == 0:
             log(f"tokenizer: {tok_cfg.tokenizer} ({why.get('tokenizer', 'named by --tokenizer')})")
     cpu_threads(pick_device(cfg.device, "extract.device", local_rank), log=log)

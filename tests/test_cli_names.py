@@ -258,6 +258,15 @@ def test_extract_tokens_names_where_stage_1a_writes_and_what_it_reads(tmp_path, 
     assert f"--tokens={tokens}: its token cache (key " in said.out + said.err
     assert json.loads((tmp_path / "hid2" / "manifest.json").read_text())["producer"]["tokens"]["producer"][
         "seq_len"] == 128
+    # … but CORPUS= named on the command line beside a token cache of another corpus is refused: the extraction would
+    # hold that corpus's tokens (make extract CORPUS=b.jsonl TOKENS=<a's cache>)
+    named = tmp_path / "named.jsonl"
+    named.write_text(Path(chat_corpus).read_text().splitlines()[0] + "\n")
+    other_corpus = [a if not a.startswith("--corpus=") else f"--corpus={named}" for a in argv]
+    with pytest.raises(ConfigError, match=rf"--tokens={tokens} \(TOKENS=\) holds the token cache of another corpus "
+                                          rf"\({chat_corpus}\), not of CORPUS={named}: .*leave CORPUS= empty"):
+        extract.main([*other_corpus, f"--cache={tmp_path / 'hid4'}", "--dry_run=1"])
+    assert not (tmp_path / "hid4").exists()
     # a complete token cache copied to a machine without the corpus: read as it is, said so
     gone = [a if not a.startswith("--corpus=") else f"--corpus={tmp_path / 'not-here.jsonl'}" for a in argv]
     assert extract.run(*configs_from_argv(STAGES["extract"], [*gone, "--dry_run=1"], "")) is None

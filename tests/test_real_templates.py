@@ -517,12 +517,13 @@ def test_held_out_prompts_render_as_their_answers_were_generated(tmp_path, toks)
     assert tok.decode(on["ids"]) == default and on["template"] == {"enable_thinking": True}
 
 
-def test_a_corpus_regenerated_without_thinking_records_it_for_the_eval(tmp_path, fixtures, toks):
+def test_a_corpus_regenerated_without_thinking_records_it_for_the_eval(tmp_path, fixtures, toks, capsys):
     """`make regen THINKING=off` answers under enable_thinking false (each record's regen.template), which
     tokenize.template_kwargs need not say: the token cache records the settings its records rendered with
     (`rendered_with`, outside the key), so the run's eval renders plain prompts as the corpus was (Qwen3.6: the empty
     think block), not in the template's default thinking mode. Records rendered under both values (an off and an on
-    regen output joined in one file), or a template_kwargs naming enable_thinking itself, record template_kwargs."""
+    regen output joined in one file) record template_kwargs; a template_kwargs naming another enable_thinking than
+    every record was rendered with (their own regen.template wins) records what they were rendered with."""
     from dflash_offline.corpus import rendered_with
     from dflash_offline.evaluation import read_prompts
 
@@ -537,7 +538,12 @@ def test_a_corpus_regenerated_without_thinking_records_it_for_the_eval(tmp_path,
     run(tmp_path / "mixed", fixtures / "qwen3.6", [off, on, on])
     assert read_manifest(tmp_path / "mixed" / "cache")["rendered_with"] == {}
     assert rendered_with({"true": 0, "false": 3, "unset": 1}, {}) == {}  # (a plain record: template_kwargs')
-    assert rendered_with({"true": 0, "false": 3, "unset": 0}, {"enable_thinking": True}) == {"enable_thinking": True}
+    assert rendered_with({"true": 0, "false": 3, "unset": 0}, {"enable_thinking": True}) == {"enable_thinking": False}
+    run(tmp_path / "asked", fixtures / "qwen3.6", [off, off], template_kwargs='{"enable_thinking": true}')
+    assert "WARNING: template_kwargs enable_thinking=True was not used for 2 record(s)" in capsys.readouterr().err
+    asked = read_manifest(tmp_path / "asked" / "cache")
+    assert asked["summary"]["rendered_enable_thinking"] == {"true": 0, "false": 2, "unset": 0}
+    assert asked["rendered_with"] == {"enable_thinking": False}
 
 
 def test_training_takes_the_settings_its_token_cache_rendered_with(tmp_path, hidden_cache):
