@@ -25,6 +25,7 @@ DTYPE ?=
 PROMPTS ?=
 UNTRAINED ?=
 EXPORT ?=
+TEMPLATE_KWARGS ?=
 TESTBED_DIR ?= build/testbed
 SWEEP ?= options
 TESTBED_FROM ?=
@@ -36,6 +37,9 @@ ARGS ?=
 DEMO_DIR ?= build/demo
 DEMO_ENV ?= OMP_NUM_THREADS=1
 LAUNCH_ARGS ?=
+# TEMPLATE_KWARGS='{"reasoning_effort": "low"}': the chat template settings (a JSON object, quoted here for the shell);
+# empty: the recipe's, none passed
+TK = $(if $(TEMPLATE_KWARGS),--template_kwargs='$(TEMPLATE_KWARGS)')
 # NPROC > 1: that many processes through accelerate (torchrun underneath), --multi_gpu also on a machine with one GPU
 # or none; several machines: LAUNCH_ARGS="--num_machines N --machine_rank i --main_process_ip HOST --main_process_port P".
 # dflash_offline/launch.py runs the launcher: a stop or a rank's error ends as one process's would (exit status, one line)
@@ -100,13 +104,13 @@ renamed = $(if $(and $(filter command line,$(origin $(2))),$($(2)),$(if $($(3)),
 
 tokenize: setup  ## corpus → packed token shards (CORPUS=, TARGET= for the tokenizer, TOKENS= to pin the directory)
 	$(call renamed,tokenize,CACHE,TOKENS,the token cache written)
-	$(PYTHON) -m stages.tokenize --recipe=$(RECIPE) --corpus=$(CORPUS) --tokenizer=$(TARGET) --tokens=$(TOKENS) $(ARGS)
+	$(PYTHON) -m stages.tokenize --recipe=$(RECIPE) --corpus=$(CORPUS) --tokenizer=$(TARGET) --tokens=$(TOKENS) $(TK) $(ARGS)
 
 # an existing CACHE= with no RECIPE= given reruns from the inputs its manifest records (the printed repair command)
 EXTRACT_RECIPE = $(if $(and $(CACHE),$(wildcard $(CACHE)/manifest.json),$(filter file,$(origin RECIPE))),,--recipe=$(RECIPE))
 
 extract: setup  ## token shards → hidden-state shards into CACHE=; runs tokenize first if needed (into TOKENS=; SHARD=3,5-7 redoes those; DRY_RUN=1 checks only, writes nothing)
-	$(LAUNCH) stages.extract $(EXTRACT_RECIPE) --target=$(TARGET) --corpus=$(CORPUS) --tokens=$(TOKENS) --cache=$(CACHE) --shards=$(SHARD) --dry_run=$(DRY_RUN) $(ARGS)
+	$(LAUNCH) stages.extract $(EXTRACT_RECIPE) --target=$(TARGET) --corpus=$(CORPUS) --tokens=$(TOKENS) --cache=$(CACHE) --shards=$(SHARD) --dry_run=$(DRY_RUN) $(TK) $(ARGS)
 
 verify: setup  ## re-hash every shard of CACHE= and recompute sampled rows with the target (ROWS= per shard)
 	$(PYTHON) -m stages.verify --cache=$(CACHE) --rows=$(ROWS) $(ARGS)
@@ -117,7 +121,7 @@ train: setup  ## train a drafter on CACHE= into RUN= (RESUME=1 continues it, wit
 	$(LAUNCH) stages.train --recipe=$(TRAIN_RECIPE) --target=$(TARGET) --cache=$(CACHE) --run=$(RUN) --resume=$(RESUME) $(ARGS)
 
 regen: setup  ## the target's answers to CORPUS='s prompts (or in place of its answers) into OUT=: TARGET= here, or ENGINE=http://host:port/v1 MODEL= through a vLLM/SGLang server (THINKING=on|off)
-	$(PYTHON) -m stages.regen --target=$(TARGET) --engine=$(ENGINE) --model=$(MODEL) --corpus=$(CORPUS) --out=$(OUT) --thinking=$(THINKING) $(ARGS)
+	$(PYTHON) -m stages.regen --target=$(TARGET) --engine=$(ENGINE) --model=$(MODEL) --corpus=$(CORPUS) --out=$(OUT) --thinking=$(THINKING) $(TK) $(ARGS)
 
 export: setup  ## z-lab-format drafter (config.json, model.safetensors, dflash.py) from RUN= into EXPORT= (STEP=, DTYPE=)
 	$(call renamed,export,OUT,EXPORT,the export directory written)
@@ -125,7 +129,7 @@ export: setup  ## z-lab-format drafter (config.json, model.safetensors, dflash.p
 
 eval: setup  ## real speculative decoding with RUN='s export (EXPORT=; else STEP= exported into RUN/eval-export) on PROMPTS= vs the target alone (UNTRAINED=1: untrained baseline)
 	$(call renamed,eval,OUT,EXPORT,the export measured; the report's path is ARGS=--out=)
-	$(PYTHON) -m stages.evaluate --run=$(RUN) --target=$(TARGET) --export=$(EXPORT) --step=$(STEP) --prompts=$(PROMPTS) --untrained=$(UNTRAINED) --cache=$(CACHE) $(ARGS)
+	$(PYTHON) -m stages.evaluate --run=$(RUN) --target=$(TARGET) --export=$(EXPORT) --step=$(STEP) --prompts=$(PROMPTS) --untrained=$(UNTRAINED) --cache=$(CACHE) $(TK) $(ARGS)
 
 report: setup  ## PNG plots of RUN='s metrics (loss, accuracy per block position, τ, throughput, GPU memory when the run was on a GPU) and eval.json (acceptance per position and category)
 	$(PYTHON) -m stages.report --run=$(RUN) $(ARGS)

@@ -363,7 +363,8 @@ class HiddenStream:
         self.batches_per_epoch = info.num_rows // self.G
         if self.batches_per_epoch == 0:
             raise ValueError(f"{info.cache_dir} holds {info.num_rows} rows, fewer than one global batch of "
-                             f"{self.G} (batch_rows {batch_rows} × world_size {world_size})")
+                             f"{self.G} (batch_rows {batch_rows} × world_size {world_size}): extract more rows, or "
+                             f"pass a smaller --batch_rows (make train ARGS=--batch_rows={max(1, info.num_rows // world_size)})")
         self.device = torch.device(device)
         self.pin = self.device.type == "cuda"
         self.prefetch = prefetch
@@ -640,8 +641,9 @@ class HiddenStream:
         if d.get("version") != STATE_VERSION:
             raise ValueError(f"data state version {d.get('version')!r}, this code reads {STATE_VERSION}")
         if d["cache_key"] != self.info.key:
-            raise ValueError(f"data state is for cache {d['cache_key'][:12]}, this stream reads "
-                             f"{self.info.key[:12]}: resume on the same cache")
+            raise ValueError(f"the run's data state is for cache key {d['cache_key'][:12]}, but {self.info.cache_dir} "
+                             f"holds key {self.info.key[:12]}: resume on the cache the run trained on (CACHE= as its "
+                             f"config.json records it, or leave CACHE= empty), or train a new RUN= on this one")
         if d["seed"] != self.seed:
             raise ValueError(f"data state has seed {d['seed']}, this stream {self.seed}: resume with seed={d['seed']}")
         if d["global_batch_rows"] != self.G:

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_offline.cache.fsio import hash_obj
 from dflash_offline.chat import parse_settings
 from dflash_offline.config import ConfigError, as_dict, check_choice
 from dflash_offline.corpus import check_tokenizer
@@ -35,7 +36,7 @@ from dflash_offline.evaluation import (
     write_baseline,
 )
 
-BASELINE_FILE = "eval-baseline.json"  # in the run: the target-alone decodes its evaluations share (--baseline)
+BASELINE_DIR = "eval-baselines"  # in the run: the target-alone decodes its evaluations share, a file a key (--baseline)
 
 
 @dataclass
@@ -58,7 +59,7 @@ class EvalConfig:
     threads: int = 0  # CPU threads for torch (0 = 1 on a CPU run unless OMP_NUM_THREADS is set, else torch's default)
     out: str = ""  # JSON report path; empty = RUN/eval.json (RUN/eval-untrained.json)
     tie_tol: float = 0.25  # bfloat16: a difference where the target's top-2 logit margin is <= this is a rounding tie
-    baseline: str = ""  # JSON file of the target-alone decodes: reused when made for the same target/prompts/dtype/device, else (re)written; empty = RUN/eval-baseline.json, off = none (decode the target alone anew)
+    baseline: str = ""  # JSON file of the target-alone decodes: reused when made for the same target/prompts/dtype/device, else (re)written; empty = RUN/eval-baselines/<key>.json (one a set of prompts and settings), off = none (decode the target alone anew)
     spec_prompts: int = 0  # prompts also decoded with the drafter (0 = all); the rest by the target alone, for --baseline
     replay: bool = False  # τ by replaying the target's greedy output (one target forward per prompt, the drafter stepped along it): the decode's τ, no speed figures
     draft_baseline: bool = True  # target-alone decodes that are not timed (replayed or baseline-only prompts) verified in blocks against a batched greedy draft: the same tokens, ~10x fewer forwards
@@ -93,9 +94,6 @@ class EvalConfig:
                               f"{self.tf_rows}")
         if self.tie_tol < 0:
             raise ConfigError(f"eval.tie_tol must be >= 0, got {self.tie_tol}")
-        # (the target-alone decodes are half an evaluation's target time and the same for every drafter of the run:
-        # a trained and an untrained evaluation, or one after more training, share them)
-        self.baseline = "" if self.baseline == "off" else self.baseline or str(Path(self.run) / BASELINE_FILE)
         return self
 
 
@@ -345,11 +343,16 @@ def evaluate(cfg: EvalConfig) -> dict:
         f"tokens; chat template settings {' / '.join(templates)}), ≤ {cfg.max_new_tokens} new tokens, block "
         f"{dc.block_size}, eos {eos}, drafter {artifact['path'] or 'untrained'}")
 
-    key = baseline_key(cfg, target_dir, prompts, eos, dtype_name, device) if cfg.baseline else None
-    reuse = read_baseline(Path(cfg.baseline), key, log) if cfg.baseline else None
+    # (the target-alone decodes are half an evaluation's target time and the same for every drafter of the run: a
+    # trained and an untrained evaluation, or one after more training, share them; a file a key, so that a one-off
+    # evaluation of other prompts or settings leaves the others' there)
+    key = baseline_key(cfg, target_dir, prompts, eos, dtype_name, device) if cfg.baseline != "off" else None
+    base = None if key is None else Path(cfg.baseline) if cfg.baseline else \
+        run_dir / BASELINE_DIR / f"{hash_obj(key)[:16]}.json"
+    reuse = read_baseline(base, key, log) if base else None
     taus, spec, alone, refs, per_prompt, check = decode(cfg, target, drafter, prompts, eos, exact, reuse)
-    if cfg.baseline and reuse is None:
-        write_baseline(Path(cfg.baseline), key, refs, alone)
+    if base and reuse is None:
+        write_baseline(base, key, refs, alone)
     baseline_prompts = len(prompts)
     summary = decode_summary(taus, spec, alone, prompts)
     if not summary["verify_steps"]:  # (τ = 0 tokens over 0 steps: nan)
@@ -362,11 +365,12 @@ def evaluate(cfg: EvalConfig) -> dict:
         "run": str(run_dir), "artifact": artifact, "checkpoint": artifact.get("checkpoint"),
         "step": 0 if cfg.untrained else artifact["step"], "untrained": cfg.untrained,
         "target": str(target_dir), "arch": info.arch, "prompts": str(prompts_file), "num_prompts": len(prompts),
-        "prompts_trained_on": seen,
+        "prompts_trained_on": seen, "template_settings": [json.loads(t) if t.startswith("{") else None
+                                                           for t in templates],
         "prompt_ids_sha256": prompt_ids_digest(prompts),
         "max_new_tokens": cfg.max_new_tokens, "block_size": dc.block_size, "device": str(device),
-        "baseline": {"file": cfg.baseline, "reused": reuse is not None, "prompts": baseline_prompts}
-        if cfg.baseline else None,
+        "baseline": {"file": str(base), "reused": reuse is not None, "prompts": baseline_prompts}
+        if base else None,
         "dtype": dtype_name, "mode": "exact" if exact else "ties allowed", "tau_from": "replay" if cfg.replay else "decode",
         **summary, **check, "lossless_prompts": len(spec),
         "replay_check": {"prompts": len(checked := [q["replay_agrees"] for q in per_prompt if "replay_agrees" in q]),

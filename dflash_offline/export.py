@@ -335,6 +335,10 @@ def export(run_dir, out_dir, step: int | None = None, dtype: str = "bfloat16", t
         have = ", ".join(str(s) for _, s, d in list_checkpoints(run_dir) if d != ckpt) or "none"
         raise ExportError(f"{ckpt} is damaged: {why}; export another step (--step=N; others: {have})")
     meta = _read_json(ckpt / "meta.json", "the checkpoint is incomplete; export an older step")
+    if _same_run(out, run_dir) and (before := json.loads((out / PROVENANCE).read_text()).get("step")) != meta.get("step"):
+        from dflash_offline.progress import log  # (an eval.json may name the export replaced: say so)
+
+        log(f"{out}: replacing its export of step {before} with step {meta.get('step')}")
     drafter = ((meta.get("config") or {}).get("drafter")) or run_cfg.get("drafter")
     if not drafter:
         raise ExportError(f"{ckpt}/meta.json and {run_dir}/config.json hold no drafter config")

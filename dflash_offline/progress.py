@@ -27,9 +27,15 @@ def log(msg: str) -> None:
 
 
 def warn(msg: str) -> None:
-    """`msg` in the log and on stderr (what a user must not miss in a long run's output)."""
+    """`msg` in the log and on stderr (what a user must not miss in a long run's output); once where both are the
+    same terminal or file."""
     log(msg)
-    print(msg, file=sys.stderr, flush=True)
+    try:
+        same = os.path.sameopenfile(sys.stdout.fileno(), sys.stderr.fileno())
+    except (OSError, ValueError, AttributeError):  # (a stream without a file: pytest's capture, a StringIO)
+        same = False
+    if not same:
+        print(msg, file=sys.stderr, flush=True)
 
 
 class Progress:

@@ -310,12 +310,12 @@ def committed_state(out: Path, conf: dict) -> dict:
         if name in OPTIONAL_FIELDS:  # recorded only when on
             if before != conf.get(name):
                 raise ValueError(f"{out} was generated with {name} {before or 'off'}, not {conf.get(name) or 'off'}: "
-                                 f"pass the same settings to resume it, or another --out")
+                                 f"pass the same settings to resume it, or another --out (OUT=)")
         elif before is None:  # stats of older code, which did not record it
             log(f"warning: {sp} does not record {name}: resuming without checking it")
         elif before != conf[name]:
             raise ValueError(f"{out} was generated with {name}={before!r}, not {conf[name]!r}: pass the same "
-                             f"settings to resume it (the same corpus files, unchanged), or another --out")
+                             f"settings to resume it (the same corpus files, unchanged), or another --out (OUT=)")
     return {k: st.get(k, v) for k, v in fresh.items()}
 
 
@@ -336,7 +336,7 @@ def state_from_output(out: Path, conf: dict, lines: int) -> dict:
     if meta.get("settings") not in (None, settings_digest(conf)):
         raise ValueError(f"{out} was generated with other settings than these ({', '.join(RESUME_FIELDS)}: its "
                          f"records say {meta['settings']}, these are {settings_digest(conf)}) and {sp} is missing: "
-                         f"pass the same settings to resume it, or another --out")
+                         f"pass the same settings to resume it, or another --out (OUT=)")
     log(f"warning: {sp} is missing; resuming after record {index} from {out} alone (earlier counts are lost)")
     return {**fresh_stats(), "records_read": index + 1, "written": lines}
 

@@ -78,6 +78,9 @@ class RegenConfig:
             raise ValueError("regen.template_kwargs: enable_thinking is --thinking=on|off (THINKING= in make)")
         if not self.corpus:
             raise ValueError("no corpus: pass --corpus=FILES (CORPUS= in make; paths and globs, comma separated)")
+        if self.engine and not (self.model or self.target):
+            raise ValueError(f"engine={self.engine}: pass --model=NAME (MODEL= in make), the name the server serves "
+                             f"the target under (GET {self.engine.rstrip('/')}/models lists them)")
         if not self.target and not (self.engine and self.model):
             raise ValueError("nothing answers: pass --target=DIR (TARGET= in make) to answer here, or --engine=URL "
                              "--model=NAME (ENGINE=, MODEL=) for a server")
@@ -174,6 +177,8 @@ def run(cfg: RegenConfig, model=None, tokenizer=None) -> dict:
     st = writer.close()
     check_usable(st, cfg.corpus, files)
     log(f"regen done in {time.time() - t0:.1f}s: {json.dumps(summary(st))}")
+    if heldout and st.get("heldout"):  # (the prompts to evaluate a drafter trained on OUT with)
+        log(f"{st['heldout']} prompts held out into {heldout}: evaluate with make eval PROMPTS={heldout}")
     return st
 
 

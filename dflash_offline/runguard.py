@@ -93,7 +93,7 @@ def acquire(run_dir: Path) -> None:
                 time.sleep(0.05)  # another trainer is breaking it: look again
                 continue
             raise ValueError(f"{run_dir} is being trained by {holder_line(held)} ({lock}): wait for it or stop it "
-                             f"(kill -TERM writes a checkpoint), or choose another --run; if no such process runs "
+                             f"(kill -TERM writes a checkpoint), or choose another --run (RUN=); if no such process runs "
                              f"(another machine that crashed), delete {lock}") from None
     finally:
         with contextlib.suppress(FileNotFoundError):

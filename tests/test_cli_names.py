@@ -328,6 +328,18 @@ def test_a_stage_stopped_by_ctrl_c_or_sigterm_says_so_in_one_line(sig, status):
     assert res.stdout == "cleaned up\n"
 
 
+def test_a_warning_is_printed_once_where_stdout_and_stderr_are_one_file(tmp_path):
+    """`progress.warn`: the log line and stderr, for logs kept apart; once where both go to one terminal or file
+    (`make … 2>&1 | tee`), not twice."""
+    code = "from dflash_offline.progress import warn; warn('WARNING: look')"
+    both = tmp_path / "both.log"
+    with open(both, "w") as f:
+        subprocess.run([sys.executable, "-c", code], stdout=f, stderr=subprocess.STDOUT, cwd=REPO, timeout=120)
+    assert both.read_text().count("WARNING: look") == 1
+    apart = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert "WARNING: look" in apart.stdout and apart.stderr == "WARNING: look\n"
+
+
 def test_a_second_signal_does_not_cut_a_sigterm_stop_short_and_the_testbed_stops_at_once():
     """SIGTERM, then Ctrl-C while the stop unwinds: the cleanup finishes and the stop is SIGTERM's (143), the second
     said in one line. The testbed (run_cli(..., stop_on_sigterm=False)) ends at once on SIGTERM: a rerun resumes, and

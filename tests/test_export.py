@@ -405,6 +405,19 @@ def test_another_location_of_the_target_must_hold_the_runs_target(tmp_path, qwen
     assert not (tmp_path / "out2").exists()
 
 
+def test_an_export_of_another_step_of_the_run_is_replaced_and_said_so(tmp_path, qwen3_dir, capsys):
+    """EXPORT= holding this run's export of another step (which an eval.json may name): replaced, in one line."""
+    run, model = fake_run(tmp_path / "run", qwen3_dir)
+    save_checkpoint(run, 9, model, config=json.loads((run / "config.json").read_text()), rng=False)
+    export(run, tmp_path / "out", step=7)
+    capsys.readouterr()
+    export(run, tmp_path / "out", step=7)  # (the same step again: nothing to say)
+    assert "replacing" not in capsys.readouterr().out
+    export(run, tmp_path / "out")
+    assert f"{(tmp_path / 'out').resolve()}: replacing its export of step 7 with step 9" in capsys.readouterr().out
+    assert json.loads((tmp_path / "out" / "dflash_export.json").read_text())["step"] == 9
+
+
 def sglang_mask_token_id(config: dict, tokenizer_dir) -> int:
     """The id the string `dflash_config.mask_token` (default "<|MASK|>") stands for in the target tokenizer: looked up
     in its vocabulary, else the id adding it as a special token gives (the next id). SGLang 0.5.23 checks a string the

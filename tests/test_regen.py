@@ -173,7 +173,7 @@ def test_a_resume_refuses_a_corpus_rewritten_to_the_same_size(tmp_path, qwen3_di
     assert settings_digest(conf) == settings_digest({k: v for k, v in conf.items() if k != "corpus_sha256"})  # digest
 
 
-def test_held_out_records_never_reach_training(tmp_path, qwen3_dir, chat_corpus, q3):
+def test_held_out_records_never_reach_training(tmp_path, qwen3_dir, chat_corpus, q3, capsys):
     """The held-out file in stage 1a's corpus (a recipe's glob takes every JSONL of a directory) is refused before a
     record is tokenized, naming it; a held-out record copied into another file is skipped as `heldout`; fed back to
     regen, the held-out file is refused too (answered, it would become training data)."""
@@ -185,6 +185,8 @@ def test_held_out_records_never_reach_training(tmp_path, qwen3_dir, chat_corpus,
     go(qwen3_dir, chat_corpus, out, q3, num_docs=12, heldout_every=3, max_new_tokens=2, on_empty="keep")
     held = tmp_path / "regen" / "heldout" / "o.jsonl"
     assert len(read(held)) >= 1 and not (tmp_path / "regen" / "o.heldout.jsonl").exists()
+    # the run says where they went: the prompts to evaluate the drafter with
+    assert f"prompts held out into {held}: evaluate with make eval PROMPTS={held}" in capsys.readouterr().out
 
     def tokenize(*corpus):
         return tokenization.run(TokenizeConfig(corpus=[str(c) for c in corpus], tokenizer=str(qwen3_dir),

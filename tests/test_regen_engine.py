@@ -302,6 +302,8 @@ def test_wrong_engine_settings_fail_early_with_the_fix(server, proxy, reference,
     """Nothing listening at --engine, or a server that lists other models: an error before any record is read; a
     server that refuses (HTTP 400) every one of the first records: an error naming one and what to check."""
     corpus, prompts, _ = reference
+    with pytest.raises(ValueError, match=r"engine=http://h:1/v1: pass --model=NAME \(MODEL= in make\)"):
+        regenrun.RegenConfig(corpus=[str(corpus)], engine="http://h:1/v1").resolve()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{s.getsockname()[1]}/v1"

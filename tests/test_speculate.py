@@ -484,10 +484,13 @@ def test_evaluate_measures_the_export(tmp_path, hidden_cache, capfd):
     tf = r["teacher_forced"]
     assert tf["batches"] == 1 and not tf["held_out"] and 1 <= tf["sim_tau"] <= 8 and len(tf["acc"]) == 7
     assert all(p["equal"] for p in r["per_prompt"]) and r["prompts_trained_on"] is None
+    assert r["template_settings"] == [None]  # (the template's defaults)
 
-    # the target-alone decodes are kept in the run (RUN/eval-baseline.json) and the run's later evaluations reuse
-    # them (the same outputs, so the same τ); --baseline=off decodes the target alone again and keeps nothing
-    assert r["baseline"] == {"file": str(run / "eval-baseline.json"), "reused": False, "prompts": 3}
+    # the target-alone decodes are kept in the run (RUN/eval-baselines/<key>.json) and the run's later evaluations
+    # reuse them (the same outputs, so the same τ); --baseline=off decodes the target alone again and keeps nothing
+    kept_file = Path(r["baseline"]["file"])
+    assert kept_file.parent == run / "eval-baselines" and r["baseline"]["reused"] is False
+    assert r["baseline"]["prompts"] == 3
     # an existing export is measured as it is; a new directory receives an export first; another run's is refused
     out = tmp_path / "e.json"
     before = (run / "eval-export" / "model.safetensors").stat().st_mtime_ns
@@ -495,12 +498,18 @@ def test_evaluate_measures_the_export(tmp_path, hidden_cache, capfd):
     assert (run / "eval-export" / "model.safetensors").stat().st_mtime_ns == before
     assert json.loads(out.read_text())["tau_hist"] == r["tau_hist"]
     assert json.loads(out.read_text())["baseline"]["reused"] is True
-    kept = (run / "eval-baseline.json").stat().st_mtime_ns
+    kept = kept_file.stat().st_mtime_ns
     assert evaluate.main(args + [f"--export={run / 'eval-export'}", "--tf_batches=0", f"--out={out}",
                                  "--baseline=off"]) == 0
     off = json.loads(out.read_text())
     assert off["baseline"] is None and off["tau_hist"] == r["tau_hist"]
-    assert (run / "eval-baseline.json").stat().st_mtime_ns == kept
+    assert kept_file.stat().st_mtime_ns == kept
+    # a one-off evaluation of other prompts (a shorter budget) keeps its decodes beside them: the run's are not lost
+    assert evaluate.main(args + [f"--export={run / 'eval-export'}", "--tf_batches=0", f"--out={out}",
+                                 "--max_new_tokens=6"]) == 0
+    assert json.loads(out.read_text())["baseline"]["file"] != str(kept_file)
+    assert evaluate.main(args + [f"--export={run / 'eval-export'}", "--tf_batches=0", f"--out={out}"]) == 0
+    assert json.loads(out.read_text())["baseline"] == {"file": str(kept_file), "reused": True, "prompts": 3}
     # --template_kwargs naming enable_thinking otherwise than the training corpus was rendered: said, not silent
     run_cfg = (run / "config.json").read_text()
     (run / "config.json").write_text(json.dumps({**json.loads(run_cfg), "template_kwargs": {"enable_thinking": False}}))
@@ -509,6 +518,7 @@ def test_evaluate_measures_the_export(tmp_path, hidden_cache, capfd):
                                  '--template_kwargs={"enable_thinking": true}']) == 0
     assert ("WARNING: --template_kwargs enable_thinking=True renders the prompts otherwise than the drafter's "
             "training corpus was rendered (enable_thinking=False)") in capfd.readouterr().err
+    assert json.loads(out.read_text())["template_settings"] == [{"enable_thinking": True}]
     (run / "config.json").write_text(run_cfg)
     assert evaluate.main(args + [f"--export={tmp_path / 'new'}", "--tf_batches=0", f"--out={out}"]) == 0
     assert json.loads(out.read_text())["artifact"]["weights_sha256"] == prov["weights_sha256"]
