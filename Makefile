@@ -37,9 +37,10 @@ ARGS ?=
 DEMO_DIR ?= build/demo
 DEMO_ENV ?= OMP_NUM_THREADS=1
 LAUNCH_ARGS ?=
-# TEMPLATE_KWARGS='{"reasoning_effort": "low"}': the chat template settings (a JSON object, quoted here for the shell);
-# empty: the recipe's, none passed
-TK = $(if $(TEMPLATE_KWARGS),--template_kwargs='$(TEMPLATE_KWARGS)')
+# TEMPLATE_KWARGS='{"reasoning_effort": "low"}': the chat template settings (a JSON object, handed over through the
+# environment, so its quotes and spaces arrive as typed; a $ is make's: write $$); empty: the recipe's, none passed
+export TEMPLATE_KWARGS
+TK = $(if $(TEMPLATE_KWARGS),--template_kwargs="$$TEMPLATE_KWARGS")
 # NPROC > 1: that many processes through accelerate (torchrun underneath), --multi_gpu also on a machine with one GPU
 # or none; several machines: LAUNCH_ARGS="--num_machines N --machine_rank i --main_process_ip HOST --main_process_port P".
 # dflash_offline/launch.py runs the launcher: a stop or a rank's error ends as one process's would (exit status, one line)
@@ -102,7 +103,7 @@ tiny: setup  ## build the embedded default target + tokenizer + bundled corpus i
 # another target of the same command, is left alone)
 renamed = $(if $(and $(filter command line,$(origin $(2))),$($(2)),$(if $($(3)),,x)),$(error make $(1): $(2)= is now $(3)= ($(4))))
 
-tokenize: setup  ## corpus → packed token shards (CORPUS=, TARGET= for the tokenizer, TOKENS= to pin the directory)
+tokenize: setup  ## corpus → packed token shards (CORPUS=, TARGET= for the tokenizer, TOKENS= to pin the directory, TEMPLATE_KWARGS= a JSON object)
 	$(call renamed,tokenize,CACHE,TOKENS,the token cache written)
 	$(PYTHON) -m stages.tokenize --recipe=$(RECIPE) --corpus=$(CORPUS) --tokenizer=$(TARGET) --tokens=$(TOKENS) $(TK) $(ARGS)
 
@@ -120,14 +121,14 @@ TRAIN_RECIPE = $(if $(and $(filter 1 true yes on,$(RESUME)),$(filter file,$(orig
 train: setup  ## train a drafter on CACHE= into RUN= (RESUME=1 continues it, with its recorded settings unless RECIPE= is given; NPROC= processes)
 	$(LAUNCH) stages.train --recipe=$(TRAIN_RECIPE) --target=$(TARGET) --cache=$(CACHE) --run=$(RUN) --resume=$(RESUME) $(ARGS)
 
-regen: setup  ## the target's answers to CORPUS='s prompts (or in place of its answers) into OUT=: TARGET= here, or ENGINE=http://host:port/v1 MODEL= through a vLLM/SGLang server (THINKING=on|off)
+regen: setup  ## the target's answers to CORPUS='s prompts (or in place of its answers) into OUT=: TARGET= here, or ENGINE=http://host:port/v1 MODEL= through a vLLM/SGLang server (THINKING=on|off) TEMPLATE_KWARGS= other chat template settings (a JSON object)
 	$(PYTHON) -m stages.regen --target=$(TARGET) --engine=$(ENGINE) --model=$(MODEL) --corpus=$(CORPUS) --out=$(OUT) --thinking=$(THINKING) $(TK) $(ARGS)
 
 export: setup  ## z-lab-format drafter (config.json, model.safetensors, dflash.py) from RUN= into EXPORT= (STEP=, DTYPE=)
 	$(call renamed,export,OUT,EXPORT,the export directory written)
 	$(PYTHON) -m stages.export --run=$(RUN) --target=$(TARGET) --export=$(EXPORT) --step=$(STEP) --dtype=$(DTYPE) $(ARGS)
 
-eval: setup  ## real speculative decoding with RUN='s export (EXPORT=; else STEP= exported into RUN/eval-export) on PROMPTS= vs the target alone (UNTRAINED=1: untrained baseline)
+eval: setup  ## real speculative decoding with RUN='s export (EXPORT=; else STEP= exported into RUN/eval-export) on PROMPTS= vs the target alone (UNTRAINED=1: untrained baseline); TEMPLATE_KWARGS= renders the prompts with those chat template settings
 	$(call renamed,eval,OUT,EXPORT,the export measured; the report's path is ARGS=--out=)
 	$(PYTHON) -m stages.evaluate --run=$(RUN) --target=$(TARGET) --export=$(EXPORT) --step=$(STEP) --prompts=$(PROMPTS) --untrained=$(UNTRAINED) --cache=$(CACHE) $(TK) $(ARGS)
 

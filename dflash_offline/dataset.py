@@ -363,8 +363,8 @@ class HiddenStream:
         self.batches_per_epoch = info.num_rows // self.G
         if self.batches_per_epoch == 0:
             raise ValueError(f"{info.cache_dir} holds {info.num_rows} rows, fewer than one global batch of "
-                             f"{self.G} (batch_rows {batch_rows} × world_size {world_size}): extract more rows, or "
-                             f"pass a smaller --batch_rows (make train ARGS=--batch_rows={max(1, info.num_rows // world_size)})")
+                             f"{self.G} (batch_rows {batch_rows} × world_size {world_size}): extract more rows, "
+                             f"{fewer_rows(info.num_rows, world_size)}")
         self.device = torch.device(device)
         self.pin = self.device.type == "cuda"
         self.prefetch = prefetch
@@ -653,3 +653,11 @@ class HiddenStream:
                 f"differ; resume with world_size × batch_rows = {d['global_batch_rows']}")
         self.close()
         self.epoch, self.batch = int(d["epoch"]), int(d["batch"])
+
+
+def fewer_rows(rows: int, world: int) -> str:
+    """The other way out of a cache with fewer rows than one global batch, in make terms."""
+    if rows >= world:
+        return (f"or pass --batch_rows of at most {rows // world} (make train ARGS=--batch_rows=N; the recipe's "
+                f"global batch must still divide by it)")
+    return f"or train on at most {rows} processes (NPROC=)"

@@ -341,27 +341,37 @@ def check_tokens_dir(d: Path, tok_cfg: TokenizeConfig) -> None:
 
 
 def check_named_corpus(d: Path, tok_cfg: TokenizeConfig) -> None:
-    """CORPUS= named on the command line beside TOKENS= holding a complete token cache of another corpus: refused
-    (that cache would be read as it is, and the hidden cache would hold the other corpus's tokens). A corpus from the
-    recipe, other [tokenize] settings, or a corpus not on this machine keep `check_tokens_dir`'s reading as it is."""
+    """CORPUS= named on the command line beside TOKENS= holding a complete token cache of other corpus files with
+    other contents: refused (that cache would be read as it is, and the hidden cache would hold the other corpus's
+    tokens). The same files (changed since: a regen still appending, --partial_regen), the same contents elsewhere, a
+    corpus from the recipe, other [tokenize] settings, or a corpus not on this machine keep `check_tokens_dir`'s
+    reading as it is."""
     from .corpus import corpus_hash, expand_paths
 
     if not has_manifest(d):
         return
     m = read_manifest(d)
     have = ((m.get("producer") or {}).get("corpus") or {}).get("sha256")
+    made = (m.get("config") or {}).get("corpus") or []
     if m.get("kind") != "tokens" or not m.get("complete") or not have:
         return
     try:
-        named = corpus_hash(expand_paths(tok_cfg.corpus))
+        named = expand_paths(tok_cfg.corpus)
     except CorpusError:
         return
-    if named != have:
-        made = ", ".join((m.get("config") or {}).get("corpus") or []) or "another corpus"
-        raise ConfigError(f"--tokens={d} (TOKENS=) holds the token cache of another corpus ({made}), not of "
-                          f"CORPUS={','.join(tok_cfg.corpus)}: the extraction would read that one's tokens. Leave "
-                          f"TOKENS= empty to tokenize CORPUS= (into cache_root/tokens-<key>), give another TOKENS=, or "
-                          f"leave CORPUS= empty to extract {d} as it is")
+
+    def files(patterns) -> set:
+        try:
+            return {p.resolve() for p in expand_paths(patterns)}
+        except CorpusError:
+            return {Path(p).resolve() for p in patterns}
+
+    if {p.resolve() for p in named} == files(made) or corpus_hash(named) == have:
+        return
+    raise ConfigError(f"--tokens={d} (TOKENS=) holds the token cache of other corpus files ({', '.join(made) or '?'}), "
+                      f"not of CORPUS={','.join(tok_cfg.corpus)}: the extraction would read those files' tokens. Leave "
+                      f"TOKENS= empty to tokenize CORPUS= (into cache_root/tokens-<key>), give another TOKENS=, or leave "
+                      f"CORPUS= empty to extract {d} as it is")
 
 
 def check_tokens_fit(ckpt: Path, tokens: Path | dict, rank: int) -> None:

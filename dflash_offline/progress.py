@@ -30,8 +30,8 @@ def warn(msg: str) -> None:
     """`msg` in the log and on stderr (what a user must not miss in a long run's output); once where both are the
     same terminal or file."""
     log(msg)
-    try:
-        same = os.path.sameopenfile(sys.stdout.fileno(), sys.stderr.fileno())
+    try:  # (a rank of launch.py: its stderr is the launcher's pipe, forwarded where its stdout goes)
+        same = os.environ.get("DFLASH_UNDER_LAUNCH") or os.path.sameopenfile(sys.stdout.fileno(), sys.stderr.fileno())
     except (OSError, ValueError, AttributeError):  # (a stream without a file: pytest's capture, a StringIO)
         same = False
     if not same:

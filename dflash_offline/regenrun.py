@@ -160,6 +160,7 @@ def run(cfg: RegenConfig, model=None, tokenizer=None) -> dict:
     if total is not None and state["records_read"] >= total and state["records_read"]:
         log(f"{out}: all {total} records already done")
         check_usable(st := commit(out, conf, state, state["elapsed_s"], complete=True), cfg.corpus, files)
+        said_heldout(st, heldout)
         return st
     if not state["written"]:  # (a resume that wrote some may skip the rest: it was usable)
         check_first_records(paths, cfg.corpus, cfg.num_docs, cfg.keep, cfg.heldout_every)
@@ -177,9 +178,14 @@ def run(cfg: RegenConfig, model=None, tokenizer=None) -> dict:
     st = writer.close()
     check_usable(st, cfg.corpus, files)
     log(f"regen done in {time.time() - t0:.1f}s: {json.dumps(summary(st))}")
-    if heldout and st.get("heldout"):  # (the prompts to evaluate a drafter trained on OUT with)
-        log(f"{st['heldout']} prompts held out into {heldout}: evaluate with make eval PROMPTS={heldout}")
+    said_heldout(st, heldout)
     return st
+
+
+def said_heldout(st: dict, heldout: Path | None) -> None:
+    """Where the held-out prompts went: the prompts to evaluate a drafter trained on OUT with."""
+    if heldout and st.get("heldout"):
+        log(f"{st['heldout']} prompts held out into {heldout}: evaluate with make eval PROMPTS={heldout}")
 
 
 def warn_ignored(cfg: RegenConfig) -> None:

@@ -166,7 +166,7 @@ def run(cfg: TokenizeConfig) -> Path:
         progress.close("interrupted" if isinstance(e, KeyboardInterrupt) else "failed")
         raise
     asked = chat.parse_settings(cfg.template_kwargs).get("enable_thinking")
-    other = summary["rendered_enable_thinking"].get(str(not asked).lower(), 0) if asked is not None else 0
+    other = summary["rendered_enable_thinking"].get(str(not asked).lower(), 0) if isinstance(asked, bool) else 0
     if other:  # (a record's own regen.template renders it: make regen's THINKING= wins over template_kwargs)
         warn(f"WARNING: template_kwargs enable_thinking={asked} was not used for {other} record(s): their regen.template "
              f"(make regen THINKING=) says enable_thinking={not asked}, and renders them; the cache records that")

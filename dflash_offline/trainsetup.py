@@ -230,9 +230,11 @@ def schedule(cfg: TrainConfig, world: int, accum: int, rows: int) -> tuple[int, 
     micro_per_epoch = rows // (sch.batch_rows * world)
     per_epoch = micro_per_epoch / accum
     if sch.epochs and not micro_per_epoch:
+        from dflash_offline.dataset import fewer_rows
+
         raise ValueError(f"epochs={sch.epochs:g}: the cache holds {rows} rows, fewer than one global batch of "
                          f"{sch.batch_rows * world} (batch_rows {sch.batch_rows} × {world} processes): extract more "
-                         f"rows, or pass a smaller --batch_rows (make train ARGS=--batch_rows={max(1, rows // world)})")
+                         f"rows, {fewer_rows(rows, world)}")
     steps = max(1, math.ceil(sch.epochs * per_epoch - 1e-9)) if sch.epochs else sch.steps
     if cfg.optim.warmup_steps >= 0:
         warmup = cfg.optim.warmup_steps

@@ -3,6 +3,7 @@ cache wherever a stage reads or writes one, `--tokens` (TOKENS=) a token cache, 
 directory, `--out` only a file a stage writes that is none of these. An old name is refused in one line naming the new.
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -263,10 +264,22 @@ def test_extract_tokens_names_where_stage_1a_writes_and_what_it_reads(tmp_path, 
     named = tmp_path / "named.jsonl"
     named.write_text(Path(chat_corpus).read_text().splitlines()[0] + "\n")
     other_corpus = [a if not a.startswith("--corpus=") else f"--corpus={named}" for a in argv]
-    with pytest.raises(ConfigError, match=rf"--tokens={tokens} \(TOKENS=\) holds the token cache of another corpus "
-                                          rf"\({chat_corpus}\), not of CORPUS={named}: .*leave CORPUS= empty"):
+    with pytest.raises(ConfigError, match=rf"--tokens={tokens} \(TOKENS=\) holds the token cache of other corpus "
+                                          rf"files \({chat_corpus}\), not of CORPUS={named}: .*leave CORPUS= empty"):
         extract.main([*other_corpus, f"--cache={tmp_path / 'hid4'}", "--dry_run=1"])
     assert not (tmp_path / "hid4").exists()
+    # the same files, changed since (a regen still appending, --partial_regen): read as it is, as before
+    from dflash_offline.extract_plan import check_named_corpus
+
+    grown = tmp_path / "grown.jsonl"
+    grown.write_text(Path(chat_corpus).read_text())
+    check_named_corpus(tokens, dataclasses.replace(tok, corpus=[str(grown)]))  # (the same contents elsewhere)
+    m = json.loads((tokens / "manifest.json").read_text())
+    (tokens / "manifest.json").write_text(json.dumps({**m, "config": {**m["config"], "corpus": [str(grown)]}}))
+    with open(grown, "a") as f:
+        f.write(Path(chat_corpus).read_text().splitlines()[0] + "\n")
+    check_named_corpus(tokens, dataclasses.replace(tok, corpus=[str(grown)]))
+    (tokens / "manifest.json").write_text(json.dumps(m))
     # a complete token cache copied to a machine without the corpus: read as it is, said so
     gone = [a if not a.startswith("--corpus=") else f"--corpus={tmp_path / 'not-here.jsonl'}" for a in argv]
     assert extract.run(*configs_from_argv(STAGES["extract"], [*gone, "--dry_run=1"], "")) is None
@@ -278,6 +291,22 @@ def test_extract_tokens_names_where_stage_1a_writes_and_what_it_reads(tmp_path, 
         extract.run(*configs_from_argv(STAGES["extract"], [*argv, f"--tokens={root}", f"--cache={tmp_path / 'h3'}"],
                                        ""))
     assert sorted(p.name for p in root.iterdir()) == ["hidden-abc"]
+
+
+def test_template_kwargs_reach_the_stages_through_make_as_typed():
+    """TEMPLATE_KWARGS= (a JSON object with spaces and quotes) arrives as one --template_kwargs, as typed; unset, none
+    is passed (a recipe's own [tokenize] template_kwargs stands)."""
+    echo = f"{sys.executable} -c \"import sys, json; print(json.dumps(sys.argv[1:]))\""
+    value = '{"enable_thinking": true, "system": "it\'s mine"}'
+    for target in ("eval", "regen", "tokenize", "extract"):
+        got = subprocess.run(["make", "-s", "-o", ".venv/.installed", target, "RUN=r", f"PYTHON={echo}",
+                              f"LAUNCH={echo} -m", f"TEMPLATE_KWARGS={value}"], cwd=REPO, capture_output=True,
+                             text=True, timeout=120)
+        argv = json.loads(got.stdout.strip().splitlines()[-1])
+        assert f"--template_kwargs={value}" in argv, (target, got.stdout, got.stderr)
+        got = subprocess.run(["make", "-s", "-o", ".venv/.installed", target, "RUN=r", f"PYTHON={echo}",
+                              f"LAUNCH={echo} -m"], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert not [a for a in json.loads(got.stdout.strip().splitlines()[-1]) if a.startswith("--template_kwargs")]
 
 
 def test_make_variables_name_what_they_hold():
