@@ -35,6 +35,7 @@ from dflash_offline.targetid import resolve_checkpoint
 
 # --- config --------------------------------------------------------------------------------------------------
 
+TRUNCATED_WARN = 0.25  # share of answers cut at max_new_tokens above which the run warns (a budget set too low)
 ENGINE_ONLY = ("model", "concurrency", "timeout_s", "retries", "backoff_s")
 LOCAL_ONLY = ("batch_size", "device", "dtype")
 
@@ -179,6 +180,13 @@ def run(cfg: RegenConfig, model=None, tokenizer=None) -> dict:
     check_usable(st, cfg.corpus, files)
     log(f"regen done in {time.time() - t0:.1f}s: {json.dumps(summary(st))}")
     said_heldout(st, heldout)
+    cut, turns = st.get("truncated", 0), st.get("turns_generated", 0)
+    if turns and cut > TRUNCATED_WARN * turns:
+        from dflash_offline.progress import warn
+
+        kept = "kept cut off" if cfg.on_truncated == "keep" else "dropped"
+        warn(f"WARNING: {cut} of {turns} answers hit --max_new_tokens={cfg.max_new_tokens} before the target ended "
+             f"them ({kept}): raise it (make regen ARGS=--max_new_tokens=N) unless answers that long are meant")
     return st
 
 

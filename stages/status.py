@@ -78,6 +78,9 @@ def fmt_bytes(n: float) -> str:
 def print_report(r: dict, show_all: bool) -> None:
     total = "?" if r["num_shards"] is None else r["num_shards"]
     state = "complete" if r["complete"] else "DAMAGED" if r["damaged"] or r["projection_error"] else "incomplete"
+    verdict = fmt_verdict(r["verified"], r["cache"], r["projection_error"] is None) if r["kind"] == "hidden" else ""
+    if verdict.startswith("FAILED"):  # (committed and whole on disk, but its last make verify found bad shards)
+        state += ", verify FAILED"
     print(f"{r['cache']}  [{r['kind']} cache, key {r['key'][:12]}, {r['committed']}/{total} shards committed, {state}]")
     rows = r["shards"] if show_all or len(r["shards"]) <= 20 else r["shards"][:10] + r["shards"][-5:]
     print(f"  {'shard':>5} {'status':<10} {'rows':>6} {'tokens':>10} {'bytes':>9} {'sec':>7}  sha256")
@@ -99,7 +102,7 @@ def print_report(r: dict, show_all: bool) -> None:
     if r["tokens_error"]:
         print(f"  shard count unchecked: {r['tokens_error']}")
     if r["kind"] == "hidden":
-        print(f"  verified: {fmt_verdict(r['verified'], r['cache'], r['projection_error'] is None)}")
+        print(f"  verified: {verdict}")
     for k, v in r["summary"].items():
         print(f"  {k}: {v:.4g}" if isinstance(v, float) else f"  {k}: {v}")
     for st in r["live"]:

@@ -236,7 +236,8 @@ def test_status_of_a_hidden_cache_shows_times_verdict_and_summary(tmp_path, clea
     assert "/None" not in out and ended and 30 <= int(ended[1]) <= 30 + waited + 1, out
     update_manifest(cache, verified={"ok": False, "bad": [{"shard": 3, "reason": "x"}, {"shard": 4, "reason": "y"}],
                                      "at": time.time()})
-    assert "verified: FAILED at" in run([sys.executable, "-m", "stages.status", f"--cache={cache}"]).stdout
+    failed = run([sys.executable, "-m", "stages.status", f"--cache={cache}"]).stdout
+    assert "verified: FAILED at" in failed and "complete, verify FAILED]" in failed.splitlines()[0], failed
 
 
 def test_training_names_a_field_missing_from_the_manifest(tmp_path, hidden_cache, copy_cache):

@@ -185,8 +185,10 @@ def test_held_out_records_never_reach_training(tmp_path, qwen3_dir, chat_corpus,
     go(qwen3_dir, chat_corpus, out, q3, num_docs=12, heldout_every=3, max_new_tokens=2, on_empty="keep")
     held = tmp_path / "regen" / "heldout" / "o.jsonl"
     assert len(read(held)) >= 1 and not (tmp_path / "regen" / "o.heldout.jsonl").exists()
-    # the run says where they went: the prompts to evaluate the drafter with
-    assert f"prompts held out into {held}: evaluate with make eval PROMPTS={held}" in capsys.readouterr().out
+    # the run says where they went: the prompts to evaluate the drafter with; and that a 2-token budget cut its answers
+    said = capsys.readouterr()
+    assert f"prompts held out into {held}: evaluate with make eval PROMPTS={held}" in said.out
+    assert "answers hit --max_new_tokens=2 before the target ended them (kept cut off)" in said.err
 
     def tokenize(*corpus):
         return tokenization.run(TokenizeConfig(corpus=[str(c) for c in corpus], tokenizer=str(qwen3_dir),
