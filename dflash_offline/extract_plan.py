@@ -331,7 +331,7 @@ def check_tokens_dir(d: Path, tok_cfg: TokenizeConfig) -> None:
             log(f"--tokens={d}: its token cache (key {str(m.get('key'))[:12]}) is read as it is, with the [tokenize] "
                 f"settings it was made with — this corpus and these settings would make key {key[:12]} (leave "
                 f"--tokens (TOKENS=) empty to make that one)")
-        elif m.get("kind") != "tokens" or m.get("key") != key:
+        elif (m.get("kind") != "tokens" or m.get("key") != key) and not tokenization.failed_empty(d, key):
             raise ConfigError(f"--tokens={d} holds a {m.get('kind')} cache of key {str(m.get('key'))[:12]}; this "
                               f"corpus and [tokenize] settings make key {key[:12]}: another cache, never continued nor "
                               f"overwritten — give another --tokens (TOKENS=), or none (then cache_root/tokens-<key>)")

@@ -12,6 +12,7 @@ is the command line; stage 1b (`plan.token_cache`) runs or reads the token cache
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections import Counter
@@ -125,6 +126,30 @@ def identify(cfg: TokenizeConfig) -> tuple[list[Path], object, dict, str, Path]:
     return paths, tok, producer, key, cache_dir_for(cfg, key)
 
 
+def failed_empty(out: Path, key: str) -> str | None:
+    """How the run of a token cache of another key in `out` that holds no shard ended ("failed", "interrupted": its
+    status says so), or None (no such cache, or its writer may still run)."""
+    if not has_manifest(out):
+        return None
+    m = read_manifest(out)
+    try:
+        state = json.loads((out / "status.json").read_text()).get("state")
+    except (OSError, ValueError, AttributeError):
+        return None
+    replaceable = m.get("key") != key and m.get("kind") == "tokens" and not m.get("shards")
+    return state if replaceable and state in ("failed", "interrupted") else None
+
+
+def forget_failed_start(out: Path, key: str) -> None:
+    """A token cache of another key in `out` that holds nothing — its run failed or was stopped before a shard (a
+    prompts file given to stage 1a: no document) and said so in its status — is replaced, so that the same command
+    with the corpus fixed runs instead of being refused as another cache. A cache with shards, or whose writer may
+    still run, stays refused."""
+    if state := failed_empty(out, key):
+        log(f"{out}: replacing a token cache of another key that holds no shard (its run {state})")
+        (out / "manifest.json").unlink()
+
+
 def tokenizer_record(tok) -> dict:
     """The manifest's `tokenizer_vocab`: where the tokenizer came from and what its ids mean (`vocab_identity`), so
     that extraction can refuse a target whose tokenizer gives the ids other meanings. Outside the producer: the key
@@ -136,6 +161,7 @@ def tokenizer_record(tok) -> dict:
 
 def run(cfg: TokenizeConfig) -> Path:
     paths, tok, producer, key, out = identify(cfg)
+    forget_failed_start(out, key)
     m = open_cache(out, "tokens", key, producer, as_dict(cfg), num_shards=None)
     same = ("vocab_sha256", "vocab_size")  # (not its path: the same files from another mount are the same tokenizer)
     if {k: (m.get("tokenizer_vocab") or {}).get(k) for k in same} != {k: (rec := tokenizer_record(tok))[k] for k in same}:

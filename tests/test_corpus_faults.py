@@ -2,6 +2,7 @@
 the tokenizer cannot encode, huge lines, corpora with no document; and a dry run of stage 1b that writes nothing."""
 
 import contextlib
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -126,6 +127,29 @@ def test_a_file_of_mostly_unanswered_prompts_is_said_to_need_regen(tmp_path, qwe
             tally.skip(corpus.Skip("too_long", "x", "f.jsonl", line), policy=True)
     tally.warn_about_files()
     assert "WARNING" not in capsys.readouterr().err
+
+
+def test_the_same_tokens_dir_takes_the_fixed_corpus_after_a_run_that_packed_nothing(tmp_path, qwen35_dir):
+    """make tokenize TOKENS=t given a prompts file (no document: an error) and rerun with the regen output: the failed
+    run's empty cache is replaced, not refused as another cache; a cache that holds shards is still refused."""
+    prompts, fine = tmp_path / "prompts.jsonl", tmp_path / "fine.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q {i}"}]}) + "\n"
+                               for i in range(3)))
+    fine.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in GOOD))
+    tokens = tmp_path / "t"
+
+    def tokenize(corpus):
+        return tokenization.run(dataclasses.replace(tok_cfg(tmp_path, [corpus], qwen35_dir), tokens=str(tokens)))
+
+    with pytest.raises(CorpusError, match="no document to train on"):
+        tokenize(prompts)
+    assert (tokens / "manifest.json").is_file()
+    from dflash_offline.extract_plan import check_tokens_dir
+
+    check_tokens_dir(tokens, tok_cfg(tmp_path, [fine], qwen35_dir))  # (extract's check lets it be replaced too)
+    assert read_manifest(tokenize(fine))["summary"]["docs_packed"] == 3
+    with pytest.raises(Exception, match="already holds a different tokens cache"):
+        tokenize(prompts)  # (this one holds shards: never replaced)
 
 
 def test_make_status_names_the_tokenizing_host_and_process(tmp_path, qwen35_dir):
