@@ -235,6 +235,29 @@ def iter_records(paths: list[Path], max_docs: int = 0) -> Iterator[Record]:
                 return
 
 
+def duplicate_files(paths: list[Path]) -> list[tuple[Path, Path]]:
+    """(first, again) for each corpus file whose bytes an earlier one holds too (a copy, or one file two globs match):
+    its records would be trained on twice. Only files of one size are hashed."""
+    from collections import defaultdict
+
+    from .cache.fsio import sha256_file
+
+    by_size = defaultdict(list)
+    for p in paths:
+        by_size[p.stat().st_size].append(p)
+    out = []
+    for size, group in by_size.items():
+        if size and len(group) > 1:
+            first: dict[str, Path] = {}
+            for p in group:
+                digest = sha256_file(p)
+                if digest in first:
+                    out.append((first[digest], p))
+                else:
+                    first[digest] = p
+    return sorted(out, key=lambda pair: paths.index(pair[1]))
+
+
 def corpus_hash(paths: list[Path]) -> str:
     """Content hash of the corpus: the bytes of every file, in order (names do not matter, contents do)."""
     return hash_and_count(paths)[0]

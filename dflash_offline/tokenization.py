@@ -41,6 +41,7 @@ from .corpus import (
     check_settings_agree,
     check_tokenizer,
     corpus_hash,
+    duplicate_files,
     expand_paths,
     iter_records,
     rendered_with,
@@ -159,6 +160,12 @@ def tokenizer_record(tok) -> dict:
     return {"path": str(tok.name_or_path), **vocab_identity(tok)}
 
 
+def warn_duplicates(paths: list[Path]) -> None:
+    for first, again in duplicate_files(paths):
+        what = "is given twice" if first.resolve() == again.resolve() else f"holds the same bytes as {first}"
+        warn(f"WARNING: {again} {what}: its records are tokenized, and trained on, twice; drop one from CORPUS=")
+
+
 def run(cfg: TokenizeConfig) -> Path:
     paths, tok, producer, key, out = identify(cfg)
     forget_failed_start(out, key)
@@ -178,6 +185,7 @@ def run(cfg: TokenizeConfig) -> Path:
         log(f"token cache {out} is complete for this key ({len(m['shards'])} shards): reusing it")
         return out
     done = committed(m)
+    warn_duplicates(paths)
     log(f"tokenizing {len(paths)} file(s), {producer['corpus']['bytes'] / 1e6:.1f} MB, {workers_for(cfg)} worker(s) "
         f"→ {out}")
     progress = Progress("tokenize", cfg.max_docs or None, "doc", out / "status.json")
@@ -218,6 +226,7 @@ def dry_run(cfg: TokenizeConfig) -> dict:
         if m.get("complete"):
             log(f"token cache {out} is complete for this key ({len(m['shards'])} shards)")
             return dict(m, tokenizer_vocab=tokenizer_record(tok))
+    warn_duplicates(paths)
     log(f"dry run: tokenizing {len(paths)} file(s) in memory, {producer['corpus']['bytes'] / 1e6:.1f} MB, "
         f"{workers_for(cfg)} worker(s); nothing is written")
     shards: list[dict] = []

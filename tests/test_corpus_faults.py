@@ -152,6 +152,20 @@ def test_the_same_tokens_dir_takes_the_fixed_corpus_after_a_run_that_packed_noth
         tokenize(prompts)  # (this one holds shards: never replaced)
 
 
+def test_a_corpus_file_given_twice_is_said_so(tmp_path, qwen35_dir, capsys):
+    """A copy of a corpus file (or one file two globs match) beside it: its records would be trained on twice — said
+    on stderr, naming both; files of other bytes are not."""
+    a, b, c = (tmp_path / n for n in ("a.jsonl", "b.jsonl", "c.jsonl"))
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in GOOD)
+    a.write_text(text)
+    b.write_text(text)
+    c.write_text(text.replace("bien", "mal"))  # (the same size, other bytes)
+    run(tmp_path / "d", [a, b, c, a], qwen35_dir)
+    err = capsys.readouterr().err
+    assert f"WARNING: {b} holds the same bytes as {a}: its records are tokenized, and trained on, twice" in err
+    assert f"WARNING: {a} is given twice: its records" in err and f"{c} holds" not in err
+
+
 def test_make_status_names_the_tokenizing_host_and_process(tmp_path, qwen35_dir):
     """make status on a token cache: the process that wrote it as host:pid (a single process has no rank: no
     'rank ?' and no '?:pid')."""
