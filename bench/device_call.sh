@@ -40,7 +40,7 @@ cp "$log" "$OUT/call.log"
 for f in testbed.json state.json wall.json; do [ -f "$DIR/$f" ] && cp "$DIR/$f" "$OUT/"; done
 # what the drafters left (finished or not): evaluations, metrics, status files, logs; the arm caches' logs
 [ -d "$DIR/runs" ] && tar czf "$OUT/runs.tgz" -C "$DIR" $(cd "$DIR" && ls -d ab baseline-*.json logs runs/*/seed*/eval*.json \
-  runs/*/seed*/metrics.jsonl runs/*/seed*/status-rank0.json runs/*/seed*/testbed-job.json runs/*/seed*/logs \
+  runs/*/seed*/metrics.jsonl runs/*/seed*/status-rank0.json runs/*/seed*/testbed-*.json runs/*/seed*/logs \
   target/*.json 2>/dev/null)  # (the target's tokenizer and config: --summarize=1 measures the baseline's looping share)
 compgen -G "build/autotune/*.json" >/dev/null && tar czf "$OUT/autotune.tgz" build/autotune
 find bench/results -maxdepth 1 -name "testbed-*.json" -newer "$since" -exec cp {} "$OUT/" \;

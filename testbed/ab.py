@@ -5,6 +5,7 @@ steps) run right after the first arm, in that order, then the other arms (`ab`).
 
 from __future__ import annotations
 
+import json
 import time
 
 from dflash_offline.config import ConfigError, as_dict
@@ -12,7 +13,16 @@ from dflash_offline.config import ConfigError, as_dict
 from .commands import Job, Stopped, log
 from .config import SWEEPS, TestbedConfig
 from .phases import recorded_job, testbed
-from .runs import Paths, eval_looping_share, eval_summary, parse_arm, read_state, run_metrics, slug
+from .runs import (
+    SECONDS_FILE,
+    Paths,
+    eval_looping_share,
+    eval_summary,
+    parse_arm,
+    read_state,
+    run_metrics,
+    slug,
+)
 from .scheduler import default_parallel
 from .stats import NULL_ARM, arm_rows, eval_record, failed_runs, judge
 
@@ -101,6 +111,12 @@ def evaluated_arms(arms: list[str], jobs: list) -> tuple[list[str], dict]:
     return complete, incomplete
 
 
+def recorded_seconds(run) -> dict:
+    """What a drafter's job took when it was made (RUN/testbed-seconds.json; {} for one made by older code)."""
+    f = run / SECONDS_FILE
+    return json.loads(f.read_text()) if f.is_file() else {}
+
+
 def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> tuple[dict, dict]:
     """Every arm × seed trained, exported and evaluated on the testbed's target and prompts, beside the testbed's own
     phases where they are not done yet (see the module doc); with `checks`, also the null arm (the recipe under the
@@ -133,6 +149,7 @@ def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> tuple[dict, dict]:
             "incomplete": incomplete, "deferred": sorted(str(r.relative_to(p.root)) for r, t in times.items()
                                                          if "deferred" in t),
             "recipe": cfg.drafter_recipe, "seconds": round(time.perf_counter() - t0, 1), "parallel": parallel,
-            "job_seconds": {str(r.relative_to(p.root)): {k: v if isinstance(v, str) else round(v, 1)
-                                                          for k, v in t.items()} for r, t in times.items()},
+            "job_seconds": {str(r.relative_to(p.root)): {**(recorded_seconds(r) if "reused" in t else {}),
+                                                          **{k: v if isinstance(v, str) else round(v, 1)
+                                                             for k, v in t.items()}} for r, t in times.items()},
             "config": as_dict(cfg), "time": time.time()}, tb

@@ -221,6 +221,7 @@ def parse_arm(text: str) -> tuple[dict, dict]:
 
 
 JOB_FILE = "testbed-job.json"  # in a drafter's run: what it was made from (`job_identity`)
+SECONDS_FILE = "testbed-seconds.json"  # in a drafter's run: its seconds per phase and its timeline (wall clock)
 # what a drafter's training, export and evaluation run: the code whose change makes an earlier drafter stale (not
 # the testbed's orchestration, nor the target's build, which the cache key covers)
 DRAFTER_CODE = ("dflash_offline/**/*.py", "stages/train.py", "stages/export.py", "stages/evaluate.py")

@@ -27,7 +27,7 @@ from .commands import (
     train_export,
 )
 from .config import TestbedConfig
-from .runs import JOB_FILE, Paths, cache_complete, eval_summary
+from .runs import JOB_FILE, SECONDS_FILE, Paths, cache_complete, eval_summary
 
 JOB_GB = 12  # GPU memory one drafter job of the testbed recipe may take (training, then evaluation)
 WARM_WAIT_S = 900  # how long the other drafters wait for the first one's compiled first step at most
@@ -86,6 +86,9 @@ class Drafters:
         self.made, self.broken = {c: threading.Event() for c in self.caches}, {}
         self.deadline = STARTED + cfg.stop_after_s if cfg.stop_after_s > 0 else None
         self.took, self.deferred, self.stopped = [], [], threading.Event()
+        # with `overlap_eval` a job's evaluation goes to a pool of its own (`eval_pool`, set by run_drafters) and its
+        # place among the `parallel` trainings to the next job meanwhile
+        self.eval_pool, self.evals = None, []
 
     def expected_s(self, j: Job) -> float:
         """What `j` is expected to take: as long as the longest drafter of this invocation (before one ended,
@@ -160,12 +163,16 @@ class Drafters:
             finally:
                 self.made[c].set()
 
-    def job(self, j: Job) -> None:
-        """`run_job`; the leading job opens the gate for the others however it ends; the base run failing at any
-        point (its cache not extracted, before its training writes the config.json the untrained evaluation waits
-        for) fails the drafters, so that nothing waits on it."""
+    def job(self, j: Job, last: bool = False, evaluation: tuple | None = None) -> None:
+        """`run_job` (or, given `evaluation`, the rest of one after its training: `evaluate_job`'s arguments); the
+        leading job opens the gate for the others however it ends; the base run failing at any point (its cache not
+        extracted, before its training writes the config.json the untrained evaluation waits for) fails the drafters,
+        so that nothing waits on it."""
         try:
-            self.run_job(j)
+            if evaluation is None:
+                self.run_job(j, last)
+            else:
+                self.evaluate_job(j, *evaluation)
         except Deferred:
             raise
         except BaseException:
@@ -176,7 +183,7 @@ class Drafters:
             if j.run == self.leader:
                 self.warm.set()
 
-    def run_job(self, j: Job) -> None:
+    def run_job(self, j: Job, last: bool = False) -> None:
         """One drafter: wait for its cache, train and export it, wait for the target-alone decodes, evaluate it —
         unless its run already holds an evaluated drafter made from the same settings, cache, prompts and code."""
         if j.cache in self.made:
@@ -199,6 +206,7 @@ class Drafters:
         if self.precompile is not None and (waited := self.precompile.before(j.run)) >= 1:
             self.times[j.run]["wait_precompile"] = waited
         t_job, repeat = time.monotonic(), any(k == graph_key(j) for k, _, _ in self.took)
+        when = {"train_start": time.time()}  # (the timeline, RUN/testbed-seconds.json: what overlapped what)
         j.run.mkdir(parents=True, exist_ok=True)
         write_json_atomic(j.run / JOB_FILE, job_identity(self.cfg, self.p, j))
         logs = None if self.stream and j.run == self.base else j.run / "logs"
@@ -215,6 +223,15 @@ class Drafters:
             if j.run == self.leader:
                 self.warm.set()  # (the first step never ran, or the training is over)
                 TRAIN_WORKERS.discard(env)  # (its environment, all the CPUs for compiling, is no other job's)
+        when["train_end"] = time.time()
+        if self.eval_pool is not None:  # (overlap_eval: this thread goes on to the next job's training)
+            self.evals.append(self.eval_pool.submit(self.guarded, j, last, (t_job, repeat, logs, when)))
+            return
+        self.evaluate_job(j, t_job, repeat, logs, when)
+
+    def evaluate_job(self, j: Job, t_job: float, repeat: bool, logs: Path | None, when: dict) -> None:
+        """`j`'s evaluation once its drafter is exported (after waiting for the target-alone decodes), its seconds
+        recorded (RUN/testbed-seconds.json) and logged."""
         t0 = time.perf_counter()
         self.ready.wait()
         baseline_wait = time.perf_counter() - t0  # (the untrained evaluation's target-alone decodes: once a sweep)
@@ -226,6 +243,8 @@ class Drafters:
                              self.cfg.check_prompts if j.run in self.checked else 0)
         t["eval_wall"] = time.perf_counter() - t0  # waiting for the baseline included
         self.took.append((graph_key(j), time.monotonic() - t_job - baseline_wait, repeat))
+        write_json_atomic(j.run / SECONDS_FILE, {**{k: round(v, 2) for k, v in t.items()}, **when,
+                                                 "eval_end": time.time(), "repeat": repeat})
         log(f"{j.arm or '(recipe)'} seed {j.seed}: τ {eval_summary(j.run / 'eval.json')['tau_mean']:.3f} ("
             + ", ".join(f"{k} {v:.0f}s" for k, v in t.items()) + ")")
 
@@ -248,10 +267,10 @@ class Drafters:
 
         threading.Thread(target=watch, daemon=True).start()
 
-    def guarded(self, j: Job, last: bool = False) -> None:
+    def guarded(self, j: Job, last: bool = False, evaluation: tuple | None = None) -> None:
         """`job`, its failure reported while the others go on (one out of GPU memory queued for `retry`)."""
         try:
-            self.job(j)
+            self.job(j, last, evaluation)
             self.errors.pop(j.run, None)
         except Deferred as e:
             log(f"{j.arm or '(recipe)'} seed {j.seed}: {e}")
@@ -287,17 +306,23 @@ def run_drafters(cfg: TestbedConfig, p: Paths, dev: str, jobs: list[Job], parall
     side = threading.Thread(target=d.untrained, daemon=True)
     side.start()
     threading.Thread(target=d.extract_caches, daemon=True).start()
+    evals = ThreadPoolExecutor(len(jobs)) if cfg.overlap_eval else None  # (they queue for the evaluation worker)
+    d.eval_pool = evals
     try:
         with ThreadPoolExecutor(parallel) as pool:
             list(pool.map(d.guarded, jobs))
+        wait_all(d.evals)
         if d.retry and not d.failed.is_set():
             TRAIN_WORKERS.close()  # (their GPU memory is what the jobs tried again need)
             log(f"trying again {len(d.retry)} drafter(s) that ran out of GPU memory, {max(1, parallel // 2)} at a "
                 f"time")
             with ThreadPoolExecutor(max(1, parallel // 2)) as pool:
                 list(pool.map(lambda j: d.guarded(j, last=True), d.retry))
+            wait_all(d.evals)
         side.join()
     finally:
+        if evals is not None:
+            evals.shutdown(wait=True)
         TRAIN_WORKERS.close()
         EVAL_WORKER.close()
     if d.failed.is_set() or base in d.errors:
@@ -307,6 +332,12 @@ def run_drafters(cfg: TestbedConfig, p: Paths, dev: str, jobs: list[Job], parall
     for run in d.deferred:
         d.times[run]["deferred"] = 1.0
     return d.times
+
+
+def wait_all(futures: list) -> None:
+    """Wait for every future in `futures`, one added meanwhile included (`guarded` reports their failures)."""
+    while futures:
+        futures.pop(0).result()
 
 
 def out_of_memory(logs: Path) -> bool:

@@ -699,9 +699,10 @@ def _jobs(p, names):
     return [Job(n, p.run("" if n == "base" else n, 0), p.hidden(), 0, {}) for n in names]
 
 
-def test_a_drafter_out_of_gpu_memory_is_tried_again_after_the_others(tmp_path, monkeypatch):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_drafter_out_of_gpu_memory_is_tried_again_after_the_others(tmp_path, monkeypatch, overlap):
     calls = _fake_stages(monkeypatch, {"b": ["oom"], "c": ["bad"]})
-    cfg, p = config.TestbedConfig(dir=str(tmp_path)), Paths(str(tmp_path))
+    cfg, p = config.TestbedConfig(dir=str(tmp_path), overlap_eval=overlap), Paths(str(tmp_path))
     jobs = _jobs(p, ["base", "a", "b", "c"])
     times = scheduler.run_drafters(cfg, p, "cpu", jobs, 2, jobs[0].run)
     assert calls.count("b/seed0") == 2 and calls.count("c/seed0") == 1 and calls[-1] == "b/seed0"
@@ -759,9 +760,10 @@ def test_a_first_drafter_that_fails_before_training_does_not_hold_the_others(tmp
     assert (p.run("a", 0) / "eval.json").is_file() and (p.run("b", 0) / "eval.json").is_file()
 
 
-def test_a_failing_base_drafter_stops_the_jobs_not_yet_started(tmp_path, monkeypatch):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_failing_base_drafter_stops_the_jobs_not_yet_started(tmp_path, monkeypatch, overlap):
     calls = _fake_stages(monkeypatch, {"base": ["bad"]})
-    cfg, p = config.TestbedConfig(dir=str(tmp_path)), Paths(str(tmp_path))
+    cfg, p = config.TestbedConfig(dir=str(tmp_path), overlap_eval=overlap), Paths(str(tmp_path))
     jobs = _jobs(p, ["base", "a", "b", "c"])
     with pytest.raises(RuntimeError, match="exit status 1"):
         scheduler.run_drafters(cfg, p, "cpu", jobs, 1, jobs[0].run)
@@ -1303,3 +1305,34 @@ def test_redoing_regen_or_the_target_forgets_the_target_alone_decodes_its_prompt
             p.baseline(t).write_text("{}")
         forget_from(p, {"phases": {ph: {} for ph in runs.PHASES}}, phase)
         assert p.baseline(64).is_file() == kept and p.baseline(12).is_file() == kept, phase
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlap_eval_trains_the_next_drafter_while_one_is_evaluated_and_never_two_at_once(tmp_path, monkeypatch,
+                                                                                          overlap):
+    """--overlap_eval=1: a drafter's evaluation runs beside the next one's training (one training at a time still);
+    off, the next training waits for the evaluation. Read from each run's recorded timeline."""
+    import time
+
+    _fake_stages(monkeypatch, {})
+    fake_train, fake_eval = scheduler.train_export, scheduler.evaluate
+
+    def train_export(*a, **k):
+        time.sleep(0.4)
+        return fake_train(*a, **k)
+
+    def evaluate(cfg, p, run, dev, untrained, *a, **k):
+        time.sleep(0.1 if untrained else 0.8)
+        return fake_eval(cfg, p, run, dev, untrained, *a, **k)
+
+    monkeypatch.setattr(scheduler, "train_export", train_export)
+    monkeypatch.setattr(scheduler, "evaluate", evaluate)
+    cfg, p = config.TestbedConfig(dir=str(tmp_path), overlap_eval=overlap), Paths(str(tmp_path))
+    jobs = _jobs(p, ["base", "a", "b"])
+    scheduler.run_drafters(cfg, p, "cpu", jobs, 1, jobs[0].run)
+    when = [json.loads((j.run / runs.SECONDS_FILE).read_text()) for j in jobs]
+    trains = sorted((w["train_start"], w["train_end"]) for w in when)
+    assert all(end <= start for (_, end), (start, _) in zip(trains, trains[1:], strict=False)), trains  # one training at a time
+    for before, after in zip(when, when[1:], strict=False):
+        assert (after["train_start"] < before["eval_end"]) is overlap, (before, after)
+    assert all((j.run / "eval.json").is_file() for j in jobs)
