@@ -68,7 +68,7 @@ class TestbedConfig:
     sweep: str = ""  # A/B presets, comma-separated: options (γ, anchors, noise, D-PACE, fp8 cache) | encodings | fp8 | dflash2
     seeds: int = 2  # A/B: drafter seeds per arm
     parallel: int = 0  # A/B: drafter jobs at once; 0 = 1 (on one GPU, processes take turns: two at once were slower)
-    overlap_eval: bool = False  # bench switch: a drafter's evaluation (another process) runs beside the next drafter's training instead of before it (still `parallel` trainings at once)
+    overlap_eval: bool = True  # a drafter's evaluation (another process) runs beside the next drafter's training, not before it (still `parallel` trainings at once; 0 = one after the other)
     label: str = ""  # A/B: result name (DIR/ab/<label>.json: letters, digits, . _ + -); empty = sweep name or 'ab'
     replay: bool = True  # A/B: τ replayed on the target's greedy outputs (one target forward per prompt, not one or two per step: the same steps); each arm's first drafter also decodes check_prompts for real
     eval_worker: bool = True  # every evaluation of an invocation in one long-lived process (start-up and the target's loading paid once); 0 = a process each

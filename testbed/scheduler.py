@@ -86,6 +86,7 @@ class Drafters:
         self.made, self.broken = {c: threading.Event() for c in self.caches}, {}
         self.deadline = STARTED + cfg.stop_after_s if cfg.stop_after_s > 0 else None
         self.took, self.deferred, self.stopped = [], [], threading.Event()
+        self.trained = set()  # (the `graph_key`s of the drafters whose training ended: a further one is a repeat)
         # with `overlap_eval` a job's evaluation goes to a pool of its own (`eval_pool`, set by run_drafters) and its
         # place among the `parallel` trainings to the next job meanwhile
         self.eval_pool, self.evals = None, []
@@ -205,7 +206,7 @@ class Drafters:
         self.defer(j)
         if self.precompile is not None and (waited := self.precompile.before(j.run)) >= 1:
             self.times[j.run]["wait_precompile"] = waited
-        t_job, repeat = time.monotonic(), any(k == graph_key(j) for k, _, _ in self.took)
+        t_job, repeat = time.monotonic(), graph_key(j) in self.trained
         when = {"train_start": time.time()}  # (the timeline, RUN/testbed-seconds.json: what overlapped what)
         j.run.mkdir(parents=True, exist_ok=True)
         write_json_atomic(j.run / JOB_FILE, job_identity(self.cfg, self.p, j))
@@ -224,6 +225,7 @@ class Drafters:
                 self.warm.set()  # (the first step never ran, or the training is over)
                 TRAIN_WORKERS.discard(env)  # (its environment, all the CPUs for compiling, is no other job's)
         when["train_end"] = time.time()
+        self.trained.add(graph_key(j))
         if self.eval_pool is not None:  # (overlap_eval: this thread goes on to the next job's training)
             self.evals.append(self.eval_pool.submit(self.guarded, j, last, (t_job, repeat, logs, when)))
             return

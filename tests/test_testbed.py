@@ -1336,3 +1336,4 @@ def test_overlap_eval_trains_the_next_drafter_while_one_is_evaluated_and_never_t
     for before, after in zip(when, when[1:], strict=False):
         assert (after["train_start"] < before["eval_end"]) is overlap, (before, after)
     assert all((j.run / "eval.json").is_file() for j in jobs)
+    assert [w["repeat"] for w in when] == [False, True, True]  # (same settings and cache: its graphs were loaded)
