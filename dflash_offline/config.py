@@ -74,9 +74,16 @@ REMOVED_CHOICES = {
 }
 
 
+# names a user may try as a setting for what the environment controls: what to set instead
+BY_ENVIRONMENT = dict.fromkeys(
+    ("progress", "progress_bar", "bar", "no_bar", "tqdm", "quiet"),
+    "the progress bar (stderr) is switched off by the environment: DFLASH_NO_BAR=1 make ... (status.json and the "
+    "timed log lines stay)")
+
+
 def removed(section: str, name: str) -> str:
-    """': <what happened to it>' for a removed setting of `section`, else ''."""
-    why = REMOVED.get(section, {}).get(name)
+    """': <what happened to it>' for a removed setting of `section` (or one the environment sets), else ''."""
+    why = REMOVED.get(section, {}).get(name) or BY_ENVIRONMENT.get(name)
     return f": {why}" if why else ""
 
 
@@ -439,6 +446,8 @@ def check_overrides(overrides: dict[str, str], classes: list, sections: tuple[st
     for sec in sections:
         if unknown and (why := removed(sec, unknown[0])):
             raise ConfigError(f"--{unknown[0]}: unknown setting{why}")
+    if unknown and unknown[0] in BY_ENVIRONMENT:
+        raise ConfigError(f"--{unknown[0]}: unknown setting{removed('', unknown[0])}")
     if unknown:
         raise ConfigError(f"--{unknown[0]}: unknown setting{did_you_mean(unknown[0], known, '--{}')} (see --help "
                           f"for the settings)")

@@ -370,3 +370,22 @@ def test_a_path_given_with_a_tilde_after_the_equals_sign_is_under_home(tmp_path,
     with pytest.raises(ConfigError, match=r"^--run=~/runs/a: there is a directory named ~ in .*; give "
                                           rf"{re.escape(str(home / 'runs' / 'a'))} or \./~/runs/a"):
         configs_from_argv([(TrainConfig, "train")], ["--cache=c", "--run=~/runs/a"], "")
+
+
+def test_a_progress_bar_setting_names_the_environment_variable_that_switches_it_off(tmp_path, monkeypatch):
+    """`make train ARGS=--progress=0` (or a recipe's `progress = false`) is no setting: the refusal says that
+    DFLASH_NO_BAR=1 switches the bar off, and the bar is off under it while status.json is still written."""
+    from dflash_offline.config import ExtractConfig
+    from dflash_offline.progress import Progress
+
+    for argv, classes in ((["--cache=c", "--progress=0"], [(TrainConfig, "train")]),
+                          (["--target=t", "--no_bar=1"], [(ExtractConfig, "extract")]),
+                          ([recipe(tmp_path, "[train]\nprogress = false\n"), "--cache=c"], [(TrainConfig, "train")])):
+        with pytest.raises(ConfigError, match=r"unknown setting:? (progress in \[train\]: )?the progress bar \(stderr\) "
+                                              r"is switched off by the environment: DFLASH_NO_BAR=1"):
+            configs_from_argv(classes, argv, "")
+    monkeypatch.setenv("DFLASH_NO_BAR", "1")
+    p = Progress("train", 10, "step", tmp_path / "status.json", every_s=0)
+    p.update(3)
+    p.close()
+    assert p.bar.disable and json.loads((tmp_path / "status.json").read_text())["done"] == 3
