@@ -94,13 +94,21 @@ def run_cli(main, stop_on_sigterm: bool = True) -> None:
     process at once, as for the testbed, whose reruns resume and whose unwinding would wait for a drafter in
     flight); an int result is the exit code. Triton autotuner choices are recorded or pinned first when the
     environment asks (`dflash_offline.autotune`)."""
-    from .autotune import from_env
-
     if os.environ.get(UNDER_LAUNCH):  # a worker of `launch.py`: its stderr is that process's pipe
         sys.stderr = QuietOnClosedPipe(sys.stderr)
     if (stop_on_sigterm and threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL):
         signal.signal(signal.SIGTERM, _terminate)
+    try:
+        _run(main)
+    finally:  # (exiting: a SIGTERM while the atexit handlers run is said in one line, not raised inside one of them)
+        if signal.getsignal(signal.SIGTERM) is _terminate:
+            signal.signal(signal.SIGTERM, _stopping)
+
+
+def _run(main) -> None:
+    from .autotune import from_env
+
     try:
         from_env()  # (inside: a SIGTERM while it imports torch is a stop too)
         code = main(sys.argv[1:])

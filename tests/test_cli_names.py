@@ -357,6 +357,18 @@ def test_a_stage_stopped_by_ctrl_c_or_sigterm_says_so_in_one_line(sig, status):
     assert res.stdout == "cleaned up\n"
 
 
+def test_a_sigterm_while_a_finished_stage_exits_is_one_line_not_an_ignored_exception():
+    """A stage that ended (its status 0) and is running its atexit handlers when SIGTERM comes: they finish, the
+    status stays the stage's, and stderr has one line instead of Python's "Exception ignored in atexit callback"."""
+    stage = ("import atexit, os, signal, time\nfrom dflash_offline.cli import run_cli\n"
+             "def flush():\n    os.kill(os.getpid(), signal.SIGTERM)\n    time.sleep(0.2)\n    print('flushed', flush=True)\n"
+             "def main(argv):\n    atexit.register(flush)\n    return 0\n"
+             "run_cli(main)")
+    res = subprocess.run([sys.executable, "-c", stage], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert res.returncode == 0 and res.stdout == "flushed\n", (res.returncode, res.stderr)
+    assert res.stderr == "SIGTERM: already stopping\n", res.stderr
+
+
 def test_a_warning_is_printed_once_where_stdout_and_stderr_are_one_file(tmp_path):
     """`progress.warn`: the log line and stderr, for logs kept apart; once where both go to one terminal or file
     (`make … 2>&1 | tee`), not twice."""
