@@ -88,8 +88,8 @@ class Drafters:
         self.took, self.deferred, self.stopped = [], [], threading.Event()
         self.trained = set()  # (the `graph_key`s of the drafters whose training ended: a further one is a repeat)
         # with `overlap_eval` a job's evaluation goes to a pool of its own (`eval_pool`, set by run_drafters) and its
-        # place among the `parallel` trainings to the next job meanwhile
-        self.eval_pool, self.evals = None, []
+        # place among the `parallel` trainings to the next job meanwhile; `aborted`: the sweep was interrupted
+        self.eval_pool, self.evals, self.parallel, self.aborted = None, [], parallel, threading.Event()
 
     def expected_s(self, j: Job) -> float:
         """What `j` is expected to take: as long as the longest drafter of this invocation (before one ended,
@@ -113,6 +113,9 @@ class Drafters:
         """Raise `Deferred` when `j` (`expected_s`) would end past the deadline; the base run's deferral also stops
         the untrained evaluation and, while the target-alone decodes it makes do not exist, every later drafter."""
         expect = self.expected_s(j)
+        if self.deadline is not None and time.monotonic() + expect > self.deadline and self.pending():
+            self.settle(0)  # (what the evaluations still running take, and their seconds, are known after them)
+            expect = self.expected_s(j)
         # (once the base run is deferred before the target-alone decodes exist, so is every later drafter)
         orphan = self.stopped.is_set() and not self.p.baseline(self.cfg.eval_tokens).is_file()
         if self.deadline is None or time.monotonic() + expect <= self.deadline and not orphan:
@@ -125,6 +128,31 @@ class Drafters:
                            "every evaluation, was not; a rerun starts both")
         raise Deferred(f"not started: it takes ≈ {expect:.0f}s and {max(0.0, self.deadline - time.monotonic()):.0f}s "
                        f"of --stop_after_s={self.cfg.stop_after_s:g} are left; a rerun starts it")
+
+    def each(self, n: int, fn, jobs: list[Job]) -> None:
+        """`fn` on every job, `n` at a time; interrupted (Ctrl-C), no further job starts and the running ones are
+        waited for, not the queued."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(n)
+        try:
+            list(pool.map(fn, jobs))
+        except BaseException:
+            self.aborted.set()
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def pending(self) -> int:
+        """Evaluations submitted (`overlap_eval`) and not ended."""
+        return sum(not f.done() for f in self.evals)
+
+    def settle(self, most: int) -> None:
+        """Wait until at most `most` evaluations are pending (their failures are `guarded`'s to report)."""
+        for f in list(self.evals):
+            if self.pending() <= most:
+                return
+            f.exception()  # (waits; never raises for a failure: `guarded` caught it)
 
     def untrained(self) -> None:
         """The base run's untrained drafter, evaluated as soon as that run's config.json exists (it makes the
@@ -177,7 +205,10 @@ class Drafters:
         except Deferred:
             raise
         except BaseException:
-            if j.run == self.base:
+            # (the base run's evaluation out of GPU memory beside another training is tried again like any other:
+            # the target-alone decodes every evaluation waits for exist by then)
+            retried = evaluation is not None and not last and out_of_memory(j.run / "logs")
+            if j.run == self.base and not retried:
                 self.failed.set()
             raise
         finally:
@@ -187,6 +218,8 @@ class Drafters:
     def run_job(self, j: Job, last: bool = False) -> None:
         """One drafter: wait for its cache, train and export it, wait for the target-alone decodes, evaluate it —
         unless its run already holds an evaluated drafter made from the same settings, cache, prompts and code."""
+        if self.aborted.is_set():
+            raise RuntimeError("not started: the drafters were interrupted")
         if j.cache in self.made:
             self.made[j.cache].wait()
             if j.cache in self.broken:
@@ -201,6 +234,8 @@ class Drafters:
                 pass
             self.warm.set()  # (after a time-out, the others do not wait again)
             self.times[j.run]["wait_warm"] = time.perf_counter() - t0
+        if self.eval_pool is not None:  # (one evaluation at most beside each training: no queue builds up)
+            self.settle(self.parallel)
         if self.failed.is_set():
             raise RuntimeError("not started: the base drafter or the untrained evaluation failed")
         self.defer(j)
@@ -234,12 +269,14 @@ class Drafters:
     def evaluate_job(self, j: Job, t_job: float, repeat: bool, logs: Path | None, when: dict) -> None:
         """`j`'s evaluation once its drafter is exported (after waiting for the target-alone decodes), its seconds
         recorded (RUN/testbed-seconds.json) and logged."""
+        if self.aborted.is_set():
+            raise RuntimeError("not evaluated: the drafters were interrupted")
         t0 = time.perf_counter()
         self.ready.wait()
         baseline_wait = time.perf_counter() - t0  # (the untrained evaluation's target-alone decodes: once a sweep)
         if self.failed.is_set():
-            raise RuntimeError(f"the untrained drafter's evaluation, which makes the target-alone decodes, failed "
-                               f"(log: {self.untrained_log})")
+            raise RuntimeError(f"not evaluated: the base drafter or the untrained evaluation (log: "
+                               f"{self.untrained_log}) failed")
         t = self.times[j.run]
         t["eval"] = evaluate(self.cfg, self.p, j.run, self.dev, False, (logs or j.run / "logs") / "eval.log", self.env,
                              self.cfg.check_prompts if j.run in self.checked else 0)
@@ -273,7 +310,8 @@ class Drafters:
         """`job`, its failure reported while the others go on (one out of GPU memory queued for `retry`)."""
         try:
             self.job(j, last, evaluation)
-            self.errors.pop(j.run, None)
+            if evaluation is not None or self.eval_pool is None:  # (not before its evaluation, which may have failed)
+                self.errors.pop(j.run, None)
         except Deferred as e:
             log(f"{j.arm or '(recipe)'} seed {j.seed}: {e}")
         except Exception as e:  # noqa: BLE001
@@ -308,23 +346,24 @@ def run_drafters(cfg: TestbedConfig, p: Paths, dev: str, jobs: list[Job], parall
     side = threading.Thread(target=d.untrained, daemon=True)
     side.start()
     threading.Thread(target=d.extract_caches, daemon=True).start()
-    evals = ThreadPoolExecutor(len(jobs)) if cfg.overlap_eval else None  # (they queue for the evaluation worker)
+    evals = ThreadPoolExecutor(parallel) if cfg.overlap_eval else None  # (one worker process serves them anyway)
     d.eval_pool = evals
     try:
-        with ThreadPoolExecutor(parallel) as pool:
-            list(pool.map(d.guarded, jobs))
+        d.each(parallel, d.guarded, jobs)
         wait_all(d.evals)
         if d.retry and not d.failed.is_set():
             TRAIN_WORKERS.close()  # (their GPU memory is what the jobs tried again need)
             log(f"trying again {len(d.retry)} drafter(s) that ran out of GPU memory, {max(1, parallel // 2)} at a "
                 f"time")
-            with ThreadPoolExecutor(max(1, parallel // 2)) as pool:
-                list(pool.map(lambda j: d.guarded(j, last=True), d.retry))
+            d.each(max(1, parallel // 2), lambda j: d.guarded(j, last=True), d.retry)
             wait_all(d.evals)
         side.join()
+    except BaseException:
+        d.aborted.set()  # (Ctrl-C: the evaluations not started are not waited for)
+        raise
     finally:
         if evals is not None:
-            evals.shutdown(wait=True)
+            evals.shutdown(wait=True, cancel_futures=True)
         TRAIN_WORKERS.close()
         EVAL_WORKER.close()
     if d.failed.is_set() or base in d.errors:

@@ -1337,3 +1337,72 @@ def test_overlap_eval_trains_the_next_drafter_while_one_is_evaluated_and_never_t
         assert (after["train_start"] < before["eval_end"]) is overlap, (before, after)
     assert all((j.run / "eval.json").is_file() for j in jobs)
     assert [w["repeat"] for w in when] == [False, True, True]  # (same settings and cache: its graphs were loaded)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlapped_evaluations_end_within_stop_after_s(tmp_path, monkeypatch, overlap):
+    """Evaluations slower than trainings (the known-bad arm's: 6 s of training, 33 s of evaluation) must not queue
+    past --stop_after_s: a training waits while an evaluation is still pending beside it, and a drafter about to be
+    deferred waits for the pending evaluations to know what they take, then starts if it fits."""
+    import threading
+    import time
+
+    _fake_stages(monkeypatch, {})
+    fake_train, fake_eval, lock = scheduler.train_export, scheduler.evaluate, threading.Lock()
+
+    def train_export(*a, **k):
+        time.sleep(0.2)
+        return fake_train(*a, **k)
+
+    def evaluate(cfg, p, run, dev, untrained, *a, **k):
+        with lock:  # (one evaluation at a time, as in the evaluation worker)
+            time.sleep(0.05 if untrained else 0.8)
+            return fake_eval(cfg, p, run, dev, untrained, *a, **k)
+
+    monkeypatch.setattr(scheduler, "train_export", train_export)
+    monkeypatch.setattr(scheduler, "evaluate", evaluate)
+    monkeypatch.setattr(scheduler, "FIRST_DRAFTER_S", 1.2)
+    monkeypatch.setattr(scheduler, "STARTED", time.monotonic())
+    cfg, p = config.TestbedConfig(dir=str(tmp_path), overlap_eval=overlap, stop_after_s=4.0), Paths(str(tmp_path))
+    jobs = _jobs(p, ["base"] + [f"r{i}" for i in range(8)])
+    times = scheduler.run_drafters(cfg, p, "cpu", jobs, 1, jobs[0].run)
+    done = [j for j in jobs if (j.run / "eval.json").is_file()]
+    assert time.monotonic() - scheduler.STARTED < 4.5 and len(done) >= 2, len(done)
+    assert all("deferred" in times[j.run] for j in jobs if j not in done)
+
+
+def test_an_interrupted_sweep_does_not_wait_for_evaluations_not_started(tmp_path, monkeypatch):
+    """Ctrl-C during an overlapped sweep: run_drafters raises it once the training in flight ends, without training
+    or evaluating anything further (the queued drafters and evaluations are dropped, not run one by one)."""
+    import signal
+    import threading
+    import time
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # (as from a shell: an xdist worker ignores it)
+
+    calls = _fake_stages(monkeypatch, {})
+    fake_train, fake_eval = scheduler.train_export, scheduler.evaluate
+    evaluated = []
+
+    def train_export(cfg, run, *a, **k):
+        if run.parent.name == "c":  # (Ctrl-C while c trains: the main thread, waiting on the jobs, is interrupted)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            time.sleep(0.3)
+        return fake_train(cfg, run, *a, **k)
+
+    def evaluate(cfg, p, run, dev, untrained, *a, **k):
+        time.sleep(0.5)
+        evaluated.append(run.parent.name)
+        return fake_eval(cfg, p, run, dev, untrained, *a, **k)
+
+    monkeypatch.setattr(scheduler, "train_export", train_export)
+    monkeypatch.setattr(scheduler, "evaluate", evaluate)
+    cfg, p = config.TestbedConfig(dir=str(tmp_path)), Paths(str(tmp_path))
+    jobs = _jobs(p, ["base", "a", "b", "c", "d"])
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            scheduler.run_drafters(cfg, p, "cpu", jobs, 1, jobs[0].run)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert "d/seed0" not in calls and not {"c", "d"} & set(evaluated)
+    assert not (p.run("b", 0) / "eval.json").is_file() or evaluated.count("b") == 1
