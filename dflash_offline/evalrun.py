@@ -28,6 +28,7 @@ from dflash_offline.evaluation import (
     export_for_eval,
     lossless,
     prompt_ids_digest,
+    prune_baselines,
     read_baseline,
     read_prompts,
     run_info,
@@ -353,6 +354,8 @@ def evaluate(cfg: EvalConfig) -> dict:
     taus, spec, alone, refs, per_prompt, check = decode(cfg, target, drafter, prompts, eos, exact, reuse)
     if base and reuse is None:
         write_baseline(base, key, refs, alone)
+    if base and not cfg.baseline:  # (the run's own folder, a file a key: kept from growing without end)
+        prune_baselines(base, log)
     baseline_prompts = len(prompts)
     summary = decode_summary(taus, spec, alone, prompts)
     if not summary["verify_steps"]:  # (τ = 0 tokens over 0 steps: nan)

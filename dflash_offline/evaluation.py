@@ -356,6 +356,28 @@ def write_baseline(path: Path, key: dict, refs: list[list[int]], alone: list) ->
                                                                                                     strict=True)]})
 
 
+KEEP_BASELINES = 8  # target-alone decode files a run keeps (RUN/eval-baselines: the most recently written or reused)
+
+
+def prune_baselines(current: Path, log, most: int | None = None) -> int:
+    """Mark `current` (a file of a run's baseline folder) used now and remove all but the `most` (`KEEP_BASELINES`)
+    most recently used files of its folder; returns how many went."""
+    import os
+
+    most = KEEP_BASELINES if most is None else most
+
+    if current.is_file():
+        os.utime(current)
+    files = sorted(current.parent.glob("*.json"), key=lambda f: f.stat().st_mtime, reverse=True)
+    gone = [f for f in files[most:] if f != current]
+    for f in gone:
+        f.unlink(missing_ok=True)
+    if gone:
+        log(f"{current.parent}: removed {len(gone)} target-alone decode file(s) not used lately (the {most} most "
+            f"recently used are kept)")
+    return len(gone)
+
+
 def speedups(s: dict, a: dict) -> dict:
     """Speed-up estimates beside the measured wall-clock ratio `speedup` (s, a: `summarize` of the speculative and
     the target-alone decodes), each relative to the target alone at one forward per token:

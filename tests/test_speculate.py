@@ -452,7 +452,7 @@ def test_eval_prompts_the_drafter_trained_on_are_named(tmp_path, hidden_cache, c
     assert trained_on(held, tmp_path / "hidden") is None
 
 
-def test_evaluate_measures_the_export(tmp_path, hidden_cache, capfd):
+def test_evaluate_measures_the_export(tmp_path, hidden_cache, capfd, monkeypatch):
     from dflash_offline.config import ConfigError
     from dflash_offline.trainsetup import TrainConfig
     from stages import evaluate, train
@@ -510,6 +510,15 @@ def test_evaluate_measures_the_export(tmp_path, hidden_cache, capfd):
     assert json.loads(out.read_text())["baseline"]["file"] != str(kept_file)
     assert evaluate.main(args + [f"--export={run / 'eval-export'}", "--tf_batches=0", f"--out={out}"]) == 0
     assert json.loads(out.read_text())["baseline"] == {"file": str(kept_file), "reused": True, "prompts": 3}
+    # … and the folder keeps the KEEP_BASELINES most recently used: a third key drops the one-off's, not the reused
+    from dflash_offline import evaluation
+
+    monkeypatch.setattr(evaluation, "KEEP_BASELINES", 2)
+    assert len(list(kept_file.parent.glob("*.json"))) == 2
+    assert evaluate.main(args + [f"--export={run / 'eval-export'}", "--tf_batches=0", f"--out={out}",
+                                 "--max_new_tokens=5"]) == 0
+    left = sorted(kept_file.parent.glob("*.json"))
+    assert left == sorted([kept_file, Path(json.loads(out.read_text())["baseline"]["file"])]), left
     # --template_kwargs naming enable_thinking otherwise than the training corpus was rendered: said, not silent
     run_cfg = (run / "config.json").read_text()
     (run / "config.json").write_text(json.dumps({**json.loads(run_cfg), "template_kwargs": {"enable_thinking": False}}))
