@@ -343,8 +343,6 @@ def run_drafters(cfg: TestbedConfig, p: Paths, dev: str, jobs: list[Job], parall
         if j.run == base or cache_complete(j.cache):  # reads the base run's): the others' caches may come later
             fresh_run(cfg, p, j)
     d = Drafters(cfg, p, dev, jobs, parallel, base, stream, caches, precompile)
-    # (the exports run here: their imports, 5-6 s in an invocation that ran no phase, beside the first training)
-    threading.Thread(target=warm_export_imports, daemon=True).start()
     side = threading.Thread(target=d.untrained, daemon=True)
     side.start()
     threading.Thread(target=d.extract_caches, daemon=True).start()
@@ -375,16 +373,6 @@ def run_drafters(cfg: TestbedConfig, p: Paths, dev: str, jobs: list[Job], parall
     for run in d.deferred:
         d.times[run]["deferred"] = 1.0
     return d.times
-
-
-def warm_export_imports() -> None:
-    """Import what a drafter's export (`export_here`, in this process) imports: beside the first training rather than
-    after it, on its critical path."""
-    import importlib
-
-    for name in ("torch", "safetensors.torch", "tokenizers", "transformers", "dflash_offline.drafter",
-                 "dflash_offline.export", "dflash_offline.checkpoint"):
-        importlib.import_module(name)
 
 
 def wait_all(futures: list) -> None:
