@@ -1,5 +1,6 @@
 """The drafters' scheduler (`run_drafters`): `--parallel` jobs at a time, in the order given, beside the untrained
-drafter's evaluation and the arms' cache extraction; the first job compiles alone and opens the gate for the others
+drafter's evaluation and the arms' cache extraction, each job's evaluation beside the next one's training
+(`overlap_eval`: one evaluation at most beside a training); the first job compiles alone and opens the gate for the others
 after its first step; a job out of GPU memory is tried again after the others. A job's training and evaluation run in
 other processes, the stage CLIs (`testbed.commands`: in long-lived workers, one per training at once, or a process
 each), its export in this one; a pool thread per job only waits on them and shares the events the jobs wait for (the
