@@ -101,9 +101,23 @@ def run_cli(main, stop_on_sigterm: bool = True) -> None:
         signal.signal(signal.SIGTERM, _terminate)
     try:
         _run(main)
-    finally:  # (exiting: a SIGTERM while the atexit handlers run is said in one line, not raised inside one of them)
-        if signal.getsignal(signal.SIGTERM) is _terminate:
-            signal.signal(signal.SIGTERM, _stopping)
+    finally:
+        exiting()
+
+
+def exiting() -> None:
+    """The process is ending: a SIGTERM while the atexit handlers run (or the interpreter waits for a thread) is said
+    in one line instead of being raised inside one of them; a second one ends the process at once (143)."""
+    if signal.getsignal(signal.SIGTERM) is _terminate:
+        signal.signal(signal.SIGTERM, _exit_on_second)
+
+
+def _exit_on_second(signum, frame):
+    if getattr(_exit_on_second, "seen", False):
+        os._exit(128 + signum)
+    _exit_on_second.seen = True
+    with contextlib.suppress(OSError):
+        os.write(2, f"{signal.Signals(signum).name}: already exiting (a second one ends it at once)\n".encode())
 
 
 def _run(main) -> None:
@@ -135,6 +149,7 @@ def exit_now(status: int) -> None:
         sys.exit(status)
     import atexit
 
+    exiting()  # (its atexit handlers run here, before run_cli's own `finally`)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):

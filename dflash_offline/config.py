@@ -375,6 +375,9 @@ def parse_overrides(argv: list[str], specs: list = ()) -> tuple[str | None, dict
             raise is_now(where, f"--{name}", f"--{name.replace('-', '_')}", "underscores, as every stage")
         if arg.startswith("--") and arg[2:] in switches:
             raise is_now(where, arg, f"{arg}=1", "every setting is --key=value; a switch's value is 1 or 0")
+        if arg.startswith("--") and arg[2:] in BY_ENVIRONMENT and arg[2:] not in {n for c, _ in specs
+                                                                               for n in setting_names(c)}:
+            raise ConfigError(f"{arg}: unknown setting{removed('', arg[2:])}")
         if not arg.startswith("--") or "=" not in arg:
             form = f"{arg}=VALUE, one argument" if arg.startswith("--") else "--key=value"
             raise ConfigError(f"argument {arg!r}: expected {form} (see --help)")

@@ -354,7 +354,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     taus, spec, alone, refs, per_prompt, check = decode(cfg, target, drafter, prompts, eos, exact, reuse)
     if base and reuse is None:
         write_baseline(base, key, refs, alone)
-    if base and not cfg.baseline:  # (the run's own folder, a file a key: kept from growing without end)
+    if base and base.resolve().parent == (run_dir / BASELINE_DIR).resolve():  # (kept from growing without end)
         prune_baselines(base, log)
     baseline_prompts = len(prompts)
     summary = decode_summary(taus, spec, alone, prompts)

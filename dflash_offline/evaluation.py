@@ -360,22 +360,33 @@ KEEP_BASELINES = 8  # target-alone decode files a run keeps (RUN/eval-baselines:
 
 
 def prune_baselines(current: Path, log, most: int | None = None) -> int:
-    """Mark `current` (a file of a run's baseline folder) used now and remove all but the `most` (`KEEP_BASELINES`)
-    most recently used files of its folder; returns how many went."""
+    """Mark `current` (a file of a run's baseline folder, named by its key: 16 hex digits) used now and remove all but
+    the `most` (`KEEP_BASELINES`) most recently used such files of its folder; returns how many went. Housekeeping:
+    a file another evaluation removed meanwhile, or one this user may not touch, is passed over, never an error."""
     import os
+    import re
+
+    def used(f: Path) -> float:
+        try:
+            return f.stat().st_mtime
+        except OSError:
+            return -1.0
 
     most = KEEP_BASELINES if most is None else most
-
-    if current.is_file():
+    with contextlib.suppress(OSError):
         os.utime(current)
-    files = sorted(current.parent.glob("*.json"), key=lambda f: f.stat().st_mtime, reverse=True)
-    gone = [f for f in files[most:] if f != current]
-    for f in gone:
-        f.unlink(missing_ok=True)
+    files = sorted((f for f in current.parent.glob("*.json") if re.fullmatch(r"[0-9a-f]{16}", f.stem)), key=used,
+                   reverse=True)
+    gone = 0
+    for f in files[most:]:
+        if f != current:
+            with contextlib.suppress(OSError):
+                f.unlink()
+                gone += 1
     if gone:
-        log(f"{current.parent}: removed {len(gone)} target-alone decode file(s) not used lately (the {most} most "
+        log(f"{current.parent}: removed {gone} target-alone decode file(s) not used lately (the {most} most "
             f"recently used are kept)")
-    return len(gone)
+    return gone
 
 
 def speedups(s: dict, a: dict) -> dict:

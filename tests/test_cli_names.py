@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -366,7 +367,25 @@ def test_a_sigterm_while_a_finished_stage_exits_is_one_line_not_an_ignored_excep
              "run_cli(main)")
     res = subprocess.run([sys.executable, "-c", stage], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert res.returncode == 0 and res.stdout == "flushed\n", (res.returncode, res.stderr)
-    assert res.stderr == "SIGTERM: already stopping\n", res.stderr
+    assert res.stderr == "SIGTERM: already exiting (a second one ends it at once)\n", res.stderr
+    # … the same after a Ctrl-C that exits at once past a thread still blocked (regen's requests in flight)
+    ctrl_c = ("import atexit, os, signal, threading, time\nfrom dflash_offline.cli import run_cli\n"
+              "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+              "def flush():\n    os.kill(os.getpid(), signal.SIGTERM)\n    time.sleep(0.2)\n    print('flushed', flush=True)\n"
+              "def main(argv):\n    atexit.register(flush)\n    threading.Thread(target=time.sleep, args=(30,)).start()\n"
+              "    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(30)\n"
+              "run_cli(main)")
+    res = subprocess.run([sys.executable, "-c", ctrl_c], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert res.returncode == 130 and res.stdout == "flushed\n" and "Exception ignored" not in res.stderr, res.stderr
+    # … and a second SIGTERM ends an exit that hangs (here on a thread the interpreter waits for) at once
+    hang = ("import os, signal, threading, time\nfrom dflash_offline.cli import run_cli\n"
+            "def main(argv):\n    def stop():\n        time.sleep(0.3)\n        os.kill(os.getpid(), signal.SIGTERM)\n"
+            "        time.sleep(0.3)\n        os.kill(os.getpid(), signal.SIGTERM)\n        time.sleep(30)\n"
+            "    threading.Thread(target=stop).start()\n    return 0\n"
+            "run_cli(main)")
+    t0 = time.time()
+    res = subprocess.run([sys.executable, "-c", hang], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert res.returncode == 143 and time.time() - t0 < 15, (res.returncode, res.stderr)
 
 
 def test_a_warning_is_printed_once_where_stdout_and_stderr_are_one_file(tmp_path):

@@ -380,6 +380,7 @@ def test_a_progress_bar_setting_names_the_environment_variable_that_switches_it_
 
     for argv, classes in ((["--cache=c", "--progress=0"], [(TrainConfig, "train")]),
                           (["--target=t", "--no_bar=1"], [(ExtractConfig, "extract")]),
+                          (["--cache=c", "--quiet"], [(TrainConfig, "train")]),
                           ([recipe(tmp_path, "[train]\nprogress = false\n"), "--cache=c"], [(TrainConfig, "train")])):
         with pytest.raises(ConfigError, match=r"unknown setting:? (progress in \[train\]: )?the progress bar \(stderr\) "
                                               r"is switched off by the environment: DFLASH_NO_BAR=1"):

@@ -515,10 +515,12 @@ def test_evaluate_measures_the_export(tmp_path, hidden_cache, capfd, monkeypatch
 
     monkeypatch.setattr(evaluation, "KEEP_BASELINES", 2)
     assert len(list(kept_file.parent.glob("*.json"))) == 2
+    (kept_file.parent / "mine.json").write_text("{}")  # (not a key's file: never removed)
     assert evaluate.main(args + [f"--export={run / 'eval-export'}", "--tf_batches=0", f"--out={out}",
                                  "--max_new_tokens=5"]) == 0
     left = sorted(kept_file.parent.glob("*.json"))
-    assert left == sorted([kept_file, Path(json.loads(out.read_text())["baseline"]["file"])]), left
+    assert left == sorted([kept_file, Path(json.loads(out.read_text())["baseline"]["file"]),
+                           kept_file.parent / "mine.json"]), left
     # --template_kwargs naming enable_thinking otherwise than the training corpus was rendered: said, not silent
     run_cfg = (run / "config.json").read_text()
     (run / "config.json").write_text(json.dumps({**json.loads(run_cfg), "template_kwargs": {"enable_thinking": False}}))
