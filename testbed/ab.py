@@ -5,7 +5,6 @@ steps) run right after the first arm, in that order, then the other arms (`ab`).
 
 from __future__ import annotations
 
-import json
 import time
 
 from dflash_offline.config import ConfigError, as_dict
@@ -14,12 +13,12 @@ from .commands import Job, Stopped, log
 from .config import SWEEPS, TestbedConfig
 from .phases import recorded_job, testbed
 from .runs import (
-    SECONDS_FILE,
     Paths,
     eval_looping_share,
     eval_summary,
     parse_arm,
     read_state,
+    recorded_seconds,
     run_metrics,
     slug,
 )
@@ -109,12 +108,6 @@ def evaluated_arms(arms: list[str], jobs: list) -> tuple[list[str], dict]:
     for a, why in incomplete.items():
         log(f"{a}: not ranked, {why}")
     return complete, incomplete
-
-
-def recorded_seconds(run) -> dict:
-    """What a drafter's job took when it was made (RUN/testbed-seconds.json; {} for one made by older code)."""
-    f = run / SECONDS_FILE
-    return json.loads(f.read_text()) if f.is_file() else {}
 
 
 def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> tuple[dict, dict]:

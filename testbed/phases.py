@@ -22,6 +22,7 @@ from .runs import (
     forget_from,
     looping_share,
     read_state,
+    recorded_seconds,
     result,
     run_metrics,
     stale_job,
@@ -218,8 +219,8 @@ def phases(cfg: TestbedConfig, p: Paths, dev: str, device, st: dict, more: list[
         if "eval" not in ph and "deferred" in times.get(run, {}):
             raise Stopped(f"stopped before the testbed's drafter ({run}): --stop_after_s={cfg.stop_after_s:g} would "
                           f"end before it; a rerun resumes")
-        if "eval" not in ph:  # (a rerun after an interruption finds the base drafter done: its seconds unknown)
-            t, m = times[run], run_metrics(run)
+        if "eval" not in ph:  # (a rerun after an interruption finds the base drafter done: its recorded seconds)
+            t, m = {**recorded_seconds(run), **times[run]}, run_metrics(run)
             ph["train"] = {"seconds": t.get("train", 0.0), "steps": m.get("step"), "loss": m.get("loss"),
                            "tok_per_s": m.get("tok_per_s"), "acc": m.get("acc")}
             ph["export"] = {"seconds": t.get("export", 0.0)}

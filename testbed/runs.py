@@ -237,6 +237,12 @@ def drafter_code_digest() -> str:
     return h.hexdigest()
 
 
+def recorded_seconds(run: Path) -> dict:
+    """What a drafter's job took when it was made (RUN/testbed-seconds.json; {} for one made by older code)."""
+    f = run / SECONDS_FILE
+    return json.loads(f.read_text()) if f.is_file() else {}
+
+
 def stale_job(run: Path, identity: dict) -> str | None:
     """Why the drafter in `run` was made from something else than `identity` (its settings, cache, prompts, code),
     or None when it was not (or there is none yet)."""

@@ -1406,3 +1406,26 @@ def test_an_interrupted_sweep_does_not_wait_for_evaluations_not_started(tmp_path
         signal.signal(signal.SIGINT, before)
     assert "d/seed0" not in calls and not {"c", "d"} & set(evaluated)
     assert not (p.run("b", 0) / "eval.json").is_file() or evaluated.count("b") == 1
+
+
+def test_a_rerun_that_finds_the_testbeds_drafter_evaluated_records_its_seconds_not_0(tmp_path, monkeypatch):
+    """A call killed after the testbed's own drafter was evaluated but before its phases were recorded: the rerun
+    reuses the drafter and records the seconds its run kept (RUN/testbed-seconds.json), not 0."""
+    from testbed import phases
+
+    calls = _fake_stages(monkeypatch, {})
+    monkeypatch.setattr(phases, "result", lambda cfg, p, st: st)
+    monkeypatch.setattr(phases, "run_metrics", lambda run: {"step": 6})
+    cfg, p = config.TestbedConfig(dir=str(tmp_path)), Paths(str(tmp_path))
+    runs.write_state(p, {"phases": {name: {"seconds": 1.0} for name in ("target", "regen", "extract")}})
+    first = Job("a", p.run("a", 0), p.hidden(), 0, {"gamma": 5.0})
+    phases.testbed(cfg, p, "cpu", None, [first])
+    kept = json.loads((first.run / runs.SECONDS_FILE).read_text())
+    (first.run / runs.SECONDS_FILE).write_text(json.dumps({**kept, "train": 12.5, "eval_wall": 3.25}))
+    st = runs.read_state(p)
+    for name in ("train", "export", "eval"):
+        st["phases"].pop(name)
+    runs.write_state(p, st)
+    phases.testbed(cfg, p, "cpu", None, [first])
+    ph = runs.read_state(p)["phases"]
+    assert calls == ["a/seed0"] and ph["train"]["seconds"] == 12.5 and ph["eval"]["seconds"] == 3.25
