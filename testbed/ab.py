@@ -22,7 +22,7 @@ from .runs import (
     run_metrics,
     slug,
 )
-from .scheduler import default_parallel
+from .scheduler import default_parallel, gpu_ids
 from .stats import NULL_ARM, arm_rows, eval_record, failed_runs, judge
 
 
@@ -122,8 +122,10 @@ def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> tuple[dict, dict]:
     jobs, caches = sweep_jobs(cfg, p, arms, null, bad)
     if cfg.checks:
         arms.append(null)
-    parallel = cfg.parallel or default_parallel(device)
+    gpus = len(gpu_ids(cfg, dev)) or 1  # (refuses more GPUs than the machine shows, before anything runs)
+    parallel = cfg.parallel or default_parallel(device, gpus)
     log(f"{len(arms)} arms × {cfg.seeds} seeds = {len(jobs)} drafters, {parallel} at a time"
+        + (f" on {gpus} GPUs" if gpus > 1 else "")
         + (f" (checks: the null arm {null}, the known-bad arm {bad})" if cfg.checks else ""))
     t0 = time.perf_counter()
     tb, times = summary_record(cfg, p) if cfg.summarize else testbed(cfg, p, dev, device, jobs, parallel, caches)
@@ -141,7 +143,7 @@ def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> tuple[dict, dict]:
     return {"testbed": str(p.root), "seeds": cfg.seeds, "arms": rows, "judgement": judgement, "failed": failed,
             "incomplete": incomplete, "deferred": sorted(str(r.relative_to(p.root)) for r, t in times.items()
                                                          if "deferred" in t),
-            "recipe": cfg.drafter_recipe, "seconds": round(time.perf_counter() - t0, 1), "parallel": parallel,
+            "recipe": cfg.drafter_recipe, "seconds": round(time.perf_counter() - t0, 1), "parallel": parallel, "gpus": gpus,
             "job_seconds": {str(r.relative_to(p.root)): {**(recorded_seconds(r) if "reused" in t else {}),
                                                           **{k: v if isinstance(v, str) else round(v, 1)
                                                              for k, v in t.items()}} for r, t in times.items()},

@@ -67,7 +67,8 @@ class TestbedConfig:
     arms: str = ""  # A/B: arms separated by ';', each space-separated key=value settings ('' = the recipe)
     sweep: str = ""  # A/B presets, comma-separated: options (γ, anchors, noise, D-PACE, fp8 cache) | encodings | fp8 | dflash2
     seeds: int = 2  # A/B: drafter seeds per arm
-    parallel: int = 0  # A/B: drafter jobs at once; 0 = 1 (on one GPU, processes take turns: two at once were slower)
+    parallel: int = 0  # A/B: drafter jobs at once; 0 = one per GPU of --gpus (on one GPU, processes take turns: two at once were slower)
+    gpus: int = 0  # A/B: GPUs the drafters' trainings are spread over, each training on a free one (its worker sees only it); 0 = every visible GPU
     overlap_eval: bool = True  # a drafter's evaluation (another process) runs beside the next drafter's training, not before it (still `parallel` trainings at once; 0 = one after the other)
     label: str = ""  # A/B: result name (DIR/ab/<label>.json: letters, digits, . _ + -); empty = sweep name or 'ab'
     replay: bool = True  # A/B: τ replayed on the target's greedy outputs (one target forward per prompt, not one or two per step: the same steps); each arm's first drafter also decodes check_prompts for real
@@ -102,6 +103,8 @@ class TestbedConfig:
         if self.label and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}", self.label):
             raise ConfigError(f"testbed.label={self.label}: it names DIR/ab/<label>.json, so letters, digits and . _ + - "
                               f"only, 100 at most (e.g. --label=fp8)")
+        if self.gpus < 0:
+            raise ConfigError(f"testbed.gpus must be >= 0 (0 = every visible GPU), got {self.gpus}")
         if self.resident and not self.train_worker:
             raise ConfigError("testbed.resident is a switch of the training worker: keep train_worker=1 with it")
         return self

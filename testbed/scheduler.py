@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import time
 from pathlib import Path
 
@@ -70,6 +71,12 @@ class Drafters:
         self.cfg, self.p, self.dev, self.base, self.stream, self.caches = cfg, p, dev, base, stream, caches or {}
         self.precompile = precompile  # (testbed.precompile.Precompile, or None)
         self.env = {}
+        # the GPUs the trainings are spread over (`gpu_ids`): each training takes a free one, its worker sees only it
+        # (CUDA_VISIBLE_DEVICES: a worker's environment is fixed at its start, so one worker per GPU); one GPU: none
+        ids = gpu_ids(cfg, dev)
+        self.spread, self.gpus = len(ids) > 1, queue.Queue()
+        for i in range(parallel if len(ids) > 1 else 0):
+            self.gpus.put(ids[i % len(ids)])
         if parallel > 1 and "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
             self.env["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, (os.cpu_count() or 1) // parallel))
         self.ready, self.failed, self.warm = threading.Event(), threading.Event(), threading.Event()
@@ -248,7 +255,10 @@ class Drafters:
         write_json_atomic(j.run / JOB_FILE, job_identity(self.cfg, self.p, j))
         logs = None if self.stream and j.run == self.base else j.run / "logs"
         log(f"{j.arm or '(recipe)'} seed {j.seed}: training on {j.cache.name}" + (f" (logs: {logs})" if logs else ""))
-        env = self.env
+        gpu = self.gpus.get() if self.spread else None  # (waits for a free one: `parallel` above the GPUs shares)
+        env = self.env if gpu is None else {**self.env, "CUDA_VISIBLE_DEVICES": gpu}
+        if gpu is not None:
+            when["gpu"] = gpu
         if j.run == self.leader:
             (j.run / "status-rank0.json").unlink(missing_ok=True)  # (a killed run's says it stepped already)
             self.watch_warm_up(j.run)
@@ -257,6 +267,8 @@ class Drafters:
         try:
             self.times[j.run].update(train_export(self.cfg, j.run, j.cache, j.seed, j.settings, env, logs))
         finally:
+            if gpu is not None:
+                self.gpus.put(gpu)
             if j.run == self.leader:
                 self.warm.set()  # (the first step never ran, or the training is over)
                 TRAIN_WORKERS.discard(env)  # (its environment, all the CPUs for compiling, is no other job's)
@@ -390,9 +402,27 @@ def out_of_memory(logs: Path) -> bool:
 GPU_JOBS = 1  # drafter jobs sharing one GPU (see default_parallel)
 
 
-def default_parallel(device) -> int:
-    """Drafter jobs at once on this machine: `GPU_JOBS` per GPU, fewer where CPUs (two per job) or GPU memory (`JOB_GB`
-    per job) are short. Processes on one GPU take turns on it (time slices), they do not run side by side, and the
+def gpu_ids(cfg: TestbedConfig, dev: str) -> list[str]:
+    """The GPUs the drafters' trainings are spread over, as CUDA_VISIBLE_DEVICES names them (within this process's own
+    CUDA_VISIBLE_DEVICES, if set): `cfg.gpus` of them, every visible one for 0; [] off CUDA."""
+    if dev != "cuda":
+        return []
+    import torch
+
+    visible = [x.strip() for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
+    count = torch.cuda.device_count()
+    names = visible[:count] if visible else [str(i) for i in range(count)]
+    if cfg.gpus > len(names):
+        from dflash_offline.config import ConfigError
+
+        raise ConfigError(f"testbed.gpus={cfg.gpus}: this machine shows {len(names)} GPU(s) (CUDA_VISIBLE_DEVICES="
+                          f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); give at most {len(names)}, or 0 for all")
+    return names[: cfg.gpus or len(names)]
+
+
+def default_parallel(device, gpus: int = 1) -> int:
+    """Drafter jobs at once on this machine: `GPU_JOBS` per GPU of the `gpus` the trainings are spread over, fewer where
+    CPUs (two per job) or GPU memory (`JOB_GB` per job on each) are short. Processes on one GPU take turns on it (time slices), they do not run side by side, and the
     turns cost: on an H200 (commit 7fd43ec) two drafters training at once ran at ≈ 30K context tok/s each (60K together,
     one alone ≈ 150K; 8 at once: 7.5K each), while one job at a time took ≈ 100 s per drafter from start to its
     evaluation (train, export, replayed evaluation). The arms' cache extraction and the untrained evaluation still run
@@ -401,5 +431,5 @@ def default_parallel(device) -> int:
         return 1
     import torch
 
-    return max(1, min(GPU_JOBS, (os.cpu_count() or 2) // 2,
-                      int(torch.cuda.get_device_properties(device).total_memory / 2**30 // JOB_GB)))
+    return max(1, min(GPU_JOBS * gpus, (os.cpu_count() or 2) // 2,
+                      gpus * int(torch.cuda.get_device_properties(device).total_memory / 2**30 // JOB_GB)))

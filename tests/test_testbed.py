@@ -1429,3 +1429,42 @@ def test_a_rerun_that_finds_the_testbeds_drafter_evaluated_records_its_seconds_n
     phases.testbed(cfg, p, "cpu", None, [first])
     ph = runs.read_state(p)["phases"]
     assert calls == ["a/seed0"] and ph["train"]["seconds"] == 12.5 and ph["eval"]["seconds"] == 3.25
+
+
+def test_trainings_spread_over_the_gpus_one_at_a_time_on_each(tmp_path, monkeypatch):
+    """--gpus: each training takes a free GPU (its worker started with CUDA_VISIBLE_DEVICES naming it alone, within
+    the testbed's own CUDA_VISIBLE_DEVICES), two GPUs train at once, and no GPU ever trains two."""
+    import time
+
+    _fake_stages(monkeypatch, {})
+    fake, seen = scheduler.train_export, []
+
+    def train_export(cfg, run, cache, seed, settings, env, log_dir):
+        t0 = time.time()
+        time.sleep(0.4)
+        seen.append((env.get("CUDA_VISIBLE_DEVICES"), t0, time.time()))
+        return fake(cfg, run, cache, seed, settings, env, log_dir)
+
+    monkeypatch.setattr(scheduler, "train_export", train_export)
+    monkeypatch.setattr(scheduler, "gpu_ids", lambda cfg, dev: ["5", "7"])  # (CUDA_VISIBLE_DEVICES=5,7 here)
+    cfg, p = config.TestbedConfig(dir=str(tmp_path)), Paths(str(tmp_path))
+    jobs = _jobs(p, ["base", "a", "b", "c", "d"])
+    scheduler.run_drafters(cfg, p, "cpu", jobs, 2, jobs[0].run)
+    assert all((j.run / "eval.json").is_file() for j in jobs) and {g for g, _, _ in seen} == {"5", "7"}
+    for g in ("5", "7"):
+        mine = sorted((a, b) for x, a, b in seen if x == g)
+        assert all(end <= start for (_, end), (start, _) in zip(mine, mine[1:], strict=False)), mine
+    assert any(a < d and c < b for (x, a, b) in seen for (y, c, d) in seen if x != y)  # (both GPUs at once)
+    assert [json.loads((j.run / runs.SECONDS_FILE).read_text())["gpu"] for j in jobs[:1]] == ["5"]
+
+
+def test_more_gpus_than_the_machine_shows_are_refused(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert scheduler.gpu_ids(config.TestbedConfig(), "cuda") == ["3", "1"]
+    assert scheduler.gpu_ids(config.TestbedConfig(gpus=1), "cuda") == ["3"]
+    assert scheduler.gpu_ids(config.TestbedConfig(gpus=2), "cpu") == []
+    with pytest.raises(ConfigError, match=r"testbed.gpus=3: this machine shows 2 GPU\(s\)"):
+        scheduler.gpu_ids(config.TestbedConfig(gpus=3), "cuda")
