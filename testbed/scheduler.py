@@ -255,15 +255,15 @@ class Drafters:
         write_json_atomic(j.run / JOB_FILE, job_identity(self.cfg, self.p, j))
         logs = None if self.stream and j.run == self.base else j.run / "logs"
         log(f"{j.arm or '(recipe)'} seed {j.seed}: training on {j.cache.name}" + (f" (logs: {logs})" if logs else ""))
-        gpu = self.gpus.get() if self.spread else None  # (waits for a free one: `parallel` above the GPUs shares)
-        env = self.env if gpu is None else {**self.env, "CUDA_VISIBLE_DEVICES": gpu}
-        if gpu is not None:
-            when["gpu"] = gpu
+        env = self.env
         if j.run == self.leader:
             (j.run / "status-rank0.json").unlink(missing_ok=True)  # (a killed run's says it stepped already)
             self.watch_warm_up(j.run)
             env = {**env, **({} if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ else
                              {"TORCHINDUCTOR_COMPILE_THREADS": str(os.cpu_count() or 1)})}
+        gpu = self.gpus.get() if self.spread else None  # (waits for a free one: `parallel` above the GPUs shares)
+        if gpu is not None:  # (given back in the `finally` right below, however the training ends)
+            env, when["gpu"] = {**env, "CUDA_VISIBLE_DEVICES": gpu}, gpu
         try:
             self.times[j.run].update(train_export(self.cfg, j.run, j.cache, j.seed, j.settings, env, logs))
         finally:
