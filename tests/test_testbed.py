@@ -1468,3 +1468,18 @@ def test_more_gpus_than_the_machine_shows_are_refused(monkeypatch):
     assert scheduler.gpu_ids(config.TestbedConfig(gpus=2), "cpu") == []
     with pytest.raises(ConfigError, match=r"testbed.gpus=3: this machine shows 2 GPU\(s\)"):
         scheduler.gpu_ids(config.TestbedConfig(gpus=3), "cuda")
+
+
+def test_failed_trainings_give_their_gpu_back(tmp_path, monkeypatch):
+    """Two trainings failing on two GPUs: each GPU goes back to the others (a lost one would hang the sweep)."""
+    import threading
+
+    _fake_stages(monkeypatch, {"a": ["bad"], "b": ["bad"]})
+    monkeypatch.setattr(scheduler, "gpu_ids", lambda cfg, dev: ["0", "1"])
+    cfg, p = config.TestbedConfig(dir=str(tmp_path)), Paths(str(tmp_path))
+    jobs = _jobs(p, ["base", "a", "b", "c"])
+    th = threading.Thread(target=scheduler.run_drafters, args=(cfg, p, "cpu", jobs, 2, jobs[0].run), daemon=True)
+    th.start()
+    th.join(30)
+    assert not th.is_alive(), "the sweep hangs: a failed training kept its GPU"
+    assert (p.run("c", 0) / "eval.json").is_file()
