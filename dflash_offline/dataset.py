@@ -200,6 +200,23 @@ def resident_bytes(info: CacheInfo) -> int:
     return info.num_rows * S * (per_token + 3 * 8 + 1)
 
 
+HOLD_CHUNK_BYTES = 64 << 20  # a resident read's host buffer, per thread (whole rows; at least one)
+HOLD_THREADS = 8  # a resident read's threads at most (one shard each; no more than the CPUs nor the shards)
+
+
+def row_bytes(info: CacheInfo) -> int:
+    """Bytes one row of the layers read takes in the cache's stored encoding (hidden states only)."""
+    enc, S, k = ENCODINGS[info.quant], info.seq_len, len(info.layer_ids)
+    return S * k * sum(width(info.width) * dtype.itemsize for dtype, width in enc.tensors.values())
+
+
+def hold_threads(shards: int) -> int:
+    """Threads a resident read uses for `shards` shards with rows: HOLD_THREADS, the CPUs this process may run on and
+    the shards, whichever is fewest (at least one)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(HOLD_THREADS, cpus, shards))
+
+
 def stored_buffers(info: CacheInfo, rows: int, **where) -> dict[str, torch.Tensor]:
     """One empty tensor per tensor the encoding stores for a layer, [rows, S, k, width] each (bf16: `hidden`
     [rows, S, k, H]), for the layers read; `where`: torch.empty's device / pin_memory."""
@@ -388,7 +405,7 @@ class HiddenStream:
         if resident and _KEPT["key"] == self._kept_key():  # the last stream's rows (`keep_resident_rows`)
             self._held, self._first_row = _KEPT["held"], _KEPT["first"]
         self.rows_kept = self._held is not None  # resident: the rows were held already, none is read again
-        self.held_read: dict | None = None  # resident: the read onto the device (bytes, seconds, alloc_s, copy_s)
+        self.held_read: dict | None = None  # resident: the read onto the device (bytes, seconds, alloc_s, copy_s, threads)
 
     # -- iteration --
 
@@ -504,8 +521,9 @@ class HiddenStream:
                 host[name] = host[name].pin_memory()
         return host
 
-    def _read_hidden_rows(self, shard: int, picks: list[tuple[int, int]], host: dict) -> None:
-        f = self._hidden_file(shard)
+    def _read_hidden_rows(self, shard: int, picks: list[tuple[int, int]], host: dict,
+                          f: HiddenShardFile | None = None) -> None:
+        f = f or self._hidden_file(shard)
         for j, lid in enumerate(self.info.layer_ids):
             for dst in ENCODINGS[self.info.quant].tensors:
                 for row, slot in picks:
@@ -534,19 +552,23 @@ class HiddenStream:
     def _token_arrays(self, shard: int) -> dict:
         tokens = self._caches()[1]
         if shard not in tokens:
-            path = self.info.tokens_dir / token_shard_name(shard)
-            redo = (f"it is not the token shard the hidden states were computed from; restore the token cache "
-                    f"{self.info.tokens_dir} (rebuild it with the recipe and corpus it was made from)")
-            arrays = read_token_shard(path, sha256=self.info.tokens_sha256[shard], redo=redo)
-            meta, rows = arrays["metadata"], arrays["input_ids"].shape[0]
-            if (meta.get("key"), meta.get("shard"), rows) != (self.info.tokens_key, str(shard),
-                                                               self.info.shard_rows[shard]):
-                raise ShardError(f"{path}: not token shard {shard} of the cache's token cache "
-                                 f"{self.info.tokens_key[:12]} with {self.info.shard_rows[shard]} rows")
-            tokens[shard] = arrays
+            tokens[shard] = self._read_token_arrays(shard)
             while len(tokens) > 2:
                 tokens.popitem(last=False)
         return tokens[shard]
+
+    def _read_token_arrays(self, shard: int) -> dict:
+        """Token shard `shard`, read whole and checked (its SHA-256, key, shard and rows)."""
+        path = self.info.tokens_dir / token_shard_name(shard)
+        redo = (f"it is not the token shard the hidden states were computed from; restore the token cache "
+                f"{self.info.tokens_dir} (rebuild it with the recipe and corpus it was made from)")
+        arrays = read_token_shard(path, sha256=self.info.tokens_sha256[shard], redo=redo)
+        meta, rows = arrays["metadata"], arrays["input_ids"].shape[0]
+        if (meta.get("key"), meta.get("shard"), rows) != (self.info.tokens_key, str(shard),
+                                                           self.info.shard_rows[shard]):
+            raise ShardError(f"{path}: not token shard {shard} of the cache's token cache "
+                             f"{self.info.tokens_key[:12]} with {self.info.shard_rows[shard]} rows")
+        return arrays
 
     # -- resident: the whole cache on the device, read once --
     # (in a process that asks for it, `keep_resident_rows`, read once for every stream of that process on that cache)
@@ -566,14 +588,15 @@ class HiddenStream:
         picked = {name: t.index_select(0, idx) for name, t in self._held.items()}
         return self._to_device(picked, non_blocking=False)
 
-    def _hold(self, chunk_rows: int = 8) -> dict[str, torch.Tensor]:
+    def _hold(self) -> dict[str, torch.Tensor]:
         """Every row of the cache (the layers read, in their stored encoding; the token rows, as `_to_device` makes
-        them) read once — each row checked against its digest as a streamed read is — into tensors on the device,
-        `chunk_rows` rows at a time through one host buffer."""
+        them) read once — each row checked against its digest as a streamed read is — into tensors on the device:
+        a shard a thread, `hold_threads` at once, each through a host buffer of its own of ≈ HOLD_CHUNK_BYTES (the
+        reads and digests release the GIL: one thread read 0.1–0.7 GB/s on an H100 host beside an evaluation)."""
         info = self.info
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # (the work queued before is not this read's)
-        t0, copying = time.perf_counter(), 0.0
+        t0 = time.perf_counter()
         release_kept_rows()  # (another cache's, given back before these are read)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -581,32 +604,42 @@ class HiddenStream:
                 raise ValueError(f"{info.cache_dir}: holding the cache on {self.device} takes "
                                  f"{resident_bytes(info) / 1e9:.1f} GB, more than half of its {free / 1e9:.1f} GB "
                                  f"free: stream it (resident off)")
-        held, host = stored_buffers(info, info.num_rows, device=self.device), stored_buffers(info, chunk_rows)
-        tokens = {name: [] for name in TOKEN_KEYS}
+        held = stored_buffers(info, info.num_rows, device=self.device)
         first = np.concatenate([[0], np.cumsum(np.asarray(info.shard_rows, dtype=np.int64))])
         allocating = time.perf_counter() - t0  # (freeing kept rows, the free-memory check, the device's buffers)
-        for shard, rows in enumerate(info.shard_rows):
-            for a in range(0, rows, chunk_rows):
-                n = min(chunk_rows, rows - a)
-                self._read_hidden_rows(shard, [(a + i, i) for i in range(n)], host)
-                t1 = time.perf_counter()
-                for name, t in host.items():  # (a blocking copy_: the stream synchronized before it returns)
-                    held[name][first[shard] + a:first[shard] + a + n].copy_(t[:n])
-                copying += time.perf_counter() - t1
-            arrays = self._token_arrays(shard)
-            for name in TOKEN_KEYS:
-                tokens[name].append(np.asarray(arrays[name]))
-        files, token_arrays = self._caches()
-        while files:
-            files.popitem()[1].close()
-        token_arrays.clear()
+        chunk = max(1, min(max(info.shard_rows, default=1), HOLD_CHUNK_BYTES // max(1, row_bytes(info))))
+        copying = [0.0] * len(info.shard_rows)
+
+        def one_shard(shard: int) -> dict:
+            rows, host = info.shard_rows[shard], stored_buffers(info, chunk)
+            f = open_shard(info, shard)
+            try:
+                for a in range(0, rows, chunk):
+                    n = min(chunk, rows - a)
+                    self._read_hidden_rows(shard, [(a + i, i) for i in range(n)], host, f)
+                    t1 = time.perf_counter()
+                    for name, t in host.items():  # (a blocking copy_: the stream synchronized before it returns)
+                        held[name][first[shard] + a:first[shard] + a + n].copy_(t[:n])
+                    copying[shard] += time.perf_counter() - t1
+            finally:
+                f.close()
+            return self._read_token_arrays(shard)
+
+        threads = hold_threads(sum(1 for r in info.shard_rows if r))
+        with ThreadPoolExecutor(threads, thread_name_prefix="hold") as pool:
+            futures = [pool.submit(one_shard, shard) for shard in range(len(info.shard_rows))]
+            try:
+                arrays = [fut.result() for fut in futures]
+            except BaseException:
+                for fut in futures:  # (the first failure in shard order stops the reads not begun)
+                    fut.cancel()
+                raise
         t1 = time.perf_counter()
         for name in TOKEN_KEYS:
-            t = torch.from_numpy(np.concatenate(tokens[name]))
+            t = torch.from_numpy(np.concatenate([np.asarray(a[name]) for a in arrays]))
             held[name] = (t.bool() if name == "loss_mask" else t.long()).to(self.device)
-        copying += time.perf_counter() - t1
         self.held_read = {"bytes": resident_bytes(info), "seconds": time.perf_counter() - t0, "alloc_s": allocating,
-                          "copy_s": copying}
+                          "copy_s": sum(copying) / threads + time.perf_counter() - t1, "threads": threads}
         self._first_row = first
         if _KEPT["on"]:
             _KEPT.update(key=self._kept_key(), held=held, first=first)

@@ -291,7 +291,8 @@ class Trainer:
         read = r["seconds"] - r["alloc_s"] - r["copy_s"]
         log(f"[rank {self.acc.process_index}] the cache read onto {self.acc.device}: {r['bytes'] / 1e9:.2f} GB in "
             f"{r['seconds']:.1f}s ({r['bytes'] / 1e9 / max(r['seconds'], 1e-9):.2f} GB/s; allocating "
-            f"{r['alloc_s']:.1f}s, the files read and checked {read:.1f}s, copied {r['copy_s']:.1f}s)")
+            f"{r['alloc_s']:.1f}s, the files read and checked {read:.1f}s, copied {r['copy_s']:.1f}s; "
+            f"{r.get('threads', 1)} thread(s))")
 
     def _warm_mark(self, part: str) -> None:
         """In the warm-up step only (compiling): the seconds since the last mark, the device's work done, as `part`

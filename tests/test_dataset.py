@@ -504,6 +504,47 @@ def test_kept_resident_rows_serve_the_next_stream_on_the_same_cache_without_read
         ds.keep_resident_rows(False)
 
 
+def test_a_resident_read_spreads_its_shards_over_threads_and_holds_what_one_thread_holds(bf16_cache, monkeypatch):
+    """The resident read takes a shard a thread (`hold_threads` of them), each through its own buffer of whole rows:
+    the same batches as one thread reading one row at a time, its rows read on several threads, each once."""
+    def held(threads, chunk_bytes):
+        monkeypatch.setattr(ds, "hold_threads", lambda shards: min(threads, shards))
+        monkeypatch.setattr(ds, "HOLD_CHUNK_BYTES", chunk_bytes)
+        reads.clear()
+        s = stream(bf16_cache, 2, seed=4, resident=True)
+        got = take(s, 16)  # (15 batches an epoch)
+        assert s.held_read["threads"] == min(threads, len(ROWS))
+        return got, {name for name, *_ in reads}, [tuple(r) for _, *r in reads]
+
+    reads = []
+    real = ds.HiddenShardFile.read_row
+    monkeypatch.setattr(ds.HiddenShardFile, "read_row",
+                        lambda f, *a: reads.append((threading.current_thread().name, f.path.name, *a[:2]))
+                        or real(f, *a))
+    one_row = ds.row_bytes(stream(bf16_cache, 2).info)
+    alone, names1, rows1 = held(1, 1)  # (one row a read: a chunk is at least a row)
+    spread, names3, rows3 = held(3, 2 * one_row + 1)  # (two rows a read: shards of 7, 5 … rows end mid-chunk)
+    assert len(names1) == 1 and len(names3) == 3
+    assert sorted(rows1) == sorted(rows3) and len(rows3) == len(set(rows3)) == len(LAYERS) * sum(ROWS)
+    for a, b in zip(alone, spread, strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_damaged_shard_stops_the_resident_reads_not_begun(tmp_path, monkeypatch):
+    cache = fake_cache.make_fake_cache(tmp_path / "c", 4, 3, S, H, LAYERS, "bf16", seed=1)
+    path = cache / hidden_shard_name(0)
+    flip_byte(path, data_offset(path, "hidden.L0", row=1) + 3)
+    s = stream(cache, 2, resident=True)  # (its start-up opens every shard to check its header)
+    opened, real, read = [], ds.open_shard, ds.HiddenShardFile.read_row
+    monkeypatch.setattr(ds, "open_shard", lambda info, shard: opened.append(shard) or real(info, shard))
+    monkeypatch.setattr(ds.HiddenShardFile, "read_row",  # (a shard after the damaged one takes a while)
+                        lambda f, *a: time.sleep(0.05 * (f.path.name != path.name)) or read(f, *a))
+    monkeypatch.setattr(ds, "hold_threads", lambda shards: 1)
+    with pytest.raises(ShardError, match=r"hidden-00000.safetensors has row 1 of hidden.L0 .*SHARD=0"):
+        next(s)
+    assert opened in ([0], [0, 1])  # (the thread may have begun shard 1; shards 2 and 3 were never opened)
+
+
 def test_a_resident_stream_refuses_a_damaged_row_when_it_reads_the_cache(tmp_path):
     cache = fake_cache.make_fake_cache(tmp_path / "c", 3, 4, S, H, LAYERS, "bf16", seed=1)
     path = cache / hidden_shard_name(1)
