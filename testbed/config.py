@@ -70,6 +70,7 @@ class TestbedConfig:
     parallel: int = 0  # A/B: drafter jobs at once; 0 = one per GPU of --gpus (on one GPU, processes take turns: two at once were slower)
     gpus: int = 0  # A/B: GPUs the drafters' trainings are spread over, each training on a free one (its worker sees only it); 0 = every visible GPU
     overlap_eval: bool = True  # a drafter's evaluation (another process) runs beside the next drafter's training, not before it (still `parallel` trainings at once; 0 = one after the other)
+    eval_queue: int = 1  # bench switch, with overlap_eval: evaluations pending (running or waiting) per training slot that a training may start beside (1: an arm's first's evaluation holds back the training after its repeat's; 2: the repeat's evaluation waits instead)
     label: str = ""  # A/B: result name (DIR/ab/<label>.json: letters, digits, . _ + -); empty = sweep name or 'ab'
     replay: bool = True  # A/B: τ replayed on the target's greedy outputs (one target forward per prompt, not one or two per step: the same steps); each arm's first drafter also decodes check_prompts for real
     eval_worker: bool = True  # every evaluation of an invocation in one long-lived process (start-up and the target's loading paid once); 0 = a process each
@@ -105,6 +106,9 @@ class TestbedConfig:
                               f"only, 100 at most (e.g. --label=fp8)")
         if self.gpus < 0:
             raise ConfigError(f"testbed.gpus must be >= 0 (0 = every visible GPU), got {self.gpus}")
+        if self.eval_queue < 1:
+            raise ConfigError(f"testbed.eval_queue must be >= 1 (evaluations a training may start beside), got "
+                              f"{self.eval_queue}")
         if self.resident and not self.train_worker:
             raise ConfigError("testbed.resident is a switch of the training worker: keep train_worker=1 with it")
         return self

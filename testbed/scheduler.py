@@ -242,8 +242,8 @@ class Drafters:
                 pass
             self.warm.set()  # (after a time-out, the others do not wait again)
             self.times[j.run]["wait_warm"] = time.perf_counter() - t0
-        if self.eval_pool is not None:  # (one evaluation at most beside each training: no queue builds up)
-            self.settle(self.parallel)
+        if self.eval_pool is not None:  # (`eval_queue` evaluations at most beside each training: no queue builds up)
+            self.settle(self.parallel * max(1, self.cfg.eval_queue))
         if self.failed.is_set():
             raise RuntimeError("not started: the base drafter or the untrained evaluation failed")
         self.defer(j)

@@ -423,7 +423,7 @@ def test_a_drafter_trained_in_the_training_worker_equals_its_twin_trained_in_a_p
             (tmp_path / "worker" / f"{name}.log").read_text()]
     assert held == ["third"], held
     read = {name: len(re.findall(r"the cache read onto cpu: [\d.]+ GB in [\d.]+s \([\d.]+ GB/s; allocating [\d.]+s, "
-                                 r"the files read and checked [\d.]+s, copied [\d.]+s\)",
+                                 r"the files read and checked [\d.]+s, copied [\d.]+s; \d+ thread\(s\)\)",
                                  (tmp_path / "worker" / f"{name}.log").read_text())) for name in drafters}
     assert read == {"first": 0, "second": 1, "third": 0}, read  # (the first streams; the third reads nothing)
     kept = [re.findall(r"\[worker\] the last training's (\d+) compiled graphs kept",
@@ -1339,8 +1339,43 @@ def test_overlap_eval_trains_the_next_drafter_while_one_is_evaluated_and_never_t
     assert [w["repeat"] for w in when] == [False, True, True]  # (same settings and cache: its graphs were loaded)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_overlapped_evaluations_end_within_stop_after_s(tmp_path, monkeypatch, overlap):
+@pytest.mark.parametrize("queue", [1, 2])
+def test_eval_queue_lets_a_training_start_beside_that_many_pending_evaluations(tmp_path, monkeypatch, queue):
+    """--eval_queue=2: an arm's first's evaluation (slower than a repeat's training) no longer holds back the training
+    after its repeat's — the repeat's evaluation waits behind it instead; 1: the next training waits for it. Still
+    one training at a time and at most `queue` evaluations pending when one starts (the timelines recorded)."""
+    import threading
+    import time
+
+    _fake_stages(monkeypatch, {})
+    fake_train, fake_eval, lock = scheduler.train_export, scheduler.evaluate, threading.Lock()
+
+    def train_export(*a, **k):
+        time.sleep(0.3)
+        return fake_train(*a, **k)
+
+    def evaluate(cfg, p, run, dev, untrained, *a, **k):
+        with lock:  # (one evaluation at a time, as in the evaluation worker)
+            time.sleep(0.05 if untrained else 1.0)
+            return fake_eval(cfg, p, run, dev, untrained, *a, **k)
+
+    monkeypatch.setattr(scheduler, "train_export", train_export)
+    monkeypatch.setattr(scheduler, "evaluate", evaluate)
+    cfg, p = config.TestbedConfig(dir=str(tmp_path), eval_queue=queue), Paths(str(tmp_path))
+    jobs = _jobs(p, ["base", "a", "b", "c"])
+    scheduler.run_drafters(cfg, p, "cpu", jobs, 1, jobs[0].run)
+    when = [json.loads((j.run / runs.SECONDS_FILE).read_text()) for j in jobs]
+    trains = sorted((w["train_start"], w["train_end"]) for w in when)
+    assert all(end <= start for (_, end), (start, _) in zip(trains, trains[1:], strict=False)), trains
+    for i, w in enumerate(when):
+        pending = sum(v["train_end"] <= w["train_start"] < v["eval_end"] for v in when[:i])
+        assert pending <= queue, (i, pending)
+    # the third training (b) starts before the first drafter's evaluation has ended only with a queue of 2
+    assert (when[2]["train_start"] < when[0]["eval_end"]) is (queue == 2)
+
+
+@pytest.mark.parametrize("overlap,queue", [(False, 1), (True, 1), (True, 2)])
+def test_overlapped_evaluations_end_within_stop_after_s(tmp_path, monkeypatch, overlap, queue):
     """Evaluations slower than trainings (the known-bad arm's: 6 s of training, 33 s of evaluation) must not queue
     past --stop_after_s: a training waits while an evaluation is still pending beside it, and a drafter about to be
     deferred waits for the pending evaluations to know what they take, then starts if it fits."""
@@ -1363,7 +1398,8 @@ def test_overlapped_evaluations_end_within_stop_after_s(tmp_path, monkeypatch, o
     monkeypatch.setattr(scheduler, "evaluate", evaluate)
     monkeypatch.setattr(scheduler, "FIRST_DRAFTER_S", 1.2)
     monkeypatch.setattr(scheduler, "STARTED", time.monotonic())
-    cfg, p = config.TestbedConfig(dir=str(tmp_path), overlap_eval=overlap, stop_after_s=4.0), Paths(str(tmp_path))
+    cfg = config.TestbedConfig(dir=str(tmp_path), overlap_eval=overlap, eval_queue=queue, stop_after_s=4.0)
+    p = Paths(str(tmp_path))
     jobs = _jobs(p, ["base"] + [f"r{i}" for i in range(8)])
     times = scheduler.run_drafters(cfg, p, "cpu", jobs, 1, jobs[0].run)
     done = [j for j in jobs if (j.run / "eval.json").is_file()]
