@@ -37,7 +37,7 @@ import os
 import threading
 import time
 from collections import OrderedDict, deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -591,8 +591,10 @@ class HiddenStream:
     def _hold(self) -> dict[str, torch.Tensor]:
         """Every row of the cache (the layers read, in their stored encoding; the token rows, as `_to_device` makes
         them) read once — each row checked against its digest as a streamed read is — into tensors on the device:
-        a shard a thread, `hold_threads` at once, each through a host buffer of its own of ≈ HOLD_CHUNK_BYTES (the
-        reads and digests release the GIL: one thread read 0.1–0.7 GB/s on an H100 host beside an evaluation)."""
+        a shard a thread, `hold_threads` at once, each through a host buffer of its own of ≈ HOLD_CHUNK_BYTES (whole
+        rows, at least one; the reads and digests release the GIL: one thread read 0.1–0.7 GB/s on an H100 host
+        beside an evaluation). The first failure, or an interrupt, stops every thread before its next chunk and drops
+        the shards not begun."""
         info = self.info
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # (the work queued before is not this read's)
@@ -610,11 +612,15 @@ class HiddenStream:
         chunk = max(1, min(max(info.shard_rows, default=1), HOLD_CHUNK_BYTES // max(1, row_bytes(info))))
         copying = [0.0] * len(info.shard_rows)
 
-        def one_shard(shard: int) -> dict:
+        stop = threading.Event()  # (the first failure, or an interrupt: every thread stops before its next chunk)
+
+        def one_shard(shard: int) -> dict | None:
             rows, host = info.shard_rows[shard], stored_buffers(info, chunk)
             f = open_shard(info, shard)
             try:
                 for a in range(0, rows, chunk):
+                    if stop.is_set():
+                        return None
                     n = min(chunk, rows - a)
                     self._read_hidden_rows(shard, [(a + i, i) for i in range(n)], host, f)
                     t1 = time.perf_counter()
@@ -626,14 +632,20 @@ class HiddenStream:
             return self._read_token_arrays(shard)
 
         threads = hold_threads(sum(1 for r in info.shard_rows if r))
-        with ThreadPoolExecutor(threads, thread_name_prefix="hold") as pool:
-            futures = [pool.submit(one_shard, shard) for shard in range(len(info.shard_rows))]
-            try:
-                arrays = [fut.result() for fut in futures]
-            except BaseException:
-                for fut in futures:  # (the first failure in shard order stops the reads not begun)
-                    fut.cancel()
-                raise
+        pool = ThreadPoolExecutor(threads, thread_name_prefix="hold")
+        futures = [pool.submit(one_shard, shard) for shard in range(len(info.shard_rows))]
+        try:
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            failed = next((f.exception() for f in futures if f in done and f.exception() is not None), None)
+            if failed is not None:
+                raise failed
+            arrays = [f.result() for f in futures]
+        except BaseException:
+            stop.set()
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)  # (the reads not begun dropped, the others stop at a chunk)
+            futures = done = failed = None  # (a failure's traceback would otherwise hold `held` until a gc pass)
         t1 = time.perf_counter()
         for name in TOKEN_KEYS:
             t = torch.from_numpy(np.concatenate([np.asarray(a[name]) for a in arrays]))

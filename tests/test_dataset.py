@@ -510,17 +510,25 @@ def test_a_resident_read_spreads_its_shards_over_threads_and_holds_what_one_thre
     def held(threads, chunk_bytes):
         monkeypatch.setattr(ds, "hold_threads", lambda shards: min(threads, shards))
         monkeypatch.setattr(ds, "HOLD_CHUNK_BYTES", chunk_bytes)
+        meet[0] = threading.Barrier(threads, timeout=20)  # (each thread's first read waits for the others': all busy)
         reads.clear()
         s = stream(bf16_cache, 2, seed=4, resident=True)
         got = take(s, 16)  # (15 batches an epoch)
         assert s.held_read["threads"] == min(threads, len(ROWS))
-        return got, {name for name, *_ in reads}, [tuple(r) for _, *r in reads]
+        return got, {name for name, *_ in reads}, [tuple(r) for _, *r in reads if r[0] is not None]
 
-    reads = []
+    reads, meet = [], [None]
     real = ds.HiddenShardFile.read_row
-    monkeypatch.setattr(ds.HiddenShardFile, "read_row",
-                        lambda f, *a: reads.append((threading.current_thread().name, f.path.name, *a[:2]))
-                        or real(f, *a))
+
+    def read_row(f, *a):
+        name = threading.current_thread().name
+        if name not in {r[0] for r in reads}:
+            reads.append((name, None, None, None))
+            meet[0].wait()
+        reads.append((name, f.path.name, *a[:2]))
+        return real(f, *a)
+
+    monkeypatch.setattr(ds.HiddenShardFile, "read_row", read_row)
     one_row = ds.row_bytes(stream(bf16_cache, 2).info)
     alone, names1, rows1 = held(1, 1)  # (one row a read: a chunk is at least a row)
     spread, names3, rows3 = held(3, 2 * one_row + 1)  # (two rows a read: shards of 7, 5 … rows end mid-chunk)
@@ -543,6 +551,31 @@ def test_a_damaged_shard_stops_the_resident_reads_not_begun(tmp_path, monkeypatc
     with pytest.raises(ShardError, match=r"hidden-00000.safetensors has row 1 of hidden.L0 .*SHARD=0"):
         next(s)
     assert opened in ([0], [0, 1])  # (the thread may have begun shard 1; shards 2 and 3 were never opened)
+
+
+def test_a_damaged_shard_stops_the_resident_reads_of_the_other_threads(tmp_path, monkeypatch):
+    """A shard failing while another thread still reads an earlier one: the error comes at once (not after the earlier
+    shard), the other threads stop before their next chunk and the shards not begun are never opened."""
+    cache = fake_cache.make_fake_cache(tmp_path / "c", 6, 4, S, H, LAYERS, "bf16", seed=1)
+    path = cache / hidden_shard_name(1)
+    flip_byte(path, data_offset(path, "hidden.L0", row=0) + 3)
+    s = stream(cache, 2, resident=True)
+    opened, reads, real, read = [], [], ds.open_shard, ds.HiddenShardFile.read_row
+    monkeypatch.setattr(ds, "open_shard", lambda info, shard: opened.append(shard) or real(info, shard))
+
+    def slow_read(f, *a):  # (every shard but the damaged one takes a while: 0.1 s a row and layer)
+        reads.append(f.path.name)
+        time.sleep(0.1 * (f.path.name != path.name))
+        return read(f, *a)
+
+    monkeypatch.setattr(ds.HiddenShardFile, "read_row", slow_read)
+    monkeypatch.setattr(ds, "hold_threads", lambda shards: 2)
+    monkeypatch.setattr(ds, "HOLD_CHUNK_BYTES", 1)  # (a row a chunk)
+    t0 = time.perf_counter()
+    with pytest.raises(ShardError, match=r"hidden-00001.safetensors has row 0 of hidden.L0"):
+        next(s)
+    assert time.perf_counter() - t0 < 0.1 * len(LAYERS) * 4  # (shard 0 alone takes 1.2 s)
+    assert reads.count(hidden_shard_name(0)) < len(LAYERS) * 4 and set(opened) <= {0, 1, 2}, (reads, opened)
 
 
 def test_a_resident_stream_refuses_a_damaged_row_when_it_reads_the_cache(tmp_path):
