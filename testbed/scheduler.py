@@ -1,6 +1,6 @@
 """The drafters' scheduler (`run_drafters`): `--parallel` jobs at a time, in the order given, beside the untrained
 drafter's evaluation and the arms' cache extraction, each job's evaluation beside the next one's training
-(`overlap_eval`: one evaluation at most beside a training); the first job compiles alone and opens the gate for the others
+(`overlap_eval`: `eval_queue` evaluations at most pending when a training starts); the first job compiles alone and opens the gate for the others
 after its first step; a job out of GPU memory is tried again after the others. A job's training and evaluation run in
 other processes, the stage CLIs (`testbed.commands`: in long-lived workers, one per training at once, or a process
 each), its export in this one; a pool thread per job only waits on them and shares the events the jobs wait for (the
@@ -121,6 +121,8 @@ class Drafters:
         """Raise `Deferred` when `j` (`expected_s`) would end past the deadline; the base run's deferral also stops
         the untrained evaluation and, while the target-alone decodes it makes do not exist, every later drafter."""
         expect = self.expected_s(j)
+        if self.eval_pool is not None and self.cfg.eval_queue > 1:  # (its evaluation waits behind the pending ones)
+            expect = max(expect, (self.pending() + 1) * self.longest_eval_s())
         if self.deadline is not None and time.monotonic() + expect > self.deadline and self.pending():
             self.settle(0)  # (what the evaluations still running take, and their seconds, are known after them)
             expect = self.expected_s(j)
@@ -150,6 +152,12 @@ class Drafters:
             raise
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+
+    def longest_eval_s(self) -> float:
+        """The longest evaluation of this invocation (before one ended, the longest drafter, or `FIRST_DRAFTER_S`):
+        with `eval_queue` above 1 a job's evaluation may wait behind every pending one (they run one at a time)."""
+        evals = [t["eval"] for t in list(self.times.values()) if "eval" in t and "reused" not in t]
+        return max(evals, default=max((s for _, s, _ in self.took), default=FIRST_DRAFTER_S))
 
     def pending(self) -> int:
         """Evaluations submitted (`overlap_eval`) and not ended."""
@@ -249,6 +257,8 @@ class Drafters:
         self.defer(j)
         if self.precompile is not None and (waited := self.precompile.before(j.run)) >= 1:
             self.times[j.run]["wait_precompile"] = waited
+        if self.aborted.is_set():  # (interrupted while this job waited: for evaluations, the gate, its graphs)
+            raise RuntimeError("not started: the drafters were interrupted")
         t_job, repeat = time.monotonic(), graph_key(j) in self.trained
         when = {"train_start": time.time()}  # (the timeline, RUN/testbed-seconds.json: what overlapped what)
         j.run.mkdir(parents=True, exist_ok=True)
