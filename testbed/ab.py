@@ -5,6 +5,7 @@ steps) run right after the first arm, in that order, then the other arms (`ab`).
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 from dflash_offline.config import ConfigError, as_dict
@@ -78,22 +79,49 @@ def refuse_repeats(arms: list[str]) -> None:
                           f"--seeds (SEEDS=) and read its spread")
 
 
+def arm_seeds(cfg: TestbedConfig, arm: str, null: bool = False) -> list[int]:
+    """The `cfg.seeds` seeds `arm` trains under: the recipe ('') the first seed and the next ones (its first is the
+    testbed's own drafter); any other arm, and the null arm (`null`: `arm` again under other seeds), seeds of its own
+    drawn from its settings (in any order) and the seed's index, so that more --seeds, another sweep or --summarize
+    with other arms keep the drafters done. Arms that shared seeds shared their training noise (the same initial
+    weights and batch order): in 7 of 11 sweeps every arm's seed 0 − seed 1 had the same sign. The seeds' variance,
+    pooled over the arms as if each arm's were its own, then held little more than one arm's worth of information,
+    and the null arm (the only one on other seeds) missed 0 more often than 1 in 20 (8–16 % in simulation,
+    docs/testbed.md)."""
+    key = ("null " if null else "") + " ".join(sorted(arm.split()))
+    if not key:
+        return [cfg.seed + i for i in range(cfg.seeds)]
+    return [cfg.seed + OWN_SEEDS + int(hashlib.sha256(f"{key}#{i}".encode()).hexdigest()[:8], 16) % (2**31 - OWN_SEEDS)
+            for i in range(cfg.seeds)]
+
+
+OWN_SEEDS = 1 << 20  # an arm's own seeds lie in [first seed + 2^20, first seed + 2^31): above the recipe's
+
+
 def sweep_jobs(cfg: TestbedConfig, p: Paths, arms: list[str], null: str | None, bad: str | None) -> tuple[list, dict]:
     """(the drafters of `arms` × seeds, in the order they run; the arms' own caches {name: [extract] settings}).
-    Every arm is parsed and checked before anything runs. With the checks, the null arm's drafters (the first arm again,
-    under seeds no arm uses: its runs sit beside that arm's) and the known-bad arm's come right after the first arm's."""
+    Every arm is parsed and checked before anything runs, and trains under seeds of its own (`arm_seeds`). With the
+    checks, the null arm's drafters (the first arm again, under its own seeds: its runs sit beside that arm's) and the
+    known-bad arm's come right after the first arm's."""
     parsed = [parse_arm(a) for a in arms]  # every arm checked before anything runs
     refuse_repeats(arms)
     key = lambda ext: " ".join(f"{k}={v}" for k, v in sorted(ext.items()))  # noqa: E731
     caches = {slug(key(ext)): ext for ext, _ in parsed if ext}
-    seeds = range(cfg.seed, cfg.seed + cfg.seeds)
     jobs = [Job(arm, p.run(slug(arm) if arm else "", seed), p.hidden(slug(key(ext))) if ext else p.hidden(), seed,
-                train) for arm, (ext, train) in zip(arms, parsed, strict=True) for seed in seeds]
+                train) for arm, (ext, train) in zip(arms, parsed, strict=True) for seed in arm_seeds(cfg, arm)]
+    if cfg.checks:
+        first = jobs[0]
+        null_jobs = [Job(null, p.run(slug(arms[0]) if arms[0] else "", seed), first.cache, seed, first.settings)
+                     for seed in arm_seeds(cfg, arms[0], null=True)]
+    else:
+        null_jobs = []
+    seen: dict[int, str] = {}
+    for j in jobs + null_jobs:  # (2^31 seeds: two arms drawing one is unheard of, but would pair their noise)
+        if seen.setdefault(j.seed, j.arm or "(recipe)") != (j.arm or "(recipe)"):
+            raise ConfigError(f"testbed: the arms {seen[j.seed]!r} and {j.arm or '(recipe)'!r} drew the same seed "
+                              f"{j.seed}: pass another --seed")
     if not cfg.checks:
         return jobs, caches
-    first = jobs[0]
-    null_jobs = [Job(null, p.run(slug(arms[0]) if arms[0] else "", seed), first.cache, seed, first.settings)
-                 for seed in range(cfg.seed + cfg.seeds, cfg.seed + 2 * cfg.seeds)]
     bad_jobs = [j for j in jobs if j.arm == bad]
     # arm-major, the checks right after the first arm: a sweep stopped early has whole arms and its checks (the
     # first arm's cache meanwhile serves while the other arms' caches are extracted)

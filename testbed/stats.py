@@ -59,7 +59,9 @@ def sample_var(xs: list[float]) -> float:
 def pooled_seed_var(arms: list[list[list[tuple]]]) -> tuple[float, int] | None:
     """One estimate of the variance of a seed's τ from every arm with two seeds or more (each arm's squared deviations
     from its own mean, over Σ (seeds − 1)): training noise, assumed alike across arms (the null arm checks the
-    yardstick that rests on it). None when no arm has two seeds."""
+    yardstick that rests on it) and independent between them — each arm trains under seeds of its own
+    (`ab.arm_seeds`): arms sharing seeds would share their noise, and these pairs would count one difference many
+    times. None when no arm has two seeds."""
     ss = df = 0
     for arm in arms:
         if len(arm) > 1:
@@ -161,8 +163,8 @@ def arm_rows(arms: list[str], results: dict) -> list[dict]:
 def null_remedy(seeds: int) -> str:
     """What to do when the null arm's interval misses 0: a 95 % interval does so in one sweep of 20 by chance (and
     more often when its seeds' variance, estimated from few seeds, came out small); more seeds settle it, and a
-    rerun keeps every drafter done (a run is keyed by its settings and seed, not by the arm it serves: the recipe
-    takes seeds 0…N−1, the null arm N…2N−1)."""
+    rerun keeps every drafter done (a run is keyed by its settings and seed, and an arm's i-th seed does not depend
+    on how many there are: `ab.arm_seeds`)."""
     more = f"--seeds={seeds + 1}" if seeds else "more --seeds"
     return (f" (by chance in one sweep of 20, or the seeds' variance was underestimated: rerun with {more} (SEEDS=); "
             f"in the same --dir every drafter done is kept)")

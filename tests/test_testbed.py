@@ -285,6 +285,35 @@ def test_the_interval_holds_95_percent_of_null_differences_with_the_seeds_varian
     assert outside <= 0.15 * reps
 
 
+def test_every_arm_trains_under_seeds_of_its_own_kept_by_more_seeds_and_other_sweeps(tmp_path):
+    """No two arms (the null and known-bad arms included) share a seed: shared seeds share training noise, which the
+    interval's pooled seed variance takes as independent. The recipe keeps the first seeds (its first is the testbed's
+    own drafter); an arm's seeds follow from its settings, in any order, so that --seeds=3 keeps seeds 0–1's drafters
+    and another sweep (or --summarize with other arms) finds the same arm's runs."""
+    p = Paths(str(tmp_path))
+    arms = ["", "quant=fp8", "precision=fp8 loss_logits=fp8", "steps=150"]
+
+    def seeds(cfg, arms):
+        jobs, _ = testbed_ab.sweep_jobs(cfg, p, list(arms), "(recipe, other seeds)", "steps=150")
+        return {(j.arm, j.seed) for j in jobs}, jobs
+
+    two, jobs = seeds(config.TestbedConfig(seeds=2), arms)
+    by_arm = {}
+    for arm, seed in two:
+        by_arm.setdefault(arm, set()).add(seed)
+    assert len(by_arm) == 5 and all(len(v) == 2 for v in by_arm.values())  # 4 arms and the null arm
+    assert sum(len(v) for v in by_arm.values()) == len(set().union(*by_arm.values())) == 10  # no seed shared
+    assert by_arm[""] == {0, 1} and jobs[0].run == p.run("", 0)
+    assert all(j.run.name == f"seed{j.seed}" for j in jobs)
+    three, _ = seeds(config.TestbedConfig(seeds=3), arms)
+    assert two < three and len(three) == 15
+    other, _ = seeds(config.TestbedConfig(seeds=2), ["", "loss_logits=fp8 precision=fp8", "quant=fp4", "steps=150"])
+    assert {s for a, s in other if a == "loss_logits=fp8 precision=fp8"} == by_arm["precision=fp8 loss_logits=fp8"]
+    assert {s for a, s in other if a == "quant=fp4"}.isdisjoint(set().union(*by_arm.values()))
+    moved, _ = seeds(config.TestbedConfig(seeds=2, seed=5), arms)  # (--seed moves every arm's)
+    assert {s for a, s in moved if a == ""} == {5, 6} and not {s for _, s in moved} & {s for _, s in two}
+
+
 def test_the_checks_follow_the_first_arm(tmp_path):
     cfg = config.TestbedConfig(train_steps=600)
     assert testbed_ab.check_arms(cfg, "") == ("(recipe, other seeds)", "steps=150")
@@ -575,7 +604,12 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     assert json.loads((run / "eval-untrained.json").read_text())["baseline"]["reused"] is True
 
     # A/B: the recipe's arm reuses the base run; an fp8 arm gets its own cache from the same target and corpus; an
-    # arm whose drafter or cache fails is reported (exit 1) and the others are not lost
+    # arm whose drafter or cache fails is reported (exit 1) and the others are not lost; each arm trains under seeds
+    # of its own (the recipe's: the first seed, its base run)
+    own = lambda arm, null=False: testbed_ab.arm_seeds(config.TestbedConfig(seeds=1), arm, null)[0]  # noqa: E731
+    null_run = root / "runs" / "base" / f"seed{own('', null=True)}"
+    fp8_run, bad_run = (root / "runs" / d / f"seed{own(a)}" for d, a in (("quantfp8", "quant=fp8"), ("steps1", "steps=1")))
+    bogus = [f"runs/quantbogus/seed{own('quant=bogus')}", f"runs/weightingbogus/seed{own('weighting=bogus')}"]
     r = _testbed(root, "--arms=;quant=fp8;weighting=bogus;quant=bogus;project_dims=32 quant=fp4", "--seeds=1",
                  "--label=t", "--parallel=2", f"--results={root / 'sweep.json'}")
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
@@ -583,8 +617,8 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     # the checks ride along: the known-bad arm (a quarter of the 6 steps) and the null arm (the recipe under seed 1)
     assert [a["arm"] for a in ab["arms"]] == ["(recipe)", "quant=fp8", "project_dims=32 quant=fp4", "steps=1",
                                               "(recipe, other seeds)"]
-    assert (root / "runs" / "base" / "seed1" / "eval.json").is_file()
-    assert json.loads((root / "runs" / "steps1" / "seed0" / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 1
+    assert (null_run / "eval.json").is_file()
+    assert json.loads((bad_run / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 1
     assert set(ab["judgement"]["checks"]) == {"null", "bad"}
     res = json.loads((root / "sweep.json").read_text())
     assert [a["label"] for a in res["arms"]] == ["(recipe)", "quant=fp8", "project_dims=32 quant=fp4"]
@@ -594,20 +628,21 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     # the projected fp4 cache's drafter, folded at export, decodes losslessly through the served modeling code
     # (τ replayed on the target-alone decodes; each arm's first drafter also decodes 2 of the 3 prompts for real and
     # the replay took the decode's steps there; the null arm's drafters only replay)
-    proj = json.loads((root / "runs" / "project_dims32-quantfp4" / "seed0" / "eval.json").read_text())
+    proj_run = root / "runs" / "project_dims32-quantfp4" / f"seed{own('project_dims=32 quant=fp4')}"
+    proj = json.loads((proj_run / "eval.json").read_text())
     assert proj["lossless"] is True and proj["num_prompts"] == 3 and proj["lossless_prompts"] == 2
     assert proj["tau_from"] == "replay" and proj["replay_check"] == {"prompts": 2, "agree": 2}
-    assert json.loads((root / "runs" / "base" / "seed1" / "eval.json").read_text())["replay_check"]["prompts"] == 0
+    assert json.loads((null_run / "eval.json").read_text())["replay_check"]["prompts"] == 0
     assert res["tau_from"] == "replay" and res["replay_check"] == {"drafters": 3, "prompts": 6, "agree": 6}
     # (the recipe's seed 0 is the testbed's own drafter, reused: all 3 prompts were decoded for real)
     assert [a["decoded_for_real"] for a in res["arms"]] == [3, 2, 2] and res["null_arm"]["decoded_for_real"] == 0
     assert "the replay took the decode's steps on 6/6" in r.stdout
-    assert sorted(ab["failed"]) == ["runs/quantbogus/seed0", "runs/weightingbogus/seed0"]
-    assert "could not be extracted" in ab["failed"]["runs/quantbogus/seed0"]
-    assert "FAILED runs/weightingbogus/seed0" in r.stdout
+    assert sorted(ab["failed"]) == bogus
+    assert "could not be extracted" in ab["failed"][bogus[0]]
+    assert f"FAILED {bogus[1]}" in r.stdout
     fp8 = json.loads((root / "cache" / "hidden-quantfp8" / "manifest.json").read_text())
     assert fp8["producer"]["quant"] == "fp8" and runs.cache_complete(root / "cache" / "hidden-quantfp8")
-    assert (root / "runs" / "quantfp8" / "seed0" / "eval.json").is_file()
+    assert (fp8_run / "eval.json").is_file()
     assert "| quant=fp8 |" in r.stdout
 
     # --summarize ranks what was evaluated, running nothing: the sweep's own verdicts; an arm missing a drafter's
@@ -621,7 +656,7 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     for k in ("arms", "null_arm", "bad_arm", "discriminating", "replay_check", "tau_from"):
         assert again[k] == res[k], k
     assert again["device_seconds"] == res["device_seconds"] and again["incomplete"] == {}
-    (root / "runs" / "quantfp8" / "seed0" / "eval.json").unlink()
+    (fp8_run / "eval.json").unlink()
     r = _testbed(root, arms, "--seeds=1", "--label=s", "--summarize=1", f"--results={root / 'summary.json'}")
     again = json.loads((root / "summary.json").read_text())
     assert [a["label"] for a in again["arms"]] == ["(recipe)", "project_dims=32 quant=fp4"]
@@ -632,8 +667,8 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     # --stop_after_s: the drafter that would not end in time is not started (exit 3: a rerun resumes), the rest ranked
     r = _testbed(root, "--arms=;quant=fp8", "--seeds=1", "--label=stop", "--stop_after_s=1")
     assert r.returncode == 3 and "stages.train" not in r.stdout and "a rerun resumes" in r.stdout, r.stdout[-3000:]
-    assert json.loads((root / "ab" / "stop.json").read_text())["deferred"] == ["runs/quantfp8/seed0"]
-    assert not (root / "runs" / "quantfp8" / "seed0" / "eval.json").exists()
+    assert json.loads((root / "ab" / "stop.json").read_text())["deferred"] == [str(fp8_run.relative_to(root))]
+    assert not (fp8_run / "eval.json").exists()
 
 
 def _fake_stages(monkeypatch, fail: dict):
@@ -1442,6 +1477,51 @@ def test_an_interrupted_sweep_does_not_wait_for_evaluations_not_started(tmp_path
         signal.signal(signal.SIGINT, before)
     assert "d/seed0" not in calls and not {"c", "d"} & set(evaluated)
     assert not (p.run("b", 0) / "eval.json").is_file() or evaluated.count("b") == 1
+
+
+@pytest.mark.parametrize("queue", [1, 2])
+def test_a_drafter_waiting_for_an_evaluation_when_interrupted_does_not_start(tmp_path, monkeypatch, queue):
+    """Ctrl-C while the next drafter waits for the evaluations beside it (slower than the trainings): it does not
+    start training once they end — nothing trains after the interrupt."""
+    import signal
+    import threading
+    import time
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # (as from a shell: an xdist worker ignores it)
+    _fake_stages(monkeypatch, {})
+    fake_train, fake_eval, lock, started = scheduler.train_export, scheduler.evaluate, threading.Lock(), []
+
+    def train_export(cfg, run, *a, **k):
+        started.append((time.monotonic(), run.parent.name))
+        time.sleep(0.1)
+        return fake_train(cfg, run, *a, **k)
+
+    def evaluate(cfg, p, run, dev, untrained, *a, **k):
+        with lock:  # (one evaluation at a time, as in the evaluation worker)
+            time.sleep(0.05 if untrained else 1.0)
+            return fake_eval(cfg, p, run, dev, untrained, *a, **k)
+
+    monkeypatch.setattr(scheduler, "train_export", train_export)
+    monkeypatch.setattr(scheduler, "evaluate", evaluate)
+    cfg, p = config.TestbedConfig(dir=str(tmp_path), eval_queue=queue), Paths(str(tmp_path))
+    jobs = _jobs(p, ["base", "a", "b", "c", "d"])
+    interrupted = []
+
+    def ctrl_c():  # (once the trainings allowed beside the pending evaluations have started, and the next waits)
+        while len(started) < 1 + queue:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        interrupted.append(time.monotonic())
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    threading.Thread(target=ctrl_c, daemon=True).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            scheduler.run_drafters(cfg, p, "cpu", jobs, 1, jobs[0].run)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert interrupted and [name for t, name in started if t > interrupted[0]] == [], started
+    assert len(started) == 1 + queue, started
 
 
 def test_a_rerun_that_finds_the_testbeds_drafter_evaluated_records_its_seconds_not_0(tmp_path, monkeypatch):
