@@ -39,17 +39,23 @@ def drop_from_page_cache(root: Path) -> None:
                 os.close(fd)
 
 
-def read_once(cache: Path, threads: int, device: torch.device) -> dict:
-    """One resident read of `cache` with `threads` threads: its `held_read` (bytes, seconds, …)."""
-    ds.hold_threads = lambda shards, n=threads: max(1, min(n, shards))  # (this process only: a bench switch)
+def open_cache(cache: Path):
+    """The cache's `CacheInfo`, every tapped layer read."""
     from dflash_offline.cache.manifest import read_manifest
 
-    info = ds.open_hidden_cache(cache, read_manifest(cache)["producer"]["layer_ids"])
-    s = ds.HiddenStream(info, 1, 0, 1, 0, resident=True, device=device)
+    return ds.open_hidden_cache(cache, read_manifest(cache)["producer"]["layer_ids"])
+
+
+def read_once(cache: Path, threads: int, device: torch.device) -> dict:
+    """One resident read of `cache` with `threads` threads: its `held_read` (bytes, seconds, …)."""
+    chosen = ds.hold_threads
+    ds.hold_threads = lambda shards: max(1, min(threads, shards))
+    s = ds.HiddenStream(open_cache(cache), 1, 0, 1, 0, resident=True, device=device)
     try:
         next(s)
         return dict(s.held_read)
     finally:
+        ds.hold_threads = chosen
         s.close()
         del s
         ds.release_kept_rows()
@@ -60,7 +66,7 @@ def read_once(cache: Path, threads: int, device: torch.device) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cache", default="", help="a hidden cache to read (default: write a fake one of --rows)")
-    p.add_argument("--dir", default="build/bench-resident", help="where the fake cache is written (removed after)")
+    p.add_argument("--dir", default="build/bench-resident", help="a new or empty folder the fake cache is written in (removed after)")
     p.add_argument("--rows", type=int, default=544, help="the fake cache's rows (2,048 tokens each)")
     p.add_argument("--shards", type=int, default=9, help="the fake cache's shards")
     p.add_argument("--quant", default="bf16", choices=["bf16", "fp8", "fp4"], help="the fake cache's encoding")
@@ -73,7 +79,8 @@ def main(argv: list[str] | None = None) -> dict:
     made = not args.cache
     cache = Path(args.cache) if args.cache else Path(args.dir) / "hidden"
     if made:
-        shutil.rmtree(args.dir, ignore_errors=True)
+        if Path(args.dir).exists() and any(Path(args.dir).iterdir()):
+            raise SystemExit(f"--dir={args.dir} holds files: give a new or empty folder (the bench removes it after)")
         t0 = time.perf_counter()
         per = -(-args.rows // args.shards)
         rows = [min(per, args.rows - i * per) for i in range(args.shards) if args.rows > i * per]
@@ -87,6 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
                 for _ in range(args.repeats):
                     if state == "cold":
                         drop_from_page_cache(cache)
+                        drop_from_page_cache(open_cache(cache).tokens_dir)  # (a real cache's may lie elsewhere)
                     r = read_once(cache, threads, device)
                     r.update(threads_asked=threads, state=state, gb_s=r["bytes"] / 1e9 / r["seconds"])
                     results["runs"].append(r)

@@ -173,3 +173,22 @@ def test_bench_train_tiny_times_dflash2_against_dflash_at_a_recipe_s_shapes(tmp_
     assert f"| DFlash2 / DFlash (its two runs): tok/s, peak GB | | {res['ours_dflash2']['tok_per_s'] / ref:.3f}, " \
            in stdout
     assert "| drafter: variant, block, layers | dflash, 8, 2 | dflash2, 8, 2 | dflash, 8, 2 |" in stdout
+
+
+def test_bench_resident_times_each_threads_count_cold_and_warm_and_leaves_nothing(tmp_path):
+    """bench.resident on the CPU: a fake cache of 4 rows (2,048 tokens, 5 taps of 768) read with 1 and 2 threads, cold
+    and warm: every read holds the same bytes on as many threads as asked (at most the shards), its folder removed;
+    a folder that holds files is refused, not removed."""
+    from bench import resident
+
+    res = resident.main([f"--dir={tmp_path / 'b'}", "--rows=4", "--shards=2", "--threads=1,2", "--repeats=1",
+                         "--device=cpu", f"--out={tmp_path / 'r.json'}"])
+    runs = res["runs"]
+    assert [(r["threads_asked"], r["state"]) for r in runs] == [(1, "cold"), (1, "warm"), (2, "cold"), (2, "warm")]
+    assert len({r["bytes"] for r in runs}) == 1 and all(r["threads"] == r["threads_asked"] for r in runs)
+    assert json.loads((tmp_path / "r.json").read_text())["runs"] == runs and not (tmp_path / "b").exists()
+    (tmp_path / "keep").mkdir()
+    (tmp_path / "keep" / "mine.txt").write_text("x")
+    with pytest.raises(SystemExit, match="holds files"):
+        resident.main([f"--dir={tmp_path / 'keep'}", "--rows=4", "--shards=2", "--device=cpu"])
+    assert (tmp_path / "keep" / "mine.txt").is_file()
