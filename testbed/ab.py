@@ -72,8 +72,9 @@ def summary_record(cfg: TestbedConfig, p: Paths) -> tuple[dict, dict]:
 
 
 def refuse_repeats(arms: list[str]) -> None:
-    if len({slug(a) for a in arms}) < len(arms):
-        same = [a or '""' for a in arms if [slug(b) for b in arms].count(slug(a)) > 1]
+    keys = [tuple(sorted(a.split())) for a in arms]  # (the same settings in another order are the same arm)
+    if len(set(keys)) < len(arms):
+        same = [a or '""' for a, k in zip(arms, keys, strict=True) if keys.count(k) > 1]
         raise ConfigError(f"testbed.arms: {', '.join(dict.fromkeys(same))} given twice (the same settings train the "
                           f"same drafters: they would share their runs); to see the noise of one arm, give it more "
                           f"--seeds (SEEDS=) and read its spread")
@@ -91,11 +92,11 @@ def arm_seeds(cfg: TestbedConfig, arm: str, null: bool = False) -> list[int]:
     key = ("null " if null else "") + " ".join(sorted(arm.split()))
     if not key:
         return [cfg.seed + i for i in range(cfg.seeds)]
-    return [cfg.seed + OWN_SEEDS + int(hashlib.sha256(f"{key}#{i}".encode()).hexdigest()[:8], 16) % (2**31 - OWN_SEEDS)
+    return [OWN_SEEDS + int(hashlib.sha256(f"{cfg.seed}:{key}#{i}".encode()).hexdigest()[:8], 16) % (2**31 - OWN_SEEDS)
             for i in range(cfg.seeds)]
 
 
-OWN_SEEDS = 1 << 20  # an arm's own seeds lie in [first seed + 2^20, first seed + 2^31): above the recipe's
+OWN_SEEDS = 1 << 20  # an arm's own seeds lie in [2^20, 2^31), drawn anew for another first seed (--seed)
 
 
 def sweep_jobs(cfg: TestbedConfig, p: Paths, arms: list[str], null: str | None, bad: str | None) -> tuple[list, dict]:
@@ -116,10 +117,11 @@ def sweep_jobs(cfg: TestbedConfig, p: Paths, arms: list[str], null: str | None, 
     else:
         null_jobs = []
     seen: dict[int, str] = {}
-    for j in jobs + null_jobs:  # (2^31 seeds: two arms drawing one is unheard of, but would pair their noise)
-        if seen.setdefault(j.seed, j.arm or "(recipe)") != (j.arm or "(recipe)"):
+    for j in jobs + null_jobs:  # (2^31 seeds: two drafters drawing one is unheard of, but would pair their noise)
+        if j.seed in seen:
             raise ConfigError(f"testbed: the arms {seen[j.seed]!r} and {j.arm or '(recipe)'!r} drew the same seed "
-                              f"{j.seed}: pass another --seed")
+                              f"{j.seed}: pass another --seed (every arm's seeds are drawn anew)")
+        seen[j.seed] = j.arm or "(recipe)"
     if not cfg.checks:
         return jobs, caches
     bad_jobs = [j for j in jobs if j.arm == bad]
@@ -140,8 +142,8 @@ def evaluated_arms(arms: list[str], jobs: list) -> tuple[list[str], dict]:
 
 def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> tuple[dict, dict]:
     """Every arm × seed trained, exported and evaluated on the testbed's target and prompts, beside the testbed's own
-    phases where they are not done yet (see the module doc); with `checks`, also the null arm (the recipe under the
-    next `seeds` seeds) and the known-bad arm (a quarter of the steps), which decide whether the arms are ranked
+    phases where they are not done yet (see the module doc); with `checks`, also the null arm (the recipe under seeds
+    of its own: `arm_seeds`) and the known-bad arm (a quarter of the steps), which decide whether the arms are ranked
     (`judge`). Returns (A/B record, testbed record)."""
     arms = sweep_arms(cfg.sweep, device.type == "cuda" or cfg.summarize) if cfg.sweep else [a.strip() for a in cfg.arms.split(";")]
     null, bad = check_arms(cfg, arms[0]) if cfg.checks else (None, None)
@@ -166,6 +168,8 @@ def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> tuple[dict, dict]:
                            f"compare with; see the logs under {p.root / 'runs'}")
     rows = arm_rows(complete, {a: [(eval_record(j.run / "eval.json"), run_metrics(j.run).get("loss"))
                                    for j in jobs if j.arm == a] for a in complete})
+    for row, a in zip(rows, complete, strict=True):
+        row["seeds"] = [j.seed for j in jobs if j.arm == a]
     judgement = judge(rows, null, bad) if cfg.checks else None
     failed = failed_runs(p.root, times, [j.run for j in jobs if j.arm in complete])
     return {"testbed": str(p.root), "seeds": cfg.seeds, "arms": rows, "judgement": judgement, "failed": failed,

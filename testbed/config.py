@@ -106,6 +106,9 @@ class TestbedConfig:
                               f"only, 100 at most (e.g. --label=fp8)")
         if self.gpus < 0:
             raise ConfigError(f"testbed.gpus must be >= 0 (0 = every visible GPU), got {self.gpus}")
+        if not 0 <= self.seed < 2**20 - self.seeds:
+            raise ConfigError(f"testbed.seed={self.seed}: give 0 … {2**20 - self.seeds - 1} (the recipe takes seed … "
+                              f"seed + seeds − 1; the other arms draw theirs above 2^20)")
         if self.eval_queue < 1:
             raise ConfigError(f"testbed.eval_queue must be >= 1 (evaluations a training may start beside), got "
                               f"{self.eval_queue}")

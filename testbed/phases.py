@@ -108,13 +108,10 @@ def recipe_job(cfg: TestbedConfig, p: Paths) -> Job:
 
 
 def own_drafter(cfg: TestbedConfig, p: Paths, more: list[Job]) -> Job:
-    """The drafter the testbed's train/export/eval phases stand for when they are still to do: in an A/B whose first
-    drafter has the testbed's seed, that drafter — on the first arm's cache, the testbed's or one of its own — so
-    that none trains for the testbed alone; else the recipe's."""
-    first = more[0] if more else None
-    if first is not None and first.seed == cfg.seed:
-        return first
-    return recipe_job(cfg, p)
+    """The drafter the testbed's train/export/eval phases stand for when they are still to do: in an A/B, its first
+    drafter (the first arm's first seed, `ab.arm_seeds`) — on the first arm's cache, the testbed's or one of its
+    own — so that none trains for the testbed alone; else the recipe's."""
+    return more[0] if more else recipe_job(cfg, p)
 
 
 def recorded_job(cfg: TestbedConfig, p: Paths, ph: dict) -> Job:

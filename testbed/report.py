@@ -61,6 +61,7 @@ def sweep_results(r: dict, tb: dict, p: Paths) -> dict:
     def arm(a: dict) -> dict:
         lo, hi = a["delta_ci95"] or (None, None)
         return {"label": a["arm"], "tau_pooled": round(a["tau_pooled"], 4), "taus": [round(t, 4) for t in a["taus"]],
+                "seeds": a.get("seeds"),
                 "spread": round(a["spread"], 4), "delta": round(a["delta_vs_first"], 4), "ci_low": lo, "ci_high": hi,
                 "lossless": all(a["lossless"]) if any(a.get("checked", [1])) else None,
                 "decoded_for_real": sum(c or 0 for c in a.get("checked", [])),

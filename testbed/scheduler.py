@@ -8,6 +8,7 @@ gate, the target-alone decodes, a failure), which processes could share only thr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -38,6 +39,7 @@ FIRST_DRAFTER_S = 240  # what a drafter is expected to take before one has ended
 # the same when a stand-in compiled its graphs (`testbed.precompile`): 69–125 s measured (H100 `8c73fd9`, `21931d7`;
 # H200 `92f7467`), the workers' start and the untrained evaluation beside it included
 FIRST_PRECOMPILED_S = 140
+EVAL_GUESS_S = 45  # an evaluation's seconds before one ended here (H100, 300 steps: 3–44 s, an arm's first the longest)
 # a further seed's time as a share of its settings' first (which starts the workers, loads or compiles the graphs,
 # decodes check_prompts for real): measured 0.18–0.65 on the H100 (`35932d4`: 102 s first beside the untrained
 # evaluation, repeats 16–21 s; `21931d7`: a 52 s first, repeats 32–34 s); what it underestimates past stop_after_s
@@ -98,6 +100,9 @@ class Drafters:
         # with `overlap_eval` a job's evaluation goes to a pool of its own (`eval_pool`, set by run_drafters) and its
         # place among the `parallel` trainings to the next job meanwhile; `aborted`: the sweep was interrupted
         self.eval_pool, self.evals, self.parallel, self.aborted = None, [], parallel, threading.Event()
+        # the evaluation worker serves one request at a time: taking turns here first, an evaluation's seconds are its
+        # own, not those it waited behind another (`longest_eval_s`)
+        self.eval_turn = threading.Lock() if cfg.eval_worker else contextlib.nullcontext()
 
     def expected_s(self, j: Job) -> float:
         """What `j` is expected to take: as long as the longest drafter of this invocation (before one ended,
@@ -121,8 +126,8 @@ class Drafters:
         """Raise `Deferred` when `j` (`expected_s`) would end past the deadline; the base run's deferral also stops
         the untrained evaluation and, while the target-alone decodes it makes do not exist, every later drafter."""
         expect = self.expected_s(j)
-        if self.eval_pool is not None and self.cfg.eval_queue > 1:  # (its evaluation waits behind the pending ones)
-            expect = max(expect, (self.pending() + 1) * self.longest_eval_s())
+        if self.eval_pool is not None and self.cfg.eval_queue > 1 and (waiting := self.pending()):
+            expect = max(expect, (waiting + 1) * self.longest_eval_s())  # (its evaluation waits behind the pending)
         if self.deadline is not None and time.monotonic() + expect > self.deadline and self.pending():
             self.settle(0)  # (what the evaluations still running take, and their seconds, are known after them)
             expect = self.expected_s(j)
@@ -154,10 +159,12 @@ class Drafters:
             pool.shutdown(wait=True, cancel_futures=True)
 
     def longest_eval_s(self) -> float:
-        """The longest evaluation of this invocation (before one ended, the longest drafter, or `FIRST_DRAFTER_S`):
+        """The longest evaluation of this invocation (before one ended, the untrained drafter's or `EVAL_GUESS_S`,
+        whichever is longer):
         with `eval_queue` above 1 a job's evaluation may wait behind every pending one (they run one at a time)."""
         evals = [t["eval"] for t in list(self.times.values()) if "eval" in t and "reused" not in t]
-        return max(evals, default=max((s for _, s, _ in self.took), default=FIRST_DRAFTER_S))
+        untrained = self.times.get(self.base, {}).get("untrained") if self.base is not None else None
+        return max(evals, default=max(untrained or 0.0, EVAL_GUESS_S))
 
     def pending(self) -> int:
         """Evaluations submitted (`overlap_eval`) and not ended."""
@@ -183,8 +190,9 @@ class Drafters:
                     return
                 time.sleep(1)
             log(f"untrained drafter: evaluating (log: {self.untrained_log})")
-            self.times[base]["untrained"] = evaluate(self.cfg, self.p, base, self.dev, True, self.untrained_log,
-                                                     self.env)
+            with self.eval_turn:
+                self.times[base]["untrained"] = evaluate(self.cfg, self.p, base, self.dev, True, self.untrained_log,
+                                                         self.env)
             log(f"untrained drafter: τ {eval_summary(base / 'eval-untrained.json')['tau_mean']:.3f} "
                 f"({self.times[base]['untrained']:.0f}s)")
         except BaseException:
@@ -301,8 +309,9 @@ class Drafters:
             raise RuntimeError(f"not evaluated: the base drafter or the untrained evaluation (log: "
                                f"{self.untrained_log}) failed")
         t = self.times[j.run]
-        t["eval"] = evaluate(self.cfg, self.p, j.run, self.dev, False, (logs or j.run / "logs") / "eval.log", self.env,
-                             self.cfg.check_prompts if j.run in self.checked else 0)
+        with self.eval_turn:
+            t["eval"] = evaluate(self.cfg, self.p, j.run, self.dev, False, (logs or j.run / "logs") / "eval.log",
+                                 self.env, self.cfg.check_prompts if j.run in self.checked else 0)
         t["eval_wall"] = time.perf_counter() - t0  # waiting for the baseline included
         self.took.append((graph_key(j), time.monotonic() - t_job - baseline_wait, repeat))
         write_json_atomic(j.run / SECONDS_FILE, {**{k: round(v, 2) for k, v in t.items()}, **when,

@@ -246,7 +246,7 @@ def test_arms_are_ranked_only_when_the_null_arm_holds_0_and_the_known_bad_arm_li
 def test_a_sweep_rerun_with_more_seeds_keeps_every_drafter_it_made():
     """What a failed null check advises (rerun with one seed more) costs only the new drafters: every run of the sweep
     at N seeds is a run of the sweep at N + 1 with the same training arguments (a run is keyed by its settings and
-    seed; the null arm's seeds N…2N−1 become the recipe's and the null arm's at N + 1)."""
+    seed; an arm's i-th seed does not depend on how many there are: `ab.arm_seeds`)."""
     from testbed.commands import train_args
 
     def sweep(seeds: int) -> dict:
@@ -625,6 +625,7 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     assert res["null_arm"]["label"] == "(recipe, other seeds)" and res["bad_arm"]["label"] == "steps=1"
     assert res["device_seconds"] > 0 and res["looping_frac_eval"] is not None and res["commit"]
     assert {"ci_low", "ci_high", "delta", "spread", "lossless", "tau_pooled"} <= set(res["arms"][1])
+    assert res["arms"][1]["seeds"] == [own("quant=fp8")] and res["null_arm"]["seeds"] == [own("", null=True)]
     # the projected fp4 cache's drafter, folded at export, decodes losslessly through the served modeling code
     # (τ replayed on the target-alone decodes; each arm's first drafter also decodes 2 of the 3 prompts for real and
     # the replay took the decode's steps there; the null arm's drafters only replay)
@@ -955,6 +956,12 @@ def test_the_same_arm_twice_is_refused_before_anything_runs(tmp_path):
     cfg = config.TestbedConfig(dir=str(tmp_path), arms=";gamma=5; gamma=5", preset="micro")
     with pytest.raises(ConfigError, match=r"testbed.arms: gamma=5 given twice .*--seeds"):
         testbed_ab.ab(cfg, Paths(str(tmp_path)), "cpu", torch.device("cpu"))
+    cfg = config.TestbedConfig(dir=str(tmp_path), arms=";gamma=5 num_anchors=256;num_anchors=256 gamma=5",
+                               preset="micro")  # (the same settings in another order: the same arm, the same seeds)
+    with pytest.raises(ConfigError, match=r"gamma=5 num_anchors=256, num_anchors=256 gamma=5 given twice"):
+        testbed_ab.ab(cfg, Paths(str(tmp_path)), "cpu", torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"testbed.seed=1048575: give 0 … 1048573"):
+        config.TestbedConfig(seed=2**20 - 1, seeds=2).resolve()
     assert not (tmp_path / "state.json").exists()
 
 
@@ -1089,7 +1096,7 @@ def test_an_ab_s_first_drafter_is_the_testbed_s_own_and_no_drafter_trains_for_th
     first arm keeps the recorded drafter (no second untrained evaluation) while it stands: made as its own settings
     ask now (other --train_steps or drafter code: done again, by that A/B's first drafter), its run still there. A
     testbed without arms reports the recipe's drafter, never an arm's. A first arm with a cache of its own stands for
-    the testbed too (its cache recorded: a rerun keeps it); one whose first seed is not the testbed's does not."""
+    the testbed too (its cache recorded: a rerun keeps it), whatever its seed (each arm's are its own)."""
     from testbed import phases
 
     calls = _fake_stages(monkeypatch, {})
@@ -1127,7 +1134,9 @@ def test_an_ab_s_first_drafter_is_the_testbed_s_own_and_no_drafter_trains_for_th
     # a testbed without arms: the recipe's drafter, trained now, not arm e's
     phases.testbed(cfg, p, "cpu", None, [])
     assert calls[7:] == ["base/seed0"] and evaluated() == "runs/base/seed0"
-    assert phases.own_drafter(cfg, p, [job("r", 1)]).run == p.run("", 0)
+    assert phases.own_drafter(cfg, p, [job("r", 7), job("r", 8)]).run == p.run("r", 7)
+    first = testbed_ab.sweep_jobs(cfg, p, ["gamma=5", "num_anchors=256"], None, None)[0][0]
+    assert phases.own_drafter(cfg, p, [first]) == first and first.seed == testbed_ab.arm_seeds(cfg, "gamma=5")[0]
     # a first arm on a cache of its own: its first drafter is the testbed's, on that cache, kept by a rerun
     shutil.rmtree(p.run("", 0))
     phases.testbed(cfg, p, "cpu", None, [job("q", 0, "quantfp8"), job("q", 1, "quantfp8")])
@@ -1432,6 +1441,7 @@ def test_overlapped_evaluations_end_within_stop_after_s(tmp_path, monkeypatch, o
     monkeypatch.setattr(scheduler, "train_export", train_export)
     monkeypatch.setattr(scheduler, "evaluate", evaluate)
     monkeypatch.setattr(scheduler, "FIRST_DRAFTER_S", 1.2)
+    monkeypatch.setattr(scheduler, "EVAL_GUESS_S", 0.8)
     monkeypatch.setattr(scheduler, "STARTED", time.monotonic())
     cfg = config.TestbedConfig(dir=str(tmp_path), overlap_eval=overlap, eval_queue=queue, stop_after_s=4.0)
     p = Paths(str(tmp_path))
