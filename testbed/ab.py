@@ -88,7 +88,7 @@ def arm_seeds(cfg: TestbedConfig, arm: str, null: bool = False) -> list[int]:
     weights and batch order): in 7 of 11 sweeps every arm's seed 0 − seed 1 had the same sign. The seeds' variance,
     pooled over the arms as if each arm's were its own, then held little more than one arm's worth of information,
     and the null arm (the only one on other seeds) missed 0 more often than 1 in 20 (8–16 % in simulation,
-    docs/testbed.md)."""
+    docs/testbed.md; a test in tests/test_testbed.py)."""
     key = ("null " if null else "") + " ".join(sorted(arm.split()))
     if not key:
         return [cfg.seed + i for i in range(cfg.seeds)]
