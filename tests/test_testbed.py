@@ -1464,9 +1464,11 @@ def test_overlapped_evaluations_end_within_stop_after_s(tmp_path, monkeypatch, o
         return fake_train(*a, **k)
 
     def evaluate(cfg, p, run, dev, untrained, *a, **k):
-        with lock:  # (one evaluation at a time, as in the evaluation worker)
+        with lock:  # (one evaluation at a time, as in the evaluation worker; its seconds returned, as stage's)
+            t0 = time.perf_counter()
             time.sleep(0.05 if untrained else 0.8)
-            return fake_eval(cfg, p, run, dev, untrained, *a, **k)
+            fake_eval(cfg, p, run, dev, untrained, *a, **k)
+            return time.perf_counter() - t0
 
     monkeypatch.setattr(scheduler, "train_export", train_export)
     monkeypatch.setattr(scheduler, "evaluate", evaluate)
