@@ -732,6 +732,33 @@ def _fake_stages(monkeypatch, fail: dict):
     return calls
 
 
+def _timed_stages(monkeypatch, train_s: float, eval_s: float) -> list:
+    """`_fake_stages` taking time: each training `train_s` seconds, each evaluation `eval_s` (the untrained one 0.05),
+    one evaluation at a time as in the evaluation worker, its seconds returned as `stage`'s are; returns the trainings'
+    (start time, run name), in order."""
+    import threading
+    import time
+
+    _fake_stages(monkeypatch, {})
+    fake_train, fake_eval, lock, started = scheduler.train_export, scheduler.evaluate, threading.Lock(), []
+
+    def train_export(cfg, run, *a, **k):
+        started.append((time.monotonic(), run.parent.name))
+        time.sleep(train_s)
+        return fake_train(cfg, run, *a, **k)
+
+    def evaluate(cfg, p, run, dev, untrained, *a, **k):
+        with lock:
+            t0 = time.perf_counter()
+            time.sleep(0.05 if untrained else eval_s)
+            fake_eval(cfg, p, run, dev, untrained, *a, **k)
+            return time.perf_counter() - t0
+
+    monkeypatch.setattr(scheduler, "train_export", train_export)
+    monkeypatch.setattr(scheduler, "evaluate", evaluate)
+    return started
+
+
 def test_a_first_arm_whose_own_cache_cannot_be_extracted_fails_the_sweep_at_once(tmp_path, monkeypatch):
     """The first arm's first drafter is the testbed's own, on that arm's cache: when the cache cannot be extracted,
     the untrained evaluation (waiting for that run's training to start) and the other drafters (waiting for it) must
@@ -1418,23 +1445,7 @@ def test_eval_queue_lets_a_training_start_beside_that_many_pending_evaluations(t
     """--eval_queue=2: an arm's first's evaluation (slower than a repeat's training) no longer holds back the training
     after its repeat's — the repeat's evaluation waits behind it instead; 1: the next training waits for it. Still
     one training at a time and at most `queue` evaluations pending when one starts (the timelines recorded)."""
-    import threading
-    import time
-
-    _fake_stages(monkeypatch, {})
-    fake_train, fake_eval, lock = scheduler.train_export, scheduler.evaluate, threading.Lock()
-
-    def train_export(*a, **k):
-        time.sleep(0.3)
-        return fake_train(*a, **k)
-
-    def evaluate(cfg, p, run, dev, untrained, *a, **k):
-        with lock:  # (one evaluation at a time, as in the evaluation worker)
-            time.sleep(0.05 if untrained else 1.0)
-            return fake_eval(cfg, p, run, dev, untrained, *a, **k)
-
-    monkeypatch.setattr(scheduler, "train_export", train_export)
-    monkeypatch.setattr(scheduler, "evaluate", evaluate)
+    _timed_stages(monkeypatch, 0.3, 1.0)
     cfg, p = config.TestbedConfig(dir=str(tmp_path), eval_queue=queue), Paths(str(tmp_path))
     jobs = _jobs(p, ["base", "a", "b", "c"])
     scheduler.run_drafters(cfg, p, "cpu", jobs, 1, jobs[0].run)
@@ -1453,25 +1464,9 @@ def test_overlapped_evaluations_end_within_stop_after_s(tmp_path, monkeypatch, o
     """Evaluations slower than trainings (the known-bad arm's: 6 s of training, 33 s of evaluation) must not queue
     past --stop_after_s: a training waits while an evaluation is still pending beside it, and a drafter about to be
     deferred waits for the pending evaluations to know what they take, then starts if it fits."""
-    import threading
     import time
 
-    _fake_stages(monkeypatch, {})
-    fake_train, fake_eval, lock = scheduler.train_export, scheduler.evaluate, threading.Lock()
-
-    def train_export(*a, **k):
-        time.sleep(0.2)
-        return fake_train(*a, **k)
-
-    def evaluate(cfg, p, run, dev, untrained, *a, **k):
-        with lock:  # (one evaluation at a time, as in the evaluation worker; its seconds returned, as stage's)
-            t0 = time.perf_counter()
-            time.sleep(0.05 if untrained else 0.8)
-            fake_eval(cfg, p, run, dev, untrained, *a, **k)
-            return time.perf_counter() - t0
-
-    monkeypatch.setattr(scheduler, "train_export", train_export)
-    monkeypatch.setattr(scheduler, "evaluate", evaluate)
+    _timed_stages(monkeypatch, 0.2, 0.8)
     monkeypatch.setattr(scheduler, "FIRST_DRAFTER_S", 1.2)
     monkeypatch.setattr(scheduler, "EVAL_GUESS_S", 0.8)
     monkeypatch.setattr(scheduler, "STARTED", time.monotonic())
@@ -1530,21 +1525,7 @@ def test_a_drafter_waiting_for_an_evaluation_when_interrupted_does_not_start(tmp
     import time
 
     before = signal.signal(signal.SIGINT, signal.default_int_handler)  # (as from a shell: an xdist worker ignores it)
-    _fake_stages(monkeypatch, {})
-    fake_train, fake_eval, lock, started = scheduler.train_export, scheduler.evaluate, threading.Lock(), []
-
-    def train_export(cfg, run, *a, **k):
-        started.append((time.monotonic(), run.parent.name))
-        time.sleep(0.1)
-        return fake_train(cfg, run, *a, **k)
-
-    def evaluate(cfg, p, run, dev, untrained, *a, **k):
-        with lock:  # (one evaluation at a time, as in the evaluation worker)
-            time.sleep(0.05 if untrained else 1.0)
-            return fake_eval(cfg, p, run, dev, untrained, *a, **k)
-
-    monkeypatch.setattr(scheduler, "train_export", train_export)
-    monkeypatch.setattr(scheduler, "evaluate", evaluate)
+    started = _timed_stages(monkeypatch, 0.1, 1.0)
     cfg, p = config.TestbedConfig(dir=str(tmp_path), eval_queue=queue), Paths(str(tmp_path))
     jobs = _jobs(p, ["base", "a", "b", "c", "d"])
     interrupted = []
