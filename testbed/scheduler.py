@@ -160,8 +160,8 @@ class Drafters:
 
     def longest_eval_s(self) -> float:
         """The longest evaluation of this invocation (before one ended, the untrained drafter's or `EVAL_GUESS_S`,
-        whichever is longer):
-        with `eval_queue` above 1 a job's evaluation may wait behind every pending one (they run one at a time)."""
+        whichever is longer): with `eval_queue` above 1 a job's evaluation may wait behind every pending one (they run
+        one at a time)."""
         evals = [t["eval"] for t in list(self.times.values()) if "eval" in t and "reused" not in t]
         untrained = self.times.get(self.base, {}).get("untrained") if self.base is not None else None
         return max(evals, default=max(untrained or 0.0, EVAL_GUESS_S))
@@ -259,7 +259,7 @@ class Drafters:
             self.warm.set()  # (after a time-out, the others do not wait again)
             self.times[j.run]["wait_warm"] = time.perf_counter() - t0
         if self.eval_pool is not None:  # (`eval_queue` evaluations at most beside each training: no queue builds up)
-            self.settle(self.parallel * max(1, self.cfg.eval_queue))
+            self.settle(self.parallel * self.cfg.eval_queue)  # (eval_queue >= 1: checked)
         if self.failed.is_set():
             raise RuntimeError("not started: the base drafter or the untrained evaluation failed")
         self.defer(j)
