@@ -121,7 +121,8 @@ HASH_GB_S_PER_THREAD = 1.0
 # (2026-12-03), null ±0.22 — a loss under ≈ 6–7 % would go unseen; taps projected to half the width in bf16 ("bf16
 # k=1/2"): −0.07 (−0.26 … +0.13), null −0.23 … +0.17, bench/results/testbed-sweep-h200-66bb894.json (2026-12-03).
 # A projection is keyed by its share of the width.
-TESTBED_TAU = {"bf16": "reference", "fp8": "parity", "fp4": "parity", "fp8 k=1/2": "parity", "bf16 k=1/2": "parity"}
+TESTBED_TAU = {"bf16": "reference", "fp8": "parity", "fp4": "parity", "fp8 k=1/2": "parity", "bf16 k=1/2": "parity",
+               "fp8 k=1/4": "parity"}
 
 
 def testbed_tau(name: str, hidden: int, kk: int = 0) -> str:

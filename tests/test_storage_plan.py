@@ -485,7 +485,8 @@ def test_the_plan_marks_each_encodings_testbed_verdict_as_the_results_files_reco
     from testbed.target import DIMS
 
     verdicts = {}
-    for commit in ("h200-419204b", "h200-9b6a2b6", "h200-66bb894", "h100-21931d7-encodings"):  # (the last: 3 seeds)
+    # (21931d7: 3 seeds; 913a79a: every arm under seeds of its own, 300 steps)
+    for commit in ("h200-419204b", "h200-9b6a2b6", "h200-66bb894", "h100-21931d7-encodings", "h100-913a79a-seeds"):
         res = json.loads((root / f"bench/results/testbed-sweep-{commit}.json").read_text())
         assert res["discriminating"] and res["null_arm"]["ci_low"] < 0 < res["null_arm"]["ci_high"]
         assert res["bad_arm"]["ci_high"] < 0
@@ -510,7 +511,8 @@ def test_the_plan_marks_each_encodings_testbed_verdict_as_the_results_files_reco
     assert verdicts["quant=fp4"] == verdicts["project_dims=384 quant=fp8"] == "parity"
     # at the 27B width: half is judged (as a share), a width that is no share of it, or another share, is not
     assert storage.testbed_tau("fp8", 5120, 2560) == "parity at 1/2 the width on the testbed"
-    assert {storage.testbed_tau("fp8", 5120, kk) for kk in (2048, 3072, 640, 1280)} == {"not judged"}
+    assert storage.testbed_tau("fp8", 5120, 1280) == "parity at 1/4 the width on the testbed"
+    assert {storage.testbed_tau("fp8", 5120, kk) for kk in (2048, 3072, 640)} == {"not judged"}
     assert storage.testbed_tau("fp4", 5120, 5120) == "parity" and storage.testbed_tau("fp4", 5120, 2560) == "not judged"
     p = small_plan(quant="fp8")
     marks = {name: e["testbed_tau"] for name, e in p["encodings"].items()}
@@ -520,12 +522,18 @@ def test_the_plan_marks_each_encodings_testbed_verdict_as_the_results_files_reco
     assert marks[f"bf16 k={half}"] == "parity at 1/2 the width on the testbed"
     assert marks[f"fp4 k={half}"] == "not judged"
     assert all(v == "not judged" for n, v in marks.items() if " k=" in n and n not in (f"fp8 k={half}", f"bf16 k={half}"))
+    wide = {name: e["testbed_tau"] for name, e in small_plan(quant="fp8", hidden=128)["encodings"].items()}
+    assert wide["fp8 k=32"] == "parity at 1/4 the width on the testbed"  # (64 of 128: half; 32: a quarter)
+    assert wide["fp4 k=32"] == wide["bf16 k=32"] == "not judged"
     assert any(re.match(r"\s+fp8 \(chosen\)\s.*parity$", line) for line in storage.render(p, Path("/c"))), \
         storage.render(p, Path("/c"))
-    # a cache already projected to half the width is judged as such, to a quarter is not
+    # a cache already projected to half or a quarter of the width is judged as such, to another share is not
     projected = small_plan(quant="fp8", hidden=half, projected_from=p["hidden"])["encodings"]
     assert projected["fp8"]["testbed_tau"] == "parity at 1/2 the width on the testbed"
     assert projected["fp4"]["testbed_tau"] == "not judged"
+    assert small_plan(quant="fp8", hidden=32, projected_from=128)["encodings"]["fp8"]["testbed_tau"] == \
+        "parity at 1/4 the width on the testbed"
+    assert small_plan(quant="fp8", hidden=96, projected_from=128)["encodings"]["fp8"]["testbed_tau"] == "not judged"
     for recipe in ("qwen3.5-27b", "qwen3.6-27b", "qwen3.8-27b-dflash2", "qwen3-8b"):
         quant = tomllib.loads((root / "manifests" / f"{recipe}.toml").read_text())["extract"]["quant"]
         assert storage.TESTBED_TAU.get(quant) in ("reference", "parity"), recipe
