@@ -139,7 +139,7 @@ class TokenizeConfig:
     strict: bool = False  # stop at the first malformed record instead of skipping and counting it
     partial_regen: bool = False  # tokenize a make regen output whose run has not finished (OUT.stats.json: complete false) instead of refusing it
     open_rows: int = 64  # packing window: rows kept open for best-fit placement (more = less padding)
-    workers: int = 0  # tokenizer processes; 0 = one per CPU core
+    workers: int = 0  # tokenizer processes; 0 = one per CPU this process may use (affinity, cgroup CPU quota)
     chunk_docs: int = 256  # documents per unit of work sent to a tokenizer process
     max_docs: int = 0  # stop after this many records (0 = all); part of the cache key
     template_kwargs: str = ""  # chat template settings the corpus was generated with, a JSON object, e.g. '{"reasoning_effort": "low"}' (Qwen3.8); part of the cache key

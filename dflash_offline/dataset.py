@@ -67,6 +67,7 @@ from .cache.shards import (
     read_token_shard,
     token_shard_name,
 )
+from .devices import usable_cpus
 
 STATE_VERSION = 1
 TOKEN_KEYS = ("input_ids", "loss_mask", "position_ids", "doc_ids")
@@ -211,10 +212,11 @@ def row_bytes(info: CacheInfo) -> int:
 
 
 def hold_threads(shards: int) -> int:
-    """Threads a resident read uses for `shards` shards with rows: HOLD_THREADS, the CPUs this process may run on and
-    the shards, whichever is fewest (at least one)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(HOLD_THREADS, cpus, shards))
+    """Threads a resident read uses for `shards` shards with rows: HOLD_THREADS, this process's share of the CPUs it
+    may run on (`usable_cpus`: affinity and cgroup quota, over the ranks on this host, LOCAL_WORLD_SIZE) and the
+    shards, whichever is fewest (at least one)."""
+    share = usable_cpus() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1) or 1))
+    return max(1, min(HOLD_THREADS, share, shards))
 
 
 def stored_buffers(info: CacheInfo, rows: int, **where) -> dict[str, torch.Tensor]:

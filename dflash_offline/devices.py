@@ -8,6 +8,10 @@
 A CUDA device always carries its index (the process's local rank under a launcher, else the current device) and is
 made the current one, so allocations without an explicit device land on it too.
 
+CPU counts: `usable_cpus` is what a process may really run on — its CPU affinity, capped by the CPU quota of its
+cgroup (v2 `cpu.max`, v1 `cpu.cfs_quota_us`, the tightest of its cgroup and their parents): a container limited to 8
+CPUs on a 128-core host gets 8 tokenizer processes and reading threads, not 128.
+
 CPU threads: the CPU path exists for the tiny targets (tests, `make demo`), whose small matmuls run fastest on one
 thread; more threads mostly wait on each other, and oversubscribe a small machine shared by several processes.
 `cpu_threads` sets that (unless `OMP_NUM_THREADS` or an explicit thread count says otherwise) and says so.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported where a device is picked: `--help` and config errors stay instant
@@ -34,6 +39,53 @@ def dist_env() -> tuple[int, int, int]:
     rank is the process's GPU: one process per GPU."""
     env = os.environ
     return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
+
+
+def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/proc/self/cgroup")) -> float | None:
+    """CPUs this process's cgroup quota allows (quota / period: 2.5 for `250000 100000`), the tightest of its cgroup
+    and every parent up to `root`, v2 (`cpu.max`) or v1 (`cpu.cfs_quota_us` / `cpu.cfs_period_us`); None without a
+    quota (`max`, -1) or where the files are missing or unreadable."""
+    try:
+        lines = proc.read_text().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":  # v2: one unified hierarchy
+            base, names = root, None
+        elif "cpu" in controllers.split(","):  # v1: the cpu controller's own hierarchy
+            base, names = root / controllers, ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+            if not base.is_dir():
+                base = root / "cpu"
+        else:
+            continue
+        d = base / path.lstrip("/")
+        while True:  # (a parent's quota binds its children too)
+            try:
+                if names is None:
+                    quota, period = (d / "cpu.max").read_text().split()[:2]
+                else:
+                    quota, period = ((d / name).read_text().strip() for name in names)
+                if quota not in ("max", "-1") and float(period) > 0:
+                    limits.append(float(quota) / float(period))
+            except (OSError, ValueError):
+                pass
+            if d == base or base not in d.parents:
+                break
+            d = d.parent
+    return min(limits) if limits else None
+
+
+def usable_cpus(root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/proc/self/cgroup")) -> int:
+    """CPUs this process may run on: its affinity (else the CPU count), capped by its cgroup's CPU quota rounded
+    down (at least one)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = cgroup_cpu_quota(root, proc)
+    return max(1, min(cpus, int(quota)) if quota is not None else cpus)
 
 
 def check_setting(setting: str, field: str) -> None:

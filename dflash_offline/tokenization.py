@@ -13,7 +13,6 @@ is the command line; stage 1b (`plan.token_cache`) runs or reads the token cache
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -47,6 +46,7 @@ from .corpus import (
     rendered_with,
     tokenize_stream,
 )
+from .devices import usable_cpus
 from .packing import PACKING_RULE, Doc, Packer, split_long
 from .progress import Progress, log, warn
 from .regen import check_regen_finished
@@ -242,7 +242,8 @@ def dry_run(cfg: TokenizeConfig) -> dict:
 
 
 def workers_for(cfg: TokenizeConfig) -> int:
-    return cfg.workers or os.cpu_count() or 1
+    """Tokenizer processes: `workers`, or one per CPU this process may use (affinity and cgroup quota)."""
+    return cfg.workers or usable_cpus()
 
 
 def tokenize_corpus(cfg: TokenizeConfig, paths: list[Path], tok, progress: Progress, skip_log, write) -> dict:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_offline.cache.fsio import atomic_dir, write_json_atomic
+from dflash_offline.devices import usable_cpus
 
 from .commands import Job, log, train_args
 from .config import TestbedConfig
@@ -233,7 +234,7 @@ class Precompile:
         shutil.rmtree(run, ignore_errors=True)
         args = [a for a in train_args(self.cfg, run, cache, self.cfg.seed, v.train) if not a.startswith("--steps=")]
         args += [f"--steps={WARMUP_STEPS}", "--resume=0"] + ([RESIDENT] if self.cfg.resident else [])
-        threads = max(1, ((os.cpu_count() or 2) - SPARE_CPUS) // PARALLEL)
+        threads = max(1, (usable_cpus() - SPARE_CPUS) // PARALLEL)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_COMPILE_THREADS": str(threads)}
         logf = self.p.root / "logs" / f"precompile-{self.variants.index(v)}.log"
         logf.parent.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from dflash_offline.cache.fsio import write_json_atomic
+from dflash_offline.devices import usable_cpus
 
 from .commands import (
     EVAL_WORKER,
@@ -80,7 +81,7 @@ class Drafters:
         for i in range(parallel if len(ids) > 1 else 0):
             self.gpus.put(ids[i % len(ids)])
         if parallel > 1 and "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
-            self.env["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, (os.cpu_count() or 1) // parallel))
+            self.env["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, usable_cpus() // parallel))
         self.ready, self.failed, self.warm = threading.Event(), threading.Event(), threading.Event()
         # the first job compiles alone (all the CPUs), the others start once its first step ran: the same graphs then
         # load from the compile caches it filled instead of 8 processes compiling them at once
@@ -278,7 +279,7 @@ class Drafters:
             (j.run / "status-rank0.json").unlink(missing_ok=True)  # (a killed run's says it stepped already)
             self.watch_warm_up(j.run)
             env = {**env, **({} if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ else
-                             {"TORCHINDUCTOR_COMPILE_THREADS": str(os.cpu_count() or 1)})}
+                             {"TORCHINDUCTOR_COMPILE_THREADS": str(usable_cpus())})}
         gpu = self.gpus.get() if self.spread else None  # (waits for a free one: `parallel` above the GPUs shares)
         if gpu is not None:  # (given back in the `finally` right below, however the training ends)
             env, when["gpu"] = {**env, "CUDA_VISIBLE_DEVICES": gpu}, gpu
@@ -450,5 +451,5 @@ def default_parallel(device, gpus: int = 1) -> int:
         return 1
     import torch
 
-    return max(1, min(GPU_JOBS * gpus, (os.cpu_count() or 2) // 2,
+    return max(1, min(GPU_JOBS * gpus, usable_cpus() // 2,
                       gpus * int(torch.cuda.get_device_properties(device).total_memory / 2**30 // JOB_GB)))

@@ -66,6 +66,63 @@ def test_a_cpu_run_takes_one_thread_unless_told_otherwise(monkeypatch):
     assert calls == [1, 3] and len(logged) == 1
 
 
+def _cgroups(root: Path, proc: str, files: dict[str, str]) -> tuple[Path, Path]:
+    """A cgroup tree under `root` (relative path -> content) and a /proc/self/cgroup saying `proc`."""
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    (root / "self-cgroup").write_text(proc)
+    return root / "fs", root / "self-cgroup"
+
+
+def test_cpu_counts_honour_the_cgroup_quota_the_tightest_of_a_cgroup_and_its_parents(tmp_path, monkeypatch):
+    """A container limited to a few CPUs on a big host: the quota (v2 `cpu.max`, v1 `cfs_quota_us`) caps the CPUs,
+    rounded down, a parent's binding its children; no quota (max, -1), or no files, leaves the affinity."""
+    q = devices.cgroup_cpu_quota
+    v2 = _cgroups(tmp_path / "v2", "0::/pod/ctr\n", {"fs/pod/ctr/cpu.max": "250000 100000\n",
+                                                    "fs/pod/cpu.max": "max 100000\n", "fs/cpu.max": "max 100000\n"})
+    assert q(*v2) == 2.5
+    tight = _cgroups(tmp_path / "tight", "0::/pod/ctr\n", {"fs/pod/ctr/cpu.max": "max 100000\n",
+                                                          "fs/pod/cpu.max": "150000 100000\n"})
+    assert q(*tight) == 1.5  # (the pod's quota binds the container in it)
+    assert q(*_cgroups(tmp_path / "none", "0::/\n", {"fs/cpu.max": "max 100000\n"})) is None
+    # inside a container the path /proc names is the host's; the mounted tree is the container's own: its root counts
+    ns = _cgroups(tmp_path / "ns", "0::/docker/abc\n", {"fs/cpu.max": "400000 100000\n"})
+    assert q(*ns) == 4.0
+    v1 = _cgroups(tmp_path / "v1", "12:memory:/x\n4:cpu,cpuacct:/x\n",
+                  {"fs/cpu,cpuacct/x/cpu.cfs_quota_us": "300000\n", "fs/cpu,cpuacct/x/cpu.cfs_period_us": "100000\n"})
+    assert q(*v1) == 3.0
+    off = _cgroups(tmp_path / "off", "4:cpu,cpuacct:/x\n",
+                   {"fs/cpu,cpuacct/x/cpu.cfs_quota_us": "-1\n", "fs/cpu,cpuacct/x/cpu.cfs_period_us": "100000\n"})
+    assert q(*off) is None
+    assert q(tmp_path / "missing", tmp_path / "missing-cgroup") is None
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert devices.usable_cpus(*v2) == 2 and devices.usable_cpus(*tight) == 1 and devices.usable_cpus(*ns) == 4
+    assert devices.usable_cpus(*off) == 16  # no quota: the affinity
+    half = _cgroups(tmp_path / "half", "0::/\n", {"fs/cpu.max": "50000 100000\n"})
+    assert devices.usable_cpus(*half) == 1  # (half a CPU: still one)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert devices.usable_cpus(*ns) == 2  # the affinity, where it is the tighter
+
+
+def test_the_readers_and_tokenizers_take_their_share_of_the_usable_cpus(monkeypatch):
+    """The resident read's threads and the tokenizer processes count the CPUs a process may use (quota and
+    affinity), the read's split over the ranks on this host: 8 ranks on 16 usable CPUs read on 2 threads each."""
+    from dflash_offline import dataset, tokenization
+    from dflash_offline.config import TokenizeConfig
+
+    monkeypatch.setattr(dataset, "usable_cpus", lambda: 16)
+    monkeypatch.setattr(tokenization, "usable_cpus", lambda: 3)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert dataset.hold_threads(9) == dataset.HOLD_THREADS == 8 and dataset.hold_threads(3) == 3
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert dataset.hold_threads(9) == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert dataset.hold_threads(9) == 1
+    cfg = TokenizeConfig(corpus=["c.jsonl"], tokenizer="t")
+    assert tokenization.workers_for(cfg) == 3 and tokenization.workers_for(TokenizeConfig(["c"], "t", workers=5)) == 5
+
+
 def test_every_stage_that_picks_a_device_asks_the_owner():
     from dflash_offline import evalrun, regenrun
     from stages import extract, verify
