@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from dflash_offline import dataset as ds
+from dflash_offline.devices import usable_cpus
 from fixtures.fake_cache import make_fake_cache
 
 LAYERS = [1, 3, 5, 7, 9]
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
         make_fake_cache(cache, len(rows), rows, 2048, 768, LAYERS, args.quant, seed=0)
         print(f"fake cache: {args.rows} rows in {len(rows)} shards ({args.quant}) written in "
               f"{time.perf_counter() - t0:.0f}s", flush=True)
-    results = {"cache": str(cache), "device": str(device), "cpus": len(os.sched_getaffinity(0)), "runs": []}
+    results = {"cache": str(cache), "device": str(device), "cpus": len(os.sched_getaffinity(0)), "usable_cpus": usable_cpus(), "runs": []}
     try:
         for threads in [int(t) for t in args.threads.split(",")]:
             for state in ("cold", "warm"):

@@ -202,7 +202,7 @@ def resident_bytes(info: CacheInfo) -> int:
 
 
 HOLD_CHUNK_BYTES = 64 << 20  # a resident read's host buffer, per thread (whole rows; at least one)
-HOLD_THREADS = 8  # a resident read's threads at most (one shard each; no more than the CPUs nor the shards)
+HOLD_THREADS = 8  # a resident read's threads at most (one shard each; no more than the shards nor this rank's CPUs)
 
 
 def row_bytes(info: CacheInfo) -> int:
@@ -213,10 +213,13 @@ def row_bytes(info: CacheInfo) -> int:
 
 def hold_threads(shards: int) -> int:
     """Threads a resident read uses for `shards` shards with rows: HOLD_THREADS, this process's share of the CPUs it
-    may run on (`usable_cpus`: affinity and cgroup quota, over the ranks on this host, LOCAL_WORLD_SIZE) and the
+    may run on (`usable_cpus` for the LOCAL_WORLD_SIZE ranks on this host: affinity and cgroup quota) and the
     shards, whichever is fewest (at least one)."""
-    share = usable_cpus() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1) or 1))
-    return max(1, min(HOLD_THREADS, share, shards))
+    try:
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    except ValueError:
+        ranks = 1
+    return max(1, min(HOLD_THREADS, usable_cpus(ranks), shards))
 
 
 def stored_buffers(info: CacheInfo, rows: int, **where) -> dict[str, torch.Tensor]:

@@ -10,7 +10,7 @@ made the current one, so allocations without an explicit device land on it too.
 
 CPU counts: `usable_cpus` is what a process may really run on — its CPU affinity, capped by the CPU quota of its
 cgroup (v2 `cpu.max`, v1 `cpu.cfs_quota_us`, the tightest of its cgroup and their parents): a container limited to 8
-CPUs on a 128-core host gets 8 tokenizer processes and reading threads, not 128.
+CPUs on a 128-core host gets 8 tokenizer processes, not 128; 8 ranks in it read a resident cache on 1 thread each.
 
 CPU threads: the CPU path exists for the tiny targets (tests, `make demo`), whose small matmuls run fastest on one
 thread; more threads mostly wait on each other, and oversubscribe a small machine shared by several processes.
@@ -24,6 +24,7 @@ replaces those notes with one accurate line, and drops fla's own note where Trit
 from __future__ import annotations
 
 import os
+import posixpath
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -44,13 +45,16 @@ def dist_env() -> tuple[int, int, int]:
 def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/proc/self/cgroup")) -> float | None:
     """CPUs this process's cgroup quota allows (quota / period: 2.5 for `250000 100000`), the tightest of its cgroup
     and every parent up to `root`, v2 (`cpu.max`) or v1 (`cpu.cfs_quota_us` / `cpu.cfs_period_us`); None without a
-    quota (`max`, -1) or where the files are missing or unreadable."""
+    quota (`max`, -1), or where the files are missing, unreadable or not understood: it never raises."""
     try:
-        lines = proc.read_text().splitlines()
-    except OSError:
+        return _cgroup_cpu_quota(root, proc)
+    except (OSError, ValueError):  # (a CPU count must not stop a stage: no cap is the safe answer)
         return None
+
+
+def _cgroup_cpu_quota(root: Path, proc: Path) -> float | None:
     limits = []
-    for line in lines:
+    for line in proc.read_text(errors="replace").splitlines():
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
@@ -59,33 +63,41 @@ def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/pr
             base, names = root, None
         elif "cpu" in controllers.split(","):  # v1: the cpu controller's own hierarchy
             base, names = root / controllers, ("cpu.cfs_quota_us", "cpu.cfs_period_us")
-            if not base.is_dir():
+            if not os.path.isdir(base):
                 base = root / "cpu"
         else:
             continue
-        d = base / path.lstrip("/")
-        while True:  # (a parent's quota binds its children too)
+        rel = posixpath.normpath("/" + path.strip()).lstrip("/")
+        if rel.startswith(".."):  # (outside this cgroup namespace's root: not a cgroup the mounted tree holds)
+            continue
+        d = base / rel if rel not in ("", ".") else base
+        while True:  # (a parent's quota binds its children too; the walk ends at `base`)
             try:
                 if names is None:
                     quota, period = (d / "cpu.max").read_text().split()[:2]
                 else:
                     quota, period = ((d / name).read_text().strip() for name in names)
-                if quota not in ("max", "-1") and float(period) > 0:
+                if quota not in ("max", "-1") and float(quota) > 0 and float(period) > 0:
                     limits.append(float(quota) / float(period))
             except (OSError, ValueError):
                 pass
-            if d == base or base not in d.parents:
+            if d == base:
                 break
             d = d.parent
     return min(limits) if limits else None
 
 
-def usable_cpus(root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/proc/self/cgroup")) -> int:
-    """CPUs this process may run on: its affinity (else the CPU count), capped by its cgroup's CPU quota rounded
-    down (at least one)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+def usable_cpus(ranks: int = 1, root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/proc/self/cgroup")) -> int:
+    """CPUs one of `ranks` processes on this host may use (at least one, rounded down): its affinity — split over the
+    ranks only where it covers the whole host (a rank a launcher pinned to CPUs of its own has its share already) —
+    capped by its cgroup's CPU quota, which the ranks share."""
+    ranks, host = max(1, ranks), os.cpu_count() or 1
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else host
+    share = cpus / ranks if cpus >= host else cpus
     quota = cgroup_cpu_quota(root, proc)
-    return max(1, min(cpus, int(quota)) if quota is not None else cpus)
+    if quota is not None:
+        share = min(share, quota / ranks)
+    return max(1, int(share))
 
 
 def check_setting(setting: str, field: str) -> None:

@@ -77,10 +77,12 @@ def _cgroups(root: Path, proc: str, files: dict[str, str]) -> tuple[Path, Path]:
 
 def test_cpu_counts_honour_the_cgroup_quota_the_tightest_of_a_cgroup_and_its_parents(tmp_path, monkeypatch):
     """A container limited to a few CPUs on a big host: the quota (v2 `cpu.max`, v1 `cfs_quota_us`) caps the CPUs,
-    rounded down, a parent's binding its children; no quota (max, -1), or no files, leaves the affinity."""
+    rounded down, a parent's binding its children, nothing above the mounted tree counting; no quota (max, -1), no
+    files, or files not understood leave the affinity — never an exception."""
     q = devices.cgroup_cpu_quota
     v2 = _cgroups(tmp_path / "v2", "0::/pod/ctr\n", {"fs/pod/ctr/cpu.max": "250000 100000\n",
-                                                    "fs/pod/cpu.max": "max 100000\n", "fs/cpu.max": "max 100000\n"})
+                                                    "fs/pod/cpu.max": "max 100000\n", "fs/cpu.max": "max 100000\n",
+                                                    "cpu.max": "100000 100000\n"})  # (above the mount: ignored)
     assert q(*v2) == 2.5
     tight = _cgroups(tmp_path / "tight", "0::/pod/ctr\n", {"fs/pod/ctr/cpu.max": "max 100000\n",
                                                           "fs/pod/cpu.max": "150000 100000\n"})
@@ -89,36 +91,74 @@ def test_cpu_counts_honour_the_cgroup_quota_the_tightest_of_a_cgroup_and_its_par
     # inside a container the path /proc names is the host's; the mounted tree is the container's own: its root counts
     ns = _cgroups(tmp_path / "ns", "0::/docker/abc\n", {"fs/cpu.max": "400000 100000\n"})
     assert q(*ns) == 4.0
-    v1 = _cgroups(tmp_path / "v1", "12:memory:/x\n4:cpu,cpuacct:/x\n",
-                  {"fs/cpu,cpuacct/x/cpu.cfs_quota_us": "300000\n", "fs/cpu,cpuacct/x/cpu.cfs_period_us": "100000\n"})
-    assert q(*v1) == 3.0
+    # a cgroup outside this namespace's root (/proc says ..): not in the mounted tree, and the walk does not leave it
+    assert q(*_cgroups(tmp_path / "out", "0::/../sibling\n", {"cpu.max": "100000 100000\n",
+                                                             "fs/cpu.max": "max 100000\n"})) is None
+    v1 = _cgroups(tmp_path / "v1", "12:memory:/x\n4:cpu,cpuacct:/x/y\n",
+                  {"fs/cpu,cpuacct/x/y/cpu.cfs_quota_us": "-1\n", "fs/cpu,cpuacct/x/y/cpu.cfs_period_us": "100000\n",
+                   "fs/cpu,cpuacct/x/cpu.cfs_quota_us": "300000\n", "fs/cpu,cpuacct/x/cpu.cfs_period_us": "100000\n"})
+    assert q(*v1) == 3.0  # (the parent's)
+    v1cpu = _cgroups(tmp_path / "v1cpu", "4:cpu:/x\n",  # (the controller mounted as cpu alone)
+                     {"fs/cpu/x/cpu.cfs_quota_us": "200000\n", "fs/cpu/x/cpu.cfs_period_us": "100000\n"})
+    assert q(*v1cpu) == 2.0
+    hybrid = _cgroups(tmp_path / "hybrid", "4:cpu,cpuacct:/x\n0::/x\n",
+                      {"fs/cpu,cpuacct/x/cpu.cfs_quota_us": "600000\n", "fs/cpu,cpuacct/x/cpu.cfs_period_us": "100000\n",
+                       "fs/x/cpu.max": "500000 100000\n"})
+    assert q(*hybrid) == 5.0
     off = _cgroups(tmp_path / "off", "4:cpu,cpuacct:/x\n",
                    {"fs/cpu,cpuacct/x/cpu.cfs_quota_us": "-1\n", "fs/cpu,cpuacct/x/cpu.cfs_period_us": "100000\n"})
     assert q(*off) is None
+    for n, junk in enumerate(("abc 100000\n", "100000\n", "100000 0\n", "0 100000\n", "")):
+        assert q(*_cgroups(tmp_path / f"junk{n}", "0::/\n", {"fs/cpu.max": junk})) is None, junk
+    odd = _cgroups(tmp_path / "odd", "", {"fs/cpu.max": "200000 100000\n"})
+    odd[1].write_bytes(b"0::/caf\xe9\nnot a line\n")
+    assert q(*odd) == 2.0  # (a name not UTF-8 and a line not understood: no exception; the walk reaches the root)
     assert q(tmp_path / "missing", tmp_path / "missing-cgroup") is None
+    monkeypatch.setattr(os.path, "isdir", lambda p: (_ for _ in ()).throw(PermissionError(13, "denied")))
+    assert q(*v1) is None  # (a stat refused: no cap, no exception)
+    monkeypatch.undo()
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
-    assert devices.usable_cpus(*v2) == 2 and devices.usable_cpus(*tight) == 1 and devices.usable_cpus(*ns) == 4
-    assert devices.usable_cpus(*off) == 16  # no quota: the affinity
-    half = _cgroups(tmp_path / "half", "0::/\n", {"fs/cpu.max": "50000 100000\n"})
-    assert devices.usable_cpus(*half) == 1  # (half a CPU: still one)
+    u = devices.usable_cpus
+    assert u(1, *v2) == 2 and u(1, *tight) == 1 and u(1, *ns) == 4
+    assert u(1, *off) == 16  # no quota: the affinity
+    assert u(1, *_cgroups(tmp_path / "half", "0::/\n", {"fs/cpu.max": "50000 100000\n"})) == 1  # (half a CPU: one)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    assert devices.usable_cpus(*ns) == 2  # the affinity, where it is the tighter
+    assert u(1, *ns) == 2  # the affinity, where it is the tighter
+
+
+def test_ranks_share_the_host_and_its_quota_but_not_cpus_they_are_pinned_to(monkeypatch):
+    """8 ranks on a 16-CPU host share it (2 each) and a container's quota (16 CPUs of quota for 4 ranks: 4 each); a
+    rank a launcher pinned to CPUs of its own keeps them all."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(devices, "cgroup_cpu_quota", lambda root, proc: None)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert [devices.usable_cpus(r) for r in (1, 4, 8, 32)] == [16, 4, 2, 1]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6, 7}, raising=False)  # (pinned: 4 of 16)
+    assert devices.usable_cpus(8) == 4
+    monkeypatch.setattr(devices, "cgroup_cpu_quota", lambda root, proc: 16.0)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert devices.usable_cpus(4) == 4 and devices.usable_cpus(1) == 16
+    monkeypatch.setattr(devices, "cgroup_cpu_quota", lambda root, proc: 6.0)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6, 7}, raising=False)
+    assert devices.usable_cpus(4) == 1  # (the quota, 6 CPUs for 4 ranks, binds a pinned rank too)
 
 
 def test_the_readers_and_tokenizers_take_their_share_of_the_usable_cpus(monkeypatch):
-    """The resident read's threads and the tokenizer processes count the CPUs a process may use (quota and
-    affinity), the read's split over the ranks on this host: 8 ranks on 16 usable CPUs read on 2 threads each."""
+    """The resident read's threads and the tokenizer processes count the CPUs a process may use, the read's split
+    over the ranks on this host (LOCAL_WORLD_SIZE): 8 ranks on a 16-CPU host read on 2 threads each."""
     from dflash_offline import dataset, tokenization
     from dflash_offline.config import TokenizeConfig
 
-    monkeypatch.setattr(dataset, "usable_cpus", lambda: 16)
-    monkeypatch.setattr(tokenization, "usable_cpus", lambda: 3)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(devices, "cgroup_cpu_quota", lambda root, proc: None)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert dataset.hold_threads(9) == dataset.HOLD_THREADS == 8 and dataset.hold_threads(3) == 3
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert dataset.hold_threads(9) == 2
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
-    assert dataset.hold_threads(9) == 1
+    for ranks, threads in (("8", 2), ("32", 1), ("", 8), ("x", 8)):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+        assert dataset.hold_threads(9) == threads, ranks
+    monkeypatch.setattr(devices, "cgroup_cpu_quota", lambda root, proc: 3.0)
     cfg = TokenizeConfig(corpus=["c.jsonl"], tokenizer="t")
     assert tokenization.workers_for(cfg) == 3 and tokenization.workers_for(TokenizeConfig(["c"], "t", workers=5)) == 5
 
