@@ -322,7 +322,11 @@ class DFlashDrafter(nn.Module):
     def reset_parameters(self):
         """Qwen3 init: every Linear ~ N(0, initializer_range), every norm weight = 1; DFlash2's modules are the
         identity (`dflash2`). The DFlash tensors draw exactly what a DFlash drafter draws (DFlash2's modules draw
-        after them, from a fork of the generator), so both built after the same `torch.manual_seed` share them."""
+        after them, from a fork of the generator), so both built after the same `torch.manual_seed` share them. On
+        the meta device (a drafter built for its shapes) there is nothing to draw: skipped (drawing there would import
+        torch._dynamo, seconds in a process that has not)."""
+        if self.fc.weight.is_meta:
+            return
         extra = (BlockConv, CandidateSelector)
         own = {id(p) for m in self.modules() if isinstance(m, extra) for p in m.parameters()}
         for m in self.modules():

@@ -361,6 +361,25 @@ def test_cli(tmp_path, qwen3_dir, capsys):
     assert res.returncode == 0 and "--run" in res.stdout and "--dtype" in res.stdout
 
 
+def test_an_export_builds_the_drafter_for_its_shapes_without_drawing_weights(trained_run, tmp_path):
+    """The export's drafter on the meta device (its tensors' shapes) draws no weights: drawing on meta imports
+    torch._dynamo, which cost the testbed's first export of a call 2–6 s; the exported weights are the run's."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    code = ("import sys; from dflash_offline.export import export; "
+            f"export({str(trained_run)!r}, {str(tmp_path / 'out')!r}, force=True); "
+            "print('dynamo', 'torch._dynamo' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=180, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "dynamo False" in res.stdout
+    from dflash_offline.drafter import DFlashDrafter, DrafterConfig
+
+    with torch.device("meta"):  # (shapes only, the parameters unset)
+        meta = DFlashDrafter(DrafterConfig(**json.loads((trained_run / "config.json").read_text())["drafter"]))
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as f:
+        assert {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()} == \
+            {k: tuple(v.shape) for k, v in meta.state_dict().items()}
+
+
 def test_a_target_of_other_shapes_is_refused(tmp_path, qwen3_dir):
     """--target= names the checkpoint whose ids and limits config.json copies: one of another depth, width or
     vocabulary (same RoPE) is not the target the drafter was trained on."""
