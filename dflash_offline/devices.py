@@ -46,54 +46,77 @@ def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/pr
     """CPUs this process's cgroup quota allows (quota / period: 2.5 for `250000 100000`), the tightest of its cgroup
     and every parent up to `root`, v2 (`cpu.max`) or v1 (`cpu.cfs_quota_us` / `cpu.cfs_period_us`); None without a
     quota (`max`, -1), or where the files are missing, unreadable or not understood: it never raises."""
+    limits = []
     try:
-        return _cgroup_cpu_quota(root, proc)
+        for d, v2 in _cgroup_dirs(root, proc, "cpu"):
+            try:
+                if v2:
+                    quota, period = (d / "cpu.max").read_text().split()[:2]
+                else:
+                    quota, period = ((d / f).read_text().strip() for f in ("cpu.cfs_quota_us", "cpu.cfs_period_us"))
+                if quota not in ("max", "-1") and float(quota) > 0 and float(period) > 0:
+                    limits.append(float(quota) / float(period))
+            except (OSError, ValueError):
+                pass
     except (OSError, ValueError):  # (a CPU count must not stop a stage: no cap is the safe answer)
         return None
+    return min(limits) if limits else None
 
 
-def _cgroup_cpu_quota(root: Path, proc: Path) -> float | None:
-    limits = []
+def cgroup_cpuset(root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/proc/self/cgroup")) -> int | None:
+    """How many CPUs this process's cgroup cpuset holds (v2 `cpuset.cpus.effective`, v1 `cpuset.effective_cpus`, the
+    nearest of its cgroup and its parents that says): a container's CPUs, where `os.cpu_count()` says the host's.
+    None where no file says; it never raises."""
+    try:
+        for d, v2 in _cgroup_dirs(root, proc, "cpuset"):
+            try:
+                text = (d / ("cpuset.cpus.effective" if v2 else "cpuset.effective_cpus")).read_text().strip()
+                if text:
+                    return sum(int(b) - int(a) + 1 for a, _, b in
+                               (r.partition("-") if "-" in r else (r, "", r) for r in text.split(",")))
+            except (OSError, ValueError):
+                pass
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _cgroup_dirs(root: Path, proc: Path, controller: str):
+    """(directory, is v2) of this process's cgroups that hold `controller`'s files, each from the process's own up
+    to the mounted tree's root (a parent's limits bind its children); a cgroup /proc places outside this namespace's
+    root (`..`) is skipped. Under a container's own tree the host's path is not there: the walk reaches its root."""
     for line in proc.read_text(errors="replace").splitlines():
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
         _, controllers, path = parts
         if controllers == "":  # v2: one unified hierarchy
-            base, names = root, None
-        elif "cpu" in controllers.split(","):  # v1: the cpu controller's own hierarchy
-            base, names = root / controllers, ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+            base, v2 = root, True
+        elif controller in controllers.split(","):  # v1: the controller's own hierarchy (cpu,cpuacct or cpu)
+            base, v2 = root / controllers, False
             if not os.path.isdir(base):
-                base = root / "cpu"
+                base = root / controller
         else:
             continue
         rel = posixpath.normpath("/" + path.strip()).lstrip("/")
-        if rel.startswith(".."):  # (outside this cgroup namespace's root: not a cgroup the mounted tree holds)
+        if rel.startswith(".."):
             continue
         d = base / rel if rel not in ("", ".") else base
-        while True:  # (a parent's quota binds its children too; the walk ends at `base`)
-            try:
-                if names is None:
-                    quota, period = (d / "cpu.max").read_text().split()[:2]
-                else:
-                    quota, period = ((d / name).read_text().strip() for name in names)
-                if quota not in ("max", "-1") and float(quota) > 0 and float(period) > 0:
-                    limits.append(float(quota) / float(period))
-            except (OSError, ValueError):
-                pass
+        while True:
+            yield d, v2
             if d == base:
                 break
             d = d.parent
-    return min(limits) if limits else None
 
 
 def usable_cpus(ranks: int = 1, root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/proc/self/cgroup")) -> int:
     """CPUs one of `ranks` processes on this host may use (at least one, rounded down): its affinity — split over the
-    ranks only where it covers the whole host (a rank a launcher pinned to CPUs of its own has its share already) —
-    capped by its cgroup's CPU quota, which the ranks share."""
+    ranks where it covers every CPU of the host or container (`cgroup_cpuset`; a rank a launcher pinned to CPUs of
+    its own has its share already) — capped by its cgroup's CPU quota, which the ranks share."""
     ranks, host = max(1, ranks), os.cpu_count() or 1
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else host
-    share = cpus / ranks if cpus >= host else cpus
+    whole = min(host, cgroup_cpuset(root, proc) or host)
+    share = cpus / ranks if cpus >= whole else cpus
     quota = cgroup_cpu_quota(root, proc)
     if quota is not None:
         share = min(share, quota / ranks)

@@ -127,14 +127,34 @@ def test_cpu_counts_honour_the_cgroup_quota_the_tightest_of_a_cgroup_and_its_par
     assert u(1, *ns) == 2  # the affinity, where it is the tighter
 
 
+def test_a_containers_cpuset_is_read_from_its_cgroup_or_the_nearest_parent(tmp_path):
+    """The CPUs of a container (its cgroup's cpuset, v2 or v1, lists like 0-3,8-11), where os.cpu_count() says the
+    host's; a cgroup whose file is empty takes its parent's; no file, or junk: None, never an exception."""
+    c = devices.cgroup_cpuset
+    assert c(*_cgroups(tmp_path / "v2", "0::/pod/ctr\n", {"fs/pod/ctr/cpuset.cpus.effective": "0-3,8-11\n",
+                                                          "fs/cpuset.cpus.effective": "0-127\n"})) == 8
+    assert c(*_cgroups(tmp_path / "up", "0::/pod/ctr\n", {"fs/pod/ctr/cpuset.cpus.effective": "\n",
+                                                          "fs/pod/cpuset.cpus.effective": "5\n"})) == 1
+    assert c(*_cgroups(tmp_path / "v1", "3:cpuset:/x\n", {"fs/cpuset/x/cpuset.effective_cpus": "0-7,9\n"})) == 9
+    assert c(*_cgroups(tmp_path / "junk", "0::/\n", {"fs/cpuset.cpus.effective": "a-b\n"})) is None
+    assert c(tmp_path / "missing", tmp_path / "missing-cgroup") is None
+
+
 def test_ranks_share_the_host_and_its_quota_but_not_cpus_they_are_pinned_to(monkeypatch):
-    """8 ranks on a 16-CPU host share it (2 each) and a container's quota (16 CPUs of quota for 4 ranks: 4 each); a
-    rank a launcher pinned to CPUs of its own keeps them all."""
+    """8 ranks on a 16-CPU host share it (2 each), or a container's CPUs on a bigger host, and a container's quota
+    (16 CPUs of quota for 4 ranks: 4 each); a rank a launcher pinned to CPUs of its own keeps them all."""
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     monkeypatch.setattr(devices, "cgroup_cpu_quota", lambda root, proc: None)
+    monkeypatch.setattr(devices, "cgroup_cpuset", lambda root, proc: None)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     assert [devices.usable_cpus(r) for r in (1, 4, 8, 32)] == [16, 4, 2, 1]
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6, 7}, raising=False)  # (pinned: 4 of 16)
+    assert devices.usable_cpus(8) == 4
+    monkeypatch.setattr(os, "cpu_count", lambda: 128)  # (a container of 16 CPUs on a 128-CPU host: shared)
+    monkeypatch.setattr(devices, "cgroup_cpuset", lambda root, proc: 16)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert devices.usable_cpus(8) == 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6, 7}, raising=False)  # (pinned in it)
     assert devices.usable_cpus(8) == 4
     monkeypatch.setattr(devices, "cgroup_cpu_quota", lambda root, proc: 16.0)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
@@ -153,6 +173,7 @@ def test_the_readers_and_tokenizers_take_their_share_of_the_usable_cpus(monkeypa
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     monkeypatch.setattr(devices, "cgroup_cpu_quota", lambda root, proc: None)
+    monkeypatch.setattr(devices, "cgroup_cpuset", lambda root, proc: None)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert dataset.hold_threads(9) == dataset.HOLD_THREADS == 8 and dataset.hold_threads(3) == 3
     for ranks, threads in (("8", 2), ("32", 1), ("", 8), ("x", 8)):
