@@ -9,8 +9,11 @@ A CUDA device always carries its index (the process's local rank under a launche
 made the current one, so allocations without an explicit device land on it too.
 
 CPU counts: `usable_cpus` is what a process may really run on — its CPU affinity, capped by the CPU quota of its
-cgroup (v2 `cpu.max`, v1 `cpu.cfs_quota_us`, the tightest of its cgroup and their parents): a container limited to 8
-CPUs on a 128-core host gets 8 tokenizer processes, not 128; 8 ranks in it read a resident cache on 1 thread each.
+cgroup (v2 `cpu.max`, v1 `cpu.cfs_quota_us`, the tightest of its cgroup and their parents) and, for one of several
+ranks on a host, by its share of the host's or container's CPUs (its cgroup's cpuset) and of that quota: a container
+limited to 8 CPUs on a 128-core host gets 8 tokenizer processes, not 128; 8 ranks in it read a resident cache on 1
+thread each. The cgroup files are found under /sys/fs/cgroup by the paths /proc/self/cgroup gives (the container's
+own tree, or the host's walked up to its root); mounts elsewhere (mountinfo) are not looked for: no cap there.
 
 CPU threads: the CPU path exists for the tiny targets (tests, `make demo`), whose small matmuls run fastest on one
 thread; more threads mostly wait on each other, and oversubscribe a small machine shared by several processes.
@@ -64,21 +67,34 @@ def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/pr
 
 
 def cgroup_cpuset(root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/proc/self/cgroup")) -> int | None:
-    """How many CPUs this process's cgroup cpuset holds (v2 `cpuset.cpus.effective`, v1 `cpuset.effective_cpus`, the
-    nearest of its cgroup and its parents that says): a container's CPUs, where `os.cpu_count()` says the host's.
-    None where no file says; it never raises."""
+    """How many CPUs this process's cgroup cpuset holds (v2 `cpuset.cpus.effective`; v1 `cpuset.effective_cpus`, else
+    `cpuset.cpus`), from the nearest of its cgroup and its parents whose file says (an empty file, or one not
+    understood, is passed over for its parent's): a container's CPUs, where `os.cpu_count()` says the host's. None
+    where no file says; it never raises."""
     try:
         for d, v2 in _cgroup_dirs(root, proc, "cpuset"):
-            try:
-                text = (d / ("cpuset.cpus.effective" if v2 else "cpuset.effective_cpus")).read_text().strip()
-                if text:
-                    return sum(int(b) - int(a) + 1 for a, _, b in
-                               (r.partition("-") if "-" in r else (r, "", r) for r in text.split(",")))
-            except (OSError, ValueError):
-                pass
+            for name in ("cpuset.cpus.effective",) if v2 else ("cpuset.effective_cpus", "cpuset.cpus"):
+                try:
+                    n = _cpu_list_size((d / name).read_text())
+                except (OSError, ValueError):
+                    continue
+                if n:
+                    return n
     except (OSError, ValueError):
         return None
     return None
+
+
+def _cpu_list_size(text: str) -> int:
+    """CPUs in a kernel CPU list such as `0-3,8-11` (0 for an empty one); ValueError for anything else."""
+    n = 0
+    for r in text.strip().split(",") if text.strip() else ():
+        a, _, b = r.partition("-")
+        lo, hi = int(a), int(b or a)
+        if hi < lo or lo < 0:
+            raise ValueError(f"not a CPU range: {r!r}")
+        n += hi - lo + 1
+    return n
 
 
 def _cgroup_dirs(root: Path, proc: Path, controller: str):
@@ -98,9 +114,9 @@ def _cgroup_dirs(root: Path, proc: Path, controller: str):
                 base = root / controller
         else:
             continue
-        rel = posixpath.normpath("/" + path.strip()).lstrip("/")
-        if rel.startswith(".."):
+        if ".." in path.strip().split("/"):  # (outside this namespace's root: not in the mounted tree)
             continue
+        rel = posixpath.normpath("/" + path.strip()).lstrip("/")
         d = base / rel if rel not in ("", ".") else base
         while True:
             yield d, v2
@@ -110,13 +126,15 @@ def _cgroup_dirs(root: Path, proc: Path, controller: str):
 
 
 def usable_cpus(ranks: int = 1, root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/proc/self/cgroup")) -> int:
-    """CPUs one of `ranks` processes on this host may use (at least one, rounded down): its affinity — split over the
-    ranks where it covers every CPU of the host or container (`cgroup_cpuset`; a rank a launcher pinned to CPUs of
-    its own has its share already) — capped by its cgroup's CPU quota, which the ranks share."""
+    """CPUs one of `ranks` processes on this host may use (at least one, rounded down): its affinity, capped by its
+    share of the host's or container's CPUs (`cgroup_cpuset`) and of its cgroup's CPU quota, which the ranks share.
+    A rank a launcher pinned to CPUs of its own keeps them (they are at most its share); ranks given one set of CPUs
+    (taskset, a NUMA node) split what the container holds, never more. Ranks each in a cgroup of their own would be
+    split again: no launcher here does that."""
     ranks, host = max(1, ranks), os.cpu_count() or 1
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else host
     whole = min(host, cgroup_cpuset(root, proc) or host)
-    share = cpus / ranks if cpus >= whole else cpus
+    share = min(cpus, whole / ranks)
     quota = cgroup_cpu_quota(root, proc)
     if quota is not None:
         share = min(share, quota / ranks)

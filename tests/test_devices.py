@@ -92,8 +92,9 @@ def test_cpu_counts_honour_the_cgroup_quota_the_tightest_of_a_cgroup_and_its_par
     ns = _cgroups(tmp_path / "ns", "0::/docker/abc\n", {"fs/cpu.max": "400000 100000\n"})
     assert q(*ns) == 4.0
     # a cgroup outside this namespace's root (/proc says ..): not in the mounted tree, and the walk does not leave it
-    assert q(*_cgroups(tmp_path / "out", "0::/../sibling\n", {"cpu.max": "100000 100000\n",
-                                                             "fs/cpu.max": "max 100000\n"})) is None
+    out = _cgroups(tmp_path / "out", "0::/../sibling\n", {"cpu.max": "100000 100000\n", "fs/cpu.max": "200000 100000\n",
+                                                         "fs/cpuset.cpus.effective": "0-3\n"})
+    assert q(*out) is None and devices.cgroup_cpuset(*out) is None  # (not the namespace root's limits either)
     v1 = _cgroups(tmp_path / "v1", "12:memory:/x\n4:cpu,cpuacct:/x/y\n",
                   {"fs/cpu,cpuacct/x/y/cpu.cfs_quota_us": "-1\n", "fs/cpu,cpuacct/x/y/cpu.cfs_period_us": "100000\n",
                    "fs/cpu,cpuacct/x/cpu.cfs_quota_us": "300000\n", "fs/cpu,cpuacct/x/cpu.cfs_period_us": "100000\n"})
@@ -127,35 +128,47 @@ def test_cpu_counts_honour_the_cgroup_quota_the_tightest_of_a_cgroup_and_its_par
     assert u(1, *ns) == 2  # the affinity, where it is the tighter
 
 
-def test_a_containers_cpuset_is_read_from_its_cgroup_or_the_nearest_parent(tmp_path):
+def test_a_containers_cpuset_is_read_from_its_cgroup_or_the_nearest_parent(tmp_path, monkeypatch):
     """The CPUs of a container (its cgroup's cpuset, v2 or v1, lists like 0-3,8-11), where os.cpu_count() says the
-    host's; a cgroup whose file is empty takes its parent's; no file, or junk: None, never an exception."""
+    host's; a cgroup whose file is empty or not understood takes its parent's; no file, or junk: None, never an
+    exception. 8 ranks in a 16-CPU container on a 128-CPU host read on 2 threads each."""
     c = devices.cgroup_cpuset
     assert c(*_cgroups(tmp_path / "v2", "0::/pod/ctr\n", {"fs/pod/ctr/cpuset.cpus.effective": "0-3,8-11\n",
                                                           "fs/cpuset.cpus.effective": "0-127\n"})) == 8
     assert c(*_cgroups(tmp_path / "up", "0::/pod/ctr\n", {"fs/pod/ctr/cpuset.cpus.effective": "\n",
                                                           "fs/pod/cpuset.cpus.effective": "5\n"})) == 1
     assert c(*_cgroups(tmp_path / "v1", "3:cpuset:/x\n", {"fs/cpuset/x/cpuset.effective_cpus": "0-7,9\n"})) == 9
-    assert c(*_cgroups(tmp_path / "junk", "0::/\n", {"fs/cpuset.cpus.effective": "a-b\n"})) is None
+    assert c(*_cgroups(tmp_path / "v1cpus", "3:cpuset:/x\n", {"fs/cpuset/x/cpuset.cpus": "2-5\n"})) == 4
+    for n, junk in enumerate(("a-b\n", "7-3\n", "0-3,\n", "-1\n")):
+        assert c(*_cgroups(tmp_path / f"junk{n}", "0::/\n", {"fs/cpuset.cpus.effective": junk})) is None, junk
+    assert c(*_cgroups(tmp_path / "child", "0::/ctr\n", {"fs/ctr/cpuset.cpus.effective": "0-3,\n",
+                                                        "fs/cpuset.cpus.effective": "0-15\n"})) == 16
     assert c(tmp_path / "missing", tmp_path / "missing-cgroup") is None
+    tree = _cgroups(tmp_path / "ctr16", "0::/\n", {"fs/cpuset.cpus.effective": "0-15\n", "fs/cpu.max": "max 100000\n"})
+    monkeypatch.setattr(os, "cpu_count", lambda: 128)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert devices.usable_cpus(8, *tree) == 2 and devices.usable_cpus(1, *tree) == 16
 
 
 def test_ranks_share_the_host_and_its_quota_but_not_cpus_they_are_pinned_to(monkeypatch):
     """8 ranks on a 16-CPU host share it (2 each), or a container's CPUs on a bigger host, and a container's quota
-    (16 CPUs of quota for 4 ranks: 4 each); a rank a launcher pinned to CPUs of its own keeps them all."""
+    (16 CPUs of quota for 4 ranks: 4 each); a rank a launcher pinned to CPUs of its own keeps them all; ranks given
+    one set of CPUs together (taskset, a NUMA node) take no more than their share of the container."""
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     monkeypatch.setattr(devices, "cgroup_cpu_quota", lambda root, proc: None)
     monkeypatch.setattr(devices, "cgroup_cpuset", lambda root, proc: None)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     assert [devices.usable_cpus(r) for r in (1, 4, 8, 32)] == [16, 4, 2, 1]
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6, 7}, raising=False)  # (pinned: 4 of 16)
-    assert devices.usable_cpus(8) == 4
+    assert devices.usable_cpus(4) == 4
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)  # (8 ranks on taskset 0-7)
+    assert devices.usable_cpus(8) == 2
     monkeypatch.setattr(os, "cpu_count", lambda: 128)  # (a container of 16 CPUs on a 128-CPU host: shared)
     monkeypatch.setattr(devices, "cgroup_cpuset", lambda root, proc: 16)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     assert devices.usable_cpus(8) == 2
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6, 7}, raising=False)  # (pinned in it)
-    assert devices.usable_cpus(8) == 4
+    assert devices.usable_cpus(4) == 4 and devices.usable_cpus(8) == 2
     monkeypatch.setattr(devices, "cgroup_cpu_quota", lambda root, proc: 16.0)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     assert devices.usable_cpus(4) == 4 and devices.usable_cpus(1) == 16
