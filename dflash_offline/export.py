@@ -210,12 +210,23 @@ ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
+def transformers_version() -> str:
+    """The installed transformers' version, from its package metadata: importing transformers takes seconds (the
+    testbed's first export of a call paid them); a copy without metadata (a source tree on the path) is imported."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        import transformers
+
+        return transformers.__version__
+
+
 def zlab_config(dc, tgt: dict, dtype: str) -> dict:
     """config.json of the exported drafter (`dc`: DrafterConfig; `tgt`: `target_fields`); taps no engine serves as
     trained are refused (`check_servable_taps`). A DFlash2 drafter names `DFlash2DraftModel` (architectures and
     auto_map) and adds `DFLASH2_FIELDS` to dflash_config."""
-    import transformers
-
     check_servable_taps(dc)
     sliding = "sliding_attention" in dc.layer_types
     arch = ARCHITECTURES[dc.variant]
@@ -255,7 +266,7 @@ def zlab_config(dc, tgt: dict, dtype: str) -> dict:
         "pad_token_id": tgt["pad_token_id"],
         "dtype": dtype,
         "torch_dtype": dtype,
-        "transformers_version": transformers.__version__,
+        "transformers_version": transformers_version(),
     }
     if dc.block_attention == "bidirectional":
         # every layer sees its whole block: the top-level flag z-lab's DFlash2DraftModel, vLLM and SGLang read for all
