@@ -80,6 +80,9 @@ def refuse_repeats(arms: list[str]) -> None:
                           f"--seeds (SEEDS=) and read its spread")
 
 
+OWN_SEEDS = 1 << 20  # an arm's own seeds lie in [2^20, 2^31), drawn anew for another first seed (--seed)
+
+
 def arm_seeds(cfg: TestbedConfig, arm: str, null: bool = False) -> list[int]:
     """The `cfg.seeds` seeds `arm` trains under: the recipe ('') the first seed and the next ones (its first is the
     testbed's own drafter); any other arm, and the null arm (`null`: `arm` again under other seeds), seeds of its own
@@ -94,9 +97,6 @@ def arm_seeds(cfg: TestbedConfig, arm: str, null: bool = False) -> list[int]:
         return [cfg.seed + i for i in range(cfg.seeds)]
     return [OWN_SEEDS + int(hashlib.sha256(f"{cfg.seed}:{key}#{i}".encode()).hexdigest()[:8], 16) % (2**31 - OWN_SEEDS)
             for i in range(cfg.seeds)]
-
-
-OWN_SEEDS = 1 << 20  # an arm's own seeds lie in [2^20, 2^31), drawn anew for another first seed (--seed)
 
 
 def sweep_jobs(cfg: TestbedConfig, p: Paths, arms: list[str], null: str | None, bad: str | None) -> tuple[list, dict]:
