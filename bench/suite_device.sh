@@ -12,8 +12,10 @@
 # choices from bench/autotune/ and record theirs: gpu-suite/autotune.json, to fold in here with
 #   .venv/bin/python -m dflash_offline.autotune merge --first_wins=1 --out=bench/autotune/T.json bench/autotune/T.json \
 #     build/gpu-suite/autotune.json      (T: the table of that GPU, Triton and fla)
-# SUITE_LIMIT=S interrupts it after S seconds (SIGINT: pytest still reports the tests that ran); WORKERS=N processes
-# (CPU suite: all cores).
+# SUITE_LIMIT=S interrupts it after S seconds (SIGINT: pytest still reports the tests that ran; SIGKILL 30 s later):
+# give the call a timeout of at least S + 90 (set-up ≈ 20 s, the 30 s grace, the tarball), or only the live log
+# ($OUT/MARK-suite.log, written as the tests run: the GPU tests one line each) comes back. WORKERS=N processes (CPU
+# suite: all cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--pack" ]; then
@@ -35,8 +37,8 @@ OUT=${OUT:-build/out}
 MARK=${MARK:-cpu}
 case "$MARK" in
   cpu) export CUDA_VISIBLE_DEVICES=  # the CPU suite: a test must not find (nor take memory on) the GPU
-       select="not gpu" workers=${WORKERS:-$(nproc)} ;;
-  gpu) select="gpu" workers=${WORKERS:-0}  # (one process: the GPU tests size their work to one GPU)
+       select="not gpu" workers=${WORKERS:-$(nproc)} verbose=-q ;;
+  gpu) select="gpu" workers=${WORKERS:-0} verbose=-v  # (one process: the GPU tests size their work to one GPU)
        # fla's autotuner choices recorded on earlier calls pinned (a cold machine otherwise times every candidate
        # config of every shape: ≈ 160 s for an exact-mode evaluation's float32 kernels), this call's recorded
        export DFLASH_AUTOTUNE_PIN=${DFLASH_AUTOTUNE_PIN-$PWD/bench/autotune} DFLASH_AUTOTUNE_RECORD=$PWD/build/autotune ;;
@@ -62,8 +64,10 @@ rm -rf build/autotune "$res/autotune.json"  # (a warm machine's earlier call: no
 # SUITE_LIMIT=S: interrupted after S seconds (SIGINT: pytest still writes the report of the tests that ran)
 args=("$@")  # pytest arguments; the whole tests/ where they name no file or folder of it
 [[ " $* " == *" tests"* ]] || args=(tests "${args[@]}")
-${SUITE_LIMIT:+timeout -s INT -k 30 "$SUITE_LIMIT"} $py -m pytest -q -m "$select" -n "$workers" --dist loadfile \
-  -p no:cacheprovider -rfEs --junitxml="$res/junit.xml" --durations=15 "${args[@]}" >"$res/pytest.log" 2>&1 || rc=$?
+# (the log also goes to $OUT as it is written: a call killed before the tarball still tells what ran)
+${SUITE_LIMIT:+timeout -s INT -k 30 "$SUITE_LIMIT"} env PYTHONUNBUFFERED=1 $py -m pytest "$verbose" -m "$select" -n "$workers" --dist loadfile \
+  -p no:cacheprovider -rfEs --junitxml="$res/junit.xml" --durations=15 "${args[@]}" 2>&1 \
+  | tee "$OUT/$MARK-suite.log" >"$res/pytest.log" || rc=$?
 tail -40 "$res/pytest.log"
 # the choices this call's autotuners made, as one table (merge it into bench/autotune/'s with --first_wins=1: the
 # file's header says how) — the next cold machine then pins the tests' shapes too
