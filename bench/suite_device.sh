@@ -38,7 +38,7 @@ MARK=${MARK:-cpu}
 case "$MARK" in
   cpu) export CUDA_VISIBLE_DEVICES=  # the CPU suite: a test must not find (nor take memory on) the GPU
        select="not gpu" workers=${WORKERS:-$(nproc)} verbose=-q ;;
-  gpu) select="gpu" workers=${WORKERS:-0} verbose=-v  # (one process: the GPU tests fit their work to one GPU)
+  gpu) select="gpu" workers=${WORKERS:-0} verbose=-v  # (one process: the GPU tests size their work to 1 GPU)
        # fla's autotuner choices recorded on earlier calls pinned (a cold machine otherwise times every candidate
        # config of every shape: ≈ 160 s for an exact-mode evaluation's float32 kernels), this call's recorded
        export DFLASH_AUTOTUNE_PIN=${DFLASH_AUTOTUNE_PIN-$PWD/bench/autotune} DFLASH_AUTOTUNE_RECORD=$PWD/build/autotune ;;
@@ -66,7 +66,8 @@ args=("$@")  # pytest arguments; the whole tests/ where they name no file or fol
 [[ " $* " == *" tests"* ]] || args=(tests "${args[@]}")
 # (the log also goes to $OUT as it is written: a call killed before the tarball still tells what ran)
 ${SUITE_LIMIT:+timeout -s INT -k 30 "$SUITE_LIMIT"} env PYTHONUNBUFFERED=1 \
-  $py -m pytest "$verbose" -m "$select" -n "$workers" --dist loadfile -p no:cacheprovider -rfEs --junitxml="$res/junit.xml" --durations=15 "${args[@]}" 2>&1 \
+  $py -m pytest "$verbose" -m "$select" -n "$workers" --dist loadfile -p no:cacheprovider -rfEs \
+  --junitxml="$res/junit.xml" --durations=15 "${args[@]}" 2>&1 \
   | tee "$OUT/$MARK-suite.log" >"$res/pytest.log" || rc=$?
 tail -40 "$res/pytest.log"
 # the choices this call's autotuners made, as one table (merge it into bench/autotune/'s with --first_wins=1: the
