@@ -275,6 +275,11 @@ def plan_run(cfg: ExtractConfig, tok_cfg: TokenizeConfig | None, rank: int, worl
         f"{f', projected to {cfg.project_dims} dims a tap' if cfg.project_dims else ''}); "
         f"{len(plan.todo)}/{plan.num_shards} shards to do, "
         f"{plan.need / 1e9:.2f} GB; device {device}")
+    if cfg.from_cache:  # (before the kernel check and any write: a source that cannot give this cache is refused)
+        from .derive import source_problem
+
+        if why := source_problem(cfg.from_cache, plan):
+            raise ConfigError(f"extract.from_cache: {why}")
     if cfg.dry_run and not plan.weights:
         log(f"[rank {rank}] dry run without weights ({weights_missing(plan.ckpt)}): the cache's key, and "
             f"so its directory and the shards already done, are the real run's only once the weights are there")
@@ -507,6 +512,8 @@ def check_kernels(cfg: ExtractConfig, plan: ExtractPlan, rank: int, world: int) 
 
     from .target import probe
 
+    if cfg.from_cache:  # (no forward runs: the states are read)
+        return {"minutes": None, "kernels": f"none run (states read from {cfg.from_cache})"}
     if cfg.dry_run and plan.device.type == "cpu" and cfg.device == "auto":  # planning from a machine without a GPU
         log(f"[rank {rank}] no GPU here: kernels and timing not checked (the real run checks them before loading "
             f"weights); the plan takes its rates from H200 measurements")

@@ -84,7 +84,8 @@ def run(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int = 0, world: int =
         dry_run_verdict(cfg, p, rank, train)
         return None
     open_cache(p.cache, "hidden", p.key, p.producer,
-               {"extract": {**as_dict(cfg), "target": recorded_target(cfg.target)},
+               {"extract": {**as_dict(cfg), "target": recorded_target(cfg.target),
+                            "from_cache": str(Path(cfg.from_cache).resolve()) if cfg.from_cache else ""},
                 "tokens_dir": os.path.relpath(p.tokens_dir.resolve(), p.cache.resolve()),
                 "mask_token_id": p.mask_token_id, "layer_ids": p.layer_ids},
                num_shards=p.num_shards)
@@ -94,10 +95,19 @@ def run(cfg: ExtractConfig, tok_cfg: TokenizeConfig, rank: int = 0, world: int =
     if not p.todo:
         log(f"{p.cache}: all {p.num_shards} shards already committed and on disk; nothing to do")
         return p.cache
-    model = tgt.load_target(p.ckpt, p.layer_ids, device=p.device, dtype=getattr(torch, cfg.dtype), mode=cfg.mode)
-    log(f"[rank {rank}] weights loaded in {time.time() - p.t0:.1f}s")
-    projection = projection_for(cfg, p, model, rank) if cfg.project_dims else None
-    extract_shards(cfg, p, model, rank, world, projection)
+    if cfg.from_cache:  # the states of a bf16 cache of this target and tokens, read instead of computed
+        from dflash_offline.derive import CacheStates
+
+        model = CacheStates(cfg.from_cache, p, log)
+    else:
+        model = tgt.load_target(p.ckpt, p.layer_ids, device=p.device, dtype=getattr(torch, cfg.dtype), mode=cfg.mode)
+        log(f"[rank {rank}] weights loaded in {time.time() - p.t0:.1f}s")
+    try:
+        projection = projection_for(cfg, p, model, rank) if cfg.project_dims else None
+        extract_shards(cfg, p, model, rank, world, projection)
+    finally:
+        if cfg.from_cache:
+            model.close()
     return p.cache
 
 

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_offline import derive
 from dflash_offline.cache.fsio import sha256_file
 from dflash_offline.cache.manifest import has_manifest, read_manifest
 
@@ -73,11 +74,16 @@ class Job:
 
 
 def extract(cfg: TestbedConfig, p: Paths, settings: dict, name: str, dev: str, log_file: Path | None = None) -> float:
-    """Token cache (shared) + hidden cache DIR/cache/hidden[-name] with the recipe and `settings` ([extract])."""
+    """Token cache (shared) + hidden cache DIR/cache/hidden[-name] with the recipe and `settings` ([extract]); an
+    arm's cache that only encodes, projects or drops taps of the base cache's states is derived from it (its bytes
+    and key a direct extraction's, no target forward: `dflash_offline.derive`)."""
     args = [f"--recipe={cfg.drafter_recipe}", f"--corpus={p.regen}", f"--tokenizer={p.target}", f"--target={p.target}",
             f"--tokens={p.tokens}", f"--cache={p.hidden(name)}", f"--device={dev}"]
     if cfg.recipe_seq_len:
         args.append(f"--seq_len={cfg.recipe_seq_len}")
+    if name and set(settings) <= derive.SETTINGS and has_manifest(p.hidden()) \
+            and derive.exact_states(read_manifest(p.hidden()).get("producer") or {}):
+        args.append(f"--from_cache={p.hidden()}")
     return stage("stages.extract", *args, *(f"--{k}={v}" for k, v in settings.items()), log_file=log_file)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from dflash_offline import dataset
+from dflash_offline.cache.manifest import read_manifest
 from dflash_offline.config import ConfigError
 from testbed import ab as testbed_ab
 from testbed import cli, commands, config, runs, scheduler, sources, target, worker
@@ -659,6 +660,10 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     # the projected fp4 cache's drafter, folded at export, decodes losslessly through the served modeling code
     # (τ replayed on the target-alone decodes; each arm's first drafter also decodes 2 of the 3 prompts for real and
     # the replay took the decode's steps there; the null arm's drafters only replay)
+    # (the arms' caches are derived from the base cache's bf16 states, not extracted again)
+    for arm in ("quantfp8", "project_dims32-quantfp4"):
+        assert read_manifest(root / "cache" / f"hidden-{arm}")["config"]["extract"]["from_cache"] == str(
+            (root / "cache" / "hidden").resolve())
     proj_run = root / "runs" / "project_dims32-quantfp4" / f"seed{own('project_dims=32 quant=fp4')}"
     proj = json.loads((proj_run / "eval.json").read_text())
     assert proj["lossless"] is True and proj["num_prompts"] == 3 and proj["lossless_prompts"] == 2

@@ -1,0 +1,138 @@
+"""A cache derived from another without the target (`[extract] from_cache=DIR`, make extract ARGS=--from_cache=DIR).
+
+A complete bf16 cache of a bfloat16 target holds the target's tapped states exactly: the stored bf16 values are the
+forward's outputs, unrounded. Every other cache of that target, corpus and token cache — `quant=fp8` or `fp4`,
+`project_dims=k`, a subset of its taps — is a function of those values: the extraction encodes (and projects) the
+forward's outputs. `CacheStates` stands in for the loaded target: its `tapped_layers` returns, for each row of a
+batch, that row's states read from the source cache (each read checked against its row digest), so the extraction
+loop, the projection's calibration, the writer, the claims and the manifest run unchanged and the shards come out
+as a direct extraction's would, under the same key: minutes of disk reads instead of hours of a 27B forward.
+
+Rows are found by content: the derived cache's token cache is the source's (its key is part of both producers), and a
+row's token arrays name it. A padding row (no document token) gets zeros, which the writer never stores.
+
+`source_problem` says why a directory cannot be derived from (before anything is written or loaded): not a complete
+hidden cache; not bf16, projected, or of a float32 target (its values are not the bfloat16 forward's); another
+target, corpus, token cache, sequence length or layout (the producer fields named); taps it lacks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+# producer fields a derived cache may change: each is a function of the source's states
+DERIVABLE = ("quant", "projection", "layer_ids")
+SETTINGS = frozenset({"quant", "project_dims", "project_rows", "layer_ids"})  # the [extract] settings behind them
+
+
+def exact_states(producer: dict) -> bool:
+    """Whether a hidden cache of this producer holds its target's states exactly (so can be derived from)."""
+    return producer.get("quant") == "bf16" and not producer.get("projection") and producer.get("dtype") == "bfloat16"
+
+
+def source_problem(from_cache: str, plan) -> str | None:
+    """Why `from_cache` cannot give the cache of `plan` (an `extract_plan.ExtractPlan`), or None."""
+    from .cache.manifest import diff_producers, has_manifest, read_manifest
+
+    src = Path(from_cache)
+    if not has_manifest(src):
+        return (f"{src} holds no manifest.json: give the directory of a hidden-state cache (make extract's output), "
+                f"or run with the recipe and without --from_cache to compute the states from the target")
+    try:
+        m = read_manifest(src, kind="hidden")
+    except ValueError as e:
+        return str(e)
+    prod = m.get("producer") or {}
+    if plan.cache is not None and src.resolve() == Path(plan.cache).resolve():
+        return f"{src} is the cache being written: name another (a bf16 cache of the same target and tokens)"
+    if not exact_states(prod):
+        return (f"{src} stores quant={prod.get('quant')!r}{', projected' if prod.get('projection') else ''} states of a "
+                f"{prod.get('dtype')!r} target: only an unprojected bf16 cache of a bfloat16 target holds the target's "
+                f"states exactly; derive from one, or extract from the target (leave --from_cache empty)")
+    if fields := diff_producers({k: v for k, v in prod.items() if k not in DERIVABLE},
+                                {k: v for k, v in plan.producer.items() if k not in DERIVABLE}):
+        return (f"{src}/manifest.json differs from this extraction in producer field(s) {', '.join(fields)}: it holds "
+                f"the states of another target, corpus, token cache or layout; derive from a cache of this one, or "
+                f"extract from the target (leave --from_cache empty)")
+    if missing := sorted(set(plan.layer_ids) - {int(i) for i in prod.get("layer_ids", [])}):
+        return (f"{src} taps layers {prod.get('layer_ids')}, not {missing} that this cache needs: derive a subset of "
+                f"its taps, or extract from the target")
+    if plan.key == m.get("key"):
+        return f"{src} is this cache already (key {plan.key[:12]}): train on it as it is, or copy it"
+    return None
+
+
+def row_key(input_ids: np.ndarray, position_ids: np.ndarray, doc_ids: np.ndarray) -> int:
+    """A row's identity: its token arrays (as the token cache stores them, int32)."""
+    h = xxhash.xxh3_128()
+    for a in (input_ids, position_ids, doc_ids):
+        h.update(np.ascontiguousarray(a, dtype=np.int32).tobytes())
+    return h.intdigest()
+
+
+class CacheStates:
+    """The tapped states of `plan.layer_ids` read from the complete bf16 cache `from_cache`, as the loaded target's
+    `tapped_layers` gives them: one [B, S, H] bfloat16 tensor per tap on `plan.device`."""
+
+    def __init__(self, from_cache: str, plan, log=print):
+        from .dataset import open_hidden_cache
+
+        if why := source_problem(from_cache, plan):
+            raise ValueError(f"extract.from_cache: {why}")
+        self.info = open_hidden_cache(from_cache, plan.layer_ids, plan.info.hidden_size, plan.seq_len)
+        self.device, self.log = plan.device, log
+        self.rows: dict[int, tuple[int, int]] | None = None  # row key → (shard, row), built on the first batch
+        self.files: OrderedDict = OrderedDict()  # shard → open HiddenShardFile (the last two)
+
+    def _index(self) -> dict[int, tuple[int, int]]:
+        from .cache.shards import read_token_shard, token_shard_name
+
+        rows: dict[int, tuple[int, int]] = {}
+        for shard, sha in enumerate(self.info.tokens_sha256):
+            t = read_token_shard(self.info.tokens_dir / token_shard_name(shard), sha,
+                                 f"the token cache {self.info.tokens_dir} is corrupt: rebuild it")
+            for r in range(len(t["doc_ids"])):
+                rows.setdefault(row_key(t["input_ids"][r], t["position_ids"][r], t["doc_ids"][r]), (shard, r))
+        self.log(f"states from {self.info.cache_dir} ({len(rows)} rows in {len(self.info.shard_rows)} shards): "
+                 f"no target forward")
+        return rows
+
+    def _file(self, shard: int):
+        from .dataset import open_shard
+
+        if shard not in self.files:
+            self.files[shard] = open_shard(self.info, shard)
+            while len(self.files) > 2:
+                self.files.popitem(last=False)[1].close()
+        self.files.move_to_end(shard)
+        return self.files[shard]
+
+    def tapped_layers(self, input_ids_BS, position_ids_BS, doc_ids_BS) -> list:
+        import torch
+
+        if self.rows is None:
+            self.rows = self._index()
+        ids, pos, docs = (t.numpy() for t in (input_ids_BS, position_ids_BS, doc_ids_BS))
+        B, S = ids.shape
+        out = torch.zeros((len(self.info.layer_ids), B, S, self.info.hidden_size), dtype=torch.bfloat16)
+        for b in range(B):
+            if (docs[b] < 0).all():  # a padding row: never stored
+                continue
+            at = self.rows.get(row_key(ids[b], pos[b], docs[b]))
+            if at is None:
+                raise ValueError(f"extract.from_cache: a row of the token cache is not in {self.info.cache_dir}'s "
+                                 f"token cache {self.info.tokens_dir}: the two differ; derive from a cache of this "
+                                 f"token cache, or extract from the target")
+            f = self._file(at[0])
+            for j, lid in enumerate(self.info.layer_ids):
+                f.read_row(f"hidden.L{lid}", at[1], out[j, b])
+        out = out.to(self.device)
+        return list(out.unbind(0))
+
+    def close(self) -> None:
+        while self.files:
+            self.files.popitem()[1].close()

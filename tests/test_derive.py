@@ -1,0 +1,93 @@
+"""A cache derived from a bf16 cache without the target (`[extract] from_cache=DIR`): byte for byte the cache a direct
+extraction writes — fp8, fp4, projected, fewer taps — under the same key, and the sources that cannot give it refused
+before anything is written."""
+
+import json
+
+import pytest
+
+from dflash_offline.cache.manifest import committed, read_manifest
+from dflash_offline.config import ConfigError, ExtractConfig, TokenizeConfig
+from stages import extract
+
+
+def configs(root, target, corpus, max_docs=12, **kw):
+    tok = TokenizeConfig(corpus=[str(corpus)], tokenizer=str(target), cache_root=str(root), seq_len=128,
+                         rows_per_shard=4, workers=1, max_docs=max_docs).resolve()
+    ext = ExtractConfig(target=str(target), cache_root=str(root), num_draft_layers=3, device="cpu", batch_rows=2,
+                        **kw).resolve()
+    return ext, tok
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory, qwen35_dir, chat_corpus):
+    """(root, the bf16 cache of the tiny Qwen3.5 target over 3 token shards)."""
+    root = tmp_path_factory.mktemp("derive")
+    return root, extract.run(*configs(root, qwen35_dir, chat_corpus, cache=str(root / "bf16")))
+
+
+def files(cache) -> dict:
+    """Every committed shard's files (name → SHA-256), and the projection file's, if any."""
+    m = read_manifest(cache)
+    out = {f"{i}/{name}": rec["sha256"] for i, e in committed(m).items() for name, rec in e["files"].items()}
+    return out | ({"projection": m["projection"]["sha256"]} if m.get("projection") else {})
+
+
+@pytest.mark.parametrize("settings", [dict(quant="fp8"), dict(quant="fp4"),
+                                      dict(project_dims=32, project_rows=4, quant="fp8"), dict(layer_ids=[1, 5])],
+                         ids=["fp8", "fp4", "projected-fp8", "fewer-taps"])
+def test_a_derived_cache_is_the_direct_extraction_byte_for_byte(source, qwen35_dir, chat_corpus, settings):
+    root, bf16 = source
+    name = "-".join(f"{k}{v}" for k, v in settings.items()).replace(" ", "").replace(",", "_")
+    direct = extract.run(*configs(root, qwen35_dir, chat_corpus, cache=str(root / f"direct-{name}"), **settings))
+    derived = extract.run(*configs(root, qwen35_dir, chat_corpus, cache=str(root / f"derived-{name}"),
+                                   from_cache=str(bf16), **settings))
+    assert read_manifest(derived)["key"] == read_manifest(direct)["key"] != read_manifest(bf16)["key"]
+    want = files(direct)
+    assert len(want) >= 3 and files(derived) == want
+    assert len(committed(read_manifest(derived))) == len(committed(read_manifest(bf16))) == 4
+
+
+def test_sources_that_cannot_give_the_cache_are_refused_before_anything_is_written(source, qwen35_dir, chat_corpus):
+    root, bf16 = source
+    fp8 = extract.run(*configs(root, qwen35_dir, chat_corpus, cache=str(root / "src-fp8"), quant="fp8"))
+    f32 = extract.run(*configs(root, qwen35_dir, chat_corpus, cache=str(root / "src-f32"), dtype="float32"))
+    other = extract.run(*configs(root / "other", qwen35_dir, chat_corpus, max_docs=6, cache=str(root / "src-other")))
+    refusals = [
+        (dict(from_cache=str(fp8), quant="fp4"), "quant='fp8'"),
+        (dict(from_cache=str(f32), quant="fp8", dtype="float32"), "'float32' target"),
+        (dict(from_cache=str(other), quant="fp8"), "tokens.key"),
+        (dict(from_cache=str(bf16), layer_ids=[1, 4]), "not [4]"),
+        (dict(from_cache=str(bf16)), "is this cache already"),
+        (dict(from_cache=str(root / "nowhere"), quant="fp8"), "holds no manifest.json"),
+    ]
+    for n, (kw, says) in enumerate(refusals):
+        out = root / f"refused-{n}"
+        with pytest.raises(ConfigError, match="extract.from_cache") as e:
+            extract.run(*configs(root, qwen35_dir, chat_corpus, cache=str(out), **kw))
+        assert says in str(e.value), (kw, str(e.value))
+        assert not out.exists()  # nothing written: no directory, no manifest
+    assert len(committed(json.loads((bf16 / "manifest.json").read_text()))) == 4  # the source untouched
+
+
+def test_a_derived_shard_is_repaired_from_its_source_and_from_the_target_alike(source, qwen35_dir, chat_corpus):
+    """The repair command training prints (`make extract CACHE=DIR SHARD=k`: the manifest's recorded settings, its
+    source among them) redoes a lost shard from the source; with the source gone, the recipe's run without
+    from_cache computes it from the target — the same bytes both ways."""
+    root, bf16 = source
+    derived = extract.run(*configs(root, qwen35_dir, chat_corpus, cache=str(root / "repaired"), quant="fp8",
+                                   from_cache=str(bf16)))
+    want = files(derived)
+    assert read_manifest(derived)["config"]["extract"]["from_cache"] == str(bf16.resolve())
+    (derived / "hidden-00001.safetensors").unlink()
+    assert extract.main([f"--cache={derived}", "--shards=1"]) == 0
+    assert files(derived) == want
+    (derived / "hidden-00002.safetensors").unlink()
+    moved = bf16.rename(root / "bf16-moved")
+    try:
+        with pytest.raises(ConfigError, match="without --from_cache to compute the states from the target"):
+            extract.main([f"--cache={derived}"])
+        assert extract.run(*configs(root, qwen35_dir, chat_corpus, cache=str(derived), quant="fp8")) == derived
+    finally:
+        moved.rename(bf16)
+    assert files(derived) == want
