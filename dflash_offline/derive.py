@@ -6,7 +6,7 @@ forward's outputs, unrounded. Every other cache of that target, corpus and token
 forward's outputs. `CacheStates` stands in for the loaded target: its `tapped_layers` returns, for each row of a
 batch, that row's states read from the source cache (each read checked against its row digest), so the extraction
 loop, the projection's calibration, the writer, the claims and the manifest run unchanged and the shards come out
-as a direct extraction's would, under the same key: minutes of disk reads instead of hours of a 27B forward.
+as a direct extraction's would, under the same key: the source's reads instead of the target's weights and forward.
 
 Rows are found by content: the derived cache's token cache is the source's (its key is part of both producers), and a
 row's token arrays name it. A padding row (no document token) gets zeros, which the writer never stores.
