@@ -177,7 +177,7 @@ class ExtractConfig:
     dtype: str = "bfloat16"  # compute dtype of the target: "bfloat16" (real runs) or "float32" (exactness tests)
     project_dims: int = 0  # projected taps: store z = Pᵀh, k values per tapped layer (multiple of 32, ≤ hidden); 0 = full states
     project_rows: int = 64  # projected taps: rows (the token cache's first) whose E[h hᵀ] gives P, its top-k eigenvectors
-    from_cache: str = ""  # derive this cache (quant, project_dims, fewer taps) from a complete bf16 cache of the same target and tokens, reading its states instead of running the target: the same bytes and key
+    from_cache: str = ""  # derive this cache (quant, project_dims, fewer taps) from a complete bf16 cache of the same bfloat16 target and tokens, reading its states instead of running the target (its key; empty: from the target)
     mask_token_id: int = -1  # the drafter's mask token, validated here (-1 = read from the target's sidecar)
     batch_rows: int = 1  # rows per target forward (fixed shape)
     shards: str = ""  # redo exactly these shards ("3", "0-4,7"), even if committed; empty = every uncommitted one

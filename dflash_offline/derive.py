@@ -5,15 +5,17 @@ forward's outputs, unrounded. Every other cache of that target, corpus and token
 `project_dims=k`, a subset of its taps — is a function of those values: the extraction encodes (and projects) the
 forward's outputs. `CacheStates` stands in for the loaded target: its `tapped_layers` returns, for each row of a
 batch, that row's states read from the source cache (each read checked against its row digest), so the extraction
-loop, the projection's calibration, the writer, the claims and the manifest run unchanged and the shards come out
-as a direct extraction's would, under the same key: the source's reads instead of the target's weights and forward.
+loop, the projection's calibration, the writer, the claims and the manifest run unchanged: the shards are the
+source's states encoded as an extraction encodes them, under the key a direct extraction gets (its bytes wherever the
+forward reproduces the source's states, as on the CPU), from the source's reads instead of the target's forward.
 
 Rows are found by content: the derived cache's token cache is the source's (its key is part of both producers), and a
 row's token arrays name it. A padding row (no document token) gets zeros, which the writer never stores.
 
-`source_problem` says why a directory cannot be derived from (before anything is written or loaded): not a complete
-hidden cache; not bf16, projected, or of a float32 target (its values are not the bfloat16 forward's); another
-target, corpus, token cache, sequence length or layout (the producer fields named); taps it lacks.
+`source_problem` says why a directory cannot be derived from (before anything is written or loaded): not a hidden
+cache with every shard committed and on disk; not bf16, projected, or of a float32 target (its values are not the
+bfloat16 forward's); another target, corpus, token cache, sequence length or layout (the producer fields named);
+taps it lacks.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import xxhash
 
 # producer fields a derived cache may change: each is a function of the source's states
 DERIVABLE = ("quant", "projection", "layer_ids")
-SETTINGS = frozenset({"quant", "project_dims", "project_rows", "layer_ids"})  # the [extract] settings behind them
 
 
 def exact_states(producer: dict) -> bool:
@@ -35,35 +36,58 @@ def exact_states(producer: dict) -> bool:
 
 
 def source_problem(from_cache: str, plan) -> str | None:
-    """Why `from_cache` cannot give the cache of `plan` (an `extract_plan.ExtractPlan`), or None."""
-    from .cache.manifest import diff_producers, has_manifest, read_manifest
+    """Why `from_cache` cannot give the cache of `plan` (an `extract_plan.ExtractPlan`), or None. Reads the source's
+    manifest (and, through `open_hidden_cache`, checks that every shard is committed and on disk), nothing more."""
+    from .cache.manifest import has_manifest, read_manifest
+    from .dataset import open_hidden_cache
 
-    src = Path(from_cache)
+    src, leave = Path(from_cache), "or compute the states from the target (--from_cache= empty: ARGS=--from_cache=)"
     if not has_manifest(src):
-        return (f"{src} holds no manifest.json: give the directory of a hidden-state cache (make extract's output), "
-                f"or run with the recipe and without --from_cache to compute the states from the target")
+        return f"{src} holds no manifest.json: give the directory of a hidden-state cache (make extract's output), {leave}"
     try:
         m = read_manifest(src, kind="hidden")
     except ValueError as e:
-        return str(e)
+        return f"{e}; {leave}"
     prod = m.get("producer") or {}
     if plan.cache is not None and src.resolve() == Path(plan.cache).resolve():
         return f"{src} is the cache being written: name another (a bf16 cache of the same target and tokens)"
     if not exact_states(prod):
         return (f"{src} stores quant={prod.get('quant')!r}{', projected' if prod.get('projection') else ''} states of a "
                 f"{prod.get('dtype')!r} target: only an unprojected bf16 cache of a bfloat16 target holds the target's "
-                f"states exactly; derive from one, or extract from the target (leave --from_cache empty)")
-    if fields := diff_producers({k: v for k, v in prod.items() if k not in DERIVABLE},
-                                {k: v for k, v in plan.producer.items() if k not in DERIVABLE}):
+                f"states exactly; derive from one, {leave}")
+    if fields := producer_diff(prod, plan, src):
         return (f"{src}/manifest.json differs from this extraction in producer field(s) {', '.join(fields)}: it holds "
-                f"the states of another target, corpus, token cache or layout; derive from a cache of this one, or "
-                f"extract from the target (leave --from_cache empty)")
+                f"the states of another target, corpus, token cache or layout; derive from a cache of this one, {leave}")
     if missing := sorted(set(plan.layer_ids) - {int(i) for i in prod.get("layer_ids", [])}):
-        return (f"{src} taps layers {prod.get('layer_ids')}, not {missing} that this cache needs: derive a subset of "
-                f"its taps, or extract from the target")
+        return f"{src} taps layers {prod.get('layer_ids')}, not {missing} that this cache needs; {leave}"
     if plan.key == m.get("key"):
         return f"{src} is this cache already (key {plan.key[:12]}): train on it as it is, or copy it"
+    try:  # every shard committed and on disk, before anything is written
+        open_hidden_cache(src, plan.layer_ids, plan.info.hidden_size, plan.seq_len)
+    except ValueError as e:
+        return f"{e}; {leave}"
     return None
+
+
+def producer_diff(prod: dict, plan, src: Path) -> list[str]:
+    """The producer fields in which source and plan differ beyond the derivable ones. The target's weights are
+    compared in the source's own fingerprint scheme (`targetid.target_mismatch`: older caches fingerprinted them
+    otherwise), and not at all in a dry run planned without weights (its fingerprint is None)."""
+    from .cache.manifest import diff_producers
+    from .targetid import FINGERPRINT_KEYS, target_mismatch
+
+    skip = (*DERIVABLE, "target")
+    fields = diff_producers({k: v for k, v in prod.items() if k not in skip},
+                            {k: v for k, v in plan.producer.items() if k not in skip})
+    have, want = prod.get("target") or {}, plan.producer["target"]
+    weights = ("weights_fingerprint", "weights_hash")
+    fields += [f"target.{k}" for k in sorted(set(have) | set(want)) if k not in weights and have.get(k) != want.get(k)]
+    if plan.weights and not fields:
+        if have.get("weights_hash") == want.get("weights_hash"):
+            fields += [f"target.{k}" for k in FINGERPRINT_KEYS if have.get(k) != want.get(k)]
+        elif diff := target_mismatch(str(plan.ckpt), have, str(src)):
+            fields += [f"target ({'; '.join(diff)})"]
+    return fields
 
 
 def row_key(input_ids: np.ndarray, position_ids: np.ndarray, doc_ids: np.ndarray) -> int:
@@ -87,6 +111,7 @@ class CacheStates:
         self.device, self.log = plan.device, log
         self.rows: dict[int, tuple[int, int]] | None = None  # row key → (shard, row), built on the first batch
         self.files: OrderedDict = OrderedDict()  # shard → open HiddenShardFile (the last two)
+        self.host = None  # the batch's states on the host, [taps, B, S, H] bf16
 
     def _index(self) -> dict[int, tuple[int, int]]:
         from .cache.shards import read_token_shard, token_shard_name
@@ -118,9 +143,14 @@ class CacheStates:
             self.rows = self._index()
         ids, pos, docs = (t.numpy() for t in (input_ids_BS, position_ids_BS, doc_ids_BS))
         B, S = ids.shape
-        out = torch.zeros((len(self.info.layer_ids), B, S, self.info.hidden_size), dtype=torch.bfloat16)
+        shape = (len(self.info.layer_ids), B, S, self.info.hidden_size)
+        if self.host is None or self.host.shape != shape:  # (reused: every row is overwritten or zeroed below)
+            with torch.inference_mode(False):  # (a normal tensor: the calibration reads under inference mode)
+                self.host = torch.empty(shape, dtype=torch.bfloat16)
+        out = self.host
         for b in range(B):
             if (docs[b] < 0).all():  # a padding row: never stored
+                out[:, b].zero_()
                 continue
             at = self.rows.get(row_key(ids[b], pos[b], docs[b]))
             if at is None:
@@ -130,8 +160,9 @@ class CacheStates:
             f = self._file(at[0])
             for j, lid in enumerate(self.info.layer_ids):
                 f.read_row(f"hidden.L{lid}", at[1], out[j, b])
-        out = out.to(self.device)
-        return list(out.unbind(0))
+        # (on the CPU the taps are views of the reused buffer: the extraction and the calibration are done with them
+        # before the next batch; to a GPU the copy from pageable memory completes before the call returns)
+        return list(out.to(self.device).unbind(0))
 
     def close(self) -> None:
         while self.files:

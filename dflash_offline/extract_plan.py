@@ -108,6 +108,8 @@ def recorded_config(argv: list[str]) -> ExtractConfig | None:
     check_stage_1a_unchanged(out, values["tokens"], {k: v for k, v in overrides.items()
                                                      if k not in ExtractConfig.__dataclass_fields__ and v != ""})
     values.update({k: v for k, v in overrides.items() if k in ExtractConfig.__dataclass_fields__ and v != ""})
+    if overrides.get("from_cache") == "":  # (given empty: computed from the target, not from the recorded source)
+        values["from_cache"] = ""
     return load_config(ExtractConfig, "extract", None, {}, values)
 
 

@@ -81,10 +81,16 @@ def extract(cfg: TestbedConfig, p: Paths, settings: dict, name: str, dev: str, l
             f"--tokens={p.tokens}", f"--cache={p.hidden(name)}", f"--device={dev}"]
     if cfg.recipe_seq_len:
         args.append(f"--seq_len={cfg.recipe_seq_len}")
-    if name and set(settings) <= derive.SETTINGS and has_manifest(p.hidden()) \
+    if name and derived(settings) and has_manifest(p.hidden()) \
             and derive.exact_states(read_manifest(p.hidden()).get("producer") or {}):
         args.append(f"--from_cache={p.hidden()}")
     return stage("stages.extract", *args, *(f"--{k}={v}" for k, v in settings.items()), log_file=log_file)
+
+
+def derived(settings: dict) -> bool:
+    """Whether an arm's cache is the base cache's states in another encoding or projected (and nothing else)."""
+    return set(settings) <= {"quant", "project_dims", "project_rows"} and (
+        settings.get("quant", "bf16") != "bf16" or str(settings.get("project_dims", "0")) != "0")
 
 
 def train_args(cfg: TestbedConfig, run: Path, cache: Path, seed: int, settings: dict) -> list[str]:

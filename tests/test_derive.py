@@ -12,10 +12,11 @@ from stages import extract
 
 
 def configs(root, target, corpus, max_docs=12, **kw):
+    """(extract, tokenize) configs: 4 token shards of 4 rows; batches of 2 rows (3: the last of a shard padded)."""
     tok = TokenizeConfig(corpus=[str(corpus)], tokenizer=str(target), cache_root=str(root), seq_len=128,
                          rows_per_shard=4, workers=1, max_docs=max_docs).resolve()
-    ext = ExtractConfig(target=str(target), cache_root=str(root), num_draft_layers=3, device="cpu", batch_rows=2,
-                        **kw).resolve()
+    ext = ExtractConfig(target=str(target), cache_root=str(root), num_draft_layers=3, device="cpu",
+                        **{"batch_rows": 2, **kw}).resolve()
     return ext, tok
 
 
@@ -34,8 +35,9 @@ def files(cache) -> dict:
 
 
 @pytest.mark.parametrize("settings", [dict(quant="fp8"), dict(quant="fp4"),
-                                      dict(project_dims=32, project_rows=4, quant="fp8"), dict(layer_ids=[1, 5])],
-                         ids=["fp8", "fp4", "projected-fp8", "fewer-taps"])
+                                      dict(project_dims=32, project_rows=5, quant="fp8", batch_rows=3),
+                                      dict(layer_ids=[5, 1], batch_rows=3)],
+                         ids=["fp8", "fp4", "projected-fp8-padded", "fewer-taps-reordered-padded"])
 def test_a_derived_cache_is_the_direct_extraction_byte_for_byte(source, qwen35_dir, chat_corpus, settings):
     root, bf16 = source
     name = "-".join(f"{k}{v}" for k, v in settings.items()).replace(" ", "").replace(",", "_")
@@ -48,11 +50,19 @@ def test_a_derived_cache_is_the_direct_extraction_byte_for_byte(source, qwen35_d
     assert len(committed(read_manifest(derived))) == len(committed(read_manifest(bf16))) == 4
 
 
-def test_sources_that_cannot_give_the_cache_are_refused_before_anything_is_written(source, qwen35_dir, chat_corpus):
+def test_sources_that_cannot_give_the_cache_are_refused_before_anything_is_written(source, qwen35_dir, chat_corpus,
+                                                                                    copy_cache):
     root, bf16 = source
     fp8 = extract.run(*configs(root, qwen35_dir, chat_corpus, cache=str(root / "src-fp8"), quant="fp8"))
     f32 = extract.run(*configs(root, qwen35_dir, chat_corpus, cache=str(root / "src-f32"), dtype="float32"))
     other = extract.run(*configs(root / "other", qwen35_dir, chat_corpus, max_docs=6, cache=str(root / "src-other")))
+    incomplete = copy_cache(bf16, root / "src-incomplete")
+    m = json.loads((incomplete / "manifest.json").read_text())
+    (incomplete / "manifest.json").write_text(json.dumps(dict(m, shards=[s for s in m["shards"] if s["index"] != 3])))
+    # a dry run checks the source too, and writes nothing either way
+    assert extract.run(*configs(root, qwen35_dir, chat_corpus, cache=str(root / "dry"), dry_run=True,
+                                from_cache=str(bf16), quant="fp8")) is None
+    assert not (root / "dry").exists()
     refusals = [
         (dict(from_cache=str(fp8), quant="fp4"), "quant='fp8'"),
         (dict(from_cache=str(f32), quant="fp8", dtype="float32"), "'float32' target"),
@@ -60,6 +70,8 @@ def test_sources_that_cannot_give_the_cache_are_refused_before_anything_is_writt
         (dict(from_cache=str(bf16), layer_ids=[1, 4]), "not [4]"),
         (dict(from_cache=str(bf16)), "is this cache already"),
         (dict(from_cache=str(root / "nowhere"), quant="fp8"), "holds no manifest.json"),
+        (dict(from_cache=str(incomplete), quant="fp8"), "shards 3 of 4 are not committed"),
+        (dict(from_cache=str(other), quant="fp8", dry_run=True), "tokens.key"),
     ]
     for n, (kw, says) in enumerate(refusals):
         out = root / f"refused-{n}"
@@ -85,8 +97,11 @@ def test_a_derived_shard_is_repaired_from_its_source_and_from_the_target_alike(s
     (derived / "hidden-00002.safetensors").unlink()
     moved = bf16.rename(root / "bf16-moved")
     try:
-        with pytest.raises(ConfigError, match="without --from_cache to compute the states from the target"):
+        with pytest.raises(ConfigError, match=r"compute the states from the target \(--from_cache= empty"):
             extract.main([f"--cache={derived}"])
+        assert extract.main([f"--cache={derived}", "--from_cache="]) == 0
+        assert files(derived) == want
+        (derived / "hidden-00003.safetensors").unlink()
         assert extract.run(*configs(root, qwen35_dir, chat_corpus, cache=str(derived), quant="fp8")) == derived
     finally:
         moved.rename(bf16)

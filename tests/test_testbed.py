@@ -357,6 +357,14 @@ def test_the_checks_follow_the_first_arm(tmp_path):
     assert testbed_ab.check_arms(config.TestbedConfig(drafter_recipe=str(tmp_path / "r.toml")), "")[1] == "steps=250"
 
 
+def test_only_an_arm_that_encodes_or_projects_the_base_states_derives_its_cache_from_them():
+    """(a derivation the source cannot give — the same key, taps it lacks — would fail the arm's cache)"""
+    assert [commands.derived(runs.parse_arm(a)[0]) for a in ("quant=fp8", "project_dims=32 quant=fp4",
+                                                               "project_dims=32 project_rows=8")] == [True] * 3
+    assert not any(commands.derived(runs.parse_arm(a)[0]) for a in ("quant=bf16", "project_rows=8", "layer_ids=1,3",
+                                                                     "quant=fp8 layer_ids=1,3", "project_dims=0"))
+
+
 def test_arms_are_checked_before_anything_runs():
     assert runs.parse_arm("quant=fp8 gamma=5") == ({"quant": "fp8"}, {"gamma": "5"})
     assert runs.parse_arm("") == ({}, {})
