@@ -12,7 +12,7 @@ forward reproduces the source's states, as on the CPU), from the source's reads 
 Rows are found by content: the derived cache's token cache is the source's (its key is part of both producers), and a
 row's token arrays name it. A padding row (no document token) gets zeros, which the writer never stores.
 
-`source_problem` says why a directory cannot be derived from (before anything is written or loaded): not a hidden
+`source_problem` says why a directory cannot be derived from (before the hidden cache is written): not a hidden
 cache with every shard committed and on disk; not bf16, projected, or of a float32 target (its values are not the
 bfloat16 forward's); another target, corpus, token cache, sequence length or layout (the producer fields named);
 taps it lacks.
@@ -41,7 +41,9 @@ def source_problem(from_cache: str, plan) -> str | None:
     from .cache.manifest import has_manifest, read_manifest
     from .dataset import open_hidden_cache
 
-    src, leave = Path(from_cache), "or compute the states from the target (--from_cache= empty: ARGS=--from_cache=)"
+    src = Path(from_cache)
+    leave = ("or compute the states from the target (no from_cache in the recipe; for a cache that recorded one, "
+             "ARGS=--from_cache=)")
     if not has_manifest(src):
         return f"{src} holds no manifest.json: give the directory of a hidden-state cache (make extract's output), {leave}"
     try:
@@ -82,10 +84,8 @@ def producer_diff(prod: dict, plan, src: Path) -> list[str]:
     have, want = prod.get("target") or {}, plan.producer["target"]
     weights = ("weights_fingerprint", "weights_hash")
     fields += [f"target.{k}" for k in sorted(set(have) | set(want)) if k not in weights and have.get(k) != want.get(k)]
-    if plan.weights and not fields:
-        if have.get("weights_hash") == want.get("weights_hash"):
-            fields += [f"target.{k}" for k in FINGERPRINT_KEYS if have.get(k) != want.get(k)]
-        elif diff := target_mismatch(str(plan.ckpt), have, str(src)):
+    if plan.weights and not fields and any(have.get(k) != want.get(k) for k in FINGERPRINT_KEYS):
+        if diff := target_mismatch(str(plan.ckpt), have, str(src)):  # (in the source's scheme and file set)
             fields += [f"target ({'; '.join(diff)})"]
     return fields
 
@@ -156,7 +156,7 @@ class CacheStates:
             if at is None:
                 raise ValueError(f"extract.from_cache: a row of the token cache is not in {self.info.cache_dir}'s "
                                  f"token cache {self.info.tokens_dir}: the two differ; derive from a cache of this "
-                                 f"token cache, or extract from the target")
+                                 f"token cache, or compute the states from the target (ARGS=--from_cache=)")
             f = self._file(at[0])
             for j, lid in enumerate(self.info.layer_ids):
                 f.read_row(f"hidden.L{lid}", at[1], out[j, b])

@@ -277,7 +277,7 @@ def plan_run(cfg: ExtractConfig, tok_cfg: TokenizeConfig | None, rank: int, worl
         f"{f', projected to {cfg.project_dims} dims a tap' if cfg.project_dims else ''}); "
         f"{len(plan.todo)}/{plan.num_shards} shards to do, "
         f"{plan.need / 1e9:.2f} GB; device {device}")
-    if cfg.from_cache:  # (before the kernel check and any write: a source that cannot give this cache is refused)
+    if cfg.from_cache and plan.todo:  # (before the kernel check and any write: a source that cannot give it refused)
         from .derive import source_problem
 
         if why := source_problem(cfg.from_cache, plan):

@@ -97,12 +97,13 @@ def test_a_derived_shard_is_repaired_from_its_source_and_from_the_target_alike(s
     (derived / "hidden-00002.safetensors").unlink()
     moved = bf16.rename(root / "bf16-moved")
     try:
-        with pytest.raises(ConfigError, match=r"compute the states from the target \(--from_cache= empty"):
+        with pytest.raises(ConfigError, match=r"for a cache that recorded one, ARGS=--from_cache="):
             extract.main([f"--cache={derived}"])
         assert extract.main([f"--cache={derived}", "--from_cache="]) == 0
         assert files(derived) == want
         (derived / "hidden-00003.safetensors").unlink()
         assert extract.run(*configs(root, qwen35_dir, chat_corpus, cache=str(derived), quant="fp8")) == derived
+        assert extract.main([f"--cache={derived}"]) == 0  # complete: nothing to do, no source needed
     finally:
         moved.rename(bf16)
     assert files(derived) == want
