@@ -81,7 +81,7 @@ def extract(cfg: TestbedConfig, p: Paths, settings: dict, name: str, dev: str, l
             f"--tokens={p.tokens}", f"--cache={p.hidden(name)}", f"--device={dev}"]
     if cfg.recipe_seq_len:
         args.append(f"--seq_len={cfg.recipe_seq_len}")
-    if name and derived(settings) and has_manifest(p.hidden()) \
+    if name and cfg.derive_caches and derived(settings) and has_manifest(p.hidden()) \
             and derive.exact_states(read_manifest(p.hidden()).get("producer") or {}):
         args.append(f"--from_cache={p.hidden()}")
     return stage("stages.extract", *args, *(f"--{k}={v}" for k, v in settings.items()), log_file=log_file)

@@ -75,6 +75,7 @@ class TestbedConfig:
     replay: bool = True  # A/B: τ replayed on the target's greedy outputs (one target forward per prompt, not one or two per step: the same steps); each arm's first drafter also decodes check_prompts for real
     eval_worker: bool = True  # every evaluation of an invocation in one long-lived process (start-up and the target's loading paid once); 0 = a process each
     train_worker: bool = True  # every drafter's training of an invocation in one long-lived process (start-up paid once; one per concurrent job with --parallel); 0 = a process each
+    derive_caches: bool = True  # an arm's cache that only encodes or projects the testbed's bf16 states is derived from them (extract --from_cache: no target forward); 0 = extracted from the target
     resident: bool = False  # bench switch: each drafter's training reads its cache once onto the device and gathers its batches there instead of streaming them (BenchSwitches.resident: the same batches; needs train_worker, which keeps them there for its next drafter on that cache)
     precompile: str = "auto"  # on | off | auto (= on where the drafters compile: CUDA, or compile=on in train_args): while the target trains, regenerates and is extracted, compile each drafter setting's graphs on a stand-in of its shapes (random weights and states), so that the drafters load them from the compile caches (testbed/precompile.py)
     check_prompts: int = 8  # A/B with replay: prompts each arm's first drafter also decodes for real (lossless check, replay = decode checked)

@@ -83,6 +83,7 @@ def sweep_results(r: dict, tb: dict, p: Paths) -> dict:
             "phase_seconds": tb.get("seconds"), "tau_trained": tb.get("tau_trained"), "drafter_run": tb.get("drafter_run"),
             "tau_untrained": tb.get("tau_untrained"), "failed": r["failed"], "parallel": r["parallel"], "gpus": r.get("gpus", 1),
             "overlap_eval": bool(r["config"].get("overlap_eval")), "eval_queue": r["config"].get("eval_queue", 1),
+            "derive_caches": bool(r["config"].get("derive_caches")),  # (absent before: the arms' caches extracted)
             "job_seconds": r.get("job_seconds"),
             "tau_from": "replay" if r["config"].get("replay") else "decode", "incomplete": r.get("incomplete"),
             "replay_check": {"drafters": len(checks), "prompts": sum(c["prompts"] for c in checks),

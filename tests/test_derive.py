@@ -5,6 +5,7 @@ before anything is written."""
 import json
 
 import pytest
+import torch
 
 from dflash_offline.cache.manifest import committed, read_manifest
 from dflash_offline.config import ConfigError, ExtractConfig, TokenizeConfig
@@ -107,3 +108,26 @@ def test_a_derived_shard_is_repaired_from_its_source_and_from_the_target_alike(s
     finally:
         moved.rename(bf16)
     assert files(derived) == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_a_derived_cache_is_its_source_encoded_and_the_same_every_time(tmp_path, qwen35_dir, chat_corpus):
+    """The CUDA path (the packed target's bf16 cache; the states copied to the device, encoded on the writer's side
+    stream): the direct extraction's key, its states within fp8's error of the source's, and two derivations the
+    same bytes. (Bytes equal to a direct CUDA extraction are not asserted: the kernels need not reproduce the
+    source's bits.)"""
+    from dflash_offline.cache.shards import hidden_shard_name, read_hidden
+
+    cuda = dict(device="cuda", batch_rows=3)
+    bf16 = extract.run(*configs(tmp_path, qwen35_dir, chat_corpus, cache=str(tmp_path / "bf16"), **cuda))
+    direct = extract.run(*configs(tmp_path, qwen35_dir, chat_corpus, cache=str(tmp_path / "direct"), quant="fp8",
+                                  **cuda))
+    a, b = (extract.run(*configs(tmp_path, qwen35_dir, chat_corpus, cache=str(tmp_path / d), quant="fp8",
+                                 from_cache=str(bf16), **cuda)) for d in ("a", "b"))
+    assert read_manifest(a)["key"] == read_manifest(direct)["key"] and files(a) == files(b)
+    ids = read_manifest(a)["config"]["layer_ids"]
+    for i in committed(read_manifest(a)):
+        x = read_hidden(bf16 / hidden_shard_name(i), ids, dtype=torch.float32)
+        y = read_hidden(a / hidden_shard_name(i), ids, dtype=torch.float32)
+        assert ((x - y).norm() / x.norm()).item() < 0.05, i
