@@ -100,13 +100,12 @@ def row_key(input_ids: np.ndarray, position_ids: np.ndarray, doc_ids: np.ndarray
 
 class CacheStates:
     """The tapped states of `plan.layer_ids` read from the complete bf16 cache `from_cache`, as the loaded target's
-    `tapped_layers` gives them: one [B, S, H] bfloat16 tensor per tap on `plan.device`."""
+    `tapped_layers` gives them: one [B, S, H] bfloat16 tensor per tap on `plan.device`. The source is the one
+    `extract_plan.plan_run` accepted (`source_problem`); opening it here checks its manifest and shards again."""
 
     def __init__(self, from_cache: str, plan, log=print):
         from .dataset import open_hidden_cache
 
-        if why := source_problem(from_cache, plan):
-            raise ValueError(f"extract.from_cache: {why}")
         self.info = open_hidden_cache(from_cache, plan.layer_ids, plan.info.hidden_size, plan.seq_len)
         self.device, self.log = plan.device, log
         self.rows: dict[int, tuple[int, int]] | None = None  # row key → (shard, row), built on the first batch
