@@ -650,7 +650,7 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     fp8_run, bad_run = (root / "runs" / d / f"seed{own(a)}" for d, a in (("quantfp8", "quant=fp8"), ("steps1", "steps=1")))
     bogus = [f"runs/quantbogus/seed{own('quant=bogus')}", f"runs/weightingbogus/seed{own('weighting=bogus')}"]
     r = _testbed(root, "--arms=;quant=fp8;weighting=bogus;quant=bogus;project_dims=32 quant=fp4", "--seeds=1",
-                 "--label=t", "--parallel=2", f"--results={root / 'sweep.json'}")
+                 "--label=t", "--parallel=2", "--derive_caches=1", f"--results={root / 'sweep.json'}")
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     ab = json.loads((root / "ab" / "t.json").read_text())
     # the checks ride along: the known-bad arm (a quarter of the 6 steps) and the null arm (the recipe under seed 1)
@@ -668,7 +668,7 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     # the projected fp4 cache's drafter, folded at export, decodes losslessly through the served modeling code
     # (τ replayed on the target-alone decodes; each arm's first drafter also decodes 2 of the 3 prompts for real and
     # the replay took the decode's steps there; the null arm's drafters only replay)
-    # (the arms' caches are derived from the base cache's bf16 states, not extracted again)
+    # (--derive_caches=1: the arms' caches are derived from the base cache's bf16 states, not extracted again)
     assert res["derive_caches"] is True
     for arm in ("quantfp8", "project_dims32-quantfp4"):
         assert read_manifest(root / "cache" / f"hidden-{arm}")["config"]["extract"]["from_cache"] == str(
