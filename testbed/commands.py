@@ -75,8 +75,8 @@ class Job:
 
 def extract(cfg: TestbedConfig, p: Paths, settings: dict, name: str, dev: str, log_file: Path | None = None) -> float:
     """Token cache (shared) + hidden cache DIR/cache/hidden[-name] with the recipe and `settings` ([extract]); an
-    arm's cache that only encodes or projects the base cache's states (`derived`) is derived from them, with no
-    target forward (`dflash_offline.derive`: the key a direct extraction gets)."""
+    arm's cache that only encodes or projects the base cache's states (`derived`) is, with `--derive_caches=1`,
+    derived from them, with no target forward (`dflash_offline.derive`: the key a direct extraction gets)."""
     args = [f"--recipe={cfg.drafter_recipe}", f"--corpus={p.regen}", f"--tokenizer={p.target}", f"--target={p.target}",
             f"--tokens={p.tokens}", f"--cache={p.hidden(name)}", f"--device={dev}"]
     if cfg.recipe_seq_len:

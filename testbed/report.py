@@ -83,11 +83,21 @@ def sweep_results(r: dict, tb: dict, p: Paths) -> dict:
             "phase_seconds": tb.get("seconds"), "tau_trained": tb.get("tau_trained"), "drafter_run": tb.get("drafter_run"),
             "tau_untrained": tb.get("tau_untrained"), "failed": r["failed"], "parallel": r["parallel"], "gpus": r.get("gpus", 1),
             "overlap_eval": bool(r["config"].get("overlap_eval")), "eval_queue": r["config"].get("eval_queue", 1),
-            "derive_caches": bool(r["config"].get("derive_caches")),  # (absent before: the arms' caches extracted)
+            # (what the arms' caches were made from, read from their manifests: a resumed sweep reuses caches that
+            # an earlier invocation made under another --derive_caches)
+            "derive_caches": bool(derived := derived_caches(p)), "derived_caches": derived,
             "job_seconds": r.get("job_seconds"),
             "tau_from": "replay" if r["config"].get("replay") else "decode", "incomplete": r.get("incomplete"),
             "replay_check": {"drafters": len(checks), "prompts": sum(c["prompts"] for c in checks),
                              "agree": sum(c["agree"] for c in checks)} if checks else None}
+
+
+def derived_caches(p: Paths) -> list[str]:
+    """The arm caches under DIR/cache whose manifest records a source cache (`--from_cache`: derived, not extracted)."""
+    from dflash_offline.cache.manifest import has_manifest, read_manifest
+
+    return sorted(d.name for d in (p.root / "cache").glob("hidden-*") if has_manifest(d)
+                  and (read_manifest(d).get("config") or {}).get("extract", {}).get("from_cache"))
 
 
 def provenance() -> dict:

@@ -669,7 +669,7 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     # (τ replayed on the target-alone decodes; each arm's first drafter also decodes 2 of the 3 prompts for real and
     # the replay took the decode's steps there; the null arm's drafters only replay)
     # (--derive_caches=1: the arms' caches are derived from the base cache's bf16 states, not extracted again)
-    assert res["derive_caches"] is True
+    assert res["derive_caches"] is True and res["derived_caches"] == ["hidden-project_dims32-quantfp4", "hidden-quantfp8"]
     for arm in ("quantfp8", "project_dims32-quantfp4"):
         assert read_manifest(root / "cache" / f"hidden-{arm}")["config"]["extract"]["from_cache"] == str(
             (root / "cache" / "hidden").resolve())
