@@ -215,6 +215,34 @@ def test_a_flipped_byte_in_any_row_stops_the_stream_naming_the_shard_and_the_fix
     assert len(whole_epoch(cache, layers=other)) == 12
 
 
+def test_a_row_read_into_a_contiguous_or_a_strided_tensor_is_the_files_row_and_a_damaged_one_is_refused(tmp_path):
+    """`read_row` reads into a contiguous host tensor directly and into any other through a scratch buffer: both give
+    the row safetensors itself loads, and both check it (a contiguous destination is written before the check)."""
+    from safetensors.torch import load_file
+
+    cache = fake_cache.make_fake_cache(tmp_path / "c", 1, 4, S, H, LAYERS, "bf16", seed=2)
+    info = ds.open_hidden_cache(cache, LAYERS, H, S)
+    path = cache / hidden_shard_name(0)
+    want = load_file(str(path))
+    f = ds.open_shard(info, 0)
+    try:
+        flat, strided = torch.empty(S, H, dtype=torch.bfloat16), torch.empty(H, S, dtype=torch.bfloat16).t()
+        for row in range(4):
+            for out in (flat, strided):
+                f.read_row("hidden.L2", row, out)
+                assert torch.equal(out, want["hidden.L2"][row])
+    finally:
+        f.close()
+    flip_byte(path, data_offset(path, "hidden.L2", row=1) + 7)
+    f = ds.open_shard(info, 0)
+    try:
+        for out in (flat, strided):
+            with pytest.raises(ShardError, match=r"has row 1 of hidden.L2 that does not match its checksum"):
+                f.read_row("hidden.L2", 1, out)
+    finally:
+        f.close()
+
+
 def test_a_flipped_byte_in_the_header_or_a_token_shard_is_refused(tmp_path):
     cache = fake_cache.make_fake_cache(tmp_path / "c", 2, 4, S, H, LAYERS, seed=1)
     hidden = cache / hidden_shard_name(1)
