@@ -490,6 +490,11 @@ def load_config(cls, section: str, recipe: str | None, overrides: dict[str, str]
     return build_config(cls, section, values)
 
 
+# settings whose empty override (`--key=`) clears a recipe's value instead of keeping it: the Makefile never passes
+# them empty, so an empty one is the user's (ARGS=--from_cache=: compute from the target, not a recipe's source)
+EMPTY_CLEARS = {("extract", "from_cache")}
+
+
 def configs_from_argv(specs: list[tuple[type, str]], argv: list[str], doc: str, defaults=None) -> list:
     """Several stage configs from one command line: each `--key=value` goes to every config that has that field.
 
@@ -513,7 +518,7 @@ def configs_from_argv(specs: list[tuple[type, str]], argv: list[str], doc: str, 
     for cls, sec in specs:
         names = set(setting_names(cls))
         values = recipe_values(tables, recipe, cls, sec)
-        values.update({k: v for k, v in overrides.items() if k in names and v != ""})
+        values.update({k: v for k, v in overrides.items() if k in names and (v != "" or (sec, k) in EMPTY_CLEARS)})
         if defaults:
             defaults(sec, values, earlier)
         earlier[sec] = build_config(cls, sec, values)

@@ -42,8 +42,7 @@ def source_problem(from_cache: str, plan) -> str | None:
     from .dataset import open_hidden_cache
 
     src = Path(from_cache)
-    leave = ("or compute the states from the target (no from_cache in the recipe; for a cache that recorded one, "
-             "ARGS=--from_cache=)")
+    leave = "or compute the states from the target (ARGS=--from_cache=)"
     if not has_manifest(src):
         return f"{src} holds no manifest.json: give the directory of a hidden-state cache (make extract's output), {leave}"
     try:

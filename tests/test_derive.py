@@ -98,7 +98,7 @@ def test_a_derived_shard_is_repaired_from_its_source_and_from_the_target_alike(s
     (derived / "hidden-00002.safetensors").unlink()
     moved = bf16.rename(root / "bf16-moved")
     try:
-        with pytest.raises(ConfigError, match=r"for a cache that recorded one, ARGS=--from_cache="):
+        with pytest.raises(ConfigError, match=r"compute the states from the target \(ARGS=--from_cache=\)"):
             extract.main([f"--cache={derived}"])
         assert extract.main([f"--cache={derived}", "--from_cache="]) == 0
         assert files(derived) == want
@@ -141,3 +141,17 @@ def test_on_cuda_a_derived_cache_is_its_source_encoded_and_the_same_every_time(t
     record_property("rel_err_vs_source", worst["source"])
     record_property("rel_err_vs_direct", worst["direct"])
     record_property("bytes_equal_direct", files(a) == files(direct))
+
+
+def test_an_empty_from_cache_given_clears_a_recipes_while_other_empty_settings_keep_theirs(tmp_path):
+    """`ARGS=--from_cache=` computes from the target even where the recipe names a source; other settings given empty
+    (the Makefile passes CORPUS=, TOKENS=, … empty when unset) keep the recipe's value."""
+    from dflash_offline.config import configs_from_argv
+
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[extract]\ntarget = "/models/t"\nfrom_cache = "/data/bf16"\nquant = "fp8"\n')
+    specs = [(ExtractConfig, "extract")]
+    (ext,) = configs_from_argv(specs, [f"--recipe={recipe}"], "")
+    assert (ext.from_cache, ext.quant) == ("/data/bf16", "fp8")
+    (ext,) = configs_from_argv(specs, [f"--recipe={recipe}", "--from_cache=", "--quant="], "")
+    assert (ext.from_cache, ext.quant) == ("", "fp8")
