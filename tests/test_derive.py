@@ -155,3 +155,20 @@ def test_an_empty_from_cache_given_clears_a_recipes_while_other_empty_settings_k
     assert (ext.from_cache, ext.quant) == ("/data/bf16", "fp8")
     (ext,) = configs_from_argv(specs, [f"--recipe={recipe}", "--from_cache=", "--quant="], "")
     assert (ext.from_cache, ext.quant) == ("", "fp8")
+
+
+def test_a_dry_run_from_config_and_tokenizer_alone_plans_a_derivation(source, qwen35_dir, chat_corpus, tmp_path):
+    """`DRY_RUN=1` plans from the target's config.json and tokenizer alone (its weights elsewhere): with `from_cache`
+    it plans the derivation, checks the source, writes nothing — and still refuses a source that cannot give it."""
+    import shutil
+
+    root, bf16 = source
+    bare = tmp_path / "config-only"
+    shutil.copytree(qwen35_dir, bare, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    assert not list(bare.glob("*.safetensors"))
+    assert extract.run(*configs(root, bare, chat_corpus, cache=str(root / "dry-bare"), dry_run=True,
+                                from_cache=str(bf16), quant="fp8")) is None
+    assert not (root / "dry-bare").exists()
+    with pytest.raises(ConfigError, match="holds no manifest.json"):
+        extract.run(*configs(root, bare, chat_corpus, cache=str(root / "dry-bare"), dry_run=True,
+                             from_cache=str(root / "nowhere"), quant="fp8"))
