@@ -35,6 +35,7 @@ from .cache.manifest import (
 )
 from .cache.manifest import token_cache as hidden_token_cache
 from .config import (
+    EMPTY_CLEARS,
     ConfigError,
     ExtractConfig,
     TokenizeConfig,
@@ -107,9 +108,9 @@ def recorded_config(argv: list[str]) -> ExtractConfig | None:
               "tokens": str(hidden_token_cache(Path(out), m)[0])}  # (moved alone: the absolute --tokens it was given)
     check_stage_1a_unchanged(out, values["tokens"], {k: v for k, v in overrides.items()
                                                      if k not in ExtractConfig.__dataclass_fields__ and v != ""})
-    values.update({k: v for k, v in overrides.items() if k in ExtractConfig.__dataclass_fields__ and v != ""})
-    if overrides.get("from_cache") == "":  # (given empty: computed from the target, not from the recorded source)
-        values["from_cache"] = ""
+    # (an empty override keeps the recorded value, but for EMPTY_CLEARS's: --from_cache= computes from the target)
+    values.update({k: v for k, v in overrides.items() if k in ExtractConfig.__dataclass_fields__
+                   and (v != "" or ("extract", k) in EMPTY_CLEARS)})
     return load_config(ExtractConfig, "extract", None, {}, values)
 
 
