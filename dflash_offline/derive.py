@@ -10,7 +10,10 @@ source's states encoded as an extraction encodes them, under the key a direct ex
 forward reproduces the source's states, as on the CPU), from the source's reads instead of the target's forward.
 
 Rows are found by content: the derived cache's token cache is the source's (its key is part of both producers), and a
-row's token arrays name it. A padding row (no document token) gets zeros, which the writer never stores.
+row's token arrays name it. A source token shard is read and indexed only when a row is looked for: first the shard
+the extraction says it computes (`begin_shard`, the same index in the source), then the others in order until the row
+is found, so a worker reads the token shards of the shards it claims, not the whole token cache. A padding row (no
+document token) gets zeros, which the writer never stores.
 
 `source_problem` says why a directory cannot be derived from (before the hidden cache is written): not a hidden
 cache with every shard committed and on disk; not bf16, projected, or of a float32 target (its values are not the
@@ -107,22 +110,38 @@ class CacheStates:
 
         self.info = open_hidden_cache(from_cache, plan.layer_ids, plan.info.hidden_size, plan.seq_len)
         self.device, self.log = plan.device, log
-        self.rows: dict[int, tuple[int, int]] | None = None  # row key → (shard, row), built on the first batch
+        self.rows: dict[int, tuple[int, int]] = {}  # row key → (shard, row), of the source token shards indexed
+        self.indexed: set[int] = set()
+        self.hint: int | None = None  # the shard the extraction computes now (`begin_shard`)
         self.files: OrderedDict = OrderedDict()  # shard → open HiddenShardFile (the last two)
         self.host = None  # the batch's states on the host, [taps, B, S, H] bf16
+        log(f"states from {self.info.cache_dir} ({len(self.info.shard_rows)} shards, each shard's token rows indexed "
+            f"when first needed): no target forward")
 
-    def _index(self) -> dict[int, tuple[int, int]]:
+    def begin_shard(self, index: int) -> None:
+        """The extraction computes its shard `index` next: its rows are looked for in the source's shard `index` first."""
+        self.hint = index
+
+    def _index_shard(self, shard: int) -> None:
         from .cache.shards import read_token_shard, token_shard_name
 
-        rows: dict[int, tuple[int, int]] = {}
-        for shard, sha in enumerate(self.info.tokens_sha256):
-            t = read_token_shard(self.info.tokens_dir / token_shard_name(shard), sha,
-                                 f"the token cache {self.info.tokens_dir} is corrupt: rebuild it")
-            for r in range(len(t["doc_ids"])):
-                rows.setdefault(row_key(t["input_ids"][r], t["position_ids"][r], t["doc_ids"][r]), (shard, r))
-        self.log(f"states from {self.info.cache_dir} ({len(rows)} rows in {len(self.info.shard_rows)} shards): "
-                 f"no target forward")
-        return rows
+        t = read_token_shard(self.info.tokens_dir / token_shard_name(shard), self.info.tokens_sha256[shard],
+                             f"the token cache {self.info.tokens_dir} is corrupt: rebuild it")
+        for r in range(len(t["doc_ids"])):
+            self.rows.setdefault(row_key(t["input_ids"][r], t["position_ids"][r], t["doc_ids"][r]), (shard, r))
+        self.indexed.add(shard)
+
+    def _find(self, key: int) -> tuple[int, int] | None:
+        n = len(self.info.tokens_sha256)
+        if self.hint is not None and self.hint < n and self.hint not in self.indexed:
+            self._index_shard(self.hint)
+        at = self.rows.get(key)
+        for shard in (s for s in range(n) if s not in self.indexed):
+            if at is not None:
+                break
+            self._index_shard(shard)
+            at = self.rows.get(key)
+        return at
 
     def _file(self, shard: int):
         from .dataset import open_shard
@@ -137,8 +156,6 @@ class CacheStates:
     def tapped_layers(self, input_ids_BS, position_ids_BS, doc_ids_BS) -> list:
         import torch
 
-        if self.rows is None:
-            self.rows = self._index()
         ids, pos, docs = (t.numpy() for t in (input_ids_BS, position_ids_BS, doc_ids_BS))
         B, S = ids.shape
         shape = (len(self.info.layer_ids), B, S, self.info.hidden_size)
@@ -150,7 +167,7 @@ class CacheStates:
             if (docs[b] < 0).all():  # a padding row: never stored
                 out[:, b].zero_()
                 continue
-            at = self.rows.get(row_key(ids[b], pos[b], docs[b]))
+            at = self._find(row_key(ids[b], pos[b], docs[b]))
             if at is None:
                 raise ValueError(f"extract.from_cache: a row of the token cache is not in {self.info.cache_dir}'s "
                                  f"token cache {self.info.tokens_dir}: the two differ; derive from a cache of this "

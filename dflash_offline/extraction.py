@@ -51,6 +51,8 @@ def extract_shards(cfg: ExtractConfig, plan: ExtractPlan, model, rank: int, worl
     try:
         for n, (current, rows) in enumerate(shards):
             index, shard = current.index, writer.start(rows["input_ids"].shape[0])
+            if begin := getattr(model, "begin_shard", None):  # (a derivation's source: where to look for the rows)
+                begin(index)
             for r0 in range(0, shard.rows, b):
                 current.keep()  # renews the lease of a long shard
                 # rows stay on the host: the target cuts segments there and copies without a device sync

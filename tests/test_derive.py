@@ -83,18 +83,26 @@ def test_sources_that_cannot_give_the_cache_are_refused_before_anything_is_writt
     assert len(committed(json.loads((bf16 / "manifest.json").read_text()))) == 4  # the source untouched
 
 
-def test_a_derived_shard_is_repaired_from_its_source_and_from_the_target_alike(source, qwen35_dir, chat_corpus):
+def test_a_derived_shard_is_repaired_from_its_source_and_from_the_target_alike(source, qwen35_dir, chat_corpus,
+                                                                               monkeypatch):
     """The repair command training prints (`make extract CACHE=DIR SHARD=k`: the manifest's recorded settings, its
-    source among them) redoes a lost shard from the source; with the source gone, the recipe's run without
-    from_cache computes it from the target — the same bytes both ways."""
+    source among them) redoes a lost shard from the source, reading that shard's token rows alone (a worker indexes
+    the token shards of the shards it computes, not the whole token cache); with the source gone, the recipe's run
+    without from_cache computes it from the target — the same bytes both ways."""
+    from dflash_offline.cache import shards
+
     root, bf16 = source
     derived = extract.run(*configs(root, qwen35_dir, chat_corpus, cache=str(root / "repaired"), quant="fp8",
                                    from_cache=str(bf16)))
     want = files(derived)
     assert read_manifest(derived)["config"]["extract"]["from_cache"] == str(bf16.resolve())
     (derived / "hidden-00001.safetensors").unlink()
+    read, real = [], shards.read_token_shard
+    monkeypatch.setattr(shards, "read_token_shard", lambda path, *a, **k: read.append(path.name) or real(path, *a, **k))
     assert extract.main([f"--cache={derived}", "--shards=1"]) == 0
+    monkeypatch.undo()
     assert files(derived) == want
+    assert set(read) == {"tokens-00001.arrow"}, read  # (the derivation's reads, and the extraction's if it is seen)
     (derived / "hidden-00002.safetensors").unlink()
     moved = bf16.rename(root / "bf16-moved")
     try:
