@@ -11,9 +11,11 @@ forward reproduces the source's states, as on the CPU), from the source's reads 
 
 Rows are found by content: the derived cache's token cache is the source's (its key is part of both producers), and a
 row's token arrays name it. A source token shard is read and indexed only when a row is looked for: first the shard
-the extraction says it computes (`begin_shard`, the same index in the source), then the others in order until the row
-is found, so a worker reads the token shards of the shards it claims, not the whole token cache. A padding row (no
-document token) gets zeros, which the writer never stores.
+the extraction says it computes (`begin_shard`, the same index in the source), then shards 0, 1, … until the row is
+found — so a worker reads the token shards of the shards it claims (and, for a projection's calibration, those of its
+first `project_rows` rows), not the whole token cache, and a row held by several shards is read from the same one
+whatever order the shards are computed in. A padding row (no document token) gets zeros, which the writer never
+stores.
 
 `source_problem` says why a directory cannot be derived from (before the hidden cache is written): not a hidden
 cache with every shard committed and on disk; not bf16, projected, or of a float32 target (its values are not the
@@ -110,8 +112,7 @@ class CacheStates:
 
         self.info = open_hidden_cache(from_cache, plan.layer_ids, plan.info.hidden_size, plan.seq_len)
         self.device, self.log = plan.device, log
-        self.rows: dict[int, tuple[int, int]] = {}  # row key → (shard, row), of the source token shards indexed
-        self.indexed: set[int] = set()
+        self.by_shard: dict[int, dict[int, int]] = {}  # source token shard → {row key: its first row there}
         self.hint: int | None = None  # the shard the extraction computes now (`begin_shard`)
         self.files: OrderedDict = OrderedDict()  # shard → open HiddenShardFile (the last two)
         self.host = None  # the batch's states on the host, [taps, B, S, H] bf16
@@ -119,29 +120,31 @@ class CacheStates:
             f"when first needed): no target forward")
 
     def begin_shard(self, index: int) -> None:
-        """The extraction computes its shard `index` next: its rows are looked for in the source's shard `index` first."""
+        """The extraction computes its shard `index` next: its rows are looked for in the source's shard `index` first
+        (the same rows: the token caches are one), then in shards 0, 1, … (a row found in several: the lowest)."""
         self.hint = index
 
-    def _index_shard(self, shard: int) -> None:
+    def _rows_of(self, shard: int) -> dict[int, int]:
         from .cache.shards import read_token_shard, token_shard_name
 
-        t = read_token_shard(self.info.tokens_dir / token_shard_name(shard), self.info.tokens_sha256[shard],
-                             f"the token cache {self.info.tokens_dir} is corrupt: rebuild it")
-        for r in range(len(t["doc_ids"])):
-            self.rows.setdefault(row_key(t["input_ids"][r], t["position_ids"][r], t["doc_ids"][r]), (shard, r))
-        self.indexed.add(shard)
+        if shard not in self.by_shard:
+            t = read_token_shard(self.info.tokens_dir / token_shard_name(shard), self.info.tokens_sha256[shard],
+                                 f"the token cache {self.info.tokens_dir} is corrupt: rebuild it")
+            rows: dict[int, int] = {}
+            for r in range(len(t["doc_ids"])):
+                rows.setdefault(row_key(t["input_ids"][r], t["position_ids"][r], t["doc_ids"][r]), r)
+            self.by_shard[shard] = rows
+        return self.by_shard[shard]
 
     def _find(self, key: int) -> tuple[int, int] | None:
+        """(source shard, row) of the row whose key is `key`, or None where no source shard holds it."""
         n = len(self.info.tokens_sha256)
-        if self.hint is not None and self.hint < n and self.hint not in self.indexed:
-            self._index_shard(self.hint)
-        at = self.rows.get(key)
-        for shard in (s for s in range(n) if s not in self.indexed):
-            if at is not None:
-                break
-            self._index_shard(shard)
-            at = self.rows.get(key)
-        return at
+        if self.hint is not None and self.hint < n and (r := self._rows_of(self.hint).get(key)) is not None:
+            return self.hint, r
+        for shard in range(n):
+            if (r := self._rows_of(shard).get(key)) is not None:
+                return shard, r
+        return None
 
     def _file(self, shard: int):
         from .dataset import open_shard

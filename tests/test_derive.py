@@ -102,7 +102,7 @@ def test_a_derived_shard_is_repaired_from_its_source_and_from_the_target_alike(s
     assert extract.main([f"--cache={derived}", "--shards=1"]) == 0
     monkeypatch.undo()
     assert files(derived) == want
-    assert set(read) == {"tokens-00001.arrow"}, read  # (the derivation's reads, and the extraction's if it is seen)
+    assert read == ["tokens-00001.arrow"], read  # (the derivation's; the extraction's own read is bound at import)
     (derived / "hidden-00002.safetensors").unlink()
     moved = bf16.rename(root / "bf16-moved")
     try:
@@ -116,6 +116,46 @@ def test_a_derived_shard_is_repaired_from_its_source_and_from_the_target_alike(s
     finally:
         moved.rename(bf16)
     assert files(derived) == want
+
+
+def test_a_row_is_read_from_the_shard_computed_else_the_lowest_whatever_order_shards_come_in(tmp_path, monkeypatch):
+    """Rows are looked up in the source's token shards as they are needed: a row two shards hold (a duplicated
+    document's) is read from the shard being computed if it holds it, else from the lowest one that does, in any
+    order of computing; a row no shard holds is None (tapped_layers refuses it); each token shard is read once."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from dflash_offline.cache import shards
+    from dflash_offline.derive import CacheStates, row_key
+
+    def rows(*firsts):  # token rows of 4 tokens, one per first token
+        ids = np.array([[f, 1, 2, 3] for f in firsts], dtype=np.int32)
+        return {"input_ids": ids, "position_ids": np.tile(np.arange(4, dtype=np.int32), (len(firsts), 1)),
+                "doc_ids": np.zeros_like(ids)}
+
+    source = {"tokens-00000.arrow": rows(10, 11), "tokens-00001.arrow": rows(12, 10), "tokens-00002.arrow": rows(13)}
+    read = []
+    monkeypatch.setattr(shards, "read_token_shard", lambda path, sha, fix: read.append(path.name) or source[path.name])
+
+    def key(first):
+        r = rows(first)
+        return row_key(r["input_ids"][0], r["position_ids"][0], r["doc_ids"][0])
+
+    answers = []
+    for order in ([1, 2, 0], [2, 0, 1]):
+        read.clear()
+        states = CacheStates.__new__(CacheStates)
+        states.info, states.by_shard, states.hint = SimpleNamespace(tokens_dir=tmp_path, tokens_sha256=["-"] * 3), {}, None
+        found = {}
+        for shard in order:
+            states.begin_shard(shard)
+            found[shard] = states._find(key(10))
+        assert states._find(key(99)) is None
+        assert sorted(read) == sorted(source)  # every shard read, once
+        answers.append(found)
+    assert answers[0] == answers[1] == {0: (0, 0), 1: (1, 1), 2: (0, 0)}
+    assert states._find(key(13)) == (2, 0)
 
 
 @pytest.mark.gpu
