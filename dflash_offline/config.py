@@ -495,6 +495,12 @@ def load_config(cls, section: str, recipe: str | None, overrides: dict[str, str]
 EMPTY_CLEARS = {("extract", "from_cache")}
 
 
+def applied_overrides(section: str, overrides: dict[str, str], names) -> dict[str, str]:
+    """The overrides of `section`'s settings `names` that replace a recipe's (or a recorded) value: every one given
+    non-empty, and an empty one where EMPTY_CLEARS says it clears."""
+    return {k: v for k, v in overrides.items() if k in names and (v != "" or (section, k) in EMPTY_CLEARS)}
+
+
 def configs_from_argv(specs: list[tuple[type, str]], argv: list[str], doc: str, defaults=None) -> list:
     """Several stage configs from one command line: each `--key=value` goes to every config that has that field.
 
@@ -518,7 +524,7 @@ def configs_from_argv(specs: list[tuple[type, str]], argv: list[str], doc: str, 
     for cls, sec in specs:
         names = set(setting_names(cls))
         values = recipe_values(tables, recipe, cls, sec)
-        values.update({k: v for k, v in overrides.items() if k in names and (v != "" or (sec, k) in EMPTY_CLEARS)})
+        values.update(applied_overrides(sec, overrides, names))
         if defaults:
             defaults(sec, values, earlier)
         earlier[sec] = build_config(cls, sec, values)

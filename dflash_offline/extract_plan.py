@@ -35,10 +35,10 @@ from .cache.manifest import (
 )
 from .cache.manifest import token_cache as hidden_token_cache
 from .config import (
-    EMPTY_CLEARS,
     ConfigError,
     ExtractConfig,
     TokenizeConfig,
+    applied_overrides,
     check_renamed,
     load_config,
     parse_overrides,
@@ -109,8 +109,7 @@ def recorded_config(argv: list[str]) -> ExtractConfig | None:
     check_stage_1a_unchanged(out, values["tokens"], {k: v for k, v in overrides.items()
                                                      if k not in ExtractConfig.__dataclass_fields__ and v != ""})
     # (an empty override keeps the recorded value, but for EMPTY_CLEARS's: --from_cache= computes from the target)
-    values.update({k: v for k, v in overrides.items() if k in ExtractConfig.__dataclass_fields__
-                   and (v != "" or ("extract", k) in EMPTY_CLEARS)})
+    values.update(applied_overrides("extract", overrides, ExtractConfig.__dataclass_fields__))
     return load_config(ExtractConfig, "extract", None, {}, values)
 
 
