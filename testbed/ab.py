@@ -167,7 +167,7 @@ def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> tuple[dict, dict]:
         raise RuntimeError(f"the first arm ({arms[0] or '(recipe)'}) has no evaluation for every seed: nothing to "
                            f"compare with; see the logs under {p.root / 'runs'}")
     rows = arm_rows(complete, {a: [(eval_record(j.run / "eval.json"), run_metrics(j.run).get("loss"))
-                                   for j in jobs if j.arm == a] for a in complete})
+                                   for j in jobs if j.arm == a] for a in complete}, apart=(bad,) if bad else ())
     for row, a in zip(rows, complete, strict=True):
         row["seeds"] = [j.seed for j in jobs if j.arm == a]
     judgement = judge(rows, null, bad) if cfg.checks else None

@@ -69,7 +69,7 @@ def main(argv: list[str]) -> int:
     if cfg.from_phase == "target":
         p.wall.unlink(missing_ok=True)
     if not cfg.summarize:
-        heartbeat(p)
+        heartbeat(p, ab_label(cfg) if cfg.arms or cfg.sweep else None)
     log(f"testbed {p.root} on {device} (preset {cfg.preset}): {json.dumps(asdict(cfg))}")
     try:
         if cfg.arms or cfg.sweep:
@@ -89,17 +89,22 @@ def write_testbed(p: Paths, tb: dict) -> None:
     print(table(tb))
 
 
+def ab_label(cfg: TestbedConfig) -> str:
+    """An A/B sweep's name: its record is DIR/ab/<label>.json, and its invocations' seconds are told by it."""
+    return cfg.label or cfg.sweep.replace(",", "+") or "ab"
+
+
 def finish_ab(cfg: TestbedConfig, p: Paths, r: dict, tb: dict) -> int:
     """Write and print the A/B record `r` (DIR/ab/<label>.json, `--results=`) and the testbed's `tb`; exit status 1
     when a drafter failed or the yardstick did not discriminate."""
-    out = p.root / "ab" / f"{cfg.label or cfg.sweep.replace(',', '+') or 'ab'}.json"
+    out = p.root / "ab" / f"{ab_label(cfg)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out, r)
     if not cfg.summarize:
         write_testbed(p, tb)
     if cfg.results:
         Path(cfg.results).parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(Path(cfg.results), sweep_results(r, tb, p))
+        write_json_atomic(Path(cfg.results), sweep_results(r, tb, p, ab_label(cfg)))
     print(ab_table(r))
     for run, e in r["failed"].items():
         print(f"FAILED {run}: {e}")

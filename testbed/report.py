@@ -11,7 +11,7 @@ from pathlib import Path
 
 from dflash_offline.cache.fsio import write_json_atomic
 
-from .runs import Paths, drafter_code_digest, read_state
+from .runs import Paths, drafter_code_digest
 
 
 def ab_table(r: dict) -> str:
@@ -52,10 +52,11 @@ def lossless_cell(a: dict) -> str:
 
 
 
-def sweep_results(r: dict, tb: dict, p: Paths) -> dict:
+def sweep_results(r: dict, tb: dict, p: Paths, label: str) -> dict:
     """The sweep's verdicts in the results-file form (`--results=`): commit, the wall seconds of every invocation
-    summed (cold when the first started on a bare machine), the looping shares, and per arm its τ, spread, Δ, interval,
-    lossless check and verdict; the null and known-bad arms apart."""
+    on DIR summed (cold when the first started on a bare machine and `one_sweep`: no invocation ran another sweep —
+    label — whose drafters the sum would hold too; `device_seconds_by_sweep` splits it), the looping shares, and per
+    arm its τ, spread, Δ, interval, lossless check and verdict; the null and known-bad arms apart."""
     import torch
 
     def arm(a: dict) -> dict:
@@ -74,8 +75,15 @@ def sweep_results(r: dict, tb: dict, p: Paths) -> dict:
     device = json.loads(made.read_text())["key"]["device"] if made.is_file() else (
         torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     checks = replay_checks(r)
+    beat_now(last=True)
+    calls = read_wall(p)
+    by_sweep: dict[str, float] = {}
+    for w in calls:
+        tag = w.get("sweep") or "(testbed alone)"
+        by_sweep[tag] = round(by_sweep.get(tag, 0.0) + w["seconds"], 1)
     return {**provenance(), "device": device,
-            "device_seconds": wall_seconds(p), "invocations": read_wall(p),
+            "device_seconds": wall_seconds(p), "invocations": calls,
+            "one_sweep": all(w.get("sweep") in (None, label) for w in calls), "device_seconds_by_sweep": by_sweep,
             "looping_frac_eval": tb.get("looping_frac_eval"), "looping_frac_regen": (tb.get("regen") or {}).get("looping_frac"),
             "arms": [a for a in arms if a["label"] not in special],
             **{f"{name}_arm": next((a for a in arms if a["label"] == label), None) for label, name in special.items()},
@@ -126,23 +134,44 @@ def read_wall(p: Paths) -> list:
 
 
 def wall_seconds(p: Paths) -> float:
-    """Wall seconds of every invocation of the testbed on this directory since its target phase started, summed (a
-    heartbeat keeps them current, so a call killed at its time limit still counts to its last beat)."""
+    """Wall seconds of every invocation of the testbed on this directory since its target phase started (or the
+    directory was made), summed (a heartbeat keeps them current, so a call killed at its time limit still counts to
+    its last beat)."""
     return round(sum(w["seconds"] for w in read_wall(p)), 1)
 
 
-def heartbeat(p: Paths, every_s: float = 5.0) -> None:
-    """Record this invocation's wall seconds in DIR/wall.json every `every_s` (a daemon thread)."""
+_beats: list = []  # (this process's heartbeat: `beat_now` records the seconds up to now)
+
+
+def beat_now(last: bool = False) -> None:
+    """Record this invocation's wall seconds now, not at the next beat; `last`: and no more (a results file made
+    now holds the seconds DIR/wall.json keeps, which a later summary of the sweep reads again)."""
+    for beat in _beats:
+        beat(last)
+
+
+def heartbeat(p: Paths, sweep: str | None = None, every_s: float = 5.0) -> None:
+    """Record this invocation's wall seconds in DIR/wall.json every `every_s` (a daemon thread), after the earlier
+    invocations' — all of them, a call killed before the target phase ended included (only `--from_phase=target`
+    starts the count anew) — with the sweep it ran (`sweep`: its label; None: the testbed's phases alone)."""
     import threading
 
-    fresh = not read_state(p)["phases"]  # (a testbed started anew: earlier invocations' seconds are not its own)
-    runs, t0 = [] if fresh else read_wall(p), time.time()
-    runs.append({"start": t0, "seconds": 0.0})
+    runs, t0, lock, stopped = read_wall(p), time.time(), threading.Lock(), []
+    runs.append({"start": t0, "seconds": 0.0, "sweep": sweep})
 
-    def beat():
-        while True:
+    def beat(last: bool = False):
+        with lock:
+            if stopped:
+                return
             runs[-1]["seconds"] = round(time.time() - t0, 1)
             write_json_atomic(p.wall, runs)
+            if last:
+                stopped.append(True)
+
+    def loop():
+        while not stopped:
+            beat()
             time.sleep(every_s)
 
-    threading.Thread(target=beat, daemon=True).start()
+    _beats[:] = [beat]
+    threading.Thread(target=loop, daemon=True).start()

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -215,20 +216,20 @@ def test_arms_are_ranked_only_when_the_null_arm_holds_0_and_the_known_bad_arm_li
     from testbed.report import ab_table
     from testbed.stats import NULL_ARM, judge
 
-    def rows(null_ci, bad_ci):
+    def rows(null_ci, bad_ci, null_delta=0.02, seed_sd=0.05):
         r = [{"arm": "(recipe)", "delta_ci95": None, "delta_vs_first": 0.0},
              {"arm": "quant=fp4", "delta_ci95": (-0.1, 0.2), "delta_vs_first": 0.05},
              {"arm": "gamma=inf", "delta_ci95": (-0.6, -0.2), "delta_vs_first": -0.4},
              {"arm": "steps=150", "delta_ci95": bad_ci, "delta_vs_first": -1.0},
-             {"arm": NULL_ARM, "delta_ci95": null_ci, "delta_vs_first": 0.02}]
-        return [{**x, "taus": [1.0], "tau_pooled": 1.0, "spread": 0.0, "delta_pct": 0.0, "lossless": [True],
-                 "mismatches": [[]], "loss": [0.1]} for x in r]
+             {"arm": NULL_ARM, "delta_ci95": null_ci, "delta_vs_first": null_delta}]
+        return [{**x, "taus": [1.0, 1.1], "tau_pooled": 1.0, "spread": 0.1, "delta_pct": 0.0, "lossless": [True] * 2,
+                 "mismatches": [[], []], "loss": [0.1], "seed_sd_pooled": seed_sd} for x in r]
 
     ok = rows((-0.15, 0.15), (-1.4, -0.6))
     ok.insert(3, {**ok[1], "arm": "noisy", "delta_ci95": (-0.7, 0.02), "delta_vs_first": -0.35})
     j = judge(ok, NULL_ARM, "steps=150")
     assert j["discriminating"] and [r.get("verdict") for r in ok[1:4]] == ["parity", "worse", "inconclusive"]
-    assert ok[1]["within_null"] and not ok[2]["within_null"] and not ok[3]["within_null"]
+    assert ok[1]["within_null"] is True and "within_null" not in ok[2] and ok[3]["within_null"] is False
     ok.pop(3)
     assert ok[3]["verdict"] == "known-bad check: passed" and ok[4]["verdict"] == "null check: passed"
     assert "arms ranked" in ab_table({"arms": ok, "judgement": j})
@@ -239,9 +240,69 @@ def test_arms_are_ranked_only_when_the_null_arm_holds_0_and_the_known_bad_arm_li
             r = [x for x in r if x["arm"] != "steps=150"]  # (its drafters failed: no row)
         j = judge(r, NULL_ARM, "steps=150")
         assert not j["discriminating"] and j["why_not"][0].startswith(f"the {culprit} arm")
-        assert ("rerun with --seeds=2 (SEEDS=); in the same --dir every drafter done is kept" in j["why_not"][0]) == (culprit == "null")
+        assert ("rerun with --seeds=3 (SEEDS=); in the same --dir every drafter done is kept" in j["why_not"][0]) == (culprit == "null")
         assert {x.get("verdict") for x in r[1:3]} == {"unranked"} and "within_null" not in r[1]
         assert "NOT DISCRIMINATING, arms not ranked" in ab_table({"arms": r, "judgement": j})
+
+    # the parity band is the null arm's reach either side of 0, not of the null arm's own Δ (noise): a null arm at
+    # +0.10 (−0.05 … +0.25) calls an arm at −0.12 at parity and one at +0.20 inconclusive, as it would at Δ 0
+    r = rows((-0.05, 0.25), (-1.4, -0.6), null_delta=0.10)
+    r[1].update(delta_ci95=(-0.30, 0.06), delta_vs_first=-0.12)
+    r[2].update(delta_ci95=(-0.01, 0.41), delta_vs_first=0.20)
+    assert judge(r, NULL_ARM, "steps=150")["discriminating"]
+    assert [r[1]["verdict"], r[2]["verdict"]] == ["parity", "inconclusive"]
+
+    # a drafter whose output differs from the target's is FAILED, whatever its τ; a lossy check arm ranks nothing
+    r = rows((-0.15, 0.15), (-1.4, -0.6))
+    r[1]["lossless"] = [True, False]
+    assert judge(r, NULL_ARM, "steps=150")["discriminating"] and r[1]["verdict"] == "FAILED"
+    for lossy in (3, 4):
+        r = rows((-0.15, 0.15), (-1.4, -0.6))
+        r[lossy]["lossless"] = [False, True]
+        j = judge(r, NULL_ARM, "steps=150")
+        assert not j["discriminating"] and "is not lossless" in j["why_not"][0] and r[1]["verdict"] == "unranked"
+        assert r[lossy]["verdict"].endswith("check: FAILED")
+
+    # one seed per arm: no estimate of the training noise, so no interval holds it: not ranked, whatever the checks say
+    r = rows((-0.15, 0.15), (-1.4, -0.6), seed_sd=None)
+    j = judge(r, NULL_ARM, "steps=150")
+    assert not j["discriminating"] and j["checks"]["null"]["passed"] and j["checks"]["bad"]["passed"]
+    assert j["why_not"] == ["one seed per arm: the seeds' variance is unknown, so no interval holds the training "
+                            "noise; rerun with --seeds=2 or more (SEEDS=); in the same --dir every drafter done is kept"]
+    assert r[1]["verdict"] == "unranked"
+
+
+def test_a_call_killed_before_the_target_phase_ended_still_counts_and_a_results_file_holds_the_seconds_up_to_it(
+        tmp_path):
+    from testbed import report
+
+    p = Paths(str(tmp_path))
+    p.root.mkdir(parents=True, exist_ok=True)
+    p.wall.write_text(json.dumps([{"start": 1.0, "seconds": 140.0}]))  # (no state.json: no phase ended)
+    report.heartbeat(p, "t", every_s=0.05)
+    time.sleep(0.3)
+    report.beat_now(last=True)
+    calls = report.read_wall(p)
+    assert [c["seconds"] for c in calls[:1]] == [140.0] and calls[1]["sweep"] == "t" and calls[1]["seconds"] >= 0.3
+    time.sleep(0.3)  # (no beat after the last)
+    assert report.read_wall(p) == calls and report.wall_seconds(p) == round(140.0 + calls[1]["seconds"], 1)
+
+
+def test_the_known_bad_arms_seeds_stay_out_of_the_seeds_variance_the_intervals_use():
+    """The known-bad arm learns in another regime; its seeds' spread is not the arms' training noise."""
+    from testbed.stats import arm_rows, pooled_seed_var
+
+    steps = [5, 9, 13, 7, 11, 6, 8, 10] * 4
+    counts = lambda shift: [((2.0 + 6 * (i % 4) + shift) * s, s) for i, s in enumerate(steps)]  # noqa: E731
+    ev = lambda c: ({"tau": 0.0, "counts": c, "lossless": True, "mismatches": [], "prompts": "p", "tokens": 64}, 0.1)  # noqa: E731
+    arms = {"": [counts(0.1), counts(-0.1)], "x=1": [counts(0.3), counts(0.1)], "steps=1": [counts(-3), counts(-1)]}
+    results = {a: [ev(c) for c in cs] for a, cs in arms.items()}
+    rows = arm_rows(list(arms), results, apart=("steps=1",))
+    apart = pooled_seed_var([arms[""], arms["x=1"]])[0] ** 0.5
+    assert rows[0]["seed_sd_pooled"] == pytest.approx(apart) and apart == pytest.approx(0.1414, abs=1e-3)
+    pooled = arm_rows(list(arms), results)
+    assert pooled[0]["seed_sd_pooled"] > 5 * apart  # (pooled, its ±1 spread would widen every arm's interval)
+    assert rows[1]["delta_ci95"][1] - rows[1]["delta_ci95"][0] < (pooled[1]["delta_ci95"][1] - pooled[1]["delta_ci95"][0]) / 3
 
 
 def test_a_sweep_rerun_with_more_seeds_keeps_every_drafter_it_made():
@@ -663,6 +724,10 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     assert [a["label"] for a in res["arms"]] == ["(recipe)", "quant=fp8", "project_dims=32 quant=fp4"]
     assert res["null_arm"]["label"] == "(recipe, other seeds)" and res["bad_arm"]["label"] == "steps=1"
     assert res["device_seconds"] > 0 and res["looping_frac_eval"] is not None and res["commit"]
+    # every invocation on DIR counts, each told by the sweep it ran: the testbed's own calls above and this one
+    assert res["one_sweep"] is True and set(res["device_seconds_by_sweep"]) == {"(testbed alone)", "t"}
+    assert sum(res["device_seconds_by_sweep"].values()) == pytest.approx(res["device_seconds"], abs=0.2)
+    assert [w["sweep"] for w in res["invocations"]][-1] == "t"
     assert {"ci_low", "ci_high", "delta", "spread", "lossless", "tau_pooled"} <= set(res["arms"][1])
     assert res["arms"][1]["seeds"] == [own("quant=fp8")] and res["null_arm"]["seeds"] == [own("", null=True)]
     # the projected fp4 cache's drafter, folded at export, decodes losslessly through the served modeling code
@@ -701,6 +766,7 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     for k in ("arms", "null_arm", "bad_arm", "discriminating", "replay_check", "tau_from"):
         assert again[k] == res[k], k
     assert again["device_seconds"] == res["device_seconds"] and again["incomplete"] == {}
+    assert again["one_sweep"] is False  # (labelled s, its seconds are sweep t's: not one sweep's cold cost)
     (fp8_run / "eval.json").unlink()
     r = _testbed(root, arms, "--seeds=1", "--label=s", "--summarize=1", f"--results={root / 'summary.json'}")
     again = json.loads((root / "summary.json").read_text())
