@@ -86,6 +86,7 @@ def sweep_results(r: dict, tb: dict, p: Paths, label: str) -> dict:
             "one_sweep": all(w.get("sweep") in (None, label) for w in calls), "device_seconds_by_sweep": by_sweep,
             "looping_frac_eval": tb.get("looping_frac_eval"), "looping_frac_regen": (tb.get("regen") or {}).get("looping_frac"),
             "arms": [a for a in arms if a["label"] not in special],
+            "null_arm": None, "bad_arm": None,  # (--checks=0: none)
             **{f"{name}_arm": next((a for a in arms if a["label"] == label), None) for label, name in special.items()},
             "discriminating": judged.get("discriminating"), "why_not": judged.get("why_not"), "seeds": r["seeds"],
             "phase_seconds": tb.get("seconds"), "tau_trained": tb.get("tau_trained"), "drafter_run": tb.get("drafter_run"),

@@ -767,6 +767,9 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
         assert again[k] == res[k], k
     assert again["device_seconds"] == res["device_seconds"] and again["incomplete"] == {}
     assert again["one_sweep"] is False  # (labelled s, its seconds are sweep t's: not one sweep's cold cost)
+    r = _testbed(root, arms, "--seeds=1", "--label=s", "--summarize=1", "--checks=0", f"--results={root / 'summary.json'}")
+    unchecked = json.loads((root / "summary.json").read_text())  # (the file's keys stay: no checks, no check arms)
+    assert unchecked["null_arm"] is None and unchecked["bad_arm"] is None and unchecked["discriminating"] is None
     (fp8_run / "eval.json").unlink()
     r = _testbed(root, arms, "--seeds=1", "--label=s", "--summarize=1", f"--results={root / 'summary.json'}")
     again = json.loads((root / "summary.json").read_text())
