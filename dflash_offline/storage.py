@@ -114,8 +114,9 @@ READER_GB_S = 77_613 * 51_200 / 1e9
 # read rate caps (`plan_read_gb_s=` gives that rate).
 HASH_GB_S_PER_THREAD = 1.0
 # What each encoding costs in τ on the GPU yardstick, as the testbed's verdict says it (docs/testbed.md: A/B with 2
-# seeds, a null and a known-bad arm, a 124M target of hidden 768, DFlash drafters): "parity" = Δ τ vs bf16 inside the
-# null arm's interval, every seed lossless. fp8: +0.02 (95 % −0.28 … +0.32, null ±0.30;
+# seeds, a null and a known-bad arm, a 124M target of hidden 768, DFlash drafters): "parity" = the interval of Δ τ vs
+# bf16 holds 0 and |Δ| is within the null arm's half-width (inside the null arm's interval in the sweeps before
+# 13498fd), every seed lossless. fp8: +0.02 (95 % −0.28 … +0.32, null ±0.30;
 # bench/results/testbed-sweep-h200-419204b.json); fp4: −0.01 (−0.23 … +0.21) and taps projected to half the width in
 # fp8 ("fp8 k=1/2", project_dims=384 of 768): −0.06 (−0.28 … +0.16), both in bench/results/testbed-sweep-h200-9b6a2b6.json
 # (2026-12-03), null ±0.22 — a loss under ≈ 6–7 % would go unseen; taps projected to half the width in bf16 ("bf16

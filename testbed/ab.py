@@ -140,6 +140,16 @@ def evaluated_arms(arms: list[str], jobs: list) -> tuple[list[str], dict]:
     return complete, incomplete
 
 
+def sweep_rows(complete: list[str], jobs: list, bad: str | None) -> list[dict]:
+    """The table's rows (`arm_rows`) of the `complete` arms from their runs' evaluations and final losses, each
+    with its seeds; the known-bad arm `bad` apart from the seeds' variance the other arms' intervals pool."""
+    rows = arm_rows(complete, {a: [(eval_record(j.run / "eval.json"), run_metrics(j.run).get("loss"))
+                                   for j in jobs if j.arm == a] for a in complete}, apart=(bad,) if bad else ())
+    for row, a in zip(rows, complete, strict=True):
+        row["seeds"] = [j.seed for j in jobs if j.arm == a]
+    return rows
+
+
 def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> tuple[dict, dict]:
     """Every arm × seed trained, exported and evaluated on the testbed's target and prompts, beside the testbed's own
     phases where they are not done yet (see the module doc); with `checks`, also the null arm (the recipe under seeds
@@ -166,10 +176,7 @@ def ab(cfg: TestbedConfig, p: Paths, dev: str, device) -> tuple[dict, dict]:
     if arms[0] not in complete:
         raise RuntimeError(f"the first arm ({arms[0] or '(recipe)'}) has no evaluation for every seed: nothing to "
                            f"compare with; see the logs under {p.root / 'runs'}")
-    rows = arm_rows(complete, {a: [(eval_record(j.run / "eval.json"), run_metrics(j.run).get("loss"))
-                                   for j in jobs if j.arm == a] for a in complete}, apart=(bad,) if bad else ())
-    for row, a in zip(rows, complete, strict=True):
-        row["seeds"] = [j.seed for j in jobs if j.arm == a]
+    rows = sweep_rows(complete, jobs, bad)
     judgement = judge(rows, null, bad) if cfg.checks else None
     failed = failed_runs(p.root, times, [j.run for j in jobs if j.arm in complete])
     return {"testbed": str(p.root), "seeds": cfg.seeds, "arms": rows, "judgement": judgement, "failed": failed,

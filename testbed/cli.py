@@ -66,10 +66,10 @@ def main(argv: list[str]) -> int:
     # target's training in this process would otherwise set Inductor's default, /tmp/torchinductor_<user>, into the
     # environment the later processes inherit: the stand-ins compiled there, the drafters of a rerun read elsewhere)
     private_compile_caches(0)
-    if cfg.from_phase == "target":
+    if cfg.from_phase == "target" and not cfg.summarize:  # (a summary redoes nothing: the seconds stay)
         p.wall.unlink(missing_ok=True)
     if not cfg.summarize:
-        heartbeat(p, ab_label(cfg) if cfg.arms or cfg.sweep else None)
+        heartbeat(p, sweep_tag(cfg))
     log(f"testbed {p.root} on {device} (preset {cfg.preset}): {json.dumps(asdict(cfg))}")
     try:
         if cfg.arms or cfg.sweep:
@@ -94,6 +94,20 @@ def ab_label(cfg: TestbedConfig) -> str:
     return cfg.label or cfg.sweep.replace(",", "+") or "ab"
 
 
+def sweep_tag(cfg: TestbedConfig) -> dict:
+    """What an invocation's seconds are told by in DIR/wall.json: its label (`sweep`) and the arms it runs (`arms`: a
+    digest of the presets of --sweep, or of the first arm and the others in any order), so that two sweeps of other
+    arms under one label are told apart, and one sweep summarized under another label is alike; both None: the
+    testbed's phases alone."""
+    import hashlib
+
+    if not (cfg.arms or cfg.sweep):
+        return {"sweep": None, "arms": None}
+    arms = [a.strip() for a in cfg.arms.split(";")] if cfg.arms else []
+    spec = f"sweep={cfg.sweep}" if cfg.sweep else "arms=" + ";".join([arms[0], *sorted(arms[1:])])
+    return {"sweep": ab_label(cfg), "arms": hashlib.sha256(spec.encode()).hexdigest()[:12]}
+
+
 def finish_ab(cfg: TestbedConfig, p: Paths, r: dict, tb: dict) -> int:
     """Write and print the A/B record `r` (DIR/ab/<label>.json, `--results=`) and the testbed's `tb`; exit status 1
     when a drafter failed or the yardstick did not discriminate."""
@@ -104,7 +118,7 @@ def finish_ab(cfg: TestbedConfig, p: Paths, r: dict, tb: dict) -> int:
         write_testbed(p, tb)
     if cfg.results:
         Path(cfg.results).parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(Path(cfg.results), sweep_results(r, tb, p, ab_label(cfg)))
+        write_json_atomic(Path(cfg.results), sweep_results(r, tb, p, sweep_tag(cfg)))
     print(ab_table(r))
     for run, e in r["failed"].items():
         print(f"FAILED {run}: {e}")

@@ -26,7 +26,8 @@ def ab_table(r: dict) -> str:
             f"{' / '.join(f'{x:.3f}' for x in a['loss'] if x is not None)} |" for a in r["arms"]]
     judged = r.get("judgement")
     tail = [] if judged is None else ["the yardstick discriminates (null arm's interval holds 0, the known-bad arm's "
-                                      "lies below 0): arms ranked" if judged["discriminating"] else
+                                      "lies below 0, the seeds' variance known, the checks lossless): arms ranked; "
+                                      "parity: |Δ| within the null arm's half-width" if judged["discriminating"] else
                                       "NOT DISCRIMINATING, arms not ranked: " + "; ".join(judged["why_not"])]
     checks = replay_checks(r)
     if checks:
@@ -52,11 +53,12 @@ def lossless_cell(a: dict) -> str:
 
 
 
-def sweep_results(r: dict, tb: dict, p: Paths, label: str) -> dict:
+def sweep_results(r: dict, tb: dict, p: Paths, sweep: dict) -> dict:
     """The sweep's verdicts in the results-file form (`--results=`): commit, the wall seconds of every invocation
-    on DIR summed (cold when the first started on a bare machine and `one_sweep`: no invocation ran another sweep —
-    label — whose drafters the sum would hold too; `device_seconds_by_sweep` splits it), the looping shares, and per
-    arm its τ, spread, Δ, interval, lossless check and verdict; the null and known-bad arms apart."""
+    on DIR summed (cold when the first started on a bare machine and `one_sweep`: no invocation ran other arms than
+    this one's — `sweep`, `cli.sweep_tag` — whose drafters the sum would hold too; None where an invocation predates
+    the tags; `device_seconds_by_sweep` splits the sum by label and arms), the looping shares, and per arm its τ, spread, Δ, interval,
+    lossless check and verdict; the null and known-bad arms apart."""
     import torch
 
     def arm(a: dict) -> dict:
@@ -77,13 +79,8 @@ def sweep_results(r: dict, tb: dict, p: Paths, label: str) -> dict:
     checks = replay_checks(r)
     beat_now(last=True)
     calls = read_wall(p)
-    by_sweep: dict[str, float] = {}
-    for w in calls:
-        tag = w.get("sweep") or "(testbed alone)"
-        by_sweep[tag] = round(by_sweep.get(tag, 0.0) + w["seconds"], 1)
     return {**provenance(), "device": device,
-            "device_seconds": wall_seconds(p), "invocations": calls,
-            "one_sweep": all(w.get("sweep") in (None, label) for w in calls), "device_seconds_by_sweep": by_sweep,
+            "device_seconds": wall_seconds(p), "invocations": calls, **sweep_seconds(calls, sweep),
             "looping_frac_eval": tb.get("looping_frac_eval"), "looping_frac_regen": (tb.get("regen") or {}).get("looping_frac"),
             "arms": [a for a in arms if a["label"] not in special],
             "null_arm": None, "bad_arm": None,  # (--checks=0: none)
@@ -99,6 +96,17 @@ def sweep_results(r: dict, tb: dict, p: Paths, label: str) -> dict:
             "tau_from": "replay" if r["config"].get("replay") else "decode", "incomplete": r.get("incomplete"),
             "replay_check": {"drafters": len(checks), "prompts": sum(c["prompts"] for c in checks),
                              "agree": sum(c["agree"] for c in checks)} if checks else None}
+
+
+def sweep_seconds(calls: list[dict], sweep: dict) -> dict:
+    """`one_sweep` (True: every invocation in `calls` ran the arms of `sweep` or the testbed's phases alone; None:
+    one predates the tags) and `device_seconds_by_sweep` (their seconds by label and arms)."""
+    by: dict[str, float] = {}
+    for w in calls:
+        tag = "(untagged)" if "arms" not in w else f"{w['sweep']} ({w['arms']})" if w["arms"] else "(testbed alone)"
+        by[tag] = by.get(tag, 0.0) + w["seconds"]
+    one = None if any("arms" not in w for w in calls) else all(w["arms"] in (None, sweep["arms"]) for w in calls)
+    return {"one_sweep": one, "device_seconds_by_sweep": {k: round(v, 1) for k, v in by.items()}}
 
 
 def derived_caches(p: Paths) -> list[str]:
@@ -151,21 +159,22 @@ def beat_now(last: bool = False) -> None:
         beat(last)
 
 
-def heartbeat(p: Paths, sweep: str | None = None, every_s: float = 5.0) -> None:
+def heartbeat(p: Paths, sweep: dict | None = None, every_s: float = 5.0) -> None:
     """Record this invocation's wall seconds in DIR/wall.json every `every_s` (a daemon thread), after the earlier
     invocations' — all of them, a call killed before the target phase ended included (only `--from_phase=target`
-    starts the count anew) — with the sweep it ran (`sweep`: its label; None: the testbed's phases alone)."""
+    starts the count anew) — with the sweep it ran (`sweep`: `cli.sweep_tag`'s label and arms; None: the testbed's
+    phases alone)."""
     import threading
 
     runs, t0, lock, stopped = read_wall(p), time.time(), threading.Lock(), []
-    runs.append({"start": t0, "seconds": 0.0, "sweep": sweep})
+    runs.append({"start": t0, "seconds": 0.0, **(sweep or {"sweep": None, "arms": None})})
 
     def beat(last: bool = False):
         with lock:
             if stopped:
                 return
             runs[-1]["seconds"] = round(time.time() - t0, 1)
-            write_json_atomic(p.wall, runs)
+            write_json_atomic(p.wall, runs, durable=False)  # (a report: no fsync for the main thread to wait on)
             if last:
                 stopped.append(True)
 

@@ -160,9 +160,12 @@ def arm_rows(arms: list[str], results: dict, apart: tuple[str, ...] = ()) -> lis
     counts = {arm: [e["counts"] for e, _ in results[arm]] for arm in arms}
     seed_var = pooled_seed_var([c for arm, c in counts.items() if arm not in apart])
     for arm, r in zip(arms, rows, strict=True):
+        # (an arm apart: its own seeds' spread joins the others' in its interval, which the others' alone would not hold)
+        own = seed_var if arm not in apart else pooled_seed_var(
+            [c for a, c in counts.items() if a not in apart or a == arm])
         r["delta_vs_first"] = r["tau_pooled"] - rows[0]["tau_pooled"]
         r["delta_pct"] = 100 * r["delta_vs_first"] / rows[0]["tau_pooled"]
-        r["delta_ci95"] = None if arm == arms[0] else delta_ci(counts[arm], counts[arms[0]], seed_var=seed_var)
+        r["delta_ci95"] = None if arm == arms[0] else delta_ci(counts[arm], counts[arms[0]], seed_var=own)
         r["seed_sd_pooled"] = None if seed_var is None else seed_var[0] ** 0.5
     return rows
 
@@ -181,27 +184,33 @@ NULL_ARM = "(recipe, other seeds)"  # the null arm's label: the recipe again und
 
 
 def judge(rows: list[dict], null: str | None, bad: str | None) -> dict:
-    """The yardstick's checks and, when they pass, a verdict per arm (in place: `verdict`). The null arm (the first
-    arm's settings under other seeds) must have an interval that contains 0, the known-bad arm (the first arm at a
-    quarter of its steps) one that lies below 0, both lossless; and the seeds' variance must be known (two seeds or
-    more per arm: with one, no interval holds the training noise, and in simulation a null arm misses 0 in most
-    sweeps). If any fails (or an arm is missing) the yardstick is not discriminating and no arm is ranked
-    (`unranked`). Otherwise an arm whose drafter is not lossless is `FAILED` (whatever its τ: a bug), else `worse`
-    (interval below 0), `better` (above 0), at `parity` (its interval contains 0 and |Δ| is no larger than the null
-    arm's interval reaches either side of its centre: what the first arm shows against itself — the band is centred
-    on 0, the null arm's own Δ being noise) or `inconclusive` (its interval contains 0 but |Δ| is larger than that:
-    too noisy to call; more seeds). `within_null` is recorded for the arms whose interval contains 0."""
+    """The yardstick's checks and, when they pass, a verdict per arm (in place: `verdict`). The first arm must be
+    lossless (every arm is compared with it), the null arm (the first arm's settings under other seeds) must have an
+    interval that contains 0 and the known-bad arm (the first arm at a quarter of its steps) one that lies below 0,
+    both lossless where decoded (under `--replay=1` the null arm's drafters only replay: nothing to check); and the
+    seeds' variance must be known (two seeds or more per arm: with one, no interval holds the training noise, and in
+    simulation a null arm misses 0 in most sweeps). If any fails (or an arm is missing) the yardstick is not
+    discriminating and no arm is ranked (`unranked`). An arm whose drafter is not lossless is `FAILED` whether ranked
+    or not (a bug, whatever its τ); a ranked one is `worse` (interval below 0), `better` (above 0), at `parity` (its
+    interval contains 0 and |Δ| is no larger than the null arm's interval reaches either side of its centre: what the
+    first arm shows against itself — the band is centred on 0, the null arm's own Δ being noise) or `inconclusive`
+    (its interval contains 0 but |Δ| is larger than that: too noisy to call; more seeds); one without an interval
+    (no verify step to resample) `no interval`. `within_null` is recorded for the arms whose interval contains 0."""
     by = {r["arm"]: r for r in rows}
+    lossy = lambda r: bool(r) and not all(r.get("lossless", [True]))  # noqa: E731
     checks, why = {}, []
+    if rows and lossy(rows[0]):
+        why.append(f"the first arm ({rows[0]['arm']}) is not lossless: its drafters' output differs from the "
+                   f"target's, and every arm is compared with it")
     for name, label, ok in (("null", null, lambda lo, hi: lo <= 0 <= hi), ("bad", bad, lambda lo, hi: hi < 0)):
         r = by.get(label) if label else None
         ci = r and r["delta_ci95"]
-        lossy = bool(r) and not all(r.get("lossless", [True]))
-        checks[name] = {"arm": label, "ci95": ci, "passed": bool(ci) and ok(*ci) and not lossy}
-        if lossy:
+        checks[name] = {"arm": label, "ci95": ci, "passed": bool(ci) and ok(*ci) and not lossy(r)}
+        if lossy(r):
             why.append(f"the {name} arm ({label}) is not lossless: its drafters' output differs from the target's")
         elif not checks[name]["passed"]:
-            what = "not run" if not ci else f"interval [{ci[0]:+.3f}, {ci[1]:+.3f}]"
+            what = ("not run" if not r else "no interval (no verify step to resample)" if not ci else
+                    f"interval [{ci[0]:+.3f}, {ci[1]:+.3f}]")
             want = "contains 0" if name == "null" else "lies below 0"
             why.append(f"the {name} arm ({label}): {what}, where its interval must be one that {want}"
                        + (null_remedy(len(rows[0].get("taus") or ())) if name == "null" and ci else ""))
@@ -216,11 +225,14 @@ def judge(rows: list[dict], null: str | None, bad: str | None) -> dict:
             r["verdict"] = f"{'null' if kind == 'null' else 'known-bad'} check: " + (
                 "passed" if checks[kind]["passed"] else "FAILED")
             continue
-        if not ranked or r["delta_ci95"] is None:
+        if lossy(r):
+            r["verdict"] = "FAILED"
+            continue
+        if not ranked:
             r["verdict"] = "unranked"
             continue
-        if not all(r.get("lossless", [True])):
-            r["verdict"] = "FAILED"
+        if r["delta_ci95"] is None:
+            r["verdict"] = "no interval"
             continue
         lo, hi = r["delta_ci95"]
         if hi < 0 or lo > 0:

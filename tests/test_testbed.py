@@ -263,6 +263,19 @@ def test_arms_are_ranked_only_when_the_null_arm_holds_0_and_the_known_bad_arm_li
         assert not j["discriminating"] and "is not lossless" in j["why_not"][0] and r[1]["verdict"] == "unranked"
         assert r[lossy]["verdict"].endswith("check: FAILED")
 
+    # a lossy first arm (every arm is compared with it) ranks nothing; a lossy arm is FAILED, ranked or not
+    r = rows((-0.15, 0.15), (-1.4, -0.6))
+    r[0]["lossless"], r[2]["lossless"] = [False, True], [True, False]
+    j = judge(r, NULL_ARM, "steps=150")
+    assert not j["discriminating"] and j["why_not"][0].startswith("the first arm ((recipe)) is not lossless")
+    assert [r[1]["verdict"], r[2]["verdict"]] == ["unranked", "FAILED"]
+    # an arm without an interval (no verify step to resample) is said so, the null arm's too
+    r = rows((-0.15, 0.15), (-1.4, -0.6))
+    r[1]["delta_ci95"] = None
+    assert judge(r, NULL_ARM, "steps=150")["discriminating"] and r[1]["verdict"] == "no interval"
+    r = rows(None, (-1.4, -0.6))
+    assert "the null arm ((recipe, other seeds)): no interval" in judge(r, NULL_ARM, "steps=150")["why_not"][0]
+
     # one seed per arm: no estimate of the training noise, so no interval holds it: not ranked, whatever the checks say
     r = rows((-0.15, 0.15), (-1.4, -0.6), seed_sd=None)
     j = judge(r, NULL_ARM, "steps=150")
@@ -278,14 +291,63 @@ def test_a_call_killed_before_the_target_phase_ended_still_counts_and_a_results_
 
     p = Paths(str(tmp_path))
     p.root.mkdir(parents=True, exist_ok=True)
-    p.wall.write_text(json.dumps([{"start": 1.0, "seconds": 140.0}]))  # (no state.json: no phase ended)
-    report.heartbeat(p, "t", every_s=0.05)
+    p.wall.write_text(json.dumps([{"start": 1.0, "seconds": 140.0, "sweep": None, "arms": None}]))  # (no state.json)
+    tag = cli.sweep_tag(config.TestbedConfig(sweep="encodings,fp8", label="seeds"))
+    report.heartbeat(p, tag, every_s=0.05)
     time.sleep(0.3)
     report.beat_now(last=True)
     calls = report.read_wall(p)
-    assert [c["seconds"] for c in calls[:1]] == [140.0] and calls[1]["sweep"] == "t" and calls[1]["seconds"] >= 0.3
+    assert calls[0]["seconds"] == 140.0 and calls[1]["sweep"] == "seeds" and calls[1]["seconds"] >= 0.3
     time.sleep(0.3)  # (no beat after the last)
     assert report.read_wall(p) == calls and report.wall_seconds(p) == round(140.0 + calls[1]["seconds"], 1)
+    assert report.sweep_seconds(calls, tag)["one_sweep"] is True
+
+
+def test_a_sweeps_table_keeps_the_known_bad_arm_out_of_the_seeds_variance(tmp_path):
+    """The sweep's rows (what `ab` ranks) from its runs' evaluations: the seeds' sd the arms' intervals use is the
+    recipe's, the null arm's and the other arms' — not the known-bad arm's, whose two seeds here differ by 2 τ."""
+    from testbed.stats import pooled_seed_var
+
+    cfg, p = config.TestbedConfig(dir=str(tmp_path), seeds=2), Paths(str(tmp_path))
+    arms = ["", "quant=fp8"]
+    null, bad = testbed_ab.check_arms(cfg, arms[0])
+    jobs, _ = testbed_ab.sweep_jobs(cfg, p, [*arms, bad], null, bad)
+    shift = {"": (0.1, -0.1), "quant=fp8": (0.3, 0.1), null: (0.0, 0.2), bad: (-3.0, -1.0)}
+    steps, counts = [5, 9, 13, 7] * 4, {}
+    for j in jobs:
+        d = shift[j.arm][sum(x.arm == j.arm for x in jobs[: jobs.index(j)])]
+        taus = [4.0 + d + (i % 3) for i in range(len(steps))]
+        counts.setdefault(j.arm, []).append([(t * n, n) for t, n in zip(taus, steps, strict=True)])
+        j.run.mkdir(parents=True)
+        (j.run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 0.5}) + "\n")
+        (j.run / "eval.json").write_text(json.dumps({
+            "tau_mean": 4.0, "lossless": True, "prompt_ids_sha256": "p", "max_new_tokens": 64,
+            "per_prompt": [{"tau_mean": t, "steps": n, "emitted": t * n} for t, n in zip(taus, steps, strict=True)]}))
+    rows = testbed_ab.sweep_rows([*arms, bad, null], jobs, bad)
+    want = pooled_seed_var([counts[a] for a in (*arms, null)])[0] ** 0.5
+    assert [r["arm"] for r in rows] == ["(recipe)", "quant=fp8", bad, null]
+    assert all(r["seed_sd_pooled"] == pytest.approx(want) for r in rows) and want < 0.2
+    assert rows[1]["seeds"] == testbed_ab.arm_seeds(cfg, "quant=fp8") and rows[1]["loss"] == [0.5, 0.5]
+
+
+def test_a_sweeps_seconds_are_one_sweeps_only_when_no_invocation_ran_other_arms():
+    """`one_sweep`: a sum of device seconds is a sweep's cold cost only where no invocation on DIR ran other arms
+    (another sweep's drafters); the arms tell sweeps apart, not the label; an untagged invocation leaves it unknown."""
+    from testbed.report import sweep_seconds
+
+    tag = lambda **k: cli.sweep_tag(config.TestbedConfig(**k))  # noqa: E731
+    assert tag() == {"sweep": None, "arms": None}
+    ab = tag(arms=";quant=fp8;gamma=5")
+    assert ab["sweep"] == "ab" and ab["arms"] == tag(arms="; gamma=5;quant=fp8 ", label="x")["arms"]  # any order
+    assert ab["arms"] != tag(arms="quant=fp8;;gamma=5")["arms"] != tag(arms=";quant=fp4")["arms"]  # other first arm
+    call = lambda t, s: {"start": 0.0, "seconds": s, **t}  # noqa: E731
+    base, other = call(tag(), 100.04), call(tag(arms=";quant=fp4"), 50.0)
+    assert sweep_seconds([base, call(ab, 20.03), call(ab, 30.0)], ab) == {
+        "one_sweep": True, "device_seconds_by_sweep": {"(testbed alone)": 100.0, f"ab ({ab['arms']})": 50.0}}
+    assert sweep_seconds([base, other, call(ab, 20.0)], ab)["one_sweep"] is False
+    assert sweep_seconds([base, call(tag(arms=";quant=fp8;gamma=5", label="again"), 9.0)], ab)["one_sweep"] is True
+    assert sweep_seconds([{"start": 0.0, "seconds": 5.0}, call(ab, 20.0)], ab) == {
+        "one_sweep": None, "device_seconds_by_sweep": {"(untagged)": 5.0, f"ab ({ab['arms']})": 20.0}}
 
 
 def test_the_known_bad_arms_seeds_stay_out_of_the_seeds_variance_the_intervals_use():
@@ -725,9 +787,11 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     assert res["null_arm"]["label"] == "(recipe, other seeds)" and res["bad_arm"]["label"] == "steps=1"
     assert res["device_seconds"] > 0 and res["looping_frac_eval"] is not None and res["commit"]
     # every invocation on DIR counts, each told by the sweep it ran: the testbed's own calls above and this one
-    assert res["one_sweep"] is True and set(res["device_seconds_by_sweep"]) == {"(testbed alone)", "t"}
-    assert sum(res["device_seconds_by_sweep"].values()) == pytest.approx(res["device_seconds"], abs=0.2)
-    assert [w["sweep"] for w in res["invocations"]][-1] == "t"
+    tag = cli.sweep_tag(config.TestbedConfig(arms=";quant=fp8;weighting=bogus;quant=bogus;project_dims=32 quant=fp4",
+                                             label="t"))
+    assert res["one_sweep"] is True and res["invocations"][-1]["sweep"] == "t" and res["invocations"][-1]["arms"]
+    assert set(res["device_seconds_by_sweep"]) == {"(testbed alone)", f"t ({tag['arms']})"}
+    assert sum(res["device_seconds_by_sweep"].values()) == pytest.approx(res["device_seconds"], abs=0.1)
     assert {"ci_low", "ci_high", "delta", "spread", "lossless", "tau_pooled"} <= set(res["arms"][1])
     assert res["arms"][1]["seeds"] == [own("quant=fp8")] and res["null_arm"]["seeds"] == [own("", null=True)]
     # the projected fp4 cache's drafter, folded at export, decodes losslessly through the served modeling code
@@ -766,7 +830,7 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     for k in ("arms", "null_arm", "bad_arm", "discriminating", "replay_check", "tau_from"):
         assert again[k] == res[k], k
     assert again["device_seconds"] == res["device_seconds"] and again["incomplete"] == {}
-    assert again["one_sweep"] is False  # (labelled s, its seconds are sweep t's: not one sweep's cold cost)
+    assert again["one_sweep"] is False  # (other arms than sweep t's, whose seconds the sum holds: no one sweep's cost)
     r = _testbed(root, arms, "--seeds=1", "--label=s", "--summarize=1", "--checks=0", f"--results={root / 'summary.json'}")
     unchecked = json.loads((root / "summary.json").read_text())  # (the file's keys stay: no checks, no check arms)
     assert unchecked["null_arm"] is None and unchecked["bad_arm"] is None and unchecked["discriminating"] is None
