@@ -123,6 +123,7 @@ HASH_GB_S_PER_THREAD = 1.0
 # k=1/2"): −0.07 (−0.26 … +0.13), null −0.23 … +0.17, bench/results/testbed-sweep-h200-66bb894.json (2026-12-03);
 # taps projected to a quarter in fp8 ("fp8 k=1/4", project_dims=192 of 768): −0.02 (−0.16 … +0.12), null ±0.12, at
 # 300 steps under seeds of each arm's own, bench/results/testbed-sweep-h100-913a79a-seeds.json (2026-12-06).
+# At 4327e15 (2026-12-07, bench/results/testbed-sweep-h100-4327e15-seeds.json, null ±0.18) every one of them again.
 # A projection is keyed by its share of the width.
 TESTBED_TAU = {"bf16": "reference", "fp8": "parity", "fp4": "parity", "fp8 k=1/2": "parity", "bf16 k=1/2": "parity",
                "fp8 k=1/4": "parity"}
