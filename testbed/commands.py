@@ -64,6 +64,46 @@ def stage(module: str, *args: str, log_file: Path | None = None, ok=(0,), env: d
     return time.perf_counter() - t0
 
 
+class Background:
+    """`stage` in the background: `python -m module args` started now, its output in `log_file`, its end recorded
+    when it comes (`ended`, `seconds`: a thread waits on it); `wait` returns its seconds or raises as `stage` does,
+    `stop` ends it (the caller failed or was interrupted)."""
+
+    def __init__(self, module: str, *args: str, log_file: Path, env: dict | None = None):
+        import threading
+
+        log(f"{' '.join([module, *args])} (beside; log: {log_file})")
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        self.module, self.log_file, self.started, self.t0 = module, log_file, time.time(), time.perf_counter()
+        self.ended, self.seconds = None, None
+        with open(log_file, "w") as f:
+            self.proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=f, stderr=subprocess.STDOUT,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        self.reaper = threading.Thread(target=self._reap, daemon=True)
+        self.reaper.start()
+
+    def _reap(self) -> None:
+        self.proc.wait()
+        self.ended, self.seconds = time.time(), time.perf_counter() - self.t0
+
+    def wait(self) -> float:
+        self.reaper.join()
+        if self.proc.returncode != 0:
+            raise RuntimeError(f"{self.module} ... failed with exit status {self.proc.returncode} (log: "
+                               f"{self.log_file})")
+        return self.seconds
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.reaper.join()
+
+
 @dataclass
 class Job:
     arm: str  # its settings as given ('' = the recipe as it is)
@@ -169,6 +209,14 @@ def evaluate_args(cfg: TestbedConfig, p: Paths, run: Path, dev: str, untrained: 
     # still holds every prompt)
     return args + (["--untrained=1", f"--spec_prompts={cfg.untrained_prompts}"] if untrained
                    else [f"--export={run / 'export'}"])
+
+
+def evaluations_ahead(cfg: TestbedConfig, env: dict) -> None:
+    """`EVAL_WORKER` started now with the environment `evaluate` will be given (`env`), unless `eval_worker` is off:
+    its imports (torch, transformers, the evaluation's code: `testbed.evalworker`) then run beside the first training
+    instead of before the first evaluation (≈ 14 s of a resumed call's on an H100 host)."""
+    if cfg.eval_worker:
+        EVAL_WORKER.start(env)
 
 
 def evaluate(cfg: TestbedConfig, p: Paths, run: Path, dev: str, untrained: bool, log_file: Path | None,

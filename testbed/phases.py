@@ -11,7 +11,7 @@ from pathlib import Path
 from dflash_offline.cache.fsio import atomic_dir
 from dflash_offline.cache.manifest import read_manifest
 
-from .commands import Job, Stopped, extract, job_identity, log, stage
+from .commands import Background, Job, Stopped, extract, job_identity, log, stage
 from .config import TestbedConfig
 from .precompile import Precompile
 from .runs import (
@@ -73,20 +73,29 @@ def build(cfg: TestbedConfig, p: Paths, device, planned=None) -> dict:
     return {**rec, "sources": {k: v for k, v in s.items() if k != "roots"}, "regen_prompts": n, "eval_prompts": m}
 
 
-def choose_prompts(cfg: TestbedConfig, p: Paths, dev: str) -> dict:
-    """The evaluation prompts: the first `eval_candidates` × `eval_prompts` held-out openings answered greedily by
-    the target (the evaluation's budget of new tokens), the first `eval_prompts` whose answer does not loop taken
-    (`choose_eval_prompts`)."""
+def answer_candidates(cfg: TestbedConfig, p: Paths, dev: str) -> Background:
+    """The evaluation prompts' candidates answered, started beside the corpus's regeneration (`chosen_prompts` waits
+    for it): the first `eval_candidates` × `eval_prompts` held-out openings answered greedily by the target (the
+    evaluation's budget of new tokens). A process of its own, so that its start and the target's loading (≈ 20 s of
+    an H100 host after the corpus's, `4327e15`) and its decoding run beside the corpus's (not timed on a GPU yet)."""
     n = cfg.eval_candidates * cfg.eval_prompts
-    stage("stages.regen", f"--target={p.target}", f"--corpus={p.eval_candidates}", f"--out={p.eval_greedy}",
-          f"--num_docs={n}", f"--max_new_tokens={cfg.eval_tokens}", f"--batch_size={cfg.regen_batch}",
-          "--thinking=on", "--on_empty=keep", f"--device={dev}", "--progress=0")
+    return Background("stages.regen", f"--target={p.target}", f"--corpus={p.eval_candidates}", f"--out={p.eval_greedy}",
+                      f"--num_docs={n}", f"--max_new_tokens={cfg.eval_tokens}", f"--batch_size={cfg.regen_batch}",
+                      "--thinking=on", "--on_empty=keep", f"--device={dev}", "--progress=0",
+                      log_file=p.root / "logs" / "regen-eval-candidates.log")
+
+
+def chosen_prompts(cfg: TestbedConfig, p: Paths, greedy: Background) -> dict:
+    """Once `greedy` (`answer_candidates`) ended, the first `eval_prompts` candidates whose answer does not loop, taken
+    (`choose_eval_prompts`); with that regeneration's timeline."""
+    secs = greedy.wait()
     chosen = choose_eval_prompts(p.eval_candidates, p.eval_greedy, p.eval_prompts, cfg.eval_prompts, cfg.eval_tokens,
                                  cfg.untrained_prompts)
     log(f"evaluation prompts: {chosen['chosen']} of {chosen['candidates']} held-out openings, whose greedy answers "
         f"loop in {100 * chosen['candidates_looping']:.0f} % and stop short in {100 * chosen['candidates_short']:.0f} % "
-        f"({chosen['chosen_looping']} looping and {chosen['chosen_short']} short among those chosen)")
-    return chosen
+        f"({chosen['chosen_looping']} looping and {chosen['chosen_short']} short among those chosen; their "
+        f"regeneration took {secs:.0f}s beside the corpus's)")
+    return {**chosen, "seconds": round(secs, 1), "start": greedy.started, "end": greedy.ended}
 
 
 def projection_summary(cache: Path) -> dict:
@@ -180,14 +189,19 @@ def phases(cfg: TestbedConfig, p: Paths, dev: str, device, st: dict, more: list[
         free_device_memory()  # (the drafters' processes need what the target's training held in this one)
         done("target", {**rec, "seconds": time.perf_counter() - t0})
     if "regen" not in ph:
-        secs = stage("stages.regen", f"--target={p.target}", f"--corpus={p.train_prompts}", f"--out={p.regen}",
-                     f"--num_docs={cfg.regen_docs}", f"--max_new_tokens={cfg.regen_tokens}",
-                     f"--batch_size={cfg.regen_batch}", "--thinking=on", f"--device={dev}",
-                     f"--temperature={cfg.regen_temperature}", f"--top_p={cfg.regen_top_p}", f"--seed={cfg.seed}")
+        t0, greedy = time.perf_counter(), answer_candidates(cfg, p, dev)
+        try:
+            start = time.time()
+            secs = stage("stages.regen", f"--target={p.target}", f"--corpus={p.train_prompts}", f"--out={p.regen}",
+                         f"--num_docs={cfg.regen_docs}", f"--max_new_tokens={cfg.regen_tokens}",
+                         f"--batch_size={cfg.regen_batch}", "--thinking=on", f"--device={dev}",
+                         f"--temperature={cfg.regen_temperature}", f"--top_p={cfg.regen_top_p}", f"--seed={cfg.seed}")
+            corpus = {"start": start, "end": time.time()}
+            chosen = chosen_prompts(cfg, p, greedy)
+        finally:
+            greedy.stop()  # (the corpus's regeneration failed or was interrupted: the other ends with it)
         stats = json.loads(Path(str(p.regen) + ".stats.json").read_text())
-        t0 = time.perf_counter()
-        chosen = choose_prompts(cfg, p, dev)
-        done("regen", {"seconds": secs + time.perf_counter() - t0, "corpus_seconds": secs,
+        done("regen", {"seconds": time.perf_counter() - t0, "corpus_seconds": secs, "corpus": corpus,
                        **{k: stats.get(k) for k in ("written", "new_tokens", "truncated")},
                        "looping_frac": looping_share(p.regen), "sampling": stats["config"].get("sampling"),
                        "eval_prompts": chosen})

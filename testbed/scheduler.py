@@ -24,6 +24,7 @@ from .commands import (
     TRAIN_WORKERS,
     Job,
     evaluate,
+    evaluations_ahead,
     extract,
     fresh_run,
     job_identity,
@@ -376,6 +377,8 @@ def run_drafters(cfg: TestbedConfig, p: Paths, dev: str, jobs: list[Job], parall
         if j.run == base or cache_complete(j.cache):  # reads the base run's): the others' caches may come later
             fresh_run(cfg, p, j)
     d = Drafters(cfg, p, dev, jobs, parallel, base, stream, caches, precompile)
+    if any(not (j.run / "eval.json").is_file() for j in jobs):
+        evaluations_ahead(cfg, d.env)  # (the evaluation worker's imports beside the first training, not after it)
     side = threading.Thread(target=d.untrained, daemon=True)
     side.start()
     threading.Thread(target=d.extract_caches, daemon=True).start()

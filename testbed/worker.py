@@ -99,25 +99,20 @@ def serve(load: Callable[[], Callable], between: Callable[[], None] = free_memor
 
 class Worker:
     """One process of `python -m module` (a `serve` loop) answering requests one at a time (callers on several
-    threads queue), started at the first request and again after one that died or for a request with another
-    environment."""
+    threads queue), started ahead (`start`) or at the first request, and again after one that died or for a request
+    with another environment."""
 
     def __init__(self, module: str):
-        self.module, self.proc, self.env, self.lock = module, None, {}, threading.Lock()
+        self.module, self.proc, self.env, self.lock, self.asked = module, None, {}, threading.Lock(), False
 
     def run(self, args: list[str], log_file: Path | None, env: dict | None = None) -> int:
         """`python -m stages.<name> args`'s exit status, its output in `log_file` (None: this process's stderr), `env`
         added to this process's environment."""
         with self.lock:
-            if self.proc is not None and (self.proc.poll() is not None or (env or {}) != self.env):
-                self._end()
-            if self.proc is None:
-                self.env = dict(env or {})
-                self.proc = subprocess.Popen([sys.executable, "-m", self.module], stdin=subprocess.PIPE,
-                                             stdout=subprocess.PIPE, text=True,
-                                             env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
+            self._ready(env)
             if log_file is not None:
                 log_file.parent.mkdir(parents=True, exist_ok=True)
+            self.asked = True
             try:
                 self.proc.stdin.write(json.dumps({"argv": args, "log": str(log_file) if log_file else None}) + "\n")
                 self.proc.stdin.flush()
@@ -133,8 +128,25 @@ class Worker:
                 self._end()
             return answer["rc"]
 
+    def start(self, env: dict | None = None) -> None:
+        """Start the process now, for requests with `env` to come (its start-up, the worker's `load`, then runs
+        beside what the caller does meanwhile); one already running with `env` is kept."""
+        with self.lock:
+            self._ready(env)
+
+    def _ready(self, env: dict | None) -> None:
+        if self.proc is not None and (self.proc.poll() is not None or (env or {}) != self.env):
+            self._end()
+        if self.proc is None:
+            self.env, self.asked = dict(env or {}), False
+            self.proc = subprocess.Popen([sys.executable, "-m", self.module], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
+
     def _end(self) -> None:
         self.proc.stdin.close()
+        if not self.asked:  # (started ahead and never asked: not worth waiting for its imports to end)
+            self.proc.terminate()
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:

@@ -578,6 +578,42 @@ def test_a_worker_answers_each_request_and_keeps_serving_after_a_refused_one(tmp
     assert all(p.returncode == 0 for p in procs) and not pids()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/maps")
+def test_the_evaluation_worker_started_ahead_has_its_imports_done_before_the_first_request(tmp_path, monkeypatch):
+    """`Worker.start` (the testbed starts the evaluation worker beside its first training): the process imports torch
+    and the evaluation's modules before any request comes, and serves the requests after (no second start); a start
+    for another environment, or after the process died, gets a new one; one never asked is not waited for."""
+    for name in ("DFLASH_AUTOTUNE_PIN", "DFLASH_AUTOTUNE_RECORD"):  # (pinning imports torch before `load`)
+        monkeypatch.delenv(name, raising=False)
+    w = worker.Worker("testbed.evalworker")
+
+    def torch_loaded() -> bool:
+        assert w.proc.poll() is None, "the worker ended before any request"
+        return "libtorch" in Path(f"/proc/{w.proc.pid}/maps").read_text()
+
+    try:
+        w.start({})
+        pid, t0 = w.proc.pid, time.monotonic()
+        while not torch_loaded() and time.monotonic() - t0 < 120:
+            time.sleep(0.5)
+        assert torch_loaded()  # (no request sent yet)
+        w.start({})
+        assert w.proc.pid == pid and w.run(["--bogus=1"], tmp_path / "a.log") == 2 and w.proc.pid == pid
+        w.start({"DFLASH_TEST_WORKER": "1"})
+        assert w.proc.pid != pid and w.env == {"DFLASH_TEST_WORKER": "1"}
+        pid = w.proc.pid
+        w.proc.kill()
+        w.proc.wait()
+        w.start({"DFLASH_TEST_WORKER": "1"})
+        assert w.proc.pid != pid and w.run(["--bogus=1"], tmp_path / "b.log", {"DFLASH_TEST_WORKER": "1"}) == 2
+        w.start({})  # never asked: closing it does not wait for its imports
+        proc, t0 = w.proc, time.monotonic()
+        w.close()
+        assert proc.returncode is not None and time.monotonic() - t0 < 10
+    finally:
+        w.close()
+
+
 def test_a_drafter_trained_in_the_training_worker_equals_its_twin_trained_in_a_process_of_its_own(tmp_path,
                                                                                                   hidden_cache):
     """testbed.trainworker trains the same drafter as `python -m stages.train` (same seed, cache and settings): equal
@@ -693,6 +729,21 @@ def test_the_training_worker_keeps_compiled_graphs_only_for_an_arms_further_seed
         assert main(argv) == rc and (len(resets) > n) == reset, (argv, rc, graphs)
 
 
+def test_a_stage_beside_names_its_log_when_it_fails_and_ends_when_stopped(tmp_path):
+    """commands.Background (the evaluation candidates answered beside the corpus's regeneration): a failure raises
+    with the stage and its log named; `stop` ends one still running (the phase beside it failed) within seconds."""
+    bad = commands.Background("no_such_module_here", "--x=1", log_file=tmp_path / "logs" / "bad.log")
+    with pytest.raises(RuntimeError, match=r"no_such_module_here .*exit status 1 .*bad\.log"):
+        bad.wait()
+    assert "No module named" in (tmp_path / "logs" / "bad.log").read_text()
+    ok = commands.Background("timeit", "-n", "1", "pass", log_file=tmp_path / "ok.log")
+    assert ok.wait() > 0 and ok.ended >= ok.started and "loop" in (tmp_path / "ok.log").read_text()
+    slow = commands.Background("timeit", "-n", "1", "import time; time.sleep(120)", log_file=tmp_path / "slow.log")
+    t0 = time.perf_counter()
+    slow.stop()
+    assert slow.proc.poll() is not None and time.perf_counter() - t0 < 30
+
+
 def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     import torch
     from safetensors.torch import load_file
@@ -711,6 +762,10 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
             for x in (root / "corpus" / "eval.jsonl").read_text().splitlines()}
     assert len(held) == 3 and res["regen"]["eval_prompts"]["candidates"] == 12
     assert res["regen"]["sampling"]["temperature"] == 0.8 and 0 <= res["looping_frac_eval"] <= 1
+    # the candidates were answered beside the corpus's regeneration, not after it
+    greedy, corpus = res["regen"]["eval_prompts"], res["regen"]["corpus"]
+    assert greedy["start"] < corpus["end"] and corpus["start"] < greedy["end"], (greedy, corpus)
+    assert "regenerating" in (root / "logs" / "regen-eval-candidates.log").read_text()
     files = json.loads((root / "target" / "files.json").read_text())
     assert held and not held & {n for n, _ in files["files"][: files["train_files"]]}
     run = root / "runs" / "base" / "seed0"  # the untrained evaluation (beside training) made the target-alone decodes
@@ -876,7 +931,36 @@ def _fake_stages(monkeypatch, fail: dict):
 
     monkeypatch.setattr(scheduler, "train_export", train_export)
     monkeypatch.setattr(scheduler, "evaluate", evaluate)
+    monkeypatch.setattr(scheduler, "evaluations_ahead", lambda cfg, env: None)  # (no evaluation worker to start)
     return calls
+
+
+def test_the_drafters_start_the_evaluation_worker_ahead_with_the_environment_their_evaluations_get(tmp_path,
+                                                                                                     monkeypatch):
+    """run_drafters starts the evaluation worker before the first training (`commands.evaluations_ahead`), with the
+    environment every evaluation then passes (another would start a second process), and not when every drafter is
+    evaluated already; `--eval_worker=0` starts none."""
+    _fake_stages(monkeypatch, {})
+    ahead, envs, fake_eval = [], [], scheduler.evaluate
+    monkeypatch.setattr(scheduler, "evaluations_ahead", lambda cfg, env: ahead.append((cfg.eval_worker, dict(env))))
+
+    def evaluate(cfg, p, run, dev, untrained, log_file, env, check=0):
+        envs.append(dict(env))
+        return fake_eval(cfg, p, run, dev, untrained, log_file, env, check)
+
+    monkeypatch.setattr(scheduler, "evaluate", evaluate)
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    cfg, p = config.TestbedConfig(dir=str(tmp_path)), Paths(str(tmp_path))
+    jobs = _jobs(p, ["base", "a", "b"])
+    scheduler.run_drafters(cfg, p, "cpu", jobs, 2, jobs[0].run)  # (2 at a time: an environment of their own)
+    assert len(ahead) == 1 and ahead[0][1] and envs and all(e == ahead[0][1] for e in envs), (ahead, envs)
+    scheduler.run_drafters(cfg, p, "cpu", jobs, 2, jobs[0].run)  # every drafter evaluated: nothing to start
+    assert len(ahead) == 1
+    calls = []
+    monkeypatch.setattr(commands.EVAL_WORKER, "start", lambda env=None: calls.append(env))
+    commands.evaluations_ahead(dataclasses.replace(cfg, eval_worker=False), {})
+    commands.evaluations_ahead(cfg, {"X": "1"})
+    assert calls == [{"X": "1"}]
 
 
 def _timed_stages(monkeypatch, train_s: float, eval_s: float) -> list:
