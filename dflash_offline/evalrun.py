@@ -66,6 +66,7 @@ class EvalConfig:
     draft_baseline: bool = True  # target-alone decodes that are not timed (replayed or baseline-only prompts) verified in blocks against a batched greedy draft: the same tokens, ~10x fewer forwards
     template_kwargs: str = ""  # chat template settings the prompts are rendered with as served, a JSON object, e.g. '{"reasoning_effort": "low"}' (Qwen3.8)
     check_prompts: int = 0  # with --replay: the first N prompts also decoded for real (lossless check, speed figures, replay = decode checked)
+    timed_alone: int = 0  # the target-alone decodes of the first N prompts token by token (timed) even where only replayed or baseline-only: a --baseline file written then holds what later evaluations decoding them for real would decode again (the testbed's untrained evaluation: its check prompts)
     replay_batch: int = 0  # with --replay: the drafts at up to N anchors from one batched drafter forward (0: a drafting call a step, as a decode); float32 and this version's modeling code only
     trust_code: bool = False  # run the export's dflash.py even where it is not this version's shipped modeling code (loading runs it)
 
@@ -82,9 +83,9 @@ class EvalConfig:
         if self.max_new_tokens < 2:  # (one token is the prefill's: no verify step would measure the drafter)
             raise ConfigError(f"eval.max_new_tokens must be >= 2 (the first new token comes from the target's "
                               f"prefill, the drafter is measured from the second), got {self.max_new_tokens}")
-        if self.spec_prompts < 0 or self.check_prompts < 0:
-            raise ConfigError(f"eval.spec_prompts and eval.check_prompts must be >= 0, got {self.spec_prompts}, "
-                              f"{self.check_prompts}")
+        if self.spec_prompts < 0 or self.check_prompts < 0 or self.timed_alone < 0:
+            raise ConfigError(f"eval.spec_prompts, eval.check_prompts and eval.timed_alone must be >= 0, got "
+                              f"{self.spec_prompts}, {self.check_prompts}, {self.timed_alone}")
         if self.replay_batch < 0:
             raise ConfigError(f"eval.replay_batch must be >= 0, got {self.replay_batch}")
         if (self.check_prompts or self.replay_batch) and not self.replay:
@@ -204,18 +205,19 @@ def decode(cfg: EvalConfig, target, drafter, prompts: list[dict], eos: list[int]
 
     n_spec = min(cfg.spec_prompts or len(prompts), len(prompts))
     n_real = min(cfg.check_prompts, n_spec) if cfg.replay else n_spec
+    n_timed = max(n_real, min(cfg.timed_alone, len(prompts)))  # (the target-alone decodes made token by token)
     greedy_generate(target, prompts[0]["ids"], 2, eos)
     if n_real:
         speculative_generate(target, drafter, prompts[0]["ids"], 2, eos)
     taus, spec, alone, refs, per_prompt, mismatches, ties, margins = [], [], [], [], [], [], [], []
     drafts = {}
-    if cfg.draft_baseline and not reuse and len(prompts) > n_real:
-        untimed = list(range(n_real, len(prompts)))
+    if cfg.draft_baseline and not reuse and len(prompts) > n_timed:
+        untimed = list(range(n_timed, len(prompts)))
         drafts = dict(zip(untimed, batched_greedy(target, [prompts[i]["ids"] for i in untimed], cfg.max_new_tokens,
                                                   eos), strict=True))
         log(f"target-alone decodes of {len(untimed)} untimed prompts: verified in blocks against a batched greedy draft")
     for i, p in enumerate(prompts):
-        ref, rs = target_alone(cfg, target, p, i, drafts, reuse, timed=i < n_real, eos=eos)
+        ref, rs = target_alone(cfg, target, p, i, drafts, reuse, timed=i < n_timed, eos=eos)
         refs.append(ref)
         alone.append(rs)
         if i >= n_spec:  # (decoded for the baseline file only)

@@ -206,8 +206,10 @@ def evaluate_args(cfg: TestbedConfig, p: Paths, run: Path, dev: str, untrained: 
         args += ["--replay=1", f"--check_prompts={check}", f"--replay_batch={cfg.replay_batch}"]
     # (the untrained drafter replays or decodes `untrained_prompts` prompts: τ ≈ 1, so each takes a step per token —
     # 64 prompts replayed took 62 s of the GPU beside the first drafter's training on an H100; the baseline it makes
-    # still holds every prompt)
-    return args + (["--untrained=1", f"--spec_prompts={cfg.untrained_prompts}"] if untrained
+    # still holds every prompt, the check prompts' decoded token by token: each arm's first drafter decodes them for
+    # real against those, where it decoded them again itself — ≈ 9 s an arm on the H100 at `4327e15`)
+    return args + (["--untrained=1", f"--spec_prompts={cfg.untrained_prompts}"]
+                   + ([f"--timed_alone={cfg.check_prompts}"] if replay and cfg.check_prompts else []) if untrained
                    else [f"--export={run / 'export'}"])
 
 

@@ -588,6 +588,28 @@ def test_evaluate_measures_the_export(tmp_path, hidden_cache, capfd, monkeypatch
                                  f"--baseline={base}"]) == 0
     again = json.loads(out.read_text())
     assert again["baseline"]["reused"] and again["num_prompts"] == 3 and again["tau_hist"] == r["tau_hist"]
+    # --timed_alone=2 (the testbed's untrained evaluation, its check prompts): the baseline holds the first two
+    # prompts' target-alone decodes token by token, the same tokens, so a replay decoding them for real reuses them
+    # where it decoded them again itself (the 2-token warm-up aside)
+    from dflash_offline import speculate
+
+    timed = tmp_path / "timed.json"
+    assert evaluate.main(args + ["--untrained=1", "--tf_batches=0", "--spec_prompts=1", "--timed_alone=2",
+                                 f"--baseline={timed}"]) == 0
+    timed_decodes = json.loads(timed.read_text())["decodes"]
+    assert [d["stats"]["rollback"] for d in timed_decodes] == ["", "", "drafted"]
+    assert [d["ids"] for d in timed_decodes] == [d["ids"] for d in decodes]
+    alone_decodes, greedy = [], speculate.greedy_generate
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(speculate, "greedy_generate", lambda *a, **k: alone_decodes.append(a[2]) or greedy(*a, **k))
+        for made, again in ((base, 1), (timed, 0)):  # (`base` holds the first prompt's token by token: spec_prompts=1)
+            alone_decodes.clear()
+            assert evaluate.main(args + [f"--export={run / 'eval-export'}", "--tf_batches=0", f"--out={out}",
+                                         f"--baseline={made}", "--replay=1", "--check_prompts=2"]) == 0
+            rp = json.loads(out.read_text())
+            assert [n for n in alone_decodes if n != 2] == [12] * again, (made, alone_decodes)
+            assert rp["lossless"] and rp["replay_check"] == {"prompts": 2, "agree": 2}
+            assert rp["tau_emitted"] == r["tau_emitted"]
 
     # τ replayed on the baseline's greedy outputs: the decode's τ; two prompts also decoded for real (the lossless
     # check and the speed figures come from them), one not at all (no speed figures); drafting 4 anchors at once

@@ -786,6 +786,11 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     args = commands.evaluate_args(dataclasses.replace(cfg, arms=";gamma=5", replay_batch=8), Paths(root), run, "cpu",
                                   True)
     assert "--replay_batch=8" in args
+    # … and the baseline it makes holds the check prompts' target-alone decodes token by token (the arms' firsts'
+    # real decodes reuse them: tests/test_speculate.py), the others' verified in blocks
+    assert f"--timed_alone={cfg.check_prompts}" in args and cfg.check_prompts == 2
+    assert not any(a.startswith("--timed_alone") for a in commands.evaluate_args(
+        dataclasses.replace(cfg, arms=";gamma=5"), Paths(root), run, "cpu", False, 2))
     replayed = subprocess.run([sys.executable, "-m", "stages.evaluate", *args, f"--out={root / 'untrained.json'}"],
                               cwd=REPO, capture_output=True, text=True, timeout=300)
     assert replayed.returncode == 0, replayed.stderr[-2000:]
