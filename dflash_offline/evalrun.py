@@ -66,7 +66,7 @@ class EvalConfig:
     draft_baseline: bool = True  # target-alone decodes that are not timed (replayed or baseline-only prompts) verified in blocks against a batched greedy draft: the same tokens, ~10x fewer forwards
     template_kwargs: str = ""  # chat template settings the prompts are rendered with as served, a JSON object, e.g. '{"reasoning_effort": "low"}' (Qwen3.8)
     check_prompts: int = 0  # with --replay: the first N prompts also decoded for real (lossless check, speed figures, replay = decode checked)
-    timed_alone: int = 0  # the target-alone decodes of the first N prompts token by token (timed) even where only replayed or baseline-only: a --baseline file written then holds what later evaluations decoding them for real would decode again (the testbed's untrained evaluation: its check prompts)
+    timed_alone: int = 0  # where a --baseline file is written: the target-alone decodes of its first N prompts token by token (timed) even where only replayed or baseline-only, as later evaluations decoding them for real would decode them again (the testbed's untrained evaluation: its check prompts)
     replay_batch: int = 0  # with --replay: the drafts at up to N anchors from one batched drafter forward (0: a drafting call a step, as a decode); float32 and this version's modeling code only
     trust_code: bool = False  # run the export's dflash.py even where it is not this version's shipped modeling code (loading runs it)
 
@@ -205,7 +205,9 @@ def decode(cfg: EvalConfig, target, drafter, prompts: list[dict], eos: list[int]
 
     n_spec = min(cfg.spec_prompts or len(prompts), len(prompts))
     n_real = min(cfg.check_prompts, n_spec) if cfg.replay else n_spec
-    n_timed = max(n_real, min(cfg.timed_alone, len(prompts)))  # (the target-alone decodes made token by token)
+    # the target-alone decodes made token by token: the real decodes' (their reference), and where a baseline file is
+    # written, `timed_alone`'s (a read one is kept as it is: its decodes are reused, not written again)
+    n_timed = max(n_real, min(cfg.timed_alone, len(prompts))) if reuse is None and cfg.baseline != "off" else n_real
     greedy_generate(target, prompts[0]["ids"], 2, eos)
     if n_real:
         speculative_generate(target, drafter, prompts[0]["ids"], 2, eos)
@@ -228,6 +230,15 @@ def decode(cfg: EvalConfig, target, drafter, prompts: list[dict], eos: list[int]
             taus.append(st)
         if i < n_real:
             out, ss = speculative_generate(target, drafter, p["ids"], cfg.max_new_tokens, eos)
+            if out != ref and reuse:  # (a reference read from --baseline was decoded elsewhere: judged against ours)
+                fresh, _ = greedy_generate(target, p["ids"], cfg.max_new_tokens, eos)
+                if fresh != ref:
+                    at = next((k for k, (a, b) in enumerate(zip(fresh, ref, strict=False)) if a != b),
+                              min(len(fresh), len(ref)))
+                    rec["baseline_parts_at"] = at
+                    log(f"prompt {i + 1}: the baseline's target-alone decode parts from this process's at token {at}: "
+                        f"the decode is judged against this process's")
+                    ref = refs[-1] = fresh
             equal = out == ref
             div = None if equal else divergence(target, p["ids"], out, ref)
             if div is not None:

@@ -208,9 +208,10 @@ def evaluate_args(cfg: TestbedConfig, p: Paths, run: Path, dev: str, untrained: 
     # 64 prompts replayed took 62 s of the GPU beside the first drafter's training on an H100; the baseline it makes
     # still holds every prompt, the check prompts' decoded token by token: each arm's first drafter decodes them for
     # real against those, where it decoded them again itself — ≈ 9 s an arm on the H100 at `4327e15`)
-    return args + (["--untrained=1", f"--spec_prompts={cfg.untrained_prompts}"]
-                   + ([f"--timed_alone={cfg.check_prompts}"] if replay and cfg.check_prompts else []) if untrained
-                   else [f"--export={run / 'export'}"])
+    if not untrained:
+        return args + [f"--export={run / 'export'}"]
+    timed = [f"--timed_alone={cfg.check_prompts}"] if replay and cfg.check_prompts else []
+    return args + ["--untrained=1", f"--spec_prompts={cfg.untrained_prompts}", *timed]
 
 
 def evaluations_ahead(cfg: TestbedConfig, env: dict) -> None:

@@ -602,14 +602,34 @@ def test_evaluate_measures_the_export(tmp_path, hidden_cache, capfd, monkeypatch
     alone_decodes, greedy = [], speculate.greedy_generate
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(speculate, "greedy_generate", lambda *a, **k: alone_decodes.append(a[2]) or greedy(*a, **k))
-        for made, again in ((base, 1), (timed, 0)):  # (`base` holds the first prompt's token by token: spec_prompts=1)
+        for made, redone in ((base, 1), (timed, 0)):  # (`base` holds the first prompt's token by token: spec_prompts=1)
             alone_decodes.clear()
             assert evaluate.main(args + [f"--export={run / 'eval-export'}", "--tf_batches=0", f"--out={out}",
                                          f"--baseline={made}", "--replay=1", "--check_prompts=2"]) == 0
             rp = json.loads(out.read_text())
-            assert [n for n in alone_decodes if n != 2] == [12] * again, (made, alone_decodes)
+            assert [n for n in alone_decodes if n != 2] == [12] * redone, (made, alone_decodes)
             assert rp["lossless"] and rp["replay_check"] == {"prompts": 2, "agree": 2}
             assert rp["tau_emitted"] == r["tau_emitted"]
+            assert not any("baseline_parts_at" in q for q in rp["per_prompt"])
+    # a reference read from the baseline that this process's target decodes otherwise (made in another process, on
+    # another machine, under other kernel choices) is decoded again here before the real decode is judged against it
+    data = json.loads(timed.read_text())
+    tampered = data["decodes"][0]["ids"]
+    tampered[3] = 5 if tampered[3] != 5 else 6
+    timed.write_text(json.dumps(data))
+    assert evaluate.main(args + [f"--export={run / 'eval-export'}", "--tf_batches=0", f"--out={out}",
+                                 f"--baseline={timed}", "--replay=1", "--check_prompts=2"]) == 0
+    rp = json.loads(out.read_text())
+    assert rp["lossless"] and [q.get("baseline_parts_at") for q in rp["per_prompt"]] == [3, None, None]
+    # --timed_alone only where the baseline is written: a file read is kept as it is, and off writes none
+    alone_decodes.clear()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(speculate, "greedy_generate", lambda *a, **k: alone_decodes.append(a[2]) or greedy(*a, **k))
+        assert evaluate.main(args + ["--untrained=1", "--tf_batches=0", "--spec_prompts=1", "--timed_alone=3",
+                                     f"--baseline={base}"]) == 0
+        assert evaluate.main(args + ["--untrained=1", "--tf_batches=0", "--spec_prompts=1", "--timed_alone=3",
+                                     "--baseline=off"]) == 0
+    assert [n for n in alone_decodes if n != 2] == [12]  # (the one prompt decoded with the drafter: off)
 
     # τ replayed on the baseline's greedy outputs: the decode's τ; two prompts also decoded for real (the lossless
     # check and the speed figures come from them), one not at all (no speed figures); drafting 4 anchors at once
