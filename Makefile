@@ -71,7 +71,7 @@ fixtures: setup  ## real Qwen3 / Qwen3.5 / Qwen3.6 tokenizers and chat templates
 	$(PYTHON) tests/real_tokenizers.py build/fixtures
 
 # 2 processes, each taking whole test files (--dist loadfile: a module's shared fixture is built once)
-test: setup fixtures  ## CPU test suite (2 pytest processes; ~10-12 min on 2 Intel Xeon cores, ~29 on 2 AMD EPYC)
+test: setup fixtures  ## CPU test suite (2 pytest processes; ~10-12 min on 2 Intel Xeon cores, ~22-29 on 2 AMD EPYC)
 	$(PYTHON) -m pytest -q -m "not gpu" -n 2 --dist loadfile tests
 
 test-gpu:  ## GPU tests (needs CUDA): test-gpu-extract and test-gpu-train together
