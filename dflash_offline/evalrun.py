@@ -27,6 +27,7 @@ from dflash_offline.evaluation import (
     exact_float32,
     export_for_eval,
     lossless,
+    parts_at,
     prompt_ids_digest,
     prune_baselines,
     read_baseline,
@@ -233,9 +234,7 @@ def decode(cfg: EvalConfig, target, drafter, prompts: list[dict], eos: list[int]
             if out != ref and reuse:  # (a reference read from --baseline was decoded elsewhere: judged against ours)
                 fresh, _ = greedy_generate(target, p["ids"], cfg.max_new_tokens, eos)
                 if fresh != ref:
-                    at = next((k for k, (a, b) in enumerate(zip(fresh, ref, strict=False)) if a != b),
-                              min(len(fresh), len(ref)))
-                    rec["baseline_parts_at"] = at
+                    at = rec["baseline_parts_at"] = parts_at(fresh, ref)
                     log(f"prompt {i + 1}: the baseline's target-alone decode parts from this process's at token {at}: "
                         f"the decode is judged against this process's")
                     ref = refs[-1] = fresh

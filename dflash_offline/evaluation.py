@@ -199,12 +199,17 @@ def compute_dtype(setting: str, device, target_dir: Path) -> str:
 # --- the lossless check ----------------------------------------------------------------------------------------
 
 
+def parts_at(out: list[int], ref: list[int]) -> int:
+    """The first position where two generations differ (the shorter one's length where one is the other's start)."""
+    return next((j for j, (a, b) in enumerate(zip(out, ref, strict=False)) if a != b), min(len(out), len(ref)))
+
+
 def divergence(target, prompt: list[int], out: list[int], ref: list[int]) -> dict:
     """Where two generations part, and the target's margin there (one full forward over the prompt and the common
     prefix): the top logit minus the lower of the two tokens' logits — the top-2 margin when they are its top two."""
     import torch
 
-    j = next((j for j, (a, b) in enumerate(zip(out, ref, strict=False)) if a != b), min(len(out), len(ref)))
+    j = parts_at(out, ref)
     ids = torch.tensor([prompt + ref[:j]], device=next(target.parameters()).device)
     with torch.no_grad():
         z = target(input_ids=ids, logits_to_keep=1).logits[0, -1].float()

@@ -22,7 +22,7 @@ from dflash_offline.cache.manifest import has_manifest, read_manifest
 from .config import TestbedConfig
 from .runs import Paths, drafter_code_digest, stale_job
 from .trainworker import RESIDENT
-from .worker import Worker, Workers
+from .worker import Worker, Workers, end_process
 
 STARTED = time.monotonic()  # (this invocation's start, for --stop_after_s)
 
@@ -96,11 +96,7 @@ class Background:
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            end_process(self.proc, 30)
         self.reaper.join()
 
 

@@ -24,6 +24,16 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+
+def end_process(proc: subprocess.Popen, timeout: float) -> None:
+    """Wait up to `timeout` seconds for `proc` to end, then kill it."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 DIED = 70  # what a request answers when its worker died without answering, having exited 0 or 1 (EX_SOFTWARE)
 
 
@@ -147,11 +157,7 @@ class Worker:
         self.proc.stdin.close()
         if not self.asked:  # (started ahead and never asked: not worth waiting for its imports to end)
             self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        end_process(self.proc, 60)
         self.proc = None
 
     def close(self) -> None:
