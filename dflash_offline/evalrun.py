@@ -43,7 +43,7 @@ BASELINE_DIR = "eval-baselines"  # in the run: the target-alone decodes its eval
 
 @dataclass
 class EvalConfig:
-    run: str  # run directory (config.json + checkpoints/) written by make train
+    run: str = ""  # run directory (config.json + checkpoints/) written by make train; required but with --baseline_only
     target: str = ""  # target checkpoint (directory or hub id); empty = the run's (RUN/config.json records it); another than the run's is refused (its fingerprint)
     export: str = ""  # export directory measured (make export's); empty = export --step into RUN/eval-export first
     prompts: str = ""  # chat JSONL; empty = corpus/eval.jsonl beside the target (the demo target has one)
@@ -70,8 +70,17 @@ class EvalConfig:
     timed_alone: int = 0  # where a --baseline file is written: the target-alone decodes of its first N prompts token by token (timed) even where only replayed or baseline-only, as later evaluations decoding them for real would decode them again (the testbed's untrained evaluation: its check prompts)
     replay_batch: int = 0  # with --replay: the drafts at up to N anchors from one batched drafter forward (0: a drafting call a step, as a decode); float32 and this version's modeling code only
     trust_code: bool = False  # run the export's dflash.py even where it is not this version's shipped modeling code (loading runs it)
+    baseline_only: bool = False  # only write the --baseline file (the target-alone decodes; --timed_alone of them token by token) and stop: no drafter, no report; without --run, --target and --prompts name what it decodes, rendered with --template_kwargs alone (give the settings the run's corpus has)
 
     def resolve(self) -> EvalConfig:
+        if not self.run and not self.baseline_only:
+            raise ConfigError("missing required eval setting: --run (RUN=, a run directory written by make train)")
+        if self.baseline_only and not self.run and not (self.target and self.prompts and self.baseline
+                                                        and self.baseline != "off"):
+            raise ConfigError("eval.baseline_only without --run needs --target=, --prompts= and --baseline=FILE (the "
+                              "checkpoint, the prompts and the file the target-alone decodes go to)")
+        if self.baseline_only and self.baseline == "off":
+            raise ConfigError("eval.baseline_only writes the --baseline file: --baseline=off leaves it nothing to do")
         check_choice("eval.turn", self.turn, ("first", "last"))
         try:
             parse_settings(self.template_kwargs, "eval.template_kwargs")
@@ -197,12 +206,7 @@ def decode(cfg: EvalConfig, target, drafter, prompts: list[dict], eos: list[int]
     records, the lossless check of the real decodes). `reuse`: the target-alone decodes [(ids, GenStats)] of a
     matching `--baseline` file, decoded again only where absent."""
     from dflash_offline.progress import log
-    from dflash_offline.speculate import (
-        batched_greedy,
-        greedy_generate,
-        replay_generate,
-        speculative_generate,
-    )
+    from dflash_offline.speculate import greedy_generate, replay_generate, speculative_generate
 
     n_spec = min(cfg.spec_prompts or len(prompts), len(prompts))
     n_real = min(cfg.check_prompts, n_spec) if cfg.replay else n_spec
@@ -213,12 +217,7 @@ def decode(cfg: EvalConfig, target, drafter, prompts: list[dict], eos: list[int]
     if n_real:
         speculative_generate(target, drafter, prompts[0]["ids"], 2, eos)
     taus, spec, alone, refs, per_prompt, mismatches, ties, margins = [], [], [], [], [], [], [], []
-    drafts = {}
-    if cfg.draft_baseline and not reuse and len(prompts) > n_timed:
-        untimed = list(range(n_timed, len(prompts)))
-        drafts = dict(zip(untimed, batched_greedy(target, [prompts[i]["ids"] for i in untimed], cfg.max_new_tokens,
-                                                  eos), strict=True))
-        log(f"target-alone decodes of {len(untimed)} untimed prompts: verified in blocks against a batched greedy draft")
+    drafts = {} if reuse else block_drafts(cfg, target, prompts, n_timed, eos)
     for i, p in enumerate(prompts):
         ref, rs = target_alone(cfg, target, p, i, drafts, reuse, timed=i < n_timed, eos=eos)
         refs.append(ref)
@@ -257,6 +256,21 @@ def decode(cfg: EvalConfig, target, drafter, prompts: list[dict], eos: list[int]
         log(f"prompt {i + 1}/{len(prompts)}: {rec['new_tokens']} tokens, τ {st.tau_mean:.2f}{speed}{outcome(rec)}")
     return (taus if cfg.replay else spec), spec, alone, refs, per_prompt, lossless(mismatches, ties, margins, exact,
                                                                                    cfg.tie_tol)
+
+
+def block_drafts(cfg: EvalConfig, target, prompts: list[dict], n_timed: int, eos: list[int]) -> dict:
+    """{prompt index: the batched greedy draft its target-alone decode is verified against in blocks} for the prompts
+    from `n_timed` on (`--draft_baseline`; none when off)."""
+    from dflash_offline.progress import log
+    from dflash_offline.speculate import batched_greedy
+
+    if not cfg.draft_baseline or len(prompts) <= n_timed:
+        return {}
+    untimed = list(range(n_timed, len(prompts)))
+    drafts = dict(zip(untimed, batched_greedy(target, [prompts[i]["ids"] for i in untimed], cfg.max_new_tokens, eos),
+                      strict=True))
+    log(f"target-alone decodes of {len(untimed)} untimed prompts: verified in blocks against a batched greedy draft")
+    return drafts
 
 
 def target_alone(cfg: EvalConfig, target, p: dict, i: int, drafts: dict, reuse, timed: bool, eos: list[int]):
@@ -391,6 +405,59 @@ def evaluate(cfg: EvalConfig) -> dict:
         "replay_check": {"prompts": len(checked := [q["replay_agrees"] for q in per_prompt if "replay_agrees" in q]),
                          "agree": sum(checked)} if cfg.replay else None, "teacher_forced": tf, "per_prompt": per_prompt, "config": as_dict(cfg), "time": time.time(),
     }
+
+
+def baseline_only(cfg: EvalConfig) -> dict:
+    """`--baseline_only`: the target-alone decodes of the prompts, as an evaluation with this `--baseline` would make
+    them (the first `--timed_alone` token by token and timed, the others verified in blocks), written to the file, and
+    nothing else — no drafter, no report; a file made for the same key is kept as it is. Without `--run` the prompts
+    are rendered with `--template_kwargs` alone: an evaluation of a run reuses the file only where its prompts come out
+    the same tokens (its corpus's settings; the key holds their digest), and else decodes them again. Lets a caller make
+    the baseline while the drafter is still to come (the testbed: beside the extraction). Returns {"file", "reused",
+    "prompts", "timed", "seconds"}."""
+    import torch
+
+    from dflash_offline.progress import log
+    from dflash_offline.speculate import greedy_generate
+    from dflash_offline.targetid import resolve_checkpoint
+
+    t0 = time.perf_counter()
+    if cfg.run:
+        ri = run_info(Path(cfg.run), cfg.target)
+        target_dir, trained = ri["target"], ri["template_kwargs"]
+    else:
+        target_dir = resolve_checkpoint(cfg.target, need=("config", "weights", "tokenizer"), field="eval target")
+        trained = {}
+    prompts_file = Path(cfg.prompts) if cfg.prompts else target_dir / "corpus" / "eval.jsonl"
+    if not prompts_file.is_file():
+        raise ValueError(f"prompts file {prompts_file} does not exist: pass --prompts= (make eval PROMPTS=) a chat JSONL")
+    device, dtype_name = compute(cfg, target_dir)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    settings = parse_settings(cfg.template_kwargs, "eval.template_kwargs")
+    check_tokenizer(tok, settings, "eval.template_kwargs")
+    prompts = read_prompts(prompts_file, cfg.num_prompts, cfg.turn, tok, settings, trained)
+    log(f"loading target {target_dir} on {device} in {dtype_name} for the target-alone decodes of {len(prompts)} "
+        f"prompts from {prompts_file}")
+    target = load_target(target_dir, device, getattr(torch, dtype_name))
+    eos = eos_ids(target, tok)
+    key = baseline_key(cfg, target_dir, prompts, eos, dtype_name, device)
+    base = Path(cfg.baseline) if cfg.baseline else Path(cfg.run) / BASELINE_DIR / f"{hash_obj(key)[:16]}.json"
+    n_timed = min(cfg.timed_alone, len(prompts))
+    done = {"file": str(base), "prompts": len(prompts), "timed": n_timed}
+    if read_baseline(base, key, log) is not None:
+        return {**done, "reused": True, "seconds": time.perf_counter() - t0}
+    greedy_generate(target, prompts[0]["ids"], 2, eos)  # (the untimed warm-up an evaluation's decodes have)
+    drafts = block_drafts(cfg, target, prompts, n_timed, eos)
+    refs, alone = [], []
+    for i, p in enumerate(prompts):
+        ref, rs = target_alone(cfg, target, p, i, drafts, None, timed=i < n_timed, eos=eos)
+        refs.append(ref)
+        alone.append(rs)
+    write_baseline(base, key, refs, alone)
+    log(f"baseline {base}: the target-alone decodes of {len(prompts)} prompts written ({n_timed} token by token)")
+    return {**done, "reused": False, "seconds": time.perf_counter() - t0}
 
 
 def compute(cfg: EvalConfig, target_dir: Path):

@@ -29,6 +29,8 @@ tokens. Same steps, same emitted tokens, hence the same `tau_emitted` (the draft
 or the budget are not checked, so `tau_mean` can only be lower), at one target forward per prompt instead of one or
 two per step; the first `--check_prompts` prompts are also decoded for real — the lossless check and the speed
 figures come from them (none without), and `replay_check` counts the prompts whose replay took the decode's steps.
+`--baseline_only=1` writes the `--baseline` file and stops (no drafter, no report; without `--run`, `--target` and
+`--prompts` say what it decodes): an evaluation to come then reuses it — the testbed makes it beside its extraction.
 `--replay_batch=N` drafts at up to N anchors in one batched forward of the shipped model instead of a call a step
 (float32 and this version's modeling code only; `speculate.ExportedDrafter.draft_anchors`).
 
@@ -46,7 +48,7 @@ from __future__ import annotations
 import sys
 
 from dflash_offline.config import config_from_argv
-from dflash_offline.evalrun import EvalConfig, evaluate, write_report
+from dflash_offline.evalrun import EvalConfig, baseline_only, evaluate, write_report
 from dflash_offline.evaluation import table
 
 
@@ -55,6 +57,11 @@ def main(argv: list[str]) -> int:
 
     unbuffered()
     cfg = config_from_argv(EvalConfig, "eval", argv, __doc__)
+    if cfg.baseline_only:
+        made = baseline_only(cfg)
+        print(f"{made['file']}: the target-alone decodes of {made['prompts']} prompts "
+              f"{'already there' if made['reused'] else 'written'} ({made['seconds']:.1f}s)")
+        return 0
     report = evaluate(cfg)
     out = write_report(cfg, report)
     print(table(report))

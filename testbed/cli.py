@@ -16,8 +16,8 @@ Phases, each skipped when already done (a rerun resumes; `--from_phase` redoes t
    real speculative decoding on `eval_prompts` held-out prompts in exact mode (float32: any difference from the
    target's greedy output fails); an untrained drafter of the same shape is evaluated on the first
    `untrained_prompts` of them while the drafter trains (it needs only the run's config).
-The target-alone decodes are made once, by that untrained evaluation (DIR/baseline-<tokens>.json), and reused by
-every evaluation against the same target.
+The target-alone decodes are made once (DIR/baseline-<tokens>.json), beside the extraction (`--ahead`; else by that
+untrained evaluation), and reused by every evaluation against the same target.
 Result: DIR/testbed.json and a table (target loss, regen tokens, extraction tok/s, drafter steps and tok/s, τ
 trained and untrained, acceptance per position, lossless, wall time per phase).
 

@@ -7,6 +7,7 @@ a drafter is made from (`Job`, `job_identity`: RUN/testbed-job.json) and the rem
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -86,8 +87,10 @@ class Background:
         self.proc.wait()
         self.ended, self.seconds = time.time(), time.perf_counter() - self.t0
 
-    def wait(self) -> float:
-        self.reaper.join()
+    def wait(self, timeout: float | None = None) -> float:
+        self.reaper.join(timeout)
+        if self.reaper.is_alive():
+            raise RuntimeError(f"{self.module} ... still running after {timeout:g}s (log: {self.log_file})")
         if self.proc.returncode != 0:
             raise RuntimeError(f"{self.module} ... failed with exit status {self.proc.returncode} (log: "
                                f"{self.log_file})")
@@ -113,14 +116,34 @@ def extract(cfg: TestbedConfig, p: Paths, settings: dict, name: str, dev: str, l
     """Token cache (shared) + hidden cache DIR/cache/hidden[-name] with the recipe and `settings` ([extract]); an
     arm's cache that only encodes or projects the base cache's states (`derived`) is, with `--derive_caches=1`,
     derived from them, with no target forward (`dflash_offline.derive`: the key a direct extraction gets)."""
-    args = [f"--recipe={cfg.drafter_recipe}", f"--corpus={p.regen}", f"--tokenizer={p.target}", f"--target={p.target}",
-            f"--tokens={p.tokens}", f"--cache={p.hidden(name)}", f"--device={dev}"]
-    if cfg.recipe_seq_len:
-        args.append(f"--seq_len={cfg.recipe_seq_len}")
+    args = extract_args(cfg, p, p.regen, p.tokens, p.hidden(name), dev)
     if name and cfg.derive_caches and derived(settings) and has_manifest(p.hidden()) \
             and derive.exact_states(read_manifest(p.hidden()).get("producer") or {}):
         args.append(f"--from_cache={p.hidden()}")
     return stage("stages.extract", *args, *(f"--{k}={v}" for k, v in settings.items()), log_file=log_file)
+
+
+def extract_args(cfg: TestbedConfig, p: Paths, corpus: Path, tokens: Path, cache: Path, dev: str) -> list[str]:
+    """stages.extract's arguments for the recipe's extraction of `corpus` by the testbed's target."""
+    args = [f"--recipe={cfg.drafter_recipe}", f"--corpus={corpus}", f"--tokenizer={p.target}", f"--target={p.target}",
+            f"--tokens={tokens}", f"--cache={cache}", f"--device={dev}"]
+    return args + ([f"--seq_len={cfg.recipe_seq_len}"] if cfg.recipe_seq_len else [])
+
+
+def kernels_ahead(cfg: TestbedConfig, p: Paths, dev: str) -> Background:
+    """The extraction's kernel check run ahead, beside the regeneration (`--kernels_ahead`): `stages.extract
+    --dry_run=1` of the recipe on a few of the regeneration's prompts (DIR/logs/kernels-ahead.jsonl) checks the
+    kernels on a small random model of the target's widths and times one batch of the recipe's rows — the same
+    kernels and shapes as the real extraction's check, whatever the corpus — and writes nothing; its compiled kernels
+    land in the invocation's Triton cache, where the extraction then finds them (its check took 29 s of a 60 s phase
+    on an H100 host at `01f126a`, the arms' extractions' ≈ 2 s)."""
+    few = p.root / "logs" / "kernels-ahead.jsonl"
+    few.parent.mkdir(parents=True, exist_ok=True)
+    with open(p.train_prompts, encoding="utf-8") as f:
+        few.write_text("".join(line for _, line in zip(range(16), f, strict=False)))
+    scratch = p.root / "logs" / "kernels-ahead"  # (named, never written: a dry run writes nothing)
+    return Background("stages.extract", *extract_args(cfg, p, few, scratch / "tokens", scratch / "hidden", dev),
+                      "--dry_run=1", log_file=p.root / "logs" / "kernels-ahead.log")
 
 
 def derived(settings: dict) -> bool:
@@ -191,12 +214,35 @@ def export_here(run: Path, log_file: Path | None) -> float:
     return time.perf_counter() - t0
 
 
+THINKING = "on"  # the regenerations' --thinking: the corpus's chats, so the drafters' evaluation prompts, render with
+TEMPLATE = {"enable_thinking": True}  # … these chat template settings
+
+
+def decodes_args(cfg: TestbedConfig, p: Paths, dev: str) -> list[str]:
+    """What every stages.evaluate of the testbed decodes, and how: its prompts, budget, exact mode, device and the
+    target-alone decodes' file (DIR/baseline-<tokens>.json)."""
+    return [f"--prompts={p.eval_prompts}", f"--num_prompts={cfg.eval_prompts}", "--dtype=float32", f"--device={dev}",
+            f"--max_new_tokens={cfg.eval_tokens}", f"--baseline={p.baseline(cfg.eval_tokens)}"]
+
+
+def timed_prompts(cfg: TestbedConfig) -> int:
+    """The evaluation prompts whose target-alone decode the baseline holds token by token (timed): in a replayed A/B
+    the check prompts, which each arm's first decodes for real against them; else the untrained drafter's, which it
+    decodes for real (a testbed's drafter decodes them all: the others again)."""
+    return cfg.check_prompts if cfg.replay and bool(cfg.arms or cfg.sweep) else cfg.untrained_prompts
+
+
+def baseline_args(cfg: TestbedConfig, p: Paths, dev: str) -> list[str]:
+    """stages.evaluate's arguments that make the baseline (`--baseline_only`: no drafter, no run yet) as the untrained
+    evaluation would make it, the prompts rendered as the corpus was (`TEMPLATE`): it then reuses it."""
+    return [f"--target={p.target}", *decodes_args(cfg, p, dev), "--baseline_only=1",
+            f"--timed_alone={timed_prompts(cfg)}", f"--template_kwargs={json.dumps(TEMPLATE)}"]
+
+
 def evaluate_args(cfg: TestbedConfig, p: Paths, run: Path, dev: str, untrained: bool, check: int = 0) -> list[str]:
     """stages.evaluate's arguments for `run`'s drafter (its untrained one: `untrained`), `check` prompts decoded for
     real beside the replay."""
-    args = [f"--run={run}", f"--prompts={p.eval_prompts}", f"--num_prompts={cfg.eval_prompts}", "--dtype=float32",
-            f"--device={dev}", "--tf_batches=2", f"--max_new_tokens={cfg.eval_tokens}",
-            f"--baseline={p.baseline(cfg.eval_tokens)}"]
+    args = [f"--run={run}", *decodes_args(cfg, p, dev), "--tf_batches=2"]
     replay = cfg.replay and bool(cfg.arms or cfg.sweep)
     if replay:
         args += ["--replay=1", f"--check_prompts={check}", f"--replay_batch={cfg.replay_batch}"]

@@ -78,6 +78,8 @@ class TestbedConfig:
     derive_caches: bool = False  # 1 = an arm's cache that only encodes or projects the testbed's bf16 states is derived from them (extract --from_cache: no target forward; no faster on this 124M target); 0 = extracted from the target
     resident: bool = False  # bench switch: each drafter's training reads its cache once onto the device and gathers its batches there instead of streaming them (BenchSwitches.resident: the same batches; needs train_worker, which keeps them there for its next drafter on that cache)
     precompile: str = "auto"  # on | off | auto (= on where the drafters compile: CUDA, or compile=on in train_args): while the target trains, regenerates and is extracted, compile each drafter setting's graphs on a stand-in of its shapes (random weights and states), so that the drafters load them from the compile caches (testbed/precompile.py)
+    ahead: bool = True  # where the extraction starts, start beside it the evaluation and training workers and, in the former, the target-alone decodes every evaluation reuses (the untrained evaluation made them beside the first training, and the first drafter's evaluation waited); 0 = each when first needed
+    kernels_ahead: str = "auto"  # on | off | auto (= on with CUDA): the extraction's kernel check (stages.extract --dry_run=1) run beside the regeneration, so that the extraction finds its kernels in the Triton cache
     check_prompts: int = 8  # A/B with replay: prompts each arm's first drafter also decodes for real (lossless check, replay = decode checked)
     replay_batch: int = 64  # A/B replays draft up to N anchors in one batched forward (eval.replay_batch; 0: a drafting call a step, 2-3x slower on an H100); each arm's first drafter's check_prompts real decodes check it
     checks: bool = True  # A/B: add the null arm (the recipe under other seeds) and the known-bad arm (¼ of the steps); rank arms only when both behave
@@ -102,6 +104,7 @@ class TestbedConfig:
             raise ConfigError(f"testbed.eval_tokens must be >= 2 (the first new token comes from the target's "
                               f"prefill, the drafter is measured from the second), got {self.eval_tokens}")
         check_choice("testbed.precompile", self.precompile, ("auto", "on", "off"))
+        check_choice("testbed.kernels_ahead", self.kernels_ahead, ("auto", "on", "off"))
         if self.label and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}", self.label):
             raise ConfigError(f"testbed.label={self.label}: it names DIR/ab/<label>.json, so letters, digits and . _ + - "
                               f"only, 100 at most (e.g. --label=fp8)")

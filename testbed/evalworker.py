@@ -10,10 +10,9 @@ own. After each evaluation its drafter's memory is given back (`worker.free_memo
 from __future__ import annotations
 
 import functools
-import sys
 from pathlib import Path
 
-from .worker import serve
+from .worker import import_ahead, serve
 
 
 def keep_loaded(load):
@@ -33,31 +32,16 @@ def keep_loaded(load):
 
 def load():
     """stages.evaluate's main, its target loads kept; what its first evaluation would import — torch, transformers,
-    the evaluation's code, the testbed target's modeling code (fla's kernels with it, where installed) — imported now,
-    quietly and at best (the testbed starts this worker beside its first training: `Worker.start`; an import that
-    fails here fails again in the first request, whose log then holds its traceback). Importing Triton compiles
-    nothing: exact mode's `TRITON_F32_DEFAULT` (`evaluation.exact_float32`) is read when a kernel compiles."""
-    import os
-
+    the evaluation's code, the testbed target's modeling code (fla's kernels with it, where installed) — imported now
+    and CUDA started (`worker.import_ahead`: the testbed starts this worker ahead, beside the extraction). Importing
+    Triton compiles nothing: exact mode's `TRITON_F32_DEFAULT` (`evaluation.exact_float32`) is read when a kernel
+    compiles."""
     from dflash_offline import evalrun
     from stages import evaluate
 
-    sys.stderr.flush()
-    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 2)  # (the libraries' import-time warnings are no request's: they would land in the testbed's output)
-    os.close(null)
-    try:
-        import torch  # noqa: F401
-        import transformers.models.qwen3_5.modeling_qwen3_5  # noqa: F401
-        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
-
-        from dflash_offline import evaluation, speculate, target  # noqa: F401
-    except Exception:  # noqa: BLE001 (the request imports it again, and logs why it fails)
-        pass
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
+    import_ahead("torch", "transformers.models.qwen3_5.modeling_qwen3_5", "transformers.models.auto.modeling_auto",
+                 "transformers.models.auto.tokenization_auto", "dflash_offline.evaluation", "dflash_offline.speculate",
+                 "dflash_offline.target")
     evalrun.load_target = keep_loaded(evalrun.load_target)
     return evaluate.main
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from dflash_offline.cache.fsio import atomic_dir
 from dflash_offline.cache.manifest import read_manifest
 
-from .commands import Background, Job, Stopped, extract, job_identity, log, stage
+from .commands import THINKING, Background, Job, Stopped, extract, job_identity, kernels_ahead, log, stage
 from .config import TestbedConfig
 from .precompile import Precompile
 from .runs import (
@@ -28,7 +28,9 @@ from .runs import (
     stale_job,
     write_state,
 )
-from .scheduler import run_drafters
+from .scheduler import Ahead, run_drafters
+
+KERNELS_WAIT_S = 180  # how long the extraction waits at most for the kernel check run ahead (≈ 45 s cold)
 
 
 def free_device_memory() -> None:
@@ -81,7 +83,7 @@ def answer_candidates(cfg: TestbedConfig, p: Paths, dev: str) -> Background:
     n = cfg.eval_candidates * cfg.eval_prompts
     return Background("stages.regen", f"--target={p.target}", f"--corpus={p.eval_candidates}", f"--out={p.eval_greedy}",
                       f"--num_docs={n}", f"--max_new_tokens={cfg.eval_tokens}", f"--batch_size={cfg.regen_batch}",
-                      "--thinking=on", "--on_empty=keep", f"--device={dev}", "--progress=0",
+                      f"--thinking={THINKING}", "--on_empty=keep", f"--device={dev}", "--progress=0",
                       log_file=p.root / "logs" / "regen-eval-candidates.log")
 
 
@@ -188,16 +190,23 @@ def phases(cfg: TestbedConfig, p: Paths, dev: str, device, st: dict, more: list[
         rec = build(cfg, p, device, pre and pre.start)
         free_device_memory()  # (the drafters' processes need what the target's training held in this one)
         done("target", {**rec, "seconds": time.perf_counter() - t0})
+    kernels = None
     if "regen" not in ph:
         t0, greedy = time.perf_counter(), answer_candidates(cfg, p, dev)
+        if cfg.kernels_ahead == "on" or cfg.kernels_ahead == "auto" and dev == "cuda":
+            kernels = kernels_ahead(cfg, p, dev)
         try:
             start = time.time()
             secs = stage("stages.regen", f"--target={p.target}", f"--corpus={p.train_prompts}", f"--out={p.regen}",
                          f"--num_docs={cfg.regen_docs}", f"--max_new_tokens={cfg.regen_tokens}",
-                         f"--batch_size={cfg.regen_batch}", "--thinking=on", f"--device={dev}",
+                         f"--batch_size={cfg.regen_batch}", f"--thinking={THINKING}", f"--device={dev}",
                          f"--temperature={cfg.regen_temperature}", f"--top_p={cfg.regen_top_p}", f"--seed={cfg.seed}")
             corpus = {"start": start, "end": time.time()}
             chosen = chosen_prompts(cfg, p, greedy)
+        except BaseException:
+            if kernels is not None:
+                kernels.stop()
+            raise
         finally:
             greedy.stop()  # (the corpus's regeneration failed or was interrupted: the other ends with it)
         stats = json.loads(Path(str(p.regen) + ".stats.json").read_text())
@@ -205,13 +214,41 @@ def phases(cfg: TestbedConfig, p: Paths, dev: str, device, st: dict, more: list[
                        **{k: stats.get(k) for k in ("written", "new_tokens", "truncated")},
                        "looping_frac": looping_share(p.regen), "sampling": stats["config"].get("sampling"),
                        "eval_prompts": chosen})
+    if kernels is not None:
+        kernel_check_ahead(kernels)
+    ahead = Ahead(cfg, p, dev, parallel) if cfg.ahead and "extract" not in ph else None
+    try:
+        return drafters(cfg, p, dev, st, more, parallel, caches, pre, ahead, done)
+    finally:
+        if ahead is not None:
+            ahead.stop()  # (the workers, and the target-alone decodes, where the extraction or a drafter failed)
+
+
+def kernel_check_ahead(kernels: Background) -> None:
+    """Wait for the kernel check run ahead (`commands.kernels_ahead`) before the extraction's own, which then finds its
+    kernels compiled; one that failed or hangs costs only time (its log says why)."""
+    try:
+        kernels.wait(timeout=KERNELS_WAIT_S)
+        log(f"kernel check ahead: done in {kernels.seconds:.0f}s, beside the regeneration (log: {kernels.log_file})")
+    except Exception as e:  # noqa: BLE001
+        kernels.stop()
+        log(f"kernel check ahead: {e}; the extraction checks its kernels itself")
+
+
+def drafters(cfg: TestbedConfig, p: Paths, dev: str, st: dict, more: list[Job], parallel: int, caches: dict | None,
+             pre: Precompile | None, ahead: Ahead | None, done) -> tuple[dict, dict]:
+    """`phases` from the extraction on: the testbed's cache, then its drafter and `more` (the A/B's), `ahead` (the
+    workers and the target-alone decodes, started beside the extraction) handed to them."""
+    ph = st["phases"]
     if "extract" not in ph:
+        start = time.time()
         secs = extract(cfg, p, {}, "", dev)
         m = read_manifest(p.hidden())
         rows = sum(s["rows"] for s in m["shards"])
         seq = m["producer"]["tokens"]["producer"]["seq_len"]
         done("extract", {"seconds": secs, "rows": rows, "tokens": rows * seq, "tok_per_s_wall": rows * seq / secs,
-                         "layer_ids": m["config"].get("layer_ids"), "projection": projection_summary(p.hidden())})
+                         "layer_ids": m["config"].get("layer_ids"), "projection": projection_summary(p.hidden()),
+                         "start": start, "end": time.time()})
         free_device_memory()
     if "eval" in ph and (why := recorded_stale(cfg, p, recorded := recorded_job(cfg, p, ph), list(more))):
         log(f"the testbed's drafter {recorded.run}: {why}: its phases are done again")
@@ -226,7 +263,7 @@ def phases(cfg: TestbedConfig, p: Paths, dev: str, device, st: dict, more: list[
     if jobs:
         times = run_drafters(cfg, p, dev, jobs, parallel, None if "eval" in ph else run, stream=not more,
                              caches={p.hidden(name): settings for name, settings in (caches or {}).items()},
-                             precompile=pre)
+                             precompile=pre, ahead=ahead)
         if "eval" not in ph and "deferred" in times.get(run, {}):
             raise Stopped(f"stopped before the testbed's drafter ({run}): --stop_after_s={cfg.stop_after_s:g} would "
                           f"end before it; a rerun resumes")
@@ -238,6 +275,8 @@ def phases(cfg: TestbedConfig, p: Paths, dev: str, device, st: dict, more: list[
             done("eval", {"seconds": t.get("eval_wall", 0.0), "run": str(run.relative_to(p.root)),
                           "job": {"arm": base.arm, "seed": base.seed, "settings": base.settings,
                                   "cache": str(base.cache.relative_to(p.root))},
-                          "untrained_seconds": t.get("untrained"), "trained": eval_summary(run / "eval.json"),
+                          "untrained_seconds": t.get("untrained"),
+                          "baseline_ahead": ahead.timeline() if ahead is not None else None,
+                          "trained": eval_summary(run / "eval.json"),
                           "untrained": eval_summary(run / "eval-untrained.json")})
     return result(cfg, p, st), times

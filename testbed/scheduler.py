@@ -23,12 +23,14 @@ from .commands import (
     STARTED,
     TRAIN_WORKERS,
     Job,
+    baseline_args,
     evaluate,
     evaluations_ahead,
     extract,
     fresh_run,
     job_identity,
     log,
+    stage,
     train_export,
 )
 from .config import TestbedConfig
@@ -47,6 +49,59 @@ EVAL_GUESS_S = 45  # an evaluation's seconds before one ended here (H100, 300 st
 # evaluation, repeats 16–21 s; `21931d7`: a 52 s first, repeats 32–34 s); what it underestimates past stop_after_s
 # the call's LIMIT (10 s above it) absorbs
 REPEAT_SHARE = 0.6
+
+
+def drafter_env(parallel: int) -> dict:
+    """What the drafters' stages get added to the environment: with `parallel` trainings at once, each compiles with
+    its share of the CPUs (TORCHINDUCTOR_COMPILE_THREADS, unless set)."""
+    if parallel > 1 and "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+        return {"TORCHINDUCTOR_COMPILE_THREADS": str(max(1, usable_cpus() // parallel))}
+    return {}
+
+
+class Ahead:
+    """What the drafters will need, started where the extraction starts (`--ahead`), so that it runs beside it: the
+    evaluation worker and the first training's worker (their imports and CUDA: ≈ 19 s before a first training's
+    first line on an H100 host, `01f126a`), and in the evaluation worker the target-alone decodes every evaluation
+    reuses (`commands.baseline_args`: ≈ 24 s of the untrained evaluation there, which the first drafter's evaluation
+    waited for). The untrained evaluation waits for them (`wait`); where they failed it makes them itself."""
+
+    def __init__(self, cfg: TestbedConfig, p: Paths, dev: str, parallel: int):
+        import threading
+
+        self.cfg, self.p, self.dev, self.env = cfg, p, dev, drafter_env(parallel)
+        self.log_file, self.error, self.seconds = p.root / "logs" / "baseline-ahead.log", None, None
+        self.started, self.ended = time.time(), None
+        # (the first training's worker has these settings where it leads no others and takes no GPU of several)
+        if cfg.train_worker and parallel == 1 and len(gpu_ids(cfg, dev)) <= 1:
+            TRAIN_WORKERS.start(self.env)
+        evaluations_ahead(cfg, self.env)
+        self.thread = threading.Thread(target=self._baseline, daemon=True)
+        self.thread.start()
+
+    def _baseline(self) -> None:
+        try:
+            self.seconds = stage("stages.evaluate", *baseline_args(self.cfg, self.p, self.dev), log_file=self.log_file,
+                                 env=self.env, worker=EVAL_WORKER if self.cfg.eval_worker else None)
+        except Exception as e:  # noqa: BLE001 (the untrained evaluation makes them instead)
+            self.error = str(e)
+        self.ended = time.time()
+
+    def wait(self) -> str | None:
+        """Once the target-alone decodes are made: None, or why they were not."""
+        self.thread.join()
+        return self.error
+
+    def timeline(self) -> dict:
+        """When the target-alone decodes were asked for and made, in wall seconds (`state.json`'s eval phase)."""
+        return {"seconds": self.seconds, "start": self.started, "end": self.ended, "error": self.error,
+                "log": str(self.log_file)}
+
+    def stop(self) -> None:
+        """The phase beside failed or was interrupted: the workers end, the request in flight with them."""
+        EVAL_WORKER.terminate()
+        TRAIN_WORKERS.close()
+        self.thread.join(timeout=60)
 
 
 class Deferred(Exception):
@@ -69,20 +124,19 @@ class Drafters:
     failed, each arm cache made), and per run its seconds per phase or its error."""
 
     def __init__(self, cfg: TestbedConfig, p: Paths, dev: str, jobs: list[Job], parallel: int, base: Path | None,
-                 stream: bool, caches: dict | None, precompile=None):
+                 stream: bool, caches: dict | None, precompile=None, ahead: Ahead | None = None):
         import threading
 
         self.cfg, self.p, self.dev, self.base, self.stream, self.caches = cfg, p, dev, base, stream, caches or {}
+        self.ahead = ahead  # (the target-alone decodes being made beside the extraction, or None)
         self.precompile = precompile  # (testbed.precompile.Precompile, or None)
-        self.env = {}
+        self.env = drafter_env(parallel)
         # the GPUs the trainings are spread over (`gpu_ids`): each training takes a free one, its worker sees only it
         # (CUDA_VISIBLE_DEVICES: a worker's environment is fixed at its start, so one worker per GPU); one GPU: none
         ids = gpu_ids(cfg, dev)
         self.spread, self.gpus = len(ids) > 1, queue.Queue()
         for i in range(parallel if len(ids) > 1 else 0):
             self.gpus.put(ids[i % len(ids)])
-        if parallel > 1 and "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
-            self.env["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, usable_cpus() // parallel))
         self.ready, self.failed, self.warm = threading.Event(), threading.Event(), threading.Event()
         # the first job compiles alone (all the CPUs), the others start once its first step ran: the same graphs then
         # load from the compile caches it filled instead of 8 processes compiling them at once
@@ -191,6 +245,10 @@ class Drafters:
                 if self.failed.is_set() or self.stopped.is_set():
                     return
                 time.sleep(1)
+            if self.ahead is not None:
+                if why := self.ahead.wait():
+                    log(f"the target-alone decodes made ahead failed ({why}): the untrained evaluation makes them")
+                self.times[base]["baseline_ahead"] = self.ahead.seconds or 0.0
             log(f"untrained drafter: evaluating (log: {self.untrained_log})")
             with self.eval_turn:
                 self.times[base]["untrained"] = evaluate(self.cfg, self.p, base, self.dev, True, self.untrained_log,
@@ -357,7 +415,7 @@ class Drafters:
 
 
 def run_drafters(cfg: TestbedConfig, p: Paths, dev: str, jobs: list[Job], parallel: int, base: Path | None,
-                 stream: bool = False, caches: dict | None = None, precompile=None) -> dict:
+                 stream: bool = False, caches: dict | None = None, precompile=None, ahead: Ahead | None = None) -> dict:
     """Train, export and evaluate `jobs` (each skipped when its eval.json exists), `parallel` at a time, while the
     untrained drafter of run `base` (one of them, or None) is evaluated alongside: it waits only for that run's
     config.json, and its decodes of the target alone (DIR/baseline-<tokens>.json) are reused by every trained
@@ -368,7 +426,8 @@ def run_drafters(cfg: TestbedConfig, p: Paths, dev: str, jobs: list[Job], parall
     is logged and recorded (`error`) while the others go on, except that one which ran out of GPU memory is tried
     once more after the others, half as many at a time; when the base run or the untrained evaluation fails, no
     further job starts and that failure raises. `precompile` (`testbed.precompile.Precompile`): a job waits for its
-    graphs' stand-in while it compiles, and drops it while still queued.
+    graphs' stand-in while it compiles, and drops it while still queued. `ahead` (`Ahead`): the target-alone decodes
+    made beside the extraction, which the untrained evaluation waits for.
     Returns {run: seconds per phase (train, export, eval, and untrained for `base`), or its error}."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
@@ -376,7 +435,7 @@ def run_drafters(cfg: TestbedConfig, p: Paths, dev: str, jobs: list[Job], parall
     for j in jobs:  # runs made from other settings or code go before anything reads them (the untrained evaluation
         if j.run == base or cache_complete(j.cache):  # reads the base run's): the others' caches may come later
             fresh_run(cfg, p, j)
-    d = Drafters(cfg, p, dev, jobs, parallel, base, stream, caches, precompile)
+    d = Drafters(cfg, p, dev, jobs, parallel, base, stream, caches, precompile, ahead)
     if any(not (j.run / "eval.json").is_file() for j in jobs):
         evaluations_ahead(cfg, d.env)  # (the evaluation worker's imports beside the first training, not after it)
     side = threading.Thread(target=d.untrained, daemon=True)

@@ -40,7 +40,7 @@ seed and steps (no graph compiled), with their twins trained by `python -m stage
 
 from __future__ import annotations
 
-from .worker import free_memory, serve
+from .worker import free_memory, import_ahead, serve
 
 RESIDENT = "--bench_resident=1"  # a request's argument (first-class in no stage): BenchSwitches(resident=True)
 SAME_GRAPHS = ("--run", "--seed", "--steps", "--resume")  # settings a training's compiled graphs do not depend on
@@ -51,11 +51,16 @@ _last = {"graphs": None, "count": 0, "rows": None}
 def load():
     """stages.train's main, with the bench switch `RESIDENT` taken out of a request's arguments; a resident cache's
     rows stay on the device for the next resident training on that cache (`dataset.keep_resident_rows`), given back
-    before a training that streams."""
+    before a training that streams. What its first training would import — torch, accelerate, transformers' auto
+    classes, dynamo, Inductor, flex attention, the drafter's code — imported now and CUDA started
+    (`worker.import_ahead`: the testbed starts this worker ahead, beside the extraction)."""
     from dflash_offline.dataset import keep_resident_rows, release_kept_rows
     from dflash_offline.trainsetup import BenchSwitches
     from stages import train
 
+    import_ahead("torch", "accelerate", "transformers.models.auto.modeling_auto", "torch._dynamo",
+                 "torch._inductor.compile_fx", "torch.nn.attention.flex_attention", "dflash_offline.drafter",
+                 "dflash_offline.trainer", "dflash_offline.loss")
     keep_resident_rows()
 
     def main(argv: list[str]) -> int:

@@ -34,6 +34,34 @@ def end_process(proc: subprocess.Popen, timeout: float) -> None:
         proc.wait()
 
 
+def import_ahead(*modules: str) -> None:
+    """Import `modules` now, quietly and at best, and start CUDA where torch sees a GPU: what a worker's first request
+    would otherwise pay before its first line, paid while the worker waits for it (a worker started ahead:
+    `Worker.start`). The libraries' import-time warnings are no request's, so they go nowhere; a module that fails
+    to import here fails again in the request that needs it, whose log then holds why."""
+    import importlib
+
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    os.close(null)
+    try:
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 (see the doc)
+                pass
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            torch.cuda.init()
+    except Exception:  # noqa: BLE001 (CUDA that fails to start fails again, and is reported, in the request)
+        pass
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 DIED = 70  # what a request answers when its worker died without answering, having exited 0 or 1 (EX_SOFTWARE)
 
 
@@ -166,6 +194,14 @@ class Worker:
             if self.proc is not None:
                 self._end()
 
+    def terminate(self) -> None:
+        """Ends the process now, a request in flight included (it answers `DIED`; the next request starts another):
+        what the caller asked for is no longer wanted (a phase failed, or was interrupted)."""
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            end_process(proc, 30)
+
 
 class Workers:
     """`Worker`s of one module, as many as requests in flight: a request takes an idle one started with its
@@ -186,6 +222,15 @@ class Workers:
         finally:
             with self.lock:
                 self.idle.append(w)
+
+    def start(self, env: dict | None = None) -> None:
+        """An idle process for requests with `env`, started now (`Worker.start`), unless one is there already."""
+        with self.lock:
+            if any(w.env == (env or {}) for w in self.idle):
+                return
+            w = Worker(self.module)
+            self.idle.append(w)
+        w.start(env)
 
     def discard(self, env: dict | None) -> None:
         """Ends the idle processes started with `env` (one no later request asks for: their GPU context and compile

@@ -610,8 +610,22 @@ def test_the_evaluation_worker_started_ahead_has_its_imports_done_before_the_fir
         proc, t0 = w.proc, time.monotonic()
         w.close()
         assert proc.returncode is not None and time.monotonic() - t0 < 10
+        w.start({})  # ended at once (the phase beside it failed); the next request starts another
+        proc = w.proc
+        w.terminate()
+        assert proc.poll() is not None and w.run(["--bogus=1"], tmp_path / "c.log") == 2 and w.proc.pid != proc.pid
     finally:
         w.close()
+    # a pool's process started ahead (the first training's) is the one its first request with that environment takes
+    pool = worker.Workers("testbed.trainworker")
+    try:
+        pool.start({})
+        pool.start({})
+        assert len(pool.idle) == 1 and pool.idle[0].proc is not None
+        pid = pool.idle[0].proc.pid
+        assert pool.run(["--bogus=1"], tmp_path / "d.log") == 2 and [w.proc.pid for w in pool.idle] == [pid]
+    finally:
+        pool.close()
 
 
 def test_a_drafter_trained_in_the_training_worker_equals_its_twin_trained_in_a_process_of_its_own(tmp_path,
@@ -739,6 +753,8 @@ def test_a_stage_beside_names_its_log_when_it_fails_and_ends_when_stopped(tmp_pa
     ok = commands.Background("timeit", "-n", "1", "pass", log_file=tmp_path / "ok.log")
     assert ok.wait() > 0 and ok.ended >= ok.started and "loop" in (tmp_path / "ok.log").read_text()
     slow = commands.Background("timeit", "-n", "1", "import time; time.sleep(120)", log_file=tmp_path / "slow.log")
+    with pytest.raises(RuntimeError, match=r"timeit .*still running after 0\.5s .*slow\.log"):
+        slow.wait(timeout=0.5)  # (the extraction waits so long for the kernel check run ahead, then goes on)
     t0 = time.perf_counter()
     slow.stop()
     assert slow.proc.poll() is not None and time.perf_counter() - t0 < 30
@@ -749,9 +765,12 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     from safetensors.torch import load_file
 
     root = tmp_path / "tb"
-    r = _testbed(root)
+    r = _testbed(root, "--kernels_ahead=on")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((root / "testbed.json").read_text())
+    # the extraction's kernel check ran ahead, beside the regeneration, as a dry run that wrote nothing
+    assert "dry run ok" in (root / "logs" / "kernels-ahead.log").read_text() and "kernel check ahead: done" in r.stdout
+    assert not (root / "logs" / "kernels-ahead").exists()
     assert set(res["seconds"]) == {"target", "regen", "extract", "train", "export", "eval"}
     assert res["lossless"] is True and res["tau_trained"] >= 1 and res["tau_untrained"] >= 1
     assert res["regen"]["written"] == 12 and res["train"]["steps"] == 6 and res["extract"]["rows"] > 0
@@ -768,9 +787,15 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     assert "regenerating" in (root / "logs" / "regen-eval-candidates.log").read_text()
     files = json.loads((root / "target" / "files.json").read_text())
     assert held and not held & {n for n, _ in files["files"][: files["train_files"]]}
-    run = root / "runs" / "base" / "seed0"  # the untrained evaluation (beside training) made the target-alone decodes
+    # the target-alone decodes were made ahead, asked for as the extraction started (the evaluation worker's first
+    # request: `stages.evaluate --baseline_only=1`, no run yet), and the untrained evaluation reused them
+    run = root / "runs" / "base" / "seed0"
+    phases = json.loads((root / "state.json").read_text())["phases"]
+    made = phases["eval"]["baseline_ahead"]
+    assert made["error"] is None and made["start"] < phases["extract"]["end"] and made["end"] >= made["start"]
+    assert "the target-alone decodes of 3 prompts written (2 token by token)" in Path(made["log"]).read_text()
     untrained = json.loads((run / "eval-untrained.json").read_text())  # (2 prompts with the drafter, 3 alone)
-    assert untrained["baseline"] == {"file": str(root / "baseline-12.json"), "reused": False, "prompts": 3}
+    assert untrained["baseline"] == {"file": str(root / "baseline-12.json"), "reused": True, "prompts": 3}
     assert untrained["num_prompts"] == 2 and json.loads((run / "eval.json").read_text())["num_prompts"] == 3
     assert json.loads((run / "eval.json").read_text())["baseline"]["reused"] is True
     # the evaluations ran in one process of their own (testbed.evalworker): the trained one reports what
@@ -797,6 +822,17 @@ def test_micro_testbed_runs_every_phase_resumes_and_ab(tmp_path):
     replayed = json.loads((root / "untrained.json").read_text())
     assert replayed["tau_from"] == "replay" and replayed["num_prompts"] == cfg.untrained_prompts == 2
     assert replayed["baseline"] == {"file": str(root / "baseline-12.json"), "reused": True, "prompts": 3}
+    # the decodes made ahead are those the untrained evaluation makes itself where it finds none (the same key: the
+    # prompts rendered as the corpus was; the same tokens)
+    own = [a if not a.startswith("--baseline=") else f"--baseline={root / 'own-baseline.json'}" for a in
+           commands.evaluate_args(cfg, Paths(root), run, "cpu", True)]
+    made = subprocess.run([sys.executable, "-m", "stages.evaluate", *own, f"--out={root / 'own.json'}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-2000:]
+    ahead, itself = (json.loads((root / name).read_text()) for name in ("baseline-12.json", "own-baseline.json"))
+    assert ahead["key"] == itself["key"] and [d["ids"] for d in ahead["decodes"]] == [d["ids"] for d in itself["decodes"]]
+    assert [d["stats"]["rollback"] == "drafted" for d in ahead["decodes"]] == \
+        [d["stats"]["rollback"] == "drafted" for d in itself["decodes"]]
 
     # a rerun does nothing; from_phase=train redoes the drafter only (target and cache untouched)
     stamps = {p: p.stat().st_mtime_ns for p in [root / "target" / "model.safetensors", root / "regen.jsonl",
