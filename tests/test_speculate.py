@@ -611,6 +611,28 @@ def test_evaluate_measures_the_export(tmp_path, hidden_cache, capfd, monkeypatch
             assert rp["lossless"] and rp["replay_check"] == {"prompts": 2, "agree": 2}
             assert rp["tau_emitted"] == r["tau_emitted"]
             assert not any("baseline_parts_at" in q for q in rp["per_prompt"])
+    # --baseline_only (the testbed's, beside its extraction): the file the untrained evaluation makes, made with the
+    # run's settings or, before any run exists, from its target, the prompts and the corpus's template settings
+    from dflash_offline.evaluation import run_info
+
+    ri = run_info(run)
+    only = [f"--prompts={prompts}", "--num_prompts=3", "--max_new_tokens=12", "--timed_alone=2", "--baseline_only=1"]
+    for i, how in enumerate(([f"--run={run}"], [f"--target={ri['target']}",
+                                                f"--template_kwargs={json.dumps(ri['template_kwargs'])}"])):
+        made = tmp_path / f"only{i}.json"
+        assert evaluate.main([*how, *only, f"--baseline={made}"]) == 0
+        assert json.loads(made.read_text())["key"] == json.loads(timed.read_text())["key"]
+        assert [(d["ids"], d["stats"]["rollback"]) for d in json.loads(made.read_text())["decodes"]] == \
+            [(d["ids"], d["stats"]["rollback"]) for d in timed_decodes]
+    stamp = made.stat().st_mtime_ns  # (made again for the same key: kept as it is)
+    assert evaluate.main([*how, *only, f"--baseline={made}"]) == 0 and made.stat().st_mtime_ns == stamp
+    assert "already there" in capfd.readouterr().out
+    with pytest.raises(ConfigError, match="baseline_only without --run needs --target="):
+        evaluate.main([*only, f"--baseline={made}"])
+    with pytest.raises(ConfigError, match="--baseline=off leaves it nothing to do"):
+        evaluate.main([f"--run={run}", *only, "--baseline=off"])
+    with pytest.raises(ConfigError, match="missing required eval setting: --run"):
+        evaluate.main([f"--prompts={prompts}"])
     # a reference read from the baseline that this process's target decodes otherwise (made in another process, on
     # another machine, under other kernel choices) is decoded again here before the real decode is judged against it
     data = json.loads(timed.read_text())
