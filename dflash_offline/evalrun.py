@@ -424,6 +424,7 @@ def baseline_only(cfg: EvalConfig) -> dict:
     t0 = time.perf_counter()
     if cfg.run:
         ri = run_info(Path(cfg.run), cfg.target)
+        check_run_target(ri, ri["target"], Path(cfg.run), log)
         target_dir, trained = ri["target"], ri["template_kwargs"]
     else:
         target_dir = resolve_checkpoint(cfg.target, need=("config", "weights", "tokenizer"), field="eval target")

@@ -214,8 +214,19 @@ def export_here(run: Path, log_file: Path | None) -> float:
     return time.perf_counter() - t0
 
 
-THINKING = "on"  # the regenerations' --thinking: the corpus's chats, so the drafters' evaluation prompts, render with
-TEMPLATE = {"enable_thinking": True}  # … these chat template settings
+THINKING = "on"  # the regenerations' --thinking (the corpus's answers, so the evaluation prompts, render with it)
+
+
+def template(cfg: TestbedConfig) -> dict:
+    """The chat template settings the corpus, so the evaluation prompts, are rendered with: the recipe's [tokenize]
+    template_kwargs with the enable_thinking the regenerations answered under (`THINKING`)."""
+    import tomllib
+
+    from dflash_offline.chat import parse_settings
+
+    given = tomllib.loads(Path(cfg.drafter_recipe).read_text()).get("tokenize", {}).get("template_kwargs", "")
+    base = parse_settings(given if isinstance(given, str) else json.dumps(given), "tokenize.template_kwargs")
+    return {**base, "enable_thinking": THINKING == "on"}
 
 
 def decodes_args(cfg: TestbedConfig, p: Paths, dev: str) -> list[str]:
@@ -229,14 +240,14 @@ def timed_prompts(cfg: TestbedConfig) -> int:
     """The evaluation prompts whose target-alone decode the baseline holds token by token (timed): in a replayed A/B
     the check prompts, which each arm's first decodes for real against them; else the untrained drafter's, which it
     decodes for real (a testbed's drafter decodes them all: the others again)."""
-    return cfg.check_prompts if cfg.replay and bool(cfg.arms or cfg.sweep) else cfg.untrained_prompts
+    return cfg.check_prompts if cfg.replay and bool(cfg.arms or cfg.sweep) else cfg.untrained_prompts or cfg.eval_prompts
 
 
 def baseline_args(cfg: TestbedConfig, p: Paths, dev: str) -> list[str]:
     """stages.evaluate's arguments that make the baseline (`--baseline_only`: no drafter, no run yet) as the untrained
-    evaluation would make it, the prompts rendered as the corpus was (`TEMPLATE`): it then reuses it."""
+    evaluation would make it, the prompts rendered as the corpus was (`template`): it then reuses it."""
     return [f"--target={p.target}", *decodes_args(cfg, p, dev), "--baseline_only=1",
-            f"--timed_alone={timed_prompts(cfg)}", f"--template_kwargs={json.dumps(TEMPLATE)}"]
+            f"--timed_alone={timed_prompts(cfg)}", f"--template_kwargs={json.dumps(template(cfg))}"]
 
 
 def evaluate_args(cfg: TestbedConfig, p: Paths, run: Path, dev: str, untrained: bool, check: int = 0) -> list[str]:

@@ -203,17 +203,17 @@ def phases(cfg: TestbedConfig, p: Paths, dev: str, device, st: dict, more: list[
                          f"--temperature={cfg.regen_temperature}", f"--top_p={cfg.regen_top_p}", f"--seed={cfg.seed}")
             corpus = {"start": start, "end": time.time()}
             chosen = chosen_prompts(cfg, p, greedy)
+            stats = json.loads(Path(str(p.regen) + ".stats.json").read_text())
+            done("regen", {"seconds": time.perf_counter() - t0, "corpus_seconds": secs, "corpus": corpus,
+                           **{k: stats.get(k) for k in ("written", "new_tokens", "truncated")},
+                           "looping_frac": looping_share(p.regen), "sampling": stats["config"].get("sampling"),
+                           "eval_prompts": chosen})
         except BaseException:
             if kernels is not None:
                 kernels.stop()
             raise
         finally:
             greedy.stop()  # (the corpus's regeneration failed or was interrupted: the other ends with it)
-        stats = json.loads(Path(str(p.regen) + ".stats.json").read_text())
-        done("regen", {"seconds": time.perf_counter() - t0, "corpus_seconds": secs, "corpus": corpus,
-                       **{k: stats.get(k) for k in ("written", "new_tokens", "truncated")},
-                       "looping_frac": looping_share(p.regen), "sampling": stats["config"].get("sampling"),
-                       "eval_prompts": chosen})
     if kernels is not None:
         kernel_check_ahead(kernels)
     ahead = Ahead(cfg, p, dev, parallel) if cfg.ahead and "extract" not in ph else None

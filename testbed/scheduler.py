@@ -22,6 +22,7 @@ from .commands import (
     EVAL_WORKER,
     STARTED,
     TRAIN_WORKERS,
+    Background,
     Job,
     baseline_args,
     evaluate,
@@ -71,18 +72,22 @@ class Ahead:
 
         self.cfg, self.p, self.dev, self.env = cfg, p, dev, drafter_env(parallel)
         self.log_file, self.error, self.seconds = p.root / "logs" / "baseline-ahead.log", None, None
-        self.started, self.ended = time.time(), None
+        self.started, self.ended, self.proc = time.time(), None, None
         # (the first training's worker has these settings where it leads no others and takes no GPU of several)
         if cfg.train_worker and parallel == 1 and len(gpu_ids(cfg, dev)) <= 1:
             TRAIN_WORKERS.start(self.env)
-        evaluations_ahead(cfg, self.env)
-        self.thread = threading.Thread(target=self._baseline, daemon=True)
+        args = baseline_args(cfg, p, dev)
+        if cfg.eval_worker:
+            evaluations_ahead(cfg, self.env)
+        else:  # (a process of its own, which `stop` ends)
+            self.proc = Background("stages.evaluate", *args, log_file=self.log_file, env=self.env)
+        self.thread = threading.Thread(target=self._baseline, args=(args,), daemon=True)
         self.thread.start()
 
-    def _baseline(self) -> None:
+    def _baseline(self, args: list[str]) -> None:
         try:
-            self.seconds = stage("stages.evaluate", *baseline_args(self.cfg, self.p, self.dev), log_file=self.log_file,
-                                 env=self.env, worker=EVAL_WORKER if self.cfg.eval_worker else None)
+            self.seconds = self.proc.wait() if self.proc is not None else stage(
+                "stages.evaluate", *args, log_file=self.log_file, env=self.env, worker=EVAL_WORKER)
         except Exception as e:  # noqa: BLE001 (the untrained evaluation makes them instead)
             self.error = str(e)
         self.ended = time.time()
@@ -98,23 +103,24 @@ class Ahead:
                 "log": str(self.log_file)}
 
     def stop(self) -> None:
-        """The phase beside failed or was interrupted: the workers end, the request in flight with them."""
-        EVAL_WORKER.terminate()
+        """The target-alone decodes are no longer wanted (the phase beside, or the drafters, failed or were
+        interrupted; or the drafters are done): the request still in flight ends, and the workers with it."""
+        if self.thread.is_alive():
+            if self.proc is not None:
+                self.proc.stop()
+            else:
+                EVAL_WORKER.terminate()
+            self.thread.join(timeout=60)
         TRAIN_WORKERS.close()
-        self.thread.join(timeout=60)
 
 
 class Deferred(Exception):
     """A drafter not started: this invocation's `stop_after_s` would end before it (a rerun starts it)."""
 
 
-def job_key(j: Job) -> str:
-    """Drafters of one key train the same graphs on the same cache (an arm's seeds; the null arm's and the recipe's)."""
-    return json.dumps(j.settings, sort_keys=True) + str(j.cache)
-
-
 def graph_key(j: Job) -> str:
-    """`job_key` but for the number of steps, which compiles nothing new: what a drafter's time depends on past its
+    """What a drafter compiles and trains on: its settings but the number of steps, which compiles nothing new, and its
+    cache (an arm's seeds; the null arm's, the recipe's and the known-bad arm's) — what its time depends on past its
     steps (the known-bad arm, a quarter of the recipe's steps, loads the recipe's graphs: 29 s against 39–53 s)."""
     return json.dumps({k: v for k, v in j.settings.items() if k != "steps"}, sort_keys=True) + str(j.cache)
 
@@ -141,8 +147,11 @@ class Drafters:
         # the first job compiles alone (all the CPUs), the others start once its first step ran: the same graphs then
         # load from the compile caches it filled instead of 8 processes compiling them at once
         firsts = {}
-        for j in jobs:  # each arm's first drafter (the null arm's: the first arm's settings) also decodes for real
-            firsts.setdefault(job_key(j), j.run)
+        # the first drafter of each graph setting (`graph_key`) also decodes for real: each arm's first, not the null
+        # arm's nor the known-bad arm's (the recipe's settings on its cache but seeds or steps: its code, whose
+        # replay its first checks; the known-bad arm's τ ≈ 1.15 made its 8 real decodes 29 s on an H100, `01f126a`)
+        for j in jobs:
+            firsts.setdefault(graph_key(j), j.run)
         self.checked = set(firsts.values())
         self.leader = jobs[0].run if parallel > 1 and len(jobs) > 1 else None
         if self.leader is None:
@@ -455,6 +464,8 @@ def run_drafters(cfg: TestbedConfig, p: Paths, dev: str, jobs: list[Job], parall
         side.join()
     except BaseException:
         d.aborted.set()  # (Ctrl-C: the evaluations not started are not waited for)
+        if ahead is not None:
+            ahead.stop()  # (the target-alone decodes still being made are not waited for either)
         raise
     finally:
         if evals is not None:

@@ -187,7 +187,7 @@ def judge(rows: list[dict], null: str | None, bad: str | None) -> dict:
     """The yardstick's checks and, when they pass, a verdict per arm (in place: `verdict`). The first arm must be
     lossless (every arm is compared with it), the null arm (the first arm's settings under other seeds) must have an
     interval that contains 0 and the known-bad arm (the first arm at a quarter of its steps) one that lies below 0,
-    both lossless where decoded (under `--replay=1` the null arm's drafters only replay: nothing to check); and the
+    both lossless where decoded (under `--replay=1` the null and known-bad arms' drafters only replay: nothing to check); and the
     seeds' variance must be known (two seeds or more per arm: with one, no interval holds the training noise, and in
     simulation a null arm misses 0 in most sweeps). If any fails (or an arm is missing) the yardstick is not
     discriminating and no arm is ranked (`unranked`). An arm whose drafter is not lossless is `FAILED` whether ranked

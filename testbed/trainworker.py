@@ -54,10 +54,12 @@ def load():
     before a training that streams. What its first training would import — torch, accelerate, transformers' auto
     classes, dynamo, Inductor, flex attention, the drafter's code — imported now and CUDA started
     (`worker.import_ahead`: the testbed starts this worker ahead, beside the extraction)."""
+    from dflash_offline.cli import private_compile_caches
     from dflash_offline.dataset import keep_resident_rows, release_kept_rows
     from dflash_offline.trainsetup import BenchSwitches
     from stages import train
 
+    private_compile_caches()  # (as stages.train's main does, before Inductor's import sets its default directory)
     import_ahead("torch", "accelerate", "transformers.models.auto.modeling_auto", "torch._dynamo",
                  "torch._inductor.compile_fx", "torch.nn.attention.flex_attention", "dflash_offline.drafter",
                  "dflash_offline.trainer", "dflash_offline.loss")

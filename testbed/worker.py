@@ -168,9 +168,14 @@ class Worker:
 
     def start(self, env: dict | None = None) -> None:
         """Start the process now, for requests with `env` to come (its start-up, the worker's `load`, then runs
-        beside what the caller does meanwhile); one already running with `env` is kept."""
-        with self.lock:
+        beside what the caller does meanwhile); one already running with `env` is kept, and one serving a request
+        now is left to it (its next request restarts it where `env` differs): a start never waits."""
+        if not self.lock.acquire(blocking=False):
+            return
+        try:
             self._ready(env)
+        finally:
+            self.lock.release()
 
     def _ready(self, env: dict | None) -> None:
         if self.proc is not None and (self.proc.poll() is not None or (env or {}) != self.env):
@@ -195,8 +200,8 @@ class Worker:
                 self._end()
 
     def terminate(self) -> None:
-        """Ends the process now, a request in flight included (it answers `DIED`; the next request starts another):
-        what the caller asked for is no longer wanted (a phase failed, or was interrupted)."""
+        """Ends the process now, a request in flight included (it answers the signal's exit status; the next request
+        starts another): what the caller asked for is no longer wanted (a phase failed, or was interrupted)."""
         proc = self.proc
         if proc is not None and proc.poll() is None:
             proc.terminate()
