@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dflash_offline.cache.fsio import hash_obj
 from dflash_offline.chat import parse_settings
-from dflash_offline.config import ConfigError, as_dict, check_choice
+from dflash_offline.config import ConfigError, as_dict, check_choice, flag
 from dflash_offline.corpus import check_tokenizer
 from dflash_offline.devices import check_setting
 from dflash_offline.evaluation import (
@@ -73,14 +73,6 @@ class EvalConfig:
     baseline_only: bool = False  # only write the --baseline file (the target-alone decodes; --timed_alone of them token by token) and stop: no drafter, no report; without --run, --target and --prompts name what it decodes, rendered with --template_kwargs alone (give the settings the run's corpus has)
 
     def resolve(self) -> EvalConfig:
-        if not self.run and not self.baseline_only:
-            raise ConfigError("missing required eval setting: --run (RUN=, a run directory written by make train)")
-        if self.baseline_only and not self.run and not (self.target and self.prompts and self.baseline
-                                                        and self.baseline != "off"):
-            raise ConfigError("eval.baseline_only without --run needs --target=, --prompts= and --baseline=FILE (the "
-                              "checkpoint, the prompts and the file the target-alone decodes go to)")
-        if self.baseline_only and self.baseline == "off":
-            raise ConfigError("eval.baseline_only writes the --baseline file: --baseline=off leaves it nothing to do")
         check_choice("eval.turn", self.turn, ("first", "last"))
         try:
             parse_settings(self.template_kwargs, "eval.template_kwargs")
@@ -106,6 +98,13 @@ class EvalConfig:
                               f"{self.tf_rows}")
         if self.tie_tol < 0:
             raise ConfigError(f"eval.tie_tol must be >= 0, got {self.tie_tol}")
+        if not self.run and not self.baseline_only:  # (required but with --baseline_only: said as for any other)
+            raise ConfigError(f"missing required eval setting(s): {flag('eval', 'run')}")
+        if self.baseline_only and self.baseline == "off":
+            raise ConfigError("eval.baseline_only writes the --baseline file: --baseline=off leaves it nothing to do")
+        if self.baseline_only and not self.run and not (self.target and self.prompts and self.baseline):
+            raise ConfigError("eval.baseline_only without --run needs --target=, --prompts= and --baseline=FILE (the "
+                              "checkpoint, the prompts and the file the target-alone decodes go to)")
         return self
 
 

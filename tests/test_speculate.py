@@ -631,7 +631,7 @@ def test_evaluate_measures_the_export(tmp_path, hidden_cache, capfd, monkeypatch
         evaluate.main([*only, f"--baseline={made}"])
     with pytest.raises(ConfigError, match="--baseline=off leaves it nothing to do"):
         evaluate.main([f"--run={run}", *only, "--baseline=off"])
-    with pytest.raises(ConfigError, match="missing required eval setting: --run"):
+    with pytest.raises(ConfigError, match=r"missing required eval setting\(s\): --run \(make RUN=\)$"):
         evaluate.main([f"--prompts={prompts}"])
     # a reference read from the baseline that this process's target decodes otherwise (made in another process, on
     # another machine, under other kernel choices) is decoded again here before the real decode is judged against it
