@@ -70,7 +70,7 @@ class EvalConfig:
     timed_alone: int = 0  # where a --baseline file is written: the target-alone decodes of its first N prompts token by token (timed) even where only replayed or baseline-only, as later evaluations decoding them for real would decode them again (the testbed's untrained evaluation: its check prompts)
     replay_batch: int = 0  # with --replay: the drafts at up to N anchors from one batched drafter forward (0: a drafting call a step, as a decode); float32 and this version's modeling code only
     trust_code: bool = False  # run the export's dflash.py even where it is not this version's shipped modeling code (loading runs it)
-    baseline_only: bool = False  # only write the --baseline file (the target-alone decodes; --timed_alone of them token by token) and stop: no drafter, no report; without --run, --target and --prompts name what it decodes, rendered with --template_kwargs alone (give the settings the run's corpus has)
+    baseline_only: bool = False  # only write the --baseline file (the target-alone decodes; --timed_alone of them token by token) and stop: no drafter, no report; without --run, --target, --prompts and --baseline=FILE name what it decodes and where, rendered with --template_kwargs instead of a run's corpus settings (give those)
 
     def resolve(self) -> EvalConfig:
         check_choice("eval.turn", self.turn, ("first", "last"))
@@ -410,7 +410,8 @@ def baseline_only(cfg: EvalConfig) -> dict:
     """`--baseline_only`: the target-alone decodes of the prompts, as an evaluation with this `--baseline` would make
     them (the first `--timed_alone` token by token and timed, the others verified in blocks), written to the file, and
     nothing else — no drafter, no report; a file made for the same key is kept as it is. Without `--run` the prompts
-    are rendered with `--template_kwargs` alone: an evaluation of a run reuses the file only where its prompts come out
+    are rendered with `--template_kwargs` where a run's evaluation renders them with its corpus's settings (a held-out
+    record's own, from make regen, and `--template_kwargs` over either, as always): it reuses the file only where they come out
     the same tokens (its corpus's settings; the key holds their digest), and else decodes them again. Lets a caller make
     the baseline while the drafter is still to come (the testbed: beside the extraction). Returns {"file", "reused",
     "prompts", "timed", "seconds"}."""

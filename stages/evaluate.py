@@ -29,8 +29,10 @@ tokens. Same steps, same emitted tokens, hence the same `tau_emitted` (the draft
 or the budget are not checked, so `tau_mean` can only be lower), at one target forward per prompt instead of one or
 two per step; the first `--check_prompts` prompts are also decoded for real — the lossless check and the speed
 figures come from them (none without), and `replay_check` counts the prompts whose replay took the decode's steps.
-`--baseline_only=1` writes the `--baseline` file and stops (no drafter, no report; without `--run`, `--target` and
-`--prompts` say what it decodes): an evaluation to come then reuses it — the testbed makes it beside its extraction.
+`--baseline_only=1` writes the `--baseline` file and stops (no drafter, no report; without `--run`, `--target`,
+`--prompts` and `--baseline=FILE` say what it decodes and where, `--template_kwargs` standing for the run's corpus
+settings): an evaluation to come reuses it where its prompts come out the same tokens — the testbed makes it beside
+its extraction.
 `--replay_batch=N` drafts at up to N anchors in one batched forward of the shipped model instead of a call a step
 (float32 and this version's modeling code only; `speculate.ExportedDrafter.draft_anchors`).
 

@@ -72,7 +72,7 @@ class TestbedConfig:
     overlap_eval: bool = True  # a drafter's evaluation (another process) runs beside the next drafter's training, not before it (still `parallel` trainings at once; 0 = one after the other)
     eval_queue: int = 1  # bench switch, with overlap_eval: evaluations pending (running or waiting) per training slot that a training may start beside (1: an arm's first's evaluation holds back the training after its repeat's; 2: the repeat's evaluation waits instead)
     label: str = ""  # A/B: result name (DIR/ab/<label>.json: letters, digits, . _ + -); empty = sweep name or 'ab'
-    replay: bool = True  # A/B: τ replayed on the target's greedy outputs (one target forward per prompt, not one or two per step: the same steps); each arm's first drafter also decodes check_prompts for real
+    replay: bool = True  # A/B: τ replayed on the target's greedy outputs (one target forward per prompt, not one or two per step: the same steps); each graph setting's first drafter (not the null's nor the known-bad arm's) also decodes check_prompts for real
     eval_worker: bool = True  # every evaluation of an invocation in one long-lived process (start-up and the target's loading paid once); 0 = a process each
     train_worker: bool = True  # every drafter's training of an invocation in one long-lived process (start-up paid once; one per concurrent job with --parallel); 0 = a process each
     derive_caches: bool = False  # 1 = an arm's cache that only encodes or projects the testbed's bf16 states is derived from them (extract --from_cache: no target forward; no faster on this 124M target); 0 = extracted from the target

@@ -32,7 +32,7 @@ def ab_table(r: dict) -> str:
     checks = replay_checks(r)
     if checks:
         agree, n = sum(c["agree"] for c in checks), sum(c["prompts"] for c in checks)
-        tail.append(f"τ replayed on the target's greedy outputs; {len(checks)} drafters (each arm's first) also decoded "
+        tail.append(f"τ replayed on the target's greedy outputs; {len(checks)} drafters (each graph setting's first) also decoded "
                     f"{n} prompts for real: the replay took the decode's steps on {agree}/{n}"
                     + ("" if agree == n else " (REPLAY DIFFERS: a rounding flip or a bug, see their eval.json)"))
     tail += [f"not ranked: {a} ({why})" for a, why in (r.get("incomplete") or {}).items()]

@@ -255,7 +255,10 @@ class Drafters:
                     return
                 time.sleep(1)
             if self.ahead is not None:
-                if why := self.ahead.wait():
+                why = self.ahead.wait()
+                if self.failed.is_set() or self.stopped.is_set() or self.aborted.is_set():
+                    return  # (ended meanwhile: no evaluation is wanted, nor a worker started again for one)
+                if why:
                     log(f"the target-alone decodes made ahead failed ({why}): the untrained evaluation makes them")
                 self.times[base]["baseline_ahead"] = self.ahead.seconds or 0.0
             log(f"untrained drafter: evaluating (log: {self.untrained_log})")

@@ -1340,6 +1340,36 @@ def test_a_drafter_that_would_end_past_stop_after_s_is_not_started_and_a_rerun_s
     assert all((j.run / "eval.json").is_file() for j in jobs)
 
 
+def test_no_untrained_evaluation_starts_once_the_drafters_ended_while_it_waited_for_the_decodes_made_ahead(
+        tmp_path, monkeypatch):
+    """`--ahead`: the untrained evaluation waits for the target-alone decodes made beside the extraction; where the
+    drafters were interrupted, or failed, meanwhile (the decodes then ended with them), it starts none (nor a worker
+    for it) — and where they only failed, it goes on and makes them itself."""
+    cfg, p = config.TestbedConfig(dir=str(tmp_path)), Paths(str(tmp_path))
+    base = _jobs(p, ["base"])[0]
+    base.run.mkdir(parents=True)
+    (base.run / "config.json").write_text("{}")
+    asked = []
+    monkeypatch.setattr(scheduler, "evaluate", lambda *a, **k: asked.append(a[2]) or 1.0)
+    monkeypatch.setattr(scheduler, "eval_summary", lambda path: {"tau_mean": 1.0})
+
+    class Ahead:  # (its decodes ended by the interruption: `Ahead.stop`)
+        seconds = None
+
+        def __init__(self, interrupt):
+            self.interrupt = interrupt
+
+        def wait(self):
+            if self.interrupt:
+                d.aborted.set()
+            return "stages.evaluate ... failed with exit status -15"
+
+    for interrupt, want in ((True, []), (False, [base.run])):
+        d = scheduler.Drafters(cfg, p, "cpu", [base], 1, base.run, False, None, None, Ahead(interrupt))
+        d.untrained()
+        assert asked == want and d.ready.is_set()
+
+
 def test_an_arms_further_seed_is_expected_to_take_as_long_as_a_repeat_not_as_the_first_compile(tmp_path):
     """--stop_after_s on the H200: the first drafter of a setting took 212 s (it compiled), its further seeds 52–58 s;
     with 180 s left a further seed starts, a drafter of new settings (which may compile) does not. Before a repeat of
