@@ -84,6 +84,25 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def end_on_sigterm() -> None:
+    """SIGTERM ends the testbed at once (a rerun resumes: phases from state.json, drafters from their runs; no drafter
+    in flight is waited for) and, first, every process it started (`worker.end_children`: the stages beside, the
+    workers, the stand-ins), which would otherwise go on on the GPU without it; exit status 143."""
+    import os
+    import signal
+    import sys
+
+    from .worker import end_children
+
+    def handler(signum, frame):
+        n = end_children()
+        print(f"[testbed] stopped by SIGTERM, with the {n} process(es) it had running; a rerun resumes",
+              file=sys.stderr, flush=True)
+        os._exit(143)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def write_testbed(p: Paths, tb: dict) -> None:
     write_json_atomic(p.root / "testbed.json", tb)
     print(table(tb))

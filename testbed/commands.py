@@ -23,7 +23,7 @@ from dflash_offline.cache.manifest import has_manifest, read_manifest
 from .config import TestbedConfig
 from .runs import Paths, drafter_code_digest, stale_job
 from .trainworker import RESIDENT
-from .worker import Worker, Workers, end_process
+from .worker import Worker, Workers, end_process, run_child, start_child
 
 STARTED = time.monotonic()  # (this invocation's start, for --stop_after_s)
 
@@ -54,11 +54,11 @@ def stage(module: str, *args: str, log_file: Path | None = None, ok=(0,), env: d
     if worker is not None:
         rc = worker.run(list(args), log_file, env)
     elif log_file is None:
-        rc = subprocess.call(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        rc = run_child(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     else:
         with open(log_file, "w") as f:
-            rc = subprocess.call(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, stdout=f,
-                                 stderr=subprocess.STDOUT)
+            rc = run_child(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, stdout=f,
+                           stderr=subprocess.STDOUT)
     if rc not in ok:
         where = f" (log: {log_file})" if log_file else ""
         raise RuntimeError(f"{' '.join(cmd[2:4])} ... failed with exit status {rc}{where}")
@@ -78,7 +78,7 @@ class Background:
         self.module, self.log_file, self.started, self.t0 = module, log_file, time.time(), time.perf_counter()
         self.ended, self.seconds = None, None
         with open(log_file, "w") as f:
-            self.proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=f, stderr=subprocess.STDOUT,
+            self.proc = start_child([sys.executable, "-m", module, *args], stdout=f, stderr=subprocess.STDOUT,
                                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self.reaper = threading.Thread(target=self._reap, daemon=True)
         self.reaper.start()

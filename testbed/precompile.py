@@ -42,6 +42,7 @@ from .commands import Job, log, train_args
 from .config import TestbedConfig
 from .runs import Paths, slug
 from .trainworker import RESIDENT
+from .worker import start_child
 
 WARMUP_STEPS = 2  # a stand-in's steps: the first compiles the training's graphs, the second runs them (guards)
 WAIT_S = 300.0  # a drafter waits at most this long for its stand-in (a cold compile took 108 s beside the target)
@@ -244,8 +245,8 @@ class Precompile:
             with self.cond:
                 if self.stopping:
                     return False
-                proc = self.procs[v.key] = subprocess.Popen([sys.executable, "-m", "testbed.precompile", *args],
-                                                            env=env, stdout=f, stderr=subprocess.STDOUT)
+                proc = self.procs[v.key] = start_child([sys.executable, "-m", "testbed.precompile", *args],
+                                                       env=env, stdout=f, stderr=subprocess.STDOUT)
             rc = proc.wait()
         shutil.rmtree(run, ignore_errors=True)  # (its checkpoint: nothing reads it)
         return rc == 0

@@ -24,6 +24,73 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+_CHILDREN: set = set()  # the processes this one started (workers, stages, stand-ins): ended with it (`end_children`)
+_CHILDREN_LOCK = threading.Lock()
+
+
+def start_child(cmd: list[str], **popen) -> subprocess.Popen:
+    """`subprocess.Popen(cmd, **popen)`, remembered so that `end_children` ends it with this process."""
+    proc = subprocess.Popen(cmd, **popen)
+    with _CHILDREN_LOCK:
+        for done in [c for c in _CHILDREN if c.poll() is not None]:
+            _CHILDREN.discard(done)
+        _CHILDREN.add(proc)
+    return proc
+
+
+def run_child(cmd: list[str], **popen) -> int:
+    """`start_child`, waited for: its exit status (as `subprocess.call`, which kills the child when the wait is
+    interrupted)."""
+    proc = start_child(cmd, **popen)
+    try:
+        return proc.wait()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+
+
+def end_children(timeout: float = 5.0) -> int:
+    """SIGTERM to every process `start_child` started that still runs, SIGKILL to those not ended `timeout` seconds
+    later: a testbed stopped by SIGTERM leaves no stage, worker or stand-in on the GPU behind it (they would go on
+    for their request, a training or a regeneration, minutes of a rented GPU). Returns how many were running. Safe
+    in a signal handler: it waits at most a second for the lock a thread, or the interrupted code, may hold."""
+    import time
+
+    got = _CHILDREN_LOCK.acquire(timeout=1.0)
+    try:
+        for _ in range(10):
+            try:
+                running = [c for c in list(_CHILDREN) if c.poll() is None]
+                break
+            except RuntimeError:  # (the set changed meanwhile, the lock not had)
+                continue
+        else:
+            running = []
+    finally:
+        if got:
+            _CHILDREN_LOCK.release()
+    for c in running:
+        c.terminate()
+    deadline = time.monotonic() + timeout
+    while any(not _ended(c) for c in running) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for c in running:
+        if not _ended(c):
+            c.kill()
+    return len(running)
+
+
+def _ended(proc: subprocess.Popen) -> bool:
+    """Whether `proc` ended, without waiting for it: from a signal handler that interrupted a wait for it, whose lock
+    `poll` then cannot take, its state in /proc says it (a zombie: ended, not yet reaped)."""
+    if proc.poll() is not None:
+        return True
+    try:
+        return Path(f"/proc/{proc.pid}/stat").read_text().rsplit(") ", 1)[1][:1] == "Z"
+    except (OSError, IndexError):
+        return False
+
 
 def end_process(proc: subprocess.Popen, timeout: float) -> None:
     """Wait up to `timeout` seconds for `proc` to end, then kill it."""
@@ -182,9 +249,9 @@ class Worker:
             self._end()
         if self.proc is None:
             self.env, self.asked = dict(env or {}), False
-            self.proc = subprocess.Popen([sys.executable, "-m", self.module], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, text=True,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
+            self.proc = start_child([sys.executable, "-m", self.module], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, text=True,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
 
     def _end(self) -> None:
         self.proc.stdin.close()

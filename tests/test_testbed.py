@@ -760,6 +760,48 @@ def test_the_training_worker_compiles_into_the_private_caches_whatever_it_import
     assert r.stdout.split() == [str(tmp_path / "inductor-rank0"), str(tmp_path / "triton-rank0")]
 
 
+def test_a_testbed_stopped_by_sigterm_ends_the_processes_it_started(tmp_path):
+    """`python -m testbed` under SIGTERM (a `kill`, a scheduler's stop): it ends at once, exit 143, and so do the
+    processes it started — a stage beside it, a worker, a stage it waits for (`worker.end_children`) — which went
+    on using the GPU without it before (a regeneration, a request in flight)."""
+    import signal
+
+    code = f"""
+import sys, time
+from pathlib import Path
+from testbed import cli, commands, worker
+cli.end_on_sigterm()
+beside = commands.Background("timeit", "-n", "1", "import time; time.sleep(120)", log_file=Path({str(tmp_path)!r}) / "b.log")
+w = worker.Worker("testbed.evalworker")
+w.start({{}})
+waited = worker.start_child([sys.executable, "-c", "import time; time.sleep(120)"])
+print(beside.proc.pid, w.proc.pid, waited.pid, flush=True)
+waited.wait()
+"""
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    line = parent.stdout.readline()
+    while line.startswith("[testbed"):  # (Background says what it started)
+        line = parent.stdout.readline()
+    pids = [int(x) for x in line.split()]
+    assert len(pids) == 3, parent.stderr.read()
+
+    def alive(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+        except (FileNotFoundError, IndexError):
+            return False
+
+    assert all(alive(pid) for pid in pids)
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(timeout=30) == 143
+    assert "stopped by SIGTERM, with the 3 process(es) it had running" in parent.stderr.read()
+    t0 = time.monotonic()
+    while any(alive(pid) for pid in pids) and time.monotonic() - t0 < 10:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in pids)
+
+
 def test_a_stage_beside_names_its_log_when_it_fails_and_ends_when_stopped(tmp_path):
     """commands.Background (the evaluation candidates answered beside the corpus's regeneration): a failure raises
     with the stage and its log named; `stop` ends one still running (the phase beside it failed) within seconds."""
@@ -1255,7 +1297,7 @@ def test_an_evaluation_that_exits_1_without_its_json_is_a_failure_not_a_result(t
     run = p.run("", 0)
     run.mkdir(parents=True)
     (run / "eval.json").write_text("{}")  # an earlier evaluation's
-    monkeypatch.setattr(commands.subprocess, "call", lambda *a, **k: 1)  # exits 1 (accepted) and writes nothing
+    monkeypatch.setattr(commands, "run_child", lambda *a, **k: 1)  # exits 1 (accepted) and writes nothing
     monkeypatch.setattr(commands.EVAL_WORKER, "run", lambda *a, **k: 1)
     with pytest.raises(RuntimeError, match=r"failed without writing .*eval.json \(log: .*eval.log\)"):
         commands.evaluate(cfg, p, run, "cpu", False, run / "logs" / "eval.log", {})
