@@ -88,17 +88,25 @@ def end_on_sigterm() -> None:
     """SIGTERM ends the testbed at once (a rerun resumes: phases from state.json, drafters from their runs; no drafter
     in flight is waited for) and, first, every process it started (`worker.end_children`: the stages beside, the
     workers, the stand-ins), which would otherwise go on on the GPU without it; exit status 143."""
+    import contextlib
     import os
     import signal
-    import sys
 
     from .worker import end_children
 
+    ending = []
+
     def handler(signum, frame):
-        n = end_children()
-        print(f"[testbed] stopped by SIGTERM, with the {n} process(es) it had running; a rerun resumes",
-              file=sys.stderr, flush=True)
-        os._exit(143)
+        if ending:  # (a second SIGTERM while the first ends the children: the first goes on)
+            return
+        ending.append(signum)
+        try:
+            n = end_children()
+            with contextlib.suppress(OSError):  # (no print: the interrupted code may be writing to stderr)
+                os.write(2, f"[testbed] stopped by SIGTERM, with the {n} process(es) it had running; a rerun "
+                            f"resumes\n".encode())
+        finally:
+            os._exit(143)
 
     signal.signal(signal.SIGTERM, handler)
 

@@ -26,15 +26,21 @@ from pathlib import Path
 
 _CHILDREN: set = set()  # the processes this one started (workers, stages, stand-ins): ended with it (`end_children`)
 _CHILDREN_LOCK = threading.Lock()
+_ENDING = threading.Event()  # set by `end_children`: nothing more is started
 
 
 def start_child(cmd: list[str], **popen) -> subprocess.Popen:
-    """`subprocess.Popen(cmd, **popen)`, remembered so that `end_children` ends it with this process."""
+    """`subprocess.Popen(cmd, **popen)`, remembered so that `end_children` ends it with this process; refused once
+    `end_children` began (a thread that saw its last child end would start the next: a stand-in, a worker)."""
+    if _ENDING.is_set():
+        raise RuntimeError(f"not started ({' '.join(cmd[1:4])} ...): this process is ending")
     proc = subprocess.Popen(cmd, **popen)
     with _CHILDREN_LOCK:
         for done in [c for c in _CHILDREN if c.poll() is not None]:
             _CHILDREN.discard(done)
         _CHILDREN.add(proc)
+    if _ENDING.is_set():  # (started while `end_children` ran: it may have read the set before)
+        proc.kill()
     return proc
 
 
@@ -57,28 +63,33 @@ def end_children(timeout: float = 5.0) -> int:
     in a signal handler: it waits at most a second for the lock a thread, or the interrupted code, may hold."""
     import time
 
-    got = _CHILDREN_LOCK.acquire(timeout=1.0)
-    try:
-        for _ in range(10):
-            try:
-                running = [c for c in list(_CHILDREN) if c.poll() is None]
-                break
-            except RuntimeError:  # (the set changed meanwhile, the lock not had)
-                continue
-        else:
-            running = []
-    finally:
-        if got:
-            _CHILDREN_LOCK.release()
+    _ENDING.set()
+    running = _running()
     for c in running:
         c.terminate()
     deadline = time.monotonic() + timeout
     while any(not _ended(c) for c in running) and time.monotonic() < deadline:
         time.sleep(0.05)
-    for c in running:
+    for c in {*running, *_running()}:  # (and any a thread started before it saw `_ENDING`)
         if not _ended(c):
             c.kill()
     return len(running)
+
+
+def _running() -> list[subprocess.Popen]:
+    """The children `start_child` started that run (taking its lock for a second at most: a signal handler may have
+    interrupted the code that holds it)."""
+    got = _CHILDREN_LOCK.acquire(timeout=1.0)
+    try:
+        for _ in range(10):
+            try:
+                return [c for c in list(_CHILDREN) if c.poll() is None]
+            except RuntimeError:  # (the set changed meanwhile, the lock not had)
+                continue
+        return []
+    finally:
+        if got:
+            _CHILDREN_LOCK.release()
 
 
 def _ended(proc: subprocess.Popen) -> bool:

@@ -763,19 +763,33 @@ def test_the_training_worker_compiles_into_the_private_caches_whatever_it_import
 def test_a_testbed_stopped_by_sigterm_ends_the_processes_it_started(tmp_path):
     """`python -m testbed` under SIGTERM (a `kill`, a scheduler's stop): it ends at once, exit 143, and so do the
     processes it started — a stage beside it, a worker, a stage it waits for (`worker.end_children`) — which went
-    on using the GPU without it before (a regeneration, a request in flight)."""
+    on using the GPU without it before (a regeneration, a request in flight); a thread that starts the next process
+    once one ended (the stand-ins) starts none."""
     import signal
 
     code = f"""
-import sys, time
+import subprocess, sys, time
 from pathlib import Path
 from testbed import cli, commands, worker
 cli.end_on_sigterm()
 beside = commands.Background("timeit", "-n", "1", "import time; time.sleep(120)", log_file=Path({str(tmp_path)!r}) / "b.log")
 w = worker.Worker("testbed.evalworker")
 w.start({{}})
-waited = worker.start_child([sys.executable, "-c", "import time; time.sleep(120)"])
+waited = worker.start_child([sys.executable, "-c", "import time; time.sleep(120)"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 print(beside.proc.pid, w.proc.pid, waited.pid, flush=True)
+def again():  # (as a thread that starts the next stand-in once one ended)
+    import threading
+    while True:
+        try:
+            p = worker.start_child([sys.executable, "-c", "import time; time.sleep(120)"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except RuntimeError:
+            return
+        print("next", p.pid, flush=True)
+        p.wait()
+import threading
+threading.Thread(target=again, daemon=True).start()
+time.sleep(0.5)
+print("ready", flush=True)
 waited.wait()
 """
     parent = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -792,10 +806,13 @@ waited.wait()
         except (FileNotFoundError, IndexError):
             return False
 
-    assert all(alive(pid) for pid in pids)
+    while not (line := parent.stdout.readline()).startswith("ready"):
+        pids.append(int(line.split()[1]))
+    assert all(alive(pid) for pid in pids) and len(pids) == 4
     parent.send_signal(signal.SIGTERM)
     assert parent.wait(timeout=30) == 143
-    assert "stopped by SIGTERM, with the 3 process(es) it had running" in parent.stderr.read()
+    assert "stopped by SIGTERM, with the 4 process(es) it had running" in parent.stderr.read()
+    pids += [int(line.split()[1]) for line in parent.stdout.read().splitlines() if line.startswith("next")]
     t0 = time.monotonic()
     while any(alive(pid) for pid in pids) and time.monotonic() - t0 < 10:
         time.sleep(0.1)
