@@ -23,7 +23,7 @@ from dflash_offline.cache.manifest import has_manifest, read_manifest
 from .config import TestbedConfig
 from .runs import Paths, drafter_code_digest, stale_job
 from .trainworker import RESIDENT
-from .worker import Worker, Workers, end_process, run_child, start_child
+from .worker import Worker, Workers, run_child, start_child, stop_process
 
 STARTED = time.monotonic()  # (this invocation's start, for --stop_after_s)
 
@@ -79,7 +79,7 @@ class Background:
         self.ended, self.seconds = None, None
         with open(log_file, "w") as f:
             self.proc = start_child([sys.executable, "-m", module, *args], stdout=f, stderr=subprocess.STDOUT,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self.reaper = threading.Thread(target=self._reap, daemon=True)
         self.reaper.start()
 
@@ -97,9 +97,7 @@ class Background:
         return self.seconds
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            end_process(self.proc, 30)
+        stop_process(self.proc, 30)
         self.reaper.join()
 
 
@@ -236,11 +234,16 @@ def decodes_args(cfg: TestbedConfig, p: Paths, dev: str) -> list[str]:
             f"--max_new_tokens={cfg.eval_tokens}", f"--baseline={p.baseline(cfg.eval_tokens)}"]
 
 
+def replayed(cfg: TestbedConfig) -> bool:
+    """Whether the evaluations replay (`--replay` in an A/B) rather than decode every prompt for real."""
+    return cfg.replay and bool(cfg.arms or cfg.sweep)
+
+
 def timed_prompts(cfg: TestbedConfig) -> int:
     """The evaluation prompts whose target-alone decode the baseline holds token by token (timed): in a replayed A/B
     the check prompts, which each arm's first decodes for real against them; else the untrained drafter's, which it
     decodes for real (a testbed's drafter decodes them all: the others again)."""
-    return cfg.check_prompts if cfg.replay and bool(cfg.arms or cfg.sweep) else cfg.untrained_prompts or cfg.eval_prompts
+    return cfg.check_prompts if replayed(cfg) else cfg.untrained_prompts or cfg.eval_prompts
 
 
 def baseline_args(cfg: TestbedConfig, p: Paths, dev: str) -> list[str]:
@@ -254,8 +257,7 @@ def evaluate_args(cfg: TestbedConfig, p: Paths, run: Path, dev: str, untrained: 
     """stages.evaluate's arguments for `run`'s drafter (its untrained one: `untrained`), `check` prompts decoded for
     real beside the replay."""
     args = [f"--run={run}", *decodes_args(cfg, p, dev), "--tf_batches=2"]
-    replay = cfg.replay and bool(cfg.arms or cfg.sweep)
-    if replay:
+    if replay := replayed(cfg):
         args += ["--replay=1", f"--check_prompts={check}", f"--replay_batch={cfg.replay_batch}"]
     # (the untrained drafter replays or decodes `untrained_prompts` prompts: τ ≈ 1, so each takes a step per token —
     # 64 prompts replayed took 62 s of the GPU beside the first drafter's training on an H100; the baseline it makes

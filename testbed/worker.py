@@ -112,6 +112,13 @@ def end_process(proc: subprocess.Popen, timeout: float) -> None:
         proc.wait()
 
 
+def stop_process(proc: subprocess.Popen, timeout: float) -> None:
+    """`proc` asked to end now (SIGTERM), killed if it has not `timeout` seconds later (a no-op where it ended)."""
+    if proc.poll() is None:
+        proc.terminate()
+        end_process(proc, timeout)
+
+
 def import_ahead(*modules: str) -> None:
     """Import `modules` now, quietly and at best, and start CUDA where torch sees a GPU: what a worker's first request
     would otherwise pay before its first line, paid while the worker waits for it (a worker started ahead:
@@ -280,10 +287,8 @@ class Worker:
     def terminate(self) -> None:
         """Ends the process now, a request in flight included (it answers the signal's exit status; the next request
         starts another): what the caller asked for is no longer wanted (a phase failed, or was interrupted)."""
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            end_process(proc, 30)
+        if (proc := self.proc) is not None:
+            stop_process(proc, 30)
 
 
 class Workers:
