@@ -485,9 +485,9 @@ def test_the_plan_marks_each_encodings_testbed_verdict_as_the_results_files_reco
     from testbed.target import DIMS
 
     verdicts = {}
-    # (21931d7: 3 seeds; 913a79a, 4327e15 and 01f126a: every arm under seeds of its own, 300 steps)
+    # (21931d7: 3 seeds; 913a79a, 4327e15, 01f126a and 818e575: every arm under seeds of its own, 300 steps)
     for commit in ("h200-419204b", "h200-9b6a2b6", "h200-66bb894", "h100-21931d7-encodings", "h100-913a79a-seeds",
-                   "h100-4327e15-seeds", "h100-01f126a-seeds"):
+                   "h100-4327e15-seeds", "h100-01f126a-seeds", "h200-818e575-seeds"):
         res = json.loads((root / f"bench/results/testbed-sweep-{commit}.json").read_text())
         assert res["discriminating"] and res["null_arm"]["ci_low"] < 0 < res["null_arm"]["ci_high"]
         assert res["bad_arm"]["ci_high"] < 0
