@@ -26,7 +26,7 @@ def ab_table(r: dict) -> str:
             f"{' / '.join(f'{x:.3f}' for x in a['loss'] if x is not None)} |" for a in r["arms"]]
     judged = r.get("judgement")
     tail = [] if judged is None else ["the yardstick discriminates (null arm's interval holds 0, the known-bad arm's "
-                                      "lies below 0, the seeds' variance known, the checks lossless): arms ranked; "
+                                      "lies below 0, the seeds' variance known, no check's real decode lossy): arms ranked; "
                                       "parity: |Δ| within the null arm's half-width" if judged["discriminating"] else
                                       "NOT DISCRIMINATING, arms not ranked: " + "; ".join(judged["why_not"])]
     checks = replay_checks(r)
