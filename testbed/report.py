@@ -11,7 +11,7 @@ from pathlib import Path
 
 from dflash_offline.cache.fsio import write_json_atomic
 
-from .runs import Paths, drafter_code_digest
+from .runs import Paths, drafter_code_digest, testbed_code_digest
 
 
 def ab_table(r: dict) -> str:
@@ -119,8 +119,9 @@ def derived_caches(p: Paths) -> list[str]:
 
 def provenance() -> dict:
     """The code a result was made with: the commit (`DFLASH_COMMIT` where set — a tree that travelled without its
-    repository, a sweep summarized after it ran —, else `git`), whether the tree differed from it, and the drafter
-    code's digest (what `testbed-job.json` keys on)."""
+    repository, a sweep summarized after it ran —, else `git`), whether the tree differed from it, the drafter
+    code's digest (what `testbed-job.json` keys on) and the digest of all the code the testbed runs (the tree's
+    identity where the commit is only said: `git show COMMIT` can be checked against it)."""
     root = Path(__file__).resolve().parents[1]
 
     def git(*args: str) -> str | None:
@@ -130,12 +131,12 @@ def provenance() -> dict:
             return None
         return r.stdout.strip() if r.returncode == 0 else None
 
+    digests = {"code_sha256": drafter_code_digest(), "testbed_code_sha256": testbed_code_digest()}
     if given := os.environ.get("DFLASH_COMMIT"):  # (said explicitly: e.g. the commit a summarized sweep ran)
-        return {"commit": given, "dirty": None, "code_sha256": drafter_code_digest()}
+        return {"commit": given, "dirty": None, **digests}
     commit = git("rev-parse", "--short", "HEAD")
     status = git("status", "--porcelain", "--untracked-files=no") if commit else None
-    return {"commit": commit, "dirty": None if status is None else bool(status),
-            "code_sha256": drafter_code_digest()}
+    return {"commit": commit, "dirty": None if status is None else bool(status), **digests}
 
 
 def read_wall(p: Paths) -> list:

@@ -225,16 +225,30 @@ SECONDS_FILE = "testbed-seconds.json"  # in a drafter's run: its seconds per pha
 # what a drafter's training, export and evaluation run: the code whose change makes an earlier drafter stale (not
 # the testbed's orchestration, nor the target's build, which the cache key covers)
 DRAFTER_CODE = ("dflash_offline/**/*.py", "stages/train.py", "stages/export.py", "stages/evaluate.py")
+# everything a testbed run executes: its own package, every stage it starts, the library (and what they read: recipes)
+TESTBED_CODE = ("dflash_offline/**/*.py", "stages/*.py", "testbed/**/*.py", "manifests/*.toml")
+
+
+def code_digest(patterns: tuple[str, ...], root: Path | None = None) -> str:
+    """SHA-256 over the files under `root` (the repository) that `patterns` match, each with its path."""
+    root = root or Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in sorted({f for pattern in patterns for f in root.glob(pattern)}):
+        h.update(f"{f.relative_to(root)}\0".encode() + f.read_bytes())
+    return h.hexdigest()
 
 
 @functools.cache
 def drafter_code_digest() -> str:
     """SHA-256 over the sources a drafter's training, export and evaluation run (`DRAFTER_CODE`)."""
-    root = Path(__file__).resolve().parents[1]
-    h = hashlib.sha256()
-    for f in sorted({f for pattern in DRAFTER_CODE for f in root.glob(pattern)}):
-        h.update(f"{f.relative_to(root)}\0".encode() + f.read_bytes())
-    return h.hexdigest()
+    return code_digest(DRAFTER_CODE)
+
+
+@functools.cache
+def testbed_code_digest() -> str:
+    """SHA-256 over all the code a testbed run executes (`TESTBED_CODE`): what a results file was made with, whatever
+    commit it names."""
+    return code_digest(TESTBED_CODE)
 
 
 def recorded_seconds(run: Path) -> dict:

@@ -2001,3 +2001,33 @@ def test_failed_trainings_give_their_gpu_back(tmp_path, monkeypatch):
     th.join(30)
     assert not th.is_alive(), "the sweep hangs: a failed training kept its GPU"
     assert (p.run("c", 0) / "eval.json").is_file()
+
+
+def test_a_results_file_names_all_the_code_it_was_made_with_whatever_commit_it_is_told(tmp_path, monkeypatch):
+    """`provenance` (what a results file records): besides the drafter's code digest, the digest of all the code a
+    testbed run executes — so a file whose commit was only said (`DFLASH_COMMIT`) can be checked against that commit's
+    tree. An edit to the testbed's own code or a stage changes it and leaves the drafter's; the library's changes
+    both; a file the run does not execute changes neither."""
+    from testbed import report
+
+    tree = _pkg(tmp_path, {"dflash_offline/drafter.py": "a = 1\n", "stages/train.py": "b = 1\n",
+                           "stages/regen.py": "c = 1\n", "testbed/phases.py": "d = 1\n",
+                           "manifests/testbed.toml": "[train]\n", "README.md": "hello\n"})
+
+    def digests():
+        return runs.code_digest(runs.DRAFTER_CODE, tree), runs.code_digest(runs.TESTBED_CODE, tree)
+
+    before = digests()
+    assert before[0] != before[1]
+    for name, changes in (("testbed/phases.py", (False, True)), ("stages/regen.py", (False, True)),
+                          ("manifests/testbed.toml", (False, True)), ("README.md", (False, False)),
+                          ("stages/train.py", (True, True)), ("dflash_offline/drafter.py", (True, True))):
+        f = tree / name
+        f.write_text(f.read_text() + "# edited\n")
+        after = digests()
+        assert (after[0] != before[0], after[1] != before[1]) == changes, name
+        before = after
+    monkeypatch.setenv("DFLASH_COMMIT", "0" * 40)
+    got = report.provenance()
+    assert got["commit"] == "0" * 40 and got["testbed_code_sha256"] == runs.code_digest(runs.TESTBED_CODE)
+    assert got["code_sha256"] == runs.drafter_code_digest() != got["testbed_code_sha256"]
