@@ -16,7 +16,8 @@ into the full-width fc, fc_t = fc'_t P_tᵀ, so its tensors and config.json are 
 Every file is a pure function of (checkpoint, dtype, target config[, projection]) and, for config.json, the
 transformers version it records and the target tokenizer's mask token: exporting the same step again in the same
 environment gives the same bytes (the weights' bytes in any). An existing `out_dir` is replaced only if it is empty or an earlier export of the same run (its
-`dflash_export.json` names the same run directory); anything else is refused unless `force=True`.
+`dflash_export.json` names the same run directory); an export of another run only with `force=True`; a directory that
+holds anything else (a cache, a run, the run itself or a directory above it, files of its own) never.
 
 Engines: vLLM `--speculative-config '{"method": "dflash", "model": OUT, "num_speculative_tokens": block_size-1}'`;
 SGLang `--speculative-algorithm DFLASH --speculative-draft-model-path OUT` (`--speculative-dflash-block-size`
@@ -53,7 +54,7 @@ class ExportConfig:
     step: int = -1  # checkpoint step to export; -1 = the latest
     dtype: str = "bfloat16"  # weight dtype: "bfloat16", "float16" or "float32"
     target: str = ""  # target checkpoint (for max_position_embeddings, token ids); empty = the run's target
-    force: bool = False  # replace `export` even if it is not an earlier export of this run
+    force: bool = False  # replace `export` where it is an export of another run (never a directory that is not an export)
 
     def resolve(self) -> ExportConfig:
         if self.dtype not in DTYPES:
@@ -314,14 +315,30 @@ def provenance_paths(export_dir: Path, prov: dict) -> dict:
 
 
 def _check_out(out: Path, run_dir: Path, force: bool) -> None:
+    """Refuse an `out` the export would replace (the directory goes, whole, for the new one) unless it is new, empty,
+    an earlier export of this run, or (`force`) of another run: never the run, a directory holding it, or one whose
+    files are not an export's — `--force` replaces exports, nothing else."""
+    if out == run_dir or out in run_dir.parents:
+        raise ExportError(f"{out} is the run {run_dir}" + ("" if out == run_dir else "'s parent directory")
+                          + ": an export replaces its directory whole; choose a new EXPORT= (e.g. RUN/export)")
     if not out.exists():
         return
     if not out.is_dir():
         raise ExportError(f"{out} exists and is not a directory; choose another EXPORT=")
-    if force or not any(out.iterdir()) or _same_run(out, run_dir):
+    if not any(out.iterdir()) or _same_run(out, run_dir):
         return
-    what = "an export of another run" if (out / PROVENANCE).is_file() else "not an export of this run"
-    raise ExportError(f"{out} already exists and is {what}; choose another EXPORT= or pass --force=1 (make export ARGS=--force=1) to replace it")
+    if (out / PROVENANCE).is_file():
+        if force:
+            return
+        raise ExportError(f"{out} already exists and is an export of another run; choose another EXPORT= or pass "
+                          f"--force=1 (make export ARGS=--force=1) to replace it")
+    kind = ("a hidden-state or token cache (it holds manifest.json)" if (out / "manifest.json").is_file() else
+            "a training run (it holds config.json and checkpoints)" if (out / "config.json").is_file()
+            and (out / "checkpoints").is_dir() else
+            "not an export: it holds " + ", ".join(sorted(f.name for f in out.iterdir())[:3])
+            + (", ..." if sum(1 for _ in out.iterdir()) > 3 else ""))
+    raise ExportError(f"{out} already exists and is {kind}; an export replaces its directory whole, so it is never "
+                      f"written there (--force=1 replaces only an earlier export): choose a new or empty EXPORT=")
 
 
 def export(run_dir, out_dir, step: int | None = None, dtype: str = "bfloat16", target: str = "",

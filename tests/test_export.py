@@ -4,6 +4,7 @@ inference masks and cache, lossless speculative decoding with the exported model
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -167,9 +168,23 @@ def test_reexport_is_idempotent_and_foreign_outputs_are_refused(trained_run, tmp
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
-    with pytest.raises(ExportError, match="not an export of this run"):
-        export(trained_run, foreign)
-    assert (foreign / "notes.txt").read_text() == "mine"
+    # --force=1 replaces an export of another run, never what is not an export: files of their own, a cache, a run
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "manifest.json").write_text("{}")
+    for where, why in ((foreign, "not an export: it holds notes.txt"), (cache, "a hidden-state or token cache"),
+                       (other, "is the run"), (trained_run, "is the run"), (trained_run.parent, "parent directory")):
+        for force in (False, True):
+            with pytest.raises(ExportError, match=why) as e:
+                export(trained_run if where != other else other, where, force=force)
+            assert "--force=1 (make" not in str(e.value), where  # (not offered where it cannot apply)
+    assert (foreign / "notes.txt").read_text() == "mine" and (cache / "manifest.json").read_text() == "{}"
+    assert (other / "config.json").is_file() and (trained_run / "config.json").is_file()
+    a_run = tmp_path / "a-run"  # another run's directory, as export's target
+    shutil.copytree(other, a_run)
+    with pytest.raises(ExportError, match="a training run"):
+        export(trained_run, a_run, force=True)
+    assert sorted(p.name for p in a_run.iterdir()) == sorted(p.name for p in other.iterdir())
     (tmp_path / "empty").mkdir()
     export(trained_run, tmp_path / "empty", step=2)
     with pytest.raises(ValueError, match="steps available: 2"):
