@@ -314,8 +314,13 @@ def committed_state(out: Path, conf: dict) -> dict:
         elif before is None:  # stats of older code, which did not record it
             log(f"warning: {sp} does not record {name}: resuming without checking it")
         elif before != conf[name]:
+            edited = ("; a corpus edited to fix a few records need not be answered again: resume OUT on the corpus as "
+                      "it was (a malformed record is only skipped), regenerate the fixed records alone into another "
+                      "--out, and give make extract both outputs (CORPUS=OUT,OTHER)"
+                      if name.startswith("corpus") else "")
             raise ValueError(f"{out} was generated with {name}={before!r}, not {conf[name]!r}: pass the same "
-                             f"settings to resume it (the same corpus files, unchanged), or another --out (OUT=)")
+                             f"settings to resume it (the same corpus files, unchanged), or another --out (OUT=)"
+                             + edited)
     return {k: st.get(k, v) for k, v in fresh.items()}
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from dflash_offline import engine
+from dflash_offline import engine, runguard
 from dflash_offline.chat import parse_settings
 from dflash_offline.corpus import check_not_heldout, check_tokenizer, expand_paths, hash_and_count
 from dflash_offline.devices import check_setting, pick_device
@@ -143,7 +143,7 @@ def run(cfg: RegenConfig, model=None, tokenizer=None) -> dict:
     warn_ignored(cfg)
     paths = expand_paths(cfg.corpus)  # everything cheap is checked before any weight loads or request is sent
     check_not_heldout(paths)
-    out, heldout = Path(cfg.out), Path(cfg.heldout_out) if cfg.heldout_every else None
+    out = Path(cfg.out)
     if cfg.engine:
         client = engine.Client(cfg.engine, cfg.model, cfg.timeout_s, cfg.retries, cfg.backoff_s)
         client.check()
@@ -153,6 +153,17 @@ def run(cfg: RegenConfig, model=None, tokenizer=None) -> dict:
     corpus_sha256, n = hash_and_count(paths)  # (one read of the corpus: its hash for a resume, its records counted)
     conf = config_record(cfg, paths, corpus_sha256, str(dtype).removeprefix("torch."))
     out.parent.mkdir(parents=True, exist_ok=True)
+    with runguard.holding(Path(f"{out}.lock"), lambda held, lock: (
+            f"{out} is being written by {runguard.holder_line(held)} ({lock}): two runs appending to one output "
+            f"would write its records twice; wait for it or stop it (kill -TERM; a rerun resumes), or choose another "
+            f"--out (OUT=); if no such process runs (another machine that crashed), delete {lock}")):
+        return regenerate(cfg, client if cfg.engine else None, model, tokenizer, device, paths, n, conf, t0)
+
+
+def regenerate(cfg: RegenConfig, client, model, tokenizer, device, paths: list[Path], n: int | None, conf: dict,
+               t0: float) -> dict:
+    """`run`'s work once it holds OUT: resume where OUT's stats say, answer the rest, commit; returns the stats."""
+    out, heldout = Path(cfg.out), Path(cfg.heldout_out) if cfg.heldout_every else None
     files = [out, stats_path(out), Path(f"{out}.answers.jsonl")] + ([heldout] if heldout else [])
     state = resume_state(out, conf, heldout)
     if heldout:  # (after the resume check: a refused rerun leaves no folder behind)
@@ -171,10 +182,14 @@ def run(cfg: RegenConfig, model=None, tokenizer=None) -> dict:
     items = entries(paths, state["records_read"], cfg.num_docs, cfg.keep, cfg.heldout_every)
     progress = Progress("regen", total, "doc", None, disable=None if cfg.progress else True)
     progress.update(state["records_read"])
-    if cfg.engine:
-        through_engine(cfg, client, items, writer, settings_digest(conf), state["records_read"], progress)
-    else:
-        here(cfg, model, tokenizer, device, items, writer, settings_digest(conf), progress)
+    try:
+        if cfg.engine:
+            through_engine(cfg, client, items, writer, settings_digest(conf), state["records_read"], progress)
+        else:
+            here(cfg, model, tokenizer, device, items, writer, settings_digest(conf), progress)
+    except BaseException:  # (a stop, an error: the bar ends before the line that says why)
+        progress.close("stopped")
+        raise
     progress.close("done")
     st = writer.close()
     check_usable(st, cfg.corpus, files)

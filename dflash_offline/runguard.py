@@ -69,13 +69,21 @@ EMPTY_S = 30.0  # a lock file without a readable holder this old was left by a w
 
 
 def acquire(run_dir: Path) -> None:
-    """Create RUN/.run.lock or refuse with one line. The record is written to a temp file and linked into place, so a
-    lock never exists without its holder; a stale lock is broken under a break marker (O_EXCL), after checking that it
-    still holds the record judged stale, so two trainers breaking one dead holder's lock cannot both own the run."""
-    lock = run_dir / LOCK
+    """Create RUN/.run.lock or refuse with one line naming its holder (`acquire_file`)."""
+    acquire_file(run_dir / LOCK, lambda held, lock: (
+        f"{run_dir} is being trained by {holder_line(held)} ({lock}): wait for it or stop it (kill -TERM writes a "
+        f"checkpoint), or choose another --run (RUN=); if no such process runs (another machine that crashed), "
+        f"delete {lock}"))
+
+
+def acquire_file(lock: Path, refusal) -> None:
+    """Create `lock` or raise ValueError(`refusal(holder, lock)`): one line naming the live holder. The record is
+    written to a temp file and linked into place, so a lock never exists without its holder; a stale lock is broken
+    under a break marker (O_EXCL), after checking that it still holds the record judged stale, so two processes
+    breaking one dead holder's lock cannot both own it."""
     info = {"host": socket.gethostname(), "pid": os.getpid(), "boot": boot_id(), "started": time.time(),
             "argv": sys.argv, "job": job_id()}
-    tmp = run_dir / f"{LOCK}.{os.getpid()}.{threading.get_ident()}.tmp"
+    tmp = lock.with_name(f"{lock.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps(info, sort_keys=True))
     try:
         while True:
@@ -92,9 +100,7 @@ def acquire(run_dir: Path) -> None:
                     continue
                 time.sleep(0.05)  # another trainer is breaking it: look again
                 continue
-            raise ValueError(f"{run_dir} is being trained by {holder_line(held)} ({lock}): wait for it or stop it "
-                             f"(kill -TERM writes a checkpoint), or choose another --run (RUN=); if no such process runs "
-                             f"(another machine that crashed), delete {lock}") from None
+            raise ValueError(refusal(held, lock)) from None
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
@@ -113,13 +119,17 @@ def break_lock(lock: Path, held: dict, why: str) -> bool:
         return False
     try:
         if _read_lock(lock) == held:
-            print(f"breaking the stale run lock {lock} left by {holder_line(held)}: {why}", flush=True)
+            print(f"breaking the stale {_what(lock)} {lock} left by {holder_line(held)}: {why}", flush=True)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(lock)
         return True
     finally:
         with contextlib.suppress(FileNotFoundError):
             marker.unlink()
+
+
+def _what(lock: Path) -> str:
+    return "run lock" if lock.name == LOCK else "lock"
 
 
 def job_id() -> str:
@@ -157,8 +167,8 @@ def heartbeat(lock: Path, done: threading.Event, lost=None) -> None:
     while not done.wait(HEARTBEAT_S):
         held = _read_lock(lock)
         if held is not None and held and not mine(held):
-            print(f"the run lock {lock} is now held by {holder_line(held)}: this trainer stops", file=sys.stderr,
-                  flush=True)
+            print(f"the {_what(lock)} {lock} is now held by {holder_line(held)}"
+                  + (": this trainer stops" if lost is not None else ""), file=sys.stderr, flush=True)
             if lost is not None:
                 lost(held)
             return
@@ -167,8 +177,12 @@ def heartbeat(lock: Path, done: threading.Event, lost=None) -> None:
 
 
 def release(run_dir: Path) -> None:
-    """Remove the lock if this process holds it (also from a timer thread ending the process)."""
-    lock = run_dir / LOCK
+    """Remove the run's lock if this process holds it (also from a timer thread ending the process)."""
+    release_file(run_dir / LOCK)
+
+
+def release_file(lock: Path) -> None:
+    """Remove `lock` if this process holds it."""
     held = _read_lock(lock) or {}
     if mine(held):
         with contextlib.suppress(FileNotFoundError):
@@ -184,18 +198,35 @@ def owned(run_dir: Path, rank: int, lost=None):
         return
     created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
-    acquire(run_dir)
+    try:
+        acquire(run_dir)
+        with _beating(run_dir / LOCK, lost):
+            yield
+    finally:
+        if created:  # a run refused before it wrote anything leaves nothing behind (rmdir: only when empty)
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()
+
+
+@contextlib.contextmanager
+def holding(lock: Path, refusal):
+    """Hold `lock` for the body (`acquire_file`, touched every HEARTBEAT_S, removed after): one writer of an output
+    that is appended to, e.g. a regeneration's (`regenrun.run`)."""
+    acquire_file(lock, refusal)
+    with _beating(lock):
+        yield
+
+
+@contextlib.contextmanager
+def _beating(lock: Path, lost=None):
+    """The held `lock` touched by a heartbeat thread during the body, released after it."""
     done = threading.Event()
-    threading.Thread(target=heartbeat, args=(run_dir / LOCK, done, lost), name="run-lock-heartbeat",
-                     daemon=True).start()
+    threading.Thread(target=heartbeat, args=(lock, done, lost), name="lock-heartbeat", daemon=True).start()
     try:
         yield
     finally:
         done.set()
-        release(run_dir)
-        if created:  # a run refused before it wrote anything leaves nothing behind (rmdir: only when empty)
-            with contextlib.suppress(OSError):
-                run_dir.rmdir()
+        release_file(lock)
 
 
 # --- stopping --------------------------------------------------------------------------------------------------

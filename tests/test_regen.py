@@ -112,6 +112,39 @@ def test_resume_appends_without_duplicates(tmp_path, qwen3_dir, chat_corpus, q3)
         go(qwen3_dir, chat_corpus, part, (copy.deepcopy(q3[0]).double(), q3[1]), num_docs=4)
 
 
+def test_a_second_run_on_one_output_is_refused_while_the_first_writes_it(tmp_path, qwen3_dir, chat_corpus, q3,
+                                                                       capsys):
+    """Two regenerations appending to one OUT would write its records twice (and the resume point would lie): while
+    one holds OUT (a live process, as `make regen` run twice), the other is refused in one line before it reads or
+    cuts anything; once that process is gone (killed), its lock is broken and the rerun resumes."""
+    import subprocess
+    import sys
+
+    part = tmp_path / "part.jsonl"
+    go(qwen3_dir, chat_corpus, part, q3, batch_size=2, num_docs=2)
+    with open(part, "a") as f:  # (a batch past the commit point: what a resume would cut, were it let in)
+        f.write('{"messages": [{"role": "us')
+    before = part.read_bytes(), (tmp_path / "part.jsonl.stats.json").read_bytes()
+    lock = Path(f"{part}.lock")
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pathlib import Path; from dflash_offline import runguard; "
+        f"runguard.acquire_file(Path({str(lock)!r}), lambda h, l: 'held'); print('held', flush=True); time.sleep(120)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ValueError, match=rf"is being written by .* pid {holder.pid} .*choose another --out"):
+            go(qwen3_dir, chat_corpus, part, q3, batch_size=2, num_docs=4)
+        assert (part.read_bytes(), (tmp_path / "part.jsonl.stats.json").read_bytes()) == before
+        assert lock.is_file()  # (still the other's)
+    finally:
+        holder.kill()
+        holder.wait()
+    capsys.readouterr()
+    st = go(qwen3_dir, chat_corpus, part, q3, batch_size=2, num_docs=4)
+    assert "breaking the stale lock" in capsys.readouterr().out
+    assert st["written"] == 4 and len(read(part)) == 4 and not lock.exists()
+
+
 def test_sampled_regeneration_is_seeded_so_a_resume_writes_what_an_uninterrupted_run_does(tmp_path, qwen3_dir,
                                                                                            chat_corpus, q3):
     """--temperature > 0 samples (the testbed's corpus: a small target's greedy answers loop); each batch draws from a
@@ -154,8 +187,14 @@ def test_a_resume_checks_the_settings_even_without_the_stats_file_and_sees_an_ed
     assert st["records_read"] == 4 and len(read(out)) == 4
     with open(corpus, "a") as f:
         f.write(Path(chat_corpus).read_text().splitlines()[0] + "\n")
-    with pytest.raises(ValueError, match=r"generated with corpus_bytes=\[\d+\], not \[\d+\]"):
+    with pytest.raises(ValueError, match=r"generated with corpus_bytes=\[\d+\], not \[\d+\]") as e:
         go(qwen3_dir, corpus, out, q3, batch_size=2, num_docs=6)
+    # (the way on that keeps the answers made: the fixed records alone into another output, both extracted)
+    assert "regenerate the fixed records alone into another --out" in str(e.value) and "CORPUS=OUT,OTHER" in str(e.value)
+    corpus.write_text(Path(chat_corpus).read_text())  # (the corpus as it was: another setting's refusal)
+    with pytest.raises(ValueError, match="generated with thinking") as e:
+        go(qwen3_dir, corpus, out, q3, batch_size=2, num_docs=6, thinking="on")
+    assert "fixed records" not in str(e.value)  # (only where the corpus changed)
 
 
 def test_a_resume_refuses_a_corpus_rewritten_to_the_same_size(tmp_path, qwen3_dir, chat_corpus, q3):
