@@ -126,10 +126,10 @@ def test_a_resume_with_other_drafter_settings_is_refused(tmp_path, hidden_cache)
                                                                          "'sliding_attention']"),
             ({"num_layers": 3}, f"num_layers=2, layer_types={sliding_full}", "num_layers=3, layer_types=")):
         with pytest.raises(ValueError, match=rf"^{run} trained a drafter with {re.escape(was)} \(step-00000002\) and "
-                                             rf"this run asks for {re.escape(now)}.*: resume with the recipe and settings "
-                                             rf"it started with \(make train RECIPE=\.\.\. ARGS=\.\.\.: "
-                                             rf"{re.escape(str(run / 'config.json'))} records them; without RECIPE=, "
-                                             rf"make trains the demo recipe\) or start a new RUN=$"):
+                                             rf"this run asks for {re.escape(now)}.*: resume with the settings it "
+                                             rf"started with \({re.escape(str(run / 'config.json'))} records them, and "
+                                             rf"make train RESUME=1 without RECIPE= takes them from there: give no ARGS= "
+                                             rf"that change {re.escape(was.split('=')[0])}.*\) or start a new RUN=$"):
             train.run(cfg(hidden_cache, run, steps=3, resume=True, **{**d2, **change}))
     train.run(cfg(hidden_cache, run, steps=3, resume=True, **d2))
     assert len(losses(run)) == 3
@@ -330,8 +330,14 @@ def test_a_run_whose_checkpoints_would_not_fit_is_refused_before_weights_load(tm
     long = dict(steps=30, keep_last=3, variant=variant)  # 10 saves: 4 checkpoints on disk at the peak
     monkeypatch.setattr(fsio, "free_space", lambda p: room + 3.5 * counted)
     with pytest.raises(ValueError, match=r"/new: its checkpoints need .* each; keep_last=3 kept plus the one being "
-                                         r"written\) but the filesystem has .* free"):
+                                         r"written\) but the filesystem has .* free.*keep_last=2 fits\)$"):
         train.run(cfg(hidden_cache, tmp_path / "new", **long))
+    with pytest.raises(pytest.fail.Exception, match="tables loaded"):  # (what it offered does fit)
+        train.run(cfg(hidden_cache, tmp_path / "new", **{**long, "keep_last": 2}))
+    monkeypatch.setattr(fsio, "free_space", lambda p: room + 0.5 * counted)  # not one fits: fewer is not offered
+    with pytest.raises(ValueError, match=r"free space or put RUN= elsewhere$"):
+        train.run(cfg(hidden_cache, tmp_path / "new", **long))
+    monkeypatch.setattr(fsio, "free_space", lambda p: room + 3.5 * counted)
     assert not (tmp_path / "new" / "checkpoints").exists()
     with pytest.raises(pytest.fail.Exception, match="tables loaded"):  # a resume: 1 there, 3 more fit
         train.run(cfg(hidden_cache, run, resume=True, **long))
