@@ -17,7 +17,8 @@ Every file is a pure function of (checkpoint, dtype, target config[, projection]
 transformers version it records and the target tokenizer's mask token: exporting the same step again in the same
 environment gives the same bytes (the weights' bytes in any). An existing `out_dir` is replaced only if it is empty or an earlier export of the same run (its
 `dflash_export.json` names the same run directory); an export of another run only with `force=True`; a directory that
-holds anything else (a cache, a run, the run itself or a directory above it, files of its own) never.
+is not an export (no `dflash_export.json`: a cache, a run, files of its own), or the run itself or one above it, never.
+An export's directory is replaced whole: keep nothing else in it.
 
 Engines: vLLM `--speculative-config '{"method": "dflash", "model": OUT, "num_speculative_tokens": block_size-1}'`;
 SGLang `--speculative-algorithm DFLASH --speculative-draft-model-path OUT` (`--speculative-dflash-block-size`

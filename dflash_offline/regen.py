@@ -317,7 +317,7 @@ def committed_state(out: Path, conf: dict) -> dict:
             edited = ("; a corpus edited to fix a few records need not be answered again: resume OUT on the corpus as "
                       "it was (a malformed record is only skipped), regenerate the fixed records alone into another "
                       "--out, and give make extract both outputs (CORPUS=OUT,OTHER)"
-                      if name.startswith("corpus") else "")
+                      if name in ("corpus_bytes", "corpus_sha256") else "")
             raise ValueError(f"{out} was generated with {name}={before!r}, not {conf[name]!r}: pass the same "
                              f"settings to resume it (the same corpus files, unchanged), or another --out (OUT=)"
                              + edited)

@@ -168,7 +168,7 @@ def heartbeat(lock: Path, done: threading.Event, lost=None) -> None:
         held = _read_lock(lock)
         if held is not None and held and not mine(held):
             print(f"the {_what(lock)} {lock} is now held by {holder_line(held)}"
-                  + (": this trainer stops" if lost is not None else ""), file=sys.stderr, flush=True)
+                  + (": this process stops" if lost is not None else ""), file=sys.stderr, flush=True)
             if lost is not None:
                 lost(held)
             return
@@ -211,9 +211,11 @@ def owned(run_dir: Path, rank: int, lost=None):
 @contextlib.contextmanager
 def holding(lock: Path, refusal):
     """Hold `lock` for the body (`acquire_file`, touched every HEARTBEAT_S, removed after): one writer of an output
-    that is appended to, e.g. a regeneration's (`regenrun.run`)."""
+    that is appended to, e.g. a regeneration's (`regenrun.run`). Where another process takes it meanwhile (it judged
+    this one gone: a suspended machine), this process ends at once (exit status 1): two would append to one output;
+    what it committed stays."""
     acquire_file(lock, refusal)
-    with _beating(lock):
+    with _beating(lock, lambda held: os._exit(1)):
         yield
 
 

@@ -488,9 +488,9 @@ def check_same_drafter(start: Path, run_dir: Path, dc) -> None:
     if differ:
         was = ", ".join(f"{k}={then[k]!r}" for k in differ)
         raise ValueError(f"{run_dir} trained a drafter with {was} ({start.name}) and this run asks for "
-                         f"{', '.join(f'{k}={now[k]!r}' for k in differ)}: resume with the settings it started with "
-                         f"({run_dir / 'config.json'} records them, and make train RESUME=1 without RECIPE= takes them "
-                         f"from there: give no ARGS= that change {', '.join(differ)}) or start a new RUN=")
+                         f"{', '.join(f'{k}={now[k]!r}' for k in differ)}: resume with the settings, cache and target "
+                         f"it started with ({run_dir / 'config.json'} records them; make train RESUME=1 without RECIPE= "
+                         f"takes its settings from there) or start a new RUN=")
 
 
 def check_same_projection(start: Path, run_dir: Path, now: dict | None) -> None:

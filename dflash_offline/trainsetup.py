@@ -438,8 +438,10 @@ def check_checkpoint_room(cfg: TrainConfig, dc, run_dir: Path, steps: int, final
     if free - need < CHECKPOINT_ROOM_GB * 1e9:
         kept = f"keep_last={keep} kept plus the one being written" if keep else "keep_last=0: all kept"
         # the most checkpoints that would fit (keep_last=N holds N + 1 at a save): offered only where one does
-        fits = int((free - CHECKPOINT_ROOM_GB * 1e9) // per) + there - 1
-        fewer = f", or keep fewer checkpoints (keep_last={fits} fits)" if 1 <= fits < (keep or saves) else ""
+        # (a save needs room for one more at least, however many are there: none fits where that one does not)
+        more = int((free - CHECKPOINT_ROOM_GB * 1e9) // per)
+        fits = more + there - 1
+        fewer = f", or keep fewer checkpoints (keep_last={fits} fits)" if more >= 1 and 1 <= fits < (keep or saves) else ""
         raise ValueError(f"{run_dir}: its checkpoints need {size(need)} ({size(per)} each; {kept}"
                          f"{f', {there} there already' if there else ''}) but the filesystem has {size(free)} free, "
                          f"and a run keeps {CHECKPOINT_ROOM_GB:g} GB free beside them for its metrics and logs: free "

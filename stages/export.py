@@ -5,7 +5,8 @@
 
 Reads the run's checkpoint (the latest, or `--step`), writes the export directory atomically and prints how to serve
 it with vLLM and SGLang. DIR may be new, empty, or an earlier export of the same run (replaced); an export of another run
-needs `--force=1`; anything else (a cache, a run, files of its own) is refused. `make eval EXPORT=DIR` measures it.
+needs `--force=1`; a directory that is not an export (a cache, a run, files of its own) is refused. DIR is replaced
+whole: keep nothing else in it. `make eval EXPORT=DIR` measures it.
 The target checkpoint (for max_position_embeddings and token ids) defaults to the one the run trained against.
 """
 

@@ -225,8 +225,9 @@ SECONDS_FILE = "testbed-seconds.json"  # in a drafter's run: its seconds per pha
 # what a drafter's training, export and evaluation run: the code whose change makes an earlier drafter stale (not
 # the testbed's orchestration, nor the target's build, which the cache key covers)
 DRAFTER_CODE = ("dflash_offline/**/*.py", "stages/train.py", "stages/export.py", "stages/evaluate.py")
-# everything a testbed run executes: its own package, every stage it starts, the library (and what they read: recipes)
-TESTBED_CODE = ("dflash_offline/**/*.py", "stages/*.py", "testbed/**/*.py", "manifests/*.toml")
+# everything a testbed run executes: its own package, every stage it starts, the library, the fixtures that build its
+# tokenizer and model config (and what they read: recipes)
+TESTBED_CODE = ("dflash_offline/**/*.py", "stages/*.py", "testbed/**/*.py", "fixtures/**/*.py", "manifests/*.toml")
 
 
 def code_digest(patterns: tuple[str, ...], root: Path | None = None) -> str:
@@ -246,8 +247,8 @@ def drafter_code_digest() -> str:
 
 @functools.cache
 def testbed_code_digest() -> str:
-    """SHA-256 over all the code a testbed run executes (`TESTBED_CODE`): what a results file was made with, whatever
-    commit it names."""
+    """SHA-256 over all the code a testbed run executes (`TESTBED_CODE`, the files present: untracked ones too), taken
+    by the invocation that writes the results: what a results file was made with, whatever commit it names."""
     return code_digest(TESTBED_CODE)
 
 

@@ -192,6 +192,11 @@ def test_a_resume_checks_the_settings_even_without_the_stats_file_and_sees_an_ed
     # (the way on that keeps the answers made: the fixed records alone into another output, both extracted)
     assert "regenerate the fixed records alone into another --out" in str(e.value) and "CORPUS=OUT,OTHER" in str(e.value)
     corpus.write_text(Path(chat_corpus).read_text())  # (the corpus as it was: another setting's refusal)
+    moved = tmp_path / "moved.jsonl"  # (the same bytes elsewhere: refused as another corpus, nothing was fixed)
+    moved.write_text(corpus.read_text())
+    with pytest.raises(ValueError, match="generated with corpus=") as e:
+        go(qwen3_dir, moved, out, q3, batch_size=2, num_docs=6)
+    assert "fixed records" not in str(e.value)
     with pytest.raises(ValueError, match="generated with thinking") as e:
         go(qwen3_dir, corpus, out, q3, batch_size=2, num_docs=6, thinking="on")
     assert "fixed records" not in str(e.value)  # (only where the corpus changed)

@@ -301,3 +301,23 @@ def test_a_lock_from_another_host_is_broken_only_once_its_heartbeat_stops(tmp_pa
     runguard.acquire(tmp_path)
     assert json.loads(lock.read_text())["boot"] == fsio.boot_id()
     runguard.release(tmp_path)
+
+
+def test_a_writer_whose_lock_another_process_took_ends_at_once(tmp_path):
+    """`runguard.holding` (one writer of an appended output, e.g. a regeneration's OUT): where another process takes
+    the lock meanwhile (it judged this one gone: a machine suspended past the stale age), this one ends at once,
+    exit status 1, in one line naming the new holder — two would append to one output."""
+    lock = tmp_path / "out.jsonl.lock"
+    proc = subprocess.Popen([sys.executable, "-c", (
+        "import time; from pathlib import Path; from dflash_offline import runguard; runguard.HEARTBEAT_S = 0.1\n"
+        f"with runguard.holding(Path({str(lock)!r}), lambda h, l: 'held'):\n"
+        "    print('held', flush=True)\n"
+        "    time.sleep(60)\n"
+        "print('went on', flush=True)\n")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    other = {"host": "elsewhere", "pid": 4242, "boot": "x", "started": time.time()}
+    lock.write_text(json.dumps(other))  # (as a breaker on another host leaves it)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1 and "went on" not in out
+    assert f"the lock {lock} is now held by elsewhere pid 4242" in err and "this process stops" in err
+    assert lock.is_file() and json.loads(lock.read_text()) == other  # (the new holder's, left to it)

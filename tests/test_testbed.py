@@ -2011,7 +2011,7 @@ def test_a_results_file_names_all_the_code_it_was_made_with_whatever_commit_it_i
     from testbed import report
 
     tree = _pkg(tmp_path, {"dflash_offline/drafter.py": "a = 1\n", "stages/train.py": "b = 1\n",
-                           "stages/regen.py": "c = 1\n", "testbed/phases.py": "d = 1\n",
+                           "stages/regen.py": "c = 1\n", "testbed/phases.py": "d = 1\n", "fixtures/tiny.py": "e = 1\n",
                            "manifests/testbed.toml": "[train]\n", "README.md": "hello\n"})
 
     def digests():
@@ -2020,6 +2020,7 @@ def test_a_results_file_names_all_the_code_it_was_made_with_whatever_commit_it_i
     before = digests()
     assert before[0] != before[1]
     for name, changes in (("testbed/phases.py", (False, True)), ("stages/regen.py", (False, True)),
+                          ("fixtures/tiny.py", (False, True)),
                           ("manifests/testbed.toml", (False, True)), ("README.md", (False, False)),
                           ("stages/train.py", (True, True)), ("dflash_offline/drafter.py", (True, True))):
         f = tree / name

@@ -126,10 +126,10 @@ def test_a_resume_with_other_drafter_settings_is_refused(tmp_path, hidden_cache)
                                                                          "'sliding_attention']"),
             ({"num_layers": 3}, f"num_layers=2, layer_types={sliding_full}", "num_layers=3, layer_types=")):
         with pytest.raises(ValueError, match=rf"^{run} trained a drafter with {re.escape(was)} \(step-00000002\) and "
-                                             rf"this run asks for {re.escape(now)}.*: resume with the settings it "
-                                             rf"started with \({re.escape(str(run / 'config.json'))} records them, and "
-                                             rf"make train RESUME=1 without RECIPE= takes them from there: give no ARGS= "
-                                             rf"that change {re.escape(was.split('=')[0])}.*\) or start a new RUN=$"):
+                                             rf"this run asks for {re.escape(now)}.*: resume with the settings, cache "
+                                             rf"and target it started with \({re.escape(str(run / 'config.json'))} "
+                                             rf"records them; make train RESUME=1 without RECIPE= takes its settings "
+                                             rf"from there\) or start a new RUN=$"):
             train.run(cfg(hidden_cache, run, steps=3, resume=True, **{**d2, **change}))
     train.run(cfg(hidden_cache, run, steps=3, resume=True, **d2))
     assert len(losses(run)) == 3
@@ -315,7 +315,7 @@ def test_a_run_whose_checkpoints_would_not_fit_is_refused_before_weights_load(tm
     """The size start-up counts for a checkpoint is what one weighs (its weights and AdamW's moments, within their
     files' headers); a run whose newest keep_last + 1 checkpoints would not fit where RUN= is, less those a resume
     finds there, is refused before the target's tables load, naming the sizes; with room, it goes on."""
-    from dflash_offline import drafter, trainsetup
+    from dflash_offline import checkpoint, drafter, trainsetup
     from dflash_offline.cache import fsio
 
     run = tmp_path / "r"
@@ -337,6 +337,10 @@ def test_a_run_whose_checkpoints_would_not_fit_is_refused_before_weights_load(tm
     monkeypatch.setattr(fsio, "free_space", lambda p: room + 0.5 * counted)  # not one fits: fewer is not offered
     with pytest.raises(ValueError, match=r"free space or put RUN= elsewhere$"):
         train.run(cfg(hidden_cache, tmp_path / "new", **long))
+    with monkeypatch.context() as m:  # a resume with 3 there: still none fits (one more is needed at a save)
+        m.setattr(checkpoint, "list_checkpoints", lambda d: [None] * 3)
+        with pytest.raises(ValueError, match=r"3 there already\) .*free space or put RUN= elsewhere$"):
+            train.run(cfg(hidden_cache, run, resume=True, **long))
     monkeypatch.setattr(fsio, "free_space", lambda p: room + 3.5 * counted)
     assert not (tmp_path / "new" / "checkpoints").exists()
     with pytest.raises(pytest.fail.Exception, match="tables loaded"):  # a resume: 1 there, 3 more fit
