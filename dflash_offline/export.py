@@ -17,8 +17,9 @@ Every file is a pure function of (checkpoint, dtype, target config[, projection]
 transformers version it records and the target tokenizer's mask token: exporting the same step again in the same
 environment gives the same bytes (the weights' bytes in any). An existing `out_dir` is replaced only if it is empty or an earlier export of the same run (its
 `dflash_export.json` names the same run directory); an export of another run only with `force=True`; a directory that
-is not an export (no `dflash_export.json`: a cache, a run, files of its own), or the run itself or one above it, never.
-An export's directory is replaced whole: keep nothing else in it.
+is not an export (no `dflash_export.json`: a cache, a run, files of its own), or the run itself or one above it, never;
+nor an export that also holds files it did not write (a README, a `.git` added to publish it): the directory is
+replaced whole.
 
 Engines: vLLM `--speculative-config '{"method": "dflash", "model": OUT, "num_speculative_tokens": block_size-1}'`;
 SGLang `--speculative-algorithm DFLASH --speculative-draft-model-path OUT` (`--speculative-dflash-block-size`
@@ -326,7 +327,16 @@ def _check_out(out: Path, run_dir: Path, force: bool) -> None:
         return
     if not out.is_dir():
         raise ExportError(f"{out} exists and is not a directory; choose another EXPORT=")
-    if not any(out.iterdir()) or _same_run(out, run_dir):
+    if not any(out.iterdir()):
+        return
+    # (its modeling file's bytecode, where Python imported it from there, is the export's own)
+    if (out / PROVENANCE).is_file() and (extra := sorted(f.name for f in out.iterdir()
+                                                         if f.name not in (*FILES, "__pycache__"))):
+        raise ExportError(f"{out} is an export that now also holds {', '.join(extra[:3])}"
+                          f"{', ...' if len(extra) > 3 else ''}, which the export did not write: an export replaces its "
+                          f"directory whole, so they would be lost; move them out (e.g. copy the export into the "
+                          f"repository you publish from) or choose another EXPORT=")
+    if _same_run(out, run_dir):
         return
     if (out / PROVENANCE).is_file():
         if force:

@@ -5,8 +5,8 @@
 
 Reads the run's checkpoint (the latest, or `--step`), writes the export directory atomically and prints how to serve
 it with vLLM and SGLang. DIR may be new, empty, or an earlier export of the same run (replaced); an export of another run
-needs `--force=1`; a directory that is not an export (a cache, a run, files of its own) is refused. DIR is replaced
-whole: keep nothing else in it. `make eval EXPORT=DIR` measures it.
+needs `--force=1`; a directory that is not an export (a cache, a run, files of its own), or an export that also holds
+files it did not write, is refused: DIR is replaced whole. `make eval EXPORT=DIR` measures it.
 The target checkpoint (for max_position_embeddings and token ids) defaults to the one the run trained against.
 """
 

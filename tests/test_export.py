@@ -180,6 +180,17 @@ def test_reexport_is_idempotent_and_foreign_outputs_are_refused(trained_run, tmp
             assert "--force=1 (make" not in str(e.value), where  # (not offered where it cannot apply)
     assert (foreign / "notes.txt").read_text() == "mine" and (cache / "manifest.json").read_text() == "{}"
     assert (other / "config.json").is_file() and (trained_run / "config.json").is_file()
+    # an export that gained files of its own (to publish it: a README, a .git) is not replaced, --force or not
+    (out / "README.md").write_text("model card")
+    (out / ".git").mkdir()
+    for force in (False, True):
+        with pytest.raises(ExportError, match=r"now also holds \.git, README\.md, which the export did not write"):
+            export(other, out, force=force)
+        with pytest.raises(ExportError, match="now also holds"):
+            export(trained_run, out, force=force)  # (the same run's export too)
+    assert (out / "README.md").read_text() == "model card" and (out / ".git").is_dir()
+    (out / "README.md").unlink()
+    (out / ".git").rmdir()
     a_run = tmp_path / "a-run"  # another run's directory, as export's target
     shutil.copytree(other, a_run)
     with pytest.raises(ExportError, match="a training run"):
