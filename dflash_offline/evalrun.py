@@ -322,9 +322,7 @@ def evaluate(cfg: EvalConfig) -> dict:
         raise ValueError(f"the teacher-forced estimate reads the run's training cache {ri['cache']}, which is gone: "
                          f"pass --tf_batches=0 (make eval ARGS=--tf_batches=0) to measure without it, or --cache= "
                          f"(make eval CACHE=) a hidden cache of this target")
-    prompts_file = Path(cfg.prompts) if cfg.prompts else target_dir / "corpus" / "eval.jsonl"
-    if not prompts_file.is_file():
-        raise ValueError(f"prompts file {prompts_file} does not exist: pass --prompts= (make eval PROMPTS=) a chat JSONL")
+    prompts_file = prompts_path(cfg, target_dir)
     from dflash_offline.progress import warn
 
     if seen := trained_on(prompts_file, ri["cache"]):  # (τ on them overstates the drafter on new prompts)
@@ -335,12 +333,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     if cfg.replay_batch and not exact:
         raise ConfigError(f"eval.replay_batch drafts in float32 only (in {dtype_name} its rows' masked context rounds "
                           f"otherwise than a decode's step): pass --dtype=float32, or --replay_batch=0")
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(target_dir))  # the prompts, checked before anything large loads
-    settings = parse_settings(cfg.template_kwargs, "eval.template_kwargs")
-    check_tokenizer(tok, settings, "eval.template_kwargs")
-    prompts = read_prompts(prompts_file, cfg.num_prompts, cfg.turn, tok, settings, ri["template_kwargs"])
+    tok, settings, prompts = tokenized_prompts(cfg, target_dir, prompts_file, ri["template_kwargs"])
     trained_thinking = ri["template_kwargs"].get("enable_thinking")
     if "enable_thinking" in settings and trained_thinking is not None and settings["enable_thinking"] != trained_thinking:
         warn(f"WARNING: --template_kwargs enable_thinking={settings['enable_thinking']} renders the prompts otherwise "
@@ -373,8 +366,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     # trained and an untrained evaluation, or one after more training, share them; a file a key, so that a one-off
     # evaluation of other prompts or settings leaves the others' there)
     key = baseline_key(cfg, target_dir, prompts, eos, dtype_name, device) if cfg.baseline != "off" else None
-    base = None if key is None else Path(cfg.baseline) if cfg.baseline else \
-        run_dir / BASELINE_DIR / f"{hash_obj(key)[:16]}.json"
+    base = None if key is None else baseline_path(cfg, key)
     reuse = read_baseline(base, key, log) if base else None
     taus, spec, alone, refs, per_prompt, check = decode(cfg, target, drafter, prompts, eos, exact, reuse)
     if base and reuse is None:
@@ -429,22 +421,15 @@ def baseline_only(cfg: EvalConfig) -> dict:
     else:
         target_dir = resolve_checkpoint(cfg.target, need=("config", "weights", "tokenizer"), field="eval target")
         trained = {}
-    prompts_file = Path(cfg.prompts) if cfg.prompts else target_dir / "corpus" / "eval.jsonl"
-    if not prompts_file.is_file():
-        raise ValueError(f"prompts file {prompts_file} does not exist: pass --prompts= (make eval PROMPTS=) a chat JSONL")
+    prompts_file = prompts_path(cfg, target_dir)
     device, dtype_name = compute(cfg, target_dir)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(target_dir))
-    settings = parse_settings(cfg.template_kwargs, "eval.template_kwargs")
-    check_tokenizer(tok, settings, "eval.template_kwargs")
-    prompts = read_prompts(prompts_file, cfg.num_prompts, cfg.turn, tok, settings, trained)
+    tok, _, prompts = tokenized_prompts(cfg, target_dir, prompts_file, trained)
     log(f"loading target {target_dir} on {device} in {dtype_name} for the target-alone decodes of {len(prompts)} "
         f"prompts from {prompts_file}")
     target = load_target(target_dir, device, getattr(torch, dtype_name))
     eos = eos_ids(target, tok)
     key = baseline_key(cfg, target_dir, prompts, eos, dtype_name, device)
-    base = Path(cfg.baseline) if cfg.baseline else Path(cfg.run) / BASELINE_DIR / f"{hash_obj(key)[:16]}.json"
+    base = baseline_path(cfg, key)
     n_timed = min(cfg.timed_alone, len(prompts))
     done = {"file": str(base), "prompts": len(prompts), "timed": n_timed}
     if read_baseline(base, key, log) is not None:
@@ -459,6 +444,30 @@ def baseline_only(cfg: EvalConfig) -> dict:
     write_baseline(base, key, refs, alone)
     log(f"baseline {base}: the target-alone decodes of {len(prompts)} prompts written ({n_timed} token by token)")
     return {**done, "reused": False, "seconds": time.perf_counter() - t0}
+
+
+def prompts_path(cfg: EvalConfig, target_dir: Path) -> Path:
+    """The prompts file evaluated: `--prompts`, else the target's corpus/eval.jsonl; refused where it is not there."""
+    prompts_file = Path(cfg.prompts) if cfg.prompts else target_dir / "corpus" / "eval.jsonl"
+    if not prompts_file.is_file():
+        raise ValueError(f"prompts file {prompts_file} does not exist: pass --prompts= (make eval PROMPTS=) a chat JSONL")
+    return prompts_file
+
+
+def tokenized_prompts(cfg: EvalConfig, target_dir: Path, prompts_file: Path, trained: dict):
+    """(tokenizer, --template_kwargs, prompts) of `prompts_file` rendered with the target's tokenizer and chat template
+    (`trained`: the settings the run's corpus was rendered with), checked before anything large loads."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    settings = parse_settings(cfg.template_kwargs, "eval.template_kwargs")
+    check_tokenizer(tok, settings, "eval.template_kwargs")
+    return tok, settings, read_prompts(prompts_file, cfg.num_prompts, cfg.turn, tok, settings, trained)
+
+
+def baseline_path(cfg: EvalConfig, key: dict) -> Path:
+    """The target-alone decodes' file: `--baseline`, else one a key in RUN/eval-baselines."""
+    return Path(cfg.baseline) if cfg.baseline else Path(cfg.run) / BASELINE_DIR / f"{hash_obj(key)[:16]}.json"
 
 
 def compute(cfg: EvalConfig, target_dir: Path):

@@ -327,18 +327,18 @@ def _check_out(out: Path, run_dir: Path, force: bool) -> None:
         return
     if not out.is_dir():
         raise ExportError(f"{out} exists and is not a directory; choose another EXPORT=")
-    if not any(out.iterdir()):
+    names = sorted(f.name for f in out.iterdir())
+    if not names:
         return
     # (its modeling file's bytecode, where Python imported it from there, is the export's own)
-    if (out / PROVENANCE).is_file() and (extra := sorted(f.name for f in out.iterdir()
-                                                         if f.name not in (*FILES, "__pycache__"))):
+    if PROVENANCE in names and (extra := [n for n in names if n not in (*FILES, "__pycache__")]):
         raise ExportError(f"{out} is an export that now also holds {', '.join(extra[:3])}"
                           f"{', ...' if len(extra) > 3 else ''}, which the export did not write: an export replaces its "
                           f"directory whole, so they would be lost; move them out (e.g. copy the export into the "
                           f"repository you publish from) or choose another EXPORT=")
     if _same_run(out, run_dir):
         return
-    if (out / PROVENANCE).is_file():
+    if PROVENANCE in names:
         if force:
             return
         raise ExportError(f"{out} already exists and is an export of another run; choose another EXPORT= or pass "
@@ -346,8 +346,7 @@ def _check_out(out: Path, run_dir: Path, force: bool) -> None:
     kind = ("a hidden-state or token cache (it holds manifest.json)" if (out / "manifest.json").is_file() else
             "a training run (it holds config.json and checkpoints)" if (out / "config.json").is_file()
             and (out / "checkpoints").is_dir() else
-            "not an export: it holds " + ", ".join(sorted(f.name for f in out.iterdir())[:3])
-            + (", ..." if sum(1 for _ in out.iterdir()) > 3 else ""))
+            "not an export: it holds " + ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""))
     raise ExportError(f"{out} already exists and is {kind}; an export replaces its directory whole, so it is never "
                       f"written there (--force=1 replaces only an earlier export): choose a new or empty EXPORT=")
 

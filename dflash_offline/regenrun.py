@@ -143,7 +143,7 @@ def run(cfg: RegenConfig, model=None, tokenizer=None) -> dict:
     warn_ignored(cfg)
     paths = expand_paths(cfg.corpus)  # everything cheap is checked before any weight loads or request is sent
     check_not_heldout(paths)
-    out = Path(cfg.out)
+    out, client = Path(cfg.out), None
     if cfg.engine:
         client = engine.Client(cfg.engine, cfg.model, cfg.timeout_s, cfg.retries, cfg.backoff_s)
         client.check()
@@ -157,7 +157,7 @@ def run(cfg: RegenConfig, model=None, tokenizer=None) -> dict:
             f"{out} is being written by {runguard.holder_line(held)} ({lock}): two runs appending to one output "
             f"would write its records twice; wait for it or stop it (kill -TERM; a rerun resumes), or choose another "
             f"--out (OUT=); if no such process runs (another machine that crashed), delete {lock}")):
-        return regenerate(cfg, client if cfg.engine else None, model, tokenizer, device, paths, n, conf, t0)
+        return regenerate(cfg, client, model, tokenizer, device, paths, n, conf, t0)
 
 
 def regenerate(cfg: RegenConfig, client, model, tokenizer, device, paths: list[Path], n: int | None, conf: dict,
